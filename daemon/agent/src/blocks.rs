@@ -1,0 +1,327 @@
+//! The executor agent's half of a turn: run a reply's blocks and report back to the model.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tandem_executor::{
+    CancellationToken, ExecContext, ExecError, ExecOutcome, ExecRequest, Executor, ExitStatus,
+    Language, Session, SessionSpec, Stream,
+};
+use tandem_protocol::{BlockResult, BlockStatus, EventMsg, OutputStream};
+
+use crate::extract::CodeBlock;
+
+/// Receives every event of a task as it happens.
+pub type EventSink = Arc<dyn Fn(EventMsg) + Send + Sync>;
+
+/// A task's session, opened when its first block runs and closed exactly once.
+pub struct SessionSlot {
+    executor: Arc<dyn Executor>,
+    spec: SessionSpec,
+    session: Option<Box<dyn Session>>,
+}
+
+impl SessionSlot {
+    /// A slot that will open a session of `executor` with `spec` on first use.
+    pub fn new(executor: Arc<dyn Executor>, spec: SessionSpec) -> Self {
+        Self { executor, spec, session: None }
+    }
+
+    /// The executor behind this slot.
+    pub fn executor(&self) -> &Arc<dyn Executor> {
+        &self.executor
+    }
+
+    async fn session(&mut self) -> Result<&mut Box<dyn Session>, ExecError> {
+        if self.session.is_none() {
+            self.session = Some(self.executor.open(self.spec.clone()).await?);
+        }
+        self.session.as_mut().ok_or_else(|| ExecError::Backend("session vanished".to_owned()))
+    }
+
+    /// Closes the session if one was opened.
+    pub async fn close(mut self) -> Result<(), ExecError> {
+        match self.session.take() {
+            Some(s) => s.close().await,
+            None => Ok(()),
+        }
+    }
+}
+
+/// Words that start a shell command line rather than a Python statement.
+const SHELL_WORDS: &[&str] = &[
+    "pip", "pip3", "python", "python3", "node", "npm", "npx", "ls", "cd", "echo", "cat", "mkdir",
+    "rm", "cp", "mv", "touch", "chmod", "grep", "find", "head", "tail", "wc", "curl", "wget",
+    "git", "export", "apt", "apt-get", "sudo", "sh", "bash", "set", "uname", "pwd", "which",
+    "env", "sleep", "sort", "uniq", "sed", "awk", "tar", "unzip", "make", "cargo", "go",
+];
+
+/// The language of an untagged block: its shebang, a shell command, or else Python.
+pub fn guess_language(code: &str) -> Language {
+    let first = code.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("");
+    if let Some(shebang) = first.strip_prefix("#!") {
+        return if shebang.contains("python") {
+            Language::python()
+        } else if shebang.contains("node") {
+            Language::javascript()
+        } else {
+            Language::sh()
+        };
+    }
+    let first = first.strip_prefix("$ ").unwrap_or(first);
+    let word = first.split_whitespace().next().unwrap_or("");
+    if SHELL_WORDS.contains(&word) && !first.contains('(') {
+        Language::sh()
+    } else {
+        Language::python()
+    }
+}
+
+/// One block of a reply with what happened to it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockRun {
+    /// Position in the reply, from 1.
+    pub index: u32,
+    /// The language it ran as (guessed when untagged).
+    pub language: Language,
+    /// The outcome.
+    pub result: BlockResult,
+}
+
+/// How blocks are run.
+#[derive(Clone)]
+pub struct RunOptions {
+    /// Turn number for events.
+    pub turn: u32,
+    /// Per-block timeout override.
+    pub timeout: Option<Duration>,
+    /// Cancels the running block.
+    pub cancel: CancellationToken,
+    /// Where events go.
+    pub events: EventSink,
+}
+
+/// Runs `blocks` in order in one session; the first failure stops the rest, which are
+/// reported as not run. `Err` means the sandbox broke, not the program.
+pub async fn run_blocks(
+    slot: &mut SessionSlot,
+    blocks: &[CodeBlock],
+    opts: &RunOptions,
+) -> Result<Vec<BlockRun>, ExecError> {
+    let mut runs = Vec::with_capacity(blocks.len());
+    let mut failed = false;
+    for (i, block) in blocks.iter().enumerate() {
+        let index = u32::try_from(i + 1).unwrap_or(u32::MAX);
+        let language =
+            block.language.as_deref().map_or_else(|| guess_language(&block.code), Language::new);
+        (opts.events)(EventMsg::CodeBlock {
+            turn: opts.turn,
+            index,
+            language: Some(language.to_string()),
+            code: block.code.clone(),
+        });
+        let result = if failed {
+            not_run(&language, BlockStatus::NotRun, "")
+        } else if block.unterminated {
+            not_run(&language, BlockStatus::Incomplete, "")
+        } else if language.is_data() {
+            not_run(&language, BlockStatus::Skipped, "")
+        } else if !slot.executor.supports(&language) {
+            let e = ExecError::unsupported(
+                &language,
+                slot.executor.name(),
+                slot.executor.languages(),
+            );
+            not_run(&language, BlockStatus::Unsupported, &e.to_string())
+        } else {
+            match run_one(slot, &language, block, index, opts).await {
+                Ok(outcome) => to_result(&language, outcome),
+                Err(e @ ExecError::UnsupportedLanguage { .. }) => {
+                    not_run(&language, BlockStatus::Unsupported, &e.to_string())
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        failed |= !result.succeeded();
+        (opts.events)(EventMsg::ExecResult { turn: opts.turn, index, result: result.clone() });
+        runs.push(BlockRun { index, language, result });
+    }
+    Ok(runs)
+}
+
+async fn run_one(
+    slot: &mut SessionSlot,
+    language: &Language,
+    block: &CodeBlock,
+    index: u32,
+    opts: &RunOptions,
+) -> Result<ExecOutcome, ExecError> {
+    let events = opts.events.clone();
+    let turn = opts.turn;
+    let ctx = ExecContext::new(opts.cancel.child_token()).with_sink(Arc::new(move |stream, bytes| {
+        let stream = match stream {
+            Stream::Stdout => OutputStream::Stdout,
+            Stream::Stderr => OutputStream::Stderr,
+        };
+        let text = String::from_utf8_lossy(bytes).into_owned();
+        events(EventMsg::ExecOutput { turn, index, stream, text });
+    }));
+    let mut req = ExecRequest::new(language.clone(), block.code.clone());
+    req.timeout = opts.timeout;
+    slot.session().await?.run(req, ctx).await
+}
+
+fn not_run(language: &Language, status: BlockStatus, stderr: &str) -> BlockResult {
+    BlockResult {
+        language: Some(language.to_string()),
+        status,
+        exit_code: None,
+        stdout: String::new(),
+        stderr: stderr.to_owned(),
+        truncated: false,
+        duration_ms: 0,
+    }
+}
+
+/// Converts an executor outcome into the wire result.
+pub fn to_result(language: &Language, outcome: ExecOutcome) -> BlockResult {
+    let (status, exit_code) = match outcome.status {
+        ExitStatus::Exited(c) => (BlockStatus::Exited, Some(c)),
+        ExitStatus::Signaled(_) => (BlockStatus::Killed, None),
+        ExitStatus::TimedOut => (BlockStatus::TimedOut, None),
+        ExitStatus::OutOfMemory => (BlockStatus::OutOfMemory, None),
+        ExitStatus::Cancelled => (BlockStatus::Cancelled, None),
+    };
+    let killed_by = match outcome.status {
+        ExitStatus::Signaled(sig) => Some(sig),
+        _ => None,
+    };
+    let mut stderr = outcome.stderr.to_text();
+    if let Some(sig) = killed_by {
+        let why = match sig {
+            24 => " (CPU time limit exceeded)",
+            25 => " (file size limit exceeded)",
+            9 => " (SIGKILL)",
+            _ => "",
+        };
+        let _ = write!(stderr, "{}killed by signal {sig}{why}\n", sep(&stderr));
+    }
+    BlockResult {
+        language: Some(language.to_string()),
+        status,
+        exit_code,
+        truncated: outcome.stdout.truncated() || outcome.stderr.truncated(),
+        stdout: outcome.stdout.to_text(),
+        stderr,
+        duration_ms: u64::try_from(outcome.duration.as_millis()).unwrap_or(u64::MAX),
+    }
+}
+
+fn sep(s: &str) -> &'static str {
+    if s.is_empty() || s.ends_with('\n') { "" } else { "\n" }
+}
+
+/// The conventional exit code for a result (124 on timeout, 128+n when killed).
+pub fn exit_code_of(result: &BlockResult) -> i32 {
+    match result.status {
+        BlockStatus::Exited => result.exit_code.unwrap_or(1),
+        BlockStatus::TimedOut => 124,
+        BlockStatus::Killed | BlockStatus::OutOfMemory => 137,
+        BlockStatus::Cancelled => 130,
+        BlockStatus::Skipped => 0,
+        _ => 1,
+    }
+}
+
+/// What the executor agent tells the model after running a reply's blocks, in AutoGen's
+/// `exitcode: N (execution succeeded|failed)\nCode output: ...` shape plus notes.
+pub fn report(runs: &[BlockRun], block_timeout: Duration, output_cap: usize, termination: &str) -> String {
+    let ran: Vec<&BlockRun> = runs
+        .iter()
+        .filter(|r| !matches!(r.result.status, BlockStatus::Skipped | BlockStatus::NotRun))
+        .collect();
+    let mut output = String::new();
+    let mut notes = Vec::new();
+    for r in &ran {
+        let res = &r.result;
+        output.push_str(&res.stdout);
+        output.push_str(sep(&output));
+        output.push_str(&res.stderr);
+        output.push_str(sep(&output));
+        let i = r.index;
+        match res.status {
+            BlockStatus::TimedOut => notes.push(format!(
+                "Timeout: block {i} ran longer than {} s and was killed; the output above is what it printed before that.",
+                block_timeout.as_secs_f64()
+            )),
+            BlockStatus::OutOfMemory => {
+                notes.push(format!("Out of memory: block {i} was killed for using too much memory."));
+            }
+            BlockStatus::Unsupported => notes.push(format!(
+                "Block {i} is in a language this sandbox cannot run; rewrite it in a supported language."
+            )),
+            BlockStatus::Incomplete => notes.push(format!(
+                "Your reply was cut off inside code block {i}, so it was not run. Send the complete code again, in one block."
+            )),
+            _ => {}
+        }
+        if res.truncated {
+            notes.push(format!(
+                "Note: the output of block {i} was longer than {} KiB per stream; the middle was cut.",
+                output_cap / 1024
+            ));
+        }
+    }
+    for r in runs {
+        match r.result.status {
+            BlockStatus::Skipped => notes.push(format!(
+                "Block {} (`{}`) was not run: it is data or prose, not a program.",
+                r.index, r.language
+            )),
+            BlockStatus::NotRun => notes.push(format!(
+                "Block {} was not run because an earlier block failed.",
+                r.index
+            )),
+            _ => {}
+        }
+    }
+    let last = ran.iter().rev().find(|r| !r.result.succeeded()).or(ran.last());
+    let mut text = match last {
+        Some(r) => {
+            let code = exit_code_of(&r.result);
+            let verdict = if r.result.succeeded() { "execution succeeded" } else { "execution failed" };
+            format!("exitcode: {code} ({verdict})\nCode output: {output}")
+        }
+        None => no_code_nudge(termination),
+    };
+    for note in notes {
+        if !text.ends_with('\n') {
+            text.push('\n');
+        }
+        text.push_str(&note);
+    }
+    text
+}
+
+/// What the model hears when its reply had nothing to run and did not end the task.
+pub fn no_code_nudge(termination: &str) -> String {
+    format!(
+        "No code to run was found in your reply. If the task is done, reply with {termination}. Otherwise, send the complete code in a ```python or ```sh block."
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guesses_untagged_languages() {
+        assert_eq!(guess_language("pip install x\n"), Language::sh());
+        assert_eq!(guess_language("$ ls -la"), Language::sh());
+        assert_eq!(guess_language("#!/usr/bin/env node\nconsole.log(1)"), Language::javascript());
+        assert_eq!(guess_language("print(1)"), Language::python());
+        assert_eq!(guess_language("import os\n"), Language::python());
+        assert_eq!(guess_language("set(x)"), Language::python());
+    }
+}

@@ -1,0 +1,410 @@
+//! The assistant's model: any OpenAI-compatible chat completions API, through async-openai.
+
+use std::time::Duration;
+
+use async_openai::Client;
+use async_openai::config::OpenAIConfig;
+use async_openai::error::OpenAIError;
+use futures::StreamExt;
+use serde::Deserialize;
+use serde_json::json;
+use tandem_protocol::{ErrorCode, ErrorInfo, Message, Usage};
+
+/// Where the model is and how to talk to it.
+#[derive(Clone, Debug)]
+pub struct ModelConfig {
+    /// API base URL, such as `https://api.openai.com/v1` or `http://127.0.0.1:8080/v1`.
+    pub base_url: String,
+    /// Bearer token; local servers usually need none.
+    pub api_key: Option<String>,
+    /// Model name.
+    pub model: String,
+    /// Stream tokens as they are generated.
+    pub stream: bool,
+    /// Retries after a 429, 5xx or connection error.
+    pub max_retries: u32,
+    /// Delay before the first retry; doubled for each next one.
+    pub retry_base: Duration,
+    /// Time allowed to connect.
+    pub connect_timeout: Duration,
+    /// Longest silence allowed while waiting for the server.
+    pub idle_timeout: Duration,
+    /// Sampling temperature, when set.
+    pub temperature: Option<f32>,
+    /// Reply length cap, when set.
+    pub max_tokens: Option<u32>,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            base_url: "https://api.openai.com/v1".to_owned(),
+            api_key: None,
+            model: "gpt-4o-mini".to_owned(),
+            stream: true,
+            max_retries: 3,
+            retry_base: Duration::from_millis(500),
+            connect_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(300),
+            temperature: None,
+            max_tokens: None,
+        }
+    }
+}
+
+/// A model call that failed for good.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{message}")]
+pub struct ModelError {
+    /// Kind, for clients and exit codes.
+    pub code: ErrorCode,
+    /// One line: what failed, with the URL and model, and what to check.
+    pub message: String,
+    retryable: bool,
+}
+
+impl From<ModelError> for ErrorInfo {
+    fn from(e: ModelError) -> Self {
+        ErrorInfo { code: e.code, message: e.message }
+    }
+}
+
+/// Progress of a call, for live rendering.
+#[derive(Debug)]
+pub enum ModelProgress<'a> {
+    /// New reply text.
+    Delta(&'a str),
+    /// The attempt failed and will be retried; text streamed so far is void.
+    Retry {
+        /// Retry number, starting at 1.
+        attempt: u32,
+        /// Wait before it.
+        delay: Duration,
+        /// What failed.
+        reason: &'a str,
+    },
+}
+
+/// A finished reply.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Completion {
+    /// The reply text.
+    pub text: String,
+    /// Tokens, when the server reported them.
+    pub usage: Option<Usage>,
+    /// Why the model stopped (`stop`, `length`, ...).
+    pub finish_reason: Option<String>,
+}
+
+/// A chat model behind an OpenAI-compatible API.
+#[derive(Clone)]
+pub struct ChatModel {
+    client: Client<OpenAIConfig>,
+    config: ModelConfig,
+}
+
+impl std::fmt::Debug for ChatModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatModel")
+            .field("base_url", &self.config.base_url)
+            .field("model", &self.config.model)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ChatModel {
+    /// Builds the HTTP client; fails only on an unusable URL or TLS setup.
+    pub fn new(mut config: ModelConfig) -> Result<Self, ModelError> {
+        config.base_url = config.base_url.trim_end_matches('/').to_owned();
+        let url = &config.base_url;
+        if !(url.starts_with("http://") || url.starts_with("https://")) {
+            return Err(ModelError {
+                code: ErrorCode::InvalidRequest,
+                message: format!(
+                    "model base URL `{url}` must start with http:// or https:// (for example http://127.0.0.1:8080/v1)"
+                ),
+                retryable: false,
+            });
+        }
+        let http = reqwest::Client::builder()
+            .connect_timeout(config.connect_timeout)
+            .read_timeout(config.idle_timeout)
+            .build()
+            .map_err(|e| ModelError {
+                code: ErrorCode::Internal,
+                message: format!("cannot build the HTTP client: {e}"),
+                retryable: false,
+            })?;
+        let openai = OpenAIConfig::new()
+            .with_api_base(config.base_url.clone())
+            .with_api_key(config.api_key.clone().unwrap_or_default());
+        Ok(Self { client: Client::with_config(openai).with_http_client(http), config })
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Sends the conversation and returns the reply, retrying transient failures.
+    pub async fn complete(
+        &self,
+        messages: &[Message],
+        progress: &mut (dyn FnMut(ModelProgress<'_>) + Send),
+    ) -> Result<Completion, ModelError> {
+        let mut attempt = 0;
+        loop {
+            let result = if self.config.stream {
+                self.complete_streaming(messages, progress).await
+            } else {
+                self.complete_once(messages).await
+            };
+            match result {
+                Err(e) if e.retryable && attempt < self.config.max_retries => {
+                    attempt += 1;
+                    let delay = self.config.retry_base * 2u32.saturating_pow(attempt - 1);
+                    tracing::warn!(attempt, ?delay, error = %e.message, "model call failed; retrying");
+                    progress(ModelProgress::Retry { attempt, delay, reason: &e.message });
+                    tokio::time::sleep(delay).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn request(&self, messages: &[Message], stream: bool) -> serde_json::Value {
+        let mut body = json!({
+            "model": self.config.model,
+            "messages": messages,
+            "stream": stream,
+        });
+        if stream {
+            body["stream_options"] = json!({ "include_usage": true });
+        }
+        if let Some(t) = self.config.temperature {
+            body["temperature"] = json!(t);
+        }
+        if let Some(n) = self.config.max_tokens {
+            body["max_tokens"] = json!(n);
+        }
+        body
+    }
+
+    async fn complete_streaming(
+        &self,
+        messages: &[Message],
+        progress: &mut (dyn FnMut(ModelProgress<'_>) + Send),
+    ) -> Result<Completion, ModelError> {
+        let mut stream = self
+            .client
+            .chat()
+            .create_stream_byot::<_, Chunk>(self.request(messages, true))
+            .await
+            .map_err(|e| self.classify(e))?;
+        let mut done = Completion::default();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| self.classify(e))?;
+            if let Some(u) = chunk.usage {
+                done.usage = Some(u.into());
+            }
+            for choice in chunk.choices {
+                if let Some(text) = choice.delta.and_then(|d| d.content) {
+                    if !text.is_empty() {
+                        progress(ModelProgress::Delta(&text));
+                        done.text.push_str(&text);
+                    }
+                }
+                if choice.finish_reason.is_some() {
+                    done.finish_reason = choice.finish_reason;
+                }
+            }
+        }
+        Ok(done)
+    }
+
+    async fn complete_once(&self, messages: &[Message]) -> Result<Completion, ModelError> {
+        let reply: Reply = self
+            .client
+            .chat()
+            .create_byot(self.request(messages, false))
+            .await
+            .map_err(|e| self.classify(e))?;
+        let choice = reply.choices.into_iter().next();
+        Ok(Completion {
+            text: choice.as_ref().and_then(|c| c.message.content.clone()).unwrap_or_default(),
+            usage: reply.usage.map(Into::into),
+            finish_reason: choice.and_then(|c| c.finish_reason),
+        })
+    }
+
+    /// Turns a client error into one line that names the URL and model and what to check.
+    fn classify(&self, e: OpenAIError) -> ModelError {
+        let url = &self.config.base_url;
+        let model = &self.config.model;
+        let (code, retryable, message) = match e {
+            OpenAIError::Reqwest(e) if e.is_connect() => (
+                ErrorCode::ModelUnreachable,
+                true,
+                format!(
+                    "cannot connect to the model server at {url} ({}); is it running? Check --base-url or OPENAI_BASE_URL",
+                    root_cause(&e)
+                ),
+            ),
+            OpenAIError::Reqwest(e) if e.is_timeout() => (
+                ErrorCode::ModelUnavailable,
+                true,
+                format!("the model server at {url} did not answer in time (model `{model}`)"),
+            ),
+            OpenAIError::Reqwest(e) => (
+                ErrorCode::ModelUnreachable,
+                true,
+                format!("talking to the model server at {url} failed: {}", root_cause(&e)),
+            ),
+            OpenAIError::ApiError(resp) => {
+                let status = resp.status_code.as_u16();
+                let detail = one_line(&resp.api_error.message);
+                match status {
+                    401 | 403 => (
+                        ErrorCode::ModelAuth,
+                        false,
+                        format!(
+                            "the model server at {url} rejected the API key ({status}: {detail}); check OPENAI_API_KEY"
+                        ),
+                    ),
+                    404 => (
+                        ErrorCode::ModelNotFound,
+                        false,
+                        format!(
+                            "model `{model}` or its endpoint was not found at {url} (404: {detail}); check --model/TANDEM_MODEL and that the base URL ends in /v1"
+                        ),
+                    ),
+                    408 | 409 | 429 | 500..=599 => (
+                        ErrorCode::ModelUnavailable,
+                        true,
+                        format!("the model server at {url} answered {status} for model `{model}`: {detail}"),
+                    ),
+                    _ => (
+                        ErrorCode::ModelRequest,
+                        false,
+                        format!("the model server at {url} refused the request for model `{model}` ({status}: {detail})"),
+                    ),
+                }
+            }
+            OpenAIError::JSONDeserialize(_, body) => match ollama_style_error(&body) {
+                Some(msg) if msg.contains("not found") => (
+                    ErrorCode::ModelNotFound,
+                    false,
+                    format!("model `{model}` was not found at {url}: {msg}; check --model/TANDEM_MODEL"),
+                ),
+                Some(msg) => (
+                    ErrorCode::ModelRequest,
+                    false,
+                    format!("the model server at {url} refused the request for model `{model}`: {msg}"),
+                ),
+                None => (
+                    ErrorCode::ModelProtocol,
+                    false,
+                    format!(
+                        "the server at {url} did not answer like an OpenAI-compatible API (got `{}`); check that the base URL ends in /v1",
+                        one_line(&body)
+                    ),
+                ),
+            },
+            OpenAIError::StreamError(e) => (
+                ErrorCode::ModelUnavailable,
+                true,
+                format!("the reply stream from {url} broke off: {}", one_line(&e.to_string())),
+            ),
+            other => (
+                ErrorCode::Internal,
+                false,
+                format!("calling the model at {url} failed: {}", one_line(&other.to_string())),
+            ),
+        };
+        ModelError { code, message, retryable }
+    }
+}
+
+/// The innermost cause, which for reqwest is the useful part ("Connection refused").
+fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut cur = e;
+    while let Some(next) = cur.source() {
+        cur = next;
+    }
+    one_line(&cur.to_string())
+}
+
+fn one_line(s: &str) -> String {
+    let flat = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    match flat.char_indices().nth(200) {
+        Some((at, _)) => format!("{}…", &flat[..at]),
+        None => flat,
+    }
+}
+
+/// Ollama and some proxies answer `{"error": "text"}` instead of an error object.
+fn ollama_style_error(body: &str) -> Option<String> {
+    #[derive(Deserialize)]
+    struct E {
+        error: String,
+    }
+    serde_json::from_str::<E>(body).ok().map(|e| one_line(&e.error))
+}
+
+// Lenient wire types: servers differ in which fields they send, and we need only these.
+#[derive(Deserialize)]
+struct Chunk {
+    #[serde(default)]
+    choices: Vec<ChunkChoice>,
+    #[serde(default)]
+    usage: Option<WireUsage>,
+}
+
+#[derive(Deserialize)]
+struct ChunkChoice {
+    #[serde(default)]
+    delta: Option<Delta>,
+    #[serde(default)]
+    finish_reason: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Delta {
+    #[serde(default)]
+    content: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Reply {
+    #[serde(default)]
+    choices: Vec<ReplyChoice>,
+    #[serde(default)]
+    usage: Option<WireUsage>,
+}
+
+#[derive(Deserialize)]
+struct ReplyChoice {
+    message: ReplyMessage,
+    #[serde(default)]
+    finish_reason: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct ReplyMessage {
+    #[serde(default)]
+    content: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct WireUsage {
+    #[serde(default)]
+    prompt_tokens: u64,
+    #[serde(default)]
+    completion_tokens: u64,
+}
+
+impl From<WireUsage> for Usage {
+    fn from(u: WireUsage) -> Self {
+        Usage { prompt_tokens: u.prompt_tokens, completion_tokens: u.completion_tokens }
+    }
+}

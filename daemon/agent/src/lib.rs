@@ -1,0 +1,32 @@
+//! Tandem's assistant and executor agents.
+//!
+//! - [`chat`]: the assistant's model, any OpenAI-compatible chat API (async-openai).
+//! - [`extract`]: fenced code blocks out of a markdown reply (pulldown-cmark).
+//! - [`termination`]: whether the assistant said it is done.
+//! - [`blocks`]: the executor agent: run a reply's blocks in one session and report back.
+//! - [`task`]: the turn loop that ties them together until termination or a limit.
+
+pub mod blocks;
+pub mod chat;
+pub mod extract;
+pub mod task;
+pub mod termination;
+
+pub use blocks::{EventSink, SessionSlot};
+pub use chat::{ChatModel, ModelConfig, ModelError};
+pub use extract::{CodeBlock, extract_code_blocks};
+pub use task::{TaskOutcome, TaskSettings, run_task};
+
+/// The termination string used unless configured otherwise.
+pub const DEFAULT_TERMINATION: &str = "TERMINATE";
+
+/// The default system prompt, in the spirit of AutoGen's coding assistant.
+pub const DEFAULT_SYSTEM_PROMPT: &str = "\
+You are a helpful AI assistant who solves tasks by writing code that really runs.
+Your code is executed for you, and you see its output in the next message.
+- Solve the task with complete code in ```python blocks (preferred) or ```sh blocks. Do not write code for the user to edit or fill in.
+- Each block runs as a new process in the same working directory: files persist across blocks, variables do not. To save a file, put `# filename: <path>` on the block's first line.
+- Print the results you need with print(); do not ask the user to copy or run anything.
+- If the code fails, read the error, fix it, and send the whole corrected code again, not a diff.
+- If you cannot solve the task by running code, explain why.
+- When the task is done and you have checked the answer, give it briefly and end your reply with TERMINATE.";

@@ -1,0 +1,345 @@
+//! Wire types shared by the Tandem CLI, daemon and tests.
+//!
+//! Everything here is plain serde data: a [`TaskSpec`] goes in, a stream of [`Event`]s
+//! comes out, and the last event of every task is [`EventMsg::TaskFinished`] with a
+//! [`StopReason`].
+#![deny(missing_docs)]
+
+use serde::{Deserialize, Serialize};
+
+/// What a client asks Tandem to do.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskSpec {
+    /// The task, in the user's words.
+    pub task: String,
+    /// Executor name (`local`, or a plugin's name); `None` picks the default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub executor: Option<String>,
+    /// Model name sent to the chat API.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Base URL of the OpenAI-compatible API, overriding the configured one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_url: Option<String>,
+    /// Most assistant turns before the task stops with [`StopReason::MaxTurns`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_turns: Option<u32>,
+    /// Wall-clock limit for the whole task, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_secs: Option<u64>,
+    /// Wall-clock limit for one code block, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_timeout_secs: Option<u64>,
+    /// Replaces the default system prompt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub system_prompt: Option<String>,
+    /// Replaces the default termination string (`TERMINATE`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub termination: Option<String>,
+}
+
+/// One step of a task, as stored and streamed to clients.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    /// Position of the event in its task, starting at 1.
+    pub seq: u64,
+    /// Milliseconds since the Unix epoch when the event was made.
+    pub at_ms: u64,
+    /// What happened.
+    #[serde(flatten)]
+    pub msg: EventMsg,
+}
+
+/// What happened, tagged by `type` on the wire.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum EventMsg {
+    /// The task began.
+    TaskStarted {
+        /// The task text.
+        task: String,
+        /// Model name used.
+        model: String,
+        /// API base URL used.
+        base_url: String,
+        /// Executor name used.
+        executor: String,
+    },
+    /// The assistant is being asked for turn `turn`.
+    TurnStarted {
+        /// Turn number, starting at 1.
+        turn: u32,
+    },
+    /// A streamed piece of the assistant's reply.
+    AssistantDelta {
+        /// Turn number.
+        turn: u32,
+        /// The new text.
+        text: String,
+    },
+    /// The model call failed in a way worth retrying; streamed text of this turn is discarded.
+    ModelRetry {
+        /// Turn number.
+        turn: u32,
+        /// Retry number, starting at 1.
+        attempt: u32,
+        /// How long Tandem waits before retrying.
+        delay_ms: u64,
+        /// Why.
+        reason: String,
+    },
+    /// The assistant's complete reply for a turn.
+    AssistantMessage {
+        /// Turn number.
+        turn: u32,
+        /// The whole reply.
+        text: String,
+        /// Tokens used by this call, when the server reported them.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        usage: Option<Usage>,
+    },
+    /// A code block is about to run (or be reported as not runnable).
+    CodeBlock {
+        /// Turn number.
+        turn: u32,
+        /// Position of the block in the reply, starting at 1.
+        index: u32,
+        /// Normalised language, or `None` when the block was untagged and could not be guessed.
+        language: Option<String>,
+        /// The code.
+        code: String,
+    },
+    /// Live output of a running block.
+    ExecOutput {
+        /// Turn number.
+        turn: u32,
+        /// Block index.
+        index: u32,
+        /// Which stream.
+        stream: OutputStream,
+        /// The text (lossily decoded).
+        text: String,
+    },
+    /// A block finished.
+    ExecResult {
+        /// Turn number.
+        turn: u32,
+        /// Block index.
+        index: u32,
+        /// The outcome.
+        result: BlockResult,
+    },
+    /// The executor agent's reply to the assistant (what the model sees next).
+    ExecutorMessage {
+        /// Turn number.
+        turn: u32,
+        /// The message text.
+        text: String,
+    },
+    /// The task ended; always the last event.
+    TaskFinished {
+        /// Why it ended.
+        stop_reason: StopReason,
+        /// Assistant turns taken.
+        turns: u32,
+        /// Total tokens used.
+        usage: Usage,
+        /// Wall time of the task in milliseconds.
+        elapsed_ms: u64,
+        /// Set when `stop_reason` is `error`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<ErrorInfo>,
+        /// The assistant's last reply with the termination string removed, if any.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        summary: Option<String>,
+    },
+}
+
+/// Which output stream a piece of text came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OutputStream {
+    /// Standard output.
+    Stdout,
+    /// Standard error.
+    Stderr,
+}
+
+/// The outcome of one code block, as reported to clients and in `tandem exec --json`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockResult {
+    /// Normalised language.
+    pub language: Option<String>,
+    /// How it ended.
+    pub status: BlockStatus,
+    /// Exit code when `status` is `exited`.
+    pub exit_code: Option<i32>,
+    /// Captured stdout (capped, lossily decoded).
+    pub stdout: String,
+    /// Captured stderr (capped, lossily decoded).
+    pub stderr: String,
+    /// Whether either stream was cut to fit the output cap.
+    pub truncated: bool,
+    /// Wall time of the execution in milliseconds.
+    pub duration_ms: u64,
+}
+
+impl BlockResult {
+    /// Whether the block counts as a success (exited with 0, or was skipped as data).
+    pub fn succeeded(&self) -> bool {
+        matches!(self.status, BlockStatus::Exited if self.exit_code == Some(0))
+            || self.status == BlockStatus::Skipped
+    }
+}
+
+/// How a block ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BlockStatus {
+    /// The program exited by itself; see `exit_code`.
+    Exited,
+    /// It ran past its wall-clock limit and was killed.
+    TimedOut,
+    /// It was killed by a signal (CPU limit, its own `kill`, ...).
+    Killed,
+    /// It ran out of memory.
+    OutOfMemory,
+    /// The task was cancelled while it ran.
+    Cancelled,
+    /// Its language is not supported by the executor; it never ran.
+    Unsupported,
+    /// It is data or prose (`text`, `json`, ...), not a program; it was not run.
+    Skipped,
+    /// An earlier block in the same reply failed, so it was not run.
+    NotRun,
+    /// The reply was cut off inside this block, so it was not run.
+    Incomplete,
+    /// The sandbox itself failed (not the program).
+    Error,
+}
+
+impl BlockStatus {
+    /// The snake_case name used on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Exited => "exited",
+            Self::TimedOut => "timed_out",
+            Self::Killed => "killed",
+            Self::OutOfMemory => "out_of_memory",
+            Self::Cancelled => "cancelled",
+            Self::Unsupported => "unsupported",
+            Self::Skipped => "skipped",
+            Self::NotRun => "not_run",
+            Self::Incomplete => "incomplete",
+            Self::Error => "error",
+        }
+    }
+}
+
+/// Token counts reported by the model server.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Tokens sent to the model.
+    pub prompt_tokens: u64,
+    /// Tokens the model produced.
+    pub completion_tokens: u64,
+}
+
+impl Usage {
+    /// Adds another call's usage to this one.
+    pub fn add(&mut self, other: Usage) {
+        self.prompt_tokens += other.prompt_tokens;
+        self.completion_tokens += other.completion_tokens;
+    }
+}
+
+/// Why a task ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// The assistant said the termination string.
+    Terminated,
+    /// The turn limit was reached.
+    MaxTurns,
+    /// The task's wall-clock limit was reached.
+    Timeout,
+    /// Someone cancelled the task.
+    Cancelled,
+    /// Tandem, the model server or the sandbox failed; see the `error` field.
+    Error,
+}
+
+impl StopReason {
+    /// The snake_case name used on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Terminated => "terminated",
+            Self::MaxTurns => "max_turns",
+            Self::Timeout => "timeout",
+            Self::Cancelled => "cancelled",
+            Self::Error => "error",
+        }
+    }
+}
+
+/// A failure that ended a task.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorInfo {
+    /// Machine-readable kind.
+    pub code: ErrorCode,
+    /// One line for people: what failed and what to check.
+    pub message: String,
+}
+
+/// Machine-readable error kinds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// The model server could not be reached.
+    ModelUnreachable,
+    /// The model server rejected the API key.
+    ModelAuth,
+    /// The model or the endpoint does not exist.
+    ModelNotFound,
+    /// The model server rejected the request.
+    ModelRequest,
+    /// The model server kept failing (5xx, 429) after retries.
+    ModelUnavailable,
+    /// The model server answered something that is not the OpenAI API.
+    ModelProtocol,
+    /// The executor could not be used (unknown, broken sandbox).
+    Executor,
+    /// The request was invalid.
+    InvalidRequest,
+    /// A bug in Tandem.
+    Internal,
+}
+
+/// One message of a conversation, as sent to the model.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Message {
+    /// Who said it.
+    pub role: Role,
+    /// What was said.
+    pub content: String,
+}
+
+/// The speaker of a [`Message`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Instructions for the assistant.
+    System,
+    /// The task, and the executor agent's reports.
+    User,
+    /// The model.
+    Assistant,
+}
+
+impl Message {
+    /// A message with `role` and `content`.
+    pub fn new(role: Role, content: impl Into<String>) -> Self {
+        Self { role, content: content.into() }
+    }
+}

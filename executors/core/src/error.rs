@@ -1,0 +1,74 @@
+use std::path::PathBuf;
+
+use crate::Language;
+
+/// The sandbox failed; distinct from a program that failed (that is an `ExecOutcome`).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ExecError {
+    /// No executor with that name is registered.
+    #[error("executor `{name}` is not registered; available: {available}")]
+    UnknownExecutor {
+        /// The name asked for.
+        name: String,
+        /// Comma-separated registered names.
+        available: String,
+    },
+    /// The executor does not run this language.
+    #[error("language `{language}` is not supported by the {executor} executor; supported: {supported}")]
+    UnsupportedLanguage {
+        /// The language asked for.
+        language: Language,
+        /// Executor name.
+        executor: String,
+        /// Comma-separated supported languages.
+        supported: String,
+    },
+    /// An interpreter or runtime the executor needs is missing.
+    #[error("{what} is not available: {hint}")]
+    Unavailable {
+        /// What is missing.
+        what: String,
+        /// How to get it.
+        hint: String,
+    },
+    /// The workspace could not be prepared.
+    #[error("workspace {path}: {source}")]
+    Workspace {
+        /// The directory.
+        path: PathBuf,
+        /// The I/O failure.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Starting or supervising the sandbox failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What Tandem was doing.
+        context: String,
+        /// The I/O failure.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The backend failed in its own way (engine errors and the like).
+    #[error("{0}")]
+    Backend(String),
+}
+
+impl ExecError {
+    /// Wraps an I/O error with what was being done.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Self::Io { context: context.into(), source }
+    }
+}
+
+impl ExecError {
+    /// The error for a language an executor does not run.
+    pub fn unsupported(language: &Language, executor: &str, supported: &[Language]) -> Self {
+        Self::UnsupportedLanguage {
+            language: language.clone(),
+            executor: executor.to_owned(),
+            supported: crate::language::join(supported),
+        }
+    }
+}

@@ -1,0 +1,183 @@
+//! The Tandem executor plugin surface.
+//!
+//! An [`Executor`] is a kind of sandbox (local processes, Docker, WASM, or your own). For
+//! each task Tandem [`Executor::open`]s one [`Session`]: a workspace where files written by
+//! one code block are still there for the next. Each block is an [`ExecRequest`] run with
+//! [`Session::run`], which streams live output into the [`ExecContext`]'s sink and returns
+//! an [`ExecOutcome`].
+//!
+//! Two kinds of failure are kept apart on purpose:
+//! - a program that fails, times out or is killed is an `Ok(ExecOutcome)`: it goes back to
+//!   the model, which can fix its code;
+//! - `Err(ExecError)` means the sandbox itself broke (engine down, interpreter missing,
+//!   unsupported language) and the model cannot fix it.
+//!
+//! Policy is data: [`Limits`] is one serde struct that every backend honours in its own
+//! way. Shared mechanics that every backend needs live here too: language aliases
+//! ([`Language`]), bounded output capture ([`CaptureBuffer`]), the `# filename:` directive
+//! and safe workspace paths ([`workspace`]), and a name-to-executor [`Registry`].
+//!
+//! A third-party executor depends on this crate alone; see `examples/custom-executor`.
+#![deny(missing_docs)]
+
+mod capture;
+mod error;
+mod language;
+mod limits;
+mod registry;
+pub mod workspace;
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use capture::{CaptureBuffer, Captured};
+pub use error::ExecError;
+pub use language::Language;
+pub use limits::Limits;
+pub use registry::Registry;
+pub use tokio_util::sync::CancellationToken;
+
+/// A boxed, sendable future, as the object-safe traits here return.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A kind of sandbox that can open sessions.
+pub trait Executor: Send + Sync + 'static {
+    /// Registry name, such as `local` or `docker`.
+    fn name(&self) -> &str;
+    /// Languages this executor can run, normalised.
+    fn languages(&self) -> &[Language];
+    /// Opens a session: one per task, holding a workspace that persists across blocks.
+    fn open(&self, spec: SessionSpec) -> BoxFuture<'_, Result<Box<dyn Session>, ExecError>>;
+
+    /// Whether `language` can run here.
+    fn supports(&self, language: &Language) -> bool {
+        self.languages().contains(language)
+    }
+}
+
+/// One task's sandbox. Dropping it without [`Session::close`] must still clean up.
+pub trait Session: Send {
+    /// Runs one block to completion, timeout or cancellation.
+    fn run(&mut self, req: ExecRequest, ctx: ExecContext)
+    -> BoxFuture<'_, Result<ExecOutcome, ExecError>>;
+    /// The host directory that holds the session's files, if it has one.
+    fn workspace(&self) -> Option<&Path>;
+    /// Releases the sandbox (processes, containers, temporary files).
+    fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>>;
+}
+
+/// How to open a session.
+#[derive(Clone, Debug, Default)]
+pub struct SessionSpec {
+    /// Use this host directory as the workspace and keep it afterwards; `None` makes a
+    /// temporary one that is removed on close.
+    pub workdir: Option<PathBuf>,
+    /// Resource limits for every block in the session.
+    pub limits: Limits,
+    /// Labels for the sandbox (task id, daemon id), used to find leftovers.
+    pub labels: Vec<(String, String)>,
+}
+
+/// One code block to run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExecRequest {
+    /// Normalised language.
+    pub language: Language,
+    /// The code, as the model wrote it.
+    pub code: String,
+    /// Overrides the session's wall-clock limit for this block.
+    pub timeout: Option<Duration>,
+}
+
+impl ExecRequest {
+    /// A request with the session's default timeout.
+    pub fn new(language: Language, code: impl Into<String>) -> Self {
+        Self { language, code: code.into(), timeout: None }
+    }
+}
+
+/// Which stream a chunk of live output came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Stream {
+    /// Standard output.
+    Stdout,
+    /// Standard error.
+    Stderr,
+}
+
+/// Receives live output while a block runs; called from the executor's reader tasks.
+pub type OutputSink = Arc<dyn Fn(Stream, &[u8]) + Send + Sync>;
+
+/// Per-run context: how to stop the run and where live output goes.
+#[derive(Clone)]
+pub struct ExecContext {
+    /// Cancelling this kills the block at once; the outcome is [`ExitStatus::Cancelled`].
+    pub cancel: CancellationToken,
+    /// Live output; it sees at most `Limits::output_bytes` per stream.
+    pub sink: OutputSink,
+}
+
+impl ExecContext {
+    /// A context that discards live output.
+    pub fn new(cancel: CancellationToken) -> Self {
+        Self { cancel, sink: Arc::new(|_, _| {}) }
+    }
+
+    /// Sends live output to `sink`.
+    pub fn with_sink(mut self, sink: OutputSink) -> Self {
+        self.sink = sink;
+        self
+    }
+}
+
+impl std::fmt::Debug for ExecContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecContext").field("cancel", &self.cancel).finish_non_exhaustive()
+    }
+}
+
+/// How a program ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExitStatus {
+    /// It exited with this code.
+    Exited(i32),
+    /// A signal killed it.
+    Signaled(i32),
+    /// It passed its wall-clock limit and was killed.
+    TimedOut,
+    /// It ran out of memory and was killed.
+    OutOfMemory,
+    /// The run was cancelled and the program killed.
+    Cancelled,
+}
+
+/// The result of running one block.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExecOutcome {
+    /// How it ended.
+    pub status: ExitStatus,
+    /// Captured standard output.
+    pub stdout: Captured,
+    /// Captured standard error.
+    pub stderr: Captured,
+    /// Wall time from start to end.
+    pub duration: Duration,
+}
+
+impl ExecOutcome {
+    /// An outcome for a request refused before anything ran, with exit code 1 and `message`
+    /// on stderr (such as a `# filename:` path outside the workspace).
+    pub fn refused(message: &str) -> Self {
+        let mut stderr = CaptureBuffer::new(usize::MAX);
+        stderr.push(message.as_bytes());
+        Self {
+            status: ExitStatus::Exited(1),
+            stdout: Captured::default(),
+            stderr: stderr.finish(),
+            duration: Duration::ZERO,
+        }
+    }
+}

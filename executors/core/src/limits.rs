@@ -1,0 +1,56 @@
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Resource policy for every block in a session; each backend enforces it its own way.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Wall-clock limit per block.
+    #[serde(with = "secs")]
+    pub wall: Duration,
+    /// Memory (address space for local processes), bytes.
+    pub memory_bytes: Option<u64>,
+    /// CPU seconds per block.
+    pub cpu_secs: Option<u64>,
+    /// Largest file a block may write, bytes.
+    pub file_size_bytes: Option<u64>,
+    /// Most open files per process.
+    pub open_files: Option<u64>,
+    /// Most processes (containers only; local processes share the user's count).
+    pub pids: Option<u64>,
+    /// Bytes of each output stream kept for the model (head and tail kept, middle cut).
+    pub output_bytes: usize,
+    /// Whether code may reach the network (where the backend can enforce it).
+    pub network: bool,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            wall: Duration::from_secs(60),
+            memory_bytes: Some(4 << 30),
+            cpu_secs: Some(120),
+            file_size_bytes: Some(1 << 30),
+            open_files: Some(1024),
+            pids: Some(256),
+            output_bytes: 64 << 10,
+            network: false,
+        }
+    }
+}
+
+mod secs {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(d.as_secs_f64())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let secs = f64::deserialize(d)?;
+        Duration::try_from_secs_f64(secs).map_err(serde::de::Error::custom)
+    }
+}

@@ -1,0 +1,169 @@
+//! Tandem executor that runs code blocks as local subprocesses.
+//!
+//! Not a security boundary: it keeps code away from the daemon's secrets (empty environment
+//! plus an allowlist), bounds it with rlimits and a wall-clock timeout, and kills every
+//! process a block started when the block ends. Use the Docker or WASM executor to contain
+//! untrusted code.
+
+mod interpreters;
+mod kill;
+mod run;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use tandem_executor::{
+    BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Executor, Language, Limits,
+    Session, SessionSpec,
+};
+use tempfile::TempDir;
+
+pub use interpreters::Interpreters;
+
+/// Settings for the local executor.
+#[derive(Clone, Debug, Default)]
+pub struct LocalConfig {
+    /// Python interpreter to use instead of `python3` from PATH.
+    pub python: Option<PathBuf>,
+    /// Node.js binary to use instead of `node` from PATH.
+    pub node: Option<PathBuf>,
+    /// PATH searched for interpreters and given to code; the daemon's PATH when `None`.
+    pub path: Option<String>,
+    /// Extra environment variables passed to code (names and values), on top of the allowlist.
+    pub env: Vec<(String, String)>,
+}
+
+/// Runs python, sh and (when node is installed) javascript as local processes.
+pub struct LocalExecutor {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: LocalConfig,
+    path: String,
+    /// Resolved on first use: resolving a version-manager shim costs a process start, which
+    /// `tandem run` should not pay before its first model request.
+    interpreters: OnceLock<Interpreters>,
+    languages: Vec<Language>,
+    env: Vec<(String, String)>,
+}
+
+impl Inner {
+    fn interpreters(&self) -> &Interpreters {
+        self.interpreters.get_or_init(|| Interpreters::discover(&self.config, &self.path))
+    }
+}
+
+impl LocalExecutor {
+    /// Finds the interpreters on PATH; a missing python or node just drops that language.
+    pub fn new(config: LocalConfig) -> Self {
+        let path = config.path.clone().or_else(|| std::env::var("PATH").ok()).unwrap_or_else(
+            || "/usr/local/bin:/usr/bin:/bin".to_owned(),
+        );
+        let languages = Interpreters::languages_on(&config, &path);
+        let lang = std::env::var("LANG").unwrap_or_else(|_| "C.UTF-8".to_owned());
+        let mut env = vec![("LANG".to_owned(), lang)];
+        env.extend(config.env.iter().cloned());
+        Self { inner: Arc::new(Inner { config, path, interpreters: OnceLock::new(), languages, env }) }
+    }
+
+    /// The interpreters, resolved on first call (this may start `python3` once).
+    pub fn interpreters(&self) -> &Interpreters {
+        self.inner.interpreters()
+    }
+}
+
+impl Executor for LocalExecutor {
+    fn name(&self) -> &str {
+        "local"
+    }
+
+    fn languages(&self) -> &[Language] {
+        &self.inner.languages
+    }
+
+    fn open(&self, spec: SessionSpec) -> BoxFuture<'_, Result<Box<dyn Session>, ExecError>> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let session = tokio::task::spawn_blocking(move || LocalSession::create(inner, spec))
+                .await
+                .map_err(|e| ExecError::Backend(format!("opening a local session failed: {e}")))??;
+            Ok(Box::new(session) as Box<dyn Session>)
+        })
+    }
+}
+
+/// A workspace directory plus a private scratch directory for block files and TMPDIR.
+struct LocalSession {
+    inner: Arc<Inner>,
+    workspace: PathBuf,
+    /// Owns the workspace when Tandem made it, so it is removed with the session.
+    owned_workspace: Option<TempDir>,
+    scratch: TempDir,
+    limits: Limits,
+    blocks: u32,
+}
+
+impl LocalSession {
+    fn create(inner: Arc<Inner>, spec: SessionSpec) -> Result<Self, ExecError> {
+        inner.interpreters();
+        let scratch = tempfile::Builder::new()
+            .prefix("tandem-scratch-")
+            .tempdir()
+            .map_err(|e| ExecError::io("creating a scratch directory", e))?;
+        let ws_err = |path: &Path| {
+            let path = path.to_owned();
+            move |source| ExecError::Workspace { path, source }
+        };
+        std::fs::create_dir(scratch.path().join("tmp")).map_err(ws_err(scratch.path()))?;
+        std::fs::create_dir(scratch.path().join("blocks")).map_err(ws_err(scratch.path()))?;
+        let (workspace, owned_workspace) = match spec.workdir {
+            Some(dir) => {
+                std::fs::create_dir_all(&dir).map_err(ws_err(&dir))?;
+                let dir = dir.canonicalize().map_err(ws_err(&dir))?;
+                (dir, None)
+            }
+            None => {
+                let dir = tempfile::Builder::new()
+                    .prefix("tandem-workspace-")
+                    .tempdir()
+                    .map_err(|e| ExecError::io("creating a workspace", e))?;
+                (dir.path().to_owned(), Some(dir))
+            }
+        };
+        Ok(Self { inner, workspace, owned_workspace, scratch, limits: spec.limits, blocks: 0 })
+    }
+}
+
+impl Session for LocalSession {
+    fn run(
+        &mut self,
+        req: ExecRequest,
+        ctx: ExecContext,
+    ) -> BoxFuture<'_, Result<ExecOutcome, ExecError>> {
+        Box::pin(async move {
+            self.blocks += 1;
+            run::run_block(self, req, ctx).await
+        })
+    }
+
+    fn workspace(&self) -> Option<&Path> {
+        Some(&self.workspace)
+    }
+
+    fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
+        Box::pin(async move {
+            let Self { owned_workspace, scratch, .. } = *self;
+            tokio::task::spawn_blocking(move || {
+                let mut result = scratch.close();
+                if let Some(ws) = owned_workspace {
+                    result = result.and(ws.close());
+                }
+                result
+            })
+            .await
+            .map_err(|e| ExecError::Backend(format!("closing a local session failed: {e}")))?
+            .map_err(|e| ExecError::io("removing the session's directories", e))
+        })
+    }
+}
