@@ -1,1 +1,155 @@
-fn main(){}
+//! `tandem`: run coding tasks with an LLM that writes code and a sandbox that runs it.
+
+mod config;
+mod exec;
+mod render;
+mod run;
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use tandem_executor::Registry;
+use tandem_executor_local::LocalExecutor;
+
+/// Exit codes of `tandem run`, documented in the README.
+pub mod exit {
+    /// The assistant said the termination string.
+    pub const DONE: u8 = 0;
+    /// The model server, the sandbox or Tandem failed.
+    pub const FAILED: u8 = 1;
+    /// Bad usage or configuration.
+    pub const USAGE: u8 = 2;
+    /// The turn limit was reached.
+    pub const MAX_TURNS: u8 = 3;
+    /// The task timeout was reached.
+    pub const TIMEOUT: u8 = 4;
+    /// Cancelled (Ctrl-C).
+    pub const CANCELLED: u8 = 130;
+}
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "tandem",
+    version,
+    about = "An LLM that solves coding tasks by running real code in a sandbox"
+)]
+struct Cli {
+    /// Config file [env: TANDEM_CONFIG; default: ~/.config/tandem/tandem.toml if present]
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Solve a task: the assistant writes code, the executor runs it, until done
+    Run(run::RunArgs),
+    /// Run code directly in an executor, with no model
+    Exec(exec::ExecArgs),
+    /// Print the fenced code blocks of a markdown file (stdin when no FILE) as JSON
+    Extract {
+        /// Markdown file; stdin when absent or `-`
+        file: Option<PathBuf>,
+    },
+    /// Show the executors, their languages, and the model settings in effect
+    Doctor(config::ModelFlags),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("RUST_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match dispatch(cli) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tandem: {e:#}");
+            ExitCode::from(exit::USAGE)
+        }
+    }
+}
+
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
+fn dispatch(cli: Cli) -> Result<u8> {
+    let file = config::load(cli.config.as_deref())?;
+    match cli.command {
+        Command::Extract { file: path } => extract(path),
+        Command::Doctor(flags) => doctor(&flags, &file),
+        Command::Run(args) => runtime()?.block_on(run::run(args, file)),
+        Command::Exec(args) => runtime()?.block_on(exec::exec(args, file)),
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+/// Every executor this binary knows, configured from the file.
+pub fn registry(file: &config::FileConfig) -> Registry {
+    let mut registry = Registry::new();
+    registry.register(Arc::new(LocalExecutor::new(config::local_config(file))));
+    registry
+}
+
+/// Reads a file, or stdin for `None` and `-`.
+pub fn read_input(path: Option<&PathBuf>) -> Result<String> {
+    match path {
+        Some(p) if p.as_os_str() != "-" => {
+            std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))
+        }
+        _ => {
+            let mut text = String::new();
+            std::io::stdin()
+                .read_to_string(&mut text)
+                .context("cannot read standard input")?;
+            Ok(text)
+        }
+    }
+}
+
+fn extract(path: Option<PathBuf>) -> Result<u8> {
+    let markdown = read_input(path.as_ref())?;
+    let blocks = tandem_agent::extract_code_blocks(&markdown);
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer_pretty(&mut out, &blocks)?;
+    std::io::Write::write_all(&mut out, b"\n")?;
+    Ok(exit::DONE)
+}
+
+fn doctor(flags: &config::ModelFlags, file: &config::FileConfig) -> Result<u8> {
+    let model = config::model_config(flags, file)?;
+    println!("model:     {} at {}", model.model, model.base_url);
+    println!(
+        "api key:   {}",
+        if model.api_key.is_some() {
+            "set"
+        } else {
+            "not set"
+        }
+    );
+    for executor in registry(file).iter() {
+        let langs: Vec<&str> = executor.languages().iter().map(|l| l.as_str()).collect();
+        println!("executor:  {} ({})", executor.name(), langs.join(", "));
+    }
+    Ok(exit::DONE)
+}

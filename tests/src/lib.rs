@@ -1,1 +1,255 @@
+//! Test harness for Tandem: a scripted OpenAI-compatible server over real HTTP.
+//!
+//! [`ScriptedOpenAi`] answers `POST /v1/chat/completions` with
+//! `script[first user message][number of assistant messages so far]`, streamed (SSE) or
+//! not, as the request asks. Parallel tests use different task texts, so they never share
+//! state. Every request is recorded so tests can assert what the model saw.
 
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use serde_json::{Value, json};
+
+/// One scripted answer.
+#[derive(Clone, Debug)]
+pub enum Reply {
+    /// A normal reply with this text.
+    Text(String),
+    /// An HTTP error with this status and JSON error message.
+    Error(u16, String),
+    /// Wait, then answer with the inner reply (for cancellation and timeouts).
+    Delayed(Duration, Box<Reply>),
+}
+
+impl From<&str> for Reply {
+    fn from(text: &str) -> Self {
+        Reply::Text(text.to_owned())
+    }
+}
+
+/// Replies per task text, in order.
+pub type Script = HashMap<String, Vec<Reply>>;
+
+/// A request as the server saw it.
+#[derive(Clone, Debug)]
+pub struct Recorded {
+    /// The JSON body.
+    pub body: Value,
+    /// The `Authorization` header, if any.
+    pub authorization: Option<String>,
+    /// When it arrived.
+    pub at: Instant,
+}
+
+impl Recorded {
+    /// The first user message (the script key).
+    pub fn task(&self) -> Option<&str> {
+        messages(&self.body)
+            .find(|m| m["role"] == "user")
+            .and_then(|m| m["content"].as_str())
+    }
+
+    /// The content of the last message.
+    pub fn last_message(&self) -> Option<&str> {
+        messages(&self.body)
+            .last()
+            .and_then(|m| m["content"].as_str())
+    }
+}
+
+fn messages(body: &Value) -> impl DoubleEndedIterator<Item = &Value> {
+    body["messages"]
+        .as_array()
+        .map(|a| a.iter())
+        .into_iter()
+        .flatten()
+}
+
+#[derive(Default)]
+struct Shared {
+    script: Mutex<Script>,
+    requests: Mutex<Vec<Recorded>>,
+}
+
+/// A scripted OpenAI-compatible chat server on 127.0.0.1.
+pub struct ScriptedOpenAi {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl ScriptedOpenAi {
+    /// Starts the server on an ephemeral port.
+    pub async fn start(script: Script) -> std::io::Result<Self> {
+        let shared = Arc::new(Shared {
+            script: Mutex::new(script),
+            ..Default::default()
+        });
+        let app = Router::new()
+            .route("/v1/chat/completions", post(chat))
+            .with_state(shared.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let server = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Ok(Self {
+            addr,
+            shared,
+            server,
+        })
+    }
+
+    /// Adds or replaces the replies for one task text.
+    pub fn set(&self, task: &str, replies: Vec<Reply>) {
+        if let Ok(mut s) = self.shared.script.lock() {
+            s.insert(task.to_owned(), replies);
+        }
+    }
+
+    /// The base URL to give Tandem (`http://127.0.0.1:PORT/v1`).
+    pub fn base_url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    /// Every request so far.
+    pub fn requests(&self) -> Vec<Recorded> {
+        self.shared
+            .requests
+            .lock()
+            .map(|r| r.clone())
+            .unwrap_or_default()
+    }
+
+    /// The requests whose first user message is `task`.
+    pub fn requests_for(&self, task: &str) -> Vec<Recorded> {
+        self.requests()
+            .into_iter()
+            .filter(|r| r.task() == Some(task))
+            .collect()
+    }
+}
+
+impl Drop for ScriptedOpenAi {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+fn error(status: u16, message: &str) -> Response {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let body =
+        json!({"error": {"message": message, "type": "scripted", "param": null, "code": null}});
+    (status, axum::Json(body)).into_response()
+}
+
+async fn chat(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    let Ok(body) = serde_json::from_slice::<Value>(&body) else {
+        return error(400, "body is not JSON");
+    };
+    let recorded = Recorded {
+        authorization: headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned),
+        body: body.clone(),
+        at: Instant::now(),
+    };
+    let task = recorded.task().unwrap_or("").to_owned();
+    if let Ok(mut r) = shared.requests.lock() {
+        r.push(recorded);
+    }
+    let turn = messages(&body).filter(|m| m["role"] == "assistant").count();
+    let reply = shared
+        .script
+        .lock()
+        .ok()
+        .and_then(|s| s.get(&task).and_then(|r| r.get(turn).cloned()));
+    let Some(mut reply) = reply else {
+        return error(400, &format!("no scripted reply {turn} for task {task:?}"));
+    };
+    loop {
+        match reply {
+            Reply::Delayed(wait, inner) => {
+                tokio::time::sleep(wait).await;
+                reply = *inner;
+            }
+            Reply::Error(status, message) => return error(status, &message),
+            Reply::Text(text) => return answer(&body, &text),
+        }
+    }
+}
+
+fn answer(request: &Value, text: &str) -> Response {
+    let model = request["model"].as_str().unwrap_or("scripted");
+    let prompt_chars: usize = messages(request)
+        .filter_map(|m| m["content"].as_str())
+        .map(str::len)
+        .sum();
+    let usage = json!({
+        "prompt_tokens": prompt_chars / 4 + 1,
+        "completion_tokens": text.len() / 4 + 1,
+        "total_tokens": prompt_chars / 4 + text.len() / 4 + 2,
+    });
+    if request["stream"] != true {
+        let body = json!({
+            "id": "chatcmpl-scripted", "object": "chat.completion", "created": 0, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+            "usage": usage,
+        });
+        return axum::Json(body).into_response();
+    }
+    let chunk = |delta: Value, finish: Value| {
+        json!({
+            "id": "chatcmpl-scripted", "object": "chat.completion.chunk", "created": 0, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        })
+    };
+    let mut sse = String::new();
+    let mut push = |v: Value| {
+        sse.push_str("data: ");
+        sse.push_str(&v.to_string());
+        sse.push_str("\n\n");
+    };
+    push(chunk(
+        json!({"role": "assistant", "content": ""}),
+        Value::Null,
+    ));
+    let chars: Vec<char> = text.chars().collect();
+    for piece in chars.chunks(24) {
+        push(chunk(
+            json!({"content": piece.iter().collect::<String>()}),
+            Value::Null,
+        ));
+    }
+    push(chunk(json!({}), json!("stop")));
+    if request["stream_options"]["include_usage"] == true {
+        push(json!({
+            "id": "chatcmpl-scripted", "object": "chat.completion.chunk", "created": 0,
+            "model": model, "choices": [], "usage": usage,
+        }));
+    }
+    sse.push_str("data: [DONE]\n\n");
+    ([(header::CONTENT_TYPE, "text/event-stream")], sse).into_response()
+}
+
+/// A script from `(task, replies)` pairs.
+pub fn script<const N: usize>(entries: [(&str, Vec<Reply>); N]) -> Script {
+    entries
+        .into_iter()
+        .map(|(task, replies)| (task.to_owned(), replies))
+        .collect()
+}
+
+/// Shorthand for a list of text replies.
+pub fn texts(replies: &[&str]) -> Vec<Reply> {
+    replies.iter().map(|r| Reply::from(*r)).collect()
+}

@@ -25,7 +25,11 @@ pub struct SessionSlot {
 impl SessionSlot {
     /// A slot that will open a session of `executor` with `spec` on first use.
     pub fn new(executor: Arc<dyn Executor>, spec: SessionSpec) -> Self {
-        Self { executor, spec, session: None }
+        Self {
+            executor,
+            spec,
+            session: None,
+        }
     }
 
     /// The executor behind this slot.
@@ -37,7 +41,9 @@ impl SessionSlot {
         if self.session.is_none() {
             self.session = Some(self.executor.open(self.spec.clone()).await?);
         }
-        self.session.as_mut().ok_or_else(|| ExecError::Backend("session vanished".to_owned()))
+        self.session
+            .as_mut()
+            .ok_or_else(|| ExecError::Backend("session vanished".to_owned()))
     }
 
     /// Closes the session if one was opened.
@@ -53,13 +59,17 @@ impl SessionSlot {
 const SHELL_WORDS: &[&str] = &[
     "pip", "pip3", "python", "python3", "node", "npm", "npx", "ls", "cd", "echo", "cat", "mkdir",
     "rm", "cp", "mv", "touch", "chmod", "grep", "find", "head", "tail", "wc", "curl", "wget",
-    "git", "export", "apt", "apt-get", "sudo", "sh", "bash", "set", "uname", "pwd", "which",
-    "env", "sleep", "sort", "uniq", "sed", "awk", "tar", "unzip", "make", "cargo", "go",
+    "git", "export", "apt", "apt-get", "sudo", "sh", "bash", "set", "uname", "pwd", "which", "env",
+    "sleep", "sort", "uniq", "sed", "awk", "tar", "unzip", "make", "cargo", "go",
 ];
 
 /// The language of an untagged block: its shebang, a shell command, or else Python.
 pub fn guess_language(code: &str) -> Language {
-    let first = code.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("");
+    let first = code
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("");
     if let Some(shebang) = first.strip_prefix("#!") {
         return if shebang.contains("python") {
             Language::python()
@@ -113,8 +123,10 @@ pub async fn run_blocks(
     let mut failed = false;
     for (i, block) in blocks.iter().enumerate() {
         let index = u32::try_from(i + 1).unwrap_or(u32::MAX);
-        let language =
-            block.language.as_deref().map_or_else(|| guess_language(&block.code), Language::new);
+        let language = block
+            .language
+            .as_deref()
+            .map_or_else(|| guess_language(&block.code), Language::new);
         (opts.events)(EventMsg::CodeBlock {
             turn: opts.turn,
             index,
@@ -128,11 +140,8 @@ pub async fn run_blocks(
         } else if language.is_data() {
             not_run(&language, BlockStatus::Skipped, "")
         } else if !slot.executor.supports(&language) {
-            let e = ExecError::unsupported(
-                &language,
-                slot.executor.name(),
-                slot.executor.languages(),
-            );
+            let e =
+                ExecError::unsupported(&language, slot.executor.name(), slot.executor.languages());
             not_run(&language, BlockStatus::Unsupported, &e.to_string())
         } else {
             match run_one(slot, &language, block, index, opts).await {
@@ -144,8 +153,16 @@ pub async fn run_blocks(
             }
         };
         failed |= !result.succeeded();
-        (opts.events)(EventMsg::ExecResult { turn: opts.turn, index, result: result.clone() });
-        runs.push(BlockRun { index, language, result });
+        (opts.events)(EventMsg::ExecResult {
+            turn: opts.turn,
+            index,
+            result: result.clone(),
+        });
+        runs.push(BlockRun {
+            index,
+            language,
+            result,
+        });
     }
     Ok(runs)
 }
@@ -159,14 +176,20 @@ async fn run_one(
 ) -> Result<ExecOutcome, ExecError> {
     let events = opts.events.clone();
     let turn = opts.turn;
-    let ctx = ExecContext::new(opts.cancel.child_token()).with_sink(Arc::new(move |stream, bytes| {
-        let stream = match stream {
-            Stream::Stdout => OutputStream::Stdout,
-            Stream::Stderr => OutputStream::Stderr,
-        };
-        let text = String::from_utf8_lossy(bytes).into_owned();
-        events(EventMsg::ExecOutput { turn, index, stream, text });
-    }));
+    let ctx =
+        ExecContext::new(opts.cancel.child_token()).with_sink(Arc::new(move |stream, bytes| {
+            let stream = match stream {
+                Stream::Stdout => OutputStream::Stdout,
+                Stream::Stderr => OutputStream::Stderr,
+            };
+            let text = String::from_utf8_lossy(bytes).into_owned();
+            events(EventMsg::ExecOutput {
+                turn,
+                index,
+                stream,
+                text,
+            });
+        }));
     let mut req = ExecRequest::new(language.clone(), block.code.clone());
     req.timeout = opts.timeout;
     slot.session().await?.run(req, ctx).await
@@ -205,7 +228,7 @@ pub fn to_result(language: &Language, outcome: ExecOutcome) -> BlockResult {
             9 => " (SIGKILL)",
             _ => "",
         };
-        let _ = write!(stderr, "{}killed by signal {sig}{why}\n", sep(&stderr));
+        let _ = writeln!(stderr, "{}killed by signal {sig}{why}", sep(&stderr));
     }
     BlockResult {
         language: Some(language.to_string()),
@@ -219,7 +242,11 @@ pub fn to_result(language: &Language, outcome: ExecOutcome) -> BlockResult {
 }
 
 fn sep(s: &str) -> &'static str {
-    if s.is_empty() || s.ends_with('\n') { "" } else { "\n" }
+    if s.is_empty() || s.ends_with('\n') {
+        ""
+    } else {
+        "\n"
+    }
 }
 
 /// The conventional exit code for a result (124 on timeout, 128+n when killed).
@@ -236,7 +263,12 @@ pub fn exit_code_of(result: &BlockResult) -> i32 {
 
 /// What the executor agent tells the model after running a reply's blocks, in AutoGen's
 /// `exitcode: N (execution succeeded|failed)\nCode output: ...` shape plus notes.
-pub fn report(runs: &[BlockRun], block_timeout: Duration, output_cap: usize, termination: &str) -> String {
+pub fn report(
+    runs: &[BlockRun],
+    block_timeout: Duration,
+    output_cap: usize,
+    termination: &str,
+) -> String {
     let ran: Vec<&BlockRun> = runs
         .iter()
         .filter(|r| !matches!(r.result.status, BlockStatus::Skipped | BlockStatus::NotRun))
@@ -286,11 +318,19 @@ pub fn report(runs: &[BlockRun], block_timeout: Duration, output_cap: usize, ter
             _ => {}
         }
     }
-    let last = ran.iter().rev().find(|r| !r.result.succeeded()).or(ran.last());
+    let last = ran
+        .iter()
+        .rev()
+        .find(|r| !r.result.succeeded())
+        .or(ran.last());
     let mut text = match last {
         Some(r) => {
             let code = exit_code_of(&r.result);
-            let verdict = if r.result.succeeded() { "execution succeeded" } else { "execution failed" };
+            let verdict = if r.result.succeeded() {
+                "execution succeeded"
+            } else {
+                "execution failed"
+            };
             format!("exitcode: {code} ({verdict})\nCode output: {output}")
         }
         None => no_code_nudge(termination),
@@ -319,7 +359,10 @@ mod tests {
     fn guesses_untagged_languages() {
         assert_eq!(guess_language("pip install x\n"), Language::sh());
         assert_eq!(guess_language("$ ls -la"), Language::sh());
-        assert_eq!(guess_language("#!/usr/bin/env node\nconsole.log(1)"), Language::javascript());
+        assert_eq!(
+            guess_language("#!/usr/bin/env node\nconsole.log(1)"),
+            Language::javascript()
+        );
         assert_eq!(guess_language("print(1)"), Language::python());
         assert_eq!(guess_language("import os\n"), Language::python());
         assert_eq!(guess_language("set(x)"), Language::python());

@@ -5,6 +5,7 @@ use std::time::Duration;
 use async_openai::Client;
 use async_openai::config::OpenAIConfig;
 use async_openai::error::OpenAIError;
+use async_openai::middleware::ReqwestService;
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::json;
@@ -65,7 +66,10 @@ pub struct ModelError {
 
 impl From<ModelError> for ErrorInfo {
     fn from(e: ModelError) -> Self {
-        ErrorInfo { code: e.code, message: e.message }
+        ErrorInfo {
+            code: e.code,
+            message: e.message,
+        }
     }
 }
 
@@ -138,7 +142,10 @@ impl ChatModel {
         let openai = OpenAIConfig::new()
             .with_api_base(config.base_url.clone())
             .with_api_key(config.api_key.clone().unwrap_or_default());
-        Ok(Self { client: Client::with_config(openai).with_http_client(http), config })
+        // async-openai retries 429/5xx/connect errors itself, invisibly and a fixed number of
+        // times; its plain transport leaves the retry policy (and its events) to `complete`.
+        let client = Client::with_config(openai).with_http_service(ReqwestService::new(http));
+        Ok(Self { client, config })
     }
 
     /// The configuration in use.
@@ -164,7 +171,11 @@ impl ChatModel {
                     attempt += 1;
                     let delay = self.config.retry_base * 2u32.saturating_pow(attempt - 1);
                     tracing::warn!(attempt, ?delay, error = %e.message, "model call failed; retrying");
-                    progress(ModelProgress::Retry { attempt, delay, reason: &e.message });
+                    progress(ModelProgress::Retry {
+                        attempt,
+                        delay,
+                        reason: &e.message,
+                    });
                     tokio::time::sleep(delay).await;
                 }
                 other => return other,
@@ -231,7 +242,10 @@ impl ChatModel {
             .map_err(|e| self.classify(e))?;
         let choice = reply.choices.into_iter().next();
         Ok(Completion {
-            text: choice.as_ref().and_then(|c| c.message.content.clone()).unwrap_or_default(),
+            text: choice
+                .as_ref()
+                .and_then(|c| c.message.content.clone())
+                .unwrap_or_default(),
             usage: reply.usage.map(Into::into),
             finish_reason: choice.and_then(|c| c.finish_reason),
         })
@@ -258,7 +272,10 @@ impl ChatModel {
             OpenAIError::Reqwest(e) => (
                 ErrorCode::ModelUnreachable,
                 true,
-                format!("talking to the model server at {url} failed: {}", root_cause(&e)),
+                format!(
+                    "talking to the model server at {url} failed: {}",
+                    root_cause(&e)
+                ),
             ),
             OpenAIError::ApiError(resp) => {
                 let status = resp.status_code.as_u16();
@@ -281,12 +298,16 @@ impl ChatModel {
                     408 | 409 | 429 | 500..=599 => (
                         ErrorCode::ModelUnavailable,
                         true,
-                        format!("the model server at {url} answered {status} for model `{model}`: {detail}"),
+                        format!(
+                            "the model server at {url} answered {status} for model `{model}`: {detail}"
+                        ),
                     ),
                     _ => (
                         ErrorCode::ModelRequest,
                         false,
-                        format!("the model server at {url} refused the request for model `{model}` ({status}: {detail})"),
+                        format!(
+                            "the model server at {url} refused the request for model `{model}` ({status}: {detail})"
+                        ),
                     ),
                 }
             }
@@ -294,12 +315,16 @@ impl ChatModel {
                 Some(msg) if msg.contains("not found") => (
                     ErrorCode::ModelNotFound,
                     false,
-                    format!("model `{model}` was not found at {url}: {msg}; check --model/TANDEM_MODEL"),
+                    format!(
+                        "model `{model}` was not found at {url}: {msg}; check --model/TANDEM_MODEL"
+                    ),
                 ),
                 Some(msg) => (
                     ErrorCode::ModelRequest,
                     false,
-                    format!("the model server at {url} refused the request for model `{model}`: {msg}"),
+                    format!(
+                        "the model server at {url} refused the request for model `{model}`: {msg}"
+                    ),
                 ),
                 None => (
                     ErrorCode::ModelProtocol,
@@ -313,15 +338,25 @@ impl ChatModel {
             OpenAIError::StreamError(e) => (
                 ErrorCode::ModelUnavailable,
                 true,
-                format!("the reply stream from {url} broke off: {}", one_line(&e.to_string())),
+                format!(
+                    "the reply stream from {url} broke off: {}",
+                    one_line(&e.to_string())
+                ),
             ),
             other => (
                 ErrorCode::Internal,
                 false,
-                format!("calling the model at {url} failed: {}", one_line(&other.to_string())),
+                format!(
+                    "calling the model at {url} failed: {}",
+                    one_line(&other.to_string())
+                ),
             ),
         };
-        ModelError { code, message, retryable }
+        ModelError {
+            code,
+            message,
+            retryable,
+        }
     }
 }
 
@@ -348,7 +383,9 @@ fn ollama_style_error(body: &str) -> Option<String> {
     struct E {
         error: String,
     }
-    serde_json::from_str::<E>(body).ok().map(|e| one_line(&e.error))
+    serde_json::from_str::<E>(body)
+        .ok()
+        .map(|e| one_line(&e.error))
 }
 
 // Lenient wire types: servers differ in which fields they send, and we need only these.
@@ -405,6 +442,9 @@ struct WireUsage {
 
 impl From<WireUsage> for Usage {
     fn from(u: WireUsage) -> Self {
-        Usage { prompt_tokens: u.prompt_tokens, completion_tokens: u.completion_tokens }
+        Usage {
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+        }
     }
 }

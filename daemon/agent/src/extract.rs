@@ -80,7 +80,11 @@ fn strip_tag_lines(html: &str) -> String {
     html.lines()
         .map(|line| {
             let t = line.trim();
-            if t.starts_with('<') && t.ends_with('>') { "" } else { line }
+            if t.starts_with('<') && t.ends_with('>') {
+                ""
+            } else {
+                line
+            }
         })
         .collect::<Vec<_>>()
         .join("\n")
@@ -101,13 +105,21 @@ fn language_of(info: &str) -> Option<String> {
 fn is_closed(source: &str) -> bool {
     let source = source.trim_end_matches(['\n', '\r']);
     let mut lines = source.lines();
-    let Some(open) = lines.next() else { return false };
+    let Some(open) = lines.next() else {
+        return false;
+    };
     let open = open.trim_start();
-    let Some(fence_char) = open.chars().next() else { return false };
+    let Some(fence_char) = open.chars().next() else {
+        return false;
+    };
     let fence_len = open.chars().take_while(|c| *c == fence_char).count();
-    let Some(last) = lines.last() else { return false };
+    let Some(last) = lines.last() else {
+        return false;
+    };
     // Closing lines inside block quotes carry their `>` markers.
-    let last = last.trim().trim_start_matches(|c: char| c == '>' || c.is_whitespace());
+    let last = last
+        .trim()
+        .trim_start_matches(|c: char| c == '>' || c.is_whitespace());
     let close_len = last.chars().take_while(|c| *c == fence_char).count();
     close_len >= fence_len && last.chars().all(|c| c == fence_char)
 }
@@ -127,7 +139,8 @@ mod tests {
 
     #[test]
     fn backtick_and_tilde_fences_of_any_length() {
-        let md = "a\n```py\nprint(1)\n```\n~~~bash\necho hi\n~~~\n`````js\nconsole.log('```')\n`````\n";
+        let md =
+            "a\n```py\nprint(1)\n```\n~~~bash\necho hi\n~~~\n`````js\nconsole.log('```')\n`````\n";
         assert_eq!(
             extract_code_blocks(md),
             vec![
@@ -156,14 +169,22 @@ mod tests {
         let md = "```python title=\"x.py\"\r\nprint(1)\r\nprint(2)\r\n```\r\n";
         assert_eq!(
             extract_code_blocks(md),
-            vec![one(Some("python"), "python title=\"x.py\"", "print(1)\nprint(2)\n", false)]
+            vec![one(
+                Some("python"),
+                "python title=\"x.py\"",
+                "print(1)\nprint(2)\n",
+                false
+            )]
         );
     }
 
     #[test]
     fn never_indented_or_inline_and_skips_empty() {
         let md = "Use `print(1)` inline.\n\n    indented = True\n\n```python\n   \n```\n\n```\nuntagged\n```\n";
-        assert_eq!(extract_code_blocks(md), vec![one(None, "", "untagged\n", false)]);
+        assert_eq!(
+            extract_code_blocks(md),
+            vec![one(None, "", "untagged\n", false)]
+        );
     }
 
     #[test]
@@ -171,7 +192,12 @@ mod tests {
         let md = "Here:\n```python\nfor i in range(3):\n    print(i)";
         assert_eq!(
             extract_code_blocks(md),
-            vec![one(Some("python"), "python", "for i in range(3):\n    print(i)", true)]
+            vec![one(
+                Some("python"),
+                "python",
+                "for i in range(3):\n    print(i)",
+                true
+            )]
         );
         let md = "````python\nprint('```')\n```\n";
         assert!(extract_code_blocks(md)[0].unterminated);

@@ -101,7 +101,17 @@ pub async fn run_task(
         turns: 0,
         summary: None,
     };
-    let ended = turn_loop(&settings, model, &mut slot, &events, &stop, &mut state, block_timeout, output_cap).await;
+    let ended = turn_loop(
+        &settings,
+        model,
+        &mut slot,
+        &events,
+        &stop,
+        &mut state,
+        block_timeout,
+        output_cap,
+    )
+    .await;
     if let Some(timer) = timer {
         timer.abort();
     }
@@ -110,8 +120,11 @@ pub async fn run_task(
         Err(info) => (StopReason::Error, Some(info)),
     };
     if stop.is_cancelled() && stop_reason != StopReason::Terminated {
-        stop_reason =
-            if timed_out.load(Ordering::SeqCst) { StopReason::Timeout } else { StopReason::Cancelled };
+        stop_reason = if timed_out.load(Ordering::SeqCst) {
+            StopReason::Timeout
+        } else {
+            StopReason::Cancelled
+        };
         error = None;
     }
     if let Err(e) = slot.close().await {
@@ -162,9 +175,16 @@ async fn turn_loop(
         events(EventMsg::TurnStarted { turn });
         let mut progress = |p: ModelProgress<'_>| match p {
             ModelProgress::Delta(text) => {
-                events(EventMsg::AssistantDelta { turn, text: text.to_owned() });
+                events(EventMsg::AssistantDelta {
+                    turn,
+                    text: text.to_owned(),
+                });
             }
-            ModelProgress::Retry { attempt, delay, reason } => events(EventMsg::ModelRetry {
+            ModelProgress::Retry {
+                attempt,
+                delay,
+                reason,
+            } => events(EventMsg::ModelRetry {
                 turn,
                 attempt,
                 delay_ms: u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
@@ -178,8 +198,14 @@ async fn turn_loop(
         if let Some(u) = reply.usage {
             state.usage.add(u);
         }
-        events(EventMsg::AssistantMessage { turn, text: reply.text.clone(), usage: reply.usage });
-        state.transcript.push(Message::new(Role::Assistant, reply.text.clone()));
+        events(EventMsg::AssistantMessage {
+            turn,
+            text: reply.text.clone(),
+            usage: reply.usage,
+        });
+        state
+            .transcript
+            .push(Message::new(Role::Assistant, reply.text.clone()));
 
         let mut code_blocks = extract_code_blocks(&reply.text);
         let before = code_blocks.len();
@@ -199,10 +225,12 @@ async fn turn_loop(
                 cancel: stop.clone(),
                 events: events.clone(),
             };
-            let runs = blocks::run_blocks(slot, &code_blocks, &opts).await.map_err(|e| ErrorInfo {
-                code: ErrorCode::Executor,
-                message: format!("the {} executor failed: {e}", slot.executor().name()),
-            })?;
+            let runs = blocks::run_blocks(slot, &code_blocks, &opts)
+                .await
+                .map_err(|e| ErrorInfo {
+                    code: ErrorCode::Executor,
+                    message: format!("the {} executor failed: {e}", slot.executor().name()),
+                })?;
             if stop.is_cancelled() {
                 return Ok(StopReason::Cancelled);
             }
@@ -210,12 +238,18 @@ async fn turn_loop(
         };
         // Code in a terminating reply still runs and is recorded; then the task ends.
         if terminate {
-            events(EventMsg::ExecutorMessage { turn, text: report.clone() });
+            events(EventMsg::ExecutorMessage {
+                turn,
+                text: report.clone(),
+            });
             state.transcript.push(Message::new(Role::User, report));
             state.summary = Some(strip_termination(&reply.text, word));
             return Ok(StopReason::Terminated);
         }
-        events(EventMsg::ExecutorMessage { turn, text: report.clone() });
+        events(EventMsg::ExecutorMessage {
+            turn,
+            text: report.clone(),
+        });
         state.transcript.push(Message::new(Role::User, report));
     }
     Ok(StopReason::MaxTurns)

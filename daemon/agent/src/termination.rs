@@ -12,7 +12,9 @@ pub fn says_terminate(reply: &str, word: &str) -> bool {
     let tail = prose.trim_end_matches(|c: char| {
         c.is_whitespace() || matches!(c, '.' | '!' | '*' | '_' | '"' | '\'' | ')' | '`')
     });
-    let Some(before) = tail.strip_suffix(word) else { return false };
+    let Some(before) = tail.strip_suffix(word) else {
+        return false;
+    };
     !before.chars().next_back().is_some_and(is_word_char)
 }
 
@@ -63,7 +65,10 @@ mod tests {
         assert!(says_terminate("All good. TERMINATE.", t));
         assert!(says_terminate("**TERMINATE**", t));
         assert!(says_terminate("TERMINATE\n\n```python\nprint(1)\n```\n", t));
-        assert!(!says_terminate("I will say TERMINATE when done. Running:\n```python\nx\n```", t));
+        assert!(!says_terminate(
+            "I will say TERMINATE when done. Running:\n```python\nx\n```",
+            t
+        ));
         assert!(!says_terminate("terminate", t));
         assert!(!says_terminate("NOT_TERMINATE", t));
         assert!(!says_terminate("```python\nprint('TERMINATE')\n```", t));
@@ -75,6 +80,9 @@ mod tests {
     fn termination_blocks_and_summary() {
         assert!(is_termination_block("TERMINATE\n", "TERMINATE"));
         assert!(!is_termination_block("print('TERMINATE')", "TERMINATE"));
-        assert_eq!(strip_termination("The answer is 4.\nTERMINATE", "TERMINATE"), "The answer is 4.");
+        assert_eq!(
+            strip_termination("The answer is 4.\nTERMINATE", "TERMINATE"),
+            "The answer is 4."
+        );
     }
 }

@@ -340,6 +340,9 @@ pub enum Role {
 impl Message {
     /// A message with `role` and `content`.
     pub fn new(role: Role, content: impl Into<String>) -> Self {
-        Self { role, content: content.into() }
+        Self {
+            role,
+            content: content.into(),
+        }
     }
 }

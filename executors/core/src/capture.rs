@@ -15,7 +15,12 @@ pub struct CaptureBuffer {
 impl CaptureBuffer {
     /// A buffer that keeps at most `cap` bytes.
     pub fn new(cap: usize) -> Self {
-        Self { cap, head: Vec::new(), tail: VecDeque::new(), total: 0 }
+        Self {
+            cap,
+            head: Vec::new(),
+            tail: VecDeque::new(),
+            total: 0,
+        }
     }
 
     /// Appends `data`; returns how many of its leading bytes fall within the first `cap`
@@ -23,7 +28,9 @@ impl CaptureBuffer {
     pub fn push(&mut self, data: &[u8]) -> usize {
         let before = self.total;
         self.total += data.len() as u64;
-        let live = (self.cap as u64).saturating_sub(before).min(data.len() as u64) as usize;
+        let live = (self.cap as u64)
+            .saturating_sub(before)
+            .min(data.len() as u64) as usize;
         let head_cap = self.cap / 2 + self.cap % 2;
         let tail_cap = self.cap / 2;
         let to_head = head_cap.saturating_sub(self.head.len()).min(data.len());
@@ -45,7 +52,11 @@ impl CaptureBuffer {
 
     /// Freezes what was kept.
     pub fn finish(self) -> Captured {
-        Captured { head: self.head, tail: self.tail.into(), total: self.total }
+        Captured {
+            head: self.head,
+            tail: self.tail.into(),
+            total: self.total,
+        }
     }
 }
 

@@ -15,7 +15,9 @@ pub enum ExecError {
         available: String,
     },
     /// The executor does not run this language.
-    #[error("language `{language}` is not supported by the {executor} executor; supported: {supported}")]
+    #[error(
+        "language `{language}` is not supported by the {executor} executor; supported: {supported}"
+    )]
     UnsupportedLanguage {
         /// The language asked for.
         language: Language,
@@ -58,7 +60,10 @@ pub enum ExecError {
 impl ExecError {
     /// Wraps an I/O error with what was being done.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
-        Self::Io { context: context.into(), source }
+        Self::Io {
+            context: context.into(),
+            source,
+        }
     }
 }
 

@@ -128,7 +128,11 @@ impl fmt::Display for Language {
 
 /// Joins language names for messages: `python, sh`.
 pub(crate) fn join(langs: &[Language]) -> String {
-    langs.iter().map(Language::as_str).collect::<Vec<_>>().join(", ")
+    langs
+        .iter()
+        .map(Language::as_str)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 #[cfg(test)]

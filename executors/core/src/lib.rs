@@ -61,8 +61,11 @@ pub trait Executor: Send + Sync + 'static {
 /// One task's sandbox. Dropping it without [`Session::close`] must still clean up.
 pub trait Session: Send {
     /// Runs one block to completion, timeout or cancellation.
-    fn run(&mut self, req: ExecRequest, ctx: ExecContext)
-    -> BoxFuture<'_, Result<ExecOutcome, ExecError>>;
+    fn run(
+        &mut self,
+        req: ExecRequest,
+        ctx: ExecContext,
+    ) -> BoxFuture<'_, Result<ExecOutcome, ExecError>>;
     /// The host directory that holds the session's files, if it has one.
     fn workspace(&self) -> Option<&Path>;
     /// Releases the sandbox (processes, containers, temporary files).
@@ -95,7 +98,11 @@ pub struct ExecRequest {
 impl ExecRequest {
     /// A request with the session's default timeout.
     pub fn new(language: Language, code: impl Into<String>) -> Self {
-        Self { language, code: code.into(), timeout: None }
+        Self {
+            language,
+            code: code.into(),
+            timeout: None,
+        }
     }
 }
 
@@ -123,7 +130,10 @@ pub struct ExecContext {
 impl ExecContext {
     /// A context that discards live output.
     pub fn new(cancel: CancellationToken) -> Self {
-        Self { cancel, sink: Arc::new(|_, _| {}) }
+        Self {
+            cancel,
+            sink: Arc::new(|_, _| {}),
+        }
     }
 
     /// Sends live output to `sink`.
@@ -135,7 +145,9 @@ impl ExecContext {
 
 impl std::fmt::Debug for ExecContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ExecContext").field("cancel", &self.cancel).finish_non_exhaustive()
+        f.debug_struct("ExecContext")
+            .field("cancel", &self.cancel)
+            .finish_non_exhaustive()
     }
 }
 

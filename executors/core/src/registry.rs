@@ -23,10 +23,13 @@ impl Registry {
 
     /// Looks an executor up, with an error that lists what is registered.
     pub fn get(&self, name: &str) -> Result<Arc<dyn Executor>, ExecError> {
-        self.executors.get(name).cloned().ok_or_else(|| ExecError::UnknownExecutor {
-            name: name.to_owned(),
-            available: self.names().join(", "),
-        })
+        self.executors
+            .get(name)
+            .cloned()
+            .ok_or_else(|| ExecError::UnknownExecutor {
+                name: name.to_owned(),
+                available: self.names().join(", "),
+            })
     }
 
     /// Registered names, sorted.

@@ -6,7 +6,10 @@ use std::path::{Component, Path, PathBuf};
 /// C-like languages), if the block has one.
 pub fn filename_directive(code: &str) -> Option<&str> {
     let first = code.lines().next()?.trim();
-    let rest = first.strip_prefix('#').or_else(|| first.strip_prefix("//"))?.trim_start();
+    let rest = first
+        .strip_prefix('#')
+        .or_else(|| first.strip_prefix("//"))?
+        .trim_start();
     let name = rest.strip_prefix("filename:")?.trim();
     (!name.is_empty()).then_some(name)
 }
@@ -15,7 +18,9 @@ pub fn filename_directive(code: &str) -> Option<&str> {
 #[derive(Debug, thiserror::Error)]
 pub enum PathError {
     /// The path is absolute or climbs out with `..`.
-    #[error("refused to write `{0}`: the path must stay inside the workspace (a relative path without `..` above it)")]
+    #[error(
+        "refused to write `{0}`: the path must stay inside the workspace (a relative path without `..` above it)"
+    )]
     Outside(String),
     /// A symlink inside the workspace points out of it.
     #[error("refused to write `{0}`: it resolves outside the workspace through a symbolic link")]
@@ -51,7 +56,10 @@ pub fn resolve_inside(root: &Path, rel: &str) -> Result<PathBuf, PathError> {
     let Some(file_name) = clean.file_name().map(ToOwned::to_owned) else {
         return Err(outside());
     };
-    let io = |source| PathError::Io { path: rel.to_owned(), source };
+    let io = |source| PathError::Io {
+        path: rel.to_owned(),
+        source,
+    };
     let root = root.canonicalize().map_err(io)?;
     let parent = root.join(clean.parent().unwrap_or(Path::new("")));
     std::fs::create_dir_all(&parent).map_err(io)?;
@@ -78,7 +86,10 @@ mod tests {
 
     #[test]
     fn directive_forms() {
-        assert_eq!(filename_directive("# filename: a/b.py\nprint(1)"), Some("a/b.py"));
+        assert_eq!(
+            filename_directive("# filename: a/b.py\nprint(1)"),
+            Some("a/b.py")
+        );
         assert_eq!(filename_directive("// filename: app.js\n"), Some("app.js"));
         assert_eq!(filename_directive("#filename:x.sh"), Some("x.sh"));
         assert_eq!(filename_directive("# a comment\n"), None);
@@ -91,13 +102,31 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("tandem-ws-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let root = dir.canonicalize().unwrap();
-        assert_eq!(resolve_inside(&dir, "a/b/c.py").unwrap(), root.join("a/b/c.py"));
-        assert_eq!(resolve_inside(&dir, "./x/../y.py").unwrap(), root.join("y.py"));
-        assert!(matches!(resolve_inside(&dir, "../evil.py"), Err(PathError::Outside(_))));
-        assert!(matches!(resolve_inside(&dir, "/etc/passwd"), Err(PathError::Outside(_))));
-        assert!(matches!(resolve_inside(&dir, "a/../../x"), Err(PathError::Outside(_))));
+        assert_eq!(
+            resolve_inside(&dir, "a/b/c.py").unwrap(),
+            root.join("a/b/c.py")
+        );
+        assert_eq!(
+            resolve_inside(&dir, "./x/../y.py").unwrap(),
+            root.join("y.py")
+        );
+        assert!(matches!(
+            resolve_inside(&dir, "../evil.py"),
+            Err(PathError::Outside(_))
+        ));
+        assert!(matches!(
+            resolve_inside(&dir, "/etc/passwd"),
+            Err(PathError::Outside(_))
+        ));
+        assert!(matches!(
+            resolve_inside(&dir, "a/../../x"),
+            Err(PathError::Outside(_))
+        ));
         std::os::unix::fs::symlink("/tmp", dir.join("out")).unwrap();
-        assert!(matches!(resolve_inside(&dir, "out/x.py"), Err(PathError::ThroughLink(_))));
+        assert!(matches!(
+            resolve_inside(&dir, "out/x.py"),
+            Err(PathError::ThroughLink(_))
+        ));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -40,7 +40,12 @@ impl Interpreters {
             }
         }
         dirs.push(path.to_owned());
-        Self { python, node, sh, path_env: dirs.join(":") }
+        Self {
+            python,
+            node,
+            sh,
+            path_env: dirs.join(":"),
+        }
     }
 
     /// Languages runnable with what PATH holds, without starting anything.
@@ -69,16 +74,22 @@ impl Interpreters {
 
 fn which(name: &str, path: &str) -> Option<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
-    path.split(':').filter(|d| !d.is_empty()).map(|d| Path::new(d).join(name)).find(|p| {
-        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-    })
+    path.split(':')
+        .filter(|d| !d.is_empty())
+        .map(|d| Path::new(d).join(name))
+        .find(|p| {
+            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
 }
 
 /// A script (`#!`) named python3 is a version-manager shim costing ~100 ms per start; ask it
 /// once for the real binary.
 fn resolve_shim(path: &Path) -> Option<PathBuf> {
     let mut magic = [0u8; 2];
-    std::fs::File::open(path).ok()?.read_exact(&mut magic).ok()?;
+    std::fs::File::open(path)
+        .ok()?
+        .read_exact(&mut magic)
+        .ok()?;
     if &magic != b"#!" {
         return None;
     }

@@ -43,17 +43,23 @@ impl Drop for TreeKiller {
 
 /// Sends SIGKILL to every live process whose environment holds `marker`; returns how many.
 fn kill_marked(marker: &[u8]) -> usize {
-    let Ok(entries) = std::fs::read_dir("/proc") else { return 0 };
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
     let me = std::process::id();
     let mut killed = 0;
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+        let Some(pid) = name.to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
         if pid == me {
             continue;
         }
         // Other users' processes are unreadable and cannot be ours; zombies read as empty.
-        let Ok(environ) = std::fs::read(entry.path().join("environ")) else { continue };
+        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
+            continue;
+        };
         if environ.split(|b| *b == 0).any(|var| var == marker) {
             if let Ok(pid) = i32::try_from(pid) {
                 if kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok() {

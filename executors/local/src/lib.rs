@@ -50,21 +50,32 @@ struct Inner {
 
 impl Inner {
     fn interpreters(&self) -> &Interpreters {
-        self.interpreters.get_or_init(|| Interpreters::discover(&self.config, &self.path))
+        self.interpreters
+            .get_or_init(|| Interpreters::discover(&self.config, &self.path))
     }
 }
 
 impl LocalExecutor {
     /// Finds the interpreters on PATH; a missing python or node just drops that language.
     pub fn new(config: LocalConfig) -> Self {
-        let path = config.path.clone().or_else(|| std::env::var("PATH").ok()).unwrap_or_else(
-            || "/usr/local/bin:/usr/bin:/bin".to_owned(),
-        );
+        let path = config
+            .path
+            .clone()
+            .or_else(|| std::env::var("PATH").ok())
+            .unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".to_owned());
         let languages = Interpreters::languages_on(&config, &path);
         let lang = std::env::var("LANG").unwrap_or_else(|_| "C.UTF-8".to_owned());
         let mut env = vec![("LANG".to_owned(), lang)];
         env.extend(config.env.iter().cloned());
-        Self { inner: Arc::new(Inner { config, path, interpreters: OnceLock::new(), languages, env }) }
+        Self {
+            inner: Arc::new(Inner {
+                config,
+                path,
+                interpreters: OnceLock::new(),
+                languages,
+                env,
+            }),
+        }
     }
 
     /// The interpreters, resolved on first call (this may start `python3` once).
@@ -87,7 +98,9 @@ impl Executor for LocalExecutor {
         Box::pin(async move {
             let session = tokio::task::spawn_blocking(move || LocalSession::create(inner, spec))
                 .await
-                .map_err(|e| ExecError::Backend(format!("opening a local session failed: {e}")))??;
+                .map_err(|e| {
+                    ExecError::Backend(format!("opening a local session failed: {e}"))
+                })??;
             Ok(Box::new(session) as Box<dyn Session>)
         })
     }
@@ -131,7 +144,14 @@ impl LocalSession {
                 (dir.path().to_owned(), Some(dir))
             }
         };
-        Ok(Self { inner, workspace, owned_workspace, scratch, limits: spec.limits, blocks: 0 })
+        Ok(Self {
+            inner,
+            workspace,
+            owned_workspace,
+            scratch,
+            limits: spec.limits,
+            blocks: 0,
+        })
     }
 }
 
@@ -153,7 +173,11 @@ impl Session for LocalSession {
 
     fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
         Box::pin(async move {
-            let Self { owned_workspace, scratch, .. } = *self;
+            let Self {
+                owned_workspace,
+                scratch,
+                ..
+            } = *self;
             tokio::task::spawn_blocking(move || {
                 let mut result = scratch.close();
                 if let Some(ws) = owned_workspace {

@@ -1,7 +1,6 @@
 //! Running one block: write it to a file, spawn it sandboxed, capture, time out, clean up.
 
 use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -28,18 +27,22 @@ pub(crate) async fn run_block(
 ) -> Result<ExecOutcome, ExecError> {
     let interpreters = session.inner.interpreters();
     let Some(program) = interpreters.program(&req.language) else {
-        return Err(ExecError::unsupported(&req.language, "local", &session.inner.languages));
+        return Err(ExecError::unsupported(
+            &req.language,
+            "local",
+            &session.inner.languages,
+        ));
     };
     let script = match filename_directive(&req.code) {
         Some(name) => match resolve_inside(&session.workspace, name) {
             Ok(path) => path,
             Err(e) => return Ok(ExecOutcome::refused(&e.to_string())),
         },
-        None => session
-            .scratch
-            .path()
-            .join("blocks")
-            .join(format!("block_{}.{}", session.blocks, req.language.extension())),
+        None => session.scratch.path().join("blocks").join(format!(
+            "block_{}.{}",
+            session.blocks,
+            req.language.extension()
+        )),
     };
     tokio::fs::write(&script, &req.code)
         .await
@@ -93,12 +96,30 @@ pub(crate) async fn run_block(
     let killer = TreeKiller::new(child.id(), &exec_id);
     let stop_reading = CancellationToken::new();
     let readers = [
-        child.stdout.take().map(|r| Box::new(r) as Box<dyn AsyncRead + Send + Unpin>),
-        child.stderr.take().map(|r| Box::new(r) as Box<dyn AsyncRead + Send + Unpin>),
+        child
+            .stdout
+            .take()
+            .map(|r| Box::new(r) as Box<dyn AsyncRead + Send + Unpin>),
+        child
+            .stderr
+            .take()
+            .map(|r| Box::new(r) as Box<dyn AsyncRead + Send + Unpin>),
     ];
     let [out, err] = readers;
-    let out = tokio::spawn(capture(out, Stream::Stdout, limits.output_bytes, ctx.sink.clone(), stop_reading.clone()));
-    let err = tokio::spawn(capture(err, Stream::Stderr, limits.output_bytes, ctx.sink.clone(), stop_reading.clone()));
+    let out = tokio::spawn(capture(
+        out,
+        Stream::Stdout,
+        limits.output_bytes,
+        ctx.sink.clone(),
+        stop_reading.clone(),
+    ));
+    let err = tokio::spawn(capture(
+        err,
+        Stream::Stderr,
+        limits.output_bytes,
+        ctx.sink.clone(),
+        stop_reading.clone(),
+    ));
 
     let status = tokio::select! {
         status = child.wait() => match status {
@@ -129,7 +150,12 @@ pub(crate) async fn run_block(
     let stdout = out.await.unwrap_or_default();
     let stderr = err.await.unwrap_or_default();
     grace.abort();
-    Ok(ExecOutcome { status, stdout, stderr, duration })
+    Ok(ExecOutcome {
+        status,
+        stdout,
+        stderr,
+        duration,
+    })
 }
 
 async fn capture(
@@ -140,7 +166,9 @@ async fn capture(
     stop: CancellationToken,
 ) -> Captured {
     let mut buf = CaptureBuffer::new(cap);
-    let Some(mut reader) = reader else { return buf.finish() };
+    let Some(mut reader) = reader else {
+        return buf.finish();
+    };
     let mut chunk = vec![0u8; 64 << 10];
     loop {
         let n = tokio::select! {
@@ -157,4 +185,3 @@ async fn capture(
     }
     buf.finish()
 }
-

@@ -1,0 +1,168 @@
+//! Settings resolved once, in this order: flags, then environment, then `tandem.toml`, then
+//! defaults. Nothing reads the environment after this.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use serde::Deserialize;
+use tandem_agent::ModelConfig;
+use tandem_executor::Limits;
+use tandem_executor_local::LocalConfig;
+
+/// The contents of `tandem.toml`; unknown keys are rejected so typos do not pass silently.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    #[serde(default)]
+    pub model: ModelSection,
+    #[serde(default)]
+    pub task: TaskSection,
+    #[serde(default)]
+    pub limits: Option<Limits>,
+    #[serde(default)]
+    pub executors: ExecutorsSection,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    pub base_url: Option<String>,
+    pub model: Option<String>,
+    pub api_key: Option<String>,
+    pub stream: Option<bool>,
+    pub max_retries: Option<u32>,
+    pub temperature: Option<f32>,
+    pub max_tokens: Option<u32>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskSection {
+    pub executor: Option<String>,
+    pub max_turns: Option<u32>,
+    pub timeout_secs: Option<u64>,
+    pub termination: Option<String>,
+    pub system_prompt_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecutorsSection {
+    #[serde(default)]
+    pub local: LocalSection,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LocalSection {
+    pub python: Option<PathBuf>,
+    pub node: Option<PathBuf>,
+    /// Extra variables passed to code; nothing from the daemon's environment is.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+}
+
+/// Loads the config file: `--config`, else `TANDEM_CONFIG`, else
+/// `$XDG_CONFIG_HOME/tandem/tandem.toml` when it exists.
+pub fn load(explicit: Option<&Path>) -> Result<FileConfig> {
+    let path = match explicit {
+        Some(p) => Some(p.to_owned()),
+        None => match std::env::var_os("TANDEM_CONFIG") {
+            Some(p) => Some(PathBuf::from(p)),
+            None => default_path().filter(|p| p.exists()),
+        },
+    };
+    let Some(path) = path else {
+        return Ok(FileConfig::default());
+    };
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read config file {}", path.display()))?;
+    toml::from_str(&text).with_context(|| format!("invalid config file {}", path.display()))
+}
+
+fn default_path() -> Option<PathBuf> {
+    let base = std::env::var_os("XDG_CONFIG_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")))?;
+    Some(base.join("tandem").join("tandem.toml"))
+}
+
+/// Flags that override the model settings.
+#[derive(Debug, Default, Clone, clap::Args)]
+pub struct ModelFlags {
+    /// Model name [env: TANDEM_MODEL; default: gpt-4o-mini]
+    #[arg(long)]
+    pub model: Option<String>,
+    /// OpenAI-compatible API base URL [env: OPENAI_BASE_URL; default: https://api.openai.com/v1]
+    #[arg(long)]
+    pub base_url: Option<String>,
+    /// Wait for whole replies instead of streaming tokens
+    #[arg(long)]
+    pub no_stream: bool,
+}
+
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+/// The model settings: flags, then `TANDEM_MODEL`/`OPENAI_BASE_URL`/`OPENAI_API_KEY`, then the file.
+pub fn model_config(flags: &ModelFlags, file: &FileConfig) -> Result<ModelConfig> {
+    let defaults = ModelConfig::default();
+    let m = &file.model;
+    let max_retries = match env("TANDEM_MAX_RETRIES") {
+        Some(v) => v
+            .parse()
+            .with_context(|| format!("TANDEM_MAX_RETRIES=`{v}` is not a whole number"))?,
+        None => m.max_retries.unwrap_or(defaults.max_retries),
+    };
+    Ok(ModelConfig {
+        base_url: flags
+            .base_url
+            .clone()
+            .or_else(|| env("OPENAI_BASE_URL"))
+            .or_else(|| m.base_url.clone())
+            .unwrap_or(defaults.base_url),
+        api_key: env("OPENAI_API_KEY").or_else(|| m.api_key.clone()),
+        model: flags
+            .model
+            .clone()
+            .or_else(|| env("TANDEM_MODEL"))
+            .or_else(|| m.model.clone())
+            .unwrap_or(defaults.model),
+        stream: !flags.no_stream && m.stream.unwrap_or(true),
+        max_retries,
+        temperature: m.temperature,
+        max_tokens: m.max_tokens,
+        ..defaults
+    })
+}
+
+/// Limits from the file, with a block timeout from flags on top.
+pub fn limits(file: &FileConfig, block_timeout: Option<f64>) -> Result<Limits> {
+    let mut limits = file.limits.clone().unwrap_or_default();
+    if let Some(secs) = block_timeout {
+        limits.wall = secs_to_duration(secs, "--timeout")?;
+    }
+    Ok(limits)
+}
+
+/// Seconds from a flag, refusing negative, zero and absurd values.
+pub fn secs_to_duration(secs: f64, flag: &str) -> Result<Duration> {
+    if secs.is_nan() || secs <= 0.0 {
+        bail!("{flag} must be a positive number of seconds, got {secs}");
+    }
+    Duration::try_from_secs_f64(secs).with_context(|| format!("{flag} {secs} is too large"))
+}
+
+/// Settings for the local executor.
+pub fn local_config(file: &FileConfig) -> LocalConfig {
+    let l = &file.executors.local;
+    LocalConfig {
+        python: l.python.clone(),
+        node: l.node.clone(),
+        path: None,
+        env: l.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+    }
+}

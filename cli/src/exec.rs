@@ -1,0 +1,162 @@
+//! `tandem exec`: run code in an executor directly, with no model.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use tandem_agent::blocks::{self, RunOptions, SessionSlot};
+use tandem_agent::{CodeBlock, extract_code_blocks};
+use tandem_executor::{CancellationToken, Language, SessionSpec};
+use tandem_protocol::{BlockStatus, EventMsg, OutputStream};
+
+use crate::config::{self, FileConfig};
+use crate::render::result_line;
+
+#[derive(Debug, clap::Args)]
+pub struct ExecArgs {
+    /// A code file (its extension picks the language), a markdown file (all its blocks run in
+    /// order), or `-`/nothing for stdin (markdown unless --lang is given)
+    input: Option<PathBuf>,
+    /// Executor that runs the code
+    #[arg(long, short = 'e')]
+    executor: Option<String>,
+    /// The input is code in this language (python, sh, javascript, ...)
+    #[arg(long)]
+    lang: Option<String>,
+    /// Wall-clock limit per block, in seconds [default: 60]
+    #[arg(long)]
+    timeout: Option<f64>,
+    /// Use this directory as the workspace and keep it
+    #[arg(long)]
+    workdir: Option<PathBuf>,
+    /// Print one JSON object per block
+    #[arg(long)]
+    json: bool,
+}
+
+fn blocks_of(args: &ExecArgs, source: String) -> Result<Vec<CodeBlock>> {
+    let code_block = |language: Language| CodeBlock {
+        language: Some(language.to_string()),
+        info: language.to_string(),
+        code: source.clone(),
+        unterminated: false,
+    };
+    if let Some(lang) = &args.lang {
+        return Ok(vec![code_block(Language::new(lang))]);
+    }
+    let ext = args
+        .input
+        .as_ref()
+        .filter(|p| p.as_os_str() != "-")
+        .map(|p| {
+            p.extension()
+                .and_then(|e| e.to_str())
+                .unwrap_or("")
+                .to_ascii_lowercase()
+        });
+    match ext.as_deref() {
+        None | Some("md" | "markdown") => {
+            let blocks = extract_code_blocks(&source);
+            if blocks.is_empty() {
+                bail!(
+                    "no fenced code blocks found in the markdown input; pass --lang to run it as code"
+                );
+            }
+            Ok(blocks)
+        }
+        Some(ext) => match Language::from_extension(ext) {
+            Some(lang) => Ok(vec![code_block(lang)]),
+            None => bail!(
+                "cannot tell the language of `{}` from its extension; pass --lang (python, sh, javascript)",
+                args.input
+                    .as_ref()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default()
+            ),
+        },
+    }
+}
+
+pub async fn exec(args: ExecArgs, file: FileConfig) -> Result<u8> {
+    let source = crate::read_input(args.input.as_ref())?;
+    let blocks = blocks_of(&args, source)?;
+    let name = args
+        .executor
+        .clone()
+        .or_else(|| file.task.executor.clone())
+        .unwrap_or_else(|| "local".to_owned());
+    let executor = crate::registry(&file).get(&name)?;
+    let limits = config::limits(&file, args.timeout)?;
+    let mut slot = SessionSlot::new(
+        executor,
+        SessionSpec {
+            workdir: args.workdir.clone(),
+            limits,
+            labels: Vec::new(),
+        },
+    );
+    let cancel = CancellationToken::new();
+    crate::run::spawn_ctrl_c(cancel.clone());
+    let json = args.json;
+    let many = blocks.len() > 1;
+    let events = Arc::new(move |msg: EventMsg| {
+        if json {
+            return;
+        }
+        // Output goes where the program sent it, as if it ran in this terminal.
+        let _ = match msg {
+            EventMsg::ExecOutput {
+                stream: OutputStream::Stdout,
+                text,
+                ..
+            } => std::io::stdout()
+                .lock()
+                .write_all(text.as_bytes())
+                .and_then(|()| std::io::stdout().flush()),
+            EventMsg::ExecOutput {
+                stream: OutputStream::Stderr,
+                text,
+                ..
+            } => std::io::stderr().lock().write_all(text.as_bytes()),
+            EventMsg::ExecResult { index, result, .. } if many || !result.succeeded() => {
+                if matches!(result.status, BlockStatus::Unsupported) {
+                    eprintln!("tandem: {}", result.stderr.trim_end());
+                }
+                if result.truncated {
+                    eprintln!("tandem: output truncated; the first and last part were kept");
+                }
+                writeln!(
+                    std::io::stderr(),
+                    "tandem: block {index}: {}",
+                    result_line(&result)
+                )
+            }
+            _ => Ok(()),
+        };
+    });
+    let opts = RunOptions {
+        turn: 0,
+        timeout: None,
+        cancel,
+        events,
+    };
+    let runs = blocks::run_blocks(&mut slot, &blocks, &opts).await;
+    let closed = slot.close().await;
+    let runs = runs.with_context(|| format!("the {name} executor failed"))?;
+    closed.with_context(|| format!("closing the {name} session failed"))?;
+    let ran: Vec<_> = runs
+        .iter()
+        .filter(|r| r.result.status != BlockStatus::NotRun)
+        .collect();
+    if json {
+        let mut out = std::io::stdout().lock();
+        for run in &ran {
+            serde_json::to_writer(&mut out, &run.result)?;
+            out.write_all(b"\n")?;
+        }
+        out.flush()?;
+    }
+    let code = ran.last().map_or(0, |r| blocks::exit_code_of(&r.result));
+    Ok(u8::try_from(code).unwrap_or(1))
+}

@@ -1,0 +1,222 @@
+//! Showing events to a person, or as JSON lines to a program.
+
+use std::io::{self, IsTerminal, Write};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use tandem_protocol::{BlockResult, BlockStatus, Event, EventMsg, OutputStream, StopReason};
+
+/// How events are written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// A readable transcript.
+    Human,
+    /// One protocol `Event` per line.
+    Json,
+}
+
+/// Turns events into output; the first write error (a closed pipe) is kept and reported.
+pub struct Renderer<W: Write> {
+    out: W,
+    mode: Mode,
+    color: bool,
+    seq: u64,
+    /// Whether streamed text was shown for the current turn (non-streaming servers send none).
+    streamed: bool,
+    at_line_start: bool,
+    pub error: Option<io::Error>,
+}
+
+impl Renderer<io::Stdout> {
+    /// A renderer on standard output, colored when it is a terminal.
+    pub fn stdout(mode: Mode) -> Self {
+        let color = io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+        Self::new(io::stdout(), mode, color)
+    }
+}
+
+impl<W: Write> Renderer<W> {
+    pub fn new(out: W, mode: Mode, color: bool) -> Self {
+        Self {
+            out,
+            mode,
+            color,
+            seq: 0,
+            streamed: false,
+            at_line_start: true,
+            error: None,
+        }
+    }
+
+    /// Writes one event; after a write error, later events are dropped.
+    pub fn event(&mut self, msg: &EventMsg) {
+        if self.error.is_some() {
+            return;
+        }
+        self.seq += 1;
+        let result = match self.mode {
+            Mode::Json => self.json(msg),
+            Mode::Human => self.human(msg),
+        };
+        if let Err(e) = result.and_then(|()| self.out.flush()) {
+            self.error = Some(e);
+        }
+    }
+
+    fn json(&mut self, msg: &EventMsg) -> io::Result<()> {
+        let at_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+            .unwrap_or(0);
+        let event = Event {
+            seq: self.seq,
+            at_ms,
+            msg: msg.clone(),
+        };
+        serde_json::to_writer(&mut self.out, &event)?;
+        self.out.write_all(b"\n")
+    }
+
+    fn text(&mut self, s: &str) -> io::Result<()> {
+        if !s.is_empty() {
+            self.out.write_all(s.as_bytes())?;
+            self.at_line_start = s.ends_with('\n');
+        }
+        Ok(())
+    }
+
+    fn rule(&mut self, label: &str) -> io::Result<()> {
+        if !self.at_line_start {
+            self.text("\n")?;
+        }
+        let line = if self.color {
+            format!("\x1b[2m── {label} ──\x1b[0m\n")
+        } else {
+            format!("── {label} ──\n")
+        };
+        self.text(&line)
+    }
+
+    fn human(&mut self, msg: &EventMsg) -> io::Result<()> {
+        match msg {
+            EventMsg::TaskStarted {
+                model,
+                base_url,
+                executor,
+                ..
+            } => self.rule(&format!(
+                "tandem · model {model} at {base_url} · executor {executor}"
+            )),
+            EventMsg::TurnStarted { turn } => {
+                self.streamed = false;
+                self.rule(&format!("assistant · turn {turn}"))
+            }
+            EventMsg::AssistantDelta { text, .. } => {
+                self.streamed = true;
+                self.text(text)
+            }
+            EventMsg::ModelRetry {
+                attempt,
+                delay_ms,
+                reason,
+                ..
+            } => {
+                self.streamed = false;
+                self.rule(&format!(
+                    "model call failed ({reason}); retry {attempt} in {:.1} s",
+                    *delay_ms as f64 / 1000.0
+                ))
+            }
+            EventMsg::AssistantMessage { text, .. } => {
+                if !self.streamed {
+                    self.text(text)?;
+                }
+                if self.at_line_start {
+                    Ok(())
+                } else {
+                    self.text("\n")
+                }
+            }
+            EventMsg::CodeBlock {
+                index, language, ..
+            } => {
+                let lang = language.as_deref().unwrap_or("untagged");
+                self.rule(&format!("block {index} · {lang}"))
+            }
+            EventMsg::ExecOutput { text, stream, .. } => match stream {
+                OutputStream::Stdout => self.text(text),
+                OutputStream::Stderr if self.color => self.text(&format!("\x1b[31m{text}\x1b[0m")),
+                OutputStream::Stderr => self.text(text),
+            },
+            EventMsg::ExecResult { result, .. } => {
+                if result.truncated {
+                    self.text(
+                        "\n[... output truncated; the model sees its first and last part ...]\n",
+                    )?;
+                }
+                let line = result_line(result);
+                if !result.stderr.is_empty()
+                    && matches!(result.status, BlockStatus::Unsupported | BlockStatus::Error)
+                {
+                    self.text(&result.stderr)?;
+                }
+                self.rule(&line)
+            }
+            EventMsg::ExecutorMessage { text, .. } => {
+                // Output was shown live; only the executor's own words are worth repeating.
+                if !text.starts_with("exitcode:") {
+                    self.rule("executor")?;
+                    self.text(text)?;
+                    self.text("\n")?;
+                }
+                Ok(())
+            }
+            EventMsg::TaskFinished {
+                stop_reason,
+                turns,
+                usage,
+                elapsed_ms,
+                error,
+                ..
+            } => {
+                if let Some(e) = error {
+                    self.rule(&format!("error: {}", e.message))?;
+                }
+                self.rule(&format!(
+                    "{} · {turns} turn{} · {} in / {} out tokens · {:.1} s",
+                    stop_label(*stop_reason),
+                    if *turns == 1 { "" } else { "s" },
+                    usage.prompt_tokens,
+                    usage.completion_tokens,
+                    *elapsed_ms as f64 / 1000.0
+                ))
+            }
+        }
+    }
+}
+
+fn stop_label(reason: StopReason) -> &'static str {
+    match reason {
+        StopReason::Terminated => "done",
+        StopReason::MaxTurns => "stopped: turn limit reached",
+        StopReason::Timeout => "stopped: task timeout",
+        StopReason::Cancelled => "cancelled",
+        StopReason::Error => "failed",
+    }
+}
+
+/// One line summing up a block's result.
+pub fn result_line(r: &BlockResult) -> String {
+    let ms = r.duration_ms;
+    match r.status {
+        BlockStatus::Exited => format!("exit {} · {ms} ms", r.exit_code.unwrap_or(-1)),
+        BlockStatus::TimedOut => format!("timed out after {ms} ms; killed"),
+        BlockStatus::Killed => format!("killed · {ms} ms"),
+        BlockStatus::OutOfMemory => "out of memory; killed".to_owned(),
+        BlockStatus::Cancelled => "cancelled".to_owned(),
+        BlockStatus::Unsupported => "not run: unsupported language".to_owned(),
+        BlockStatus::Skipped => "not run: data, not a program".to_owned(),
+        BlockStatus::NotRun => "not run: an earlier block failed".to_owned(),
+        BlockStatus::Incomplete => "not run: the reply was cut off inside this block".to_owned(),
+        BlockStatus::Error => "sandbox error".to_owned(),
+    }
+}

@@ -1,0 +1,141 @@
+//! `tandem run`: one task, in this process.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{Context, Result};
+use tandem_agent::{ChatModel, TaskSettings, run_task};
+use tandem_executor::{CancellationToken, SessionSpec};
+use tandem_protocol::{EventMsg, StopReason};
+
+use crate::config::{self, FileConfig, ModelFlags};
+use crate::exit;
+use crate::render::{Mode, Renderer};
+
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    /// The task, in words
+    task: String,
+    /// Executor that runs the code
+    #[arg(long, short = 'e')]
+    executor: Option<String>,
+    #[command(flatten)]
+    model: ModelFlags,
+    /// Most assistant turns [default: 10]
+    #[arg(long)]
+    max_turns: Option<u32>,
+    /// Wall-clock limit for the whole task, in seconds
+    #[arg(long)]
+    timeout: Option<f64>,
+    /// Wall-clock limit per code block, in seconds [default: 60]
+    #[arg(long)]
+    block_timeout: Option<f64>,
+    /// File whose text replaces the default system prompt
+    #[arg(long)]
+    system_prompt: Option<PathBuf>,
+    /// Word that ends the task when the assistant says it [default: TERMINATE]
+    #[arg(long)]
+    termination: Option<String>,
+    /// Use this directory as the workspace and keep it
+    #[arg(long)]
+    workdir: Option<PathBuf>,
+    /// Print one JSON event per line
+    #[arg(long)]
+    json: bool,
+}
+
+pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
+    if args.task.trim().is_empty() {
+        anyhow::bail!(
+            "the task is empty; say what to do, for example: tandem run \"print the 10th prime\""
+        );
+    }
+    let model = ChatModel::new(config::model_config(&args.model, &file)?)?;
+    let executor_name = args
+        .executor
+        .clone()
+        .or_else(|| file.task.executor.clone())
+        .unwrap_or_else(|| "local".to_owned());
+    let executor = crate::registry(&file).get(&executor_name)?;
+    let mut settings = TaskSettings::new(args.task.clone());
+    if let Some(path) = args
+        .system_prompt
+        .as_ref()
+        .or(file.task.system_prompt_file.as_ref())
+    {
+        settings.system_prompt = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the system prompt file {}", path.display()))?;
+    }
+    if let Some(word) = args
+        .termination
+        .clone()
+        .or_else(|| file.task.termination.clone())
+    {
+        anyhow::ensure!(
+            !word.trim().is_empty(),
+            "the termination string must not be empty"
+        );
+        settings.termination = word;
+    }
+    if let Some(n) = args.max_turns.or(file.task.max_turns) {
+        anyhow::ensure!(n > 0, "--max-turns must be at least 1");
+        settings.max_turns = n;
+    }
+    settings.timeout = match (args.timeout, file.task.timeout_secs) {
+        (Some(secs), _) => Some(config::secs_to_duration(secs, "--timeout")?),
+        (None, Some(secs)) => Some(std::time::Duration::from_secs(secs)),
+        (None, None) => None,
+    };
+    settings.session = SessionSpec {
+        workdir: args.workdir.clone(),
+        limits: config::limits(&file, args.block_timeout)?,
+        labels: Vec::new(),
+    };
+
+    let cancel = CancellationToken::new();
+    spawn_ctrl_c(cancel.clone());
+    let renderer = Arc::new(Mutex::new(Renderer::stdout(if args.json {
+        Mode::Json
+    } else {
+        Mode::Human
+    })));
+    let sink_renderer = renderer.clone();
+    let sink_cancel = cancel.clone();
+    let events = Arc::new(move |msg: EventMsg| {
+        if let Ok(mut r) = sink_renderer.lock() {
+            r.event(&msg);
+            // Nobody is reading any more (`| head`): stop the task and clean up.
+            if r.error.is_some() {
+                sink_cancel.cancel();
+            }
+        }
+    });
+    let outcome = run_task(settings, &model, executor, events, cancel).await;
+    if let Ok(r) = renderer.lock() {
+        if let Some(e) = &r.error {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                return Ok(exit::DONE);
+            }
+        }
+    }
+    Ok(match outcome.stop_reason {
+        StopReason::Terminated => exit::DONE,
+        StopReason::MaxTurns => exit::MAX_TURNS,
+        StopReason::Timeout => exit::TIMEOUT,
+        StopReason::Cancelled => exit::CANCELLED,
+        StopReason::Error => exit::FAILED,
+    })
+}
+
+/// First Ctrl-C cancels cleanly (sandbox closed); a second one exits at once.
+pub fn spawn_ctrl_c(cancel: CancellationToken) {
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!("\ntandem: cancelling (Ctrl-C again to quit at once)");
+            cancel.cancel();
+            if tokio::signal::ctrl_c().await.is_ok() {
+                std::process::exit(i32::from(exit::CANCELLED));
+            }
+        }
+    });
+}

@@ -1,0 +1,5 @@
+//! End-to-end suites: the real `tandem` binary, real HTTP to a scripted model server, real
+//! processes.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod e2e;

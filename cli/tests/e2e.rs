@@ -1,0 +1,651 @@
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tandem_tests::{Reply, ScriptedOpenAi, script, texts};
+
+struct Output {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Output {
+    fn events(&self) -> Vec<Value> {
+        self.stdout
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+            .collect()
+    }
+
+    fn of_type(&self, kind: &str) -> Vec<Value> {
+        self.events()
+            .into_iter()
+            .filter(|e| e["type"] == kind)
+            .collect()
+    }
+
+    fn finished(&self) -> Value {
+        let events = self.events();
+        let last = events.last().expect("no events").clone();
+        assert_eq!(last["type"], "task_finished", "last event: {last}");
+        last
+    }
+}
+
+/// Runs the binary with a clean environment (no user config, no inherited model settings).
+async fn tandem(args: &[&str], env: &[(&str, &str)], stdin: Option<&str>) -> Output {
+    let config_home = tempfile::tempdir().unwrap();
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"));
+    cmd.args(args)
+        .env_remove("OPENAI_API_KEY")
+        .env_remove("OPENAI_BASE_URL")
+        .env_remove("TANDEM_MODEL")
+        .env_remove("TANDEM_CONFIG")
+        .env("XDG_CONFIG_HOME", config_home.path())
+        .env("NO_COLOR", "1")
+        .envs(env.iter().copied())
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().unwrap();
+    if let Some(input) = stdin {
+        use tokio::io::AsyncWriteExt;
+        let mut pipe = child.stdin.take().unwrap();
+        pipe.write_all(input.as_bytes()).await.unwrap();
+    }
+    let out = tokio::time::timeout(Duration::from_secs(120), child.wait_with_output())
+        .await
+        .expect("tandem hung for 120 s")
+        .unwrap();
+    Output {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+async fn run_task(server: &ScriptedOpenAi, task: &str, extra: &[&str]) -> Output {
+    let url = server.base_url();
+    let mut args = vec![
+        "run",
+        "--json",
+        "--base-url",
+        &url,
+        "--model",
+        "scripted-model",
+    ];
+    args.extend_from_slice(extra);
+    args.push(task);
+    tandem(&args, &[("TANDEM_MAX_RETRIES", "0")], None).await
+}
+
+fn fence(lang: &str, code: &str) -> String {
+    format!("```{lang}\n{code}\n```")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn happy_path_runs_code_and_terminates() {
+    let task = "happy: what is 6*7?";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Text(format!(
+                "Let me compute.\n{}",
+                fence("python", "print(6*7)")
+            )),
+            Reply::from("The answer is 42.\n\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let out = run_task(&server, task, &[]).await;
+    assert_eq!(out.code, 0, "stderr: {}", out.stderr);
+    let finished = out.finished();
+    assert_eq!(finished["stop_reason"], "terminated");
+    assert_eq!(finished["turns"], 2);
+    assert_eq!(finished["summary"], "The answer is 42.");
+    assert!(finished["usage"]["completion_tokens"].as_u64().unwrap() > 0);
+    let results = out.of_type("exec_result");
+    assert_eq!(results.len(), 1);
+    assert_eq!(results[0]["result"]["stdout"], "42\n");
+    assert_eq!(results[0]["result"]["status"], "exited");
+    assert_eq!(results[0]["result"]["exit_code"], 0);
+    // Streaming was used and the text arrived in pieces.
+    assert!(out.of_type("assistant_delta").len() > 1);
+    let reqs = server.requests_for(task);
+    assert_eq!(reqs.len(), 2);
+    assert_eq!(reqs[0].body["model"], "scripted-model");
+    assert_eq!(reqs[0].body["stream"], true);
+    assert_eq!(
+        reqs[1].last_message(),
+        Some("exitcode: 0 (execution succeeded)\nCode output: 42\n")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn non_streaming_mode_works_too() {
+    let task = "nostream: print hi";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Text(fence("sh", "echo hi")),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let out = run_task(&server, task, &["--no-stream"]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(out.of_type("assistant_delta").len(), 0);
+    assert_eq!(server.requests_for(task)[0].body["stream"], false);
+    assert_eq!(out.of_type("exec_result")[0]["result"]["stdout"], "hi\n");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn failing_block_then_fixed_one() {
+    let task = "fix: divide";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Text(fence("python", "print(1/0)")),
+            Reply::Text(fence("python", "print(1/1)")),
+            Reply::from("Fixed. TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let out = run_task(&server, task, &[]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let reqs = server.requests_for(task);
+    let report = reqs[1].last_message().unwrap();
+    assert!(
+        report.starts_with("exitcode: 1 (execution failed)\nCode output: "),
+        "{report}"
+    );
+    assert!(
+        report.contains("ZeroDivisionError: division by zero"),
+        "{report}"
+    );
+    assert_eq!(
+        reqs[2].last_message(),
+        Some("exitcode: 0 (execution succeeded)\nCode output: 1.0\n")
+    );
+    assert_eq!(out.finished()["turns"], 3);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn max_turns_stops_with_its_own_exit_code() {
+    let task = "loop: never done";
+    let code = fence("python", "print('again')");
+    let server = ScriptedOpenAi::start(script([(task, texts(&[&code, &code, &code]))]))
+        .await
+        .unwrap();
+    let out = run_task(&server, task, &["--max-turns", "2"]).await;
+    assert_eq!(out.code, 3, "{}", out.stderr);
+    let finished = out.finished();
+    assert_eq!(finished["stop_reason"], "max_turns");
+    assert_eq!(finished["turns"], 2);
+    assert_eq!(server.requests_for(task).len(), 2);
+    assert_eq!(out.of_type("exec_result").len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn reply_without_code_gets_a_nudge() {
+    let task = "nudge: think";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        texts(&["I believe the answer is 4.", "Checked it. TERMINATE"]),
+    )]))
+    .await
+    .unwrap();
+    let out = run_task(&server, task, &[]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(
+        server.requests_for(task)[1].last_message(),
+        Some(
+            "No code to run was found in your reply. If the task is done, reply with TERMINATE. Otherwise, send the complete code in a ```python or ```sh block."
+        )
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unknown_language_is_reported_to_the_model() {
+    let task = "lang: rust please";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Text(fence("rust", "fn main() {}")),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let out = run_task(&server, task, &[]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let result = &out.of_type("exec_result")[0]["result"];
+    assert_eq!(result["status"], "unsupported");
+    let report = server.requests_for(task)[1]
+        .last_message()
+        .unwrap()
+        .to_owned();
+    assert!(
+        report.starts_with("exitcode: 1 (execution failed)\nCode output: "),
+        "{report}"
+    );
+    assert!(
+        report.contains(
+            "language `rust` is not supported by the local executor; supported: python, sh"
+        ),
+        "{report}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn model_server_down_is_a_one_line_error() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let url = format!("http://127.0.0.1:{port}/v1");
+    let started = Instant::now();
+    let out = tandem(
+        &["run", "--base-url", &url, "--model", "m1", "down: anything"],
+        &[("TANDEM_MAX_RETRIES", "1")],
+        None,
+    )
+    .await;
+    assert_eq!(
+        out.code, 1,
+        "stdout: {}\nstderr: {}",
+        out.stdout, out.stderr
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let error_line = out
+        .stdout
+        .lines()
+        .find(|l| l.contains("error:"))
+        .expect(&out.stdout);
+    assert!(error_line.contains(&url), "{error_line}");
+    assert!(
+        error_line.contains("cannot connect to the model server"),
+        "{error_line}"
+    );
+    assert!(error_line.contains("OPENAI_BASE_URL"), "{error_line}");
+    assert!(!out.stderr.contains("panicked") && !out.stdout.contains("panicked"));
+    // One retry was announced, then it gave up.
+    assert_eq!(
+        out.stdout.matches("retry 1 in").count(),
+        1,
+        "{}",
+        out.stdout
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unknown_model_and_bad_key_are_not_retried() {
+    let server = ScriptedOpenAi::start(script([
+        (
+            "model: missing",
+            vec![Reply::Error(404, "The model `nope` does not exist".into())],
+        ),
+        (
+            "key: bad",
+            vec![Reply::Error(401, "Incorrect API key provided".into())],
+        ),
+    ]))
+    .await
+    .unwrap();
+    let out = run_task(&server, "model: missing", &[]).await;
+    assert_eq!(out.code, 1);
+    let err = &out.finished()["error"];
+    assert_eq!(err["code"], "model_not_found");
+    assert!(
+        err["message"]
+            .as_str()
+            .unwrap()
+            .contains("model `scripted-model`"),
+        "{err}"
+    );
+    let out = run_task(&server, "key: bad", &[]).await;
+    assert_eq!(out.finished()["error"]["code"], "model_auth");
+    assert_eq!(
+        server.requests().len(),
+        2,
+        "errors that retrying cannot fix are not retried"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn server_errors_are_retried() {
+    let task = "retry: flaky";
+    // A retry repeats the same conversation, so it gets the same scripted 503.
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![Reply::Error(503, "overloaded".into())],
+    )]))
+    .await
+    .unwrap();
+    let url = server.base_url();
+    let out = tandem(
+        &["run", "--json", "--base-url", &url, task],
+        &[("TANDEM_MAX_RETRIES", "2")],
+        None,
+    )
+    .await;
+    assert_eq!(out.code, 1);
+    assert_eq!(
+        server.requests_for(task).len(),
+        3,
+        "one call and two retries"
+    );
+    assert_eq!(out.of_type("model_retry").len(), 2);
+    assert_eq!(out.finished()["error"]["code"], "model_unavailable");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn grandchild_that_outlives_its_timeout_is_killed() {
+    let task = "timeout: sleeper";
+    let marker = format!("tandem-e2e-sleeper-{}", std::process::id());
+    let code = format!(
+        "import subprocess, time\nsubprocess.Popen(['sh', '-c', 'exec -a {marker} sleep 300'], start_new_session=True)\nprint('started', flush=True)\ntime.sleep(300)"
+    );
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Text(fence("python", &code)),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let started = Instant::now();
+    let out = run_task(&server, task, &["--block-timeout", "1"]).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let result = &out.of_type("exec_result")[0]["result"];
+    assert_eq!(result["status"], "timed_out");
+    assert_eq!(result["stdout"], "started\n");
+    let report = server.requests_for(task)[1]
+        .last_message()
+        .unwrap()
+        .to_owned();
+    assert!(
+        report.starts_with("exitcode: 124 (execution failed)\nCode output: started\n"),
+        "{report}"
+    );
+    assert!(
+        report.contains("Timeout: block 1 ran longer than 1 s"),
+        "{report}"
+    );
+    let ps = std::process::Command::new("ps")
+        .args(["-eo", "args"])
+        .output()
+        .unwrap();
+    let ps = String::from_utf8_lossy(&ps.stdout);
+    assert!(
+        !ps.contains(&marker),
+        "a detached grandchild survived:\n{ps}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn daemon_api_key_is_invisible_to_code() {
+    let task = "secret: show env";
+    let code = "import os\nprint(sorted(os.environ))\nprint(open('/proc/self/environ','rb').read().count(b'sk-e2e'))";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![Reply::Text(fence("python", code)), Reply::from("TERMINATE")],
+    )]))
+    .await
+    .unwrap();
+    let url = server.base_url();
+    let out = tandem(
+        &["run", "--json", "--base-url", &url, task],
+        &[
+            ("OPENAI_API_KEY", "sk-e2e-secret-value"),
+            ("AWS_SECRET_ACCESS_KEY", "aws-e2e"),
+        ],
+        None,
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let stdout = out.of_type("exec_result")[0]["result"]["stdout"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(
+        stdout,
+        "['HOME', 'LANG', 'PATH', 'PYTHONDONTWRITEBYTECODE', 'PYTHONUNBUFFERED', 'TANDEM_EXEC_ID', 'TMPDIR']\n0\n"
+    );
+    // The key did reach the model server.
+    assert_eq!(
+        server.requests_for(task)[0].authorization.as_deref(),
+        Some("Bearer sk-e2e-secret-value")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ten_megabytes_of_output_is_capped() {
+    let task = "big: print a lot";
+    let code = "import sys\nsys.stdout.write('x' * 10_000_000)\nsys.stdout.write('\\nEND\\n')";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![Reply::Text(fence("python", code)), Reply::from("TERMINATE")],
+    )]))
+    .await
+    .unwrap();
+    let out = run_task(&server, task, &[]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let result = &out.of_type("exec_result")[0]["result"];
+    assert_eq!(result["truncated"], true);
+    let stdout = result["stdout"].as_str().unwrap();
+    assert!(stdout.len() < 70_000, "{}", stdout.len());
+    assert!(stdout.ends_with("\nEND\n"));
+    let report = server.requests_for(task)[1]
+        .last_message()
+        .unwrap()
+        .to_owned();
+    assert!(
+        report.contains("[... 9934469 bytes truncated ...]"),
+        "{}",
+        &report[..200]
+    );
+    assert!(report.contains("Note: the output of block 1 was longer than 64 KiB per stream"));
+    // Live output stops at the cap too.
+    let live: usize = out
+        .of_type("exec_output")
+        .iter()
+        .map(|e| e["text"].as_str().unwrap().len())
+        .sum();
+    assert_eq!(live, 65536);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn invalid_utf8_and_stdin_reads() {
+    let task = "bytes: odd output";
+    let code = "import sys\nsys.stdout.buffer.write(b'ok \\xff\\xfe\\n')\nsys.stdout.flush()\ntry:\n    input()\nexcept EOFError:\n    print('stdin is closed')";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![Reply::Text(fence("python", code)), Reply::from("TERMINATE")],
+    )]))
+    .await
+    .unwrap();
+    let out = run_task(&server, task, &["--block-timeout", "20"]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let result = &out.of_type("exec_result")[0]["result"];
+    assert_eq!(result["stdout"], "ok \u{fffd}\u{fffd}\nstdin is closed\n");
+    assert!(result["duration_ms"].as_u64().unwrap() < 5000);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn terminate_printed_by_code_does_not_stop() {
+    let task = "print-terminate";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Text(fence("python", "print('TERMINATE')")),
+            Reply::from("Done.\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let out = run_task(&server, task, &[]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(out.finished()["turns"], 2);
+    assert_eq!(server.requests_for(task).len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn code_and_terminate_in_one_reply_runs_the_code_first() {
+    let task = "write-and-finish";
+    let work = tempfile::tempdir().unwrap();
+    let reply = format!(
+        "{}\nThe file is written.\n\nTERMINATE",
+        fence(
+            "python",
+            "open('result.txt', 'w').write('42')\nprint('written')"
+        )
+    );
+    let server = ScriptedOpenAi::start(script([(task, vec![Reply::Text(reply)])]))
+        .await
+        .unwrap();
+    let out = run_task(&server, task, &["--workdir", work.path().to_str().unwrap()]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let finished = out.finished();
+    assert_eq!(finished["stop_reason"], "terminated");
+    assert_eq!(finished["turns"], 1);
+    assert_eq!(
+        out.of_type("exec_result")[0]["result"]["stdout"],
+        "written\n"
+    );
+    assert_eq!(
+        out.of_type("executor_message")[0]["text"],
+        "exitcode: 0 (execution succeeded)\nCode output: written\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(work.path().join("result.txt")).unwrap(),
+        "42"
+    );
+    assert_eq!(server.requests_for(task).len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn human_transcript_shows_the_run() {
+    let task = "human: hello";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Text(fence("python", "print('hello from code')")),
+            Reply::from("Said hello.\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let url = server.base_url();
+    let out = tandem(
+        &["run", "--base-url", &url, "--model", "m", task],
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(
+        lines[0],
+        format!("── tandem · model m at {url} · executor local ──")
+    );
+    assert_eq!(lines[1], "── assistant · turn 1 ──");
+    assert_eq!(lines[2], "```python");
+    assert!(
+        out.stdout
+            .contains("── block 1 · python ──\nhello from code\n── exit 0 · "),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout
+            .contains("── assistant · turn 2 ──\nSaid hello.\nTERMINATE\n── done · 2 turns · ")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn empty_task_and_unknown_executor_are_usage_errors() {
+    let out = tandem(&["run", "  "], &[], None).await;
+    assert_eq!(out.code, 2);
+    assert!(out.stderr.contains("the task is empty"), "{}", out.stderr);
+    let out = tandem(&["run", "--executor", "dockr", "x"], &[], None).await;
+    assert_eq!(out.code, 2);
+    assert_eq!(
+        out.stderr.trim(),
+        "tandem: executor `dockr` is not registered; available: local"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn exec_runs_markdown_blocks_in_one_session() {
+    let work = tempfile::tempdir().unwrap();
+    let md = "Steps:\n\n```python\n# filename: pkg/data.py\nVALUE = 7\nprint('saved')\n```\n\n- then\n  ```sh\n  python3 -c 'import sys; sys.path.insert(0, \"pkg\"); import data; print(data.VALUE * 6)'\n  ```\n\n```python\nraise SystemExit(5)\n```\n\n```sh\necho never\n```\n";
+    let dir = work.path().to_str().unwrap();
+    let out = tandem(&["exec", "--json", "--workdir", dir], &[], Some(md)).await;
+    assert_eq!(out.code, 5, "{}", out.stderr);
+    let results: Vec<Value> = out.events();
+    assert_eq!(results.len(), 3, "the block after the failure is not run");
+    assert_eq!(results[0]["stdout"], "saved\n");
+    // Importing the saved module runs it again.
+    assert_eq!(results[1]["stdout"], "saved\n42\n");
+    assert_eq!(results[1]["language"], "sh");
+    assert_eq!(results[2]["exit_code"], 5);
+    assert!(work.path().join("pkg/data.py").exists());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn exec_refuses_paths_outside_the_workspace_and_times_out_with_124() {
+    let out = tandem(
+        &["exec", "--lang", "py", "--json"],
+        &[],
+        Some("# filename: ../escape.py\nprint(1)\n"),
+    )
+    .await;
+    assert_eq!(out.code, 1);
+    let r = &out.events()[0];
+    assert_eq!(r["status"], "exited");
+    assert_eq!(
+        r["stderr"],
+        "refused to write `../escape.py`: the path must stay inside the workspace (a relative path without `..` above it)"
+    );
+    let out = tandem(
+        &["exec", "--lang", "sh", "--timeout", "0.5"],
+        &[],
+        Some("echo before; sleep 30"),
+    )
+    .await;
+    assert_eq!(out.code, 124);
+    assert_eq!(out.stdout, "before\n");
+    assert!(out.stderr.contains("timed out after"), "{}", out.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn extract_prints_json_blocks() {
+    let md = "```Python title=\"a.py\"\nprint(1)\n```\n\n    indented\n\n~~~\nuntagged\n~~~\n```js\ncut off";
+    let out = tandem(&["extract"], &[], Some(md)).await;
+    assert_eq!(out.code, 0);
+    let v: Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(
+        v,
+        serde_json::json!([
+            {"language": "python", "info": "Python title=\"a.py\"", "code": "print(1)\n", "unterminated": false},
+            {"language": null, "info": "", "code": "untagged\n", "unterminated": false},
+            {"language": "javascript", "info": "js", "code": "cut off", "unterminated": true},
+        ])
+    );
+}
