@@ -5,6 +5,8 @@
 //! not, as the request asks. Parallel tests use different task texts, so they never share
 //! state. Every request is recorded so tests can assert what the model saw.
 
+pub mod conformance;
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

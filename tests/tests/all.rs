@@ -1,1 +1,6 @@
+//! Library-level suites: executors against the conformance suite, the turn loop in-process
+//! against the scripted server over real HTTP.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod local_executor;
+mod turn_loop;

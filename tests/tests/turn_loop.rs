@@ -1,0 +1,322 @@
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tandem_agent::{ChatModel, EventSink, ModelConfig, TaskSettings, run_task};
+use tandem_executor::{
+    BoxFuture, CancellationToken, ExecContext, ExecError, ExecOutcome, ExecRequest, Executor,
+    Language, Session, SessionSpec,
+};
+use tandem_executor_local::{LocalConfig, LocalExecutor};
+use tandem_protocol::{EventMsg, StopReason};
+use tandem_tests::{Reply, ScriptedOpenAi, script};
+
+/// Wraps an executor and counts sessions opened and closed (explicitly or by drop).
+struct Counting {
+    inner: LocalExecutor,
+    opened: Arc<AtomicUsize>,
+    closed: Arc<AtomicUsize>,
+}
+
+struct CountingSession {
+    inner: Option<Box<dyn Session>>,
+    closed: Arc<AtomicUsize>,
+}
+
+impl Executor for Counting {
+    fn name(&self) -> &str {
+        "counting"
+    }
+    fn languages(&self) -> &[Language] {
+        self.inner.languages()
+    }
+    fn open(&self, spec: SessionSpec) -> BoxFuture<'_, Result<Box<dyn Session>, ExecError>> {
+        Box::pin(async move {
+            let inner = self.inner.open(spec).await?;
+            self.opened.fetch_add(1, Ordering::SeqCst);
+            Ok(Box::new(CountingSession {
+                inner: Some(inner),
+                closed: self.closed.clone(),
+            }) as Box<dyn Session>)
+        })
+    }
+}
+
+impl Session for CountingSession {
+    fn run(
+        &mut self,
+        req: ExecRequest,
+        ctx: ExecContext,
+    ) -> BoxFuture<'_, Result<ExecOutcome, ExecError>> {
+        Box::pin(async move {
+            match self.inner.as_mut() {
+                Some(s) => s.run(req, ctx).await,
+                None => Err(ExecError::Backend("closed".into())),
+            }
+        })
+    }
+    fn workspace(&self) -> Option<&std::path::Path> {
+        self.inner.as_ref().and_then(|s| s.workspace())
+    }
+    fn close(mut self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
+        let inner = self.inner.take();
+        let closed = self.closed.clone();
+        Box::pin(async move {
+            closed.fetch_add(1, Ordering::SeqCst);
+            match inner {
+                Some(s) => s.close().await,
+                None => Ok(()),
+            }
+        })
+    }
+}
+
+struct Harness {
+    server: ScriptedOpenAi,
+    opened: Arc<AtomicUsize>,
+    closed: Arc<AtomicUsize>,
+    executor: Arc<Counting>,
+}
+
+impl Harness {
+    async fn new(task: &str, replies: Vec<Reply>) -> Self {
+        let server = ScriptedOpenAi::start(script([(task, replies)]))
+            .await
+            .unwrap();
+        let opened = Arc::new(AtomicUsize::new(0));
+        let closed = Arc::new(AtomicUsize::new(0));
+        let executor = Arc::new(Counting {
+            inner: LocalExecutor::new(LocalConfig::default()),
+            opened: opened.clone(),
+            closed: closed.clone(),
+        });
+        Self {
+            server,
+            opened,
+            closed,
+            executor,
+        }
+    }
+
+    fn model(&self) -> ChatModel {
+        ChatModel::new(ModelConfig {
+            base_url: self.server.base_url(),
+            max_retries: 0,
+            ..ModelConfig::default()
+        })
+        .unwrap()
+    }
+
+    async fn run(
+        &self,
+        settings: TaskSettings,
+        cancel: CancellationToken,
+    ) -> (tandem_agent::TaskOutcome, Vec<EventMsg>) {
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let sink_events = events.clone();
+        let sink: EventSink = Arc::new(move |e| sink_events.lock().unwrap().push(e));
+        let outcome = run_task(settings, &self.model(), self.executor.clone(), sink, cancel).await;
+        let events = events.lock().unwrap().clone();
+        (outcome, events)
+    }
+
+    fn sessions(&self) -> (usize, usize) {
+        (
+            self.opened.load(Ordering::SeqCst),
+            self.closed.load(Ordering::SeqCst),
+        )
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cancel_during_a_block_stops_fast_and_closes_the_sandbox() {
+    let task = "cancel: long block";
+    let h = Harness::new(task, vec![Reply::from("```sh\necho begin; sleep 60\n```")]).await;
+    let cancel = CancellationToken::new();
+    let trigger = cancel.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        trigger.cancel();
+    });
+    let started = Instant::now();
+    let (outcome, events) = h.run(TaskSettings::new(task), cancel).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(outcome.stop_reason, StopReason::Cancelled);
+    assert_eq!(h.sessions(), (1, 1));
+    assert!(matches!(
+        events.last(),
+        Some(EventMsg::TaskFinished {
+            stop_reason: StopReason::Cancelled,
+            ..
+        })
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cancel_during_a_model_call_stops_fast() {
+    let task = "cancel: slow model";
+    let h = Harness::new(
+        task,
+        vec![Reply::Delayed(
+            Duration::from_secs(30),
+            Box::new(Reply::from("TERMINATE")),
+        )],
+    )
+    .await;
+    let cancel = CancellationToken::new();
+    let trigger = cancel.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        trigger.cancel();
+    });
+    let started = Instant::now();
+    let (outcome, _) = h.run(TaskSettings::new(task), cancel).await;
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert_eq!(outcome.stop_reason, StopReason::Cancelled);
+    assert_eq!(h.sessions(), (0, 0), "no code, no sandbox");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn task_timeout_is_its_own_stop_reason_and_keeps_the_transcript() {
+    let task = "timeout: whole task";
+    let h = Harness::new(
+        task,
+        vec![
+            Reply::from("```python\nprint('one')\n```"),
+            Reply::from("```sh\nsleep 60\n```"),
+        ],
+    )
+    .await;
+    let mut settings = TaskSettings::new(task);
+    settings.timeout = Some(Duration::from_secs(2));
+    let started = Instant::now();
+    let (outcome, _) = h.run(settings, CancellationToken::new()).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(outcome.stop_reason, StopReason::Timeout);
+    assert_eq!(outcome.turns, 2);
+    // system, task, reply 1, report 1, reply 2: the transcript survives the stop.
+    assert_eq!(outcome.transcript.len(), 5);
+    assert_eq!(
+        outcome.transcript[3].content,
+        "exitcode: 0 (execution succeeded)\nCode output: one\n"
+    );
+    assert_eq!(h.sessions(), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_session_per_task_closed_on_error_too() {
+    let task = "session: reuse then fail";
+    let h = Harness::new(
+        task,
+        vec![
+            Reply::from("```sh\necho a > f\n```"),
+            Reply::from("```sh\ncat f\n```"),
+            Reply::Error(400, "context length exceeded".into()),
+        ],
+    )
+    .await;
+    let (outcome, events) = h
+        .run(TaskSettings::new(task), CancellationToken::new())
+        .await;
+    assert_eq!(outcome.stop_reason, StopReason::Error);
+    let error = outcome.error.unwrap();
+    assert_eq!(error.code, tandem_protocol::ErrorCode::ModelRequest);
+    assert!(
+        error.message.contains("context length exceeded"),
+        "{}",
+        error.message
+    );
+    let outputs: Vec<_> = events
+        .iter()
+        .filter_map(|e| match e {
+            EventMsg::ExecResult { result, .. } => Some(result.stdout.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(outputs, ["", "a\n"]);
+    assert_eq!(h.sessions(), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn first_failure_stops_the_rest_of_the_reply() {
+    let task = "blocks: stop at failure";
+    let reply = "```sh\necho one\n```\n```python\nraise ValueError('bad')\n```\n```sh\necho three\n```\n\nTERMINATE";
+    let h = Harness::new(task, vec![Reply::from(reply)]).await;
+    let (outcome, events) = h
+        .run(TaskSettings::new(task), CancellationToken::new())
+        .await;
+    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    let statuses: Vec<&str> = events
+        .iter()
+        .filter_map(|e| match e {
+            EventMsg::ExecResult { result, .. } => Some(result.status.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(statuses, ["exited", "exited", "not_run"]);
+    let report = &outcome.transcript.last().unwrap().content;
+    assert!(
+        report.starts_with("exitcode: 1 (execution failed)\nCode output: one\nTraceback"),
+        "{report}"
+    );
+    assert!(
+        report.ends_with("ValueError: bad\nBlock 3 was not run because an earlier block failed."),
+        "{report}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cut_off_reply_and_termination_in_a_block() {
+    let task = "messy: small model";
+    let h = Harness::new(
+        task,
+        vec![
+            Reply::from("Here is the code:\n```python\nfor i in range(3):\n    print(i"),
+            Reply::from("```python\nprint(3)\n```"),
+            Reply::from("```\nTERMINATE\n```"),
+        ],
+    )
+    .await;
+    let (outcome, _) = h
+        .run(TaskSettings::new(task), CancellationToken::new())
+        .await;
+    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(outcome.turns, 3);
+    assert_eq!(
+        outcome.transcript[3].content,
+        "exitcode: 1 (execution failed)\nCode output: \nYour reply was cut off inside code block 1, so it was not run. Send the complete code again, in one block."
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn custom_termination_word_and_data_blocks() {
+    let task = "custom: word";
+    let h = Harness::new(
+        task,
+        vec![
+            Reply::from("```json\n{\"a\": 1}\n```\n```python\nprint('x')\n```"),
+            Reply::from("All set. TERMINATE"),
+            Reply::from("Now: DONE"),
+        ],
+    )
+    .await;
+    let mut settings = TaskSettings::new(task);
+    settings.termination = "DONE".into();
+    let (outcome, _) = h.run(settings, CancellationToken::new()).await;
+    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(outcome.turns, 3, "TERMINATE is not the word here");
+    assert_eq!(
+        outcome.transcript[3].content,
+        "exitcode: 0 (execution succeeded)\nCode output: x\nBlock 1 (`json`) was not run: it is data or prose, not a program."
+    );
+    assert!(outcome.transcript[5].content.contains("reply with DONE"));
+    assert_eq!(outcome.summary.as_deref(), Some("Now:"));
+}
