@@ -649,3 +649,77 @@ async fn extract_prints_json_blocks() {
         ])
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ctrl_c_cancels_cleanly_and_kills_the_block() {
+    let task = "ctrl-c: long block";
+    let marker = format!("tandem-e2e-ctrlc-{}", std::process::id());
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![Reply::Text(fence(
+            "sh",
+            &format!("echo running; sh -c 'sleep 300; : {marker}'"),
+        ))],
+    )]))
+    .await
+    .unwrap();
+    let url = server.base_url();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["run", "--json", "--base-url", &url, task])
+        .env_remove("OPENAI_API_KEY")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pid = child.id().unwrap().to_string();
+    // Wait for the block to start, by its output.
+    let mut stdout = child.stdout.take().unwrap();
+    let mut seen = String::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !seen.contains("running") && Instant::now() < deadline {
+        use tokio::io::AsyncReadExt;
+        let mut buf = [0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(30), stdout.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    let started = Instant::now();
+    let status = std::process::Command::new("kill")
+        .args(["-INT", &pid])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut rest = Vec::new();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::io::AsyncReadExt::read_to_end(&mut stdout, &mut rest),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(status.code(), Some(130));
+    seen.push_str(&String::from_utf8_lossy(&rest));
+    let last: Value = serde_json::from_str(seen.lines().last().unwrap()).unwrap();
+    assert_eq!(last["type"], "task_finished");
+    assert_eq!(last["stop_reason"], "cancelled");
+    let ps = std::process::Command::new("ps")
+        .args(["-eo", "args"])
+        .output()
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&ps.stdout).contains(&marker),
+        "the block survived Ctrl-C"
+    );
+}
