@@ -166,3 +166,30 @@ pub fn local_config(file: &FileConfig) -> LocalConfig {
         env: l.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_readme_example_config_parses() {
+        let readme = include_str!("../../README.md");
+        let blocks = tandem_agent::extract_code_blocks(readme);
+        let toml_block = blocks
+            .iter()
+            .find(|b| b.language.as_deref() == Some("toml"))
+            .unwrap();
+        let file: FileConfig = toml::from_str(&toml_block.code).unwrap();
+        assert_eq!(file.model.model.as_deref(), Some("qwen2.5-coder:7b"));
+        let limits = file.limits.unwrap();
+        assert_eq!(limits.wall, Duration::from_secs(60));
+        assert_eq!(limits.output_bytes, 65536);
+        assert_eq!(file.executors.local.env.len(), 1);
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected_with_their_name() {
+        let err = toml::from_str::<FileConfig>("[model]\nbase_ur = \"x\"\n").unwrap_err();
+        assert!(err.to_string().contains("unknown field `base_ur`"), "{err}");
+    }
+}

@@ -1,1 +1,262 @@
-fn main() {}
+//! Benchmarks for Tandem's hot paths, each against a baseline measured in the same run.
+//!
+//! `cargo build --release -p tandem-cli && cargo bench -p tandem-tests`
+//!
+//! 1. Local executor: per-block cost of `print(1)` vs a bare `python3 -c 'print(1)'` spawn.
+//! 2. Turn loop: 200 two-turn tasks against ScriptedOpenAi, concurrency 8, in tasks/s.
+//! 3. Cold start: `tandem run` process start to the model server seeing its first request.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tandem_agent::{ChatModel, ModelConfig, TaskSettings, run_task};
+use tandem_executor::{
+    CancellationToken, ExecContext, ExecRequest, Executor, Language, SessionSpec,
+};
+use tandem_executor_local::{LocalConfig, LocalExecutor};
+use tandem_protocol::StopReason;
+use tandem_tests::{Reply, Script, ScriptedOpenAi};
+
+fn stats(mut samples: Vec<Duration>) -> (Duration, Duration) {
+    samples.sort();
+    let mean = samples.iter().sum::<Duration>() / samples.len() as u32;
+    (mean, samples[samples.len() / 2])
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.2} ms", d.as_secs_f64() * 1000.0)
+}
+
+/// The interpreter for every measurement: `TANDEM_BENCH_PYTHON`, else the system python
+/// (version-manager pythons can spend 30+ ms in `site` alone, which is not Tandem's cost).
+fn bench_python() -> Option<PathBuf> {
+    std::env::var_os("TANDEM_BENCH_PYTHON")
+        .map(PathBuf::from)
+        .or_else(|| Some(PathBuf::from("/usr/bin/python3")).filter(|p| p.exists()))
+}
+
+fn local_executor() -> LocalExecutor {
+    LocalExecutor::new(LocalConfig {
+        python: bench_python(),
+        ..LocalConfig::default()
+    })
+}
+
+async fn executor_overhead(n: usize) {
+    let executor = local_executor();
+    let python = executor
+        .interpreters()
+        .python
+        .clone()
+        .expect("python3 on PATH");
+    let mut session = executor.open(SessionSpec::default()).await.unwrap();
+    let mut base = Vec::new();
+    let mut ours = Vec::new();
+    // Interleaved so that machine noise hits both alike; one warm-up each.
+    for i in 0..=n {
+        let t = Instant::now();
+        let out = tokio::process::Command::new(&python)
+            .args(["-c", "print(1)"])
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(out.stdout, b"1\n");
+        if i > 0 {
+            base.push(t.elapsed());
+        }
+        let t = Instant::now();
+        let ctx = ExecContext::new(CancellationToken::new());
+        let out = session
+            .run(ExecRequest::new(Language::python(), "print(1)"), ctx)
+            .await
+            .unwrap();
+        assert_eq!(out.stdout.to_text(), "1\n");
+        if i > 0 {
+            ours.push(t.elapsed());
+        }
+    }
+    session.close().await.unwrap();
+    let (bm, bp) = stats(base);
+    let (om, op) = stats(ours);
+    println!(
+        "\n## Local executor: print(1), {n} runs each (interpreter {})",
+        python.display()
+    );
+    println!("| path | mean | median | ratio (mean) |");
+    println!("|---|---|---|---|");
+    println!(
+        "| bare `python3 -c 'print(1)'` spawn | {} | {} | 1.00x |",
+        ms(bm),
+        ms(bp)
+    );
+    println!(
+        "| tandem local session.run | {} | {} | {:.2}x |",
+        ms(om),
+        ms(op),
+        om.as_secs_f64() / bm.as_secs_f64()
+    );
+}
+
+async fn turn_loop_throughput(tasks: usize, concurrency: usize) {
+    let code = "```python\nprint(1)\n```";
+    let script: Script = (0..tasks)
+        .map(|i| {
+            (
+                format!("bench task {i}"),
+                vec![Reply::from(code), Reply::from("Done.\nTERMINATE")],
+            )
+        })
+        .collect();
+    let server = ScriptedOpenAi::start(script).await.unwrap();
+    let model = ChatModel::new(ModelConfig {
+        base_url: server.base_url(),
+        ..ModelConfig::default()
+    })
+    .unwrap();
+    let local = local_executor();
+    let python = local.interpreters().python.clone().expect("python3");
+    let executor: Arc<dyn Executor> = Arc::new(local);
+
+    // The floor: the same 200 interpreter runs at the same concurrency, with no model, no
+    // HTTP and no sandbox around them.
+    let limit = Arc::new(tokio::sync::Semaphore::new(concurrency));
+    let started = Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..tasks {
+        let (limit, python) = (limit.clone(), python.clone());
+        set.spawn(async move {
+            let _permit = limit.acquire_owned().await.unwrap();
+            let out = tokio::process::Command::new(&python)
+                .args(["-c", "print(1)"])
+                .output()
+                .await
+                .unwrap();
+            assert_eq!(out.stdout, b"1\n");
+        });
+    }
+    while let Some(r) = set.join_next().await {
+        r.unwrap();
+    }
+    let floor = started.elapsed();
+
+    let limit = Arc::new(tokio::sync::Semaphore::new(concurrency));
+    let started = Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    for i in 0..tasks {
+        let (model, executor, limit) = (model.clone(), executor.clone(), limit.clone());
+        set.spawn(async move {
+            let _permit = limit.acquire_owned().await.unwrap();
+            let outcome = run_task(
+                TaskSettings::new(format!("bench task {i}")),
+                &model,
+                executor,
+                Arc::new(|_| {}),
+                CancellationToken::new(),
+            )
+            .await;
+            assert_eq!(
+                outcome.stop_reason,
+                StopReason::Terminated,
+                "{:?}",
+                outcome.error
+            );
+            assert_eq!(outcome.turns, 2);
+        });
+    }
+    while let Some(r) = set.join_next().await {
+        r.unwrap();
+    }
+    let took = started.elapsed();
+    let rate = |d: Duration| tasks as f64 / d.as_secs_f64();
+    println!(
+        "\n## Turn loop: {tasks} two-turn tasks (python print(1)), concurrency {concurrency}, {}",
+        python.display()
+    );
+    println!("| run | wall | tasks/s | share of floor |");
+    println!("|---|---|---|---|");
+    println!(
+        "| floor: {tasks} bare interpreter spawns, same concurrency | {:.2} s | {:.1} | 100% |",
+        floor.as_secs_f64(),
+        rate(floor)
+    );
+    println!(
+        "| tandem: 2 model calls over HTTP + 1 sandboxed block per task | {:.2} s | {:.1} | {:.0}% |",
+        took.as_secs_f64(),
+        rate(took),
+        100.0 * rate(took) / rate(floor)
+    );
+    println!("| reference: AutoGen 0.7.5 on this machine (from the issue) | | 55 | |");
+}
+
+fn tandem_binary() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let bin = exe.parent()?.parent()?.join("tandem");
+    bin.exists().then_some(bin)
+}
+
+async fn cold_start(runs: usize) {
+    let Some(bin) = tandem_binary() else {
+        println!(
+            "\n## Cold start: not measured: build the binary first with `cargo build --release -p tandem-cli`"
+        );
+        return;
+    };
+    let script: Script = (0..runs)
+        .map(|i| (format!("cold {i}"), vec![Reply::from("TERMINATE")]))
+        .collect();
+    let server = ScriptedOpenAi::start(script).await.unwrap();
+    let mut samples = Vec::new();
+    let mut base = Vec::new();
+    for i in 0..runs {
+        // Baseline: spawning a process that does nothing (`true`).
+        let t = Instant::now();
+        tokio::process::Command::new("true").status().await.unwrap();
+        base.push(t.elapsed());
+        let task = format!("cold {i}");
+        let start = Instant::now();
+        let status = tokio::process::Command::new(&bin)
+            .args(["run", "--base-url", &server.base_url(), &task])
+            .env("XDG_CONFIG_HOME", "/nonexistent")
+            .stdout(std::process::Stdio::null())
+            .status()
+            .await
+            .unwrap();
+        assert!(status.success());
+        let first = server.requests_for(&task).first().map(|r| r.at).unwrap();
+        samples.push(first.duration_since(start));
+    }
+    let (m, p) = stats(samples);
+    let (bm, bp) = stats(base);
+    println!(
+        "\n## Cold start: `tandem run` spawn to first model request, {runs} runs ({})",
+        bin.display()
+    );
+    println!("| path | mean | median | ratio (mean) |");
+    println!("|---|---|---|---|");
+    println!(
+        "| spawn of `true` (process floor) | {} | {} | 1.00x |",
+        ms(bm),
+        ms(bp)
+    );
+    println!(
+        "| tandem run → first request | {} | {} | {:.1}x |",
+        ms(m),
+        ms(p),
+        m.as_secs_f64() / bm.as_secs_f64()
+    );
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        executor_overhead(100).await;
+        turn_loop_throughput(200, 8).await;
+        cold_start(20).await;
+    });
+}

@@ -135,6 +135,29 @@ pub async fn filename_directive(executor: &dyn Executor) {
     }
     let out = run(&mut *s, "python", "# just a comment\nprint('ran')").await;
     assert_eq!(out.stdout.to_text(), "ran\n");
+    // Saved modules import from later blocks, as when running a script in that directory.
+    run(
+        &mut *s,
+        "python",
+        "# filename: helper.py\ndef double(x):\n    return 2 * x",
+    )
+    .await;
+    let out = run(
+        &mut *s,
+        "python",
+        "from helper import double\nprint(double(21))",
+    )
+    .await;
+    assert_eq!(out.stdout.to_text(), "42\n", "{}", out.stderr.to_text());
+    // Unnamed blocks leave nothing behind in the workspace.
+    if let Some(ws) = s.workspace() {
+        let mut names: Vec<String> = std::fs::read_dir(ws)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["helper.py", "pkg"]);
+    }
     s.close().await.unwrap();
 }
 

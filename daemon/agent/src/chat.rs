@@ -133,12 +133,16 @@ impl ChatModel {
         let http = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
             .read_timeout(config.idle_timeout)
+            .tls_backend_preconfigured(tls_config(url.starts_with("https://"))?)
             .build()
             .map_err(|e| ModelError {
                 code: ErrorCode::Internal,
                 message: format!("cannot build the HTTP client: {e}"),
                 retryable: false,
             })?;
+        // async-openai builds a default reqwest client before ours replaces it, and with
+        // `rustls-no-provider` that needs a process-wide provider; installing twice is a no-op.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let openai = OpenAIConfig::new()
             .with_api_base(config.base_url.clone())
             .with_api_key(config.api_key.clone().unwrap_or_default());
@@ -358,6 +362,36 @@ impl ChatModel {
             retryable,
         }
     }
+}
+
+/// TLS settings: the system's CA certificates for an `https://` server, none for plain HTTP.
+///
+/// Loading the CA bundle costs ~100 ms of start-up with OpenSSL, and a local model server on
+/// plain HTTP never needs it, so only HTTPS pays (and rustls parses it faster).
+fn tls_config(https: bool) -> Result<rustls::ClientConfig, ModelError> {
+    let fail = |message: String| ModelError {
+        code: ErrorCode::Internal,
+        message,
+        retryable: false,
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    if https {
+        let found = rustls_native_certs::load_native_certs();
+        for cert in found.certs {
+            let _ = roots.add(cert);
+        }
+        if roots.is_empty() {
+            return Err(fail(
+                "no CA certificates found for HTTPS; install the ca-certificates package or set SSL_CERT_FILE".to_owned(),
+            ));
+        }
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    Ok(rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| fail(format!("cannot set up TLS: {e}")))?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
 }
 
 /// The innermost cause, which for reqwest is the useful part ("Connection refused").

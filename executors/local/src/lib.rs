@@ -106,7 +106,7 @@ impl Executor for LocalExecutor {
     }
 }
 
-/// A workspace directory plus a private scratch directory for block files and TMPDIR.
+/// A workspace directory plus a private scratch directory for TMPDIR.
 struct LocalSession {
     inner: Arc<Inner>,
     workspace: PathBuf,
@@ -129,7 +129,6 @@ impl LocalSession {
             move |source| ExecError::Workspace { path, source }
         };
         std::fs::create_dir(scratch.path().join("tmp")).map_err(ws_err(scratch.path()))?;
-        std::fs::create_dir(scratch.path().join("blocks")).map_err(ws_err(scratch.path()))?;
         let (workspace, owned_workspace) = match spec.workdir {
             Some(dir) => {
                 std::fs::create_dir_all(&dir).map_err(ws_err(&dir))?;

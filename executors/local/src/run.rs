@@ -33,16 +33,22 @@ pub(crate) async fn run_block(
             &session.inner.languages,
         ));
     };
-    let script = match filename_directive(&req.code) {
+    // Unnamed blocks run from a hidden file in the workspace, removed afterwards, so that
+    // `sys.path[0]` and `require('./x')` see the files earlier blocks saved, as when a
+    // person runs a script in that directory.
+    let (script, transient) = match filename_directive(&req.code) {
         Some(name) => match resolve_inside(&session.workspace, name) {
-            Ok(path) => path,
+            Ok(path) => (path, false),
             Err(e) => return Ok(ExecOutcome::refused(&e.to_string())),
         },
-        None => session.scratch.path().join("blocks").join(format!(
-            "block_{}.{}",
-            session.blocks,
-            req.language.extension()
-        )),
+        None => {
+            let name = format!(
+                ".tandem-block-{}.{}",
+                session.blocks,
+                req.language.extension()
+            );
+            (session.workspace.join(name), true)
+        }
     };
     tokio::fs::write(&script, &req.code)
         .await
@@ -89,7 +95,11 @@ pub(crate) async fn run_block(
     }
 
     let started = Instant::now();
-    let mut child = cmd.spawn().map_err(|e| ExecError::Unavailable {
+    let spawned = cmd.spawn();
+    if spawned.is_err() && transient {
+        let _ = tokio::fs::remove_file(&script).await;
+    }
+    let mut child = spawned.map_err(|e| ExecError::Unavailable {
         what: format!("{} ({})", program.display(), req.language),
         hint: format!("starting it failed: {e}; install it or set its path in the config"),
     })?;
@@ -150,6 +160,9 @@ pub(crate) async fn run_block(
     let stdout = out.await.unwrap_or_default();
     let stderr = err.await.unwrap_or_default();
     grace.abort();
+    if transient {
+        let _ = tokio::fs::remove_file(&script).await;
+    }
     Ok(ExecOutcome {
         status,
         stdout,
