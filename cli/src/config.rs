@@ -59,6 +59,8 @@ pub struct ExecutorsSection {
 pub struct LocalSection {
     pub python: Option<PathBuf>,
     pub node: Option<PathBuf>,
+    /// Run python blocks as forks of a warm interpreter (default true).
+    pub fork_server: Option<bool>,
     /// Extra variables passed to code; nothing from the daemon's environment is.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
@@ -164,6 +166,7 @@ pub fn local_config(file: &FileConfig) -> LocalConfig {
         node: l.node.clone(),
         path: None,
         env: l.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        python_fork_server: l.fork_server.unwrap_or(true),
     }
 }
 

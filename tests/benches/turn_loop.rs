@@ -37,24 +37,38 @@ fn bench_python() -> Option<PathBuf> {
         .or_else(|| Some(PathBuf::from("/usr/bin/python3")).filter(|p| p.exists()))
 }
 
-fn local_executor() -> LocalExecutor {
+fn local_executor(fork_server: bool) -> LocalExecutor {
     LocalExecutor::new(LocalConfig {
         python: bench_python(),
+        python_fork_server: fork_server,
         ..LocalConfig::default()
     })
 }
 
+/// The two ways the local executor starts a python block.
+const MODES: [(bool, &str); 2] = [
+    (false, "fresh `python3` per block"),
+    (true, "fork of the warm interpreter (default)"),
+];
+
 async fn executor_overhead(n: usize) {
-    let executor = local_executor();
-    let python = executor
+    let python = local_executor(false)
         .interpreters()
         .python
         .clone()
         .expect("python3 on PATH");
-    let mut session = executor.open(SessionSpec::default()).await.unwrap();
+    let mut sessions = Vec::new();
+    for (fork, _) in MODES {
+        sessions.push(
+            local_executor(fork)
+                .open(SessionSpec::default())
+                .await
+                .unwrap(),
+        );
+    }
     let mut base = Vec::new();
-    let mut ours = Vec::new();
-    // Interleaved so that machine noise hits both alike; one warm-up each.
+    let mut ours = vec![Vec::new(); MODES.len()];
+    // Interleaved so that machine noise hits every path alike; one warm-up each.
     for i in 0..=n {
         let t = Instant::now();
         let out = tokio::process::Command::new(&python)
@@ -66,20 +80,23 @@ async fn executor_overhead(n: usize) {
         if i > 0 {
             base.push(t.elapsed());
         }
-        let t = Instant::now();
-        let ctx = ExecContext::new(CancellationToken::new());
-        let out = session
-            .run(ExecRequest::new(Language::python(), "print(1)"), ctx)
-            .await
-            .unwrap();
-        assert_eq!(out.stdout.to_text(), "1\n");
-        if i > 0 {
-            ours.push(t.elapsed());
+        for (session, samples) in sessions.iter_mut().zip(&mut ours) {
+            let t = Instant::now();
+            let ctx = ExecContext::new(CancellationToken::new());
+            let out = session
+                .run(ExecRequest::new(Language::python(), "print(1)"), ctx)
+                .await
+                .unwrap();
+            assert_eq!(out.stdout.to_text(), "1\n");
+            if i > 0 {
+                samples.push(t.elapsed());
+            }
         }
     }
-    session.close().await.unwrap();
+    for session in sessions {
+        session.close().await.unwrap();
+    }
     let (bm, bp) = stats(base);
-    let (om, op) = stats(ours);
     println!(
         "\n## Local executor: print(1), {n} runs each (interpreter {})",
         python.display()
@@ -91,12 +108,15 @@ async fn executor_overhead(n: usize) {
         ms(bm),
         ms(bp)
     );
-    println!(
-        "| tandem local session.run | {} | {} | {:.2}x |",
-        ms(om),
-        ms(op),
-        om.as_secs_f64() / bm.as_secs_f64()
-    );
+    for ((_, label), samples) in MODES.iter().zip(ours) {
+        let (om, op) = stats(samples);
+        println!(
+            "| tandem local session.run, {label} | {} | {} | {:.2}x |",
+            ms(om),
+            ms(op),
+            om.as_secs_f64() / bm.as_secs_f64()
+        );
+    }
 }
 
 async fn turn_loop_throughput(tasks: usize, concurrency: usize) {
@@ -115,9 +135,11 @@ async fn turn_loop_throughput(tasks: usize, concurrency: usize) {
         ..ModelConfig::default()
     })
     .unwrap();
-    let local = local_executor();
-    let python = local.interpreters().python.clone().expect("python3");
-    let executor: Arc<dyn Executor> = Arc::new(local);
+    let python = local_executor(false)
+        .interpreters()
+        .python
+        .clone()
+        .expect("python3");
 
     // The floor: the same 200 interpreter runs at the same concurrency, with no model, no
     // HTTP and no sandbox around them.
@@ -141,6 +163,41 @@ async fn turn_loop_throughput(tasks: usize, concurrency: usize) {
     }
     let floor = started.elapsed();
 
+    let mut runs = Vec::new();
+    for (fork, label) in MODES {
+        let executor: Arc<dyn Executor> = Arc::new(local_executor(fork));
+        runs.push((label, tasks_at(&model, executor, tasks, concurrency).await));
+    }
+    let rate = |d: Duration| tasks as f64 / d.as_secs_f64();
+    println!(
+        "\n## Turn loop: {tasks} two-turn tasks (python print(1)), concurrency {concurrency}, {}",
+        python.display()
+    );
+    println!("| run | wall | tasks/s | share of floor |");
+    println!("|---|---|---|---|");
+    println!(
+        "| floor: {tasks} bare interpreter spawns, same concurrency | {:.2} s | {:.1} | 100% |",
+        floor.as_secs_f64(),
+        rate(floor)
+    );
+    for (label, took) in runs {
+        println!(
+            "| tandem, {label}: 2 model calls over HTTP + 1 sandboxed block per task | {:.2} s | {:.1} | {:.0}% |",
+            took.as_secs_f64(),
+            rate(took),
+            100.0 * rate(took) / rate(floor)
+        );
+    }
+    println!("| reference: AutoGen 0.7.5 on this machine (from the issue) | | 55 | |");
+}
+
+/// Runs `tasks` two-turn tasks at `concurrency` and returns the wall time.
+async fn tasks_at(
+    model: &ChatModel,
+    executor: Arc<dyn Executor>,
+    tasks: usize,
+    concurrency: usize,
+) -> Duration {
     let limit = Arc::new(tokio::sync::Semaphore::new(concurrency));
     let started = Instant::now();
     let mut set = tokio::task::JoinSet::new();
@@ -168,26 +225,7 @@ async fn turn_loop_throughput(tasks: usize, concurrency: usize) {
     while let Some(r) = set.join_next().await {
         r.unwrap();
     }
-    let took = started.elapsed();
-    let rate = |d: Duration| tasks as f64 / d.as_secs_f64();
-    println!(
-        "\n## Turn loop: {tasks} two-turn tasks (python print(1)), concurrency {concurrency}, {}",
-        python.display()
-    );
-    println!("| run | wall | tasks/s | share of floor |");
-    println!("|---|---|---|---|");
-    println!(
-        "| floor: {tasks} bare interpreter spawns, same concurrency | {:.2} s | {:.1} | 100% |",
-        floor.as_secs_f64(),
-        rate(floor)
-    );
-    println!(
-        "| tandem: 2 model calls over HTTP + 1 sandboxed block per task | {:.2} s | {:.1} | {:.0}% |",
-        took.as_secs_f64(),
-        rate(took),
-        100.0 * rate(took) / rate(floor)
-    );
-    println!("| reference: AutoGen 0.7.5 on this machine (from the issue) | | 55 | |");
+    started.elapsed()
 }
 
 fn tandem_binary() -> Option<PathBuf> {

@@ -50,6 +50,7 @@ pub async fn all(executor: Arc<dyn Executor>) {
     environment_is_isolated(&*executor).await;
     stdin_is_closed(&*executor).await;
     timeout_kills_the_whole_tree(&*executor).await;
+    python_daemons_do_not_outlive_their_block(&*executor).await;
     cancel_stops_a_block_at_once(&*executor).await;
     big_output_is_capped_without_deadlock(&*executor).await;
     invalid_utf8_is_decoded_lossily(&*executor).await;
@@ -203,7 +204,10 @@ pub async fn stdin_is_closed(executor: &dyn Executor) {
 /// A timeout kills children, detached grandchildren included, keeps earlier output, returns
 /// within timeout + 1 s, and leaves the session usable.
 pub async fn timeout_kills_the_whole_tree(executor: &dyn Executor) {
-    let marker = format!("tandem-conformance-{}-{}", std::process::id(), line!());
+    // Unique per call: suites for several executors run in parallel in one test process.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let marker = format!("tandem-conformance-{}-{call}x", std::process::id());
     let mut s = open(
         executor,
         Limits {
@@ -233,6 +237,49 @@ pub async fn timeout_kills_the_whole_tree(executor: &dyn Executor) {
     .await;
     assert_eq!(out.status, ExitStatus::Exited(0));
     no_process_matches(&marker);
+    s.close().await.unwrap();
+}
+
+/// A pure-Python daemon (double fork, `setsid`, no exec, so no marker in its command line
+/// or environment) dies with its block, whether the block ends or times out. It proves it
+/// is alive by appending to a file in the workspace, which works the same on every backend.
+pub async fn python_daemons_do_not_outlive_their_block(executor: &dyn Executor) {
+    let mut s = open(
+        executor,
+        Limits {
+            wall: Duration::from_secs(1),
+            ..Limits::default()
+        },
+    )
+    .await;
+    let ws = s.workspace().expect("a host workspace").to_owned();
+    for (beat, tail, status) in [
+        ("ended", "", ExitStatus::Exited(0)),
+        ("timed-out", "time.sleep(300)\n", ExitStatus::TimedOut),
+    ] {
+        let code = format!(
+            "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        while True:\n            with open('{beat}', 'a') as f:\n                f.write('.')\n            time.sleep(0.02)\n    os._exit(0)\nwhile not os.path.exists('{beat}'):\n    time.sleep(0.01)\nprint('daemon running')\n{tail}"
+        );
+        let out = run(&mut *s, "python", &code).await;
+        assert_eq!(
+            (out.status, out.stdout.to_text()),
+            (status, "daemon running\n".to_owned()),
+            "{}",
+            out.stderr.to_text()
+        );
+        let size = || {
+            std::fs::metadata(ws.join(beat))
+                .map(|m| m.len())
+                .unwrap_or(0)
+        };
+        let before = size();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            size(),
+            before,
+            "a daemon of the {beat} block is still writing"
+        );
+    }
     s.close().await.unwrap();
 }
 

@@ -2,6 +2,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tandem_executor::{ExitStatus, Limits};
+
 use tandem_executor_local::{LocalConfig, LocalExecutor};
 use tandem_tests::conformance;
 
@@ -12,6 +13,77 @@ fn local() -> Arc<LocalExecutor> {
 #[tokio::test(flavor = "multi_thread")]
 async fn local_executor_passes_the_conformance_suite() {
     conformance::all(local()).await;
+}
+
+fn without_fork_server() -> Arc<LocalExecutor> {
+    Arc::new(LocalExecutor::new(LocalConfig {
+        python_fork_server: false,
+        ..LocalConfig::default()
+    }))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn local_executor_without_fork_server_passes_the_conformance_suite() {
+    conformance::all(without_fork_server()).await;
+}
+
+const PARENT: &str =
+    "import os\nprint(open('/proc/%d/cmdline' % os.getppid()).read().split('\\0')[2][:30])";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn python_blocks_fork_from_the_warm_interpreter_which_restarts_if_killed() {
+    let executor = local();
+    let mut s = conformance::open(&*executor, Limits::default()).await;
+    let out = conformance::run(&mut *s, "python", PARENT).await;
+    assert_eq!(out.stdout.to_text(), "# Tandem's Python fork server:\n");
+    // The block's parent is its waiter; the waiter's parent is the server. Kill it.
+    let out = conformance::run(&mut *s, "python", "import os, signal\nwaiter = os.getppid()\nserver = int(open('/proc/%d/stat' % waiter).read().split(')')[1].split()[1])\nos.kill(server, signal.SIGKILL)\nprint('killed')").await;
+    assert_eq!(out.stdout.to_text(), "killed\n");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let out = conformance::run(&mut *s, "python", "print('after restart')").await;
+    assert_eq!(
+        (out.status, out.stdout.to_text()),
+        (ExitStatus::Exited(0), "after restart\n".to_owned())
+    );
+    s.close().await.unwrap();
+    // Turned off, python starts fresh: its parent is Tandem itself.
+    let mut s = conformance::open(&*without_fork_server(), Limits::default()).await;
+    let out = conformance::run(&mut *s, "python", PARENT).await;
+    assert_ne!(out.stdout.to_text(), "# Tandem's Python fork server:\n");
+    s.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn forked_blocks_report_like_a_fresh_interpreter() {
+    for executor in [local(), without_fork_server()] {
+        let mut s = conformance::open(&*executor, Limits::default()).await;
+        let ws = s.workspace().unwrap().to_owned();
+        let out = conformance::run(
+            &mut *s,
+            "python",
+            "# filename: app.py\ndef f():\n    raise KeyError('k')\nf()",
+        )
+        .await;
+        let app = ws.join("app.py");
+        assert_eq!(
+            out.stderr.to_text(),
+            format!(
+                "Traceback (most recent call last):\n  File \"{0}\", line 4, in <module>\n    f()\n  File \"{0}\", line 3, in f\n    raise KeyError('k')\nKeyError: 'k'\n",
+                app.display()
+            )
+        );
+        let out = conformance::run(&mut *s, "python", "import sys, atexit\natexit.register(lambda: print('atexit ran'))\nprint(__name__, sys.argv == [__file__])\nsys.exit(4)").await;
+        assert_eq!(
+            (out.status, out.stdout.to_text()),
+            (
+                ExitStatus::Exited(4),
+                "__main__ True\natexit ran\n".to_owned()
+            )
+        );
+        let out = conformance::run(&mut *s, "python", "import threading, time\ndef late():\n    time.sleep(0.2)\n    print('thread done')\nthreading.Thread(target=late).start()").await;
+        assert_eq!(out.stdout.to_text(), "thread done\n");
+        s.close().await.unwrap();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

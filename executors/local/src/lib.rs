@@ -5,6 +5,7 @@
 //! process a block started when the block ends. Use the Docker or WASM executor to contain
 //! untrusted code.
 
+mod forkserver;
 mod interpreters;
 mod kill;
 mod run;
@@ -18,10 +19,11 @@ use tandem_executor::{
 };
 use tempfile::TempDir;
 
+use forkserver::ForkServer;
 pub use interpreters::Interpreters;
 
 /// Settings for the local executor.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct LocalConfig {
     /// Python interpreter to use instead of `python3` from PATH.
     pub python: Option<PathBuf>,
@@ -31,6 +33,20 @@ pub struct LocalConfig {
     pub path: Option<String>,
     /// Extra environment variables passed to code (names and values), on top of the allowlist.
     pub env: Vec<(String, String)>,
+    /// Run python blocks as forks of a warm interpreter instead of fresh `python3` starts.
+    pub python_fork_server: bool,
+}
+
+impl Default for LocalConfig {
+    fn default() -> Self {
+        Self {
+            python: None,
+            node: None,
+            path: None,
+            env: Vec::new(),
+            python_fork_server: true,
+        }
+    }
 }
 
 /// Runs python, sh and (when node is installed) javascript as local processes.
@@ -46,12 +62,43 @@ struct Inner {
     interpreters: OnceLock<Interpreters>,
     languages: Vec<Language>,
     env: Vec<(String, String)>,
+    /// Started on the first python block; `Err` once starting it failed (then blocks spawn).
+    fork_server: tokio::sync::Mutex<Option<Result<Arc<ForkServer>, ()>>>,
 }
 
 impl Inner {
     fn interpreters(&self) -> &Interpreters {
         self.interpreters
             .get_or_init(|| Interpreters::discover(&self.config, &self.path))
+    }
+
+    /// The running fork server for `python`, started or restarted as needed; `None` when it
+    /// is turned off or cannot start, and blocks then run as fresh processes.
+    async fn fork_server(&self, python: &Path) -> Option<Arc<ForkServer>> {
+        if !self.config.python_fork_server {
+            return None;
+        }
+        let mut slot = self.fork_server.lock().await;
+        match slot.as_ref() {
+            Some(Ok(server)) if server.alive() => return Some(server.clone()),
+            Some(Err(())) => return None,
+            _ => {}
+        }
+        let mut env = self.env.clone();
+        env.push(("PATH".to_owned(), self.interpreters().path_env.clone()));
+        env.push(("PYTHONDONTWRITEBYTECODE".to_owned(), "1".to_owned()));
+        match ForkServer::start(python, &env) {
+            Ok(server) => {
+                let server = Arc::new(server);
+                *slot = Some(Ok(server.clone()));
+                Some(server)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the Python fork server did not start; python blocks will start fresh interpreters");
+                *slot = Some(Err(()));
+                None
+            }
+        }
     }
 }
 
@@ -74,6 +121,7 @@ impl LocalExecutor {
                 interpreters: OnceLock::new(),
                 languages,
                 env,
+                fork_server: tokio::sync::Mutex::new(None),
             }),
         }
     }

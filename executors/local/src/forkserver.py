@@ -1,0 +1,151 @@
+# Tandem's Python fork server: one interpreter that has already paid for start-up (site,
+# encodings) forks a fresh process per block. Requests arrive on fd 3, a SOCK_SEQPACKET
+# socket: one JSON message with three fds (stdout, stderr, status pipes); the reply is the
+# pid of the block's waiter. On the status pipe the block writes its own pid once it leads
+# its own session, then the waiter writes the block's raw wait status; EOF follows once
+# every process the block started is dead.
+import builtins, io, json, os, resource, signal, socket, sys, types
+
+ctl = socket.socket(fileno=3)
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the waiters are reaped by the kernel
+
+try:
+    import ctypes
+
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (ImportError, OSError, AttributeError):
+    _prctl = None
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def block(req, out, err, status):
+    """The block's own process: set up like a fresh `python3 script` and run it."""
+    code = 1
+    try:
+        os.setsid()
+        os.write(status, b"%d\n" % os.getpid())
+        os.close(status)
+        fd = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(fd, 0)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        for f in (fd, out, err):
+            if f > 2:
+                os.close(f)
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", write_through=True)
+        sys.stderr = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", write_through=True
+        )
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        script = req["script"]
+        sys.argv = [script]
+        sys.path[0] = os.path.dirname(script)
+        main = types.ModuleType("__main__")
+        main.__file__ = script
+        main.__builtins__ = builtins
+        sys.modules["__main__"] = main
+        with open(script, "rb") as f:
+            source = f.read()
+        exec(compile(source, script, "exec"), main.__dict__)
+        code = 0
+    except SystemExit as e:
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        etype, value, tb = sys.exc_info()
+        # Drop this function's frame so the traceback starts in the user's code, as it does
+        # when python3 runs the script itself.
+        tb = tb.tb_next if tb is not None else None
+        sys.excepthook(etype, value.with_traceback(tb), tb)
+        code = 1
+    finally:
+        try:
+            if "threading" in sys.modules:
+                sys.modules["threading"]._shutdown()
+            import atexit
+
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BaseException:
+            pass
+        os._exit(code & 0xFF)
+
+
+def children(me):
+    """Pids whose parent is `me` (orphans of the block land here: we are a subreaper)."""
+    try:
+        with open("/proc/%d/task/%d/children" % (me, me)) as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        pass
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open("/proc/%s/stat" % name) as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                        found.append(int(name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return found
+
+
+def kill_descendants():
+    """Kills every process left behind, including daemons that left the block's session:
+    as a subreaper, this process inherits each one whose parent dies."""
+    me = os.getpid()
+    while True:
+        for pid in children(me):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] != 0:
+                pass
+        except ChildProcessError:
+            return
+        os.sched_yield()
+
+
+def waiter(req, out, err, status):
+    """Start the block, wait for it, clean up after it, report its raw wait status."""
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        if _prctl is not None:
+            _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        for name, limit in req["rlimits"]:
+            resource.setrlimit(getattr(resource, name), (limit, limit))
+        pid = os.fork()
+        if pid == 0:
+            block(req, out, err, status)
+        os.close(out)
+        os.close(err)
+        _, wstatus = os.waitpid(pid, 0)
+        kill_descendants()
+        os.write(status, b"%d\n" % wstatus)
+    finally:
+        os._exit(0)
+
+
+while True:
+    msg, fds, _, _ = socket.recv_fds(ctl, 1 << 20, 3)
+    if not msg:
+        os._exit(0)
+    req = json.loads(msg)
+    pid = os.fork()
+    if pid == 0:
+        ctl.close()
+        waiter(req, *fds)
+    for f in fds:
+        os.close(f)
+    ctl.send(str(pid).encode())
