@@ -8,7 +8,8 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 use tandem_agent::ModelConfig;
-use tandem_executor::Limits;
+use tandem_executor::{Language, Limits};
+use tandem_executor_docker::DockerConfig;
 use tandem_executor_local::LocalConfig;
 
 /// The contents of `tandem.toml`; unknown keys are rejected so typos do not pass silently.
@@ -52,6 +53,27 @@ pub struct TaskSection {
 pub struct ExecutorsSection {
     #[serde(default)]
     pub local: LocalSection,
+    #[serde(default)]
+    pub docker: DockerSection,
+}
+
+/// `[executors.docker]`: every hardened default can be changed here.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DockerSection {
+    pub image: Option<String>,
+    pub pull: Option<bool>,
+    pub memory_bytes: Option<u64>,
+    pub cpus: Option<f64>,
+    pub pids: Option<i64>,
+    pub tmpfs_bytes: Option<u64>,
+    pub user: Option<String>,
+    pub network: Option<bool>,
+    pub read_only: Option<bool>,
+    pub languages: Option<Vec<String>>,
+    /// Extra variables passed to code; nothing from the daemon's environment is.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -168,6 +190,47 @@ pub fn local_config(file: &FileConfig) -> LocalConfig {
         env: l.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
         python_fork_server: l.fork_server.unwrap_or(true),
     }
+}
+
+/// The executor name: the flag, then `TANDEM_EXECUTOR`, then `[task] executor`, then `auto`.
+pub fn executor_name(flag: Option<&str>, file: &FileConfig) -> String {
+    flag.map(str::to_owned)
+        .or_else(|| env("TANDEM_EXECUTOR"))
+        .or_else(|| file.task.executor.clone())
+        .unwrap_or_else(|| "auto".to_owned())
+}
+
+/// Settings for the Docker executor: the image from `--image`, then `TANDEM_DOCKER_IMAGE`,
+/// then the file; the rest from the file over the hardened defaults.
+pub fn docker_config(file: &FileConfig, image: Option<&str>) -> Result<DockerConfig> {
+    let d = &file.executors.docker;
+    let defaults = DockerConfig::default();
+    if let Some(cpus) = d.cpus {
+        if !(cpus > 0.0 && cpus <= 1024.0) {
+            bail!("[executors.docker] cpus must be between 0 and 1024, got {cpus}");
+        }
+    }
+    Ok(DockerConfig {
+        image: image
+            .map(str::to_owned)
+            .or_else(|| env("TANDEM_DOCKER_IMAGE"))
+            .or_else(|| d.image.clone())
+            .unwrap_or(defaults.image),
+        pull: d.pull.unwrap_or(defaults.pull),
+        memory_bytes: d.memory_bytes.unwrap_or(defaults.memory_bytes),
+        cpus: d.cpus.unwrap_or(defaults.cpus),
+        pids: d.pids.unwrap_or(defaults.pids),
+        tmpfs_bytes: d.tmpfs_bytes.unwrap_or(defaults.tmpfs_bytes),
+        user: d.user.clone().unwrap_or(defaults.user),
+        network: d.network.unwrap_or(defaults.network),
+        read_only: d.read_only.unwrap_or(defaults.read_only),
+        env: d.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        languages: match &d.languages {
+            Some(names) => names.iter().map(|n| Language::new(n)).collect(),
+            None => defaults.languages,
+        },
+        daemon_id: defaults.daemon_id,
+    })
 }
 
 #[cfg(test)]

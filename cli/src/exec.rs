@@ -18,9 +18,12 @@ pub struct ExecArgs {
     /// A code file (its extension picks the language), a markdown file (all its blocks run in
     /// order), or `-`/nothing for stdin (markdown unless --lang is given)
     input: Option<PathBuf>,
-    /// Executor that runs the code
+    /// Executor that runs the code: auto, docker or local [env: TANDEM_EXECUTOR; default: auto]
     #[arg(long, short = 'e')]
     executor: Option<String>,
+    /// Docker image for the docker executor [env: TANDEM_DOCKER_IMAGE; default: python:3.12-slim]
+    #[arg(long)]
+    image: Option<String>,
     /// The input is code in this language (python, sh, javascript, ...)
     #[arg(long)]
     lang: Option<String>,
@@ -81,12 +84,8 @@ fn blocks_of(args: &ExecArgs, source: String) -> Result<Vec<CodeBlock>> {
 pub async fn exec(args: ExecArgs, file: FileConfig) -> Result<u8> {
     let source = crate::read_input(args.input.as_ref())?;
     let blocks = blocks_of(&args, source)?;
-    let name = args
-        .executor
-        .clone()
-        .or_else(|| file.task.executor.clone())
-        .unwrap_or_else(|| "local".to_owned());
-    let executor = crate::registry(&file).get(&name)?;
+    let name = config::executor_name(args.executor.as_deref(), &file);
+    let executor = crate::executors::resolve(&name, &file, args.image.as_deref()).await?;
     let limits = config::limits(&file, args.timeout)?;
     let mut slot = SessionSlot::new(
         executor,

@@ -2,18 +2,16 @@
 
 mod config;
 mod exec;
+mod executors;
 mod render;
 mod run;
 
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use tandem_executor::Registry;
-use tandem_executor_local::LocalExecutor;
 
 /// Exit codes of `tandem run`, documented in the README.
 pub mod exit {
@@ -56,8 +54,14 @@ enum Command {
         /// Markdown file; stdin when absent or `-`
         file: Option<PathBuf>,
     },
-    /// Show the executors, their languages, and the model settings in effect
-    Doctor(config::ModelFlags),
+    /// Show the executors, their languages, which one `auto` picks, and the model settings
+    Doctor {
+        #[command(flatten)]
+        model: config::ModelFlags,
+        /// Docker image to check [env: TANDEM_DOCKER_IMAGE; default: python:3.12-slim]
+        #[arg(long)]
+        image: Option<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -90,7 +94,7 @@ fn dispatch(cli: Cli) -> Result<u8> {
     let file = config::load(cli.config.as_deref())?;
     match cli.command {
         Command::Extract { file: path } => extract(path),
-        Command::Doctor(flags) => doctor(&flags, &file),
+        Command::Doctor { model, image } => runtime()?.block_on(doctor(&model, image, &file)),
         Command::Run(args) => runtime()?.block_on(run::run(args, file)),
         Command::Exec(args) => runtime()?.block_on(exec::exec(args, file)),
     }
@@ -102,13 +106,6 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")
-}
-
-/// Every executor this binary knows, configured from the file.
-pub fn registry(file: &config::FileConfig) -> Registry {
-    let mut registry = Registry::new();
-    registry.register(Arc::new(LocalExecutor::new(config::local_config(file))));
-    registry
 }
 
 /// Reads a file, or stdin for `None` and `-`.
@@ -136,7 +133,11 @@ fn extract(path: Option<PathBuf>) -> Result<u8> {
     Ok(exit::DONE)
 }
 
-fn doctor(flags: &config::ModelFlags, file: &config::FileConfig) -> Result<u8> {
+async fn doctor(
+    flags: &config::ModelFlags,
+    image: Option<String>,
+    file: &config::FileConfig,
+) -> Result<u8> {
     let model = config::model_config(flags, file)?;
     println!("model:     {} at {}", model.model, model.base_url);
     println!(
@@ -147,9 +148,8 @@ fn doctor(flags: &config::ModelFlags, file: &config::FileConfig) -> Result<u8> {
             "not set"
         }
     );
-    for executor in registry(file).iter() {
-        let langs: Vec<&str> = executor.languages().iter().map(|l| l.as_str()).collect();
-        println!("executor:  {} ({})", executor.name(), langs.join(", "));
+    for line in executors::report(file, image.as_deref()).await? {
+        println!("{line}");
     }
     Ok(exit::DONE)
 }

@@ -16,9 +16,12 @@ use crate::render::{Mode, Renderer};
 pub struct RunArgs {
     /// The task, in words
     task: String,
-    /// Executor that runs the code
+    /// Executor that runs the code: auto, docker or local [env: TANDEM_EXECUTOR; default: auto]
     #[arg(long, short = 'e')]
     executor: Option<String>,
+    /// Docker image for the docker executor [env: TANDEM_DOCKER_IMAGE; default: python:3.12-slim]
+    #[arg(long)]
+    image: Option<String>,
     #[command(flatten)]
     model: ModelFlags,
     /// Most assistant turns [default: 10]
@@ -51,12 +54,8 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
         );
     }
     let model = ChatModel::new(config::model_config(&args.model, &file)?)?;
-    let executor_name = args
-        .executor
-        .clone()
-        .or_else(|| file.task.executor.clone())
-        .unwrap_or_else(|| "local".to_owned());
-    let executor = crate::registry(&file).get(&executor_name)?;
+    let executor_name = config::executor_name(args.executor.as_deref(), &file);
+    let executor = crate::executors::resolve(&executor_name, &file, args.image.as_deref()).await?;
     let mut settings = TaskSettings::new(args.task.clone());
     if let Some(path) = args
         .system_prompt

@@ -45,6 +45,15 @@ impl CaptureBuffer {
         live
     }
 
+    /// Records `n` bytes that a sandbox dropped from the middle of the stream before they
+    /// reached Tandem (it capped the stream itself); what is pushed next is the tail.
+    pub fn skip(&mut self, n: u64) {
+        if n > 0 {
+            self.total += n;
+            self.tail.clear();
+        }
+    }
+
     /// Total bytes seen so far, kept or not.
     pub fn total(&self) -> u64 {
         self.total
@@ -122,6 +131,17 @@ mod tests {
         assert_eq!(c.total(), 16);
         assert_eq!(c.dropped(), 8);
         assert_eq!(c.to_text(), "0123\n[... 8 bytes truncated ...]\ncdef");
+    }
+
+    #[test]
+    fn skipped_bytes_count_as_truncated() {
+        let mut buf = CaptureBuffer::new(8);
+        buf.push(b"01234567");
+        buf.skip(100);
+        buf.push(b"wxyz");
+        let c = buf.finish();
+        assert_eq!(c.total(), 112);
+        assert_eq!(c.to_text(), "0123\n[... 104 bytes truncated ...]\nwxyz");
     }
 
     #[test]

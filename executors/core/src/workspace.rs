@@ -36,9 +36,10 @@ pub enum PathError {
     },
 }
 
-/// Resolves `rel` under `root`, creating parent directories, and refuses anything that would
-/// land outside `root` (absolute paths, `..`, symlinks pointing out).
-pub fn resolve_inside(root: &Path, rel: &str) -> Result<PathBuf, PathError> {
+/// The normalised relative path `rel` names (`.` and inner `..` resolved), refused when it
+/// would leave the directory it is relative to. Lexical only: sandboxes that resolve the path
+/// inside their own filesystem (containers) need nothing more.
+pub fn clean_relative(rel: &str) -> Result<PathBuf, PathError> {
     let outside = || PathError::Outside(rel.to_owned());
     let mut clean = PathBuf::new();
     for comp in Path::new(rel).components() {
@@ -53,8 +54,18 @@ pub fn resolve_inside(root: &Path, rel: &str) -> Result<PathBuf, PathError> {
             Component::RootDir | Component::Prefix(_) => return Err(outside()),
         }
     }
-    let Some(file_name) = clean.file_name().map(ToOwned::to_owned) else {
+    if clean.file_name().is_none() {
         return Err(outside());
+    }
+    Ok(clean)
+}
+
+/// Resolves `rel` under `root`, creating parent directories, and refuses anything that would
+/// land outside `root` (absolute paths, `..`, symlinks pointing out).
+pub fn resolve_inside(root: &Path, rel: &str) -> Result<PathBuf, PathError> {
+    let clean = clean_relative(rel)?;
+    let Some(file_name) = clean.file_name().map(ToOwned::to_owned) else {
+        return Err(PathError::Outside(rel.to_owned()));
     };
     let io = |source| PathError::Io {
         path: rel.to_owned(),

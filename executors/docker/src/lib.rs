@@ -1,0 +1,516 @@
+//! Tandem's Docker executor: one hardened container per task session, on bollard.
+//!
+//! Each session is a container started from the configured image with no network, no
+//! capabilities, a read-only root, a non-root user and memory, CPU and process limits; the
+//! session's workspace is bind-mounted at `/workspace`. Blocks do not go through `docker
+//! exec`: a small runner (`runner.py`) is the container's main process and forks each block
+//! on request over the attached stdio, which costs a few milliseconds instead of an exec
+//! round trip. Every container is labelled with its owner process, removed with kill +
+//! force-remove when its session ends, and reaped by the next Tandem if its owner died.
+
+mod session;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bollard::Docker;
+use bollard::models::{ContainerCreateBody, HostConfig};
+use bollard::query_parameters::{
+    CreateImageOptionsBuilder, ListContainersOptionsBuilder, RemoveContainerOptionsBuilder,
+};
+use futures::StreamExt;
+use tandem_executor::{BoxFuture, ExecError, Executor, Language, Session, SessionSpec};
+use tokio::sync::OnceCell;
+
+pub use session::RUNNER;
+
+/// Label keys on every container Tandem makes.
+pub mod labels {
+    /// The Tandem instance (daemon id, or a per-process id for one-shot commands).
+    pub const DAEMON: &str = "tandem.daemon";
+    /// `host/pid:start-time` of the process that owns the container, to reap orphans.
+    pub const OWNER: &str = "tandem.owner";
+    /// The session's id.
+    pub const SESSION: &str = "tandem.session";
+    /// The task's id, when the session belongs to one.
+    pub const TASK: &str = "tandem.task";
+    /// Host path of a temporary workspace to remove along with the container.
+    pub const WORKSPACE: &str = "tandem.workspace";
+}
+
+/// The image used when none is configured.
+pub const DEFAULT_IMAGE: &str = "python:3.12-slim";
+
+/// Settings for the Docker executor; the defaults are the hardened ones.
+#[derive(Clone, Debug)]
+pub struct DockerConfig {
+    /// Image for session containers; it needs `python3` (the runner is Python).
+    pub image: String,
+    /// Pull the image when it is missing.
+    pub pull: bool,
+    /// Memory cap per container, bytes (swap is set equal, so none is added).
+    pub memory_bytes: u64,
+    /// CPUs per container.
+    pub cpus: f64,
+    /// Most processes per container.
+    pub pids: i64,
+    /// Size of the `/tmp` tmpfs, bytes.
+    pub tmpfs_bytes: u64,
+    /// `uid:gid` code runs as.
+    pub user: String,
+    /// Give containers a network (bridge) instead of none.
+    pub network: bool,
+    /// Mount the image's root filesystem read-only.
+    pub read_only: bool,
+    /// Extra environment variables passed to code (names and values), on top of the allowlist.
+    pub env: Vec<(String, String)>,
+    /// Languages the image can run.
+    pub languages: Vec<Language>,
+    /// The `tandem.daemon` label value.
+    pub daemon_id: String,
+}
+
+impl Default for DockerConfig {
+    fn default() -> Self {
+        Self {
+            image: DEFAULT_IMAGE.to_owned(),
+            pull: true,
+            memory_bytes: 512 << 20,
+            cpus: 1.0,
+            pids: 256,
+            tmpfs_bytes: 64 << 20,
+            user: "65534:65534".to_owned(),
+            network: false,
+            read_only: true,
+            env: Vec::new(),
+            languages: vec![Language::python(), Language::sh()],
+            daemon_id: format!("tandem-{}", std::process::id()),
+        }
+    }
+}
+
+/// Failures to reach the engine or get the image.
+#[derive(Debug, thiserror::Error)]
+pub enum DockerError {
+    /// The engine did not answer.
+    #[error(
+        "cannot reach the Docker engine at {host}: {reason}; start Docker (`sudo systemctl start docker`) or point DOCKER_HOST at a running engine"
+    )]
+    Unreachable {
+        /// Where Tandem looked.
+        host: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The image is missing and could not be pulled.
+    #[error(
+        "docker image `{image}` is not present and pulling it failed: {reason}; with no registry, build one offline with `scripts/build-sandbox-image.sh` and use `--image tandem-sandbox:latest` (or TANDEM_DOCKER_IMAGE)"
+    )]
+    ImageUnavailable {
+        /// The image asked for.
+        image: String,
+        /// Why the pull failed.
+        reason: String,
+    },
+    /// The engine refused a request.
+    #[error("{what}: {source}")]
+    Engine {
+        /// What Tandem was doing.
+        what: String,
+        /// The engine's answer.
+        #[source]
+        source: bollard::errors::Error,
+    },
+}
+
+impl From<DockerError> for ExecError {
+    fn from(e: DockerError) -> Self {
+        match e {
+            DockerError::Unreachable { .. } => ExecError::Unavailable {
+                what: "the Docker engine".to_owned(),
+                hint: e.to_string(),
+            },
+            DockerError::ImageUnavailable { ref image, .. } => ExecError::Unavailable {
+                what: format!("docker image `{image}`"),
+                hint: e.to_string(),
+            },
+            DockerError::Engine { .. } => ExecError::Backend(e.to_string()),
+        }
+    }
+}
+
+pub(crate) fn engine(
+    what: impl Into<String>,
+) -> impl FnOnce(bollard::errors::Error) -> DockerError {
+    let what = what.into();
+    move |source| DockerError::Engine { what, source }
+}
+
+/// Where the engine is, as the docker CLI finds it.
+pub fn docker_host() -> String {
+    std::env::var("DOCKER_HOST").unwrap_or_else(|_| "unix:///var/run/docker.sock".to_owned())
+}
+
+/// Runs code in hardened Docker containers, one per session.
+#[derive(Clone)]
+pub struct DockerExecutor {
+    inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) docker: Docker,
+    pub(crate) config: DockerConfig,
+    pub(crate) owner: String,
+    image_ready: OnceCell<()>,
+}
+
+impl DockerExecutor {
+    /// Connects to the engine the way the docker CLI does (`DOCKER_HOST` or the default
+    /// socket), negotiates the API version, and reaps containers whose owner died.
+    pub async fn connect(config: DockerConfig) -> Result<Self, DockerError> {
+        let host = docker_host();
+        let unreachable = |reason: String| DockerError::Unreachable {
+            host: host.clone(),
+            reason,
+        };
+        let docker = Docker::connect_with_defaults().map_err(|e| unreachable(e.to_string()))?;
+        let docker = tokio::time::timeout(Duration::from_secs(5), docker.negotiate_version())
+            .await
+            .map_err(|_| unreachable("no answer within 5 s".to_owned()))?
+            .map_err(|e| unreachable(e.to_string()))?;
+        tokio::time::timeout(Duration::from_secs(5), docker.ping())
+            .await
+            .map_err(|_| unreachable("no answer within 5 s".to_owned()))?
+            .map_err(|e| unreachable(e.to_string()))?;
+        let executor = Self {
+            inner: Arc::new(Inner {
+                docker,
+                config,
+                owner: owner_tag(),
+                image_ready: OnceCell::new(),
+            }),
+        };
+        match executor.reap_orphans().await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                containers = n,
+                "reaped containers left by a Tandem that died"
+            ),
+            Err(e) => tracing::warn!(error = %e, "looking for leftover containers failed"),
+        }
+        Ok(executor)
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &DockerConfig {
+        &self.inner.config
+    }
+
+    /// The engine's version, for diagnostics.
+    pub async fn engine_version(&self) -> Result<String, DockerError> {
+        let v = self
+            .inner
+            .docker
+            .version()
+            .await
+            .map_err(engine("asking the engine for its version"))?;
+        Ok(format!(
+            "{} (API {})",
+            v.version.unwrap_or_default(),
+            v.api_version.unwrap_or_default()
+        ))
+    }
+
+    /// Whether the configured image is present locally.
+    pub async fn image_present(&self) -> Result<bool, DockerError> {
+        image_present(&self.inner.docker, &self.inner.config.image).await
+    }
+
+    /// Makes sure the image is present, pulling it (with `progress` lines) when allowed.
+    pub async fn ensure_image(&self, progress: &(dyn Fn(&str) + Sync)) -> Result<(), DockerError> {
+        let inner = &self.inner;
+        inner
+            .image_ready
+            .get_or_try_init(|| ensure_image(&inner.docker, &inner.config, progress))
+            .await
+            .map(|_| ())
+    }
+
+    /// Force-removes every container (and its temporary workspace) whose owning process on
+    /// this host is gone; returns how many.
+    pub async fn reap_orphans(&self) -> Result<usize, DockerError> {
+        let docker = &self.inner.docker;
+        let filters: HashMap<&str, Vec<&str>> = HashMap::from([("label", vec![labels::OWNER])]);
+        let list = docker
+            .list_containers(Some(
+                ListContainersOptionsBuilder::default()
+                    .all(true)
+                    .filters(&filters)
+                    .build(),
+            ))
+            .await
+            .map_err(engine("listing Tandem's containers"))?;
+        let mut reaped = 0;
+        for c in list {
+            let (Some(id), Some(labels)) = (c.id, c.labels) else {
+                continue;
+            };
+            let Some(owner) = labels.get(labels::OWNER) else {
+                continue;
+            };
+            if owner_alive(owner) {
+                continue;
+            }
+            remove_container(docker, &id).await;
+            if let Some(ws) = labels.get(labels::WORKSPACE) {
+                let _ = std::fs::remove_dir_all(ws);
+            }
+            reaped += 1;
+        }
+        Ok(reaped)
+    }
+
+    /// The container body for a session: the hardened defaults plus the session's mounts.
+    pub(crate) fn container_body(
+        &self,
+        workspace: &std::path::Path,
+        labels: HashMap<String, String>,
+    ) -> ContainerCreateBody {
+        let c = &self.inner.config;
+        let memory = i64::try_from(c.memory_bytes).unwrap_or(i64::MAX);
+        let mut env = vec![
+            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_owned(),
+            "LANG=C.UTF-8".to_owned(),
+            "HOME=/workspace".to_owned(),
+            "TMPDIR=/tmp".to_owned(),
+        ];
+        env.extend(c.env.iter().map(|(k, v)| format!("{k}={v}")));
+        ContainerCreateBody {
+            image: Some(c.image.clone()),
+            entrypoint: Some(vec![
+                "python3".to_owned(),
+                "-I".to_owned(),
+                "-c".to_owned(),
+                RUNNER.to_owned(),
+            ]),
+            cmd: Some(Vec::new()),
+            env: Some(env),
+            user: Some(c.user.clone()),
+            working_dir: Some("/workspace".to_owned()),
+            labels: Some(labels),
+            attach_stdin: Some(true),
+            attach_stdout: Some(true),
+            attach_stderr: Some(true),
+            open_stdin: Some(true),
+            stdin_once: Some(false),
+            tty: Some(false),
+            network_disabled: Some(!c.network),
+            host_config: Some(HostConfig {
+                binds: Some(vec![format!("{}:/workspace:rw", workspace.display())]),
+                network_mode: Some(if c.network { "bridge" } else { "none" }.to_owned()),
+                cap_drop: Some(vec!["ALL".to_owned()]),
+                security_opt: Some(vec!["no-new-privileges".to_owned()]),
+                readonly_rootfs: Some(c.read_only),
+                tmpfs: Some(HashMap::from([(
+                    "/tmp".to_owned(),
+                    format!("rw,nosuid,nodev,size={},mode=1777", c.tmpfs_bytes),
+                )])),
+                pids_limit: Some(c.pids),
+                memory: Some(memory),
+                memory_swap: Some(memory),
+                nano_cpus: Some((c.cpus * 1e9) as i64),
+                init: Some(true),
+                auto_remove: Some(false),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+}
+
+impl Executor for DockerExecutor {
+    fn name(&self) -> &str {
+        "docker"
+    }
+
+    fn languages(&self) -> &[Language] {
+        &self.inner.config.languages
+    }
+
+    fn open(&self, spec: SessionSpec) -> BoxFuture<'_, Result<Box<dyn Session>, ExecError>> {
+        Box::pin(async move {
+            self.ensure_image(&|line| tracing::info!(image = %self.inner.config.image, "{line}"))
+                .await?;
+            let session = session::DockerSession::open(self.clone(), spec).await?;
+            Ok(Box::new(session) as Box<dyn Session>)
+        })
+    }
+}
+
+impl DockerExecutor {
+    pub(crate) fn inner(&self) -> &Inner {
+        &self.inner
+    }
+}
+
+async fn image_present(docker: &Docker, image: &str) -> Result<bool, DockerError> {
+    match docker.inspect_image(image).await {
+        Ok(_) => Ok(true),
+        Err(bollard::errors::Error::DockerResponseServerError {
+            status_code: 404, ..
+        }) => Ok(false),
+        Err(e) => Err(engine(format!("inspecting image `{image}`"))(e)),
+    }
+}
+
+async fn ensure_image(
+    docker: &Docker,
+    config: &DockerConfig,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<(), DockerError> {
+    let image = &config.image;
+    if image_present(docker, image).await? {
+        return Ok(());
+    }
+    let unavailable = |reason: String| DockerError::ImageUnavailable {
+        image: image.clone(),
+        reason,
+    };
+    if !config.pull {
+        return Err(unavailable("pulling is turned off".to_owned()));
+    }
+    progress(&format!("pulling {image}"));
+    let (name, tag) = split_tag(image);
+    let mut pull = docker.create_image(
+        Some(
+            CreateImageOptionsBuilder::default()
+                .from_image(name)
+                .tag(tag)
+                .build(),
+        ),
+        None,
+        None,
+    );
+    let mut last = String::new();
+    while let Some(item) = pull.next().await {
+        let info = item.map_err(|e| unavailable(e.to_string()))?;
+        if let Some(detail) = info.error_detail.and_then(|d| d.message) {
+            return Err(unavailable(detail));
+        }
+        let line = [info.id, info.status]
+            .into_iter()
+            .flatten()
+            .collect::<Vec<_>>()
+            .join(": ");
+        if !line.is_empty() && line != last {
+            progress(&line);
+            last = line;
+        }
+    }
+    if image_present(docker, image).await? {
+        Ok(())
+    } else {
+        Err(unavailable("the pull ended without the image".to_owned()))
+    }
+}
+
+/// `name[:tag]`, where a `:` inside a registry host's port is not a tag.
+fn split_tag(image: &str) -> (&str, &str) {
+    match image.rsplit_once(':') {
+        Some((name, tag)) if !tag.contains('/') => (name, tag),
+        _ => (image, "latest"),
+    }
+}
+
+/// Kills and removes a container at once (no graceful stop), ignoring one already gone.
+pub(crate) async fn remove_container(docker: &Docker, id: &str) {
+    let opts = RemoveContainerOptionsBuilder::default()
+        .force(true)
+        .v(true)
+        .build();
+    match docker.remove_container(id, Some(opts)).await {
+        Ok(()) => {}
+        Err(bollard::errors::Error::DockerResponseServerError {
+            status_code: 404, ..
+        }) => {}
+        Err(e) => tracing::warn!(container = id, error = %e, "removing a container failed"),
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "unknown-host".to_owned())
+}
+
+/// Start time of a process in clock ticks since boot (field 22 of `/proc/PID/stat`), which
+/// tells a live owner from a new process that reused its pid.
+fn start_time(pid: u32) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after_name = stat.rsplit_once(')')?.1;
+    after_name.split_whitespace().nth(19).map(str::to_owned)
+}
+
+fn owner_tag() -> String {
+    let pid = std::process::id();
+    format!(
+        "{}/{pid}:{}",
+        hostname(),
+        start_time(pid).unwrap_or_default()
+    )
+}
+
+/// Whether the owner in a `tandem.owner` label is still running; containers of other
+/// hosts (a shared remote engine) count as alive, since they cannot be checked from here.
+fn owner_alive(owner: &str) -> bool {
+    let Some((host, rest)) = owner.split_once('/') else {
+        return false;
+    };
+    if host != hostname() {
+        return true;
+    }
+    let Some((pid, start)) = rest.split_once(':') else {
+        return false;
+    };
+    pid.parse::<u32>()
+        .ok()
+        .and_then(start_time)
+        .is_some_and(|s| s == start)
+}
+
+/// Where temporary workspaces go; `TANDEM_DOCKER_WORKSPACES` overrides it (the engine must
+/// see the same path, so a remote engine needs a shared directory).
+pub(crate) fn workspace_parent() -> PathBuf {
+    std::env::var_os("TANDEM_DOCKER_WORKSPACES")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn image_tags() {
+        assert_eq!(split_tag("python:3.12-slim"), ("python", "3.12-slim"));
+        assert_eq!(split_tag("python"), ("python", "latest"));
+        assert_eq!(
+            split_tag("registry:5000/team/img"),
+            ("registry:5000/team/img", "latest")
+        );
+        assert_eq!(
+            split_tag("registry:5000/img:v1"),
+            ("registry:5000/img", "v1")
+        );
+    }
+
+    #[test]
+    fn owners() {
+        assert!(owner_alive(&owner_tag()));
+        assert!(!owner_alive(&format!("{}/999999999:1", hostname())));
+        assert!(owner_alive("some-other-host/1:1"));
+        assert!(!owner_alive("garbage"));
+    }
+}

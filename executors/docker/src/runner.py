@@ -1,0 +1,243 @@
+# Tandem's in-container runner: the container's main process (under docker-init), fed one
+# request per line on stdin and answering in frames on stdout, so a block costs a fork, not
+# a `docker exec` round trip. Frame: kind (1 byte), length (4 bytes, big-endian), payload.
+#   R ready            o/e stdout/stderr bytes       O/E bytes dropped (8 bytes), tail follows
+#   x block ended (JSON: code, signal, oom)          d request done    ! runner error (text)
+# Requests: {"op": "run", ...}, {"op": "kill"} (while a block runs), {"op": "wipe"},
+# {"op": "release"}. The whole container is the session, so after a block ends every
+# process but init and this runner is killed: nothing a block starts outlives it.
+import json, os, resource, select, shutil, signal, struct, sys
+
+ME = os.getpid()
+WORKSPACE = "/workspace"
+SCRATCH = "/tmp/.tandem"
+
+
+def send(kind, payload=b""):
+    data = kind + struct.pack(">I", len(payload)) + payload
+    while data:
+        data = data[os.write(1, data):]
+
+
+def others():
+    """Pids of live processes other than init and this runner."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) not in (1, ME):
+            try:
+                with open("/proc/%s/stat" % name, "rb") as f:
+                    if f.read().rsplit(b")", 1)[1].split()[0] != b"Z":
+                        found.append(int(name))
+            except (OSError, IndexError):
+                pass
+    return found
+
+
+def kill_all():
+    for _ in range(1000):
+        pids = others()
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        reap()
+
+
+def reap():
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] != 0:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def oom_kills():
+    for path, key in (("/sys/fs/cgroup/memory.events", "oom_kill"),
+                      ("/sys/fs/cgroup/memory/memory.oom_control", "oom_kill")):
+        try:
+            with open(path) as f:
+                for line in f:
+                    k, _, v = line.partition(" ")
+                    if k == key:
+                        return int(v)
+        except (OSError, ValueError):
+            pass
+    return 0
+
+
+class Capture:
+    """Forwards the first `cap` bytes live, keeps the last cap/2 after that."""
+
+    def __init__(self, kind, cap):
+        self.kind, self.head_left, self.tail_cap = kind, cap, cap // 2
+        self.tail, self.dropped = bytearray(), 0
+
+    def push(self, data):
+        live = data[: self.head_left]
+        if live:
+            self.head_left -= len(live)
+            send(self.kind, live)
+        rest = data[len(live):]
+        if rest:
+            self.tail += rest
+            excess = len(self.tail) - self.tail_cap
+            if excess > 0:
+                self.dropped += excess
+                del self.tail[:excess]
+
+    def finish(self):
+        if self.dropped:
+            send(self.kind.upper(), struct.pack(">Q", self.dropped))
+        for i in range(0, len(self.tail), 1 << 16):
+            send(self.kind, bytes(self.tail[i:i + (1 << 16)]))
+
+
+def start(req, out_w, err_w):
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        os.setsid()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        for name, limit in req.get("rlimits", []):
+            resource.setrlimit(getattr(resource, name), (limit, limit))
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        os.closerange(3, 65536)
+        os.chdir(WORKSPACE)
+        os.execvpe(req["argv"][0], req["argv"], req["env"])
+    except BaseException as e:
+        os.write(2, ("tandem runner: cannot start %s: %s\n" % (req["argv"][0], e)).encode())
+    os._exit(127)
+
+
+def run(req, stdin_buf):
+    path = req["path"]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(req["code"])
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    ooms = oom_kills()
+    try:
+        pid = start(req, out_w, err_w)
+    except OSError as e:  # fork failed: a process limit reached, or out of memory
+        for fd in (out_r, out_w, err_r, err_w):
+            os.close(fd)
+        send(b"e", ("tandem runner: cannot start the block: %s\n" % e).encode())
+        send(b"x", json.dumps({"code": 1, "signal": None, "oom": False}).encode())
+        return stdin_buf
+    os.close(out_w)
+    os.close(err_w)
+    caps = {out_r: Capture(b"o", req["cap"]), err_r: Capture(b"e", req["cap"])}
+    status, deadline = None, None
+    while caps:
+        wait = 0.05 if status is None else max(0.0, deadline - monotonic())
+        ready, _, _ = select.select(list(caps) + [0, WAKE_R], [], [], wait)
+        for fd in ready:
+            if fd == 0:
+                chunk = os.read(0, 1 << 16)
+                if not chunk:
+                    kill_all()
+                    os._exit(0)
+                stdin_buf += chunk
+                while b"\n" in stdin_buf:
+                    line, stdin_buf = stdin_buf.split(b"\n", 1)
+                    if line.strip() and json.loads(line).get("op") == "kill":
+                        kill_all()
+            elif fd == WAKE_R:
+                os.read(WAKE_R, 512)
+            else:
+                chunk = os.read(fd, 1 << 16)
+                if chunk:
+                    caps[fd].push(chunk)
+                else:
+                    caps.pop(fd).finish()
+                    os.close(fd)
+        if status is None:
+            done, st = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = st
+                # Background processes die with their block; then the pipes reach EOF.
+                kill_all()
+                deadline = monotonic() + 0.5
+        elif monotonic() >= deadline:
+            for fd, cap in list(caps.items()):
+                cap.finish()
+                os.close(fd)
+            caps.clear()
+    if status is None:
+        _, status = os.waitpid(pid, 0)
+        kill_all()
+    reap()
+    oom = oom_kills() > ooms
+    result = {"code": None, "signal": None, "oom": oom}
+    if os.WIFEXITED(status):
+        result["code"] = os.WEXITSTATUS(status)
+    else:
+        result["signal"] = os.WTERMSIG(status)
+    send(b"x", json.dumps(result).encode())
+    return stdin_buf
+
+
+def wipe(release_only):
+    """Makes the workspace removable by its owner on the host (release), or empties it."""
+    for root, dirs, files in os.walk(WORKSPACE):
+        for name in dirs + files:
+            p = os.path.join(root, name)
+            try:
+                if not os.path.islink(p):
+                    os.chmod(p, 0o777 if name in dirs else 0o666)
+            except OSError:
+                pass
+    if not release_only:
+        for name in os.listdir(WORKSPACE):
+            p = os.path.join(WORKSPACE, name)
+            try:
+                if os.path.isdir(p) and not os.path.islink(p):
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    os.unlink(p)
+            except OSError:
+                pass
+
+
+from time import monotonic
+
+WAKE_R, WAKE_W = os.pipe()
+os.set_blocking(WAKE_W, False)
+signal.set_wakeup_fd(WAKE_W)
+signal.signal(signal.SIGCHLD, lambda *_: None)
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+os.makedirs(SCRATCH, exist_ok=True)
+send(b"R", json.dumps({"python": sys.version.split()[0]}).encode())
+buf = b""
+while True:
+    while b"\n" not in buf:
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            kill_all()
+            os._exit(0)
+        buf += chunk
+    line, buf = buf.split(b"\n", 1)
+    if not line.strip():
+        continue
+    try:
+        req = json.loads(line)
+        op = req.get("op")
+        if op == "run":
+            buf = run(req, buf)
+        elif op in ("wipe", "release"):
+            kill_all()
+            wipe(op == "release")
+            send(b"d")
+        elif op != "kill":
+            send(b"!", ("unknown request %r" % op).encode())
+    except Exception as e:  # a bad request must not end the session
+        send(b"!", ("%s: %s" % (type(e).__name__, e)).encode())

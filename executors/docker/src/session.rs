@@ -1,0 +1,559 @@
+//! One session's container: start it, talk to its runner, run blocks, remove it.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::time::{Duration, Instant};
+
+use bollard::container::LogOutput;
+use bollard::query_parameters::{
+    AttachContainerOptionsBuilder, CreateContainerOptionsBuilder, InspectContainerOptions,
+    KillContainerOptionsBuilder,
+};
+use futures::StreamExt;
+use serde::Deserialize;
+use tandem_executor::workspace::{clean_relative, filename_directive};
+use tandem_executor::{
+    BoxFuture, CaptureBuffer, ExecContext, ExecError, ExecOutcome, ExecRequest, ExitStatus,
+    Language, Limits, Session, SessionSpec, Stream,
+};
+use tempfile::TempDir;
+use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc;
+
+use crate::{DockerError, DockerExecutor, engine, labels, remove_container};
+
+/// The in-container runner's source, run as `python3 -I -c RUNNER`.
+pub const RUNNER: &str = include_str!("runner.py");
+
+/// How long a runner may take to start and say it is ready.
+const READY_LIMIT: Duration = Duration::from_secs(30);
+/// How long a killed block may take to be reported before the container is killed.
+const KILL_GRACE: Duration = Duration::from_secs(2);
+
+/// What the runner says, one frame at a time.
+#[derive(Debug)]
+enum Frame {
+    Ready,
+    Output(Stream, Vec<u8>),
+    Dropped(Stream, u64),
+    Exit(ExitFrame),
+    Done,
+    Error(String),
+}
+
+#[derive(Debug, Deserialize)]
+struct ExitFrame {
+    code: Option<i32>,
+    signal: Option<i32>,
+    oom: bool,
+}
+
+/// Splits complete frames off the front of `buf`.
+fn parse_frames(buf: &mut Vec<u8>) -> Vec<Frame> {
+    let mut frames = Vec::new();
+    let mut at = 0;
+    while buf.len() - at >= 5 {
+        let len = u32::from_be_bytes([buf[at + 1], buf[at + 2], buf[at + 3], buf[at + 4]]) as usize;
+        if buf.len() - at - 5 < len {
+            break;
+        }
+        let payload = &buf[at + 5..at + 5 + len];
+        let stream = |k: u8| match k.to_ascii_lowercase() {
+            b'e' => Stream::Stderr,
+            _ => Stream::Stdout,
+        };
+        frames.push(match buf[at] {
+            b'R' => Frame::Ready,
+            k @ (b'o' | b'e') => Frame::Output(stream(k), payload.to_vec()),
+            k @ (b'O' | b'E') => {
+                let mut n = [0u8; 8];
+                n.copy_from_slice(payload.get(..8).unwrap_or(&[0; 8]));
+                Frame::Dropped(stream(k), u64::from_be_bytes(n))
+            }
+            b'x' => match serde_json::from_slice(payload) {
+                Ok(exit) => Frame::Exit(exit),
+                Err(e) => Frame::Error(format!("bad exit frame: {e}")),
+            },
+            b'd' => Frame::Done,
+            _ => Frame::Error(String::from_utf8_lossy(payload).into_owned()),
+        });
+        at += 5 + len;
+    }
+    buf.drain(..at);
+    frames
+}
+
+/// A live attachment to the runner.
+struct Conn {
+    input: Pin<Box<dyn AsyncWrite + Send>>,
+    frames: mpsc::UnboundedReceiver<Frame>,
+}
+
+impl Conn {
+    async fn send(&mut self, request: &serde_json::Value) -> std::io::Result<()> {
+        let mut line = request.to_string();
+        line.push('\n');
+        self.input.write_all(line.as_bytes()).await?;
+        self.input.flush().await
+    }
+}
+
+pub(crate) struct DockerSession {
+    executor: DockerExecutor,
+    id: String,
+    workspace: PathBuf,
+    owned_workspace: Option<TempDir>,
+    limits: Limits,
+    /// `None` after the runner died; the next block restarts the container.
+    conn: Option<Conn>,
+    blocks: u32,
+    closed: bool,
+}
+
+impl DockerSession {
+    pub(crate) async fn open(
+        executor: DockerExecutor,
+        spec: SessionSpec,
+    ) -> Result<Self, ExecError> {
+        let session_id = uuid::Uuid::new_v4().simple().to_string();
+        let ws_err = |path: &Path| {
+            let path = path.to_owned();
+            move |source| ExecError::Workspace { path, source }
+        };
+        let (workspace, owned_workspace) = match spec.workdir {
+            Some(dir) => {
+                std::fs::create_dir_all(&dir).map_err(ws_err(&dir))?;
+                (dir.canonicalize().map_err(ws_err(&dir))?, None)
+            }
+            None => {
+                let dir = tempfile::Builder::new()
+                    .prefix("tandem-docker-ws-")
+                    .tempdir_in(crate::workspace_parent())
+                    .map_err(|e| ExecError::io("creating a workspace", e))?;
+                (dir.path().to_owned(), Some(dir))
+            }
+        };
+        // Code runs as an unprivileged user that must be able to write the workspace.
+        set_mode(&workspace, 0o777).map_err(ws_err(&workspace))?;
+
+        let inner = executor.inner();
+        let mut labels: HashMap<String, String> = spec.labels.iter().cloned().collect();
+        labels.insert(labels::DAEMON.to_owned(), inner.config.daemon_id.clone());
+        labels.insert(labels::OWNER.to_owned(), inner.owner.clone());
+        labels.insert(labels::SESSION.to_owned(), session_id.clone());
+        labels.entry(labels::TASK.to_owned()).or_default();
+        if owned_workspace.is_some() {
+            labels.insert(
+                labels::WORKSPACE.to_owned(),
+                workspace.display().to_string(),
+            );
+        }
+        let body = executor.container_body(&workspace, labels);
+        let name = format!("tandem-{}", &session_id[..12]);
+        let created = inner
+            .docker
+            .create_container(
+                Some(CreateContainerOptionsBuilder::default().name(&name).build()),
+                body,
+            )
+            .await
+            .map_err(|e| {
+                ExecError::from(DockerError::Engine {
+                    what: format!("creating a container from `{}`", inner.config.image),
+                    source: e,
+                })
+            })?;
+        let mut session = Self {
+            executor,
+            id: created.id,
+            workspace,
+            owned_workspace,
+            limits: spec.limits,
+            conn: None,
+            blocks: 0,
+            closed: false,
+        };
+        // On failure the session is dropped, which removes the container.
+        session.conn = Some(start(&session.executor, &session.id).await?);
+        Ok(session)
+    }
+
+    /// Brings a container whose runner died back up (files in the workspace survive).
+    async fn restart(&mut self) -> Result<(), ExecError> {
+        let docker = &self.executor.inner().docker;
+        let kill = KillContainerOptionsBuilder::default()
+            .signal("KILL")
+            .build();
+        let _ = docker.kill_container(&self.id, Some(kill)).await;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let state = docker
+                .inspect_container(&self.id, None::<InspectContainerOptions>)
+                .await
+                .map_err(engine("inspecting the session container"))?
+                .state;
+            if !state.and_then(|s| s.running).unwrap_or(false) {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(ExecError::Backend(
+                    "the session container did not stop within 10 s".to_owned(),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.conn = Some(start(&self.executor, &self.id).await?);
+        Ok(())
+    }
+
+    async fn run_block(
+        &mut self,
+        req: ExecRequest,
+        ctx: ExecContext,
+    ) -> Result<ExecOutcome, ExecError> {
+        let executor = self.executor.clone();
+        let inner = executor.inner();
+        let Some(argv0) =
+            interpreter(&req.language).filter(|_| inner.config.languages.contains(&req.language))
+        else {
+            return Err(ExecError::unsupported(
+                &req.language,
+                "docker",
+                &inner.config.languages,
+            ));
+        };
+        self.blocks += 1;
+        let path = match filename_directive(&req.code) {
+            Some(name) => match clean_relative(name) {
+                Ok(rel) => format!("/workspace/{}", rel.display()),
+                Err(e) => return Ok(ExecOutcome::refused(&e.to_string())),
+            },
+            None => format!(
+                "/tmp/.tandem/block-{}.{}",
+                self.blocks,
+                req.language.extension()
+            ),
+        };
+        let limits = self.limits.clone();
+        let rlimits: Vec<(&str, u64)> = [
+            ("RLIMIT_CPU", limits.cpu_secs),
+            ("RLIMIT_FSIZE", limits.file_size_bytes),
+            ("RLIMIT_NOFILE", limits.open_files),
+            ("RLIMIT_CORE", Some(0)),
+        ]
+        .into_iter()
+        .filter_map(|(name, limit)| limit.map(|l| (name, l)))
+        .collect();
+        let mut env: HashMap<String, String> = HashMap::from([
+            (
+                "PATH".to_owned(),
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_owned(),
+            ),
+            ("LANG".to_owned(), "C.UTF-8".to_owned()),
+            ("HOME".to_owned(), "/workspace".to_owned()),
+            ("TMPDIR".to_owned(), "/tmp".to_owned()),
+            ("PYTHONUNBUFFERED".to_owned(), "1".to_owned()),
+            ("PYTHONDONTWRITEBYTECODE".to_owned(), "1".to_owned()),
+        ]);
+        env.extend(inner.config.env.iter().cloned());
+        let request = serde_json::json!({
+            "op": "run",
+            "argv": [argv0, &path],
+            "path": &path,
+            "code": &req.code,
+            "env": env,
+            "rlimits": rlimits,
+            "cap": limits.output_bytes,
+        });
+        if self.conn.is_none() {
+            self.restart().await?;
+        }
+        let timeout = req.timeout.unwrap_or(limits.wall);
+        let cap = limits.output_bytes;
+        let started = Instant::now();
+        let Some(conn) = self.conn.as_mut() else {
+            return Err(ExecError::Backend(
+                "the session container is not running".to_owned(),
+            ));
+        };
+        conn.send(&request)
+            .await
+            .map_err(|e| ExecError::io("sending a block to the session container", e))?;
+
+        let mut out = CaptureBuffer::new(cap);
+        let mut err = CaptureBuffer::new(cap);
+        let mut stopped: Option<ExitStatus> = None;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut kill_deadline: Option<tokio::time::Instant> = None;
+        let exit = loop {
+            let frame = tokio::select! {
+                frame = conn.frames.recv() => frame,
+                () = tokio::time::sleep_until(deadline), if stopped.is_none() => {
+                    stopped = Some(ExitStatus::TimedOut);
+                    None
+                }
+                () = ctx.cancel.cancelled(), if stopped.is_none() => {
+                    stopped = Some(ExitStatus::Cancelled);
+                    None
+                }
+                () = sleep_until_opt(kill_deadline) => break None,
+            };
+            match frame {
+                Some(Frame::Output(stream, data)) => {
+                    let buf = match stream {
+                        Stream::Stdout => &mut out,
+                        Stream::Stderr => &mut err,
+                    };
+                    let live = buf.push(&data);
+                    if live > 0 {
+                        (ctx.sink)(stream, &data[..live]);
+                    }
+                }
+                Some(Frame::Dropped(Stream::Stdout, n)) => out.skip(n),
+                Some(Frame::Dropped(Stream::Stderr, n)) => err.skip(n),
+                Some(Frame::Exit(exit)) => break Some(exit),
+                Some(Frame::Error(e)) => {
+                    return Err(ExecError::Backend(format!("Tandem's runner failed: {e}")));
+                }
+                Some(Frame::Ready | Frame::Done) => {}
+                None if stopped.is_some() && kill_deadline.is_none() => {
+                    // Timed out or cancelled: the runner kills every process of the block.
+                    let _ = conn.send(&serde_json::json!({"op": "kill"})).await;
+                    kill_deadline = Some(tokio::time::Instant::now() + KILL_GRACE);
+                }
+                None if stopped.is_some() => {}
+                // The runner itself died (the block killed it, or the container did).
+                None => break None,
+            }
+        };
+        let duration = started.elapsed();
+        let answered = exit.is_some();
+        let status = match (stopped, exit) {
+            (Some(stopped), _) => stopped,
+            (None, Some(ExitFrame { oom: true, .. })) => ExitStatus::OutOfMemory,
+            (
+                None,
+                Some(ExitFrame {
+                    code: Some(code), ..
+                }),
+            ) => ExitStatus::Exited(code),
+            (None, Some(ExitFrame { signal, .. })) => ExitStatus::Signaled(signal.unwrap_or(9)),
+            (None, None) => ExitStatus::Signaled(9),
+        };
+        if !answered {
+            // No report: the runner is gone or stuck. Kill the container; the next block
+            // starts it again.
+            tracing::warn!(container = %self.id, "the runner stopped answering; restarting the container for the next block");
+            self.conn = None;
+            let kill = KillContainerOptionsBuilder::default()
+                .signal("KILL")
+                .build();
+            let _ = inner.docker.kill_container(&self.id, Some(kill)).await;
+        }
+        Ok(ExecOutcome {
+            status,
+            stdout: out.finish(),
+            stderr: err.finish(),
+            duration,
+        })
+    }
+
+    async fn shutdown(&mut self) -> Result<(), ExecError> {
+        self.closed = true;
+        // Files the unprivileged user made must be removable (temporary workspace) or
+        // manageable (a kept one) by the host user afterwards.
+        let op = if self.owned_workspace.is_some() {
+            "wipe"
+        } else {
+            "release"
+        };
+        if let Some(mut conn) = self.conn.take() {
+            if conn.send(&serde_json::json!({"op": op})).await.is_ok() {
+                let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                    while let Some(frame) = conn.frames.recv().await {
+                        if matches!(frame, Frame::Done) {
+                            break;
+                        }
+                    }
+                })
+                .await;
+            }
+        }
+        remove_container(&self.executor.inner().docker, &self.id).await;
+        if let Some(ws) = self.owned_workspace.take() {
+            let path = ws.path().to_owned();
+            tokio::task::spawn_blocking(move || ws.close())
+                .await
+                .map_err(|e| ExecError::Backend(format!("removing the workspace failed: {e}")))?
+                .map_err(|e| ExecError::Workspace { path, source: e })?;
+        }
+        Ok(())
+    }
+}
+
+impl Session for DockerSession {
+    fn run(
+        &mut self,
+        req: ExecRequest,
+        ctx: ExecContext,
+    ) -> BoxFuture<'_, Result<ExecOutcome, ExecError>> {
+        Box::pin(self.run_block(req, ctx))
+    }
+
+    fn workspace(&self) -> Option<&Path> {
+        Some(&self.workspace)
+    }
+
+    fn close(mut self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
+        Box::pin(async move { self.shutdown().await })
+    }
+}
+
+impl Drop for DockerSession {
+    fn drop(&mut self) {
+        if self.closed {
+            return;
+        }
+        // Dropped without close (a cancelled task, a failed open): remove the container in
+        // the background; if the process exits first, the next Tandem reaps it.
+        let docker = self.executor.inner().docker.clone();
+        let id = self.id.clone();
+        let ws = self.owned_workspace.take();
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                remove_container(&docker, &id).await;
+                drop(ws);
+            });
+        }
+    }
+}
+
+/// Attaches to the container, starts it and waits for the runner to say it is ready.
+async fn start(executor: &DockerExecutor, id: &str) -> Result<Conn, ExecError> {
+    let docker = &executor.inner().docker;
+    let attach = docker
+        .attach_container(
+            id,
+            Some(
+                AttachContainerOptionsBuilder::default()
+                    .stream(true)
+                    .stdin(true)
+                    .stdout(true)
+                    .stderr(true)
+                    .build(),
+            ),
+        )
+        .await
+        .map_err(engine("attaching to the session container"))?;
+    docker
+        .start_container(id, None)
+        .await
+        .map_err(engine("starting the session container"))?;
+    let (tx, frames) = mpsc::unbounded_channel();
+    tokio::spawn(read_frames(attach.output, tx));
+    let mut conn = Conn {
+        input: attach.input,
+        frames,
+    };
+    let image = &executor.inner().config.image;
+    match tokio::time::timeout(READY_LIMIT, conn.frames.recv()).await {
+        Ok(Some(Frame::Ready)) => Ok(conn),
+        Ok(other) => Err(ExecError::Unavailable {
+            what: format!("Tandem's runner in image `{image}`"),
+            hint: format!(
+                "it did not start ({}); the image needs python3 on its PATH",
+                match other {
+                    Some(Frame::Error(e)) => e,
+                    Some(f) => format!("unexpected {f:?}"),
+                    None => "the container exited".to_owned(),
+                }
+            ),
+        }),
+        Err(_) => Err(ExecError::Backend(format!(
+            "the session container from `{image}` did not get ready within {READY_LIMIT:?}"
+        ))),
+    }
+}
+
+fn interpreter(language: &Language) -> Option<&'static str> {
+    match language.as_str() {
+        "python" => Some("python3"),
+        "sh" => Some("sh"),
+        "bash" => Some("bash"),
+        "javascript" => Some("node"),
+        _ => None,
+    }
+}
+
+async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn read_frames(
+    mut output: Pin<
+        Box<dyn futures::Stream<Item = Result<LogOutput, bollard::errors::Error>> + Send>,
+    >,
+    tx: mpsc::UnboundedSender<Frame>,
+) {
+    let mut buf = Vec::new();
+    while let Some(item) = output.next().await {
+        match item {
+            Ok(LogOutput::StdOut { message }) => {
+                buf.extend_from_slice(&message);
+                for frame in parse_frames(&mut buf) {
+                    if tx.send(frame).is_err() {
+                        return;
+                    }
+                }
+            }
+            Ok(LogOutput::StdErr { message }) => {
+                let text = String::from_utf8_lossy(&message);
+                tracing::warn!(runner = %text.trim_end(), "the runner wrote to stderr");
+                let _ = tx.send(Frame::Error(text.trim_end().to_owned()));
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::debug!(error = %e, "the runner's output stream ended");
+                break;
+            }
+        }
+    }
+}
+
+fn set_mode(path: &Path, mode: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_split_across_chunks() {
+        let mut wire = Vec::new();
+        for (k, p) in [
+            (b'R', b"{}".to_vec()),
+            (b'o', b"hi\n".to_vec()),
+            (b'E', 7u64.to_be_bytes().to_vec()),
+        ] {
+            wire.push(k);
+            wire.extend_from_slice(&(p.len() as u32).to_be_bytes());
+            wire.extend_from_slice(&p);
+        }
+        let mut buf = wire[..7].to_vec();
+        let first = parse_frames(&mut buf);
+        assert!(matches!(first.as_slice(), [Frame::Ready]));
+        buf.extend_from_slice(&wire[7..]);
+        let rest = parse_frames(&mut buf);
+        assert!(matches!(
+            rest.as_slice(),
+            [Frame::Output(Stream::Stdout, d), Frame::Dropped(Stream::Stderr, 7)] if d == b"hi\n"
+        ));
+        assert!(buf.is_empty());
+    }
+}
