@@ -2,5 +2,6 @@
 //! against the scripted server over real HTTP.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod docker_executor;
 mod local_executor;
 mod turn_loop;

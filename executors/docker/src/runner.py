@@ -10,7 +10,6 @@ import json, os, resource, select, shutil, signal, struct, sys
 
 ME = os.getpid()
 WORKSPACE = "/workspace"
-SCRATCH = "/tmp/.tandem"
 
 
 def send(kind, payload=b""):
@@ -34,24 +33,42 @@ def others():
 
 
 def kill_all():
-    for _ in range(1000):
-        pids = others()
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+    # kill(-1) reaches every process in the container's pid namespace but init and this
+    # runner, in one pass the kernel does not let new forks race (a /proc scan loses to a
+    # fork bomb).
+    for _ in range(100):
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         reap()
+        if not others():
+            return
+
+
+REAPED = {}  # wait statuses that reap() collected, so the block's own is not lost
 
 
 def reap():
     try:
-        while os.waitpid(-1, os.WNOHANG)[0] != 0:
-            pass
+        while True:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                return
+            REAPED[pid] = status
     except ChildProcessError:
         pass
+
+
+def wait_block(pid, flags):
+    """(done, status) of the block, whether reap() or this call collected it."""
+    if pid in REAPED:
+        return True, REAPED.pop(pid)
+    try:
+        done, status = os.waitpid(pid, flags)
+    except ChildProcessError:
+        return True, REAPED.pop(pid, signal.SIGKILL)
+    return done != 0, status
 
 
 def oom_kills():
@@ -161,7 +178,7 @@ def run(req, stdin_buf):
                     caps.pop(fd).finish()
                     os.close(fd)
         if status is None:
-            done, st = os.waitpid(pid, os.WNOHANG)
+            done, st = wait_block(pid, os.WNOHANG)
             if done:
                 status = st
                 # Background processes die with their block; then the pipes reach EOF.
@@ -173,9 +190,15 @@ def run(req, stdin_buf):
                 os.close(fd)
             caps.clear()
     if status is None:
-        _, status = os.waitpid(pid, 0)
+        _, status = wait_block(pid, 0)
         kill_all()
     reap()
+    REAPED.clear()
+    if req.get("transient"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
     oom = oom_kills() > ooms
     result = {"code": None, "signal": None, "oom": oom}
     if os.WIFEXITED(status):
@@ -215,7 +238,6 @@ os.set_blocking(WAKE_W, False)
 signal.set_wakeup_fd(WAKE_W)
 signal.signal(signal.SIGCHLD, lambda *_: None)
 signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-os.makedirs(SCRATCH, exist_ok=True)
 send(b"R", json.dumps({"python": sys.version.split()[0]}).encode())
 buf = b""
 while True:

@@ -229,12 +229,15 @@ impl DockerSession {
                 Ok(rel) => format!("/workspace/{}", rel.display()),
                 Err(e) => return Ok(ExecOutcome::refused(&e.to_string())),
             },
+            // Unnamed blocks run from a hidden file in the workspace, removed afterwards, so
+            // that imports see the files earlier blocks saved.
             None => format!(
-                "/tmp/.tandem/block-{}.{}",
+                "/workspace/.tandem-block-{}.{}",
                 self.blocks,
                 req.language.extension()
             ),
         };
+        let transient = filename_directive(&req.code).is_none();
         let limits = self.limits.clone();
         let rlimits: Vec<(&str, u64)> = [
             ("RLIMIT_CPU", limits.cpu_secs),
@@ -261,6 +264,7 @@ impl DockerSession {
             "op": "run",
             "argv": [argv0, &path],
             "path": &path,
+            "transient": transient,
             "code": &req.code,
             "env": env,
             "rlimits": rlimits,

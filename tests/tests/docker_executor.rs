@@ -1,0 +1,272 @@
+//! The Docker executor against the real engine, with the image `scripts/build-sandbox-image.sh`
+//! builds (or `TANDEM_DOCKER_IMAGE`). A missing engine or image fails these tests.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+use tandem_executor::{ExitStatus, Limits, SessionSpec};
+use tandem_executor_docker::{DockerConfig, DockerExecutor};
+use tandem_tests::conformance::{self, run};
+
+fn image() -> String {
+    std::env::var("TANDEM_DOCKER_IMAGE").unwrap_or_else(|_| "tandem-sandbox:latest".to_owned())
+}
+
+async fn docker_with(config: DockerConfig) -> Arc<DockerExecutor> {
+    let docker = DockerExecutor::connect(DockerConfig {
+        image: image(),
+        pull: false,
+        ..config
+    })
+    .await
+    .unwrap_or_else(|e| panic!("these tests need the Docker engine: {e}"));
+    docker
+        .ensure_image(&|_| {})
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    Arc::new(docker)
+}
+
+async fn docker() -> Arc<DockerExecutor> {
+    docker_with(DockerConfig::default()).await
+}
+
+fn docker_cli(args: &[&str]) -> String {
+    let out = std::process::Command::new("docker")
+        .args(args)
+        .output()
+        .expect("the docker CLI");
+    assert!(
+        out.status.success(),
+        "docker {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+fn containers_labelled(label: &str) -> Vec<String> {
+    docker_cli(&["ps", "-aq", "--filter", &format!("label={label}")])
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn docker_executor_passes_the_conformance_suite() {
+    conformance::all(docker().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn session_containers_are_hardened_by_default() {
+    let executor = docker().await;
+    let task = format!("hardening-{}", std::process::id());
+    let mut s = tandem_executor::Executor::open(
+        &*executor,
+        SessionSpec {
+            labels: vec![("tandem.task".to_owned(), task.clone())],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let ws = s.workspace().unwrap().to_owned();
+    let ids = containers_labelled(&format!("tandem.task={task}"));
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    let inspect: Value = serde_json::from_str(&docker_cli(&["inspect", &ids[0]])).unwrap();
+    let c = &inspect[0];
+    let host = &c["HostConfig"];
+    assert_eq!(host["NetworkMode"], "none");
+    assert_eq!(host["CapDrop"], serde_json::json!(["ALL"]));
+    assert_eq!(
+        host["SecurityOpt"],
+        serde_json::json!(["no-new-privileges"])
+    );
+    assert_eq!(host["ReadonlyRootfs"], true);
+    assert_eq!(
+        host["Tmpfs"],
+        serde_json::json!({"/tmp": "rw,nosuid,nodev,size=67108864,mode=1777"})
+    );
+    assert_eq!(c["Config"]["User"], "65534:65534");
+    assert_eq!(host["PidsLimit"], 256);
+    assert_eq!(host["Memory"], 512 << 20);
+    assert_eq!(host["MemorySwap"], 512 << 20);
+    assert_eq!(host["NanoCpus"], 1_000_000_000);
+    assert_eq!(host["Init"], true);
+    assert_eq!(host["Privileged"], false);
+    // The workspace is the only host path inside; no docker socket.
+    assert_eq!(
+        host["Binds"],
+        serde_json::json!([format!("{}:/workspace:rw", ws.display())])
+    );
+    let mounts: Vec<&str> = c["Mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["Source"].as_str().unwrap())
+        .collect();
+    assert_eq!(mounts, [ws.to_str().unwrap()]);
+    let mut env: Vec<&str> = c["Config"]["Env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    env.sort();
+    assert_eq!(
+        env,
+        [
+            "HOME=/workspace",
+            "LANG=C.UTF-8",
+            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "TMPDIR=/tmp"
+        ]
+    );
+    let labels = c["Config"]["Labels"].as_object().unwrap();
+    assert_eq!(labels["tandem.task"], task.as_str());
+    assert!(
+        labels["tandem.daemon"]
+            .as_str()
+            .unwrap()
+            .starts_with("tandem-")
+    );
+    assert_eq!(labels["tandem.session"].as_str().unwrap().len(), 32);
+    assert!(
+        labels["tandem.owner"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("/{}:", std::process::id()))
+    );
+    // What the code sees agrees with the configuration.
+    let out = run(&mut *s, "sh", "id -u; cat /proc/self/status | grep -c CapEff:.0000000000000000; grep NoNewPrivs /proc/self/status").await;
+    assert_eq!(out.stdout.to_text(), "65534\n1\nNoNewPrivs:\t1\n");
+    s.close().await.unwrap();
+    assert_eq!(
+        containers_labelled(&format!("tandem.task={task}")),
+        Vec::<String>::new()
+    );
+    assert!(!ws.exists(), "the temporary workspace outlived the session");
+}
+
+/// The host's own address on the default bridge (docker0), which a container with a network
+/// could reach: the configured gateway, else the subnet's first address, as Docker assigns it.
+fn bridge_gateway() -> String {
+    let config: Value = serde_json::from_str(&docker_cli(&[
+        "network",
+        "inspect",
+        "bridge",
+        "--format",
+        "{{json .IPAM.Config}}",
+    ]))
+    .unwrap();
+    if let Some(gw) = config[0]["Gateway"].as_str().filter(|g| !g.is_empty()) {
+        return gw.to_owned();
+    }
+    let subnet = config[0]["Subnet"]
+        .as_str()
+        .expect("the bridge network's subnet");
+    let base: std::net::Ipv4Addr = subnet.split('/').next().unwrap().parse().unwrap();
+    std::net::Ipv4Addr::from(u32::from(base) + 1).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn hostile_blocks_leave_the_session_usable() {
+    let executor = docker().await;
+    let mut s = conformance::open(
+        &*executor,
+        Limits {
+            wall: Duration::from_secs(10),
+            file_size_bytes: Some(100 << 20),
+            ..Limits::default()
+        },
+    )
+    .await;
+    let listener = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let gateway = bridge_gateway();
+    let connect = format!(
+        "import socket\nfor host, port in (('{gateway}', 2375), ('{gateway}', {port}), ('127.0.0.1', {port})):\n    try:\n        socket.create_connection((host, port), timeout=2)\n        print('connected', host, port)\n    except OSError as e:\n        print('blocked', host, port, type(e).__name__)"
+    );
+    let cases: Vec<(&str, &str, String)> = vec![
+        ("fork bomb", "sh", "b() { b | b & }; b".to_owned()),
+        ("4 GiB allocation", "python", "b = bytearray(4 << 30)\nprint(len(b))".to_owned()),
+        ("fill /tmp", "sh", "dd if=/dev/zero of=/tmp/fill bs=1M count=500 2>&1 | grep -o 'No space left on device'".to_owned()),
+        ("fill /workspace", "sh", "dd if=/dev/zero of=/workspace/fill bs=1M count=500; ls -l fill | cut -d' ' -f5; rm -f fill".to_owned()),
+        ("100 MB of stdout", "sh", "head -c 100000000 /dev/zero | tr '\\0' x".to_owned()),
+        ("kill -9 -1", "sh", "kill -9 -1".to_owned()),
+        ("read init's environment", "sh", "tr '\\0' '\\n' < /proc/1/environ | cut -d= -f1 | sort | tr '\\n' ' '".to_owned()),
+        ("connect out", "python", connect),
+        ("write outside /workspace", "sh", "for f in /etc/x /usr/x /x /root/x; do touch $f 2>/dev/null && echo wrote $f; done; echo checked".to_owned()),
+    ];
+    for (name, lang, code) in &cases {
+        let out = run(&mut *s, lang, code).await;
+        let text = out.stdout.to_text();
+        match *name {
+            "fork bomb" => assert!(
+                !matches!(out.status, ExitStatus::Exited(0))
+                    || out.duration < Duration::from_secs(10),
+                "{name}: {out:?}"
+            ),
+            "4 GiB allocation" => {
+                assert_eq!(out.status, ExitStatus::OutOfMemory, "{name}: {out:?}")
+            }
+            "fill /tmp" => assert!(text.contains("No space left on device"), "{name}: {text}"),
+            "fill /workspace" => assert_eq!(
+                (out.status, text.lines().last()),
+                (ExitStatus::Exited(0), Some("104857600")),
+                "{name}: {out:?}"
+            ),
+            "100 MB of stdout" => assert_eq!(
+                (out.status, out.stdout.total(), out.stdout.truncated()),
+                (ExitStatus::Exited(0), 100_000_000, true),
+                "{name}"
+            ),
+            "read init's environment" => {
+                assert_eq!(text, "HOME HOSTNAME LANG PATH TMPDIR ", "{name}")
+            }
+            "connect out" => assert_eq!(
+                text,
+                format!(
+                    "blocked {gateway} 2375 OSError\nblocked {gateway} {port} OSError\nblocked 127.0.0.1 {port} ConnectionRefusedError\n"
+                ),
+                "{name}"
+            ),
+            "write outside /workspace" => assert_eq!(text, "checked\n", "{name}"),
+            _ => {}
+        }
+        let after = run(&mut *s, "python", "print('still fine')").await;
+        assert_eq!(
+            (after.status, after.stdout.to_text()),
+            (ExitStatus::Exited(0), "still fine\n".to_owned()),
+            "the session broke after: {name}"
+        );
+    }
+    assert!(
+        listener.accept().is_err(),
+        "a block reached the test's listener"
+    );
+    s.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_missing_image_names_the_offline_way_to_make_one() {
+    let executor = DockerExecutor::connect(DockerConfig {
+        image: "tandem-no-such-image:1".to_owned(),
+        pull: true,
+        ..DockerConfig::default()
+    })
+    .await
+    .unwrap();
+    let err = executor
+        .ensure_image(&|_| {})
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with(
+            "docker image `tandem-no-such-image:1` is not present and pulling it failed: "
+        ) && err.contains("scripts/build-sandbox-image.sh"),
+        "{err}"
+    );
+}
