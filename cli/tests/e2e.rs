@@ -44,6 +44,8 @@ async fn tandem(args: &[&str], env: &[(&str, &str)], stdin: Option<&str>) -> Out
         .env_remove("TANDEM_CONFIG")
         .env("XDG_CONFIG_HOME", config_home.path())
         .env("NO_COLOR", "1")
+        // The default is `auto`, which depends on the machine; the docker tests say so.
+        .env("TANDEM_EXECUTOR", "local")
         .envs(env.iter().copied())
         .stdin(if stdin.is_some() {
             Stdio::piped()
@@ -587,7 +589,7 @@ async fn empty_task_and_unknown_executor_are_usage_errors() {
     assert_eq!(out.code, 2);
     assert_eq!(
         out.stderr.trim(),
-        "tandem: executor `dockr` is not registered; available: local"
+        "tandem: executor `dockr` is not registered; available: auto, docker, local"
     );
 }
 
@@ -721,5 +723,158 @@ async fn ctrl_c_cancels_cleanly_and_kills_the_block() {
     assert!(
         !String::from_utf8_lossy(&ps.stdout).contains(&marker),
         "the block survived Ctrl-C"
+    );
+}
+
+fn sandbox_image() -> String {
+    std::env::var("TANDEM_DOCKER_IMAGE").unwrap_or_else(|_| "tandem-sandbox:latest".to_owned())
+}
+
+/// `id owner` of every container Tandem labelled.
+fn tandem_containers() -> Vec<(String, String)> {
+    let out = std::process::Command::new("docker")
+        .args([
+            "ps",
+            "-a",
+            "--filter",
+            "label=tandem.owner",
+            "--format",
+            "{{.ID}} {{.Label \"tandem.owner\"}}",
+        ])
+        .output()
+        .expect("the docker CLI");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .map(|(id, owner)| (id.to_owned(), owner.to_owned()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn docker_one_shots_leave_nothing_and_a_killed_tandems_container_is_reaped() {
+    let image = sandbox_image();
+    let docker = ["exec", "--executor", "docker", "--image", &image];
+    let out = tandem(
+        &[&docker[..], &["--lang", "python"]].concat(),
+        &[],
+        Some("import os\nprint(os.getuid(), sorted(os.environ))"),
+    )
+    .await;
+    assert_eq!(
+        (out.code, out.stdout.as_str()),
+        (
+            0,
+            "65534 ['HOME', 'LANG', 'PATH', 'PYTHONDONTWRITEBYTECODE', 'PYTHONUNBUFFERED', 'TMPDIR']\n"
+        ),
+        "{}",
+        out.stderr
+    );
+    // A Tandem killed with SIGKILL cannot clean up; the next one reaps what it left.
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(&docker)
+        .args(["--lang", "sh", "--timeout", "300", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    {
+        use tokio::io::AsyncWriteExt;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(b"sleep 300").await.unwrap();
+    }
+    let pid = child.id().unwrap();
+    let mine = format!("/{pid}:");
+    let started = Instant::now();
+    let orphan = loop {
+        if let Some((id, _)) = tandem_containers()
+            .into_iter()
+            .find(|(_, o)| o.contains(&mine))
+        {
+            break id;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "no container appeared"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    child.start_kill().unwrap();
+    child.wait().await.unwrap();
+    assert!(
+        tandem_containers().iter().any(|(id, _)| *id == orphan),
+        "the container should outlive a SIGKILLed Tandem until the next one starts"
+    );
+    let out = tandem(
+        &[&docker[..], &["--lang", "sh"]].concat(),
+        &[],
+        Some("echo next"),
+    )
+    .await;
+    assert_eq!(
+        (out.code, out.stdout.as_str()),
+        (0, "next\n"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(tandem_containers(), Vec::<(String, String)>::new());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn docker_engine_down_or_image_missing_says_what_to_do() {
+    let nowhere = [("DOCKER_HOST", "unix:///nonexistent/docker.sock")];
+    let out = tandem(
+        &["exec", "--executor", "docker", "--lang", "sh"],
+        &nowhere,
+        Some("echo x"),
+    )
+    .await;
+    assert_eq!(out.code, 2);
+    assert!(
+        out.stderr.starts_with(
+            "tandem: cannot reach the Docker engine at unix:///nonexistent/docker.sock: "
+        ) && out.stderr.contains("start Docker"),
+        "{}",
+        out.stderr
+    );
+    // auto falls back to local, and says that local is not a security boundary.
+    let out = tandem(
+        &["exec", "--lang", "sh"],
+        &[nowhere[0], ("TANDEM_EXECUTOR", "auto")],
+        Some("echo ran"),
+    )
+    .await;
+    assert_eq!((out.code, out.stdout.as_str()), (0, "ran\n"));
+    assert_eq!(
+        out.stderr,
+        "tandem: warning: running code with the local executor, which is not a security boundary (docker: no engine answers at unix:///nonexistent/docker.sock)\n"
+    );
+    let out = tandem(
+        &[
+            "exec",
+            "--executor",
+            "docker",
+            "--image",
+            "tandem-no-such-image:1",
+            "--lang",
+            "sh",
+        ],
+        &[],
+        Some("echo x"),
+    )
+    .await;
+    assert_eq!(out.code, 2);
+    assert!(
+        out.stderr
+            .contains("docker image `tandem-no-such-image:1` is not present and pulling it failed")
+            && out.stderr.contains("scripts/build-sandbox-image.sh"),
+        "{}",
+        out.stderr
     );
 }
