@@ -776,7 +776,7 @@ async fn docker_one_shots_leave_nothing_and_a_killed_tandems_container_is_reaped
     );
     // A Tandem killed with SIGKILL cannot clean up; the next one reaps what it left.
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(&docker)
+        .args(docker)
         .args(["--lang", "sh", "--timeout", "300", "-"])
         .stdin(Stdio::piped())
         .stdout(Stdio::null())

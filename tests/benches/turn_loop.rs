@@ -5,6 +5,9 @@
 //! 1. Local executor: per-block cost of `print(1)` vs a bare `python3 -c 'print(1)'` spawn.
 //! 2. Turn loop: 200 two-turn tasks against ScriptedOpenAi, concurrency 8, in tasks/s.
 //! 3. Cold start: `tandem run` process start to the model server seeing its first request.
+//! 4. Docker executor: per-block `print(1)` through Tandem's runner vs `docker exec` (the CLI)
+//!    and bollard's exec API, in the same container (image: `TANDEM_DOCKER_IMAGE`, else
+//!    `tandem-sandbox:latest`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
@@ -258,6 +261,7 @@ async fn cold_start(runs: usize) {
             .args(["run", "--base-url", &server.base_url(), &task])
             .env("XDG_CONFIG_HOME", "/nonexistent")
             .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
             .status()
             .await
             .unwrap();
@@ -286,6 +290,121 @@ async fn cold_start(runs: usize) {
     );
 }
 
+async fn docker_block_latency(n: usize) {
+    use bollard::exec::{CreateExecOptions, StartExecResults};
+    use futures::StreamExt;
+    use tandem_executor_docker::{DockerConfig, DockerExecutor};
+
+    let image =
+        std::env::var("TANDEM_DOCKER_IMAGE").unwrap_or_else(|_| "tandem-sandbox:latest".to_owned());
+    let executor = match DockerExecutor::connect(DockerConfig {
+        image: image.clone(),
+        pull: false,
+        ..DockerConfig::default()
+    })
+    .await
+    {
+        Ok(e) if e.image_present().await.unwrap_or(false) => e,
+        Ok(_) => {
+            println!(
+                "\n## Docker executor: not measured: image `{image}` is missing (scripts/build-sandbox-image.sh)"
+            );
+            return;
+        }
+        Err(e) => {
+            println!("\n## Docker executor: not measured: {e}");
+            return;
+        }
+    };
+    let task = format!("bench-{}", std::process::id());
+    let mut session = executor
+        .open(SessionSpec {
+            labels: vec![("tandem.task".to_owned(), task.clone())],
+            ..SessionSpec::default()
+        })
+        .await
+        .unwrap();
+    let ps = std::process::Command::new("docker")
+        .args(["ps", "-q", "--filter", &format!("label=tandem.task={task}")])
+        .output()
+        .unwrap();
+    let id = String::from_utf8_lossy(&ps.stdout).trim().to_owned();
+    let docker = bollard::Docker::connect_with_defaults()
+        .unwrap()
+        .negotiate_version()
+        .await
+        .unwrap();
+    let (mut cli, mut api, mut ours) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..=n {
+        let t = Instant::now();
+        let out = tokio::process::Command::new("docker")
+            .args(["exec", &id, "python3", "-c", "print(1)"])
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(out.stdout, b"1\n");
+        let cli_took = t.elapsed();
+
+        let t = Instant::now();
+        let exec = docker
+            .create_exec(
+                &id,
+                CreateExecOptions {
+                    cmd: Some(vec!["python3", "-c", "print(1)"]),
+                    attach_stdout: Some(true),
+                    attach_stderr: Some(true),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        let mut text = Vec::new();
+        if let StartExecResults::Attached { mut output, .. } =
+            docker.start_exec(&exec.id, None).await.unwrap()
+        {
+            while let Some(Ok(chunk)) = output.next().await {
+                text.extend_from_slice(&chunk.into_bytes());
+            }
+        }
+        let code = docker.inspect_exec(&exec.id).await.unwrap().exit_code;
+        assert_eq!((text.as_slice(), code), (&b"1\n"[..], Some(0)));
+        let api_took = t.elapsed();
+
+        let t = Instant::now();
+        let out = session
+            .run(
+                ExecRequest::new(Language::python(), "print(1)"),
+                ExecContext::new(CancellationToken::new()),
+            )
+            .await
+            .unwrap();
+        assert_eq!(out.stdout.to_text(), "1\n");
+        if i > 0 {
+            cli.push(cli_took);
+            api.push(api_took);
+            ours.push(t.elapsed());
+        }
+    }
+    session.close().await.unwrap();
+    let (cm, cp) = stats(cli);
+    println!("\n## Docker executor: print(1) per block, {n} runs each, one container ({image})");
+    println!("| path | mean | median | ratio (mean) |");
+    println!("|---|---|---|---|");
+    println!("| `docker exec` (CLI) | {} | {} | 1.00x |", ms(cm), ms(cp));
+    for (label, samples) in [
+        ("bollard exec API (create, start attached, inspect)", api),
+        ("tandem: runner in the container, session.run", ours),
+    ] {
+        let (m, p) = stats(samples);
+        println!(
+            "| {label} | {} | {} | {:.2}x |",
+            ms(m),
+            ms(p),
+            m.as_secs_f64() / cm.as_secs_f64()
+        );
+    }
+}
+
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -296,5 +415,6 @@ fn main() {
         executor_overhead(100).await;
         turn_loop_throughput(200, 8).await;
         cold_start(20).await;
+        docker_block_latency(30).await;
     });
 }

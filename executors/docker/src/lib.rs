@@ -277,9 +277,14 @@ impl DockerExecutor {
         &self,
         workspace: &std::path::Path,
         labels: HashMap<String, String>,
+        limits: &tandem_executor::Limits,
     ) -> ContainerCreateBody {
         let c = &self.inner.config;
-        let memory = i64::try_from(c.memory_bytes).unwrap_or(i64::MAX);
+        // A task's memory limit can lower the container's, never raise it.
+        let bytes = limits
+            .memory_bytes
+            .map_or(c.memory_bytes, |m| m.min(c.memory_bytes));
+        let memory = i64::try_from(bytes).unwrap_or(i64::MAX);
         let mut env = vec![
             "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_owned(),
             "LANG=C.UTF-8".to_owned(),

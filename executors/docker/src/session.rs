@@ -149,7 +149,7 @@ impl DockerSession {
                 workspace.display().to_string(),
             );
         }
-        let body = executor.container_body(&workspace, labels);
+        let body = executor.container_body(&workspace, labels, &spec.limits);
         let name = format!("tandem-{}", &session_id[..12]);
         let created = inner
             .docker
