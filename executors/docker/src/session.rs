@@ -290,21 +290,31 @@ impl DockerSession {
         let mut stopped: Option<ExitStatus> = None;
         let deadline = tokio::time::Instant::now() + timeout;
         let mut kill_deadline: Option<tokio::time::Instant> = None;
+        let mut runner_error = None;
         let exit = loop {
+            // `None` from the channel means the runner is gone; a timer waking is not that.
             let frame = tokio::select! {
-                frame = conn.frames.recv() => frame,
+                frame = conn.frames.recv() => match frame {
+                    Some(frame) => frame,
+                    None => break None,
+                },
                 () = tokio::time::sleep_until(deadline), if stopped.is_none() => {
                     stopped = Some(ExitStatus::TimedOut);
-                    None
+                    // The runner kills every process of the block and then reports it.
+                    let _ = conn.send(&serde_json::json!({"op": "kill"})).await;
+                    kill_deadline = Some(tokio::time::Instant::now() + KILL_GRACE);
+                    continue;
                 }
                 () = ctx.cancel.cancelled(), if stopped.is_none() => {
                     stopped = Some(ExitStatus::Cancelled);
-                    None
+                    let _ = conn.send(&serde_json::json!({"op": "kill"})).await;
+                    kill_deadline = Some(tokio::time::Instant::now() + KILL_GRACE);
+                    continue;
                 }
                 () = sleep_until_opt(kill_deadline) => break None,
             };
             match frame {
-                Some(Frame::Output(stream, data)) => {
+                Frame::Output(stream, data) => {
                     let buf = match stream {
                         Stream::Stdout => &mut out,
                         Stream::Stderr => &mut err,
@@ -314,21 +324,14 @@ impl DockerSession {
                         (ctx.sink)(stream, &data[..live]);
                     }
                 }
-                Some(Frame::Dropped(Stream::Stdout, n)) => out.skip(n),
-                Some(Frame::Dropped(Stream::Stderr, n)) => err.skip(n),
-                Some(Frame::Exit(exit)) => break Some(exit),
-                Some(Frame::Error(e)) => {
-                    return Err(ExecError::Backend(format!("Tandem's runner failed: {e}")));
+                Frame::Dropped(Stream::Stdout, n) => out.skip(n),
+                Frame::Dropped(Stream::Stderr, n) => err.skip(n),
+                Frame::Exit(exit) => break Some(exit),
+                Frame::Error(e) => {
+                    runner_error = Some(e);
+                    break None;
                 }
-                Some(Frame::Ready | Frame::Done) => {}
-                None if stopped.is_some() && kill_deadline.is_none() => {
-                    // Timed out or cancelled: the runner kills every process of the block.
-                    let _ = conn.send(&serde_json::json!({"op": "kill"})).await;
-                    kill_deadline = Some(tokio::time::Instant::now() + KILL_GRACE);
-                }
-                None if stopped.is_some() => {}
-                // The runner itself died (the block killed it, or the container did).
-                None => break None,
+                Frame::Ready | Frame::Done => {}
             }
         };
         let duration = started.elapsed();
@@ -354,6 +357,9 @@ impl DockerSession {
                 .signal("KILL")
                 .build();
             let _ = inner.docker.kill_container(&self.id, Some(kill)).await;
+        }
+        if let Some(e) = runner_error {
+            return Err(ExecError::Backend(format!("Tandem's runner failed: {e}")));
         }
         Ok(ExecOutcome {
             status,
