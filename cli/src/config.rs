@@ -217,6 +217,9 @@ pub fn docker_config(file: &FileConfig, image: Option<&str>) -> Result<DockerCon
             .or_else(|| d.image.clone())
             .unwrap_or(defaults.image),
         pull: d.pull.unwrap_or(defaults.pull),
+        // A one-shot command would only start containers to throw away; the pool is for
+        // processes that open many sessions.
+        pool_size: 0,
         memory_bytes: d.memory_bytes.unwrap_or(defaults.memory_bytes),
         cpus: d.cpus.unwrap_or(defaults.cpus),
         pids: d.pids.unwrap_or(defaults.pids),

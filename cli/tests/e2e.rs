@@ -759,6 +759,8 @@ fn tandem_containers() -> Vec<(String, String)> {
 async fn docker_one_shots_leave_nothing_and_a_killed_tandems_container_is_reaped() {
     let image = sandbox_image();
     let docker = ["exec", "--executor", "docker", "--image", &image];
+    // Other Tandems may share the engine; only containers this test's commands made count.
+    let before = tandem_containers();
     let out = tandem(
         &[&docker[..], &["--lang", "python"]].concat(),
         &[],
@@ -774,6 +776,13 @@ async fn docker_one_shots_leave_nothing_and_a_killed_tandems_container_is_reaped
         "{}",
         out.stderr
     );
+    let new_since = |before: &[(String, String)]| -> Vec<(String, String)> {
+        tandem_containers()
+            .into_iter()
+            .filter(|c| !before.contains(c))
+            .collect()
+    };
+    assert_eq!(new_since(&before), Vec::<(String, String)>::new());
     // A Tandem killed with SIGKILL cannot clean up; the next one reaps what it left.
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
         .args(docker)
@@ -823,7 +832,7 @@ async fn docker_one_shots_leave_nothing_and_a_killed_tandems_container_is_reaped
         "{}",
         out.stderr
     );
-    assert_eq!(tandem_containers(), Vec::<(String, String)>::new());
+    assert_eq!(new_since(&before), Vec::<(String, String)>::new());
 }
 
 #[tokio::test(flavor = "multi_thread")]

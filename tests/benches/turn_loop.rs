@@ -405,6 +405,63 @@ async fn docker_block_latency(n: usize) {
     }
 }
 
+async fn docker_session_open(n: usize) {
+    use tandem_executor_docker::{DockerConfig, DockerExecutor};
+
+    let image =
+        std::env::var("TANDEM_DOCKER_IMAGE").unwrap_or_else(|_| "tandem-sandbox:latest".to_owned());
+    let mut rows = Vec::new();
+    for (pool_size, label) in [
+        (0, "cold: create + start + runner ready"),
+        (2, "warm pool (2): claim a started container"),
+    ] {
+        let Ok(executor) = DockerExecutor::connect(DockerConfig {
+            image: image.clone(),
+            pull: false,
+            pool_size,
+            ..DockerConfig::default()
+        })
+        .await
+        else {
+            println!("\n## Docker session open: not measured: no engine");
+            return;
+        };
+        let mut samples = Vec::new();
+        for _ in 0..n {
+            executor.warm_up();
+            while executor.pooled().len() < pool_size {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let t = Instant::now();
+            let mut s = executor.open(SessionSpec::default()).await.unwrap();
+            let out = s
+                .run(
+                    ExecRequest::new(Language::sh(), "echo 1"),
+                    ExecContext::new(CancellationToken::new()),
+                )
+                .await
+                .unwrap();
+            samples.push(t.elapsed());
+            assert_eq!(out.stdout.to_text(), "1\n");
+            s.close().await.unwrap();
+        }
+        executor.shutdown().await;
+        rows.push((label, stats(samples)));
+    }
+    println!("\n## Docker session: open + first `echo 1`, {n} runs each ({image})");
+    println!("| path | mean | median | ratio (mean) |");
+    println!("|---|---|---|---|");
+    let base = (rows[0].1).0;
+    for (label, (m, p)) in rows {
+        println!(
+            "| {label} | {} | {} | {:.2}x |",
+            ms(m),
+            ms(p),
+            m.as_secs_f64() / base.as_secs_f64()
+        );
+    }
+}
+
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -416,5 +473,6 @@ fn main() {
         turn_loop_throughput(200, 8).await;
         cold_start(20).await;
         docker_block_latency(30).await;
+        docker_session_open(10).await;
     });
 }

@@ -28,8 +28,14 @@ async fn docker_with(config: DockerConfig) -> Arc<DockerExecutor> {
     Arc::new(docker)
 }
 
+/// An executor without a warm pool, so every session's container is made for it (and its
+/// labels checked); the pool has its own test.
 async fn docker() -> Arc<DockerExecutor> {
-    docker_with(DockerConfig::default()).await
+    docker_with(DockerConfig {
+        pool_size: 0,
+        ..DockerConfig::default()
+    })
+    .await
 }
 
 fn docker_cli(args: &[&str]) -> String {
@@ -268,5 +274,104 @@ async fn a_missing_image_names_the_offline_way_to_make_one() {
             "docker image `tandem-no-such-image:1` is not present and pulling it failed: "
         ) && err.contains("scripts/build-sandbox-image.sh"),
         "{err}"
+    );
+}
+
+/// Ids of the containers whose `tandem.session` label is set, with their names.
+fn session_containers() -> Vec<(String, String)> {
+    docker_cli(&[
+        "ps",
+        "-a",
+        "--filter",
+        "label=tandem.session",
+        "--no-trunc",
+        "--format",
+        "{{.ID}} {{.Names}}",
+    ])
+    .lines()
+    .filter_map(|l| l.split_once(' '))
+    .map(|(id, name)| (id.to_owned(), name.to_owned()))
+    .collect()
+}
+
+async fn wait_for_pool(executor: &DockerExecutor, n: usize) {
+    let started = std::time::Instant::now();
+    while executor.pooled().len() < n {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the pool did not fill"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn warm_pool_serves_sessions_and_never_reuses_a_container() {
+    let executor = docker_with(DockerConfig {
+        pool_size: 2,
+        ..DockerConfig::default()
+    })
+    .await;
+    executor.warm_up();
+    wait_for_pool(&executor, 2).await;
+    let before = executor.pooled();
+    let task = format!("pool-{}", std::process::id());
+    let mut s = tandem_executor::Executor::open(
+        &*executor,
+        SessionSpec {
+            labels: vec![("tandem.task".to_owned(), task.clone())],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    // The session got a container that was already running, now named after its task.
+    let (id, name) = session_containers()
+        .into_iter()
+        .find(|(_, name)| name.starts_with(&format!("tandem-{task}-")))
+        .expect("a container named after the task");
+    assert!(before.contains(&id), "{name} was not taken from the pool");
+    let out = run(
+        &mut *s,
+        "python",
+        "open('f', 'w').write('x'); print('pooled')",
+    )
+    .await;
+    assert_eq!(out.stdout.to_text(), "pooled\n");
+    s.close().await.unwrap();
+    // Used once, then gone; the pool refills with new containers.
+    wait_for_pool(&executor, 2).await;
+    let now: Vec<String> = session_containers().into_iter().map(|(id, _)| id).collect();
+    assert!(!now.contains(&id), "a used container was kept");
+    // A session the pool cannot serve (a kept workdir) still opens, cold.
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = tandem_executor::Executor::open(
+        &*executor,
+        SessionSpec {
+            workdir: Some(dir.path().to_owned()),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let out = run(&mut *s, "sh", "echo kept > k.txt; cat k.txt").await;
+    assert_eq!(out.stdout.to_text(), "kept\n");
+    s.close().await.unwrap();
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("k.txt")).unwrap(),
+        "kept\n"
+    );
+    wait_for_pool(&executor, 2).await;
+    let pooled = executor.pooled();
+    executor.shutdown().await;
+    let left: Vec<String> = session_containers()
+        .into_iter()
+        .map(|(id, _)| id)
+        .filter(|id| pooled.contains(id))
+        .collect();
+    assert_eq!(
+        left,
+        Vec::<String>::new(),
+        "shutdown left pooled containers"
     );
 }

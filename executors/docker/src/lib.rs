@@ -50,6 +50,9 @@ pub struct DockerConfig {
     pub image: String,
     /// Pull the image when it is missing.
     pub pull: bool,
+    /// Containers kept started and ready for the next sessions (temporary workspaces only);
+    /// each is used by one session and then removed.
+    pub pool_size: usize,
     /// Memory cap per container, bytes (swap is set equal, so none is added).
     pub memory_bytes: u64,
     /// CPUs per container.
@@ -77,6 +80,7 @@ impl Default for DockerConfig {
         Self {
             image: DEFAULT_IMAGE.to_owned(),
             pull: true,
+            pool_size: 2,
             memory_bytes: 512 << 20,
             cpus: 1.0,
             pids: 256,
@@ -164,6 +168,15 @@ pub(crate) struct Inner {
     pub(crate) config: DockerConfig,
     pub(crate) owner: String,
     image_ready: OnceCell<()>,
+    pool: Pool,
+}
+
+/// Started containers waiting for sessions, and how many are being started.
+#[derive(Default)]
+struct Pool {
+    ready: std::sync::Mutex<Vec<session::Warm>>,
+    starting: std::sync::atomic::AtomicUsize,
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl DockerExecutor {
@@ -190,6 +203,7 @@ impl DockerExecutor {
                 config,
                 owner: owner_tag(),
                 image_ready: OnceCell::new(),
+                pool: Pool::default(),
             }),
         };
         match executor.reap_orphans().await {
@@ -272,6 +286,84 @@ impl DockerExecutor {
         Ok(reaped)
     }
 
+    /// Ids of the containers ready in the warm pool now.
+    pub fn pooled(&self) -> Vec<String> {
+        self.inner.pool.ready.lock().map_or_else(
+            |_| Vec::new(),
+            |r| r.iter().map(|w| w.id().to_owned()).collect(),
+        )
+    }
+
+    /// Starts filling the warm pool in the background (sessions do this too).
+    pub fn warm_up(&self) {
+        use std::sync::atomic::Ordering;
+        let pool = &self.inner.pool;
+        let size = self.inner.config.pool_size;
+        if size == 0 || pool.closed.load(Ordering::SeqCst) {
+            return;
+        }
+        let want = match pool.ready.lock() {
+            Ok(ready) => {
+                let want = size.saturating_sub(ready.len() + pool.starting.load(Ordering::SeqCst));
+                pool.starting.fetch_add(want, Ordering::SeqCst);
+                want
+            }
+            Err(_) => 0,
+        };
+        for _ in 0..want {
+            let executor = self.clone();
+            tokio::spawn(async move {
+                let started = session::DockerSession::prestart(&executor).await;
+                let pool = &executor.inner.pool;
+                pool.starting.fetch_sub(1, Ordering::SeqCst);
+                match started {
+                    Ok(warm) if !pool.closed.load(Ordering::SeqCst) => {
+                        if let Ok(mut ready) = pool.ready.lock() {
+                            ready.push(warm);
+                        }
+                    }
+                    Ok(warm) => warm.remove().await,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "starting a container for the warm pool failed")
+                    }
+                }
+            });
+        }
+    }
+
+    /// A ready container for `spec`, when the pool can serve it: a temporary workspace, no
+    /// labels but the task's, and no lower memory limit than the pool's containers have.
+    fn claim(&self, spec: &SessionSpec) -> Option<session::Warm> {
+        let c = &self.inner.config;
+        if c.pool_size == 0
+            || spec.workdir.is_some()
+            || spec.limits.memory_bytes.is_some_and(|m| m < c.memory_bytes)
+            || spec.labels.iter().any(|(k, _)| k != labels::TASK)
+        {
+            return None;
+        }
+        let mut ready = self.inner.pool.ready.lock().ok()?;
+        while let Some(mut warm) = ready.pop() {
+            if warm.alive() {
+                return Some(warm);
+            }
+        }
+        None
+    }
+
+    /// Stops refilling the pool and removes its containers (daemon shutdown).
+    pub async fn shutdown(&self) {
+        let pool = &self.inner.pool;
+        pool.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+        let ready = match pool.ready.lock() {
+            Ok(mut ready) => std::mem::take(&mut *ready),
+            Err(_) => Vec::new(),
+        };
+        for warm in ready {
+            warm.remove().await;
+        }
+    }
+
     /// The container body for a session: the hardened defaults plus the session's mounts.
     pub(crate) fn container_body(
         &self,
@@ -348,7 +440,11 @@ impl Executor for DockerExecutor {
         Box::pin(async move {
             self.ensure_image(&|line| tracing::info!(image = %self.inner.config.image, "{line}"))
                 .await?;
-            let session = session::DockerSession::open(self.clone(), spec).await?;
+            let session = match self.claim(&spec) {
+                Some(warm) => session::DockerSession::from_warm(self.clone(), warm, spec).await?,
+                None => session::DockerSession::open(self.clone(), spec).await?,
+            };
+            self.warm_up();
             Ok(Box::new(session) as Box<dyn Session>)
         })
     }

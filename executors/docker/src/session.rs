@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use bollard::container::LogOutput;
 use bollard::query_parameters::{
     AttachContainerOptionsBuilder, CreateContainerOptionsBuilder, InspectContainerOptions,
-    KillContainerOptionsBuilder,
+    KillContainerOptionsBuilder, RenameContainerOptionsBuilder,
 };
 use futures::StreamExt;
 use serde::Deserialize;
@@ -102,6 +102,7 @@ impl Conn {
 pub(crate) struct DockerSession {
     executor: DockerExecutor,
     id: String,
+    session_id: String,
     workspace: PathBuf,
     owned_workspace: Option<TempDir>,
     limits: Limits,
@@ -167,6 +168,7 @@ impl DockerSession {
         let mut session = Self {
             executor,
             id: created.id,
+            session_id,
             workspace,
             owned_workspace,
             limits: spec.limits,
@@ -176,6 +178,68 @@ impl DockerSession {
         };
         // On failure the session is dropped, which removes the container.
         session.conn = Some(start(&session.executor, &session.id).await?);
+        Ok(session)
+    }
+
+    /// Starts a container for the warm pool: a temporary workspace, no task yet.
+    pub(crate) async fn prestart(executor: &DockerExecutor) -> Result<Warm, ExecError> {
+        let mut session = Self::open(executor.clone(), SessionSpec::default()).await?;
+        // The pool owns the container now; this session must not remove it.
+        session.closed = true;
+        Ok(Warm {
+            docker: executor.inner().docker.clone(),
+            id: std::mem::take(&mut session.id),
+            session_id: std::mem::take(&mut session.session_id),
+            workspace: session.owned_workspace.take(),
+            conn: session.conn.take(),
+        })
+    }
+
+    /// Turns a pooled container into this task's session, naming it after the task (labels
+    /// cannot change after create, so the name is what carries the task).
+    pub(crate) async fn from_warm(
+        executor: DockerExecutor,
+        mut warm: Warm,
+        spec: SessionSpec,
+    ) -> Result<Self, ExecError> {
+        let task = spec
+            .labels
+            .iter()
+            .find(|(k, _)| k == labels::TASK)
+            .map(|(_, v)| v.as_str());
+        let id = std::mem::take(&mut warm.id);
+        let workspace = warm.workspace.take();
+        let session = Self {
+            workspace: workspace
+                .as_ref()
+                .map(|w| w.path().to_owned())
+                .unwrap_or_default(),
+            executor,
+            id,
+            session_id: std::mem::take(&mut warm.session_id),
+            owned_workspace: workspace,
+            limits: spec.limits,
+            conn: warm.conn.take(),
+            blocks: 0,
+            closed: false,
+        };
+        if let Some(task) = task.filter(|t| !t.is_empty()) {
+            let name = format!(
+                "tandem-{}-{}",
+                docker_name_part(task),
+                &session.session_id[..12.min(session.session_id.len())]
+            );
+            session
+                .executor
+                .inner()
+                .docker
+                .rename_container(
+                    &session.id,
+                    RenameContainerOptionsBuilder::default().name(&name).build(),
+                )
+                .await
+                .map_err(engine("naming the session container after its task"))?;
+        }
         Ok(session)
     }
 
@@ -484,6 +548,72 @@ async fn start(executor: &DockerExecutor, id: &str) -> Result<Conn, ExecError> {
             "the session container from `{image}` did not get ready within {READY_LIMIT:?}"
         ))),
     }
+}
+
+/// A started container waiting in the pool, with its runner attached. Dropping it removes
+/// the container and its workspace.
+pub(crate) struct Warm {
+    docker: bollard::Docker,
+    id: String,
+    session_id: String,
+    workspace: Option<TempDir>,
+    conn: Option<Conn>,
+}
+
+impl Warm {
+    /// The container's id.
+    pub(crate) fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Whether its runner is still attached (a container that died in the pool is not).
+    pub(crate) fn alive(&mut self) -> bool {
+        self.conn
+            .as_mut()
+            .is_some_and(|c| matches!(c.frames.try_recv(), Err(mpsc::error::TryRecvError::Empty)))
+    }
+
+    /// Removes the container and its workspace now.
+    pub(crate) async fn remove(mut self) {
+        let id = std::mem::take(&mut self.id);
+        remove_container(&self.docker, &id).await;
+        if let Some(ws) = self.workspace.take() {
+            let _ = tokio::task::spawn_blocking(move || ws.close()).await;
+        }
+    }
+}
+
+impl Drop for Warm {
+    fn drop(&mut self) {
+        if self.id.is_empty() {
+            return;
+        }
+        let (docker, id, ws) = (
+            self.docker.clone(),
+            std::mem::take(&mut self.id),
+            self.workspace.take(),
+        );
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                remove_container(&docker, &id).await;
+                drop(ws);
+            });
+        }
+    }
+}
+
+/// `text` as a container-name fragment: `[A-Za-z0-9_.-]`, at most 64 characters.
+fn docker_name_part(text: &str) -> String {
+    text.chars()
+        .take(64)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "_.-".contains(c) {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect()
 }
 
 fn interpreter(language: &Language) -> Option<&'static str> {
