@@ -1,0 +1,568 @@
+//! The durable task store: one SQLite file (WAL) holding tasks and their append-only events.
+//!
+//! Every event is committed here before any client sees it, so what a client was shown is
+//! never lost in a crash, and `Last-Event-ID` resumes from exactly what was stored.
+
+use std::path::Path;
+use std::sync::Mutex;
+
+use rusqlite::{Connection, OptionalExtension, params};
+use serde::{Deserialize, Serialize};
+use tandem_protocol::{ErrorInfo, Event, EventMsg, StopReason, TaskSpec, Usage};
+
+/// Where a task is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskState {
+    /// Waiting for a free slot.
+    Queued,
+    /// Being worked on.
+    Running,
+    /// The daemon stopped (crash or shutdown) while it ran; `resume` continues it.
+    Interrupted,
+    /// Ended; see its stop reason.
+    Finished,
+}
+
+impl TaskState {
+    /// The snake_case name used in the store and on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Running => "running",
+            Self::Interrupted => "interrupted",
+            Self::Finished => "finished",
+        }
+    }
+
+    /// Parses a state name, as given in `?state=`.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "queued" => Self::Queued,
+            "running" => Self::Running,
+            "interrupted" => Self::Interrupted,
+            "finished" => Self::Finished,
+            _ => return None,
+        })
+    }
+}
+
+/// A task as stored, without its events.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TaskRecord {
+    /// Task id.
+    pub id: String,
+    /// Where it is.
+    pub state: TaskState,
+    /// What was asked.
+    pub spec: TaskSpec,
+    /// Why it ended, once finished.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<StopReason>,
+    /// What failed, when it ended in an error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorInfo>,
+    /// Tokens used so far.
+    pub usage: Usage,
+    /// Assistant turns taken so far.
+    pub turns: u32,
+    /// Milliseconds since the Unix epoch.
+    pub created_ms: u64,
+    /// When it last started running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_ms: Option<u64>,
+    /// When it finished.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_ms: Option<u64>,
+}
+
+/// Store failures.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// SQLite failed.
+    #[error("task store {path}: {source}")]
+    Sqlite {
+        /// The database file.
+        path: String,
+        /// What SQLite said.
+        #[source]
+        source: rusqlite::Error,
+    },
+    /// A stored value did not decode (a newer daemon's data, or corruption).
+    #[error("task store: a stored {what} does not decode: {source}")]
+    Decode {
+        /// Which value.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The database was written by a newer Tandem.
+    #[error(
+        "task store {path} has schema version {found}, newer than this Tandem knows ({known}); upgrade Tandem or use another --state-dir"
+    )]
+    TooNew {
+        /// The database file.
+        path: String,
+        /// Its version.
+        found: i64,
+        /// The newest this build knows.
+        known: i64,
+    },
+    /// A lock was poisoned by a panic elsewhere.
+    #[error("task store: lock poisoned")]
+    Poisoned,
+}
+
+/// Schema migrations, in order; `PRAGMA user_version` says how many have run.
+const MIGRATIONS: &[&str] = &["
+    CREATE TABLE tasks (
+        id TEXT PRIMARY KEY,
+        queue_order INTEGER NOT NULL,
+        state TEXT NOT NULL,
+        spec TEXT NOT NULL,
+        stop_reason TEXT,
+        error TEXT,
+        usage TEXT NOT NULL,
+        turns INTEGER NOT NULL,
+        created_ms INTEGER NOT NULL,
+        started_ms INTEGER,
+        finished_ms INTEGER
+    );
+    CREATE INDEX tasks_by_state ON tasks (state, queue_order);
+    CREATE TABLE events (
+        task_id TEXT NOT NULL REFERENCES tasks (id),
+        seq INTEGER NOT NULL,
+        at_ms INTEGER NOT NULL,
+        body TEXT NOT NULL,
+        PRIMARY KEY (task_id, seq)
+    ) WITHOUT ROWID;
+"];
+
+/// The task store; cheap operations behind one connection.
+pub struct Store {
+    conn: Mutex<Connection>,
+    path: String,
+}
+
+type Result<T> = std::result::Result<T, StoreError>;
+
+impl Store {
+    /// Opens (creating if needed) the database at `path` and runs pending migrations.
+    pub fn open(path: &Path) -> Result<Self> {
+        let display = path.display().to_string();
+        let sql = |source| StoreError::Sqlite {
+            path: display.clone(),
+            source,
+        };
+        let conn = Connection::open(path).map_err(sql)?;
+        // WAL: readers never block the writer; NORMAL sync is durable across a process
+        // crash (kill -9), which is the failure the daemon must survive.
+        conn.execute_batch(
+            "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON; PRAGMA busy_timeout = 5000;",
+        )
+        .map_err(sql)?;
+        let version: i64 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .map_err(sql)?;
+        let known = MIGRATIONS.len() as i64;
+        if version > known {
+            return Err(StoreError::TooNew {
+                path: display,
+                found: version,
+                known,
+            });
+        }
+        for (i, migration) in MIGRATIONS.iter().enumerate().skip(version as usize) {
+            let tx = conn.unchecked_transaction().map_err(sql)?;
+            tx.execute_batch(migration).map_err(sql)?;
+            tx.pragma_update(None, "user_version", i as i64 + 1)
+                .map_err(sql)?;
+            tx.commit().map_err(sql)?;
+        }
+        Ok(Self {
+            conn: Mutex::new(conn),
+            path: display,
+        })
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&Connection) -> rusqlite::Result<T>) -> Result<T> {
+        let conn = self.conn.lock().map_err(|_| StoreError::Poisoned)?;
+        f(&conn).map_err(|source| StoreError::Sqlite {
+            path: self.path.clone(),
+            source,
+        })
+    }
+
+    /// Adds a queued task.
+    pub fn create(&self, id: &str, spec: &TaskSpec, now_ms: u64) -> Result<TaskRecord> {
+        let spec_json = to_json(spec);
+        let usage = to_json(&Usage::default());
+        self.with(|c| {
+            c.execute(
+                "INSERT INTO tasks (id, queue_order, state, spec, usage, turns, created_ms)
+                 VALUES (?1, (SELECT COALESCE(MAX(queue_order), 0) + 1 FROM tasks), 'queued', ?2, ?3, 0, ?4)",
+                params![id, spec_json, usage, now_ms as i64],
+            )
+        })?;
+        Ok(TaskRecord {
+            id: id.to_owned(),
+            state: TaskState::Queued,
+            spec: spec.clone(),
+            stop_reason: None,
+            error: None,
+            usage: Usage::default(),
+            turns: 0,
+            created_ms: now_ms,
+            started_ms: None,
+            finished_ms: None,
+        })
+    }
+
+    /// Appends an event with the next seq of its task and commits it; returns it as stored.
+    /// A finishing event also records the task's end in the same transaction.
+    pub fn append(&self, task_id: &str, msg: &EventMsg, now_ms: u64) -> Result<Event> {
+        self.with(|c| {
+            let tx = c.unchecked_transaction()?;
+            let seq: i64 = tx.query_row(
+                "SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE task_id = ?1",
+                [task_id],
+                |r| r.get(0),
+            )?;
+            let event = Event {
+                seq: seq as u64,
+                at_ms: now_ms,
+                msg: msg.clone(),
+            };
+            tx.execute(
+                "INSERT INTO events (task_id, seq, at_ms, body) VALUES (?1, ?2, ?3, ?4)",
+                params![task_id, seq, now_ms as i64, to_json(msg)],
+            )?;
+            match msg {
+                EventMsg::AssistantMessage {
+                    turn,
+                    usage: Some(u),
+                    ..
+                } => {
+                    tx.execute(
+                        "UPDATE tasks SET turns = ?2, usage = json_object(
+                            'prompt_tokens', json_extract(usage, '$.prompt_tokens') + ?3,
+                            'completion_tokens', json_extract(usage, '$.completion_tokens') + ?4)
+                         WHERE id = ?1",
+                        params![
+                            task_id,
+                            turn,
+                            u.prompt_tokens as i64,
+                            u.completion_tokens as i64
+                        ],
+                    )?;
+                }
+                EventMsg::TurnStarted { turn } => {
+                    tx.execute(
+                        "UPDATE tasks SET turns = MAX(turns, ?2) WHERE id = ?1",
+                        params![task_id, turn],
+                    )?;
+                }
+                EventMsg::TaskFinished {
+                    stop_reason,
+                    usage,
+                    turns,
+                    error,
+                    ..
+                } => {
+                    tx.execute(
+                        "UPDATE tasks SET state = 'finished', stop_reason = ?2, error = ?3,
+                            usage = ?4, turns = ?5, finished_ms = ?6 WHERE id = ?1",
+                        params![
+                            task_id,
+                            stop_reason.as_str(),
+                            error.as_ref().map(to_json),
+                            to_json(usage),
+                            turns,
+                            now_ms as i64
+                        ],
+                    )?;
+                }
+                _ => {}
+            }
+            tx.commit()?;
+            Ok(event)
+        })
+    }
+
+    /// Marks a task running (or queued, interrupted) without an event.
+    pub fn set_state(&self, id: &str, state: TaskState, now_ms: u64) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE tasks SET state = ?2,
+                    started_ms = CASE WHEN ?2 = 'running' THEN ?3 ELSE started_ms END
+                 WHERE id = ?1",
+                params![id, state.as_str(), now_ms as i64],
+            )
+            .map(|_| ())
+        })
+    }
+
+    /// One task, if it exists.
+    pub fn get(&self, id: &str) -> Result<Option<TaskRecord>> {
+        let row = self.with(|c| {
+            c.query_row(
+                &format!("SELECT {COLUMNS} FROM tasks WHERE id = ?1"),
+                [id],
+                raw_row,
+            )
+            .optional()
+        })?;
+        row.map(decode).transpose()
+    }
+
+    /// Tasks, oldest first, optionally only those in `state`.
+    pub fn list(&self, state: Option<TaskState>) -> Result<Vec<TaskRecord>> {
+        let rows = self.with(|c| {
+            let mut stmt = c.prepare(&format!(
+                "SELECT {COLUMNS} FROM tasks WHERE ?1 IS NULL OR state = ?1 ORDER BY queue_order"
+            ))?;
+            let rows = stmt
+                .query_map([state.map(TaskState::as_str)], raw_row)?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })?;
+        rows.into_iter().map(decode).collect()
+    }
+
+    /// Events of a task with seq above `after`, in order.
+    pub fn events_after(&self, id: &str, after: u64) -> Result<Vec<Event>> {
+        let rows = self.with(|c| {
+            let mut stmt = c.prepare(
+                "SELECT seq, at_ms, body FROM events WHERE task_id = ?1 AND seq > ?2 ORDER BY seq",
+            )?;
+            let rows = stmt
+                .query_map(params![id, after as i64], |r| {
+                    Ok((
+                        r.get::<_, i64>(0)?,
+                        r.get::<_, i64>(1)?,
+                        r.get::<_, String>(2)?,
+                    ))
+                })?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })?;
+        rows.into_iter()
+            .map(|(seq, at, body)| {
+                Ok(Event {
+                    seq: seq as u64,
+                    at_ms: at as u64,
+                    msg: serde_json::from_str(&body).map_err(|source| StoreError::Decode {
+                        what: "event",
+                        source,
+                    })?,
+                })
+            })
+            .collect()
+    }
+
+    /// At start-up: tasks that were running when the last daemon died become interrupted.
+    /// Returns their ids.
+    pub fn interrupt_running(&self) -> Result<Vec<String>> {
+        self.with(|c| {
+            let tx = c.unchecked_transaction()?;
+            let ids = {
+                let mut stmt = tx.prepare("SELECT id FROM tasks WHERE state = 'running'")?;
+                stmt.query_map([], |r| r.get::<_, String>(0))?
+                    .collect::<rusqlite::Result<Vec<_>>>()?
+            };
+            tx.execute(
+                "UPDATE tasks SET state = 'interrupted' WHERE state = 'running'",
+                [],
+            )?;
+            tx.commit()?;
+            Ok(ids)
+        })
+    }
+
+    /// Counts of tasks by state, for metrics.
+    pub fn counts(&self) -> Result<Vec<(String, u64)>> {
+        self.with(|c| {
+            let mut stmt = c.prepare("SELECT state, COUNT(*) FROM tasks GROUP BY state")?;
+            let rows = stmt
+                .query_map([], |r| {
+                    Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64))
+                })?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })
+    }
+}
+
+const COLUMNS: &str =
+    "id, state, spec, stop_reason, error, usage, turns, created_ms, started_ms, finished_ms";
+
+type RawRow = (
+    String,
+    String,
+    String,
+    Option<String>,
+    Option<String>,
+    String,
+    i64,
+    i64,
+    Option<i64>,
+    Option<i64>,
+);
+
+fn raw_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawRow> {
+    Ok((
+        r.get(0)?,
+        r.get(1)?,
+        r.get(2)?,
+        r.get(3)?,
+        r.get(4)?,
+        r.get(5)?,
+        r.get(6)?,
+        r.get(7)?,
+        r.get(8)?,
+        r.get(9)?,
+    ))
+}
+
+fn decode(row: RawRow) -> Result<TaskRecord> {
+    let (id, state, spec, stop_reason, error, usage, turns, created, started, finished) = row;
+    let json = |what: &'static str, text: &str| -> Result<serde_json::Value> {
+        serde_json::from_str(text).map_err(|source| StoreError::Decode { what, source })
+    };
+    Ok(TaskRecord {
+        id,
+        state: TaskState::parse(&state).unwrap_or(TaskState::Interrupted),
+        spec: parse("task spec", json("task spec", &spec)?)?,
+        stop_reason: stop_reason
+            .map(|s| parse("stop reason", serde_json::Value::String(s)))
+            .transpose()?,
+        error: error
+            .map(|e| json("error", &e).and_then(|v| parse("error", v)))
+            .transpose()?,
+        usage: parse("usage", json("usage", &usage)?)?,
+        turns: u32::try_from(turns).unwrap_or(0),
+        created_ms: created as u64,
+        started_ms: started.map(|v| v as u64),
+        finished_ms: finished.map(|v| v as u64),
+    })
+}
+
+fn parse<T: serde::de::DeserializeOwned>(what: &'static str, v: serde_json::Value) -> Result<T> {
+    serde_json::from_value(v).map_err(|source| StoreError::Decode { what, source })
+}
+
+fn to_json<T: Serialize>(value: &T) -> String {
+    // Our own plain data types always serialise.
+    serde_json::to_string(value).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(task: &str) -> TaskSpec {
+        TaskSpec {
+            task: task.to_owned(),
+            ..TaskSpec::default()
+        }
+    }
+
+    #[test]
+    fn tasks_and_events_survive_reopening() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tandem.db");
+        {
+            let store = Store::open(&path).unwrap();
+            store.create("a", &spec("first"), 1).unwrap();
+            store.create("b", &spec("second"), 2).unwrap();
+            store.set_state("a", TaskState::Running, 3).unwrap();
+            let e1 = store
+                .append("a", &EventMsg::TurnStarted { turn: 1 }, 4)
+                .unwrap();
+            let e2 = store
+                .append(
+                    "a",
+                    &EventMsg::AssistantMessage {
+                        turn: 1,
+                        text: "hi".into(),
+                        usage: Some(Usage {
+                            prompt_tokens: 10,
+                            completion_tokens: 3,
+                        }),
+                    },
+                    5,
+                )
+                .unwrap();
+            assert_eq!((e1.seq, e2.seq), (1, 2));
+        }
+        let store = Store::open(&path).unwrap();
+        assert_eq!(store.interrupt_running().unwrap(), ["a"]);
+        let a = store.get("a").unwrap().unwrap();
+        assert_eq!(
+            (a.state, a.turns, a.usage, a.started_ms),
+            (
+                TaskState::Interrupted,
+                1,
+                Usage {
+                    prompt_tokens: 10,
+                    completion_tokens: 3
+                },
+                Some(3)
+            )
+        );
+        let after = store.events_after("a", 1).unwrap();
+        assert_eq!(after.len(), 1);
+        assert_eq!(after[0].seq, 2);
+        let queued: Vec<String> = store
+            .list(Some(TaskState::Queued))
+            .unwrap()
+            .into_iter()
+            .map(|t| t.id)
+            .collect();
+        assert_eq!(queued, ["b"]);
+        assert!(store.get("nope").unwrap().is_none());
+    }
+
+    #[test]
+    fn finishing_records_the_end() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("t.db")).unwrap();
+        store.create("t", &spec("x"), 1).unwrap();
+        store
+            .append(
+                "t",
+                &EventMsg::TaskFinished {
+                    stop_reason: StopReason::MaxTurns,
+                    turns: 3,
+                    usage: Usage::default(),
+                    elapsed_ms: 9,
+                    error: None,
+                    summary: None,
+                },
+                7,
+            )
+            .unwrap();
+        let t = store.get("t").unwrap().unwrap();
+        assert_eq!(
+            (t.state, t.stop_reason, t.turns, t.finished_ms),
+            (TaskState::Finished, Some(StopReason::MaxTurns), 3, Some(7))
+        );
+        assert_eq!(store.counts().unwrap(), [("finished".to_owned(), 1)]);
+    }
+
+    #[test]
+    fn a_newer_schema_is_refused_with_what_to_do() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        Connection::open(&path)
+            .unwrap()
+            .pragma_update(None, "user_version", 99)
+            .unwrap();
+        let err = Store::open(&path).err().unwrap().to_string();
+        assert!(
+            err.contains("schema version 99") && err.contains("upgrade Tandem"),
+            "{err}"
+        );
+    }
+}
