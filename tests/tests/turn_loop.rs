@@ -320,3 +320,37 @@ async fn custom_termination_word_and_data_blocks() {
     assert!(outcome.transcript[5].content.contains("reply with DONE"));
     assert_eq!(outcome.summary.as_deref(), Some("Now:"));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_task_continues_from_its_history() {
+    let task = "continue from history";
+    let h = Harness::new(
+        task,
+        vec![
+            Reply::from("unused: turn 1 is in the history"),
+            Reply::from("```python\nprint(6 * 7)\n```"),
+            Reply::from("42\nTERMINATE"),
+        ],
+    )
+    .await;
+    let mut settings = TaskSettings::new(task);
+    settings.max_turns = 3;
+    settings.history = vec![
+        tandem_protocol::Message::new(tandem_protocol::Role::Assistant, "Let me think."),
+        tandem_protocol::Message::new(tandem_protocol::Role::User, "Please write code."),
+    ];
+    let (outcome, _) = h.run(settings, CancellationToken::new()).await;
+    assert_eq!(
+        (
+            outcome.stop_reason,
+            outcome.turns,
+            outcome.summary.as_deref()
+        ),
+        (StopReason::Terminated, 3, Some("42"))
+    );
+    // The model saw the earlier turns first.
+    let first = &h.server.requests_for(task)[0].body["messages"];
+    assert_eq!(first[2]["content"], "Let me think.");
+    assert_eq!(first[3]["content"], "Please write code.");
+    assert_eq!(h.server.requests_for(task).len(), 2);
+}

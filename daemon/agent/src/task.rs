@@ -27,6 +27,9 @@ pub struct TaskSettings {
     pub timeout: Option<Duration>,
     /// The session's workspace and limits.
     pub session: SessionSpec,
+    /// Turns already taken, when continuing an interrupted task: the assistant's replies and
+    /// the executor's reports that followed the task, in order.
+    pub history: Vec<Message>,
 }
 
 impl TaskSettings {
@@ -39,6 +42,7 @@ impl TaskSettings {
             max_turns: 10,
             timeout: None,
             session: SessionSpec::default(),
+            history: Vec::new(),
         }
     }
 }
@@ -92,13 +96,20 @@ pub async fn run_task(
     let block_timeout = settings.session.limits.wall;
     let output_cap = settings.session.limits.output_bytes;
     let mut slot = SessionSlot::new(executor, settings.session.clone());
+    let mut transcript = vec![
+        Message::new(Role::System, settings.system_prompt.clone()),
+        Message::new(Role::User, settings.task.clone()),
+    ];
+    transcript.extend(settings.history.iter().cloned());
+    let turns_done = settings
+        .history
+        .iter()
+        .filter(|m| m.role == Role::Assistant)
+        .count();
     let mut state = LoopState {
-        transcript: vec![
-            Message::new(Role::System, settings.system_prompt.clone()),
-            Message::new(Role::User, settings.task.clone()),
-        ],
+        transcript,
         usage: Usage::default(),
-        turns: 0,
+        turns: u32::try_from(turns_done).unwrap_or(u32::MAX),
         summary: None,
     };
     let ended = turn_loop(

@@ -263,21 +263,21 @@ impl Store {
                         params![task_id, turn],
                     )?;
                 }
+                // Usage is the sum of the assistant messages' (a resumed task's run only
+                // knows its own part), so the end does not overwrite it.
                 EventMsg::TaskFinished {
                     stop_reason,
-                    usage,
                     turns,
                     error,
                     ..
                 } => {
                     tx.execute(
                         "UPDATE tasks SET state = 'finished', stop_reason = ?2, error = ?3,
-                            usage = ?4, turns = ?5, finished_ms = ?6 WHERE id = ?1",
+                            turns = ?4, finished_ms = ?5 WHERE id = ?1",
                         params![
                             task_id,
                             stop_reason.as_str(),
                             error.as_ref().map(to_json),
-                            to_json(usage),
                             turns,
                             now_ms as i64
                         ],
