@@ -1,6 +1,12 @@
 //! Tandem as a service: the durable task store, the supervisor that runs queued tasks, and
 //! the HTTP API that clients reach over a Unix socket or TCP.
 
+pub mod api;
+pub mod metrics;
+pub mod serve;
 pub mod store;
+pub mod supervisor;
 
+pub use serve::{Listeners, bind_unix, serve};
 pub use store::{Store, StoreError, TaskRecord, TaskState};
+pub use supervisor::{Supervisor, SupervisorConfig, TaskDefaults, TaskError};

@@ -1,0 +1,371 @@
+//! The HTTP API (see docs/api.md). Every error is `{"error": {"code", "message"}}`.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::json;
+use tandem_executor::CancellationToken;
+use tandem_protocol::{Event, EventMsg, TaskSpec};
+use tokio::sync::{broadcast, mpsc};
+
+use crate::store::TaskState;
+use crate::supervisor::{Supervisor, TaskError};
+
+/// Largest request body accepted unless configured otherwise.
+pub const DEFAULT_BODY_LIMIT: usize = 1 << 20;
+
+/// An error answer.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"code": self.code, "message": self.message}});
+        (self.status, Json(body)).into_response()
+    }
+}
+
+impl From<TaskError> for ApiError {
+    fn from(e: TaskError) -> Self {
+        let (status, code) = match &e {
+            TaskError::Invalid(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
+            TaskError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            TaskError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
+            TaskError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down"),
+            TaskError::Store(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        };
+        Self::new(status, code, e.to_string())
+    }
+}
+
+impl From<crate::StoreError> for ApiError {
+    fn from(e: crate::StoreError) -> Self {
+        TaskError::from(e).into()
+    }
+}
+
+#[derive(Clone)]
+struct AppState {
+    supervisor: Arc<Supervisor>,
+    shutdown: CancellationToken,
+    body_limit: usize,
+}
+
+/// The API's routes. With `token`, every request must carry `Authorization: Bearer <token>`
+/// (for TCP); without, the Unix socket's permissions are the access control.
+pub fn router(
+    supervisor: Arc<Supervisor>,
+    token: Option<String>,
+    body_limit: usize,
+    shutdown: CancellationToken,
+) -> Router {
+    let state = AppState {
+        supervisor,
+        shutdown,
+        body_limit,
+    };
+    let mut app = Router::new()
+        .route("/v1/tasks", post(create_task).get(list_tasks))
+        .route("/v1/tasks/{id}", get(get_task))
+        .route("/v1/tasks/{id}/cancel", post(cancel_task))
+        .route("/v1/tasks/{id}/resume", post(resume_task))
+        .route("/v1/tasks/{id}/events", get(task_events))
+        .route("/v1/executors", get(executors))
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(body_limit))
+        .with_state(state);
+    if let Some(token) = token {
+        let expected: Arc<str> = format!("Bearer {token}").into();
+        app = app.layer(middleware::from_fn(move |req: Request, next: Next| {
+            let expected = expected.clone();
+            async move {
+                let given = req
+                    .headers()
+                    .get(header::AUTHORIZATION)
+                    .and_then(|v| v.to_str().ok());
+                if given.is_some_and(|g| constant_time_eq(g.as_bytes(), expected.as_bytes())) {
+                    next.run(req).await
+                } else {
+                    ApiError::new(
+                        StatusCode::UNAUTHORIZED,
+                        "unauthorized",
+                        "missing or wrong bearer token: send `Authorization: Bearer <token>` with the daemon's token (TANDEM_TOKEN, or the token file in its state dir)",
+                    )
+                    .into_response()
+                }
+            }
+        }));
+    }
+    app
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        "no such endpoint; see docs/api.md",
+    )
+}
+
+async fn create_task(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
+    let body = body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload_too_large",
+                format!(
+                    "the request body is over the {} byte limit",
+                    state.body_limit
+                ),
+            )
+        } else {
+            ApiError::new(e.status(), "invalid_request", e.body_text())
+        }
+    })?;
+    let spec: TaskSpec = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            format!(
+                "the body is not a valid task: {e}; send JSON like {{\"task\": \"print the 10th prime\"}}"
+            ),
+        )
+    })?;
+    let record = state.supervisor.submit(spec)?;
+    Ok((StatusCode::CREATED, Json(json!(record))))
+}
+
+async fn list_tasks(
+    State(state): State<AppState>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let filter = match query.get("state") {
+        None => None,
+        Some(s) => Some(TaskState::parse(s).ok_or_else(|| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                format!("unknown state `{s}`; use one of: queued, running, interrupted, finished"),
+            )
+        })?),
+    };
+    let tasks = state.supervisor.store().list(filter)?;
+    Ok(Json(json!({ "tasks": tasks })))
+}
+
+async fn get_task(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let sup = &state.supervisor;
+    let record = sup
+        .store()
+        .get(&id)?
+        .ok_or(TaskError::NotFound(id.clone()))?;
+    let transcript = sup.transcript(&record)?;
+    let mut body = json!(record);
+    body["transcript"] = json!(transcript);
+    Ok(Json(body))
+}
+
+async fn cancel_task(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let record = state.supervisor.cancel(&id)?;
+    Ok(Json(json!(record)))
+}
+
+async fn resume_task(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let record = state.supervisor.resume(&id)?;
+    Ok(Json(json!(record)))
+}
+
+async fn executors(State(state): State<AppState>) -> Json<serde_json::Value> {
+    let list: Vec<serde_json::Value> = state
+        .supervisor
+        .executors()
+        .iter()
+        .map(|e| {
+            json!({
+                "name": e.name(),
+                "languages": e.languages().iter().map(|l| l.as_str()).collect::<Vec<_>>(),
+                "health": "ok",
+            })
+        })
+        .collect();
+    Json(json!({ "executors": list }))
+}
+
+async fn healthz(State(state): State<AppState>) -> Json<serde_json::Value> {
+    let status = if state.supervisor.stopping() {
+        "stopping"
+    } else {
+        "ok"
+    };
+    Json(json!({ "status": status }))
+}
+
+async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
+    let counts = state.supervisor.store().counts()?;
+    let text = state.supervisor.metrics.render(&counts);
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
+}
+
+/// Stored events after `Last-Event-ID` (or `?after=`), then live ones until the task ends.
+async fn task_events(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let after_text = headers
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+        .or_else(|| query.get("after").cloned());
+    let after = match after_text {
+        None => 0,
+        Some(t) => t.trim().parse::<u64>().map_err(|_| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                format!("Last-Event-ID `{t}` is not an event seq (a whole number)"),
+            )
+        })?,
+    };
+    let sup = state.supervisor.clone();
+    if sup.store().get(&id)?.is_none() {
+        return Err(TaskError::NotFound(id).into());
+    }
+    // Subscribe before reading the store, so nothing falls between the two.
+    let live = sup.subscribe();
+    let (tx, mut rx) = mpsc::channel::<SseEvent>(256);
+    tokio::spawn(forward(sup, id, after, live, tx, state.shutdown.clone()));
+    let stream =
+        futures::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|e| e.map(Ok::<_, Infallible>)));
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response())
+}
+
+fn sse_event(e: &Event) -> SseEvent {
+    let kind = serde_json::to_value(&e.msg)
+        .ok()
+        .and_then(|v| v["type"].as_str().map(str::to_owned))
+        .unwrap_or_default();
+    SseEvent::default()
+        .id(e.seq.to_string())
+        .event(kind)
+        .data(serde_json::to_string(e).unwrap_or_default())
+}
+
+async fn forward(
+    sup: Arc<Supervisor>,
+    id: String,
+    mut last: u64,
+    mut live: broadcast::Receiver<Arc<(String, Event)>>,
+    tx: mpsc::Sender<SseEvent>,
+    shutdown: CancellationToken,
+) {
+    // Sends stored events after `last`; true once the task's last event went out.
+    let catch_up = |last: &mut u64| -> Option<Vec<Event>> {
+        let events = sup.store().events_after(&id, *last).ok()?;
+        if let Some(e) = events.last() {
+            *last = e.seq;
+        }
+        Some(events)
+    };
+    let Some(stored) = catch_up(&mut last) else {
+        return;
+    };
+    for e in &stored {
+        if tx.send(sse_event(e)).await.is_err() {
+            return;
+        }
+    }
+    if stored
+        .iter()
+        .any(|e| matches!(e.msg, EventMsg::TaskFinished { .. }))
+        || is_finished(&sup, &id)
+    {
+        return;
+    }
+    loop {
+        let received = tokio::select! {
+            r = live.recv() => r,
+            () = shutdown.cancelled() => return,
+            () = tx.closed() => return,
+        };
+        let batch = match received {
+            Ok(item) if item.0 == id && item.1.seq == last + 1 => {
+                last = item.1.seq;
+                vec![item.1.clone()]
+            }
+            Ok(item) if item.0 == id && item.1.seq > last + 1 => match catch_up(&mut last) {
+                Some(events) => events,
+                None => return,
+            },
+            Ok(_) => continue,
+            // Too slow to keep up with the live feed: the store has everything.
+            Err(broadcast::error::RecvError::Lagged(_)) => match catch_up(&mut last) {
+                Some(events) => events,
+                None => return,
+            },
+            Err(broadcast::error::RecvError::Closed) => return,
+        };
+        for e in &batch {
+            if tx.send(sse_event(e)).await.is_err() {
+                return;
+            }
+            if matches!(e.msg, EventMsg::TaskFinished { .. }) {
+                return;
+            }
+        }
+    }
+}
+
+fn is_finished(sup: &Supervisor, id: &str) -> bool {
+    sup.store()
+        .get(id)
+        .ok()
+        .flatten()
+        .is_some_and(|t| t.state == TaskState::Finished)
+}

@@ -1,0 +1,489 @@
+//! The supervisor: queues tasks FIFO, runs at most `max_concurrent` at once, stores every
+//! event before it is sent, and stops cleanly.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tandem_agent::{ChatModel, ModelConfig, TaskSettings, run_task};
+use tandem_executor::{CancellationToken, Executor, Limits, Registry, SessionSpec};
+use tandem_protocol::{
+    ErrorCode, ErrorInfo, Event, EventMsg, Message, Role, StopReason, TaskSpec, Usage,
+};
+use tokio::sync::{Semaphore, broadcast};
+use tokio_util::task::TaskTracker;
+
+use crate::metrics::Metrics;
+use crate::store::{Store, StoreError, TaskRecord, TaskState};
+
+/// Defaults for what a [`TaskSpec`] leaves out.
+#[derive(Clone, Debug)]
+pub struct TaskDefaults {
+    /// Executor name.
+    pub executor: String,
+    /// Most assistant turns.
+    pub max_turns: u32,
+    /// Wall-clock limit per task.
+    pub timeout: Option<Duration>,
+    /// Termination string.
+    pub termination: String,
+    /// System prompt.
+    pub system_prompt: String,
+    /// Per-block limits.
+    pub limits: Limits,
+}
+
+impl Default for TaskDefaults {
+    fn default() -> Self {
+        Self {
+            executor: "local".to_owned(),
+            max_turns: 10,
+            timeout: None,
+            termination: tandem_agent::DEFAULT_TERMINATION.to_owned(),
+            system_prompt: tandem_agent::DEFAULT_SYSTEM_PROMPT.to_owned(),
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// What the supervisor needs, resolved once by the binary.
+pub struct SupervisorConfig {
+    /// The model server and its settings; a task may override the URL and model.
+    pub model: ModelConfig,
+    /// The executors tasks can name.
+    pub executors: Registry,
+    /// Defaults for task settings.
+    pub defaults: TaskDefaults,
+    /// Most tasks running at once; the rest wait in FIFO order.
+    pub max_concurrent: usize,
+}
+
+/// Why a request about tasks failed; the API turns these into 4xx/5xx answers.
+#[derive(Debug, thiserror::Error)]
+pub enum TaskError {
+    /// The request is invalid.
+    #[error("{0}")]
+    Invalid(String),
+    /// No task has that id.
+    #[error("task `{0}` does not exist")]
+    NotFound(String),
+    /// The task is in a state that does not allow this.
+    #[error("{0}")]
+    Conflict(String),
+    /// The daemon is stopping.
+    #[error("the daemon is shutting down and takes no new work")]
+    ShuttingDown,
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Runs tasks; one per daemon.
+pub struct Supervisor {
+    store: Arc<Store>,
+    config: SupervisorConfig,
+    slots: Arc<Semaphore>,
+    root: CancellationToken,
+    tracker: TaskTracker,
+    active: Mutex<HashMap<String, CancellationToken>>,
+    live: broadcast::Sender<Arc<(String, Event)>>,
+    stopping: AtomicBool,
+    models: Mutex<HashMap<(String, String), ChatModel>>,
+    /// Counters and histograms for `/metrics`.
+    pub metrics: Metrics,
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl Supervisor {
+    /// A supervisor over `store`; call [`Supervisor::recover`] before serving.
+    pub fn new(store: Arc<Store>, config: SupervisorConfig) -> Arc<Self> {
+        let (live, _) = broadcast::channel(4096);
+        Arc::new(Self {
+            store,
+            slots: Arc::new(Semaphore::new(config.max_concurrent.max(1))),
+            config,
+            root: CancellationToken::new(),
+            tracker: TaskTracker::new(),
+            active: Mutex::new(HashMap::new()),
+            live,
+            stopping: AtomicBool::new(false),
+            models: Mutex::new(HashMap::new()),
+            metrics: Metrics::default(),
+        })
+    }
+
+    /// The store, for reads.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// The executors tasks can use.
+    pub fn executors(&self) -> &Registry {
+        &self.config.executors
+    }
+
+    /// Live events of every task, after they are stored.
+    pub fn subscribe(&self) -> broadcast::Receiver<Arc<(String, Event)>> {
+        self.live.subscribe()
+    }
+
+    /// Whether the daemon is stopping.
+    pub fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
+    /// At start-up: tasks the last daemon left running become interrupted (resumable), and
+    /// queued ones are queued again in their order. Returns how many were interrupted.
+    pub fn recover(self: &Arc<Self>) -> Result<usize, TaskError> {
+        let interrupted = self.store.interrupt_running()?;
+        for task in self.store.list(Some(TaskState::Queued))? {
+            self.enqueue(task.id, task.spec, Vec::new());
+        }
+        Ok(interrupted.len())
+    }
+
+    /// Validates and queues a task.
+    pub fn submit(self: &Arc<Self>, spec: TaskSpec) -> Result<TaskRecord, TaskError> {
+        if self.stopping() {
+            return Err(TaskError::ShuttingDown);
+        }
+        if spec.task.trim().is_empty() {
+            return Err(TaskError::Invalid(
+                "the task is empty; say what to do in `task`".to_owned(),
+            ));
+        }
+        let executor = spec
+            .executor
+            .as_deref()
+            .unwrap_or(&self.config.defaults.executor);
+        self.config
+            .executors
+            .get(executor)
+            .map_err(|e| TaskError::Invalid(e.to_string()))?;
+        if spec.max_turns == Some(0) {
+            return Err(TaskError::Invalid(
+                "max_turns must be at least 1".to_owned(),
+            ));
+        }
+        if spec.timeout_secs == Some(0) || spec.block_timeout_secs == Some(0) {
+            return Err(TaskError::Invalid(
+                "timeout_secs and block_timeout_secs must be at least 1".to_owned(),
+            ));
+        }
+        if spec
+            .termination
+            .as_deref()
+            .is_some_and(|t| t.trim().is_empty())
+        {
+            return Err(TaskError::Invalid(
+                "termination must not be empty".to_owned(),
+            ));
+        }
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let record = self.store.create(&id, &spec, now_ms())?;
+        self.enqueue(id, spec, Vec::new());
+        Ok(record)
+    }
+
+    /// Cancels a queued, running or interrupted task.
+    pub fn cancel(&self, id: &str) -> Result<TaskRecord, TaskError> {
+        let record = self
+            .store
+            .get(id)?
+            .ok_or_else(|| TaskError::NotFound(id.to_owned()))?;
+        match record.state {
+            TaskState::Finished => Err(TaskError::Conflict(format!(
+                "task `{id}` already finished ({}); there is nothing to cancel",
+                record.stop_reason.map_or("unknown", StopReason::as_str)
+            ))),
+            TaskState::Interrupted => {
+                self.record(id, &finished(StopReason::Cancelled, record.turns, None));
+                Ok(self.store.get(id)?.unwrap_or(record))
+            }
+            TaskState::Queued | TaskState::Running => {
+                if let Some(token) = self.active.lock().ok().and_then(|a| a.get(id).cloned()) {
+                    token.cancel();
+                }
+                Ok(record)
+            }
+        }
+    }
+
+    /// Continues an interrupted task from its stored transcript.
+    pub fn resume(self: &Arc<Self>, id: &str) -> Result<TaskRecord, TaskError> {
+        if self.stopping() {
+            return Err(TaskError::ShuttingDown);
+        }
+        let record = self
+            .store
+            .get(id)?
+            .ok_or_else(|| TaskError::NotFound(id.to_owned()))?;
+        if record.state != TaskState::Interrupted {
+            return Err(TaskError::Conflict(format!(
+                "task `{id}` is {}; only interrupted tasks can be resumed",
+                record.state.as_str()
+            )));
+        }
+        let history = history(&self.store.events_after(id, 0)?);
+        self.store.set_state(id, TaskState::Queued, now_ms())?;
+        self.enqueue(id.to_owned(), record.spec.clone(), history);
+        Ok(TaskRecord {
+            state: TaskState::Queued,
+            ..record
+        })
+    }
+
+    /// The conversation so far, rebuilt from the stored events.
+    pub fn transcript(&self, record: &TaskRecord) -> Result<Vec<Message>, TaskError> {
+        let mut messages = vec![
+            Message::new(
+                Role::System,
+                record
+                    .spec
+                    .system_prompt
+                    .clone()
+                    .unwrap_or_else(|| self.config.defaults.system_prompt.clone()),
+            ),
+            Message::new(Role::User, record.spec.task.clone()),
+        ];
+        for e in self.store.events_after(&record.id, 0)? {
+            match e.msg {
+                EventMsg::AssistantMessage { text, .. } => {
+                    messages.push(Message::new(Role::Assistant, text));
+                }
+                EventMsg::ExecutorMessage { text, .. } => {
+                    messages.push(Message::new(Role::User, text));
+                }
+                _ => {}
+            }
+        }
+        Ok(messages)
+    }
+
+    /// Stops: no new work; running tasks get `grace` to finish, then are cancelled and
+    /// marked interrupted (queued ones stay queued for the next start); every sandbox is
+    /// closed before this returns.
+    pub async fn shutdown(&self, grace: Duration) {
+        self.stopping.store(true, Ordering::SeqCst);
+        self.tracker.close();
+        let running = self.active.lock().map_or(0, |a| a.len());
+        if running > 0 {
+            tracing::info!(tasks = running, ?grace, "waiting for running tasks");
+        }
+        if tokio::time::timeout(grace, self.tracker.wait())
+            .await
+            .is_err()
+        {
+            tracing::info!("grace period over; interrupting the remaining tasks");
+            self.root.cancel();
+            // Cancellation reaches sandboxes at once; closing them is bounded by the executors.
+            if tokio::time::timeout(Duration::from_secs(30), self.tracker.wait())
+                .await
+                .is_err()
+            {
+                tracing::warn!("some tasks did not stop within 30 s of being cancelled");
+            }
+        }
+    }
+
+    fn enqueue(self: &Arc<Self>, id: String, spec: TaskSpec, history: Vec<Message>) {
+        let token = self.root.child_token();
+        if let Ok(mut active) = self.active.lock() {
+            active.insert(id.clone(), token.clone());
+        }
+        let this = self.clone();
+        self.tracker.spawn(async move {
+            this.run_one(&id, spec, history, token).await;
+            if let Ok(mut active) = this.active.lock() {
+                active.remove(&id);
+            }
+        });
+    }
+
+    async fn run_one(
+        self: &Arc<Self>,
+        id: &str,
+        spec: TaskSpec,
+        history: Vec<Message>,
+        token: CancellationToken,
+    ) {
+        // The semaphore is fair, so tasks start in the order they were queued.
+        let permit = tokio::select! {
+            permit = self.slots.clone().acquire_owned() => permit,
+            () = token.cancelled() => {
+                if !self.stopping() {
+                    // Cancelled while queued: it ends without having run.
+                    self.record(id, &finished(StopReason::Cancelled, 0, None));
+                }
+                return;
+            }
+        };
+        let Ok(_permit) = permit else {
+            return;
+        };
+        if let Err(e) = self.store.set_state(id, TaskState::Running, now_ms()) {
+            tracing::error!(task = id, error = %e, "cannot mark the task running");
+            return;
+        }
+        let (settings, model, executor) = match self.prepare(id, &spec, history) {
+            Ok(parts) => parts,
+            Err(info) => {
+                self.record(id, &finished(StopReason::Error, 0, Some(info)));
+                return;
+            }
+        };
+        let this = self.clone();
+        let task_id = id.to_owned();
+        let turn_started = Mutex::new(None::<Instant>);
+        let sink = Arc::new(move |msg: EventMsg| {
+            match &msg {
+                EventMsg::TurnStarted { .. } => {
+                    if let Ok(mut t) = turn_started.lock() {
+                        *t = Some(Instant::now());
+                    }
+                }
+                EventMsg::AssistantMessage { usage, .. } => {
+                    if let Some(started) = turn_started.lock().ok().and_then(|mut t| t.take()) {
+                        this.metrics.model_latency(started.elapsed());
+                    }
+                    if let Some(u) = usage {
+                        this.metrics.tokens(*u);
+                    }
+                }
+                EventMsg::ExecResult { result, .. } => {
+                    this.metrics.execution(&executor_name(&this, &spec), result);
+                }
+                // A shutdown interrupts the task rather than ending it: it can resume.
+                EventMsg::TaskFinished {
+                    stop_reason: StopReason::Cancelled,
+                    ..
+                } if this.stopping() => {
+                    if let Err(e) = this
+                        .store
+                        .set_state(&task_id, TaskState::Interrupted, now_ms())
+                    {
+                        tracing::error!(task = %task_id, error = %e, "cannot mark the task interrupted");
+                    }
+                    return;
+                }
+                _ => {}
+            }
+            this.record(&task_id, &msg);
+        });
+        run_task(settings, &model, executor, sink, token).await;
+    }
+
+    /// Stores an event, then sends it to live subscribers.
+    fn record(&self, id: &str, msg: &EventMsg) {
+        match self.store.append(id, msg, now_ms()) {
+            Ok(event) => {
+                let _ = self.live.send(Arc::new((id.to_owned(), event)));
+            }
+            Err(e) => tracing::error!(task = id, error = %e, "cannot store an event"),
+        }
+    }
+
+    fn prepare(
+        &self,
+        id: &str,
+        spec: &TaskSpec,
+        history: Vec<Message>,
+    ) -> Result<(TaskSettings, ChatModel, Arc<dyn Executor>), ErrorInfo> {
+        let d = &self.config.defaults;
+        let executor = self
+            .config
+            .executors
+            .get(&executor_name(self, spec))
+            .map_err(|e| ErrorInfo {
+                code: ErrorCode::Executor,
+                message: e.to_string(),
+            })?;
+        let mut settings = TaskSettings::new(spec.task.clone());
+        settings.system_prompt = spec
+            .system_prompt
+            .clone()
+            .unwrap_or_else(|| d.system_prompt.clone());
+        settings.termination = spec
+            .termination
+            .clone()
+            .unwrap_or_else(|| d.termination.clone());
+        settings.max_turns = spec.max_turns.unwrap_or(d.max_turns);
+        settings.timeout = spec.timeout_secs.map(Duration::from_secs).or(d.timeout);
+        let mut limits = d.limits.clone();
+        if let Some(secs) = spec.block_timeout_secs {
+            limits.wall = Duration::from_secs(secs);
+        }
+        settings.session = SessionSpec {
+            workdir: None,
+            limits,
+            labels: vec![("tandem.task".to_owned(), id.to_owned())],
+        };
+        settings.history = history;
+        let model = self.model(spec)?;
+        Ok((settings, model, executor))
+    }
+
+    /// The chat model for a task's URL and model, built once per pair.
+    fn model(&self, spec: &TaskSpec) -> Result<ChatModel, ErrorInfo> {
+        let mut config = self.config.model.clone();
+        if let Some(url) = &spec.base_url {
+            config.base_url = url.clone();
+        }
+        if let Some(model) = &spec.model {
+            config.model = model.clone();
+        }
+        let key = (config.base_url.clone(), config.model.clone());
+        if let Some(m) = self.models.lock().ok().and_then(|m| m.get(&key).cloned()) {
+            return Ok(m);
+        }
+        let model = ChatModel::new(config).map_err(ErrorInfo::from)?;
+        if let Ok(mut models) = self.models.lock() {
+            models.insert(key, model.clone());
+        }
+        Ok(model)
+    }
+}
+
+fn executor_name(supervisor: &Supervisor, spec: &TaskSpec) -> String {
+    spec.executor
+        .clone()
+        .unwrap_or_else(|| supervisor.config.defaults.executor.clone())
+}
+
+fn finished(stop_reason: StopReason, turns: u32, error: Option<ErrorInfo>) -> EventMsg {
+    EventMsg::TaskFinished {
+        stop_reason,
+        turns,
+        usage: Usage::default(),
+        elapsed_ms: 0,
+        error,
+        summary: None,
+    }
+}
+
+/// The turns an interrupted task had completed: each assistant reply with the report that
+/// answered it. A reply whose code was cut off by the interruption is asked for again.
+fn history(events: &[Event]) -> Vec<Message> {
+    let mut messages = Vec::new();
+    let mut pending: Option<String> = None;
+    for e in events {
+        match &e.msg {
+            EventMsg::AssistantMessage { text, .. } => pending = Some(text.clone()),
+            EventMsg::ExecutorMessage { text, .. } => {
+                if let Some(reply) = pending.take() {
+                    messages.push(Message::new(Role::Assistant, reply));
+                    messages.push(Message::new(Role::User, text.clone()));
+                }
+            }
+            _ => {}
+        }
+    }
+    messages
+}
