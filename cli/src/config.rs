@@ -63,6 +63,8 @@ pub struct ExecutorsSection {
 pub struct DockerSection {
     pub image: Option<String>,
     pub pull: Option<bool>,
+    /// Started containers the daemon keeps ready (default 2); one-shot commands keep none.
+    pub pool_size: Option<usize>,
     pub memory_bytes: Option<u64>,
     pub cpus: Option<f64>,
     pub pids: Option<i64>,

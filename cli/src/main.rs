@@ -5,6 +5,7 @@ mod exec;
 mod executors;
 mod render;
 mod run;
+mod serve;
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -49,6 +50,8 @@ enum Command {
     Run(run::RunArgs),
     /// Run code directly in an executor, with no model
     Exec(exec::ExecArgs),
+    /// Run the daemon in the foreground: tasks from many clients, stored durably
+    Serve(serve::ServeArgs),
     /// Print the fenced code blocks of a markdown file (stdin when no FILE) as JSON
     Extract {
         /// Markdown file; stdin when absent or `-`
@@ -97,6 +100,7 @@ fn dispatch(cli: Cli) -> Result<u8> {
         Command::Doctor { model, image } => runtime()?.block_on(doctor(&model, image, &file)),
         Command::Run(args) => runtime()?.block_on(run::run(args, file)),
         Command::Exec(args) => runtime()?.block_on(exec::exec(args, file)),
+        Command::Serve(args) => runtime()?.block_on(serve::serve(args, file)),
     }
 }
 

@@ -1,0 +1,252 @@
+//! `tandem serve`: the daemon in the foreground.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use tandem_daemon::{Listeners, Store, Supervisor, SupervisorConfig, TaskDefaults};
+use tandem_executor::{CancellationToken, Registry};
+use tandem_executor_docker::DockerExecutor;
+use tandem_executor_local::LocalExecutor;
+
+use crate::config::{self, FileConfig, ModelFlags};
+
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// Unix socket to listen on [default: $XDG_RUNTIME_DIR/tandem/tandem.sock, else in the state dir]
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Also listen on TCP (HOST:PORT); requests need the bearer token
+    #[arg(long)]
+    listen: Option<String>,
+    /// Where the task database and token live [default: $XDG_STATE_HOME/tandem]
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// Most tasks running at once; the rest wait in order [default: 2 x CPU cores]
+    #[arg(long)]
+    max_concurrent: Option<usize>,
+    /// Seconds running tasks get to finish on SIGTERM before they are interrupted
+    #[arg(long, default_value_t = 10.0)]
+    grace: f64,
+    /// Default executor for tasks that name none: auto, docker or local [env: TANDEM_EXECUTOR]
+    #[arg(long, short = 'e')]
+    executor: Option<String>,
+    /// Docker image for the docker executor [env: TANDEM_DOCKER_IMAGE]
+    #[arg(long)]
+    image: Option<String>,
+    #[command(flatten)]
+    model: ModelFlags,
+}
+
+/// `$XDG_STATE_HOME/tandem`, else `~/.local/state/tandem`.
+pub fn default_state_dir() -> PathBuf {
+    std::env::var_os("XDG_STATE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/state")))
+        .unwrap_or_else(std::env::temp_dir)
+        .join("tandem")
+}
+
+/// `$XDG_RUNTIME_DIR/tandem/tandem.sock`, else `tandem.sock` in the state dir.
+pub fn default_socket(state_dir: &Path) -> PathBuf {
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(dir) => PathBuf::from(dir).join("tandem").join("tandem.sock"),
+        None => state_dir.join("tandem.sock"),
+    }
+}
+
+/// The TCP token: `TANDEM_TOKEN`, else the token file in the state dir (made on first use).
+pub fn token(state_dir: &Path, create: bool) -> Result<Option<String>> {
+    if let Some(t) = std::env::var("TANDEM_TOKEN").ok().filter(|t| !t.is_empty()) {
+        return Ok(Some(t));
+    }
+    let path = state_dir.join("token");
+    match std::fs::read_to_string(&path) {
+        Ok(t) => Ok(Some(t.trim().to_owned())),
+        Err(_) if create => {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            let token = format!(
+                "{}{}",
+                uuid::Uuid::new_v4().simple(),
+                uuid::Uuid::new_v4().simple()
+            );
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
+                .with_context(|| format!("cannot write the token file {}", path.display()))?;
+            f.write_all(token.as_bytes())?;
+            eprintln!(
+                "tandem: generated a TCP token in {} (send it as `Authorization: Bearer <token>`): {token}",
+                path.display()
+            );
+            Ok(Some(token))
+        }
+        Err(_) => Ok(None),
+    }
+}
+
+pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
+    let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
+    std::fs::create_dir_all(&state_dir)
+        .with_context(|| format!("cannot create the state dir {}", state_dir.display()))?;
+    // Transcripts, the token and the socket are the user's alone.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&state_dir, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("cannot restrict the state dir {}", state_dir.display()))?;
+    }
+    let grace = config::secs_to_duration(args.grace, "--grace")?;
+    let max_concurrent = match args.max_concurrent {
+        Some(0) => bail!("--max-concurrent must be at least 1"),
+        Some(n) => n,
+        None => 2 * std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    let store = Arc::new(
+        Store::open(&state_dir.join("tandem.db")).context("cannot open the task database")?,
+    );
+
+    // Every executor the daemon can offer; `auto` decides the default once, at start.
+    let mut executors = Registry::new();
+    executors.register(Arc::new(LocalExecutor::new(config::local_config(&file))));
+    let mut docker_config = config::docker_config(&file, args.image.as_deref())?;
+    docker_config.pool_size = file.executors.docker.pool_size.unwrap_or(2);
+    let docker = match DockerExecutor::connect(docker_config).await {
+        Ok(d) => {
+            executors.register(Arc::new(d.clone()));
+            Some(d)
+        }
+        Err(e) => {
+            tracing::info!(error = %e, "the docker executor is not available");
+            None
+        }
+    };
+    let name = config::executor_name(args.executor.as_deref(), &file);
+    let default_executor = match name.as_str() {
+        "auto" => {
+            let (picked, why) = crate::executors::auto(&file, args.image.as_deref()).await?;
+            if picked.name() == "local" {
+                eprintln!(
+                    "tandem: warning: tasks default to the local executor, which is not a security boundary ({why})"
+                );
+            }
+            picked.name().to_owned()
+        }
+        other => {
+            executors.get(other)?;
+            other.to_owned()
+        }
+    };
+    if let Some(d) = &docker {
+        if default_executor == "docker" {
+            d.warm_up();
+        }
+    }
+    let defaults = TaskDefaults {
+        executor: default_executor.clone(),
+        max_turns: file.task.max_turns.unwrap_or(10),
+        timeout: file.task.timeout_secs.map(Duration::from_secs),
+        termination: file
+            .task
+            .termination
+            .clone()
+            .unwrap_or_else(|| tandem_agent::DEFAULT_TERMINATION.to_owned()),
+        system_prompt: match &file.task.system_prompt_file {
+            Some(p) => std::fs::read_to_string(p)
+                .with_context(|| format!("cannot read the system prompt file {}", p.display()))?,
+            None => tandem_agent::DEFAULT_SYSTEM_PROMPT.to_owned(),
+        },
+        limits: config::limits(&file, None)?,
+    };
+    let supervisor = Supervisor::new(
+        store,
+        SupervisorConfig {
+            model: config::model_config(&args.model, &file)?,
+            executors,
+            defaults,
+            max_concurrent,
+        },
+    );
+
+    let socket = args
+        .socket
+        .clone()
+        .unwrap_or_else(|| default_socket(&state_dir));
+    let unix = tandem_daemon::bind_unix(&socket).await?;
+    let tcp = match &args.listen {
+        Some(addr) => {
+            let token = token(&state_dir, true)?.unwrap_or_default();
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on {addr}"))?;
+            Some((listener, token))
+        }
+        None => None,
+    };
+    let interrupted = supervisor.recover()?;
+    tracing::info!(
+        socket = %socket.display(),
+        tcp = args.listen.as_deref().unwrap_or("off"),
+        state_dir = %state_dir.display(),
+        executor = %default_executor,
+        max_concurrent,
+        interrupted,
+        "tandem daemon ready"
+    );
+    eprintln!(
+        "tandem: serving on unix://{}{} (executor {default_executor}, {max_concurrent} at once)",
+        socket.display(),
+        args.listen
+            .as_deref()
+            .map(|a| format!(" and tcp://{a}"))
+            .unwrap_or_default()
+    );
+
+    let shutdown = CancellationToken::new();
+    spawn_signal_handler(shutdown.clone());
+    tandem_daemon::serve(
+        supervisor,
+        Listeners {
+            unix: Some(unix),
+            tcp,
+        },
+        tandem_daemon::api::DEFAULT_BODY_LIMIT,
+        grace,
+        shutdown,
+    )
+    .await
+    .context("serving failed")?;
+    if let Some(d) = docker {
+        d.shutdown().await;
+    }
+    let _ = std::fs::remove_file(&socket);
+    tracing::info!("tandem daemon stopped");
+    Ok(crate::exit::DONE)
+}
+
+/// SIGTERM or SIGINT starts a graceful shutdown; a second one exits at once.
+fn spawn_signal_handler(shutdown: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    tokio::spawn(async move {
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
+            return;
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        eprintln!("tandem: shutting down (again to quit at once)");
+        shutdown.cancel();
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        std::process::exit(i32::from(crate::exit::CANCELLED));
+    });
+}
