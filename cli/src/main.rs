@@ -1,11 +1,13 @@
 //! `tandem`: run coding tasks with an LLM that writes code and a sandbox that runs it.
 
+mod client;
 mod config;
 mod exec;
 mod executors;
 mod render;
 mod run;
 mod serve;
+mod tasks;
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -52,6 +54,18 @@ enum Command {
     Exec(exec::ExecArgs),
     /// Run the daemon in the foreground: tasks from many clients, stored durably
     Serve(serve::ServeArgs),
+    /// Queue a task on the daemon and print its id
+    Submit(tasks::SubmitArgs),
+    /// List the daemon's tasks
+    Tasks(tasks::ListArgs),
+    /// Show a task's state and whole transcript
+    Show(tasks::IdArgs),
+    /// Show a task's events (-f: follow it live)
+    Logs(tasks::LogsArgs),
+    /// Cancel a queued, running or interrupted task
+    Cancel(tasks::IdArgs),
+    /// Continue an interrupted task from its transcript
+    Resume(tasks::IdArgs),
     /// Print the fenced code blocks of a markdown file (stdin when no FILE) as JSON
     Extract {
         /// Markdown file; stdin when absent or `-`
@@ -75,6 +89,9 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
+    // reqwest is built without a default TLS provider (so that plain-HTTP model servers skip
+    // the CA bundle); every client in the process shares ring. Installing twice is a no-op.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
     match dispatch(cli) {
         Ok(code) => ExitCode::from(code),
@@ -101,6 +118,12 @@ fn dispatch(cli: Cli) -> Result<u8> {
         Command::Run(args) => runtime()?.block_on(run::run(args, file)),
         Command::Exec(args) => runtime()?.block_on(exec::exec(args, file)),
         Command::Serve(args) => runtime()?.block_on(serve::serve(args, file)),
+        Command::Submit(args) => runtime()?.block_on(tasks::submit(args)),
+        Command::Tasks(args) => runtime()?.block_on(tasks::list(args)),
+        Command::Show(args) => runtime()?.block_on(tasks::show(args)),
+        Command::Logs(args) => runtime()?.block_on(tasks::logs(args)),
+        Command::Cancel(args) => runtime()?.block_on(tasks::cancel(args)),
+        Command::Resume(args) => runtime()?.block_on(tasks::resume(args)),
     }
 }
 

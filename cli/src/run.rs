@@ -45,6 +45,11 @@ pub struct RunArgs {
     /// Print one JSON event per line
     #[arg(long)]
     json: bool,
+    /// Run in this process even when a daemon is reachable
+    #[arg(long)]
+    local: bool,
+    #[command(flatten)]
+    host: crate::client::HostFlag,
 }
 
 pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
@@ -52,6 +57,14 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
         anyhow::bail!(
             "the task is empty; say what to do, for example: tandem run \"print the 10th prime\""
         );
+    }
+    // A daemon that answers runs the task (it owns sandboxes and history); a kept --workdir
+    // or --image is this machine's business, so those run here.
+    if !args.local && args.workdir.is_none() && args.image.is_none() {
+        let client = crate::client::Client::new(&args.host)?;
+        if client.reachable().await {
+            return through_daemon(&client, &args, &file).await;
+        }
     }
     let model = ChatModel::new(config::model_config(&args.model, &file)?)?;
     let executor_name = config::executor_name(args.executor.as_deref(), &file);
@@ -124,6 +137,48 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
         StopReason::Cancelled => exit::CANCELLED,
         StopReason::Error => exit::FAILED,
     })
+}
+
+async fn through_daemon(
+    client: &crate::client::Client,
+    args: &RunArgs,
+    file: &FileConfig,
+) -> Result<u8> {
+    let whole_secs = |secs: f64, flag: &str| -> Result<u64> {
+        let d = config::secs_to_duration(secs, flag)?;
+        Ok(d.as_secs().max(1))
+    };
+    let system_prompt =
+        match args
+            .system_prompt
+            .as_ref()
+            .or(file.task.system_prompt_file.as_ref())
+        {
+            Some(path) => Some(std::fs::read_to_string(path).with_context(|| {
+                format!("cannot read the system prompt file {}", path.display())
+            })?),
+            None => None,
+        };
+    let spec = tandem_protocol::TaskSpec {
+        task: args.task.clone(),
+        executor: args.executor.clone(),
+        model: args.model.model.clone(),
+        base_url: args.model.base_url.clone(),
+        max_turns: args.max_turns,
+        timeout_secs: args
+            .timeout
+            .map(|s| whole_secs(s, "--timeout"))
+            .transpose()?,
+        block_timeout_secs: args
+            .block_timeout
+            .map(|s| whole_secs(s, "--block-timeout"))
+            .transpose()?,
+        system_prompt,
+        termination: args.termination.clone(),
+    };
+    let id = client.submit(&spec).await?;
+    let mode = if args.json { Mode::Json } else { Mode::Human };
+    crate::client::follow(client, &id, mode).await
 }
 
 /// First Ctrl-C cancels cleanly (sandbox closed); a second one exits at once.

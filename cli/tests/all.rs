@@ -2,4 +2,5 @@
 //! processes.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod daemon;
 mod e2e;

@@ -46,6 +46,8 @@ async fn tandem(args: &[&str], env: &[(&str, &str)], stdin: Option<&str>) -> Out
         .env("NO_COLOR", "1")
         // The default is `auto`, which depends on the machine; the docker tests say so.
         .env("TANDEM_EXECUTOR", "local")
+        // In-process unless a test starts a daemon: a developer's own daemon must not serve these.
+        .env("TANDEM_HOST", "unix:///nonexistent/tandem.sock")
         .envs(env.iter().copied())
         .stdin(if stdin.is_some() {
             Stdio::piped()

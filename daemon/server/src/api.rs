@@ -249,7 +249,8 @@ async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
 }
 
-/// Stored events after `Last-Event-ID` (or `?after=`), then live ones until the task ends.
+/// Stored events after `Last-Event-ID` (or `?after=`), then live ones until the task ends
+/// (`?follow=false`: only the stored ones).
 async fn task_events(
     State(state): State<AppState>,
     Path(id): Path<String>,
@@ -275,10 +276,18 @@ async fn task_events(
     if sup.store().get(&id)?.is_none() {
         return Err(TaskError::NotFound(id).into());
     }
+    let follow = query.get("follow").is_none_or(|f| f != "false");
     // Subscribe before reading the store, so nothing falls between the two.
     let live = sup.subscribe();
     let (tx, mut rx) = mpsc::channel::<SseEvent>(256);
-    tokio::spawn(forward(sup, id, after, live, tx, state.shutdown.clone()));
+    tokio::spawn(forward(
+        sup,
+        id,
+        after,
+        follow.then_some(live),
+        tx,
+        state.shutdown.clone(),
+    ));
     let stream =
         futures::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|e| e.map(Ok::<_, Infallible>)));
     Ok(Sse::new(stream)
@@ -301,7 +310,7 @@ async fn forward(
     sup: Arc<Supervisor>,
     id: String,
     mut last: u64,
-    mut live: broadcast::Receiver<Arc<(String, Event)>>,
+    live: Option<broadcast::Receiver<Arc<(String, Event)>>>,
     tx: mpsc::Sender<SseEvent>,
     shutdown: CancellationToken,
 ) {
@@ -321,6 +330,9 @@ async fn forward(
             return;
         }
     }
+    let Some(mut live) = live else {
+        return;
+    };
     if stored
         .iter()
         .any(|e| matches!(e.msg, EventMsg::TaskFinished { .. }))

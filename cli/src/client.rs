@@ -1,0 +1,303 @@
+//! The CLI as a client of `tandem serve`: submit, tasks, show, logs, cancel, resume, and
+//! `run` through the daemon.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow, bail};
+use futures::StreamExt;
+use serde_json::Value;
+use tandem_protocol::{Event, EventMsg, StopReason, TaskSpec};
+
+use crate::exit;
+use crate::render::{Mode, Renderer};
+
+/// `--host`, shared by the client commands.
+#[derive(Debug, Default, Clone, clap::Args)]
+pub struct HostFlag {
+    /// Daemon to talk to: unix:///path/to.sock or tcp://host:port [env: TANDEM_HOST; default: the default socket]
+    #[arg(long)]
+    pub host: Option<String>,
+}
+
+/// A connection to a daemon.
+pub struct Client {
+    http: reqwest::Client,
+    base: String,
+    token: Option<String>,
+    /// Where it looked, for messages.
+    pub host: String,
+}
+
+impl Client {
+    /// The daemon named by `--host`, `TANDEM_HOST`, or the default socket.
+    pub fn new(flag: &HostFlag) -> Result<Self> {
+        let host = flag
+            .host
+            .clone()
+            .or_else(|| std::env::var("TANDEM_HOST").ok().filter(|h| !h.is_empty()))
+            .unwrap_or_else(|| {
+                let state = crate::serve::default_state_dir();
+                format!("unix://{}", crate::serve::default_socket(&state).display())
+            });
+        let builder = reqwest::Client::builder().connect_timeout(Duration::from_secs(5));
+        if let Some(path) = host.strip_prefix("unix://") {
+            let http = builder
+                .unix_socket(PathBuf::from(path))
+                .build()
+                .context("cannot build the HTTP client")?;
+            Ok(Self {
+                http,
+                base: "http://tandem".to_owned(),
+                token: None,
+                host,
+            })
+        } else if let Some(addr) = host.strip_prefix("tcp://") {
+            let http = builder.build().context("cannot build the HTTP client")?;
+            let token = crate::serve::token(&crate::serve::default_state_dir(), false)?;
+            Ok(Self {
+                http,
+                base: format!("http://{addr}"),
+                token,
+                host,
+            })
+        } else {
+            bail!("--host `{host}` is neither unix:///path nor tcp://host:port")
+        }
+    }
+
+    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let req = self.http.request(method, format!("{}{path}", self.base));
+        match &self.token {
+            Some(t) => req.bearer_auth(t),
+            None => req,
+        }
+    }
+
+    fn unreachable(&self, e: &reqwest::Error) -> anyhow::Error {
+        anyhow!(
+            "no Tandem daemon answers at {} ({}); start one with `tandem serve`, or point --host / TANDEM_HOST at a running one",
+            self.host,
+            root_cause(e)
+        )
+    }
+
+    /// Whether a daemon answers, within a short time.
+    pub async fn reachable(&self) -> bool {
+        let req = self
+            .request(reqwest::Method::GET, "/healthz")
+            .timeout(Duration::from_secs(2));
+        matches!(req.send().await, Ok(r) if r.status().is_success())
+    }
+
+    /// Sends a request and returns the JSON answer, or the API's error message.
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Value> {
+        let mut req = self.request(method, path);
+        if let Some(body) = body {
+            req = req.json(body);
+        }
+        let resp = req.send().await.map_err(|e| self.unreachable(&e))?;
+        let status = resp.status();
+        let value: Value = resp
+            .json()
+            .await
+            .with_context(|| format!("the daemon at {} sent a bad answer", self.host))?;
+        if status.is_success() {
+            Ok(value)
+        } else {
+            Err(anyhow!(
+                "{}",
+                value["error"]["message"]
+                    .as_str()
+                    .map_or_else(|| format!("the daemon answered {status}"), str::to_owned)
+            ))
+        }
+    }
+
+    /// `GET path` as JSON.
+    pub async fn get(&self, path: &str) -> Result<Value> {
+        self.call(reqwest::Method::GET, path, None).await
+    }
+
+    /// `POST path` with no body, as JSON.
+    pub async fn post(&self, path: &str) -> Result<Value> {
+        self.call(reqwest::Method::POST, path, None).await
+    }
+
+    /// Queues a task; returns its id.
+    pub async fn submit(&self, spec: &TaskSpec) -> Result<String> {
+        let body = serde_json::to_value(spec)?;
+        let task = self
+            .call(reqwest::Method::POST, "/v1/tasks", Some(&body))
+            .await?;
+        task["id"]
+            .as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| anyhow!("the daemon's answer has no task id"))
+    }
+
+    /// Asks the daemon to cancel a task.
+    pub async fn cancel(&self, id: &str) -> Result<Value> {
+        self.call(
+            reqwest::Method::POST,
+            &format!("/v1/tasks/{id}/cancel"),
+            None,
+        )
+        .await
+    }
+
+    /// Streams a task's events after `after` to `on_event` until the task ends (or, without
+    /// `follow`, until the stored ones are out), reconnecting with `Last-Event-ID` when the
+    /// connection breaks. Returns the last event.
+    pub async fn events(
+        &self,
+        id: &str,
+        mut after: u64,
+        follow: bool,
+        on_event: &mut dyn FnMut(&Event),
+    ) -> Result<Option<Event>> {
+        let mut last: Option<Event> = None;
+        let mut failures = 0u32;
+        loop {
+            let path = format!(
+                "/v1/tasks/{id}/events{}",
+                if follow { "" } else { "?follow=false" }
+            );
+            let resp = self
+                .request(reqwest::Method::GET, &path)
+                .header("Last-Event-ID", after.to_string())
+                .send()
+                .await;
+            let resp = match resp {
+                Ok(r) if r.status().is_success() => r,
+                Ok(r) => {
+                    let status = r.status();
+                    let value: Value = r.json().await.unwrap_or_default();
+                    bail!(
+                        "{}",
+                        value["error"]["message"]
+                            .as_str()
+                            .map_or_else(|| format!("the daemon answered {status}"), str::to_owned)
+                    );
+                }
+                Err(e) if failures < 10 && last.is_some() => {
+                    failures += 1;
+                    tracing::debug!(error = %e, "reconnecting to the event stream");
+                    tokio::time::sleep(Duration::from_millis(200 * u64::from(failures))).await;
+                    continue;
+                }
+                Err(e) => return Err(self.unreachable(&e)),
+            };
+            let mut body = resp.bytes_stream();
+            let mut buf = String::new();
+            let mut broke = false;
+            while let Some(chunk) = body.next().await {
+                let Ok(chunk) = chunk else {
+                    broke = true;
+                    break;
+                };
+                buf.push_str(&String::from_utf8_lossy(&chunk));
+                while let Some(end) = buf.find("\n\n") {
+                    let frame: String = buf.drain(..end + 2).collect();
+                    let data: String = frame
+                        .lines()
+                        .filter_map(|l| l.strip_prefix("data:"))
+                        .map(str::trim_start)
+                        .collect::<Vec<_>>()
+                        .join("\n");
+                    if data.is_empty() {
+                        continue; // keep-alive comment
+                    }
+                    let event: Event = serde_json::from_str(&data)
+                        .with_context(|| format!("the daemon sent a bad event: {data}"))?;
+                    after = event.seq;
+                    failures = 0;
+                    on_event(&event);
+                    let done = matches!(event.msg, EventMsg::TaskFinished { .. });
+                    last = Some(event);
+                    if done {
+                        return Ok(last);
+                    }
+                }
+            }
+            if !follow || (!broke && last.is_none()) {
+                return Ok(last);
+            }
+            // The stream ended before the task did: the connection broke, or the daemon
+            // restarted. Pick up after the last event seen.
+            failures += 1;
+            if failures > 10 {
+                bail!(
+                    "lost the event stream of task {id} at {} and could not reconnect",
+                    self.host
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200 * u64::from(failures))).await;
+        }
+    }
+}
+
+fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut cause: &dyn std::error::Error = e;
+    while let Some(next) = cause.source() {
+        cause = next;
+    }
+    cause.to_string()
+}
+
+/// The exit code `tandem run` uses for a stop reason.
+pub fn exit_code(reason: StopReason) -> u8 {
+    match reason {
+        StopReason::Terminated => exit::DONE,
+        StopReason::MaxTurns => exit::MAX_TURNS,
+        StopReason::Timeout => exit::TIMEOUT,
+        StopReason::Cancelled => exit::CANCELLED,
+        StopReason::Error => exit::FAILED,
+    }
+}
+
+/// Follows a task to its end, rendering its events; Ctrl-C cancels it on the daemon.
+pub async fn follow(client: &Client, id: &str, mode: Mode) -> Result<u8> {
+    let renderer = Arc::new(Mutex::new(Renderer::stdout(mode)));
+    let cancel_client_id = id.to_owned();
+    let host = client.host.clone();
+    let canceller = Client::new(&HostFlag { host: Some(host) })?;
+    let ctrl_c = tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!(
+                "\ntandem: cancelling task {cancel_client_id} (Ctrl-C again to stop watching)"
+            );
+            let _ = canceller.cancel(&cancel_client_id).await;
+            if tokio::signal::ctrl_c().await.is_ok() {
+                std::process::exit(i32::from(exit::CANCELLED));
+            }
+        }
+    });
+    let r = renderer.clone();
+    let last = client
+        .events(id, 0, true, &mut |e| {
+            if let Ok(mut r) = r.lock() {
+                r.event(&e.msg);
+            }
+        })
+        .await;
+    ctrl_c.abort();
+    if let Ok(r) = renderer.lock() {
+        if r.error
+            .as_ref()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+        {
+            return Ok(exit::DONE);
+        }
+    }
+    match last?.map(|e| e.msg) {
+        Some(EventMsg::TaskFinished { stop_reason, .. }) => Ok(exit_code(stop_reason)),
+        _ => Ok(exit::FAILED),
+    }
+}

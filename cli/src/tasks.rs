@@ -1,0 +1,202 @@
+//! Client commands: `submit`, `tasks`, `show`, `logs`, `cancel`, `resume`.
+
+use anyhow::Result;
+use serde_json::Value;
+use tandem_protocol::TaskSpec;
+
+use crate::client::{Client, HostFlag, follow};
+use crate::exit;
+use crate::render::{Mode, Renderer};
+
+#[derive(Debug, clap::Args)]
+pub struct SubmitArgs {
+    /// The task, in words
+    task: String,
+    /// Executor that runs the code (the daemon's default when absent)
+    #[arg(long, short = 'e')]
+    executor: Option<String>,
+    /// Model name (the daemon's when absent)
+    #[arg(long)]
+    model: Option<String>,
+    /// OpenAI-compatible API base URL (the daemon's when absent)
+    #[arg(long)]
+    base_url: Option<String>,
+    /// Most assistant turns
+    #[arg(long)]
+    max_turns: Option<u32>,
+    /// Wall-clock limit for the whole task, in seconds
+    #[arg(long)]
+    timeout: Option<u64>,
+    /// Wait for the task and show it as it runs; exit as `tandem run` does
+    #[arg(long)]
+    wait: bool,
+    /// Print `{"id": ...}` (with --wait: one JSON event per line)
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    host: HostFlag,
+}
+
+pub async fn submit(args: SubmitArgs) -> Result<u8> {
+    let client = Client::new(&args.host)?;
+    let spec = TaskSpec {
+        task: args.task,
+        executor: args.executor,
+        model: args.model,
+        base_url: args.base_url,
+        max_turns: args.max_turns,
+        timeout_secs: args.timeout,
+        ..TaskSpec::default()
+    };
+    let id = client.submit(&spec).await?;
+    if args.wait {
+        return follow(&client, &id, mode(args.json)).await;
+    }
+    if args.json {
+        println!("{}", serde_json::json!({ "id": id }));
+    } else {
+        println!("{id}");
+    }
+    Ok(exit::DONE)
+}
+
+fn mode(json: bool) -> Mode {
+    if json { Mode::Json } else { Mode::Human }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ListArgs {
+    /// Only tasks in this state: queued, running, interrupted or finished
+    #[arg(long)]
+    state: Option<String>,
+    /// Print the daemon's JSON
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    host: HostFlag,
+}
+
+pub async fn list(args: ListArgs) -> Result<u8> {
+    let client = Client::new(&args.host)?;
+    let path = match &args.state {
+        Some(s) => format!("/v1/tasks?state={s}"),
+        None => "/v1/tasks".to_owned(),
+    };
+    let value = client.get(&path).await?;
+    if args.json {
+        println!("{value}");
+        return Ok(exit::DONE);
+    }
+    println!(
+        "{:<32}  {:<11}  {:<10}  {:>5}  TASK",
+        "ID", "STATE", "STOP", "TURNS"
+    );
+    for t in value["tasks"].as_array().into_iter().flatten() {
+        let task: String = t["spec"]["task"]
+            .as_str()
+            .unwrap_or_default()
+            .replace('\n', " ")
+            .chars()
+            .take(60)
+            .collect();
+        println!(
+            "{:<32}  {:<11}  {:<10}  {:>5}  {task}",
+            t["id"].as_str().unwrap_or_default(),
+            t["state"].as_str().unwrap_or_default(),
+            t["stop_reason"].as_str().unwrap_or("-"),
+            t["turns"].as_u64().unwrap_or(0),
+        );
+    }
+    Ok(exit::DONE)
+}
+
+#[derive(Debug, clap::Args)]
+pub struct IdArgs {
+    /// Task id
+    id: String,
+    /// Print JSON
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    host: HostFlag,
+}
+
+pub async fn show(args: IdArgs) -> Result<u8> {
+    let client = Client::new(&args.host)?;
+    let value = client.get(&format!("/v1/tasks/{}", args.id)).await?;
+    if args.json {
+        println!("{value}");
+        return Ok(exit::DONE);
+    }
+    println!(
+        "task {} · {}{} · {} turns · {} in / {} out tokens",
+        value["id"].as_str().unwrap_or_default(),
+        value["state"].as_str().unwrap_or_default(),
+        value["stop_reason"]
+            .as_str()
+            .map(|s| format!(" ({s})"))
+            .unwrap_or_default(),
+        value["turns"],
+        value["usage"]["prompt_tokens"],
+        value["usage"]["completion_tokens"],
+    );
+    if let Some(message) = value["error"]["message"].as_str() {
+        println!("error: {message}");
+    }
+    for m in value["transcript"].as_array().into_iter().flatten() {
+        println!("── {} ──", m["role"].as_str().unwrap_or_default());
+        println!("{}", m["content"].as_str().unwrap_or_default().trim_end());
+    }
+    Ok(exit::DONE)
+}
+
+#[derive(Debug, clap::Args)]
+pub struct LogsArgs {
+    /// Task id
+    id: String,
+    /// Keep following until the task ends (reconnects if the connection breaks)
+    #[arg(long, short = 'f')]
+    follow: bool,
+    /// One JSON event per line
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    host: HostFlag,
+}
+
+pub async fn logs(args: LogsArgs) -> Result<u8> {
+    let client = Client::new(&args.host)?;
+    if args.follow {
+        follow(&client, &args.id, mode(args.json)).await?;
+        return Ok(exit::DONE);
+    }
+    let mut renderer = Renderer::stdout(mode(args.json));
+    client
+        .events(&args.id, 0, false, &mut |e| renderer.event(&e.msg))
+        .await?;
+    Ok(exit::DONE)
+}
+
+pub async fn cancel(args: IdArgs) -> Result<u8> {
+    let client = Client::new(&args.host)?;
+    let value = client.cancel(&args.id).await?;
+    print_state(&value, args.json, "cancelling");
+    Ok(exit::DONE)
+}
+
+pub async fn resume(args: IdArgs) -> Result<u8> {
+    let client = Client::new(&args.host)?;
+    let value = client
+        .post(&format!("/v1/tasks/{}/resume", args.id))
+        .await?;
+    print_state(&value, args.json, "resumed");
+    Ok(exit::DONE)
+}
+
+fn print_state(value: &Value, json: bool, what: &str) {
+    if json {
+        println!("{value}");
+    } else {
+        println!("{} {what}", value["id"].as_str().unwrap_or_default());
+    }
+}

@@ -1,0 +1,621 @@
+//! `tandem serve` as a real process on a temporary socket and state dir, driven over real
+//! HTTP by the CLI and by raw requests, with the scripted model server behind it.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tandem_tests::{Reply, Script, ScriptedOpenAi};
+
+/// A running daemon.
+struct Daemon {
+    child: Option<tokio::process::Child>,
+    state: tempfile::TempDir,
+    base_url: String,
+    extra: Vec<String>,
+}
+
+impl Daemon {
+    async fn start(server: &ScriptedOpenAi, extra: &[&str]) -> Self {
+        let mut d = Self {
+            child: None,
+            state: tempfile::tempdir().unwrap(),
+            base_url: server.base_url(),
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
+        d.spawn().await;
+        d
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.state.path().join("run").join("tandem.sock")
+    }
+
+    fn host(&self) -> String {
+        format!("unix://{}", self.socket().display())
+    }
+
+    async fn spawn(&mut self) {
+        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .arg("serve")
+            .arg("--socket")
+            .arg(self.socket())
+            .arg("--state-dir")
+            .arg(self.state.path())
+            .args(["--executor", "local"])
+            .args(&self.extra)
+            .env("OPENAI_BASE_URL", &self.base_url)
+            .env("TANDEM_MAX_RETRIES", "0")
+            .env("XDG_CONFIG_HOME", self.state.path())
+            .env_remove("OPENAI_API_KEY")
+            .env_remove("TANDEM_MODEL")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let started = Instant::now();
+        loop {
+            if let Ok(v) = self.try_get("/healthz").await {
+                assert_eq!(v["status"], "ok");
+                return;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "the daemon did not start"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn http(&self) -> reqwest::Client {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        reqwest::Client::builder()
+            .unix_socket(self.socket())
+            .build()
+            .unwrap()
+    }
+
+    async fn try_get(&self, path: &str) -> reqwest::Result<Value> {
+        self.http()
+            .get(format!("http://tandem{path}"))
+            .send()
+            .await?
+            .json()
+            .await
+    }
+
+    async fn get(&self, path: &str) -> Value {
+        self.try_get(path).await.unwrap()
+    }
+
+    /// `(status, body)` of a request with a raw body.
+    async fn send(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<String>,
+    ) -> (u16, Value) {
+        let mut req = self.http().request(method, format!("http://tandem{path}"));
+        if let Some(body) = body {
+            req = req.header("content-type", "application/json").body(body);
+        }
+        let resp = req.send().await.unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn submit(&self, spec: Value) -> String {
+        let (status, body) = self
+            .send(reqwest::Method::POST, "/v1/tasks", Some(spec.to_string()))
+            .await;
+        assert_eq!(status, 201, "{body}");
+        body["id"].as_str().unwrap().to_owned()
+    }
+
+    async fn wait_finished(&self, id: &str, limit: Duration) -> Value {
+        let started = Instant::now();
+        loop {
+            let t = self.get(&format!("/v1/tasks/{id}")).await;
+            if t["state"] == "finished" {
+                return t;
+            }
+            assert!(started.elapsed() < limit, "task {id} did not finish: {t}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn events(&self, id: &str, after: u64) -> Vec<Value> {
+        let text = self
+            .http()
+            .get(format!("http://tandem/v1/tasks/{id}/events?follow=false"))
+            .header("Last-Event-ID", after.to_string())
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.split("\n\n")
+            .filter_map(|frame| frame.lines().find_map(|l| l.strip_prefix("data: ")))
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect()
+    }
+
+    fn kill9(&mut self) {
+        let child = self.child.take().unwrap();
+        let pid = nix::unistd::Pid::from_raw(child.id().unwrap() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).unwrap();
+        drop(child);
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    async fn terminate(&mut self) -> (Option<i32>, String) {
+        let mut child = self.child.take().unwrap();
+        let pid = nix::unistd::Pid::from_raw(child.id().unwrap() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+        tokio::time::timeout(Duration::from_secs(60), async {
+            let status = child.wait().await.unwrap();
+            let mut err = String::new();
+            use tokio::io::AsyncReadExt;
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .await
+                .unwrap();
+            (status.code(), err)
+        })
+        .await
+        .expect("the daemon did not stop within 60 s of SIGTERM")
+    }
+
+    /// Runs the CLI against this daemon.
+    async fn cli(&self, args: &[&str]) -> (i32, String, String) {
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(args)
+            .env("TANDEM_HOST", self.host())
+            .env("XDG_CONFIG_HOME", self.state.path())
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+}
+
+fn fence(code: &str) -> String {
+    format!("```python\n{code}\n```")
+}
+
+fn two_turns(tasks: impl IntoIterator<Item = (String, String)>) -> Script {
+    tasks
+        .into_iter()
+        .map(|(task, code)| {
+            (
+                task,
+                vec![
+                    Reply::from(fence(&code).as_str()),
+                    Reply::from("Done.\nTERMINATE"),
+                ],
+            )
+        })
+        .collect()
+}
+
+fn block_output(events: &[Value]) -> Vec<String> {
+    events
+        .iter()
+        .filter(|e| e["type"] == "exec_result")
+        .map(|e| {
+            e["result"]["stdout"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cli_commands_go_through_the_daemon() {
+    let server = ScriptedOpenAi::start(two_turns([
+        (
+            "daemon hello".to_owned(),
+            "print('hello from the daemon')".to_owned(),
+        ),
+        ("daemon run".to_owned(), "print(6 * 7)".to_owned()),
+    ]))
+    .await
+    .unwrap();
+    let d = Daemon::start(&server, &[]).await;
+    // The socket is the user's alone.
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&d.socket()), 0o600);
+    assert_eq!(mode(d.socket().parent().unwrap()), 0o700);
+
+    let (code, out, err) = d.cli(&["submit", "--json", "daemon hello"]).await;
+    assert_eq!(code, 0, "{err}");
+    let id = serde_json::from_str::<Value>(&out).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let task = d.wait_finished(&id, Duration::from_secs(30)).await;
+    assert_eq!(task["stop_reason"], "terminated");
+    assert_eq!(
+        block_output(&d.events(&id, 0).await),
+        ["hello from the daemon\n"]
+    );
+
+    let (code, out, _) = d.cli(&["tasks"]).await;
+    assert_eq!(code, 0);
+    assert!(
+        out.contains(&id) && out.contains("finished") && out.contains("terminated"),
+        "{out}"
+    );
+    let (code, out, _) = d.cli(&["show", &id]).await;
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("── assistant ──") && out.contains("hello from the daemon"),
+        "{out}"
+    );
+    let (code, out, _) = d.cli(&["logs", &id]).await;
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("hello from the daemon") && out.contains("── done"),
+        "{out}"
+    );
+
+    // `tandem run` uses the daemon when one answers; the task shows up in its list.
+    let (code, out, err) = d.cli(&["run", "--json", "daemon run"]).await;
+    assert_eq!(code, 0, "{err}");
+    let events: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(block_output(&events), ["42\n"]);
+    let listed = d.get("/v1/tasks").await;
+    assert_eq!(listed["tasks"].as_array().unwrap().len(), 2);
+
+    // Cancelling a finished task is a conflict, said plainly.
+    let (code, _, err) = d.cli(&["cancel", &id]).await;
+    assert_eq!(code, 2);
+    assert!(err.contains("already finished (terminated)"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hundred_tasks_at_once() {
+    let tasks: Vec<(String, String)> = (0..100)
+        .map(|i| (format!("many {i}"), format!("print({i} * 2)")))
+        .collect();
+    let server = ScriptedOpenAi::start(two_turns(tasks.clone()))
+        .await
+        .unwrap();
+    let d = Daemon::start(&server, &["--max-concurrent", "8"]).await;
+    let mut ids = Vec::new();
+    let submits: Vec<_> = tasks
+        .iter()
+        .map(|(task, _)| d.submit(json!({"task": task})))
+        .collect();
+    for id in futures::future::join_all(submits).await {
+        ids.push(id);
+    }
+    for (i, id) in ids.iter().enumerate() {
+        let t = d.wait_finished(id, Duration::from_secs(120)).await;
+        assert_eq!(t["stop_reason"], "terminated", "{t}");
+        assert_eq!(
+            block_output(&d.events(id, 0).await),
+            [format!("{}\n", i * 2)]
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_requests_get_clear_4xx_and_the_daemon_keeps_serving() {
+    let server = ScriptedOpenAi::start(two_turns([("fine".to_owned(), "print(1)".to_owned())]))
+        .await
+        .unwrap();
+    let d = Daemon::start(&server, &[]).await;
+    let post = |body: String| d.send(reqwest::Method::POST, "/v1/tasks", Some(body));
+    let cases = [
+        (
+            "{not json".to_owned(),
+            400,
+            "the body is not a valid task: key must be a string",
+        ),
+        (
+            json!({"task": "x", "colour": "red"}).to_string(),
+            400,
+            "unknown field `colour`",
+        ),
+        (json!({"task": "  "}).to_string(), 400, "the task is empty"),
+        (
+            json!({"task": "x", "executor": "dockr"}).to_string(),
+            400,
+            "executor `dockr` is not registered; available: ",
+        ),
+        (
+            json!({"task": "x".repeat(2 << 20)}).to_string(),
+            413,
+            "the request body is over the 1048576 byte limit",
+        ),
+    ];
+    for (body, status, message) in cases {
+        let (got, answer) = post(body).await;
+        assert_eq!(got, status, "{answer}");
+        assert!(
+            answer["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains(message),
+            "{answer}"
+        );
+        assert!(answer["error"]["code"].is_string());
+    }
+    let (status, answer) = d.send(reqwest::Method::GET, "/v1/tasks/nope", None).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (404, Some("not_found"))
+    );
+    let (status, _) = d
+        .send(reqwest::Method::GET, "/v1/tasks?state=sleeping", None)
+        .await;
+    assert_eq!(status, 400);
+    let id = d.submit(json!({"task": "fine"})).await;
+    d.wait_finished(&id, Duration::from_secs(30)).await;
+    let (status, answer) = d
+        .send(
+            reqwest::Method::POST,
+            &format!("/v1/tasks/{id}/cancel"),
+            None,
+        )
+        .await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (409, Some("conflict"))
+    );
+    let (status, _) = d
+        .send(
+            reqwest::Method::POST,
+            &format!("/v1/tasks/{id}/resume"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 409);
+    assert_eq!(d.get("/healthz").await["status"], "ok");
+    let metrics = d
+        .http()
+        .get("http://tandem/metrics")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("tandem_tasks{state=\"finished\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("tandem_executions_total{executor=\"local\",status=\"exited\"} 1"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn events_resume_after_last_event_id_with_no_gap_or_duplicate() {
+    let server = ScriptedOpenAi::start(two_turns([("sse".to_owned(), "print('x')".to_owned())]))
+        .await
+        .unwrap();
+    let d = Daemon::start(&server, &[]).await;
+    let id = d.submit(json!({"task": "sse"})).await;
+    d.wait_finished(&id, Duration::from_secs(30)).await;
+    let all = d.events(&id, 0).await;
+    let seqs: Vec<u64> = all.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
+    assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>());
+    for cut in 1..seqs.len() as u64 {
+        let rest = d.events(&id, cut).await;
+        assert_eq!(rest, all[cut as usize..].to_vec(), "after {cut}");
+    }
+    // Following a finished task ends after its last event.
+    let (code, out, _) = d.cli(&["logs", "-f", "--json", &id]).await;
+    assert_eq!(code, 0);
+    assert_eq!(out.lines().count(), all.len());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tcp_needs_the_token() {
+    let server = ScriptedOpenAi::start(Script::new()).await.unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    drop(listener);
+    let d = Daemon::start(&server, &["--listen", &addr]).await;
+    let token = std::fs::read_to_string(d.state.path().join("token")).unwrap();
+    let mode = std::fs::metadata(d.state.path().join("token"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::new();
+    let url = format!("http://{addr}/v1/tasks");
+    for auth in [None, Some("Bearer wrong"), Some("Basic x")] {
+        let mut req = http.get(&url);
+        if let Some(a) = auth {
+            req = req.header("authorization", a);
+        }
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status().as_u16(), 401);
+        let body: Value = resp.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "unauthorized");
+    }
+    let resp = http
+        .get(&url)
+        .bearer_auth(token.trim())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_daemon_on_the_same_socket_is_refused_and_a_stale_socket_replaced() {
+    let server = ScriptedOpenAi::start(Script::new()).await.unwrap();
+    let mut d = Daemon::start(&server, &[]).await;
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .arg("serve")
+        .arg("--socket")
+        .arg(d.socket())
+        .arg("--state-dir")
+        .arg(tempfile::tempdir().unwrap().path())
+        .args(["--executor", "local"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("a Tandem daemon is already serving"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    d.kill9();
+    assert!(d.socket().exists(), "kill -9 leaves the socket file behind");
+    d.spawn().await;
+    assert_eq!(d.get("/healthz").await["status"], "ok");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unreachable_daemon_says_where_it_looked() {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["tasks"])
+        .env("TANDEM_HOST", "unix:///nonexistent/tandem.sock")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.starts_with("tandem: no Tandem daemon answers at unix:///nonexistent/tandem.sock (")
+            && err.contains("start one with `tandem serve`"),
+        "{err}"
+    );
+}
+
+/// Tasks whose one block sleeps, so a daemon dies while they run.
+fn slow_tasks(n: usize, prefix: &str) -> Vec<(String, String)> {
+    (0..n)
+        .map(|i| {
+            (
+                format!("{prefix} {i}"),
+                format!("import time\ntime.sleep(1.5)\nprint('slow {i} done')"),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kill_9_then_restart_keeps_every_task_and_resumes_the_interrupted() {
+    let tasks = slow_tasks(30, "crash");
+    let server = ScriptedOpenAi::start(two_turns(tasks.clone()))
+        .await
+        .unwrap();
+    let mut d = Daemon::start(&server, &["--max-concurrent", "6"]).await;
+    let mut ids = Vec::new();
+    for (task, _) in &tasks {
+        ids.push(d.submit(json!({"task": task})).await);
+    }
+    // Wait until some run, then kill the daemon mid-flight.
+    let started = Instant::now();
+    while d.get("/v1/tasks?state=running").await["tasks"]
+        .as_array()
+        .unwrap()
+        .len()
+        < 6
+    {
+        assert!(started.elapsed() < Duration::from_secs(30));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    d.kill9();
+    d.spawn().await;
+    let listed = d.get("/v1/tasks").await;
+    assert_eq!(listed["tasks"].as_array().unwrap().len(), 30);
+    let interrupted: Vec<String> = d.get("/v1/tasks?state=interrupted").await["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert!(!interrupted.is_empty(), "kill -9 interrupted nothing");
+    for id in &interrupted {
+        let (code, _, err) = d.cli(&["resume", id]).await;
+        assert_eq!(code, 0, "{err}");
+    }
+    for (i, id) in ids.iter().enumerate() {
+        let t = d.wait_finished(id, Duration::from_secs(120)).await;
+        assert_eq!(t["stop_reason"], "terminated", "{t}");
+        let out = block_output(&d.events(id, 0).await);
+        assert_eq!(
+            out.last().map(String::as_str),
+            Some(format!("slow {i} done\n").as_str()),
+            "{id}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_lets_short_tasks_finish_and_interrupts_long_ones() {
+    let pid_dir = tempfile::tempdir().unwrap();
+    let pid_file = pid_dir.path().join("long.pid");
+    let mut script = two_turns([("quick".to_owned(), "print('quick done')".to_owned())]);
+    script.extend(two_turns([(
+        "long".to_owned(),
+        format!("import os, time\nopen('{}', 'w').write(str(os.getpid()))\nprint('long started', flush=True)\ntime.sleep(60)", pid_file.display()),
+    )]));
+    let server = ScriptedOpenAi::start(script).await.unwrap();
+    let mut d = Daemon::start(&server, &["--grace", "1"]).await;
+    let quick = d.submit(json!({"task": "quick"})).await;
+    let long = d.submit(json!({"task": "long"})).await;
+    d.wait_finished(&quick, Duration::from_secs(30)).await;
+    let started = Instant::now();
+    while !block_output(&d.events(&long, 0).await).is_empty()
+        || !d
+            .events(&long, 0)
+            .await
+            .iter()
+            .any(|e| e["type"] == "exec_output")
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the long task never started its block"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stopping = Instant::now();
+    let (code, err) = d.terminate().await;
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        stopping.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        stopping.elapsed()
+    );
+    assert!(!d.socket().exists(), "the socket outlived the daemon");
+    // Nothing of the long block survives, and the task can go on after a restart.
+    let pid: i32 = std::fs::read_to_string(&pid_file).unwrap().parse().unwrap();
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "the long block (pid {pid}) outlived the daemon"
+    );
+    d.spawn().await;
+    let t = d.get(&format!("/v1/tasks/{long}")).await;
+    assert_eq!(t["state"], "interrupted", "{t}");
+    let q = d.get(&format!("/v1/tasks/{quick}")).await;
+    assert_eq!(q["stop_reason"], "terminated");
+}
