@@ -82,17 +82,11 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("RUST_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     // reqwest is built without a default TLS provider (so that plain-HTTP model servers skip
     // the CA bundle); every client in the process shares ring. Installing twice is a no-op.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
+    init_logging(&cli.command);
     match dispatch(cli) {
         Ok(code) => ExitCode::from(code),
         Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
@@ -100,6 +94,25 @@ fn main() -> ExitCode {
             eprintln!("tandem: {e:#}");
             ExitCode::from(exit::USAGE)
         }
+    }
+}
+
+/// Logs go to stderr; the daemon logs at info (JSON with `--log-format json`), commands at
+/// warn. `RUST_LOG` overrides both.
+fn init_logging(command: &Command) {
+    let (default, json) = match command {
+        Command::Serve(args) => ("info", args.json_logs()),
+        _ => ("warn", false),
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("RUST_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
     }
 }
 

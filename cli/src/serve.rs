@@ -35,8 +35,18 @@ pub struct ServeArgs {
     /// Docker image for the docker executor [env: TANDEM_DOCKER_IMAGE]
     #[arg(long)]
     image: Option<String>,
+    /// Log format on stderr: text or json
+    #[arg(long, default_value = "text", value_parser = ["text", "json"])]
+    log_format: String,
     #[command(flatten)]
     model: ModelFlags,
+}
+
+impl ServeArgs {
+    /// Whether logs are JSON lines.
+    pub fn json_logs(&self) -> bool {
+        self.log_format == "json"
+    }
 }
 
 /// `$XDG_STATE_HOME/tandem`, else `~/.local/state/tandem`.
@@ -186,6 +196,17 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
         }
         None => None,
     };
+    // Sandboxes a crashed daemon left: its blocks and workspaces (docker containers were
+    // reaped when the docker executor connected).
+    let reaped = tokio::task::spawn_blocking(LocalExecutor::reap_orphans)
+        .await
+        .unwrap_or(0);
+    if reaped > 0 {
+        tracing::info!(
+            reaped,
+            "removed local processes and workspaces left by a Tandem that died"
+        );
+    }
     let interrupted = supervisor.recover()?;
     tracing::info!(
         socket = %socket.display(),

@@ -619,3 +619,54 @@ async fn sigterm_lets_short_tasks_finish_and_interrupts_long_ones() {
     let q = d.get(&format!("/v1/tasks/{quick}")).await;
     assert_eq!(q["stop_reason"], "terminated");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restart_reaps_the_sandboxes_a_killed_daemon_left() {
+    let pid_dir = tempfile::tempdir().unwrap();
+    let pid_file = pid_dir.path().join("orphan.pid");
+    let code = format!(
+        "import os, time\nopen('{}', 'w').write(str(os.getpid()))\ntime.sleep(60)",
+        pid_file.display()
+    );
+    let server = ScriptedOpenAi::start(two_turns([("orphan".to_owned(), code)]))
+        .await
+        .unwrap();
+    let mut d = Daemon::start(&server, &[]).await;
+    let daemon_pid = d.child.as_ref().unwrap().id().unwrap();
+    d.submit(json!({"task": "orphan"})).await;
+    let started = Instant::now();
+    while std::fs::read_to_string(&pid_file).map_or(true, |s| s.is_empty()) {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the block never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let block: u32 = std::fs::read_to_string(&pid_file).unwrap().parse().unwrap();
+    let workspaces = || -> Vec<String> {
+        std::fs::read_dir(std::env::temp_dir())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(&format!("tandem-local-{daemon_pid}-")))
+            .collect()
+    };
+    d.kill9();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let alive = |pid: u32| std::path::Path::new(&format!("/proc/{pid}")).exists();
+    assert!(
+        alive(block),
+        "the block should outlive a SIGKILLed daemon until the next start"
+    );
+    assert_eq!(workspaces().len(), 1);
+    d.spawn().await;
+    let started = Instant::now();
+    while alive(block) {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the restarted daemon left the orphan running"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(workspaces(), Vec::<String>::new());
+}

@@ -429,7 +429,7 @@ async fn daemon_api_key_is_invisible_to_code() {
         .to_owned();
     assert_eq!(
         stdout,
-        "['HOME', 'LANG', 'PATH', 'PYTHONDONTWRITEBYTECODE', 'PYTHONUNBUFFERED', 'TANDEM_EXEC_ID', 'TMPDIR']\n0\n"
+        "['HOME', 'LANG', 'PATH', 'PYTHONDONTWRITEBYTECODE', 'PYTHONUNBUFFERED', 'TANDEM_EXEC_ID', 'TANDEM_OWNER', 'TMPDIR']\n0\n"
     );
     // The key did reach the model server.
     assert_eq!(

@@ -24,6 +24,7 @@ mod capture;
 mod error;
 mod language;
 mod limits;
+pub mod owner;
 mod registry;
 pub mod workspace;
 

@@ -21,6 +21,7 @@ use bollard::query_parameters::{
     CreateImageOptionsBuilder, ListContainersOptionsBuilder, RemoveContainerOptionsBuilder,
 };
 use futures::StreamExt;
+use tandem_executor::owner::{owner_alive, owner_tag};
 use tandem_executor::{BoxFuture, ExecError, Executor, Language, Session, SessionSpec};
 use tokio::sync::OnceCell;
 
@@ -540,47 +541,6 @@ pub(crate) async fn remove_container(docker: &Docker, id: &str) {
     }
 }
 
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_owned())
-        .unwrap_or_else(|_| "unknown-host".to_owned())
-}
-
-/// Start time of a process in clock ticks since boot (field 22 of `/proc/PID/stat`), which
-/// tells a live owner from a new process that reused its pid.
-fn start_time(pid: u32) -> Option<String> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let after_name = stat.rsplit_once(')')?.1;
-    after_name.split_whitespace().nth(19).map(str::to_owned)
-}
-
-fn owner_tag() -> String {
-    let pid = std::process::id();
-    format!(
-        "{}/{pid}:{}",
-        hostname(),
-        start_time(pid).unwrap_or_default()
-    )
-}
-
-/// Whether the owner in a `tandem.owner` label is still running; containers of other
-/// hosts (a shared remote engine) count as alive, since they cannot be checked from here.
-fn owner_alive(owner: &str) -> bool {
-    let Some((host, rest)) = owner.split_once('/') else {
-        return false;
-    };
-    if host != hostname() {
-        return true;
-    }
-    let Some((pid, start)) = rest.split_once(':') else {
-        return false;
-    };
-    pid.parse::<u32>()
-        .ok()
-        .and_then(start_time)
-        .is_some_and(|s| s == start)
-}
-
 /// Where temporary workspaces go; `TANDEM_DOCKER_WORKSPACES` overrides it (the engine must
 /// see the same path, so a remote engine needs a shared directory).
 pub(crate) fn workspace_parent() -> PathBuf {
@@ -605,13 +565,5 @@ mod tests {
             split_tag("registry:5000/img:v1"),
             ("registry:5000/img", "v1")
         );
-    }
-
-    #[test]
-    fn owners() {
-        assert!(owner_alive(&owner_tag()));
-        assert!(!owner_alive(&format!("{}/999999999:1", hostname())));
-        assert!(owner_alive("some-other-host/1:1"));
-        assert!(!owner_alive("garbage"));
     }
 }

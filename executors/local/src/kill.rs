@@ -41,31 +41,53 @@ impl Drop for TreeKiller {
     }
 }
 
+/// Sends SIGKILL to every process whose environment names an owner that is no longer
+/// running (left by a Tandem that died); returns how many.
+pub(crate) fn kill_orphans() -> usize {
+    let prefix = format!("{}=", tandem_executor::owner::OWNER_VAR);
+    let mut killed = 0;
+    for (pid, environ) in processes() {
+        let owner = environ
+            .split(|b| *b == 0)
+            .find_map(|var| var.strip_prefix(prefix.as_bytes()));
+        let Some(owner) = owner.and_then(|o| std::str::from_utf8(o).ok()) else {
+            continue;
+        };
+        if !tandem_executor::owner::owner_alive(owner)
+            && kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok()
+        {
+            killed += 1;
+        }
+    }
+    killed
+}
+
+/// Live processes other than this one, with their environments (other users' are unreadable
+/// and cannot be ours; zombies read as empty).
+fn processes() -> impl Iterator<Item = (i32, Vec<u8>)> {
+    let me = std::process::id();
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(move |entry| {
+            let pid = entry.file_name().to_str()?.parse::<u32>().ok()?;
+            if pid == me {
+                return None;
+            }
+            let environ = std::fs::read(entry.path().join("environ")).ok()?;
+            Some((i32::try_from(pid).ok()?, environ))
+        })
+}
+
 /// Sends SIGKILL to every live process whose environment holds `marker`; returns how many.
 fn kill_marked(marker: &[u8]) -> usize {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return 0;
-    };
-    let me = std::process::id();
     let mut killed = 0;
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|s| s.parse::<u32>().ok()) else {
-            continue;
-        };
-        if pid == me {
-            continue;
-        }
-        // Other users' processes are unreadable and cannot be ours; zombies read as empty.
-        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
-            continue;
-        };
-        if environ.split(|b| *b == 0).any(|var| var == marker) {
-            if let Ok(pid) = i32::try_from(pid) {
-                if kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok() {
-                    killed += 1;
-                }
-            }
+    for (pid, environ) in processes() {
+        if environ.split(|b| *b == 0).any(|var| var == marker)
+            && kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok()
+        {
+            killed += 1;
         }
     }
     killed

@@ -13,6 +13,7 @@ mod run;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
+use tandem_executor::owner;
 use tandem_executor::{
     BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Executor, Language, Limits,
     Session, SessionSpec,
@@ -112,7 +113,12 @@ impl LocalExecutor {
             .unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".to_owned());
         let languages = Interpreters::languages_on(&config, &path);
         let lang = std::env::var("LANG").unwrap_or_else(|_| "C.UTF-8".to_owned());
-        let mut env = vec![("LANG".to_owned(), lang)];
+        // The owner tag rides along in every block's environment (and the fork server's, which
+        // its forks show in /proc), so a later Tandem can find what a dead one left running.
+        let mut env = vec![
+            ("LANG".to_owned(), lang),
+            (owner::OWNER_VAR.to_owned(), owner::owner_tag()),
+        ];
         env.extend(config.env.iter().cloned());
         Self {
             inner: Arc::new(Inner {
@@ -130,6 +136,51 @@ impl LocalExecutor {
     pub fn interpreters(&self) -> &Interpreters {
         self.inner.interpreters()
     }
+
+    /// Kills processes and removes temporary directories that a Tandem which has since died
+    /// left behind (a daemon killed with SIGKILL cannot clean up); returns how many things it
+    /// removed. A daemon calls this at start-up.
+    pub fn reap_orphans() -> usize {
+        let mut reaped = kill::kill_orphans();
+        let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+            return reaped;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(ROOT_PREFIX)) else {
+                continue;
+            };
+            let Some((pid, start)) = rest.split_once('-') else {
+                continue;
+            };
+            let tag = format!("{}/{pid}:{start}", owner::hostname());
+            if !owner::owner_alive(&tag) && std::fs::remove_dir_all(entry.path()).is_ok() {
+                reaped += 1;
+            }
+        }
+        reaped
+    }
+}
+
+/// Temporary workspaces live in `$TMPDIR/tandem-local-<pid>-<start-time>/` of their owner.
+const ROOT_PREFIX: &str = "tandem-local-";
+
+/// This process's directory for temporary workspaces, made owner-only on first use.
+fn local_root() -> std::io::Result<PathBuf> {
+    let pid = std::process::id();
+    let dir = std::env::temp_dir().join(format!(
+        "{ROOT_PREFIX}{pid}-{}",
+        owner::start_time(pid).unwrap_or_default()
+    ));
+    if !dir.exists() {
+        use std::os::unix::fs::DirBuilderExt;
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(dir)
 }
 
 impl Executor for LocalExecutor {
@@ -168,9 +219,11 @@ struct LocalSession {
 impl LocalSession {
     fn create(inner: Arc<Inner>, spec: SessionSpec) -> Result<Self, ExecError> {
         inner.interpreters();
+        let root =
+            local_root().map_err(|e| ExecError::io("creating the workspaces directory", e))?;
         let scratch = tempfile::Builder::new()
             .prefix("tandem-scratch-")
-            .tempdir()
+            .tempdir_in(&root)
             .map_err(|e| ExecError::io("creating a scratch directory", e))?;
         let ws_err = |path: &Path| {
             let path = path.to_owned();
@@ -186,7 +239,7 @@ impl LocalSession {
             None => {
                 let dir = tempfile::Builder::new()
                     .prefix("tandem-workspace-")
-                    .tempdir()
+                    .tempdir_in(&root)
                     .map_err(|e| ExecError::io("creating a workspace", e))?;
                 (dir.path().to_owned(), Some(dir))
             }
