@@ -5,6 +5,8 @@
 //! 1. Local executor: per-block cost of `print(1)` vs a bare `python3 -c 'print(1)'` spawn.
 //! 2. Turn loop: 200 two-turn tasks against ScriptedOpenAi, concurrency 8, in tasks/s.
 //! 3. Cold start: `tandem run` process start to the model server seeing its first request.
+//! 5. Daemon: 200 two-turn tasks over HTTP vs in-process, submit-to-first-event latency,
+//!    and RSS idle and with 1000 queued tasks (the release `tandem` binary).
 //! 4. Docker executor: per-block `print(1)` through Tandem's runner vs `docker exec` (the CLI)
 //!    and bollard's exec API, in the same container (image: `TANDEM_DOCKER_IMAGE`, else
 //!    `tandem-sandbox:latest`).
@@ -462,17 +464,254 @@ async fn docker_session_open(n: usize) {
     }
 }
 
+/// The daemon, as a real process on a temporary socket.
+struct Daemon {
+    child: std::process::Child,
+    socket: PathBuf,
+    _state: tempfile::TempDir,
+}
+
+impl Daemon {
+    async fn start(bin: &std::path::Path, base_url: &str, max_concurrent: usize) -> Self {
+        let state = tempfile::tempdir().unwrap();
+        let socket = state.path().join("tandem.sock");
+        // The same interpreter as the in-process figure.
+        if let Some(python) = bench_python() {
+            std::fs::create_dir_all(state.path().join("tandem")).unwrap();
+            std::fs::write(
+                state.path().join("tandem/tandem.toml"),
+                format!("[executors.local]\npython = \"{}\"\n", python.display()),
+            )
+            .unwrap();
+        }
+        let child = std::process::Command::new(bin)
+            .arg("serve")
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--state-dir")
+            .arg(state.path())
+            .args([
+                "--executor",
+                "local",
+                "--max-concurrent",
+                &max_concurrent.to_string(),
+            ])
+            .env("OPENAI_BASE_URL", base_url)
+            .env("XDG_CONFIG_HOME", state.path())
+            .env("RUST_LOG", "warn")
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let d = Self {
+            child,
+            socket,
+            _state: state,
+        };
+        while d.http().get("http://t/healthz").send().await.is_err() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        d
+    }
+
+    fn http(&self) -> reqwest::Client {
+        reqwest::Client::builder()
+            .unix_socket(self.socket.clone())
+            .build()
+            .unwrap()
+    }
+
+    async fn submit(&self, http: &reqwest::Client, task: &str) -> String {
+        let resp: serde_json::Value = http
+            .post("http://t/v1/tasks")
+            .json(&serde_json::json!({ "task": task }))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        resp["id"].as_str().unwrap().to_owned()
+    }
+
+    fn rss_mib(&self) -> f64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let kb: f64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap();
+        kb / 1024.0
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn daemon(tasks: usize, concurrency: usize) {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let Some(bin) = tandem_binary() else {
+        println!(
+            "\n## Daemon: not measured: build the binary first with `cargo build --release -p tandem-cli`"
+        );
+        return;
+    };
+    let code = "```python\nprint(1)\n```";
+    let mut script: Script = (0..tasks)
+        .map(|i| {
+            (
+                format!("bench task {i}"),
+                vec![Reply::from(code), Reply::from("Done.\nTERMINATE")],
+            )
+        })
+        .collect();
+    script.insert(
+        "hold the slot".to_owned(),
+        vec![Reply::from("```python\nimport time\ntime.sleep(600)\n```")],
+    );
+    let server = ScriptedOpenAi::start(script).await.unwrap();
+    let model = ChatModel::new(ModelConfig {
+        base_url: server.base_url(),
+        ..ModelConfig::default()
+    })
+    .unwrap();
+
+    // In-process and over HTTP, the same tasks and concurrency, alternated three times (one
+    // round is about a second, too short to trust alone); medians are compared.
+    let executor: Arc<dyn Executor> = Arc::new(local_executor(true));
+    let d = Daemon::start(&bin, &server.base_url(), concurrency).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let idle = d.rss_mib();
+    let http = d.http();
+    let mut in_process_runs = Vec::new();
+    let mut daemon_runs = Vec::new();
+    for round in 0..3u64 {
+        in_process_runs.push(tasks_at(&model, executor.clone(), tasks, concurrency).await);
+        let started = Instant::now();
+        futures::future::join_all((0..tasks).map(|i| {
+            let (d, http) = (&d, &http);
+            async move { d.submit(http, &format!("bench task {i}")).await }
+        }))
+        .await;
+        let want = (round + 1) * tasks as u64;
+        while finished_count(&http).await < want {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        daemon_runs.push(started.elapsed());
+    }
+    let in_process = stats(in_process_runs).1;
+    let over_http = stats(daemon_runs).1;
+
+    // Submit-to-first-event: POST, then the first SSE event, one task at a time.
+    let mut latencies = Vec::new();
+    for i in 0..50 {
+        let t = Instant::now();
+        let id = d.submit(&http, &format!("bench task {i}")).await;
+        let mut resp = http
+            .get(format!("http://t/v1/tasks/{id}/events"))
+            .send()
+            .await
+            .unwrap();
+        let mut seen = String::new();
+        while !seen.contains("\n\n") {
+            let chunk = resp.chunk().await.unwrap().unwrap();
+            seen.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        latencies.push(t.elapsed());
+        drop(resp);
+    }
+    latencies.sort();
+    let p50 = latencies[latencies.len() / 2];
+    let p99 = latencies[latencies.len() * 99 / 100];
+
+    // Memory: one task holds the only slot, 1000 wait behind it.
+    drop(d);
+    let d = Daemon::start(&bin, &server.base_url(), 1).await;
+    let http = d.http();
+    d.submit(&http, "hold the slot").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = d.rss_mib();
+    for i in 0..1000 {
+        d.submit(&http, &format!("bench task {}", i % tasks)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let queued = d.rss_mib();
+
+    let rate = |took: Duration| tasks as f64 / took.as_secs_f64();
+    println!(
+        "\n## Daemon: {tasks} two-turn tasks (python print(1)), concurrency {concurrency}, local executor"
+    );
+    println!("| run | wall | tasks/s | vs in-process |");
+    println!("|---|---|---|---|");
+    println!(
+        "| in-process `run_task` (same run, median of 3) | {:.2} s | {:.1} | 100% |",
+        in_process.as_secs_f64(),
+        rate(in_process)
+    );
+    println!(
+        "| daemon: submitted over HTTP (Unix socket) until all finished (median of 3) | {:.2} s | {:.1} | {:.0}% |",
+        over_http.as_secs_f64(),
+        rate(over_http),
+        100.0 * rate(over_http) / rate(in_process)
+    );
+    println!("\n| latency, submit → first SSE event (50, one at a time) | p50 | p99 |");
+    println!("|---|---|---|");
+    println!("| daemon | {} | {} |", ms(p50), ms(p99));
+    println!("\n| daemon memory | RSS |");
+    println!("|---|---|");
+    println!("| idle, after start | {idle:.1} MiB |");
+    println!("| 1 task running | {before:.1} MiB |");
+    println!(
+        "| + 1000 queued tasks | {queued:.1} MiB ({:.1} KiB per queued task) |",
+        (queued - before) * 1024.0 / 1000.0
+    );
+}
+
+/// `tandem_tasks{state="finished"}` from the daemon's metrics (a cheap count).
+async fn finished_count(http: &reqwest::Client) -> u64 {
+    let text = http
+        .get("http://t/metrics")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("tandem_tasks{state=\"finished\"} "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
+    // `TANDEM_BENCH_ONLY=daemon` (or local, turn_loop, cold_start, docker) runs one section.
+    let only = std::env::var("TANDEM_BENCH_ONLY").ok();
+    let run = |name: &str| only.as_deref().is_none_or(|o| o == name);
     rt.block_on(async {
-        executor_overhead(100).await;
-        turn_loop_throughput(200, 8).await;
-        cold_start(20).await;
-        docker_block_latency(30).await;
-        docker_session_open(10).await;
+        if run("local") {
+            executor_overhead(100).await;
+        }
+        if run("turn_loop") {
+            turn_loop_throughput(200, 8).await;
+        }
+        if run("cold_start") {
+            cold_start(20).await;
+        }
+        if run("docker") {
+            docker_block_latency(30).await;
+            docker_session_open(10).await;
+        }
+        if run("daemon") {
+            daemon(200, 8).await;
+        }
     });
 }

@@ -141,8 +141,15 @@ const MIGRATIONS: &[&str] = &["
 
 /// The task store; cheap operations behind one connection.
 pub struct Store {
-    conn: Mutex<Connection>,
+    conn: Mutex<Db>,
     path: String,
+}
+
+/// The connection and each task's last event seq, kept in memory once read (appends are the
+/// hot path: a streamed reply is dozens of events).
+struct Db {
+    conn: Connection,
+    last_seq: std::collections::HashMap<String, i64>,
 }
 
 type Result<T> = std::result::Result<T, StoreError>;
@@ -180,15 +187,23 @@ impl Store {
                 .map_err(sql)?;
             tx.commit().map_err(sql)?;
         }
+        conn.set_prepared_statement_cache_capacity(32);
         Ok(Self {
-            conn: Mutex::new(conn),
+            conn: Mutex::new(Db {
+                conn,
+                last_seq: std::collections::HashMap::new(),
+            }),
             path: display,
         })
     }
 
     fn with<T>(&self, f: impl FnOnce(&Connection) -> rusqlite::Result<T>) -> Result<T> {
-        let conn = self.conn.lock().map_err(|_| StoreError::Poisoned)?;
-        f(&conn).map_err(|source| StoreError::Sqlite {
+        self.with_db(|db| f(&db.conn))
+    }
+
+    fn with_db<T>(&self, f: impl FnOnce(&mut Db) -> rusqlite::Result<T>) -> Result<T> {
+        let mut db = self.conn.lock().map_err(|_| StoreError::Poisoned)?;
+        f(&mut db).map_err(|source| StoreError::Sqlite {
             path: self.path.clone(),
             source,
         })
@@ -222,71 +237,29 @@ impl Store {
     /// Appends an event with the next seq of its task and commits it; returns it as stored.
     /// A finishing event also records the task's end in the same transaction.
     pub fn append(&self, task_id: &str, msg: &EventMsg, now_ms: u64) -> Result<Event> {
-        self.with(|c| {
-            let tx = c.unchecked_transaction()?;
-            let seq: i64 = tx.query_row(
-                "SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE task_id = ?1",
-                [task_id],
-                |r| r.get(0),
-            )?;
-            let event = Event {
-                seq: seq as u64,
-                at_ms: now_ms,
-                msg: msg.clone(),
-            };
-            tx.execute(
-                "INSERT INTO events (task_id, seq, at_ms, body) VALUES (?1, ?2, ?3, ?4)",
-                params![task_id, seq, now_ms as i64, to_json(msg)],
-            )?;
-            match msg {
-                EventMsg::AssistantMessage {
-                    turn,
-                    usage: Some(u),
-                    ..
-                } => {
-                    tx.execute(
-                        "UPDATE tasks SET turns = ?2, usage = json_object(
-                            'prompt_tokens', json_extract(usage, '$.prompt_tokens') + ?3,
-                            'completion_tokens', json_extract(usage, '$.completion_tokens') + ?4)
-                         WHERE id = ?1",
-                        params![
-                            task_id,
-                            turn,
-                            u.prompt_tokens as i64,
-                            u.completion_tokens as i64
-                        ],
-                    )?;
+        let mut events = self.append_batch(&[(task_id.to_owned(), msg.clone(), now_ms)])?;
+        events.pop().map(|(_, e)| e).ok_or(StoreError::Poisoned)
+    }
+
+    /// Appends many events (of any tasks, in order) in one transaction: one commit for a
+    /// burst of events instead of one each. Returns them as stored, with their task ids.
+    pub fn append_batch(&self, items: &[(String, EventMsg, u64)]) -> Result<Vec<(String, Event)>> {
+        self.with_db(|db| {
+            let result = (|| {
+                let tx = db.conn.unchecked_transaction()?;
+                let mut stored = Vec::with_capacity(items.len());
+                for (task_id, msg, now_ms) in items {
+                    let event = append_one(&db.conn, &mut db.last_seq, task_id, msg, *now_ms)?;
+                    stored.push((task_id.clone(), event));
                 }
-                EventMsg::TurnStarted { turn } => {
-                    tx.execute(
-                        "UPDATE tasks SET turns = MAX(turns, ?2) WHERE id = ?1",
-                        params![task_id, turn],
-                    )?;
-                }
-                // Usage is the sum of the assistant messages' (a resumed task's run only
-                // knows its own part), so the end does not overwrite it.
-                EventMsg::TaskFinished {
-                    stop_reason,
-                    turns,
-                    error,
-                    ..
-                } => {
-                    tx.execute(
-                        "UPDATE tasks SET state = 'finished', stop_reason = ?2, error = ?3,
-                            turns = ?4, finished_ms = ?5 WHERE id = ?1",
-                        params![
-                            task_id,
-                            stop_reason.as_str(),
-                            error.as_ref().map(to_json),
-                            turns,
-                            now_ms as i64
-                        ],
-                    )?;
-                }
-                _ => {}
+                tx.commit()?;
+                Ok(stored)
+            })();
+            if result.is_err() {
+                // The transaction rolled back; counters from it would skip seqs.
+                db.last_seq.clear();
             }
-            tx.commit()?;
-            Ok(event)
+            result
         })
     }
 
@@ -392,6 +365,77 @@ impl Store {
             Ok(rows)
         })
     }
+}
+
+/// Inserts one event (and updates its task row) inside the caller's transaction.
+fn append_one(
+    conn: &Connection,
+    last_seq: &mut std::collections::HashMap<String, i64>,
+    task_id: &str,
+    msg: &EventMsg,
+    now_ms: u64,
+) -> rusqlite::Result<Event> {
+    let seq = match last_seq.get(task_id) {
+        Some(last) => last + 1,
+        None => conn
+            .prepare_cached("SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE task_id = ?1")?
+            .query_row([task_id], |r| r.get(0))?,
+    };
+    let event = Event {
+        seq: seq as u64,
+        at_ms: now_ms,
+        msg: msg.clone(),
+    };
+    conn.prepare_cached("INSERT INTO events (task_id, seq, at_ms, body) VALUES (?1, ?2, ?3, ?4)")?
+        .execute(params![task_id, seq, now_ms as i64, to_json(msg)])?;
+    match msg {
+        EventMsg::AssistantMessage {
+            turn,
+            usage: Some(u),
+            ..
+        } => {
+            conn.prepare_cached(
+                "UPDATE tasks SET turns = ?2, usage = json_object(
+                        'prompt_tokens', json_extract(usage, '$.prompt_tokens') + ?3,
+                        'completion_tokens', json_extract(usage, '$.completion_tokens') + ?4)
+                     WHERE id = ?1",
+            )?
+            .execute(params![
+                task_id,
+                turn,
+                u.prompt_tokens as i64,
+                u.completion_tokens as i64
+            ])?;
+        }
+        // Usage is the sum of the assistant messages' (a resumed task's run only
+        // knows its own part), so the end does not overwrite it.
+        EventMsg::TaskFinished {
+            stop_reason,
+            turns,
+            error,
+            ..
+        } => {
+            conn.prepare_cached(
+                "UPDATE tasks SET state = 'finished', stop_reason = ?2, error = ?3,
+                        turns = ?4, finished_ms = ?5 WHERE id = ?1",
+            )?
+            .execute(params![
+                task_id,
+                stop_reason.as_str(),
+                error.as_ref().map(to_json),
+                turns,
+                now_ms as i64
+            ])?;
+        }
+        _ => {}
+    }
+    if matches!(msg, EventMsg::TaskFinished { .. }) {
+        // A finished task gets no more events until (and unless) it is resumed.
+        last_seq.remove(task_id);
+    } else {
+        last_seq.insert(task_id.to_owned(), seq);
+    }
+    Ok(event)
 }
 
 const COLUMNS: &str =

@@ -88,6 +88,7 @@ pub struct Supervisor {
     tracker: TaskTracker,
     active: Mutex<HashMap<String, CancellationToken>>,
     live: broadcast::Sender<Arc<(String, Event)>>,
+    writer: std::sync::mpsc::Sender<Write>,
     stopping: AtomicBool,
     models: Mutex<HashMap<(String, String), ChatModel>>,
     /// Counters and histograms for `/metrics`.
@@ -105,8 +106,15 @@ impl Supervisor {
     /// A supervisor over `store`; call [`Supervisor::recover`] before serving.
     pub fn new(store: Arc<Store>, config: SupervisorConfig) -> Arc<Self> {
         let (live, _) = broadcast::channel(4096);
+        let (writer, writes) = std::sync::mpsc::channel();
+        let (writer_store, writer_live) = (store.clone(), live.clone());
+        std::thread::Builder::new()
+            .name("tandem-store-writer".to_owned())
+            .spawn(move || write_events(&writer_store, &writes, &writer_live))
+            .ok();
         Arc::new(Self {
             store,
+            writer,
             slots: Arc::new(Semaphore::new(config.max_concurrent.max(1))),
             config,
             root: CancellationToken::new(),
@@ -205,6 +213,7 @@ impl Supervisor {
             ))),
             TaskState::Interrupted => {
                 self.record(id, &finished(StopReason::Cancelled, record.turns, None));
+                self.flush();
                 Ok(self.store.get(id)?.unwrap_or(record))
             }
             TaskState::Queued | TaskState::Running => {
@@ -270,7 +279,7 @@ impl Supervisor {
     /// Stops: no new work; running tasks get `grace` to finish, then are cancelled and
     /// marked interrupted (queued ones stay queued for the next start); every sandbox is
     /// closed before this returns.
-    pub async fn shutdown(&self, grace: Duration) {
+    pub async fn shutdown(self: &Arc<Self>, grace: Duration) {
         self.stopping.store(true, Ordering::SeqCst);
         self.tracker.close();
         let running = self.active.lock().map_or(0, |a| a.len());
@@ -291,6 +300,8 @@ impl Supervisor {
                 tracing::warn!("some tasks did not stop within 30 s of being cancelled");
             }
         }
+        let this = self.clone();
+        let _ = tokio::task::spawn_blocking(move || this.flush()).await;
     }
 
     fn enqueue(self: &Arc<Self>, id: String, spec: TaskSpec, history: Vec<Message>) {
@@ -328,10 +339,10 @@ impl Supervisor {
         let Ok(_permit) = permit else {
             return;
         };
-        if let Err(e) = self.store.set_state(id, TaskState::Running, now_ms()) {
-            tracing::error!(task = id, error = %e, "cannot mark the task running");
-            return;
-        }
+        // Through the writer, in order with the task's events, so the turn loop starts at once.
+        let _ = self
+            .writer
+            .send(Write::State(id.to_owned(), TaskState::Running, now_ms()));
         let (settings, model, executor) = match self.prepare(id, &spec, history) {
             Ok(parts) => parts,
             Err(info) => {
@@ -380,13 +391,23 @@ impl Supervisor {
         run_task(settings, &model, executor, sink, token).await;
     }
 
-    /// Stores an event, then sends it to live subscribers.
+    /// Queues an event for the writer, which commits it and only then sends it to live
+    /// subscribers. The turn loop never waits on the disk.
     fn record(&self, id: &str, msg: &EventMsg) {
-        match self.store.append(id, msg, now_ms()) {
-            Ok(event) => {
-                let _ = self.live.send(Arc::new((id.to_owned(), event)));
-            }
-            Err(e) => tracing::error!(task = id, error = %e, "cannot store an event"),
+        if self
+            .writer
+            .send(Write::Event(id.to_owned(), msg.clone(), now_ms()))
+            .is_err()
+        {
+            tracing::error!(task = id, "the store writer is gone; an event was lost");
+        }
+    }
+
+    /// Waits until every event queued so far is committed.
+    pub fn flush(&self) {
+        let (ack, done) = std::sync::mpsc::channel();
+        if self.writer.send(Write::Flush(ack)).is_ok() {
+            let _ = done.recv_timeout(Duration::from_secs(10));
         }
     }
 
@@ -448,6 +469,62 @@ impl Supervisor {
             models.insert(key, model.clone());
         }
         Ok(model)
+    }
+}
+
+/// Work for the store's writer thread, in order.
+enum Write {
+    Event(String, EventMsg, u64),
+    State(String, TaskState, u64),
+    Flush(std::sync::mpsc::Sender<()>),
+}
+
+/// The writer thread: commits whatever events are waiting in one transaction (a burst from
+/// many tasks costs one commit), then sends them to live subscribers.
+fn write_events(
+    store: &Store,
+    writes: &std::sync::mpsc::Receiver<Write>,
+    live: &broadcast::Sender<Arc<(String, Event)>>,
+) {
+    let commit = |events: &mut Vec<(String, EventMsg, u64)>| {
+        if events.is_empty() {
+            return;
+        }
+        match store.append_batch(events) {
+            Ok(stored) => {
+                for item in stored {
+                    let _ = live.send(Arc::new(item));
+                }
+            }
+            Err(e) => tracing::error!(error = %e, events = events.len(), "cannot store events"),
+        }
+        events.clear();
+    };
+    while let Ok(first) = writes.recv() {
+        let mut events = Vec::new();
+        let mut acks = Vec::new();
+        let mut next = Some(first);
+        while let Some(write) = next.take() {
+            match write {
+                Write::Event(id, msg, at) => events.push((id, msg, at)),
+                Write::State(id, state, at) => {
+                    commit(&mut events);
+                    if let Err(e) = store.set_state(&id, state, at) {
+                        tracing::error!(task = %id, error = %e, "cannot record the task's state");
+                    }
+                }
+                Write::Flush(ack) => acks.push(ack),
+            }
+            // Gather what arrives within a moment (2 ms is nothing next to a model call), so
+            // concurrent tasks share commits instead of waking the writer for each event.
+            if events.len() < 1024 {
+                next = writes.recv_timeout(Duration::from_millis(2)).ok();
+            }
+        }
+        commit(&mut events);
+        for ack in acks {
+            let _ = ack.send(());
+        }
     }
 }
 
