@@ -670,3 +670,52 @@ async fn a_restart_reaps_the_sandboxes_a_killed_daemon_left() {
     }
     assert_eq!(workspaces(), Vec::<String>::new());
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn logs_follow_reconnects_across_a_daemon_restart() {
+    let tasks = slow_tasks(1, "followed");
+    let server = ScriptedOpenAi::start(two_turns(tasks)).await.unwrap();
+    let mut d = Daemon::start(&server, &[]).await;
+    let id = d.submit(json!({"task": "followed 0"})).await;
+    let follower = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["logs", "-f", "--json", &id])
+        .env("TANDEM_HOST", d.host())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while d.get(&format!("/v1/tasks/{id}")).await["state"] != "running" {
+        assert!(started.elapsed() < Duration::from_secs(30));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    d.kill9();
+    d.spawn().await;
+    let (code, _, err) = d.cli(&["resume", &id]).await;
+    assert_eq!(code, 0, "{err}");
+    let out = tokio::time::timeout(Duration::from_secs(60), follower.wait_with_output())
+        .await
+        .expect("logs -f did not finish")
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let events: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // Every stored event exactly once, in order, through the restart, ending with the end.
+    let stored = d.events(&id, 0).await;
+    let types = |es: &[Value]| es.iter().map(|e| e["type"].clone()).collect::<Vec<_>>();
+    assert_eq!(types(&events), types(&stored));
+    assert_eq!(events.last().unwrap()["type"], "task_finished");
+    assert_eq!(
+        block_output(&stored).last().map(String::as_str),
+        Some("slow 0 done\n")
+    );
+}
