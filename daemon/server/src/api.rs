@@ -69,6 +69,20 @@ impl From<crate::StoreError> for ApiError {
     }
 }
 
+/// Runs store work on the blocking pool: the store's lock may wait for the writer's commit,
+/// and the async workers (two on a small machine) must keep serving meanwhile.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            format!("a store call failed: {e}"),
+        )
+    })?
+}
+
 #[derive(Clone)]
 struct AppState {
     supervisor: Arc<Supervisor>,
@@ -165,7 +179,8 @@ async fn create_task(
             ),
         )
     })?;
-    let record = state.supervisor.submit(spec)?;
+    let sup = state.supervisor.clone();
+    let record = blocking(move || Ok(sup.submit(spec)?)).await?;
     Ok((StatusCode::CREATED, Json(json!(record))))
 }
 
@@ -183,7 +198,8 @@ async fn list_tasks(
             )
         })?),
     };
-    let tasks = state.supervisor.store().list(filter)?;
+    let sup = state.supervisor.clone();
+    let tasks = blocking(move || Ok(sup.store().list(filter)?)).await?;
     Ok(Json(json!({ "tasks": tasks })))
 }
 
@@ -191,22 +207,26 @@ async fn get_task(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let sup = &state.supervisor;
-    let record = sup
-        .store()
-        .get(&id)?
-        .ok_or(TaskError::NotFound(id.clone()))?;
-    let transcript = sup.transcript(&record)?;
-    let mut body = json!(record);
-    body["transcript"] = json!(transcript);
-    Ok(Json(body))
+    let sup = state.supervisor.clone();
+    blocking(move || {
+        let record = sup
+            .store()
+            .get(&id)?
+            .ok_or(TaskError::NotFound(id.clone()))?;
+        let transcript = sup.transcript(&record)?;
+        let mut body = json!(record);
+        body["transcript"] = json!(transcript);
+        Ok(Json(body))
+    })
+    .await
 }
 
 async fn cancel_task(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let record = state.supervisor.cancel(&id)?;
+    let sup = state.supervisor.clone();
+    let record = blocking(move || Ok(sup.cancel(&id)?)).await?;
     Ok(Json(json!(record)))
 }
 
@@ -214,7 +234,8 @@ async fn resume_task(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let record = state.supervisor.resume(&id)?;
+    let sup = state.supervisor.clone();
+    let record = blocking(move || Ok(sup.resume(&id)?)).await?;
     Ok(Json(json!(record)))
 }
 
@@ -244,8 +265,8 @@ async fn healthz(State(state): State<AppState>) -> Json<serde_json::Value> {
 }
 
 async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
-    let counts = state.supervisor.store().counts()?;
-    let text = state.supervisor.metrics.render(&counts);
+    let sup = state.supervisor.clone();
+    let text = blocking(move || Ok(sup.metrics.render(&sup.store().counts()?))).await?;
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
 }
 
@@ -273,7 +294,11 @@ async fn task_events(
         })?,
     };
     let sup = state.supervisor.clone();
-    if sup.store().get(&id)?.is_none() {
+    let (check, wanted) = (sup.clone(), id.clone());
+    if blocking(move || Ok(check.store().get(&wanted)?))
+        .await?
+        .is_none()
+    {
         return Err(TaskError::NotFound(id).into());
     }
     let follow = query.get("follow").is_none_or(|f| f != "false");
@@ -314,15 +339,7 @@ async fn forward(
     tx: mpsc::Sender<SseEvent>,
     shutdown: CancellationToken,
 ) {
-    // Sends stored events after `last`; true once the task's last event went out.
-    let catch_up = |last: &mut u64| -> Option<Vec<Event>> {
-        let events = sup.store().events_after(&id, *last).ok()?;
-        if let Some(e) = events.last() {
-            *last = e.seq;
-        }
-        Some(events)
-    };
-    let Some(stored) = catch_up(&mut last) else {
+    let Some(stored) = catch_up(&sup, &id, &mut last).await else {
         return;
     };
     for e in &stored {
@@ -336,7 +353,7 @@ async fn forward(
     if stored
         .iter()
         .any(|e| matches!(e.msg, EventMsg::TaskFinished { .. }))
-        || is_finished(&sup, &id)
+        || is_finished(&sup, &id).await
     {
         return;
     }
@@ -351,16 +368,20 @@ async fn forward(
                 last = item.1.seq;
                 vec![item.1.clone()]
             }
-            Ok(item) if item.0 == id && item.1.seq > last + 1 => match catch_up(&mut last) {
-                Some(events) => events,
-                None => return,
-            },
+            Ok(item) if item.0 == id && item.1.seq > last + 1 => {
+                match catch_up(&sup, &id, &mut last).await {
+                    Some(events) => events,
+                    None => return,
+                }
+            }
             Ok(_) => continue,
             // Too slow to keep up with the live feed: the store has everything.
-            Err(broadcast::error::RecvError::Lagged(_)) => match catch_up(&mut last) {
-                Some(events) => events,
-                None => return,
-            },
+            Err(broadcast::error::RecvError::Lagged(_)) => {
+                match catch_up(&sup, &id, &mut last).await {
+                    Some(events) => events,
+                    None => return,
+                }
+            }
             Err(broadcast::error::RecvError::Closed) => return,
         };
         for e in &batch {
@@ -374,10 +395,25 @@ async fn forward(
     }
 }
 
-fn is_finished(sup: &Supervisor, id: &str) -> bool {
-    sup.store()
-        .get(id)
+/// The stored events after `last` (advancing it), read off the async workers.
+async fn catch_up(sup: &Arc<Supervisor>, id: &str, last: &mut u64) -> Option<Vec<Event>> {
+    let (sup, id, after) = (sup.clone(), id.to_owned(), *last);
+    let events = tokio::task::spawn_blocking(move || sup.store().events_after(&id, after))
+        .await
+        .ok()?
+        .ok()?;
+    if let Some(e) = events.last() {
+        *last = e.seq;
+    }
+    Some(events)
+}
+
+async fn is_finished(sup: &Arc<Supervisor>, id: &str) -> bool {
+    let (sup, id) = (sup.clone(), id.to_owned());
+    tokio::task::spawn_blocking(move || sup.store().get(&id))
+        .await
         .ok()
+        .and_then(Result::ok)
         .flatten()
         .is_some_and(|t| t.state == TaskState::Finished)
 }
