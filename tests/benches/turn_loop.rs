@@ -580,8 +580,8 @@ async fn daemon(tasks: usize, concurrency: usize) {
     })
     .unwrap();
 
-    // In-process and over HTTP, the same tasks and concurrency, alternated three times (one
-    // round is about a second, too short to trust alone); medians are compared.
+    // In-process and over HTTP, the same tasks and concurrency, alternated five times (a
+    // round lasts a second or two, too short to trust alone); medians are compared.
     let executor: Arc<dyn Executor> = Arc::new(local_executor(true));
     let d = Daemon::start(&bin, &server.base_url(), concurrency).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -589,7 +589,7 @@ async fn daemon(tasks: usize, concurrency: usize) {
     let http = d.http();
     let mut in_process_runs = Vec::new();
     let mut daemon_runs = Vec::new();
-    for round in 0..3u64 {
+    for round in 0..5u64 {
         in_process_runs.push(tasks_at(&model, executor.clone(), tasks, concurrency).await);
         let started = Instant::now();
         futures::future::join_all((0..tasks).map(|i| {
@@ -648,12 +648,12 @@ async fn daemon(tasks: usize, concurrency: usize) {
     println!("| run | wall | tasks/s | vs in-process |");
     println!("|---|---|---|---|");
     println!(
-        "| in-process `run_task` (same run, median of 3) | {:.2} s | {:.1} | 100% |",
+        "| in-process `run_task` (same run, median of 5) | {:.2} s | {:.1} | 100% |",
         in_process.as_secs_f64(),
         rate(in_process)
     );
     println!(
-        "| daemon: submitted over HTTP (Unix socket) until all finished (median of 3) | {:.2} s | {:.1} | {:.0}% |",
+        "| daemon: submitted over HTTP (Unix socket) until all finished (median of 5) | {:.2} s | {:.1} | {:.0}% |",
         over_http.as_secs_f64(),
         rate(over_http),
         100.0 * rate(over_http) / rate(in_process)
@@ -711,7 +711,7 @@ fn main() {
             docker_session_open(10).await;
         }
         if run("daemon") {
-            daemon(200, 8).await;
+            daemon(400, 8).await;
         }
     });
 }
