@@ -610,6 +610,27 @@ async fn exec_runs_markdown_blocks_in_one_session() {
     assert_eq!(results[1]["language"], "sh");
     assert_eq!(results[2]["exit_code"], 5);
     assert!(work.path().join("pkg/data.py").exists());
+    // A one-shot leaves nothing behind in $TMPDIR (scratch dirs, transient workspaces).
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp_dir = tmp.path().to_str().unwrap();
+    let out = tandem(
+        &["exec", "--lang", "python"],
+        &[("TMPDIR", tmp_dir)],
+        Some("print('ok')"),
+    )
+    .await;
+    assert_eq!(
+        (out.code, out.stdout.as_str()),
+        (0, "ok\n"),
+        "{}",
+        out.stderr
+    );
+    let left: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "left in TMPDIR: {left:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -63,6 +63,8 @@ struct Inner {
     interpreters: OnceLock<Interpreters>,
     languages: Vec<Language>,
     env: Vec<(String, String)>,
+    /// Where temporary workspaces go (see [`local_root`]).
+    root: PathBuf,
     /// Started on the first python block; `Err` once starting it failed (then blocks spawn).
     fork_server: tokio::sync::Mutex<Option<Result<Arc<ForkServer>, ()>>>,
 }
@@ -127,6 +129,7 @@ impl LocalExecutor {
                 interpreters: OnceLock::new(),
                 languages,
                 env,
+                root: local_root(),
                 fork_server: tokio::sync::Mutex::new(None),
             }),
         }
@@ -165,22 +168,33 @@ impl LocalExecutor {
 /// Temporary workspaces live in `$TMPDIR/tandem-local-<pid>-<start-time>/` of their owner.
 const ROOT_PREFIX: &str = "tandem-local-";
 
-/// This process's directory for temporary workspaces, made owner-only on first use.
-fn local_root() -> std::io::Result<PathBuf> {
+/// This process's directory for temporary workspaces: `$TMPDIR/tandem-local-<pid>-<start>`.
+fn local_root() -> PathBuf {
     let pid = std::process::id();
-    let dir = std::env::temp_dir().join(format!(
+    std::env::temp_dir().join(format!(
         "{ROOT_PREFIX}{pid}-{}",
         owner::start_time(pid).unwrap_or_default()
-    ));
-    if !dir.exists() {
-        use std::os::unix::fs::DirBuilderExt;
-        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(e),
+    ))
+}
+
+/// A temporary directory inside `root`, which is made (owner-only) when missing: the last
+/// session to close removes it, so a one-shot command leaves nothing in `$TMPDIR`.
+fn temp_in(root: &Path, prefix: &str) -> std::io::Result<TempDir> {
+    use std::os::unix::fs::DirBuilderExt;
+    let make = || match std::fs::DirBuilder::new().mode(0o700).create(root) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => Err(e),
+        _ => Ok(()),
+    };
+    let temp = || tempfile::Builder::new().prefix(prefix).tempdir_in(root);
+    make()?;
+    match temp() {
+        // Another session's close removed the root in between.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            make()?;
+            temp()
         }
+        other => other,
     }
-    Ok(dir)
 }
 
 impl Executor for LocalExecutor {
@@ -219,11 +233,7 @@ struct LocalSession {
 impl LocalSession {
     fn create(inner: Arc<Inner>, spec: SessionSpec) -> Result<Self, ExecError> {
         inner.interpreters();
-        let root =
-            local_root().map_err(|e| ExecError::io("creating the workspaces directory", e))?;
-        let scratch = tempfile::Builder::new()
-            .prefix("tandem-scratch-")
-            .tempdir_in(&root)
+        let scratch = temp_in(&inner.root, "tandem-scratch-")
             .map_err(|e| ExecError::io("creating a scratch directory", e))?;
         let ws_err = |path: &Path| {
             let path = path.to_owned();
@@ -237,9 +247,7 @@ impl LocalSession {
                 (dir, None)
             }
             None => {
-                let dir = tempfile::Builder::new()
-                    .prefix("tandem-workspace-")
-                    .tempdir_in(&root)
+                let dir = temp_in(&inner.root, "tandem-workspace-")
                     .map_err(|e| ExecError::io("creating a workspace", e))?;
                 (dir.path().to_owned(), Some(dir))
             }
@@ -274,6 +282,7 @@ impl Session for LocalSession {
     fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
         Box::pin(async move {
             let Self {
+                inner,
                 owned_workspace,
                 scratch,
                 ..
@@ -283,6 +292,8 @@ impl Session for LocalSession {
                 if let Some(ws) = owned_workspace {
                     result = result.and(ws.close());
                 }
+                // Fails while other sessions still have directories in it, as it should.
+                let _ = std::fs::remove_dir(&inner.root);
                 result
             })
             .await

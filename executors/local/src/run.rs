@@ -147,7 +147,7 @@ async fn supervise(
             &req.language,
         )?,
     };
-    let killer = TreeKiller::new(Some(pgid), &exec_id);
+    let killer = TreeKiller::new(pgid, &exec_id);
     let stop_reading = CancellationToken::new();
     let cap = limits.output_bytes;
     let out = tokio::spawn(capture(
@@ -213,7 +213,7 @@ fn spawn(
     env: &[(String, String)],
     limits: &Limits,
     language: &Language,
-) -> Result<(u32, Reader, Reader, Running), ExecError> {
+) -> Result<(Option<u32>, Reader, Reader, Running), ExecError> {
     let mut cmd = Command::new(program);
     cmd.arg(script)
         .current_dir(workspace)
@@ -242,7 +242,9 @@ fn spawn(
         what: format!("{} ({language})", program.display()),
         hint: format!("starting it failed: {e}; install it or set its path in the config"),
     })?;
-    let pid = child.id().unwrap_or(0);
+    // No pid means it already exited and was reaped; there is no group to kill then (and a
+    // pgid of 0 would be Tandem's own).
+    let pid = child.id();
     let out: Reader = match child.stdout.take() {
         Some(r) => Box::new(r),
         None => Box::new(tokio::io::empty()),
@@ -261,7 +263,7 @@ async fn fork(
     workspace: &Path,
     env: &[(String, String)],
     limits: &Limits,
-) -> Result<(u32, Reader, Reader, Running), ExecError> {
+) -> Result<(Option<u32>, Reader, Reader, Running), ExecError> {
     let rlimits: Vec<(String, u64)> = rlimits(limits)
         .into_iter()
         .filter_map(|(r, l)| l.map(|l| (format!("{r:?}"), l)))
@@ -298,7 +300,7 @@ async fn fork(
             "the Python fork server did not start the block within {FORK_START_LIMIT:?}"
         ))
     })?;
-    Ok((pid, out, err, Running::Forked(status)))
+    Ok((Some(pid), out, err, Running::Forked(status)))
 }
 
 async fn capture(
