@@ -73,6 +73,7 @@ pub struct DockerSection {
     pub network: Option<bool>,
     pub read_only: Option<bool>,
     pub languages: Option<Vec<String>>,
+    pub workspace_dir: Option<PathBuf>,
     /// Extra variables passed to code; nothing from the daemon's environment is.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
@@ -235,6 +236,7 @@ pub fn docker_config(file: &FileConfig, image: Option<&str>) -> Result<DockerCon
             None => defaults.languages,
         },
         daemon_id: defaults.daemon_id,
+        workspace_dir: d.workspace_dir.clone(),
     })
 }
 

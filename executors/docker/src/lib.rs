@@ -74,6 +74,9 @@ pub struct DockerConfig {
     pub languages: Vec<Language>,
     /// The `tandem.daemon` label value.
     pub daemon_id: String,
+    /// Where temporary workspaces are made (default `$TMPDIR`); the engine bind-mounts them,
+    /// so with a remote engine this must be a directory both machines see at the same path.
+    pub workspace_dir: Option<PathBuf>,
 }
 
 impl Default for DockerConfig {
@@ -92,6 +95,7 @@ impl Default for DockerConfig {
             env: Vec::new(),
             languages: vec![Language::python(), Language::sh()],
             daemon_id: format!("tandem-{}", std::process::id()),
+            workspace_dir: None,
         }
     }
 }
@@ -216,11 +220,6 @@ impl DockerExecutor {
             Err(e) => tracing::warn!(error = %e, "looking for leftover containers failed"),
         }
         Ok(executor)
-    }
-
-    /// The settings in force.
-    pub fn config(&self) -> &DockerConfig {
-        &self.inner.config
     }
 
     /// The engine's version, for diagnostics.
@@ -378,13 +377,7 @@ impl DockerExecutor {
             .memory_bytes
             .map_or(c.memory_bytes, |m| m.min(c.memory_bytes));
         let memory = i64::try_from(bytes).unwrap_or(i64::MAX);
-        let mut env = vec![
-            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_owned(),
-            "LANG=C.UTF-8".to_owned(),
-            "HOME=/workspace".to_owned(),
-            "TMPDIR=/tmp".to_owned(),
-        ];
-        env.extend(c.env.iter().map(|(k, v)| format!("{k}={v}")));
+        let env = base_env(c).map(|(k, v)| format!("{k}={v}")).collect();
         ContainerCreateBody {
             image: Some(c.image.clone()),
             entrypoint: Some(vec![
@@ -541,12 +534,20 @@ pub(crate) async fn remove_container(docker: &Docker, id: &str) {
     }
 }
 
-/// Where temporary workspaces go; `TANDEM_DOCKER_WORKSPACES` overrides it (the engine must
-/// see the same path, so a remote engine needs a shared directory).
-pub(crate) fn workspace_parent() -> PathBuf {
-    std::env::var_os("TANDEM_DOCKER_WORKSPACES")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir)
+/// The environment code gets, and nothing else of the host's: the allowlist plus the
+/// configured extras. The container starts with it; each block gets it too.
+pub(crate) fn base_env(c: &DockerConfig) -> impl Iterator<Item = (&str, &str)> {
+    [
+        (
+            "PATH",
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        ),
+        ("LANG", "C.UTF-8"),
+        ("HOME", "/workspace"),
+        ("TMPDIR", "/tmp"),
+    ]
+    .into_iter()
+    .chain(c.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
 }
 
 #[cfg(test)]

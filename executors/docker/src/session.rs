@@ -118,6 +118,7 @@ impl DockerSession {
         spec: SessionSpec,
     ) -> Result<Self, ExecError> {
         let session_id = uuid::Uuid::new_v4().simple().to_string();
+        let inner = executor.inner();
         let ws_err = |path: &Path| {
             let path = path.to_owned();
             move |source| ExecError::Workspace { path, source }
@@ -130,7 +131,13 @@ impl DockerSession {
             None => {
                 let dir = tempfile::Builder::new()
                     .prefix("tandem-docker-ws-")
-                    .tempdir_in(crate::workspace_parent())
+                    .tempdir_in(
+                        inner
+                            .config
+                            .workspace_dir
+                            .clone()
+                            .unwrap_or_else(std::env::temp_dir),
+                    )
                     .map_err(|e| ExecError::io("creating a workspace", e))?;
                 (dir.path().to_owned(), Some(dir))
             }
@@ -138,7 +145,6 @@ impl DockerSession {
         // Code runs as an unprivileged user that must be able to write the workspace.
         set_mode(&workspace, 0o777).map_err(ws_err(&workspace))?;
 
-        let inner = executor.inner();
         let mut labels: HashMap<String, String> = spec.labels.iter().cloned().collect();
         labels.insert(labels::DAEMON.to_owned(), inner.config.daemon_id.clone());
         labels.insert(labels::OWNER.to_owned(), inner.owner.clone());
@@ -288,7 +294,8 @@ impl DockerSession {
             ));
         };
         self.blocks += 1;
-        let path = match filename_directive(&req.code) {
+        let directive = filename_directive(&req.code);
+        let path = match directive {
             Some(name) => match clean_relative(name) {
                 Ok(rel) => format!("/workspace/{}", rel.display()),
                 Err(e) => return Ok(ExecOutcome::refused(&e.to_string())),
@@ -301,7 +308,7 @@ impl DockerSession {
                 req.language.extension()
             ),
         };
-        let transient = filename_directive(&req.code).is_none();
+        let transient = directive.is_none();
         let limits = self.limits.clone();
         let rlimits: Vec<(&str, u64)> = [
             ("RLIMIT_CPU", limits.cpu_secs),
@@ -312,18 +319,9 @@ impl DockerSession {
         .into_iter()
         .filter_map(|(name, limit)| limit.map(|l| (name, l)))
         .collect();
-        let mut env: HashMap<String, String> = HashMap::from([
-            (
-                "PATH".to_owned(),
-                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_owned(),
-            ),
-            ("LANG".to_owned(), "C.UTF-8".to_owned()),
-            ("HOME".to_owned(), "/workspace".to_owned()),
-            ("TMPDIR".to_owned(), "/tmp".to_owned()),
-            ("PYTHONUNBUFFERED".to_owned(), "1".to_owned()),
-            ("PYTHONDONTWRITEBYTECODE".to_owned(), "1".to_owned()),
-        ]);
-        env.extend(inner.config.env.iter().cloned());
+        let env: HashMap<&str, &str> = crate::base_env(&inner.config)
+            .chain([("PYTHONUNBUFFERED", "1"), ("PYTHONDONTWRITEBYTECODE", "1")])
+            .collect();
         let request = serde_json::json!({
             "op": "run",
             "argv": [argv0, &path],
@@ -620,7 +618,6 @@ fn interpreter(language: &Language) -> Option<&'static str> {
     match language.as_str() {
         "python" => Some("python3"),
         "sh" => Some("sh"),
-        "bash" => Some("bash"),
         "javascript" => Some("node"),
         _ => None,
     }
