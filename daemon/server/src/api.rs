@@ -321,14 +321,13 @@ async fn task_events(
 }
 
 fn sse_event(e: &Event) -> SseEvent {
-    let kind = serde_json::to_value(&e.msg)
-        .ok()
-        .and_then(|v| v["type"].as_str().map(str::to_owned))
-        .unwrap_or_default();
+    // Serialised once: the `type` names the SSE event, the whole is its data.
+    let value = serde_json::to_value(e).unwrap_or_default();
+    let kind = value["type"].as_str().unwrap_or_default().to_owned();
     SseEvent::default()
         .id(e.seq.to_string())
         .event(kind)
-        .data(serde_json::to_string(e).unwrap_or_default())
+        .data(value.to_string())
 }
 
 async fn forward(

@@ -234,13 +234,6 @@ impl Store {
         })
     }
 
-    /// Appends an event with the next seq of its task and commits it; returns it as stored.
-    /// A finishing event also records the task's end in the same transaction.
-    pub fn append(&self, task_id: &str, msg: &EventMsg, now_ms: u64) -> Result<Event> {
-        let mut events = self.append_batch(&[(task_id.to_owned(), msg.clone(), now_ms)])?;
-        events.pop().map(|(_, e)| e).ok_or(StoreError::Poisoned)
-    }
-
     /// Appends many events (of any tasks, in order) in one transaction: one commit for a
     /// burst of events instead of one each. Returns them as stored, with their task ids.
     pub fn append_batch(&self, items: &[(String, EventMsg, u64)]) -> Result<Vec<(String, Event)>> {
@@ -521,24 +514,26 @@ mod tests {
             store.create("a", &spec("first"), 1).unwrap();
             store.create("b", &spec("second"), 2).unwrap();
             store.set_state("a", TaskState::Running, 3).unwrap();
-            let e1 = store
-                .append("a", &EventMsg::TurnStarted { turn: 1 }, 4)
+            let stored = store
+                .append_batch(&[
+                    ("a".into(), EventMsg::TurnStarted { turn: 1 }, 4),
+                    ("b".into(), EventMsg::TurnStarted { turn: 1 }, 4),
+                    (
+                        "a".into(),
+                        EventMsg::AssistantMessage {
+                            turn: 1,
+                            text: "hi".into(),
+                            usage: Some(Usage {
+                                prompt_tokens: 10,
+                                completion_tokens: 3,
+                            }),
+                        },
+                        5,
+                    ),
+                ])
                 .unwrap();
-            let e2 = store
-                .append(
-                    "a",
-                    &EventMsg::AssistantMessage {
-                        turn: 1,
-                        text: "hi".into(),
-                        usage: Some(Usage {
-                            prompt_tokens: 10,
-                            completion_tokens: 3,
-                        }),
-                    },
-                    5,
-                )
-                .unwrap();
-            assert_eq!((e1.seq, e2.seq), (1, 2));
+            let seqs: Vec<(&str, u64)> = stored.iter().map(|(t, e)| (t.as_str(), e.seq)).collect();
+            assert_eq!(seqs, [("a", 1), ("b", 1), ("a", 2)]);
         }
         let store = Store::open(&path).unwrap();
         assert_eq!(store.interrupt_running().unwrap(), ["a"]);
@@ -558,6 +553,11 @@ mod tests {
         let after = store.events_after("a", 1).unwrap();
         assert_eq!(after.len(), 1);
         assert_eq!(after[0].seq, 2);
+        // A new process continues each task's seq from what is on disk.
+        let next = store
+            .append_batch(&[("a".into(), EventMsg::TurnStarted { turn: 2 }, 6)])
+            .unwrap();
+        assert_eq!(next[0].1.seq, 3);
         let queued: Vec<String> = store
             .list(Some(TaskState::Queued))
             .unwrap()
@@ -574,9 +574,9 @@ mod tests {
         let store = Store::open(&dir.path().join("t.db")).unwrap();
         store.create("t", &spec("x"), 1).unwrap();
         store
-            .append(
-                "t",
-                &EventMsg::TaskFinished {
+            .append_batch(&[(
+                "t".into(),
+                EventMsg::TaskFinished {
                     stop_reason: StopReason::MaxTurns,
                     turns: 3,
                     usage: Usage::default(),
@@ -585,7 +585,7 @@ mod tests {
                     summary: None,
                 },
                 7,
-            )
+            )])
             .unwrap();
         let t = store.get("t").unwrap().unwrap();
         assert_eq!(

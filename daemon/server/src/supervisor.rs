@@ -262,17 +262,7 @@ impl Supervisor {
             ),
             Message::new(Role::User, record.spec.task.clone()),
         ];
-        for e in self.store.events_after(&record.id, 0)? {
-            match e.msg {
-                EventMsg::AssistantMessage { text, .. } => {
-                    messages.push(Message::new(Role::Assistant, text));
-                }
-                EventMsg::ExecutorMessage { text, .. } => {
-                    messages.push(Message::new(Role::User, text));
-                }
-                _ => {}
-            }
-        }
+        messages.extend(conversation(&self.store.events_after(&record.id, 0)?));
         Ok(messages)
     }
 
@@ -352,6 +342,7 @@ impl Supervisor {
         };
         let this = self.clone();
         let task_id = id.to_owned();
+        let executor_name = executor_name(self, &spec);
         let turn_started = Mutex::new(None::<Instant>);
         let sink = Arc::new(move |msg: EventMsg| {
             match &msg {
@@ -369,19 +360,19 @@ impl Supervisor {
                     }
                 }
                 EventMsg::ExecResult { result, .. } => {
-                    this.metrics.execution(&executor_name(&this, &spec), result);
+                    this.metrics.execution(&executor_name, result);
                 }
                 // A shutdown interrupts the task rather than ending it: it can resume.
                 EventMsg::TaskFinished {
                     stop_reason: StopReason::Cancelled,
                     ..
                 } if this.stopping() => {
-                    if let Err(e) = this
-                        .store
-                        .set_state(&task_id, TaskState::Interrupted, now_ms())
-                    {
-                        tracing::error!(task = %task_id, error = %e, "cannot mark the task interrupted");
-                    }
+                    // In order with the task's events, like every other write.
+                    let _ = this.writer.send(Write::State(
+                        task_id.clone(),
+                        TaskState::Interrupted,
+                        now_ms(),
+                    ));
                     return;
                 }
                 _ => {}
@@ -545,22 +536,26 @@ fn finished(stop_reason: StopReason, turns: u32, error: Option<ErrorInfo>) -> Ev
     }
 }
 
-/// The turns an interrupted task had completed: each assistant reply with the report that
-/// answered it. A reply whose code was cut off by the interruption is asked for again.
-fn history(events: &[Event]) -> Vec<Message> {
-    let mut messages = Vec::new();
-    let mut pending: Option<String> = None;
-    for e in events {
-        match &e.msg {
-            EventMsg::AssistantMessage { text, .. } => pending = Some(text.clone()),
-            EventMsg::ExecutorMessage { text, .. } => {
-                if let Some(reply) = pending.take() {
-                    messages.push(Message::new(Role::Assistant, reply));
-                    messages.push(Message::new(Role::User, text.clone()));
-                }
+/// What the assistant and the executor said, in order, from the stored events.
+fn conversation(events: &[Event]) -> Vec<Message> {
+    events
+        .iter()
+        .filter_map(|e| match &e.msg {
+            EventMsg::AssistantMessage { text, .. } => {
+                Some(Message::new(Role::Assistant, text.clone()))
             }
-            _ => {}
-        }
+            EventMsg::ExecutorMessage { text, .. } => Some(Message::new(Role::User, text.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The turns an interrupted task completed: a last reply that its report never answered
+/// (the interruption cut its code off) is asked for again.
+fn history(events: &[Event]) -> Vec<Message> {
+    let mut messages = conversation(events);
+    if messages.last().is_some_and(|m| m.role == Role::Assistant) {
+        messages.pop();
     }
     messages
 }
