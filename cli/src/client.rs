@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, bail};
 use futures::StreamExt;
 use serde_json::Value;
-use tandem_protocol::{Event, EventMsg, StopReason, TaskSpec};
+use tandem_protocol::{Event, EventMsg, TaskSpec};
 
 use crate::exit;
 use crate::render::{Mode, Renderer};
@@ -251,17 +251,6 @@ fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
     cause.to_string()
 }
 
-/// The exit code `tandem run` uses for a stop reason.
-pub fn exit_code(reason: StopReason) -> u8 {
-    match reason {
-        StopReason::Terminated => exit::DONE,
-        StopReason::MaxTurns => exit::MAX_TURNS,
-        StopReason::Timeout => exit::TIMEOUT,
-        StopReason::Cancelled => exit::CANCELLED,
-        StopReason::Error => exit::FAILED,
-    }
-}
-
 /// Follows a task to its end, rendering its events; Ctrl-C cancels it on the daemon.
 pub async fn follow(client: &Client, id: &str, mode: Mode) -> Result<u8> {
     let renderer = Arc::new(Mutex::new(Renderer::stdout(mode)));
@@ -288,16 +277,11 @@ pub async fn follow(client: &Client, id: &str, mode: Mode) -> Result<u8> {
         })
         .await;
     ctrl_c.abort();
-    if let Ok(r) = renderer.lock() {
-        if r.error
-            .as_ref()
-            .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
-        {
-            return Ok(exit::DONE);
-        }
+    if renderer.lock().is_ok_and(|r| r.reader_gone()) {
+        return Ok(exit::DONE);
     }
     match last?.map(|e| e.msg) {
-        Some(EventMsg::TaskFinished { stop_reason, .. }) => Ok(exit_code(stop_reason)),
+        Some(EventMsg::TaskFinished { stop_reason, .. }) => Ok(exit::for_stop(stop_reason)),
         _ => Ok(exit::FAILED),
     }
 }

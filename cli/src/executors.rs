@@ -45,23 +45,37 @@ pub async fn resolve(
 pub async fn auto(file: &FileConfig, image: Option<&str>) -> Result<(Arc<dyn Executor>, String)> {
     let config = config::docker_config(file, image)?;
     let image = config.image.clone();
-    let why = match DockerExecutor::connect(config).await {
+    let connected = DockerExecutor::connect(config).await;
+    let why_not = why_not_docker(connected.as_ref(), &image).await;
+    Ok(match (connected, why_not) {
+        (Ok(docker), None) => (Arc::new(docker), docker_why(&image)),
+        (_, why_not) => (local(file), why_not.unwrap_or_default()),
+    })
+}
+
+/// Why `auto` picks docker.
+pub fn docker_why(image: &str) -> String {
+    format!("the Docker engine answers and image `{image}` is present")
+}
+
+/// Why `auto` cannot pick docker, given a connection the caller made; `None` when it can.
+pub async fn why_not_docker(
+    connected: Result<&DockerExecutor, &DockerError>,
+    image: &str,
+) -> Option<String> {
+    match connected {
         Ok(docker) => match docker.image_present().await {
-            Ok(true) => {
-                let why = format!("the Docker engine answers and image `{image}` is present");
-                return Ok((Arc::new(docker), why));
-            }
-            Ok(false) => format!(
+            Ok(true) => None,
+            Ok(false) => Some(format!(
                 "docker: image `{image}` is not present; pull it, or build one offline with scripts/build-sandbox-image.sh and set TANDEM_DOCKER_IMAGE=tandem-sandbox:latest"
-            ),
-            Err(e) => format!("docker: {e}"),
+            )),
+            Err(e) => Some(format!("docker: {e}")),
         },
         Err(DockerError::Unreachable { host, .. }) => {
-            format!("docker: no engine answers at {host}")
+            Some(format!("docker: no engine answers at {host}"))
         }
-        Err(e) => format!("docker: {e}"),
-    };
-    Ok((local(file), why))
+        Err(e) => Some(format!("docker: {e}")),
+    }
 }
 
 fn local(file: &FileConfig) -> Arc<dyn Executor> {
@@ -84,7 +98,8 @@ pub async fn report(file: &FileConfig, image: Option<&str>) -> Result<Vec<String
     ));
     let config = config::docker_config(file, image)?;
     let image_name = config.image.clone();
-    match DockerExecutor::connect(config).await {
+    let connected = DockerExecutor::connect(config).await;
+    match &connected {
         Ok(docker) => {
             let version = docker
                 .engine_version()
@@ -102,7 +117,10 @@ pub async fn report(file: &FileConfig, image: Option<&str>) -> Result<Vec<String
         }
         Err(e) => lines.push(format!("executor:  docker - unavailable: {e}")),
     }
-    let (picked, why) = auto(file, image).await?;
-    lines.push(format!("auto:      {} ({why})", picked.name()));
+    let auto = match why_not_docker(connected.as_ref(), &image_name).await {
+        None => format!("docker ({})", docker_why(&image_name)),
+        Some(why) => format!("local ({why})"),
+    };
+    lines.push(format!("auto:      {auto}"));
     Ok(lines)
 }

@@ -30,6 +30,18 @@ pub mod exit {
     pub const TIMEOUT: u8 = 4;
     /// Cancelled (Ctrl-C).
     pub const CANCELLED: u8 = 130;
+
+    /// The exit code for how a task ended, whether it ran here or on the daemon.
+    pub fn for_stop(reason: tandem_protocol::StopReason) -> u8 {
+        use tandem_protocol::StopReason;
+        match reason {
+            StopReason::Terminated => DONE,
+            StopReason::MaxTurns => MAX_TURNS,
+            StopReason::Timeout => TIMEOUT,
+            StopReason::Cancelled => CANCELLED,
+            StopReason::Error => FAILED,
+        }
+    }
 }
 
 #[derive(Debug, Parser)]

@@ -14,6 +14,13 @@ pub enum Mode {
     Json,
 }
 
+impl Mode {
+    /// `Json` for `--json`, else `Human`.
+    pub fn json(json: bool) -> Self {
+        if json { Self::Json } else { Self::Human }
+    }
+}
+
 /// Turns events into output; the first write error (a closed pipe) is kept and reported.
 pub struct Renderer<W: Write> {
     out: W,
@@ -45,6 +52,13 @@ impl<W: Write> Renderer<W> {
             at_line_start: true,
             error: None,
         }
+    }
+
+    /// Whether the reader went away (`| head`), which ends the output but is no failure.
+    pub fn reader_gone(&self) -> bool {
+        self.error
+            .as_ref()
+            .is_some_and(|e| e.kind() == io::ErrorKind::BrokenPipe)
     }
 
     /// Writes one event; after a write error, later events are dropped.

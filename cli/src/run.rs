@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use anyhow::{Context, Result};
 use tandem_agent::{ChatModel, TaskSettings, run_task};
 use tandem_executor::{CancellationToken, SessionSpec};
-use tandem_protocol::{EventMsg, StopReason};
+use tandem_protocol::EventMsg;
 
 use crate::config::{self, FileConfig, ModelFlags};
 use crate::exit;
@@ -106,11 +106,7 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
 
     let cancel = CancellationToken::new();
     spawn_ctrl_c(cancel.clone());
-    let renderer = Arc::new(Mutex::new(Renderer::stdout(if args.json {
-        Mode::Json
-    } else {
-        Mode::Human
-    })));
+    let renderer = Arc::new(Mutex::new(Renderer::stdout(Mode::json(args.json))));
     let sink_renderer = renderer.clone();
     let sink_cancel = cancel.clone();
     let events = Arc::new(move |msg: EventMsg| {
@@ -123,20 +119,10 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
         }
     });
     let outcome = run_task(settings, &model, executor, events, cancel).await;
-    if let Ok(r) = renderer.lock() {
-        if let Some(e) = &r.error {
-            if e.kind() == std::io::ErrorKind::BrokenPipe {
-                return Ok(exit::DONE);
-            }
-        }
+    if renderer.lock().is_ok_and(|r| r.reader_gone()) {
+        return Ok(exit::DONE);
     }
-    Ok(match outcome.stop_reason {
-        StopReason::Terminated => exit::DONE,
-        StopReason::MaxTurns => exit::MAX_TURNS,
-        StopReason::Timeout => exit::TIMEOUT,
-        StopReason::Cancelled => exit::CANCELLED,
-        StopReason::Error => exit::FAILED,
-    })
+    Ok(exit::for_stop(outcome.stop_reason))
 }
 
 async fn through_daemon(
@@ -177,8 +163,7 @@ async fn through_daemon(
         termination: args.termination.clone(),
     };
     let id = client.submit(&spec).await?;
-    let mode = if args.json { Mode::Json } else { Mode::Human };
-    crate::client::follow(client, &id, mode).await
+    crate::client::follow(client, &id, Mode::json(args.json)).await
 }
 
 /// First Ctrl-C cancels cleanly (sandbox closed); a second one exits at once.

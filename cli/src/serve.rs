@@ -124,7 +124,22 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
     executors.register(Arc::new(LocalExecutor::new(config::local_config(&file))));
     let mut docker_config = config::docker_config(&file, args.image.as_deref())?;
     docker_config.pool_size = file.executors.docker.pool_size.unwrap_or(2);
-    let docker = match DockerExecutor::connect(docker_config).await {
+    let image = docker_config.image.clone();
+    let connected = DockerExecutor::connect(docker_config).await;
+    let name = config::executor_name(args.executor.as_deref(), &file);
+    let default_executor = match name.as_str() {
+        "auto" => match crate::executors::why_not_docker(connected.as_ref(), &image).await {
+            None => "docker".to_owned(),
+            Some(why) => {
+                eprintln!(
+                    "tandem: warning: tasks default to the local executor, which is not a security boundary ({why})"
+                );
+                "local".to_owned()
+            }
+        },
+        other => other.to_owned(),
+    };
+    let docker = match connected {
         Ok(d) => {
             executors.register(Arc::new(d.clone()));
             Some(d)
@@ -134,22 +149,7 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
             None
         }
     };
-    let name = config::executor_name(args.executor.as_deref(), &file);
-    let default_executor = match name.as_str() {
-        "auto" => {
-            let (picked, why) = crate::executors::auto(&file, args.image.as_deref()).await?;
-            if picked.name() == "local" {
-                eprintln!(
-                    "tandem: warning: tasks default to the local executor, which is not a security boundary ({why})"
-                );
-            }
-            picked.name().to_owned()
-        }
-        other => {
-            executors.get(other)?;
-            other.to_owned()
-        }
-    };
+    executors.get(&default_executor)?;
     if let Some(d) = &docker {
         if default_executor == "docker" {
             d.warm_up();

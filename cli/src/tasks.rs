@@ -50,7 +50,7 @@ pub async fn submit(args: SubmitArgs) -> Result<u8> {
     };
     let id = client.submit(&spec).await?;
     if args.wait {
-        return follow(&client, &id, mode(args.json)).await;
+        return follow(&client, &id, Mode::json(args.json)).await;
     }
     if args.json {
         println!("{}", serde_json::json!({ "id": id }));
@@ -58,10 +58,6 @@ pub async fn submit(args: SubmitArgs) -> Result<u8> {
         println!("{id}");
     }
     Ok(exit::DONE)
-}
-
-fn mode(json: bool) -> Mode {
-    if json { Mode::Json } else { Mode::Human }
 }
 
 #[derive(Debug, clap::Args)]
@@ -167,10 +163,10 @@ pub struct LogsArgs {
 pub async fn logs(args: LogsArgs) -> Result<u8> {
     let client = Client::new(&args.host)?;
     if args.follow {
-        follow(&client, &args.id, mode(args.json)).await?;
+        follow(&client, &args.id, Mode::json(args.json)).await?;
         return Ok(exit::DONE);
     }
-    let mut renderer = Renderer::stdout(mode(args.json));
+    let mut renderer = Renderer::stdout(Mode::json(args.json));
     client
         .events(&args.id, 0, false, &mut |e| renderer.event(&e.msg))
         .await?;
