@@ -21,6 +21,18 @@ pub async fn open(executor: &dyn Executor, limits: Limits) -> Box<dyn Session> {
         .expect("open a session")
 }
 
+/// Opens a session whose blocks may run for `secs` seconds.
+pub async fn open_with_wall(executor: &dyn Executor, secs: u64) -> Box<dyn Session> {
+    open(
+        executor,
+        Limits {
+            wall: Duration::from_secs(secs),
+            ..Limits::default()
+        },
+    )
+    .await
+}
+
 /// Runs one block with no timeout override and a fresh cancel token.
 pub async fn run(session: &mut dyn Session, lang: &str, code: &str) -> ExecOutcome {
     session
@@ -181,14 +193,7 @@ pub async fn environment_is_isolated(executor: &dyn Executor) {
 
 /// Code that reads stdin sees EOF at once.
 pub async fn stdin_is_closed(executor: &dyn Executor) {
-    let mut s = open(
-        executor,
-        Limits {
-            wall: Duration::from_secs(20),
-            ..Limits::default()
-        },
-    )
-    .await;
+    let mut s = open_with_wall(executor, 20).await;
     let started = Instant::now();
     let out = run(
         &mut *s,
@@ -208,14 +213,7 @@ pub async fn timeout_kills_the_whole_tree(executor: &dyn Executor) {
     static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let marker = format!("tandem-conformance-{}-{call}x", std::process::id());
-    let mut s = open(
-        executor,
-        Limits {
-            wall: Duration::from_secs(1),
-            ..Limits::default()
-        },
-    )
-    .await;
+    let mut s = open_with_wall(executor, 1).await;
     let code = format!(
         "sleep 300 &\nsetsid sh -c 'sleep 300; : {marker}' > /dev/null 2>&1 &\nsetsid sh -c 'sleep 300; : {marker}-holds-stdout' &\necho started\nsleep 300"
     );
@@ -244,14 +242,7 @@ pub async fn timeout_kills_the_whole_tree(executor: &dyn Executor) {
 /// or environment) dies with its block, whether the block ends or times out. It proves it
 /// is alive by appending to a file in the workspace, which works the same on every backend.
 pub async fn python_daemons_do_not_outlive_their_block(executor: &dyn Executor) {
-    let mut s = open(
-        executor,
-        Limits {
-            wall: Duration::from_secs(1),
-            ..Limits::default()
-        },
-    )
-    .await;
+    let mut s = open_with_wall(executor, 1).await;
     let ws = s.workspace().expect("a host workspace").to_owned();
     for (beat, tail, status) in [
         ("ended", "", ExitStatus::Exited(0)),
