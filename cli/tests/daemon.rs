@@ -2,194 +2,38 @@
 //! HTTP by the CLI and by raw requests, with the scripted model server behind it.
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
+use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use tandem_tests::{Reply, Script, ScriptedOpenAi};
+use tandem_tests::{DaemonHarness as Daemon, Reply, Script, ScriptedOpenAi};
 
-/// A running daemon.
-struct Daemon {
-    child: Option<tokio::process::Child>,
-    state: tempfile::TempDir,
-    base_url: String,
-    extra: Vec<String>,
+async fn start(server: &ScriptedOpenAi, args: &[&str]) -> Daemon {
+    Daemon::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        args,
+        None,
+    )
+    .await
 }
 
-impl Daemon {
-    async fn start(server: &ScriptedOpenAi, extra: &[&str]) -> Self {
-        let mut d = Self {
-            child: None,
-            state: tempfile::tempdir().unwrap(),
-            base_url: server.base_url(),
-            extra: extra.iter().map(|s| s.to_string()).collect(),
-        };
-        d.spawn().await;
-        d
-    }
-
-    fn socket(&self) -> PathBuf {
-        self.state.path().join("run").join("tandem.sock")
-    }
-
-    fn host(&self) -> String {
-        format!("unix://{}", self.socket().display())
-    }
-
-    async fn spawn(&mut self) {
-        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
-            .arg("serve")
-            .arg("--socket")
-            .arg(self.socket())
-            .arg("--state-dir")
-            .arg(self.state.path())
-            .args(["--executor", "local"])
-            .args(&self.extra)
-            .env("OPENAI_BASE_URL", &self.base_url)
-            .env("TANDEM_MAX_RETRIES", "0")
-            .env("XDG_CONFIG_HOME", self.state.path())
-            .env_remove("OPENAI_API_KEY")
-            .env_remove("TANDEM_MODEL")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
-        self.child = Some(child);
-        let started = Instant::now();
-        loop {
-            if let Ok(v) = self.try_get("/healthz").await {
-                assert_eq!(v["status"], "ok");
-                return;
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "the daemon did not start"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    fn http(&self) -> reqwest::Client {
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        reqwest::Client::builder()
-            .unix_socket(self.socket())
-            .build()
-            .unwrap()
-    }
-
-    async fn try_get(&self, path: &str) -> reqwest::Result<Value> {
-        self.http()
-            .get(format!("http://tandem{path}"))
-            .send()
-            .await?
-            .json()
-            .await
-    }
-
-    async fn get(&self, path: &str) -> Value {
-        self.try_get(path).await.unwrap()
-    }
-
-    /// `(status, body)` of a request with a raw body.
-    async fn send(
-        &self,
-        method: reqwest::Method,
-        path: &str,
-        body: Option<String>,
-    ) -> (u16, Value) {
-        let mut req = self.http().request(method, format!("http://tandem{path}"));
-        if let Some(body) = body {
-            req = req.header("content-type", "application/json").body(body);
-        }
-        let resp = req.send().await.unwrap();
-        let status = resp.status().as_u16();
-        (status, resp.json().await.unwrap_or(Value::Null))
-    }
-
-    async fn submit(&self, spec: Value) -> String {
-        let (status, body) = self
-            .send(reqwest::Method::POST, "/v1/tasks", Some(spec.to_string()))
-            .await;
-        assert_eq!(status, 201, "{body}");
-        body["id"].as_str().unwrap().to_owned()
-    }
-
-    async fn wait_finished(&self, id: &str, limit: Duration) -> Value {
-        let started = Instant::now();
-        loop {
-            let t = self.get(&format!("/v1/tasks/{id}")).await;
-            if t["state"] == "finished" {
-                return t;
-            }
-            assert!(started.elapsed() < limit, "task {id} did not finish: {t}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    async fn events(&self, id: &str, after: u64) -> Vec<Value> {
-        let text = self
-            .http()
-            .get(format!("http://tandem/v1/tasks/{id}/events?follow=false"))
-            .header("Last-Event-ID", after.to_string())
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        text.split("\n\n")
-            .filter_map(|frame| frame.lines().find_map(|l| l.strip_prefix("data: ")))
-            .map(|d| serde_json::from_str(d).unwrap())
-            .collect()
-    }
-
-    fn kill9(&mut self) {
-        let child = self.child.take().unwrap();
-        let pid = nix::unistd::Pid::from_raw(child.id().unwrap() as i32);
-        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).unwrap();
-        drop(child);
-    }
-
-    /// Sends SIGTERM and waits for the exit status.
-    async fn terminate(&mut self) -> (Option<i32>, String) {
-        let mut child = self.child.take().unwrap();
-        let pid = nix::unistd::Pid::from_raw(child.id().unwrap() as i32);
-        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
-        tokio::time::timeout(Duration::from_secs(60), async {
-            let status = child.wait().await.unwrap();
-            let mut err = String::new();
-            use tokio::io::AsyncReadExt;
-            child
-                .stderr
-                .take()
-                .unwrap()
-                .read_to_string(&mut err)
-                .await
-                .unwrap();
-            (status.code(), err)
-        })
+/// Runs the CLI against `d`: `(exit code, stdout, stderr)`.
+async fn cli(d: &Daemon, args: &[&str]) -> (i32, String, String) {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(args)
+        .env("TANDEM_HOST", d.host())
+        .env("XDG_CONFIG_HOME", d.state_dir())
+        .stdin(Stdio::null())
+        .output()
         .await
-        .expect("the daemon did not stop within 60 s of SIGTERM")
-    }
-
-    /// Runs the CLI against this daemon.
-    async fn cli(&self, args: &[&str]) -> (i32, String, String) {
-        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
-            .args(args)
-            .env("TANDEM_HOST", self.host())
-            .env("XDG_CONFIG_HOME", self.state.path())
-            .stdin(Stdio::null())
-            .output()
-            .await
-            .unwrap();
-        (
-            out.status.code().unwrap_or(-1),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    }
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 fn fence(code: &str) -> String {
@@ -235,13 +79,13 @@ async fn cli_commands_go_through_the_daemon() {
     ]))
     .await
     .unwrap();
-    let d = Daemon::start(&server, &[]).await;
+    let d = start(&server, &[]).await;
     // The socket is the user's alone.
     let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode(&d.socket()), 0o600);
     assert_eq!(mode(d.socket().parent().unwrap()), 0o700);
 
-    let (code, out, err) = d.cli(&["submit", "--json", "daemon hello"]).await;
+    let (code, out, err) = cli(&d, &["submit", "--json", "daemon hello"]).await;
     assert_eq!(code, 0, "{err}");
     let id = serde_json::from_str::<Value>(&out).unwrap()["id"]
         .as_str()
@@ -254,19 +98,19 @@ async fn cli_commands_go_through_the_daemon() {
         ["hello from the daemon\n"]
     );
 
-    let (code, out, _) = d.cli(&["tasks"]).await;
+    let (code, out, _) = cli(&d, &["tasks"]).await;
     assert_eq!(code, 0);
     assert!(
         out.contains(&id) && out.contains("finished") && out.contains("terminated"),
         "{out}"
     );
-    let (code, out, _) = d.cli(&["show", &id]).await;
+    let (code, out, _) = cli(&d, &["show", &id]).await;
     assert_eq!(code, 0);
     assert!(
         out.contains("── assistant ──") && out.contains("hello from the daemon"),
         "{out}"
     );
-    let (code, out, _) = d.cli(&["logs", &id]).await;
+    let (code, out, _) = cli(&d, &["logs", &id]).await;
     assert_eq!(code, 0);
     assert!(
         out.contains("hello from the daemon") && out.contains("── done"),
@@ -274,7 +118,7 @@ async fn cli_commands_go_through_the_daemon() {
     );
 
     // `tandem run` uses the daemon when one answers; the task shows up in its list.
-    let (code, out, err) = d.cli(&["run", "--json", "daemon run"]).await;
+    let (code, out, err) = cli(&d, &["run", "--json", "daemon run"]).await;
     assert_eq!(code, 0, "{err}");
     let events: Vec<Value> = out
         .lines()
@@ -285,7 +129,7 @@ async fn cli_commands_go_through_the_daemon() {
     assert_eq!(listed["tasks"].as_array().unwrap().len(), 2);
 
     // Cancelling a finished task is a conflict, said plainly.
-    let (code, _, err) = d.cli(&["cancel", &id]).await;
+    let (code, _, err) = cli(&d, &["cancel", &id]).await;
     assert_eq!(code, 2);
     assert!(err.contains("already finished (terminated)"), "{err}");
 }
@@ -298,7 +142,7 @@ async fn a_hundred_tasks_at_once() {
     let server = ScriptedOpenAi::start(two_turns(tasks.clone()))
         .await
         .unwrap();
-    let d = Daemon::start(&server, &["--max-concurrent", "8"]).await;
+    let d = start(&server, &["--max-concurrent", "8"]).await;
     let mut ids = Vec::new();
     let submits: Vec<_> = tasks
         .iter()
@@ -322,7 +166,7 @@ async fn bad_requests_get_clear_4xx_and_the_daemon_keeps_serving() {
     let server = ScriptedOpenAi::start(two_turns([("fine".to_owned(), "print(1)".to_owned())]))
         .await
         .unwrap();
-    let d = Daemon::start(&server, &[]).await;
+    let d = start(&server, &[]).await;
     let post = |body: String| d.send(reqwest::Method::POST, "/v1/tasks", Some(body));
     let cases = [
         (
@@ -414,7 +258,7 @@ async fn events_resume_after_last_event_id_with_no_gap_or_duplicate() {
     let server = ScriptedOpenAi::start(two_turns([("sse".to_owned(), "print('x')".to_owned())]))
         .await
         .unwrap();
-    let d = Daemon::start(&server, &[]).await;
+    let d = start(&server, &[]).await;
     let id = d.submit(json!({"task": "sse"})).await;
     d.wait_finished(&id, Duration::from_secs(30)).await;
     let all = d.events(&id, 0).await;
@@ -425,7 +269,7 @@ async fn events_resume_after_last_event_id_with_no_gap_or_duplicate() {
         assert_eq!(rest, all[cut as usize..].to_vec(), "after {cut}");
     }
     // Following a finished task ends after its last event.
-    let (code, out, _) = d.cli(&["logs", "-f", "--json", &id]).await;
+    let (code, out, _) = cli(&d, &["logs", "-f", "--json", &id]).await;
     assert_eq!(code, 0);
     assert_eq!(out.lines().count(), all.len());
 }
@@ -436,9 +280,9 @@ async fn tcp_needs_the_token() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     drop(listener);
-    let d = Daemon::start(&server, &["--listen", &addr]).await;
-    let token = std::fs::read_to_string(d.state.path().join("token")).unwrap();
-    let mode = std::fs::metadata(d.state.path().join("token"))
+    let d = start(&server, &["--listen", &addr]).await;
+    let token = std::fs::read_to_string(d.state_dir().join("token")).unwrap();
+    let mode = std::fs::metadata(d.state_dir().join("token"))
         .unwrap()
         .permissions()
         .mode();
@@ -468,7 +312,7 @@ async fn tcp_needs_the_token() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_second_daemon_on_the_same_socket_is_refused_and_a_stale_socket_replaced() {
     let server = ScriptedOpenAi::start(Script::new()).await.unwrap();
-    let mut d = Daemon::start(&server, &[]).await;
+    let mut d = start(&server, &[]).await;
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
         .arg("serve")
         .arg("--socket")
@@ -526,7 +370,7 @@ async fn kill_9_then_restart_keeps_every_task_and_resumes_the_interrupted() {
     let server = ScriptedOpenAi::start(two_turns(tasks.clone()))
         .await
         .unwrap();
-    let mut d = Daemon::start(&server, &["--max-concurrent", "6"]).await;
+    let mut d = start(&server, &["--max-concurrent", "6"]).await;
     let mut ids = Vec::new();
     for (task, _) in &tasks {
         ids.push(d.submit(json!({"task": task})).await);
@@ -555,7 +399,7 @@ async fn kill_9_then_restart_keeps_every_task_and_resumes_the_interrupted() {
         .collect();
     assert!(!interrupted.is_empty(), "kill -9 interrupted nothing");
     for id in &interrupted {
-        let (code, _, err) = d.cli(&["resume", id]).await;
+        let (code, _, err) = cli(&d, &["resume", id]).await;
         assert_eq!(code, 0, "{err}");
     }
     for (i, id) in ids.iter().enumerate() {
@@ -580,7 +424,7 @@ async fn sigterm_lets_short_tasks_finish_and_interrupts_long_ones() {
         format!("import os, time\nopen('{}', 'w').write(str(os.getpid()))\nprint('long started', flush=True)\ntime.sleep(60)", pid_file.display()),
     )]));
     let server = ScriptedOpenAi::start(script).await.unwrap();
-    let mut d = Daemon::start(&server, &["--grace", "1"]).await;
+    let mut d = start(&server, &["--grace", "1"]).await;
     let quick = d.submit(json!({"task": "quick"})).await;
     let long = d.submit(json!({"task": "long"})).await;
     d.wait_finished(&quick, Duration::from_secs(30)).await;
@@ -599,8 +443,8 @@ async fn sigterm_lets_short_tasks_finish_and_interrupts_long_ones() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let stopping = Instant::now();
-    let (code, err) = d.terminate().await;
-    assert_eq!(code, Some(0), "{err}");
+    let code = d.terminate().await;
+    assert_eq!(code, Some(0), "{}", d.log());
     assert!(
         stopping.elapsed() < Duration::from_secs(10),
         "took {:?}",
@@ -631,8 +475,8 @@ async fn a_restart_reaps_the_sandboxes_a_killed_daemon_left() {
     let server = ScriptedOpenAi::start(two_turns([("orphan".to_owned(), code)]))
         .await
         .unwrap();
-    let mut d = Daemon::start(&server, &[]).await;
-    let daemon_pid = d.child.as_ref().unwrap().id().unwrap();
+    let mut d = start(&server, &[]).await;
+    let daemon_pid = d.pid();
     d.submit(json!({"task": "orphan"})).await;
     let started = Instant::now();
     while std::fs::read_to_string(&pid_file).map_or(true, |s| s.is_empty()) {
@@ -675,7 +519,7 @@ async fn a_restart_reaps_the_sandboxes_a_killed_daemon_left() {
 async fn logs_follow_reconnects_across_a_daemon_restart() {
     let tasks = slow_tasks(1, "followed");
     let server = ScriptedOpenAi::start(two_turns(tasks)).await.unwrap();
-    let mut d = Daemon::start(&server, &[]).await;
+    let mut d = start(&server, &[]).await;
     let id = d.submit(json!({"task": "followed 0"})).await;
     let follower = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
         .args(["logs", "-f", "--json", &id])
@@ -693,7 +537,7 @@ async fn logs_follow_reconnects_across_a_daemon_restart() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     d.kill9();
     d.spawn().await;
-    let (code, _, err) = d.cli(&["resume", &id]).await;
+    let (code, _, err) = cli(&d, &["resume", &id]).await;
     assert_eq!(code, 0, "{err}");
     let out = tokio::time::timeout(Duration::from_secs(60), follower.wait_with_output())
         .await

@@ -22,7 +22,7 @@ use tandem_executor::{
 };
 use tandem_executor_local::{LocalConfig, LocalExecutor};
 use tandem_protocol::StopReason;
-use tandem_tests::{Reply, Script, ScriptedOpenAi};
+use tandem_tests::{DaemonHarness, Reply, Script, ScriptedOpenAi};
 
 fn stats(mut samples: Vec<Duration>) -> (Duration, Duration) {
     samples.sort();
@@ -464,96 +464,11 @@ async fn docker_session_open(n: usize) {
     }
 }
 
-/// The daemon, as a real process on a temporary socket.
-struct Daemon {
-    child: std::process::Child,
-    socket: PathBuf,
-    _state: tempfile::TempDir,
-}
-
-impl Daemon {
-    async fn start(bin: &std::path::Path, base_url: &str, max_concurrent: usize) -> Self {
-        let state = tempfile::tempdir().unwrap();
-        let socket = state.path().join("tandem.sock");
-        // The same interpreter as the in-process figure.
-        if let Some(python) = bench_python() {
-            std::fs::create_dir_all(state.path().join("tandem")).unwrap();
-            std::fs::write(
-                state.path().join("tandem/tandem.toml"),
-                format!("[executors.local]\npython = \"{}\"\n", python.display()),
-            )
-            .unwrap();
-        }
-        let child = std::process::Command::new(bin)
-            .arg("serve")
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--state-dir")
-            .arg(state.path())
-            .args([
-                "--executor",
-                "local",
-                "--max-concurrent",
-                &max_concurrent.to_string(),
-            ])
-            .env("OPENAI_BASE_URL", base_url)
-            .env("XDG_CONFIG_HOME", state.path())
-            .env("RUST_LOG", "warn")
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        let d = Self {
-            child,
-            socket,
-            _state: state,
-        };
-        while d.http().get("http://t/healthz").send().await.is_err() {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        d
-    }
-
-    fn http(&self) -> reqwest::Client {
-        reqwest::Client::builder()
-            .unix_socket(self.socket.clone())
-            .build()
-            .unwrap()
-    }
-
-    async fn submit(&self, http: &reqwest::Client, task: &str) -> String {
-        let resp: serde_json::Value = http
-            .post("http://t/v1/tasks")
-            .json(&serde_json::json!({ "task": task }))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        resp["id"].as_str().unwrap().to_owned()
-    }
-
-    fn rss_mib(&self) -> f64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
-        let kb: f64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .unwrap();
-        kb / 1024.0
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+async fn submit(d: &DaemonHarness, task: String) -> String {
+    d.submit(serde_json::json!({ "task": task })).await
 }
 
 async fn daemon(tasks: usize, concurrency: usize) {
-    let _ = rustls::crypto::ring::default_provider().install_default();
     let Some(bin) = tandem_binary() else {
         println!(
             "\n## Daemon: not measured: build the binary first with `cargo build --release -p tandem-cli`"
@@ -583,22 +498,33 @@ async fn daemon(tasks: usize, concurrency: usize) {
     // In-process and over HTTP, the same tasks and concurrency, alternated five times (a
     // round lasts a second or two, too short to trust alone); medians are compared.
     let executor: Arc<dyn Executor> = Arc::new(local_executor(true));
-    let d = Daemon::start(&bin, &server.base_url(), concurrency).await;
+    // The same interpreter as the in-process figure.
+    let config =
+        bench_python().map(|p| format!("[executors.local]\npython = \"{}\"\n", p.display()));
+    let start = |max_concurrent: usize| {
+        let (bin, base_url, config) = (bin.clone(), server.base_url(), config.clone());
+        async move {
+            let n = max_concurrent.to_string();
+            DaemonHarness::start(
+                &bin,
+                &base_url,
+                &["--max-concurrent", &n],
+                config.as_deref(),
+            )
+            .await
+        }
+    };
+    let d = start(concurrency).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let idle = d.rss_mib();
-    let http = d.http();
     let mut in_process_runs = Vec::new();
     let mut daemon_runs = Vec::new();
     for round in 0..5u64 {
         in_process_runs.push(tasks_at(&model, executor.clone(), tasks, concurrency).await);
         let started = Instant::now();
-        futures::future::join_all((0..tasks).map(|i| {
-            let (d, http) = (&d, &http);
-            async move { d.submit(http, &format!("bench task {i}")).await }
-        }))
-        .await;
+        futures::future::join_all((0..tasks).map(|i| submit(&d, format!("bench task {i}")))).await;
         let want = (round + 1) * tasks as u64;
-        while finished_count(&http).await < want {
+        while d.count("finished").await < want {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         daemon_runs.push(started.elapsed());
@@ -608,11 +534,12 @@ async fn daemon(tasks: usize, concurrency: usize) {
 
     // Submit-to-first-event: POST, then the first SSE event, one task at a time.
     let mut latencies = Vec::new();
-    for i in 0..50 {
+    for i in 0..200 {
         let t = Instant::now();
-        let id = d.submit(&http, &format!("bench task {i}")).await;
-        let mut resp = http
-            .get(format!("http://t/v1/tasks/{id}/events"))
+        let id = submit(&d, format!("bench task {}", i % tasks)).await;
+        let mut resp = d
+            .http()
+            .get(format!("http://tandem/v1/tasks/{id}/events"))
             .send()
             .await
             .unwrap();
@@ -626,17 +553,16 @@ async fn daemon(tasks: usize, concurrency: usize) {
     }
     latencies.sort();
     let p50 = latencies[latencies.len() / 2];
-    let p99 = latencies[latencies.len() * 99 / 100];
+    let p99 = latencies[latencies.len() * 99 / 100 - 1];
 
     // Memory: one task holds the only slot, 1000 wait behind it.
     drop(d);
-    let d = Daemon::start(&bin, &server.base_url(), 1).await;
-    let http = d.http();
-    d.submit(&http, "hold the slot").await;
+    let d = start(1).await;
+    submit(&d, "hold the slot".to_owned()).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let before = d.rss_mib();
     for i in 0..1000 {
-        d.submit(&http, &format!("bench task {}", i % tasks)).await;
+        submit(&d, format!("bench task {}", i % tasks)).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     let queued = d.rss_mib();
@@ -658,7 +584,7 @@ async fn daemon(tasks: usize, concurrency: usize) {
         rate(over_http),
         100.0 * rate(over_http) / rate(in_process)
     );
-    println!("\n| latency, submit → first SSE event (50, one at a time) | p50 | p99 |");
+    println!("\n| latency, submit → first SSE event (200, one at a time) | p50 | p99 |");
     println!("|---|---|---|");
     println!("| daemon | {} | {} |", ms(p50), ms(p99));
     println!("\n| daemon memory | RSS |");
@@ -669,22 +595,6 @@ async fn daemon(tasks: usize, concurrency: usize) {
         "| + 1000 queued tasks | {queued:.1} MiB ({:.1} KiB per queued task) |",
         (queued - before) * 1024.0 / 1000.0
     );
-}
-
-/// `tandem_tasks{state="finished"}` from the daemon's metrics (a cheap count).
-async fn finished_count(http: &reqwest::Client) -> u64 {
-    let text = http
-        .get("http://t/metrics")
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix("tandem_tasks{state=\"finished\"} "))
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap_or(0)
 }
 
 fn main() {

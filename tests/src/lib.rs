@@ -6,6 +6,9 @@
 //! state. Every request is recorded so tests can assert what the model saw.
 
 pub mod conformance;
+pub mod daemon;
+
+pub use daemon::DaemonHarness;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

@@ -1,0 +1,242 @@
+//! [`DaemonHarness`]: the real `tandem serve` on a temporary socket and state dir, talked to
+//! over real HTTP. The end-to-end suites and the daemon benchmark share it.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// A daemon process that can be killed and started again on the same state.
+pub struct DaemonHarness {
+    bin: PathBuf,
+    child: Option<tokio::process::Child>,
+    state: tempfile::TempDir,
+    base_url: String,
+    args: Vec<String>,
+    client: reqwest::Client,
+}
+
+impl DaemonHarness {
+    /// Starts `bin serve` with the local executor, `args` added, pointed at the model server
+    /// at `base_url`; `config` becomes its `tandem.toml`. Returns once it answers.
+    pub async fn start(bin: &Path, base_url: &str, args: &[&str], config: Option<&str>) -> Self {
+        let state = tempfile::tempdir().unwrap();
+        if let Some(config) = config {
+            std::fs::create_dir_all(state.path().join("tandem")).unwrap();
+            std::fs::write(state.path().join("tandem/tandem.toml"), config).unwrap();
+        }
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let client = reqwest::Client::builder()
+            .unix_socket(socket_in(state.path()))
+            .build()
+            .unwrap();
+        let mut d = Self {
+            bin: bin.to_owned(),
+            child: None,
+            state,
+            base_url: base_url.to_owned(),
+            args: args.iter().map(|s| s.to_string()).collect(),
+            client,
+        };
+        d.spawn().await;
+        d
+    }
+
+    /// The state dir (database, token, log).
+    pub fn state_dir(&self) -> &Path {
+        self.state.path()
+    }
+
+    /// The Unix socket.
+    pub fn socket(&self) -> PathBuf {
+        socket_in(self.state.path())
+    }
+
+    /// The socket as `TANDEM_HOST` names it.
+    pub fn host(&self) -> String {
+        format!("unix://{}", self.socket().display())
+    }
+
+    /// The daemon's pid, while it runs.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().and_then(|c| c.id()).unwrap()
+    }
+
+    /// What the daemon has written to stderr, across restarts.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.state.path().join("daemon.log")).unwrap_or_default()
+    }
+
+    /// Starts (again, after a kill) the daemon on the same state; returns once it answers.
+    pub async fn spawn(&mut self) {
+        // A file, not a pipe: nobody has to drain it for the daemon to keep going.
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.state.path().join("daemon.log"))
+            .unwrap();
+        let child = tokio::process::Command::new(&self.bin)
+            .arg("serve")
+            .arg("--socket")
+            .arg(self.socket())
+            .arg("--state-dir")
+            .arg(self.state.path())
+            .args(["--executor", "local"])
+            .args(&self.args)
+            .env("OPENAI_BASE_URL", &self.base_url)
+            .env("TANDEM_MAX_RETRIES", "0")
+            .env("XDG_CONFIG_HOME", self.state.path())
+            .env_remove("OPENAI_API_KEY")
+            .env_remove("TANDEM_MODEL")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let started = Instant::now();
+        loop {
+            if let Ok(v) = self.try_get("/healthz").await {
+                assert_eq!(v["status"], "ok");
+                return;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "the daemon did not start:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// The HTTP client on the daemon's socket (URLs are `http://tandem/...`).
+    pub fn http(&self) -> &reqwest::Client {
+        &self.client
+    }
+
+    /// `GET path` as JSON, or the transport error.
+    pub async fn try_get(&self, path: &str) -> reqwest::Result<Value> {
+        self.http()
+            .get(format!("http://tandem{path}"))
+            .send()
+            .await?
+            .json()
+            .await
+    }
+
+    /// `GET path` as JSON.
+    pub async fn get(&self, path: &str) -> Value {
+        self.try_get(path).await.unwrap()
+    }
+
+    /// `(status, body)` of a request with a raw body.
+    pub async fn send(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<String>,
+    ) -> (u16, Value) {
+        let mut req = self.http().request(method, format!("http://tandem{path}"));
+        if let Some(body) = body {
+            req = req.header("content-type", "application/json").body(body);
+        }
+        let resp = req.send().await.unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Queues a task; returns its id.
+    pub async fn submit(&self, spec: Value) -> String {
+        let (status, body) = self
+            .send(reqwest::Method::POST, "/v1/tasks", Some(spec.to_string()))
+            .await;
+        assert_eq!(status, 201, "{body}");
+        body["id"].as_str().unwrap().to_owned()
+    }
+
+    /// Polls until the task is finished; returns its record.
+    pub async fn wait_finished(&self, id: &str, limit: Duration) -> Value {
+        let started = Instant::now();
+        loop {
+            let t = self.get(&format!("/v1/tasks/{id}")).await;
+            if t["state"] == "finished" {
+                return t;
+            }
+            assert!(started.elapsed() < limit, "task {id} did not finish: {t}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The task's stored events after seq `after`.
+    pub async fn events(&self, id: &str, after: u64) -> Vec<Value> {
+        let text = self
+            .http()
+            .get(format!("http://tandem/v1/tasks/{id}/events?follow=false"))
+            .header("Last-Event-ID", after.to_string())
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.split("\n\n")
+            .filter_map(|frame| frame.lines().find_map(|l| l.strip_prefix("data: ")))
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect()
+    }
+
+    /// `tandem_tasks{state}` from `/metrics`: a cheap count.
+    pub async fn count(&self, state: &str) -> u64 {
+        let text = self
+            .http()
+            .get("http://tandem/metrics")
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let prefix = format!("tandem_tasks{{state=\"{state}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Resident memory of the daemon, MiB.
+    pub fn rss_mib(&self) -> f64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        let kb: f64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap();
+        kb / 1024.0
+    }
+
+    /// SIGKILL: no chance to clean up.
+    pub fn kill9(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.pid() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).unwrap();
+        self.child = None;
+    }
+
+    /// SIGTERM, then the exit code once it stops.
+    pub async fn terminate(&mut self) -> Option<i32> {
+        let pid = nix::unistd::Pid::from_raw(self.pid() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+        let mut child = self.child.take().unwrap();
+        tokio::time::timeout(Duration::from_secs(60), child.wait())
+            .await
+            .expect("the daemon did not stop within 60 s of SIGTERM")
+            .unwrap()
+            .code()
+    }
+}
+
+fn socket_in(state: &Path) -> PathBuf {
+    state.join("run").join("tandem.sock")
+}
