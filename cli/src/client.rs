@@ -22,6 +22,7 @@ pub struct HostFlag {
 }
 
 /// A connection to a daemon.
+#[derive(Clone)]
 pub struct Client {
     http: reqwest::Client,
     base: String,
@@ -255,8 +256,7 @@ fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
 pub async fn follow(client: &Client, id: &str, mode: Mode) -> Result<u8> {
     let renderer = Arc::new(Mutex::new(Renderer::stdout(mode)));
     let cancel_client_id = id.to_owned();
-    let host = client.host.clone();
-    let canceller = Client::new(&HostFlag { host: Some(host) })?;
+    let canceller = client.clone();
     let ctrl_c = tokio::spawn(async move {
         if tokio::signal::ctrl_c().await.is_ok() {
             eprintln!(

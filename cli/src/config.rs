@@ -258,6 +258,14 @@ mod tests {
         assert_eq!(limits.wall, Duration::from_secs(60));
         assert_eq!(limits.output_bytes, 65536);
         assert_eq!(file.executors.local.env.len(), 1);
+        // Every other example in the README is valid too (unknown keys are errors).
+        for block in blocks
+            .iter()
+            .filter(|b| b.language.as_deref() == Some("toml"))
+        {
+            toml::from_str::<FileConfig>(&block.code)
+                .unwrap_or_else(|e| panic!("README example does not parse: {e}\n{}", block.code));
+        }
     }
 
     #[test]
