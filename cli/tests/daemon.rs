@@ -234,15 +234,7 @@ async fn bad_requests_get_clear_4xx_and_the_daemon_keeps_serving() {
         .await;
     assert_eq!(status, 409);
     assert_eq!(d.get("/healthz").await["status"], "ok");
-    let metrics = d
-        .http()
-        .get("http://tandem/metrics")
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = d.text("/metrics").await;
     assert!(
         metrics.contains("tandem_tasks{state=\"finished\"} 1"),
         "{metrics}"

@@ -171,6 +171,7 @@ impl DaemonHarness {
 
     /// The task's stored events after seq `after`.
     pub async fn events(&self, id: &str, after: u64) -> Vec<Value> {
+        // The header, as browsers and `tandem logs -f` resume.
         let text = self
             .http()
             .get(format!("http://tandem/v1/tasks/{id}/events?follow=false"))
@@ -187,17 +188,21 @@ impl DaemonHarness {
             .collect()
     }
 
-    /// `tandem_tasks{state}` from `/metrics`: a cheap count.
-    pub async fn count(&self, state: &str) -> u64 {
-        let text = self
-            .http()
-            .get("http://tandem/metrics")
+    /// `GET path` as text.
+    pub async fn text(&self, path: &str) -> String {
+        self.http()
+            .get(format!("http://tandem{path}"))
             .send()
             .await
             .unwrap()
             .text()
             .await
-            .unwrap();
+            .unwrap()
+    }
+
+    /// `tandem_tasks{state}` from `/metrics`: a cheap count.
+    pub async fn count(&self, state: &str) -> u64 {
+        let text = self.text("/metrics").await;
         let prefix = format!("tandem_tasks{{state=\"{state}\"}} ");
         text.lines()
             .find_map(|l| l.strip_prefix(prefix.as_str()))
