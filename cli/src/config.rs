@@ -11,6 +11,7 @@ use tandem_agent::ModelConfig;
 use tandem_executor::{Language, Limits};
 use tandem_executor_docker::DockerConfig;
 use tandem_executor_local::LocalConfig;
+use tandem_executor_wasm::WasmConfig;
 
 /// The contents of `tandem.toml`; unknown keys are rejected so typos do not pass silently.
 #[derive(Debug, Default, Deserialize)]
@@ -55,6 +56,23 @@ pub struct ExecutorsSection {
     pub local: LocalSection,
     #[serde(default)]
     pub docker: DockerSection,
+    #[serde(default)]
+    pub wasm: WasmSection,
+}
+
+/// `[executors.wasm]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WasmSection {
+    /// Where python.wasm and quickjs.wasm are (default: `TANDEM_WASM_DIR`, else
+    /// `$XDG_DATA_HOME/tandem/wasm`).
+    pub runtimes_dir: Option<PathBuf>,
+    /// Where compiled modules are cached (default `$XDG_CACHE_HOME/tandem/wasm`).
+    pub cache_dir: Option<PathBuf>,
+    /// Linear memory cap per block (default 256 MiB).
+    pub memory_bytes: Option<u64>,
+    /// CPU budget per block in wasmtime fuel (default: none).
+    pub fuel: Option<u64>,
 }
 
 /// `[executors.docker]`: every hardened default can be changed here.
@@ -192,6 +210,22 @@ pub fn local_config(file: &FileConfig) -> LocalConfig {
         path: None,
         env: l.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
         python_fork_server: l.fork_server.unwrap_or(true),
+    }
+}
+
+/// Settings for the WASM executor: the runtimes from `TANDEM_WASM_DIR`, then the file; the
+/// rest from the file over the defaults.
+pub fn wasm_config(file: &FileConfig) -> WasmConfig {
+    let w = &file.executors.wasm;
+    let defaults = WasmConfig::default();
+    WasmConfig {
+        runtimes_dir: env(tandem_executor_wasm::WASM_DIR_VAR)
+            .map(PathBuf::from)
+            .or_else(|| w.runtimes_dir.clone())
+            .unwrap_or(defaults.runtimes_dir),
+        cache_dir: w.cache_dir.clone().unwrap_or(defaults.cache_dir),
+        memory_bytes: w.memory_bytes.unwrap_or(defaults.memory_bytes),
+        fuel: w.fuel.or(defaults.fuel),
     }
 }
 

@@ -1,5 +1,5 @@
-//! Picking the executor a command runs on: by name, or `auto` (docker when it is usable,
-//! else local with a warning).
+//! Picking the executor a command runs on: by name, or `auto` (docker when it is usable, else
+//! wasm when its CPython runtime is installed, else local with a warning).
 
 use std::sync::Arc;
 
@@ -7,11 +7,12 @@ use anyhow::{Result, bail};
 use tandem_executor::{Executor, Language};
 use tandem_executor_docker::{DockerError, DockerExecutor};
 use tandem_executor_local::LocalExecutor;
+use tandem_executor_wasm::{FETCH_SCRIPT, ModuleSource, Runtime, WasmExecutor};
 
 use crate::config::{self, FileConfig};
 
 /// Names `--executor` accepts.
-pub const NAMES: &str = "auto, docker, local";
+pub const NAMES: &str = "auto, docker, local, wasm";
 
 /// The executor called `name` (or the one `auto` picks), ready to open sessions.
 pub async fn resolve(
@@ -21,6 +22,17 @@ pub async fn resolve(
 ) -> Result<Arc<dyn Executor>> {
     match name {
         "local" => Ok(local(file)),
+        "wasm" => {
+            let wasm = wasm(file)?;
+            if !wasm.runtimes().iter().any(|r| r.present) {
+                bail!(
+                    "the wasm executor has no runtimes in {}; run {FETCH_SCRIPT} (or set {})",
+                    wasm.config().runtimes_dir.display(),
+                    tandem_executor_wasm::WASM_DIR_VAR
+                );
+            }
+            Ok(Arc::new(wasm))
+        }
         "docker" => {
             let docker = DockerExecutor::connect(config::docker_config(file, image)?).await?;
             docker
@@ -49,8 +61,43 @@ pub async fn auto(file: &FileConfig, image: Option<&str>) -> Result<(Arc<dyn Exe
     let why_not = why_not_docker(connected.as_ref(), &image).await;
     Ok(match (connected, why_not) {
         (Ok(docker), None) => (Arc::new(docker), docker_why(&image)),
-        (_, why_not) => (local(file), why_not.unwrap_or_default()),
+        (_, why_not) => {
+            let wasm = wasm(file);
+            let (name, why) = without_docker(why_not.unwrap_or_default(), wasm.as_ref());
+            match (name, wasm) {
+                ("wasm", Ok(wasm)) => (Arc::new(wasm), why),
+                _ => (local(file), why),
+            }
+        }
     })
+}
+
+/// What `auto` picks when docker cannot run code (`why_not_docker` says why): wasm when its
+/// CPython runtime is installed, else local; and why.
+pub fn without_docker(
+    why_not_docker: String,
+    wasm: Result<&WasmExecutor, &tandem_executor::ExecError>,
+) -> (&'static str, String) {
+    match wasm {
+        Ok(w) if w.python_present() => (
+            "wasm",
+            format!("{why_not_docker}; wasm: the CPython runtime is installed"),
+        ),
+        Ok(w) => (
+            "local",
+            format!(
+                "{why_not_docker}; wasm: no {} in {} (run {FETCH_SCRIPT})",
+                Runtime::Python.file_name(),
+                w.config().runtimes_dir.display()
+            ),
+        ),
+        Err(e) => ("local", format!("{why_not_docker}; wasm: {e}")),
+    }
+}
+
+/// The WASM executor with the configured runtimes (which may be missing).
+pub fn wasm(file: &FileConfig) -> Result<WasmExecutor, tandem_executor::ExecError> {
+    WasmExecutor::new(config::wasm_config(file))
 }
 
 /// Why `auto` picks docker.
@@ -82,8 +129,13 @@ fn local(file: &FileConfig) -> Arc<dyn Executor> {
     Arc::new(LocalExecutor::new(config::local_config(file)))
 }
 
-/// `tandem doctor`'s executor lines.
-pub async fn report(file: &FileConfig, image: Option<&str>) -> Result<Vec<String>> {
+/// `tandem doctor`'s executor lines; `precompile` loads the WASM runtimes (compiling and
+/// caching them if needed) and says how long that took.
+pub async fn report(
+    file: &FileConfig,
+    image: Option<&str>,
+    precompile: bool,
+) -> Result<Vec<String>> {
     let langs = |l: &[Language]| {
         l.iter()
             .map(Language::as_str)
@@ -117,9 +169,54 @@ pub async fn report(file: &FileConfig, image: Option<&str>) -> Result<Vec<String
         }
         Err(e) => lines.push(format!("executor:  docker - unavailable: {e}")),
     }
+    let wasm = wasm(file);
+    match &wasm {
+        Ok(w) => {
+            let runtimes: Vec<String> = w
+                .runtimes()
+                .iter()
+                .map(|r| {
+                    let state = if r.present { "present" } else { "missing" };
+                    format!("{} {state}", r.runtime.file_name())
+                })
+                .collect();
+            lines.push(format!(
+                "executor:  wasm ({}) - {} in {}{}",
+                langs(w.languages()),
+                runtimes.join(", "),
+                w.config().runtimes_dir.display(),
+                if w.runtimes().iter().all(|r| r.present) {
+                    String::new()
+                } else {
+                    format!("; run {FETCH_SCRIPT}")
+                }
+            ));
+            if precompile {
+                for (runtime, result) in w.warm().await {
+                    lines.push(match result {
+                        Ok(warmed) => format!(
+                            "           {} {} in {} ms (cache: {})",
+                            runtime.file_name(),
+                            match warmed.source {
+                                ModuleSource::Cache => "loaded from the compiled cache",
+                                ModuleSource::Compiled => "compiled and cached",
+                            },
+                            warmed.took.as_millis(),
+                            w.config().cache_dir.display()
+                        ),
+                        Err(e) => format!("           {}: {e}", runtime.file_name()),
+                    });
+                }
+            }
+        }
+        Err(e) => lines.push(format!("executor:  wasm - unavailable: {e}")),
+    }
     let auto = match why_not_docker(connected.as_ref(), &image_name).await {
         None => format!("docker ({})", docker_why(&image_name)),
-        Some(why) => format!("local ({why})"),
+        Some(why) => {
+            let (name, why) = without_docker(why, wasm.as_ref());
+            format!("{name} ({why})")
+        }
     };
     lines.push(format!("auto:      {auto}"));
     Ok(lines)

@@ -90,6 +90,10 @@ enum Command {
         /// Docker image to check [env: TANDEM_DOCKER_IMAGE; default: python:3.12-slim]
         #[arg(long)]
         image: Option<String>,
+        /// Load the WASM runtimes now, compiling and caching them on first use, so that no
+        /// task pays for it
+        #[arg(long)]
+        precompile: bool,
     },
 }
 
@@ -139,7 +143,11 @@ fn dispatch(cli: Cli) -> Result<u8> {
     let file = config::load(cli.config.as_deref())?;
     match cli.command {
         Command::Extract { file: path } => extract(path),
-        Command::Doctor { model, image } => runtime()?.block_on(doctor(&model, image, &file)),
+        Command::Doctor {
+            model,
+            image,
+            precompile,
+        } => runtime()?.block_on(doctor(&model, image, precompile, &file)),
         Command::Run(args) => runtime()?.block_on(run::run(args, file)),
         Command::Exec(args) => runtime()?.block_on(exec::exec(args, file)),
         Command::Serve(args) => runtime()?.block_on(serve::serve(args, file)),
@@ -188,6 +196,7 @@ fn extract(path: Option<PathBuf>) -> Result<u8> {
 async fn doctor(
     flags: &config::ModelFlags,
     image: Option<String>,
+    precompile: bool,
     file: &config::FileConfig,
 ) -> Result<u8> {
     let model = config::model_config(flags, file)?;
@@ -200,7 +209,7 @@ async fn doctor(
             "not set"
         }
     );
-    for line in executors::report(file, image.as_deref()).await? {
+    for line in executors::report(file, image.as_deref(), precompile).await? {
         println!("{line}");
     }
     Ok(exit::DONE)

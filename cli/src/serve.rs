@@ -29,7 +29,7 @@ pub struct ServeArgs {
     /// Seconds running tasks get to finish on SIGTERM before they are interrupted
     #[arg(long, default_value_t = 10.0)]
     grace: f64,
-    /// Default executor for tasks that name none: auto, docker or local [env: TANDEM_EXECUTOR]
+    /// Default executor for tasks that name none: auto, docker, wasm or local [env: TANDEM_EXECUTOR]
     #[arg(long, short = 'e')]
     executor: Option<String>,
     /// Docker image for the docker executor [env: TANDEM_DOCKER_IMAGE]
@@ -126,19 +126,40 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
     docker_config.pool_size = file.executors.docker.pool_size.unwrap_or(2);
     let image = docker_config.image.clone();
     let connected = DockerExecutor::connect(docker_config).await;
+    let wasm = crate::executors::wasm(&file);
     let name = config::executor_name(args.executor.as_deref(), &file);
     let default_executor = match name.as_str() {
         "auto" => match crate::executors::why_not_docker(connected.as_ref(), &image).await {
             None => "docker".to_owned(),
             Some(why) => {
-                eprintln!(
-                    "tandem: warning: tasks default to the local executor, which is not a security boundary ({why})"
-                );
-                "local".to_owned()
+                let (name, why) = crate::executors::without_docker(why, wasm.as_ref());
+                if name == "local" {
+                    eprintln!(
+                        "tandem: warning: tasks default to the local executor, which is not a security boundary ({why})"
+                    );
+                } else {
+                    tracing::info!(executor = name, %why, "default executor chosen");
+                }
+                name.to_owned()
             }
         },
         other => other.to_owned(),
     };
+    match wasm {
+        Ok(wasm) => {
+            executors.register(Arc::new(wasm.clone()));
+            // Loading (on first ever use, compiling) the runtimes now keeps it off every
+            // task's path.
+            tokio::spawn(async move {
+                for (runtime, result) in wasm.warm().await {
+                    if let Err(e) = result {
+                        tracing::warn!(runtime = runtime.file_name(), error = %e, "a WASM runtime cannot be loaded");
+                    }
+                }
+            });
+        }
+        Err(e) => tracing::warn!(error = %e, "the wasm executor is not available"),
+    }
     let docker = match connected {
         Ok(d) => {
             executors.register(Arc::new(d.clone()));
@@ -196,11 +217,13 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
         }
         None => None,
     };
-    // Sandboxes a crashed daemon left: its blocks and workspaces (docker containers were
-    // reaped when the docker executor connected).
-    let reaped = tokio::task::spawn_blocking(LocalExecutor::reap_orphans)
-        .await
-        .unwrap_or(0);
+    // Sandboxes a crashed daemon left: local blocks, local and WASM workspaces (docker
+    // containers were reaped when the docker executor connected).
+    let reaped = tokio::task::spawn_blocking(|| {
+        LocalExecutor::reap_orphans() + tandem_executor_wasm::WasmExecutor::reap_orphans()
+    })
+    .await
+    .unwrap_or(0);
     if reaped > 0 {
         tracing::info!(
             reaped,

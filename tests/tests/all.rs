@@ -1,7 +1,8 @@
-//! Library-level suites: executors against the conformance suite, the turn loop in-process
-//! against the scripted server over real HTTP.
+//! Library-level suites: executors (local, Docker, WASM) against the conformance suite, the
+//! turn loop in-process against the scripted server over real HTTP.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod docker_executor;
 mod local_executor;
 mod turn_loop;
+mod wasm_executor;

@@ -26,6 +26,7 @@ mod language;
 mod limits;
 pub mod owner;
 mod registry;
+pub mod scratch;
 pub mod workspace;
 
 use std::future::Future;

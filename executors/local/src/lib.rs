@@ -13,11 +13,11 @@ mod run;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
-use tandem_executor::owner;
 use tandem_executor::{
     BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Executor, Language, Limits,
     Session, SessionSpec,
 };
+use tandem_executor::{owner, scratch};
 use tempfile::TempDir;
 
 use forkserver::ForkServer;
@@ -63,7 +63,7 @@ struct Inner {
     interpreters: OnceLock<Interpreters>,
     languages: Vec<Language>,
     env: Vec<(String, String)>,
-    /// Where temporary workspaces go (see [`local_root`]).
+    /// Where temporary workspaces go (see [`ROOT_PREFIX`]).
     root: PathBuf,
     /// Started on the first python block; `Err` once starting it failed (then blocks spawn).
     fork_server: tokio::sync::Mutex<Option<Result<Arc<ForkServer>, ()>>>,
@@ -129,7 +129,7 @@ impl LocalExecutor {
                 interpreters: OnceLock::new(),
                 languages,
                 env,
-                root: local_root(),
+                root: scratch::process_root(ROOT_PREFIX),
                 fork_server: tokio::sync::Mutex::new(None),
             }),
         }
@@ -144,58 +144,12 @@ impl LocalExecutor {
     /// left behind (a daemon killed with SIGKILL cannot clean up); returns how many things it
     /// removed. A daemon calls this at start-up.
     pub fn reap_orphans() -> usize {
-        let mut reaped = kill::kill_orphans();
-        let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
-            return reaped;
-        };
-        for entry in entries.flatten() {
-            let name = entry.file_name();
-            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(ROOT_PREFIX)) else {
-                continue;
-            };
-            let Some((pid, start)) = rest.split_once('-') else {
-                continue;
-            };
-            let tag = format!("{}/{pid}:{start}", owner::hostname());
-            if !owner::owner_alive(&tag) && std::fs::remove_dir_all(entry.path()).is_ok() {
-                reaped += 1;
-            }
-        }
-        reaped
+        kill::kill_orphans() + scratch::reap_dead_roots(ROOT_PREFIX)
     }
 }
 
 /// Temporary workspaces live in `$TMPDIR/tandem-local-<pid>-<start-time>/` of their owner.
 const ROOT_PREFIX: &str = "tandem-local-";
-
-/// This process's directory for temporary workspaces: `$TMPDIR/tandem-local-<pid>-<start>`.
-fn local_root() -> PathBuf {
-    let pid = std::process::id();
-    std::env::temp_dir().join(format!(
-        "{ROOT_PREFIX}{pid}-{}",
-        owner::start_time(pid).unwrap_or_default()
-    ))
-}
-
-/// A temporary directory inside `root`, which is made (owner-only) when missing: the last
-/// session to close removes it, so a one-shot command leaves nothing in `$TMPDIR`.
-fn temp_in(root: &Path, prefix: &str) -> std::io::Result<TempDir> {
-    use std::os::unix::fs::DirBuilderExt;
-    let make = || match std::fs::DirBuilder::new().mode(0o700).create(root) {
-        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => Err(e),
-        _ => Ok(()),
-    };
-    let temp = || tempfile::Builder::new().prefix(prefix).tempdir_in(root);
-    make()?;
-    match temp() {
-        // Another session's close removed the root in between.
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            make()?;
-            temp()
-        }
-        other => other,
-    }
-}
 
 impl Executor for LocalExecutor {
     fn name(&self) -> &str {
@@ -233,7 +187,7 @@ struct LocalSession {
 impl LocalSession {
     fn create(inner: Arc<Inner>, spec: SessionSpec) -> Result<Self, ExecError> {
         inner.interpreters();
-        let scratch = temp_in(&inner.root, "tandem-scratch-")
+        let scratch = scratch::temp_in(&inner.root, "tandem-scratch-")
             .map_err(|e| ExecError::io("creating a scratch directory", e))?;
         let ws_err = |path: &Path| {
             let path = path.to_owned();
@@ -247,7 +201,7 @@ impl LocalSession {
                 (dir, None)
             }
             None => {
-                let dir = temp_in(&inner.root, "tandem-workspace-")
+                let dir = scratch::temp_in(&inner.root, "tandem-workspace-")
                     .map_err(|e| ExecError::io("creating a workspace", e))?;
                 (dir.path().to_owned(), Some(dir))
             }
@@ -292,8 +246,7 @@ impl Session for LocalSession {
                 if let Some(ws) = owned_workspace {
                     result = result.and(ws.close());
                 }
-                // Fails while other sessions still have directories in it, as it should.
-                let _ = std::fs::remove_dir(&inner.root);
+                scratch::remove_root_if_empty(&inner.root);
                 result
             })
             .await

@@ -1,0 +1,87 @@
+//! Per-process directories for temporary workspaces, and reaping the ones a dead Tandem left.
+//!
+//! Each backend keeps its temporary directories under `$TMPDIR/<prefix><pid>-<start-time>/`,
+//! so a later Tandem can tell (from the owner's pid and start time) which roots belong to a
+//! process that has died without cleaning up, and remove them.
+
+use std::path::{Path, PathBuf};
+
+use tempfile::TempDir;
+
+use crate::owner;
+
+/// This process's root for `prefix`: `$TMPDIR/<prefix><pid>-<start-time>`.
+pub fn process_root(prefix: &str) -> PathBuf {
+    let pid = std::process::id();
+    std::env::temp_dir().join(format!(
+        "{prefix}{pid}-{}",
+        owner::start_time(pid).unwrap_or_default()
+    ))
+}
+
+/// A temporary directory inside `root`, which is made (owner-only) when missing: the last
+/// session to close removes `root` again, so a one-shot command leaves nothing in `$TMPDIR`.
+pub fn temp_in(root: &Path, prefix: &str) -> std::io::Result<TempDir> {
+    use std::os::unix::fs::DirBuilderExt;
+    let make = || match std::fs::DirBuilder::new().mode(0o700).create(root) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => Err(e),
+        _ => Ok(()),
+    };
+    let temp = || tempfile::Builder::new().prefix(prefix).tempdir_in(root);
+    make()?;
+    match temp() {
+        // Another session's close removed the root in between.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            make()?;
+            temp()
+        }
+        other => other,
+    }
+}
+
+/// Removes `root` if it is empty; it stays while other sessions still have directories in it.
+pub fn remove_root_if_empty(root: &Path) {
+    let _ = std::fs::remove_dir(root);
+}
+
+/// Removes the roots for `prefix` whose owner process has died; returns how many it removed.
+pub fn reap_dead_roots(prefix: &str) -> usize {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return 0;
+    };
+    let mut reaped = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(prefix)) else {
+            continue;
+        };
+        let Some((pid, start)) = rest.split_once('-') else {
+            continue;
+        };
+        let tag = format!("{}/{pid}:{start}", owner::hostname());
+        if !owner::owner_alive(&tag) && std::fs::remove_dir_all(entry.path()).is_ok() {
+            reaped += 1;
+        }
+    }
+    reaped
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dead_roots_are_reaped_and_live_ones_kept() {
+        let prefix = format!("tandem-scratch-test-{}-", std::process::id());
+        let live = process_root(&prefix);
+        let ws = temp_in(&live, "ws-").unwrap();
+        let dead = std::env::temp_dir().join(format!("{prefix}999999999-1"));
+        std::fs::create_dir_all(dead.join("leftover")).unwrap();
+        assert_eq!(reap_dead_roots(&prefix), 1);
+        assert!(!dead.exists());
+        assert!(ws.path().exists());
+        ws.close().unwrap();
+        remove_root_if_empty(&live);
+        assert!(!live.exists());
+    }
+}

@@ -1,0 +1,227 @@
+//! Compiled modules cached on disk, so only the first use ever pays for compiling.
+//!
+//! Compiling CPython's 26 MB module takes seconds; mapping a precompiled `.cwasm` takes about a
+//! millisecond. A cache entry is named by the wasm's sha256 and the engine's compatibility
+//! hash (wasmtime version, target and the settings that change code), and is written
+//! atomically. Beside it a checksum file guards against a damaged entry, which wasmtime would
+//! otherwise map and run: a mismatch rebuilds the entry.
+
+use std::fs::File;
+use std::hash::{Hash, Hasher};
+use std::io::{Read, Write};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+use tandem_executor::ExecError;
+use wasmtime::{Engine, Module};
+use xxhash_rust::xxh3::Xxh3;
+
+/// Where a loaded module came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModuleSource {
+    /// Mapped from the on-disk cache.
+    Cache,
+    /// Compiled now (and stored in the cache when it was writable).
+    Compiled,
+}
+
+/// A loaded module, how it was obtained and how long that took.
+pub(crate) struct LoadedModule {
+    pub module: Module,
+    pub source: ModuleSource,
+    pub took: Duration,
+}
+
+/// Loads `wasm` for `engine`, from `cache_dir` when a valid entry is there, compiling and
+/// storing it otherwise. Blocking: call it off the async workers.
+pub(crate) fn load(
+    engine: &Engine,
+    wasm: &Path,
+    cache_dir: &Path,
+) -> Result<LoadedModule, ExecError> {
+    let started = Instant::now();
+    let meta = std::fs::metadata(wasm)
+        .map_err(|e| ExecError::io(format!("reading {}", wasm.display()), e))?;
+    let stem = wasm
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or("module")
+        .to_owned();
+    let sha = wasm_sha256(wasm, &meta, cache_dir, &stem)?;
+    let entry = cache_dir.join(format!(
+        "{stem}-{}-{:016x}.cwasm",
+        &sha[..16],
+        compatibility(engine)
+    ));
+    match map_entry(engine, &entry) {
+        Ok(module) => {
+            return Ok(LoadedModule {
+                module,
+                source: ModuleSource::Cache,
+                took: started.elapsed(),
+            });
+        }
+        Err(EntryError::Missing) => {}
+        Err(EntryError::Invalid(why)) => {
+            tracing::warn!(entry = %entry.display(), %why, "the cached compiled module is damaged; rebuilding it");
+        }
+    }
+    let bytes =
+        std::fs::read(wasm).map_err(|e| ExecError::io(format!("reading {}", wasm.display()), e))?;
+    let module = Module::from_binary(engine, &bytes)
+        .map_err(|e| ExecError::Backend(format!("compiling {} failed: {e}", wasm.display())))?;
+    match module.serialize() {
+        Ok(compiled) => {
+            if let Err(e) = store_entry(cache_dir, &entry, &compiled) {
+                tracing::warn!(dir = %cache_dir.display(), error = %e, "cannot store the compiled module; the next process compiles it again");
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "cannot serialise the compiled module"),
+    }
+    Ok(LoadedModule {
+        module,
+        source: ModuleSource::Compiled,
+        took: started.elapsed(),
+    })
+}
+
+/// The engine's compatibility hash as a number for file names.
+fn compatibility(engine: &Engine) -> u64 {
+    let mut hasher = std::hash::DefaultHasher::new();
+    engine.precompile_compatibility_hash().hash(&mut hasher);
+    hasher.finish()
+}
+
+/// The wasm's sha256, remembered per (size, mtime, inode) so a fresh process does not hash
+/// 26 MB again.
+fn wasm_sha256(
+    wasm: &Path,
+    meta: &std::fs::Metadata,
+    cache_dir: &Path,
+    stem: &str,
+) -> Result<String, ExecError> {
+    let index = cache_dir.join("index").join(format!(
+        "{stem}-{}-{}.{}-{}.sha256",
+        meta.len(),
+        meta.mtime(),
+        meta.mtime_nsec(),
+        meta.ino()
+    ));
+    if let Ok(known) = std::fs::read_to_string(&index) {
+        let known = known.trim();
+        if known.len() == 64 && known.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Ok(known.to_owned());
+        }
+    }
+    let mut file =
+        File::open(wasm).map_err(|e| ExecError::io(format!("reading {}", wasm.display()), e))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file
+            .read(&mut buf)
+            .map_err(|e| ExecError::io(format!("reading {}", wasm.display()), e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    let sha = hex(&hasher.finalize());
+    if let Err(e) = write_atomic(&index, sha.as_bytes()) {
+        tracing::debug!(error = %e, "cannot remember the runtime's sha256");
+    }
+    Ok(sha)
+}
+
+enum EntryError {
+    Missing,
+    Invalid(String),
+}
+
+/// The checksum file beside a cache entry.
+fn sum_path(entry: &Path) -> PathBuf {
+    entry.with_extension("cwasm.xxh3")
+}
+
+/// Maps a cache entry after checking it against its checksum.
+fn map_entry(engine: &Engine, entry: &Path) -> Result<Module, EntryError> {
+    let mut file = match File::open(entry) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(EntryError::Missing),
+        Err(e) => return Err(EntryError::Invalid(e.to_string())),
+    };
+    let expected = std::fs::read_to_string(sum_path(entry))
+        .map_err(|e| EntryError::Invalid(format!("its checksum file: {e}")))?;
+    let actual = checksum(&mut file).map_err(|e| EntryError::Invalid(e.to_string()))?;
+    if expected.trim() != actual {
+        return Err(EntryError::Invalid(format!(
+            "checksum {actual} does not match the recorded {}",
+            expected.trim()
+        )));
+    }
+    deserialize(engine, file).map_err(|e| EntryError::Invalid(e.to_string()))
+}
+
+/// Maps a precompiled module from an open file.
+#[allow(unsafe_code)]
+fn deserialize(engine: &Engine, file: File) -> wasmtime::Result<Module> {
+    // SAFETY: wasmtime runs whatever code the file holds and maps it lazily. The file is an
+    // entry this cache wrote itself (atomically renamed into place, never modified after), and
+    // its contents were just checked against the checksum recorded when it was written, from
+    // this same open file; wasmtime itself checks the header and engine compatibility.
+    unsafe { Module::deserialize_open_file(engine, file) }
+}
+
+/// `xxh3-64 hex` and length of a file's contents.
+fn checksum(file: &mut File) -> std::io::Result<String> {
+    let mut hasher = Xxh3::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut len = 0u64;
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        len += n as u64;
+        hasher.update(&buf[..n]);
+    }
+    Ok(format!("{:016x} {len}", hasher.digest()))
+}
+
+/// Writes the checksum, then the entry, each atomically.
+fn store_entry(cache_dir: &Path, entry: &Path, compiled: &[u8]) -> std::io::Result<()> {
+    std::fs::create_dir_all(cache_dir)?;
+    let mut hasher = Xxh3::new();
+    hasher.update(compiled);
+    let sum = format!("{:016x} {}", hasher.digest(), compiled.len());
+    write_atomic(&sum_path(entry), sum.as_bytes())?;
+    write_atomic(entry, compiled)
+}
+
+/// Writes `path` through a temporary file in the same directory and a rename, so readers see
+/// the old file or the whole new one.
+pub(crate) fn write_atomic(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
+    tmp.write_all(data)?;
+    tmp.as_file().sync_data()?;
+    tmp.persist(path).map_err(|e| e.error)?;
+    Ok(())
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_is_lowercase_and_padded() {
+        assert_eq!(hex(&[0, 1, 0xab]), "0001ab");
+    }
+}

@@ -1,0 +1,458 @@
+//! Tandem executor that runs Python and JavaScript as WebAssembly under wasmtime: CPython
+//! 3.12 and QuickJS compiled to WASI, with no container engine at all.
+//!
+//! Isolation is WebAssembly's and WASI's capabilities, denied by default: the guest sees its
+//! session's workspace at `/workspace` and nothing else of the host (no other files, no
+//! environment, no sockets, empty stdin). Every block runs in a fresh instance with a memory
+//! cap, a wall-clock timeout and an optional CPU (fuel) budget.
+//!
+//! Nothing slow sits on the request path: the executor owns one engine and an epoch ticker,
+//! each runtime is compiled once ever and then mapped from an on-disk cache ([`ModuleSource`]),
+//! and its linker and pre-instance are built once per process.
+
+mod cache;
+mod capture;
+mod run;
+mod ticker;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tandem_executor::{
+    BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Executor, Language, Limits,
+    Session, SessionSpec, scratch,
+};
+use tempfile::TempDir;
+use tokio::sync::OnceCell;
+use wasmtime::{Config, Engine, InstancePre, Linker};
+
+pub use cache::ModuleSource;
+use run::Guest;
+use ticker::Ticker;
+
+/// Environment variable naming the directory that holds the runtimes.
+pub const WASM_DIR_VAR: &str = "TANDEM_WASM_DIR";
+
+/// The script that fetches the runtimes, named in errors.
+pub const FETCH_SCRIPT: &str = "scripts/fetch-wasm-runtimes.sh";
+
+/// Settings for the WASM executor.
+#[derive(Clone, Debug)]
+pub struct WasmConfig {
+    /// Directory holding `python.wasm` and `quickjs.wasm` (see [`default_runtimes_dir`]).
+    pub runtimes_dir: PathBuf,
+    /// Directory for compiled modules (see [`default_cache_dir`]).
+    pub cache_dir: PathBuf,
+    /// Most linear memory a block may use, bytes; a task's lower `memory_bytes` wins.
+    pub memory_bytes: u64,
+    /// CPU budget per block in wasmtime fuel (about one unit per instruction); `None` for no
+    /// budget. CPython's start alone burns about 250 M.
+    pub fuel: Option<u64>,
+}
+
+impl Default for WasmConfig {
+    fn default() -> Self {
+        Self {
+            runtimes_dir: default_runtimes_dir(),
+            cache_dir: default_cache_dir(),
+            memory_bytes: 256 << 20,
+            fuel: None,
+        }
+    }
+}
+
+/// `$TANDEM_WASM_DIR`, else `$XDG_DATA_HOME/tandem/wasm`, else `~/.local/share/tandem/wasm`.
+pub fn default_runtimes_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os(WASM_DIR_VAR).filter(|d| !d.is_empty()) {
+        return PathBuf::from(dir);
+    }
+    xdg_dir("XDG_DATA_HOME", ".local/share").join("tandem/wasm")
+}
+
+/// `$XDG_CACHE_HOME/tandem/wasm`, else `~/.cache/tandem/wasm`.
+pub fn default_cache_dir() -> PathBuf {
+    xdg_dir("XDG_CACHE_HOME", ".cache").join("tandem/wasm")
+}
+
+fn xdg_dir(var: &str, under_home: &str) -> PathBuf {
+    match std::env::var_os(var).filter(|d| !d.is_empty()) {
+        Some(dir) => PathBuf::from(dir),
+        None => std::env::var_os("HOME")
+            .map_or_else(std::env::temp_dir, PathBuf::from)
+            .join(under_home),
+    }
+}
+
+/// A WASI program this executor runs, one per language.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Runtime {
+    /// CPython 3.12 with its standard library embedded.
+    Python,
+    /// QuickJS.
+    QuickJs,
+}
+
+impl Runtime {
+    /// Every runtime.
+    pub const ALL: [Runtime; 2] = [Runtime::Python, Runtime::QuickJs];
+
+    /// The runtime for `language`, if there is one.
+    pub fn for_language(language: &Language) -> Option<Self> {
+        match language.as_str() {
+            "python" => Some(Self::Python),
+            "javascript" => Some(Self::QuickJs),
+            _ => None,
+        }
+    }
+
+    /// The language it runs.
+    pub fn language(self) -> Language {
+        match self {
+            Self::Python => Language::python(),
+            Self::QuickJs => Language::javascript(),
+        }
+    }
+
+    /// Its file name in the runtimes directory.
+    pub fn file_name(self) -> &'static str {
+        match self {
+            Self::Python => "python.wasm",
+            Self::QuickJs => "quickjs.wasm",
+        }
+    }
+
+    /// The guest's argv for running `script` (a guest path).
+    fn argv(self, script: &str) -> Vec<String> {
+        let argv: &[&str] = match self {
+            Self::Python => &["python", "-X", "utf8", script],
+            Self::QuickJs => &["qjs", "--std", "--include", "/tandem/chdir.js", script],
+        };
+        argv.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Whether a runtime file is installed, for `tandem doctor`.
+#[derive(Clone, Debug)]
+pub struct RuntimeStatus {
+    /// Which runtime.
+    pub runtime: Runtime,
+    /// Where it is looked for.
+    pub path: PathBuf,
+    /// Whether the file is there.
+    pub present: bool,
+}
+
+/// A runtime made ready by [`WasmExecutor::warm`].
+#[derive(Clone, Debug)]
+pub struct Warmed {
+    /// Which runtime.
+    pub runtime: Runtime,
+    /// Mapped from the cache or compiled now.
+    pub source: ModuleSource,
+    /// How long loading took.
+    pub took: Duration,
+}
+
+/// Runs python and javascript blocks as WebAssembly.
+#[derive(Clone)]
+pub struct WasmExecutor {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: WasmConfig,
+    engine: Engine,
+    linker: Linker<Guest>,
+    ticker: Ticker,
+    languages: Vec<Language>,
+    /// One pre-instance per runtime, made on first use.
+    prepared: [OnceCell<Arc<Prepared>>; 2],
+    /// Where temporary workspaces go (see [`ROOT_PREFIX`]).
+    root: PathBuf,
+    /// Host directory of the [`SUPPORT_FILES`], shown read-only to guests.
+    support: PathBuf,
+}
+
+/// A runtime ready to instantiate.
+struct Prepared {
+    pre: InstancePre<Guest>,
+    source: ModuleSource,
+    took: Duration,
+}
+
+/// Files every guest loads before its block: they make `/workspace` the working directory,
+/// since WASI preview 1 has no initial directory and relative paths would resolve from `/`.
+const SUPPORT_FILES: &[(&str, &str)] = &[
+    ("sitecustomize.py", "import os\nos.chdir('/workspace')\n"),
+    ("chdir.js", "os.chdir('/workspace');\n"),
+];
+
+/// Writes the support files under `cache_dir` (or the temp dir when that is read-only),
+/// leaving them alone when they are already there.
+fn support_dir(cache_dir: &Path) -> Result<PathBuf, ExecError> {
+    let write = |dir: &Path| -> std::io::Result<()> {
+        for (name, contents) in SUPPORT_FILES {
+            let path = dir.join(name);
+            if std::fs::read_to_string(&path).ok().as_deref() != Some(*contents) {
+                cache::write_atomic(&path, contents.as_bytes())?;
+            }
+        }
+        Ok(())
+    };
+    let preferred = cache_dir.join("support-1");
+    match write(&preferred) {
+        Ok(()) => Ok(preferred),
+        Err(e) => {
+            let fallback =
+                std::env::temp_dir().join(format!("tandem-wasm-support-1-{}", user_id()));
+            tracing::debug!(dir = %preferred.display(), error = %e, "using the temp dir for the WASM support files");
+            write(&fallback)
+                .map(|()| fallback)
+                .map_err(|e| ExecError::io("writing the WASM support files", e))
+        }
+    }
+}
+
+/// This user's id, to keep temp dirs of different users apart.
+fn user_id() -> u32 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").map_or(0, |m| m.uid())
+}
+
+/// Temporary workspaces live in `$TMPDIR/tandem-wasm-<pid>-<start-time>/` of their owner.
+const ROOT_PREFIX: &str = "tandem-wasm-";
+
+impl WasmExecutor {
+    /// Builds the engine and linker and starts the epoch ticker; the runtimes are loaded on
+    /// first use (or by [`WasmExecutor::warm`]), so a missing one only fails its language.
+    pub fn new(config: WasmConfig) -> Result<Self, ExecError> {
+        let mut engine_config = Config::new();
+        engine_config
+            .epoch_interruption(true)
+            .consume_fuel(config.fuel.is_some());
+        let engine = Engine::new(&engine_config)
+            .map_err(|e| ExecError::Backend(format!("starting wasmtime failed: {e}")))?;
+        let mut linker = Linker::new(&engine);
+        wasmtime_wasi::p1::add_to_linker_async(&mut linker, |guest: &mut Guest| &mut guest.wasi)
+            .map_err(|e| ExecError::Backend(format!("linking WASI failed: {e}")))?;
+        let support = support_dir(&config.cache_dir)?;
+        let ticker = Ticker::start(&engine)
+            .map_err(|e| ExecError::io("starting the epoch ticker thread", e))?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config,
+                engine,
+                linker,
+                ticker,
+                languages: Runtime::ALL.iter().map(|r| r.language()).collect(),
+                prepared: [OnceCell::new(), OnceCell::new()],
+                root: scratch::process_root(ROOT_PREFIX),
+                support,
+            }),
+        })
+    }
+
+    /// The settings it runs with.
+    pub fn config(&self) -> &WasmConfig {
+        &self.inner.config
+    }
+
+    /// Which runtime files are installed.
+    pub fn runtimes(&self) -> Vec<RuntimeStatus> {
+        Runtime::ALL
+            .iter()
+            .map(|&runtime| {
+                let path = self.inner.config.runtimes_dir.join(runtime.file_name());
+                RuntimeStatus {
+                    runtime,
+                    present: path.is_file(),
+                    path,
+                }
+            })
+            .collect()
+    }
+
+    /// Whether the Python runtime is installed (what `auto` needs to pick this executor).
+    pub fn python_present(&self) -> bool {
+        self.runtimes()
+            .iter()
+            .any(|s| s.runtime == Runtime::Python && s.present)
+    }
+
+    /// Loads every installed runtime now (compiling and caching it on first ever use) so no
+    /// block pays for it; a daemon calls this in the background at start-up.
+    pub async fn warm(&self) -> Vec<(Runtime, Result<Warmed, ExecError>)> {
+        let mut warmed = Vec::new();
+        for status in self.runtimes() {
+            if !status.present {
+                continue;
+            }
+            let result = self.inner.prepared(status.runtime).await.map(|p| Warmed {
+                runtime: status.runtime,
+                source: p.source,
+                took: p.took,
+            });
+            warmed.push((status.runtime, result));
+        }
+        warmed
+    }
+
+    /// Removes temporary workspaces that a Tandem which has since died left behind; returns
+    /// how many it removed. (A WASM guest is not a process, so nothing else can be left.)
+    pub fn reap_orphans() -> usize {
+        scratch::reap_dead_roots(ROOT_PREFIX)
+    }
+}
+
+impl Inner {
+    /// The pre-instance for `runtime`, loaded on first call; a failure is not remembered, so
+    /// installing the runtime fixes the next block.
+    async fn prepared(self: &Arc<Self>, runtime: Runtime) -> Result<Arc<Prepared>, ExecError> {
+        let cell = &self.prepared[runtime.index()];
+        cell.get_or_try_init(|| {
+            let inner = self.clone();
+            async move {
+                tokio::task::spawn_blocking(move || inner.prepare(runtime))
+                    .await
+                    .map_err(|e| {
+                        ExecError::Backend(format!("loading a WASM runtime failed: {e}"))
+                    })?
+            }
+        })
+        .await
+        .cloned()
+    }
+
+    fn prepare(&self, runtime: Runtime) -> Result<Arc<Prepared>, ExecError> {
+        let path = self.config.runtimes_dir.join(runtime.file_name());
+        if !path.is_file() {
+            return Err(ExecError::Unavailable {
+                what: format!(
+                    "the WASM {} runtime ({})",
+                    runtime.language(),
+                    path.display()
+                ),
+                hint: format!(
+                    "run {FETCH_SCRIPT} to fetch it, or set {WASM_DIR_VAR} to a directory that holds {}",
+                    runtime.file_name()
+                ),
+            });
+        }
+        let loaded = cache::load(&self.engine, &path, &self.config.cache_dir)?;
+        tracing::info!(
+            runtime = runtime.file_name(),
+            source = ?loaded.source,
+            ms = loaded.took.as_millis() as u64,
+            "WASM runtime loaded"
+        );
+        let pre = self.linker.instantiate_pre(&loaded.module).map_err(|e| {
+            ExecError::Backend(format!(
+                "{} cannot be linked against WASI: {e}",
+                path.display()
+            ))
+        })?;
+        Ok(Arc::new(Prepared {
+            pre,
+            source: loaded.source,
+            took: loaded.took,
+        }))
+    }
+}
+
+impl Executor for WasmExecutor {
+    fn name(&self) -> &str {
+        "wasm"
+    }
+
+    fn languages(&self) -> &[Language] {
+        &self.inner.languages
+    }
+
+    fn open(&self, spec: SessionSpec) -> BoxFuture<'_, Result<Box<dyn Session>, ExecError>> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let session = tokio::task::spawn_blocking(move || WasmSession::create(inner, spec))
+                .await
+                .map_err(|e| ExecError::Backend(format!("opening a WASM session failed: {e}")))??;
+            Ok(Box::new(session) as Box<dyn Session>)
+        })
+    }
+}
+
+/// One task's workspace; each block is a fresh instance that sees it at `/workspace`.
+struct WasmSession {
+    inner: Arc<Inner>,
+    workspace: PathBuf,
+    /// Owns the workspace when Tandem made it, so it is removed with the session.
+    owned_workspace: Option<TempDir>,
+    limits: Limits,
+    blocks: u32,
+}
+
+impl WasmSession {
+    fn create(inner: Arc<Inner>, spec: SessionSpec) -> Result<Self, ExecError> {
+        let ws_err = |path: &Path| {
+            let path = path.to_owned();
+            move |source| ExecError::Workspace { path, source }
+        };
+        let (workspace, owned_workspace) = match spec.workdir {
+            Some(dir) => {
+                std::fs::create_dir_all(&dir).map_err(ws_err(&dir))?;
+                let dir = dir.canonicalize().map_err(ws_err(&dir))?;
+                (dir, None)
+            }
+            None => {
+                let dir = scratch::temp_in(&inner.root, "workspace-")
+                    .map_err(|e| ExecError::io("creating a workspace", e))?;
+                (dir.path().to_owned(), Some(dir))
+            }
+        };
+        Ok(Self {
+            inner,
+            workspace,
+            owned_workspace,
+            limits: spec.limits,
+            blocks: 0,
+        })
+    }
+}
+
+impl Session for WasmSession {
+    fn run(
+        &mut self,
+        req: ExecRequest,
+        ctx: ExecContext,
+    ) -> BoxFuture<'_, Result<ExecOutcome, ExecError>> {
+        Box::pin(async move {
+            self.blocks += 1;
+            run::run_block(self, req, ctx).await
+        })
+    }
+
+    fn workspace(&self) -> Option<&Path> {
+        Some(&self.workspace)
+    }
+
+    fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
+        Box::pin(async move {
+            let Self {
+                inner,
+                owned_workspace,
+                ..
+            } = *self;
+            tokio::task::spawn_blocking(move || {
+                let result = owned_workspace.map_or(Ok(()), TempDir::close);
+                scratch::remove_root_if_empty(&inner.root);
+                result
+            })
+            .await
+            .map_err(|e| ExecError::Backend(format!("closing a WASM session failed: {e}")))?
+            .map_err(|e| ExecError::io("removing the session's workspace", e))
+        })
+    }
+}

@@ -1,0 +1,508 @@
+//! The WASM executor under real wasmtime, with the runtimes `scripts/fetch-wasm-runtimes.sh`
+//! installs (or `TANDEM_WASM_DIR`). Missing runtimes fail these tests.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tandem_executor::{
+    CancellationToken, ExecContext, ExecError, ExecRequest, ExitStatus, Language, Limits,
+};
+use tandem_executor_wasm::{ModuleSource, Runtime, WasmConfig, WasmExecutor};
+use tandem_tests::conformance::{self, open, open_with_wall, run};
+
+/// An executor with both runtimes loaded, so that timings in the tests exclude loading.
+async fn wasm_with(config: WasmConfig) -> Arc<WasmExecutor> {
+    let executor = WasmExecutor::new(config).expect("wasmtime starts");
+    for status in executor.runtimes() {
+        assert!(
+            status.present,
+            "these tests need {} (run scripts/fetch-wasm-runtimes.sh)",
+            status.path.display()
+        );
+    }
+    for (runtime, result) in executor.warm().await {
+        result.unwrap_or_else(|e| panic!("{}: {e}", runtime.file_name()));
+    }
+    Arc::new(executor)
+}
+
+async fn wasm() -> Arc<WasmExecutor> {
+    wasm_with(WasmConfig::default()).await
+}
+
+#[tokio::test]
+async fn shared_behaviour() {
+    let executor = wasm().await;
+    conformance::stdin_is_closed(&*executor).await;
+    conformance::invalid_utf8_is_decoded_lossily(&*executor).await;
+    conformance::big_output_is_capped_without_deadlock(&*executor).await;
+    conformance::unsupported_language_is_an_error(&*executor).await;
+}
+
+#[tokio::test]
+async fn hello_stderr_and_exit_codes_in_both_languages() {
+    let executor = wasm().await;
+    let mut s = open(&*executor, Limits::default()).await;
+    let out = run(&mut *s, "python", "print('hello from', 'python')").await;
+    assert_eq!(
+        (out.status, out.stdout.to_text()),
+        (ExitStatus::Exited(0), "hello from python\n".to_owned())
+    );
+    let out = run(&mut *s, "js", "console.log('hello from', 'js')").await;
+    assert_eq!(
+        (out.status, out.stdout.to_text()),
+        (ExitStatus::Exited(0), "hello from js\n".to_owned()),
+        "{}",
+        out.stderr.to_text()
+    );
+    let out = run(
+        &mut *s,
+        "javascript",
+        "std.err.puts('to stderr\\n'); std.exit(4)",
+    )
+    .await;
+    assert_eq!(out.status, ExitStatus::Exited(4));
+    assert_eq!(out.stderr.to_text(), "to stderr\n");
+    let out = run(&mut *s, "python", "raise ValueError('bad value')").await;
+    assert_eq!(out.status, ExitStatus::Exited(1));
+    assert!(out.stderr.to_text().contains("ValueError: bad value"));
+    let out = run(&mut *s, "javascript", "throw new TypeError('bad type')").await;
+    assert_eq!(out.status, ExitStatus::Exited(1));
+    assert!(out.stderr.to_text().contains("TypeError: bad type"));
+    s.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn syntax_errors_are_program_failures() {
+    let executor = wasm().await;
+    let mut s = open(&*executor, Limits::default()).await;
+    let out = run(&mut *s, "python", "def f(:\n    pass").await;
+    assert_eq!(out.status, ExitStatus::Exited(1));
+    assert!(out.stderr.to_text().contains("SyntaxError"));
+    let out = run(&mut *s, "javascript", "let = ;").await;
+    assert_eq!(out.status, ExitStatus::Exited(1));
+    assert!(out.stderr.to_text().contains("SyntaxError"));
+    s.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn endless_loops_and_sleeps_stop_at_the_timeout() {
+    let executor = wasm().await;
+    let mut s = open_with_wall(&*executor, 1).await;
+    for (lang, code) in [
+        (
+            "python",
+            "print('started', flush=True)\nwhile True:\n    pass",
+        ),
+        (
+            "python",
+            "import time\nprint('started', flush=True)\ntime.sleep(300)",
+        ),
+        ("javascript", "console.log('started'); for (;;) {}"),
+    ] {
+        let started = Instant::now();
+        let out = run(&mut *s, lang, code).await;
+        let took = started.elapsed();
+        assert_eq!(out.status, ExitStatus::TimedOut, "{lang}: {code}");
+        assert_eq!(out.stdout.to_text(), "started\n");
+        assert!(
+            took < Duration::from_millis(1500),
+            "{lang} returned after {took:?}"
+        );
+    }
+    let out = run(&mut *s, "python", "print('still usable')").await;
+    assert_eq!(out.stdout.to_text(), "still usable\n");
+    s.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn cancel_stops_a_running_guest_at_once() {
+    let executor = wasm().await;
+    let mut s = open(&*executor, Limits::default()).await;
+    let cancel = CancellationToken::new();
+    let trigger = cancel.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        trigger.cancel();
+    });
+    let started = Instant::now();
+    let out = s
+        .run(
+            ExecRequest::new(
+                Language::python(),
+                "print('going', flush=True)\nwhile True: pass",
+            ),
+            ExecContext::new(cancel),
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.status, ExitStatus::Cancelled);
+    assert_eq!(out.stdout.to_text(), "going\n");
+    assert!(started.elapsed() < Duration::from_secs(1));
+    s.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_huge_allocation_is_refused_cleanly() {
+    let executor = wasm().await;
+    let mut s = open(&*executor, Limits::default()).await;
+    let out = run(&mut *s, "python", "b = bytearray(2**31 - 1)\nprint(len(b))").await;
+    assert_eq!(
+        out.status,
+        ExitStatus::Exited(1),
+        "{}",
+        out.stderr.to_text()
+    );
+    assert!(
+        out.stderr.to_text().contains("MemoryError"),
+        "{}",
+        out.stderr.to_text()
+    );
+    // Growing past the cap a little at a time fails the same way, at the cap.
+    let out = run(
+        &mut *s,
+        "python",
+        "chunks = []\ntry:\n    while True:\n        chunks.append(bytearray(16 << 20))\nexcept MemoryError:\n    print('refused after', len(chunks) * 16, 'MiB')",
+    )
+    .await;
+    assert_eq!(
+        out.status,
+        ExitStatus::Exited(0),
+        "{}",
+        out.stderr.to_text()
+    );
+    let mib: u64 = out
+        .stdout
+        .to_text()
+        .split_whitespace()
+        .nth(2)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{}", out.stdout.to_text()));
+    assert!(
+        (160..=256).contains(&mib),
+        "the 256 MiB cap let {mib} MiB through"
+    );
+    let out = run(
+        &mut *s,
+        "javascript",
+        "const a = new ArrayBuffer(2 * 1024 ** 3); console.log(a.byteLength)",
+    )
+    .await;
+    assert_ne!(
+        out.status,
+        ExitStatus::Exited(0),
+        "{}",
+        out.stdout.to_text()
+    );
+    let out = run(&mut *s, "python", "print('still usable')").await;
+    assert_eq!(out.stdout.to_text(), "still usable\n");
+    s.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn files_persist_across_blocks_in_the_workspace_only() {
+    let executor = wasm().await;
+    let mut s = open(&*executor, Limits::default()).await;
+    let ws = s.workspace().unwrap().to_owned();
+    let out = run(
+        &mut *s,
+        "python",
+        "x = 1\nopen('note.txt', 'w').write('kept')\nimport os\nos.makedirs('sub', exist_ok=True)\nopen('/workspace/sub/abs.txt', 'w').write('abs')",
+    )
+    .await;
+    assert_eq!(
+        out.status,
+        ExitStatus::Exited(0),
+        "{}",
+        out.stderr.to_text()
+    );
+    assert_eq!(
+        std::fs::read_to_string(ws.join("note.txt")).unwrap(),
+        "kept"
+    );
+    assert_eq!(
+        std::fs::read_to_string(ws.join("sub/abs.txt")).unwrap(),
+        "abs"
+    );
+    let out = run(
+        &mut *s,
+        "python",
+        "import os\nprint(open('note.txt').read(), open('sub/abs.txt').read(), os.getcwd())\nprint(x)",
+    )
+    .await;
+    assert_eq!(out.stdout.to_text(), "kept abs /workspace\n");
+    assert!(
+        out.stderr.to_text().contains("NameError"),
+        "{}",
+        out.stderr.to_text()
+    );
+    let out = run(
+        &mut *s,
+        "javascript",
+        "console.log(std.loadFile('note.txt'))",
+    )
+    .await;
+    assert_eq!(out.stdout.to_text(), "kept\n", "{}", out.stderr.to_text());
+    // `# filename:` saves a module that later blocks import.
+    run(
+        &mut *s,
+        "python",
+        "# filename: helper.py\ndef double(x):\n    return 2 * x",
+    )
+    .await;
+    let out = run(
+        &mut *s,
+        "python",
+        "from helper import double\nprint(double(21))",
+    )
+    .await;
+    assert_eq!(out.stdout.to_text(), "42\n", "{}", out.stderr.to_text());
+    let out = run(&mut *s, "python", "# filename: ../up.py\nprint(1)").await;
+    assert_eq!(out.status, ExitStatus::Exited(1));
+    assert!(
+        out.stderr
+            .to_text()
+            .contains("must stay inside the workspace")
+    );
+    let mut names: Vec<String> = std::fs::read_dir(&ws)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["helper.py", "note.txt", "sub"]);
+    s.close().await.unwrap();
+    assert!(!ws.exists(), "the temporary workspace outlived its session");
+}
+
+#[tokio::test]
+async fn the_host_is_out_of_reach() {
+    let executor = wasm().await;
+    let mut s = open(&*executor, Limits::default()).await;
+    let probe = r#"
+import os
+def attempt(what, f):
+    try:
+        f()
+        print(what, 'ALLOWED')
+    except Exception as e:
+        print(what, 'denied', type(e).__name__)
+attempt('passwd', lambda: open('/etc/passwd').read())
+attempt('dotdot', lambda: open('../../../../etc/passwd').read())
+attempt('write-outside', lambda: open('/tmp/escape.txt', 'w').write('x'))
+attempt('listdir-root', lambda: os.listdir('/etc'))
+import socket
+attempt('socket', lambda: socket.create_connection(('127.0.0.1', 22), timeout=1))
+print(sorted(os.environ))
+"#;
+    let out = run(&mut *s, "python", probe).await;
+    let text = out.stdout.to_text();
+    assert!(
+        !text.contains("ALLOWED"),
+        "{text}\n{}",
+        out.stderr.to_text()
+    );
+    for what in [
+        "passwd",
+        "dotdot",
+        "write-outside",
+        "listdir-root",
+        "socket",
+    ] {
+        assert!(text.contains(&format!("{what} denied")), "{what}: {text}");
+    }
+    let env_line = text.lines().last().unwrap();
+    assert!(
+        !env_line.contains("CARGO"),
+        "host environment leaked: {env_line}"
+    );
+    let out = run(
+        &mut *s,
+        "javascript",
+        "console.log(std.loadFile('/etc/passwd'))",
+    )
+    .await;
+    assert_eq!(out.stdout.to_text(), "null\n");
+    s.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn ten_megabytes_of_output_are_capped() {
+    let executor = wasm().await;
+    let cap = 4096;
+    let mut s = open(
+        &*executor,
+        Limits {
+            output_bytes: cap,
+            ..Limits::default()
+        },
+    )
+    .await;
+    let out = run(
+        &mut *s,
+        "javascript",
+        "const line = 'x'.repeat(1023); for (let i = 0; i < 10240; i++) console.log(line); console.log('END')",
+    )
+    .await;
+    assert_eq!(out.status, ExitStatus::Exited(0));
+    assert_eq!(out.stdout.total(), 10 * 1024 * 1024 + 4);
+    assert!(out.stdout.truncated());
+    assert!(out.stdout.to_text().ends_with("END\n"));
+    s.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn twenty_concurrent_executions() {
+    let executor = wasm().await;
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..20 {
+        let executor = executor.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut s = open(&*executor, Limits::default()).await;
+            let lang = if i % 2 == 0 { "python" } else { "javascript" };
+            let code = if i % 2 == 0 {
+                format!("import os\nopen('mine.txt', 'w').write('{i}')\nprint(open('mine.txt').read(), len(os.listdir('.')))")
+            } else {
+                format!("std.writeFile('mine.txt', '{i}'); console.log(std.loadFile('mine.txt'), os.readdir('.')[0].filter(n => !n.startsWith('.')).length)")
+            };
+            let out = run(&mut *s, lang, &code).await;
+            s.close().await.unwrap();
+            (out.stdout.to_text(), out.stderr.to_text())
+        }));
+    }
+    for (i, t) in tasks.into_iter().enumerate() {
+        let (stdout, stderr) = t.await.unwrap();
+        let files = if i % 2 == 0 { 2 } else { 1 };
+        assert_eq!(stdout, format!("{i} {files}\n"), "{stderr}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(30));
+}
+
+#[tokio::test]
+async fn traps_and_budgets_are_classified_outcomes() {
+    let executor = wasm_with(WasmConfig {
+        fuel: Some(2_000_000_000),
+        ..WasmConfig::default()
+    })
+    .await;
+    let mut s = open(&*executor, Limits::default()).await;
+    let out = run(&mut *s, "python", "print('fits the budget')").await;
+    assert_eq!(
+        out.stdout.to_text(),
+        "fits the budget\n",
+        "{}",
+        out.stderr.to_text()
+    );
+    let out = run(&mut *s, "python", "while True:\n    pass").await;
+    assert_eq!(out.status, ExitStatus::TimedOut);
+    assert!(
+        out.stderr.to_text().contains("CPU budget"),
+        "{}",
+        out.stderr.to_text()
+    );
+    s.close().await.unwrap();
+
+    let executor = wasm().await;
+    let mut s = open(&*executor, Limits::default()).await;
+    let out = run(
+        &mut *s,
+        "python",
+        "import sys\nsys.setrecursionlimit(10**7)\ndef f(n):\n    return f(n + 1)\nf(0)",
+    )
+    .await;
+    let stderr = out.stderr.to_text();
+    assert!(
+        matches!(out.status, ExitStatus::Signaled(11) | ExitStatus::Exited(1)),
+        "{:?}: {stderr}",
+        out.status
+    );
+    assert!(!stderr.contains("wasm backtrace"), "{stderr}");
+    s.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_compiled_module_cache_survives_damage() {
+    let runtimes = WasmConfig::default().runtimes_dir;
+    let cache = tempfile::tempdir().unwrap();
+    let config = WasmConfig {
+        runtimes_dir: runtimes,
+        cache_dir: cache.path().to_owned(),
+        ..WasmConfig::default()
+    };
+    let quickjs = |executor: &WasmExecutor| {
+        let executor = executor.clone();
+        async move {
+            let warmed = executor.warm().await;
+            let (_, result) = warmed
+                .into_iter()
+                .find(|(r, _)| *r == Runtime::QuickJs)
+                .unwrap();
+            result.unwrap().source
+        }
+    };
+    // Only QuickJS: compiling CPython into a fresh cache would take seconds.
+    std::fs::create_dir_all(cache.path().join("rt")).unwrap();
+    std::fs::copy(
+        config.runtimes_dir.join("quickjs.wasm"),
+        cache.path().join("rt/quickjs.wasm"),
+    )
+    .unwrap();
+    let config = WasmConfig {
+        runtimes_dir: cache.path().join("rt"),
+        cache_dir: cache.path().join("compiled"),
+        ..config
+    };
+    let first = WasmExecutor::new(config.clone()).unwrap();
+    assert_eq!(quickjs(&first).await, ModuleSource::Compiled);
+    let second = WasmExecutor::new(config.clone()).unwrap();
+    assert_eq!(quickjs(&second).await, ModuleSource::Cache);
+    let entry = std::fs::read_dir(cache.path().join("compiled"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "cwasm"))
+        .expect("a .cwasm entry");
+    // Damage the middle of the code, where wasmtime's own header checks would not look.
+    let mut bytes = std::fs::read(&entry).unwrap();
+    let mid = bytes.len() / 2;
+    for b in &mut bytes[mid..mid + 64] {
+        *b ^= 0xff;
+    }
+    std::fs::write(&entry, &bytes).unwrap();
+    let third = WasmExecutor::new(config.clone()).unwrap();
+    assert_eq!(quickjs(&third).await, ModuleSource::Compiled);
+    let mut s = open(&third, Limits::default()).await;
+    let out = run(&mut *s, "javascript", "console.log(6 * 7)").await;
+    assert_eq!(out.stdout.to_text(), "42\n");
+    s.close().await.unwrap();
+    // Truncated to nothing, then restored again.
+    std::fs::write(&entry, b"").unwrap();
+    let fourth = WasmExecutor::new(config.clone()).unwrap();
+    assert_eq!(quickjs(&fourth).await, ModuleSource::Compiled);
+    let fifth = WasmExecutor::new(config).unwrap();
+    assert_eq!(quickjs(&fifth).await, ModuleSource::Cache);
+}
+
+#[tokio::test]
+async fn a_missing_runtime_names_the_fetch_script() {
+    let empty = tempfile::tempdir().unwrap();
+    let executor = WasmExecutor::new(WasmConfig {
+        runtimes_dir: empty.path().to_owned(),
+        ..WasmConfig::default()
+    })
+    .unwrap();
+    assert!(!executor.python_present());
+    let mut s = open(&executor, Limits::default()).await;
+    let err = s
+        .run(
+            ExecRequest::new(Language::python(), "print(1)"),
+            ExecContext::new(CancellationToken::new()),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ExecError::Unavailable { .. }), "{err}");
+    assert!(
+        err.to_string().contains("scripts/fetch-wasm-runtimes.sh"),
+        "{err}"
+    );
+    s.close().await.unwrap();
+}
