@@ -591,7 +591,7 @@ async fn empty_task_and_unknown_executor_are_usage_errors() {
     assert_eq!(out.code, 2);
     assert_eq!(
         out.stderr.trim(),
-        "tandem: executor `dockr` is not registered; available: auto, docker, local"
+        "tandem: executor `dockr` is not registered; available: auto, docker, local, wasm"
     );
 }
 
@@ -875,17 +875,32 @@ async fn docker_engine_down_or_image_missing_says_what_to_do() {
         "{}",
         out.stderr
     );
-    // auto falls back to local, and says that local is not a security boundary.
+    // auto falls back to wasm when its CPython runtime is installed...
+    let out = tandem(
+        &["exec", "--lang", "python"],
+        &[nowhere[0], ("TANDEM_EXECUTOR", "auto")],
+        Some("import os\nprint(os.getcwd())"),
+    )
+    .await;
+    assert_eq!(
+        (out.code, out.stdout.as_str(), out.stderr.as_str()),
+        (0, "/workspace\n", "")
+    );
+    // ...and then to local, saying that local is not a security boundary.
     let out = tandem(
         &["exec", "--lang", "sh"],
-        &[nowhere[0], ("TANDEM_EXECUTOR", "auto")],
+        &[
+            nowhere[0],
+            ("TANDEM_EXECUTOR", "auto"),
+            ("TANDEM_WASM_DIR", "/nonexistent/wasm"),
+        ],
         Some("echo ran"),
     )
     .await;
     assert_eq!((out.code, out.stdout.as_str()), (0, "ran\n"));
     assert_eq!(
         out.stderr,
-        "tandem: warning: running code with the local executor, which is not a security boundary (docker: no engine answers at unix:///nonexistent/docker.sock)\n"
+        "tandem: warning: running code with the local executor, which is not a security boundary (docker: no engine answers at unix:///nonexistent/docker.sock; wasm: no python.wasm in /nonexistent/wasm (run scripts/fetch-wasm-runtimes.sh))\n"
     );
     let out = tandem(
         &[

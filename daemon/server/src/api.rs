@@ -5,8 +5,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
@@ -24,6 +23,10 @@ use crate::supervisor::{Supervisor, TaskError};
 
 /// Largest request body accepted unless configured otherwise.
 pub const DEFAULT_BODY_LIMIT: usize = 1 << 20;
+
+/// How much of an oversized body is read (and dropped) before answering 413, so that a client
+/// still writing it reads the answer instead of a broken pipe; bigger bodies are cut off.
+const OVERSIZE_DRAIN: usize = 16 << 20;
 
 /// An error answer.
 #[derive(Debug)]
@@ -154,22 +157,10 @@ async fn not_found() -> ApiError {
 
 async fn create_task(
     State(state): State<AppState>,
-    body: Result<Bytes, BytesRejection>,
+    headers: HeaderMap,
+    body: Body,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
-    let body = body.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "payload_too_large",
-                format!(
-                    "the request body is over the {} byte limit",
-                    state.body_limit
-                ),
-            )
-        } else {
-            ApiError::new(e.status(), "invalid_request", e.body_text())
-        }
-    })?;
+    let body = read_limited(&headers, body, state.body_limit).await?;
     let spec: TaskSpec = serde_json::from_slice(&body).map_err(|e| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -182,6 +173,49 @@ async fn create_task(
     let sup = state.supervisor.clone();
     let record = blocking(move || Ok(sup.submit(spec)?)).await?;
     Ok((StatusCode::CREATED, Json(json!(record))))
+}
+
+/// The body, or 413 when it is over `limit`. An oversized body up to [`OVERSIZE_DRAIN`] is
+/// read to its end first: hyper closes a connection whose body is left unread, and a client
+/// that is still writing would see that instead of the answer.
+async fn read_limited(headers: &HeaderMap, body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            format!("the request body is over the {limit} byte limit"),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > OVERSIZE_DRAIN) {
+        return Err(too_large());
+    }
+    let mut stream = body.into_data_stream();
+    let mut kept = Vec::new();
+    let mut total = 0usize;
+    while let Some(chunk) = futures::StreamExt::next(&mut stream).await {
+        let chunk = chunk.map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                format!("reading the request body failed: {e}"),
+            )
+        })?;
+        total += chunk.len();
+        if total > OVERSIZE_DRAIN {
+            break;
+        }
+        if total <= limit {
+            kept.extend_from_slice(&chunk);
+        }
+    }
+    if total > limit {
+        return Err(too_large());
+    }
+    Ok(Bytes::from(kept))
 }
 
 async fn list_tasks(

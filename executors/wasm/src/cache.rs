@@ -55,14 +55,19 @@ pub(crate) fn load(
         &sha[..16],
         compatibility(engine)
     ));
+    let cached = |module| LoadedModule {
+        module,
+        source: ModuleSource::Cache,
+        took: started.elapsed(),
+    };
+    if let Ok(module) = map_entry(engine, &entry) {
+        return Ok(cached(module));
+    }
+    // One compiler per entry across threads and processes; the others wait and then map what
+    // it stored (best effort: without the lock, each compiles its own).
+    let _lock = lock(&entry);
     match map_entry(engine, &entry) {
-        Ok(module) => {
-            return Ok(LoadedModule {
-                module,
-                source: ModuleSource::Cache,
-                took: started.elapsed(),
-            });
-        }
+        Ok(module) => return Ok(cached(module)),
         Err(EntryError::Missing) => {}
         Err(EntryError::Invalid(why)) => {
             tracing::warn!(entry = %entry.display(), %why, "the cached compiled module is damaged; rebuilding it");
@@ -85,6 +90,14 @@ pub(crate) fn load(
         source: ModuleSource::Compiled,
         took: started.elapsed(),
     })
+}
+
+/// Holds an exclusive lock on `<entry>.lock` until dropped.
+fn lock(entry: &Path) -> Option<File> {
+    std::fs::create_dir_all(entry.parent()?).ok()?;
+    let file = File::create(entry.with_extension("cwasm.lock")).ok()?;
+    file.lock().ok()?;
+    Some(file)
 }
 
 /// The engine's compatibility hash as a number for file names.
