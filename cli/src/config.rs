@@ -11,7 +11,7 @@ use tandem_agent::ModelConfig;
 use tandem_executor::{Language, Limits};
 use tandem_executor_docker::DockerConfig;
 use tandem_executor_local::LocalConfig;
-use tandem_executor_wasm::WasmConfig;
+use tandem_executor_wasm::{PythonProfile, WasmConfig};
 
 /// The contents of `tandem.toml`; unknown keys are rejected so typos do not pass silently.
 #[derive(Debug, Default, Deserialize)]
@@ -73,6 +73,8 @@ pub struct WasmSection {
     pub memory_bytes: Option<u64>,
     /// CPU budget per block in wasmtime fuel (default: none).
     pub fuel: Option<u64>,
+    /// Which CPython runs python: `auto` (the snapshot when built), `snapshot` or `stock`.
+    pub python: Option<String>,
 }
 
 /// `[executors.docker]`: every hardened default can be changed here.
@@ -215,10 +217,18 @@ pub fn local_config(file: &FileConfig) -> LocalConfig {
 
 /// Settings for the WASM executor: the runtimes from `TANDEM_WASM_DIR`, then the file; the
 /// rest from the file over the defaults.
-pub fn wasm_config(file: &FileConfig) -> WasmConfig {
+pub fn wasm_config(file: &FileConfig) -> Result<WasmConfig> {
     let w = &file.executors.wasm;
     let defaults = WasmConfig::default();
-    WasmConfig {
+    let python = match w.python.as_deref() {
+        None | Some("auto") => PythonProfile::Auto,
+        Some("snapshot") => PythonProfile::Snapshot,
+        Some("stock") => PythonProfile::Stock,
+        Some(other) => {
+            bail!("[executors.wasm] python must be auto, snapshot or stock, got `{other}`")
+        }
+    };
+    Ok(WasmConfig {
         runtimes_dir: env(tandem_executor_wasm::WASM_DIR_VAR)
             .map(PathBuf::from)
             .or_else(|| w.runtimes_dir.clone())
@@ -226,7 +236,8 @@ pub fn wasm_config(file: &FileConfig) -> WasmConfig {
         cache_dir: w.cache_dir.clone().unwrap_or(defaults.cache_dir),
         memory_bytes: w.memory_bytes.unwrap_or(defaults.memory_bytes),
         fuel: w.fuel.or(defaults.fuel),
-    }
+        python,
+    })
 }
 
 /// The executor name: the flag, then `TANDEM_EXECUTOR`, then `[task] executor`, then `auto`.

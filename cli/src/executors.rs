@@ -76,7 +76,7 @@ pub async fn auto(file: &FileConfig, image: Option<&str>) -> Result<(Arc<dyn Exe
 /// CPython runtime is installed, else local; and why.
 pub fn without_docker(
     why_not_docker: String,
-    wasm: Result<&WasmExecutor, &tandem_executor::ExecError>,
+    wasm: Result<&WasmExecutor, &anyhow::Error>,
 ) -> (&'static str, String) {
     match wasm {
         Ok(w) if w.python_present() => (
@@ -91,13 +91,13 @@ pub fn without_docker(
                 w.config().runtimes_dir.display()
             ),
         ),
-        Err(e) => ("local", format!("{why_not_docker}; wasm: {e}")),
+        Err(e) => ("local", format!("{why_not_docker}; wasm: {e:#}")),
     }
 }
 
 /// The WASM executor with the configured runtimes (which may be missing).
-pub fn wasm(file: &FileConfig) -> Result<WasmExecutor, tandem_executor::ExecError> {
-    WasmExecutor::new(config::wasm_config(file))
+pub fn wasm(file: &FileConfig) -> Result<WasmExecutor> {
+    Ok(WasmExecutor::new(config::wasm_config(file)?)?)
 }
 
 /// Why `auto` picks docker.

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use tandem_executor::{
     CancellationToken, ExecContext, ExecError, ExecRequest, ExitStatus, Language, Limits,
 };
-use tandem_executor_wasm::{ModuleSource, Runtime, WasmConfig, WasmExecutor};
+use tandem_executor_wasm::{ModuleSource, PythonProfile, Runtime, WasmConfig, WasmExecutor};
 use tandem_tests::conformance::{self, open, open_with_wall, run};
 
 /// An executor with both runtimes loaded, so that timings in the tests exclude loading.
@@ -28,6 +28,20 @@ async fn wasm_with(config: WasmConfig) -> Arc<WasmExecutor> {
 
 async fn wasm() -> Arc<WasmExecutor> {
     wasm_with(WasmConfig::default()).await
+}
+
+/// One executor per Python profile: the snapshot (the default) and the stock interpreter.
+async fn both_pythons() -> Vec<(PythonProfile, Arc<WasmExecutor>)> {
+    let mut executors = Vec::new();
+    for profile in [PythonProfile::Snapshot, PythonProfile::Stock] {
+        let executor = wasm_with(WasmConfig {
+            python: profile,
+            ..WasmConfig::default()
+        })
+        .await;
+        executors.push((profile, executor));
+    }
+    executors
 }
 
 #[tokio::test]
@@ -276,8 +290,13 @@ async fn files_persist_across_blocks_in_the_workspace_only() {
 
 #[tokio::test]
 async fn the_host_is_out_of_reach() {
-    let executor = wasm().await;
-    let mut s = open(&*executor, Limits::default()).await;
+    for (profile, executor) in both_pythons().await {
+        host_out_of_reach(&executor, profile).await;
+    }
+}
+
+async fn host_out_of_reach(executor: &WasmExecutor, profile: PythonProfile) {
+    let mut s = open(executor, Limits::default()).await;
     let probe = r#"
 import os
 def attempt(what, f):
@@ -298,7 +317,7 @@ print(sorted(os.environ))
     let text = out.stdout.to_text();
     assert!(
         !text.contains("ALLOWED"),
-        "{text}\n{}",
+        "{profile:?}: {text}\n{}",
         out.stderr.to_text()
     );
     for what in [
@@ -308,7 +327,11 @@ print(sorted(os.environ))
         "listdir-root",
         "socket",
     ] {
-        assert!(text.contains(&format!("{what} denied")), "{what}: {text}");
+        assert!(
+            text.contains(&format!("{what} denied")),
+            "{profile:?} {what}: {text}\n{}",
+            out.stderr.to_text()
+        );
     }
     let env_line = text.lines().last().unwrap();
     assert!(
@@ -503,6 +526,126 @@ async fn a_missing_runtime_names_the_fetch_script() {
     assert!(
         err.to_string().contains("scripts/fetch-wasm-runtimes.sh"),
         "{err}"
+    );
+    s.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn both_pythons_behave_like_python() {
+    for (profile, executor) in both_pythons().await {
+        assert_eq!(
+            executor.runtime_for(&Language::python()),
+            Some(match profile {
+                PythonProfile::Stock => Runtime::Python,
+                _ => Runtime::PythonSnapshot,
+            })
+        );
+        let mut s = open(&*executor, Limits::default()).await;
+        let ws = s.workspace().unwrap().to_owned();
+        let cases: &[(&str, ExitStatus, &str, &str)] = &[
+            (
+                "import sys, os\nprint(__name__, sys.argv[0].startswith('/workspace/'), os.getcwd())",
+                ExitStatus::Exited(0),
+                "__main__ True /workspace\n",
+                "",
+            ),
+            ("import sys\nsys.exit(3)", ExitStatus::Exited(3), "", ""),
+            (
+                "raise SystemExit('bye')",
+                ExitStatus::Exited(1),
+                "",
+                "bye\n",
+            ),
+            ("import os\nos._exit(5)", ExitStatus::Exited(5), "", ""),
+            (
+                "def f():\n    return 1 / 0\nf()",
+                ExitStatus::Exited(1),
+                "",
+                "ZeroDivisionError: division by zero",
+            ),
+            (
+                "import atexit\natexit.register(lambda: print('at exit'))\nprint('body')",
+                ExitStatus::Exited(0),
+                "body\nat exit\n",
+                "",
+            ),
+            (
+                "import json, re, math, collections, datetime, decimal, statistics, sqlite3\nprint(json.dumps({'a': math.comb(5, 2)}), 'ok'.encode('idna'))",
+                ExitStatus::Exited(0),
+                "{\"a\": 10} b'ok'\n",
+                "",
+            ),
+            (
+                "open('state.txt', 'w').write('from block')",
+                ExitStatus::Exited(0),
+                "",
+                "",
+            ),
+            (
+                "print(open('state.txt').read())\nprint(globals().get('leftover', 'fresh'))\nleftover = 1",
+                ExitStatus::Exited(0),
+                "from block\nfresh\n",
+                "",
+            ),
+            (
+                "print(globals().get('leftover', 'fresh'))",
+                ExitStatus::Exited(0),
+                "fresh\n",
+                "",
+            ),
+        ];
+        for (code, status, stdout, stderr) in cases {
+            let out = run(&mut *s, "python", code).await;
+            assert_eq!(
+                (out.status, out.stdout.to_text().as_str()),
+                (*status, *stdout),
+                "{profile:?}: {code}\n{}",
+                out.stderr.to_text()
+            );
+            assert!(
+                out.stderr.to_text().contains(stderr),
+                "{profile:?}: {code}\n{}",
+                out.stderr.to_text()
+            );
+        }
+        // The traceback is the script's own, with none of the snapshot's frames.
+        let out = run(&mut *s, "python", "def f():\n    return 1 / 0\nf()").await;
+        let tb = out.stderr.to_text();
+        assert!(
+            tb.starts_with("Traceback (most recent call last):\n  File \"/workspace/"),
+            "{profile:?}: {tb}"
+        );
+        let mut names: Vec<String> = std::fs::read_dir(&ws)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["state.txt"], "{profile:?}");
+        s.close().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_module_missing_from_the_snapshot_says_so() {
+    let executor = wasm_with(WasmConfig {
+        python: PythonProfile::Snapshot,
+        ..WasmConfig::default()
+    })
+    .await;
+    let mut s = open(&*executor, Limits::default()).await;
+    let out = run(&mut *s, "python", "import plistlib").await;
+    assert_eq!(out.status, ExitStatus::Exited(1));
+    let stderr = out.stderr.to_text();
+    assert!(
+        stderr.contains("ModuleNotFoundError: No module named 'plistlib'"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("python = \"stock\""), "{stderr}");
+    let out = run(&mut *s, "python", "import no_such_module_anywhere").await;
+    assert!(
+        !out.stderr.to_text().contains("[tandem]"),
+        "{}",
+        out.stderr.to_text()
     );
     s.close().await.unwrap();
 }

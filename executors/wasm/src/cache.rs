@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 use tandem_executor::ExecError;
+use wasmtime::component::Component;
 use wasmtime::{Engine, Module};
 use xxhash_rust::xxh3::Xxh3;
 
@@ -27,20 +28,65 @@ pub enum ModuleSource {
     Compiled,
 }
 
-/// A loaded module, how it was obtained and how long that took.
-pub(crate) struct LoadedModule {
-    pub module: Module,
+/// What the cache holds: a core module or a component.
+pub(crate) trait Artifact: Sized {
+    fn compile(engine: &Engine, wasm: &[u8]) -> wasmtime::Result<Self>;
+    fn serialize(&self) -> wasmtime::Result<Vec<u8>>;
+    /// Maps a precompiled entry that was checked against its checksum.
+    fn map(engine: &Engine, file: File, path: &Path) -> wasmtime::Result<Self>;
+}
+
+// SAFETY (both `map`s): wasmtime runs whatever code the file holds and maps it lazily. The
+// file is an entry this cache wrote itself (atomically renamed into place, never modified
+// after), and its contents were just checked against the checksum recorded when it was
+// written; wasmtime itself checks the header and engine compatibility.
+impl Artifact for Module {
+    fn compile(engine: &Engine, wasm: &[u8]) -> wasmtime::Result<Self> {
+        Module::from_binary(engine, wasm)
+    }
+
+    fn serialize(&self) -> wasmtime::Result<Vec<u8>> {
+        Module::serialize(self)
+    }
+
+    #[allow(unsafe_code)]
+    fn map(engine: &Engine, file: File, _path: &Path) -> wasmtime::Result<Self> {
+        // SAFETY: see above; mapped from the same open file that was checked.
+        unsafe { Module::deserialize_open_file(engine, file) }
+    }
+}
+
+impl Artifact for Component {
+    fn compile(engine: &Engine, wasm: &[u8]) -> wasmtime::Result<Self> {
+        Component::from_binary(engine, wasm)
+    }
+
+    fn serialize(&self) -> wasmtime::Result<Vec<u8>> {
+        Component::serialize(self)
+    }
+
+    #[allow(unsafe_code)]
+    fn map(engine: &Engine, file: File, path: &Path) -> wasmtime::Result<Self> {
+        drop(file);
+        // SAFETY: see above; components can only be mapped by path.
+        unsafe { Component::deserialize_file(engine, path) }
+    }
+}
+
+/// A loaded module or component, how it was obtained and how long that took.
+pub(crate) struct Loaded<T> {
+    pub module: T,
     pub source: ModuleSource,
     pub took: Duration,
 }
 
 /// Loads `wasm` for `engine`, from `cache_dir` when a valid entry is there, compiling and
 /// storing it otherwise. Blocking: call it off the async workers.
-pub(crate) fn load(
+pub(crate) fn load<T: Artifact>(
     engine: &Engine,
     wasm: &Path,
     cache_dir: &Path,
-) -> Result<LoadedModule, ExecError> {
+) -> Result<Loaded<T>, ExecError> {
     let started = Instant::now();
     let meta = std::fs::metadata(wasm)
         .map_err(|e| ExecError::io(format!("reading {}", wasm.display()), e))?;
@@ -55,7 +101,7 @@ pub(crate) fn load(
         &sha[..16],
         compatibility(engine)
     ));
-    let cached = |module| LoadedModule {
+    let cached = |module| Loaded {
         module,
         source: ModuleSource::Cache,
         took: started.elapsed(),
@@ -75,7 +121,7 @@ pub(crate) fn load(
     }
     let bytes =
         std::fs::read(wasm).map_err(|e| ExecError::io(format!("reading {}", wasm.display()), e))?;
-    let module = Module::from_binary(engine, &bytes)
+    let module = T::compile(engine, &bytes)
         .map_err(|e| ExecError::Backend(format!("compiling {} failed: {e}", wasm.display())))?;
     match module.serialize() {
         Ok(compiled) => {
@@ -85,7 +131,7 @@ pub(crate) fn load(
         }
         Err(e) => tracing::warn!(error = %e, "cannot serialise the compiled module"),
     }
-    Ok(LoadedModule {
+    Ok(Loaded {
         module,
         source: ModuleSource::Compiled,
         took: started.elapsed(),
@@ -159,7 +205,7 @@ fn sum_path(entry: &Path) -> PathBuf {
 }
 
 /// Maps a cache entry after checking it against its checksum.
-fn map_entry(engine: &Engine, entry: &Path) -> Result<Module, EntryError> {
+fn map_entry<T: Artifact>(engine: &Engine, entry: &Path) -> Result<T, EntryError> {
     let mut file = match File::open(entry) {
         Ok(file) => file,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(EntryError::Missing),
@@ -174,17 +220,7 @@ fn map_entry(engine: &Engine, entry: &Path) -> Result<Module, EntryError> {
             expected.trim()
         )));
     }
-    deserialize(engine, file).map_err(|e| EntryError::Invalid(e.to_string()))
-}
-
-/// Maps a precompiled module from an open file.
-#[allow(unsafe_code)]
-fn deserialize(engine: &Engine, file: File) -> wasmtime::Result<Module> {
-    // SAFETY: wasmtime runs whatever code the file holds and maps it lazily. The file is an
-    // entry this cache wrote itself (atomically renamed into place, never modified after), and
-    // its contents were just checked against the checksum recorded when it was written, from
-    // this same open file; wasmtime itself checks the header and engine compatibility.
-    unsafe { Module::deserialize_open_file(engine, file) }
+    T::map(engine, file, entry).map_err(|e| EntryError::Invalid(e.to_string()))
 }
 
 /// `xxh3-64 hex` and length of a file's contents.

@@ -25,10 +25,12 @@ use tandem_executor::{
 };
 use tempfile::TempDir;
 use tokio::sync::OnceCell;
-use wasmtime::{Config, Engine, InstancePre, Linker};
+use wasmtime::component::{self, Component};
+use wasmtime::{Config, Engine, InstancePre, Linker, Module};
+use wasmtime_wasi::p1::WasiP1Ctx;
 
 pub use cache::ModuleSource;
-use run::Guest;
+use run::{Guest, P2};
 use ticker::Ticker;
 
 /// Environment variable naming the directory that holds the runtimes.
@@ -49,6 +51,23 @@ pub struct WasmConfig {
     /// CPU budget per block in wasmtime fuel (about one unit per instruction); `None` for no
     /// budget. CPython's start alone burns about 250 M.
     pub fuel: Option<u64>,
+    /// Which CPython runs python blocks.
+    pub python: PythonProfile,
+}
+
+/// Which CPython build runs python blocks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PythonProfile {
+    /// The snapshot when it is installed, else the stock interpreter.
+    #[default]
+    Auto,
+    /// The stock CPython-WASI (`python.wasm`): the whole standard library, about 40 ms of
+    /// interpreter start per block.
+    Stock,
+    /// A pre-initialised CPython component (`python-snapshot.wasm`, built by the fetch
+    /// script with componentize-py): starts in milliseconds, but only the standard-library
+    /// modules it preloaded exist.
+    Snapshot,
 }
 
 impl Default for WasmConfig {
@@ -58,6 +77,7 @@ impl Default for WasmConfig {
             cache_dir: default_cache_dir(),
             memory_bytes: 256 << 20,
             fuel: None,
+            python: PythonProfile::Auto,
         }
     }
 }
@@ -84,32 +104,25 @@ fn xdg_dir(var: &str, under_home: &str) -> PathBuf {
     }
 }
 
-/// A WASI program this executor runs, one per language.
+/// A WASI program this executor runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Runtime {
-    /// CPython 3.12 with its standard library embedded.
+    /// CPython 3.12 with its standard library embedded (a WASI preview 1 command).
     Python,
+    /// CPython 3.12 pre-initialised by componentize-py (a WASI preview 2 component).
+    PythonSnapshot,
     /// QuickJS.
     QuickJs,
 }
 
 impl Runtime {
     /// Every runtime.
-    pub const ALL: [Runtime; 2] = [Runtime::Python, Runtime::QuickJs];
-
-    /// The runtime for `language`, if there is one.
-    pub fn for_language(language: &Language) -> Option<Self> {
-        match language.as_str() {
-            "python" => Some(Self::Python),
-            "javascript" => Some(Self::QuickJs),
-            _ => None,
-        }
-    }
+    pub const ALL: [Runtime; 3] = [Runtime::Python, Runtime::PythonSnapshot, Runtime::QuickJs];
 
     /// The language it runs.
     pub fn language(self) -> Language {
         match self {
-            Self::Python => Language::python(),
+            Self::Python | Self::PythonSnapshot => Language::python(),
             Self::QuickJs => Language::javascript(),
         }
     }
@@ -118,6 +131,7 @@ impl Runtime {
     pub fn file_name(self) -> &'static str {
         match self {
             Self::Python => "python.wasm",
+            Self::PythonSnapshot => "python-snapshot.wasm",
             Self::QuickJs => "quickjs.wasm",
         }
     }
@@ -126,6 +140,8 @@ impl Runtime {
     fn argv(self, script: &str) -> Vec<String> {
         let argv: &[&str] = match self {
             Self::Python => &["python", "-X", "utf8", script],
+            // The snapshot is told the script by its `run` export.
+            Self::PythonSnapshot => &["python", script],
             Self::QuickJs => &["qjs", "--std", "--include", "/tandem/chdir.js", script],
         };
         argv.iter().map(|s| (*s).to_owned()).collect()
@@ -167,11 +183,12 @@ pub struct WasmExecutor {
 struct Inner {
     config: WasmConfig,
     engine: Engine,
-    linker: Linker<Guest>,
+    linker: Linker<Guest<WasiP1Ctx>>,
+    component_linker: component::Linker<Guest<P2>>,
     ticker: Ticker,
     languages: Vec<Language>,
     /// One pre-instance per runtime, made on first use.
-    prepared: [OnceCell<Arc<Prepared>>; 2],
+    prepared: [OnceCell<Arc<Prepared>>; 3],
     /// Where temporary workspaces go (see [`ROOT_PREFIX`]).
     root: PathBuf,
     /// Host directory of the [`SUPPORT_FILES`], shown read-only to guests.
@@ -180,9 +197,15 @@ struct Inner {
 
 /// A runtime ready to instantiate.
 struct Prepared {
-    pre: InstancePre<Guest>,
+    pre: Pre,
     source: ModuleSource,
     took: Duration,
+}
+
+/// A pre-instance of a core module (preview 1) or of a component (preview 2).
+enum Pre {
+    Module(InstancePre<Guest<WasiP1Ctx>>),
+    Component(component::InstancePre<Guest<P2>>),
 }
 
 /// Files every guest loads before its block: they make `/workspace` the working directory,
@@ -238,8 +261,13 @@ impl WasmExecutor {
         let engine = Engine::new(&engine_config)
             .map_err(|e| ExecError::Backend(format!("starting wasmtime failed: {e}")))?;
         let mut linker = Linker::new(&engine);
-        wasmtime_wasi::p1::add_to_linker_async(&mut linker, |guest: &mut Guest| &mut guest.wasi)
-            .map_err(|e| ExecError::Backend(format!("linking WASI failed: {e}")))?;
+        wasmtime_wasi::p1::add_to_linker_async(&mut linker, |guest: &mut Guest<WasiP1Ctx>| {
+            &mut guest.wasi
+        })
+        .map_err(|e| ExecError::Backend(format!("linking WASI failed: {e}")))?;
+        let mut component_linker = component::Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_async(&mut component_linker)
+            .map_err(|e| ExecError::Backend(format!("linking WASI preview 2 failed: {e}")))?;
         let support = support_dir(&config.cache_dir)?;
         let ticker = Ticker::start(&engine)
             .map_err(|e| ExecError::io("starting the epoch ticker thread", e))?;
@@ -248,9 +276,10 @@ impl WasmExecutor {
                 config,
                 engine,
                 linker,
+                component_linker,
                 ticker,
-                languages: Runtime::ALL.iter().map(|r| r.language()).collect(),
-                prepared: [OnceCell::new(), OnceCell::new()],
+                languages: vec![Language::python(), Language::javascript()],
+                prepared: [OnceCell::new(), OnceCell::new(), OnceCell::new()],
                 root: scratch::process_root(ROOT_PREFIX),
                 support,
             }),
@@ -277,11 +306,16 @@ impl WasmExecutor {
             .collect()
     }
 
-    /// Whether the Python runtime is installed (what `auto` needs to pick this executor).
+    /// Whether a Python runtime is installed (what `auto` needs to pick this executor).
     pub fn python_present(&self) -> bool {
         self.runtimes()
             .iter()
-            .any(|s| s.runtime == Runtime::Python && s.present)
+            .any(|s| s.runtime.language() == Language::python() && s.present)
+    }
+
+    /// The runtime that runs `language` blocks under the configured Python profile.
+    pub fn runtime_for(&self, language: &Language) -> Option<Runtime> {
+        self.inner.runtime_for(language)
     }
 
     /// Loads every installed runtime now (compiling and caching it on first ever use) so no
@@ -310,6 +344,25 @@ impl WasmExecutor {
 }
 
 impl Inner {
+    fn runtime_for(&self, language: &Language) -> Option<Runtime> {
+        match language.as_str() {
+            "python" => Some(match self.config.python {
+                PythonProfile::Stock => Runtime::Python,
+                PythonProfile::Snapshot => Runtime::PythonSnapshot,
+                PythonProfile::Auto => {
+                    let snapshot = Runtime::PythonSnapshot.file_name();
+                    if self.config.runtimes_dir.join(snapshot).is_file() {
+                        Runtime::PythonSnapshot
+                    } else {
+                        Runtime::Python
+                    }
+                }
+            }),
+            "javascript" => Some(Runtime::QuickJs),
+            _ => None,
+        }
+    }
+
     /// The pre-instance for `runtime`, loaded on first call; a failure is not remembered, so
     /// installing the runtime fixes the next block.
     async fn prepared(self: &Arc<Self>, runtime: Runtime) -> Result<Arc<Prepared>, ExecError> {
@@ -338,29 +391,43 @@ impl Inner {
                     path.display()
                 ),
                 hint: format!(
-                    "run {FETCH_SCRIPT} to fetch it, or set {WASM_DIR_VAR} to a directory that holds {}",
+                    "run {FETCH_SCRIPT} to install it, or set {WASM_DIR_VAR} to a directory that holds {}",
                     runtime.file_name()
                 ),
             });
         }
-        let loaded = cache::load(&self.engine, &path, &self.config.cache_dir)?;
-        tracing::info!(
-            runtime = runtime.file_name(),
-            source = ?loaded.source,
-            ms = loaded.took.as_millis() as u64,
-            "WASM runtime loaded"
-        );
-        let pre = self.linker.instantiate_pre(&loaded.module).map_err(|e| {
+        let link_err = |e: wasmtime::Error| {
             ExecError::Backend(format!(
                 "{} cannot be linked against WASI: {e}",
                 path.display()
             ))
-        })?;
-        Ok(Arc::new(Prepared {
-            pre,
-            source: loaded.source,
-            took: loaded.took,
-        }))
+        };
+        let cache_dir = &self.config.cache_dir;
+        let (pre, source, took) = match runtime {
+            Runtime::PythonSnapshot => {
+                let loaded = cache::load::<Component>(&self.engine, &path, cache_dir)?;
+                let pre = self
+                    .component_linker
+                    .instantiate_pre(&loaded.module)
+                    .map_err(link_err)?;
+                (Pre::Component(pre), loaded.source, loaded.took)
+            }
+            Runtime::Python | Runtime::QuickJs => {
+                let loaded = cache::load::<Module>(&self.engine, &path, cache_dir)?;
+                let pre = self
+                    .linker
+                    .instantiate_pre(&loaded.module)
+                    .map_err(link_err)?;
+                (Pre::Module(pre), loaded.source, loaded.took)
+            }
+        };
+        tracing::info!(
+            runtime = runtime.file_name(),
+            ?source,
+            ms = took.as_millis() as u64,
+            "WASM runtime loaded"
+        );
+        Ok(Arc::new(Prepared { pre, source, took }))
     }
 }
 

@@ -5,12 +5,13 @@ use std::time::{Duration, Instant};
 
 use tandem_executor::workspace::{filename_directive, resolve_inside};
 use tandem_executor::{ExecContext, ExecError, ExecOutcome, ExecRequest, ExitStatus, Stream};
+use wasmtime::component::{self, ResourceTable};
 use wasmtime::{InstancePre, ResourceLimiter, Store, Trap};
 use wasmtime_wasi::p1::WasiP1Ctx;
-use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
+use wasmtime_wasi::{FsPerms, I32Exit, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
 use crate::capture::Capture;
-use crate::{Runtime, WasmSession};
+use crate::{Pre, WasmSession};
 
 /// Where the guest sees its session's workspace.
 pub(crate) const GUEST_WORKSPACE: &str = "/workspace";
@@ -32,10 +33,25 @@ const FUEL_YIELD_INTERVAL: u64 = 10_000_000;
 /// Largest table a guest may grow to, in elements.
 const TABLE_ELEMENTS_MAX: usize = 1 << 20;
 
-/// A store's data: the guest's WASI context and its memory cap.
-pub(crate) struct Guest {
-    pub(crate) wasi: WasiP1Ctx,
+/// A store's data: the guest's WASI context (preview 1, or [`P2`]) and its memory cap.
+pub(crate) struct Guest<W> {
+    pub(crate) wasi: W,
     cap: MemoryCap,
+}
+
+/// A preview 2 guest's WASI state.
+pub(crate) struct P2 {
+    ctx: WasiCtx,
+    table: ResourceTable,
+}
+
+impl WasiView for Guest<P2> {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi.ctx,
+            table: &mut self.wasi.table,
+        }
+    }
 }
 
 /// Refuses memory growth past the cap (the guest's allocator then fails cleanly, which
@@ -74,7 +90,7 @@ pub(crate) async fn run_block(
     req: ExecRequest,
     ctx: ExecContext,
 ) -> Result<ExecOutcome, ExecError> {
-    let Some(runtime) = Runtime::for_language(&req.language) else {
+    let Some(runtime) = session.inner.runtime_for(&req.language) else {
         return Err(ExecError::unsupported(
             &req.language,
             "wasm",
@@ -110,6 +126,7 @@ pub(crate) async fn run_block(
         session,
         &prepared.pre,
         runtime.argv(&guest_path),
+        &guest_path,
         timeout,
         ctx,
     )
@@ -120,17 +137,19 @@ pub(crate) async fn run_block(
     result
 }
 
-/// How the call to `_start` ended.
+/// How the guest's entry point ended.
 enum Ended {
-    Returned(wasmtime::Result<()>),
+    /// It returned (with the exit code a component's `run` gives) or failed.
+    Returned(wasmtime::Result<i32>),
     TimedOut,
     Cancelled,
 }
 
 async fn execute(
     session: &WasmSession,
-    pre: &InstancePre<Guest>,
+    pre: &Pre,
     argv: Vec<String>,
+    guest_path: &str,
     timeout: Duration,
     ctx: ExecContext,
 ) -> Result<ExecOutcome, ExecError> {
@@ -154,36 +173,29 @@ async fn execute(
     let max = limits.memory_bytes.map_or(inner.config.memory_bytes, |m| {
         m.min(inner.config.memory_bytes)
     });
-    let mut store = Store::new(
-        &inner.engine,
-        Guest {
-            wasi: wasi.build_p1(),
-            cap: MemoryCap {
-                max: usize::try_from(max).unwrap_or(usize::MAX),
-                refused: false,
-            },
-        },
-    );
-    store.limiter(|guest| &mut guest.cap);
-    store.set_epoch_deadline(1);
-    store.epoch_deadline_async_yield_and_update(1);
-    if let Some(fuel) = inner.config.fuel {
-        store
-            .set_fuel(fuel)
-            .and_then(|()| store.fuel_async_yield_interval(Some(FUEL_YIELD_INTERVAL)))
-            .map_err(|e| ExecError::Backend(format!("setting the CPU budget failed: {e}")))?;
-    }
+    let cap = MemoryCap {
+        max: usize::try_from(max).unwrap_or(usize::MAX),
+        refused: false,
+    };
     let _ticking = inner.ticker.activate();
     let started = Instant::now();
-    let ended = tokio::select! {
-        biased;
-        () = ctx.cancel.cancelled() => Ended::Cancelled,
-        () = tokio::time::sleep(timeout) => Ended::TimedOut,
-        result = start(pre, &mut store) => Ended::Returned(result),
+    let (ended, refused) = match pre {
+        Pre::Module(pre) => {
+            let mut store = new_store(session, wasi.build_p1(), cap)?;
+            let ended = supervise(start_command(pre, &mut store), timeout, &ctx).await;
+            (ended, store.data().cap.refused)
+        }
+        Pre::Component(pre) => {
+            let p2 = P2 {
+                ctx: wasi.build(),
+                table: ResourceTable::new(),
+            };
+            let mut store = new_store(session, p2, cap)?;
+            let ended = supervise(call_run(pre, &mut store, guest_path), timeout, &ctx).await;
+            (ended, store.data().cap.refused)
+        }
     };
     let duration = started.elapsed();
-    let refused = store.data().cap.refused;
-    drop(store);
     let (status, note) = classify(ended, refused);
     if let Some(note) = note {
         stderr.push(format!("\n[tandem] {note}\n").as_bytes());
@@ -196,11 +208,62 @@ async fn execute(
     })
 }
 
-/// A fresh instance and its `_start`: each block gets clean interpreter state.
-async fn start(pre: &InstancePre<Guest>, store: &mut Store<Guest>) -> wasmtime::Result<()> {
+/// A store with the memory cap, epoch yields and the optional fuel budget.
+fn new_store<W: Send>(
+    session: &WasmSession,
+    wasi: W,
+    cap: MemoryCap,
+) -> Result<Store<Guest<W>>, ExecError> {
+    let inner = &session.inner;
+    let mut store = Store::new(&inner.engine, Guest { wasi, cap });
+    store.limiter(|guest| &mut guest.cap);
+    store.set_epoch_deadline(1);
+    store.epoch_deadline_async_yield_and_update(1);
+    if let Some(fuel) = inner.config.fuel {
+        store
+            .set_fuel(fuel)
+            .and_then(|()| store.fuel_async_yield_interval(Some(FUEL_YIELD_INTERVAL)))
+            .map_err(|e| ExecError::Backend(format!("setting the CPU budget failed: {e}")))?;
+    }
+    Ok(store)
+}
+
+/// Runs the guest until it ends, times out or is cancelled. The guest yields at every epoch
+/// tick, which is when the timeout and the cancel token get their chance.
+async fn supervise(
+    run: impl Future<Output = wasmtime::Result<i32>>,
+    timeout: Duration,
+    ctx: &ExecContext,
+) -> Ended {
+    tokio::select! {
+        biased;
+        () = ctx.cancel.cancelled() => Ended::Cancelled,
+        () = tokio::time::sleep(timeout) => Ended::TimedOut,
+        result = run => Ended::Returned(result),
+    }
+}
+
+/// A fresh instance of a command and its `_start`: each block gets clean interpreter state.
+async fn start_command(
+    pre: &InstancePre<Guest<WasiP1Ctx>>,
+    store: &mut Store<Guest<WasiP1Ctx>>,
+) -> wasmtime::Result<i32> {
     let instance = pre.instantiate_async(&mut *store).await?;
     let entry = instance.get_typed_func::<(), ()>(&mut *store, "_start")?;
-    entry.call_async(&mut *store, ()).await
+    entry.call_async(&mut *store, ()).await?;
+    Ok(0)
+}
+
+/// A fresh instance of the pre-initialised component, told to run `path`.
+async fn call_run(
+    pre: &component::InstancePre<Guest<P2>>,
+    store: &mut Store<Guest<P2>>,
+    path: &str,
+) -> wasmtime::Result<i32> {
+    let instance = pre.instantiate_async(&mut *store).await?;
+    let run = instance.get_typed_func::<(&str,), (i32,)>(&mut *store, "run")?;
+    let (code,) = run.call_async(&mut *store, (path,)).await?;
+    Ok(code)
 }
 
 const SIGABRT: i32 = 6;
@@ -212,7 +275,7 @@ fn classify(ended: Ended, memory_refused: bool) -> (ExitStatus, Option<String>) 
     let error = match ended {
         Ended::Cancelled => return (ExitStatus::Cancelled, None),
         Ended::TimedOut => return (ExitStatus::TimedOut, None),
-        Ended::Returned(Ok(())) => return (ExitStatus::Exited(0), None),
+        Ended::Returned(Ok(code)) => return (ExitStatus::Exited(code), None),
         Ended::Returned(Err(e)) => e,
     };
     if let Some(exit) = error.downcast_ref::<I32Exit>() {
