@@ -193,6 +193,8 @@ struct Inner {
     root: PathBuf,
     /// Host directory of the [`SUPPORT_FILES`], shown read-only to guests.
     support: PathBuf,
+    /// Owns `support` when it had to be a temporary directory.
+    _support_temp: Option<TempDir>,
 }
 
 /// A runtime ready to instantiate.
@@ -215,9 +217,10 @@ const SUPPORT_FILES: &[(&str, &str)] = &[
     ("chdir.js", "os.chdir('/workspace');\n"),
 ];
 
-/// Writes the support files under `cache_dir` (or the temp dir when that is read-only),
-/// leaving them alone when they are already there.
-fn support_dir(cache_dir: &Path) -> Result<PathBuf, ExecError> {
+/// Writes the support files under `cache_dir`, leaving them alone when they are already
+/// there; when the cache is not writable, into a private temporary directory that lives as
+/// long as the executor (returned with it).
+fn support_dir(cache_dir: &Path) -> Result<(PathBuf, Option<TempDir>), ExecError> {
     let write = |dir: &Path| -> std::io::Result<()> {
         for (name, contents) in SUPPORT_FILES {
             let path = dir.join(name);
@@ -229,22 +232,17 @@ fn support_dir(cache_dir: &Path) -> Result<PathBuf, ExecError> {
     };
     let preferred = cache_dir.join("support-1");
     match write(&preferred) {
-        Ok(()) => Ok(preferred),
+        Ok(()) => Ok((preferred, None)),
         Err(e) => {
-            let fallback =
-                std::env::temp_dir().join(format!("tandem-wasm-support-1-{}", user_id()));
-            tracing::debug!(dir = %preferred.display(), error = %e, "using the temp dir for the WASM support files");
-            write(&fallback)
-                .map(|()| fallback)
-                .map_err(|e| ExecError::io("writing the WASM support files", e))
+            tracing::debug!(dir = %preferred.display(), error = %e, "using a temporary directory for the WASM support files");
+            let temp = tempfile::Builder::new()
+                .prefix("tandem-support-")
+                .tempdir()
+                .and_then(|temp| write(temp.path()).map(|()| temp))
+                .map_err(|e| ExecError::io("writing the WASM support files", e))?;
+            Ok((temp.path().to_owned(), Some(temp)))
         }
     }
-}
-
-/// This user's id, to keep temp dirs of different users apart.
-fn user_id() -> u32 {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self").map_or(0, |m| m.uid())
 }
 
 /// Temporary workspaces live in `$TMPDIR/tandem-wasm-<pid>-<start-time>/` of their owner.
@@ -268,7 +266,7 @@ impl WasmExecutor {
         let mut component_linker = component::Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut component_linker)
             .map_err(|e| ExecError::Backend(format!("linking WASI preview 2 failed: {e}")))?;
-        let support = support_dir(&config.cache_dir)?;
+        let (support, support_temp) = support_dir(&config.cache_dir)?;
         let ticker = Ticker::start(&engine)
             .map_err(|e| ExecError::io("starting the epoch ticker thread", e))?;
         Ok(Self {
@@ -282,6 +280,7 @@ impl WasmExecutor {
                 prepared: [OnceCell::new(), OnceCell::new(), OnceCell::new()],
                 root: scratch::process_root(ROOT_PREFIX),
                 support,
+                _support_temp: support_temp,
             }),
         })
     }
