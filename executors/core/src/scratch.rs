@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use tempfile::TempDir;
 
-use crate::owner;
+use crate::{ExecError, owner};
 
 /// This process's root for `prefix`: `$TMPDIR/<prefix><pid>-<start-time>`.
 pub fn process_root(prefix: &str) -> PathBuf {
@@ -36,6 +36,36 @@ pub fn temp_in(root: &Path, prefix: &str) -> std::io::Result<TempDir> {
             temp()
         }
         other => other,
+    }
+}
+
+/// A session's workspace, canonical: `workdir` (made if missing, kept afterwards) or a new
+/// temporary directory in `root`, returned with its owner so it is removed with the session.
+pub fn open_workspace(
+    workdir: Option<PathBuf>,
+    root: &Path,
+    prefix: &str,
+) -> Result<(PathBuf, Option<TempDir>), ExecError> {
+    match workdir {
+        Some(dir) => {
+            let ws_err = |source| ExecError::Workspace {
+                path: dir.clone(),
+                source,
+            };
+            std::fs::create_dir_all(&dir).map_err(ws_err)?;
+            let canonical = dir.canonicalize().map_err(ws_err)?;
+            Ok((canonical, None))
+        }
+        None => {
+            let temp =
+                temp_in(root, prefix).map_err(|e| ExecError::io("creating a workspace", e))?;
+            // Canonical, like a workdir, so paths resolved inside it compare equal.
+            let path = temp
+                .path()
+                .canonicalize()
+                .map_err(|e| ExecError::io("creating a workspace", e))?;
+            Ok((path, Some(temp)))
+        }
     }
 }
 

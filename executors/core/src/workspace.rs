@@ -14,6 +14,37 @@ pub fn filename_directive(code: &str) -> Option<&str> {
     (!name.is_empty()).then_some(name)
 }
 
+/// Where a block's code is written: the path its `# filename:` line names, or else a hidden
+/// file `.tandem-block-N.EXT` that is removed after the run (`transient`). Running from a
+/// file in the workspace lets imports see the files earlier blocks saved, as when a person
+/// runs a script in that directory.
+pub fn block_script(
+    workspace: &Path,
+    code: &str,
+    block: u32,
+    extension: &str,
+) -> Result<BlockScript, PathError> {
+    Ok(match filename_directive(code) {
+        Some(name) => BlockScript {
+            path: resolve_inside(workspace, name)?,
+            transient: false,
+        },
+        None => BlockScript {
+            path: workspace.join(format!(".tandem-block-{block}.{extension}")),
+            transient: true,
+        },
+    })
+}
+
+/// A block's script file (see [`block_script`]).
+#[derive(Debug)]
+pub struct BlockScript {
+    /// The host path.
+    pub path: PathBuf,
+    /// Whether it is removed after the run.
+    pub transient: bool,
+}
+
 /// Why a path was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum PathError {

@@ -189,23 +189,12 @@ impl LocalSession {
         inner.interpreters();
         let scratch = scratch::temp_in(&inner.root, "tandem-scratch-")
             .map_err(|e| ExecError::io("creating a scratch directory", e))?;
-        let ws_err = |path: &Path| {
-            let path = path.to_owned();
-            move |source| ExecError::Workspace { path, source }
-        };
-        std::fs::create_dir(scratch.path().join("tmp")).map_err(ws_err(scratch.path()))?;
-        let (workspace, owned_workspace) = match spec.workdir {
-            Some(dir) => {
-                std::fs::create_dir_all(&dir).map_err(ws_err(&dir))?;
-                let dir = dir.canonicalize().map_err(ws_err(&dir))?;
-                (dir, None)
-            }
-            None => {
-                let dir = scratch::temp_in(&inner.root, "tandem-workspace-")
-                    .map_err(|e| ExecError::io("creating a workspace", e))?;
-                (dir.path().to_owned(), Some(dir))
-            }
-        };
+        std::fs::create_dir(scratch.path().join("tmp")).map_err(|source| ExecError::Workspace {
+            path: scratch.path().to_owned(),
+            source,
+        })?;
+        let (workspace, owned_workspace) =
+            scratch::open_workspace(spec.workdir, &inner.root, "tandem-workspace-")?;
         Ok(Self {
             inner,
             workspace,

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nix::sys::resource::{Resource, setrlimit};
-use tandem_executor::workspace::{filename_directive, resolve_inside};
+use tandem_executor::workspace::{BlockScript, block_script};
 use tandem_executor::{
     CaptureBuffer, Captured, ExecContext, ExecError, ExecOutcome, ExecRequest, ExitStatus,
     Language, Limits, OutputSink, Stream,
@@ -80,22 +80,17 @@ pub(crate) async fn run_block(
             &session.inner.languages,
         ));
     };
-    // Unnamed blocks run from a hidden file in the workspace, removed afterwards, so that
-    // `sys.path[0]` and `require('./x')` see the files earlier blocks saved, as when a
-    // person runs a script in that directory.
-    let (script, transient) = match filename_directive(&req.code) {
-        Some(name) => match resolve_inside(&session.workspace, name) {
-            Ok(path) => (path, false),
-            Err(e) => return Ok(ExecOutcome::refused(&e.to_string())),
-        },
-        None => {
-            let name = format!(
-                ".tandem-block-{}.{}",
-                session.blocks,
-                req.language.extension()
-            );
-            (session.workspace.join(name), true)
-        }
+    let BlockScript {
+        path: script,
+        transient,
+    } = match block_script(
+        &session.workspace,
+        &req.code,
+        session.blocks,
+        req.language.extension(),
+    ) {
+        Ok(script) => script,
+        Err(e) => return Ok(ExecOutcome::refused(&e.to_string())),
     };
     tokio::fs::write(&script, &req.code)
         .await

@@ -462,22 +462,8 @@ struct WasmSession {
 
 impl WasmSession {
     fn create(inner: Arc<Inner>, spec: SessionSpec) -> Result<Self, ExecError> {
-        let ws_err = |path: &Path| {
-            let path = path.to_owned();
-            move |source| ExecError::Workspace { path, source }
-        };
-        let (workspace, owned_workspace) = match spec.workdir {
-            Some(dir) => {
-                std::fs::create_dir_all(&dir).map_err(ws_err(&dir))?;
-                let dir = dir.canonicalize().map_err(ws_err(&dir))?;
-                (dir, None)
-            }
-            None => {
-                let dir = scratch::temp_in(&inner.root, "workspace-")
-                    .map_err(|e| ExecError::io("creating a workspace", e))?;
-                (dir.path().to_owned(), Some(dir))
-            }
-        };
+        let (workspace, owned_workspace) =
+            scratch::open_workspace(spec.workdir, &inner.root, "workspace-")?;
         Ok(Self {
             inner,
             workspace,

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use tandem_executor::workspace::{filename_directive, resolve_inside};
+use tandem_executor::workspace::{BlockScript, block_script};
 use tandem_executor::{ExecContext, ExecError, ExecOutcome, ExecRequest, ExitStatus, Stream};
 use wasmtime::component::{self, ResourceTable};
 use wasmtime::{InstancePre, ResourceLimiter, Store, Trap};
@@ -98,21 +98,17 @@ pub(crate) async fn run_block(
         ));
     };
     let prepared = session.inner.prepared(runtime).await?;
-    // Unnamed blocks run from a hidden file in the workspace, removed afterwards, so that
-    // imports see the files earlier blocks saved.
-    let (host_path, transient) = match filename_directive(&req.code) {
-        Some(name) => match resolve_inside(&session.workspace, name) {
-            Ok(path) => (path, false),
-            Err(e) => return Ok(ExecOutcome::refused(&e.to_string())),
-        },
-        None => {
-            let name = format!(
-                ".tandem-block-{}.{}",
-                session.blocks,
-                req.language.extension()
-            );
-            (session.workspace.join(name), true)
-        }
+    let BlockScript {
+        path: host_path,
+        transient,
+    } = match block_script(
+        &session.workspace,
+        &req.code,
+        session.blocks,
+        req.language.extension(),
+    ) {
+        Ok(script) => script,
+        Err(e) => return Ok(ExecOutcome::refused(&e.to_string())),
     };
     let Ok(rel) = host_path.strip_prefix(&session.workspace) else {
         return Ok(ExecOutcome::refused("the script path left the workspace"));
