@@ -54,6 +54,16 @@ fn no_process_matches(marker: &str) {
     assert!(left.is_empty(), "processes survived their block: {left:?}");
 }
 
+/// The sorted names of the entries of a directory.
+pub fn dir_names(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
 /// Every case below, in order.
 pub async fn all(executor: Arc<dyn Executor>) {
     exit_codes_and_streams(&*executor).await;
@@ -164,12 +174,7 @@ pub async fn filename_directive(executor: &dyn Executor) {
     assert_eq!(out.stdout.to_text(), "42\n", "{}", out.stderr.to_text());
     // Unnamed blocks leave nothing behind in the workspace.
     if let Some(ws) = s.workspace() {
-        let mut names: Vec<String> = std::fs::read_dir(ws)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        assert_eq!(names, ["helper.py", "pkg"]);
+        assert_eq!(dir_names(ws), ["helper.py", "pkg"]);
     }
     s.close().await.unwrap();
 }

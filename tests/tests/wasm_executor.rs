@@ -278,12 +278,10 @@ async fn files_persist_across_blocks_in_the_workspace_only() {
             .to_text()
             .contains("must stay inside the workspace")
     );
-    let mut names: Vec<String> = std::fs::read_dir(&ws)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    assert_eq!(names, ["helper.py", "note.txt", "sub"]);
+    assert_eq!(
+        conformance::dir_names(&ws),
+        ["helper.py", "note.txt", "sub"]
+    );
     s.close().await.unwrap();
     assert!(!ws.exists(), "the temporary workspace outlived its session");
 }
@@ -615,12 +613,7 @@ async fn both_pythons_behave_like_python() {
             tb.starts_with("Traceback (most recent call last):\n  File \"/workspace/"),
             "{profile:?}: {tb}"
         );
-        let mut names: Vec<String> = std::fs::read_dir(&ws)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        assert_eq!(names, ["state.txt"], "{profile:?}");
+        assert_eq!(conformance::dir_names(&ws), ["state.txt"], "{profile:?}");
         s.close().await.unwrap();
     }
 }
