@@ -555,3 +555,35 @@ async fn logs_follow_reconnects_across_a_daemon_restart() {
         Some("slow 0 done\n")
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tasks_can_run_in_the_wasm_sandbox() {
+    let server = ScriptedOpenAi::start(two_turns([(
+        "wasm task".to_owned(),
+        "import os, json\nprint(os.getcwd(), json.dumps(sorted(os.environ).count('OPENAI_BASE_URL')))"
+            .to_owned(),
+    )]))
+    .await
+    .unwrap();
+    let d = start(&server, &[]).await;
+    let executors = d.get("/v1/executors").await;
+    let wasm = executors["executors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "wasm")
+        .unwrap_or_else(|| panic!("no wasm executor: {executors}"));
+    assert_eq!(wasm["languages"], json!(["python", "javascript"]));
+    let id = d
+        .submit(json!({"task": "wasm task", "executor": "wasm"}))
+        .await;
+    let task = d.wait_finished(&id, Duration::from_secs(60)).await;
+    assert_eq!(task["state"], "finished", "{task}");
+    let events = d.events(&id, 0).await;
+    assert_eq!(block_output(&events), ["/workspace 0\n"]);
+    let metrics = d.text("/metrics").await;
+    assert!(
+        metrics.contains("tandem_executions_total{executor=\"wasm\",status=\"exited\"} 1"),
+        "{metrics}"
+    );
+}
