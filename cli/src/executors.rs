@@ -192,7 +192,7 @@ pub async fn report(
                 }
             ));
             if precompile {
-                for (runtime, result) in w.warm().await {
+                for (runtime, result) in w.precompile().await {
                     lines.push(match result {
                         Ok(warmed) => format!(
                             "           {} {} in {} ms (cache: {})",

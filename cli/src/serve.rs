@@ -148,10 +148,16 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
     match wasm {
         Ok(wasm) => {
             executors.register(Arc::new(wasm.clone()));
-            // Loading (on first ever use, compiling) the runtimes now keeps it off every
-            // task's path.
+            // Compiling the runtimes (once per machine) now keeps it off every task's path;
+            // they are kept loaded only when tasks default to wasm, since that costs memory.
+            let load = default_executor == "wasm";
             tokio::spawn(async move {
-                for (runtime, result) in wasm.warm().await {
+                let results = if load {
+                    wasm.warm().await
+                } else {
+                    wasm.precompile().await
+                };
+                for (runtime, result) in results {
                     if let Err(e) = result {
                         tracing::warn!(runtime = runtime.file_name(), error = %e, "a WASM runtime cannot be loaded");
                     }

@@ -476,6 +476,12 @@ async fn the_compiled_module_cache_survives_damage() {
     let first = WasmExecutor::new(config.clone()).unwrap();
     assert_eq!(quickjs(&first).await, ModuleSource::Compiled);
     let second = WasmExecutor::new(config.clone()).unwrap();
+    let precompiled = second.precompile().await;
+    let (_, result) = precompiled
+        .iter()
+        .find(|(r, _)| *r == Runtime::QuickJs)
+        .unwrap();
+    assert_eq!(result.as_ref().unwrap().source, ModuleSource::Cache);
     assert_eq!(quickjs(&second).await, ModuleSource::Cache);
     let entry = std::fs::read_dir(cache.path().join("compiled"))
         .unwrap()

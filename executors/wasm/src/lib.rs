@@ -335,6 +335,46 @@ impl WasmExecutor {
         warmed
     }
 
+    /// Makes sure every installed runtime is in the compiled cache, compiling it now if it is
+    /// not, without keeping it loaded: a daemon whose tasks may never use WASM pays neither
+    /// the compile on a request nor the memory of mapped runtimes while idle.
+    pub async fn precompile(&self) -> Vec<(Runtime, Result<Warmed, ExecError>)> {
+        let mut compiled = Vec::new();
+        for status in self.runtimes() {
+            if !status.present {
+                continue;
+            }
+            let inner = self.inner.clone();
+            let runtime = status.runtime;
+            let result = tokio::task::spawn_blocking(move || {
+                let cache_dir = &inner.config.cache_dir;
+                let loaded = match runtime {
+                    Runtime::PythonSnapshot => {
+                        cache::load::<Component>(&inner.engine, &status.path, cache_dir)
+                            .map(|l| (l.source, l.took))
+                    }
+                    Runtime::Python | Runtime::QuickJs => {
+                        cache::load::<Module>(&inner.engine, &status.path, cache_dir)
+                            .map(|l| (l.source, l.took))
+                    }
+                };
+                loaded.map(|(source, took)| Warmed {
+                    runtime,
+                    source,
+                    took,
+                })
+            })
+            .await
+            .unwrap_or_else(|e| {
+                Err(ExecError::Backend(format!(
+                    "compiling a WASM runtime failed: {e}"
+                )))
+            });
+            compiled.push((runtime, result));
+        }
+        compiled
+    }
+
     /// Removes temporary workspaces that a Tandem which has since died left behind; returns
     /// how many it removed. (A WASM guest is not a process, so nothing else can be left.)
     pub fn reap_orphans() -> usize {
