@@ -198,7 +198,7 @@ pub async fn report(
                             "           {} {} in {} ms (cache: {})",
                             runtime.file_name(),
                             match warmed.source {
-                                ModuleSource::Cache => "loaded from the compiled cache",
+                                ModuleSource::Cache => "already in the compiled cache",
                                 ModuleSource::Compiled => "compiled and cached",
                             },
                             warmed.took.as_millis(),

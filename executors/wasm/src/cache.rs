@@ -88,19 +88,7 @@ pub(crate) fn load<T: Artifact>(
     cache_dir: &Path,
 ) -> Result<Loaded<T>, ExecError> {
     let started = Instant::now();
-    let meta = std::fs::metadata(wasm)
-        .map_err(|e| ExecError::io(format!("reading {}", wasm.display()), e))?;
-    let stem = wasm
-        .file_stem()
-        .and_then(|s| s.to_str())
-        .unwrap_or("module")
-        .to_owned();
-    let sha = wasm_sha256(wasm, &meta, cache_dir, &stem)?;
-    let entry = cache_dir.join(format!(
-        "{stem}-{}-{:016x}.cwasm",
-        &sha[..16],
-        compatibility(engine)
-    ));
+    let entry = entry_path(engine, wasm, cache_dir)?;
     let cached = |module| Loaded {
         module,
         source: ModuleSource::Cache,
@@ -136,6 +124,30 @@ pub(crate) fn load<T: Artifact>(
         source: ModuleSource::Compiled,
         took: started.elapsed(),
     })
+}
+
+/// Where the cache keeps `wasm` compiled for `engine`.
+fn entry_path(engine: &Engine, wasm: &Path, cache_dir: &Path) -> Result<PathBuf, ExecError> {
+    let meta = std::fs::metadata(wasm)
+        .map_err(|e| ExecError::io(format!("reading {}", wasm.display()), e))?;
+    let stem = wasm
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or("module")
+        .to_owned();
+    let sha = wasm_sha256(wasm, &meta, cache_dir, &stem)?;
+    Ok(cache_dir.join(format!(
+        "{stem}-{}-{:016x}.cwasm",
+        &sha[..16],
+        compatibility(engine)
+    )))
+}
+
+/// Whether the cache has an entry (and its checksum) for `wasm`; the entry is checked when it
+/// is loaded, and rebuilt then if it is damaged.
+pub(crate) fn has_entry(engine: &Engine, wasm: &Path, cache_dir: &Path) -> Result<bool, ExecError> {
+    let entry = entry_path(engine, wasm, cache_dir)?;
+    Ok(entry.is_file() && sum_path(&entry).is_file())
 }
 
 /// Holds an exclusive lock on `<entry>.lock` until dropped.

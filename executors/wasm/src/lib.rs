@@ -336,8 +336,9 @@ impl WasmExecutor {
     }
 
     /// Makes sure every installed runtime is in the compiled cache, compiling it now if it is
-    /// not, without keeping it loaded: a daemon whose tasks may never use WASM pays neither
-    /// the compile on a request nor the memory of mapped runtimes while idle.
+    /// not, without keeping it loaded (an entry already there is not even opened): a daemon
+    /// whose tasks may never use WASM pays neither the compile on a request nor the memory of
+    /// mapped runtimes while idle.
     pub async fn precompile(&self) -> Vec<(Runtime, Result<Warmed, ExecError>)> {
         let mut compiled = Vec::new();
         for status in self.runtimes() {
@@ -348,6 +349,14 @@ impl WasmExecutor {
             let runtime = status.runtime;
             let result = tokio::task::spawn_blocking(move || {
                 let cache_dir = &inner.config.cache_dir;
+                let started = std::time::Instant::now();
+                if cache::has_entry(&inner.engine, &status.path, cache_dir)? {
+                    return Ok(Warmed {
+                        runtime,
+                        source: ModuleSource::Cache,
+                        took: started.elapsed(),
+                    });
+                }
                 let loaded = match runtime {
                     Runtime::PythonSnapshot => {
                         cache::load::<Component>(&inner.engine, &status.path, cache_dir)
