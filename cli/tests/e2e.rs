@@ -689,8 +689,11 @@ async fn ctrl_c_cancels_cleanly_and_kills_the_block() {
     .await
     .unwrap();
     let url = server.base_url();
+    // The local executor, whatever `auto` would pick here: the marker check reads host
+    // processes, and the 3 s bound is Tandem's, not a container engine's removal time.
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
         .args(["run", "--json", "--base-url", &url, task])
+        .env("TANDEM_EXECUTOR", "local")
         .env_remove("OPENAI_API_KEY")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
