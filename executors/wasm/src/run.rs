@@ -309,3 +309,48 @@ fn classify(ended: Ended, memory_refused: bool) -> (ExitStatus, Option<String>) 
         ),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn returned(error: impl std::error::Error + Send + Sync + 'static) -> Ended {
+        Ended::Returned(Err(wasmtime::Error::new(error)))
+    }
+
+    #[test]
+    fn traps_become_outcomes_with_a_note() {
+        assert_eq!(
+            classify(returned(I32Exit(7)), false),
+            (ExitStatus::Exited(7), None)
+        );
+        assert_eq!(
+            classify(Ended::Returned(Ok(3)), false).0,
+            ExitStatus::Exited(3)
+        );
+        let (status, note) = classify(returned(Trap::OutOfFuel), false);
+        assert_eq!(status, ExitStatus::TimedOut);
+        assert!(note.unwrap().contains("CPU budget"));
+        let (status, note) = classify(returned(Trap::StackOverflow), true);
+        assert_eq!(status, ExitStatus::Signaled(SIGSEGV));
+        assert!(note.unwrap().contains("stack"));
+        assert_eq!(
+            classify(returned(Trap::UnreachableCodeReached), true).0,
+            ExitStatus::OutOfMemory
+        );
+        assert_eq!(
+            classify(returned(Trap::UnreachableCodeReached), false).0,
+            ExitStatus::Signaled(SIGABRT)
+        );
+        let (status, note) = classify(returned(Trap::MemoryOutOfBounds), false);
+        assert_eq!(status, ExitStatus::Signaled(SIGSEGV));
+        assert_eq!(
+            note.as_deref(),
+            Some("the program crashed (wasm trap: out of bounds memory access)")
+        );
+        assert_eq!(
+            classify(Ended::Cancelled, true),
+            (ExitStatus::Cancelled, None)
+        );
+    }
+}
