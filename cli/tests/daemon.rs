@@ -574,6 +574,7 @@ async fn tasks_can_run_in_the_wasm_sandbox() {
         .find(|e| e["name"] == "wasm")
         .unwrap_or_else(|| panic!("no wasm executor: {executors}"));
     assert_eq!(wasm["languages"], json!(["python", "javascript"]));
+    assert_eq!(wasm["health"], "ok", "{executors}");
     let id = d
         .submit(json!({"task": "wasm task", "executor": "wasm"}))
         .await;
@@ -585,5 +586,36 @@ async fn tasks_can_run_in_the_wasm_sandbox() {
     assert!(
         metrics.contains("tandem_executions_total{executor=\"wasm\",status=\"exited\"} 1"),
         "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn executors_report_their_health() {
+    let server = ScriptedOpenAi::start(two_turns([])).await.unwrap();
+    let d = Daemon::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &[],
+        Some("[executors.wasm]\nruntimes_dir = \"/nonexistent/wasm\"\n"),
+    )
+    .await;
+    let executors = d.get("/v1/executors").await;
+    let by_name = |name: &str| {
+        executors["executors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {name} executor: {executors}"))
+    };
+    assert_eq!(by_name("local")["health"], "ok");
+    let wasm = by_name("wasm");
+    assert_eq!(wasm["health"], "unavailable");
+    let problem = wasm["problem"].as_str().unwrap();
+    assert!(
+        problem.starts_with("no Python runtime (/nonexistent/wasm/python.wasm")
+            && problem.ends_with("run scripts/fetch-wasm-runtimes.sh"),
+        "{problem}"
     );
 }

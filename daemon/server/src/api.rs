@@ -274,16 +274,22 @@ async fn resume_task(
 }
 
 async fn executors(State(state): State<AppState>) -> Json<serde_json::Value> {
-    let list: Vec<serde_json::Value> = state
-        .supervisor
-        .executors()
+    let executors = state.supervisor.executors();
+    let checks = executors.iter().map(|e| e.health());
+    let health = futures::future::join_all(checks).await;
+    let list: Vec<serde_json::Value> = executors
         .iter()
-        .map(|e| {
-            json!({
+        .zip(health)
+        .map(|(e, health)| {
+            let mut entry = json!({
                 "name": e.name(),
                 "languages": e.languages().iter().map(|l| l.as_str()).collect::<Vec<_>>(),
-                "health": "ok",
-            })
+                "health": if health.is_ok() { "ok" } else { "unavailable" },
+            });
+            if let Err(problem) = health {
+                entry["problem"] = json!(problem);
+            }
+            entry
         })
         .collect();
     Json(json!({ "executors": list }))

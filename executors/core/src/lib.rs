@@ -58,6 +58,12 @@ pub trait Executor: Send + Sync + 'static {
     fn supports(&self, language: &Language) -> bool {
         self.languages().contains(language)
     }
+
+    /// Whether the executor can run code now; `Err` says what is wrong and how to fix it.
+    /// Cheap enough to call on every `GET /v1/executors`.
+    fn health(&self) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
 }
 
 /// One task's sandbox. Dropping it without [`Session::close`] must still clean up.

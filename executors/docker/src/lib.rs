@@ -426,6 +426,22 @@ impl Executor for DockerExecutor {
         "docker"
     }
 
+    fn health(&self) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async move {
+            let image = &self.inner.config.image;
+            let asked = tokio::time::timeout(Duration::from_secs(2), self.image_present()).await;
+            match asked {
+                Err(_) => Err("the Docker engine did not answer within 2 s".to_owned()),
+                Ok(Err(e)) => Err(e.to_string()),
+                Ok(Ok(true)) => Ok(()),
+                Ok(Ok(false)) if self.inner.config.pull => Ok(()),
+                Ok(Ok(false)) => Err(format!(
+                    "image `{image}` is not present and pulling is off; build it with scripts/build-sandbox-image.sh"
+                )),
+            }
+        })
+    }
+
     fn languages(&self) -> &[Language] {
         &self.inner.config.languages
     }

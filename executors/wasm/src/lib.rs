@@ -484,6 +484,29 @@ impl Executor for WasmExecutor {
         "wasm"
     }
 
+    fn health(&self) -> BoxFuture<'_, Result<(), String>> {
+        let missing: Vec<String> = self
+            .runtimes()
+            .into_iter()
+            .filter(|r| !r.present)
+            .map(|r| r.path.display().to_string())
+            .collect();
+        let python = self.python_present();
+        Box::pin(async move {
+            match (python, missing.is_empty()) {
+                (_, true) => Ok(()),
+                (true, false) => Err(format!(
+                    "degraded: {} missing; run {FETCH_SCRIPT}",
+                    missing.join(", ")
+                )),
+                (false, false) => Err(format!(
+                    "no Python runtime ({} missing); run {FETCH_SCRIPT}",
+                    missing.join(", ")
+                )),
+            }
+        })
+    }
+
     fn languages(&self) -> &[Language] {
         &self.inner.languages
     }
