@@ -314,6 +314,26 @@ mod tests {
     }
 
     #[test]
+    fn wasm_python_profiles() {
+        let parse = |text: &str| wasm_config(&toml::from_str::<FileConfig>(text).unwrap());
+        let python = |text: &str| parse(text).unwrap().python;
+        assert_eq!(python(""), PythonProfile::Auto);
+        assert_eq!(
+            python("[executors.wasm]\npython = \"stock\"\n"),
+            PythonProfile::Stock
+        );
+        assert_eq!(
+            python("[executors.wasm]\npython = \"snapshot\"\n"),
+            PythonProfile::Snapshot
+        );
+        let err = parse("[executors.wasm]\npython = \"pypy\"\n").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "[executors.wasm] python must be auto, snapshot or stock, got `pypy`"
+        );
+    }
+
+    #[test]
     fn unknown_keys_are_rejected_with_their_name() {
         let err = toml::from_str::<FileConfig>("[model]\nbase_ur = \"x\"\n").unwrap_err();
         assert!(err.to_string().contains("unknown field `base_ur`"), "{err}");

@@ -126,6 +126,8 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
     docker_config.pool_size = file.executors.docker.pool_size.unwrap_or(2);
     let image = docker_config.image.clone();
     let connected = DockerExecutor::connect(docker_config).await;
+    // A bad `[executors.wasm]` is a configuration error, not an executor that is missing.
+    config::wasm_config(&file)?;
     let wasm = crate::executors::wasm(&file);
     let name = config::executor_name(args.executor.as_deref(), &file);
     let default_executor = match name.as_str() {
