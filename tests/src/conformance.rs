@@ -54,6 +54,19 @@ fn no_process_matches(marker: &str) {
     assert!(left.is_empty(), "processes survived their block: {left:?}");
 }
 
+/// A module saved with `# filename:` imports from a later python block (it leaves
+/// `helper.py` in the workspace).
+pub async fn saved_module_imports(s: &mut dyn Session) {
+    run(
+        s,
+        "python",
+        "# filename: helper.py\ndef double(x):\n    return 2 * x",
+    )
+    .await;
+    let out = run(s, "python", "from helper import double\nprint(double(21))").await;
+    assert_eq!(out.stdout.to_text(), "42\n", "{}", out.stderr.to_text());
+}
+
 /// The sorted names of the entries of a directory.
 pub fn dir_names(dir: &std::path::Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
@@ -159,19 +172,7 @@ pub async fn filename_directive(executor: &dyn Executor) {
     let out = run(&mut *s, "python", "# just a comment\nprint('ran')").await;
     assert_eq!(out.stdout.to_text(), "ran\n");
     // Saved modules import from later blocks, as when running a script in that directory.
-    run(
-        &mut *s,
-        "python",
-        "# filename: helper.py\ndef double(x):\n    return 2 * x",
-    )
-    .await;
-    let out = run(
-        &mut *s,
-        "python",
-        "from helper import double\nprint(double(21))",
-    )
-    .await;
-    assert_eq!(out.stdout.to_text(), "42\n", "{}", out.stderr.to_text());
+    saved_module_imports(&mut *s).await;
     // Unnamed blocks leave nothing behind in the workspace.
     if let Some(ws) = s.workspace() {
         assert_eq!(dir_names(ws), ["helper.py", "pkg"]);

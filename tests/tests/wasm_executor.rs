@@ -258,19 +258,7 @@ async fn files_persist_across_blocks_in_the_workspace_only() {
     .await;
     assert_eq!(out.stdout.to_text(), "kept\n", "{}", out.stderr.to_text());
     // `# filename:` saves a module that later blocks import.
-    run(
-        &mut *s,
-        "python",
-        "# filename: helper.py\ndef double(x):\n    return 2 * x",
-    )
-    .await;
-    let out = run(
-        &mut *s,
-        "python",
-        "from helper import double\nprint(double(21))",
-    )
-    .await;
-    assert_eq!(out.stdout.to_text(), "42\n", "{}", out.stderr.to_text());
+    conformance::saved_module_imports(&mut *s).await;
     let out = run(&mut *s, "python", "# filename: ../up.py\nprint(1)").await;
     assert_eq!(out.status, ExitStatus::Exited(1));
     assert!(
