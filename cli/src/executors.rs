@@ -172,8 +172,8 @@ pub async fn report(
     let wasm = wasm(file);
     match &wasm {
         Ok(w) => {
-            let runtimes: Vec<String> = w
-                .runtimes()
+            let statuses = w.runtimes();
+            let runtimes: Vec<String> = statuses
                 .iter()
                 .map(|r| {
                     let state = if r.present { "present" } else { "missing" };
@@ -185,7 +185,7 @@ pub async fn report(
                 langs(w.languages()),
                 runtimes.join(", "),
                 w.config().runtimes_dir.display(),
-                if w.runtimes().iter().all(|r| r.present) {
+                if statuses.iter().all(|r| r.present) {
                     String::new()
                 } else {
                     format!("; run {FETCH_SCRIPT}")

@@ -127,8 +127,8 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
     let image = docker_config.image.clone();
     let connected = DockerExecutor::connect(docker_config).await;
     // A bad `[executors.wasm]` is a configuration error, not an executor that is missing.
-    config::wasm_config(&file)?;
-    let wasm = crate::executors::wasm(&file);
+    let wasm = tandem_executor_wasm::WasmExecutor::new(config::wasm_config(&file)?)
+        .map_err(anyhow::Error::from);
     let name = config::executor_name(args.executor.as_deref(), &file);
     let default_executor = match name.as_str() {
         "auto" => match crate::executors::why_not_docker(connected.as_ref(), &image).await {

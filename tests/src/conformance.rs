@@ -292,7 +292,11 @@ pub async fn cancel_stops_a_block_at_once(executor: &dyn Executor) {
     let started = Instant::now();
     let out = s
         .run(
-            ExecRequest::new(Language::sh(), "echo going; sleep 60"),
+            // A busy loop: a sandbox must stop code that never waits on anything.
+            ExecRequest::new(
+                Language::python(),
+                "print('going', flush=True)\nwhile True:\n    pass",
+            ),
             ExecContext::new(cancel),
         )
         .await

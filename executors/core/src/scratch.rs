@@ -69,6 +69,22 @@ pub fn open_workspace(
     }
 }
 
+/// Removes a closing session's temporary directories, then `root` if that left it empty; off
+/// the async workers, since a big workspace takes a while to delete.
+pub async fn remove_dirs(dirs: Vec<TempDir>, root: PathBuf) -> Result<(), ExecError> {
+    tokio::task::spawn_blocking(move || {
+        let result = dirs
+            .into_iter()
+            .map(TempDir::close)
+            .fold(Ok(()), Result::and);
+        remove_root_if_empty(&root);
+        result
+    })
+    .await
+    .map_err(|e| ExecError::Backend(format!("removing a session's directories failed: {e}")))?
+    .map_err(|e| ExecError::io("removing the session's directories", e))
+}
+
 /// Removes `root` if it is empty; it stays while other sessions still have directories in it.
 pub fn remove_root_if_empty(root: &Path) {
     let _ = std::fs::remove_dir(root);

@@ -227,20 +227,13 @@ impl Session for LocalSession {
             let Self {
                 inner,
                 owned_workspace,
-                scratch,
+                scratch: scratch_dir,
                 ..
             } = *self;
-            tokio::task::spawn_blocking(move || {
-                let mut result = scratch.close();
-                if let Some(ws) = owned_workspace {
-                    result = result.and(ws.close());
-                }
-                scratch::remove_root_if_empty(&inner.root);
-                result
-            })
-            .await
-            .map_err(|e| ExecError::Backend(format!("closing a local session failed: {e}")))?
-            .map_err(|e| ExecError::io("removing the session's directories", e))
+            let dirs = std::iter::once(scratch_dir)
+                .chain(owned_workspace)
+                .collect();
+            scratch::remove_dirs(dirs, inner.root.clone()).await
         })
     }
 }

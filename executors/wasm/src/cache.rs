@@ -75,9 +75,20 @@ impl Artifact for Component {
 
 /// A loaded module or component, how it was obtained and how long that took.
 pub(crate) struct Loaded<T> {
-    pub module: T,
+    pub artifact: T,
     pub source: ModuleSource,
     pub took: Duration,
+}
+
+impl<T> Loaded<T> {
+    /// The same load with the artifact converted.
+    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Loaded<U> {
+        Loaded {
+            artifact: f(self.artifact),
+            source: self.source,
+            took: self.took,
+        }
+    }
 }
 
 /// Loads `wasm` for `engine`, from `cache_dir` when a valid entry is there, compiling and
@@ -89,8 +100,8 @@ pub(crate) fn load<T: Artifact>(
 ) -> Result<Loaded<T>, ExecError> {
     let started = Instant::now();
     let entry = entry_path(engine, wasm, cache_dir)?;
-    let cached = |module| Loaded {
-        module,
+    let cached = |artifact| Loaded {
+        artifact,
         source: ModuleSource::Cache,
         took: started.elapsed(),
     };
@@ -120,7 +131,7 @@ pub(crate) fn load<T: Artifact>(
         Err(e) => tracing::warn!(error = %e, "cannot serialise the compiled module"),
     }
     Ok(Loaded {
-        module,
+        artifact: module,
         source: ModuleSource::Compiled,
         took: started.elapsed(),
     })

@@ -29,8 +29,9 @@ use wasmtime::component::{self, Component};
 use wasmtime::{Config, Engine, InstancePre, Linker, Module};
 use wasmtime_wasi::p1::WasiP1Ctx;
 
+use cache::Loaded;
 pub use cache::ModuleSource;
-use run::{Guest, P2};
+use run::{GUEST_SUPPORT, GUEST_WORKSPACE, Guest, P2};
 use ticker::Ticker;
 
 /// Environment variable naming the directory that holds the runtimes.
@@ -138,13 +139,21 @@ impl Runtime {
 
     /// The guest's argv for running `script` (a guest path).
     fn argv(self, script: &str) -> Vec<String> {
-        let argv: &[&str] = match self {
-            Self::Python => &["python", "-X", "utf8", script],
+        let argv = match self {
+            Self::Python => vec!["python", "-X", "utf8", script],
             // The snapshot is told the script by its `run` export.
-            Self::PythonSnapshot => &["python", script],
-            Self::QuickJs => &["qjs", "--std", "--include", "/tandem/chdir.js", script],
+            Self::PythonSnapshot => vec!["python", script],
+            Self::QuickJs => {
+                return vec![
+                    "qjs".to_owned(),
+                    "--std".to_owned(),
+                    "--include".to_owned(),
+                    format!("{GUEST_SUPPORT}/{CHDIR_JS}"),
+                    script.to_owned(),
+                ];
+            }
         };
-        argv.iter().map(|s| (*s).to_owned()).collect()
+        argv.into_iter().map(str::to_owned).collect()
     }
 
     fn index(self) -> usize {
@@ -191,7 +200,7 @@ struct Inner {
     prepared: [OnceCell<Arc<Prepared>>; 3],
     /// Where temporary workspaces go (see [`ROOT_PREFIX`]).
     root: PathBuf,
-    /// Host directory of the [`SUPPORT_FILES`], shown read-only to guests.
+    /// Host directory of the [`support_files`], shown read-only to guests.
     support: PathBuf,
     /// Owns `support` when it had to be a temporary directory.
     _support_temp: Option<TempDir>,
@@ -204,6 +213,12 @@ struct Prepared {
     took: Duration,
 }
 
+/// A compiled runtime: a core module (preview 1 command) or a component (preview 2).
+enum Artifact {
+    Module(Module),
+    Component(Component),
+}
+
 /// A pre-instance of a core module (preview 1) or of a component (preview 2).
 enum Pre {
     Module(InstancePre<Guest<WasiP1Ctx>>),
@@ -212,19 +227,27 @@ enum Pre {
 
 /// Files every guest loads before its block: they make `/workspace` the working directory,
 /// since WASI preview 1 has no initial directory and relative paths would resolve from `/`.
-const SUPPORT_FILES: &[(&str, &str)] = &[
-    ("sitecustomize.py", "import os\nos.chdir('/workspace')\n"),
-    ("chdir.js", "os.chdir('/workspace');\n"),
-];
+fn support_files() -> [(&'static str, String); 2] {
+    [
+        (
+            "sitecustomize.py",
+            format!("import os\nos.chdir('{GUEST_WORKSPACE}')\n"),
+        ),
+        (CHDIR_JS, format!("os.chdir('{GUEST_WORKSPACE}');\n")),
+    ]
+}
+
+/// The support file QuickJS includes before the block.
+const CHDIR_JS: &str = "chdir.js";
 
 /// Writes the support files under `cache_dir`, leaving them alone when they are already
 /// there; when the cache is not writable, into a private temporary directory that lives as
 /// long as the executor (returned with it).
 fn support_dir(cache_dir: &Path) -> Result<(PathBuf, Option<TempDir>), ExecError> {
     let write = |dir: &Path| -> std::io::Result<()> {
-        for (name, contents) in SUPPORT_FILES {
+        for (name, contents) in support_files() {
             let path = dir.join(name);
-            if std::fs::read_to_string(&path).ok().as_deref() != Some(*contents) {
+            if std::fs::read_to_string(&path).ok().as_deref() != Some(contents.as_str()) {
                 cache::write_atomic(&path, contents.as_bytes())?;
             }
         }
@@ -243,6 +266,13 @@ fn support_dir(cache_dir: &Path) -> Result<(PathBuf, Option<TempDir>), ExecError
             Ok((temp.path().to_owned(), Some(temp)))
         }
     }
+}
+
+/// Whether `statuses` include an installed Python runtime.
+fn python_in(statuses: &[RuntimeStatus]) -> bool {
+    statuses
+        .iter()
+        .any(|s| s.runtime.language() == Language::python() && s.present)
 }
 
 /// Temporary workspaces live in `$TMPDIR/tandem-wasm-<pid>-<start-time>/` of their owner.
@@ -307,9 +337,7 @@ impl WasmExecutor {
 
     /// Whether a Python runtime is installed (what `auto` needs to pick this executor).
     pub fn python_present(&self) -> bool {
-        self.runtimes()
-            .iter()
-            .any(|s| s.runtime.language() == Language::python() && s.present)
+        python_in(&self.runtimes())
     }
 
     /// The runtime that runs `language` blocks under the configured Python profile.
@@ -357,20 +385,11 @@ impl WasmExecutor {
                         took: started.elapsed(),
                     });
                 }
-                let loaded = match runtime {
-                    Runtime::PythonSnapshot => {
-                        cache::load::<Component>(&inner.engine, &status.path, cache_dir)
-                            .map(|l| (l.source, l.took))
-                    }
-                    Runtime::Python | Runtime::QuickJs => {
-                        cache::load::<Module>(&inner.engine, &status.path, cache_dir)
-                            .map(|l| (l.source, l.took))
-                    }
-                };
-                loaded.map(|(source, took)| Warmed {
+                let loaded = inner.load(runtime, &status.path)?;
+                Ok(Warmed {
                     runtime,
-                    source,
-                    took,
+                    source: loaded.source,
+                    took: loaded.took,
                 })
             })
             .await
@@ -429,6 +448,19 @@ impl Inner {
         .cloned()
     }
 
+    /// Loads `runtime` from `path` through the cache, as the kind of artifact it is (blocking).
+    fn load(&self, runtime: Runtime, path: &Path) -> Result<Loaded<Artifact>, ExecError> {
+        let cache_dir = &self.config.cache_dir;
+        Ok(match runtime {
+            Runtime::PythonSnapshot => {
+                cache::load::<Component>(&self.engine, path, cache_dir)?.map(Artifact::Component)
+            }
+            Runtime::Python | Runtime::QuickJs => {
+                cache::load::<Module>(&self.engine, path, cache_dir)?.map(Artifact::Module)
+            }
+        })
+    }
+
     fn prepare(&self, runtime: Runtime) -> Result<Arc<Prepared>, ExecError> {
         let path = self.config.runtimes_dir.join(runtime.file_name());
         if !path.is_file() {
@@ -450,24 +482,18 @@ impl Inner {
                 path.display()
             ))
         };
-        let cache_dir = &self.config.cache_dir;
-        let (pre, source, took) = match runtime {
-            Runtime::PythonSnapshot => {
-                let loaded = cache::load::<Component>(&self.engine, &path, cache_dir)?;
-                let pre = self
-                    .component_linker
-                    .instantiate_pre(&loaded.module)
-                    .map_err(link_err)?;
-                (Pre::Component(pre), loaded.source, loaded.took)
-            }
-            Runtime::Python | Runtime::QuickJs => {
-                let loaded = cache::load::<Module>(&self.engine, &path, cache_dir)?;
-                let pre = self
-                    .linker
-                    .instantiate_pre(&loaded.module)
-                    .map_err(link_err)?;
-                (Pre::Module(pre), loaded.source, loaded.took)
-            }
+        let Loaded {
+            artifact,
+            source,
+            took,
+        } = self.load(runtime, &path)?;
+        let pre = match artifact {
+            Artifact::Component(c) => Pre::Component(
+                self.component_linker
+                    .instantiate_pre(&c)
+                    .map_err(link_err)?,
+            ),
+            Artifact::Module(m) => Pre::Module(self.linker.instantiate_pre(&m).map_err(link_err)?),
         };
         tracing::info!(
             runtime = runtime.file_name(),
@@ -485,13 +511,13 @@ impl Executor for WasmExecutor {
     }
 
     fn health(&self) -> BoxFuture<'_, Result<(), String>> {
-        let missing: Vec<String> = self
-            .runtimes()
-            .into_iter()
+        let statuses = self.runtimes();
+        let python = python_in(&statuses);
+        let missing: Vec<String> = statuses
+            .iter()
             .filter(|r| !r.present)
             .map(|r| r.path.display().to_string())
             .collect();
-        let python = self.python_present();
         Box::pin(async move {
             match (python, missing.is_empty()) {
                 (_, true) => Ok(()),
@@ -569,14 +595,7 @@ impl Session for WasmSession {
                 owned_workspace,
                 ..
             } = *self;
-            tokio::task::spawn_blocking(move || {
-                let result = owned_workspace.map_or(Ok(()), TempDir::close);
-                scratch::remove_root_if_empty(&inner.root);
-                result
-            })
-            .await
-            .map_err(|e| ExecError::Backend(format!("closing a WASM session failed: {e}")))?
-            .map_err(|e| ExecError::io("removing the session's workspace", e))
+            scratch::remove_dirs(owned_workspace.into_iter().collect(), inner.root.clone()).await
         })
     }
 }
