@@ -150,7 +150,15 @@ fn dispatch(cli: Cli) -> Result<u8> {
         } => runtime()?.block_on(doctor(&model, image, precompile, &file)),
         Command::Run(args) => runtime()?.block_on(run::run(args, file)),
         Command::Exec(args) => runtime()?.block_on(exec::exec(args, file)),
-        Command::Serve(args) => runtime()?.block_on(serve::serve(args, file)),
+        Command::Serve(args) => {
+            let rt = runtime()?;
+            let result = rt.block_on(serve::serve(args, file));
+            // `serve` has already waited for what must finish (tasks, the store, sandboxes);
+            // a WASM precompile still running on the blocking pool, or waiting on another
+            // process's compile lock, must not hold the exit for seconds after SIGTERM.
+            rt.shutdown_background();
+            result
+        }
         Command::Submit(args) => runtime()?.block_on(tasks::submit(args)),
         Command::Tasks(args) => runtime()?.block_on(tasks::list(args)),
         Command::Show(args) => runtime()?.block_on(tasks::show(args)),

@@ -457,6 +457,33 @@ async fn sigterm_lets_short_tasks_finish_and_interrupts_long_ones() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn sigterm_does_not_wait_for_the_first_wasm_compile() {
+    // An empty compile cache: the daemon starts compiling the WASM runtimes (seconds of
+    // work) in the background, and SIGTERM lands in the middle of it.
+    let cache = tempfile::tempdir().unwrap();
+    let config = format!(
+        "[executors.wasm]\ncache_dir = \"{}\"\n",
+        cache.path().display()
+    );
+    let server = ScriptedOpenAi::start(Script::new()).await.unwrap();
+    let mut d = Daemon::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &[],
+        Some(&config),
+    )
+    .await;
+    let stopping = Instant::now();
+    assert_eq!(d.terminate().await, Some(0), "{}", d.log());
+    assert!(
+        stopping.elapsed() < Duration::from_secs(2),
+        "SIGTERM took {:?}:\n{}",
+        stopping.elapsed(),
+        d.log()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_restart_reaps_the_sandboxes_a_killed_daemon_left() {
     let pid_dir = tempfile::tempdir().unwrap();
     let pid_file = pid_dir.path().join("orphan.pid");
