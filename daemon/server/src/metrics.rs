@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use tandem_protocol::{BlockResult, Usage};
 
+use crate::store::TaskState;
+
 /// Upper bounds of the latency buckets, in seconds.
 const BUCKETS: [f64; 13] = [
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -95,15 +97,11 @@ impl Metrics {
     }
 
     /// The Prometheus text exposition, with task counts by state.
-    pub fn render(&self, tasks_by_state: &[(String, u64)]) -> String {
+    pub fn render(&self, tasks_by_state: &[(TaskState, u64)]) -> String {
         let mut out = String::new();
         out.push_str("# HELP tandem_tasks Tasks by state.\n# TYPE tandem_tasks gauge\n");
-        for state in ["queued", "running", "interrupted", "finished"] {
-            let n = tasks_by_state
-                .iter()
-                .find(|(s, _)| s == state)
-                .map_or(0, |(_, n)| *n);
-            let _ = writeln!(out, "tandem_tasks{{state=\"{state}\"}} {n}");
+        for (state, n) in tasks_by_state {
+            let _ = writeln!(out, "tandem_tasks{{state=\"{}\"}} {n}", state.as_str());
         }
         let Ok(m) = self.inner.lock() else {
             return out;

@@ -35,6 +35,14 @@ impl TaskState {
         }
     }
 
+    /// Every state, in the order metrics list them.
+    pub const ALL: [Self; 4] = [
+        Self::Queued,
+        Self::Running,
+        Self::Interrupted,
+        Self::Finished,
+    ];
+
     /// Parses a state name, as given in `?state=`.
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
@@ -145,11 +153,75 @@ pub struct Store {
     path: String,
 }
 
-/// The connection and each task's last event seq, kept in memory once read (appends are the
-/// hot path: a streamed reply is dozens of events).
+/// The connection plus what the hot paths would otherwise query for every time: each task's
+/// last event seq (a streamed reply is dozens of events), the next queue position, and the
+/// number of tasks in each state (`/metrics` is scraped often; counting rows grows with the
+/// history). This connection is the database's only writer, so they stay true.
 struct Db {
     conn: Connection,
     last_seq: std::collections::HashMap<String, i64>,
+    next_order: i64,
+    counts: [u64; 4],
+}
+
+impl Db {
+    /// Reads the queue position and state counts afresh (at open, and after a rollback).
+    fn reload(&mut self) -> rusqlite::Result<()> {
+        self.last_seq.clear();
+        self.next_order = self
+            .conn
+            .prepare_cached("SELECT COALESCE(MAX(queue_order), 0) + 1 FROM tasks")?
+            .query_row([], |r| r.get(0))?;
+        self.counts = [0; 4];
+        let mut stmt = self
+            .conn
+            .prepare_cached("SELECT state, COUNT(*) FROM tasks GROUP BY state")?;
+        let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?;
+        for row in rows {
+            let (state, n) = row?;
+            let state = TaskState::parse(&state).unwrap_or(TaskState::Interrupted);
+            self.counts[state as usize] += u64::try_from(n).unwrap_or(0);
+        }
+        Ok(())
+    }
+
+    /// Moves task `id` to `state` in the counts, from whatever it is stored as now.
+    fn count_move(&mut self, id: &str, state: TaskState) -> rusqlite::Result<()> {
+        let old: Option<String> = self
+            .conn
+            .prepare_cached("SELECT state FROM tasks WHERE id = ?1")?
+            .query_row([id], |r| r.get(0))
+            .optional()?;
+        if let Some(old) = old.as_deref().and_then(TaskState::parse) {
+            self.counts[old as usize] = self.counts[old as usize].saturating_sub(1);
+            self.counts[state as usize] += 1;
+        }
+        Ok(())
+    }
+
+    /// Runs `f` in a transaction; on any error it is rolled back and the in-memory state
+    /// read again, so nothing counted in it survives. The statements are cached: parsing
+    /// BEGIN and COMMIT anew for every burst of events showed up in profiles.
+    fn transaction<T>(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> rusqlite::Result<T>,
+    ) -> rusqlite::Result<T> {
+        self.conn.prepare_cached("BEGIN")?.execute([])?;
+        let result = f(self).and_then(|value| {
+            self.conn.prepare_cached("COMMIT")?.execute([])?;
+            Ok(value)
+        });
+        if result.is_err() {
+            if !self.conn.is_autocommit() {
+                let _ = self
+                    .conn
+                    .prepare_cached("ROLLBACK")
+                    .and_then(|mut s| s.execute([]));
+            }
+            let _ = self.reload();
+        }
+        result
+    }
 }
 
 type Result<T> = std::result::Result<T, StoreError>;
@@ -188,11 +260,15 @@ impl Store {
             tx.commit().map_err(sql)?;
         }
         conn.set_prepared_statement_cache_capacity(32);
+        let mut db = Db {
+            conn,
+            last_seq: std::collections::HashMap::new(),
+            next_order: 1,
+            counts: [0; 4],
+        };
+        db.reload().map_err(sql)?;
         Ok(Self {
-            conn: Mutex::new(Db {
-                conn,
-                last_seq: std::collections::HashMap::new(),
-            }),
+            conn: Mutex::new(db),
             path: display,
         })
     }
@@ -213,12 +289,16 @@ impl Store {
     pub fn create(&self, id: &str, spec: &TaskSpec, now_ms: u64) -> Result<TaskRecord> {
         let spec_json = to_json(spec);
         let usage = to_json(&Usage::default());
-        self.with(|c| {
-            c.execute(
-                "INSERT INTO tasks (id, queue_order, state, spec, usage, turns, created_ms)
-                 VALUES (?1, (SELECT COALESCE(MAX(queue_order), 0) + 1 FROM tasks), 'queued', ?2, ?3, 0, ?4)",
-                params![id, spec_json, usage, now_ms as i64],
-            )
+        self.with_db(|db| {
+            db.conn
+                .prepare_cached(
+                    "INSERT INTO tasks (id, queue_order, state, spec, usage, turns, created_ms)
+                     VALUES (?1, ?2, 'queued', ?3, ?4, 0, ?5)",
+                )?
+                .execute(params![id, db.next_order, spec_json, usage, now_ms as i64])?;
+            db.next_order += 1;
+            db.counts[TaskState::Queued as usize] += 1;
+            Ok(())
         })?;
         Ok(TaskRecord {
             id: id.to_owned(),
@@ -238,46 +318,38 @@ impl Store {
     /// burst of events instead of one each. Returns them as stored, with their task ids.
     pub fn append_batch(&self, items: &[(String, EventMsg, u64)]) -> Result<Vec<(String, Event)>> {
         self.with_db(|db| {
-            let result = (|| {
-                let tx = db.conn.unchecked_transaction()?;
+            db.transaction(|db| {
                 let mut stored = Vec::with_capacity(items.len());
                 for (task_id, msg, now_ms) in items {
-                    let event = append_one(&db.conn, &mut db.last_seq, task_id, msg, *now_ms)?;
+                    let event = append_one(db, task_id, msg, *now_ms)?;
                     stored.push((task_id.clone(), event));
                 }
-                tx.commit()?;
                 Ok(stored)
-            })();
-            if result.is_err() {
-                // The transaction rolled back; counters from it would skip seqs.
-                db.last_seq.clear();
-            }
-            result
+            })
         })
     }
 
     /// Marks a task running (or queued, interrupted) without an event.
     pub fn set_state(&self, id: &str, state: TaskState, now_ms: u64) -> Result<()> {
-        self.with(|c| {
-            c.execute(
-                "UPDATE tasks SET state = ?2,
-                    started_ms = CASE WHEN ?2 = 'running' THEN ?3 ELSE started_ms END
-                 WHERE id = ?1",
-                params![id, state.as_str(), now_ms as i64],
-            )
-            .map(|_| ())
+        self.with_db(|db| {
+            db.count_move(id, state)?;
+            db.conn
+                .prepare_cached(
+                    "UPDATE tasks SET state = ?2,
+                        started_ms = CASE WHEN ?2 = 'running' THEN ?3 ELSE started_ms END
+                     WHERE id = ?1",
+                )?
+                .execute(params![id, state.as_str(), now_ms as i64])
+                .map(|_| ())
         })
     }
 
     /// One task, if it exists.
     pub fn get(&self, id: &str) -> Result<Option<TaskRecord>> {
         let row = self.with(|c| {
-            c.query_row(
-                &format!("SELECT {COLUMNS} FROM tasks WHERE id = ?1"),
-                [id],
-                raw_row,
-            )
-            .optional()
+            c.prepare_cached(&format!("SELECT {COLUMNS} FROM tasks WHERE id = ?1"))?
+                .query_row([id], raw_row)
+                .optional()
         })?;
         row.map(decode).transpose()
     }
@@ -285,7 +357,7 @@ impl Store {
     /// Tasks, oldest first, optionally only those in `state`.
     pub fn list(&self, state: Option<TaskState>) -> Result<Vec<TaskRecord>> {
         let rows = self.with(|c| {
-            let mut stmt = c.prepare(&format!(
+            let mut stmt = c.prepare_cached(&format!(
                 "SELECT {COLUMNS} FROM tasks WHERE ?1 IS NULL OR state = ?1 ORDER BY queue_order"
             ))?;
             let rows = stmt
@@ -299,7 +371,7 @@ impl Store {
     /// Events of a task with seq above `after`, in order.
     pub fn events_after(&self, id: &str, after: u64) -> Result<Vec<Event>> {
         let rows = self.with(|c| {
-            let mut stmt = c.prepare(
+            let mut stmt = c.prepare_cached(
                 "SELECT seq, at_ms, body FROM events WHERE task_id = ?1 AND seq > ?2 ORDER BY seq",
             )?;
             let rows = stmt
@@ -330,47 +402,37 @@ impl Store {
     /// At start-up: tasks that were running when the last daemon died become interrupted.
     /// Returns their ids.
     pub fn interrupt_running(&self) -> Result<Vec<String>> {
-        self.with(|c| {
-            let tx = c.unchecked_transaction()?;
-            let ids = {
-                let mut stmt = tx.prepare("SELECT id FROM tasks WHERE state = 'running'")?;
-                stmt.query_map([], |r| r.get::<_, String>(0))?
-                    .collect::<rusqlite::Result<Vec<_>>>()?
-            };
-            tx.execute(
-                "UPDATE tasks SET state = 'interrupted' WHERE state = 'running'",
-                [],
-            )?;
-            tx.commit()?;
-            Ok(ids)
+        self.with_db(|db| {
+            db.transaction(|db| {
+                let ids = db
+                    .conn
+                    .prepare("SELECT id FROM tasks WHERE state = 'running'")?
+                    .query_map([], |r| r.get::<_, String>(0))?
+                    .collect::<rusqlite::Result<Vec<_>>>()?;
+                db.conn.execute(
+                    "UPDATE tasks SET state = 'interrupted' WHERE state = 'running'",
+                    [],
+                )?;
+                let n = ids.len() as u64;
+                db.counts[TaskState::Running as usize] -= n;
+                db.counts[TaskState::Interrupted as usize] += n;
+                Ok(ids)
+            })
         })
     }
 
-    /// Counts of tasks by state, for metrics.
-    pub fn counts(&self) -> Result<Vec<(String, u64)>> {
-        self.with(|c| {
-            let mut stmt = c.prepare("SELECT state, COUNT(*) FROM tasks GROUP BY state")?;
-            let rows = stmt
-                .query_map([], |r| {
-                    Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64))
-                })?
-                .collect::<rusqlite::Result<Vec<_>>>()?;
-            Ok(rows)
-        })
+    /// How many tasks are in each state, for metrics (kept in memory, no query).
+    pub fn counts(&self) -> Result<Vec<(TaskState, u64)>> {
+        self.with_db(|db| Ok(TaskState::ALL.map(|s| (s, db.counts[s as usize])).to_vec()))
     }
 }
 
 /// Inserts one event (and updates its task row) inside the caller's transaction.
-fn append_one(
-    conn: &Connection,
-    last_seq: &mut std::collections::HashMap<String, i64>,
-    task_id: &str,
-    msg: &EventMsg,
-    now_ms: u64,
-) -> rusqlite::Result<Event> {
-    let seq = match last_seq.get(task_id) {
+fn append_one(db: &mut Db, task_id: &str, msg: &EventMsg, now_ms: u64) -> rusqlite::Result<Event> {
+    let seq = match db.last_seq.get(task_id) {
         Some(last) => last + 1,
-        None => conn
+        None => db
+            .conn
             .prepare_cached("SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE task_id = ?1")?
             .query_row([task_id], |r| r.get(0))?,
     };
@@ -379,6 +441,7 @@ fn append_one(
         at_ms: now_ms,
         msg: msg.clone(),
     };
+    let conn = &db.conn;
     conn.prepare_cached("INSERT INTO events (task_id, seq, at_ms, body) VALUES (?1, ?2, ?3, ?4)")?
         .execute(params![task_id, seq, now_ms as i64, to_json(msg)])?;
     match msg {
@@ -408,25 +471,27 @@ fn append_one(
             error,
             ..
         } => {
-            conn.prepare_cached(
-                "UPDATE tasks SET state = 'finished', stop_reason = ?2, error = ?3,
+            db.count_move(task_id, TaskState::Finished)?;
+            db.conn
+                .prepare_cached(
+                    "UPDATE tasks SET state = 'finished', stop_reason = ?2, error = ?3,
                         turns = ?4, finished_ms = ?5 WHERE id = ?1",
-            )?
-            .execute(params![
-                task_id,
-                stop_reason.as_str(),
-                error.as_ref().map(to_json),
-                turns,
-                now_ms as i64
-            ])?;
+                )?
+                .execute(params![
+                    task_id,
+                    stop_reason.as_str(),
+                    error.as_ref().map(to_json),
+                    turns,
+                    now_ms as i64
+                ])?;
         }
         _ => {}
     }
     if matches!(msg, EventMsg::TaskFinished { .. }) {
         // A finished task gets no more events until (and unless) it is resumed.
-        last_seq.remove(task_id);
+        db.last_seq.remove(task_id);
     } else {
-        last_seq.insert(task_id.to_owned(), seq);
+        db.last_seq.insert(task_id.to_owned(), seq);
     }
     Ok(event)
 }
@@ -592,7 +657,74 @@ mod tests {
             (t.state, t.stop_reason, t.turns, t.finished_ms),
             (TaskState::Finished, Some(StopReason::MaxTurns), 3, Some(7))
         );
-        assert_eq!(store.counts().unwrap(), [("finished".to_owned(), 1)]);
+        assert_eq!(
+            store.counts().unwrap(),
+            [
+                (TaskState::Queued, 0),
+                (TaskState::Running, 0),
+                (TaskState::Interrupted, 0),
+                (TaskState::Finished, 1)
+            ]
+        );
+    }
+
+    fn counts(store: &Store) -> Vec<u64> {
+        store
+            .counts()
+            .unwrap()
+            .into_iter()
+            .map(|(_, n)| n)
+            .collect()
+    }
+
+    #[test]
+    fn state_counts_follow_every_change_and_match_the_rows_after_reopening() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let done = |turns| EventMsg::TaskFinished {
+            stop_reason: StopReason::Terminated,
+            turns,
+            usage: Usage::default(),
+            elapsed_ms: 1,
+            error: None,
+            summary: None,
+        };
+        {
+            let store = Store::open(&path).unwrap();
+            for id in ["a", "b", "c", "d"] {
+                store.create(id, &spec(id), 1).unwrap();
+            }
+            assert_eq!(counts(&store), [4, 0, 0, 0]);
+            store.set_state("a", TaskState::Running, 2).unwrap();
+            store.set_state("b", TaskState::Running, 2).unwrap();
+            store.set_state("nope", TaskState::Running, 2).unwrap();
+            assert_eq!(counts(&store), [2, 2, 0, 0]);
+            store.append_batch(&[("a".into(), done(1), 3)]).unwrap();
+            assert_eq!(counts(&store), [2, 1, 0, 1]);
+            // A failed batch rolls back whole, counts included.
+            let bad = store.append_batch(&[
+                ("c".into(), done(1), 4),
+                ("missing".into(), EventMsg::TurnStarted { turn: 1 }, 4),
+            ]);
+            assert!(bad.is_err());
+            assert_eq!(counts(&store), [2, 1, 0, 1]);
+            assert_eq!(store.get("c").unwrap().unwrap().state, TaskState::Queued);
+        }
+        let store = Store::open(&path).unwrap();
+        assert_eq!(counts(&store), [2, 1, 0, 1]);
+        assert_eq!(store.interrupt_running().unwrap(), ["b"]);
+        assert_eq!(counts(&store), [2, 0, 1, 1]);
+        store.set_state("b", TaskState::Queued, 5).unwrap();
+        assert_eq!(counts(&store), [3, 0, 0, 1]);
+        // Queue order continues after the tasks already stored.
+        store.create("e", &spec("e"), 6).unwrap();
+        let order: Vec<String> = store
+            .list(Some(TaskState::Queued))
+            .unwrap()
+            .into_iter()
+            .map(|t| t.id)
+            .collect();
+        assert_eq!(order, ["b", "c", "d", "e"]);
     }
 
     #[test]
