@@ -298,6 +298,9 @@ impl Store {
                 .execute(params![id, db.next_order, spec_json, usage, now_ms as i64])?;
             db.next_order += 1;
             db.counts[TaskState::Queued as usize] += 1;
+            // A new task has no events: its first append needs no MAX(seq) query (which
+            // SQLite re-prepared on every run, the costliest statement in profiles).
+            db.last_seq.insert(id.to_owned(), 0);
             Ok(())
         })?;
         Ok(TaskRecord {
