@@ -464,6 +464,89 @@ async fn docker_session_open(n: usize) {
     }
 }
 
+/// Rounds of each kind in the daemon throughput comparison, alternated.
+const ROUNDS: u64 = 11;
+
+/// The whole machine's CPU time (all processes: the bench, the daemon, the sandboxes), from
+/// `/proc/stat`, in clock ticks.
+#[derive(Clone, Copy, Debug, Default)]
+struct CpuTime {
+    busy: u64,
+    total: u64,
+}
+
+impl CpuTime {
+    fn now() -> Self {
+        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let ticks: Vec<u64> = stat
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|v| v.parse().ok())
+            .collect();
+        let total: u64 = ticks.iter().take(8).sum();
+        // idle and iowait
+        let idle = ticks.get(3).copied().unwrap_or(0) + ticks.get(4).copied().unwrap_or(0);
+        Self {
+            busy: total - idle,
+            total,
+        }
+    }
+
+    fn busy_since(self) -> Self {
+        let now = Self::now();
+        Self {
+            busy: now.busy - self.busy,
+            total: now.total - self.total,
+        }
+    }
+
+    fn busy_ms(self) -> f64 {
+        // USER_HZ is 100 on Linux.
+        self.busy as f64 * 10.0
+    }
+}
+
+/// CPU time of the daemon's store writer thread.
+fn writer_ticks(pid: u32) -> u64 {
+    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+    {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        if comm.starts_with("tandem-store") {
+            return ticks_at(&t.path().join("stat"));
+        }
+    }
+    0
+}
+
+/// CPU time (user + system, clock ticks) of a whole process, all its threads.
+fn process_ticks(pid: u32) -> u64 {
+    ticks_at(std::path::Path::new(&format!("/proc/{pid}/stat")))
+}
+
+fn ticks_at(path: &std::path::Path) -> u64 {
+    let stat = std::fs::read_to_string(path).unwrap_or_default();
+    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<u64> = after
+        .split_whitespace()
+        .map(|v| v.parse().unwrap_or(0))
+        .collect();
+    fields[11] + fields[12]
+}
+
+fn median_idle(runs: &[(Duration, CpuTime)]) -> f64 {
+    let mut idle: Vec<f64> = runs
+        .iter()
+        .map(|(_, c)| 1.0 - c.busy as f64 / c.total.max(1) as f64)
+        .collect();
+    idle.sort_by(f64::total_cmp);
+    idle[idle.len() / 2]
+}
+
 async fn submit(d: &DaemonHarness, task: String) -> String {
     d.submit(serde_json::json!({ "task": task })).await
 }
@@ -495,8 +578,8 @@ async fn daemon(tasks: usize, concurrency: usize) {
     })
     .unwrap();
 
-    // In-process and over HTTP, the same tasks and concurrency, alternated five times (a
-    // round lasts a second or two, too short to trust alone); medians are compared.
+    // In-process and over HTTP, the same tasks and concurrency, alternated ROUNDS times (a
+    // round lasts a second or two, too short to trust alone).
     let executor: Arc<dyn Executor> = Arc::new(local_executor(true));
     // The same interpreter as the in-process figure.
     let config =
@@ -519,18 +602,43 @@ async fn daemon(tasks: usize, concurrency: usize) {
     let idle = d.rss_mib();
     let mut in_process_runs = Vec::new();
     let mut daemon_runs = Vec::new();
-    for round in 0..5u64 {
-        in_process_runs.push(tasks_at(&model, executor.clone(), tasks, concurrency).await);
+    let (mut daemon_ticks, mut writer_ticks_total) = (0u64, 0u64);
+    for round in 0..ROUNDS {
+        let cpu = CpuTime::now();
+        let took = tasks_at(&model, executor.clone(), tasks, concurrency).await;
+        in_process_runs.push((took, cpu.busy_since()));
+        let cpu = CpuTime::now();
+        let (daemon_before, writer_before) = (process_ticks(d.pid()), writer_ticks(d.pid()));
         let started = Instant::now();
         futures::future::join_all((0..tasks).map(|i| submit(&d, format!("bench task {i}")))).await;
         let want = (round + 1) * tasks as u64;
         while d.count("finished").await < want {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        daemon_runs.push(started.elapsed());
+        daemon_runs.push((started.elapsed(), cpu.busy_since()));
+        daemon_ticks += process_ticks(d.pid()) - daemon_before;
+        writer_ticks_total += writer_ticks(d.pid()) - writer_before;
     }
-    let in_process = stats(in_process_runs).1;
-    let over_http = stats(daemon_runs).1;
+    // Each round's pair ran back to back, so its ratio sees the same machine; the median
+    // of the ratios is steadier than a ratio of medians when the machine drifts.
+    let mut ratios: Vec<f64> = in_process_runs
+        .iter()
+        .zip(&daemon_runs)
+        .map(|((i, _), (d, _))| i.as_secs_f64() / d.as_secs_f64())
+        .collect();
+    ratios.sort_by(f64::total_cmp);
+    let cpu_per_task = |runs: &[(Duration, CpuTime)]| {
+        let mut per: Vec<f64> = runs
+            .iter()
+            .map(|(_, c)| c.busy_ms() / tasks as f64)
+            .collect();
+        per.sort_by(f64::total_cmp);
+        (per[per.len() / 2], median_idle(runs))
+    };
+    let (in_cpu, in_idle) = cpu_per_task(&in_process_runs);
+    let (d_cpu, d_idle) = cpu_per_task(&daemon_runs);
+    let in_process = stats(in_process_runs.iter().map(|r| r.0).collect()).1;
+    let over_http = stats(daemon_runs.iter().map(|r| r.0).collect()).1;
 
     // Submit-to-first-event: POST, then the first SSE event, one task at a time.
     let mut latencies = Vec::new();
@@ -571,18 +679,34 @@ async fn daemon(tasks: usize, concurrency: usize) {
     println!(
         "\n## Daemon: {tasks} two-turn tasks (python print(1)), concurrency {concurrency}, local executor"
     );
-    println!("| run | wall | tasks/s | vs in-process |");
-    println!("|---|---|---|---|");
+    println!("| run | wall | tasks/s | vs in-process | CPU per task | idle CPU |");
+    println!("|---|---|---|---|---|---|");
     println!(
-        "| in-process `run_task` (same run, median of 5) | {:.2} s | {:.1} | 100% |",
+        "| in-process `run_task` (same run, median of {ROUNDS}) | {:.2} s | {:.1} | 100% | {in_cpu:.2} ms | {:.0}% |",
         in_process.as_secs_f64(),
-        rate(in_process)
+        rate(in_process),
+        in_idle * 100.0
     );
     println!(
-        "| daemon: submitted over HTTP (Unix socket) until all finished (median of 5) | {:.2} s | {:.1} | {:.0}% |",
+        "| daemon: submitted over HTTP (Unix socket) until all finished (median of {ROUNDS}) | {:.2} s | {:.1} | {:.0}% | {d_cpu:.2} ms | {:.0}% |",
         over_http.as_secs_f64(),
         rate(over_http),
-        100.0 * rate(over_http) / rate(in_process)
+        100.0 * ratios[ratios.len() / 2],
+        d_idle * 100.0
+    );
+    let per_task = |ticks: u64| ticks as f64 * 10.0 / (ROUNDS as f64 * tasks as f64);
+    println!(
+        "\nThe daemon process's own CPU per task: {:.2} ms, of which the store writer thread {:.2} ms.",
+        per_task(daemon_ticks),
+        per_task(writer_ticks_total)
+    );
+    println!(
+        "Daemon vs in-process, round by round (sorted): {}",
+        ratios
+            .iter()
+            .map(|r| format!("{:.0}%", r * 100.0))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     println!("\n| latency, submit → first SSE event (200, one at a time) | p50 | p99 |");
     println!("|---|---|---|");

@@ -194,7 +194,7 @@ impl Supervisor {
                 "termination must not be empty".to_owned(),
             ));
         }
-        let id = uuid::Uuid::new_v4().simple().to_string();
+        let id = uuid::Uuid::now_v7().simple().to_string();
         let record = self.store.create(&id, &spec, now_ms())?;
         self.enqueue(id, spec, Vec::new());
         Ok(record)
