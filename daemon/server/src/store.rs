@@ -417,7 +417,8 @@ impl Store {
                     [],
                 )?;
                 let n = ids.len() as u64;
-                db.counts[TaskState::Running as usize] -= n;
+                let running = &mut db.counts[TaskState::Running as usize];
+                *running = running.saturating_sub(n);
                 db.counts[TaskState::Interrupted as usize] += n;
                 Ok(ids)
             })
