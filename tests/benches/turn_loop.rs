@@ -538,13 +538,10 @@ fn ticks_at(path: &std::path::Path) -> u64 {
     fields[11] + fields[12]
 }
 
-fn median_idle(runs: &[(Duration, CpuTime)]) -> f64 {
-    let mut idle: Vec<f64> = runs
-        .iter()
-        .map(|(_, c)| 1.0 - c.busy as f64 / c.total.max(1) as f64)
-        .collect();
-    idle.sort_by(f64::total_cmp);
-    idle[idle.len() / 2]
+/// The middle value (the upper one of an even count).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
 }
 
 async fn submit(d: &DaemonHarness, task: String) -> String {
@@ -628,12 +625,11 @@ async fn daemon(tasks: usize, concurrency: usize) {
         .collect();
     ratios.sort_by(f64::total_cmp);
     let cpu_per_task = |runs: &[(Duration, CpuTime)]| {
-        let mut per: Vec<f64> = runs
+        let busy = runs.iter().map(|(_, c)| c.busy_ms() / tasks as f64);
+        let idle = runs
             .iter()
-            .map(|(_, c)| c.busy_ms() / tasks as f64)
-            .collect();
-        per.sort_by(f64::total_cmp);
-        (per[per.len() / 2], median_idle(runs))
+            .map(|(_, c)| 1.0 - c.busy as f64 / c.total.max(1) as f64);
+        (median(busy.collect()), median(idle.collect()))
     };
     let (in_cpu, in_idle) = cpu_per_task(&in_process_runs);
     let (d_cpu, d_idle) = cpu_per_task(&daemon_runs);
@@ -691,7 +687,7 @@ async fn daemon(tasks: usize, concurrency: usize) {
         "| daemon: submitted over HTTP (Unix socket) until all finished (median of {ROUNDS}) | {:.2} s | {:.1} | {:.0}% | {d_cpu:.2} ms | {:.0}% |",
         over_http.as_secs_f64(),
         rate(over_http),
-        100.0 * ratios[ratios.len() / 2],
+        100.0 * median(ratios.clone()),
         d_idle * 100.0
     );
     let per_task = |ticks: u64| ticks as f64 * 10.0 / (ROUNDS as f64 * tasks as f64);

@@ -161,7 +161,7 @@ struct Db {
     conn: Connection,
     last_seq: std::collections::HashMap<String, i64>,
     next_order: i64,
-    counts: [u64; 4],
+    counts: [u64; TaskState::ALL.len()],
 }
 
 impl Db {
@@ -172,7 +172,7 @@ impl Db {
             .conn
             .prepare_cached("SELECT COALESCE(MAX(queue_order), 0) + 1 FROM tasks")?
             .query_row([], |r| r.get(0))?;
-        self.counts = [0; 4];
+        self.counts = [0; TaskState::ALL.len()];
         let mut stmt = self
             .conn
             .prepare_cached("SELECT state, COUNT(*) FROM tasks GROUP BY state")?;
@@ -264,7 +264,7 @@ impl Store {
             conn,
             last_seq: std::collections::HashMap::new(),
             next_order: 1,
-            counts: [0; 4],
+            counts: [0; TaskState::ALL.len()],
         };
         db.reload().map_err(sql)?;
         Ok(Self {
