@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result};
-use tandem_agent::{ChatModel, TaskSettings, run_task};
+use tandem_agent::{ChatModel, TaskSettings, allowed_languages, run_task};
 use tandem_executor::{CancellationToken, SessionSpec};
 use tandem_protocol::EventMsg;
 
@@ -39,6 +39,9 @@ pub struct RunArgs {
     /// Word that ends the task when the assistant says it [default: TERMINATE]
     #[arg(long)]
     termination: Option<String>,
+    /// Run only blocks in this language (repeat for more) [default: all the executor runs]
+    #[arg(long = "language", short = 'l', value_name = "LANGUAGE")]
+    languages: Vec<String>,
     /// Use this directory as the workspace and keep it
     #[arg(long)]
     workdir: Option<PathBuf>,
@@ -98,6 +101,9 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
         (None, Some(secs)) => Some(std::time::Duration::from_secs(secs)),
         (None, None) => None,
     };
+    if !args.languages.is_empty() {
+        settings.languages = Some(allowed_languages(&args.languages, executor.as_ref())?);
+    }
     settings.session = SessionSpec {
         workdir: args.workdir.clone(),
         limits: config::limits(&file, args.block_timeout)?,
@@ -161,6 +167,8 @@ async fn through_daemon(
             .transpose()?,
         system_prompt,
         termination: args.termination.clone(),
+        languages: (!args.languages.is_empty()).then(|| args.languages.clone()),
+        limits: tandem_protocol::TaskLimits::default(),
     };
     let id = client.submit(&spec).await?;
     crate::client::follow(client, &id, Mode::json(args.json)).await

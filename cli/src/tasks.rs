@@ -27,6 +27,9 @@ pub struct SubmitArgs {
     /// Wall-clock limit for the whole task, in seconds
     #[arg(long)]
     timeout: Option<u64>,
+    /// Run only blocks in this language (repeat for more) [default: all the executor runs]
+    #[arg(long = "language", short = 'l', value_name = "LANGUAGE")]
+    languages: Vec<String>,
     /// Wait for the task and show it as it runs; exit as `tandem run` does
     #[arg(long)]
     wait: bool,
@@ -46,6 +49,7 @@ pub async fn submit(args: SubmitArgs) -> Result<u8> {
         base_url: args.base_url,
         max_turns: args.max_turns,
         timeout_secs: args.timeout,
+        languages: (!args.languages.is_empty()).then_some(args.languages),
         ..TaskSpec::default()
     };
     let id = client.submit(&spec).await?;

@@ -186,6 +186,41 @@ async fn bad_requests_get_clear_4xx_and_the_daemon_keeps_serving() {
             "executor `dockr` is not registered; available: ",
         ),
         (
+            json!({"task": "x", "languages": ["cobol"]}).to_string(),
+            400,
+            "language `cobol` is not supported by the local executor; supported: ",
+        ),
+        (
+            json!({"task": "x", "languages": []}).to_string(),
+            400,
+            "languages is empty",
+        ),
+        (
+            json!({"task": "x", "languages": ["json"]}).to_string(),
+            400,
+            "language `json` is a data format that is shown, never run",
+        ),
+        (
+            json!({"task": "x", "limits": {"memory_bytes": 1u64 << 40}}).to_string(),
+            400,
+            "limits.memory_bytes 1099511627776 is above this daemon's limit of 4294967296",
+        ),
+        (
+            json!({"task": "x", "limits": {"cpu_secs": 0}}).to_string(),
+            400,
+            "limits.cpu_secs must be at least 1",
+        ),
+        (
+            json!({"task": "x", "limits": {"network": true}}).to_string(),
+            400,
+            "limits.network: this daemon keeps code off the network",
+        ),
+        (
+            json!({"task": "x", "limits": {"disk": 1}}).to_string(),
+            400,
+            "unknown field `disk`",
+        ),
+        (
             json!({"task": "x".repeat(2 << 20)}).to_string(),
             413,
             "the request body is over the 1048576 byte limit",
@@ -242,6 +277,70 @@ async fn bad_requests_get_clear_4xx_and_the_daemon_keeps_serving() {
     assert!(
         metrics.contains("tandem_executions_total{executor=\"local\",status=\"exited\"} 1"),
         "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_task_runs_only_its_languages_within_its_own_tighter_limits() {
+    let server = ScriptedOpenAi::start(
+        [(
+            "langs".to_owned(),
+            vec![
+                Reply::from("```sh\necho from-sh\n```"),
+                Reply::from(fence("print('x' * 5000)").as_str()),
+                Reply::from("Done.\nTERMINATE"),
+            ],
+        )]
+        .into_iter()
+        .collect(),
+    )
+    .await
+    .unwrap();
+    let d = start(&server, &[]).await;
+    let id = d
+        .submit(json!({"task": "langs", "languages": ["py"], "limits": {"output_bytes": 1000}}))
+        .await;
+    let task = d.wait_finished(&id, Duration::from_secs(30)).await;
+    assert_eq!(task["stop_reason"], "terminated", "{task}");
+    assert_eq!(task["spec"]["languages"], json!(["py"]), "{task}");
+    let results: Vec<Value> = d
+        .events(&id, 0)
+        .await
+        .into_iter()
+        .filter(|e| e["type"] == "exec_result")
+        .map(|e| e["result"].clone())
+        .collect();
+    assert_eq!(results.len(), 2, "{results:?}");
+    assert_eq!(results[0]["status"], "unsupported");
+    assert_eq!(
+        results[0]["stderr"],
+        "language `sh` is not allowed in this task; allowed: python"
+    );
+    assert_eq!(results[1]["status"], "exited");
+    assert_eq!(results[1]["truncated"], true, "{}", results[1]);
+    let kept = results[1]["stdout"].as_str().unwrap().matches('x').count();
+    assert!((500..=1000).contains(&kept), "{kept} of 5000 bytes kept");
+    let asked = server.requests_for("langs");
+    let system = asked[0].body["messages"][0]["content"].as_str().unwrap();
+    assert!(
+        system.ends_with(
+            "Only code in these languages is run: python. Blocks in other languages are not run."
+        ),
+        "{system}"
+    );
+    assert!(
+        asked[1]
+            .last_message()
+            .unwrap()
+            .contains("not allowed in this task"),
+        "{:?}",
+        asked[1].last_message()
+    );
+    let (code, _, stderr) = cli(&d, &["submit", "--language", "cobol", "x"]).await;
+    assert_ne!(code, 0);
+    assert!(
+        stderr.contains("language `cobol` is not supported by the local executor"),
+        "{stderr}"
     );
 }
 

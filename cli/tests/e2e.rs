@@ -593,6 +593,20 @@ async fn empty_task_and_unknown_executor_are_usage_errors() {
         out.stderr.trim(),
         "tandem: executor `dockr` is not registered; available: auto, docker, local, wasm"
     );
+    let out = tandem(
+        &["run", "--local", "-e", "local", "--language", "cobol", "x"],
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(out.code, 2);
+    assert!(
+        out.stderr.starts_with(
+            "tandem: language `cobol` is not supported by the local executor; supported: python, sh"
+        ),
+        "{}",
+        out.stderr
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

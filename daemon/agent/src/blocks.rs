@@ -19,6 +19,7 @@ pub type EventSink = Arc<dyn Fn(EventMsg) + Send + Sync>;
 pub struct SessionSlot {
     executor: Arc<dyn Executor>,
     spec: SessionSpec,
+    allowed: Option<Vec<Language>>,
     session: Option<Box<dyn Session>>,
 }
 
@@ -28,13 +29,37 @@ impl SessionSlot {
         Self {
             executor,
             spec,
+            allowed: None,
             session: None,
         }
+    }
+
+    /// Runs only blocks in `languages` (`None`: every language the executor runs).
+    pub fn only(mut self, languages: Option<Vec<Language>>) -> Self {
+        self.allowed = languages;
+        self
     }
 
     /// The executor behind this slot.
     pub fn executor(&self) -> &Arc<dyn Executor> {
         &self.executor
+    }
+
+    /// Why a block in `language` will not run here, if it will not.
+    fn refusal(&self, language: &Language) -> Option<String> {
+        if let Some(allowed) = &self.allowed
+            && !allowed.contains(language)
+        {
+            return Some(format!(
+                "language `{language}` is not allowed in this task; allowed: {}",
+                tandem_executor::join_languages(allowed)
+            ));
+        }
+        if self.executor.supports(language) {
+            return None;
+        }
+        let e = ExecError::unsupported(language, self.executor.name(), self.executor.languages());
+        Some(e.to_string())
     }
 
     async fn session(&mut self) -> Result<&mut Box<dyn Session>, ExecError> {
@@ -53,6 +78,59 @@ impl SessionSlot {
             None => Ok(()),
         }
     }
+}
+
+/// Why a task's list of languages cannot be used with its executor.
+#[derive(Debug, thiserror::Error)]
+pub enum LanguageListError {
+    /// The list names no language.
+    #[error("languages is empty; leave it out to allow every language the executor runs")]
+    Empty,
+    /// A name in the list is a data format (`json`, `text`), which is shown, never run.
+    #[error(
+        "language `{language}` is a data format that is shown, never run; the {executor} executor runs: {runs}"
+    )]
+    Data {
+        /// The name given.
+        language: Language,
+        /// Executor name.
+        executor: String,
+        /// Comma-separated languages it runs.
+        runs: String,
+    },
+    /// The executor does not run a language in the list.
+    #[error(transparent)]
+    Unsupported(#[from] ExecError),
+}
+
+/// A task's language allowlist, normalised (`py` → python) and checked against `executor`.
+pub fn allowed_languages(
+    asked: &[String],
+    executor: &dyn Executor,
+) -> Result<Vec<Language>, LanguageListError> {
+    let mut allowed = Vec::with_capacity(asked.len());
+    for raw in asked {
+        let language = Language::new(raw);
+        if language.is_data() {
+            return Err(LanguageListError::Data {
+                language,
+                executor: executor.name().to_owned(),
+                runs: tandem_executor::join_languages(executor.languages()),
+            });
+        }
+        if !executor.supports(&language) {
+            return Err(
+                ExecError::unsupported(&language, executor.name(), executor.languages()).into(),
+            );
+        }
+        if !allowed.contains(&language) {
+            allowed.push(language);
+        }
+    }
+    if allowed.is_empty() {
+        return Err(LanguageListError::Empty);
+    }
+    Ok(allowed)
 }
 
 /// Words that start a shell command line rather than a Python statement.
@@ -139,10 +217,8 @@ pub async fn run_blocks(
             not_run(&language, BlockStatus::Incomplete, "")
         } else if language.is_data() {
             not_run(&language, BlockStatus::Skipped, "")
-        } else if !slot.executor.supports(&language) {
-            let e =
-                ExecError::unsupported(&language, slot.executor.name(), slot.executor.languages());
-            not_run(&language, BlockStatus::Unsupported, &e.to_string())
+        } else if let Some(why) = slot.refusal(&language) {
+            not_run(&language, BlockStatus::Unsupported, &why)
         } else {
             match run_one(slot, &language, block, index, opts).await {
                 Ok(outcome) => to_result(&language, outcome),
@@ -291,7 +367,7 @@ pub fn report(
                 notes.push(format!("Out of memory: block {i} was killed for using too much memory."));
             }
             BlockStatus::Unsupported => notes.push(format!(
-                "Block {i} is in a language this sandbox cannot run; rewrite it in a supported language."
+                "Block {i} is in a language this task cannot run; rewrite it in an allowed language."
             )),
             BlockStatus::Incomplete => notes.push(format!(
                 "Your reply was cut off inside code block {i}, so it was not run. Send the complete code again, in one block."

@@ -12,7 +12,7 @@ pub mod extract;
 pub mod task;
 pub mod termination;
 
-pub use blocks::{EventSink, SessionSlot};
+pub use blocks::{EventSink, LanguageListError, SessionSlot, allowed_languages};
 pub use chat::{ChatModel, ModelConfig, ModelError};
 pub use extract::{CodeBlock, extract_code_blocks};
 pub use task::{TaskOutcome, TaskSettings, run_task};

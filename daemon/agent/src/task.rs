@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use tandem_executor::{CancellationToken, Executor, SessionSpec};
+use tandem_executor::{CancellationToken, Executor, Language, SessionSpec};
 use tandem_protocol::{ErrorCode, ErrorInfo, EventMsg, Message, Role, StopReason, Usage};
 
 use crate::blocks::{self, EventSink, RunOptions, SessionSlot};
@@ -27,6 +27,8 @@ pub struct TaskSettings {
     pub timeout: Option<Duration>,
     /// The session's workspace and limits.
     pub session: SessionSpec,
+    /// The only languages blocks may run in; `None` allows all the executor runs.
+    pub languages: Option<Vec<Language>>,
     /// Turns already taken, when continuing an interrupted task: the assistant's replies and
     /// the executor's reports that followed the task, in order.
     pub history: Vec<Message>,
@@ -42,6 +44,7 @@ impl TaskSettings {
             max_turns: 10,
             timeout: None,
             session: SessionSpec::default(),
+            languages: None,
             history: Vec::new(),
         }
     }
@@ -95,9 +98,10 @@ pub async fn run_task(
     });
     let block_timeout = settings.session.limits.wall;
     let output_cap = settings.session.limits.output_bytes;
-    let mut slot = SessionSlot::new(executor, settings.session.clone());
+    let mut slot =
+        SessionSlot::new(executor, settings.session.clone()).only(settings.languages.clone());
     let mut transcript = vec![
-        Message::new(Role::System, settings.system_prompt.clone()),
+        Message::new(Role::System, system_prompt(&settings)),
         Message::new(Role::User, settings.task.clone()),
     ];
     transcript.extend(settings.history.iter().cloned());
@@ -264,4 +268,16 @@ async fn turn_loop(
         state.transcript.push(Message::new(Role::User, report));
     }
     Ok(StopReason::MaxTurns)
+}
+
+/// The system prompt, told which languages run when the task allows only some.
+fn system_prompt(settings: &TaskSettings) -> String {
+    match &settings.languages {
+        None => settings.system_prompt.clone(),
+        Some(languages) => format!(
+            "{}\n- Only code in these languages is run: {}. Blocks in other languages are not run.",
+            settings.system_prompt.trim_end(),
+            tandem_executor::join_languages(languages)
+        ),
+    }
 }

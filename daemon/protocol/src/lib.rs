@@ -37,6 +37,44 @@ pub struct TaskSpec {
     /// Replaces the default termination string (`TERMINATE`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub termination: Option<String>,
+    /// The only languages the task may run (`python`, `sh`, ...); `None` allows every
+    /// language the executor runs. Blocks in other languages are reported back, not run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub languages: Option<Vec<String>>,
+    /// Tighter per-block limits than the daemon's; a task cannot loosen them.
+    #[serde(default, skip_serializing_if = "TaskLimits::is_empty")]
+    pub limits: TaskLimits,
+}
+
+/// Per-block limits a task asks for; each one left out keeps the daemon's.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskLimits {
+    /// Memory per block, bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_bytes: Option<u64>,
+    /// CPU seconds per block.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_secs: Option<u64>,
+    /// Largest file a block may write, bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file_size_bytes: Option<u64>,
+    /// Most processes per block (containers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pids: Option<u64>,
+    /// Bytes of each output stream kept for the model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_bytes: Option<u64>,
+    /// Whether code may reach the network; `true` only where the daemon allows it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<bool>,
+}
+
+impl TaskLimits {
+    /// Whether every limit is left to the daemon.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 /// One step of a task, as stored and streamed to clients.

@@ -127,7 +127,7 @@ impl fmt::Display for Language {
 }
 
 /// Joins language names for messages: `python, sh`.
-pub(crate) fn join(langs: &[Language]) -> String {
+pub fn join(langs: &[Language]) -> String {
     langs
         .iter()
         .map(Language::as_str)

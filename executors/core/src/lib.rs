@@ -37,7 +37,7 @@ use std::time::Duration;
 
 pub use capture::{CaptureBuffer, Captured};
 pub use error::ExecError;
-pub use language::Language;
+pub use language::{Language, join as join_languages};
 pub use limits::Limits;
 pub use registry::Registry;
 pub use tokio_util::sync::CancellationToken;
