@@ -486,6 +486,14 @@ enum Write {
     Flush(std::sync::mpsc::Sender<()>),
 }
 
+/// How long the writer gathers events after the first before it commits: concurrent tasks
+/// share a commit, and a live client waits at most this long (next to a model call, nothing).
+const GATHER: Duration = Duration::from_millis(2);
+/// Most events in one commit.
+const MAX_BATCH: usize = 1024;
+/// Largest text that streamed pieces are merged into.
+const MAX_MERGED: usize = 64 << 10;
+
 /// The writer thread: commits whatever events are waiting in one transaction (a burst from
 /// many tasks costs one commit), then sends them to live subscribers.
 fn write_events(
@@ -493,6 +501,7 @@ fn write_events(
     writes: &std::sync::mpsc::Receiver<Write>,
     live: &broadcast::Sender<Arc<(String, Event)>>,
 ) {
+    use std::sync::mpsc::RecvTimeoutError;
     let commit = |events: &mut Vec<(String, EventMsg, u64)>| {
         if events.is_empty() {
             return;
@@ -507,13 +516,14 @@ fn write_events(
         }
         events.clear();
     };
+    let mut events = Vec::new();
+    let mut acks = Vec::new();
     while let Ok(first) = writes.recv() {
-        let mut events = Vec::new();
-        let mut acks = Vec::new();
-        let mut next = Some(first);
-        while let Some(write) = next.take() {
+        let deadline = Instant::now() + GATHER;
+        let mut next = Ok(first);
+        while let Ok(write) = next {
             match write {
-                Write::Event(id, msg, at) => events.push((id, msg, at)),
+                Write::Event(id, msg, at) => gather(&mut events, id, msg, at),
                 Write::State(id, state, at) => {
                     commit(&mut events);
                     if let Err(e) = store.set_state(&id, state, at) {
@@ -522,17 +532,68 @@ fn write_events(
                 }
                 Write::Flush(ack) => acks.push(ack),
             }
-            // Gather what arrives within a moment (2 ms is nothing next to a model call), so
-            // concurrent tasks share commits instead of waking the writer for each event.
-            if events.len() < 1024 {
-                next = writes.recv_timeout(Duration::from_millis(2)).ok();
+            if events.len() >= MAX_BATCH {
+                break;
+            }
+            next = writes.recv_timeout(deadline.saturating_duration_since(Instant::now()));
+            if matches!(next, Err(RecvTimeoutError::Disconnected)) {
+                break;
             }
         }
         commit(&mut events);
-        for ack in acks {
+        for ack in acks.drain(..) {
             let _ = ack.send(());
         }
     }
+}
+
+/// Adds an event to the batch. A piece of streamed text (a model token, a chunk of output)
+/// right after another piece of the same stream of the same task is appended to it: no other
+/// event of that task sits between them, so its order is kept, and a model that streams a
+/// token per chunk costs a row per commit rather than a row per token.
+fn gather(batch: &mut Vec<(String, EventMsg, u64)>, id: String, msg: EventMsg, at: u64) {
+    let previous = batch.iter_mut().rev().find(|(task, ..)| *task == id);
+    let msg = match previous {
+        Some((_, into, _)) => match merge(into, msg) {
+            Some(msg) => msg,
+            None => return,
+        },
+        None => msg,
+    };
+    batch.push((id, msg, at));
+}
+
+/// Appends `next`'s text to `into` when both are pieces of one stream; gives it back if not.
+fn merge(into: &mut EventMsg, next: EventMsg) -> Option<EventMsg> {
+    let (text, more) = match (into, &next) {
+        (
+            EventMsg::AssistantDelta { turn, text },
+            EventMsg::AssistantDelta {
+                turn: next_turn,
+                text: more,
+            },
+        ) if turn == next_turn => (text, more),
+        (
+            EventMsg::ExecOutput {
+                turn,
+                index,
+                stream,
+                text,
+            },
+            EventMsg::ExecOutput {
+                turn: next_turn,
+                index: next_index,
+                stream: next_stream,
+                text: more,
+            },
+        ) if (*turn, *index, *stream) == (*next_turn, *next_index, *next_stream) => (text, more),
+        _ => return Some(next),
+    };
+    if text.len() + more.len() > MAX_MERGED {
+        return Some(next);
+    }
+    text.push_str(more);
+    None
 }
 
 fn executor_name(supervisor: &Supervisor, spec: &TaskSpec) -> String {
@@ -614,4 +675,89 @@ fn task_limits(daemon: &Limits, asked: &TaskLimits) -> Result<Limits, String> {
         None => {}
     }
     Ok(limits)
+}
+
+#[cfg(test)]
+mod tests {
+    use tandem_protocol::OutputStream;
+
+    use super::*;
+
+    fn delta(turn: u32, text: &str) -> EventMsg {
+        EventMsg::AssistantDelta {
+            turn,
+            text: text.to_owned(),
+        }
+    }
+
+    fn output(index: u32, stream: OutputStream, text: &str) -> EventMsg {
+        EventMsg::ExecOutput {
+            turn: 1,
+            index,
+            stream,
+            text: text.to_owned(),
+        }
+    }
+
+    fn batch_of(items: Vec<(&str, EventMsg)>) -> Vec<(String, EventMsg)> {
+        let mut batch = Vec::new();
+        for (at, (id, msg)) in items.into_iter().enumerate() {
+            gather(&mut batch, id.to_owned(), msg, at as u64);
+        }
+        batch.into_iter().map(|(id, msg, _)| (id, msg)).collect()
+    }
+
+    #[test]
+    fn streamed_pieces_of_one_stream_merge_across_other_tasks_events() {
+        let got = batch_of(vec![
+            ("a", delta(1, "Hel")),
+            ("b", delta(1, "x")),
+            ("a", delta(1, "lo")),
+            ("b", EventMsg::TurnStarted { turn: 2 }),
+            ("a", delta(2, "next turn")),
+            ("b", delta(2, "y")),
+            ("a", output(1, OutputStream::Stdout, "1\n")),
+            ("a", output(1, OutputStream::Stdout, "2\n")),
+            ("a", output(1, OutputStream::Stderr, "oops")),
+            ("a", output(1, OutputStream::Stdout, "3\n")),
+            ("a", output(2, OutputStream::Stdout, "other block")),
+        ]);
+        assert_eq!(
+            got,
+            vec![
+                ("a".to_owned(), delta(1, "Hello")),
+                ("b".to_owned(), delta(1, "x")),
+                ("b".to_owned(), EventMsg::TurnStarted { turn: 2 }),
+                ("a".to_owned(), delta(2, "next turn")),
+                ("b".to_owned(), delta(2, "y")),
+                ("a".to_owned(), output(1, OutputStream::Stdout, "1\n2\n")),
+                ("a".to_owned(), output(1, OutputStream::Stderr, "oops")),
+                ("a".to_owned(), output(1, OutputStream::Stdout, "3\n")),
+                (
+                    "a".to_owned(),
+                    output(2, OutputStream::Stdout, "other block")
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn another_event_of_the_task_or_the_size_cap_stops_a_merge() {
+        let big = "x".repeat(MAX_MERGED);
+        let got = batch_of(vec![
+            ("a", delta(1, "one")),
+            ("a", EventMsg::TurnStarted { turn: 1 }),
+            ("a", delta(1, "two")),
+            ("a", delta(1, &big)),
+        ]);
+        assert_eq!(
+            got,
+            vec![
+                ("a".to_owned(), delta(1, "one")),
+                ("a".to_owned(), EventMsg::TurnStarted { turn: 1 }),
+                ("a".to_owned(), delta(1, "two")),
+                ("a".to_owned(), delta(1, &big)),
+            ]
+        );
+    }
 }
