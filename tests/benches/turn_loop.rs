@@ -16,6 +16,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
+
 use tandem_agent::{ChatModel, ModelConfig, TaskSettings, run_task};
 use tandem_executor::{
     CancellationToken, ExecContext, ExecRequest, Executor, Language, SessionSpec,
@@ -466,6 +468,8 @@ async fn docker_session_open(n: usize) {
 
 /// Rounds of each kind in the daemon throughput comparison, alternated.
 const ROUNDS: u64 = 11;
+/// Requests in flight at once while the daemon bench submits.
+const SUBMITTERS: usize = 16;
 
 /// The whole machine's CPU time (all processes: the bench, the daemon, the sandboxes), from
 /// `/proc/stat`, in clock ticks.
@@ -600,20 +604,32 @@ async fn daemon(tasks: usize, concurrency: usize) {
     let mut in_process_runs = Vec::new();
     let mut daemon_runs = Vec::new();
     let (mut daemon_ticks, mut writer_ticks_total) = (0u64, 0u64);
+    // This process: the scripted model server in both modes, plus the turn loops in-process
+    // or the HTTP client with the daemon.
+    let me = std::process::id();
+    let (mut bench_in_process, mut bench_daemon) = (0u64, 0u64);
     for round in 0..ROUNDS {
         let cpu = CpuTime::now();
+        let bench_before = process_ticks(me);
         let took = tasks_at(&model, executor.clone(), tasks, concurrency).await;
         in_process_runs.push((took, cpu.busy_since()));
+        bench_in_process += process_ticks(me) - bench_before;
         let cpu = CpuTime::now();
+        let bench_before = process_ticks(me);
         let (daemon_before, writer_before) = (process_ticks(d.pid()), writer_ticks(d.pid()));
         let started = Instant::now();
-        futures::future::join_all((0..tasks).map(|i| submit(&d, format!("bench task {i}")))).await;
+        // A client pool's worth of connections, kept alive, as a busy client would hold.
+        futures::stream::iter((0..tasks).map(|i| submit(&d, format!("bench task {i}"))))
+            .buffer_unordered(SUBMITTERS)
+            .collect::<Vec<_>>()
+            .await;
         let want = (round + 1) * tasks as u64;
         while d.count("finished").await < want {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         daemon_runs.push((started.elapsed(), cpu.busy_since()));
         daemon_ticks += process_ticks(d.pid()) - daemon_before;
+        bench_daemon += process_ticks(me) - bench_before;
         writer_ticks_total += writer_ticks(d.pid()) - writer_before;
     }
     // Each round's pair ran back to back, so its ratio sees the same machine; the median
@@ -665,9 +681,11 @@ async fn daemon(tasks: usize, concurrency: usize) {
     submit(&d, "hold the slot".to_owned()).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let before = d.rss_mib();
+    let submit_ticks = process_ticks(d.pid());
     for i in 0..1000 {
         submit(&d, format!("bench task {}", i % tasks)).await;
     }
+    let submit_ms = (process_ticks(d.pid()) - submit_ticks) as f64 * 10.0 / 1000.0;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let queued = d.rss_mib();
 
@@ -695,6 +713,14 @@ async fn daemon(tasks: usize, concurrency: usize) {
         "\nThe daemon process's own CPU per task: {:.2} ms, of which the store writer thread {:.2} ms.",
         per_task(daemon_ticks),
         per_task(writer_ticks_total)
+    );
+    println!(
+        "The bench process's own CPU per task (the scripted model server, plus the turn loops in-process, or the HTTP client with the daemon): {:.2} ms in-process, {:.2} ms with the daemon.",
+        per_task(bench_in_process),
+        per_task(bench_daemon)
+    );
+    println!(
+        "The daemon's CPU to take one submitted task (1000 queued one after another): {submit_ms:.2} ms."
     );
     println!(
         "Daemon vs in-process, round by round (sorted): {}",

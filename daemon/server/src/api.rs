@@ -72,12 +72,13 @@ impl From<crate::StoreError> for ApiError {
     }
 }
 
-/// Runs store work on the blocking pool: the store's lock may wait for the writer's commit,
-/// and the async workers (two on a small machine) must keep serving meanwhile.
+/// Runs store work off the async workers: the store's lock may wait for the writer's
+/// commit, and the async workers (two on a small machine) must keep serving meanwhile.
 async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+    sup: &Arc<Supervisor>,
+    f: impl FnOnce(&Arc<Supervisor>) -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| {
+    sup.off_thread(f).await.map_err(|e| {
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal",
@@ -169,8 +170,7 @@ async fn create_task(
             ),
         )
     })?;
-    let sup = state.supervisor.clone();
-    let record = blocking(move || Ok(sup.submit(spec)?)).await?;
+    let record = blocking(&state.supervisor, move |sup| Ok(sup.submit(spec)?)).await?;
     Ok((StatusCode::CREATED, Json(json!(record))))
 }
 
@@ -231,8 +231,10 @@ async fn list_tasks(
             )
         })?),
     };
-    let sup = state.supervisor.clone();
-    let tasks = blocking(move || Ok(sup.store().list(filter)?)).await?;
+    let tasks = blocking(&state.supervisor, move |sup| {
+        Ok(sup.store().list(filter)?)
+    })
+    .await?;
     Ok(Json(json!({ "tasks": tasks })))
 }
 
@@ -240,8 +242,7 @@ async fn get_task(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let sup = state.supervisor.clone();
-    blocking(move || {
+    blocking(&state.supervisor, move |sup| {
         let record = sup
             .store()
             .get(&id)?
@@ -258,8 +259,7 @@ async fn cancel_task(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let sup = state.supervisor.clone();
-    let record = blocking(move || Ok(sup.cancel(&id)?)).await?;
+    let record = blocking(&state.supervisor, move |sup| Ok(sup.cancel(&id)?)).await?;
     Ok(Json(json!(record)))
 }
 
@@ -267,8 +267,7 @@ async fn resume_task(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let sup = state.supervisor.clone();
-    let record = blocking(move || Ok(sup.resume(&id)?)).await?;
+    let record = blocking(&state.supervisor, move |sup| Ok(sup.resume(&id)?)).await?;
     Ok(Json(json!(record)))
 }
 
@@ -304,8 +303,10 @@ async fn healthz(State(state): State<AppState>) -> Json<serde_json::Value> {
 }
 
 async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
-    let sup = state.supervisor.clone();
-    let text = blocking(move || Ok(sup.metrics.render(&sup.store().counts()?))).await?;
+    let text = blocking(&state.supervisor, |sup| {
+        Ok(sup.metrics.render(&sup.store().counts()?))
+    })
+    .await?;
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
 }
 
@@ -333,8 +334,8 @@ async fn task_events(
         })?,
     };
     let sup = state.supervisor.clone();
-    let (check, wanted) = (sup.clone(), id.clone());
-    if blocking(move || Ok(check.store().get(&wanted)?))
+    let wanted = id.clone();
+    if blocking(&sup, move |sup| Ok(sup.store().get(&wanted)?))
         .await?
         .is_none()
     {
@@ -435,8 +436,9 @@ async fn forward(
 
 /// The stored events after `last` (advancing it), read off the async workers.
 async fn catch_up(sup: &Arc<Supervisor>, id: &str, last: &mut u64) -> Option<Vec<Event>> {
-    let (sup, id, after) = (sup.clone(), id.to_owned(), *last);
-    let events = tokio::task::spawn_blocking(move || sup.store().events_after(&id, after))
+    let (id, after) = (id.to_owned(), *last);
+    let events = sup
+        .off_thread(move |sup| sup.store().events_after(&id, after))
         .await
         .ok()?
         .ok()?;
@@ -447,8 +449,8 @@ async fn catch_up(sup: &Arc<Supervisor>, id: &str, last: &mut u64) -> Option<Vec
 }
 
 async fn is_finished(sup: &Arc<Supervisor>, id: &str) -> bool {
-    let (sup, id) = (sup.clone(), id.to_owned());
-    tokio::task::spawn_blocking(move || sup.store().get(&id))
+    let id = id.to_owned();
+    sup.off_thread(move |sup| sup.store().get(&id))
         .await
         .ok()
         .and_then(Result::ok)

@@ -15,7 +15,7 @@ use tokio::sync::{Semaphore, broadcast};
 use tokio_util::task::TaskTracker;
 
 use crate::metrics::Metrics;
-use crate::store::{Store, StoreError, TaskRecord, TaskState};
+use crate::store::{Change, Store, StoreError, TaskRecord, TaskState};
 
 /// Defaults for what a [`TaskSpec`] leaves out.
 #[derive(Clone, Debug)]
@@ -84,6 +84,7 @@ pub struct Supervisor {
     store: Arc<Store>,
     config: SupervisorConfig,
     slots: Arc<Semaphore>,
+    store_calls: Arc<Semaphore>,
     root: CancellationToken,
     tracker: TaskTracker,
     active: Mutex<HashMap<String, CancellationToken>>,
@@ -116,6 +117,7 @@ impl Supervisor {
             store,
             writer,
             slots: Arc::new(Semaphore::new(config.max_concurrent.max(1))),
+            store_calls: Arc::new(Semaphore::new(STORE_CALLS)),
             config,
             root: CancellationToken::new(),
             tracker: TaskTracker::new(),
@@ -125,6 +127,22 @@ impl Supervisor {
             models: Mutex::new(HashMap::new()),
             metrics: Metrics::default(),
         })
+    }
+
+    /// Runs `f` (store work) on the blocking pool, at most [`STORE_CALLS`] at once: every
+    /// store call waits on one connection, so more threads would only queue on its lock (a
+    /// burst of 400 submits grew the pool to 400 threads, each one created and scheduled).
+    pub async fn off_thread<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&Arc<Supervisor>) -> T + Send + 'static,
+    ) -> Result<T, tokio::task::JoinError> {
+        let permit = self.store_calls.clone().acquire_owned().await;
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            f(&this)
+        })
+        .await
     }
 
     /// The store, for reads.
@@ -296,8 +314,7 @@ impl Supervisor {
                 tracing::warn!("some tasks did not stop within 30 s of being cancelled");
             }
         }
-        let this = self.clone();
-        let _ = tokio::task::spawn_blocking(move || this.flush()).await;
+        let _ = self.off_thread(|sup| sup.flush()).await;
     }
 
     fn enqueue(self: &Arc<Self>, id: String, spec: TaskSpec, history: Vec<Message>) {
@@ -486,6 +503,9 @@ enum Write {
     Flush(std::sync::mpsc::Sender<()>),
 }
 
+/// Store calls from the API running at once on the blocking pool.
+const STORE_CALLS: usize = 2;
+
 /// How long the writer gathers events after the first before it commits: concurrent tasks
 /// share a commit, and a live client waits at most this long (next to a model call, nothing).
 const GATHER: Duration = Duration::from_millis(2);
@@ -501,46 +521,52 @@ fn write_events(
     writes: &std::sync::mpsc::Receiver<Write>,
     live: &broadcast::Sender<Arc<(String, Event)>>,
 ) {
-    use std::sync::mpsc::RecvTimeoutError;
-    let commit = |events: &mut Vec<(String, EventMsg, u64)>| {
-        if events.is_empty() {
+    let commit = |changes: &mut Vec<Change>| {
+        if changes.is_empty() {
             return;
         }
-        match store.append_batch(events) {
-            Ok(stored) => {
-                for item in stored {
-                    let _ = live.send(Arc::new(item));
-                }
+        let stored = match store.apply(changes) {
+            Ok(stored) => stored,
+            // One bad change must not cost the others: apply them one by one.
+            Err(e) => {
+                tracing::warn!(error = %e, changes = changes.len(), "a batch failed; storing its changes one by one");
+                changes
+                    .iter()
+                    .filter_map(|change| match store.apply(std::slice::from_ref(change)) {
+                        Ok(stored) => Some(stored),
+                        Err(e) => {
+                            tracing::error!(error = %e, ?change, "cannot store a change");
+                            None
+                        }
+                    })
+                    .flatten()
+                    .collect()
             }
-            Err(e) => tracing::error!(error = %e, events = events.len(), "cannot store events"),
+        };
+        for item in stored {
+            let _ = live.send(Arc::new(item));
         }
-        events.clear();
+        changes.clear();
     };
-    let mut events = Vec::new();
+    let mut changes = Vec::new();
     let mut acks = Vec::new();
+    let take = |write, changes: &mut Vec<_>, acks: &mut Vec<_>| match write {
+        Write::Event(id, msg, at) => gather(changes, id, msg, at),
+        Write::State(id, state, at) => changes.push(Change::State(id, state, at)),
+        Write::Flush(ack) => acks.push(ack),
+    };
     while let Ok(first) = writes.recv() {
-        let deadline = Instant::now() + GATHER;
-        let mut next = Ok(first);
-        while let Ok(write) = next {
-            match write {
-                Write::Event(id, msg, at) => gather(&mut events, id, msg, at),
-                Write::State(id, state, at) => {
-                    commit(&mut events);
-                    if let Err(e) = store.set_state(&id, state, at) {
-                        tracing::error!(task = %id, error = %e, "cannot record the task's state");
-                    }
-                }
-                Write::Flush(ack) => acks.push(ack),
-            }
-            if events.len() >= MAX_BATCH {
-                break;
-            }
-            next = writes.recv_timeout(deadline.saturating_duration_since(Instant::now()));
-            if matches!(next, Err(RecvTimeoutError::Disconnected)) {
-                break;
+        take(first, &mut changes, &mut acks);
+        // Sleeping, not waiting on the channel: the writes that arrive meanwhile do not each
+        // wake this thread, which on a busy machine costs more than storing them.
+        std::thread::sleep(GATHER);
+        while let Ok(write) = writes.try_recv() {
+            take(write, &mut changes, &mut acks);
+            if changes.len() >= MAX_BATCH {
+                commit(&mut changes);
             }
         }
-        commit(&mut events);
+        commit(&mut changes);
         for ack in acks.drain(..) {
             let _ = ack.send(());
         }
@@ -549,18 +575,22 @@ fn write_events(
 
 /// Adds an event to the batch. A piece of streamed text (a model token, a chunk of output)
 /// right after another piece of the same stream of the same task is appended to it: no other
-/// event of that task sits between them, so its order is kept, and a model that streams a
+/// change of that task sits between them, so its order is kept, and a model that streams a
 /// token per chunk costs a row per commit rather than a row per token.
-fn gather(batch: &mut Vec<(String, EventMsg, u64)>, id: String, msg: EventMsg, at: u64) {
-    let previous = batch.iter_mut().rev().find(|(task, ..)| *task == id);
-    let msg = match previous {
-        Some((_, into, _)) => match merge(into, msg) {
+fn gather(batch: &mut Vec<Change>, id: String, msg: EventMsg, at: u64) {
+    let previous = batch.iter_mut().rev().find_map(|change| match change {
+        Change::Event(task, msg, _) if *task == id => Some(Some(msg)),
+        Change::State(task, ..) if *task == id => Some(None),
+        _ => None,
+    });
+    let msg = match previous.flatten() {
+        Some(into) => match merge(into, msg) {
             Some(msg) => msg,
             None => return,
         },
         None => msg,
     };
-    batch.push((id, msg, at));
+    batch.push(Change::Event(id, msg, at));
 }
 
 /// Appends `next`'s text to `into` when both are pieces of one stream; gives it back if not.
@@ -701,10 +731,16 @@ mod tests {
 
     fn batch_of(items: Vec<(&str, EventMsg)>) -> Vec<(String, EventMsg)> {
         let mut batch = Vec::new();
-        for (at, (id, msg)) in items.into_iter().enumerate() {
-            gather(&mut batch, id.to_owned(), msg, at as u64);
+        for (id, msg) in items {
+            gather(&mut batch, id.to_owned(), msg, 0);
         }
-        batch.into_iter().map(|(id, msg, _)| (id, msg)).collect()
+        batch
+            .into_iter()
+            .map(|change| match change {
+                Change::Event(id, msg, _) => (id, msg),
+                Change::State(..) => unreachable!("only events were gathered"),
+            })
+            .collect()
     }
 
     #[test]
@@ -759,5 +795,52 @@ mod tests {
                 ("a".to_owned(), delta(1, &big)),
             ]
         );
+    }
+
+    #[test]
+    fn a_state_change_of_the_task_stops_a_merge() {
+        let mut batch = vec![Change::Event("a".into(), delta(1, "one"), 0)];
+        batch.push(Change::State("a".into(), TaskState::Running, 0));
+        gather(&mut batch, "a".into(), delta(1, "two"), 0);
+        assert_eq!(batch.len(), 3);
+    }
+
+    #[test]
+    fn a_bad_change_in_a_batch_costs_only_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("tandem.db")).unwrap();
+        store.create("a", &TaskSpec::default(), 1).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (live, mut seen) = broadcast::channel(16);
+        tx.send(Write::State("a".into(), TaskState::Running, 2))
+            .unwrap();
+        tx.send(Write::Event("a".into(), delta(1, "kept"), 3))
+            .unwrap();
+        tx.send(Write::Event("ghost".into(), delta(1, "no such task"), 3))
+            .unwrap();
+        tx.send(Write::Event(
+            "a".into(),
+            EventMsg::TurnStarted { turn: 2 },
+            4,
+        ))
+        .unwrap();
+        drop(tx);
+        write_events(&store, &rx, &live);
+        let events = store.events_after("a", 0).unwrap();
+        assert_eq!(
+            events
+                .iter()
+                .map(|e| (e.seq, e.msg.clone()))
+                .collect::<Vec<_>>(),
+            [
+                (1, delta(1, "kept")),
+                (2, EventMsg::TurnStarted { turn: 2 })
+            ]
+        );
+        assert_eq!(store.get("a").unwrap().unwrap().state, TaskState::Running);
+        // Only what was stored reached live subscribers.
+        assert_eq!(seen.try_recv().unwrap().1.seq, 1);
+        assert_eq!(seen.try_recv().unwrap().1.seq, 2);
+        assert!(seen.try_recv().is_err());
     }
 }
