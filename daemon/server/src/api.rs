@@ -170,7 +170,7 @@ async fn create_task(
             ),
         )
     })?;
-    let record = blocking(&state.supervisor, move |sup| Ok(sup.submit(spec)?)).await?;
+    let record = state.supervisor.submit(spec).await?;
     Ok((StatusCode::CREATED, Json(json!(record))))
 }
 

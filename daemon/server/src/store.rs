@@ -87,10 +87,30 @@ pub struct TaskRecord {
 /// One write the store applies in order with others: an event, or a task's new state.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Change {
+    /// A new queued task `.0`, asked at `.2`.
+    Create(String, Box<TaskSpec>, u64),
     /// An event of task `.0`, made at `.2` (ms since the epoch).
     Event(String, EventMsg, u64),
     /// Task `.0` is now in state `.1`, since `.2`.
     State(String, TaskState, u64),
+}
+
+impl TaskRecord {
+    /// A task just queued.
+    pub fn queued(id: &str, spec: TaskSpec, now_ms: u64) -> Self {
+        Self {
+            id: id.to_owned(),
+            state: TaskState::Queued,
+            spec,
+            stop_reason: None,
+            error: None,
+            usage: Usage::default(),
+            turns: 0,
+            created_ms: now_ms,
+            started_ms: None,
+            finished_ms: None,
+        }
+    }
 }
 
 /// Store failures.
@@ -129,6 +149,9 @@ pub enum StoreError {
     /// A lock was poisoned by a panic elsewhere.
     #[error("task store: lock poisoned")]
     Poisoned,
+    /// The writer thread did not answer.
+    #[error("task store: the writer {0}; see the daemon's log")]
+    Writer(&'static str),
 }
 
 /// Schema migrations, in order; `PRAGMA user_version` says how many have run.
@@ -297,38 +320,12 @@ impl Store {
 
     /// Adds a queued task.
     pub fn create(&self, id: &str, spec: &TaskSpec, now_ms: u64) -> Result<TaskRecord> {
-        let spec_json = to_json(spec);
-        let usage = to_json(&Usage::default());
-        self.with_db(|db| {
-            db.conn
-                .prepare_cached(
-                    "INSERT INTO tasks (id, queue_order, state, spec, usage, turns, created_ms)
-                     VALUES (?1, ?2, 'queued', ?3, ?4, 0, ?5)",
-                )?
-                .execute(params![id, db.next_order, spec_json, usage, now_ms as i64])?;
-            db.next_order += 1;
-            db.counts[TaskState::Queued as usize] += 1;
-            // A new task has no events: its first append needs no MAX(seq) query (which
-            // SQLite re-prepared on every run, the costliest statement in profiles).
-            db.last_seq.insert(id.to_owned(), 0);
-            Ok(())
-        })?;
-        Ok(TaskRecord {
-            id: id.to_owned(),
-            state: TaskState::Queued,
-            spec: spec.clone(),
-            stop_reason: None,
-            error: None,
-            usage: Usage::default(),
-            turns: 0,
-            created_ms: now_ms,
-            started_ms: None,
-            finished_ms: None,
-        })
+        self.with_db(|db| create(db, id, spec, now_ms))?;
+        Ok(TaskRecord::queued(id, spec.clone(), now_ms))
     }
 
-    /// Applies events and state changes (of any tasks, in order) in one transaction, so a
-    /// burst costs one commit, one log sync. Returns the events as stored.
+    /// Applies changes (of any tasks, in order) in one transaction, so a burst costs one
+    /// commit, one log sync. Returns the events as stored.
     pub fn apply(&self, changes: &[Change]) -> Result<Vec<(String, Event)>> {
         self.with_db(|db| {
             db.transaction(|db| {
@@ -339,6 +336,7 @@ impl Store {
                             stored.push((id.clone(), append_one(db, id, msg, *now_ms)?));
                         }
                         Change::State(id, state, now_ms) => set_state(db, id, *state, *now_ms)?,
+                        Change::Create(id, spec, now_ms) => create(db, id, spec, *now_ms)?,
                     }
                 }
                 Ok(stored)
@@ -436,6 +434,27 @@ impl Store {
 }
 
 /// Inserts one event (and updates its task row) inside the caller's transaction.
+fn create(db: &mut Db, id: &str, spec: &TaskSpec, now_ms: u64) -> rusqlite::Result<()> {
+    db.conn
+        .prepare_cached(
+            "INSERT INTO tasks (id, queue_order, state, spec, usage, turns, created_ms)
+             VALUES (?1, ?2, 'queued', ?3, ?4, 0, ?5)",
+        )?
+        .execute(params![
+            id,
+            db.next_order,
+            to_json(spec),
+            to_json(&Usage::default()),
+            now_ms as i64
+        ])?;
+    db.next_order += 1;
+    db.counts[TaskState::Queued as usize] += 1;
+    // A new task has no events: its first append needs no MAX(seq) query (which SQLite
+    // re-prepared on every run, the costliest statement in profiles).
+    db.last_seq.insert(id.to_owned(), 0);
+    Ok(())
+}
+
 fn set_state(db: &mut Db, id: &str, state: TaskState, now_ms: u64) -> rusqlite::Result<()> {
     db.count_move(id, state)?;
     db.conn

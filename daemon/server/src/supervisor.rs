@@ -175,8 +175,27 @@ impl Supervisor {
         Ok(interrupted.len())
     }
 
-    /// Validates and queues a task.
-    pub fn submit(self: &Arc<Self>, spec: TaskSpec) -> Result<TaskRecord, TaskError> {
+    /// Validates and queues a task; it is committed to the store when this returns.
+    pub async fn submit(self: &Arc<Self>, spec: TaskSpec) -> Result<TaskRecord, TaskError> {
+        self.validate(&spec)?;
+        let id = uuid::Uuid::now_v7().simple().to_string();
+        let now = now_ms();
+        // Through the writer, so concurrent submits share a commit (and its log sync).
+        let (created, committed) = tokio::sync::oneshot::channel();
+        let create = Write::Create(id.clone(), Box::new(spec.clone()), now, created);
+        self.writer
+            .send(create)
+            .map_err(|_| StoreError::Writer("has stopped"))?;
+        match tokio::time::timeout(CREATE_TIMEOUT, committed).await {
+            Ok(Ok(result)) => result?,
+            Ok(Err(_)) => return Err(StoreError::Writer("has stopped").into()),
+            Err(_) => return Err(StoreError::Writer("did not commit within 30 s").into()),
+        }
+        self.enqueue(id.clone(), spec.clone(), Vec::new());
+        Ok(TaskRecord::queued(&id, spec, now))
+    }
+
+    fn validate(&self, spec: &TaskSpec) -> Result<(), TaskError> {
         if self.stopping() {
             return Err(TaskError::ShuttingDown);
         }
@@ -218,10 +237,7 @@ impl Supervisor {
                 "termination must not be empty".to_owned(),
             ));
         }
-        let id = uuid::Uuid::now_v7().simple().to_string();
-        let record = self.store.create(&id, &spec, now_ms())?;
-        self.enqueue(id, spec, Vec::new());
-        Ok(record)
+        Ok(())
     }
 
     /// Cancels a queued, running or interrupted task.
@@ -236,7 +252,7 @@ impl Supervisor {
                 record.stop_reason.map_or("unknown", StopReason::as_str)
             ))),
             TaskState::Interrupted => {
-                self.record(id, &finished(StopReason::Cancelled, record.turns, None));
+                self.record(id, finished(StopReason::Cancelled, record.turns, None));
                 self.flush();
                 Ok(self.store.get(id)?.unwrap_or(record))
             }
@@ -344,7 +360,7 @@ impl Supervisor {
             () = token.cancelled() => {
                 if !self.stopping() {
                     // Cancelled while queued: it ends without having run.
-                    self.record(id, &finished(StopReason::Cancelled, 0, None));
+                    self.record(id, finished(StopReason::Cancelled, 0, None));
                 }
                 return;
             }
@@ -359,7 +375,7 @@ impl Supervisor {
         let (settings, model, executor) = match self.prepare(id, &spec, history) {
             Ok(parts) => parts,
             Err(info) => {
-                self.record(id, &finished(StopReason::Error, 0, Some(info)));
+                self.record(id, finished(StopReason::Error, 0, Some(info)));
                 return;
             }
         };
@@ -400,17 +416,17 @@ impl Supervisor {
                 }
                 _ => {}
             }
-            this.record(&task_id, &msg);
+            this.record(&task_id, msg);
         });
         run_task(settings, &model, executor, sink, token).await;
     }
 
     /// Queues an event for the writer, which commits it and only then sends it to live
     /// subscribers. The turn loop never waits on the disk.
-    fn record(&self, id: &str, msg: &EventMsg) {
+    fn record(&self, id: &str, msg: EventMsg) {
         if self
             .writer
-            .send(Write::Event(id.to_owned(), msg.clone(), now_ms()))
+            .send(Write::Event(id.to_owned(), msg, now_ms()))
             .is_err()
         {
             tracing::error!(task = id, "the store writer is gone; an event was lost");
@@ -500,8 +516,13 @@ impl Supervisor {
 enum Write {
     Event(String, EventMsg, u64),
     State(String, TaskState, u64),
+    /// A new task; the sender learns once it is committed.
+    Create(String, Box<TaskSpec>, u64, Created),
     Flush(std::sync::mpsc::Sender<()>),
 }
+
+/// Where the writer says whether a new task was committed.
+type Created = tokio::sync::oneshot::Sender<Result<(), StoreError>>;
 
 /// Store calls from the API running at once on the blocking pool.
 const STORE_CALLS: usize = 2;
@@ -509,67 +530,113 @@ const STORE_CALLS: usize = 2;
 /// How long the writer gathers events after the first before it commits: concurrent tasks
 /// share a commit, and a live client waits at most this long (next to a model call, nothing).
 const GATHER: Duration = Duration::from_millis(2);
-/// Most events in one commit.
+/// Most changes in one commit.
 const MAX_BATCH: usize = 1024;
 /// Largest text that streamed pieces are merged into.
 const MAX_MERGED: usize = 64 << 10;
+/// Longest a submit waits for its task to be committed.
+const CREATE_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// The writer thread: commits whatever events are waiting in one transaction (a burst from
-/// many tasks costs one commit), then sends them to live subscribers.
-fn write_events(
-    store: &Store,
-    writes: &std::sync::mpsc::Receiver<Write>,
-    live: &broadcast::Sender<Arc<(String, Event)>>,
-) {
-    let commit = |changes: &mut Vec<Change>| {
-        if changes.is_empty() {
-            return;
+/// What the writer gathered since its last commit.
+#[derive(Default)]
+struct Batch {
+    changes: Vec<Change>,
+    /// Submitters waiting on their task's commit, by the index of its change.
+    created: Vec<(usize, Created)>,
+    flushes: Vec<std::sync::mpsc::Sender<()>>,
+    /// Someone is waiting on this batch: commit without gathering more.
+    urgent: bool,
+}
+
+impl Batch {
+    fn take(&mut self, write: Write) {
+        match write {
+            Write::Event(id, msg, at) => gather(&mut self.changes, id, msg, at),
+            Write::State(id, state, at) => self.changes.push(Change::State(id, state, at)),
+            Write::Create(id, spec, at, created) => {
+                self.created.push((self.changes.len(), created));
+                self.changes.push(Change::Create(id, spec, at));
+                self.urgent = true;
+            }
+            Write::Flush(ack) => {
+                self.flushes.push(ack);
+                self.urgent = true;
+            }
         }
-        let stored = match store.apply(changes) {
-            Ok(stored) => stored,
+    }
+
+    /// Commits the changes in one transaction, then tells the submitters and sends the events
+    /// to live subscribers.
+    fn commit(&mut self, store: &Store, live: &broadcast::Sender<Arc<(String, Event)>>) {
+        let mut created = std::mem::take(&mut self.created).into_iter().peekable();
+        let stored = match store.apply(&self.changes) {
+            Ok(stored) => {
+                for (_, waiter) in created {
+                    let _ = waiter.send(Ok(()));
+                }
+                stored
+            }
             // One bad change must not cost the others: apply them one by one.
             Err(e) => {
-                tracing::warn!(error = %e, changes = changes.len(), "a batch failed; storing its changes one by one");
-                changes
-                    .iter()
-                    .filter_map(|change| match store.apply(std::slice::from_ref(change)) {
-                        Ok(stored) => Some(stored),
-                        Err(e) => {
-                            tracing::error!(error = %e, ?change, "cannot store a change");
-                            None
+                tracing::warn!(error = %e, changes = self.changes.len(), "a batch failed; storing its changes one by one");
+                let mut stored = Vec::new();
+                for (i, change) in self.changes.iter().enumerate() {
+                    let result = store.apply(std::slice::from_ref(change));
+                    let waiter = created.next_if(|(at, _)| *at == i).map(|(_, w)| w);
+                    match (result, waiter) {
+                        (Ok(events), waiter) => {
+                            stored.extend(events);
+                            if let Some(w) = waiter {
+                                let _ = w.send(Ok(()));
+                            }
                         }
-                    })
-                    .flatten()
-                    .collect()
+                        (Err(e), Some(w)) => {
+                            let _ = w.send(Err(e));
+                        }
+                        (Err(e), None) => {
+                            tracing::error!(error = %e, ?change, "cannot store a change");
+                        }
+                    }
+                }
+                stored
             }
         };
         for item in stored {
             let _ = live.send(Arc::new(item));
         }
-        changes.clear();
-    };
-    let mut changes = Vec::new();
-    let mut acks = Vec::new();
-    let take = |write, changes: &mut Vec<_>, acks: &mut Vec<_>| match write {
-        Write::Event(id, msg, at) => gather(changes, id, msg, at),
-        Write::State(id, state, at) => changes.push(Change::State(id, state, at)),
-        Write::Flush(ack) => acks.push(ack),
-    };
+        self.changes.clear();
+    }
+}
+
+/// The writer thread: commits whatever is waiting in one transaction (a burst from many
+/// tasks costs one commit), then sends the events to live subscribers.
+fn write_events(
+    store: &Store,
+    writes: &std::sync::mpsc::Receiver<Write>,
+    live: &broadcast::Sender<Arc<(String, Event)>>,
+) {
+    let mut batch = Batch::default();
     while let Ok(first) = writes.recv() {
-        take(first, &mut changes, &mut acks);
+        batch.take(first);
         // Sleeping, not waiting on the channel: the writes that arrive meanwhile do not each
-        // wake this thread, which on a busy machine costs more than storing them.
-        std::thread::sleep(GATHER);
+        // wake this thread, which on a busy machine costs more than storing them. A submit
+        // or a flush waiting on the commit is not kept waiting for that.
+        if !batch.urgent {
+            std::thread::sleep(GATHER);
+        }
         while let Ok(write) = writes.try_recv() {
-            take(write, &mut changes, &mut acks);
-            if changes.len() >= MAX_BATCH {
-                commit(&mut changes);
+            batch.take(write);
+            if batch.changes.len() >= MAX_BATCH {
+                batch.commit(store, live);
             }
         }
-        commit(&mut changes);
-        for ack in acks.drain(..) {
+        if !batch.changes.is_empty() {
+            batch.commit(store, live);
+        }
+        for ack in batch.flushes.drain(..) {
             let _ = ack.send(());
         }
+        batch.urgent = false;
     }
 }
 
@@ -580,7 +647,7 @@ fn write_events(
 fn gather(batch: &mut Vec<Change>, id: String, msg: EventMsg, at: u64) {
     let previous = batch.iter_mut().rev().find_map(|change| match change {
         Change::Event(task, msg, _) if *task == id => Some(Some(msg)),
-        Change::State(task, ..) if *task == id => Some(None),
+        Change::State(task, ..) | Change::Create(task, ..) if *task == id => Some(None),
         _ => None,
     });
     let msg = match previous.flatten() {
@@ -738,7 +805,7 @@ mod tests {
             .into_iter()
             .map(|change| match change {
                 Change::Event(id, msg, _) => (id, msg),
-                Change::State(..) => unreachable!("only events were gathered"),
+                Change::State(..) | Change::Create(..) => unreachable!("only events were gathered"),
             })
             .collect()
     }
@@ -824,8 +891,21 @@ mod tests {
             4,
         ))
         .unwrap();
+        let (new_ok, new_told) = tokio::sync::oneshot::channel();
+        tx.send(Write::Create("b".into(), Box::default(), 5, new_ok))
+            .unwrap();
+        let (twice_ok, twice_told) = tokio::sync::oneshot::channel();
+        tx.send(Write::Create("a".into(), Box::default(), 5, twice_ok))
+            .unwrap();
         drop(tx);
         write_events(&store, &rx, &live);
+        new_told.blocking_recv().unwrap().unwrap();
+        let twice = twice_told.blocking_recv().unwrap().unwrap_err();
+        assert!(
+            twice.to_string().contains("UNIQUE constraint failed"),
+            "{twice}"
+        );
+        assert_eq!(store.get("b").unwrap().unwrap().state, TaskState::Queued);
         let events = store.events_after("a", 0).unwrap();
         assert_eq!(
             events
