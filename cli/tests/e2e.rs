@@ -610,6 +610,22 @@ async fn empty_task_and_unknown_executor_are_usage_errors() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_character_split_across_reads_streams_whole() {
+    // The first byte of `é` is flushed alone; the rest comes 200 ms later, in another read.
+    let code = "import sys, time\nout = sys.stdout.buffer\nout.write(b'caf\\xc3'); out.flush(); time.sleep(0.2); out.write(b'\\xa9\\n'); out.flush()\nsys.stderr.buffer.write(b'bad \\xc3')\n";
+    let out = tandem(
+        &["exec", "-e", "local", "--lang", "python", "-"],
+        &[],
+        Some(code),
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(out.stdout, "café\n");
+    // A character the program never finished is shown as such at the end.
+    assert_eq!(out.stderr, "bad \u{fffd}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn exec_runs_markdown_blocks_in_one_session() {
     let work = tempfile::tempdir().unwrap();
     let md = "Steps:\n\n```python\n# filename: pkg/data.py\nVALUE = 7\nprint('saved')\n```\n\n- then\n  ```sh\n  python3 -c 'import sys; sys.path.insert(0, \"pkg\"); import data; print(data.VALUE * 6)'\n  ```\n\n```python\nraise SystemExit(5)\n```\n\n```sh\necho never\n```\n";

@@ -252,23 +252,70 @@ async fn run_one(
 ) -> Result<ExecOutcome, ExecError> {
     let events = opts.events.clone();
     let turn = opts.turn;
-    let ctx =
-        ExecContext::new(opts.cancel.child_token()).with_sink(Arc::new(move |stream, bytes| {
-            let stream = match stream {
-                Stream::Stdout => OutputStream::Stdout,
-                Stream::Stderr => OutputStream::Stderr,
+    // A read can end inside a character; its first bytes wait for the rest, so live output
+    // shows `é`, not two replacement characters.
+    let pending = Arc::new(std::sync::Mutex::new([Vec::new(), Vec::new()]));
+    let emit = {
+        let (events, pending) = (events.clone(), pending.clone());
+        move |stream: OutputStream, bytes: &[u8], end: bool| {
+            let Ok(mut pending) = pending.lock() else {
+                return;
             };
-            let text = String::from_utf8_lossy(bytes).into_owned();
+            let buf = &mut pending[stream as usize];
+            buf.extend_from_slice(bytes);
+            let cut = if end { buf.len() } else { complete_utf8(buf) };
+            if cut == 0 {
+                return;
+            }
+            let text = String::from_utf8_lossy(&buf[..cut]).into_owned();
+            buf.drain(..cut);
             events(EventMsg::ExecOutput {
                 turn,
                 index,
                 stream,
                 text,
             });
-        }));
+        }
+    };
+    let sink = {
+        let emit = emit.clone();
+        move |stream, bytes: &[u8]| {
+            let stream = match stream {
+                Stream::Stdout => OutputStream::Stdout,
+                Stream::Stderr => OutputStream::Stderr,
+            };
+            emit(stream, bytes, false);
+        }
+    };
+    let ctx = ExecContext::new(opts.cancel.child_token()).with_sink(Arc::new(sink));
     let mut req = ExecRequest::new(language.clone(), block.code.clone());
     req.timeout = opts.timeout;
-    slot.session().await?.run(req, ctx).await
+    let outcome = slot.session().await?.run(req, ctx).await;
+    // Whatever is left is a character the program never finished.
+    for stream in [OutputStream::Stdout, OutputStream::Stderr] {
+        emit(stream, &[], true);
+    }
+    outcome
+}
+
+/// How much of `buf` to decode now: all of it, unless it ends inside a UTF-8 sequence that
+/// more bytes could still complete.
+fn complete_utf8(buf: &[u8]) -> usize {
+    for back in 1..=buf.len().min(3) {
+        let at = buf.len() - back;
+        let byte = buf[at];
+        if byte & 0xC0 == 0x80 {
+            continue; // a continuation byte: the sequence started further back
+        }
+        let needs = match byte {
+            0xF0..=0xF7 => 4,
+            0xE0..=0xEF => 3,
+            0xC0..=0xDF => 2,
+            _ => 1,
+        };
+        return if needs > back { at } else { buf.len() };
+    }
+    buf.len()
 }
 
 fn not_run(language: &Language, status: BlockStatus, stderr: &str) -> BlockResult {
@@ -442,5 +489,22 @@ mod tests {
         assert_eq!(guess_language("print(1)"), Language::python());
         assert_eq!(guess_language("import os\n"), Language::python());
         assert_eq!(guess_language("set(x)"), Language::python());
+    }
+
+    #[test]
+    fn a_character_split_across_reads_waits_for_its_end() {
+        let cafe = "café ✓ 🎉".as_bytes();
+        for split in 0..=cafe.len() {
+            let head = &cafe[..split];
+            let cut = complete_utf8(head);
+            assert!(std::str::from_utf8(&head[..cut]).is_ok(), "split {split}");
+            assert!(head.len() - cut < 4, "split {split}");
+        }
+        assert_eq!(complete_utf8(b"caf\xc3"), 3);
+        assert_eq!(complete_utf8(b"\xf0\x9f\x8e"), 0);
+        assert_eq!(complete_utf8(b"\xf0\x9f\x8e\x89"), 4);
+        // Bytes that can never be completed are passed on (and shown as U+FFFD).
+        assert_eq!(complete_utf8(b"ab\x80"), 3);
+        assert_eq!(complete_utf8(b"ab\xff"), 3);
     }
 }
