@@ -208,12 +208,13 @@ async fn reply_without_code_gets_a_nudge() {
     )]))
     .await
     .unwrap();
-    let out = run_task(&server, task, &[]).await;
+    // The nudge names the languages that run here: the task's own list, in its order.
+    let out = run_task(&server, task, &["-e", "local", "-l", "sh", "-l", "py"]).await;
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert_eq!(
         server.requests_for(task)[1].last_message(),
         Some(
-            "No code to run was found in your reply. If the task is done, reply with TERMINATE. Otherwise, send the complete code in a ```python or ```sh block."
+            "No code to run was found in your reply. If the task is done, reply with TERMINATE. Otherwise, send the complete code in a ```sh or ```python block."
         )
     );
 }

@@ -40,6 +40,13 @@ impl SessionSlot {
         self
     }
 
+    /// The languages blocks may run in here: the task's list, else the executor's.
+    pub fn languages(&self) -> &[Language] {
+        self.allowed
+            .as_deref()
+            .unwrap_or_else(|| self.executor.languages())
+    }
+
     /// The executor behind this slot.
     pub fn executor(&self) -> &Arc<dyn Executor> {
         &self.executor
@@ -391,6 +398,7 @@ pub fn report(
     block_timeout: Duration,
     output_cap: usize,
     termination: &str,
+    languages: &[Language],
 ) -> String {
     let ran: Vec<&BlockRun> = runs
         .iter()
@@ -456,7 +464,7 @@ pub fn report(
             };
             format!("exitcode: {code} ({verdict})\nCode output: {output}")
         }
-        None => no_code_nudge(termination),
+        None => no_code_nudge(termination, languages),
     };
     for note in notes {
         if !text.ends_with('\n') {
@@ -467,10 +475,17 @@ pub fn report(
     text
 }
 
-/// What the model hears when its reply had nothing to run and did not end the task.
-pub fn no_code_nudge(termination: &str) -> String {
+/// What the model hears when its reply had nothing to run and did not end the task; it
+/// names the languages that run here.
+pub fn no_code_nudge(termination: &str, languages: &[Language]) -> String {
+    let fences: Vec<String> = languages.iter().map(|l| format!("```{l}")).collect();
+    let fences = match fences.as_slice() {
+        [] => "fenced code".to_owned(),
+        [one] => one.clone(),
+        [rest @ .., last] => format!("{} or {last}", rest.join(", ")),
+    };
     format!(
-        "No code to run was found in your reply. If the task is done, reply with {termination}. Otherwise, send the complete code in a ```python or ```sh block."
+        "No code to run was found in your reply. If the task is done, reply with {termination}. Otherwise, send the complete code in a {fences} block."
     )
 }
 

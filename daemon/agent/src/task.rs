@@ -232,7 +232,7 @@ async fn turn_loop(
                 state.summary = Some(strip_termination(&reply.text, word));
                 return Ok(StopReason::Terminated);
             }
-            blocks::no_code_nudge(word)
+            blocks::no_code_nudge(word, slot.languages())
         } else {
             let opts = RunOptions {
                 turn,
@@ -249,7 +249,7 @@ async fn turn_loop(
             if stop.is_cancelled() {
                 return Ok(StopReason::Cancelled);
             }
-            blocks::report(&runs, block_timeout, output_cap, word)
+            blocks::report(&runs, block_timeout, output_cap, word, slot.languages())
         };
         // Code in a terminating reply still runs and is recorded; then the task ends.
         if terminate {
