@@ -345,6 +345,41 @@ async fn a_task_runs_only_its_languages_within_its_own_tighter_limits() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_streamed_reply_is_stored_in_a_few_rows_not_one_per_piece() {
+    // 13 pieces of 24 characters, 10 ms apart: a model streaming its tokens.
+    let text = format!("{}\nTERMINATE", "The answer is forty-two. ".repeat(12));
+    let server = ScriptedOpenAi::start(
+        [(
+            "stream".to_owned(),
+            vec![Reply::Trickle(Duration::from_millis(10), text.clone())],
+        )]
+        .into_iter()
+        .collect(),
+    )
+    .await
+    .unwrap();
+    let d = start(&server, &[]).await;
+    let id = d.submit(json!({"task": "stream"})).await;
+    let task = d.wait_finished(&id, Duration::from_secs(30)).await;
+    assert_eq!(task["stop_reason"], "terminated", "{task}");
+    let events = d.events(&id, 0).await;
+    let deltas: Vec<&str> = events
+        .iter()
+        .filter(|e| e["type"] == "assistant_delta")
+        .map(|e| e["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(deltas.concat(), text);
+    // Each piece in its own row would be 13.
+    assert!(
+        (1..=6).contains(&deltas.len()),
+        "{} rows: {deltas:?}",
+        deltas.len()
+    );
+    let seqs: Vec<u64> = events.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
+    assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>());
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn events_resume_after_last_event_id_with_no_gap_or_duplicate() {
     let server = ScriptedOpenAi::start(two_turns([("sse".to_owned(), "print('x')".to_owned())]))
         .await

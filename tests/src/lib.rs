@@ -21,6 +21,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use futures::StreamExt;
 use serde_json::{Value, json};
 
 /// One scripted answer.
@@ -32,6 +33,8 @@ pub enum Reply {
     Error(u16, String),
     /// Wait, then answer with the inner reply (for cancellation and timeouts).
     Delayed(Duration, Box<Reply>),
+    /// A streamed reply with this text whose pieces come this far apart, as a model's tokens.
+    Trickle(Duration, String),
 }
 
 impl From<&str> for Reply {
@@ -188,12 +191,13 @@ async fn chat(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes
                 reply = *inner;
             }
             Reply::Error(status, message) => return error(status, &message),
-            Reply::Text(text) => return answer(&body, &text),
+            Reply::Text(text) => return answer(&body, &text, None),
+            Reply::Trickle(gap, text) => return answer(&body, &text, Some(gap)),
         }
     }
 }
 
-fn answer(request: &Value, text: &str) -> Response {
+fn answer(request: &Value, text: &str, gap: Option<Duration>) -> Response {
     let model = request["model"].as_str().unwrap_or("scripted");
     let prompt_chars: usize = messages(request)
         .filter_map(|m| m["content"].as_str())
@@ -218,12 +222,8 @@ fn answer(request: &Value, text: &str) -> Response {
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
         })
     };
-    let mut sse = String::new();
-    let mut push = |v: Value| {
-        sse.push_str("data: ");
-        sse.push_str(&v.to_string());
-        sse.push_str("\n\n");
-    };
+    let mut sse = Vec::new();
+    let mut push = |v: Value| sse.push(format!("data: {v}\n\n"));
     push(chunk(
         json!({"role": "assistant", "content": ""}),
         Value::Null,
@@ -242,8 +242,17 @@ fn answer(request: &Value, text: &str) -> Response {
             "model": model, "choices": [], "usage": usage,
         }));
     }
-    sse.push_str("data: [DONE]\n\n");
-    ([(header::CONTENT_TYPE, "text/event-stream")], sse).into_response()
+    sse.push("data: [DONE]\n\n".to_owned());
+    let body = match gap {
+        None => axum::body::Body::from(sse.concat()),
+        Some(gap) => axum::body::Body::from_stream(futures::stream::iter(sse).then(
+            move |event| async move {
+                tokio::time::sleep(gap).await;
+                Ok::<_, std::convert::Infallible>(event)
+            },
+        )),
+    };
+    ([(header::CONTENT_TYPE, "text/event-stream")], body).into_response()
 }
 
 /// A script from `(task, replies)` pairs.

@@ -534,6 +534,11 @@ const GATHER: Duration = Duration::from_millis(2);
 const MAX_BATCH: usize = 1024;
 /// Largest text that streamed pieces are merged into.
 const MAX_MERGED: usize = 64 << 10;
+/// Longest a streamed piece (a model token, a chunk of output) waits for the next piece of
+/// its stream before it is stored: a model streams a token every 10-50 ms, and one row and
+/// one commit per token is what this saves. A live client sees the text in bursts this far
+/// apart at most.
+const HOLD: Duration = Duration::from_millis(100);
 /// Longest a submit waits for its task to be committed.
 const CREATE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -541,6 +546,8 @@ const CREATE_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Default)]
 struct Batch {
     changes: Vec<Change>,
+    /// Streamed pieces waiting for more of their stream, at most one per task.
+    held: Vec<Held>,
     /// Submitters waiting on their task's commit, by the index of its change.
     created: Vec<(usize, Created)>,
     flushes: Vec<std::sync::mpsc::Sender<()>>,
@@ -548,26 +555,95 @@ struct Batch {
     urgent: bool,
 }
 
+/// A streamed piece held back to be merged with the ones that follow it.
+struct Held {
+    id: String,
+    msg: EventMsg,
+    at: u64,
+    since: Instant,
+}
+
 impl Batch {
     fn take(&mut self, write: Write) {
         match write {
-            Write::Event(id, msg, at) => gather(&mut self.changes, id, msg, at),
-            Write::State(id, state, at) => self.changes.push(Change::State(id, state, at)),
+            Write::Event(id, msg, at) if is_piece(&msg) => self.hold(id, msg, at),
+            Write::Event(id, msg, at) => {
+                self.release(&id);
+                self.changes.push(Change::Event(id, msg, at));
+            }
+            Write::State(id, state, at) => {
+                self.release(&id);
+                self.changes.push(Change::State(id, state, at));
+            }
             Write::Create(id, spec, at, created) => {
                 self.created.push((self.changes.len(), created));
                 self.changes.push(Change::Create(id, spec, at));
                 self.urgent = true;
             }
             Write::Flush(ack) => {
+                self.release_due(None);
                 self.flushes.push(ack);
                 self.urgent = true;
             }
         }
     }
 
+    /// Holds a streamed piece, appended to its task's held piece when both are of one stream.
+    /// Any other change of the task releases the held piece first, so its order is kept.
+    fn hold(&mut self, id: String, msg: EventMsg, at: u64) {
+        let held = self.held.iter().position(|h| h.id == id);
+        let msg = match held {
+            Some(i) => match merge(&mut self.held[i].msg, msg) {
+                None => return,
+                Some(msg) => {
+                    let h = self.held.swap_remove(i);
+                    self.changes.push(Change::Event(h.id, h.msg, h.at));
+                    msg
+                }
+            },
+            None => msg,
+        };
+        self.held.push(Held {
+            id,
+            msg,
+            at,
+            since: Instant::now(),
+        });
+    }
+
+    /// Moves task `id`'s held piece into the batch.
+    fn release(&mut self, id: &str) {
+        if let Some(i) = self.held.iter().position(|h| h.id == id) {
+            let h = self.held.swap_remove(i);
+            self.changes.push(Change::Event(h.id, h.msg, h.at));
+        }
+    }
+
+    /// Moves the pieces held since before `now - HOLD` (all of them for `None`) into the batch.
+    fn release_due(&mut self, now: Option<Instant>) {
+        let due = |h: &Held| now.is_none_or(|now| h.since + HOLD <= now);
+        let mut i = 0;
+        while i < self.held.len() {
+            if due(&self.held[i]) {
+                let h = self.held.swap_remove(i);
+                self.changes.push(Change::Event(h.id, h.msg, h.at));
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// When the oldest held piece is due.
+    fn next_due(&self) -> Option<Instant> {
+        self.held.iter().map(|h| h.since + HOLD).min()
+    }
+
     /// Commits the changes in one transaction, then tells the submitters and sends the events
     /// to live subscribers.
     fn commit(&mut self, store: &Store, live: &broadcast::Sender<Arc<(String, Event)>>) {
+        if self.changes.is_empty() {
+            return;
+        }
         let mut created = std::mem::take(&mut self.created).into_iter().peekable();
         let stored = match store.apply(&self.changes) {
             Ok(stored) => {
@@ -615,49 +691,49 @@ fn write_events(
     writes: &std::sync::mpsc::Receiver<Write>,
     live: &broadcast::Sender<Arc<(String, Event)>>,
 ) {
+    use std::sync::mpsc::RecvTimeoutError;
     let mut batch = Batch::default();
-    while let Ok(first) = writes.recv() {
-        batch.take(first);
-        // Sleeping, not waiting on the channel: the writes that arrive meanwhile do not each
-        // wake this thread, which on a busy machine costs more than storing them. A submit
-        // or a flush waiting on the commit is not kept waiting for that.
-        if !batch.urgent {
-            std::thread::sleep(GATHER);
-        }
-        while let Ok(write) = writes.try_recv() {
-            batch.take(write);
-            if batch.changes.len() >= MAX_BATCH {
-                batch.commit(store, live);
+    loop {
+        let first = match batch.next_due() {
+            None => writes.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            Some(due) => writes.recv_timeout(due.saturating_duration_since(Instant::now())),
+        };
+        match first {
+            Ok(write) => {
+                batch.take(write);
+                // Sleeping, not waiting on the channel: the writes that arrive meanwhile do
+                // not each wake this thread, which on a busy machine costs more than storing
+                // them. A submit or a flush waiting on the commit is not kept waiting.
+                if !batch.urgent && !batch.changes.is_empty() {
+                    std::thread::sleep(GATHER);
+                }
+                while let Ok(write) = writes.try_recv() {
+                    batch.take(write);
+                    if batch.changes.len() >= MAX_BATCH {
+                        batch.commit(store, live);
+                    }
+                }
             }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => break,
         }
-        if !batch.changes.is_empty() {
-            batch.commit(store, live);
-        }
+        batch.release_due(Some(Instant::now()));
+        batch.commit(store, live);
         for ack in batch.flushes.drain(..) {
             let _ = ack.send(());
         }
         batch.urgent = false;
     }
+    batch.release_due(None);
+    batch.commit(store, live);
 }
 
-/// Adds an event to the batch. A piece of streamed text (a model token, a chunk of output)
-/// right after another piece of the same stream of the same task is appended to it: no other
-/// change of that task sits between them, so its order is kept, and a model that streams a
-/// token per chunk costs a row per commit rather than a row per token.
-fn gather(batch: &mut Vec<Change>, id: String, msg: EventMsg, at: u64) {
-    let previous = batch.iter_mut().rev().find_map(|change| match change {
-        Change::Event(task, msg, _) if *task == id => Some(Some(msg)),
-        Change::State(task, ..) | Change::Create(task, ..) if *task == id => Some(None),
-        _ => None,
-    });
-    let msg = match previous.flatten() {
-        Some(into) => match merge(into, msg) {
-            Some(msg) => msg,
-            None => return,
-        },
-        None => msg,
-    };
-    batch.push(Change::Event(id, msg, at));
+/// Whether an event is a piece of streamed text, which the next piece can be appended to.
+fn is_piece(msg: &EventMsg) -> bool {
+    matches!(
+        msg,
+        EventMsg::AssistantDelta { .. } | EventMsg::ExecOutput { .. }
+    )
 }
 
 /// Appends `next`'s text to `into` when both are pieces of one stream; gives it back if not.
@@ -776,6 +852,8 @@ fn task_limits(daemon: &Limits, asked: &TaskLimits) -> Result<Limits, String> {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use tandem_protocol::OutputStream;
 
     use super::*;
@@ -796,23 +874,37 @@ mod tests {
         }
     }
 
-    fn batch_of(items: Vec<(&str, EventMsg)>) -> Vec<(String, EventMsg)> {
-        let mut batch = Vec::new();
-        for (id, msg) in items {
-            gather(&mut batch, id.to_owned(), msg, 0);
+    /// What `batch` would store, task by task, in order.
+    fn per_task(batch: Batch) -> BTreeMap<String, Vec<Change>> {
+        let mut tasks: BTreeMap<String, Vec<Change>> = BTreeMap::new();
+        for change in batch.changes {
+            let (Change::Event(id, ..) | Change::State(id, ..) | Change::Create(id, ..)) = &change;
+            tasks.entry(id.clone()).or_default().push(change);
         }
-        batch
+        tasks
+    }
+
+    fn events_of(items: Vec<(&str, EventMsg)>) -> BTreeMap<String, Vec<EventMsg>> {
+        let mut batch = Batch::default();
+        for (id, msg) in items {
+            batch.take(Write::Event(id.to_owned(), msg, 0));
+        }
+        batch.release_due(None);
+        per_task(batch)
             .into_iter()
-            .map(|change| match change {
-                Change::Event(id, msg, _) => (id, msg),
-                Change::State(..) | Change::Create(..) => unreachable!("only events were gathered"),
+            .map(|(id, changes)| {
+                let msgs = changes.into_iter().map(|c| match c {
+                    Change::Event(_, msg, _) => msg,
+                    other => panic!("only events were taken: {other:?}"),
+                });
+                (id, msgs.collect())
             })
             .collect()
     }
 
     #[test]
     fn streamed_pieces_of_one_stream_merge_across_other_tasks_events() {
-        let got = batch_of(vec![
+        let got = events_of(vec![
             ("a", delta(1, "Hel")),
             ("b", delta(1, "x")),
             ("a", delta(1, "lo")),
@@ -826,50 +918,74 @@ mod tests {
             ("a", output(2, OutputStream::Stdout, "other block")),
         ]);
         assert_eq!(
-            got,
-            vec![
-                ("a".to_owned(), delta(1, "Hello")),
-                ("b".to_owned(), delta(1, "x")),
-                ("b".to_owned(), EventMsg::TurnStarted { turn: 2 }),
-                ("a".to_owned(), delta(2, "next turn")),
-                ("b".to_owned(), delta(2, "y")),
-                ("a".to_owned(), output(1, OutputStream::Stdout, "1\n2\n")),
-                ("a".to_owned(), output(1, OutputStream::Stderr, "oops")),
-                ("a".to_owned(), output(1, OutputStream::Stdout, "3\n")),
-                (
-                    "a".to_owned(),
-                    output(2, OutputStream::Stdout, "other block")
-                ),
+            got["a"],
+            [
+                delta(1, "Hello"),
+                delta(2, "next turn"),
+                output(1, OutputStream::Stdout, "1\n2\n"),
+                output(1, OutputStream::Stderr, "oops"),
+                output(1, OutputStream::Stdout, "3\n"),
+                output(2, OutputStream::Stdout, "other block"),
+            ]
+        );
+        assert_eq!(
+            got["b"],
+            [
+                delta(1, "x"),
+                EventMsg::TurnStarted { turn: 2 },
+                delta(2, "y")
             ]
         );
     }
 
     #[test]
-    fn another_event_of_the_task_or_the_size_cap_stops_a_merge() {
+    fn another_change_of_the_task_or_the_size_cap_stops_a_merge() {
         let big = "x".repeat(MAX_MERGED);
-        let got = batch_of(vec![
+        let got = events_of(vec![
             ("a", delta(1, "one")),
             ("a", EventMsg::TurnStarted { turn: 1 }),
             ("a", delta(1, "two")),
             ("a", delta(1, &big)),
         ]);
         assert_eq!(
-            got,
-            vec![
-                ("a".to_owned(), delta(1, "one")),
-                ("a".to_owned(), EventMsg::TurnStarted { turn: 1 }),
-                ("a".to_owned(), delta(1, "two")),
-                ("a".to_owned(), delta(1, &big)),
+            got["a"],
+            [
+                delta(1, "one"),
+                EventMsg::TurnStarted { turn: 1 },
+                delta(1, "two"),
+                delta(1, &big),
+            ]
+        );
+        let mut batch = Batch::default();
+        batch.take(Write::Event("a".into(), delta(1, "one"), 0));
+        batch.take(Write::State("a".into(), TaskState::Interrupted, 0));
+        batch.take(Write::Event("a".into(), delta(1, "two"), 0));
+        batch.release_due(None);
+        assert_eq!(
+            per_task(batch)["a"],
+            [
+                Change::Event("a".into(), delta(1, "one"), 0),
+                Change::State("a".into(), TaskState::Interrupted, 0),
+                Change::Event("a".into(), delta(1, "two"), 0),
             ]
         );
     }
 
     #[test]
-    fn a_state_change_of_the_task_stops_a_merge() {
-        let mut batch = vec![Change::Event("a".into(), delta(1, "one"), 0)];
-        batch.push(Change::State("a".into(), TaskState::Running, 0));
-        gather(&mut batch, "a".into(), delta(1, "two"), 0);
-        assert_eq!(batch.len(), 3);
+    fn a_streamed_piece_is_held_for_its_time_at_most() {
+        let mut batch = Batch::default();
+        let start = Instant::now();
+        batch.take(Write::Event("a".into(), delta(1, "tok"), 0));
+        batch.release_due(Some(start));
+        assert!(batch.changes.is_empty());
+        let due = batch.next_due().unwrap();
+        assert!(due >= start + HOLD && due <= Instant::now() + HOLD);
+        batch.release_due(Some(due));
+        assert_eq!(
+            batch.changes,
+            [Change::Event("a".into(), delta(1, "tok"), 0)]
+        );
+        assert!(batch.next_due().is_none());
     }
 
     #[test]
