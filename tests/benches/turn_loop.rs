@@ -467,7 +467,7 @@ async fn docker_session_open(n: usize) {
 }
 
 /// Rounds of each kind in the daemon throughput comparison, alternated.
-const ROUNDS: u64 = 11;
+const ROUNDS: u64 = 21;
 /// Requests in flight at once while the daemon bench submits.
 const SUBMITTERS: usize = 16;
 
