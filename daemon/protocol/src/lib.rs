@@ -46,28 +46,23 @@ pub struct TaskSpec {
     pub limits: TaskLimits,
 }
 
-/// Per-block limits a task asks for; each one left out keeps the daemon's.
+/// Per-block limits a task asks for; each one left out keeps the daemon's. Only limits the
+/// executors enforce per session are here (network and process counts are the executor's).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TaskLimits {
     /// Memory per block, bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_bytes: Option<u64>,
-    /// CPU seconds per block.
+    /// CPU seconds per block (local and docker; wasm blocks have the wall clock).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_secs: Option<u64>,
-    /// Largest file a block may write, bytes.
+    /// Largest file a block may write, bytes (local and docker).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub file_size_bytes: Option<u64>,
-    /// Most processes per block (containers).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pids: Option<u64>,
     /// Bytes of each output stream kept for the model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_bytes: Option<u64>,
-    /// Whether code may reach the network; `true` only where the daemon allows it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub network: Option<bool>,
 }
 
 impl TaskLimits {

@@ -186,12 +186,29 @@ impl Supervisor {
         self.writer
             .send(create)
             .map_err(|_| StoreError::Writer("has stopped"))?;
-        match tokio::time::timeout(CREATE_TIMEOUT, committed).await {
+        // Queued once committed, even if this request is dropped or gives up waiting: a
+        // stored task that never runs would be worse than a late one.
+        let (this, queued_id, queued_spec) = (self.clone(), id.clone(), spec.clone());
+        let queued = tokio::spawn(async move {
+            match committed.await {
+                Ok(result) => {
+                    result?;
+                    this.enqueue(queued_id, queued_spec, Vec::new());
+                    Ok(())
+                }
+                Err(_) => Err(StoreError::Writer("has stopped")),
+            }
+        });
+        match tokio::time::timeout(CREATE_TIMEOUT, queued).await {
             Ok(Ok(result)) => result?,
             Ok(Err(_)) => return Err(StoreError::Writer("has stopped").into()),
-            Err(_) => return Err(StoreError::Writer("did not commit within 30 s").into()),
+            Err(_) => {
+                return Err(StoreError::Writer(
+                    "did not commit the task within 30 s (it runs if the commit lands later)",
+                )
+                .into());
+            }
         }
-        self.enqueue(id.clone(), spec.clone(), Vec::new());
         Ok(TaskRecord::queued(&id, spec, now))
     }
 
@@ -707,11 +724,9 @@ fn write_events(
                 if !batch.urgent && !batch.changes.is_empty() {
                     std::thread::sleep(GATHER);
                 }
-                while let Ok(write) = writes.try_recv() {
+                // Bounded, so a steady stream cannot keep flushes and held pieces waiting.
+                for write in writes.try_iter().take(MAX_BATCH) {
                     batch.take(write);
-                    if batch.changes.len() >= MAX_BATCH {
-                        batch.commit(store, live);
-                    }
                 }
             }
             Err(RecvTimeoutError::Timeout) => {}
@@ -835,17 +850,9 @@ fn task_limits(daemon: &Limits, asked: &TaskLimits) -> Result<Limits, String> {
         daemon.file_size_bytes,
         asked.file_size_bytes,
     )?;
-    limits.pids = tighten("pids", daemon.pids, asked.pids)?;
     let output_ceiling = u64::try_from(daemon.output_bytes).unwrap_or(u64::MAX);
     if let Some(n) = tighten("output_bytes", Some(output_ceiling), asked.output_bytes)? {
         limits.output_bytes = usize::try_from(n).unwrap_or(daemon.output_bytes);
-    }
-    match asked.network {
-        Some(true) if !daemon.network => {
-            return Err("limits.network: this daemon keeps code off the network; set network = true under [limits] in the daemon's config to allow it".to_owned());
-        }
-        Some(network) => limits.network = network,
-        None => {}
     }
     Ok(limits)
 }
