@@ -702,7 +702,7 @@ async fn daemon(tasks: usize, concurrency: usize) {
         in_idle * 100.0
     );
     println!(
-        "| daemon: submitted over HTTP (Unix socket) until all finished (median of {ROUNDS}) | {:.2} s | {:.1} | {:.0}% | {d_cpu:.2} ms | {:.0}% |",
+        "| daemon: submitted over HTTP (Unix socket) until all finished (median of {ROUNDS}) | {:.2} s | {:.1} | {:.1}% | {d_cpu:.2} ms | {:.0}% |",
         over_http.as_secs_f64(),
         rate(over_http),
         100.0 * median(ratios.clone()),
