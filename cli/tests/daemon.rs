@@ -745,6 +745,66 @@ async fn tasks_can_run_in_the_wasm_sandbox() {
     );
 }
 
+/// `id` of every container the Tandem with process id `pid` owns.
+fn containers_of(pid: u32) -> Vec<String> {
+    let out = std::process::Command::new("docker")
+        .args([
+            "ps",
+            "-a",
+            "--filter",
+            "label=tandem.owner",
+            "--format",
+            "{{.ID}} {{.Label \"tandem.owner\"}}",
+        ])
+        .output()
+        .expect("the docker CLI");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mine = format!("/{pid}:");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .filter(|(_, owner)| owner.contains(&mine))
+        .map(|(id, _)| id.to_owned())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_removes_the_warm_docker_pool() {
+    let image =
+        std::env::var("TANDEM_DOCKER_IMAGE").unwrap_or_else(|_| "tandem-sandbox:latest".to_owned());
+    let server = ScriptedOpenAi::start(two_turns([(
+        "docker task".to_owned(),
+        "print('in a container')".to_owned(),
+    )]))
+    .await
+    .unwrap();
+    let mut d = start(&server, &["--image", &image]).await;
+    let id = d
+        .submit(json!({"task": "docker task", "executor": "docker"}))
+        .await;
+    let task = d.wait_finished(&id, Duration::from_secs(120)).await;
+    assert_eq!(task["stop_reason"], "terminated", "{task}");
+    assert_eq!(block_output(&d.events(&id, 0).await), ["in a container\n"]);
+    // The session refills the warm pool (2 by default) in the background.
+    let pid = d.pid();
+    let started = Instant::now();
+    while containers_of(pid).len() < 2 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the pool did not fill: {:?}\n{}",
+            containers_of(pid),
+            d.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(d.terminate().await, Some(0));
+    assert_eq!(containers_of(pid), Vec::<String>::new());
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn executors_report_their_health() {
     let server = ScriptedOpenAi::start(two_turns([])).await.unwrap();

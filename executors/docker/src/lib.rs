@@ -176,12 +176,17 @@ pub(crate) struct Inner {
     pool: Pool,
 }
 
+/// Longest shutdown waits for warm-pool containers that are still starting.
+const SHUTDOWN_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Started containers waiting for sessions, and how many are being started.
 #[derive(Default)]
 struct Pool {
     ready: std::sync::Mutex<Vec<session::Warm>>,
     starting: std::sync::atomic::AtomicUsize,
     closed: std::sync::atomic::AtomicBool,
+    /// The containers being started, so that shutdown can wait for them to be removed.
+    tasks: tokio_util::task::TaskTracker,
 }
 
 impl DockerExecutor {
@@ -312,7 +317,7 @@ impl DockerExecutor {
         };
         for _ in 0..want {
             let executor = self.clone();
-            tokio::spawn(async move {
+            pool.tasks.spawn(async move {
                 let started = session::DockerSession::prestart(&executor).await;
                 let pool = &executor.inner.pool;
                 pool.starting.fetch_sub(1, Ordering::SeqCst);
@@ -351,7 +356,8 @@ impl DockerExecutor {
         None
     }
 
-    /// Stops refilling the pool and removes its containers (daemon shutdown).
+    /// Stops refilling the pool and removes its containers (daemon shutdown), including
+    /// those still starting: each removes itself once started, and this waits for that.
     pub async fn shutdown(&self) {
         let pool = &self.inner.pool;
         pool.closed.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -361,6 +367,15 @@ impl DockerExecutor {
         };
         for warm in ready {
             warm.remove().await;
+        }
+        pool.tasks.close();
+        if tokio::time::timeout(SHUTDOWN_WAIT, pool.tasks.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "warm-pool containers still starting after 30 s; the next Tandem reaps them"
+            );
         }
     }
 
