@@ -337,5 +337,10 @@ mod tests {
     fn unknown_keys_are_rejected_with_their_name() {
         let err = toml::from_str::<FileConfig>("[model]\nbase_ur = \"x\"\n").unwrap_err();
         assert!(err.to_string().contains("unknown field `base_ur`"), "{err}");
+        // Settings no executor would honour are refused, not silently ignored.
+        for key in ["pids = 10", "network = true"] {
+            let err = toml::from_str::<FileConfig>(&format!("[limits]\n{key}\n")).unwrap_err();
+            assert!(err.to_string().contains("unknown field"), "{key}: {err}");
+        }
     }
 }

@@ -250,7 +250,10 @@ impl Db {
                     .prepare_cached("ROLLBACK")
                     .and_then(|mut s| s.execute([]));
             }
-            let _ = self.reload();
+            if let Err(e) = self.reload() {
+                // The rollback itself is sound; only the in-memory counts may now be off.
+                tracing::error!(error = %e, "cannot re-read the queue and task counts after a rollback; /metrics may be off until the daemon restarts");
+            }
         }
         result
     }

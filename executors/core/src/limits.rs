@@ -3,6 +3,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 /// Resource policy for every block in a session; each backend enforces it its own way.
+/// Network access and process counts are the container executor's own settings.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Limits {
@@ -17,12 +18,8 @@ pub struct Limits {
     pub file_size_bytes: Option<u64>,
     /// Most open files per process.
     pub open_files: Option<u64>,
-    /// Most processes (containers only; local processes share the user's count).
-    pub pids: Option<u64>,
     /// Bytes of each output stream kept for the model (head and tail kept, middle cut).
     pub output_bytes: usize,
-    /// Whether code may reach the network (where the backend can enforce it).
-    pub network: bool,
 }
 
 impl Default for Limits {
@@ -33,9 +30,7 @@ impl Default for Limits {
             cpu_secs: Some(120),
             file_size_bytes: Some(1 << 30),
             open_files: Some(1024),
-            pids: Some(256),
             output_bytes: 64 << 10,
-            network: false,
         }
     }
 }
