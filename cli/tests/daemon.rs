@@ -747,35 +747,17 @@ async fn tasks_can_run_in_the_wasm_sandbox() {
 
 /// `id` of every container the Tandem with process id `pid` owns.
 fn containers_of(pid: u32) -> Vec<String> {
-    let out = std::process::Command::new("docker")
-        .args([
-            "ps",
-            "-a",
-            "--filter",
-            "label=tandem.owner",
-            "--format",
-            "{{.ID}} {{.Label \"tandem.owner\"}}",
-        ])
-        .output()
-        .expect("the docker CLI");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let mine = format!("/{pid}:");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.split_once(' '))
+    crate::e2e::tandem_containers()
+        .into_iter()
         .filter(|(_, owner)| owner.contains(&mine))
-        .map(|(id, _)| id.to_owned())
+        .map(|(id, _)| id)
         .collect()
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_removes_the_warm_docker_pool() {
-    let image =
-        std::env::var("TANDEM_DOCKER_IMAGE").unwrap_or_else(|_| "tandem-sandbox:latest".to_owned());
+    let image = crate::e2e::sandbox_image();
     let server = ScriptedOpenAi::start(two_turns([(
         "docker task".to_owned(),
         "print('in a container')".to_owned(),

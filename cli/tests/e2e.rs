@@ -783,12 +783,12 @@ async fn ctrl_c_cancels_cleanly_and_kills_the_block() {
     );
 }
 
-fn sandbox_image() -> String {
+pub(crate) fn sandbox_image() -> String {
     std::env::var("TANDEM_DOCKER_IMAGE").unwrap_or_else(|_| "tandem-sandbox:latest".to_owned())
 }
 
 /// `id owner` of every container Tandem labelled.
-fn tandem_containers() -> Vec<(String, String)> {
+pub(crate) fn tandem_containers() -> Vec<(String, String)> {
     let out = std::process::Command::new("docker")
         .args([
             "ps",

@@ -262,27 +262,24 @@ async fn run_one(
     // A read can end inside a character; its first bytes wait for the rest, so live output
     // shows `é`, not two replacement characters.
     let pending = Arc::new(std::sync::Mutex::new([Vec::new(), Vec::new()]));
-    let emit = {
-        let (events, pending) = (events.clone(), pending.clone());
-        move |stream: OutputStream, bytes: &[u8], end: bool| {
-            let Ok(mut pending) = pending.lock() else {
-                return;
-            };
-            let buf = &mut pending[stream as usize];
-            buf.extend_from_slice(bytes);
-            let cut = if end { buf.len() } else { complete_utf8(buf) };
-            if cut == 0 {
-                return;
-            }
-            let text = String::from_utf8_lossy(&buf[..cut]).into_owned();
-            buf.drain(..cut);
-            events(EventMsg::ExecOutput {
-                turn,
-                index,
-                stream,
-                text,
-            });
+    let emit = move |stream: OutputStream, bytes: &[u8], end: bool| {
+        let Ok(mut pending) = pending.lock() else {
+            return;
+        };
+        let buf = &mut pending[stream as usize];
+        buf.extend_from_slice(bytes);
+        let cut = if end { buf.len() } else { complete_utf8(buf) };
+        if cut == 0 {
+            return;
         }
+        let text = String::from_utf8_lossy(&buf[..cut]).into_owned();
+        buf.drain(..cut);
+        events(EventMsg::ExecOutput {
+            turn,
+            index,
+            stream,
+            text,
+        });
     };
     let sink = {
         let emit = emit.clone();

@@ -321,12 +321,6 @@ impl Store {
         })
     }
 
-    /// Adds a queued task.
-    pub fn create(&self, id: &str, spec: &TaskSpec, now_ms: u64) -> Result<TaskRecord> {
-        self.with_db(|db| create(db, id, spec, now_ms))?;
-        Ok(TaskRecord::queued(id, spec.clone(), now_ms))
-    }
-
     /// Applies changes (of any tasks, in order) in one transaction, so a burst costs one
     /// commit, one log sync. Returns the events as stored.
     pub fn apply(&self, changes: &[Change]) -> Result<Vec<(String, Event)>> {
@@ -605,11 +599,15 @@ fn to_json<T: Serialize>(value: &T) -> String {
 mod tests {
     use super::*;
 
-    fn spec(task: &str) -> TaskSpec {
-        TaskSpec {
+    /// Adds queued task `id`, asking `task`.
+    fn create(store: &Store, id: &str, task: &str, now_ms: u64) {
+        let spec = TaskSpec {
             task: task.to_owned(),
             ..TaskSpec::default()
-        }
+        };
+        store
+            .apply(&[Change::Create(id.into(), Box::new(spec), now_ms)])
+            .unwrap();
     }
 
     #[test]
@@ -618,8 +616,8 @@ mod tests {
         let path = dir.path().join("tandem.db");
         {
             let store = Store::open(&path).unwrap();
-            store.create("a", &spec("first"), 1).unwrap();
-            store.create("b", &spec("second"), 2).unwrap();
+            create(&store, "a", "first", 1);
+            create(&store, "b", "second", 2);
             let stored = store
                 .apply(&[
                     Change::State("a".into(), TaskState::Running, 3),
@@ -683,7 +681,7 @@ mod tests {
     fn finishing_records_the_end() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("t.db")).unwrap();
-        store.create("t", &spec("x"), 1).unwrap();
+        create(&store, "t", "x", 1);
         store
             .apply(&[Change::Event(
                 "t".into(),
@@ -738,7 +736,7 @@ mod tests {
         {
             let store = Store::open(&path).unwrap();
             for id in ["a", "b", "c", "d"] {
-                store.create(id, &spec(id), 1).unwrap();
+                create(&store, id, id, 1);
             }
             assert_eq!(counts(&store), [4, 0, 0, 0]);
             store.set_state("a", TaskState::Running, 2).unwrap();
@@ -766,7 +764,7 @@ mod tests {
         store.set_state("b", TaskState::Queued, 5).unwrap();
         assert_eq!(counts(&store), [3, 0, 0, 1]);
         // Queue order continues after the tasks already stored.
-        store.create("e", &spec("e"), 6).unwrap();
+        create(&store, "e", "e", 6);
         let order: Vec<String> = store
             .list(Some(TaskState::Queued))
             .unwrap()

@@ -613,8 +613,7 @@ impl Batch {
             Some(i) => match merge(&mut self.held[i].msg, msg) {
                 None => return,
                 Some(msg) => {
-                    let h = self.held.swap_remove(i);
-                    self.changes.push(Change::Event(h.id, h.msg, h.at));
+                    self.unhold(i);
                     msg
                 }
             },
@@ -628,11 +627,16 @@ impl Batch {
         });
     }
 
+    /// Moves held piece `i` into the batch.
+    fn unhold(&mut self, i: usize) {
+        let h = self.held.swap_remove(i);
+        self.changes.push(Change::Event(h.id, h.msg, h.at));
+    }
+
     /// Moves task `id`'s held piece into the batch.
     fn release(&mut self, id: &str) {
         if let Some(i) = self.held.iter().position(|h| h.id == id) {
-            let h = self.held.swap_remove(i);
-            self.changes.push(Change::Event(h.id, h.msg, h.at));
+            self.unhold(i);
         }
     }
 
@@ -642,8 +646,7 @@ impl Batch {
         let mut i = 0;
         while i < self.held.len() {
             if due(&self.held[i]) {
-                let h = self.held.swap_remove(i);
-                self.changes.push(Change::Event(h.id, h.msg, h.at));
+                self.unhold(i);
             } else {
                 i += 1;
             }
@@ -999,7 +1002,9 @@ mod tests {
     fn a_bad_change_in_a_batch_costs_only_itself() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("tandem.db")).unwrap();
-        store.create("a", &TaskSpec::default(), 1).unwrap();
+        store
+            .apply(&[Change::Create("a".into(), Box::default(), 1)])
+            .unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         let (live, mut seen) = broadcast::channel(16);
         tx.send(Write::State("a".into(), TaskState::Running, 2))
