@@ -25,6 +25,36 @@ pub struct FileConfig {
     pub limits: Option<Limits>,
     #[serde(default)]
     pub executors: ExecutorsSection,
+    #[serde(default)]
+    pub policy: PolicySection,
+}
+
+/// `[policy]`: what API clients of a daemon may ask for.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicySection {
+    /// Executors clients may use (default: every available one but `local`).
+    pub executors: Option<Vec<String>>,
+    /// Longest task timeout a client may ask for, seconds.
+    pub max_timeout_secs: Option<u64>,
+    /// Longest block timeout a client may ask for, seconds.
+    pub max_block_timeout_secs: Option<u64>,
+    /// Most turns a client may ask for.
+    pub max_turns: Option<u32>,
+    /// Model servers a task may name besides the configured one.
+    #[serde(default)]
+    pub model_endpoints: Vec<EndpointSection>,
+}
+
+/// One `[[policy.model_endpoints]]` entry.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointSection {
+    pub base_url: String,
+    /// The key sent to this endpoint only.
+    pub api_key: Option<String>,
+    /// Read the key from this environment variable instead.
+    pub api_key_env: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -37,6 +67,8 @@ pub struct ModelSection {
     pub max_retries: Option<u32>,
     pub temperature: Option<f32>,
     pub max_tokens: Option<u32>,
+    /// Most bytes of one reply kept; a server streaming past it is cut off.
+    pub max_reply_bytes: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -182,7 +214,72 @@ pub fn model_config(flags: &ModelFlags, file: &FileConfig) -> Result<ModelConfig
         max_retries,
         temperature: m.temperature,
         max_tokens: m.max_tokens,
+        max_reply_bytes: match m.max_reply_bytes {
+            Some(0) => bail!("[model] max_reply_bytes must be at least 1"),
+            Some(n) => n,
+            None => defaults.max_reply_bytes,
+        },
         ..defaults
+    })
+}
+
+/// The daemon's policy for API clients, from `[policy]`.
+pub fn policy(file: &FileConfig) -> Result<tandem_daemon::Policy> {
+    use tandem_daemon::policy;
+    let p = &file.policy;
+    let secs = |value: Option<u64>, key: &str, default: Duration| match value {
+        Some(0) => bail!("[policy] {key} must be at least 1"),
+        Some(n) => Ok(Duration::from_secs(n)),
+        None => Ok(default),
+    };
+    let endpoints = p
+        .model_endpoints
+        .iter()
+        .map(|e| {
+            if !(e.base_url.starts_with("http://") || e.base_url.starts_with("https://")) {
+                bail!(
+                    "[[policy.model_endpoints]] base_url `{}` must start with http:// or https://",
+                    e.base_url
+                );
+            }
+            let api_key = match (&e.api_key, &e.api_key_env) {
+                (Some(_), Some(_)) => bail!(
+                    "[[policy.model_endpoints]] {}: give api_key or api_key_env, not both",
+                    e.base_url
+                ),
+                (Some(key), None) => Some(key.clone()),
+                (None, Some(var)) => Some(env(var).with_context(|| {
+                    format!(
+                        "[[policy.model_endpoints]] {}: the environment variable {var} named by api_key_env is not set",
+                        e.base_url
+                    )
+                })?),
+                (None, None) => None,
+            };
+            Ok(tandem_daemon::Endpoint {
+                base_url: e.base_url.trim_end_matches('/').to_owned(),
+                api_key,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(tandem_daemon::Policy {
+        executors: p.executors.clone(),
+        endpoints,
+        max_timeout: secs(
+            p.max_timeout_secs,
+            "max_timeout_secs",
+            policy::DEFAULT_MAX_TIMEOUT,
+        )?,
+        max_block_timeout: secs(
+            p.max_block_timeout_secs,
+            "max_block_timeout_secs",
+            policy::DEFAULT_MAX_BLOCK_TIMEOUT,
+        )?,
+        max_turns: match p.max_turns {
+            Some(0) => bail!("[policy] max_turns must be at least 1"),
+            Some(n) => n,
+            None => policy::DEFAULT_MAX_TURNS,
+        },
     })
 }
 

@@ -66,14 +66,27 @@ pub fn default_socket(state_dir: &Path) -> PathBuf {
     }
 }
 
+/// Shortest token accepted: anything shorter can be guessed over the network.
+const MIN_TOKEN_CHARS: usize = 16;
+
 /// The TCP token: `TANDEM_TOKEN`, else the token file in the state dir (made on first use).
+/// An empty or short token is refused: it would let anyone in.
 pub fn token(state_dir: &Path, create: bool) -> Result<Option<String>> {
+    let strong = |token: String, from: &dyn std::fmt::Display| {
+        if token.chars().count() < MIN_TOKEN_CHARS {
+            bail!(
+                "the token in {from} is {} characters; use at least {MIN_TOKEN_CHARS} (delete the token file to have one generated)",
+                token.chars().count()
+            );
+        }
+        Ok(Some(token))
+    };
     if let Some(t) = std::env::var("TANDEM_TOKEN").ok().filter(|t| !t.is_empty()) {
-        return Ok(Some(t));
+        return strong(t, &"TANDEM_TOKEN");
     }
     let path = state_dir.join("token");
     match std::fs::read_to_string(&path) {
-        Ok(t) => Ok(Some(t.trim().to_owned())),
+        Ok(t) => strong(t.trim().to_owned(), &path.display()),
         Err(_) if create => {
             use std::io::Write;
             use std::os::unix::fs::OpenOptionsExt;
@@ -89,8 +102,9 @@ pub fn token(state_dir: &Path, create: bool) -> Result<Option<String>> {
                 .open(&path)
                 .with_context(|| format!("cannot write the token file {}", path.display()))?;
             f.write_all(token.as_bytes())?;
+            // Only where it is: logs are read by more people than the token file.
             eprintln!(
-                "tandem: generated a TCP token in {} (send it as `Authorization: Bearer <token>`): {token}",
+                "tandem: generated a TCP token in {} (owner-only; send it as `Authorization: Bearer <token>`)",
                 path.display()
             );
             Ok(Some(token))
@@ -99,7 +113,14 @@ pub fn token(state_dir: &Path, create: bool) -> Result<Option<String>> {
     }
 }
 
+/// A daemon task's wall-clock limit when neither it nor `[task] timeout_secs` sets one.
+const DEFAULT_TASK_TIMEOUT_SECS: u64 = 1800;
+
 pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
+    // The daemon holds the model's API key (in its environment) and the token: code running
+    // as the same user (the local executor) must not read them from /proc/<daemon>/environ,
+    // mem or fd. A non-dumpable process's /proc entries belong to root.
+    nix::sys::prctl::set_dumpable(false).context("cannot make the daemon non-dumpable")?;
     let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
     std::fs::create_dir_all(&state_dir)
         .with_context(|| format!("cannot create the state dir {}", state_dir.display()))?;
@@ -137,7 +158,7 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
                 let (name, why) = crate::executors::without_docker(why, wasm.as_ref());
                 if name == "local" {
                     eprintln!(
-                        "tandem: warning: tasks default to the local executor, which is not a security boundary ({why})"
+                        "tandem: warning: no sandbox is available here ({why}); tasks default to the local executor"
                     );
                 } else {
                     tracing::info!(executor = name, %why, "default executor chosen");
@@ -179,6 +200,28 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
         }
     };
     executors.get(&default_executor)?;
+    let mut policy = config::policy(&file)?;
+    for name in policy.executors.iter().flatten() {
+        executors.get(name).with_context(|| {
+            format!("[policy] executors names `{name}`, which this daemon does not have")
+        })?;
+    }
+    // Naming `local` as the tasks' executor (not `auto` landing on it) is the operator's
+    // choice to offer it.
+    if policy.executors.is_none() && name == tandem_daemon::policy::LOCAL {
+        policy.executors = Some(executors.names().into_iter().map(str::to_owned).collect());
+    }
+    if policy.offers(tandem_daemon::policy::LOCAL) {
+        eprintln!(
+            "tandem: warning: API clients may use the local executor, which is not a security boundary: its code runs as this daemon's user and can read the daemon's files (its store and token among them)"
+        );
+    }
+    if !policy.offers(&default_executor) {
+        eprintln!(
+            "tandem: warning: {}",
+            policy.not_offered(&default_executor, &executors)
+        );
+    }
     if let Some(d) = &docker {
         if default_executor == "docker" {
             d.warm_up();
@@ -187,7 +230,10 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
     let defaults = TaskDefaults {
         executor: default_executor.clone(),
         max_turns: file.task.max_turns.unwrap_or(10),
-        timeout: file.task.timeout_secs.map(Duration::from_secs),
+        // A task that names no timeout gets this one: nothing a client forgets runs forever.
+        timeout: Some(Duration::from_secs(
+            file.task.timeout_secs.unwrap_or(DEFAULT_TASK_TIMEOUT_SECS),
+        )),
         termination: file
             .task
             .termination
@@ -207,6 +253,7 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
             executors,
             defaults,
             max_concurrent,
+            policy,
         },
     );
 

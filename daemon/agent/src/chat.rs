@@ -34,7 +34,14 @@ pub struct ModelConfig {
     pub temperature: Option<f32>,
     /// Reply length cap, when set.
     pub max_tokens: Option<u32>,
+    /// Most bytes of one reply that are kept: a server that never stops streaming is cut
+    /// off here, and the reply ends as if it had hit its length limit.
+    pub max_reply_bytes: usize,
 }
+
+/// Default for [`ModelConfig::max_reply_bytes`]: far above any real reply (a 32k-token reply
+/// is about 128 KiB).
+pub const DEFAULT_MAX_REPLY_BYTES: usize = 1 << 20;
 
 impl Default for ModelConfig {
     fn default() -> Self {
@@ -49,6 +56,7 @@ impl Default for ModelConfig {
             idle_timeout: Duration::from_secs(300),
             temperature: None,
             max_tokens: None,
+            max_reply_bytes: DEFAULT_MAX_REPLY_BYTES,
         }
     }
 }
@@ -217,6 +225,7 @@ impl ChatModel {
             .await
             .map_err(|e| self.classify(e))?;
         let mut done = Completion::default();
+        let max = self.config.max_reply_bytes;
         while let Some(chunk) = stream.next().await {
             let chunk = chunk.map_err(|e| self.classify(e))?;
             if let Some(u) = chunk.usage {
@@ -224,14 +233,25 @@ impl ChatModel {
             }
             for choice in chunk.choices {
                 if let Some(text) = choice.delta.and_then(|d| d.content) {
+                    let text =
+                        &text[..floor_char_boundary(&text, max.saturating_sub(done.text.len()))];
                     if !text.is_empty() {
-                        progress(ModelProgress::Delta(&text));
-                        done.text.push_str(&text);
+                        progress(ModelProgress::Delta(text));
+                        done.text.push_str(text);
                     }
                 }
                 if choice.finish_reason.is_some() {
                     done.finish_reason = choice.finish_reason;
                 }
+            }
+            if done.text.len() + 4 > max {
+                // Dropping the stream closes the connection: the server stops generating.
+                tracing::warn!(
+                    bytes = done.text.len(),
+                    "the model's reply reached max_reply_bytes; it is cut off there"
+                );
+                done.finish_reason = Some("length".to_owned());
+                break;
             }
         }
         Ok(done)
@@ -245,11 +265,13 @@ impl ChatModel {
             .await
             .map_err(|e| self.classify(e))?;
         let choice = reply.choices.into_iter().next();
+        let mut text = choice
+            .as_ref()
+            .and_then(|c| c.message.content.clone())
+            .unwrap_or_default();
+        text.truncate(floor_char_boundary(&text, self.config.max_reply_bytes));
         Ok(Completion {
-            text: choice
-                .as_ref()
-                .and_then(|c| c.message.content.clone())
-                .unwrap_or_default(),
+            text,
             usage: reply.usage.map(Into::into),
             finish_reason: choice.and_then(|c| c.finish_reason),
         })
@@ -395,6 +417,14 @@ fn tls_config(https: bool) -> Result<rustls::ClientConfig, ModelError> {
 }
 
 /// The innermost cause, which for reqwest is the useful part ("Connection refused").
+/// The largest index at most `at` that starts a character of `s` (or its length).
+fn floor_char_boundary(s: &str, at: usize) -> usize {
+    if at >= s.len() {
+        return s.len();
+    }
+    (0..=at).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0)
+}
+
 fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
     let mut cur = e;
     while let Some(next) = cur.source() {

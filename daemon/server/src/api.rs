@@ -59,6 +59,7 @@ impl From<TaskError> for ApiError {
             TaskError::Invalid(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
             TaskError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             TaskError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
+            TaskError::NotAllowed(_) => (StatusCode::BAD_REQUEST, "not_allowed"),
             TaskError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down"),
             TaskError::Store(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };
@@ -273,19 +274,24 @@ async fn resume_task(
 
 async fn executors(State(state): State<AppState>) -> Json<serde_json::Value> {
     let executors = state.supervisor.executors();
+    let policy = state.supervisor.policy();
     let checks = executors.iter().map(|e| e.health());
     let health = futures::future::join_all(checks).await;
     let list: Vec<serde_json::Value> = executors
         .iter()
         .zip(health)
         .map(|(e, health)| {
+            let offered = policy.offers(e.name());
             let mut entry = json!({
                 "name": e.name(),
                 "languages": e.languages().iter().map(|l| l.as_str()).collect::<Vec<_>>(),
                 "health": if health.is_ok() { "ok" } else { "unavailable" },
+                "offered": offered,
             });
             if let Err(problem) = health {
                 entry["problem"] = json!(problem);
+            } else if !offered {
+                entry["problem"] = json!(policy.not_offered(e.name(), executors));
             }
             entry
         })

@@ -3,10 +3,12 @@
 
 pub mod api;
 pub mod metrics;
+pub mod policy;
 pub mod serve;
 pub mod store;
 pub mod supervisor;
 
+pub use policy::{Endpoint, Policy};
 pub use serve::{Listeners, bind_unix, serve};
 pub use store::{Store, StoreError, TaskRecord, TaskState};
 pub use supervisor::{Supervisor, SupervisorConfig, TaskDefaults, TaskError};

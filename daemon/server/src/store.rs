@@ -341,9 +341,30 @@ impl Store {
         })
     }
 
-    /// Marks a task running (or queued, interrupted) without an event.
-    pub fn set_state(&self, id: &str, state: TaskState, now_ms: u64) -> Result<()> {
-        self.with_db(|db| set_state(db, id, state, now_ms))
+    /// Moves a task from `from` to `to` in one statement, only if it is still in `from`;
+    /// `false` when it was not (another request changed it first, or there is no such task).
+    pub fn transition(
+        &self,
+        id: &str,
+        from: TaskState,
+        to: TaskState,
+        now_ms: u64,
+    ) -> Result<bool> {
+        self.with_db(|db| {
+            let changed = db
+                .conn
+                .prepare_cached(
+                    "UPDATE tasks SET state = ?3,
+                        started_ms = CASE WHEN ?3 = 'running' THEN ?4 ELSE started_ms END
+                     WHERE id = ?1 AND state = ?2",
+                )?
+                .execute(params![id, from.as_str(), to.as_str(), now_ms as i64])?;
+            if changed == 1 {
+                db.counts[from as usize] = db.counts[from as usize].saturating_sub(1);
+                db.counts[to as usize] += 1;
+            }
+            Ok(changed == 1)
+        })
     }
 
     /// One task, if it exists.
@@ -739,9 +760,12 @@ mod tests {
                 create(&store, id, id, 1);
             }
             assert_eq!(counts(&store), [4, 0, 0, 0]);
-            store.set_state("a", TaskState::Running, 2).unwrap();
-            store.set_state("b", TaskState::Running, 2).unwrap();
-            store.set_state("nope", TaskState::Running, 2).unwrap();
+            let (queued, running) = (TaskState::Queued, TaskState::Running);
+            assert!(store.transition("a", queued, running, 2).unwrap());
+            assert!(store.transition("b", queued, running, 2).unwrap());
+            // Only from the state it is in, and only tasks that exist.
+            assert!(!store.transition("b", queued, running, 2).unwrap());
+            assert!(!store.transition("nope", queued, running, 2).unwrap());
             assert_eq!(counts(&store), [2, 2, 0, 0]);
             store
                 .apply(&[Change::Event("a".into(), done(1), 3)])
@@ -761,7 +785,11 @@ mod tests {
         assert_eq!(counts(&store), [2, 1, 0, 1]);
         assert_eq!(store.interrupt_running().unwrap(), ["b"]);
         assert_eq!(counts(&store), [2, 0, 1, 1]);
-        store.set_state("b", TaskState::Queued, 5).unwrap();
+        assert!(
+            store
+                .transition("b", TaskState::Interrupted, TaskState::Queued, 5)
+                .unwrap()
+        );
         assert_eq!(counts(&store), [3, 0, 0, 1]);
         // Queue order continues after the tasks already stored.
         create(&store, "e", "e", 6);

@@ -15,6 +15,7 @@ use tokio::sync::{Semaphore, broadcast};
 use tokio_util::task::TaskTracker;
 
 use crate::metrics::Metrics;
+use crate::policy::Policy;
 use crate::store::{Change, Store, StoreError, TaskRecord, TaskState};
 
 /// Defaults for what a [`TaskSpec`] leaves out.
@@ -57,6 +58,8 @@ pub struct SupervisorConfig {
     pub defaults: TaskDefaults,
     /// Most tasks running at once; the rest wait in FIFO order.
     pub max_concurrent: usize,
+    /// What API clients may ask for.
+    pub policy: Policy,
 }
 
 /// Why a request about tasks failed; the API turns these into 4xx/5xx answers.
@@ -71,6 +74,9 @@ pub enum TaskError {
     /// The task is in a state that does not allow this.
     #[error("{0}")]
     Conflict(String),
+    /// The operator's policy does not allow it.
+    #[error("{0}")]
+    NotAllowed(String),
     /// The daemon is stopping.
     #[error("the daemon is shutting down and takes no new work")]
     ShuttingDown,
@@ -155,6 +161,11 @@ impl Supervisor {
         &self.config.executors
     }
 
+    /// What API clients may ask for.
+    pub fn policy(&self) -> &Policy {
+        &self.config.policy
+    }
+
     /// Live events of every task, after they are stored.
     pub fn subscribe(&self) -> broadcast::Receiver<Arc<(String, Event)>> {
         self.live.subscribe()
@@ -221,15 +232,24 @@ impl Supervisor {
                 "the task is empty; say what to do in `task`".to_owned(),
             ));
         }
-        let executor = spec
+        let name = spec
             .executor
             .as_deref()
             .unwrap_or(&self.config.defaults.executor);
         let executor = self
             .config
             .executors
-            .get(executor)
+            .get(name)
             .map_err(|e| TaskError::Invalid(e.to_string()))?;
+        let policy = &self.config.policy;
+        if !policy.offers(name) {
+            return Err(TaskError::NotAllowed(
+                policy.not_offered(name, &self.config.executors),
+            ));
+        }
+        policy
+            .check(spec, &self.config.model.base_url)
+            .map_err(|e| TaskError::NotAllowed(e.0))?;
         if let Some(asked) = &spec.languages {
             allowed_languages(asked, executor.as_ref())
                 .map_err(|e| TaskError::Invalid(e.to_string()))?;
@@ -268,12 +288,20 @@ impl Supervisor {
                 "task `{id}` already finished ({}); there is nothing to cancel",
                 record.stop_reason.map_or("unknown", StopReason::as_str)
             ))),
-            TaskState::Interrupted => {
+            // Only if no resume took it first; then it is queued and cancelled below.
+            TaskState::Interrupted
+                if self.store.transition(
+                    id,
+                    TaskState::Interrupted,
+                    TaskState::Finished,
+                    now_ms(),
+                )? =>
+            {
                 self.record(id, finished(StopReason::Cancelled, record.turns, None));
                 self.flush();
                 Ok(self.store.get(id)?.unwrap_or(record))
             }
-            TaskState::Queued | TaskState::Running => {
+            TaskState::Interrupted | TaskState::Queued | TaskState::Running => {
                 if let Some(token) = self.active.lock().ok().and_then(|a| a.get(id).cloned()) {
                     token.cancel();
                 }
@@ -291,14 +319,24 @@ impl Supervisor {
             .store
             .get(id)?
             .ok_or_else(|| TaskError::NotFound(id.to_owned()))?;
-        if record.state != TaskState::Interrupted {
-            return Err(TaskError::Conflict(format!(
+        let conflict = |state: TaskState| {
+            TaskError::Conflict(format!(
                 "task `{id}` is {}; only interrupted tasks can be resumed",
-                record.state.as_str()
-            )));
+                state.as_str()
+            ))
+        };
+        if record.state != TaskState::Interrupted {
+            return Err(conflict(record.state));
         }
         let history = history(&self.store.events_after(id, 0)?);
-        self.store.set_state(id, TaskState::Queued, now_ms())?;
+        // Two resumes can both pass the check above; only the one whose change finds the
+        // task still interrupted runs it.
+        if !self
+            .store
+            .transition(id, TaskState::Interrupted, TaskState::Queued, now_ms())?
+        {
+            return Err(conflict(TaskState::Queued));
+        }
         self.enqueue(id.to_owned(), record.spec.clone(), history);
         Ok(TaskRecord {
             state: TaskState::Queued,
@@ -508,11 +546,23 @@ impl Supervisor {
         Ok((settings, model, executor))
     }
 
-    /// The chat model for a task's URL and model, built once per pair.
+    /// The chat model for a task's URL and model, built once per pair. A task's URL gets the
+    /// key configured for that endpoint, never the daemon's own.
     fn model(&self, spec: &TaskSpec) -> Result<ChatModel, ErrorInfo> {
         let mut config = self.config.model.clone();
         if let Some(url) = &spec.base_url {
-            config.base_url = url.clone();
+            let endpoint = self
+                .config
+                .policy
+                .endpoint(url, &self.config.model.base_url)
+                .map_err(|e| ErrorInfo {
+                    code: ErrorCode::InvalidRequest,
+                    message: e.0,
+                })?;
+            if let Some(endpoint) = endpoint {
+                config.base_url = endpoint.base_url.clone();
+                config.api_key = endpoint.api_key.clone();
+            }
         }
         if let Some(model) = &spec.model {
             config.model = model.clone();
@@ -523,6 +573,10 @@ impl Supervisor {
         }
         let model = ChatModel::new(config).map_err(ErrorInfo::from)?;
         if let Ok(mut models) = self.models.lock() {
+            // Model names are the client's to choose; the cache must not grow with them.
+            if models.len() >= MODEL_CACHE {
+                models.clear();
+            }
             models.insert(key, model.clone());
         }
         Ok(model)
@@ -540,6 +594,9 @@ enum Write {
 
 /// Where the writer says whether a new task was committed.
 type Created = tokio::sync::oneshot::Sender<Result<(), StoreError>>;
+
+/// Most chat clients kept for reuse (one per endpoint and model name).
+const MODEL_CACHE: usize = 32;
 
 /// Store calls from the API running at once on the blocking pool.
 const STORE_CALLS: usize = 2;

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Instant;
 
-use tandem_executor::workspace::{filename_directive, resolve_inside};
+use tandem_executor::workspace::write_block_script;
 use tandem_executor::{
     BoxFuture, CaptureBuffer, ExecContext, ExecError, ExecOutcome, ExecRequest, Executor,
     ExitStatus, Language, Limits, Session, SessionSpec, Stream,
@@ -95,16 +95,11 @@ impl Session for PerlSession {
                 ));
             }
             self.blocks += 1;
-            let script = match filename_directive(&req.code) {
-                Some(name) => match resolve_inside(&self.dir, name) {
-                    Ok(path) => path,
-                    Err(e) => return Ok(ExecOutcome::refused(&e.to_string())),
-                },
-                None => self.dir.join(format!(".block_{}.pl", self.blocks)),
+            // Never a plain write: earlier blocks may have planted links in the workspace.
+            let script = match write_block_script(&self.dir, &req.code, self.blocks, "pl") {
+                Ok(script) => script.path,
+                Err(e) => return Ok(ExecOutcome::refused(&e.to_string())),
             };
-            tokio::fs::write(&script, &req.code)
-                .await
-                .map_err(|e| ExecError::io("writing the block", e))?;
             let mut child = tokio::process::Command::new("perl")
                 .arg(&script)
                 .current_dir(&self.dir)

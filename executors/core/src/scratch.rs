@@ -12,8 +12,13 @@ use crate::{ExecError, owner};
 
 /// This process's root for `prefix`: `$TMPDIR/<prefix><pid>-<start-time>`.
 pub fn process_root(prefix: &str) -> PathBuf {
+    process_root_in(&std::env::temp_dir(), prefix)
+}
+
+/// This process's root for `prefix` in `base`: `<base>/<prefix><pid>-<start-time>`.
+pub fn process_root_in(base: &Path, prefix: &str) -> PathBuf {
     let pid = std::process::id();
-    std::env::temp_dir().join(format!(
+    base.join(format!(
         "{prefix}{pid}-{}",
         owner::start_time(pid).unwrap_or_default()
     ))
@@ -92,7 +97,12 @@ pub fn remove_root_if_empty(root: &Path) {
 
 /// Removes the roots for `prefix` whose owner process has died; returns how many it removed.
 pub fn reap_dead_roots(prefix: &str) -> usize {
-    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+    reap_dead_roots_in(&std::env::temp_dir(), prefix)
+}
+
+/// [`reap_dead_roots`] in `base` instead of `$TMPDIR`.
+pub fn reap_dead_roots_in(base: &Path, prefix: &str) -> usize {
+    let Ok(entries) = std::fs::read_dir(base) else {
         return 0;
     };
     let mut reaped = 0;

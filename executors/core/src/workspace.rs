@@ -14,29 +14,75 @@ pub fn filename_directive(code: &str) -> Option<&str> {
     (!name.is_empty()).then_some(name)
 }
 
-/// Where a block's code is written: the path its `# filename:` line names, or else a hidden
-/// file `.tandem-block-N.EXT` that is removed after the run (`transient`). Running from a
-/// file in the workspace lets imports see the files earlier blocks saved, as when a person
-/// runs a script in that directory.
-pub fn block_script(
+/// Writes a block's code where it runs from: the path its `# filename:` line names, or else
+/// a hidden file `.tandem-block-N.EXT` that is removed after the run (`transient`). Running
+/// from a file in the workspace lets imports see the files earlier blocks saved, as when a
+/// person runs a script in that directory.
+///
+/// Code that ran earlier in the session can change the workspace, so every step here is
+/// resolved beneath the workspace's directory handle (`cap-std`): a symbolic link or `..`
+/// that leads out of it is refused, never followed, and nothing is created outside. A
+/// transient name is unlinked and made afresh, so a link planted under it redirects nothing.
+pub fn write_block_script(
     workspace: &Path,
     code: &str,
     block: u32,
     extension: &str,
 ) -> Result<BlockScript, PathError> {
-    Ok(match filename_directive(code) {
-        Some(name) => BlockScript {
-            path: resolve_inside(workspace, name)?,
-            transient: false,
+    use std::io::Write;
+    let (rel, shown, transient) = match filename_directive(code) {
+        Some(name) => (clean_relative(name)?, name.to_owned(), false),
+        None => {
+            let name = format!(".tandem-block-{block}.{extension}");
+            (PathBuf::from(&name), name, true)
+        }
+    };
+    let dir = cap_std::fs::Dir::open_ambient_dir(workspace, cap_std::ambient_authority()).map_err(
+        |source| PathError::Io {
+            path: shown.clone(),
+            source,
         },
-        None => BlockScript {
-            path: workspace.join(format!(".tandem-block-{block}.{extension}")),
-            transient: true,
-        },
+    )?;
+    // A failure with a link on the way is (most likely) a link that leads out: say so.
+    let fail = |source: std::io::Error| {
+        let mut prefix = PathBuf::new();
+        for part in rel.iter() {
+            prefix.push(part);
+            if dir
+                .symlink_metadata(&prefix)
+                .is_ok_and(|m| m.file_type().is_symlink())
+            {
+                return PathError::ThroughLink(shown.clone());
+            }
+        }
+        PathError::Io {
+            path: shown.clone(),
+            source,
+        }
+    };
+    if let Some(parent) = rel.parent().filter(|p| !p.as_os_str().is_empty()) {
+        dir.create_dir_all(parent).map_err(&fail)?;
+    }
+    let mut options = cap_std::fs::OpenOptions::new();
+    options.write(true);
+    if transient {
+        match dir.remove_file(&rel) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(fail(e)),
+            _ => {}
+        }
+        options.create_new(true);
+    } else {
+        options.create(true).truncate(true);
+    }
+    let mut file = dir.open_with(&rel, &options).map_err(&fail)?;
+    file.write_all(code.as_bytes()).map_err(&fail)?;
+    Ok(BlockScript {
+        path: workspace.join(rel),
+        transient,
     })
 }
 
-/// A block's script file (see [`block_script`]).
+/// A block's script file (see [`write_block_script`]).
 #[derive(Debug)]
 pub struct BlockScript {
     /// The host path.
@@ -91,37 +137,6 @@ pub fn clean_relative(rel: &str) -> Result<PathBuf, PathError> {
     Ok(clean)
 }
 
-/// Resolves `rel` under `root`, creating parent directories, and refuses anything that would
-/// land outside `root` (absolute paths, `..`, symlinks pointing out).
-pub fn resolve_inside(root: &Path, rel: &str) -> Result<PathBuf, PathError> {
-    let clean = clean_relative(rel)?;
-    let Some(file_name) = clean.file_name().map(ToOwned::to_owned) else {
-        return Err(PathError::Outside(rel.to_owned()));
-    };
-    let io = |source| PathError::Io {
-        path: rel.to_owned(),
-        source,
-    };
-    let root = root.canonicalize().map_err(io)?;
-    let parent = root.join(clean.parent().unwrap_or(Path::new("")));
-    std::fs::create_dir_all(&parent).map_err(io)?;
-    let parent = parent.canonicalize().map_err(io)?;
-    if !parent.starts_with(&root) {
-        return Err(PathError::ThroughLink(rel.to_owned()));
-    }
-    let target = parent.join(file_name);
-    // A symlink at the final component would redirect the write.
-    if let Ok(meta) = std::fs::symlink_metadata(&target) {
-        if meta.file_type().is_symlink() {
-            let real = target.canonicalize().map_err(io)?;
-            if !real.starts_with(&root) {
-                return Err(PathError::ThroughLink(rel.to_owned()));
-            }
-        }
-    }
-    Ok(target)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -140,35 +155,39 @@ mod tests {
     }
 
     #[test]
-    fn paths_stay_inside() {
-        let dir = std::env::temp_dir().join(format!("tandem-ws-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let root = dir.canonicalize().unwrap();
+    fn scripts_stay_inside() {
+        let base = tempfile::tempdir().unwrap();
+        let ws = base.path().join("ws");
+        std::fs::create_dir(&ws).unwrap();
+        let ws = ws.canonicalize().unwrap();
+        let write = |code: &str| write_block_script(&ws, code, 2, "py");
+        let named = write("# filename: a/b/c.py\nprint(1)").unwrap();
+        assert_eq!(named.path, ws.join("a/b/c.py"));
+        assert!(!named.transient);
         assert_eq!(
-            resolve_inside(&dir, "a/b/c.py").unwrap(),
-            root.join("a/b/c.py")
+            write("# filename: ./x/../y.py\n").unwrap().path,
+            ws.join("y.py")
         );
+        for outside in ["../evil.py", "/etc/passwd", "a/../../x"] {
+            let err = write(&format!("# filename: {outside}\n")).unwrap_err();
+            assert!(matches!(err, PathError::Outside(_)), "{outside}: {err}");
+        }
+        // Links planted by earlier code lead nowhere outside, and create nothing there.
+        let outside = base.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        std::os::unix::fs::symlink(&outside, ws.join("out")).unwrap();
+        std::os::unix::fs::symlink("../outside/x.py", ws.join("up.py")).unwrap();
+        for name in ["out/x.py", "out/new/x.py", "up.py"] {
+            let err = write(&format!("# filename: {name}\n")).unwrap_err();
+            assert!(matches!(err, PathError::ThroughLink(_)), "{name}: {err}");
+        }
+        std::os::unix::fs::symlink("../outside/t.py", ws.join(".tandem-block-2.py")).unwrap();
+        let transient = write("print(2)\n").unwrap();
+        assert!(transient.transient);
         assert_eq!(
-            resolve_inside(&dir, "./x/../y.py").unwrap(),
-            root.join("y.py")
+            std::fs::read_to_string(&transient.path).unwrap(),
+            "print(2)\n"
         );
-        assert!(matches!(
-            resolve_inside(&dir, "../evil.py"),
-            Err(PathError::Outside(_))
-        ));
-        assert!(matches!(
-            resolve_inside(&dir, "/etc/passwd"),
-            Err(PathError::Outside(_))
-        ));
-        assert!(matches!(
-            resolve_inside(&dir, "a/../../x"),
-            Err(PathError::Outside(_))
-        ));
-        std::os::unix::fs::symlink("/tmp", dir.join("out")).unwrap();
-        assert!(matches!(
-            resolve_inside(&dir, "out/x.py"),
-            Err(PathError::ThroughLink(_))
-        ));
-        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(std::fs::read_dir(&outside).unwrap().next().is_none());
     }
 }

@@ -22,7 +22,7 @@ use bollard::query_parameters::{
 };
 use futures::StreamExt;
 use tandem_executor::owner::{owner_alive, owner_tag};
-use tandem_executor::{BoxFuture, ExecError, Executor, Language, Session, SessionSpec};
+use tandem_executor::{BoxFuture, ExecError, Executor, Language, Session, SessionSpec, scratch};
 use tokio::sync::OnceCell;
 
 pub use session::RUNNER;
@@ -40,6 +40,12 @@ pub mod labels {
     /// Host path of a temporary workspace to remove along with the container.
     pub const WORKSPACE: &str = "tandem.workspace";
 }
+
+/// Temporary workspaces live in `<workspace_dir>/tandem-docker-<pid>-<start-time>/`.
+const ROOT_PREFIX: &str = "tandem-docker-";
+
+/// The capabilities the runner keeps (every other one is dropped); blocks have none.
+pub const RUNNER_CAPS: [&str; 3] = ["SETUID", "SETGID", "KILL"];
 
 /// The image used when none is configured.
 pub const DEFAULT_IMAGE: &str = "python:3.12-slim";
@@ -62,7 +68,8 @@ pub struct DockerConfig {
     pub pids: i64,
     /// Size of the `/tmp` tmpfs, bytes.
     pub tmpfs_bytes: u64,
-    /// `uid:gid` code runs as.
+    /// `uid:gid` code runs as (never root: the runner, which is root, relies on blocks being
+    /// another user).
     pub user: String,
     /// Give containers a network (bridge) instead of none.
     pub network: bool,
@@ -172,6 +179,9 @@ pub(crate) struct Inner {
     pub(crate) docker: Docker,
     pub(crate) config: DockerConfig,
     pub(crate) owner: String,
+    /// This process's owner-only directory for temporary workspaces: each workspace must be
+    /// world-writable for the blocks' user, so only its parent keeps other host users out.
+    pub(crate) root: PathBuf,
     image_ready: OnceCell<()>,
     pool: Pool,
 }
@@ -207,15 +217,24 @@ impl DockerExecutor {
             .await
             .map_err(|_| unreachable("no answer within 5 s".to_owned()))?
             .map_err(|e| unreachable(e.to_string()))?;
+        let base = config
+            .workspace_dir
+            .clone()
+            .unwrap_or_else(std::env::temp_dir);
         let executor = Self {
             inner: Arc::new(Inner {
                 docker,
+                root: scratch::process_root_in(&base, ROOT_PREFIX),
                 config,
                 owner: owner_tag(),
                 image_ready: OnceCell::new(),
                 pool: Pool::default(),
             }),
         };
+        let roots = scratch::reap_dead_roots_in(&base, ROOT_PREFIX);
+        if roots > 0 {
+            tracing::info!(roots, "removed workspace roots left by a Tandem that died");
+        }
         match executor.reap_orphans().await {
             Ok(0) => {}
             Ok(n) => tracing::info!(
@@ -401,9 +420,10 @@ impl DockerExecutor {
                 "-c".to_owned(),
                 RUNNER.to_owned(),
             ]),
-            cmd: Some(Vec::new()),
+            // The runner is root with three capabilities and runs every block as `c.user`.
+            cmd: Some(vec![c.user.clone()]),
             env: Some(env),
-            user: Some(c.user.clone()),
+            user: Some("0:0".to_owned()),
             working_dir: Some("/workspace".to_owned()),
             labels: Some(labels),
             attach_stdin: Some(true),
@@ -417,6 +437,9 @@ impl DockerExecutor {
                 binds: Some(vec![format!("{}:/workspace:rw", workspace.display())]),
                 network_mode: Some(if c.network { "bridge" } else { "none" }.to_owned()),
                 cap_drop: Some(vec!["ALL".to_owned()]),
+                // What the runner needs to become the blocks' user and to kill their
+                // processes; a block, once it is that user, has none of them.
+                cap_add: Some(RUNNER_CAPS.iter().map(|c| (*c).to_owned()).collect()),
                 security_opt: Some(vec!["no-new-privileges".to_owned()]),
                 readonly_rootfs: Some(c.read_only),
                 tmpfs: Some(HashMap::from([(

@@ -6,10 +6,43 @@
 # Requests: {"op": "run", ...}, {"op": "kill"} (while a block runs), {"op": "wipe"},
 # {"op": "release"}. The whole container is the session, so after a block ends every
 # process but init and this runner is killed: nothing a block starts outlives it.
+#
+# The runner runs as root with only CAP_SETUID, CAP_SETGID and CAP_KILL; every block, and
+# everything that touches the workspace on a block's behalf, runs as the unprivileged user
+# named by argv[1]. Being another user is what keeps a block away from the runner: it cannot
+# open /proc/<runner>/fd/1 to forge frames, read the requests on fd 0, or signal the runner.
 import json, os, resource, select, shutil, signal, struct, sys
 
 ME = os.getpid()
 WORKSPACE = "/workspace"
+
+
+def parse_user(spec):
+    user, _, group = spec.partition(":")
+    if user.isdigit():
+        uid = int(user)
+        gid = int(group) if group.isdigit() else uid
+    else:
+        import pwd
+
+        entry = pwd.getpwnam(user)
+        uid, gid = entry.pw_uid, entry.pw_gid
+    if group and not group.isdigit():
+        import grp
+
+        gid = grp.getgrnam(group).gr_gid
+    return uid, gid
+
+
+UID, GID = parse_user(sys.argv[1] if len(sys.argv) > 1 else "65534:65534")
+
+
+def drop_privileges():
+    """Becomes the blocks' user for good (no-op when the container already runs as one)."""
+    if os.getuid() == 0 and UID != 0:
+        os.setgroups([])
+        os.setgid(GID)
+        os.setuid(UID)
 
 
 def send(kind, payload=b""):
@@ -120,13 +153,25 @@ def start(req, out_w, err_w):
         os.setsid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-        for name, limit in req.get("rlimits", []):
-            resource.setrlimit(getattr(resource, name), (limit, limit))
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
         os.closerange(3, 65536)
+        for name, limit in req.get("rlimits", []):
+            resource.setrlimit(getattr(resource, name), (limit, limit))
+        drop_privileges()
+        # Written as the block's user: a link an earlier block planted can lead only where
+        # that user could write anyway.
+        path = req["path"]
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if req.get("transient"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        with open(path, "x" if req.get("transient") else "w", encoding="utf-8") as f:
+            f.write(req["code"])
         os.chdir(WORKSPACE)
         os.execvpe(req["argv"][0], req["argv"], req["env"])
     except BaseException as e:
@@ -136,9 +181,6 @@ def start(req, out_w, err_w):
 
 def run(req, stdin_buf):
     path = req["path"]
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(req["code"])
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     ooms = oom_kills()
@@ -210,7 +252,20 @@ def run(req, stdin_buf):
 
 
 def wipe(release_only):
-    """Makes the workspace removable by its owner on the host (release), or empties it."""
+    """Makes the workspace removable by its owner on the host (release), or empties it; as
+    the blocks' user, in a child, since the files are theirs."""
+    pid = os.fork()
+    if pid:
+        os.waitpid(pid, 0)
+        return
+    try:
+        drop_privileges()
+        wipe_as_user(release_only)
+    finally:
+        os._exit(0)
+
+
+def wipe_as_user(release_only):
     for root, dirs, files in os.walk(WORKSPACE):
         for name in dirs + files:
             p = os.path.join(root, name)

@@ -15,7 +15,7 @@ use serde::Deserialize;
 use tandem_executor::workspace::{clean_relative, filename_directive};
 use tandem_executor::{
     BoxFuture, CaptureBuffer, ExecContext, ExecError, ExecOutcome, ExecRequest, ExitStatus,
-    Language, Limits, Session, SessionSpec, Stream,
+    Language, Limits, Session, SessionSpec, Stream, scratch,
 };
 use tempfile::TempDir;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
@@ -49,12 +49,25 @@ struct ExitFrame {
     oom: bool,
 }
 
-/// Splits complete frames off the front of `buf`.
+/// Largest frame the runner sends (its output chunks are 64 KiB); a bigger header is not the
+/// runner's, and is refused before anything is buffered for it.
+const MAX_FRAME: usize = 1 << 20;
+
+/// Splits complete frames off the front of `buf`; a frame over [`MAX_FRAME`] ends the stream
+/// with an error (the rest of `buf` is dropped).
 fn parse_frames(buf: &mut Vec<u8>) -> Vec<Frame> {
     let mut frames = Vec::new();
     let mut at = 0;
     while buf.len() - at >= 5 {
         let len = u32::from_be_bytes([buf[at + 1], buf[at + 2], buf[at + 3], buf[at + 4]]) as usize;
+        if len > MAX_FRAME {
+            frames.push(Frame::Error(format!(
+                "a frame of {len} bytes (kind {:?}) is over the {MAX_FRAME} byte limit",
+                char::from(buf[at])
+            )));
+            buf.clear();
+            return frames;
+        }
         if buf.len() - at - 5 < len {
             break;
         }
@@ -123,25 +136,8 @@ impl DockerSession {
             let path = path.to_owned();
             move |source| ExecError::Workspace { path, source }
         };
-        let (workspace, owned_workspace) = match spec.workdir {
-            Some(dir) => {
-                std::fs::create_dir_all(&dir).map_err(ws_err(&dir))?;
-                (dir.canonicalize().map_err(ws_err(&dir))?, None)
-            }
-            None => {
-                let dir = tempfile::Builder::new()
-                    .prefix("tandem-docker-ws-")
-                    .tempdir_in(
-                        inner
-                            .config
-                            .workspace_dir
-                            .clone()
-                            .unwrap_or_else(std::env::temp_dir),
-                    )
-                    .map_err(|e| ExecError::io("creating a workspace", e))?;
-                (dir.path().to_owned(), Some(dir))
-            }
-        };
+        let (workspace, owned_workspace) =
+            scratch::open_workspace(spec.workdir, &inner.root, "ws-")?;
         // Code runs as an unprivileged user that must be able to write the workspace.
         set_mode(&workspace, 0o777).map_err(ws_err(&workspace))?;
 
@@ -350,7 +346,11 @@ impl DockerSession {
         let mut out = CaptureBuffer::new(cap);
         let mut err = CaptureBuffer::new(cap);
         let mut stopped: Option<ExitStatus> = None;
-        let deadline = tokio::time::Instant::now() + timeout;
+        // Any timeout a client sends must not overflow: past the clock's range is never.
+        let now = tokio::time::Instant::now();
+        let deadline = now
+            .checked_add(timeout)
+            .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400));
         let mut kill_deadline: Option<tokio::time::Instant> = None;
         let mut runner_error = None;
         let exit = loop {
@@ -454,11 +454,7 @@ impl DockerSession {
         }
         remove_container(&self.executor.inner().docker, &self.id).await;
         if let Some(ws) = self.owned_workspace.take() {
-            let path = ws.path().to_owned();
-            tokio::task::spawn_blocking(move || ws.close())
-                .await
-                .map_err(|e| ExecError::Backend(format!("removing the workspace failed: {e}")))?
-                .map_err(|e| ExecError::Workspace { path, source: e })?;
+            scratch::remove_dirs(vec![ws], self.executor.inner().root.clone()).await?;
         }
         Ok(())
     }
@@ -642,7 +638,10 @@ async fn read_frames(
             Ok(LogOutput::StdOut { message }) => {
                 buf.extend_from_slice(&message);
                 for frame in parse_frames(&mut buf) {
-                    if tx.send(frame).is_err() {
+                    // After an error the stream is out of step; the session restarts the
+                    // container rather than read on.
+                    let broken = matches!(frame, Frame::Error(_));
+                    if tx.send(frame).is_err() || broken {
                         return;
                     }
                 }
@@ -691,6 +690,19 @@ mod tests {
             rest.as_slice(),
             [Frame::Output(Stream::Stdout, d), Frame::Dropped(Stream::Stderr, 7)] if d == b"hi\n"
         ));
+        assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn a_frame_claiming_gigabytes_is_refused_before_it_is_buffered() {
+        let mut buf = vec![b'o'];
+        buf.extend_from_slice(&u32::MAX.to_be_bytes());
+        buf.extend_from_slice(b"the start of 4 GiB");
+        let frames = parse_frames(&mut buf);
+        assert!(
+            matches!(frames.as_slice(), [Frame::Error(e)] if e == "a frame of 4294967295 bytes (kind 'o') is over the 1048576 byte limit"),
+            "{frames:?}"
+        );
         assert!(buf.is_empty());
     }
 }

@@ -1,9 +1,10 @@
 # Tandem's Python fork server: one interpreter that has already paid for start-up (site,
-# encodings) forks a fresh process per block. Requests arrive on fd 3, a SOCK_SEQPACKET
-# socket: one JSON message with three fds (stdout, stderr, status pipes); the reply is the
-# pid of the block's waiter. On the status pipe the block writes its own pid once it leads
-# its own session, then the waiter writes the block's raw wait status; EOF follows once
-# every process the block started is dead.
+# encodings) forks a fresh process per block; a block in another language is exec'd from
+# such a fork, so that every block runs under a waiter that is its subreaper. Requests
+# arrive on fd 3, a SOCK_SEQPACKET socket: one JSON message with three fds (stdout, stderr,
+# status pipes); the reply is the pid of the block's waiter. On the status pipe the block
+# writes its own pid once it leads its own session, then the waiter writes the block's raw
+# wait status; EOF follows once every process the block started is dead.
 import builtins, io, json, os, resource, signal, socket, sys, types
 
 ctl = socket.socket(fileno=3)
@@ -32,6 +33,15 @@ def block(req, out, err, status):
         for f in (fd, out, err):
             if f > 2:
                 os.close(f)
+        if req.get("argv"):
+            # Another language: this process only sets the block up, under the waiter.
+            os.chdir(req["cwd"])
+            argv = req["argv"]
+            try:
+                os.execve(argv[0], argv, req["env"])
+            except OSError as e:
+                os.write(2, ("tandem: cannot start %s: %s\n" % (argv[0], e)).encode())
+                os._exit(127)
         sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", write_through=True)
         sys.stderr = io.TextIOWrapper(

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nix::sys::resource::{Resource, setrlimit};
-use tandem_executor::workspace::{BlockScript, block_script};
+use tandem_executor::workspace::{BlockScript, write_block_script};
 use tandem_executor::{
     CaptureBuffer, Captured, ExecContext, ExecError, ExecOutcome, ExecRequest, ExitStatus,
     Language, Limits, OutputSink, Stream,
@@ -83,7 +83,7 @@ pub(crate) async fn run_block(
     let BlockScript {
         path: script,
         transient,
-    } = match block_script(
+    } = match write_block_script(
         &session.workspace,
         &req.code,
         session.blocks,
@@ -92,9 +92,6 @@ pub(crate) async fn run_block(
         Ok(script) => script,
         Err(e) => return Ok(ExecOutcome::refused(&e.to_string())),
     };
-    tokio::fs::write(&script, &req.code)
-        .await
-        .map_err(|e| ExecError::io(format!("writing {}", script.display()), e))?;
     let result = supervise(session, program, &script, req, ctx).await;
     if transient {
         let _ = tokio::fs::remove_file(&script).await;
@@ -127,12 +124,17 @@ async fn supervise(
     ]);
 
     let started = Instant::now();
-    let server = match req.language == Language::python() {
-        true => session.inner.fork_server(program).await,
-        false => None,
+    // Every language goes through the fork server when it runs: its per-block waiter is a
+    // subreaper, so processes that leave the block's session and environment (`setsid env -i
+    // sleep 999 &`) are still its descendants when it kills them.
+    let server = match interpreters.program(&Language::python()) {
+        Some(python) => session.inner.fork_server(python).await,
+        None => None,
     };
+    let argv = (req.language != Language::python())
+        .then(|| vec![program.display().to_string(), script.display().to_string()]);
     let (pgid, out, err, mut running) = match server {
-        Some(server) => fork(&server, script, &session.workspace, &env, limits).await?,
+        Some(server) => fork(&server, script, argv, &session.workspace, &env, limits).await?,
         None => spawn(
             program,
             script,
@@ -251,10 +253,11 @@ fn spawn(
     Ok((pid, out, err, Running::Spawned(child)))
 }
 
-/// Starts a block as a fork of the warm Python.
+/// Starts a block as a fork of the warm Python (which execs `argv` for other languages).
 async fn fork(
     server: &Arc<ForkServer>,
     script: &Path,
+    argv: Option<Vec<String>>,
     workspace: &Path,
     env: &[(String, String)],
     limits: &Limits,
@@ -265,6 +268,7 @@ async fn fork(
         .collect();
     let request = serde_json::json!({
         "script": script,
+        "argv": argv,
         "cwd": workspace,
         "env": env.iter().cloned().collect::<std::collections::BTreeMap<_, _>>(),
         "rlimits": rlimits,

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use tandem_executor::workspace::{BlockScript, block_script};
+use tandem_executor::workspace::{BlockScript, write_block_script};
 use tandem_executor::{ExecContext, ExecError, ExecOutcome, ExecRequest, ExitStatus, Stream};
 use wasmtime::component::{self, ResourceTable};
 use wasmtime::{InstancePre, ResourceLimiter, Store, Trap};
@@ -101,7 +101,7 @@ pub(crate) async fn run_block(
     let BlockScript {
         path: host_path,
         transient,
-    } = match block_script(
+    } = match write_block_script(
         &session.workspace,
         &req.code,
         session.blocks,
@@ -114,9 +114,6 @@ pub(crate) async fn run_block(
         return Ok(ExecOutcome::refused("the script path left the workspace"));
     };
     let guest_path = format!("{GUEST_WORKSPACE}/{}", rel.display());
-    tokio::fs::write(&host_path, &req.code)
-        .await
-        .map_err(|e| ExecError::io(format!("writing {}", host_path.display()), e))?;
     let timeout = req.timeout.unwrap_or(session.limits.wall);
     let result = execute(
         session,
