@@ -92,7 +92,7 @@ impl Client {
         matches!(req.send().await, Ok(r) if r.status().is_success())
     }
 
-    /// Sends a request and returns the JSON answer, or the API's error message.
+    /// Sends a request and returns the JSON answer, or the API's error ([`Refused`]).
     async fn call(
         &self,
         method: reqwest::Method,
@@ -112,12 +112,16 @@ impl Client {
         if status.is_success() {
             Ok(value)
         } else {
-            Err(anyhow!(
-                "{}",
-                value["error"]["message"]
+            Err(Refused {
+                code: value["error"]["code"]
                     .as_str()
-                    .map_or_else(|| format!("the daemon answered {status}"), str::to_owned)
-            ))
+                    .unwrap_or_default()
+                    .to_owned(),
+                message: value["error"]["message"]
+                    .as_str()
+                    .map_or_else(|| format!("the daemon answered {status}"), str::to_owned),
+            }
+            .into())
         }
     }
 
@@ -285,3 +289,19 @@ pub async fn follow(client: &Client, id: &str, mode: Mode) -> Result<u8> {
         _ => Ok(exit::FAILED),
     }
 }
+
+/// An error answer from the daemon: its code (`not_allowed`, `invalid_request`, ...) and
+/// message.
+#[derive(Debug)]
+pub struct Refused {
+    pub code: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Refused {}

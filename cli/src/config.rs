@@ -400,9 +400,12 @@ mod tests {
         assert_eq!(limits.wall, Duration::from_secs(60));
         assert_eq!(limits.output_bytes, 65536);
         assert_eq!(file.executors.local.env.len(), 1);
-        // Every other example in the README is valid too (unknown keys are errors).
+        // Every other example in the README and the security model is valid too (unknown
+        // keys are errors).
+        let security = tandem_agent::extract_code_blocks(include_str!("../../docs/security.md"));
         for block in blocks
             .iter()
+            .chain(&security)
             .filter(|b| b.language.as_deref() == Some("toml"))
         {
             toml::from_str::<FileConfig>(&block.code)
@@ -427,6 +430,43 @@ mod tests {
         assert_eq!(
             err.to_string(),
             "[executors.wasm] python must be auto, snapshot or stock, got `pypy`"
+        );
+    }
+
+    #[test]
+    fn policy_settings_and_their_errors() {
+        let parse = |text: &str| policy(&toml::from_str::<FileConfig>(text).unwrap());
+        let default = parse("").unwrap();
+        assert_eq!(default.executors, None);
+        assert_eq!(default.max_turns, 100);
+        assert_eq!(default.max_block_timeout, Duration::from_secs(3600));
+        let set = parse(
+            "[policy]\nexecutors = [\"wasm\"]\nmax_turns = 5\n[[policy.model_endpoints]]\nbase_url = \"http://h:1/v1/\"\napi_key = \"k\"\n",
+        )
+        .unwrap();
+        assert_eq!(set.executors, Some(vec!["wasm".to_owned()]));
+        assert_eq!(set.max_turns, 5);
+        assert_eq!(
+            set.endpoints,
+            [tandem_daemon::Endpoint {
+                base_url: "http://h:1/v1".to_owned(),
+                api_key: Some("k".to_owned())
+            }]
+        );
+        let error = |text: &str| parse(text).unwrap_err().to_string();
+        assert_eq!(
+            error("[policy]\nmax_turns = 0\n"),
+            "[policy] max_turns must be at least 1"
+        );
+        assert_eq!(
+            error("[[policy.model_endpoints]]\nbase_url = \"h:1\"\n"),
+            "[[policy.model_endpoints]] base_url `h:1` must start with http:// or https://"
+        );
+        assert_eq!(
+            error(
+                "[[policy.model_endpoints]]\nbase_url = \"http://h\"\napi_key_env = \"TANDEM_TEST_UNSET_KEY\"\n"
+            ),
+            "[[policy.model_endpoints]] http://h: the environment variable TANDEM_TEST_UNSET_KEY named by api_key_env is not set"
         );
     }
 

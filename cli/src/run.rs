@@ -66,7 +66,14 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
     if !args.local && args.workdir.is_none() && args.image.is_none() {
         let client = crate::client::Client::new(&args.host)?;
         if client.reachable().await {
-            return through_daemon(&client, &args, &file).await;
+            match through_daemon(&client, &args, &file).await {
+                Err(e) if local_refused(&e, &args, &file) => {
+                    eprintln!(
+                        "tandem: the daemon does not offer the local executor to clients; running the task in this process instead"
+                    );
+                }
+                other => return other,
+            }
         }
     }
     let model = ChatModel::new(config::model_config(&args.model, &file)?)?;
@@ -172,6 +179,14 @@ async fn through_daemon(
     };
     let id = client.submit(&spec).await?;
     crate::client::follow(client, &id, Mode::json(args.json)).await
+}
+
+/// Whether the daemon refused a task only because it does not offer `local`, which this
+/// process can run on the user's own behalf.
+fn local_refused(e: &anyhow::Error, args: &RunArgs, file: &FileConfig) -> bool {
+    config::executor_name(args.executor.as_deref(), file) == "local"
+        && e.downcast_ref::<crate::client::Refused>()
+            .is_some_and(|r| r.code == "not_allowed")
 }
 
 /// First Ctrl-C cancels cleanly (sandbox closed); a second one exits at once.

@@ -4,3 +4,4 @@
 
 mod daemon;
 mod e2e;
+mod hostile;

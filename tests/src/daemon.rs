@@ -15,13 +15,26 @@ pub struct DaemonHarness {
     state: tempfile::TempDir,
     base_url: String,
     args: Vec<String>,
+    env: Vec<(String, String)>,
     client: reqwest::Client,
 }
 
 impl DaemonHarness {
-    /// Starts `bin serve` with the local executor, `args` added, pointed at the model server
-    /// at `base_url`; `config` becomes its `tandem.toml`. Returns once it answers.
+    /// Starts `bin serve` with the local executor (unless `args` names one), `args` added,
+    /// pointed at the model server at `base_url`; `config` becomes its `tandem.toml`.
+    /// Returns once it answers.
     pub async fn start(bin: &Path, base_url: &str, args: &[&str], config: Option<&str>) -> Self {
+        Self::start_with_env(bin, base_url, args, config, &[]).await
+    }
+
+    /// [`DaemonHarness::start`] with these variables in the daemon's environment.
+    pub async fn start_with_env(
+        bin: &Path,
+        base_url: &str,
+        args: &[&str],
+        config: Option<&str>,
+        env: &[(&str, &str)],
+    ) -> Self {
         let state = tempfile::tempdir().unwrap();
         if let Some(config) = config {
             std::fs::create_dir_all(state.path().join("tandem")).unwrap();
@@ -38,6 +51,10 @@ impl DaemonHarness {
             state,
             base_url: base_url.to_owned(),
             args: args.iter().map(|s| s.to_string()).collect(),
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             client,
         };
         d.spawn().await;
@@ -77,19 +94,23 @@ impl DaemonHarness {
             .append(true)
             .open(self.state.path().join("daemon.log"))
             .unwrap();
-        let child = tokio::process::Command::new(&self.bin)
-            .arg("serve")
+        let mut cmd = tokio::process::Command::new(&self.bin);
+        cmd.arg("serve")
             .arg("--socket")
             .arg(self.socket())
             .arg("--state-dir")
-            .arg(self.state.path())
-            .args(["--executor", "local"])
+            .arg(self.state.path());
+        if !self.args.iter().any(|a| a == "--executor") {
+            cmd.args(["--executor", "local"]);
+        }
+        let child = cmd
             .args(&self.args)
             .env("OPENAI_BASE_URL", &self.base_url)
             .env("TANDEM_MAX_RETRIES", "0")
             .env("XDG_CONFIG_HOME", self.state.path())
             .env_remove("OPENAI_API_KEY")
             .env_remove("TANDEM_MODEL")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(log)
             .kill_on_drop(true)

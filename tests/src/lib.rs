@@ -35,7 +35,13 @@ pub enum Reply {
     Delayed(Duration, Box<Reply>),
     /// A streamed reply with this text whose pieces come this far apart, as a model's tokens.
     Trickle(Duration, String),
+    /// A streamed reply that repeats this piece without end (stopping only at [`ENDLESS_CAP`]
+    /// pieces, or when the client hangs up), as a broken or hostile server.
+    Endless(String),
 }
+
+/// Most pieces an [`Reply::Endless`] sends, so a test that fails cannot run forever.
+pub const ENDLESS_CAP: usize = 1 << 20;
 
 impl From<&str> for Reply {
     fn from(text: &str) -> Self {
@@ -193,6 +199,7 @@ async fn chat(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes
             Reply::Error(status, message) => return error(status, &message),
             Reply::Text(text) => return answer(&body, &text, None),
             Reply::Trickle(gap, text) => return answer(&body, &text, Some(gap)),
+            Reply::Endless(piece) => return endless(&piece),
         }
     }
 }
@@ -253,6 +260,25 @@ fn answer(request: &Value, text: &str, gap: Option<Duration>) -> Response {
         )),
     };
     ([(header::CONTENT_TYPE, "text/event-stream")], body).into_response()
+}
+
+fn endless(piece: &str) -> Response {
+    let event = format!(
+        "data: {}\n\n",
+        json!({
+            "id": "chatcmpl-scripted", "object": "chat.completion.chunk", "created": 0,
+            "model": "scripted",
+            "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": null}],
+        })
+    );
+    let events = futures::stream::repeat(event)
+        .take(ENDLESS_CAP)
+        .map(Ok::<_, std::convert::Infallible>);
+    (
+        [(header::CONTENT_TYPE, "text/event-stream")],
+        axum::body::Body::from_stream(events),
+    )
+        .into_response()
 }
 
 /// A script from `(task, replies)` pairs.

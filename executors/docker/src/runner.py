@@ -158,11 +158,10 @@ def start(req, out_w, err_w):
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
         os.closerange(3, 65536)
-        for name, limit in req.get("rlimits", []):
-            resource.setrlimit(getattr(resource, name), (limit, limit))
         drop_privileges()
         # Written as the block's user: a link an earlier block planted can lead only where
-        # that user could write anyway.
+        # that user could write anyway. Before the limits, which are the code's, not its
+        # script's (a tiny file size limit would stop the write).
         path = req["path"]
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if req.get("transient"):
@@ -172,6 +171,8 @@ def start(req, out_w, err_w):
                 pass
         with open(path, "x" if req.get("transient") else "w", encoding="utf-8") as f:
             f.write(req["code"])
+        for name, limit in req.get("rlimits", []):
+            resource.setrlimit(getattr(resource, name), (limit, limit))
         os.chdir(WORKSPACE)
         os.execvpe(req["argv"][0], req["argv"], req["env"])
     except BaseException as e:

@@ -1,0 +1,447 @@
+//! The hostile-input suite at the sandbox boundary: each case is what an attacker's code
+//! would try, run against every executor it applies to and judged from the host (the file
+//! that should not exist, the process that should be gone, the listener that should have
+//! heard nothing). The table it measures is pinned in docs/security.md: a change in what
+//! holds fails here until the document says so.
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tandem_executor::{
+    CancellationToken, ExecContext, ExecOutcome, ExecRequest, Executor, ExitStatus, Language,
+    Limits, Session, SessionSpec,
+};
+use tandem_executor_docker::{DockerConfig, DockerExecutor};
+use tandem_executor_local::{LocalConfig, LocalExecutor};
+use tandem_executor_wasm::{WasmConfig, WasmExecutor};
+use tandem_tests::conformance::run;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Local,
+    Docker,
+    Wasm,
+}
+
+/// What a case found. A boundary that should hold and does not is a panic, not a verdict.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Verdict {
+    Contained,
+    NotApplicable,
+    /// The local executor is no boundary: the attack works (measured) or would harm the host
+    /// running the tests (not run).
+    Escapes,
+    NotRun,
+}
+
+impl Verdict {
+    fn cell(self) -> &'static str {
+        match self {
+            Self::Contained => "contained",
+            Self::NotApplicable => "n/a",
+            Self::Escapes => "**no**",
+            Self::NotRun => "**no** (not run)",
+        }
+    }
+}
+
+/// Host-side things the cases plant and look at.
+struct Host {
+    /// Where planted links point; one subdirectory per executor, each must stay empty.
+    outside: tempfile::TempDir,
+    /// A file only the host should read.
+    secrets: tempfile::TempDir,
+    secret: String,
+}
+
+const CASES: &[&str] = &[
+    "links planted for the next block's script",
+    "`..` and absolute `# filename:` paths",
+    "read host files and the parent's /proc",
+    "reach the host's network",
+    "a process that leaves the block's session and environment",
+    "fork bomb",
+    "memory bomb",
+    "disk fill past `file_size_bytes`",
+    "50 MB of output",
+    "binary output",
+    "endless loop",
+    "the largest timeout",
+    "forged runner frames",
+    "kill the runner (`kill -9 -1`)",
+];
+
+async fn session(executor: &dyn Executor, limits: Limits) -> Box<dyn Session> {
+    executor
+        .open(SessionSpec {
+            limits,
+            ..Default::default()
+        })
+        .await
+        .expect("open a session")
+}
+
+fn short() -> Limits {
+    Limits {
+        wall: Duration::from_secs(20),
+        ..Limits::default()
+    }
+}
+
+fn entries(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+fn processes_with(marker: &str) -> Vec<String> {
+    let ps = std::process::Command::new("ps")
+        .args(["-eo", "pid,args"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&ps.stdout)
+        .lines()
+        .filter(|l| l.contains(marker))
+        .map(str::to_owned)
+        .collect()
+}
+
+fn status_text(out: &ExecOutcome) -> String {
+    format!(
+        "{:?}\nstdout: {}\nstderr: {}",
+        out.status,
+        out.stdout.to_text(),
+        out.stderr.to_text()
+    )
+}
+
+async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Verdict {
+    let outside = &host.outside.path().join(format!("{kind:?}"));
+    let up = format!(
+        "{}{}",
+        "../".repeat(40),
+        outside.display().to_string().trim_start_matches('/')
+    );
+    match i {
+        0 => {
+            let mut s = session(executor, short()).await;
+            let plant = format!(
+                "import os\nos.symlink('{up}/planted.py', '.tandem-block-2.py')\nos.symlink('{up}', 'out')\nprint('planted')"
+            );
+            let out = run(&mut *s, "python", &plant).await;
+            assert_eq!(
+                out.stdout.to_text(),
+                "planted\n",
+                "{kind:?}: {}",
+                status_text(&out)
+            );
+            let second = run(&mut *s, "python", "print('second')").await;
+            assert_eq!(second.stdout.to_text(), "second\n", "{kind:?}");
+            run(&mut *s, "python", "# filename: out/x.py\nprint(3)").await;
+            run(&mut *s, "python", "# filename: out/new/y.py\nprint(4)").await;
+            assert_eq!(
+                entries(outside),
+                Vec::<String>::new(),
+                "{kind:?} wrote outside"
+            );
+            s.close().await.unwrap();
+            Verdict::Contained
+        }
+        1 => {
+            let mut s = session(executor, short()).await;
+            for name in [
+                "../escape.py".to_owned(),
+                "a/../../escape.py".to_owned(),
+                format!("{}/escape.py", outside.display()),
+            ] {
+                let out = run(&mut *s, "python", &format!("# filename: {name}\nprint(1)")).await;
+                assert_eq!(out.status, ExitStatus::Exited(1), "{kind:?} {name}");
+                assert!(
+                    out.stderr
+                        .to_text()
+                        .contains("must stay inside the workspace"),
+                    "{kind:?} {name}: {}",
+                    status_text(&out)
+                );
+            }
+            assert_eq!(
+                entries(outside),
+                Vec::<String>::new(),
+                "{kind:?} wrote outside"
+            );
+            s.close().await.unwrap();
+            Verdict::Contained
+        }
+        2 => {
+            let mut s = session(executor, short()).await;
+            let code = format!(
+                "for p in ('{}/secret.txt', '/proc/{}/environ'):\n    try:\n        print(open(p, 'rb').read()[:200])\n    except OSError as e:\n        print('denied', type(e).__name__)",
+                host.secrets.path().display(),
+                std::process::id()
+            );
+            let out = run(&mut *s, "python", &code).await;
+            let text = out.stdout.to_text();
+            s.close().await.unwrap();
+            if kind == Kind::Local {
+                assert!(text.contains(&host.secret), "{text}");
+                return Verdict::Escapes;
+            }
+            assert!(!text.contains(&host.secret), "{kind:?}: {text}");
+            assert!(!text.contains("PATH="), "{kind:?}: {text}");
+            assert_eq!(text.matches("denied").count(), 2, "{kind:?}: {text}");
+            Verdict::Contained
+        }
+        3 => {
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            listener.set_nonblocking(true).unwrap();
+            let port = listener.local_addr().unwrap().port();
+            let mut s = session(executor, short()).await;
+            let code = format!(
+                "try:\n    import socket\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n    print('connected')\nexcept Exception as e:\n    print('blocked', type(e).__name__)"
+            );
+            let out = run(&mut *s, "python", &code).await;
+            s.close().await.unwrap();
+            let text = out.stdout.to_text();
+            if kind == Kind::Local {
+                assert_eq!(text, "connected\n");
+                return Verdict::Escapes;
+            }
+            assert!(
+                text.starts_with("blocked"),
+                "{kind:?}: {}",
+                status_text(&out)
+            );
+            assert!(listener.accept().is_err(), "{kind:?} reached the listener");
+            Verdict::Contained
+        }
+        4 => {
+            if kind == Kind::Wasm {
+                return Verdict::NotApplicable;
+            }
+            let marker = format!("97{}{}", std::process::id(), kind as u8);
+            let mut s = session(executor, short()).await;
+            let out = run(
+                &mut *s,
+                "sh",
+                &format!("setsid env -i sleep {marker} & sleep 0.3; echo started"),
+            )
+            .await;
+            assert_eq!(out.stdout.to_text(), "started\n", "{kind:?}");
+            let left = processes_with(&format!("sleep {marker}"));
+            s.close().await.unwrap();
+            assert_eq!(left, Vec::<String>::new(), "{kind:?}: outlived its block");
+            Verdict::Contained
+        }
+        5 => match kind {
+            Kind::Wasm => Verdict::NotApplicable,
+            // No process limit applies to the daemon's user (and none at all to root).
+            Kind::Local => Verdict::NotRun,
+            Kind::Docker => {
+                let mut s = session(executor, short()).await;
+                run(&mut *s, "sh", "b() { b | b & }; b").await;
+                let ps = run(&mut *s, "sh", "ls -d /proc/[0-9]* | wc -l").await;
+                let count: u32 = ps.stdout.to_text().trim().parse().unwrap();
+                assert!(count <= 6, "{count} processes left");
+                s.close().await.unwrap();
+                Verdict::Contained
+            }
+        },
+        6 => {
+            let limits = Limits {
+                memory_bytes: Some(512 << 20),
+                ..short()
+            };
+            let mut s = session(executor, limits).await;
+            let out = run(&mut *s, "python", "b = bytearray(8 << 30)\nprint(len(b))").await;
+            assert_ne!(out.status, ExitStatus::Exited(0), "{kind:?}");
+            let after = run(&mut *s, "python", "print('fine')").await;
+            assert_eq!(after.stdout.to_text(), "fine\n", "{kind:?}");
+            s.close().await.unwrap();
+            Verdict::Contained
+        }
+        7 => {
+            let limits = Limits {
+                file_size_bytes: Some(8 << 20),
+                ..short()
+            };
+            let mut s = session(executor, limits).await;
+            let ws = s.workspace().unwrap().to_owned();
+            run(
+                &mut *s,
+                "python",
+                "with open('fill', 'wb') as f:\n    for _ in range(32):\n        f.write(b'x' * (1 << 20))",
+            )
+            .await;
+            let size = std::fs::metadata(ws.join("fill")).map_or(0, |m| m.len());
+            s.close().await.unwrap();
+            if kind == Kind::Wasm {
+                // WASI file writes go through wasmtime's host calls, which apply no size limit.
+                assert_eq!(size, 32 << 20);
+                return Verdict::Escapes;
+            }
+            assert!(size <= 8 << 20, "{kind:?} wrote {size} bytes");
+            Verdict::Contained
+        }
+        8 => {
+            let mut s = session(executor, short()).await;
+            let out = run(
+                &mut *s,
+                "python",
+                "import sys\nfor _ in range(50):\n    sys.stdout.write('x' * 1000000)",
+            )
+            .await;
+            assert_eq!(
+                (out.stdout.total(), out.stdout.truncated()),
+                (50_000_000, true),
+                "{kind:?}"
+            );
+            assert!(out.stdout.to_text().len() < 200_000, "{kind:?}");
+            s.close().await.unwrap();
+            Verdict::Contained
+        }
+        9 => {
+            let mut s = session(executor, short()).await;
+            let out = run(
+                &mut *s,
+                "python",
+                "import sys\nsys.stdout.buffer.write(bytes(range(256)) * 64)\nsys.stdout.flush()",
+            )
+            .await;
+            assert_eq!(out.stdout.total(), 256 * 64, "{kind:?}");
+            assert!(out.stdout.to_text().contains('\u{fffd}'), "{kind:?}");
+            s.close().await.unwrap();
+            Verdict::Contained
+        }
+        10 => {
+            let limits = Limits {
+                wall: Duration::from_secs(2),
+                ..Limits::default()
+            };
+            let mut s = session(executor, limits).await;
+            let out = run(&mut *s, "python", "while True:\n    pass").await;
+            assert_eq!(out.status, ExitStatus::TimedOut, "{kind:?}");
+            s.close().await.unwrap();
+            Verdict::Contained
+        }
+        11 => {
+            let mut s = session(executor, short()).await;
+            let req = ExecRequest {
+                timeout: Some(Duration::MAX),
+                ..ExecRequest::new(Language::python(), "print('no overflow')")
+            };
+            let out = s
+                .run(req, ExecContext::new(CancellationToken::new()))
+                .await
+                .unwrap();
+            assert_eq!(out.stdout.to_text(), "no overflow\n", "{kind:?}");
+            s.close().await.unwrap();
+            Verdict::Contained
+        }
+        12 => {
+            if kind != Kind::Docker {
+                return Verdict::NotApplicable;
+            }
+            let mut s = session(executor, short()).await;
+            let forge = "import json, os, struct\ndef frame(k, p):\n    return k + struct.pack('>I', len(p)) + p\nexit = json.dumps({'code': 42, 'signal': None, 'oom': False}).encode()\nreached = []\nfor pid in os.listdir('/proc'):\n    if pid.isdigit() and int(pid) != os.getpid():\n        try:\n            fd = os.open('/proc/%s/fd/1' % pid, os.O_WRONLY)\n            os.write(fd, frame(b'o', b'FORGED\\n') + frame(b'x', exit) + b'o\\xff\\xff\\xff\\xff')\n            reached.append(pid)\n        except OSError:\n            pass\nprint('reached', reached)";
+            let out = run(&mut *s, "python", forge).await;
+            assert_eq!(
+                (out.status, out.stdout.to_text()),
+                (ExitStatus::Exited(0), "reached []\n".to_owned()),
+                "{}",
+                status_text(&out)
+            );
+            let after = run(&mut *s, "python", "print('fine')").await;
+            assert_eq!(after.stdout.to_text(), "fine\n");
+            s.close().await.unwrap();
+            Verdict::Contained
+        }
+        13 => match kind {
+            Kind::Wasm => Verdict::NotApplicable,
+            // kill(-1) as the daemon's user would kill the user's (or, as root, every) process.
+            Kind::Local => Verdict::NotRun,
+            Kind::Docker => {
+                let mut s = session(executor, short()).await;
+                let out = run(
+                    &mut *s,
+                    "sh",
+                    "kill -9 -1; for p in /proc/[0-9]*; do kill -9 ${p#/proc/} 2>/dev/null; done; echo survived",
+                )
+                .await;
+                assert_eq!(out.stdout.to_text(), "", "{}", status_text(&out));
+                let after = run(&mut *s, "python", "print('fine')").await;
+                assert_eq!(after.stdout.to_text(), "fine\n");
+                s.close().await.unwrap();
+                Verdict::Contained
+            }
+        },
+        _ => unreachable!(),
+    }
+}
+
+async fn executors() -> Vec<(Kind, Arc<dyn Executor>)> {
+    let docker = DockerExecutor::connect(DockerConfig {
+        image: std::env::var("TANDEM_DOCKER_IMAGE")
+            .unwrap_or_else(|_| "tandem-sandbox:latest".to_owned()),
+        pull: false,
+        pool_size: 0,
+        ..DockerConfig::default()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("the hostile suite needs the Docker engine: {e}"));
+    docker.ensure_image(&|_| {}).await.unwrap();
+    let wasm = WasmExecutor::new(WasmConfig::default()).unwrap();
+    for (runtime, result) in wasm.warm().await {
+        result.unwrap_or_else(|e| panic!("{}: {e}", runtime.file_name()));
+    }
+    vec![
+        (
+            Kind::Local,
+            Arc::new(LocalExecutor::new(LocalConfig::default())) as Arc<dyn Executor>,
+        ),
+        (Kind::Docker, Arc::new(docker)),
+        (Kind::Wasm, Arc::new(wasm)),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_case_against_every_executor_matches_the_security_table() {
+    let host = Host {
+        outside: tempfile::tempdir().unwrap(),
+        secrets: tempfile::tempdir().unwrap(),
+        secret: format!("host-secret-{}", uuid::Uuid::new_v4().simple()),
+    };
+    std::fs::write(host.secrets.path().join("secret.txt"), &host.secret).unwrap();
+    for kind in [Kind::Local, Kind::Docker, Kind::Wasm] {
+        std::fs::create_dir(host.outside.path().join(format!("{kind:?}"))).unwrap();
+    }
+    let executors = executors().await;
+    // Executors side by side, cases one after another within each.
+    let columns = futures::future::join_all(executors.iter().map(|(kind, executor)| {
+        let host = &host;
+        async move {
+            let mut column = Vec::new();
+            for i in 0..CASES.len() {
+                column.push(case(i, *kind, executor.as_ref(), host).await);
+            }
+            column
+        }
+    }))
+    .await;
+    let mut table = "| case | local | docker | wasm |\n|---|---|---|---|\n".to_owned();
+    for (i, name) in CASES.iter().enumerate() {
+        let cells: Vec<&str> = columns.iter().map(|c| c[i].cell()).collect();
+        table.push_str(&format!("| {name} | {} |\n", cells.join(" | ")));
+    }
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/security.md"))
+            .unwrap();
+    assert!(
+        doc.contains(&table),
+        "docs/security.md does not hold the measured table; put this one there:\n\n{table}"
+    );
+}
