@@ -82,6 +82,14 @@ async fn session_containers_are_hardened_by_default() {
     let task = format!("hardening-{}", std::process::id());
     let mut s = open_for_task(&executor, &task).await;
     let ws = s.workspace().unwrap().to_owned();
+    // The workspace is world-writable for the blocks' user, so its parent keeps other host
+    // users out.
+    {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let parent = std::fs::metadata(ws.parent().unwrap()).unwrap();
+        assert_eq!(parent.permissions().mode() & 0o777, 0o700);
+        assert_eq!(parent.uid(), std::fs::metadata("/proc/self").unwrap().uid());
+    }
     let ids = containers_labelled(&format!("tandem.task={task}"));
     assert_eq!(ids.len(), 1, "{ids:?}");
     let inspect: Value = serde_json::from_str(&docker_cli(&["inspect", &ids[0]])).unwrap();

@@ -420,18 +420,37 @@ async fn every_case_against_every_executor_matches_the_security_table() {
         std::fs::create_dir(host.outside.path().join(format!("{kind:?}"))).unwrap();
     }
     let executors = executors().await;
-    // Executors side by side, cases one after another within each.
+    // Executors side by side, cases one after another within each; a case that breaks is
+    // reported with every other one, not instead of them.
     let columns = futures::future::join_all(executors.iter().map(|(kind, executor)| {
         let host = &host;
         async move {
             let mut column = Vec::new();
-            for i in 0..CASES.len() {
-                column.push(case(i, *kind, executor.as_ref(), host).await);
+            for (i, name) in CASES.iter().enumerate() {
+                let run = std::panic::AssertUnwindSafe(case(i, *kind, executor.as_ref(), host));
+                column.push(
+                    futures::FutureExt::catch_unwind(run)
+                        .await
+                        .map_err(|_| format!("{kind:?}: {name}")),
+                );
             }
             column
         }
     }))
     .await;
+    let broken: Vec<&String> = columns
+        .iter()
+        .flatten()
+        .filter_map(|c| c.as_ref().err())
+        .collect();
+    assert!(
+        broken.is_empty(),
+        "boundaries that did not hold: {broken:#?}"
+    );
+    let columns: Vec<Vec<Verdict>> = columns
+        .into_iter()
+        .map(|c| c.into_iter().flatten().collect())
+        .collect();
     let mut table = "| case | local | docker | wasm |\n|---|---|---|---|\n".to_owned();
     for (i, name) in CASES.iter().enumerate() {
         let cells: Vec<&str> = columns.iter().map(|c| c[i].cell()).collect();
