@@ -75,8 +75,30 @@ async fn executor_overhead(n: usize) {
     }
     let mut base = Vec::new();
     let mut ours = vec![Vec::new(); MODES.len()];
+    // sh blocks: a bare `sh` spawn against the default session.
+    let (mut sh_base, mut sh_ours) = (Vec::new(), Vec::new());
     // Interleaved so that machine noise hits every path alike; one warm-up each.
     for i in 0..=n {
+        let t = Instant::now();
+        let out = tokio::process::Command::new("sh")
+            .args(["-c", "echo 1"])
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(out.stdout, b"1\n");
+        if i > 0 {
+            sh_base.push(t.elapsed());
+        }
+        let t = Instant::now();
+        let ctx = ExecContext::new(CancellationToken::new());
+        let out = sessions[MODES.len() - 1]
+            .run(ExecRequest::new(Language::sh(), "echo 1"), ctx)
+            .await
+            .unwrap();
+        assert_eq!(out.stdout.to_text(), "1\n");
+        if i > 0 {
+            sh_ours.push(t.elapsed());
+        }
         let t = Instant::now();
         let out = tokio::process::Command::new(&python)
             .args(["-c", "print(1)"])
@@ -124,6 +146,18 @@ async fn executor_overhead(n: usize) {
             om.as_secs_f64() / bm.as_secs_f64()
         );
     }
+    let ((sbm, sbp), (som, sop)) = (stats(sh_base), stats(sh_ours));
+    println!(
+        "| bare `sh -c 'echo 1'` spawn | {} | {} | 1.00x (sh) |",
+        ms(sbm),
+        ms(sbp)
+    );
+    println!(
+        "| tandem local session.run, sh `echo 1` (default session) | {} | {} | {:.2}x (sh) |",
+        ms(som),
+        ms(sop),
+        som.as_secs_f64() / sbm.as_secs_f64()
+    );
 }
 
 async fn turn_loop_throughput(tasks: usize, concurrency: usize) {

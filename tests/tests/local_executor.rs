@@ -177,3 +177,17 @@ async fn kept_workdir_survives_the_session() {
         "hi\n"
     );
 }
+
+/// Blocks of other languages are started by the Python fork server, which ignores SIGPIPE;
+/// they must not inherit that (`yes` would then complain of a broken pipe instead of ending).
+#[tokio::test(flavor = "multi_thread")]
+async fn sh_blocks_start_with_default_signal_dispositions() {
+    let executor = local();
+    let mut s = conformance::open(&*executor, Limits::default()).await;
+    let out = conformance::run(&mut *s, "sh", "yes | head -n 1").await;
+    assert_eq!(
+        (out.status, out.stdout.to_text(), out.stderr.to_text()),
+        (ExitStatus::Exited(0), "y\n".to_owned(), String::new())
+    );
+    s.close().await.unwrap();
+}

@@ -503,14 +503,24 @@ impl Supervisor {
         history: Vec<Message>,
     ) -> Result<(TaskSettings, ChatModel, Arc<dyn Executor>), ErrorInfo> {
         let d = &self.config.defaults;
-        let executor = self
-            .config
-            .executors
-            .get(&executor_name(self, spec))
-            .map_err(|e| ErrorInfo {
-                code: ErrorCode::Executor,
-                message: e.to_string(),
-            })?;
+        let name = executor_name(self, spec);
+        let executor = self.config.executors.get(&name).map_err(|e| ErrorInfo {
+            code: ErrorCode::Executor,
+            message: e.to_string(),
+        })?;
+        // A task stored under an older policy (queued or interrupted across a restart) runs
+        // only if today's still allows it.
+        let policy = &self.config.policy;
+        let invalid = |message| ErrorInfo {
+            code: ErrorCode::InvalidRequest,
+            message,
+        };
+        if !policy.offers(&name) {
+            return Err(invalid(policy.not_offered(&name, &self.config.executors)));
+        }
+        policy
+            .check(spec, &self.config.model.base_url)
+            .map_err(|e| invalid(e.0))?;
         let mut settings = TaskSettings::new(spec.task.clone());
         settings.system_prompt = spec
             .system_prompt
@@ -522,10 +532,6 @@ impl Supervisor {
             .unwrap_or_else(|| d.termination.clone());
         settings.max_turns = spec.max_turns.unwrap_or(d.max_turns);
         settings.timeout = spec.timeout_secs.map(Duration::from_secs).or(d.timeout);
-        let invalid = |message| ErrorInfo {
-            code: ErrorCode::InvalidRequest,
-            message,
-        };
         let mut limits = task_limits(&d.limits, &spec.limits).map_err(invalid)?;
         if let Some(secs) = spec.block_timeout_secs {
             limits.wall = Duration::from_secs(secs);

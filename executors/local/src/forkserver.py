@@ -33,15 +33,6 @@ def block(req, out, err, status):
         for f in (fd, out, err):
             if f > 2:
                 os.close(f)
-        if req.get("argv"):
-            # Another language: this process only sets the block up, under the waiter.
-            os.chdir(req["cwd"])
-            argv = req["argv"]
-            try:
-                os.execve(argv[0], argv, req["env"])
-            except OSError as e:
-                os.write(2, ("tandem: cannot start %s: %s\n" % (argv[0], e)).encode())
-                os._exit(127)
         sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", write_through=True)
         sys.stderr = io.TextIOWrapper(
@@ -127,6 +118,41 @@ def kill_descendants():
         os.sched_yield()
 
 
+def spawn(req, out, err, status):
+    """Another language's block: exec'd by posix_spawn (vfork, no copy of this interpreter)
+    in its own session, with the signal dispositions a fresh process has."""
+    os.chdir(req["cwd"])
+    null = os.open(os.devnull, os.O_RDONLY)
+    argv = req["argv"]
+    try:
+        pid = os.posix_spawn(
+            argv[0],
+            argv,
+            req["env"],
+            setsid=True,
+            setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD),
+            file_actions=[
+                (os.POSIX_SPAWN_DUP2, null, 0),
+                (os.POSIX_SPAWN_DUP2, out, 1),
+                (os.POSIX_SPAWN_DUP2, err, 2),
+            ]
+            + [(os.POSIX_SPAWN_CLOSE, fd) for fd in (null, out, err, status)],
+        )
+    except OSError as e:
+        # Reported as the block's own failure, by a process that keeps the pipe's protocol.
+        pid = os.fork()
+        if pid == 0:
+            os.setsid()
+            os.write(status, b"%d\n" % os.getpid())
+            os.write(err, ("tandem: cannot start %s: %s\n" % (argv[0], e)).encode())
+            os._exit(127)
+        return pid
+    # It already leads its own session: a kill from now on cannot miss it.
+    os.write(status, b"%d\n" % pid)
+    os.close(null)
+    return pid
+
+
 def waiter(req, out, err, status):
     """Start the block, wait for it, clean up after it, report its raw wait status."""
     try:
@@ -135,9 +161,12 @@ def waiter(req, out, err, status):
             _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         for name, limit in req["rlimits"]:
             resource.setrlimit(getattr(resource, name), (limit, limit))
-        pid = os.fork()
-        if pid == 0:
-            block(req, out, err, status)
+        if req.get("argv"):
+            pid = spawn(req, out, err, status)
+        else:
+            pid = os.fork()
+            if pid == 0:
+                block(req, out, err, status)
         os.close(out)
         os.close(err)
         _, wstatus = os.waitpid(pid, 0)
