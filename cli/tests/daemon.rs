@@ -55,7 +55,7 @@ fn two_turns(tasks: impl IntoIterator<Item = (String, String)>) -> Script {
         .collect()
 }
 
-fn block_output(events: &[Value]) -> Vec<String> {
+pub(crate) fn block_output(events: &[Value]) -> Vec<String> {
     events
         .iter()
         .filter(|e| e["type"] == "exec_result")

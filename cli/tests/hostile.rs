@@ -159,18 +159,7 @@ async fn a_block_never_reads_the_daemons_key_token_or_store() {
         let id = d.submit(json!({"task": task, "executor": executor})).await;
         let t = d.wait_finished(&id, Duration::from_secs(60)).await;
         assert_eq!(t["stop_reason"], "terminated", "{t}");
-        let output: String = d
-            .events(&id, 0)
-            .await
-            .iter()
-            .filter(|e| e["type"] == "exec_result")
-            .map(|e| {
-                e["result"]["stdout"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_owned()
-            })
-            .collect();
+        let output = crate::daemon::block_output(&d.events(&id, 0).await).concat();
         let token = std::fs::read_to_string(state.join("token")).unwrap();
         match executor {
             "local" => {

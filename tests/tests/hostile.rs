@@ -11,12 +11,12 @@ use std::time::Duration;
 
 use tandem_executor::{
     CancellationToken, ExecContext, ExecOutcome, ExecRequest, Executor, ExitStatus, Language,
-    Limits, Session, SessionSpec,
+    Limits,
 };
 use tandem_executor_docker::{DockerConfig, DockerExecutor};
 use tandem_executor_local::{LocalConfig, LocalExecutor};
 use tandem_executor_wasm::{WasmConfig, WasmExecutor};
-use tandem_tests::conformance::run;
+use tandem_tests::conformance::{self, run};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
@@ -73,16 +73,6 @@ const CASES: &[&str] = &[
     "kill the runner (`kill -9 -1`)",
 ];
 
-async fn session(executor: &dyn Executor, limits: Limits) -> Box<dyn Session> {
-    executor
-        .open(SessionSpec {
-            limits,
-            ..Default::default()
-        })
-        .await
-        .expect("open a session")
-}
-
 fn short() -> Limits {
     Limits {
         wall: Duration::from_secs(20),
@@ -90,13 +80,13 @@ fn short() -> Limits {
     }
 }
 
-fn entries(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
+/// Fails when `kind`'s blocks (or Tandem on their behalf) made anything in `dir`.
+fn nothing_in(dir: &Path, kind: Kind) {
+    let names: Vec<String> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
-    names.sort();
-    names
+    assert_eq!(names, Vec::<String>::new(), "{kind:?} wrote outside");
 }
 
 fn processes_with(marker: &str) -> Vec<String> {
@@ -129,7 +119,7 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
     );
     match i {
         0 => {
-            let mut s = session(executor, short()).await;
+            let mut s = conformance::open(executor, short()).await;
             let plant = format!(
                 "import os\nos.symlink('{up}/planted.py', '.tandem-block-2.py')\nos.symlink('{up}', 'out')\nprint('planted')"
             );
@@ -144,16 +134,12 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
             assert_eq!(second.stdout.to_text(), "second\n", "{kind:?}");
             run(&mut *s, "python", "# filename: out/x.py\nprint(3)").await;
             run(&mut *s, "python", "# filename: out/new/y.py\nprint(4)").await;
-            assert_eq!(
-                entries(outside),
-                Vec::<String>::new(),
-                "{kind:?} wrote outside"
-            );
+            nothing_in(outside, kind);
             s.close().await.unwrap();
             Verdict::Contained
         }
         1 => {
-            let mut s = session(executor, short()).await;
+            let mut s = conformance::open(executor, short()).await;
             for name in [
                 "../escape.py".to_owned(),
                 "a/../../escape.py".to_owned(),
@@ -169,16 +155,12 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
                     status_text(&out)
                 );
             }
-            assert_eq!(
-                entries(outside),
-                Vec::<String>::new(),
-                "{kind:?} wrote outside"
-            );
+            nothing_in(outside, kind);
             s.close().await.unwrap();
             Verdict::Contained
         }
         2 => {
-            let mut s = session(executor, short()).await;
+            let mut s = conformance::open(executor, short()).await;
             let code = format!(
                 "for p in ('{}/secret.txt', '/proc/{}/environ'):\n    try:\n        print(open(p, 'rb').read()[:200])\n    except OSError as e:\n        print('denied', type(e).__name__)",
                 host.secrets.path().display(),
@@ -200,7 +182,7 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
             let listener = TcpListener::bind("127.0.0.1:0").unwrap();
             listener.set_nonblocking(true).unwrap();
             let port = listener.local_addr().unwrap().port();
-            let mut s = session(executor, short()).await;
+            let mut s = conformance::open(executor, short()).await;
             let code = format!(
                 "try:\n    import socket\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n    print('connected')\nexcept Exception as e:\n    print('blocked', type(e).__name__)"
             );
@@ -224,7 +206,7 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
                 return Verdict::NotApplicable;
             }
             let marker = format!("97{}{}", std::process::id(), kind as u8);
-            let mut s = session(executor, short()).await;
+            let mut s = conformance::open(executor, short()).await;
             let out = run(
                 &mut *s,
                 "sh",
@@ -242,7 +224,7 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
             // No process limit applies to the daemon's user (and none at all to root).
             Kind::Local => Verdict::NotRun,
             Kind::Docker => {
-                let mut s = session(executor, short()).await;
+                let mut s = conformance::open(executor, short()).await;
                 run(&mut *s, "sh", "b() { b | b & }; b").await;
                 let ps = run(&mut *s, "sh", "ls -d /proc/[0-9]* | wc -l").await;
                 let count: u32 = ps.stdout.to_text().trim().parse().unwrap();
@@ -256,7 +238,7 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
                 memory_bytes: Some(512 << 20),
                 ..short()
             };
-            let mut s = session(executor, limits).await;
+            let mut s = conformance::open(executor, limits).await;
             let out = run(&mut *s, "python", "b = bytearray(8 << 30)\nprint(len(b))").await;
             assert_ne!(out.status, ExitStatus::Exited(0), "{kind:?}");
             let after = run(&mut *s, "python", "print('fine')").await;
@@ -269,7 +251,7 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
                 file_size_bytes: Some(8 << 20),
                 ..short()
             };
-            let mut s = session(executor, limits).await;
+            let mut s = conformance::open(executor, limits).await;
             let ws = s.workspace().unwrap().to_owned();
             run(
                 &mut *s,
@@ -288,7 +270,7 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
             Verdict::Contained
         }
         8 => {
-            let mut s = session(executor, short()).await;
+            let mut s = conformance::open(executor, short()).await;
             let out = run(
                 &mut *s,
                 "python",
@@ -305,7 +287,7 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
             Verdict::Contained
         }
         9 => {
-            let mut s = session(executor, short()).await;
+            let mut s = conformance::open(executor, short()).await;
             let out = run(
                 &mut *s,
                 "python",
@@ -322,14 +304,14 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
                 wall: Duration::from_secs(2),
                 ..Limits::default()
             };
-            let mut s = session(executor, limits).await;
+            let mut s = conformance::open(executor, limits).await;
             let out = run(&mut *s, "python", "while True:\n    pass").await;
             assert_eq!(out.status, ExitStatus::TimedOut, "{kind:?}");
             s.close().await.unwrap();
             Verdict::Contained
         }
         11 => {
-            let mut s = session(executor, short()).await;
+            let mut s = conformance::open(executor, short()).await;
             let req = ExecRequest {
                 timeout: Some(Duration::MAX),
                 ..ExecRequest::new(Language::python(), "print('no overflow')")
@@ -346,7 +328,7 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
             if kind != Kind::Docker {
                 return Verdict::NotApplicable;
             }
-            let mut s = session(executor, short()).await;
+            let mut s = conformance::open(executor, short()).await;
             let forge = "import json, os, struct\ndef frame(k, p):\n    return k + struct.pack('>I', len(p)) + p\nexit = json.dumps({'code': 42, 'signal': None, 'oom': False}).encode()\nreached = []\nfor pid in os.listdir('/proc'):\n    if pid.isdigit() and int(pid) != os.getpid():\n        try:\n            fd = os.open('/proc/%s/fd/1' % pid, os.O_WRONLY)\n            os.write(fd, frame(b'o', b'FORGED\\n') + frame(b'x', exit) + b'o\\xff\\xff\\xff\\xff')\n            reached.append(pid)\n        except OSError:\n            pass\nprint('reached', reached)";
             let out = run(&mut *s, "python", forge).await;
             assert_eq!(
@@ -365,7 +347,7 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
             // kill(-1) as the daemon's user would kill the user's (or, as root, every) process.
             Kind::Local => Verdict::NotRun,
             Kind::Docker => {
-                let mut s = session(executor, short()).await;
+                let mut s = conformance::open(executor, short()).await;
                 let out = run(
                     &mut *s,
                     "sh",

@@ -416,7 +416,6 @@ fn tls_config(https: bool) -> Result<rustls::ClientConfig, ModelError> {
         .with_no_client_auth())
 }
 
-/// The innermost cause, which for reqwest is the useful part ("Connection refused").
 /// The largest index at most `at` that starts a character of `s` (or its length).
 fn floor_char_boundary(s: &str, at: usize) -> usize {
     if at >= s.len() {
@@ -425,6 +424,7 @@ fn floor_char_boundary(s: &str, at: usize) -> usize {
     (0..=at).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0)
 }
 
+/// The innermost cause, which for reqwest is the useful part ("Connection refused").
 fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
     let mut cur = e;
     while let Some(next) = cur.source() {
