@@ -179,6 +179,64 @@ async fn a_block_never_reads_the_daemons_key_token_or_store() {
     }
 }
 
+/// The daemon is non-dumpable, so a process of its own user (which a local block is) cannot
+/// read its environment, where the API key is. As root (CI), the daemon and the reader both
+/// run as another user, since root reads every process's environment.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_process_of_the_daemons_own_user_cannot_read_its_environment() {
+    const NOBODY: u32 = 65534;
+    let dir = tempfile::tempdir().unwrap();
+    let root = running_as_root();
+    let bin = if root {
+        // The build's directory may be closed to other users; a copy is not.
+        let bin = dir.path().join("tandem");
+        std::fs::copy(BIN, &bin).unwrap();
+        std::os::unix::fs::chown(dir.path(), Some(NOBODY), Some(NOBODY)).unwrap();
+        bin
+    } else {
+        Path::new(BIN).to_owned()
+    };
+    let secret = format!("sk-{}", uuid::Uuid::new_v4().simple());
+    let socket = dir.path().join("s.sock");
+    let mut serve = tokio::process::Command::new(&bin);
+    serve
+        .args(["serve", "--executor", "local", "--state-dir"])
+        .arg(dir.path().join("state"))
+        .arg("--socket")
+        .arg(&socket)
+        .env("OPENAI_API_KEY", &secret)
+        .env("HOME", dir.path())
+        .env("XDG_CONFIG_HOME", dir.path())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true);
+    if root {
+        serve.uid(NOBODY).gid(NOBODY);
+    }
+    let daemon = serve.spawn().unwrap();
+    let started = Instant::now();
+    while !socket.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the daemon did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut read = tokio::process::Command::new("cat");
+    read.arg(format!("/proc/{}/environ", daemon.id().unwrap()));
+    if root {
+        read.uid(NOBODY).gid(NOBODY);
+    }
+    let out = read.output().await.unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(!stdout.contains(&secret), "the key was read");
+    assert!(stderr.contains("Permission denied"), "{stdout}\n{stderr}");
+}
+
 fn running_as_root() -> bool {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
@@ -220,58 +278,70 @@ async fn a_model_that_never_stops_streaming_is_cut_off() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn concurrent_resumes_run_an_interrupted_task_once() {
-    let server = ScriptedOpenAi::start(script([(
-        "resume me",
-        vec![
-            python("import time\ntime.sleep(30)"),
-            Reply::from("TERMINATE"),
-        ],
-    )]))
-    .await
-    .unwrap();
-    let mut d = daemon(&server, &[], None).await;
-    let id = d.submit(json!({"task": "resume me"})).await;
+    // Many turns make a resume read many events between its check and its change, the window
+    // two resumes race in; eight tasks are eight tries.
+    const TURNS: usize = 40;
+    let mut replies: Vec<Reply> = (0..TURNS).map(|i| python(&format!("print({i})"))).collect();
+    replies.push(python("import time\ntime.sleep(60)"));
+    let tasks: Vec<String> = (0..8).map(|i| format!("resume me {i}")).collect();
+    let server =
+        ScriptedOpenAi::start(tasks.iter().map(|t| (t.clone(), replies.clone())).collect())
+            .await
+            .unwrap();
+    let mut d = daemon(&server, &["--max-concurrent", "8"], None).await;
+    let mut ids = Vec::new();
+    for task in &tasks {
+        ids.push(d.submit(json!({"task": task, "max_turns": 50})).await);
+    }
     let started = Instant::now();
-    while d.get(&format!("/v1/tasks/{id}")).await["state"] != "running" {
-        assert!(started.elapsed() < Duration::from_secs(30));
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    for id in &ids {
+        while d.get(&format!("/v1/tasks/{id}")).await["turns"].as_u64() < Some(TURNS as u64 + 1) {
+            assert!(started.elapsed() < Duration::from_secs(60));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
     d.kill9();
     d.spawn().await;
-    assert_eq!(
-        d.get(&format!("/v1/tasks/{id}")).await["state"],
-        "interrupted"
-    );
     // One connection each, all sent at once: the daemon handles them side by side.
-    let url = format!("http://tandem/v1/tasks/{id}/resume");
-    let answers = futures::future::join_all((0..16).map(|_| {
-        let client = reqwest::Client::builder()
-            .unix_socket(d.socket())
-            .build()
-            .unwrap();
-        let url = url.clone();
-        async move {
-            let resp = client.post(url).send().await.unwrap();
-            (resp.status().as_u16(), resp.text().await.unwrap())
-        }
+    let socket = d.socket();
+    let answers = futures::future::join_all(ids.iter().flat_map(|id| {
+        let url = format!("http://tandem/v1/tasks/{id}/resume");
+        let socket = socket.clone();
+        (0..16).map(move |_| {
+            let client = reqwest::Client::builder()
+                .unix_socket(socket.clone())
+                .build()
+                .unwrap();
+            let (url, id) = (url.clone(), id.clone());
+            async move {
+                let resp = client.post(url).send().await.unwrap();
+                (id, resp.status().as_u16())
+            }
+        })
     }))
     .await;
-    let mut codes: Vec<u16> = answers.iter().map(|(status, _)| *status).collect();
-    codes.sort_unstable();
-    assert_eq!(
-        codes,
-        [[200].as_slice(), &[409; 15]].concat(),
-        "{answers:?}"
-    );
-    // A cancel racing a resume: whichever wins, the task ends once.
-    d.send(
-        reqwest::Method::POST,
-        &format!("/v1/tasks/{id}/cancel"),
-        None,
-    )
-    .await;
-    let t = d.wait_finished(&id, Duration::from_secs(30)).await;
-    assert_eq!(t["stop_reason"], "cancelled", "{t}");
+    for id in &ids {
+        let mut codes: Vec<u16> = answers
+            .iter()
+            .filter(|(of, _)| of == id)
+            .map(|(_, status)| *status)
+            .collect();
+        codes.sort_unstable();
+        assert_eq!(codes, [[200].as_slice(), &[409; 15]].concat(), "{id}");
+    }
+    // A cancel racing a resume: whichever wins, each task ends once.
+    for id in &ids {
+        d.send(
+            reqwest::Method::POST,
+            &format!("/v1/tasks/{id}/cancel"),
+            None,
+        )
+        .await;
+    }
+    for id in &ids {
+        let t = d.wait_finished(id, Duration::from_secs(30)).await;
+        assert_eq!(t["stop_reason"], "cancelled", "{t}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -59,7 +59,7 @@ struct Host {
 const CASES: &[&str] = &[
     "links planted for the next block's script",
     "`..` and absolute `# filename:` paths",
-    "read host files and the parent's /proc",
+    "read host files (by path, through a planted link) and the parent's /proc",
     "reach the host's network",
     "a process that leaves the block's session and environment",
     "fork bomb",
@@ -161,9 +161,13 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
         }
         2 => {
             let mut s = conformance::open(executor, short()).await;
+            // By its path, through a link the block plants, and the parent's environment.
+            let secret = host.secrets.path().join("secret.txt");
             let code = format!(
-                "for p in ('{}/secret.txt', '/proc/{}/environ'):\n    try:\n        print(open(p, 'rb').read()[:200])\n    except OSError as e:\n        print('denied', type(e).__name__)",
-                host.secrets.path().display(),
+                "import os\nos.symlink('{}{}', 'peek')\nfor p in ('{}', 'peek', '/proc/{}/environ'):\n    try:\n        print(open(p, 'rb').read()[:200])\n    except OSError as e:\n        print('denied', type(e).__name__)",
+                "../".repeat(40),
+                secret.display().to_string().trim_start_matches('/'),
+                secret.display(),
                 std::process::id()
             );
             let out = run(&mut *s, "python", &code).await;
@@ -175,7 +179,7 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
             }
             assert!(!text.contains(&host.secret), "{kind:?}: {text}");
             assert!(!text.contains("PATH="), "{kind:?}: {text}");
-            assert_eq!(text.matches("denied").count(), 2, "{kind:?}: {text}");
+            assert_eq!(text.matches("denied").count(), 3, "{kind:?}: {text}");
             Verdict::Contained
         }
         3 => {
