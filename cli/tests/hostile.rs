@@ -277,6 +277,23 @@ async fn a_model_that_never_stops_streaming_is_cut_off() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_task_that_names_no_timeout_gets_the_operators() {
+    let server = ScriptedOpenAi::start(script([(
+        "never answers",
+        vec![Reply::Delayed(
+            Duration::from_secs(600),
+            Box::new(Reply::from("TERMINATE")),
+        )],
+    )]))
+    .await
+    .unwrap();
+    let d = daemon(&server, &[], Some("[task]\ntimeout_secs = 1\n")).await;
+    let id = d.submit(json!({"task": "never answers"})).await;
+    let t = d.wait_finished(&id, Duration::from_secs(30)).await;
+    assert_eq!(t["stop_reason"], "timeout", "{t}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn concurrent_resumes_run_an_interrupted_task_once() {
     // Many turns make a resume read many events between its check and its change, the window
     // two resumes race in; eight tasks are eight tries.
