@@ -10,8 +10,60 @@ use tandem_agent::{CodeBlock, extract_code_blocks};
 use tandem_executor::{CancellationToken, Language, SessionSpec};
 use tandem_protocol::{BlockStatus, EventMsg, OutputStream};
 
+/// Where `exec` shows a block: its output on this process's stdout and stderr, as if the
+/// program ran in this terminal, then what the live output did not carry (the cut and the
+/// tail of a long stream, a refusal), then a status line on a fresh line.
+#[derive(Default)]
+struct Terminal {
+    shown: Shown,
+    /// Whether the last byte written to either stream ended a line.
+    mid_line: bool,
+}
+
+impl Terminal {
+    fn write(&mut self, stream: OutputStream, text: &str) -> std::io::Result<()> {
+        if text.is_empty() {
+            return Ok(());
+        }
+        self.mid_line = !text.ends_with('\n');
+        match stream {
+            OutputStream::Stdout => {
+                let mut out = std::io::stdout().lock();
+                out.write_all(text.as_bytes())?;
+                out.flush()
+            }
+            OutputStream::Stderr => std::io::stderr().lock().write_all(text.as_bytes()),
+        }
+    }
+
+    fn event(&mut self, msg: &EventMsg, many: bool) -> std::io::Result<()> {
+        match msg {
+            EventMsg::CodeBlock { .. } => self.shown.clear(),
+            EventMsg::ExecOutput { stream, text, .. } => {
+                self.shown.push(*stream, text);
+                self.write(*stream, text)?;
+            }
+            EventMsg::ExecResult { index, result, .. } => {
+                for stream in [OutputStream::Stdout, OutputStream::Stderr] {
+                    let rest = self.shown.rest(stream, result);
+                    self.write(stream, rest)?;
+                }
+                if many || !result.succeeded() || result.truncated {
+                    let fresh = if self.mid_line { "\n" } else { "" };
+                    self.write(
+                        OutputStream::Stderr,
+                        &format!("{fresh}tandem: block {index}: {}\n", result_line(result)),
+                    )?;
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
 use crate::config::{self, FileConfig};
-use crate::render::result_line;
+use crate::render::{Shown, result_line};
 
 #[derive(Debug, clap::Args)]
 pub struct ExecArgs {
@@ -99,40 +151,15 @@ pub async fn exec(args: ExecArgs, file: FileConfig) -> Result<u8> {
     crate::run::spawn_ctrl_c(cancel.clone());
     let json = args.json;
     let many = blocks.len() > 1;
+    let terminal = std::sync::Mutex::new(Terminal::default());
     let events = Arc::new(move |msg: EventMsg| {
         if json {
             return;
         }
-        // Output goes where the program sent it, as if it ran in this terminal.
-        let _ = match msg {
-            EventMsg::ExecOutput {
-                stream: OutputStream::Stdout,
-                text,
-                ..
-            } => std::io::stdout()
-                .lock()
-                .write_all(text.as_bytes())
-                .and_then(|()| std::io::stdout().flush()),
-            EventMsg::ExecOutput {
-                stream: OutputStream::Stderr,
-                text,
-                ..
-            } => std::io::stderr().lock().write_all(text.as_bytes()),
-            EventMsg::ExecResult { index, result, .. } if many || !result.succeeded() => {
-                if matches!(result.status, BlockStatus::Unsupported) {
-                    eprintln!("tandem: {}", result.stderr.trim_end());
-                }
-                if result.truncated {
-                    eprintln!("tandem: output truncated; the first and last part were kept");
-                }
-                writeln!(
-                    std::io::stderr(),
-                    "tandem: block {index}: {}",
-                    result_line(&result)
-                )
-            }
-            _ => Ok(()),
-        };
+        if let Ok(mut t) = terminal.lock() {
+            // A closed stdout (`| head`) is not this command's failure.
+            let _ = t.event(&msg, many);
+        }
     });
     let opts = RunOptions {
         turn: 0,

@@ -21,6 +21,41 @@ impl Mode {
     }
 }
 
+/// The output of the current block shown live so far, per stream. Live output carries only
+/// the head of a long stream; what the result holds beyond it (the cut marker with its byte
+/// count, the tail, a refusal or sandbox error that never streamed) is shown from here.
+#[derive(Default)]
+pub struct Shown {
+    out: String,
+    err: String,
+}
+
+impl Shown {
+    /// Starts a new block.
+    pub fn clear(&mut self) {
+        self.out.clear();
+        self.err.clear();
+    }
+
+    /// Notes text shown live.
+    pub fn push(&mut self, stream: OutputStream, text: &str) {
+        match stream {
+            OutputStream::Stdout => self.out.push_str(text),
+            OutputStream::Stderr => self.err.push_str(text),
+        }
+    }
+
+    /// What of the result's `stream` text was not shown live.
+    pub fn rest<'a>(&self, stream: OutputStream, result: &'a BlockResult) -> &'a str {
+        let (shown, whole) = match stream {
+            OutputStream::Stdout => (&self.out, &result.stdout),
+            OutputStream::Stderr => (&self.err, &result.stderr),
+        };
+        // Live text is the head of what the result holds; anything else was shown whole.
+        whole.strip_prefix(shown.as_str()).unwrap_or_default()
+    }
+}
+
 /// Turns events into output; the first write error (a closed pipe) is kept and reported.
 pub struct Renderer<W: Write> {
     out: W,
@@ -30,6 +65,7 @@ pub struct Renderer<W: Write> {
     /// Whether streamed text was shown for the current turn (non-streaming servers send none).
     streamed: bool,
     at_line_start: bool,
+    shown: Shown,
     pub error: Option<io::Error>,
 }
 
@@ -50,6 +86,7 @@ impl<W: Write> Renderer<W> {
             seq: 0,
             streamed: false,
             at_line_start: true,
+            shown: Shown::default(),
             error: None,
         }
     }
@@ -110,6 +147,18 @@ impl<W: Write> Renderer<W> {
         self.text(&line)
     }
 
+    fn output(&mut self, stream: OutputStream, text: &str) -> io::Result<()> {
+        match stream {
+            OutputStream::Stderr if self.color && !text.is_empty() => {
+                self.out
+                    .write_all(format!("\x1b[31m{text}\x1b[0m").as_bytes())?;
+                self.at_line_start = text.ends_with('\n');
+                Ok(())
+            }
+            _ => self.text(text),
+        }
+    }
+
     fn human(&mut self, msg: &EventMsg) -> io::Result<()> {
         match msg {
             EventMsg::TaskStarted {
@@ -153,27 +202,20 @@ impl<W: Write> Renderer<W> {
             EventMsg::CodeBlock {
                 index, language, ..
             } => {
+                self.shown.clear();
                 let lang = language.as_deref().unwrap_or("untagged");
                 self.rule(&format!("block {index} · {lang}"))
             }
-            EventMsg::ExecOutput { text, stream, .. } => match stream {
-                OutputStream::Stdout => self.text(text),
-                OutputStream::Stderr if self.color => self.text(&format!("\x1b[31m{text}\x1b[0m")),
-                OutputStream::Stderr => self.text(text),
-            },
+            EventMsg::ExecOutput { text, stream, .. } => {
+                self.shown.push(*stream, text);
+                self.output(*stream, text)
+            }
             EventMsg::ExecResult { result, .. } => {
-                if result.truncated {
-                    self.text(
-                        "\n[... output truncated; the model sees its first and last part ...]\n",
-                    )?;
+                for stream in [OutputStream::Stdout, OutputStream::Stderr] {
+                    let rest = self.shown.rest(stream, result);
+                    self.output(stream, rest)?;
                 }
-                let line = result_line(result);
-                if !result.stderr.is_empty()
-                    && matches!(result.status, BlockStatus::Unsupported | BlockStatus::Error)
-                {
-                    self.text(&result.stderr)?;
-                }
-                self.rule(&line)
+                self.rule(&result_line(result))
             }
             EventMsg::ExecutorMessage { text, .. } => {
                 // Output was shown live; only the executor's own words are worth repeating.

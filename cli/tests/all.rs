@@ -5,3 +5,4 @@
 mod daemon;
 mod e2e;
 mod hostile;
+mod new_user;

@@ -23,17 +23,15 @@ impl CaptureBuffer {
         }
     }
 
-    /// Appends `data`; returns how many of its leading bytes fall within the first `cap`
-    /// bytes of the stream (the part worth showing live).
+    /// Appends `data`; returns how many of its leading bytes go into the kept head (the part
+    /// shown live). Live output is exactly the head, so that what a person saw live plus the
+    /// cut and the tail is what the model gets.
     pub fn push(&mut self, data: &[u8]) -> usize {
-        let before = self.total;
         self.total += data.len() as u64;
-        let live = (self.cap as u64)
-            .saturating_sub(before)
-            .min(data.len() as u64) as usize;
         let head_cap = self.cap / 2 + self.cap % 2;
         let tail_cap = self.cap / 2;
         let to_head = head_cap.saturating_sub(self.head.len()).min(data.len());
+        let live = to_head;
         self.head.extend_from_slice(&data[..to_head]);
         let rest = &data[to_head..];
         if tail_cap > 0 && !rest.is_empty() {
@@ -124,8 +122,8 @@ mod tests {
     #[test]
     fn keeps_head_and_tail_with_a_note() {
         let mut buf = CaptureBuffer::new(8);
-        assert_eq!(buf.push(b"0123"), 4);
-        assert_eq!(buf.push(b"456789"), 4);
+        assert_eq!(buf.push(b"012"), 3);
+        assert_eq!(buf.push(b"3456789"), 1);
         assert_eq!(buf.push(b"abcdef"), 0);
         let c = buf.finish();
         assert_eq!(c.total(), 16);

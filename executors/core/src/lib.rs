@@ -131,7 +131,7 @@ pub type OutputSink = Arc<dyn Fn(Stream, &[u8]) + Send + Sync>;
 pub struct ExecContext {
     /// Cancelling this kills the block at once; the outcome is [`ExitStatus::Cancelled`].
     pub cancel: CancellationToken,
-    /// Live output; it sees at most `Limits::output_bytes` per stream.
+    /// Live output; it sees the kept head of each stream (half of `Limits::output_bytes`).
     pub sink: OutputSink,
 }
 

@@ -1,0 +1,83 @@
+//! What a new user meets, through the real binary: the whole of a long output, the reason a
+//! block was refused, one daemon per state dir, prompts that name what runs. What a person
+//! sees is pinned by snapshots (`cli/tests/snapshots`), with timings and ports masked.
+
+use std::path::Path;
+
+use crate::e2e::{fence, tandem};
+use tandem_tests::{Reply, ScriptedOpenAi, script};
+
+/// Masks what changes from run to run: durations, token counts, ports.
+fn settings() -> insta::Settings {
+    let mut s = insta::Settings::clone_current();
+    s.add_filter(r"\d+ ms", "[N] ms");
+    s.add_filter(r"\d+\.\d s", "[N] s");
+    s.add_filter(r"\d+ in / \d+ out tokens", "[N] in / [N] out tokens");
+    s.add_filter(r"127\.0\.0\.1:\d+", "127.0.0.1:[PORT]");
+    s.set_prepend_module_to_snapshot(false);
+    s
+}
+
+/// A config whose output cap is small enough to read a cut output whole.
+fn small_output_config(dir: &Path) -> String {
+    let path = dir.join("tandem.toml");
+    std::fs::write(&path, "[limits]\noutput_bytes = 64\n").unwrap();
+    path.display().to_string()
+}
+
+const LONG: &str = "for i in range(40):\n    print('line', i)";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn exec_shows_the_head_the_cut_the_tail_and_why_a_block_was_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = small_output_config(dir.path());
+    let markdown = [
+        fence("python", LONG),
+        fence("python", "print('second block')"),
+        fence("python", "# filename: ../escape.py\nprint('never')"),
+    ]
+    .join("\n\n");
+    let out = tandem(&["exec", "--config", &config], &[], Some(&markdown)).await;
+    assert_eq!(out.code, 1);
+    settings().bind(|| {
+        insta::assert_snapshot!(
+            "exec_long_output_and_refusal",
+            format!("stdout:\n{}\nstderr:\n{}", out.stdout, out.stderr)
+        )
+    });
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn run_shows_the_head_the_cut_and_the_tail() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = small_output_config(dir.path());
+    let task = "new user: long output";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Text(fence("python", LONG)),
+            Reply::Text(fence("python", "# filename: ../escape.py\nprint(1)")),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let url = server.base_url();
+    let out = tandem(
+        &[
+            "run",
+            "--config",
+            &config,
+            "--base-url",
+            &url,
+            "--model",
+            "m",
+            task,
+        ],
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    settings().bind(|| insta::assert_snapshot!("run_long_output_and_refusal", out.stdout));
+}
