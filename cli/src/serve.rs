@@ -113,6 +113,41 @@ pub fn token(state_dir: &Path, create: bool) -> Result<Option<String>> {
     }
 }
 
+/// Takes the state dir's exclusive lock (held until the daemon exits, released by the kernel
+/// however it exits) and writes this daemon's pid into the lock file.
+fn lock_state_dir(state_dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>> {
+    use std::io::{Read, Seek, Write};
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = state_dir.join("lock");
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(&path)
+        .with_context(|| format!("cannot open the lock file {}", path.display()))?;
+    match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+        Ok(mut lock) => {
+            lock.set_len(0)?;
+            lock.rewind()?;
+            write!(lock, "{}", std::process::id())?;
+            Ok(lock)
+        }
+        Err((mut file, nix::errno::Errno::EWOULDBLOCK)) => {
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            bail!(
+                "the state dir {} is in use by another tandem daemon (pid {}); stop it first, or give this one another --state-dir",
+                state_dir.display(),
+                holder.trim()
+            )
+        }
+        Err((_, e)) => Err(anyhow::Error::from(e))
+            .with_context(|| format!("cannot lock the state dir {}", state_dir.display())),
+    }
+}
+
 /// A daemon task's wall-clock limit when neither it nor `[task] timeout_secs` sets one.
 const DEFAULT_TASK_TIMEOUT_SECS: u64 = 1800;
 
@@ -130,6 +165,8 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
         std::fs::set_permissions(&state_dir, std::fs::Permissions::from_mode(0o700))
             .with_context(|| format!("cannot restrict the state dir {}", state_dir.display()))?;
     }
+    // One daemon per state dir: a second one would mark the first one's tasks interrupted.
+    let _lock = lock_state_dir(&state_dir)?;
     let grace = config::secs_to_duration(args.grace, "--grace")?;
     let max_concurrent = match args.max_concurrent {
         Some(0) => bail!("--max-concurrent must be at least 1"),

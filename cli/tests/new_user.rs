@@ -81,3 +81,45 @@ async fn run_shows_the_head_the_cut_and_the_tail() {
     assert_eq!(out.code, 0, "{}", out.stderr);
     settings().bind(|| insta::assert_snapshot!("run_long_output_and_refusal", out.stdout));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_daemon_on_the_same_state_dir_is_refused_and_names_the_first() {
+    let task = "new user: keep running";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![Reply::Text(fence("python", "import time\ntime.sleep(30)"))],
+    )]))
+    .await
+    .unwrap();
+    let d = tandem_tests::DaemonHarness::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &[],
+        None,
+    )
+    .await;
+    let id = d.submit(serde_json::json!({"task": task})).await;
+    let started = std::time::Instant::now();
+    while d.get(&format!("/v1/tasks/{id}")).await["state"] != "running" {
+        assert!(started.elapsed() < std::time::Duration::from_secs(30));
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let other = tempfile::tempdir().unwrap();
+    let state = d.state_dir().display().to_string();
+    let socket = other.path().join("other.sock").display().to_string();
+    let out = tandem(
+        &["serve", "--state-dir", &state, "--socket", &socket],
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert_eq!(
+        out.stderr,
+        format!(
+            "tandem: the state dir {state} is in use by another tandem daemon (pid {}); stop it first, or give this one another --state-dir\n",
+            d.pid()
+        )
+    );
+    assert_eq!(d.get(&format!("/v1/tasks/{id}")).await["state"], "running");
+}
