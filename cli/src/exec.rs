@@ -138,6 +138,7 @@ pub async fn exec(args: ExecArgs, file: FileConfig) -> Result<u8> {
     let blocks = blocks_of(&args, source)?;
     let name = config::executor_name(args.executor.as_deref(), &file);
     let executor = crate::executors::resolve(&name, &file, args.image.as_deref()).await?;
+    let executor_name = executor.name().to_owned();
     let limits = config::limits(&file, args.timeout)?;
     let mut slot = SessionSlot::new(
         executor,
@@ -182,6 +183,26 @@ pub async fn exec(args: ExecArgs, file: FileConfig) -> Result<u8> {
             out.write_all(b"\n")?;
         }
         out.flush()?;
+    }
+    if !json {
+        let unsupported = ran
+            .iter()
+            .filter(|r| r.result.status == BlockStatus::Unsupported)
+            .filter_map(|r| r.result.language.as_deref());
+        for language in unsupported {
+            let others: Vec<&str> =
+                crate::executors::executors_for(&Language::new(language), &file)
+                    .into_iter()
+                    .filter(|e| *e != executor_name)
+                    .collect();
+            if !others.is_empty() {
+                eprintln!(
+                    "tandem: `{language}` runs on the {} executor: pass --executor {}",
+                    others.join(" or "),
+                    others[0]
+                );
+            }
+        }
     }
     let code = ran.last().map_or(0, |r| blocks::exit_code_of(&r.result));
     Ok(u8::try_from(code).unwrap_or(1))

@@ -53,6 +53,20 @@ pub async fn resolve(
     }
 }
 
+/// The executors that run `language` on this machine's configuration, for a hint when the
+/// chosen one cannot.
+pub fn executors_for(language: &Language, file: &FileConfig) -> Vec<&'static str> {
+    let docker = config::docker_config(file, None).is_ok_and(|c| c.languages.contains(language));
+    let wasm = [Language::python(), Language::javascript()].contains(language);
+    let local = LocalExecutor::new(config::local_config(file))
+        .languages()
+        .contains(language);
+    [("docker", docker), ("wasm", wasm), ("local", local)]
+        .into_iter()
+        .filter_map(|(name, runs)| runs.then_some(name))
+        .collect()
+}
+
 /// What `auto` picks, and why.
 pub async fn auto(file: &FileConfig, image: Option<&str>) -> Result<(Arc<dyn Executor>, String)> {
     let config = config::docker_config(file, image)?;

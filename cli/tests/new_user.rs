@@ -123,3 +123,47 @@ async fn a_second_daemon_on_the_same_state_dir_is_refused_and_names_the_first() 
     );
     assert_eq!(d.get(&format!("/v1/tasks/{id}")).await["state"], "running");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_prompt_names_only_what_the_executor_runs_and_exec_says_which_would() {
+    let task = "new user: wasm prompt";
+    let server = ScriptedOpenAi::start(script([(task, vec![Reply::from("TERMINATE")])]))
+        .await
+        .unwrap();
+    let url = server.base_url();
+    let out = tandem(
+        &[
+            "run",
+            "--executor",
+            "wasm",
+            "--base-url",
+            &url,
+            "--model",
+            "m",
+            task,
+        ],
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let request = &server.requests_for(task)[0];
+    let system = request.body["messages"][0]["content"].as_str().unwrap();
+    assert!(
+        system.contains("complete code in ```python blocks (preferred) or ```javascript blocks."),
+        "{system}"
+    );
+    assert!(!system.contains("```sh"), "{system}");
+
+    let out = tandem(
+        &["exec", "--executor", "wasm", "--lang", "sh"],
+        &[],
+        Some("echo hi"),
+    )
+    .await;
+    assert_eq!(out.code, 1);
+    assert_eq!(
+        out.stderr,
+        "language `sh` is not supported by the wasm executor; supported: python, javascript\ntandem: block 1: not run: unsupported language\ntandem: `sh` runs on the docker or local executor: pass --executor docker\n"
+    );
+}

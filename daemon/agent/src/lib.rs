@@ -15,16 +15,18 @@ pub mod termination;
 pub use blocks::{EventSink, LanguageListError, SessionSlot, allowed_languages};
 pub use chat::{ChatModel, ModelConfig, ModelError};
 pub use extract::{CodeBlock, extract_code_blocks};
-pub use task::{TaskOutcome, TaskSettings, run_task};
+pub use task::{TaskOutcome, TaskSettings, render_system_prompt, run_task};
 
 /// The termination string used unless configured otherwise.
 pub const DEFAULT_TERMINATION: &str = "TERMINATE";
 
-/// The default system prompt, in the spirit of AutoGen's coding assistant.
+/// The default system prompt, in the spirit of AutoGen's coding assistant. `{languages}` is
+/// replaced by the fences of exactly the languages the task can run (see
+/// [`render_system_prompt`]); a custom prompt may use it too.
 pub const DEFAULT_SYSTEM_PROMPT: &str = "\
 You are a helpful AI assistant who solves tasks by writing code that really runs.
 Your code is executed for you, and you see its output in the next message.
-- Solve the task with complete code in ```python blocks (preferred) or ```sh blocks. Do not write code for the user to edit or fill in.
+- Solve the task with complete code in {languages} blocks. Do not write code for the user to edit or fill in.
 - Each block runs as a new process in the same working directory: files persist across blocks, variables do not. To save a file, put `# filename: <path>` on the block's first line.
 - Print the results you need with print(); do not ask the user to copy or run anything.
 - If the code fails, read the error, fix it, and send the whole corrected code again, not a diff.

@@ -101,7 +101,10 @@ pub async fn run_task(
     let mut slot =
         SessionSlot::new(executor, settings.session.clone()).only(settings.languages.clone());
     let mut transcript = vec![
-        Message::new(Role::System, system_prompt(&settings)),
+        Message::new(
+            Role::System,
+            system_prompt(&settings, slot.executor().languages()),
+        ),
         Message::new(Role::User, settings.task.clone()),
     ];
     transcript.extend(settings.history.iter().cloned());
@@ -270,14 +273,79 @@ async fn turn_loop(
     Ok(StopReason::MaxTurns)
 }
 
-/// The system prompt, told which languages run when the task allows only some.
-fn system_prompt(settings: &TaskSettings) -> String {
-    match &settings.languages {
-        None => settings.system_prompt.clone(),
+/// The system prompt the model gets: `{languages}` names exactly the languages that run
+/// (the task's list, else every language the executor runs), python first when it runs; a
+/// task that allows only some also gets a line that says so.
+pub fn render_system_prompt(
+    template: &str,
+    executor: &[Language],
+    allowed: Option<&[Language]>,
+) -> String {
+    let runs: Vec<&Language> = allowed
+        .unwrap_or(executor)
+        .iter()
+        .filter(|l| !l.is_data())
+        .collect();
+    let python = Language::python();
+    let fence = |l: &Language| format!("```{l}");
+    let others: Vec<String> = runs
+        .iter()
+        .filter(|l| ***l != python)
+        .map(|l| fence(l))
+        .collect();
+    let fences = match (runs.contains(&&python), others.as_slice()) {
+        (true, []) => fence(&python),
+        (true, others) => format!(
+            "{} blocks (preferred) or {}",
+            fence(&python),
+            others.join(" or ")
+        ),
+        (false, others) => others.join(" or "),
+    };
+    let prompt = template.replace("{languages}", &fences);
+    match allowed {
+        None => prompt,
         Some(languages) => format!(
             "{}\n- Only code in these languages is run: {}. Blocks in other languages are not run.",
-            settings.system_prompt.trim_end(),
+            prompt.trim_end(),
             tandem_executor::join_languages(languages)
         ),
+    }
+}
+
+fn system_prompt(settings: &TaskSettings, executor: &[Language]) -> String {
+    render_system_prompt(
+        &settings.system_prompt,
+        executor,
+        settings.languages.as_deref(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prompt_names_exactly_the_languages_that_run() {
+        let template = "code in {languages} blocks.";
+        let (py, sh, js) = (Language::python(), Language::sh(), Language::javascript());
+        let render = |executor: &[Language], allowed: Option<&[Language]>| {
+            render_system_prompt(template, executor, allowed)
+        };
+        assert_eq!(
+            render(&[py.clone(), sh.clone()], None),
+            "code in ```python blocks (preferred) or ```sh blocks."
+        );
+        assert_eq!(
+            render(&[py.clone(), js.clone()], None),
+            "code in ```python blocks (preferred) or ```javascript blocks."
+        );
+        assert_eq!(render(&[sh.clone()], None), "code in ```sh blocks.");
+        assert_eq!(
+            render(&[py.clone(), sh.clone(), js], Some(&[py])),
+            "code in ```python blocks.\n- Only code in these languages is run: python. Blocks in other languages are not run."
+        );
+        // A prompt without the placeholder is the operator's own words.
+        assert_eq!(render_system_prompt("Be brief.", &[sh], None), "Be brief.");
     }
 }

@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tandem_agent::{ChatModel, ModelConfig, TaskSettings, allowed_languages, run_task};
+use tandem_agent::{
+    ChatModel, ModelConfig, TaskSettings, allowed_languages, render_system_prompt, run_task,
+};
 use tandem_executor::{CancellationToken, Executor, Limits, Registry, SessionSpec};
 use tandem_protocol::{
     ErrorCode, ErrorInfo, Event, EventMsg, Message, Role, StopReason, TaskLimits, TaskSpec, Usage,
@@ -346,16 +348,25 @@ impl Supervisor {
 
     /// The conversation so far, rebuilt from the stored events.
     pub fn transcript(&self, record: &TaskRecord) -> Result<Vec<Message>, TaskError> {
+        let spec = &record.spec;
+        let template = spec
+            .system_prompt
+            .as_deref()
+            .unwrap_or(&self.config.defaults.system_prompt);
+        // As the model was sent it: the prompt names the languages the task's executor runs.
+        let system = match self.config.executors.get(&executor_name(self, spec)) {
+            Ok(executor) => {
+                let allowed = spec
+                    .languages
+                    .as_deref()
+                    .and_then(|asked| allowed_languages(asked, executor.as_ref()).ok());
+                render_system_prompt(template, executor.languages(), allowed.as_deref())
+            }
+            Err(_) => template.to_owned(),
+        };
         let mut messages = vec![
-            Message::new(
-                Role::System,
-                record
-                    .spec
-                    .system_prompt
-                    .clone()
-                    .unwrap_or_else(|| self.config.defaults.system_prompt.clone()),
-            ),
-            Message::new(Role::User, record.spec.task.clone()),
+            Message::new(Role::System, system),
+            Message::new(Role::User, spec.task.clone()),
         ];
         messages.extend(conversation(&self.store.events_after(&record.id, 0)?));
         Ok(messages)
