@@ -355,12 +355,16 @@ pub fn docker_config(file: &FileConfig, image: Option<&str>) -> Result<DockerCon
             bail!("[executors.docker] cpus must be between 0 and 1024, got {cpus}");
         }
     }
+    let chosen = image
+        .map(str::to_owned)
+        .or_else(|| env("TANDEM_DOCKER_IMAGE"))
+        .or_else(|| d.image.clone());
     Ok(DockerConfig {
-        image: image
-            .map(str::to_owned)
-            .or_else(|| env("TANDEM_DOCKER_IMAGE"))
-            .or_else(|| d.image.clone())
-            .unwrap_or(defaults.image),
+        // Nobody chose an image: the offline build stands in when the default is absent.
+        fallback_image: chosen
+            .is_none()
+            .then(|| tandem_executor_docker::LOCAL_IMAGE.to_owned()),
+        image: chosen.unwrap_or(defaults.image),
         pull: d.pull.unwrap_or(defaults.pull),
         // A one-shot command would only start containers to throw away; the pool is for
         // processes that open many sessions.

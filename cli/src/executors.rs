@@ -69,12 +69,13 @@ pub fn executors_for(language: &Language, file: &FileConfig) -> Vec<&'static str
 
 /// What `auto` picks, and why.
 pub async fn auto(file: &FileConfig, image: Option<&str>) -> Result<(Arc<dyn Executor>, String)> {
-    let config = config::docker_config(file, image)?;
-    let image = config.image.clone();
-    let connected = DockerExecutor::connect(config).await;
-    let why_not = why_not_docker(connected.as_ref(), &image).await;
+    let connected = DockerExecutor::connect(config::docker_config(file, image)?).await;
+    let why_not = why_not_docker(connected.as_ref()).await;
     Ok(match (connected, why_not) {
-        (Ok(docker), None) => (Arc::new(docker), docker_why(&image)),
+        (Ok(docker), None) => {
+            let why = docker_why(&docker);
+            (Arc::new(docker), why)
+        }
         (_, why_not) => {
             let wasm = wasm(file);
             let (name, why) = without_docker(why_not.unwrap_or_default(), wasm.as_ref());
@@ -115,20 +116,24 @@ pub fn wasm(file: &FileConfig) -> Result<WasmExecutor> {
 }
 
 /// Why `auto` picks docker.
-pub fn docker_why(image: &str) -> String {
-    format!("the Docker engine answers and image `{image}` is present")
+pub fn docker_why(docker: &DockerExecutor) -> String {
+    let image = docker.image();
+    match docker.replaced_image() {
+        None => format!("the Docker engine answers and image `{image}` is present"),
+        Some(absent) => format!(
+            "the Docker engine answers; `{absent}` is not present, so the locally built `{image}` stands in"
+        ),
+    }
 }
 
 /// Why `auto` cannot pick docker, given a connection the caller made; `None` when it can.
-pub async fn why_not_docker(
-    connected: Result<&DockerExecutor, &DockerError>,
-    image: &str,
-) -> Option<String> {
+pub async fn why_not_docker(connected: Result<&DockerExecutor, &DockerError>) -> Option<String> {
     match connected {
         Ok(docker) => match docker.image_present().await {
             Ok(true) => None,
             Ok(false) => Some(format!(
-                "docker: image `{image}` is not present; pull it, or build one offline with scripts/build-sandbox-image.sh and set TANDEM_DOCKER_IMAGE=tandem-sandbox:latest"
+                "docker: image `{}` is not present; pull it, or build one offline with scripts/build-sandbox-image.sh (used when the default image is absent)",
+                docker.image()
             )),
             Err(e) => Some(format!("docker: {e}")),
         },
@@ -162,9 +167,7 @@ pub async fn report(
         "executor:  local ({}) - not a security boundary",
         langs(local.languages())
     ));
-    let config = config::docker_config(file, image)?;
-    let image_name = config.image.clone();
-    let connected = DockerExecutor::connect(config).await;
+    let connected = DockerExecutor::connect(config::docker_config(file, image)?).await;
     match &connected {
         Ok(docker) => {
             let version = docker
@@ -176,9 +179,13 @@ pub async fn report(
                 Ok(false) => "missing: pull it or run scripts/build-sandbox-image.sh".to_owned(),
                 Err(e) => e.to_string(),
             };
+            let instead = docker.replaced_image().map_or(String::new(), |absent| {
+                format!(" (`{absent}` is not present; the locally built image stands in)")
+            });
             lines.push(format!(
-                "executor:  docker ({}) - engine {version}, image `{image_name}` {present}",
-                langs(docker.languages())
+                "executor:  docker ({}) - engine {version}, image `{}` {present}{instead}",
+                langs(docker.languages()),
+                docker.image()
             ));
         }
         Err(e) => lines.push(format!("executor:  docker - unavailable: {e}")),
@@ -225,8 +232,11 @@ pub async fn report(
         }
         Err(e) => lines.push(format!("executor:  wasm - unavailable: {e}")),
     }
-    let auto = match why_not_docker(connected.as_ref(), &image_name).await {
-        None => format!("docker ({})", docker_why(&image_name)),
+    let auto = match why_not_docker(connected.as_ref()).await {
+        None => format!(
+            "docker ({})",
+            connected.as_ref().map(docker_why).unwrap_or_default()
+        ),
         Some(why) => {
             let (name, why) = without_docker(why, wasm.as_ref());
             format!("{name} ({why})")

@@ -182,14 +182,13 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
     executors.register(Arc::new(LocalExecutor::new(config::local_config(&file))));
     let mut docker_config = config::docker_config(&file, args.image.as_deref())?;
     docker_config.pool_size = file.executors.docker.pool_size.unwrap_or(2);
-    let image = docker_config.image.clone();
     let connected = DockerExecutor::connect(docker_config).await;
     // A bad `[executors.wasm]` is a configuration error, not an executor that is missing.
     let wasm = tandem_executor_wasm::WasmExecutor::new(config::wasm_config(&file)?)
         .map_err(anyhow::Error::from);
     let name = config::executor_name(args.executor.as_deref(), &file);
     let default_executor = match name.as_str() {
-        "auto" => match crate::executors::why_not_docker(connected.as_ref(), &image).await {
+        "auto" => match crate::executors::why_not_docker(connected.as_ref()).await {
             None => "docker".to_owned(),
             Some(why) => {
                 let (name, why) = crate::executors::without_docker(why, wasm.as_ref());

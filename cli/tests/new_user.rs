@@ -167,3 +167,60 @@ async fn the_prompt_names_only_what_the_executor_runs_and_exec_says_which_would(
         "language `sh` is not supported by the wasm executor; supported: python, javascript\ntandem: block 1: not run: unsupported language\ntandem: `sh` runs on the docker or local executor: pass --executor docker\n"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_offline_image_stands_in_and_a_missing_one_is_refused_up_front() {
+    // Nobody chose an image: the locally built one stands in for an absent default.
+    let out = tandem(&["doctor"], &[("TANDEM_DOCKER_IMAGE", "")], None).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let default_present = std::process::Command::new("docker")
+        .args(["image", "inspect", "python:3.12-slim"])
+        .output()
+        .unwrap()
+        .status
+        .success();
+    if !default_present {
+        assert!(
+            out.stdout.contains("image `tandem-sandbox:latest` present (`python:3.12-slim` is not present; the locally built image stands in)"),
+            "{}",
+            out.stdout
+        );
+        assert!(out.stdout.contains("auto:      docker ("), "{}", out.stdout);
+    }
+
+    // A daemon whose image is not there says so, and refuses docker tasks before any turn.
+    let server = ScriptedOpenAi::start(script([("docker task", vec![Reply::from("TERMINATE")])]))
+        .await
+        .unwrap();
+    let d = tandem_tests::DaemonHarness::start_with_env(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &[],
+        Some("[executors.docker]\nimage = \"tandem-no-such-image:1\"\n"),
+        &[("TANDEM_DOCKER_IMAGE", "")],
+    )
+    .await;
+    let executors = d.get("/v1/executors").await;
+    let docker = executors["executors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "docker")
+        .unwrap()
+        .clone();
+    assert_eq!(docker["health"], "unavailable", "{docker}");
+    let (status, body) = d
+        .send(
+            reqwest::Method::POST,
+            "/v1/tasks",
+            Some(serde_json::json!({"task": "docker task", "executor": "docker"}).to_string()),
+        )
+        .await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"]["code"], "executor_unavailable");
+    assert_eq!(
+        body["error"]["message"],
+        "the docker executor cannot run tasks now: image `tandem-no-such-image:1` is not present; pull it (`docker pull tandem-no-such-image:1`), or build one offline with scripts/build-sandbox-image.sh"
+    );
+    assert!(server.requests().is_empty(), "a model turn was spent");
+}

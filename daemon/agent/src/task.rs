@@ -340,7 +340,10 @@ mod tests {
             render(&[py.clone(), js.clone()], None),
             "code in ```python blocks (preferred) or ```javascript blocks."
         );
-        assert_eq!(render(&[sh.clone()], None), "code in ```sh blocks.");
+        assert_eq!(
+            render(std::slice::from_ref(&sh), None),
+            "code in ```sh blocks."
+        );
         assert_eq!(
             render(&[py.clone(), sh.clone(), js], Some(&[py])),
             "code in ```python blocks.\n- Only code in these languages is run: python. Blocks in other languages are not run."

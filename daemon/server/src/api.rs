@@ -60,6 +60,7 @@ impl From<TaskError> for ApiError {
             TaskError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             TaskError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             TaskError::NotAllowed(_) => (StatusCode::BAD_REQUEST, "not_allowed"),
+            TaskError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "executor_unavailable"),
             TaskError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down"),
             TaskError::Store(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };

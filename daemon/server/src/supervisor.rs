@@ -79,6 +79,9 @@ pub enum TaskError {
     /// The operator's policy does not allow it.
     #[error("{0}")]
     NotAllowed(String),
+    /// The executor cannot run code now (its health check says why).
+    #[error("{0}")]
+    Unavailable(String),
     /// The daemon is stopping.
     #[error("the daemon is shutting down and takes no new work")]
     ShuttingDown,
@@ -100,6 +103,8 @@ pub struct Supervisor {
     writer: std::sync::mpsc::Sender<Write>,
     stopping: AtomicBool,
     models: Mutex<HashMap<(String, String), ChatModel>>,
+    /// Each executor's last health answer and when it came.
+    health: Mutex<HashMap<String, (Instant, Health)>>,
     /// Counters and histograms for `/metrics`.
     pub metrics: Metrics,
 }
@@ -133,6 +138,7 @@ impl Supervisor {
             live,
             stopping: AtomicBool::new(false),
             models: Mutex::new(HashMap::new()),
+            health: Mutex::new(HashMap::new()),
             metrics: Metrics::default(),
         })
     }
@@ -163,6 +169,27 @@ impl Supervisor {
         &self.config.executors
     }
 
+    /// An executor's health, checked at most every [`HEALTH_TTL`] (a submit must not wait
+    /// on the engine each time).
+    async fn health(&self, name: &str) -> Health {
+        let cached = self.health.lock().ok().and_then(|h| {
+            h.get(name)
+                .filter(|(at, _)| at.elapsed() < HEALTH_TTL)
+                .map(|(_, health)| health.clone())
+        });
+        if let Some(health) = cached {
+            return health;
+        }
+        let Ok(executor) = self.config.executors.get(name) else {
+            return Ok(());
+        };
+        let health = executor.health().await;
+        if let Ok(mut h) = self.health.lock() {
+            h.insert(name.to_owned(), (Instant::now(), health.clone()));
+        }
+        health
+    }
+
     /// What API clients may ask for.
     pub fn policy(&self) -> &Policy {
         &self.config.policy
@@ -191,6 +218,14 @@ impl Supervisor {
     /// Validates and queues a task; it is committed to the store when this returns.
     pub async fn submit(self: &Arc<Self>, spec: TaskSpec) -> Result<TaskRecord, TaskError> {
         self.validate(&spec)?;
+        // A task for a sandbox that cannot run (an image that is not there) would spend a
+        // model turn before failing; refuse it now, with the fix.
+        let name = executor_name(self, &spec);
+        if let Err(problem) = self.health(&name).await {
+            return Err(TaskError::Unavailable(format!(
+                "the {name} executor cannot run tasks now: {problem}"
+            )));
+        }
         let id = uuid::Uuid::now_v7().simple().to_string();
         let now = now_ms();
         // Through the writer, so concurrent submits share a commit (and its log sync).
@@ -611,6 +646,12 @@ enum Write {
 
 /// Where the writer says whether a new task was committed.
 type Created = tokio::sync::oneshot::Sender<Result<(), StoreError>>;
+
+/// An executor's health: `Err` says what is wrong and how to fix it.
+type Health = Result<(), String>;
+
+/// How long an executor's health answer is reused by submits.
+const HEALTH_TTL: Duration = Duration::from_secs(2);
 
 /// Most chat clients kept for reuse (one per endpoint and model name).
 const MODEL_CACHE: usize = 32;

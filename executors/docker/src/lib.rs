@@ -84,7 +84,13 @@ pub struct DockerConfig {
     /// Where temporary workspaces are made (default `$TMPDIR`); the engine bind-mounts them,
     /// so with a remote engine this must be a directory both machines see at the same path.
     pub workspace_dir: Option<PathBuf>,
+    /// An image to use instead when `image` is not present locally but this one is (the
+    /// offline build, when nobody chose an image).
+    pub fallback_image: Option<String>,
 }
+
+/// The image `scripts/build-sandbox-image.sh` builds offline.
+pub const LOCAL_IMAGE: &str = "tandem-sandbox:latest";
 
 impl Default for DockerConfig {
     fn default() -> Self {
@@ -103,6 +109,7 @@ impl Default for DockerConfig {
             languages: vec![Language::python(), Language::sh()],
             daemon_id: format!("tandem-{}", std::process::id()),
             workspace_dir: None,
+            fallback_image: None,
         }
     }
 }
@@ -122,7 +129,7 @@ pub enum DockerError {
     },
     /// The image is missing and could not be pulled.
     #[error(
-        "docker image `{image}` is not present and pulling it failed: {reason}; with no registry, build one offline with `scripts/build-sandbox-image.sh` and use `--image tandem-sandbox:latest` (or TANDEM_DOCKER_IMAGE)"
+        "docker image `{image}` is not present and pulling it failed: {reason}; with no registry, build one offline with `scripts/build-sandbox-image.sh` (used when the default image is absent), or name an image with --image (run, exec), TANDEM_DOCKER_IMAGE or [executors.docker] image"
     )]
     ImageUnavailable {
         /// The image asked for.
@@ -202,7 +209,7 @@ struct Pool {
 impl DockerExecutor {
     /// Connects to the engine the way the docker CLI does (`DOCKER_HOST` or the default
     /// socket), negotiates the API version, and reaps containers whose owner died.
-    pub async fn connect(config: DockerConfig) -> Result<Self, DockerError> {
+    pub async fn connect(mut config: DockerConfig) -> Result<Self, DockerError> {
         let host = docker_host();
         let unreachable = |reason: String| DockerError::Unreachable {
             host: host.clone(),
@@ -217,6 +224,19 @@ impl DockerExecutor {
             .await
             .map_err(|_| unreachable("no answer within 5 s".to_owned()))?
             .map_err(|e| unreachable(e.to_string()))?;
+        if let Some(fallback) = config.fallback_image.take() {
+            // Only an image that is there: a fallback never triggers a pull.
+            if !image_present(&docker, &config.image).await?
+                && image_present(&docker, &fallback).await?
+            {
+                tracing::info!(
+                    absent = %config.image,
+                    using = %fallback,
+                    "the default image is not present; using the locally built one"
+                );
+                config.fallback_image = Some(std::mem::replace(&mut config.image, fallback));
+            }
+        }
         let base = config
             .workspace_dir
             .clone()
@@ -259,6 +279,16 @@ impl DockerExecutor {
             v.version.unwrap_or_default(),
             v.api_version.unwrap_or_default()
         ))
+    }
+
+    /// The image sessions start from (the fallback when it replaced an absent default).
+    pub fn image(&self) -> &str {
+        &self.inner.config.image
+    }
+
+    /// The image that was asked for but is absent, when the fallback replaced it.
+    pub fn replaced_image(&self) -> Option<&str> {
+        self.inner.config.fallback_image.as_deref()
     }
 
     /// Whether the configured image is present locally.
@@ -472,9 +502,9 @@ impl Executor for DockerExecutor {
                 Err(_) => Err("the Docker engine did not answer within 2 s".to_owned()),
                 Ok(Err(e)) => Err(e.to_string()),
                 Ok(Ok(true)) => Ok(()),
-                Ok(Ok(false)) if self.inner.config.pull => Ok(()),
+                // A pull can take minutes, or never work (no registry): not ready either way.
                 Ok(Ok(false)) => Err(format!(
-                    "image `{image}` is not present and pulling is off; build it with scripts/build-sandbox-image.sh"
+                    "image `{image}` is not present; pull it (`docker pull {image}`), or build one offline with scripts/build-sandbox-image.sh"
                 )),
             }
         })
