@@ -224,3 +224,83 @@ async fn the_offline_image_stands_in_and_a_missing_one_is_refused_up_front() {
     );
     assert!(server.requests().is_empty(), "a model turn was spent");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn during_the_grace_reads_and_streams_go_on_and_new_work_is_refused() {
+    let task = "new user: finish during the grace";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Text(fence(
+                "python",
+                "import time\nprint('started', flush=True)\ntime.sleep(3)\nprint('finished')",
+            )),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let mut d = tandem_tests::DaemonHarness::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &["--grace", "30"],
+        None,
+    )
+    .await;
+    let id = d.submit(serde_json::json!({"task": task})).await;
+    // A follower, as `tandem logs -f` is, from before the signal.
+    let stream = d
+        .http()
+        .get(format!("http://tandem/v1/tasks/{id}/events"))
+        .send()
+        .await
+        .unwrap();
+    let follower = tokio::spawn(async move {
+        use futures::StreamExt;
+        let mut body = stream.bytes_stream();
+        let mut seen = String::new();
+        while let Some(Ok(chunk)) = body.next().await {
+            seen.push_str(&String::from_utf8_lossy(&chunk));
+            if seen.contains("\"task_finished\"") {
+                break;
+            }
+        }
+        seen
+    });
+    let started = std::time::Instant::now();
+    while !d
+        .events(&id, 0)
+        .await
+        .iter()
+        .any(|e| e["type"] == "exec_output")
+    {
+        assert!(started.elapsed() < std::time::Duration::from_secs(30));
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    d.sigterm();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let (status, health) = d.send(reqwest::Method::GET, "/healthz", None).await;
+    assert_eq!((status, health["status"].as_str()), (503, Some("stopping")));
+    let (status, _) = d
+        .send(reqwest::Method::GET, &format!("/v1/tasks/{id}"), None)
+        .await;
+    assert_eq!(status, 200);
+    let (status, body) = d
+        .send(
+            reqwest::Method::POST,
+            "/v1/tasks",
+            Some(serde_json::json!({"task": "too late"}).to_string()),
+        )
+        .await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (503, Some("shutting_down"))
+    );
+    let seen = tokio::time::timeout(std::time::Duration::from_secs(30), follower)
+        .await
+        .expect("the follower saw no end")
+        .unwrap();
+    assert!(seen.contains("finished\\n"), "{seen}");
+    assert!(seen.contains("\"stop_reason\":\"terminated\""), "{seen}");
+    assert_eq!(d.wait_exit().await, Some(0), "{}", d.log());
+}

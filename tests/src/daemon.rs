@@ -250,6 +250,22 @@ impl DaemonHarness {
         self.child = None;
     }
 
+    /// Sends SIGTERM and returns at once; [`DaemonHarness::wait_exit`] waits for the end.
+    pub fn sigterm(&self) {
+        let pid = nix::unistd::Pid::from_raw(self.pid() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    }
+
+    /// The exit code once the daemon stops (within 60 s).
+    pub async fn wait_exit(&mut self) -> Option<i32> {
+        let mut child = self.child.take().unwrap();
+        tokio::time::timeout(Duration::from_secs(60), child.wait())
+            .await
+            .expect("the daemon did not stop within 60 s")
+            .unwrap()
+            .code()
+    }
+
     /// SIGTERM, then the exit code once it stops.
     pub async fn terminate(&mut self) -> Option<i32> {
         let pid = nix::unistd::Pid::from_raw(self.pid() as i32);

@@ -300,13 +300,16 @@ async fn executors(State(state): State<AppState>) -> Json<serde_json::Value> {
     Json(json!({ "executors": list }))
 }
 
-async fn healthz(State(state): State<AppState>) -> Json<serde_json::Value> {
-    let status = if state.supervisor.stopping() {
-        "stopping"
+async fn healthz(State(state): State<AppState>) -> (StatusCode, Json<serde_json::Value>) {
+    // A load balancer stops sending work; reads and streams are still served meanwhile.
+    if state.supervisor.stopping() {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({ "status": "stopping" })),
+        )
     } else {
-        "ok"
-    };
-    Json(json!({ "status": status }))
+        (StatusCode::OK, Json(json!({ "status": "ok" })))
+    }
 }
 
 async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {

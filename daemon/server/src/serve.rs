@@ -68,8 +68,9 @@ pub struct Listeners {
     pub tcp: Option<(TcpListener, String)>,
 }
 
-/// Serves the API until `shutdown` is cancelled, then stops taking requests, gives running
-/// tasks `grace` to finish, interrupts the rest (they resume on request) and returns.
+/// Serves the API until `shutdown` is cancelled; then takes no new tasks (503), gives running
+/// tasks `grace` to finish and interrupts the rest (they resume on request), while still
+/// serving reads and event streams, so followers see how their tasks ended; then returns.
 pub async fn serve(
     supervisor: Arc<Supervisor>,
     listeners: Listeners,
@@ -77,10 +78,20 @@ pub async fn serve(
     grace: Duration,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
+    // Closing the listeners and ending the streams waits for the tasks.
+    let close = CancellationToken::new();
+    let drain = {
+        let (supervisor, shutdown, close) = (supervisor.clone(), shutdown.clone(), close.clone());
+        tokio::spawn(async move {
+            shutdown.cancelled().await;
+            supervisor.shutdown(grace).await;
+            close.cancel();
+        })
+    };
     let mut servers = tokio::task::JoinSet::new();
     if let Some(unix) = listeners.unix {
-        let app = api::router(supervisor.clone(), None, body_limit, shutdown.clone());
-        let stop = shutdown.clone();
+        let app = api::router(supervisor.clone(), None, body_limit, close.clone());
+        let stop = close.clone();
         servers.spawn(async move {
             axum::serve(unix, app)
                 .with_graceful_shutdown(stop.cancelled_owned())
@@ -88,13 +99,8 @@ pub async fn serve(
         });
     }
     if let Some((tcp, token)) = listeners.tcp {
-        let app = api::router(
-            supervisor.clone(),
-            Some(token),
-            body_limit,
-            shutdown.clone(),
-        );
-        let stop = shutdown.clone();
+        let app = api::router(supervisor.clone(), Some(token), body_limit, close.clone());
+        let stop = close.clone();
         servers.spawn(async move {
             axum::serve(tcp, app)
                 .with_graceful_shutdown(stop.cancelled_owned())
@@ -115,6 +121,9 @@ pub async fn serve(
             Ok(Ok(())) => {}
         }
     }
-    supervisor.shutdown(grace).await;
+    // A server that failed started the shutdown; the tasks are done or interrupted by now
+    // (or are being, when every server failed before it).
+    shutdown.cancel();
+    let _ = drain.await;
     result
 }
