@@ -16,7 +16,7 @@ use crate::render::{Mode, Renderer};
 /// `--host`, shared by the client commands.
 #[derive(Debug, Default, Clone, clap::Args)]
 pub struct HostFlag {
-    /// Daemon to talk to: unix:///path/to.sock or tcp://host:port [env: TANDEM_HOST; default: the default socket]
+    /// Daemon to talk to: unix:///path/to.sock (or /path/to.sock) or tcp://host:port [env: TANDEM_HOST; default: the default socket]
     #[arg(long)]
     pub host: Option<String>,
 }
@@ -42,6 +42,12 @@ impl Client {
                 let state = crate::serve::default_state_dir();
                 format!("unix://{}", crate::serve::default_socket(&state).display())
             });
+        // A socket's path is what people type; it means the same as unix://PATH.
+        let host = if host.starts_with('/') {
+            format!("unix://{host}")
+        } else {
+            host
+        };
         let builder = reqwest::Client::builder().connect_timeout(Duration::from_secs(5));
         if let Some(path) = host.strip_prefix("unix://") {
             let http = builder
@@ -64,7 +70,7 @@ impl Client {
                 host,
             })
         } else {
-            bail!("--host `{host}` is neither unix:///path nor tcp://host:port")
+            bail!("--host `{host}` is neither unix:///path (or /path) nor tcp://host:port")
         }
     }
 
@@ -258,7 +264,9 @@ fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
 
 /// Follows a task to its end, rendering its events; Ctrl-C cancels it on the daemon.
 pub async fn follow(client: &Client, id: &str, mode: Mode) -> Result<u8> {
-    let renderer = Arc::new(Mutex::new(Renderer::stdout(mode)));
+    let renderer = Arc::new(Mutex::new(
+        Renderer::stdout(mode).place(format!("on the daemon at {}", client.host)),
+    ));
     let cancel_client_id = id.to_owned();
     let canceller = client.clone();
     let ctrl_c = tokio::spawn(async move {

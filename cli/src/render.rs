@@ -66,6 +66,8 @@ pub struct Renderer<W: Write> {
     streamed: bool,
     at_line_start: bool,
     shown: Shown,
+    /// Where the task runs ("in this process", "on the daemon at ..."), for the header.
+    place: Option<String>,
     pub error: Option<io::Error>,
 }
 
@@ -87,8 +89,15 @@ impl<W: Write> Renderer<W> {
             streamed: false,
             at_line_start: true,
             shown: Shown::default(),
+            place: None,
             error: None,
         }
+    }
+
+    /// Names where the task runs in the transcript's header.
+    pub fn place(mut self, place: impl Into<String>) -> Self {
+        self.place = Some(place.into());
+        self
     }
 
     /// Whether the reader went away (`| head`), which ends the output but is no failure.
@@ -166,9 +175,15 @@ impl<W: Write> Renderer<W> {
                 base_url,
                 executor,
                 ..
-            } => self.rule(&format!(
-                "tandem · model {model} at {base_url} · executor {executor}"
-            )),
+            } => {
+                let place = self
+                    .place
+                    .as_deref()
+                    .map_or(String::new(), |p| format!(" · {p}"));
+                self.rule(&format!(
+                    "tandem · model {model} at {base_url} · executor {executor}{place}"
+                ))
+            }
             EventMsg::TurnStarted { turn } => {
                 self.streamed = false;
                 self.rule(&format!("assistant · turn {turn}"))

@@ -62,10 +62,25 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
         );
     }
     // A daemon that answers runs the task (it owns sandboxes and history); a kept --workdir
-    // or --image is this machine's business, so those run here.
-    if !args.local && args.workdir.is_none() && args.image.is_none() {
+    // or --image is this machine's business, so those run here, and say so.
+    if !args.local {
         let client = crate::client::Client::new(&args.host)?;
-        if client.reachable().await {
+        let own = [
+            ("--workdir", args.workdir.is_some()),
+            ("--image", args.image.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(flag, given)| given.then_some(flag))
+        .collect::<Vec<_>>();
+        if !own.is_empty() {
+            if client.reachable().await {
+                eprintln!(
+                    "tandem: running in this process, not on the daemon at {}: the daemon cannot honour {} (a directory or image of this machine); the model settings are this shell's",
+                    client.host,
+                    own.join(" and ")
+                );
+            }
+        } else if client.reachable().await {
             match through_daemon(&client, &args, &file).await {
                 Err(e) if local_refused(&e, &args, &file) => {
                     eprintln!(
@@ -119,7 +134,9 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
 
     let cancel = CancellationToken::new();
     spawn_ctrl_c(cancel.clone());
-    let renderer = Arc::new(Mutex::new(Renderer::stdout(Mode::json(args.json))));
+    let renderer = Arc::new(Mutex::new(
+        Renderer::stdout(Mode::json(args.json)).place("in this process"),
+    ));
     let sink_renderer = renderer.clone();
     let sink_cancel = cancel.clone();
     let events = Arc::new(move |msg: EventMsg| {

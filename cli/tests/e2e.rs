@@ -567,7 +567,7 @@ async fn human_transcript_shows_the_run() {
     let lines: Vec<&str> = out.stdout.lines().collect();
     assert_eq!(
         lines[0],
-        format!("── tandem · model m at {url} · executor local ──")
+        format!("── tandem · model m at {url} · executor local · in this process ──")
     );
     assert_eq!(lines[1], "── assistant · turn 1 ──");
     assert_eq!(lines[2], "```python");

@@ -304,3 +304,63 @@ async fn during_the_grace_reads_and_streams_go_on_and_new_work_is_refused() {
     assert!(seen.contains("\"stop_reason\":\"terminated\""), "{seen}");
     assert_eq!(d.wait_exit().await, Some(0), "{}", d.log());
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn run_says_where_it_runs_and_why_it_left_the_daemon() {
+    let task = "new user: where";
+    let server = ScriptedOpenAi::start(script([(task, vec![Reply::from("TERMINATE")])]))
+        .await
+        .unwrap();
+    let d = tandem_tests::DaemonHarness::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &[],
+        None,
+    )
+    .await;
+    let url = server.base_url();
+    let workdir = tempfile::tempdir().unwrap();
+    let workdir = workdir.path().display().to_string();
+    let host = d.host();
+    let socket = d.socket().display().to_string();
+    // Through the daemon, named by its socket's plain path.
+    let out = tandem(&["run", "--host", &socket, task], &[], None).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let header = out.stdout.lines().next().unwrap_or_default().to_owned();
+    assert!(
+        header.ends_with(&format!(" · on the daemon at {host} ──")),
+        "{header}"
+    );
+    // A directory of this machine: here, and said so.
+    let out = tandem(
+        &[
+            "run",
+            "--host",
+            &host,
+            "--workdir",
+            &workdir,
+            "--base-url",
+            &url,
+            task,
+        ],
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stdout
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .ends_with(" · in this process ──"),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(
+        out.stderr,
+        format!(
+            "tandem: running in this process, not on the daemon at {host}: the daemon cannot honour --workdir (a directory or image of this machine); the model settings are this shell's\n"
+        )
+    );
+}

@@ -409,7 +409,16 @@ async fn forward(
     loop {
         let received = tokio::select! {
             r = live.recv() => r,
-            () = shutdown.cancelled() => return,
+            () = shutdown.cancelled() => {
+                // The daemon closes once every event is stored: a follower gets them all,
+                // the task's end among them, before its stream ends.
+                for e in catch_up(&sup, &id, &mut last).await.unwrap_or_default() {
+                    if tx.send(sse_event(&e)).await.is_err() {
+                        return;
+                    }
+                }
+                return;
+            }
             () = tx.closed() => return,
         };
         let batch = match received {
