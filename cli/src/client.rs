@@ -62,7 +62,7 @@ impl Client {
             })
         } else if let Some(addr) = host.strip_prefix("tcp://") {
             let http = builder.build().context("cannot build the HTTP client")?;
-            let token = crate::serve::token(&crate::serve::default_state_dir(), false)?;
+            let token = crate::serve::token(&crate::serve::default_state_dir(), None)?;
             Ok(Self {
                 http,
                 base: format!("http://{addr}"),

@@ -66,12 +66,38 @@ pub fn default_socket(state_dir: &Path) -> PathBuf {
     }
 }
 
+/// What the daemon tells the person who started it: plain `tandem: ...` lines on stderr, or,
+/// with `--log-format json`, log records like every other line there.
+#[derive(Clone, Copy)]
+struct Say {
+    json: bool,
+}
+
+impl Say {
+    fn note(self, message: &str) {
+        if self.json {
+            tracing::info!("{message}");
+        } else {
+            eprintln!("tandem: {message}");
+        }
+    }
+
+    fn warn(self, message: &str) {
+        if self.json {
+            tracing::warn!("{message}");
+        } else {
+            eprintln!("tandem: warning: {message}");
+        }
+    }
+}
+
 /// Shortest token accepted: anything shorter can be guessed over the network.
 const MIN_TOKEN_CHARS: usize = 16;
 
-/// The TCP token: `TANDEM_TOKEN`, else the token file in the state dir (made on first use).
-/// An empty or short token is refused: it would let anyone in.
-pub fn token(state_dir: &Path, create: bool) -> Result<Option<String>> {
+/// The TCP token: `TANDEM_TOKEN`, else the token file in the state dir (made on first use,
+/// when `created` is given: it is told where). An empty or short token is refused: it would
+/// let anyone in.
+pub fn token(state_dir: &Path, created: Option<&dyn Fn(&Path)>) -> Result<Option<String>> {
     let strong = |token: String, from: &dyn std::fmt::Display| {
         if token.chars().count() < MIN_TOKEN_CHARS {
             bail!(
@@ -87,7 +113,7 @@ pub fn token(state_dir: &Path, create: bool) -> Result<Option<String>> {
     let path = state_dir.join("token");
     match std::fs::read_to_string(&path) {
         Ok(t) => strong(t.trim().to_owned(), &path.display()),
-        Err(_) if create => {
+        Err(_) if created.is_some() => {
             use std::io::Write;
             use std::os::unix::fs::OpenOptionsExt;
             let token = format!(
@@ -102,11 +128,9 @@ pub fn token(state_dir: &Path, create: bool) -> Result<Option<String>> {
                 .open(&path)
                 .with_context(|| format!("cannot write the token file {}", path.display()))?;
             f.write_all(token.as_bytes())?;
-            // Only where it is: logs are read by more people than the token file.
-            eprintln!(
-                "tandem: generated a TCP token in {} (owner-only; send it as `Authorization: Bearer <token>`)",
-                path.display()
-            );
+            if let Some(created) = created {
+                created(&path);
+            }
             Ok(Some(token))
         }
         Err(_) => Ok(None),
@@ -127,7 +151,19 @@ fn lock_state_dir(state_dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>> 
         .mode(0o600)
         .open(&path)
         .with_context(|| format!("cannot open the lock file {}", path.display()))?;
-    match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+    // A daemon killed a moment ago may still be letting go of it.
+    let mut file = file;
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    let locked = loop {
+        match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+            Err((f, nix::errno::Errno::EWOULDBLOCK)) if std::time::Instant::now() < deadline => {
+                file = f;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            other => break other,
+        }
+    };
+    match locked {
         Ok(mut lock) => {
             lock.set_len(0)?;
             lock.rewind()?;
@@ -152,6 +188,9 @@ fn lock_state_dir(state_dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>> 
 const DEFAULT_TASK_TIMEOUT_SECS: u64 = 1800;
 
 pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
+    let say = Say {
+        json: args.json_logs(),
+    };
     // The daemon holds the model's API key (in its environment) and the token: code running
     // as the same user (the local executor) must not read them from /proc/<daemon>/environ,
     // mem or fd. A non-dumpable process's /proc entries belong to root.
@@ -193,9 +232,9 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
             Some(why) => {
                 let (name, why) = crate::executors::without_docker(why, wasm.as_ref());
                 if name == "local" {
-                    eprintln!(
-                        "tandem: warning: no sandbox is available here ({why}); tasks default to the local executor"
-                    );
+                    say.warn(&format!(
+                        "no sandbox is available here ({why}); tasks default to the local executor"
+                    ));
                 } else {
                     tracing::info!(executor = name, %why, "default executor chosen");
                 }
@@ -248,15 +287,12 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
         policy.executors = Some(executors.names().into_iter().map(str::to_owned).collect());
     }
     if policy.offers(tandem_daemon::policy::LOCAL) {
-        eprintln!(
-            "tandem: warning: API clients may use the local executor, which is not a security boundary: its code runs as this daemon's user and can read the daemon's files (its store and token among them)"
+        say.warn(
+            "API clients may use the local executor, which is not a security boundary: its code runs as this daemon's user and can read the daemon's files (its store and token among them)",
         );
     }
     if !policy.offers(&default_executor) {
-        eprintln!(
-            "tandem: warning: {}",
-            policy.not_offered(&default_executor, &executors)
-        );
+        say.warn(&policy.not_offered(&default_executor, &executors));
     }
     if let Some(d) = &docker {
         if default_executor == "docker" {
@@ -300,7 +336,14 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
     let unix = tandem_daemon::bind_unix(&socket).await?;
     let tcp = match &args.listen {
         Some(addr) => {
-            let token = token(&state_dir, true)?.unwrap_or_default();
+            // Only where it is: logs are read by more people than the token file.
+            let created = |path: &Path| {
+                say.note(&format!(
+                    "generated a TCP token in {} (owner-only; send it as `Authorization: Bearer <token>`)",
+                    path.display()
+                ));
+            };
+            let token = token(&state_dir, Some(&created))?.unwrap_or_default();
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("cannot listen on {addr}"))?;
@@ -331,17 +374,20 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
         interrupted,
         "tandem daemon ready"
     );
-    eprintln!(
-        "tandem: serving on unix://{}{} (executor {default_executor}, {max_concurrent} at once)",
-        socket.display(),
-        args.listen
-            .as_deref()
-            .map(|a| format!(" and tcp://{a}"))
-            .unwrap_or_default()
-    );
+    if !say.json {
+        // The JSON log has the same in its "ready" record.
+        say.note(&format!(
+            "serving on unix://{}{} (executor {default_executor}, {max_concurrent} at once)",
+            socket.display(),
+            args.listen
+                .as_deref()
+                .map(|a| format!(" and tcp://{a}"))
+                .unwrap_or_default()
+        ));
+    }
 
     let shutdown = CancellationToken::new();
-    spawn_signal_handler(shutdown.clone());
+    spawn_signal_handler(shutdown.clone(), say);
     tandem_daemon::serve(
         supervisor,
         Listeners {
@@ -363,7 +409,7 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
 }
 
 /// SIGTERM or SIGINT starts a graceful shutdown; a second one exits at once.
-fn spawn_signal_handler(shutdown: CancellationToken) {
+fn spawn_signal_handler(shutdown: CancellationToken, say: Say) {
     use tokio::signal::unix::{SignalKind, signal};
     tokio::spawn(async move {
         let (Ok(mut term), Ok(mut int)) = (
@@ -376,7 +422,7 @@ fn spawn_signal_handler(shutdown: CancellationToken) {
             _ = term.recv() => {}
             _ = int.recv() => {}
         }
-        eprintln!("tandem: shutting down (again to quit at once)");
+        say.note("shutting down (again to quit at once)");
         shutdown.cancel();
         tokio::select! {
             _ = term.recv() => {}

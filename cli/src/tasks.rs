@@ -128,15 +128,16 @@ pub async fn show(args: IdArgs) -> Result<u8> {
         println!("{value}");
         return Ok(exit::DONE);
     }
+    let turns = value["turns"].as_u64().unwrap_or(0);
     println!(
-        "task {} · {}{} · {} turns · {} in / {} out tokens",
+        "task {} · {}{} · {turns} turn{} · {} in / {} out tokens",
         value["id"].as_str().unwrap_or_default(),
         value["state"].as_str().unwrap_or_default(),
         value["stop_reason"]
             .as_str()
             .map(|s| format!(" ({s})"))
             .unwrap_or_default(),
-        value["turns"],
+        if turns == 1 { "" } else { "s" },
         value["usage"]["prompt_tokens"],
         value["usage"]["completion_tokens"],
     );

@@ -364,3 +364,97 @@ async fn run_says_where_it_runs_and_why_it_left_the_daemon() {
         )
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn no_noise_one_line_per_retry_no_colour_in_pipes_no_retry_of_a_bad_name() {
+    let task = "new user: retry once";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Error(500, "busy".to_owned()),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    // The scripted server answers by turn, so a retry of turn 1 gets the next reply.
+    let url = server.base_url();
+    let out = tandem(
+        &["run", "--base-url", &url, "--model", "m", task],
+        &[("TANDEM_MAX_RETRIES", "1"), ("RUST_LOG", "debug")],
+        None,
+    )
+    .await;
+    let both = format!("{}{}", out.stdout, out.stderr);
+    assert_eq!(both.matches("retry 1").count(), 1, "{both}");
+    assert!(
+        !out.stderr.contains('\u{1b}'),
+        "colour codes in a pipe: {}",
+        out.stderr
+    );
+    assert!(
+        out.stderr.contains("DEBUG"),
+        "no debug log to check: {}",
+        out.stderr
+    );
+
+    // A host name that does not resolve is not retried.
+    let started = std::time::Instant::now();
+    let out = tandem(
+        &[
+            "run",
+            "--json",
+            "--base-url",
+            "http://tandem-no-such-host.invalid/v1",
+            "t",
+        ],
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(out.code, 1, "{}", out.stderr);
+    assert!(!out.stdout.contains("model_retry"), "{}", out.stdout);
+    assert!(
+        out.stdout
+            .contains("cannot resolve the model server's host"),
+        "{}",
+        out.stdout
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn json_logs_are_all_json_and_one_turn_is_one_turn() {
+    let task = "new user: one turn";
+    let server = ScriptedOpenAi::start(script([(task, vec![Reply::from("TERMINATE")])]))
+        .await
+        .unwrap();
+    let mut d = tandem_tests::DaemonHarness::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &["--log-format", "json", "--listen", "127.0.0.1:0"],
+        None,
+    )
+    .await;
+    let id = d.submit(serde_json::json!({"task": task})).await;
+    d.wait_finished(&id, std::time::Duration::from_secs(30))
+        .await;
+    let host = d.host();
+    let out = tandem(&["show", "--host", &host, &id], &[], None).await;
+    assert!(
+        out.stdout
+            .starts_with(&format!("task {id} · finished (terminated) · 1 turn · ")),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(d.terminate().await, Some(0));
+    let log = d.log();
+    for line in log.lines() {
+        assert!(
+            serde_json::from_str::<serde_json::Value>(line).is_ok(),
+            "not JSON: {line}"
+        );
+    }
+    assert!(log.contains("generated a TCP token"), "{log}");
+    assert!(log.contains("shutting down"), "{log}");
+}

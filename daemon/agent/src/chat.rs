@@ -182,7 +182,8 @@ impl ChatModel {
                 Err(e) if e.retryable && attempt < self.config.max_retries => {
                     attempt += 1;
                     let delay = self.config.retry_base * 2u32.saturating_pow(attempt - 1);
-                    tracing::warn!(attempt, ?delay, error = %e.message, "model call failed; retrying");
+                    // The caller shows the retry (a transcript line, an event): once is enough.
+                    tracing::debug!(attempt, ?delay, error = %e.message, "model call failed; retrying");
                     progress(ModelProgress::Retry {
                         attempt,
                         delay,
@@ -282,6 +283,15 @@ impl ChatModel {
         let url = &self.config.base_url;
         let model = &self.config.model;
         let (code, retryable, message) = match e {
+            // A name that does not resolve will not resolve on a retry either.
+            OpenAIError::Reqwest(e) if e.is_connect() && is_dns_failure(&e) => (
+                ErrorCode::ModelUnreachable,
+                false,
+                format!(
+                    "cannot resolve the model server's host in {url} ({}); check --base-url or OPENAI_BASE_URL",
+                    root_cause(&e)
+                ),
+            ),
             OpenAIError::Reqwest(e) if e.is_connect() => (
                 ErrorCode::ModelUnreachable,
                 true,
@@ -422,6 +432,19 @@ fn floor_char_boundary(s: &str, at: usize) -> usize {
         return s.len();
     }
     (0..=at).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0)
+}
+
+/// Whether a connect error is a failed name lookup (hyper's resolver says "dns error").
+fn is_dns_failure(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        let text = err.to_string();
+        if text.contains("dns error") || text.contains("failed to lookup address") {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
 }
 
 /// The innermost cause, which for reqwest is the useful part ("Connection refused").
