@@ -224,3 +224,89 @@ async fn doctor(
     }
     Ok(exit::DONE)
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    const README: &str = include_str!("../../README.md");
+
+    /// Words of a shell command line up to a redirection or pipe: spaces split, double and
+    /// single quotes group.
+    fn words(line: &str) -> Vec<String> {
+        let (mut words, mut word, mut quote) = (Vec::new(), String::new(), None);
+        for c in line.chars() {
+            match (quote, c) {
+                (None, '<' | '>' | '|' | ';') => break,
+                (None, '"' | '\'') => quote = Some(c),
+                (Some(q), c) if c == q => quote = None,
+                (None, ' ') => {
+                    if !word.is_empty() {
+                        words.push(std::mem::take(&mut word));
+                    }
+                }
+                _ => word.push(c),
+            }
+        }
+        if !word.is_empty() {
+            words.push(word);
+        }
+        words
+    }
+
+    /// Every `tandem ...` command in the README's shell blocks parses as written.
+    #[test]
+    fn the_readmes_commands_parse_as_written() {
+        let mut checked = 0;
+        for block in tandem_agent::extract_code_blocks(README)
+            .iter()
+            .filter(|b| b.language.as_deref() == Some("sh"))
+        {
+            for line in block.code.lines() {
+                let line = line.split(" #").next().unwrap_or_default();
+                for command in line.split("&&").map(|c| c.trim().trim_end_matches('&')) {
+                    // Environment assignments before the command are the shell's.
+                    let command = command
+                        .split_whitespace()
+                        .skip_while(|w| w.contains('=') && !w.starts_with('-'))
+                        .collect::<Vec<_>>()
+                        .join(" ");
+                    if !command.starts_with("tandem ") {
+                        continue;
+                    }
+                    if let Err(e) = Cli::try_parse_from(words(&command)) {
+                        panic!("README command `{command}` does not parse:\n{e}");
+                    }
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked >= 10, "only {checked} commands found");
+    }
+
+    /// The command table names every flag of every command.
+    #[test]
+    fn the_readmes_command_table_names_every_flag() {
+        for sub in Cli::command().get_subcommands() {
+            let name = sub.get_name();
+            let rows: Vec<&str> = README
+                .lines()
+                .filter(|l| l.starts_with("| `tandem ") && l.contains(&format!("`tandem {name} ")))
+                .collect();
+            assert!(!rows.is_empty(), "no README row for `tandem {name}`");
+            for arg in sub.get_arguments() {
+                let Some(long) = arg.get_long() else { continue };
+                // --config is global and said once, under the table.
+                if long == "config" {
+                    continue;
+                }
+                assert!(
+                    rows.iter().any(|r| r.contains(&format!("--{long}"))),
+                    "the README's row for `tandem {name}` leaves out --{long}"
+                );
+            }
+        }
+    }
+}
