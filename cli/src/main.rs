@@ -8,6 +8,7 @@ mod render;
 mod run;
 mod serve;
 mod tasks;
+mod team;
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -78,6 +79,11 @@ enum Command {
     Cancel(tasks::IdArgs),
     /// Continue an interrupted task from its transcript
     Resume(tasks::IdArgs),
+    /// Work with team files (several agents): check one
+    Team {
+        #[command(subcommand)]
+        action: TeamAction,
+    },
     /// Print the fenced code blocks of a markdown file (stdin when no FILE) as JSON
     Extract {
         /// Markdown file; stdin when absent or `-`
@@ -94,6 +100,15 @@ enum Command {
         /// task pays for it
         #[arg(long)]
         precompile: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum TeamAction {
+    /// Check a team file: print its tree of agents and strategies, or every problem in it
+    Check {
+        /// The team file (TOML; see docs/teams.md)
+        file: PathBuf,
     },
 }
 
@@ -145,6 +160,13 @@ fn dispatch(cli: Cli) -> Result<u8> {
     let file = config::load(cli.config.as_deref())?;
     match cli.command {
         Command::Extract { file: path } => extract(path),
+        Command::Team {
+            action: TeamAction::Check { file: path },
+        } => {
+            let team = team::load(&path)?;
+            print!("{}", team.render());
+            Ok(exit::DONE)
+        }
         Command::Doctor {
             model,
             image,

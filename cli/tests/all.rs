@@ -6,3 +6,4 @@ mod daemon;
 mod e2e;
 mod hostile;
 mod new_user;
+mod teams;

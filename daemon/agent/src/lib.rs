@@ -10,6 +10,7 @@ pub mod blocks;
 pub mod chat;
 pub mod extract;
 pub mod task;
+pub mod team;
 pub mod termination;
 
 pub use blocks::{EventSink, LanguageListError, SessionSlot, allowed_languages};

@@ -7,6 +7,8 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod team;
+
 /// What a client asks Tandem to do.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
