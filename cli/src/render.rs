@@ -145,13 +145,18 @@ impl<W: Write> Renderer<W> {
     }
 
     fn rule(&mut self, label: &str) -> io::Result<()> {
+        self.rule_at("", label)
+    }
+
+    /// A rule on a line of its own, after `indent`.
+    fn rule_at(&mut self, indent: &str, label: &str) -> io::Result<()> {
         if !self.at_line_start {
             self.text("\n")?;
         }
         let line = if self.color {
-            format!("\x1b[2m── {label} ──\x1b[0m\n")
+            format!("{indent}\x1b[2m── {label} ──\x1b[0m\n")
         } else {
-            format!("── {label} ──\n")
+            format!("{indent}── {label} ──\n")
         };
         self.text(&line)
     }
@@ -187,6 +192,14 @@ impl<W: Write> Renderer<W> {
             EventMsg::TurnStarted { turn } => {
                 self.streamed = false;
                 self.rule(&format!("assistant · turn {turn}"))
+            }
+            EventMsg::AgentTurn { turn, agent } => {
+                self.streamed = false;
+                // `team/solve/coder`: named by its last part, indented by its nesting.
+                let mut parts: Vec<&str> = agent.split('/').collect();
+                let name = parts.pop().unwrap_or_default();
+                let indent = "  ".repeat(parts.len().saturating_sub(1));
+                self.rule_at(&indent, &format!("{name} · turn {turn}"))
             }
             EventMsg::AssistantDelta { text, .. } => {
                 self.streamed = true;

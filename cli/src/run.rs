@@ -15,24 +15,24 @@ use crate::render::{Mode, Renderer};
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
     /// The task, in words
-    task: String,
+    pub(crate) task: String,
     /// Executor that runs the code: auto, docker, wasm or local [env: TANDEM_EXECUTOR; default: auto]
     #[arg(long, short = 'e')]
-    executor: Option<String>,
+    pub(crate) executor: Option<String>,
     /// Docker image for the docker executor [env: TANDEM_DOCKER_IMAGE; default: python:3.12-slim]
     #[arg(long)]
-    image: Option<String>,
+    pub(crate) image: Option<String>,
     #[command(flatten)]
-    model: ModelFlags,
+    pub(crate) model: ModelFlags,
     /// Most assistant turns [default: 10]
     #[arg(long)]
-    max_turns: Option<u32>,
+    pub(crate) max_turns: Option<u32>,
     /// Wall-clock limit for the whole task, in seconds
     #[arg(long)]
-    timeout: Option<f64>,
+    pub(crate) timeout: Option<f64>,
     /// Wall-clock limit per code block, in seconds [default: 60]
     #[arg(long)]
-    block_timeout: Option<f64>,
+    pub(crate) block_timeout: Option<f64>,
     /// File whose text replaces the default system prompt
     #[arg(long)]
     system_prompt: Option<PathBuf>,
@@ -44,15 +44,19 @@ pub struct RunArgs {
     languages: Vec<String>,
     /// Use this directory as the workspace and keep it
     #[arg(long)]
-    workdir: Option<PathBuf>,
+    pub(crate) workdir: Option<PathBuf>,
     /// Print one JSON event per line
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
     /// Run in this process even when a daemon is reachable
     #[arg(long)]
-    local: bool,
+    pub(crate) local: bool,
+    /// Solve the task with this team of agents (a team file: docs/teams.md) instead of the
+    /// assistant and executor pair
+    #[arg(long)]
+    pub(crate) team: Option<PathBuf>,
     #[command(flatten)]
-    host: crate::client::HostFlag,
+    pub(crate) host: crate::client::HostFlag,
 }
 
 pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
@@ -60,6 +64,12 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
         anyhow::bail!(
             "the task is empty; say what to do, for example: tandem run \"print the 10th prime\""
         );
+    }
+    if let Some(team) = args.team.clone() {
+        if !args.local && crate::client::Client::new(&args.host)?.reachable().await {
+            eprintln!("tandem: teams run in this process, not on the daemon, for now");
+        }
+        return crate::team::run(&args, &team, file).await;
     }
     // A daemon that answers runs the task (it owns sandboxes and history); a kept --workdir
     // or --image is this machine's business, so those run here, and say so.

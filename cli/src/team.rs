@@ -22,3 +22,160 @@ pub fn load(path: &Path) -> Result<Node> {
         serde_path_to_error::deserialize(de).map_err(|e| problems(vec![path_error(&e)]))?;
     check(&spec).map_err(|e| problems(e.0))
 }
+
+/// `tandem run --team FILE TASK`: the team in this process, with the run's model, executor
+/// and limits as every agent's defaults.
+pub async fn run(
+    args: &crate::run::RunArgs,
+    path: &Path,
+    file: crate::config::FileConfig,
+) -> Result<u8> {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+
+    use tandem_agent::team::{Ended, Team};
+    use tandem_agent::{ChatModel, SessionSlot, allowed_languages};
+    use tandem_executor::{CancellationToken, SessionSpec};
+    use tandem_protocol::team::Kind;
+    use tandem_protocol::{ErrorCode, ErrorInfo, EventMsg, StopReason};
+
+    use crate::config;
+    use crate::render::{Mode, Renderer};
+
+    let root = load(path)?;
+    let model_config = config::model_config(&args.model, &file)?;
+    let default_executor = config::executor_name(args.executor.as_deref(), &file);
+    // Every executor the team names, resolved once (starting one may take a moment).
+    let mut names = vec![];
+    let mut stack = vec![&root];
+    while let Some(node) = stack.pop() {
+        if node.spec.kind == Kind::Executor {
+            names.push(
+                node.spec
+                    .executor
+                    .clone()
+                    .unwrap_or_else(|| default_executor.clone()),
+            );
+        }
+        stack.extend(&node.members);
+    }
+    names.sort();
+    names.dedup();
+    let mut executors = HashMap::new();
+    for name in names {
+        let executor = crate::executors::resolve(&name, &file, args.image.as_deref()).await?;
+        executors.insert(name, executor);
+    }
+    let limits = config::limits(&file, args.block_timeout)?;
+    let session = SessionSpec {
+        workdir: args.workdir.clone(),
+        limits: limits.clone(),
+        labels: Vec::new(),
+    };
+    let invalid = |message: String| ErrorInfo {
+        code: ErrorCode::InvalidRequest,
+        message,
+    };
+    let model = |node: &tandem_agent::team::Node| {
+        let mut c = model_config.clone();
+        if let Some(m) = &node.spec.model {
+            c.model = m.clone();
+        }
+        if let Some(url) = &node.spec.base_url {
+            c.base_url = url.clone();
+        }
+        ChatModel::new(c).map_err(ErrorInfo::from)
+    };
+    let slot = |node: &tandem_agent::team::Node| {
+        let name = node.spec.executor.as_ref().unwrap_or(&default_executor);
+        let executor = executors
+            .get(name)
+            .cloned()
+            .ok_or_else(|| invalid(format!("{}: executor `{name}` is not available", node.path)))?;
+        let languages = node
+            .spec
+            .languages
+            .as_deref()
+            .map(|asked| allowed_languages(asked, executor.as_ref()))
+            .transpose()
+            .map_err(|e| invalid(format!("{}.languages: {e}", node.path)))?;
+        Ok(SessionSlot::new(executor, session.clone()).only(languages))
+    };
+    let max_turns = args
+        .max_turns
+        .or(file.task.max_turns)
+        .unwrap_or(DEFAULT_TEAM_TURNS);
+    let selector = ChatModel::new(model_config.clone())?;
+    let team = Team::new(root, selector, model, slot, max_turns, &limits)
+        .map_err(|e| anyhow!("{}", e.message))?;
+
+    let cancel = CancellationToken::new();
+    crate::run::spawn_ctrl_c(cancel.clone());
+    let timed_out = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let timeout = match (args.timeout, file.task.timeout_secs) {
+        (Some(secs), _) => Some(config::secs_to_duration(secs, "--timeout")?),
+        (None, Some(secs)) => Some(std::time::Duration::from_secs(secs)),
+        (None, None) => None,
+    };
+    let timer = timeout.map(|limit| {
+        let (cancel, timed_out) = (cancel.clone(), timed_out.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(limit).await;
+            timed_out.store(true, std::sync::atomic::Ordering::SeqCst);
+            cancel.cancel();
+        })
+    });
+    let renderer = Arc::new(Mutex::new(
+        Renderer::stdout(Mode::json(args.json)).place("in this process"),
+    ));
+    let sink_renderer = renderer.clone();
+    let events: tandem_agent::EventSink = Arc::new(move |msg: EventMsg| {
+        if let Ok(mut r) = sink_renderer.lock() {
+            r.event(&msg);
+        }
+    });
+    events(EventMsg::TaskStarted {
+        task: args.task.clone(),
+        model: model_config.model.clone(),
+        base_url: model_config.base_url.clone(),
+        executor: format!("team {}", path.display()),
+    });
+    let started = std::time::Instant::now();
+    let (ended, history, usage, turns) = team.run(&args.task, events.clone(), cancel).await;
+    team.close().await;
+    if let Some(timer) = timer {
+        timer.abort();
+    }
+    let (stop_reason, error) = match ended {
+        Ok(Ended::Done | Ended::Escalated) => (StopReason::Terminated, None),
+        Ok(Ended::Finished { reason, .. }) => (reason, None),
+        Ok(Ended::Stopped(StopReason::Cancelled))
+            if timed_out.load(std::sync::atomic::Ordering::SeqCst) =>
+        {
+            (StopReason::Timeout, None)
+        }
+        Ok(Ended::Stopped(reason)) => (reason, None),
+        Err(info) => (StopReason::Error, Some(info)),
+    };
+    let summary = history
+        .iter()
+        .skip(1)
+        .rev()
+        .find(|s| !s.output)
+        .map(|s| s.text.clone());
+    events(EventMsg::TaskFinished {
+        stop_reason,
+        turns,
+        usage,
+        elapsed_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+        error,
+        summary,
+    });
+    if renderer.lock().is_ok_and(|r| r.reader_gone()) {
+        return Ok(crate::exit::DONE);
+    }
+    Ok(crate::exit::for_stop(stop_reason))
+}
+
+/// Most turns of a team's agents together when neither `--max-turns` nor the config says.
+const DEFAULT_TEAM_TURNS: u32 = 50;

@@ -62,3 +62,321 @@ async fn every_team_in_the_docs_checks() {
         );
     }
 }
+
+use std::time::{Duration, Instant};
+
+use tandem_tests::{Reply, Script, ScriptedOpenAi};
+
+/// Writes `toml` as a team file in `dir`.
+fn team_file(dir: &tempfile::TempDir, toml: &str) -> String {
+    let path = dir.path().join("team.toml");
+    std::fs::write(&path, toml).unwrap();
+    path.display().to_string()
+}
+
+/// Replies per agent of `task` (keyed by the first line of each agent's instructions).
+fn per_agent(task: &str, agents: Vec<(&str, Vec<Reply>)>) -> Script {
+    agents
+        .into_iter()
+        .map(|(agent, replies)| (format!("{task}#{agent}"), replies))
+        .collect()
+}
+
+async fn run_team(
+    server: &ScriptedOpenAi,
+    file: &str,
+    task: &str,
+    json: bool,
+) -> crate::e2e::Output {
+    let url = server.base_url();
+    let mut args = vec!["run", "--team", file, "--base-url", &url, "--model", "m"];
+    if json {
+        args.push("--json");
+    }
+    args.push(task);
+    tandem(&args, &[("TANDEM_MAX_RETRIES", "0")], None).await
+}
+
+const REVIEW: &str = r#"
+[team]
+kind = "chat"
+agents = ["coder", "runner", "reviewer"]
+termination = { any = [{ mention = "APPROVED", agents = ["reviewer"] }, { max_turns = 12 }] }
+
+[agents.coder]
+kind = "assistant"
+instructions = "coder"
+
+[agents.runner]
+kind = "executor"
+
+[agents.reviewer]
+kind = "assistant"
+instructions = "reviewer"
+"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_chat_runs_code_after_code_names_its_speakers_and_ends_on_a_mention() {
+    let task = "team: review";
+    let server = ScriptedOpenAi::start(per_agent(
+        task,
+        vec![
+            ("coder", vec![Reply::from("```python\nprint(6 * 7)\n```")]),
+            ("reviewer", vec![Reply::from("The output is 42. APPROVED")]),
+        ],
+    ))
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_team(&server, &team_file(&dir, REVIEW), task, false).await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    // The reviewer saw the task, the coder's code and the runner's report, by name.
+    let reviewer = &server.requests_for(task)[1];
+    let messages = reviewer.body["messages"].as_array().unwrap();
+    let seen: Vec<(String, String)> = messages
+        .iter()
+        .map(|m| {
+            (
+                m["role"].as_str().unwrap().to_owned(),
+                m["name"].as_str().unwrap_or("").to_owned(),
+            )
+        })
+        .collect();
+    let pairs: Vec<(&str, &str)> = seen.iter().map(|(r, n)| (r.as_str(), n.as_str())).collect();
+    assert_eq!(
+        pairs,
+        [
+            ("system", ""),
+            ("user", ""),
+            ("user", "coder"),
+            ("user", "runner")
+        ]
+    );
+    assert!(messages[3]["content"].as_str().unwrap().contains("42"));
+    let settings = {
+        let mut s = insta::Settings::clone_current();
+        s.add_filter(r"\d+ ms", "[N] ms");
+        s.add_filter(r"\d+\.\d s", "[N] s");
+        s.add_filter(r"\d+ in / \d+ out tokens", "[N] in / [N] out tokens");
+        s.add_filter(r"127\.0\.0\.1:\d+", "127.0.0.1:[PORT]");
+        s.add_filter(r"team /\S+/team\.toml", "team [FILE]");
+        s.set_prepend_module_to_snapshot(false);
+        s
+    };
+    settings.bind(|| insta::assert_snapshot!("team_review_transcript", out.stdout));
+}
+
+const REFINE: &str = r#"
+[team]
+kind = "sequence"
+agents = ["refine", "summariser"]
+
+[agents.refine]
+kind = "loop"
+agents = ["writer", "critic"]
+max_iterations = 5
+
+[agents.writer]
+kind = "assistant"
+instructions = "writer"
+
+[agents.critic]
+kind = "assistant"
+instructions = "critic"
+escalate = "STOP"
+
+[agents.summariser]
+kind = "assistant"
+instructions = "summariser"
+"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_escalation_ends_only_the_innermost_loop() {
+    let task = "team: refine";
+    let server = ScriptedOpenAi::start(per_agent(
+        task,
+        vec![
+            (
+                "writer",
+                vec![Reply::from("draft 1"), Reply::from("draft 2")],
+            ),
+            (
+                "critic",
+                vec![Reply::from("too short"), Reply::from("Good now. STOP")],
+            ),
+            ("summariser", vec![Reply::from("Final: draft 2")]),
+        ],
+    ))
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_team(&server, &team_file(&dir, REFINE), task, true).await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let speakers: Vec<String> = out
+        .stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["type"] == "agent_turn")
+        .map(|e| e["agent"].as_str().unwrap().to_owned())
+        .collect();
+    // The loop ended at the critic's STOP; the sequence went on to the summariser.
+    assert_eq!(
+        speakers,
+        [
+            "team/refine/writer",
+            "team/refine/critic",
+            "team/refine/writer",
+            "team/refine/critic",
+            "team/summariser"
+        ]
+    );
+    assert!(
+        out.stdout.contains("\"summary\":\"Final: draft 2\""),
+        "{}",
+        out.stdout
+    );
+}
+
+const NESTED: &str = r#"
+[team]
+kind = "chat"
+agents = ["solve", "reviewer"]
+termination = { any = [{ mention = "APPROVED", agents = ["reviewer"] }, { max_turns = 4 }] }
+
+[agents.solve]
+kind = "chat"
+agents = ["coder", "executor"]
+termination = { mention = "DONE", agents = ["coder"] }
+aggregate = "nested"
+
+[agents.coder]
+kind = "assistant"
+instructions = "coder"
+
+[agents.executor]
+kind = "executor"
+
+[agents.reviewer]
+kind = "assistant"
+instructions = "reviewer"
+"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_nested_chat_answers_its_team_with_its_last_message_only() {
+    let task = "team: nested";
+    let server = ScriptedOpenAi::start(per_agent(
+        task,
+        vec![
+            (
+                "coder",
+                vec![
+                    Reply::from("```python\nprint(2 ** 10)\n```"),
+                    Reply::from("It is 1024. DONE"),
+                ],
+            ),
+            ("reviewer", vec![Reply::from("APPROVED")]),
+        ],
+    ))
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_team(&server, &team_file(&dir, NESTED), task, false).await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let reviewer = server
+        .requests_for(task)
+        .into_iter()
+        .find(|r| r.body["messages"][0]["content"] == "reviewer")
+        .unwrap();
+    let outer: Vec<(String, String)> = reviewer.body["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .skip(1)
+        .map(|m| {
+            (
+                m["name"].as_str().unwrap_or("").to_owned(),
+                m["content"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        outer,
+        [
+            (String::new(), task.to_owned()),
+            ("solve".to_owned(), "It is 1024. DONE".to_owned())
+        ]
+    );
+    // Nested agents are indented under their team in the transcript.
+    assert!(
+        out.stdout.contains("\n  ── coder · turn 1 ──\n"),
+        "{}",
+        out.stdout
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn parallel_members_run_at_once_and_a_turn_limit_stops_a_team() {
+    let task = "team: parallel";
+    let slow = |text: &str| Reply::Delayed(Duration::from_secs(1), Box::new(Reply::from(text)));
+    let server = ScriptedOpenAi::start(per_agent(
+        task,
+        vec![
+            ("a", vec![slow("from a")]),
+            ("b", vec![slow("from b")]),
+            ("c", vec![slow("from c")]),
+            ("editor", vec![Reply::from("merged")]),
+        ],
+    ))
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let file = team_file(
+        &dir,
+        "[team]\nkind = \"sequence\"\nagents = [\"reviews\", \"editor\"]\n[agents.reviews]\nkind = \"parallel\"\nagents = [\"a\", \"b\", \"c\"]\n[agents.a]\ninstructions = \"a\"\n[agents.b]\ninstructions = \"b\"\n[agents.c]\ninstructions = \"c\"\n[agents.editor]\ninstructions = \"editor\"\n",
+    );
+    let started = Instant::now();
+    let out = run_team(&server, &file, task, false).await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "three 1 s members took {:?}",
+        started.elapsed()
+    );
+    // The editor saw the three answers in member order.
+    let editor = server
+        .requests_for(task)
+        .into_iter()
+        .find(|r| r.body["messages"][0]["content"] == "editor")
+        .unwrap();
+    let names: Vec<&str> = editor.body["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["name"].as_str())
+        .collect();
+    assert_eq!(names, ["a", "b", "c"]);
+
+    // A chat that never mentions its word stops at its max_turns, with that exit code.
+    let task = "team: endless chat";
+    server.set(
+        &format!("{task}#a"),
+        (0..10)
+            .map(|i| Reply::from(format!("a{i}").as_str()))
+            .collect(),
+    );
+    server.set(
+        &format!("{task}#b"),
+        (0..10)
+            .map(|i| Reply::from(format!("b{i}").as_str()))
+            .collect(),
+    );
+    let file = team_file(
+        &dir,
+        "[team]\nkind = \"chat\"\nagents = [\"a\", \"b\"]\ntermination = { any = [{ mention = \"NEVER\" }, { max_turns = 3 }] }\n[agents.a]\ninstructions = \"a\"\n[agents.b]\ninstructions = \"b\"\n",
+    );
+    let out = run_team(&server, &file, task, false).await;
+    assert_eq!(out.code, 3, "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stdout.contains("── b · turn 2 ──"), "{}", out.stdout);
+    assert!(out.stdout.contains("── a · turn 3 ──"), "{}", out.stdout);
+    assert!(!out.stdout.contains("turn 4"), "{}", out.stdout);
+}

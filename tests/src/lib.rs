@@ -2,7 +2,8 @@
 //!
 //! [`ScriptedOpenAi`] answers `POST /v1/chat/completions` with
 //! `script[first user message][number of assistant messages so far]`, streamed (SSE) or
-//! not, as the request asks. Parallel tests use different task texts, so they never share
+//! not, as the request asks; `script["TASK#AGENT"]` scripts, within a team, the agent whose
+//! system prompt starts with the line AGENT. Parallel tests use different task texts, so they never share
 //! state. Every request is recorded so tests can assert what the model saw.
 
 pub mod conformance;
@@ -182,11 +183,19 @@ async fn chat(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes
         r.push(recorded);
     }
     let turn = messages(&body).filter(|m| m["role"] == "assistant").count();
-    let reply = shared
-        .script
-        .lock()
-        .ok()
-        .and_then(|s| s.get(&task).and_then(|r| r.get(turn).cloned()));
+    // A team's agents share a task: `TASK#AGENT` scripts the agent whose system prompt's
+    // first line is AGENT, and counts its own turns.
+    let agent = messages(&body)
+        .find(|m| m["role"] == "system")
+        .and_then(|m| m["content"].as_str())
+        .and_then(|c| c.lines().next())
+        .map(|line| format!("{task}#{line}"));
+    let reply = shared.script.lock().ok().and_then(|s| {
+        agent
+            .and_then(|key| s.get(&key))
+            .or_else(|| s.get(&task))
+            .and_then(|r| r.get(turn).cloned())
+    });
     let Some(mut reply) = reply else {
         return error(400, &format!("no scripted reply {turn} for task {task:?}"));
     };

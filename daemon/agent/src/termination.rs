@@ -18,6 +18,20 @@ pub fn says_terminate(reply: &str, word: &str) -> bool {
     !before.chars().next_back().is_some_and(is_word_char)
 }
 
+/// True when `word` is said anywhere in the prose of `reply` (outside code, as a whole word):
+/// a team's `mention` and `escalate`.
+pub fn mentions(reply: &str, word: &str) -> bool {
+    if word.is_empty() {
+        return false;
+    }
+    let prose = prose_of(reply);
+    prose.match_indices(word).any(|(at, _)| {
+        let before = prose[..at].chars().next_back();
+        let after = prose[at + word.len()..].chars().next();
+        !before.is_some_and(is_word_char) && !after.is_some_and(is_word_char)
+    })
+}
+
 /// Small models often put the termination string alone in a code block; that block is a
 /// way of saying it, not code to run.
 pub fn is_termination_block(code: &str, word: &str) -> bool {
@@ -57,6 +71,14 @@ fn prose_of(markdown: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mentions_count_anywhere_in_prose_but_not_in_code() {
+        assert!(mentions("Looks right. APPROVED, ship it.", "APPROVED"));
+        assert!(!mentions("NOT_APPROVED yet", "APPROVED"));
+        assert!(!mentions("```python\nprint('APPROVED')\n```", "APPROVED"));
+        assert!(!mentions("Say `APPROVED` when done", "APPROVED"));
+    }
 
     #[test]
     fn counts_only_at_the_end_of_prose() {

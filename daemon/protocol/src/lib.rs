@@ -106,6 +106,14 @@ pub enum EventMsg {
         /// Turn number, starting at 1.
         turn: u32,
     },
+    /// In a team, an agent takes turn `turn` (the team's running count); the events that
+    /// follow, up to the next of these, are its own.
+    AgentTurn {
+        /// Turn number, starting at 1.
+        turn: u32,
+        /// The agent's path from the top of the team (`team/refine/critic`).
+        agent: String,
+    },
     /// A streamed piece of the assistant's reply.
     AssistantDelta {
         /// Turn number.
@@ -358,6 +366,10 @@ pub struct Message {
     pub role: Role,
     /// What was said.
     pub content: String,
+    /// The speaker's name, in a team: each agent sees the others' messages as `user`
+    /// messages that carry the speaker's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 /// The speaker of a [`Message`].
@@ -378,6 +390,7 @@ impl Message {
         Self {
             role,
             content: content.into(),
+            name: None,
         }
     }
 }

@@ -66,7 +66,8 @@ impl Kind {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AgentSpec {
-    /// What kind of agent.
+    /// What kind of agent (default `assistant`).
+    #[serde(default)]
     pub kind: Kind,
     /// What it does, for the other agents and for `llm` selection.
     #[serde(default, skip_serializing_if = "Option::is_none")]

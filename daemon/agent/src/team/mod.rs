@@ -2,8 +2,10 @@
 //! and other teams, as a [`TeamSpec`] describes them.
 
 pub mod check;
+pub mod run;
 
 pub use check::{Node, TeamErrors, check};
+pub use run::{Ended, Said, Team};
 use tandem_protocol::team::TeamSpec;
 
 /// A team from its JSON form (`TaskSpec.team`), with the path of a bad field in the error.

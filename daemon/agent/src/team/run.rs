@@ -1,0 +1,698 @@
+//! Running a checked team: agents take turns on one shared history, each seeing its own
+//! messages as `assistant` and everyone else's as `user` messages with the speaker's name.
+//!
+//! Escalation is a value a run returns ([`Ended::Escalated`]), caught by the nearest
+//! enclosing loop, which ends and reports a normal end to its own parent: an escalation never
+//! ends more than the innermost loop.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use regex::Regex;
+use tandem_executor::CancellationToken;
+use tandem_protocol::team::{Aggregate, Kind, SelectionKind, Termination};
+use tandem_protocol::{ErrorCode, ErrorInfo, EventMsg, Message, Role, StopReason, Usage};
+
+use crate::blocks::{self, EventSink, RunOptions, SessionSlot};
+use crate::chat::{ChatModel, ModelProgress};
+use crate::extract::extract_code_blocks;
+use crate::team::Node;
+use crate::termination::mentions;
+
+/// One message of the team's shared history.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Said {
+    /// Who said it: an agent's name, or `user` for the task.
+    pub speaker: String,
+    /// What was said.
+    pub text: String,
+    /// Whether it is an executor's report of program output.
+    pub output: bool,
+}
+
+/// How one agent's (or team's) run ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Ended {
+    /// It did its part (said something, or had nothing to say).
+    Done,
+    /// An assistant said its `escalate` word: the innermost loop around it ends.
+    Escalated,
+    /// A chat's termination fired: why, and whether that was a limit (`max_turns`, ...).
+    Finished {
+        /// The condition, in words.
+        by: String,
+        /// The stop reason for the task when this is the top team.
+        reason: StopReason,
+    },
+    /// The task was cancelled or ran out of time or turns: everything stops.
+    Stopped(StopReason),
+}
+
+/// What a team needs that the file does not say: a model per assistant, an executor session
+/// per executor, and where events go.
+pub struct Team {
+    root: Node,
+    models: HashMap<String, ChatModel>,
+    selector: ChatModel,
+    slots: HashMap<String, tokio::sync::Mutex<SessionSlot>>,
+    redact: HashMap<String, Vec<Regex>>,
+    /// Most turns of all agents together, whatever the team's own limits.
+    pub max_turns: u32,
+    block_timeout: Duration,
+    output_cap: usize,
+}
+
+impl std::fmt::Debug for Team {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Team")
+            .field("root", &self.root.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Team {
+    /// Prepares `root`: `model` gives each assistant's (and the selector's) model, `slot`
+    /// each executor's session.
+    pub fn new(
+        root: Node,
+        selector: ChatModel,
+        mut model: impl FnMut(&Node) -> Result<ChatModel, ErrorInfo>,
+        mut slot: impl FnMut(&Node) -> Result<SessionSlot, ErrorInfo>,
+        max_turns: u32,
+        limits: &tandem_executor::Limits,
+    ) -> Result<Self, ErrorInfo> {
+        let mut team = Self {
+            models: HashMap::new(),
+            selector,
+            slots: HashMap::new(),
+            redact: HashMap::new(),
+            max_turns,
+            block_timeout: limits.wall,
+            output_cap: limits.output_bytes,
+            root: root.clone(),
+        };
+        let mut stack = vec![&root];
+        while let Some(node) = stack.pop() {
+            match node.spec.kind {
+                Kind::Assistant => {
+                    team.models.insert(node.path.clone(), model(node)?);
+                }
+                Kind::Executor => {
+                    team.slots
+                        .insert(node.path.clone(), tokio::sync::Mutex::new(slot(node)?));
+                }
+                _ => {}
+            }
+            let patterns = node.spec.redact.iter().flatten();
+            let compiled: Result<Vec<Regex>, _> = patterns.map(|p| Regex::new(p)).collect();
+            team.redact.insert(
+                node.path.clone(),
+                compiled.map_err(|e| ErrorInfo {
+                    code: ErrorCode::InvalidRequest,
+                    message: format!("{}: {e}", node.path),
+                })?,
+            );
+            stack.extend(&node.members);
+        }
+        Ok(team)
+    }
+
+    /// The checked tree.
+    pub fn root(&self) -> &Node {
+        &self.root
+    }
+
+    /// Runs the team on `task`; returns how it ended, the history and the tokens used.
+    pub async fn run(
+        &self,
+        task: &str,
+        events: EventSink,
+        cancel: CancellationToken,
+    ) -> (Result<Ended, ErrorInfo>, Vec<Said>, Usage, u32) {
+        let ctx = Ctx {
+            team: self,
+            events,
+            cancel,
+            turns: AtomicU32::new(0),
+            usage: Mutex::new(Usage::default()),
+        };
+        let mut history = vec![Said {
+            speaker: "user".to_owned(),
+            text: task.to_owned(),
+            output: false,
+        }];
+        let ended = ctx.run(&self.root, &mut history, true).await;
+        let usage = ctx.usage.lock().map(|u| *u).unwrap_or_default();
+        (ended, history, usage, ctx.turns.load(Ordering::SeqCst))
+    }
+
+    /// Closes every executor session.
+    pub async fn close(self) {
+        for (path, slot) in self.slots {
+            if let Err(e) = slot.into_inner().close().await {
+                tracing::warn!(agent = %path, error = %e, "closing an executor session failed");
+            }
+        }
+    }
+}
+
+struct Ctx<'a> {
+    team: &'a Team,
+    events: EventSink,
+    cancel: CancellationToken,
+    turns: AtomicU32,
+    usage: Mutex<Usage>,
+}
+
+/// Where a model's reply goes, as the turn loop reports it.
+fn progress(events: &EventSink, turn: u32) -> impl FnMut(ModelProgress<'_>) + Send + '_ {
+    move |p| match p {
+        ModelProgress::Delta(text) => events(EventMsg::AssistantDelta {
+            turn,
+            text: text.to_owned(),
+        }),
+        ModelProgress::Retry {
+            attempt,
+            delay,
+            reason,
+        } => events(EventMsg::ModelRetry {
+            turn,
+            attempt,
+            delay_ms: u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+            reason: reason.to_owned(),
+        }),
+    }
+}
+
+impl Ctx<'_> {
+    fn run<'b>(
+        &'b self,
+        node: &'b Node,
+        history: &'b mut Vec<Said>,
+        top: bool,
+    ) -> BoxFuture<'b, Result<Ended, ErrorInfo>> {
+        Box::pin(async move {
+            if self.cancel.is_cancelled() {
+                return Ok(Ended::Stopped(StopReason::Cancelled));
+            }
+            match node.spec.kind {
+                Kind::Assistant => self.assistant(node, history).await,
+                Kind::Executor => self.executor(node, history).await,
+                Kind::Sequence => {
+                    for member in &node.members {
+                        match self.run(member, history, false).await? {
+                            Ended::Done | Ended::Finished { .. } => {}
+                            other => return Ok(other),
+                        }
+                    }
+                    Ok(Ended::Done)
+                }
+                Kind::Loop => {
+                    let max = node.spec.max_iterations.unwrap_or(u32::MAX);
+                    for _ in 0..max {
+                        for member in &node.members {
+                            match self.run(member, history, false).await? {
+                                // Caught here, by the innermost loop: the team around it
+                                // goes on.
+                                Ended::Escalated => return Ok(Ended::Done),
+                                Ended::Stopped(r) => return Ok(Ended::Stopped(r)),
+                                Ended::Done | Ended::Finished { .. } => {}
+                            }
+                        }
+                    }
+                    Ok(Ended::Done)
+                }
+                Kind::Parallel => self.parallel(node, history).await,
+                Kind::Chat => {
+                    let nested = !top && node.spec.aggregate == Some(Aggregate::Nested);
+                    if !nested {
+                        return self.chat(node, history).await;
+                    }
+                    // The inner conversation stays inside; the outer history gets its end.
+                    let mut inner = history.clone();
+                    let before = inner.len();
+                    let ended = self.chat(node, &mut inner).await?;
+                    if let Some(last) = inner.get(before..).and_then(|new| new.last()) {
+                        history.push(Said {
+                            speaker: node.name.clone(),
+                            text: last.text.clone(),
+                            output: last.output,
+                        });
+                    }
+                    Ok(ended)
+                }
+            }
+        })
+    }
+
+    /// The next turn number, or the stop when the team's turn limit is reached.
+    fn next_turn(&self) -> Result<u32, StopReason> {
+        let turn = self.turns.fetch_add(1, Ordering::SeqCst) + 1;
+        if turn > self.team.max_turns {
+            self.turns.fetch_sub(1, Ordering::SeqCst);
+            return Err(StopReason::MaxTurns);
+        }
+        Ok(turn)
+    }
+
+    /// What `node` sees: its instructions, the task, then the history through its hooks.
+    fn view(&self, node: &Node, history: &[Said]) -> Vec<Message> {
+        let spec = &node.spec;
+        let instructions = spec.instructions.clone().unwrap_or_else(|| {
+            format!(
+                "You are {}, one member of a team working on the task below.{}",
+                node.name,
+                spec.description
+                    .as_deref()
+                    .map(|d| format!(" Your part: {d}."))
+                    .unwrap_or_default()
+            )
+        });
+        let mut messages = vec![Message::new(Role::System, instructions)];
+        let keep = spec.keep_last.unwrap_or(usize::MAX);
+        let rest = history.get(1..).unwrap_or_default();
+        let kept = history
+            .iter()
+            .take(1)
+            .chain(rest.iter().skip(rest.len().saturating_sub(keep)));
+        let redact = self.team.redact.get(&node.path);
+        for said in kept {
+            let mut text = said.text.clone();
+            if said.output {
+                if let Some(cap) = spec.max_output_bytes {
+                    text = cut_middle(&text, cap);
+                }
+            }
+            for re in redact.into_iter().flatten() {
+                text = re.replace_all(&text, "[redacted]").into_owned();
+            }
+            let mut message = if said.speaker == node.name {
+                Message::new(Role::Assistant, text)
+            } else {
+                Message::new(Role::User, text)
+            };
+            if said.speaker != node.name && said.speaker != "user" {
+                message.name = Some(said.speaker.clone());
+            }
+            messages.push(message);
+        }
+        messages
+    }
+
+    async fn assistant(&self, node: &Node, history: &mut Vec<Said>) -> Result<Ended, ErrorInfo> {
+        let turn = match self.next_turn() {
+            Ok(turn) => turn,
+            Err(reason) => return Ok(Ended::Stopped(reason)),
+        };
+        let Some(model) = self.team.models.get(&node.path) else {
+            return Err(internal(&node.path, "has no model"));
+        };
+        (self.events)(EventMsg::AgentTurn {
+            turn,
+            agent: node.path.clone(),
+        });
+        let view = self.view(node, history);
+        let mut progress = progress(&self.events, turn);
+        let reply = tokio::select! {
+            reply = model.complete(&view, &mut progress) => reply.map_err(ErrorInfo::from)?,
+            () = self.cancel.cancelled() => return Ok(Ended::Stopped(StopReason::Cancelled)),
+        };
+        if let (Some(u), Ok(mut usage)) = (reply.usage, self.usage.lock()) {
+            usage.add(u);
+        }
+        (self.events)(EventMsg::AssistantMessage {
+            turn,
+            text: reply.text.clone(),
+            usage: reply.usage,
+        });
+        let escalates = node
+            .spec
+            .escalate
+            .as_deref()
+            .is_some_and(|word| mentions(&reply.text, word));
+        history.push(Said {
+            speaker: node.name.clone(),
+            text: reply.text,
+            output: false,
+        });
+        Ok(if escalates {
+            Ended::Escalated
+        } else {
+            Ended::Done
+        })
+    }
+
+    /// Runs the code of the message before it; silent when there is none (or it is its own).
+    async fn executor(&self, node: &Node, history: &mut Vec<Said>) -> Result<Ended, ErrorInfo> {
+        let Some(last) = history
+            .last()
+            .filter(|s| s.speaker != node.name && !s.output)
+        else {
+            return Ok(Ended::Done);
+        };
+        let code = extract_code_blocks(&last.text);
+        if code.is_empty() {
+            return Ok(Ended::Done);
+        }
+        let turn = match self.next_turn() {
+            Ok(turn) => turn,
+            Err(reason) => return Ok(Ended::Stopped(reason)),
+        };
+        let Some(slot) = self.team.slots.get(&node.path) else {
+            return Err(internal(&node.path, "has no executor session"));
+        };
+        (self.events)(EventMsg::AgentTurn {
+            turn,
+            agent: node.path.clone(),
+        });
+        let mut slot = slot.lock().await;
+        let opts = RunOptions {
+            turn,
+            timeout: None,
+            cancel: self.cancel.clone(),
+            events: self.events.clone(),
+        };
+        let runs = blocks::run_blocks(&mut slot, &code, &opts)
+            .await
+            .map_err(|e| ErrorInfo {
+                code: ErrorCode::Executor,
+                message: format!(
+                    "{}: the {} executor failed: {e}",
+                    node.path,
+                    slot.executor().name()
+                ),
+            })?;
+        if self.cancel.is_cancelled() {
+            return Ok(Ended::Stopped(StopReason::Cancelled));
+        }
+        let report = blocks::report(
+            &runs,
+            self.team.block_timeout,
+            self.team.output_cap,
+            "",
+            slot.languages(),
+        );
+        (self.events)(EventMsg::ExecutorMessage {
+            turn,
+            text: report.clone(),
+        });
+        history.push(Said {
+            speaker: node.name.clone(),
+            text: report,
+            output: true,
+        });
+        Ok(Ended::Done)
+    }
+
+    /// Members at once, each on its own copy of the history; their messages join it in
+    /// member order once all have answered.
+    async fn parallel(&self, node: &Node, history: &mut Vec<Said>) -> Result<Ended, ErrorInfo> {
+        let before = history.len();
+        let mut branches: Vec<Vec<Said>> = node.members.iter().map(|_| history.clone()).collect();
+        let runs = node
+            .members
+            .iter()
+            .zip(branches.iter_mut())
+            .map(|(member, branch)| self.run(member, branch, false));
+        let results: Vec<Result<Ended, ErrorInfo>> = if node.spec.fail_fast == Some(true) {
+            futures::future::try_join_all(runs)
+                .await?
+                .into_iter()
+                .map(Ok)
+                .collect()
+        } else {
+            futures::future::join_all(runs).await
+        };
+        for branch in &branches {
+            history.extend(branch.get(before..).unwrap_or_default().iter().cloned());
+        }
+        let mut ended = Ended::Done;
+        for result in results {
+            match result? {
+                Ended::Stopped(r) => return Ok(Ended::Stopped(r)),
+                Ended::Escalated => ended = Ended::Escalated,
+                Ended::Done | Ended::Finished { .. } => {}
+            }
+        }
+        Ok(ended)
+    }
+
+    async fn chat(&self, node: &Node, history: &mut Vec<Said>) -> Result<Ended, ErrorInfo> {
+        let spec = &node.spec;
+        let members = &node.members;
+        let started = Instant::now();
+        let tokens_before = self.tokens();
+        let selection = spec.selection.as_ref();
+        let kind = selection.map_or(SelectionKind::RoundRobin, |s| s.kind());
+        let executors: Vec<usize> = members
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.spec.kind == Kind::Executor)
+            .map(|(i, _)| i)
+            .collect();
+        let after_code = match selection {
+            Some(tandem_protocol::team::Selection::Table(t)) => t.executor_after_code,
+            _ => None,
+        }
+        .unwrap_or(executors.len() == 1);
+        let initial = spec
+            .initial
+            .as_ref()
+            .and_then(|i| members.iter().position(|m| &m.name == i))
+            .unwrap_or(0);
+        let mut next = initial;
+        let mut messages = 0u32;
+        let mut silent = 0usize;
+        loop {
+            let before = history.len();
+            let ended = self.run(&members[next], history, false).await?;
+            if !matches!(ended, Ended::Done | Ended::Finished { .. }) {
+                return Ok(ended);
+            }
+            let new: Vec<Said> = history.get(before..).unwrap_or_default().to_vec();
+            messages += u32::try_from(new.len()).unwrap_or(u32::MAX);
+            silent = if new.is_empty() { silent + 1 } else { 0 };
+            if let Some(t) = &spec.termination {
+                let state = ChatState {
+                    new: &new,
+                    history,
+                    messages,
+                    elapsed: started.elapsed(),
+                    tokens: self.tokens() - tokens_before,
+                };
+                if let Some((by, reason)) = self.fired(t, &state).await? {
+                    return Ok(Ended::Finished { by, reason });
+                }
+            }
+            if silent >= members.len() {
+                return Ok(Ended::Finished {
+                    by: "no member had anything to say".to_owned(),
+                    reason: StopReason::Terminated,
+                });
+            }
+            let code_said = new
+                .last()
+                .is_some_and(|s| !s.output && !extract_code_blocks(&s.text).is_empty());
+            next = match (after_code && code_said, executors.first(), kind) {
+                (true, Some(&executor), _) => executor,
+                (_, _, SelectionKind::RoundRobin) => (next + 1) % members.len(),
+                (_, _, SelectionKind::Llm) => self.select(node, history, initial).await?,
+            };
+        }
+    }
+
+    fn tokens(&self) -> u64 {
+        self.usage
+            .lock()
+            .map(|u| u.prompt_tokens + u.completion_tokens)
+            .unwrap_or(0)
+    }
+
+    /// The member a model names to speak next; `fallback` when it names none.
+    async fn select(
+        &self,
+        node: &Node,
+        history: &[Said],
+        fallback: usize,
+    ) -> Result<usize, ErrorInfo> {
+        let members: Vec<String> = node
+            .members
+            .iter()
+            .map(|m| {
+                format!(
+                    "- {}: {}",
+                    m.name,
+                    m.spec
+                        .description
+                        .as_deref()
+                        .unwrap_or(m.spec.kind.as_str())
+                )
+            })
+            .collect();
+        let custom = match &node.spec.selection {
+            Some(tandem_protocol::team::Selection::Table(t)) => t.prompt.clone(),
+            _ => None,
+        };
+        let prompt = custom.unwrap_or_else(|| {
+            "You choose who speaks next in a team's conversation. Answer with the name of one member and nothing else.".to_owned()
+        });
+        let question = format!(
+            "Members:\n{}\n\nConversation:\n{}\n\nWho speaks next?",
+            members.join("\n"),
+            transcript(history)
+        );
+        let answer = self
+            .ask(&format!("{}/selector", node.path), &prompt, &question)
+            .await?;
+        Ok(node
+            .members
+            .iter()
+            .position(|m| mentions(&answer, &m.name))
+            .unwrap_or(fallback))
+    }
+
+    /// One model call outside any agent's turn (selection, an `llm` termination), shown as
+    /// the turn of a pseudo-agent at `path`.
+    async fn ask(&self, path: &str, system: &str, question: &str) -> Result<String, ErrorInfo> {
+        let turn = self.turns.load(Ordering::SeqCst);
+        (self.events)(EventMsg::AgentTurn {
+            turn,
+            agent: path.to_owned(),
+        });
+        let messages = [
+            Message::new(Role::System, system),
+            Message::new(Role::User, question),
+        ];
+        let mut progress = progress(&self.events, turn);
+        let reply = tokio::select! {
+            reply = self.team.selector.complete(&messages, &mut progress) => reply.map_err(ErrorInfo::from)?,
+            () = self.cancel.cancelled() => return Ok(String::new()),
+        };
+        if let (Some(u), Ok(mut usage)) = (reply.usage, self.usage.lock()) {
+            usage.add(u);
+        }
+        (self.events)(EventMsg::AssistantMessage {
+            turn,
+            text: reply.text.clone(),
+            usage: reply.usage,
+        });
+        Ok(reply.text)
+    }
+
+    /// Whether `t` holds after the chat's latest messages: the condition in words and the
+    /// stop reason it means for a whole task.
+    fn fired<'b>(
+        &'b self,
+        t: &'b Termination,
+        s: &'b ChatState<'b>,
+    ) -> BoxFuture<'b, Result<Option<(String, StopReason)>, ErrorInfo>> {
+        Box::pin(async move {
+            let by = |agents: &Option<Vec<String>>, said: &Said| {
+                agents.as_ref().is_none_or(|a| a.contains(&said.speaker))
+            };
+            let words = super::check::describe(t);
+            let hit = |yes: bool, reason: StopReason| yes.then(|| (words.clone(), reason));
+            Ok(if let Some(word) = &t.mention {
+                let yes = s
+                    .new
+                    .iter()
+                    .any(|m| !m.output && by(&t.agents, m) && mentions(&m.text, word));
+                hit(yes, StopReason::Terminated)
+            } else if let Some(pattern) = &t.regex {
+                let re =
+                    Regex::new(pattern).map_err(|e| internal("termination", &e.to_string()))?;
+                let yes = s
+                    .new
+                    .iter()
+                    .any(|m| !m.output && by(&t.agents, m) && re.is_match(&m.text));
+                hit(yes, StopReason::Terminated)
+            } else if let Some(n) = t.max_turns {
+                hit(s.messages >= n, StopReason::MaxTurns)
+            } else if let Some(secs) = t.timeout {
+                hit(s.elapsed >= Duration::from_secs(secs), StopReason::Timeout)
+            } else if let Some(budget) = t.token_budget {
+                hit(s.tokens >= budget, StopReason::MaxTurns)
+            } else if let Some(question) = &t.llm {
+                let answer = self
+                    .ask(
+                        "termination",
+                        "You judge a team's conversation. Answer yes or no.",
+                        &format!("Conversation:\n{}\n\n{question}", transcript(s.history)),
+                    )
+                    .await?;
+                hit(
+                    answer.trim_start().to_ascii_lowercase().starts_with("yes"),
+                    StopReason::Terminated,
+                )
+            } else if let Some(list) = &t.any {
+                let mut first = None;
+                for inner in list {
+                    if let Some(found) = self.fired(inner, s).await? {
+                        first = Some(found);
+                        break;
+                    }
+                }
+                first
+            } else if let Some(list) = &t.all {
+                let mut last = None;
+                for inner in list {
+                    match self.fired(inner, s).await? {
+                        Some(found) => last = Some(found),
+                        None => return Ok(None),
+                    }
+                }
+                last.map(|(_, reason)| (words.clone(), reason))
+            } else {
+                None
+            })
+        })
+    }
+}
+
+/// What a termination condition looks at.
+struct ChatState<'a> {
+    new: &'a [Said],
+    history: &'a [Said],
+    messages: u32,
+    elapsed: Duration,
+    tokens: u64,
+}
+
+fn transcript(history: &[Said]) -> String {
+    history
+        .iter()
+        .map(|s| format!("{}: {}", s.speaker, s.text))
+        .collect::<Vec<_>>()
+        .join("\n\n")
+}
+
+/// `text` cut to about `cap` bytes: its head and tail, with a note where the middle was.
+fn cut_middle(text: &str, cap: usize) -> String {
+    if text.len() <= cap {
+        return text.to_owned();
+    }
+    let floor = |at: usize| {
+        (0..=at)
+            .rev()
+            .find(|&i| text.is_char_boundary(i))
+            .unwrap_or(0)
+    };
+    let head = floor(cap / 2);
+    let tail = floor(text.len() - cap / 2);
+    format!(
+        "{}\n[... {} bytes cut ...]\n{}",
+        &text[..head],
+        tail - head,
+        &text[tail..]
+    )
+}
+
+fn internal(path: &str, what: &str) -> ErrorInfo {
+    ErrorInfo {
+        code: ErrorCode::Internal,
+        message: format!("{path}: {what}"),
+    }
+}
