@@ -380,3 +380,82 @@ async fn parallel_members_run_at_once_and_a_turn_limit_stops_a_team() {
     assert!(out.stdout.contains("── a · turn 3 ──"), "{}", out.stdout);
     assert!(!out.stdout.contains("turn 4"), "{}", out.stdout);
 }
+
+const SELECTOR: &str = "You choose who speaks next in a team's conversation. Answer with the name of one member and nothing else.";
+
+const JUDGE: &str = "You judge a team's conversation. Answer yes or no.";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn llm_selection_hooks_and_an_llm_judge() {
+    let task = "team: selection";
+    let server = ScriptedOpenAi::start(per_agent(
+        task,
+        vec![
+            (
+                "planner",
+                vec![Reply::from("plan: the key is sk-secret-123")],
+            ),
+            ("checker", vec![Reply::from("checked")]),
+            (SELECTOR, vec![Reply::from("checker, please")]),
+            (JUDGE, vec![Reply::from("Yes, it is planned.")]),
+        ],
+    ))
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let team = |termination: &str| {
+        format!(
+            r#"
+[team]
+kind = "chat"
+agents = ["planner", "checker"]
+selection = "llm"
+termination = {termination}
+
+[agents.planner]
+instructions = "planner"
+description = "plans"
+
+[agents.checker]
+instructions = "checker"
+description = "checks the plan"
+redact = ["sk-[a-z0-9-]+"]
+keep_last = 1
+"#
+        )
+    };
+    let file = team_file(&dir, &team("{ max_turns = 2 }"));
+    let out = run_team(&server, &file, task, false).await;
+    assert_eq!(out.code, 3, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("── selector · turn 1 ──"),
+        "{}",
+        out.stdout
+    );
+    // The selector named the checker; it saw the key redacted, and only the last message
+    // besides the task.
+    let checker = server
+        .requests_for(task)
+        .into_iter()
+        .find(|r| r.body["messages"][0]["content"] == "checker")
+        .expect("the selector picked the checker");
+    let contents: Vec<&str> = checker.body["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(contents, ["checker", task, "plan: the key is [redacted]"]);
+
+    // A model judges the chat done after the planner's message.
+    let file = team_file(&dir, &team("{ llm = \"Is there a plan?\" }"));
+    let out = run_team(&server, &file, task, false).await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout
+            .contains("── termination · turn 1 ──\nYes, it is planned."),
+        "{}",
+        out.stdout
+    );
+    assert!(!out.stdout.contains("checker ·"), "{}", out.stdout);
+}

@@ -545,7 +545,12 @@ impl Ctx<'_> {
             transcript(history)
         );
         let answer = self
-            .ask(&format!("{}/selector", node.path), &prompt, &question)
+            .ask(
+                &format!("{}/selector", node.path),
+                &prompt,
+                history,
+                &question,
+            )
             .await?;
         Ok(node
             .members
@@ -555,15 +560,23 @@ impl Ctx<'_> {
     }
 
     /// One model call outside any agent's turn (selection, an `llm` termination), shown as
-    /// the turn of a pseudo-agent at `path`.
-    async fn ask(&self, path: &str, system: &str, question: &str) -> Result<String, ErrorInfo> {
+    /// the turn of a pseudo-agent at `path`; it is told the task, then asked `question`.
+    async fn ask(
+        &self,
+        path: &str,
+        system: &str,
+        history: &[Said],
+        question: &str,
+    ) -> Result<String, ErrorInfo> {
         let turn = self.turns.load(Ordering::SeqCst);
         (self.events)(EventMsg::AgentTurn {
             turn,
             agent: path.to_owned(),
         });
+        let task = history.first().map_or("", |s| s.text.as_str());
         let messages = [
             Message::new(Role::System, system),
+            Message::new(Role::User, task),
             Message::new(Role::User, question),
         ];
         let mut progress = progress(&self.events, turn);
@@ -620,6 +633,7 @@ impl Ctx<'_> {
                     .ask(
                         "termination",
                         "You judge a team's conversation. Answer yes or no.",
+                        s.history,
                         &format!("Conversation:\n{}\n\n{question}", transcript(s.history)),
                     )
                     .await?;
@@ -694,5 +708,27 @@ fn internal(path: &str, what: &str) -> ErrorInfo {
     ErrorInfo {
         code: ErrorCode::Internal,
         message: format!("{path}: {what}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_output_keeps_its_head_and_tail() {
+        assert_eq!(cut_middle("short", 10), "short");
+        let cut = cut_middle(&format!("{}{}", "a".repeat(50), "z".repeat(50)), 20);
+        assert_eq!(
+            cut,
+            format!(
+                "{}\n[... 80 bytes cut ...]\n{}",
+                "a".repeat(10),
+                "z".repeat(10)
+            )
+        );
+        // Never inside a character.
+        let cut = cut_middle(&"é".repeat(20), 9);
+        assert!(cut.starts_with("éé\n[..."), "{cut}");
     }
 }
