@@ -191,24 +191,7 @@ async fn turn_loop(
         state.turns += 1;
         let turn = state.turns;
         events(EventMsg::TurnStarted { turn });
-        let mut progress = |p: ModelProgress<'_>| match p {
-            ModelProgress::Delta(text) => {
-                events(EventMsg::AssistantDelta {
-                    turn,
-                    text: text.to_owned(),
-                });
-            }
-            ModelProgress::Retry {
-                attempt,
-                delay,
-                reason,
-            } => events(EventMsg::ModelRetry {
-                turn,
-                attempt,
-                delay_ms: u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
-                reason: reason.to_owned(),
-            }),
-        };
+        let mut progress = progress(events, turn);
         let reply = tokio::select! {
             reply = model.complete(&state.transcript, &mut progress) => reply.map_err(ErrorInfo::from)?,
             () = stop.cancelled() => return Ok(StopReason::Cancelled),
@@ -271,6 +254,26 @@ async fn turn_loop(
         state.transcript.push(Message::new(Role::User, report));
     }
     Ok(StopReason::MaxTurns)
+}
+
+/// Turns a model call's progress (streamed text, retries) into turn `turn`'s events.
+pub(crate) fn progress(events: &EventSink, turn: u32) -> impl FnMut(ModelProgress<'_>) + Send + '_ {
+    move |p| match p {
+        ModelProgress::Delta(text) => events(EventMsg::AssistantDelta {
+            turn,
+            text: text.to_owned(),
+        }),
+        ModelProgress::Retry {
+            attempt,
+            delay,
+            reason,
+        } => events(EventMsg::ModelRetry {
+            turn,
+            attempt,
+            delay_ms: u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+            reason: reason.to_owned(),
+        }),
+    }
 }
 
 /// The system prompt the model gets: `{languages}` names exactly the languages that run

@@ -17,8 +17,9 @@ use tandem_protocol::team::{Aggregate, Kind, SelectionKind, Termination};
 use tandem_protocol::{ErrorCode, ErrorInfo, EventMsg, Message, Role, StopReason, Usage};
 
 use crate::blocks::{self, EventSink, RunOptions, SessionSlot};
-use crate::chat::{ChatModel, ModelProgress};
+use crate::chat::ChatModel;
 use crate::extract::extract_code_blocks;
+use crate::task::progress;
 use crate::team::Node;
 use crate::termination::mentions;
 
@@ -167,26 +168,6 @@ struct Ctx<'a> {
     usage: Mutex<Usage>,
 }
 
-/// Where a model's reply goes, as the turn loop reports it.
-fn progress(events: &EventSink, turn: u32) -> impl FnMut(ModelProgress<'_>) + Send + '_ {
-    move |p| match p {
-        ModelProgress::Delta(text) => events(EventMsg::AssistantDelta {
-            turn,
-            text: text.to_owned(),
-        }),
-        ModelProgress::Retry {
-            attempt,
-            delay,
-            reason,
-        } => events(EventMsg::ModelRetry {
-            turn,
-            attempt,
-            delay_ms: u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
-            reason: reason.to_owned(),
-        }),
-    }
-}
-
 impl Ctx<'_> {
     fn run<'b>(
         &'b self,
@@ -248,13 +229,18 @@ impl Ctx<'_> {
         })
     }
 
-    /// The next turn number, or the stop when the team's turn limit is reached.
-    fn next_turn(&self) -> Result<u32, StopReason> {
+    /// Starts `node`'s turn: its number, announced; or the stop when the team's turn limit
+    /// is reached.
+    fn start_turn(&self, node: &Node) -> Result<u32, StopReason> {
         let turn = self.turns.fetch_add(1, Ordering::SeqCst) + 1;
         if turn > self.team.max_turns {
             self.turns.fetch_sub(1, Ordering::SeqCst);
             return Err(StopReason::MaxTurns);
         }
+        (self.events)(EventMsg::AgentTurn {
+            turn,
+            agent: node.path.clone(),
+        });
         Ok(turn)
     }
 
@@ -303,17 +289,13 @@ impl Ctx<'_> {
     }
 
     async fn assistant(&self, node: &Node, history: &mut Vec<Said>) -> Result<Ended, ErrorInfo> {
-        let turn = match self.next_turn() {
-            Ok(turn) => turn,
-            Err(reason) => return Ok(Ended::Stopped(reason)),
-        };
         let Some(model) = self.team.models.get(&node.path) else {
             return Err(internal(&node.path, "has no model"));
         };
-        (self.events)(EventMsg::AgentTurn {
-            turn,
-            agent: node.path.clone(),
-        });
+        let turn = match self.start_turn(node) {
+            Ok(turn) => turn,
+            Err(reason) => return Ok(Ended::Stopped(reason)),
+        };
         let view = self.view(node, history);
         let mut progress = progress(&self.events, turn);
         let reply = tokio::select! {
@@ -357,17 +339,13 @@ impl Ctx<'_> {
         if code.is_empty() {
             return Ok(Ended::Done);
         }
-        let turn = match self.next_turn() {
-            Ok(turn) => turn,
-            Err(reason) => return Ok(Ended::Stopped(reason)),
-        };
         let Some(slot) = self.team.slots.get(&node.path) else {
             return Err(internal(&node.path, "has no executor session"));
         };
-        (self.events)(EventMsg::AgentTurn {
-            turn,
-            agent: node.path.clone(),
-        });
+        let turn = match self.start_turn(node) {
+            Ok(turn) => turn,
+            Err(reason) => return Ok(Ended::Stopped(reason)),
+        };
         let mut slot = slot.lock().await;
         let opts = RunOptions {
             turn,
