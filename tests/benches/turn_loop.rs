@@ -269,6 +269,153 @@ async fn tasks_at(
     started.elapsed()
 }
 
+/// A team's orchestration cost per turn, beside the two-agent loop's: both make 12 model
+/// calls per task to the same scripted server (plain text, no code), in-process; the
+/// difference per turn is what the team machinery adds (views, names, selection, checks).
+async fn team_overhead(tasks: usize, concurrency: usize) {
+    use tandem_agent::team::{Team, check};
+    use tandem_protocol::team::{AgentSpec, Kind, TeamSpec, Termination};
+
+    const TURNS: u32 = 12;
+    let mut script = Script::new();
+    for i in 0..tasks {
+        // The two-agent loop: 12 replies without code (each answered with a nudge).
+        script.insert(
+            format!("pair {i}"),
+            (0..TURNS)
+                .map(|t| Reply::from(format!("thinking {t}").as_str()))
+                .collect(),
+        );
+        for agent in ["a", "b", "c"] {
+            script.insert(
+                format!("team {i}#{agent}"),
+                (0..TURNS)
+                    .map(|t| Reply::from(format!("{agent} says {t}").as_str()))
+                    .collect(),
+            );
+        }
+    }
+    let server = ScriptedOpenAi::start(script).await.unwrap();
+    let model = ChatModel::new(ModelConfig {
+        base_url: server.base_url(),
+        ..ModelConfig::default()
+    })
+    .unwrap();
+    let executor: Arc<dyn Executor> = Arc::new(local_executor(true));
+    let member = |name: &str| AgentSpec {
+        instructions: Some(name.to_owned()),
+        ..AgentSpec::default()
+    };
+    let spec = TeamSpec {
+        team: AgentSpec {
+            kind: Kind::Chat,
+            agents: Some(vec!["a".into(), "b".into(), "c".into()]),
+            termination: Some(Termination {
+                max_turns: Some(TURNS),
+                ..Termination::default()
+            }),
+            ..AgentSpec::default()
+        },
+        agents: ["a", "b", "c"]
+            .map(|n| (n.to_owned(), member(n)))
+            .into_iter()
+            .collect(),
+    };
+    let root = check(&spec).unwrap();
+
+    let mut pair_rounds = Vec::new();
+    let mut team_rounds = Vec::new();
+    // Alternated rounds, so that machine noise falls on both alike.
+    for _ in 0..5 {
+        let limit = Arc::new(tokio::sync::Semaphore::new(concurrency));
+        let started = Instant::now();
+        let mut set = tokio::task::JoinSet::new();
+        for i in 0..tasks {
+            let (model, executor, limit) = (model.clone(), executor.clone(), limit.clone());
+            set.spawn(async move {
+                let _permit = limit.acquire_owned().await.unwrap();
+                let mut settings = TaskSettings::new(format!("pair {i}"));
+                settings.max_turns = TURNS;
+                let outcome = run_task(
+                    settings,
+                    &model,
+                    executor,
+                    Arc::new(|_| {}),
+                    CancellationToken::new(),
+                )
+                .await;
+                assert_eq!(outcome.stop_reason, StopReason::MaxTurns);
+            });
+        }
+        while let Some(r) = set.join_next().await {
+            r.unwrap();
+        }
+        pair_rounds.push(started.elapsed());
+
+        let limit = Arc::new(tokio::sync::Semaphore::new(concurrency));
+        let started = Instant::now();
+        let mut set = tokio::task::JoinSet::new();
+        for i in 0..tasks {
+            let (model, executor, limit, root) =
+                (model.clone(), executor.clone(), limit.clone(), root.clone());
+            set.spawn(async move {
+                let _permit = limit.acquire_owned().await.unwrap();
+                let team = Team::new(
+                    root,
+                    model.clone(),
+                    |_| Ok(model.clone()),
+                    |_| {
+                        Ok(tandem_agent::SessionSlot::new(
+                            executor.clone(),
+                            SessionSpec::default(),
+                        ))
+                    },
+                    100,
+                    &tandem_executor::Limits::default(),
+                )
+                .unwrap();
+                let (ended, history, _, turns) = team
+                    .run(
+                        &format!("team {i}"),
+                        Arc::new(|_| {}),
+                        CancellationToken::new(),
+                    )
+                    .await;
+                assert!(ended.is_ok(), "{ended:?}");
+                assert_eq!((turns, history.len()), (TURNS, TURNS as usize + 1));
+                team.close().await;
+            });
+        }
+        while let Some(r) = set.join_next().await {
+            r.unwrap();
+        }
+        team_rounds.push(started.elapsed());
+    }
+    let per_turn = |d: Duration| d / (tasks as u32 * TURNS);
+    let (pair, team) = (stats(pair_rounds).1, stats(team_rounds).1);
+    println!(
+        "\n## Teams: {tasks} tasks of {TURNS} turns each, concurrency {concurrency}, scripted model, in-process (median of 5 alternated rounds)"
+    );
+    println!("| run | wall | tasks/s | per turn |");
+    println!("|---|---|---|---|");
+    for (label, took) in [
+        ("two-agent loop (12 model calls, no code)", pair),
+        ("3-agent round-robin chat (12 model calls)", team),
+    ] {
+        println!(
+            "| {label} | {:.2} s | {:.1} | {} |",
+            took.as_secs_f64(),
+            tasks as f64 / took.as_secs_f64(),
+            ms(per_turn(took))
+        );
+    }
+    let overhead = per_turn(team).as_secs_f64() - per_turn(pair).as_secs_f64();
+    println!(
+        "\nteam machinery per turn: {:+.3} ms (team minus two-agent loop)",
+        overhead * 1000.0
+    );
+}
+
 fn tandem_binary() -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
     let bin = exe.parent()?.parent()?.join("tandem");
@@ -783,7 +930,7 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    // `TANDEM_BENCH_ONLY=daemon` (or local, turn_loop, cold_start, docker) runs one section.
+    // `TANDEM_BENCH_ONLY=daemon` (or local, turn_loop, cold_start, docker, team) runs one section.
     let only = std::env::var("TANDEM_BENCH_ONLY").ok();
     let run = |name: &str| only.as_deref().is_none_or(|o| o == name);
     rt.block_on(async {
@@ -799,6 +946,9 @@ fn main() {
         if run("docker") {
             docker_block_latency(30).await;
             docker_session_open(10).await;
+        }
+        if run("team") {
+            team_overhead(100, 8).await;
         }
         if run("daemon") {
             daemon(400, 8).await;
