@@ -141,7 +141,9 @@ pub async fn run(
         executor: format!("team {}", path.display()),
     });
     let started = std::time::Instant::now();
-    let (ended, history, usage, turns) = team.run(&args.task, events.clone(), cancel).await;
+    let (ended, history, usage, turns) = team
+        .run(&args.task, events.clone(), cancel, Vec::new())
+        .await;
     team.close().await;
     if let Some(timer) = timer {
         timer.abort();

@@ -379,6 +379,7 @@ async fn team_overhead(tasks: usize, concurrency: usize) {
                         &format!("team {i}"),
                         Arc::new(|_| {}),
                         CancellationToken::new(),
+                        Vec::new(),
                     )
                     .await;
                 assert!(ended.is_ok(), "{ended:?}");

@@ -126,12 +126,16 @@ impl Team {
         &self.root
     }
 
-    /// Runs the team on `task`; returns how it ended, the history and the tokens used.
+    /// Runs the team on `task`; returns how it ended, the history, the tokens used and the
+    /// turns taken. `replay` is what a run that was interrupted already said, by agent path
+    /// and in order ([`replay_of`]): those turns are not asked again but their words taken,
+    /// which brings every selection and iteration counter back where it was.
     pub async fn run(
         &self,
         task: &str,
         events: EventSink,
         cancel: CancellationToken,
+        replay: Vec<(String, String)>,
     ) -> (Result<Ended, ErrorInfo>, Vec<Said>, Usage, u32) {
         let ctx = Ctx {
             team: self,
@@ -139,6 +143,7 @@ impl Team {
             cancel,
             turns: AtomicU32::new(0),
             usage: Mutex::new(Usage::default()),
+            replay: Mutex::new(replay.into()),
         };
         let mut history = vec![Said {
             speaker: "user".to_owned(),
@@ -166,6 +171,26 @@ struct Ctx<'a> {
     cancel: CancellationToken,
     turns: AtomicU32,
     usage: Mutex<Usage>,
+    replay: Mutex<std::collections::VecDeque<(String, String)>>,
+}
+
+/// What a team's stored events say each agent said, in order: the replay for a resume. A
+/// turn that was cut off (no message after its `agent_turn`) is not in it, so it runs again.
+pub fn replay_of(events: &[EventMsg]) -> Vec<(String, String)> {
+    let mut said = Vec::new();
+    let mut speaking: Option<&str> = None;
+    for e in events {
+        match e {
+            EventMsg::AgentTurn { agent, .. } => speaking = Some(agent),
+            EventMsg::AssistantMessage { text, .. } | EventMsg::ExecutorMessage { text, .. } => {
+                if let Some(agent) = speaking.take() {
+                    said.push((agent.to_owned(), text.clone()));
+                }
+            }
+            _ => {}
+        }
+    }
+    said
 }
 
 impl Ctx<'_> {
@@ -232,16 +257,37 @@ impl Ctx<'_> {
     /// Starts `node`'s turn: its number, announced; or the stop when the team's turn limit
     /// is reached.
     fn start_turn(&self, node: &Node) -> Result<u32, StopReason> {
-        let turn = self.turns.fetch_add(1, Ordering::SeqCst) + 1;
-        if turn > self.team.max_turns {
-            self.turns.fetch_sub(1, Ordering::SeqCst);
-            return Err(StopReason::MaxTurns);
-        }
+        let turn = self.count_turn()?;
         (self.events)(EventMsg::AgentTurn {
             turn,
             agent: node.path.clone(),
         });
         Ok(turn)
+    }
+
+    fn count_turn(&self) -> Result<u32, StopReason> {
+        let turn = self.turns.fetch_add(1, Ordering::SeqCst) + 1;
+        if turn > self.team.max_turns {
+            self.turns.fetch_sub(1, Ordering::SeqCst);
+            return Err(StopReason::MaxTurns);
+        }
+        Ok(turn)
+    }
+
+    /// What the agent at `path` said in the run being resumed, when that is what comes next;
+    /// once the replay and the team disagree, the rest of it is dropped and the team goes on
+    /// live.
+    fn replayed(&self, path: &str) -> Option<String> {
+        let mut replay = self.replay.lock().ok()?;
+        match replay.front() {
+            Some((at, _)) if at == path => replay.pop_front().map(|(_, text)| text),
+            Some((at, _)) => {
+                tracing::warn!(expected = %at, got = %path, "the resumed team took another turn than the stored one; going on live");
+                replay.clear();
+                None
+            }
+            None => None,
+        }
     }
 
     /// What `node` sees: its instructions, the task, then the history through its hooks.
@@ -289,6 +335,12 @@ impl Ctx<'_> {
     }
 
     async fn assistant(&self, node: &Node, history: &mut Vec<Said>) -> Result<Ended, ErrorInfo> {
+        if let Some(text) = self.replayed(&node.path) {
+            if let Err(reason) = self.count_turn() {
+                return Ok(Ended::Stopped(reason));
+            }
+            return Ok(self.said(node, history, text));
+        }
         let Some(model) = self.team.models.get(&node.path) else {
             return Err(internal(&node.path, "has no model"));
         };
@@ -310,21 +362,26 @@ impl Ctx<'_> {
             text: reply.text.clone(),
             usage: reply.usage,
         });
+        Ok(self.said(node, history, reply.text))
+    }
+
+    /// An assistant's words join the history; its escalation word ends its loop.
+    fn said(&self, node: &Node, history: &mut Vec<Said>, text: String) -> Ended {
         let escalates = node
             .spec
             .escalate
             .as_deref()
-            .is_some_and(|word| mentions(&reply.text, word));
+            .is_some_and(|word| mentions(&text, word));
         history.push(Said {
             speaker: node.name.clone(),
-            text: reply.text,
+            text,
             output: false,
         });
-        Ok(if escalates {
+        if escalates {
             Ended::Escalated
         } else {
             Ended::Done
-        })
+        }
     }
 
     /// Runs the code of the message before it; silent when there is none (or it is its own).
@@ -337,6 +394,17 @@ impl Ctx<'_> {
         };
         let code = extract_code_blocks(&last.text);
         if code.is_empty() {
+            return Ok(Ended::Done);
+        }
+        if let Some(report) = self.replayed(&node.path) {
+            if let Err(reason) = self.count_turn() {
+                return Ok(Ended::Stopped(reason));
+            }
+            history.push(Said {
+                speaker: node.name.clone(),
+                text: report,
+                output: true,
+            });
             return Ok(Ended::Done);
         }
         let Some(slot) = self.team.slots.get(&node.path) else {
@@ -455,6 +523,7 @@ impl Ctx<'_> {
             silent = if new.is_empty() { silent + 1 } else { 0 };
             if let Some(t) = &spec.termination {
                 let state = ChatState {
+                    path: &node.path,
                     new: &new,
                     history,
                     messages,
@@ -546,6 +615,9 @@ impl Ctx<'_> {
         history: &[Said],
         question: &str,
     ) -> Result<String, ErrorInfo> {
+        if let Some(answer) = self.replayed(path) {
+            return Ok(answer);
+        }
         let turn = self.turns.load(Ordering::SeqCst);
         (self.events)(EventMsg::AgentTurn {
             turn,
@@ -609,7 +681,7 @@ impl Ctx<'_> {
             } else if let Some(question) = &t.llm {
                 let answer = self
                     .ask(
-                        "termination",
+                        &format!("{}/termination", s.path),
                         "You judge a team's conversation. Answer yes or no.",
                         s.history,
                         &format!("Conversation:\n{}\n\n{question}", transcript(s.history)),
@@ -646,6 +718,8 @@ impl Ctx<'_> {
 
 /// What a termination condition looks at.
 struct ChatState<'a> {
+    /// The chat's path.
+    path: &'a str,
     new: &'a [Said],
     history: &'a [Said],
     messages: u32,
