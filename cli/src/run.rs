@@ -203,6 +203,7 @@ async fn through_daemon(
         termination: args.termination.clone(),
         languages: (!args.languages.is_empty()).then(|| args.languages.clone()),
         limits: tandem_protocol::TaskLimits::default(),
+        team: None,
     };
     let id = client.submit(&spec).await?;
     crate::client::follow(client, &id, Mode::json(args.json)).await

@@ -30,6 +30,9 @@ pub struct SubmitArgs {
     /// Run only blocks in this language (repeat for more) [default: all the executor runs]
     #[arg(long = "language", short = 'l', value_name = "LANGUAGE")]
     languages: Vec<String>,
+    /// Solve the task with this team of agents (a team file: docs/teams.md)
+    #[arg(long)]
+    team: Option<std::path::PathBuf>,
     /// Wait for the task and show it as it runs; exit as `tandem run` does
     #[arg(long)]
     wait: bool,
@@ -50,6 +53,11 @@ pub async fn submit(args: SubmitArgs) -> Result<u8> {
         max_turns: args.max_turns,
         timeout_secs: args.timeout,
         languages: (!args.languages.is_empty()).then_some(args.languages),
+        team: args
+            .team
+            .as_deref()
+            .map(crate::team::load_spec)
+            .transpose()?,
         ..TaskSpec::default()
     };
     let id = client.submit(&spec).await?;

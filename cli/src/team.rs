@@ -6,8 +6,19 @@ use anyhow::{Context, Result, anyhow};
 use tandem_agent::team::{Node, check, path_error};
 use tandem_protocol::team::TeamSpec;
 
+/// Reads and checks a team file, for a daemon to run.
+pub fn load_spec(path: &Path) -> Result<TeamSpec> {
+    let (spec, _) = read(path)?;
+    Ok(spec)
+}
+
 /// Reads and checks a team file; the error lists every problem, each with its field's path.
 pub fn load(path: &Path) -> Result<Node> {
+    let (_, root) = read(path)?;
+    Ok(root)
+}
+
+fn read(path: &Path) -> Result<(TeamSpec, Node)> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read the team file {}", path.display()))?;
     let problems = |lines: Vec<String>| {
@@ -20,7 +31,8 @@ pub fn load(path: &Path) -> Result<Node> {
     let de = toml::Deserializer::parse(&text).map_err(|e| problems(vec![e.to_string()]))?;
     let spec: TeamSpec =
         serde_path_to_error::deserialize(de).map_err(|e| problems(vec![path_error(&e)]))?;
-    check(&spec).map_err(|e| problems(e.0))
+    let root = check(&spec).map_err(|e| problems(e.0))?;
+    Ok((spec, root))
 }
 
 /// `tandem run --team FILE TASK`: the team in this process, with the run's model, executor
@@ -33,11 +45,11 @@ pub async fn run(
     use std::collections::HashMap;
     use std::sync::{Arc, Mutex};
 
-    use tandem_agent::team::{Ended, Team};
+    use tandem_agent::team::{TaskLabel, Team, run_team_task};
     use tandem_agent::{ChatModel, SessionSlot, allowed_languages};
     use tandem_executor::{CancellationToken, SessionSpec};
     use tandem_protocol::team::Kind;
-    use tandem_protocol::{ErrorCode, ErrorInfo, EventMsg, StopReason};
+    use tandem_protocol::{ErrorCode, ErrorInfo, EventMsg};
 
     use crate::config;
     use crate::render::{Mode, Renderer};
@@ -111,20 +123,11 @@ pub async fn run(
 
     let cancel = CancellationToken::new();
     crate::run::spawn_ctrl_c(cancel.clone());
-    let timed_out = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let timeout = match (args.timeout, file.task.timeout_secs) {
         (Some(secs), _) => Some(config::secs_to_duration(secs, "--timeout")?),
         (None, Some(secs)) => Some(std::time::Duration::from_secs(secs)),
         (None, None) => None,
     };
-    let timer = timeout.map(|limit| {
-        let (cancel, timed_out) = (cancel.clone(), timed_out.clone());
-        tokio::spawn(async move {
-            tokio::time::sleep(limit).await;
-            timed_out.store(true, std::sync::atomic::Ordering::SeqCst);
-            cancel.cancel();
-        })
-    });
     let renderer = Arc::new(Mutex::new(
         Renderer::stdout(Mode::json(args.json)).place("in this process"),
     ));
@@ -134,45 +137,13 @@ pub async fn run(
             r.event(&msg);
         }
     });
-    events(EventMsg::TaskStarted {
-        task: args.task.clone(),
+    let label = TaskLabel {
         model: model_config.model.clone(),
         base_url: model_config.base_url.clone(),
         executor: format!("team {}", path.display()),
-    });
-    let started = std::time::Instant::now();
-    let (ended, history, usage, turns) = team
-        .run(&args.task, events.clone(), cancel, Vec::new())
-        .await;
-    team.close().await;
-    if let Some(timer) = timer {
-        timer.abort();
-    }
-    let (stop_reason, error) = match ended {
-        Ok(Ended::Done | Ended::Escalated) => (StopReason::Terminated, None),
-        Ok(Ended::Finished { reason, .. }) => (reason, None),
-        Ok(Ended::Stopped(StopReason::Cancelled))
-            if timed_out.load(std::sync::atomic::Ordering::SeqCst) =>
-        {
-            (StopReason::Timeout, None)
-        }
-        Ok(Ended::Stopped(reason)) => (reason, None),
-        Err(info) => (StopReason::Error, Some(info)),
     };
-    let summary = history
-        .iter()
-        .skip(1)
-        .rev()
-        .find(|s| !s.output)
-        .map(|s| s.text.clone());
-    events(EventMsg::TaskFinished {
-        stop_reason,
-        turns,
-        usage,
-        elapsed_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
-        error,
-        summary,
-    });
+    let stop_reason =
+        run_team_task(team, &args.task, label, events, cancel, timeout, Vec::new()).await;
     if renderer.lock().is_ok_and(|r| r.reader_gone()) {
         return Ok(crate::exit::DONE);
     }

@@ -459,3 +459,129 @@ keep_last = 1
     );
     assert!(!out.stdout.contains("checker ·"), "{}", out.stdout);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_team_on_the_daemon_resumes_after_kill_9_where_it_was() {
+    let task = "team: resume the loop";
+    let server = ScriptedOpenAi::start(per_agent(
+        task,
+        vec![
+            (
+                "writer",
+                vec![Reply::from("draft 1"), Reply::from("draft 2")],
+            ),
+            (
+                "critic",
+                vec![
+                    Reply::from("again"),
+                    Reply::Delayed(Duration::from_secs(3), Box::new(Reply::from("Good. STOP"))),
+                ],
+            ),
+            ("summariser", vec![Reply::from("Final")]),
+        ],
+    ))
+    .await
+    .unwrap();
+    let mut d = tandem_tests::DaemonHarness::start(
+        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &[],
+        None,
+    )
+    .await;
+    let team = serde_json::json!({
+        "team": {"kind": "sequence", "agents": ["refine", "summariser"]},
+        "agents": {
+            "refine": {"kind": "loop", "agents": ["writer", "critic"], "max_iterations": 3},
+            "writer": {"instructions": "writer"},
+            "critic": {"instructions": "critic", "escalate": "STOP"},
+            "summariser": {"instructions": "summariser"}
+        }
+    });
+    let id = d
+        .submit(serde_json::json!({"task": task, "team": team}))
+        .await;
+    // Killed while the critic's second answer is on its way.
+    let started = Instant::now();
+    while server
+        .requests_for(task)
+        .iter()
+        .filter(|r| r.body["messages"][0]["content"] == "critic")
+        .count()
+        < 2
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the critic was not asked twice"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    d.kill9();
+    d.spawn().await;
+    let (status, body) = d
+        .send(
+            reqwest::Method::POST,
+            &format!("/v1/tasks/{id}/resume"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let t = d.wait_finished(&id, Duration::from_secs(60)).await;
+    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    let asked = |agent: &str| {
+        server
+            .requests_for(task)
+            .iter()
+            .filter(|r| r.body["messages"][0]["content"] == agent)
+            .count()
+    };
+    // The loop went on at the critic's second turn: no draft was asked for again.
+    assert_eq!(
+        (asked("writer"), asked("critic"), asked("summariser")),
+        (2, 3, 1)
+    );
+    let events = d.events(&id, 0).await;
+    let last = events.last().unwrap();
+    assert_eq!(last["summary"], "Final", "{last}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bad_team_over_the_api_is_a_400_naming_the_field() {
+    let server = ScriptedOpenAi::start(Script::new()).await.unwrap();
+    let d = tandem_tests::DaemonHarness::start(
+        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &[],
+        None,
+    )
+    .await;
+    let (status, body) = d
+        .send(
+            reqwest::Method::POST,
+            "/v1/tasks",
+            Some(
+                serde_json::json!({"task": "t", "team": {"team": {"kind": "loop", "agents": ["a"]}, "agents": {"a": {"escalte": "X"}}}})
+                    .to_string(),
+            ),
+        )
+        .await;
+    assert_eq!(status, 400, "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("escalte"), "{message}");
+    let (status, body) = d
+        .send(
+            reqwest::Method::POST,
+            "/v1/tasks",
+            Some(
+                serde_json::json!({"task": "t", "team": {"team": {"kind": "loop", "agents": ["a"]}, "agents": {"a": {}}}})
+                    .to_string(),
+            ),
+        )
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(
+        body["error"]["message"],
+        "the team does not check: team: a loop needs a way to stop: max_iterations, or a member with escalate"
+    );
+}

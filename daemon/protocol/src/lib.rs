@@ -46,6 +46,10 @@ pub struct TaskSpec {
     /// Tighter per-block limits than the daemon's; a task cannot loosen them.
     #[serde(default, skip_serializing_if = "TaskLimits::is_empty")]
     pub limits: TaskLimits,
+    /// A team of agents that solves the task instead of the assistant and executor pair
+    /// (docs/teams.md); `executor`, `model` and `base_url` are its agents' defaults.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub team: Option<team::TeamSpec>,
 }
 
 /// Per-block limits a task asks for; each one left out keeps the daemon's. Only limits the

@@ -6,10 +6,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use tandem_agent::team::{Node, TaskLabel, Team, run_team_task};
 use tandem_agent::{
-    ChatModel, ModelConfig, TaskSettings, allowed_languages, render_system_prompt, run_task,
+    ChatModel, EventSink, ModelConfig, SessionSlot, TaskSettings, allowed_languages,
+    render_system_prompt, run_task,
 };
 use tandem_executor::{CancellationToken, Executor, Limits, Registry, SessionSpec};
+use tandem_protocol::team::{Kind, TeamSpec};
 use tandem_protocol::{
     ErrorCode, ErrorInfo, Event, EventMsg, Message, Role, StopReason, TaskLimits, TaskSpec, Usage,
 };
@@ -291,6 +294,9 @@ impl Supervisor {
             allowed_languages(asked, executor.as_ref())
                 .map_err(|e| TaskError::Invalid(e.to_string()))?;
         }
+        if let Some(team) = &spec.team {
+            self.check_team(spec, team)?;
+        }
         task_limits(&self.config.defaults.limits, &spec.limits).map_err(TaskError::Invalid)?;
         if spec.max_turns == Some(0) {
             return Err(TaskError::Invalid(
@@ -312,6 +318,152 @@ impl Supervisor {
             ));
         }
         Ok(())
+    }
+
+    /// A team must check, and each of its agents stay within the policy: an executor that is
+    /// offered, a model server that is allowed.
+    fn check_team(&self, spec: &TaskSpec, team: &TeamSpec) -> Result<(), TaskError> {
+        let root = tandem_agent::team::check(team).map_err(|e| {
+            TaskError::Invalid(format!("the team does not check: {}", e.0.join("; ")))
+        })?;
+        let policy = &self.config.policy;
+        let mut stack = vec![&root];
+        while let Some(node) = stack.pop() {
+            let at = |field: &str| format!("team: {}.{field}", node.path.replace('/', "."));
+            if node.spec.kind == Kind::Executor {
+                let name = node
+                    .spec
+                    .executor
+                    .clone()
+                    .unwrap_or_else(|| executor_name(self, spec));
+                let executor = self
+                    .config
+                    .executors
+                    .get(&name)
+                    .map_err(|e| TaskError::Invalid(format!("{}: {e}", at("executor"))))?;
+                if !policy.offers(&name) {
+                    return Err(TaskError::NotAllowed(format!(
+                        "{}: {}",
+                        at("executor"),
+                        policy.not_offered(&name, &self.config.executors)
+                    )));
+                }
+                if let Some(asked) = &node.spec.languages {
+                    allowed_languages(asked, executor.as_ref())
+                        .map_err(|e| TaskError::Invalid(format!("{}: {e}", at("languages"))))?;
+                }
+            }
+            if let Some(url) = &node.spec.base_url {
+                policy
+                    .endpoint(url, &self.config.model.base_url)
+                    .map_err(|e| TaskError::NotAllowed(format!("{}: {}", at("base_url"), e.0)))?;
+            }
+            stack.extend(&node.members);
+        }
+        Ok(())
+    }
+
+    /// Runs a team task: its agents' models and sessions within the policy, resumed from
+    /// what its stored events say each agent already said.
+    async fn run_team(
+        self: &Arc<Self>,
+        id: &str,
+        spec: &TaskSpec,
+        settings: TaskSettings,
+        model: ChatModel,
+        sink: EventSink,
+        token: CancellationToken,
+    ) {
+        let Some(team) = &spec.team else {
+            return;
+        };
+        let fail = |message: String| {
+            self.record(
+                id,
+                finished(
+                    StopReason::Error,
+                    0,
+                    Some(ErrorInfo {
+                        code: ErrorCode::InvalidRequest,
+                        message,
+                    }),
+                ),
+            );
+        };
+        let root = match tandem_agent::team::check(team) {
+            Ok(root) => root,
+            Err(e) => return fail(e.0.join("; ")),
+        };
+        let task_id = id.to_owned();
+        let stored = self
+            .off_thread(move |sup| sup.store().events_after(&task_id, 0))
+            .await;
+        let replay = match stored {
+            Ok(Ok(events)) => {
+                let msgs: Vec<EventMsg> = events.into_iter().map(|e| e.msg).collect();
+                tandem_agent::team::replay_of(&msgs)
+            }
+            _ => Vec::new(),
+        };
+        let default_executor = executor_name(self, spec);
+        let models = |node: &Node| {
+            let mut agent = spec.clone();
+            if node.spec.model.is_some() {
+                agent.model = node.spec.model.clone();
+            }
+            if node.spec.base_url.is_some() {
+                agent.base_url = node.spec.base_url.clone();
+            }
+            self.model(&agent)
+        };
+        let slots = |node: &Node| {
+            let name = node.spec.executor.as_ref().unwrap_or(&default_executor);
+            let executor = self.config.executors.get(name).map_err(|e| ErrorInfo {
+                code: ErrorCode::Executor,
+                message: e.to_string(),
+            })?;
+            let languages = node
+                .spec
+                .languages
+                .as_deref()
+                .map(|asked| allowed_languages(asked, executor.as_ref()))
+                .transpose()
+                .map_err(|e| ErrorInfo {
+                    code: ErrorCode::InvalidRequest,
+                    message: e.to_string(),
+                })?;
+            Ok(SessionSlot::new(executor, settings.session.clone()).only(languages))
+        };
+        let max_turns = spec
+            .max_turns
+            .unwrap_or(TEAM_TURNS)
+            .min(self.config.policy.max_turns);
+        let team = match Team::new(
+            root,
+            model.clone(),
+            models,
+            slots,
+            max_turns,
+            &settings.session.limits,
+        ) {
+            Ok(team) => team,
+            Err(info) => return fail(info.message),
+        };
+        let label = TaskLabel {
+            model: model.config().model.clone(),
+            base_url: model.config().base_url.clone(),
+            executor: "team".to_owned(),
+        };
+        run_team_task(
+            team,
+            &spec.task,
+            label,
+            sink,
+            token,
+            settings.timeout,
+            replay,
+        )
+        .await;
     }
 
     /// Cancels a queued, running or interrupted task.
@@ -519,7 +671,14 @@ impl Supervisor {
             }
             this.record(&task_id, msg);
         });
-        run_task(settings, &model, executor, sink, token).await;
+        match &spec.team {
+            None => {
+                run_task(settings, &model, executor, sink, token).await;
+            }
+            Some(_) => {
+                self.run_team(id, &spec, settings, model, sink, token).await;
+            }
+        }
     }
 
     /// Queues an event for the writer, which commits it and only then sends it to live
@@ -652,6 +811,9 @@ type Health = Result<(), String>;
 
 /// How long an executor's health answer is reused by submits.
 const HEALTH_TTL: Duration = Duration::from_secs(2);
+
+/// Most turns of a team task's agents together when the task does not say.
+const TEAM_TURNS: u32 = 50;
 
 /// Most chat clients kept for reuse (one per endpoint and model name).
 const MODEL_CACHE: usize = 32;

@@ -784,3 +784,76 @@ mod tests {
         assert!(cut.starts_with("éé\n[..."), "{cut}");
     }
 }
+
+/// What a team task's start says of it.
+#[derive(Clone, Debug)]
+pub struct TaskLabel {
+    /// The task's model (every assistant's default).
+    pub model: String,
+    /// Its model server.
+    pub base_url: String,
+    /// What runs it, as the transcript's header shows (`team review.toml`).
+    pub executor: String,
+}
+
+/// Runs `team` as a whole task, as [`crate::run_task`] runs the pair: a `task_started`
+/// event, the team's events, a `task_finished` event with the stop reason (a team that
+/// finished its work is `terminated`), the timeout and cancellation honoured, and every
+/// executor session closed at the end.
+pub async fn run_team_task(
+    team: Team,
+    task: &str,
+    label: TaskLabel,
+    events: EventSink,
+    cancel: CancellationToken,
+    timeout: Option<Duration>,
+    replay: Vec<(String, String)>,
+) -> StopReason {
+    events(EventMsg::TaskStarted {
+        task: task.to_owned(),
+        model: label.model,
+        base_url: label.base_url,
+        executor: label.executor,
+    });
+    // One token for both ways a task is stopped from outside; the flag tells them apart.
+    let stop = cancel.child_token();
+    let timed_out = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let timer = timeout.map(|limit| {
+        let (stop, timed_out) = (stop.clone(), timed_out.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(limit).await;
+            timed_out.store(true, Ordering::SeqCst);
+            stop.cancel();
+        })
+    });
+    let started = Instant::now();
+    let (ended, history, usage, turns) = team.run(task, events.clone(), stop, replay).await;
+    team.close().await;
+    if let Some(timer) = timer {
+        timer.abort();
+    }
+    let (stop_reason, error) = match ended {
+        Ok(Ended::Done | Ended::Escalated) => (StopReason::Terminated, None),
+        Ok(Ended::Finished { reason, .. }) => (reason, None),
+        Ok(Ended::Stopped(StopReason::Cancelled)) if timed_out.load(Ordering::SeqCst) => {
+            (StopReason::Timeout, None)
+        }
+        Ok(Ended::Stopped(reason)) => (reason, None),
+        Err(info) => (StopReason::Error, Some(info)),
+    };
+    let summary = history
+        .iter()
+        .skip(1)
+        .rev()
+        .find(|s| !s.output)
+        .map(|s| s.text.clone());
+    events(EventMsg::TaskFinished {
+        stop_reason,
+        turns,
+        usage,
+        elapsed_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+        error,
+        summary,
+    });
+    stop_reason
+}
