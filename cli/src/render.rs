@@ -193,6 +193,12 @@ impl<W: Write> Renderer<W> {
                 self.streamed = false;
                 self.rule(&format!("assistant · turn {turn}"))
             }
+            EventMsg::TeamEnded { agent, by } => {
+                let mut parts: Vec<&str> = agent.split('/').collect();
+                let name = parts.pop().unwrap_or_default();
+                let indent = "  ".repeat(parts.len().saturating_sub(1));
+                self.rule_at(&indent, &format!("{name} ended: {by}"))
+            }
             EventMsg::AgentTurn { turn, agent } => {
                 self.streamed = false;
                 // `team/solve/coder`: named by its last part, indented by its nesting.

@@ -231,6 +231,12 @@ async fn an_escalation_ends_only_the_innermost_loop() {
         ]
     );
     assert!(
+        out.stdout
+            .contains("\"agent\":\"team/refine\",\"by\":\"critic escalated\""),
+        "{}",
+        out.stdout
+    );
+    assert!(
         out.stdout.contains("\"summary\":\"Final: draft 2\""),
         "{}",
         out.stdout

@@ -110,6 +110,14 @@ pub enum EventMsg {
         /// Turn number, starting at 1.
         turn: u32,
     },
+    /// In a team, a chat or a loop ended, and why (the condition that fired, an escalation,
+    /// its iteration limit).
+    TeamEnded {
+        /// The team's path (`team/refine`).
+        agent: String,
+        /// What ended it, in words (`mention APPROVED by reviewer`, `critic said STOP`).
+        by: String,
+    },
     /// In a team, an agent takes turn `turn` (the team's running count); the events that
     /// follow, up to the next of these, are its own.
     AgentTurn {

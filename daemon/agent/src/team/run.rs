@@ -223,12 +223,20 @@ impl Ctx<'_> {
                             match self.run(member, history, false).await? {
                                 // Caught here, by the innermost loop: the team around it
                                 // goes on.
-                                Ended::Escalated => return Ok(Ended::Done),
+                                Ended::Escalated => {
+                                    let by = history.last().map_or_else(
+                                        || "an escalation".to_owned(),
+                                        |s| format!("{} escalated", s.speaker),
+                                    );
+                                    self.ended(node, by);
+                                    return Ok(Ended::Done);
+                                }
                                 Ended::Stopped(r) => return Ok(Ended::Stopped(r)),
                                 Ended::Done | Ended::Finished { .. } => {}
                             }
                         }
                     }
+                    self.ended(node, format!("max_iterations {max}"));
                     Ok(Ended::Done)
                 }
                 Kind::Parallel => self.parallel(node, history).await,
@@ -531,12 +539,15 @@ impl Ctx<'_> {
                     tokens: self.tokens() - tokens_before,
                 };
                 if let Some((by, reason)) = self.fired(t, &state).await? {
+                    self.ended(node, by.clone());
                     return Ok(Ended::Finished { by, reason });
                 }
             }
             if silent >= members.len() {
+                let by = "no member had anything to say".to_owned();
+                self.ended(node, by.clone());
                 return Ok(Ended::Finished {
-                    by: "no member had anything to say".to_owned(),
+                    by,
                     reason: StopReason::Terminated,
                 });
             }
@@ -549,6 +560,14 @@ impl Ctx<'_> {
                 (_, _, SelectionKind::Llm) => self.select(node, history, initial).await?,
             };
         }
+    }
+
+    /// Says that the chat or loop at `node` ended, and why.
+    fn ended(&self, node: &Node, by: String) {
+        (self.events)(EventMsg::TeamEnded {
+            agent: node.path.clone(),
+            by,
+        });
     }
 
     fn tokens(&self) -> u64 {
