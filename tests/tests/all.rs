@@ -5,5 +5,6 @@
 mod docker_executor;
 mod hostile;
 mod local_executor;
+mod teams;
 mod turn_loop;
 mod wasm_executor;

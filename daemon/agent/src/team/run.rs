@@ -52,6 +52,22 @@ pub enum Ended {
     Stopped(StopReason),
 }
 
+/// Code that sees what an agent is about to receive before it replies, and may change it or
+/// refuse the turn: what the file's hooks (`keep_last`, `redact`, ...) do as data, in code.
+/// An approval gate is one.
+pub trait Hook: Send + Sync {
+    /// Called before the agent at `path` replies. `messages` is all it will receive: an
+    /// assistant's whole view (system prompt first), or, for an executor, the one message
+    /// whose code it is about to run (an edit changes the code). `Err(reason)` refuses the
+    /// turn: an assistant says nothing; an executor runs nothing and reports the reason.
+    fn before_reply(
+        &self,
+        path: &str,
+        kind: Kind,
+        messages: &mut Vec<Message>,
+    ) -> Result<(), String>;
+}
+
 /// What a team needs that the file does not say: a model per assistant, an executor session
 /// per executor, and where events go.
 pub struct Team {
@@ -62,6 +78,7 @@ pub struct Team {
     redact: HashMap<String, Vec<Regex>>,
     /// Most turns of all agents together, whatever the team's own limits.
     pub max_turns: u32,
+    hooks: Vec<std::sync::Arc<dyn Hook>>,
     block_timeout: Duration,
     output_cap: usize,
 }
@@ -91,6 +108,7 @@ impl Team {
             slots: HashMap::new(),
             redact: HashMap::new(),
             max_turns,
+            hooks: Vec::new(),
             block_timeout: limits.wall,
             output_cap: limits.output_bytes,
             root: root.clone(),
@@ -119,6 +137,12 @@ impl Team {
             stack.extend(&node.members);
         }
         Ok(team)
+    }
+
+    /// Adds a hook that every agent's turn passes through, in the order added.
+    pub fn with_hook(mut self, hook: std::sync::Arc<dyn Hook>) -> Self {
+        self.hooks.push(hook);
+        self
     }
 
     /// The checked tree.
@@ -356,7 +380,11 @@ impl Ctx<'_> {
             Ok(turn) => turn,
             Err(reason) => return Ok(Ended::Stopped(reason)),
         };
-        let view = self.view(node, history);
+        let mut view = self.view(node, history);
+        if let Err(reason) = self.hooked(node, &mut view) {
+            tracing::info!(agent = %node.path, %reason, "a hook refused the turn");
+            return Ok(Ended::Done);
+        }
         let mut progress = progress(&self.events, turn);
         let reply = tokio::select! {
             reply = model.complete(&view, &mut progress) => reply.map_err(ErrorInfo::from)?,
@@ -400,8 +428,7 @@ impl Ctx<'_> {
         else {
             return Ok(Ended::Done);
         };
-        let code = extract_code_blocks(&last.text);
-        if code.is_empty() {
+        if extract_code_blocks(&last.text).is_empty() {
             return Ok(Ended::Done);
         }
         if let Some(report) = self.replayed(&node.path) {
@@ -422,6 +449,24 @@ impl Ctx<'_> {
             Ok(turn) => turn,
             Err(reason) => return Ok(Ended::Stopped(reason)),
         };
+        let mut code_message = vec![Message::new(Role::User, last.text.clone())];
+        if let Err(reason) = self.hooked(node, &mut code_message) {
+            let report = format!("Not run: {reason}");
+            (self.events)(EventMsg::ExecutorMessage {
+                turn,
+                text: report.clone(),
+            });
+            history.push(Said {
+                speaker: node.name.clone(),
+                text: report,
+                output: true,
+            });
+            return Ok(Ended::Done);
+        }
+        let code = code_message
+            .first()
+            .map(|m| extract_code_blocks(&m.content))
+            .unwrap_or_default();
         let mut slot = slot.lock().await;
         let opts = RunOptions {
             turn,
@@ -560,6 +605,14 @@ impl Ctx<'_> {
                 (_, _, SelectionKind::Llm) => self.select(node, history, initial).await?,
             };
         }
+    }
+
+    /// Passes `messages` through every hook; the first refusal stops the turn.
+    fn hooked(&self, node: &Node, messages: &mut Vec<Message>) -> Result<(), String> {
+        for hook in &self.team.hooks {
+            hook.before_reply(&node.path, node.spec.kind, messages)?;
+        }
+        Ok(())
     }
 
     /// Says that the chat or loop at `node` ended, and why.
