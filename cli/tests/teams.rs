@@ -591,3 +591,149 @@ async fn a_bad_team_over_the_api_is_a_400_naming_the_field() {
         "the team does not check: team: a loop needs a way to stop: max_iterations, or a member with escalate"
     );
 }
+
+/// The first line of an example agent's instructions: what the scripted server keys it by.
+fn first_line(file: &str, agent: &str) -> String {
+    let text = std::fs::read_to_string(example(file)).unwrap();
+    let section = text
+        .split(&format!("[agents.{agent}]"))
+        .nth(1)
+        .unwrap_or_else(|| panic!("no {agent} in {file}"));
+    let start = section.find("instructions = ").unwrap() + "instructions = ".len();
+    let value = section[start..]
+        .trim_start_matches("\"\"\"\n")
+        .trim_start_matches('"');
+    value
+        .lines()
+        .next()
+        .unwrap()
+        .trim_end_matches('"')
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_example_teams_run_to_their_end() {
+    let key = |task: &str, file: &str, agent: &str| format!("{task}#{}", first_line(file, agent));
+    let review = "example: review";
+    let refine = "example: refine";
+    let nested = "example: nested";
+    let script: Script = [
+        (
+            key(review, "review", "coder"),
+            vec![Reply::from("```python\nprint(sum(range(10)))\n```")],
+        ),
+        (
+            key(review, "review", "reviewer"),
+            vec![Reply::from("45 is right. APPROVED")],
+        ),
+        (
+            format!("{review}#{SELECTOR}"),
+            vec![Reply::from("reviewer")],
+        ),
+        (key(refine, "refine", "writer"), vec![Reply::from("draft")]),
+        (
+            key(refine, "refine", "critic"),
+            vec![Reply::from("Good. STOP")],
+        ),
+        (
+            key(refine, "refine", "summariser"),
+            vec![Reply::from("the answer")],
+        ),
+        (
+            key(nested, "nested", "coder"),
+            vec![
+                Reply::from("```python\nprint(2 + 2)\n```"),
+                Reply::from("It is 4. TERMINATE"),
+            ],
+        ),
+        (
+            key(nested, "nested", "reviewer"),
+            vec![Reply::from("APPROVED")],
+        ),
+    ]
+    .into_iter()
+    .collect();
+    let server = ScriptedOpenAi::start(script).await.unwrap();
+    for (task, file) in [(review, "review"), (refine, "refine"), (nested, "nested")] {
+        let out = run_team(&server, &example(file), task, false).await;
+        assert_eq!(out.code, 0, "{file}:\n{}\n{}", out.stdout, out.stderr);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_flat_chat_shares_every_message_and_limits_stop_with_their_codes() {
+    let task = "team: flat";
+    let server = ScriptedOpenAi::start(per_agent(
+        task,
+        vec![
+            (
+                "coder",
+                vec![
+                    Reply::from("```python\nprint(3 * 3)\n```"),
+                    Reply::from("9. DONE"),
+                ],
+            ),
+            ("reviewer", vec![Reply::from("APPROVED")]),
+        ],
+    ))
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let flat = NESTED.replace("aggregate = \"nested\"", "aggregate = \"flat\"");
+    let out = run_team(&server, &team_file(&dir, &flat), task, false).await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let reviewer = server
+        .requests_for(task)
+        .into_iter()
+        .find(|r| r.body["messages"][0]["content"] == "reviewer")
+        .unwrap();
+    let names: Vec<&str> = reviewer.body["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["name"].as_str())
+        .collect();
+    assert_eq!(names, ["coder", "executor", "coder"]);
+
+    // A chat stopped by its timeout exits 4; by its token budget, 3.
+    let slow = "team: slow";
+    server.set(
+        &format!("{slow}#a"),
+        vec![Reply::Delayed(
+            Duration::from_millis(1200),
+            Box::new(Reply::from("late")),
+        )],
+    );
+    server.set(&format!("{slow}#b"), vec![Reply::from("b")]);
+    let chat = |termination: &str| {
+        format!(
+            "[team]\nkind = \"chat\"\nagents = [\"a\", \"b\"]\ntermination = {termination}\n[agents.a]\ninstructions = \"a\"\n[agents.b]\ninstructions = \"b\"\n"
+        )
+    };
+    let out = run_team(
+        &server,
+        &team_file(&dir, &chat("{ timeout = 1 }")),
+        slow,
+        false,
+    )
+    .await;
+    assert_eq!(out.code, 4, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("── team ended: timeout 1 s ──"),
+        "{}",
+        out.stdout
+    );
+    let out = run_team(
+        &server,
+        &team_file(&dir, &chat("{ token_budget = 1 }")),
+        slow,
+        false,
+    )
+    .await;
+    assert_eq!(out.code, 3, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("── team ended: token_budget 1 ──"),
+        "{}",
+        out.stdout
+    );
+}
