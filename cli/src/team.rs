@@ -45,8 +45,8 @@ pub async fn run(
     use std::collections::HashMap;
     use std::sync::{Arc, Mutex};
 
-    use tandem_agent::team::{TaskLabel, Team, run_team_task};
-    use tandem_agent::{ChatModel, SessionSlot, allowed_languages};
+    use tandem_agent::ChatModel;
+    use tandem_agent::team::{TaskLabel, Team, executor_slot, run_team_task};
     use tandem_executor::{CancellationToken, SessionSpec};
     use tandem_protocol::team::Kind;
     use tandem_protocol::{ErrorCode, ErrorInfo, EventMsg};
@@ -104,14 +104,7 @@ pub async fn run(
             .get(name)
             .cloned()
             .ok_or_else(|| invalid(format!("{}: executor `{name}` is not available", node.path)))?;
-        let languages = node
-            .spec
-            .languages
-            .as_deref()
-            .map(|asked| allowed_languages(asked, executor.as_ref()))
-            .transpose()
-            .map_err(|e| invalid(format!("{}.languages: {e}", node.path)))?;
-        Ok(SessionSlot::new(executor, session.clone()).only(languages))
+        executor_slot(node, executor, session.clone())
     };
     let max_turns = args
         .max_turns

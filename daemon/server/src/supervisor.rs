@@ -6,10 +6,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tandem_agent::team::{Node, TaskLabel, Team, run_team_task};
+use tandem_agent::team::{Node, TaskLabel, Team, executor_slot, run_team_task};
 use tandem_agent::{
-    ChatModel, EventSink, ModelConfig, SessionSlot, TaskSettings, allowed_languages,
-    render_system_prompt, run_task,
+    ChatModel, EventSink, ModelConfig, TaskSettings, allowed_languages, render_system_prompt,
+    run_task,
 };
 use tandem_executor::{CancellationToken, Executor, Limits, Registry, SessionSpec};
 use tandem_protocol::team::{Kind, TeamSpec};
@@ -422,17 +422,7 @@ impl Supervisor {
                 code: ErrorCode::Executor,
                 message: e.to_string(),
             })?;
-            let languages = node
-                .spec
-                .languages
-                .as_deref()
-                .map(|asked| allowed_languages(asked, executor.as_ref()))
-                .transpose()
-                .map_err(|e| ErrorInfo {
-                    code: ErrorCode::InvalidRequest,
-                    message: e.to_string(),
-                })?;
-            Ok(SessionSlot::new(executor, settings.session.clone()).only(languages))
+            executor_slot(node, executor, settings.session.clone())
         };
         let max_turns = spec
             .max_turns

@@ -5,7 +5,7 @@ pub mod check;
 pub mod run;
 
 pub use check::{Node, TeamErrors, check};
-pub use run::{Ended, Hook, Said, TaskLabel, Team, replay_of, run_team_task};
+pub use run::{Ended, Hook, Said, TaskLabel, Team, executor_slot, replay_of, run_team_task};
 use tandem_protocol::team::TeamSpec;
 
 /// A team from its JSON form (`TaskSpec.team`), with the path of a bad field in the error.

@@ -198,6 +198,26 @@ struct Ctx<'a> {
     replay: Mutex<std::collections::VecDeque<(String, String)>>,
 }
 
+/// The session slot of an executor agent `node` on `executor`, limited to the agent's
+/// `languages`; a language the executor does not run is an error naming the field.
+pub fn executor_slot(
+    node: &Node,
+    executor: std::sync::Arc<dyn tandem_executor::Executor>,
+    session: tandem_executor::SessionSpec,
+) -> Result<SessionSlot, ErrorInfo> {
+    let languages = node
+        .spec
+        .languages
+        .as_deref()
+        .map(|asked| crate::allowed_languages(asked, executor.as_ref()))
+        .transpose()
+        .map_err(|e| ErrorInfo {
+            code: ErrorCode::InvalidRequest,
+            message: format!("{}.languages: {e}", node.path),
+        })?;
+    Ok(SessionSlot::new(executor, session).only(languages))
+}
+
 /// What a team's stored events say each agent said, in order: the replay for a resume. A
 /// turn that was cut off (no message after its `agent_turn`) is not in it, so it runs again.
 pub fn replay_of(events: &[EventMsg]) -> Vec<(String, String)> {
@@ -451,17 +471,7 @@ impl Ctx<'_> {
         };
         let mut code_message = vec![Message::new(Role::User, last.text.clone())];
         if let Err(reason) = self.hooked(node, &mut code_message) {
-            let report = format!("Not run: {reason}");
-            (self.events)(EventMsg::ExecutorMessage {
-                turn,
-                text: report.clone(),
-            });
-            history.push(Said {
-                speaker: node.name.clone(),
-                text: report,
-                output: true,
-            });
-            return Ok(Ended::Done);
+            return Ok(self.reported(node, history, turn, format!("Not run: {reason}")));
         }
         let code = code_message
             .first()
@@ -494,6 +504,11 @@ impl Ctx<'_> {
             "",
             slot.languages(),
         );
+        Ok(self.reported(node, history, turn, report))
+    }
+
+    /// An executor's report joins the history.
+    fn reported(&self, node: &Node, history: &mut Vec<Said>, turn: u32, report: String) -> Ended {
         (self.events)(EventMsg::ExecutorMessage {
             turn,
             text: report.clone(),
@@ -503,7 +518,7 @@ impl Ctx<'_> {
             text: report,
             output: true,
         });
-        Ok(Ended::Done)
+        Ended::Done
     }
 
     /// Members at once, each on its own copy of the history; their messages join it in
