@@ -26,11 +26,15 @@ impl TreeKiller {
         if let Some(pgid) = self.pgid {
             let _ = killpg(pgid, Signal::SIGKILL);
         }
-        // A process may fork while we scan; a few passes catch its children.
-        for _ in 0..5 {
+        // A process may fork while we scan; a few passes catch its children. When a pass
+        // killed something, the next waits a moment: a child forked just before its parent
+        // died (`setsid` forks) can take that long to show in /proc. Nothing left (the usual
+        // case) costs one pass and no wait.
+        for pass in 0..5 {
             if kill_marked(self.marker.as_bytes()) == 0 {
                 break;
             }
+            std::thread::sleep(std::time::Duration::from_millis(5 << pass.min(3)));
         }
     }
 }
