@@ -592,6 +592,8 @@ async fn an_empty_or_short_token_is_refused_and_a_generated_one_is_never_printed
             .env("XDG_CONFIG_HOME", state.path())
             .env_remove("TANDEM_TOKEN")
             .stdin(std::process::Stdio::null())
+            // A daemon that wrongly starts must not outlive the test.
+            .kill_on_drop(true)
             .output();
         let out = tokio::time::timeout(Duration::from_secs(30), out)
             .await
