@@ -430,9 +430,39 @@ keep_last = 1
 "#
         )
     };
-    let file = team_file(&dir, &team("{ max_turns = 2 }"));
+    let file = team_file(
+        &dir,
+        &team("{ max_turns = 2 }").replace(
+            "selection = \"llm\"",
+            "selection = { kind = \"llm\", model = \"selector-model\" }",
+        ),
+    );
     let out = run_team(&server, &file, task, false).await;
     assert_eq!(out.code, 3, "{}\n{}", out.stdout, out.stderr);
+    // The selection's own model chose; the agents kept the task's.
+    let models: Vec<(String, String)> = server
+        .requests_for(task)
+        .iter()
+        .map(|r| {
+            (
+                r.body["messages"][0]["content"]
+                    .as_str()
+                    .unwrap()
+                    .chars()
+                    .take(10)
+                    .collect(),
+                r.body["model"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert!(
+        models.contains(&("You choose".to_owned(), "selector-model".to_owned())),
+        "{models:?}"
+    );
+    assert!(
+        models.contains(&("planner".to_owned(), "m".to_owned())),
+        "{models:?}"
+    );
     assert!(
         out.stdout.contains("── selector · turn 1 ──"),
         "{}",

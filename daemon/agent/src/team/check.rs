@@ -8,6 +8,9 @@ use tandem_protocol::team::{AgentSpec, Kind, SelectionKind, TeamSpec, Terminatio
 /// The name of the top agent, `[team]` in a file.
 pub const TOP: &str = "team";
 
+/// Names of the model calls a chat makes itself, which speak under its path.
+const RESERVED: [&str; 2] = ["selector", "termination"];
+
 /// A checked agent and, for a team, its members in order.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Node {
@@ -72,6 +75,11 @@ pub fn check(spec: &TeamSpec) -> Result<Node, TeamErrors> {
         if name == TOP && spec.agents.contains_key(TOP) {
             errors.push(format!(
                 "agents.{TOP}: `{TOP}` is the top agent's name; call this one something else"
+            ));
+        }
+        if RESERVED.contains(&name) {
+            errors.push(format!(
+                "{at}: `{name}` is reserved (a chat's selector and judge speak under it); call this agent something else"
             ));
         }
         if !valid_name(name) {

@@ -123,6 +123,19 @@ impl Team {
                     team.slots
                         .insert(node.path.clone(), tokio::sync::Mutex::new(slot(node)?));
                 }
+                Kind::Chat => {
+                    // A chat's `llm` selection may name its own model: made as an
+                    // assistant with that model would be.
+                    if let Some(tandem_protocol::team::Selection::Table(t)) = &node.spec.selection {
+                        if let Some(m) = &t.model {
+                            let mut selector = node.clone();
+                            selector.spec.model = Some(m.clone());
+                            selector.spec.base_url = None;
+                            team.models
+                                .insert(format!("{}/selector", node.path), model(&selector)?);
+                        }
+                    }
+                }
                 _ => {}
             }
             let patterns = node.spec.redact.iter().flatten();
@@ -718,7 +731,7 @@ impl Ctx<'_> {
         ];
         let mut progress = progress(&self.events, turn);
         let reply = tokio::select! {
-            reply = self.team.selector.complete(&messages, &mut progress) => reply.map_err(ErrorInfo::from)?,
+            reply = self.team.models.get(path).unwrap_or(&self.team.selector).complete(&messages, &mut progress) => reply.map_err(ErrorInfo::from)?,
             () = self.cancel.cancelled() => return Ok(String::new()),
         };
         if let (Some(u), Ok(mut usage)) = (reply.usage, self.usage.lock()) {
