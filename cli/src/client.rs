@@ -205,36 +205,27 @@ impl Client {
                 }
                 Err(e) => return Err(self.unreachable(&e)),
             };
-            let mut body = resp.bytes_stream();
-            let mut buf = String::new();
+            // eventsource-stream decodes whole frames, so a character split across two reads
+            // arrives whole, and keep-alive comments never surface.
+            let mut frames = events_of(resp.bytes_stream());
             let mut broke = false;
-            while let Some(chunk) = body.next().await {
-                let Ok(chunk) = chunk else {
-                    broke = true;
-                    break;
+            while let Some(frame) = frames.next().await {
+                let event = match frame {
+                    Ok(Some(event)) => event,
+                    Ok(None) => continue,
+                    Err(StreamBroke) => {
+                        broke = true;
+                        break;
+                    }
                 };
-                buf.push_str(&String::from_utf8_lossy(&chunk));
-                while let Some(end) = buf.find("\n\n") {
-                    let frame: String = buf.drain(..end + 2).collect();
-                    let data: String = frame
-                        .lines()
-                        .filter_map(|l| l.strip_prefix("data:"))
-                        .map(str::trim_start)
-                        .collect::<Vec<_>>()
-                        .join("\n");
-                    if data.is_empty() {
-                        continue; // keep-alive comment
-                    }
-                    let event: Event = serde_json::from_str(&data)
-                        .with_context(|| format!("the daemon sent a bad event: {data}"))?;
-                    after = event.seq;
-                    failures = 0;
-                    on_event(&event);
-                    let done = matches!(event.msg, EventMsg::TaskFinished { .. });
-                    last = Some(event);
-                    if done {
-                        return Ok(last);
-                    }
+                let event = event?;
+                after = event.seq;
+                failures = 0;
+                on_event(&event);
+                let done = matches!(event.msg, EventMsg::TaskFinished { .. });
+                last = Some(event);
+                if done {
+                    return Ok(last);
                 }
             }
             if !follow || (!broke && last.is_none()) {
@@ -313,3 +304,55 @@ impl std::fmt::Display for Refused {
 }
 
 impl std::error::Error for Refused {}
+
+/// The connection under an event stream broke (the daemon went away or restarted).
+#[derive(Debug)]
+struct StreamBroke;
+
+/// The protocol events of an SSE body: `Ok(None)` for a frame with no data, `Err` when the
+/// connection broke.
+fn events_of<S, B, E>(
+    body: S,
+) -> impl futures::Stream<Item = std::result::Result<Option<Result<Event>>, StreamBroke>>
+where
+    S: futures::Stream<Item = std::result::Result<B, E>>,
+    B: AsRef<[u8]>,
+{
+    use eventsource_stream::Eventsource;
+    body.eventsource().map(|frame| match frame {
+        Err(_) => Err(StreamBroke),
+        Ok(frame) if frame.data.is_empty() => Ok(None),
+        Ok(frame) => Ok(Some(
+            serde_json::from_str::<Event>(&frame.data)
+                .with_context(|| format!("the daemon sent a bad event: {}", frame.data)),
+        )),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use futures::StreamExt;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_character_split_across_reads_arrives_whole() {
+        let frame = "id: 1\nevent: exec_output\ndata: {\"seq\":1,\"at_ms\":0,\"type\":\"exec_output\",\"turn\":1,\"index\":1,\"stream\":\"stdout\",\"text\":\"café\"}\n\n: keep-alive\n\n";
+        let bytes = frame.as_bytes();
+        // Cut inside the two bytes of `é`.
+        let cut = frame.find('é').unwrap() + 1;
+        let chunks = vec![
+            Ok::<_, std::io::Error>(bytes[..cut].to_vec()),
+            Ok(bytes[cut..].to_vec()),
+        ];
+        let events: Vec<_> = events_of(futures::stream::iter(chunks)).collect().await;
+        assert_eq!(events.len(), 1, "{events:?}");
+        let Ok(Some(Ok(event))) = &events[0] else {
+            panic!("{events:?}");
+        };
+        assert!(
+            matches!(&event.msg, EventMsg::ExecOutput { text, .. } if text == "café"),
+            "{event:?}"
+        );
+    }
+}
