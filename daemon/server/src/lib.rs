@@ -7,6 +7,7 @@ pub mod policy;
 pub mod serve;
 pub mod store;
 pub mod supervisor;
+mod writer;
 
 pub use policy::{Endpoint, Policy};
 pub use serve::{Listeners, bind_unix, serve};

@@ -1,0 +1,457 @@
+//! The store writer: the one road for a task's events and state changes. It gathers what
+//! the turn loops and submits send, commits it in one transaction (a burst from many tasks
+//! costs one commit and one log sync), holds streamed pieces briefly to merge them into one
+//! row, and only then sends the events to live subscribers.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tandem_protocol::{Event, EventMsg, TaskSpec};
+use tokio::sync::broadcast;
+
+use crate::store::{Change, Store, StoreError, TaskState};
+
+/// Work for the store's writer thread, in order.
+pub(crate) enum Write {
+    Event(String, EventMsg, u64),
+    State(String, TaskState, u64),
+    /// A new task; the sender learns once it is committed.
+    Create(String, Box<TaskSpec>, u64, Created),
+    Flush(std::sync::mpsc::Sender<()>),
+}
+
+/// Where the writer says whether a new task was committed.
+pub(crate) type Created = tokio::sync::oneshot::Sender<Result<(), StoreError>>;
+
+/// How long the writer gathers events after the first before it commits: concurrent tasks
+/// share a commit, and a live client waits at most this long (next to a model call, nothing).
+const GATHER: Duration = Duration::from_millis(2);
+/// Most changes in one commit.
+const MAX_BATCH: usize = 1024;
+/// Largest text that streamed pieces are merged into.
+const MAX_MERGED: usize = 64 << 10;
+/// Longest a streamed piece (a model token, a chunk of output) waits for the next piece of
+/// its stream before it is stored: a model streams a token every 10-50 ms, and one row and
+/// one commit per token is what this saves. A live client sees the text in bursts this far
+/// apart at most.
+const HOLD: Duration = Duration::from_millis(100);
+/// What the writer gathered since its last commit.
+#[derive(Default)]
+struct Batch {
+    changes: Vec<Change>,
+    /// Streamed pieces waiting for more of their stream, at most one per task.
+    held: Vec<Held>,
+    /// Submitters waiting on their task's commit, by the index of its change.
+    created: Vec<(usize, Created)>,
+    flushes: Vec<std::sync::mpsc::Sender<()>>,
+    /// Someone is waiting on this batch: commit without gathering more.
+    urgent: bool,
+}
+
+/// A streamed piece held back to be merged with the ones that follow it.
+struct Held {
+    id: String,
+    msg: EventMsg,
+    at: u64,
+    since: Instant,
+}
+
+impl Batch {
+    fn take(&mut self, write: Write) {
+        match write {
+            Write::Event(id, msg, at) if is_piece(&msg) => self.hold(id, msg, at),
+            Write::Event(id, msg, at) => {
+                self.release(&id);
+                self.changes.push(Change::Event(id, msg, at));
+            }
+            Write::State(id, state, at) => {
+                self.release(&id);
+                self.changes.push(Change::State(id, state, at));
+            }
+            Write::Create(id, spec, at, created) => {
+                self.created.push((self.changes.len(), created));
+                self.changes.push(Change::Create(id, spec, at));
+                self.urgent = true;
+            }
+            Write::Flush(ack) => {
+                self.release_due(None);
+                self.flushes.push(ack);
+                self.urgent = true;
+            }
+        }
+    }
+
+    /// Holds a streamed piece, appended to its task's held piece when both are of one stream.
+    /// Any other change of the task releases the held piece first, so its order is kept.
+    fn hold(&mut self, id: String, msg: EventMsg, at: u64) {
+        let held = self.held.iter().position(|h| h.id == id);
+        let msg = match held {
+            Some(i) => match merge(&mut self.held[i].msg, msg) {
+                None => return,
+                Some(msg) => {
+                    self.unhold(i);
+                    msg
+                }
+            },
+            None => msg,
+        };
+        self.held.push(Held {
+            id,
+            msg,
+            at,
+            since: Instant::now(),
+        });
+    }
+
+    /// Moves held piece `i` into the batch.
+    fn unhold(&mut self, i: usize) {
+        let h = self.held.swap_remove(i);
+        self.changes.push(Change::Event(h.id, h.msg, h.at));
+    }
+
+    /// Moves task `id`'s held piece into the batch.
+    fn release(&mut self, id: &str) {
+        if let Some(i) = self.held.iter().position(|h| h.id == id) {
+            self.unhold(i);
+        }
+    }
+
+    /// Moves the pieces held since before `now - HOLD` (all of them for `None`) into the batch.
+    fn release_due(&mut self, now: Option<Instant>) {
+        let due = |h: &Held| now.is_none_or(|now| h.since + HOLD <= now);
+        let mut i = 0;
+        while i < self.held.len() {
+            if due(&self.held[i]) {
+                self.unhold(i);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// When the oldest held piece is due.
+    fn next_due(&self) -> Option<Instant> {
+        self.held.iter().map(|h| h.since + HOLD).min()
+    }
+
+    /// Commits the changes in one transaction, then tells the submitters and sends the events
+    /// to live subscribers.
+    fn commit(&mut self, store: &Store, live: &broadcast::Sender<Arc<(String, Event)>>) {
+        if self.changes.is_empty() {
+            return;
+        }
+        let mut created = std::mem::take(&mut self.created).into_iter().peekable();
+        let stored = match store.apply(&self.changes) {
+            Ok(stored) => {
+                for (_, waiter) in created {
+                    let _ = waiter.send(Ok(()));
+                }
+                stored
+            }
+            // One bad change must not cost the others: apply them one by one.
+            Err(e) => {
+                tracing::warn!(error = %e, changes = self.changes.len(), "a batch failed; storing its changes one by one");
+                let mut stored = Vec::new();
+                for (i, change) in self.changes.iter().enumerate() {
+                    let result = store.apply(std::slice::from_ref(change));
+                    let waiter = created.next_if(|(at, _)| *at == i).map(|(_, w)| w);
+                    match (result, waiter) {
+                        (Ok(events), waiter) => {
+                            stored.extend(events);
+                            if let Some(w) = waiter {
+                                let _ = w.send(Ok(()));
+                            }
+                        }
+                        (Err(e), Some(w)) => {
+                            let _ = w.send(Err(e));
+                        }
+                        (Err(e), None) => {
+                            tracing::error!(error = %e, ?change, "cannot store a change");
+                        }
+                    }
+                }
+                stored
+            }
+        };
+        for item in stored {
+            let _ = live.send(Arc::new(item));
+        }
+        self.changes.clear();
+    }
+}
+
+/// The writer thread: commits whatever is waiting in one transaction (a burst from many
+/// tasks costs one commit), then sends the events to live subscribers.
+pub(crate) fn write_events(
+    store: &Store,
+    writes: &std::sync::mpsc::Receiver<Write>,
+    live: &broadcast::Sender<Arc<(String, Event)>>,
+) {
+    use std::sync::mpsc::RecvTimeoutError;
+    let mut batch = Batch::default();
+    loop {
+        let first = match batch.next_due() {
+            None => writes.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            Some(due) => writes.recv_timeout(due.saturating_duration_since(Instant::now())),
+        };
+        match first {
+            Ok(write) => {
+                batch.take(write);
+                // Sleeping, not waiting on the channel: the writes that arrive meanwhile do
+                // not each wake this thread, which on a busy machine costs more than storing
+                // them. A submit or a flush waiting on the commit is not kept waiting.
+                if !batch.urgent && !batch.changes.is_empty() {
+                    std::thread::sleep(GATHER);
+                }
+                // Bounded, so a steady stream cannot keep flushes and held pieces waiting.
+                for write in writes.try_iter().take(MAX_BATCH) {
+                    batch.take(write);
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => break,
+        }
+        batch.release_due(Some(Instant::now()));
+        batch.commit(store, live);
+        for ack in batch.flushes.drain(..) {
+            let _ = ack.send(());
+        }
+        batch.urgent = false;
+    }
+    batch.release_due(None);
+    batch.commit(store, live);
+}
+
+/// Whether an event is a piece of streamed text, which the next piece can be appended to.
+fn is_piece(msg: &EventMsg) -> bool {
+    matches!(
+        msg,
+        EventMsg::AssistantDelta { .. } | EventMsg::ExecOutput { .. }
+    )
+}
+
+/// Appends `next`'s text to `into` when both are pieces of one stream; gives it back if not.
+fn merge(into: &mut EventMsg, next: EventMsg) -> Option<EventMsg> {
+    let (text, more) = match (into, &next) {
+        (
+            EventMsg::AssistantDelta { turn, text },
+            EventMsg::AssistantDelta {
+                turn: next_turn,
+                text: more,
+            },
+        ) if turn == next_turn => (text, more),
+        (
+            EventMsg::ExecOutput {
+                turn,
+                index,
+                stream,
+                text,
+            },
+            EventMsg::ExecOutput {
+                turn: next_turn,
+                index: next_index,
+                stream: next_stream,
+                text: more,
+            },
+        ) if (*turn, *index, *stream) == (*next_turn, *next_index, *next_stream) => (text, more),
+        _ => return Some(next),
+    };
+    if text.len() + more.len() > MAX_MERGED {
+        return Some(next);
+    }
+    text.push_str(more);
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use tandem_protocol::OutputStream;
+
+    use super::*;
+
+    fn delta(turn: u32, text: &str) -> EventMsg {
+        EventMsg::AssistantDelta {
+            turn,
+            text: text.to_owned(),
+        }
+    }
+
+    fn output(index: u32, stream: OutputStream, text: &str) -> EventMsg {
+        EventMsg::ExecOutput {
+            turn: 1,
+            index,
+            stream,
+            text: text.to_owned(),
+        }
+    }
+
+    /// What `batch` would store, task by task, in order.
+    fn per_task(batch: Batch) -> BTreeMap<String, Vec<Change>> {
+        let mut tasks: BTreeMap<String, Vec<Change>> = BTreeMap::new();
+        for change in batch.changes {
+            let (Change::Event(id, ..) | Change::State(id, ..) | Change::Create(id, ..)) = &change;
+            tasks.entry(id.clone()).or_default().push(change);
+        }
+        tasks
+    }
+
+    fn events_of(items: Vec<(&str, EventMsg)>) -> BTreeMap<String, Vec<EventMsg>> {
+        let mut batch = Batch::default();
+        for (id, msg) in items {
+            batch.take(Write::Event(id.to_owned(), msg, 0));
+        }
+        batch.release_due(None);
+        per_task(batch)
+            .into_iter()
+            .map(|(id, changes)| {
+                let msgs = changes.into_iter().map(|c| match c {
+                    Change::Event(_, msg, _) => msg,
+                    other => panic!("only events were taken: {other:?}"),
+                });
+                (id, msgs.collect())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn streamed_pieces_of_one_stream_merge_across_other_tasks_events() {
+        let got = events_of(vec![
+            ("a", delta(1, "Hel")),
+            ("b", delta(1, "x")),
+            ("a", delta(1, "lo")),
+            ("b", EventMsg::TurnStarted { turn: 2 }),
+            ("a", delta(2, "next turn")),
+            ("b", delta(2, "y")),
+            ("a", output(1, OutputStream::Stdout, "1\n")),
+            ("a", output(1, OutputStream::Stdout, "2\n")),
+            ("a", output(1, OutputStream::Stderr, "oops")),
+            ("a", output(1, OutputStream::Stdout, "3\n")),
+            ("a", output(2, OutputStream::Stdout, "other block")),
+        ]);
+        assert_eq!(
+            got["a"],
+            [
+                delta(1, "Hello"),
+                delta(2, "next turn"),
+                output(1, OutputStream::Stdout, "1\n2\n"),
+                output(1, OutputStream::Stderr, "oops"),
+                output(1, OutputStream::Stdout, "3\n"),
+                output(2, OutputStream::Stdout, "other block"),
+            ]
+        );
+        assert_eq!(
+            got["b"],
+            [
+                delta(1, "x"),
+                EventMsg::TurnStarted { turn: 2 },
+                delta(2, "y")
+            ]
+        );
+    }
+
+    #[test]
+    fn another_change_of_the_task_or_the_size_cap_stops_a_merge() {
+        let big = "x".repeat(MAX_MERGED);
+        let got = events_of(vec![
+            ("a", delta(1, "one")),
+            ("a", EventMsg::TurnStarted { turn: 1 }),
+            ("a", delta(1, "two")),
+            ("a", delta(1, &big)),
+        ]);
+        assert_eq!(
+            got["a"],
+            [
+                delta(1, "one"),
+                EventMsg::TurnStarted { turn: 1 },
+                delta(1, "two"),
+                delta(1, &big),
+            ]
+        );
+        let mut batch = Batch::default();
+        batch.take(Write::Event("a".into(), delta(1, "one"), 0));
+        batch.take(Write::State("a".into(), TaskState::Interrupted, 0));
+        batch.take(Write::Event("a".into(), delta(1, "two"), 0));
+        batch.release_due(None);
+        assert_eq!(
+            per_task(batch)["a"],
+            [
+                Change::Event("a".into(), delta(1, "one"), 0),
+                Change::State("a".into(), TaskState::Interrupted, 0),
+                Change::Event("a".into(), delta(1, "two"), 0),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_streamed_piece_is_held_for_its_time_at_most() {
+        let mut batch = Batch::default();
+        let start = Instant::now();
+        batch.take(Write::Event("a".into(), delta(1, "tok"), 0));
+        batch.release_due(Some(start));
+        assert!(batch.changes.is_empty());
+        let due = batch.next_due().unwrap();
+        assert!(due >= start + HOLD && due <= Instant::now() + HOLD);
+        batch.release_due(Some(due));
+        assert_eq!(
+            batch.changes,
+            [Change::Event("a".into(), delta(1, "tok"), 0)]
+        );
+        assert!(batch.next_due().is_none());
+    }
+
+    #[test]
+    fn a_bad_change_in_a_batch_costs_only_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("tandem.db")).unwrap();
+        store
+            .apply(&[Change::Create("a".into(), Box::default(), 1)])
+            .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (live, mut seen) = broadcast::channel(16);
+        tx.send(Write::State("a".into(), TaskState::Running, 2))
+            .unwrap();
+        tx.send(Write::Event("a".into(), delta(1, "kept"), 3))
+            .unwrap();
+        tx.send(Write::Event("ghost".into(), delta(1, "no such task"), 3))
+            .unwrap();
+        tx.send(Write::Event(
+            "a".into(),
+            EventMsg::TurnStarted { turn: 2 },
+            4,
+        ))
+        .unwrap();
+        let (new_ok, new_told) = tokio::sync::oneshot::channel();
+        tx.send(Write::Create("b".into(), Box::default(), 5, new_ok))
+            .unwrap();
+        let (twice_ok, twice_told) = tokio::sync::oneshot::channel();
+        tx.send(Write::Create("a".into(), Box::default(), 5, twice_ok))
+            .unwrap();
+        drop(tx);
+        write_events(&store, &rx, &live);
+        new_told.blocking_recv().unwrap().unwrap();
+        let twice = twice_told.blocking_recv().unwrap().unwrap_err();
+        assert!(
+            twice.to_string().contains("UNIQUE constraint failed"),
+            "{twice}"
+        );
+        assert_eq!(store.get("b").unwrap().unwrap().state, TaskState::Queued);
+        let events = store.events_after("a", 0).unwrap();
+        assert_eq!(
+            events
+                .iter()
+                .map(|e| (e.seq, e.msg.clone()))
+                .collect::<Vec<_>>(),
+            [
+                (1, delta(1, "kept")),
+                (2, EventMsg::TurnStarted { turn: 2 })
+            ]
+        );
+        assert_eq!(store.get("a").unwrap().unwrap().state, TaskState::Running);
+        // Only what was stored reached live subscribers.
+        assert_eq!(seen.try_recv().unwrap().1.seq, 1);
+        assert_eq!(seen.try_recv().unwrap().1.seq, 2);
+        assert!(seen.try_recv().is_err());
+    }
+}
