@@ -210,7 +210,7 @@ fn wasm_sha256(
         }
         hasher.update(&buf[..n]);
     }
-    let sha = hex(&hasher.finalize());
+    let sha = hex::encode(hasher.finalize());
     if let Err(e) = write_atomic(&index, sha.as_bytes()) {
         tracing::debug!(error = %e, "cannot remember the runtime's sha256");
     }
@@ -282,18 +282,4 @@ pub(crate) fn write_atomic(path: &Path, data: &[u8]) -> std::io::Result<()> {
     tmp.as_file().sync_data()?;
     tmp.persist(path).map_err(|e| e.error)?;
     Ok(())
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hex_is_lowercase_and_padded() {
-        assert_eq!(hex(&[0, 1, 0xab]), "0001ab");
-    }
 }
