@@ -141,6 +141,9 @@ fn init_logging(command: &Command) {
         .with_env_filter(filter)
         // Colour codes only for a person at a terminal, never into a file or a pipe.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        // A log line that cannot be written (stderr closed) is dropped: reporting it would
+        // panic, and in a daemon that leaves SIGTERM unanswered.
+        .log_internal_errors(false)
         .with_writer(std::io::stderr);
     if json {
         builder.json().init();

@@ -78,7 +78,7 @@ impl Say {
         if self.json {
             tracing::info!("{message}");
         } else {
-            eprintln!("tandem: {message}");
+            line(&format!("tandem: {message}"));
         }
     }
 
@@ -86,9 +86,17 @@ impl Say {
         if self.json {
             tracing::warn!("{message}");
         } else {
-            eprintln!("tandem: warning: {message}");
+            line(&format!("tandem: warning: {message}"));
         }
     }
+}
+
+/// A line on stderr. `eprintln!` panics when stderr is closed (the process that started the
+/// daemon is gone), which in the signal handler would leave SIGTERM unanswered; a line nobody
+/// can read is dropped instead.
+fn line(text: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{text}");
 }
 
 /// Shortest token accepted: anything shorter can be guessed over the network.

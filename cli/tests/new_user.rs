@@ -458,3 +458,53 @@ async fn json_logs_are_all_json_and_one_turn_is_one_turn() {
     assert!(log.contains("generated a TCP token"), "{log}");
     assert!(log.contains("shutting down"), "{log}");
 }
+
+/// A daemon whose stderr is gone (the shell that started it closed) still starts, serves and
+/// stops on SIGTERM: a line it cannot print is dropped, not a panic.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_daemon_with_no_stderr_still_serves_and_stops() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("s.sock");
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args([
+            "serve",
+            "--executor",
+            "local",
+            "--listen",
+            "127.0.0.1:0",
+            "--state-dir",
+        ])
+        .arg(dir.path())
+        .arg("--socket")
+        .arg(&socket)
+        .env("XDG_CONFIG_HOME", dir.path())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    drop(child.stderr.take());
+    let started = std::time::Instant::now();
+    while !socket.exists() {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(30),
+            "the daemon did not start: {:?}",
+            child.try_wait()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert!(
+        matches!(child.try_wait(), Ok(None)),
+        "the daemon died: {:?}",
+        child.try_wait()
+    );
+    let pid = nix::unistd::Pid::from_raw(child.id().unwrap() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let status = tokio::time::timeout(std::time::Duration::from_secs(15), child.wait())
+        .await
+        .expect("SIGTERM went unanswered")
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+}
