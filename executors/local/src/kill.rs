@@ -12,13 +12,17 @@ pub(crate) const MARKER_VAR: &str = "TANDEM_EXEC_ID";
 pub(crate) struct TreeKiller {
     pgid: Option<Pid>,
     marker: String,
+    /// Whether the marker is all there is (no subreaper waiter around the block).
+    marker_only: bool,
 }
 
 impl TreeKiller {
-    pub(crate) fn new(pgid: Option<u32>, exec_id: &str) -> Self {
+    /// `marker_only`: the block has no subreaper waiter, so the marker scan must not miss.
+    pub(crate) fn new(pgid: Option<u32>, exec_id: &str, marker_only: bool) -> Self {
         Self {
             pgid: pgid.and_then(|p| i32::try_from(p).ok()).map(Pid::from_raw),
             marker: format!("{MARKER_VAR}={exec_id}"),
+            marker_only,
         }
     }
 
@@ -26,15 +30,22 @@ impl TreeKiller {
         if let Some(pgid) = self.pgid {
             let _ = killpg(pgid, Signal::SIGKILL);
         }
-        // A process may fork while we scan; a few passes catch its children. When a pass
-        // killed something, the next waits a moment: a child forked just before its parent
-        // died (`setsid` forks) can take that long to show in /proc. Nothing left (the usual
-        // case) costs one pass and no wait.
-        for pass in 0..5 {
+        // A process may fork while we scan, and one in the middle of an exec (`setsid sh`)
+        // shows no environment for a moment; so passes go on, a little apart, until quiet.
+        // Under a subreaper waiter one quiet pass is enough (the waiter killed its
+        // descendants already); with the marker alone, two in a row.
+        let quiet_needed = if self.marker_only { 2 } else { 1 };
+        let mut quiet = 0;
+        for pass in 0..8u32 {
             if kill_marked(self.marker.as_bytes()) == 0 {
-                break;
+                quiet += 1;
+                if quiet >= quiet_needed {
+                    break;
+                }
+            } else {
+                quiet = 0;
             }
-            std::thread::sleep(std::time::Duration::from_millis(5 << pass.min(3)));
+            std::thread::sleep(std::time::Duration::from_millis(1 << pass.min(5)));
         }
     }
 }

@@ -133,6 +133,7 @@ async fn supervise(
     };
     let argv = (req.language != Language::python())
         .then(|| vec![program.display().to_string(), script.display().to_string()]);
+    let marker_only = server.is_none();
     let (pgid, out, err, mut running) = match server {
         Some(server) => fork(&server, script, argv, &session.workspace, &env, limits).await?,
         None => spawn(
@@ -144,7 +145,7 @@ async fn supervise(
             &req.language,
         )?,
     };
-    let killer = TreeKiller::new(pgid, &exec_id);
+    let killer = TreeKiller::new(pgid, &exec_id, marker_only);
     let stop_reading = CancellationToken::new();
     let cap = limits.output_bytes;
     let out = tokio::spawn(capture(
