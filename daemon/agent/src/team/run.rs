@@ -165,8 +165,8 @@ impl Team {
 
     /// Runs the team on `task`; returns how it ended, the history, the tokens used and the
     /// turns taken. `replay` is what a run that was interrupted already said, by agent path
-    /// and in order ([`replay_of`]): those turns are not asked again but their words taken,
-    /// which brings every selection and iteration counter back where it was.
+    /// ([`replay_of`]): those turns are not asked again but their words taken, which brings
+    /// every selection and iteration counter back where it was.
     pub async fn run(
         &self,
         task: &str,
@@ -235,12 +235,16 @@ pub fn executor_slot(
 /// turn that was cut off (no message after its `agent_turn`) is not in it, so it runs again.
 pub fn replay_of(events: &[EventMsg]) -> Vec<(String, String)> {
     let mut said = Vec::new();
-    let mut speaking: Option<&str> = None;
+    // By turn: parallel members' events interleave, and each message names its turn.
+    let mut speaking: HashMap<u32, &str> = HashMap::new();
     for e in events {
         match e {
-            EventMsg::AgentTurn { agent, .. } => speaking = Some(agent),
-            EventMsg::AssistantMessage { text, .. } | EventMsg::ExecutorMessage { text, .. } => {
-                if let Some(agent) = speaking.take() {
+            EventMsg::AgentTurn { turn, agent } => {
+                speaking.insert(*turn, agent);
+            }
+            EventMsg::AssistantMessage { turn, text, .. }
+            | EventMsg::ExecutorMessage { turn, text } => {
+                if let Some(agent) = speaking.remove(turn) {
                     said.push((agent.to_owned(), text.clone()));
                 }
             }
@@ -339,20 +343,13 @@ impl Ctx<'_> {
         Ok(turn)
     }
 
-    /// What the agent at `path` said in the run being resumed, when that is what comes next;
-    /// once the replay and the team disagree, the rest of it is dropped and the team goes on
-    /// live.
+    /// What the agent at `path` said next in the run being resumed, if it said more. Taken
+    /// by agent, not strictly in order: parallel members may ask in another order than
+    /// they answered before.
     fn replayed(&self, path: &str) -> Option<String> {
         let mut replay = self.replay.lock().ok()?;
-        match replay.front() {
-            Some((at, _)) if at == path => replay.pop_front().map(|(_, text)| text),
-            Some((at, _)) => {
-                tracing::warn!(expected = %at, got = %path, "the resumed team took another turn than the stored one; going on live");
-                replay.clear();
-                None
-            }
-            None => None,
-        }
+        let at = replay.iter().position(|(agent, _)| agent == path)?;
+        replay.remove(at).map(|(_, text)| text)
     }
 
     /// What `node` sees: its instructions, the task, then the history through its hooks.
@@ -866,6 +863,34 @@ fn internal(path: &str, what: &str) -> ErrorInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_replay_attributes_interleaved_messages_by_turn() {
+        let turn = |turn, agent: &str| EventMsg::AgentTurn {
+            turn,
+            agent: agent.to_owned(),
+        };
+        let says = |turn, text: &str| EventMsg::AssistantMessage {
+            turn,
+            text: text.to_owned(),
+            usage: None,
+        };
+        // Two parallel members: b answers before a; then a turn cut off by a crash.
+        let events = [
+            turn(1, "team/p/a"),
+            turn(2, "team/p/b"),
+            says(2, "from b"),
+            says(1, "from a"),
+            turn(3, "team/c"),
+        ];
+        assert_eq!(
+            replay_of(&events),
+            [
+                ("team/p/b".to_owned(), "from b".to_owned()),
+                ("team/p/a".to_owned(), "from a".to_owned())
+            ]
+        );
+    }
 
     #[test]
     fn long_output_keeps_its_head_and_tail() {
