@@ -348,6 +348,17 @@ async fn parallel_members_run_at_once_and_a_turn_limit_stops_a_team() {
         "three 1 s members took {:?}",
         started.elapsed()
     );
+    // Their transcripts are told one after another, in member order, not interleaved.
+    let at = |text: &str| out.stdout.find(text).unwrap_or(usize::MAX);
+    assert!(
+        at("── a · turn") < at("from a")
+            && at("from a") < at("── b · turn")
+            && at("── b · turn") < at("from b")
+            && at("from b") < at("── c · turn")
+            && at("── c · turn") < at("from c"),
+        "{}",
+        out.stdout
+    );
     // The editor saw the three answers in member order.
     let editor = server
         .requests_for(task)

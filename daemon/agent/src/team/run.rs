@@ -6,8 +6,8 @@
 //! ends more than the innermost loop.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
@@ -174,13 +174,16 @@ impl Team {
         cancel: CancellationToken,
         replay: Vec<(String, String)>,
     ) -> (Result<Ended, ErrorInfo>, Vec<Said>, Usage, u32) {
-        let ctx = Ctx {
-            team: self,
-            events,
-            cancel,
+        let shared = Shared {
             turns: AtomicU32::new(0),
             usage: Mutex::new(Usage::default()),
             replay: Mutex::new(replay.into()),
+        };
+        let ctx = Ctx {
+            team: self,
+            shared: &shared,
+            events,
+            cancel,
         };
         let mut history = vec![Said {
             speaker: "user".to_owned(),
@@ -188,8 +191,8 @@ impl Team {
             output: false,
         }];
         let ended = ctx.run(&self.root, &mut history, true).await;
-        let usage = ctx.usage.lock().map(|u| *u).unwrap_or_default();
-        (ended, history, usage, ctx.turns.load(Ordering::SeqCst))
+        let usage = shared.usage.lock().map(|u| *u).unwrap_or_default();
+        (ended, history, usage, shared.turns.load(Ordering::SeqCst))
     }
 
     /// Closes every executor session.
@@ -202,13 +205,19 @@ impl Team {
     }
 }
 
-struct Ctx<'a> {
-    team: &'a Team,
-    events: EventSink,
-    cancel: CancellationToken,
+/// What every part of one run shares, parallel branches included.
+struct Shared {
     turns: AtomicU32,
     usage: Mutex<Usage>,
     replay: Mutex<std::collections::VecDeque<(String, String)>>,
+}
+
+/// A run, as one branch of it sees it: a parallel branch has its own event sink.
+struct Ctx<'a> {
+    team: &'a Team,
+    shared: &'a Shared,
+    events: EventSink,
+    cancel: CancellationToken,
 }
 
 /// The session slot of an executor agent `node` on `executor`, limited to the agent's
@@ -335,9 +344,9 @@ impl Ctx<'_> {
     }
 
     fn count_turn(&self) -> Result<u32, StopReason> {
-        let turn = self.turns.fetch_add(1, Ordering::SeqCst) + 1;
+        let turn = self.shared.turns.fetch_add(1, Ordering::SeqCst) + 1;
         if turn > self.team.max_turns {
-            self.turns.fetch_sub(1, Ordering::SeqCst);
+            self.shared.turns.fetch_sub(1, Ordering::SeqCst);
             return Err(StopReason::MaxTurns);
         }
         Ok(turn)
@@ -347,7 +356,7 @@ impl Ctx<'_> {
     /// by agent, not strictly in order: parallel members may ask in another order than
     /// they answered before.
     fn replayed(&self, path: &str) -> Option<String> {
-        let mut replay = self.replay.lock().ok()?;
+        let mut replay = self.shared.replay.lock().ok()?;
         let at = replay.iter().position(|(agent, _)| agent == path)?;
         replay.remove(at).map(|(_, text)| text)
     }
@@ -420,7 +429,7 @@ impl Ctx<'_> {
             reply = model.complete(&view, &mut progress) => reply.map_err(ErrorInfo::from)?,
             () = self.cancel.cancelled() => return Ok(Ended::Stopped(StopReason::Cancelled)),
         };
-        if let (Some(u), Ok(mut usage)) = (reply.usage, self.usage.lock()) {
+        if let (Some(u), Ok(mut usage)) = (reply.usage, self.shared.usage.lock()) {
             usage.add(u);
         }
         (self.events)(EventMsg::AssistantMessage {
@@ -536,20 +545,50 @@ impl Ctx<'_> {
     async fn parallel(&self, node: &Node, history: &mut Vec<Said>) -> Result<Ended, ErrorInfo> {
         let before = history.len();
         let mut branches: Vec<Vec<Said>> = node.members.iter().map(|_| history.clone()).collect();
+        // Each branch's events wait for the others and are told in member order: streamed
+        // text of several agents at once would be unreadable interleaved.
+        let buffers: Vec<Arc<Mutex<Vec<EventMsg>>>> =
+            node.members.iter().map(|_| Arc::default()).collect();
+        let contexts: Vec<Ctx<'_>> = buffers
+            .iter()
+            .map(|buffer| {
+                let buffer = buffer.clone();
+                Ctx {
+                    team: self.team,
+                    shared: self.shared,
+                    events: Arc::new(move |e| {
+                        if let Ok(mut b) = buffer.lock() {
+                            b.push(e);
+                        }
+                    }),
+                    cancel: self.cancel.clone(),
+                }
+            })
+            .collect();
         let runs = node
             .members
             .iter()
             .zip(branches.iter_mut())
-            .map(|(member, branch)| self.run(member, branch, false));
+            .zip(&contexts)
+            .map(|((member, branch), ctx)| ctx.run(member, branch, false));
+        // fail_fast: the first error drops the other branches' futures, which cancels them.
         let results: Vec<Result<Ended, ErrorInfo>> = if node.spec.fail_fast == Some(true) {
-            futures::future::try_join_all(runs)
-                .await?
-                .into_iter()
-                .map(Ok)
-                .collect()
+            match futures::future::try_join_all(runs).await {
+                Ok(ended) => ended.into_iter().map(Ok).collect(),
+                Err(e) => vec![Err(e)],
+            }
         } else {
             futures::future::join_all(runs).await
         };
+        for buffer in &buffers {
+            let events = buffer
+                .lock()
+                .map(|mut b| std::mem::take(&mut *b))
+                .unwrap_or_default();
+            for e in events {
+                (self.events)(e);
+            }
+        }
         for branch in &branches {
             history.extend(branch.get(before..).unwrap_or_default().iter().cloned());
         }
@@ -649,7 +688,8 @@ impl Ctx<'_> {
     }
 
     fn tokens(&self) -> u64 {
-        self.usage
+        self.shared
+            .usage
             .lock()
             .map(|u| u.prompt_tokens + u.completion_tokens)
             .unwrap_or(0)
@@ -715,7 +755,7 @@ impl Ctx<'_> {
         if let Some(answer) = self.replayed(path) {
             return Ok(answer);
         }
-        let turn = self.turns.load(Ordering::SeqCst);
+        let turn = self.shared.turns.load(Ordering::SeqCst);
         (self.events)(EventMsg::AgentTurn {
             turn,
             agent: path.to_owned(),
@@ -731,7 +771,7 @@ impl Ctx<'_> {
             reply = self.team.models.get(path).unwrap_or(&self.team.selector).complete(&messages, &mut progress) => reply.map_err(ErrorInfo::from)?,
             () = self.cancel.cancelled() => return Ok(String::new()),
         };
-        if let (Some(u), Ok(mut usage)) = (reply.usage, self.usage.lock()) {
+        if let (Some(u), Ok(mut usage)) = (reply.usage, self.shared.usage.lock()) {
             usage.add(u);
         }
         (self.events)(EventMsg::AssistantMessage {
