@@ -194,17 +194,12 @@ impl<W: Write> Renderer<W> {
                 self.rule(&format!("assistant · turn {turn}"))
             }
             EventMsg::TeamEnded { agent, by } => {
-                let mut parts: Vec<&str> = agent.split('/').collect();
-                let name = parts.pop().unwrap_or_default();
-                let indent = "  ".repeat(parts.len().saturating_sub(1));
+                let (indent, name) = speaker(agent);
                 self.rule_at(&indent, &format!("{name} ended: {by}"))
             }
             EventMsg::AgentTurn { turn, agent } => {
                 self.streamed = false;
-                // `team/solve/coder`: named by its last part, indented by its nesting.
-                let mut parts: Vec<&str> = agent.split('/').collect();
-                let name = parts.pop().unwrap_or_default();
-                let indent = "  ".repeat(parts.len().saturating_sub(1));
+                let (indent, name) = speaker(agent);
                 self.rule_at(&indent, &format!("{name} · turn {turn}"))
             }
             EventMsg::AssistantDelta { text, .. } => {
@@ -282,6 +277,14 @@ impl<W: Write> Renderer<W> {
             }
         }
     }
+}
+
+/// A team member's path (`team/solve/coder`) as the transcript shows it: indented by its
+/// nesting, named by its last part.
+fn speaker(path: &str) -> (String, &str) {
+    let mut parts: Vec<&str> = path.split('/').collect();
+    let name = parts.pop().unwrap_or_default();
+    ("  ".repeat(parts.len().saturating_sub(1)), name)
 }
 
 fn stop_label(reason: StopReason) -> &'static str {

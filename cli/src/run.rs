@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use tandem_agent::{ChatModel, TaskSettings, allowed_languages, run_task};
@@ -128,11 +129,7 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
         anyhow::ensure!(n > 0, "--max-turns must be at least 1");
         settings.max_turns = n;
     }
-    settings.timeout = match (args.timeout, file.task.timeout_secs) {
-        (Some(secs), _) => Some(config::secs_to_duration(secs, "--timeout")?),
-        (None, Some(secs)) => Some(std::time::Duration::from_secs(secs)),
-        (None, None) => None,
-    };
+    settings.timeout = task_timeout(&args, &file)?;
     if !args.languages.is_empty() {
         settings.languages = Some(allowed_languages(&args.languages, executor.as_ref())?);
     }
@@ -144,20 +141,7 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
 
     let cancel = CancellationToken::new();
     spawn_ctrl_c(cancel.clone());
-    let renderer = Arc::new(Mutex::new(
-        Renderer::stdout(Mode::json(args.json)).place("in this process"),
-    ));
-    let sink_renderer = renderer.clone();
-    let sink_cancel = cancel.clone();
-    let events = Arc::new(move |msg: EventMsg| {
-        if let Ok(mut r) = sink_renderer.lock() {
-            r.event(&msg);
-            // Nobody is reading any more (`| head`): stop the task and clean up.
-            if r.error.is_some() {
-                sink_cancel.cancel();
-            }
-        }
-    });
+    let (renderer, events) = transcript(args.json, &cancel);
     let outcome = run_task(settings, &model, executor, events, cancel).await;
     if renderer.lock().is_ok_and(|r| r.reader_gone()) {
         return Ok(exit::DONE);
@@ -207,6 +191,39 @@ async fn through_daemon(
     };
     let id = client.submit(&spec).await?;
     crate::client::follow(client, &id, Mode::json(args.json)).await
+}
+
+/// The whole-task wall-clock limit: `--timeout`, else `[task] timeout_secs`.
+pub(crate) fn task_timeout(args: &RunArgs, file: &FileConfig) -> Result<Option<Duration>> {
+    Ok(match (args.timeout, file.task.timeout_secs) {
+        (Some(secs), _) => Some(config::secs_to_duration(secs, "--timeout")?),
+        (None, Some(secs)) => Some(Duration::from_secs(secs)),
+        (None, None) => None,
+    })
+}
+
+/// The transcript of a task run in this process, and the event sink that writes it; when
+/// nobody reads it any more (`| head`), the task is cancelled and cleans up.
+pub(crate) fn transcript(
+    json: bool,
+    cancel: &CancellationToken,
+) -> (
+    Arc<Mutex<Renderer<std::io::Stdout>>>,
+    tandem_agent::EventSink,
+) {
+    let renderer = Arc::new(Mutex::new(
+        Renderer::stdout(Mode::json(json)).place("in this process"),
+    ));
+    let (sink_renderer, cancel) = (renderer.clone(), cancel.clone());
+    let events = Arc::new(move |msg: EventMsg| {
+        if let Ok(mut r) = sink_renderer.lock() {
+            r.event(&msg);
+            if r.error.is_some() {
+                cancel.cancel();
+            }
+        }
+    });
+    (renderer, events)
 }
 
 /// Whether the daemon refused a task only because it does not offer `local`, which this

@@ -43,16 +43,14 @@ pub async fn run(
     file: crate::config::FileConfig,
 ) -> Result<u8> {
     use std::collections::HashMap;
-    use std::sync::{Arc, Mutex};
 
     use tandem_agent::ChatModel;
     use tandem_agent::team::{TaskLabel, Team, executor_slot, run_team_task};
     use tandem_executor::{CancellationToken, SessionSpec};
     use tandem_protocol::team::Kind;
-    use tandem_protocol::{ErrorCode, ErrorInfo, EventMsg};
+    use tandem_protocol::{ErrorCode, ErrorInfo};
 
     use crate::config;
-    use crate::render::{Mode, Renderer};
 
     let root = load(path)?;
     let model_config = config::model_config(&args.model, &file)?;
@@ -116,20 +114,8 @@ pub async fn run(
 
     let cancel = CancellationToken::new();
     crate::run::spawn_ctrl_c(cancel.clone());
-    let timeout = match (args.timeout, file.task.timeout_secs) {
-        (Some(secs), _) => Some(config::secs_to_duration(secs, "--timeout")?),
-        (None, Some(secs)) => Some(std::time::Duration::from_secs(secs)),
-        (None, None) => None,
-    };
-    let renderer = Arc::new(Mutex::new(
-        Renderer::stdout(Mode::json(args.json)).place("in this process"),
-    ));
-    let sink_renderer = renderer.clone();
-    let events: tandem_agent::EventSink = Arc::new(move |msg: EventMsg| {
-        if let Ok(mut r) = sink_renderer.lock() {
-            r.event(&msg);
-        }
-    });
+    let timeout = crate::run::task_timeout(args, &file)?;
+    let (renderer, events) = crate::run::transcript(args.json, &cancel);
     let label = TaskLabel {
         model: model_config.model.clone(),
         base_url: model_config.base_url.clone(),

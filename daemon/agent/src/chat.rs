@@ -427,7 +427,7 @@ fn tls_config(https: bool) -> Result<rustls::ClientConfig, ModelError> {
 }
 
 /// The largest index at most `at` that starts a character of `s` (or its length).
-fn floor_char_boundary(s: &str, at: usize) -> usize {
+pub(crate) fn floor_char_boundary(s: &str, at: usize) -> usize {
     if at >= s.len() {
         return s.len();
     }

@@ -129,7 +129,7 @@ pub fn router(
                     .headers()
                     .get(header::AUTHORIZATION)
                     .and_then(|v| v.to_str().ok());
-                if given.is_some_and(|g| constant_time_eq(g.as_bytes(), expected.as_bytes())) {
+                if given.is_some_and(|g| bool::from(subtle::ConstantTimeEq::ct_eq(g.as_bytes(), expected.as_bytes()))) {
                     next.run(req).await
                 } else {
                     ApiError::new(
@@ -143,10 +143,6 @@ pub fn router(
         }));
     }
     app
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    subtle::ConstantTimeEq::ct_eq(a, b).into()
 }
 
 async fn not_found() -> ApiError {
@@ -163,15 +159,19 @@ async fn create_task(
     body: Body,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
     let body = read_limited(&headers, body, state.body_limit).await?;
-    let spec: TaskSpec = serde_json::from_slice(&body).map_err(|e| {
-        ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_request",
-            format!(
-                "the body is not a valid task: {e}; send JSON like {{\"task\": \"print the 10th prime\"}}"
-            ),
-        )
-    })?;
+    // With the path of a bad field (`team.agents.critic.escalte: unknown field ...`).
+    let spec: TaskSpec =
+        serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_slice(&body))
+            .map_err(|e| {
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request",
+                    format!(
+                        "the body is not a valid task: {}; send JSON like {{\"task\": \"print the 10th prime\"}}",
+                        tandem_agent::team::path_error(&e)
+                    ),
+                )
+            })?;
     let record = state.supervisor.submit(spec).await?;
     Ok((StatusCode::CREATED, Json(json!(record))))
 }

@@ -17,7 +17,7 @@ use tandem_protocol::team::{Aggregate, Kind, SelectionKind, Termination};
 use tandem_protocol::{ErrorCode, ErrorInfo, EventMsg, Message, Role, StopReason, Usage};
 
 use crate::blocks::{self, EventSink, RunOptions, SessionSlot};
-use crate::chat::ChatModel;
+use crate::chat::{ChatModel, floor_char_boundary};
 use crate::extract::extract_code_blocks;
 use crate::task::progress;
 use crate::team::Node;
@@ -156,11 +156,6 @@ impl Team {
     pub fn with_hook(mut self, hook: std::sync::Arc<dyn Hook>) -> Self {
         self.hooks.push(hook);
         self
-    }
-
-    /// The checked tree.
-    pub fn root(&self) -> &Node {
-        &self.root
     }
 
     /// Runs the team on `task`; returns how it ended, the history, the tokens used and the
@@ -424,10 +419,24 @@ impl Ctx<'_> {
             tracing::info!(agent = %node.path, %reason, "a hook refused the turn");
             return Ok(Ended::Done);
         }
+        match self.call(model, &view, turn).await? {
+            Some(text) => Ok(self.said(node, history, text)),
+            None => Ok(Ended::Stopped(StopReason::Cancelled)),
+        }
+    }
+
+    /// One model call of turn `turn`: streamed as its events, its tokens counted, its reply
+    /// told as an `assistant_message`; `None` when the run was cancelled meanwhile.
+    async fn call(
+        &self,
+        model: &ChatModel,
+        messages: &[Message],
+        turn: u32,
+    ) -> Result<Option<String>, ErrorInfo> {
         let mut progress = progress(&self.events, turn);
         let reply = tokio::select! {
-            reply = model.complete(&view, &mut progress) => reply.map_err(ErrorInfo::from)?,
-            () = self.cancel.cancelled() => return Ok(Ended::Stopped(StopReason::Cancelled)),
+            reply = model.complete(messages, &mut progress) => reply.map_err(ErrorInfo::from)?,
+            () = self.cancel.cancelled() => return Ok(None),
         };
         if let (Some(u), Ok(mut usage)) = (reply.usage, self.shared.usage.lock()) {
             usage.add(u);
@@ -437,7 +446,7 @@ impl Ctx<'_> {
             text: reply.text.clone(),
             usage: reply.usage,
         });
-        Ok(self.said(node, history, reply.text))
+        Ok(Some(reply.text))
     }
 
     /// An assistant's words join the history; its escalation word ends its loop.
@@ -766,20 +775,8 @@ impl Ctx<'_> {
             Message::new(Role::User, task),
             Message::new(Role::User, question),
         ];
-        let mut progress = progress(&self.events, turn);
-        let reply = tokio::select! {
-            reply = self.team.models.get(path).unwrap_or(&self.team.selector).complete(&messages, &mut progress) => reply.map_err(ErrorInfo::from)?,
-            () = self.cancel.cancelled() => return Ok(String::new()),
-        };
-        if let (Some(u), Ok(mut usage)) = (reply.usage, self.shared.usage.lock()) {
-            usage.add(u);
-        }
-        (self.events)(EventMsg::AssistantMessage {
-            turn,
-            text: reply.text.clone(),
-            usage: reply.usage,
-        });
-        Ok(reply.text)
+        let model = self.team.models.get(path).unwrap_or(&self.team.selector);
+        Ok(self.call(model, &messages, turn).await?.unwrap_or_default())
     }
 
     /// Whether `t` holds after the chat's latest messages: the condition in words and the
@@ -877,14 +874,8 @@ fn cut_middle(text: &str, cap: usize) -> String {
     if text.len() <= cap {
         return text.to_owned();
     }
-    let floor = |at: usize| {
-        (0..=at)
-            .rev()
-            .find(|&i| text.is_char_boundary(i))
-            .unwrap_or(0)
-    };
-    let head = floor(cap / 2);
-    let tail = floor(text.len() - cap / 2);
+    let head = floor_char_boundary(text, cap / 2);
+    let tail = floor_char_boundary(text, text.len() - cap / 2);
     format!(
         "{}\n[... {} bytes cut ...]\n{}",
         &text[..head],
