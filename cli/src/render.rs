@@ -68,6 +68,8 @@ pub struct Renderer<W: Write> {
     shown: Shown,
     /// Where the task runs ("in this process", "on the daemon at ..."), for the header.
     place: Option<String>,
+    /// Which agent each event belongs to, for `--json`.
+    speakers: tandem_protocol::Speakers,
     pub error: Option<io::Error>,
 }
 
@@ -90,6 +92,7 @@ impl<W: Write> Renderer<W> {
             at_line_start: true,
             shown: Shown::default(),
             place: None,
+            speakers: tandem_protocol::Speakers::default(),
             error: None,
         }
     }
@@ -130,6 +133,7 @@ impl<W: Write> Renderer<W> {
         let event = Event {
             seq: self.seq,
             at_ms,
+            path: self.speakers.agent_of(msg),
             msg: msg.clone(),
         };
         serde_json::to_writer(&mut self.out, &event)?;

@@ -245,6 +245,28 @@ async fn an_escalation_ends_only_the_innermost_loop() {
         "{}",
         out.stdout
     );
+    // Every event of an agent's turn names the agent by its path.
+    let said: Vec<(String, String)> = out
+        .stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["type"] == "assistant_message")
+        .map(|e| {
+            let path = e["path"].as_str().unwrap_or("none").to_owned();
+            (path, e["text"].as_str().unwrap().to_owned())
+        })
+        .collect();
+    assert_eq!(
+        said,
+        [
+            ("team/refine/writer", "draft 1"),
+            ("team/refine/critic", "too short"),
+            ("team/refine/writer", "draft 2"),
+            ("team/refine/critic", "Good now. STOP"),
+            ("team/summariser", "Final: draft 2"),
+        ]
+        .map(|(p, t)| (p.to_owned(), t.to_owned()))
+    );
     assert!(
         out.stdout.contains("\"summary\":\"Final: draft 2\""),
         "{}",
@@ -766,4 +788,71 @@ async fn a_flat_chat_shares_every_message_and_limits_stop_with_their_codes() {
         "{}",
         out.stdout
     );
+}
+
+const ENDS_WITH: &str = r#"
+[team]
+kind = "chat"
+agents = ["coder", "runner"]
+termination = { ends_with = "DONE", agents = ["coder"] }
+
+[agents.coder]
+instructions = "coder"
+
+[agents.runner]
+kind = "executor"
+no_code_reply = "Send code, or say DONE."
+"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ends_with_runs_the_last_code_first_and_a_fenced_word_is_said_not_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = team_file(&dir, ENDS_WITH);
+    // Prose first: the runner answers with its no_code_reply; DONE mid-prose does not end
+    // it; then code and DONE in one message: the code runs, then the chat ends.
+    let task = "team: ends_with";
+    let server = ScriptedOpenAi::start(per_agent(
+        task,
+        vec![(
+            "coder",
+            vec![
+                Reply::from("Once DONE is said, we stop. Let me think first."),
+                Reply::from("```python\nprint(6 * 7)\n```\nDONE"),
+            ],
+        )],
+    ))
+    .await
+    .unwrap();
+    let out = run_team(&server, &file, task, true).await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let events: Vec<serde_json::Value> = out
+        .stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let reports: Vec<&str> = events
+        .iter()
+        .filter(|e| e["type"] == "executor_message")
+        .map(|e| e["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(reports.len(), 2, "{}", out.stdout);
+    assert_eq!(reports[0], "Send code, or say DONE.");
+    assert!(reports[1].contains("42"), "{}", reports[1]);
+    let ended = events.iter().find(|e| e["type"] == "team_ended").unwrap();
+    assert_eq!(ended["by"], "ends_with DONE by coder");
+    assert_eq!(events.last().unwrap()["stop_reason"], "terminated");
+
+    // A block that holds only the word says it: the chat ends and nothing runs.
+    let task = "team: fenced word";
+    let server = ScriptedOpenAi::start(per_agent(
+        task,
+        vec![("coder", vec![Reply::from("```\nDONE\n```")])],
+    ))
+    .await
+    .unwrap();
+    let out = run_team(&server, &file, task, true).await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert!(!out.stdout.contains("\"code_block\""), "{}", out.stdout);
+    assert!(!out.stdout.contains("executor_message"), "{}", out.stdout);
+    assert!(out.stdout.contains("\"stop_reason\":\"terminated\""));
 }

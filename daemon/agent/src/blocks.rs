@@ -389,13 +389,13 @@ pub fn exit_code_of(result: &BlockResult) -> i32 {
 }
 
 /// What the executor agent tells the model after running a reply's blocks, in AutoGen's
-/// `exitcode: N (execution succeeded|failed)\nCode output: ...` shape plus notes.
+/// `exitcode: N (execution succeeded|failed)\nCode output: ...` shape plus notes; `no_code`
+/// when none of them was a program.
 pub fn report(
     runs: &[BlockRun],
     block_timeout: Duration,
     output_cap: usize,
-    termination: &str,
-    languages: &[Language],
+    no_code: &str,
 ) -> String {
     let ran: Vec<&BlockRun> = runs
         .iter()
@@ -461,7 +461,7 @@ pub fn report(
             };
             format!("exitcode: {code} ({verdict})\nCode output: {output}")
         }
-        None => no_code_nudge(termination, languages),
+        None => no_code.to_owned(),
     };
     for note in notes {
         if !text.ends_with('\n') {

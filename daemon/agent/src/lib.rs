@@ -16,7 +16,7 @@ pub mod termination;
 pub use blocks::{EventSink, LanguageListError, SessionSlot, allowed_languages};
 pub use chat::{ChatModel, ModelConfig, ModelError};
 pub use extract::{CodeBlock, extract_code_blocks};
-pub use task::{TaskOutcome, TaskSettings, render_system_prompt, run_task};
+pub use task::{TaskOutcome, TaskSettings, pair, render_system_prompt, run_task};
 
 /// The termination string used unless configured otherwise.
 pub const DEFAULT_TERMINATION: &str = "TERMINATE";

@@ -1,16 +1,18 @@
-//! The turn loop: assistant reply → run its code → report back, until done or a limit.
+//! The two-agent task: an assistant and an executor taking turns until the assistant says
+//! the termination word or a limit is hit, run as a built-in team; and its system prompt.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tandem_executor::{CancellationToken, Executor, Language, SessionSpec};
+use tandem_protocol::team::{AgentSpec, Kind, TeamSpec, Termination};
 use tandem_protocol::{ErrorCode, ErrorInfo, EventMsg, Message, Role, StopReason, Usage};
 
-use crate::blocks::{self, EventSink, RunOptions, SessionSlot};
+use crate::blocks::{self, EventSink, SessionSlot};
 use crate::chat::{ChatModel, ModelProgress};
-use crate::extract::extract_code_blocks;
-use crate::termination::{is_termination_block, says_terminate, strip_termination};
+use crate::team::run::run_team;
+use crate::team::{TaskLabel, Team, check};
+use crate::termination::strip_termination;
 
 /// Everything a task needs besides the model and the executor.
 #[derive(Clone, Debug)]
@@ -69,7 +71,8 @@ pub struct TaskOutcome {
     pub elapsed: Duration,
 }
 
-/// Runs a task to its end. Every step is sent to `events`, the last being
+/// Runs a task to its end: the two-agent chat, as a built-in team ([`pair`]) of an
+/// `assistant` and an `executor`. Every step is sent to `events`, the last being
 /// [`EventMsg::TaskFinished`]; the sandbox is closed on every path.
 pub async fn run_task(
     settings: TaskSettings,
@@ -78,182 +81,132 @@ pub async fn run_task(
     events: EventSink,
     cancel: CancellationToken,
 ) -> TaskOutcome {
-    let started = Instant::now();
-    events(EventMsg::TaskStarted {
-        task: settings.task.clone(),
+    let label = TaskLabel {
         model: model.config().model.clone(),
         base_url: model.config().base_url.clone(),
         executor: executor.name().to_owned(),
-    });
-    // One token for both ways a task is stopped from outside; the flag tells them apart.
-    let stop = cancel.child_token();
-    let timed_out = Arc::new(AtomicBool::new(false));
-    let timer = settings.timeout.map(|limit| {
-        let (stop, timed_out) = (stop.clone(), timed_out.clone());
-        tokio::spawn(async move {
-            tokio::time::sleep(limit).await;
-            timed_out.store(true, Ordering::SeqCst);
-            stop.cancel();
-        })
-    });
-    let block_timeout = settings.session.limits.wall;
-    let output_cap = settings.session.limits.output_bytes;
-    let mut slot =
+    };
+    let slot =
         SessionSlot::new(executor, settings.session.clone()).only(settings.languages.clone());
-    let mut transcript = vec![
-        Message::new(
-            Role::System,
-            system_prompt(&settings, slot.executor().languages()),
-        ),
-        Message::new(Role::User, settings.task.clone()),
-    ];
-    transcript.extend(settings.history.iter().cloned());
-    let turns_done = settings
+    let system = system_prompt(&settings, slot.executor().languages());
+    let nudge = blocks::no_code_nudge(&settings.termination, slot.languages());
+    let team = check(&pair(&system, &settings.termination, &nudge))
+        .map_err(|e| ErrorInfo {
+            code: ErrorCode::InvalidRequest,
+            message: e.to_string(),
+        })
+        .and_then(|root| {
+            let mut slot = Some(slot);
+            Team::new(
+                root,
+                model.clone(),
+                |_| Ok(model.clone()),
+                |node| {
+                    slot.take().ok_or_else(|| ErrorInfo {
+                        code: ErrorCode::Internal,
+                        message: format!("{}: a second executor in the pair", node.path),
+                    })
+                },
+                settings.max_turns,
+                &settings.session.limits,
+            )
+        })
+        .map(Team::exchange_turns);
+    // What the interrupted run said, by the pair's two agents in turn.
+    let replay = settings
         .history
         .iter()
-        .filter(|m| m.role == Role::Assistant)
-        .count();
-    let mut state = LoopState {
-        transcript,
-        usage: Usage::default(),
-        turns: u32::try_from(turns_done).unwrap_or(u32::MAX),
-        summary: None,
-    };
-    let ended = turn_loop(
-        &settings,
-        model,
-        &mut slot,
-        &events,
-        &stop,
-        &mut state,
-        block_timeout,
-        output_cap,
+        .map(|m| {
+            let agent = if m.role == Role::Assistant {
+                ASSISTANT
+            } else {
+                EXECUTOR
+            };
+            (
+                format!("{}/{agent}", crate::team::check::TOP),
+                m.content.clone(),
+            )
+        })
+        .collect();
+    let word = settings.termination.clone();
+    let ran = run_team(
+        team,
+        &settings.task,
+        label,
+        events,
+        cancel,
+        settings.timeout,
+        replay,
+        |reason, history| {
+            let last = history.iter().rev().find(|s| s.speaker == ASSISTANT)?;
+            (reason == StopReason::Terminated).then(|| strip_termination(&last.text, &word))
+        },
     )
     .await;
-    if let Some(timer) = timer {
-        timer.abort();
-    }
-    let (mut stop_reason, mut error) = match ended {
-        Ok(reason) => (reason, None),
-        Err(info) => (StopReason::Error, Some(info)),
-    };
-    if stop.is_cancelled() && stop_reason != StopReason::Terminated {
-        stop_reason = if timed_out.load(Ordering::SeqCst) {
-            StopReason::Timeout
+    let mut transcript = vec![
+        Message::new(Role::System, system),
+        Message::new(Role::User, settings.task),
+    ];
+    transcript.extend(ran.history.iter().skip(1).map(|s| {
+        let role = if s.speaker == ASSISTANT {
+            Role::Assistant
         } else {
-            StopReason::Cancelled
+            Role::User
         };
-        error = None;
-    }
-    if let Err(e) = slot.close().await {
-        tracing::warn!(error = %e, "closing the task's sandbox failed");
-    }
-    let elapsed = started.elapsed();
-    events(EventMsg::TaskFinished {
-        stop_reason,
-        turns: state.turns,
-        usage: state.usage,
-        elapsed_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
-        error: error.clone(),
-        summary: state.summary.clone(),
-    });
+        Message::new(role, s.text.clone())
+    }));
     TaskOutcome {
-        stop_reason,
-        turns: state.turns,
-        usage: state.usage,
-        error,
-        transcript: state.transcript,
-        summary: state.summary,
-        elapsed,
+        stop_reason: ran.stop_reason,
+        turns: ran.turns,
+        usage: ran.usage,
+        error: ran.error,
+        transcript,
+        summary: ran.summary,
+        elapsed: ran.elapsed,
     }
 }
 
-struct LoopState {
-    transcript: Vec<Message>,
-    usage: Usage,
-    turns: u32,
-    summary: Option<String>,
-}
+/// The pair's assistant's name.
+const ASSISTANT: &str = "assistant";
+/// The pair's executor's name.
+const EXECUTOR: &str = "executor";
 
-#[allow(clippy::too_many_arguments)]
-async fn turn_loop(
-    settings: &TaskSettings,
-    model: &ChatModel,
-    slot: &mut SessionSlot,
-    events: &EventSink,
-    stop: &CancellationToken,
-    state: &mut LoopState,
-    block_timeout: Duration,
-    output_cap: usize,
-) -> Result<StopReason, ErrorInfo> {
-    let word = settings.termination.as_str();
-    while state.turns < settings.max_turns {
-        state.turns += 1;
-        let turn = state.turns;
-        events(EventMsg::TurnStarted { turn });
-        let mut progress = progress(events, turn);
-        let reply = tokio::select! {
-            reply = model.complete(&state.transcript, &mut progress) => reply.map_err(ErrorInfo::from)?,
-            () = stop.cancelled() => return Ok(StopReason::Cancelled),
-        };
-        if let Some(u) = reply.usage {
-            state.usage.add(u);
-        }
-        events(EventMsg::AssistantMessage {
-            turn,
-            text: reply.text.clone(),
-            usage: reply.usage,
-        });
-        state
-            .transcript
-            .push(Message::new(Role::Assistant, reply.text.clone()));
-
-        let mut code_blocks = extract_code_blocks(&reply.text);
-        let before = code_blocks.len();
-        code_blocks.retain(|b| !is_termination_block(&b.code, word));
-        let terminate = says_terminate(&reply.text, word) || code_blocks.len() < before;
-
-        let report = if code_blocks.is_empty() {
-            if terminate {
-                state.summary = Some(strip_termination(&reply.text, word));
-                return Ok(StopReason::Terminated);
-            }
-            blocks::no_code_nudge(word, slot.languages())
-        } else {
-            let opts = RunOptions {
-                turn,
-                timeout: None,
-                cancel: stop.clone(),
-                events: events.clone(),
-            };
-            let runs = blocks::run_blocks(slot, &code_blocks, &opts)
-                .await
-                .map_err(|e| ErrorInfo {
-                    code: ErrorCode::Executor,
-                    message: format!("the {} executor failed: {e}", slot.executor().name()),
-                })?;
-            if stop.is_cancelled() {
-                return Ok(StopReason::Cancelled);
-            }
-            blocks::report(&runs, block_timeout, output_cap, word, slot.languages())
-        };
-        // Code in a terminating reply still runs and is recorded; then the task ends.
-        if terminate {
-            events(EventMsg::ExecutorMessage {
-                turn,
-                text: report.clone(),
-            });
-            state.transcript.push(Message::new(Role::User, report));
-            state.summary = Some(strip_termination(&reply.text, word));
-            return Ok(StopReason::Terminated);
-        }
-        events(EventMsg::ExecutorMessage {
-            turn,
-            text: report.clone(),
-        });
-        state.transcript.push(Message::new(Role::User, report));
+/// The two-agent chat as a team: the assistant (with `system` as its instructions) and an
+/// executor that runs its code or, when there is none, answers `nudge`, taking turns until
+/// the assistant ends its prose with `word`.
+pub fn pair(system: &str, word: &str, nudge: &str) -> TeamSpec {
+    let names = |names: &[&str]| Some(names.iter().map(|n| (*n).to_owned()).collect());
+    TeamSpec {
+        team: AgentSpec {
+            kind: Kind::Chat,
+            agents: names(&[ASSISTANT, EXECUTOR]),
+            termination: Some(Termination {
+                ends_with: Some(word.to_owned()),
+                agents: names(&[ASSISTANT]),
+                ..Termination::default()
+            }),
+            ..AgentSpec::default()
+        },
+        agents: [
+            (
+                ASSISTANT.to_owned(),
+                AgentSpec {
+                    kind: Kind::Assistant,
+                    instructions: Some(system.to_owned()),
+                    ..AgentSpec::default()
+                },
+            ),
+            (
+                EXECUTOR.to_owned(),
+                AgentSpec {
+                    kind: Kind::Executor,
+                    no_code_reply: Some(nudge.to_owned()),
+                    ..AgentSpec::default()
+                },
+            ),
+        ]
+        .into(),
     }
-    Ok(StopReason::MaxTurns)
 }
 
 /// Turns a model call's progress (streamed text, retries) into turn `turn`'s events.

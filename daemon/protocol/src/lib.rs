@@ -85,9 +85,42 @@ pub struct Event {
     pub seq: u64,
     /// Milliseconds since the Unix epoch when the event was made.
     pub at_ms: u64,
+    /// In a team, the path of the agent whose event it is (`team/refine/critic`); see
+    /// [`Speakers`]. (Not `agent`: `agent_turn` and `team_ended` have a field of that name.)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
     /// What happened.
     #[serde(flatten)]
     pub msg: EventMsg,
+}
+
+/// Which agent of a team each event belongs to, from the `agent_turn` events before it: the
+/// latest `agent_turn` of an event's turn names its agent.
+#[derive(Clone, Debug, Default)]
+pub struct Speakers {
+    by_turn: std::collections::HashMap<u32, String>,
+}
+
+impl Speakers {
+    /// The agent `msg` belongs to, if it is part of an agent's turn in a team.
+    pub fn agent_of(&mut self, msg: &EventMsg) -> Option<String> {
+        let turn = match msg {
+            EventMsg::AgentTurn { turn, agent } => {
+                self.by_turn.insert(*turn, agent.clone());
+                return Some(agent.clone());
+            }
+            EventMsg::TeamEnded { agent, .. } => return Some(agent.clone()),
+            EventMsg::AssistantDelta { turn, .. }
+            | EventMsg::ModelRetry { turn, .. }
+            | EventMsg::AssistantMessage { turn, .. }
+            | EventMsg::CodeBlock { turn, .. }
+            | EventMsg::ExecOutput { turn, .. }
+            | EventMsg::ExecResult { turn, .. }
+            | EventMsg::ExecutorMessage { turn, .. } => turn,
+            _ => return None,
+        };
+        self.by_turn.get(turn).cloned()
+    }
 }
 
 /// What happened, tagged by `type` on the wire.

@@ -90,6 +90,10 @@ pub struct AgentSpec {
     /// The only languages an executor agent runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub languages: Option<Vec<String>>,
+    /// What an executor agent answers a message with no code to run (default: nothing, it
+    /// stays silent; AutoGen's `default_auto_reply`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_code_reply: Option<String>,
     /// A team's members, by name, in order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agents: Option<Vec<String>>,
@@ -180,10 +184,15 @@ pub struct Termination {
     /// Done when this string is said in prose (not in code or program output).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mention: Option<String>,
+    /// Done when a message's prose ends with this word (AutoGen's default check); a block that
+    /// holds only the word counts too, and no executor runs it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ends_with: Option<String>,
     /// Done when a message matches this regular expression.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub regex: Option<String>,
-    /// `mention` and `regex`: only these members' messages count (default: any member's).
+    /// `mention`, `ends_with` and `regex`: only these members' messages count (default: any
+    /// member's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agents: Option<Vec<String>>,
     /// Done after this many messages of the chat.

@@ -413,6 +413,7 @@ impl Store {
                 Ok(Event {
                     seq: seq as u64,
                     at_ms: at as u64,
+                    path: None,
                     msg: serde_json::from_str(&body).map_err(|source| StoreError::Decode {
                         what: "event",
                         source,
@@ -496,6 +497,7 @@ fn append_one(db: &mut Db, task_id: &str, msg: &EventMsg, now_ms: u64) -> rusqli
     let event = Event {
         seq: seq as u64,
         at_ms: now_ms,
+        path: None,
         msg: msg.clone(),
     };
     let conn = &db.conn;

@@ -34,7 +34,7 @@ pub struct TeamErrors(pub Vec<String>);
 fn allowed(kind: Kind) -> &'static [&'static str] {
     match kind {
         Kind::Assistant => &["instructions", "model", "base_url", "escalate"],
-        Kind::Executor => &["executor", "languages"],
+        Kind::Executor => &["executor", "languages", "no_code_reply"],
         Kind::Chat => &["agents", "selection", "initial", "termination", "aggregate"],
         Kind::Loop => &["agents", "max_iterations"],
         Kind::Sequence => &["agents"],
@@ -51,6 +51,7 @@ fn set_fields(a: &AgentSpec) -> Vec<&'static str> {
         ("escalate", a.escalate.is_some()),
         ("executor", a.executor.is_some()),
         ("languages", a.languages.is_some()),
+        ("no_code_reply", a.no_code_reply.is_some()),
         ("agents", a.agents.is_some()),
         ("selection", a.selection.is_some()),
         ("initial", a.initial.is_some()),
@@ -277,11 +278,13 @@ fn check_agent(name: &str, a: &AgentSpec, spec: &TeamSpec, errors: &mut Vec<Stri
     }
 }
 
-const TERMINATION_KINDS: &str = "mention, regex, max_turns, timeout, token_budget, llm, any, all";
+const TERMINATION_KINDS: &str =
+    "mention, ends_with, regex, max_turns, timeout, token_budget, llm, any, all";
 
 fn check_termination(at: &str, t: &Termination, members: &[String], errors: &mut Vec<String>) {
     let set = [
         t.mention.is_some(),
+        t.ends_with.is_some(),
         t.regex.is_some(),
         t.max_turns.is_some(),
         t.timeout.is_some(),
@@ -299,9 +302,9 @@ fn check_termination(at: &str, t: &Termination, members: &[String], errors: &mut
         ));
         return;
     }
-    if t.agents.is_some() && t.mention.is_none() && t.regex.is_none() {
+    if t.agents.is_some() && t.mention.is_none() && t.ends_with.is_none() && t.regex.is_none() {
         errors.push(format!(
-            "{at}.agents: only `mention` and `regex` are limited to some agents"
+            "{at}.agents: only `mention`, `ends_with` and `regex` are limited to some agents"
         ));
     }
     for agent in t.agents.iter().flatten() {
@@ -312,8 +315,10 @@ fn check_termination(at: &str, t: &Termination, members: &[String], errors: &mut
             ));
         }
     }
-    if t.mention.as_deref().is_some_and(|m| m.trim().is_empty()) {
-        errors.push(format!("{at}.mention: must not be empty"));
+    for (field, word) in [("mention", &t.mention), ("ends_with", &t.ends_with)] {
+        if word.as_deref().is_some_and(|m| m.trim().is_empty()) {
+            errors.push(format!("{at}.{field}: must not be empty"));
+        }
     }
     if let Some(pattern) = &t.regex {
         if let Err(e) = regex::Regex::new(pattern) {
@@ -492,6 +497,8 @@ pub fn describe(t: &Termination) -> String {
     };
     if let Some(m) = &t.mention {
         format!("mention {m}{}", by(&t.agents))
+    } else if let Some(w) = &t.ends_with {
+        format!("ends_with {w}{}", by(&t.agents))
     } else if let Some(r) = &t.regex {
         format!("regex /{r}/{}", by(&t.agents))
     } else if let Some(n) = t.max_turns {

@@ -18,10 +18,10 @@ use tandem_protocol::{ErrorCode, ErrorInfo, EventMsg, Message, Role, StopReason,
 
 use crate::blocks::{self, EventSink, RunOptions, SessionSlot};
 use crate::chat::{ChatModel, floor_char_boundary};
-use crate::extract::extract_code_blocks;
+use crate::extract::{CodeBlock, extract_code_blocks};
 use crate::task::progress;
 use crate::team::Node;
-use crate::termination::mentions;
+use crate::termination::{is_termination_block, mentions, says_terminate};
 
 /// One message of the team's shared history.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,6 +81,12 @@ pub struct Team {
     hooks: Vec<std::sync::Arc<dyn Hook>>,
     block_timeout: Duration,
     output_cap: usize,
+    /// Every `mention` and `ends_with` word of the team's chats: a block holding only one of
+    /// them is a way of saying it, which no executor runs.
+    words: Vec<String>,
+    /// Turns are the assistants' alone, told as `turn_started`: an executor's reply belongs
+    /// to the turn whose code it answers (the two-agent pair's shape).
+    exchange_turns: bool,
 }
 
 impl std::fmt::Debug for Team {
@@ -111,6 +117,8 @@ impl Team {
             hooks: Vec::new(),
             block_timeout: limits.wall,
             output_cap: limits.output_bytes,
+            words: Vec::new(),
+            exchange_turns: false,
             root: root.clone(),
         };
         let mut stack = vec![&root];
@@ -124,6 +132,9 @@ impl Team {
                         .insert(node.path.clone(), tokio::sync::Mutex::new(slot(node)?));
                 }
                 Kind::Chat => {
+                    if let Some(t) = &node.spec.termination {
+                        words_of(t, &mut team.words);
+                    }
                     // A chat's `llm` selection may name its own model: made as an
                     // assistant with that model would be.
                     if let Some(tandem_protocol::team::Selection::Table(t)) = &node.spec.selection {
@@ -150,6 +161,14 @@ impl Team {
             stack.extend(&node.members);
         }
         Ok(team)
+    }
+
+    /// Counts and tells turns as the two-agent pair does: only assistants' turns count
+    /// against `max_turns`, each is announced by `turn_started`, an executor's reply shares
+    /// the number of the turn it answers, and no `agent_turn` or `team_ended` is told.
+    pub fn exchange_turns(mut self) -> Self {
+        self.exchange_turns = true;
+        self
     }
 
     /// Adds a hook that every agent's turn passes through, in the order added.
@@ -330,12 +349,37 @@ impl Ctx<'_> {
     /// Starts `node`'s turn: its number, announced; or the stop when the team's turn limit
     /// is reached.
     fn start_turn(&self, node: &Node) -> Result<u32, StopReason> {
+        if self.uncounted(node) {
+            return Ok(self.shared.turns.load(Ordering::SeqCst));
+        }
         let turn = self.count_turn()?;
-        (self.events)(EventMsg::AgentTurn {
-            turn,
-            agent: node.path.clone(),
+        (self.events)(if self.team.exchange_turns {
+            EventMsg::TurnStarted { turn }
+        } else {
+            EventMsg::AgentTurn {
+                turn,
+                agent: node.path.clone(),
+            }
         });
         Ok(turn)
+    }
+
+    /// Whether `node`'s turns go uncounted: an executor's, when turns are exchanges.
+    fn uncounted(&self, node: &Node) -> bool {
+        self.team.exchange_turns && node.spec.kind == Kind::Executor
+    }
+
+    /// The blocks of `text` an executor runs: all but those holding only a termination word.
+    fn runnable(&self, text: &str) -> Vec<CodeBlock> {
+        let mut code = extract_code_blocks(text);
+        code.retain(|b| {
+            !self
+                .team
+                .words
+                .iter()
+                .any(|w| is_termination_block(&b.code, w))
+        });
+        code
     }
 
     fn count_turn(&self) -> Result<u32, StopReason> {
@@ -469,6 +513,8 @@ impl Ctx<'_> {
     }
 
     /// Runs the code of the message before it; silent when there is none (or it is its own).
+    /// Runs the code of the message before it; when there is none (or the message is its
+    /// own), says its `no_code_reply`, or nothing.
     async fn executor(&self, node: &Node, history: &mut Vec<Said>) -> Result<Ended, ErrorInfo> {
         let Some(last) = history
             .last()
@@ -476,12 +522,15 @@ impl Ctx<'_> {
         else {
             return Ok(Ended::Done);
         };
-        if extract_code_blocks(&last.text).is_empty() {
+        let has_code = !self.runnable(&last.text).is_empty();
+        if !has_code && node.spec.no_code_reply.is_none() {
             return Ok(Ended::Done);
         }
         if let Some(report) = self.replayed(&node.path) {
-            if let Err(reason) = self.count_turn() {
-                return Ok(Ended::Stopped(reason));
+            if !self.uncounted(node) {
+                if let Err(reason) = self.count_turn() {
+                    return Ok(Ended::Stopped(reason));
+                }
             }
             history.push(Said {
                 speaker: node.name.clone(),
@@ -497,13 +546,17 @@ impl Ctx<'_> {
             Ok(turn) => turn,
             Err(reason) => return Ok(Ended::Stopped(reason)),
         };
+        let no_code = node.spec.no_code_reply.clone().unwrap_or_default();
+        if !has_code {
+            return Ok(self.reported(node, history, turn, no_code));
+        }
         let mut code_message = vec![Message::new(Role::User, last.text.clone())];
         if let Err(reason) = self.hooked(node, &mut code_message) {
             return Ok(self.reported(node, history, turn, format!("Not run: {reason}")));
         }
         let code = code_message
             .first()
-            .map(|m| extract_code_blocks(&m.content))
+            .map(|m| self.runnable(&m.content))
             .unwrap_or_default();
         let mut slot = slot.lock().await;
         let opts = RunOptions {
@@ -529,8 +582,7 @@ impl Ctx<'_> {
             &runs,
             self.team.block_timeout,
             self.team.output_cap,
-            "",
-            slot.languages(),
+            &no_code,
         );
         Ok(self.reported(node, history, turn, report))
     }
@@ -657,6 +709,17 @@ impl Ctx<'_> {
                     tokens: self.tokens() - tokens_before,
                 };
                 if let Some((by, reason)) = self.fired(t, &state).await? {
+                    // Code in the message that ended the chat still runs, and its output
+                    // is recorded, before the chat ends.
+                    if let (true, Some(&executor)) =
+                        (after_code && self.has_code(&new), executors.first())
+                    {
+                        if let Ended::Stopped(r) =
+                            self.run(&members[executor], history, false).await?
+                        {
+                            return Ok(Ended::Stopped(r));
+                        }
+                    }
                     self.ended(node, by.clone());
                     return Ok(Ended::Finished { by, reason });
                 }
@@ -669,15 +732,18 @@ impl Ctx<'_> {
                     reason: StopReason::Terminated,
                 });
             }
-            let code_said = new
-                .last()
-                .is_some_and(|s| !s.output && !extract_code_blocks(&s.text).is_empty());
-            next = match (after_code && code_said, executors.first(), kind) {
+            next = match (after_code && self.has_code(&new), executors.first(), kind) {
                 (true, Some(&executor), _) => executor,
                 (_, _, SelectionKind::RoundRobin) => (next + 1) % members.len(),
                 (_, _, SelectionKind::Llm) => self.select(node, history, initial).await?,
             };
         }
+    }
+
+    /// Whether the last of `new` is a member's message with code for an executor.
+    fn has_code(&self, new: &[Said]) -> bool {
+        new.last()
+            .is_some_and(|s| !s.output && !self.runnable(&s.text).is_empty())
     }
 
     /// Passes `messages` through every hook; the first refusal stops the turn.
@@ -690,6 +756,9 @@ impl Ctx<'_> {
 
     /// Says that the chat or loop at `node` ended, and why.
     fn ended(&self, node: &Node, by: String) {
+        if self.team.exchange_turns {
+            return;
+        }
         (self.events)(EventMsg::TeamEnded {
             agent: node.path.clone(),
             by,
@@ -793,10 +862,16 @@ impl Ctx<'_> {
             let words = super::check::describe(t);
             let hit = |yes: bool, reason: StopReason| yes.then(|| (words.clone(), reason));
             Ok(if let Some(word) = &t.mention {
-                let yes = s
-                    .new
-                    .iter()
-                    .any(|m| !m.output && by(&t.agents, m) && mentions(&m.text, word));
+                let yes = s.new.iter().any(|m| {
+                    !m.output && by(&t.agents, m) && (mentions(&m.text, word) || alone(m, word))
+                });
+                hit(yes, StopReason::Terminated)
+            } else if let Some(word) = &t.ends_with {
+                let yes = s.new.iter().any(|m| {
+                    !m.output
+                        && by(&t.agents, m)
+                        && (says_terminate(&m.text, word) || alone(m, word))
+                });
                 hit(yes, StopReason::Terminated)
             } else if let Some(pattern) = &t.regex {
                 let re =
@@ -859,6 +934,21 @@ struct ChatState<'a> {
     messages: u32,
     elapsed: Duration,
     tokens: u64,
+}
+
+/// Whether `said` has a block that holds only `word`: small models fence their last word.
+fn alone(said: &Said, word: &str) -> bool {
+    extract_code_blocks(&said.text)
+        .iter()
+        .any(|b| is_termination_block(&b.code, word))
+}
+
+/// Adds the words `t` ends a chat on to `words`.
+fn words_of(t: &Termination, words: &mut Vec<String>) {
+    words.extend(t.mention.iter().chain(&t.ends_with).cloned());
+    for inner in t.any.iter().chain(&t.all).flatten() {
+        words_of(inner, words);
+    }
 }
 
 fn transcript(history: &[Said]) -> String {
@@ -952,10 +1042,10 @@ pub struct TaskLabel {
     pub executor: String,
 }
 
-/// Runs `team` as a whole task, as [`crate::run_task`] runs the pair: a `task_started`
-/// event, the team's events, a `task_finished` event with the stop reason (a team that
-/// finished its work is `terminated`), the timeout and cancellation honoured, and every
-/// executor session closed at the end.
+/// Runs `team` as a whole task: a `task_started` event, the team's events, a
+/// `task_finished` event with the stop reason (a team that finished its work is
+/// `terminated`) and its last message as the summary, the timeout and cancellation honoured,
+/// and every executor session closed at the end.
 pub async fn run_team_task(
     team: Team,
     task: &str,
@@ -965,6 +1055,53 @@ pub async fn run_team_task(
     timeout: Option<Duration>,
     replay: Vec<(String, String)>,
 ) -> StopReason {
+    let ran = run_team(
+        Ok(team),
+        task,
+        label,
+        events,
+        cancel,
+        timeout,
+        replay,
+        |_, history| {
+            history
+                .iter()
+                .skip(1)
+                .rev()
+                .find(|s| !s.output)
+                .map(|s| s.text.clone())
+        },
+    )
+    .await;
+    ran.stop_reason
+}
+
+/// How a whole task run by a team ended.
+pub(crate) struct TeamRun {
+    pub stop_reason: StopReason,
+    pub error: Option<ErrorInfo>,
+    /// The shared history, the task first.
+    pub history: Vec<Said>,
+    pub usage: Usage,
+    pub turns: u32,
+    pub summary: Option<String>,
+    pub elapsed: Duration,
+}
+
+/// [`run_team_task`] with the final answer chosen by `summary` from the stop reason and the
+/// history; a team that could not be made ends the task with its error.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn run_team(
+    team: Result<Team, ErrorInfo>,
+    task: &str,
+    label: TaskLabel,
+    events: EventSink,
+    cancel: CancellationToken,
+    timeout: Option<Duration>,
+    replay: Vec<(String, String)>,
+    summary: impl FnOnce(StopReason, &[Said]) -> Option<String>,
+) -> TeamRun {
+    let started = Instant::now();
     events(EventMsg::TaskStarted {
         task: task.to_owned(),
         model: label.model,
@@ -982,9 +1119,14 @@ pub async fn run_team_task(
             stop.cancel();
         })
     });
-    let started = Instant::now();
-    let (ended, history, usage, turns) = team.run(task, events.clone(), stop, replay).await;
-    team.close().await;
+    let (ended, history, usage, turns) = match team {
+        Ok(team) => {
+            let ran = team.run(task, events.clone(), stop, replay).await;
+            team.close().await;
+            ran
+        }
+        Err(e) => (Err(e), Vec::new(), Usage::default(), 0),
+    };
     if let Some(timer) = timer {
         timer.abort();
     }
@@ -997,19 +1139,23 @@ pub async fn run_team_task(
         Ok(Ended::Stopped(reason)) => (reason, None),
         Err(info) => (StopReason::Error, Some(info)),
     };
-    let summary = history
-        .iter()
-        .skip(1)
-        .rev()
-        .find(|s| !s.output)
-        .map(|s| s.text.clone());
+    let summary = summary(stop_reason, &history);
+    let elapsed = started.elapsed();
     events(EventMsg::TaskFinished {
         stop_reason,
         turns,
         usage,
-        elapsed_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
-        error,
-        summary,
+        elapsed_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
+        error: error.clone(),
+        summary: summary.clone(),
     });
-    stop_reason
+    TeamRun {
+        stop_reason,
+        error,
+        history,
+        usage,
+        turns,
+        summary,
+        elapsed,
+    }
 }
