@@ -350,10 +350,10 @@ pub fn executor_name(flag: Option<&str>, file: &FileConfig) -> String {
 pub fn docker_config(file: &FileConfig, image: Option<&str>) -> Result<DockerConfig> {
     let d = &file.executors.docker;
     let defaults = DockerConfig::default();
-    if let Some(cpus) = d.cpus {
-        if !(cpus > 0.0 && cpus <= 1024.0) {
-            bail!("[executors.docker] cpus must be between 0 and 1024, got {cpus}");
-        }
+    if let Some(cpus) = d.cpus
+        && !(cpus > 0.0 && cpus <= 1024.0)
+    {
+        bail!("[executors.docker] cpus must be between 0 and 1024, got {cpus}");
     }
     let chosen = image
         .map(str::to_owned)

@@ -302,10 +302,10 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
     if !policy.offers(&default_executor) {
         say.warn(&policy.not_offered(&default_executor, &executors));
     }
-    if let Some(d) = &docker {
-        if default_executor == "docker" {
-            d.warm_up();
-        }
+    if let Some(d) = &docker
+        && default_executor == "docker"
+    {
+        d.warm_up();
     }
     let defaults = TaskDefaults {
         executor: default_executor.clone(),

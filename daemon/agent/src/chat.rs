@@ -235,7 +235,7 @@ impl ChatModel {
             for choice in chunk.choices {
                 if let Some(text) = choice.delta.and_then(|d| d.content) {
                     let text =
-                        &text[..floor_char_boundary(&text, max.saturating_sub(done.text.len()))];
+                        &text[..text.floor_char_boundary(max.saturating_sub(done.text.len()))];
                     if !text.is_empty() {
                         progress(ModelProgress::Delta(text));
                         done.text.push_str(text);
@@ -270,7 +270,7 @@ impl ChatModel {
             .as_ref()
             .and_then(|c| c.message.content.clone())
             .unwrap_or_default();
-        text.truncate(floor_char_boundary(&text, self.config.max_reply_bytes));
+        text.truncate(text.floor_char_boundary(self.config.max_reply_bytes));
         Ok(Completion {
             text,
             usage: reply.usage.map(Into::into),
@@ -424,14 +424,6 @@ fn tls_config(https: bool) -> Result<rustls::ClientConfig, ModelError> {
         .map_err(|e| fail(format!("cannot set up TLS: {e}")))?
         .with_root_certificates(roots)
         .with_no_client_auth())
-}
-
-/// The largest index at most `at` that starts a character of `s` (or its length).
-pub(crate) fn floor_char_boundary(s: &str, at: usize) -> usize {
-    if at >= s.len() {
-        return s.len();
-    }
-    (0..=at).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0)
 }
 
 /// Whether a connect error is a failed name lookup (hyper's resolver says "dns error").

@@ -63,10 +63,10 @@ fn collect(markdown: &str, depth: u8, out: &mut Vec<CodeBlock>) {
                 }
             }
             Event::End(TagEnd::HtmlBlock) => {
-                if let Some(buf) = html.take() {
-                    if depth < MAX_HTML_DEPTH {
-                        collect(&strip_tag_lines(&buf), depth + 1, out);
-                    }
+                if let Some(buf) = html.take()
+                    && depth < MAX_HTML_DEPTH
+                {
+                    collect(&strip_tag_lines(&buf), depth + 1, out);
                 }
             }
             _ => {}

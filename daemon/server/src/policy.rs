@@ -121,15 +121,15 @@ impl Policy {
                 ));
             }
         }
-        if let Some(asked) = spec.max_turns {
-            if asked > self.max_turns {
-                return Err(over(
-                    "max_turns",
-                    asked.into(),
-                    self.max_turns.into(),
-                    "max_turns",
-                ));
-            }
+        if let Some(asked) = spec.max_turns
+            && asked > self.max_turns
+        {
+            return Err(over(
+                "max_turns",
+                asked.into(),
+                self.max_turns.into(),
+                "max_turns",
+            ));
         }
         if let Some(url) = &spec.base_url {
             self.endpoint(url, configured)?;

@@ -37,11 +37,11 @@ pub async fn bind_unix(path: &Path) -> Result<UnixListener, ListenError> {
         path: path.to_owned(),
         source,
     };
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        if !dir.exists() {
-            std::fs::create_dir_all(dir).map_err(io)?;
-            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
-        }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty())
+        && !dir.exists()
+    {
+        std::fs::create_dir_all(dir).map_err(io)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
     }
     if path.exists() {
         let probe = tokio::time::timeout(

@@ -440,17 +440,17 @@ impl DockerSession {
         } else {
             "release"
         };
-        if let Some(mut conn) = self.conn.take() {
-            if conn.send(&serde_json::json!({"op": op})).await.is_ok() {
-                let _ = tokio::time::timeout(Duration::from_secs(5), async {
-                    while let Some(frame) = conn.frames.recv().await {
-                        if matches!(frame, Frame::Done) {
-                            break;
-                        }
+        if let Some(mut conn) = self.conn.take()
+            && conn.send(&serde_json::json!({"op": op})).await.is_ok()
+        {
+            let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                while let Some(frame) = conn.frames.recv().await {
+                    if matches!(frame, Frame::Done) {
+                        break;
                     }
-                })
-                .await;
-            }
+                }
+            })
+            .await;
         }
         remove_container(&self.executor.inner().docker, &self.id).await;
         if let Some(ws) = self.owned_workspace.take() {

@@ -33,10 +33,10 @@ impl Interpreters {
         // makes `python3` inside an sh block the same interpreter as python blocks use.
         let mut dirs: Vec<String> = Vec::new();
         for p in [&python, &node].into_iter().flatten() {
-            if let Some(dir) = p.parent().and_then(Path::to_str) {
-                if !dirs.iter().any(|d| d == dir) {
-                    dirs.push(dir.to_owned());
-                }
+            if let Some(dir) = p.parent().and_then(Path::to_str)
+                && !dirs.iter().any(|d| d == dir)
+            {
+                dirs.push(dir.to_owned());
             }
         }
         dirs.push(path.to_owned());

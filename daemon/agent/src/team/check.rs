@@ -234,25 +234,23 @@ fn check_agent(name: &str, a: &AgentSpec, spec: &TeamSpec, errors: &mut Vec<Stri
     let kind_of = |m: &str| spec.agents.get(m).map(|a| a.kind);
     match kind {
         Kind::Chat => {
-            if let Some(initial) = &a.initial {
-                if !members.contains(initial) {
-                    errors.push(format!(
-                        "{at}.initial: `{initial}` is not a member of this chat ({})",
-                        members.join(", ")
-                    ));
-                }
+            if let Some(initial) = &a.initial
+                && !members.contains(initial)
+            {
+                errors.push(format!(
+                    "{at}.initial: `{initial}` is not a member of this chat ({})",
+                    members.join(", ")
+                ));
             }
             if let Some(table) = match &a.selection {
                 Some(tandem_protocol::team::Selection::Table(t)) => Some(t),
                 _ => None,
-            } {
-                if table.kind == SelectionKind::RoundRobin
-                    && (table.prompt.is_some() || table.model.is_some())
-                {
-                    errors.push(format!(
-                        "{at}.selection: `prompt` and `model` are options of `llm` selection"
-                    ));
-                }
+            } && table.kind == SelectionKind::RoundRobin
+                && (table.prompt.is_some() || table.model.is_some())
+            {
+                errors.push(format!(
+                    "{at}.selection: `prompt` and `model` are options of `llm` selection"
+                ));
             }
             match &a.termination {
                 None => errors.push(format!(
@@ -320,10 +318,10 @@ fn check_termination(at: &str, t: &Termination, members: &[String], errors: &mut
             errors.push(format!("{at}.{field}: must not be empty"));
         }
     }
-    if let Some(pattern) = &t.regex {
-        if let Err(e) = regex::Regex::new(pattern) {
-            errors.push(format!("{at}.regex: not a regular expression: {e}"));
-        }
+    if let Some(pattern) = &t.regex
+        && let Err(e) = regex::Regex::new(pattern)
+    {
+        errors.push(format!("{at}.regex: not a regular expression: {e}"));
     }
     for (field, value) in [
         ("max_turns", t.max_turns.map(u64::from)),

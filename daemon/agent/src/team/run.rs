@@ -17,7 +17,7 @@ use tandem_protocol::team::{Aggregate, Kind, SelectionKind, Termination};
 use tandem_protocol::{ErrorCode, ErrorInfo, EventMsg, Message, Role, StopReason, Usage};
 
 use crate::blocks::{self, EventSink, RunOptions, SessionSlot};
-use crate::chat::{ChatModel, floor_char_boundary};
+use crate::chat::ChatModel;
 use crate::extract::{CodeBlock, extract_code_blocks};
 use crate::task::progress;
 use crate::team::Node;
@@ -137,14 +137,14 @@ impl Team {
                     }
                     // A chat's `llm` selection may name its own model: made as an
                     // assistant with that model would be.
-                    if let Some(tandem_protocol::team::Selection::Table(t)) = &node.spec.selection {
-                        if let Some(m) = &t.model {
-                            let mut selector = node.clone();
-                            selector.spec.model = Some(m.clone());
-                            selector.spec.base_url = None;
-                            team.models
-                                .insert(format!("{}/selector", node.path), model(&selector)?);
-                        }
+                    if let Some(tandem_protocol::team::Selection::Table(t)) = &node.spec.selection
+                        && let Some(m) = &t.model
+                    {
+                        let mut selector = node.clone();
+                        selector.spec.model = Some(m.clone());
+                        selector.spec.base_url = None;
+                        team.models
+                            .insert(format!("{}/selector", node.path), model(&selector)?);
                     }
                 }
                 _ => {}
@@ -423,10 +423,10 @@ impl Ctx<'_> {
         let redact = self.team.redact.get(&node.path);
         for said in kept {
             let mut text = said.text.clone();
-            if said.output {
-                if let Some(cap) = spec.max_output_bytes {
-                    text = cut_middle(&text, cap);
-                }
+            if said.output
+                && let Some(cap) = spec.max_output_bytes
+            {
+                text = cut_middle(&text, cap);
             }
             for re in redact.into_iter().flatten() {
                 text = re.replace_all(&text, "[redacted]").into_owned();
@@ -527,10 +527,10 @@ impl Ctx<'_> {
             return Ok(Ended::Done);
         }
         if let Some(report) = self.replayed(&node.path) {
-            if !self.uncounted(node) {
-                if let Err(reason) = self.count_turn() {
-                    return Ok(Ended::Stopped(reason));
-                }
+            if !self.uncounted(node)
+                && let Err(reason) = self.count_turn()
+            {
+                return Ok(Ended::Stopped(reason));
             }
             history.push(Said {
                 speaker: node.name.clone(),
@@ -713,12 +713,10 @@ impl Ctx<'_> {
                     // is recorded, before the chat ends.
                     if let (true, Some(&executor)) =
                         (after_code && self.has_code(&new), executors.first())
-                    {
-                        if let Ended::Stopped(r) =
+                        && let Ended::Stopped(r) =
                             self.run(&members[executor], history, false).await?
-                        {
-                            return Ok(Ended::Stopped(r));
-                        }
+                    {
+                        return Ok(Ended::Stopped(r));
                     }
                     self.ended(node, by.clone());
                     return Ok(Ended::Finished { by, reason });
@@ -964,8 +962,8 @@ fn cut_middle(text: &str, cap: usize) -> String {
     if text.len() <= cap {
         return text.to_owned();
     }
-    let head = floor_char_boundary(text, cap / 2);
-    let tail = floor_char_boundary(text, text.len() - cap / 2);
+    let head = text.floor_char_boundary(cap / 2);
+    let tail = text.floor_char_boundary(text.len() - cap / 2);
     format!(
         "{}\n[... {} bytes cut ...]\n{}",
         &text[..head],
