@@ -8,19 +8,18 @@
 //! registry.register(Arc::new(tandem_example_custom_executor::PerlExecutor::new()));
 //! ```
 //!
-//! It is deliberately small: the built-in local executor shows the full treatment
-//! (rlimits, killing detached grandchildren, a scratch directory apart from the workspace).
+//! It is deliberately small: `tandem_executor::process` supervises its processes (a session
+//! of their own, rlimits, timeout and cancel, a group kill, bounded capture); the built-in
+//! local executor adds what a group kill misses (children that leave the group with `setsid`)
+//! and a scratch directory apart from the workspace.
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
-use std::time::Instant;
 
 use tandem_executor::workspace::write_block_script;
 use tandem_executor::{
-    BoxFuture, CaptureBuffer, ExecContext, ExecError, ExecOutcome, ExecRequest, Executor,
-    ExitStatus, Language, Limits, Session, SessionSpec, Stream,
+    BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Executor, Language, Limits,
+    Session, SessionSpec, process,
 };
-use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// Runs perl code blocks.
 pub struct PerlExecutor {
@@ -100,52 +99,24 @@ impl Session for PerlSession {
                 Ok(script) => script.path,
                 Err(e) => return Ok(ExecOutcome::refused(&e.to_string())),
             };
-            let mut child = tokio::process::Command::new("perl")
-                .arg(&script)
+            let mut cmd = tokio::process::Command::new("perl");
+            cmd.arg(&script)
                 .current_dir(&self.dir)
                 .env_clear()
-                .env("PATH", "/usr/local/bin:/usr/bin:/bin")
-                .stdin(Stdio::null())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .process_group(0)
-                .kill_on_drop(true)
-                .spawn()
-                .map_err(|e| ExecError::Unavailable {
-                    what: "perl".into(),
-                    hint: format!("{e}; install perl"),
-                })?;
-            let started = Instant::now();
-            let cap = self.limits.output_bytes;
-            let out = tokio::spawn(capture(
-                child.stdout.take(),
-                Stream::Stdout,
-                cap,
-                ctx.clone(),
-            ));
-            let err = tokio::spawn(capture(
-                child.stderr.take(),
-                Stream::Stderr,
-                cap,
-                ctx.clone(),
-            ));
+                .env("PATH", "/usr/local/bin:/usr/bin:/bin");
+            // A new session, rlimits, bounded live capture, and on every path a kill of the
+            // whole process group, so a block's background children die with it.
+            let started = process::spawn(cmd, &self.limits, "perl")?;
+            let group = started.pid;
             let timeout = req.timeout.unwrap_or(self.limits.wall);
-            let status = tokio::select! {
-                s = child.wait() => {
-                    let s = s.map_err(|e| ExecError::io("waiting for perl", e))?;
-                    s.code().map_or(ExitStatus::Signaled(9), ExitStatus::Exited)
-                }
-                () = tokio::time::sleep(timeout) => ExitStatus::TimedOut,
-                () = ctx.cancel.cancelled() => ExitStatus::Cancelled,
-            };
-            let _ = child.start_kill();
-            let _ = child.wait().await;
-            Ok(ExecOutcome {
-                status,
-                stdout: out.await.unwrap_or_default(),
-                stderr: err.await.unwrap_or_default(),
-                duration: started.elapsed(),
-            })
+            process::supervise(
+                started,
+                timeout,
+                self.limits.output_bytes,
+                &ctx,
+                move || process::kill_group(group),
+            )
+            .await
         })
     }
 
@@ -160,26 +131,6 @@ impl Session for PerlSession {
             Ok(())
         })
     }
-}
-
-async fn capture<R: AsyncRead + Unpin>(
-    reader: Option<R>,
-    stream: Stream,
-    cap: usize,
-    ctx: ExecContext,
-) -> tandem_executor::Captured {
-    let mut buf = CaptureBuffer::new(cap);
-    if let Some(mut reader) = reader {
-        let mut chunk = [0u8; 8192];
-        while let Ok(n) = reader.read(&mut chunk).await {
-            if n == 0 {
-                break;
-            }
-            let live = buf.push(&chunk[..n]);
-            (ctx.sink)(stream, &chunk[..live]);
-        }
-    }
-    buf.finish()
 }
 
 #[cfg(test)]
@@ -230,5 +181,44 @@ mod tests {
                 ("not_run", None, "")
             ]
         );
+    }
+
+    /// Whether process `pid` is gone (or a zombie that only waits to be reaped).
+    fn gone(pid: u32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
+            stat.rsplit(')')
+                .next()
+                .is_some_and(|s| s.trim_start().starts_with('Z'))
+        })
+    }
+
+    #[tokio::test]
+    async fn a_blocks_background_children_die_with_it_and_a_timeout_kills() {
+        let exec = PerlExecutor::new();
+        let mut session = exec.open(SessionSpec::default()).await.unwrap();
+        // The block exits at once; its child would sleep a minute holding stdout open.
+        let code = "my $pid = fork(); if ($pid == 0) { sleep 60; exit 0 } print \"$pid\\n\";";
+        let started = std::time::Instant::now();
+        let ctx = ExecContext::new(CancellationToken::new());
+        let outcome = session
+            .run(ExecRequest::new(Language::new("perl"), code), ctx.clone())
+            .await
+            .unwrap();
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
+        let child: u32 = outcome.stdout.to_text().trim().parse().unwrap();
+        for _ in 0..50 {
+            if gone(child) {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert!(gone(child), "the block's child {child} outlived it");
+
+        let mut req = ExecRequest::new(Language::new("perl"), "$| = 1; print \"a\\n\"; sleep 30;");
+        req.timeout = Some(std::time::Duration::from_millis(500));
+        let outcome = session.run(req, ctx).await.unwrap();
+        assert_eq!(outcome.status, tandem_executor::ExitStatus::TimedOut);
+        assert_eq!(outcome.stdout.to_text(), "a\n");
+        session.close().await.unwrap();
     }
 }

@@ -15,7 +15,8 @@
 //! Policy is data: [`Limits`] is one serde struct that every backend honours in its own
 //! way. Shared mechanics that every backend needs live here too: language aliases
 //! ([`Language`]), bounded output capture ([`CaptureBuffer`]), the `# filename:` directive
-//! and safe workspace paths ([`workspace`]), and a name-to-executor [`Registry`].
+//! and safe workspace paths ([`workspace`]), supervising a block's host processes
+//! ([`process`]), and a name-to-executor [`Registry`].
 //!
 //! A third-party executor depends on this crate alone; see `examples/custom-executor`.
 #![deny(missing_docs)]
@@ -25,6 +26,7 @@ mod error;
 mod language;
 mod limits;
 pub mod owner;
+pub mod process;
 mod registry;
 pub mod scratch;
 pub mod workspace;
