@@ -148,8 +148,8 @@ impl Supervisor {
     }
 
     /// Runs `f` (store work) on the blocking pool, at most [`STORE_CALLS`] at once: every
-    /// store call waits on one connection, so more threads would only queue on its lock (a
-    /// burst of 400 submits grew the pool to 400 threads, each one created and scheduled).
+    /// store call waits on one connection, so more threads would only queue on its lock, and
+    /// a burst of requests would otherwise grow the blocking pool by a thread each.
     pub async fn off_thread<T: Send + 'static>(
         self: &Arc<Self>,
         f: impl FnOnce(&Arc<Supervisor>) -> T + Send + 'static,
