@@ -3,12 +3,13 @@
 
 use std::sync::{Arc, Mutex};
 
-use tandem_agent::team::{Hook, Team, check};
+use futures::future::BoxFuture;
+use tandem_agent::team::{Agent, AgentReply, Ended, Hook, Team, Turn, check};
 use tandem_agent::{ChatModel, ModelConfig, SessionSlot};
 use tandem_executor::{CancellationToken, Executor, Limits, SessionSpec};
 use tandem_executor_local::{LocalConfig, LocalExecutor};
 use tandem_protocol::team::{AgentSpec, Kind, TeamSpec, Termination};
-use tandem_protocol::{EventMsg, Message};
+use tandem_protocol::{ErrorInfo, EventMsg, Message};
 use tandem_tests::{Reply, ScriptedOpenAi};
 
 /// Refuses code that mentions `forbidden`, and adds a note to every assistant's view.
@@ -138,5 +139,132 @@ async fn a_hook_changes_what_an_agent_receives_and_can_refuse_a_turn() {
         coder
             .iter()
             .all(|r| r.last_message() == Some("note from the gate"))
+    );
+}
+
+/// A reviewer written in Rust: approves when the last program output it saw printed 42.
+struct Reviewer {
+    seen: Mutex<Vec<Message>>,
+}
+
+impl Agent for Reviewer {
+    fn reply<'a>(
+        &'a self,
+        messages: &'a [Message],
+        turn: Turn<'a>,
+    ) -> BoxFuture<'a, Result<Option<AgentReply>, ErrorInfo>> {
+        Box::pin(async move {
+            assert!(turn.number > 0 && !turn.cancel.is_cancelled());
+            *self.seen.lock().unwrap() = messages.to_vec();
+            let output = messages.last().map_or("", |m| m.content.as_str());
+            let text = if output.contains("42") {
+                "The program printed 42. APPROVED"
+            } else {
+                "Not yet."
+            };
+            Ok(Some(AgentReply {
+                text: text.to_owned(),
+                usage: None,
+            }))
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_agent_written_in_rust_takes_an_assistants_place() {
+    let task = "team api: rust agent";
+    let server = ScriptedOpenAi::start(
+        [(
+            format!("{task}#coder"),
+            vec![Reply::from("```python\nprint(6 * 7)\n```")],
+        )]
+        .into_iter()
+        .collect(),
+    )
+    .await
+    .unwrap();
+    let model = ChatModel::new(ModelConfig {
+        base_url: server.base_url(),
+        max_retries: 0,
+        ..ModelConfig::default()
+    })
+    .unwrap();
+    let member = |kind: Kind, instructions: Option<&str>| AgentSpec {
+        kind,
+        instructions: instructions.map(str::to_owned),
+        ..AgentSpec::default()
+    };
+    let spec = TeamSpec {
+        team: AgentSpec {
+            kind: Kind::Chat,
+            agents: Some(vec!["coder".into(), "runner".into(), "reviewer".into()]),
+            termination: Some(Termination {
+                any: Some(vec![
+                    Termination {
+                        mention: Some("APPROVED".into()),
+                        agents: Some(vec!["reviewer".into()]),
+                        ..Termination::default()
+                    },
+                    Termination {
+                        max_turns: Some(6),
+                        ..Termination::default()
+                    },
+                ]),
+                ..Termination::default()
+            }),
+            ..AgentSpec::default()
+        },
+        agents: [
+            ("coder", member(Kind::Assistant, Some("coder"))),
+            ("runner", member(Kind::Executor, None)),
+            ("reviewer", member(Kind::Assistant, Some("reviewer"))),
+        ]
+        .into_iter()
+        .map(|(n, a)| (n.to_owned(), a))
+        .collect(),
+    };
+    let executor: Arc<dyn Executor> = Arc::new(LocalExecutor::new(LocalConfig::default()));
+    let make = || {
+        Team::new(
+            check(&spec).unwrap(),
+            model.clone(),
+            |_| Ok(model.clone()),
+            |_| Ok(SessionSlot::new(executor.clone(), SessionSpec::default())),
+            10,
+            &Limits::default(),
+        )
+        .unwrap()
+    };
+    let reviewer = Arc::new(Reviewer {
+        seen: Mutex::new(Vec::new()),
+    });
+    let team = make()
+        .with_agent("team/reviewer", reviewer.clone())
+        .unwrap();
+    let (ended, history, _, _) = team
+        .run(task, Arc::new(|_| {}), CancellationToken::new(), Vec::new())
+        .await;
+    team.close().await;
+    let ended = ended.unwrap();
+    assert!(
+        matches!(&ended, Ended::Finished { by, .. } if by == "mention APPROVED by reviewer"),
+        "{ended:?}"
+    );
+    let speakers: Vec<&str> = history.iter().map(|s| s.speaker.as_str()).collect();
+    assert_eq!(speakers, ["user", "coder", "runner", "reviewer"]);
+    // It saw what a model in its place would: its instructions, the task, the others by name.
+    let seen = reviewer.seen.lock().unwrap().clone();
+    let names: Vec<Option<&str>> = seen.iter().map(|m| m.name.as_deref()).collect();
+    assert_eq!(names, [None, None, Some("coder"), Some("runner")]);
+    assert_eq!(seen[0].content, "reviewer");
+    // Only the coder asked the model server.
+    assert_eq!(server.requests_for(task).len(), 1);
+    // A path with no assistant is refused.
+    let err = make()
+        .with_agent("team/runner", reviewer.clone())
+        .unwrap_err();
+    assert_eq!(
+        err.message,
+        "team/runner: no assistant of this team is there"
     );
 }

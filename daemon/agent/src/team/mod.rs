@@ -5,7 +5,10 @@ pub mod check;
 pub mod run;
 
 pub use check::{Node, TeamErrors, check};
-pub use run::{Ended, Hook, Said, TaskLabel, Team, executor_slot, replay_of, run_team_task};
+pub use run::{
+    Agent, AgentReply, Ended, Hook, Said, TaskLabel, Team, Turn, executor_slot, replay_of,
+    run_team_task,
+};
 
 /// `path: message` for a deserialisation error, the way [`check`] names fields.
 pub fn path_error<E: std::fmt::Display>(e: &serde_path_to_error::Error<E>) -> String {

@@ -68,12 +68,65 @@ pub trait Hook: Send + Sync {
     ) -> Result<(), String>;
 }
 
+/// What an agent said in one turn, and the tokens it spent.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AgentReply {
+    /// Its words (markdown; code in fenced blocks).
+    pub text: String,
+    /// Tokens used, when it called a model that said.
+    pub usage: Option<Usage>,
+}
+
+/// One turn of an [`Agent`]: its number, where its progress goes, and how it is stopped.
+pub struct Turn<'a> {
+    /// The team's turn number, which its events carry.
+    pub number: u32,
+    /// Where its events go: streamed text ([`EventMsg::AssistantDelta`]), retries. Its
+    /// whole reply is told for it, as an `assistant_message`.
+    pub events: &'a EventSink,
+    /// Cancelled when the task is: a reply still coming is no longer wanted.
+    pub cancel: &'a CancellationToken,
+}
+
+/// Something that replies to what it sees: the one thing every agent that speaks does. A
+/// model is one (an `assistant` of a team file); [`Team::with_agent`] puts one written in
+/// Rust (rules, a tool, another framework) in an assistant's place. Teams themselves (chat,
+/// loop, sequence, parallel) are made of agents by the file, and executors run code.
+pub trait Agent: Send + Sync {
+    /// Replies to `messages`: the agent's whole view, its instructions first, the others'
+    /// messages as `user` messages with their names. `Ok(None)` when `turn.cancel` fired.
+    fn reply<'a>(
+        &'a self,
+        messages: &'a [Message],
+        turn: Turn<'a>,
+    ) -> BoxFuture<'a, Result<Option<AgentReply>, ErrorInfo>>;
+}
+
+impl Agent for ChatModel {
+    fn reply<'a>(
+        &'a self,
+        messages: &'a [Message],
+        turn: Turn<'a>,
+    ) -> BoxFuture<'a, Result<Option<AgentReply>, ErrorInfo>> {
+        Box::pin(async move {
+            let mut progress = progress(turn.events, turn.number);
+            tokio::select! {
+                reply = self.complete(messages, &mut progress) => {
+                    let reply = reply.map_err(ErrorInfo::from)?;
+                    Ok(Some(AgentReply { text: reply.text, usage: reply.usage }))
+                }
+                () = turn.cancel.cancelled() => Ok(None),
+            }
+        })
+    }
+}
+
 /// What a team needs that the file does not say: a model per assistant, an executor session
 /// per executor, and where events go.
 pub struct Team {
     root: Node,
-    models: HashMap<String, ChatModel>,
-    selector: ChatModel,
+    models: HashMap<String, Arc<dyn Agent>>,
+    selector: Arc<dyn Agent>,
     slots: HashMap<String, tokio::sync::Mutex<SessionSlot>>,
     redact: HashMap<String, Vec<Regex>>,
     /// Most turns of all agents together, whatever the team's own limits.
@@ -110,7 +163,7 @@ impl Team {
     ) -> Result<Self, ErrorInfo> {
         let mut team = Self {
             models: HashMap::new(),
-            selector,
+            selector: Arc::new(selector),
             slots: HashMap::new(),
             redact: HashMap::new(),
             max_turns,
@@ -125,7 +178,8 @@ impl Team {
         while let Some(node) = stack.pop() {
             match node.spec.kind {
                 Kind::Assistant => {
-                    team.models.insert(node.path.clone(), model(node)?);
+                    team.models
+                        .insert(node.path.clone(), Arc::new(model(node)?));
                 }
                 Kind::Executor => {
                     team.slots
@@ -143,8 +197,10 @@ impl Team {
                         let mut selector = node.clone();
                         selector.spec.model = Some(m.clone());
                         selector.spec.base_url = None;
-                        team.models
-                            .insert(format!("{}/selector", node.path), model(&selector)?);
+                        team.models.insert(
+                            format!("{}/selector", node.path),
+                            Arc::new(model(&selector)?),
+                        );
                     }
                 }
                 _ => {}
@@ -161,6 +217,21 @@ impl Team {
             stack.extend(&node.members);
         }
         Ok(team)
+    }
+
+    /// Puts `agent` in the place of the assistant at `path` (`team/reviewer`); an error when
+    /// there is no assistant there.
+    pub fn with_agent(mut self, path: &str, agent: Arc<dyn Agent>) -> Result<Self, ErrorInfo> {
+        match self.models.get_mut(path) {
+            Some(slot) if !path.ends_with("/selector") => {
+                *slot = agent;
+                Ok(self)
+            }
+            _ => Err(ErrorInfo {
+                code: ErrorCode::InvalidRequest,
+                message: format!("{path}: no assistant of this team is there"),
+            }),
+        }
     }
 
     /// Counts and tells turns as the two-agent pair does: only assistants' turns count
@@ -463,24 +534,27 @@ impl Ctx<'_> {
             tracing::info!(agent = %node.path, %reason, "a hook refused the turn");
             return Ok(Ended::Done);
         }
-        match self.call(model, &view, turn).await? {
+        match self.call(model.as_ref(), &view, turn).await? {
             Some(text) => Ok(self.said(node, history, text)),
             None => Ok(Ended::Stopped(StopReason::Cancelled)),
         }
     }
 
-    /// One model call of turn `turn`: streamed as its events, its tokens counted, its reply
+    /// One agent's reply in turn `turn`: streamed as its events, its tokens counted, its reply
     /// told as an `assistant_message`; `None` when the run was cancelled meanwhile.
     async fn call(
         &self,
-        model: &ChatModel,
+        agent: &dyn Agent,
         messages: &[Message],
         turn: u32,
     ) -> Result<Option<String>, ErrorInfo> {
-        let mut progress = progress(&self.events, turn);
-        let reply = tokio::select! {
-            reply = model.complete(messages, &mut progress) => reply.map_err(ErrorInfo::from)?,
-            () = self.cancel.cancelled() => return Ok(None),
+        let asked = Turn {
+            number: turn,
+            events: &self.events,
+            cancel: &self.cancel,
+        };
+        let Some(reply) = agent.reply(messages, asked).await? else {
+            return Ok(None);
         };
         if let (Some(u), Ok(mut usage)) = (reply.usage, self.shared.usage.lock()) {
             usage.add(u);
@@ -843,7 +917,10 @@ impl Ctx<'_> {
             Message::new(Role::User, question),
         ];
         let model = self.team.models.get(path).unwrap_or(&self.team.selector);
-        Ok(self.call(model, &messages, turn).await?.unwrap_or_default())
+        Ok(self
+            .call(model.as_ref(), &messages, turn)
+            .await?
+            .unwrap_or_default())
     }
 
     /// Whether `t` holds after the chat's latest messages: the condition in words and the
