@@ -343,7 +343,7 @@ impl Store {
 
     /// Moves a task from `from` to `to` in one statement, only if it is still in `from`;
     /// `false` when it was not (another request changed it first, or there is no such task).
-    pub fn transition(
+    pub(crate) fn transition(
         &self,
         id: &str,
         from: TaskState,

@@ -470,12 +470,7 @@ impl Supervisor {
             ))),
             // Only if no resume took it first; then it is queued and cancelled below.
             TaskState::Interrupted
-                if self.store.transition(
-                    id,
-                    TaskState::Interrupted,
-                    TaskState::Finished,
-                    now_ms(),
-                )? =>
+                if self.transition(id, TaskState::Interrupted, TaskState::Finished)? =>
             {
                 self.record(id, finished(StopReason::Cancelled, record.turns, None));
                 self.flush();
@@ -511,10 +506,7 @@ impl Supervisor {
         let history = history(&self.store.events_after(id, 0)?);
         // Two resumes can both pass the check above; only the one whose change finds the
         // task still interrupted runs it.
-        if !self
-            .store
-            .transition(id, TaskState::Interrupted, TaskState::Queued, now_ms())?
-        {
+        if !self.transition(id, TaskState::Interrupted, TaskState::Queued)? {
             return Err(conflict(TaskState::Queued));
         }
         self.enqueue(id.to_owned(), record.spec.clone(), history);
@@ -682,6 +674,24 @@ impl Supervisor {
         {
             tracing::error!(task = id, "the store writer is gone; an event was lost");
         }
+    }
+
+    /// Moves task `id` from `from` to `to` through the writer, after everything queued before,
+    /// only if it is still in `from`; whether it moved.
+    fn transition(&self, id: &str, from: TaskState, to: TaskState) -> Result<bool, TaskError> {
+        let (moved, answer) = std::sync::mpsc::channel();
+        let write = Write::Transition {
+            id: id.to_owned(),
+            from,
+            to,
+            at: now_ms(),
+            moved,
+        };
+        let gone = || TaskError::Unavailable("the task store's writer is not running".to_owned());
+        self.writer.send(write).map_err(|_| gone())?;
+        Ok(answer
+            .recv_timeout(Duration::from_secs(10))
+            .map_err(|_| gone())??)
     }
 
     /// Waits until every event queued so far is committed.

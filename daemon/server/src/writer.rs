@@ -1,4 +1,5 @@
-//! The store writer: the one road for a task's events and state changes. It gathers what
+//! The store writer: the one road for a task's events and state changes, conditional ones
+//! (resume, cancel) included. It gathers what
 //! the turn loops and submits send, commits it in one transaction (a burst from many tasks
 //! costs one commit and one log sync), holds streamed pieces briefly to merge them into one
 //! row, and only then sends the events to live subscribers.
@@ -17,6 +18,15 @@ pub(crate) enum Write {
     State(String, TaskState, u64),
     /// A new task; the sender learns once it is committed.
     Create(String, Box<TaskSpec>, u64, Created),
+    /// Task `id` moves from `from` to `to` only if it is still in `from` (two resumes, or a
+    /// resume and a cancel, race); the sender learns whether it moved.
+    Transition {
+        id: String,
+        from: TaskState,
+        to: TaskState,
+        at: u64,
+        moved: std::sync::mpsc::Sender<Result<bool, StoreError>>,
+    },
     Flush(std::sync::mpsc::Sender<()>),
 }
 
@@ -44,6 +54,8 @@ struct Batch {
     /// Submitters waiting on their task's commit, by the index of its change.
     created: Vec<(usize, Created)>,
     flushes: Vec<std::sync::mpsc::Sender<()>>,
+    /// Conditional state changes, made once the changes before them are committed.
+    transitions: Vec<Write>,
     /// Someone is waiting on this batch: commit without gathering more.
     urgent: bool,
 }
@@ -77,6 +89,30 @@ impl Batch {
                 self.release_due(None);
                 self.flushes.push(ack);
                 self.urgent = true;
+            }
+            transition @ Write::Transition { .. } => {
+                if let Write::Transition { id, .. } = &transition {
+                    self.release(id);
+                }
+                self.transitions.push(transition);
+                self.urgent = true;
+            }
+        }
+    }
+
+    /// Makes the conditional state changes, after the batch's other changes are committed
+    /// (nothing of their tasks can follow them in the same batch: their callers wait).
+    fn transition(&mut self, store: &Store) {
+        for t in self.transitions.drain(..) {
+            if let Write::Transition {
+                id,
+                from,
+                to,
+                at,
+                moved,
+            } = t
+            {
+                let _ = moved.send(store.transition(&id, from, to, at));
             }
         }
     }
@@ -213,6 +249,7 @@ pub(crate) fn write_events(
         }
         batch.release_due(Some(Instant::now()));
         batch.commit(store, live);
+        batch.transition(store);
         for ack in batch.flushes.drain(..) {
             let _ = ack.send(());
         }
@@ -220,6 +257,7 @@ pub(crate) fn write_events(
     }
     batch.release_due(None);
     batch.commit(store, live);
+    batch.transition(store);
 }
 
 /// Whether an event is a piece of streamed text, which the next piece can be appended to.
@@ -453,5 +491,41 @@ mod tests {
         assert_eq!(seen.try_recv().unwrap().1.seq, 1);
         assert_eq!(seen.try_recv().unwrap().1.seq, 2);
         assert!(seen.try_recv().is_err());
+    }
+
+    #[test]
+    fn a_conditional_change_follows_what_was_queued_before_it_and_says_if_it_moved() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("tandem.db")).unwrap();
+        store
+            .apply(&[Change::Create("a".into(), Box::default(), 1)])
+            .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (live, _seen) = broadcast::channel(16);
+        let transition = |from, to| {
+            let (moved, answer) = std::sync::mpsc::channel();
+            tx.send(Write::Transition {
+                id: "a".into(),
+                from,
+                to,
+                at: 3,
+                moved,
+            })
+            .unwrap();
+            answer
+        };
+        // Queued before it in the same batch: the task is interrupted by then.
+        tx.send(Write::State("a".into(), TaskState::Interrupted, 2))
+            .unwrap();
+        let first = transition(TaskState::Interrupted, TaskState::Queued);
+        let second = transition(TaskState::Interrupted, TaskState::Queued);
+        drop(tx);
+        write_events(&store, &rx, &live);
+        assert!(first.recv().unwrap().unwrap());
+        assert!(
+            !second.recv().unwrap().unwrap(),
+            "two resumes both moved it"
+        );
+        assert_eq!(store.get("a").unwrap().unwrap().state, TaskState::Queued);
     }
 }
