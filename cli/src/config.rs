@@ -306,7 +306,8 @@ pub fn local_config(file: &FileConfig) -> LocalConfig {
     LocalConfig {
         python: l.python.clone(),
         node: l.node.clone(),
-        path: None,
+        path: env("PATH"),
+        lang: env("LANG"),
         env: l.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
         python_fork_server: l.fork_server.unwrap_or(true),
     }
@@ -316,7 +317,7 @@ pub fn local_config(file: &FileConfig) -> LocalConfig {
 /// rest from the file over the defaults.
 pub fn wasm_config(file: &FileConfig) -> Result<WasmConfig> {
     let w = &file.executors.wasm;
-    let defaults = WasmConfig::default();
+    let defaults = WasmConfig::from_env(&|k| std::env::var_os(k));
     let python = match w.python.as_deref() {
         None | Some("auto") => PythonProfile::Auto,
         Some("snapshot") => PythonProfile::Snapshot,
@@ -360,6 +361,7 @@ pub fn docker_config(file: &FileConfig, image: Option<&str>) -> Result<DockerCon
         .or_else(|| env("TANDEM_DOCKER_IMAGE"))
         .or_else(|| d.image.clone());
     Ok(DockerConfig {
+        host: env("DOCKER_HOST").unwrap_or(defaults.host),
         // Nobody chose an image: the offline build stands in when the default is absent.
         fallback_image: chosen
             .is_none()

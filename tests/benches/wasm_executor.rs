@@ -31,7 +31,7 @@ const CHILD_VAR: &str = "TANDEM_BENCH_WASM_CHILD";
 const PROFILE_VAR: &str = "TANDEM_BENCH_WASM_PROFILE";
 
 fn executor(cache_dir: Option<PathBuf>, python: PythonProfile) -> WasmExecutor {
-    let defaults = WasmConfig::default();
+    let defaults = WasmConfig::from_env(&|k| std::env::var_os(k));
     WasmExecutor::new(WasmConfig {
         cache_dir: cache_dir.unwrap_or(defaults.cache_dir),
         python,

@@ -380,7 +380,7 @@ async fn executors() -> Vec<(Kind, Arc<dyn Executor>)> {
     .await
     .unwrap_or_else(|e| panic!("the hostile suite needs the Docker engine: {e}"));
     docker.ensure_image(&|_| {}).await.unwrap();
-    let wasm = WasmExecutor::new(WasmConfig::default()).unwrap();
+    let wasm = WasmExecutor::new(WasmConfig::from_env(&|k| std::env::var_os(k))).unwrap();
     for (runtime, result) in wasm.warm().await {
         result.unwrap_or_else(|e| panic!("{}: {e}", runtime.file_name()));
     }

@@ -27,7 +27,7 @@ async fn wasm_with(config: WasmConfig) -> Arc<WasmExecutor> {
 }
 
 async fn wasm() -> Arc<WasmExecutor> {
-    wasm_with(WasmConfig::default()).await
+    wasm_with(WasmConfig::from_env(&|k| std::env::var_os(k))).await
 }
 
 /// One executor per Python profile: the snapshot (the default) and the stock interpreter.
@@ -36,7 +36,7 @@ async fn both_pythons() -> Vec<(PythonProfile, Arc<WasmExecutor>)> {
     for profile in [PythonProfile::Snapshot, PythonProfile::Stock] {
         let executor = wasm_with(WasmConfig {
             python: profile,
-            ..WasmConfig::default()
+            ..WasmConfig::from_env(&|k| std::env::var_os(k))
         })
         .await;
         executors.push((profile, executor));
@@ -365,7 +365,7 @@ async fn twenty_concurrent_executions() {
 async fn traps_and_budgets_are_classified_outcomes() {
     let executor = wasm_with(WasmConfig {
         fuel: Some(2_000_000_000),
-        ..WasmConfig::default()
+        ..WasmConfig::from_env(&|k| std::env::var_os(k))
     })
     .await;
     let mut s = open(&*executor, Limits::default()).await;
@@ -430,12 +430,12 @@ async fn traps_and_budgets_are_classified_outcomes() {
 
 #[tokio::test]
 async fn the_compiled_module_cache_survives_damage() {
-    let runtimes = WasmConfig::default().runtimes_dir;
+    let runtimes = WasmConfig::from_env(&|k| std::env::var_os(k)).runtimes_dir;
     let cache = tempfile::tempdir().unwrap();
     let config = WasmConfig {
         runtimes_dir: runtimes,
         cache_dir: cache.path().to_owned(),
-        ..WasmConfig::default()
+        ..WasmConfig::from_env(&|k| std::env::var_os(k))
     };
     let quickjs = |executor: &WasmExecutor| {
         let executor = executor.clone();
@@ -501,7 +501,7 @@ async fn a_missing_runtime_names_the_fetch_script() {
     let empty = tempfile::tempdir().unwrap();
     let executor = WasmExecutor::new(WasmConfig {
         runtimes_dir: empty.path().to_owned(),
-        ..WasmConfig::default()
+        ..WasmConfig::from_env(&|k| std::env::var_os(k))
     })
     .unwrap();
     assert!(!executor.python_present());
@@ -615,7 +615,7 @@ async fn both_pythons_behave_like_python() {
 async fn a_module_missing_from_the_snapshot_says_so() {
     let executor = wasm_with(WasmConfig {
         python: PythonProfile::Snapshot,
-        ..WasmConfig::default()
+        ..WasmConfig::from_env(&|k| std::env::var_os(k))
     })
     .await;
     let mut s = open(&*executor, Limits::default()).await;

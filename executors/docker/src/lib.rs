@@ -53,6 +53,9 @@ pub const DEFAULT_IMAGE: &str = "python:3.12-slim";
 /// Settings for the Docker executor; the defaults are the hardened ones.
 #[derive(Clone, Debug)]
 pub struct DockerConfig {
+    /// The engine's address (`unix://`, `tcp://`, `http(s)://` or `ssh://`), as `DOCKER_HOST`
+    /// gives it to the docker CLI; default [`DEFAULT_HOST`].
+    pub host: String,
     /// Image for session containers; it needs `python3` (the runner is Python).
     pub image: String,
     /// Pull the image when it is missing.
@@ -92,9 +95,13 @@ pub struct DockerConfig {
 /// The image `scripts/build-sandbox-image.sh` builds offline.
 pub const LOCAL_IMAGE: &str = "tandem-sandbox:latest";
 
+/// The engine's default address: its local socket.
+pub const DEFAULT_HOST: &str = "unix:///var/run/docker.sock";
+
 impl Default for DockerConfig {
     fn default() -> Self {
         Self {
+            host: DEFAULT_HOST.to_owned(),
             image: DEFAULT_IMAGE.to_owned(),
             pull: true,
             pool_size: 2,
@@ -171,11 +178,6 @@ pub(crate) fn engine(
     move |source| DockerError::Engine { what, source }
 }
 
-/// Where the engine is, as the docker CLI finds it.
-pub fn docker_host() -> String {
-    std::env::var("DOCKER_HOST").unwrap_or_else(|_| "unix:///var/run/docker.sock".to_owned())
-}
-
 /// Runs code in hardened Docker containers, one per session.
 #[derive(Clone)]
 pub struct DockerExecutor {
@@ -207,15 +209,15 @@ struct Pool {
 }
 
 impl DockerExecutor {
-    /// Connects to the engine the way the docker CLI does (`DOCKER_HOST` or the default
-    /// socket), negotiates the API version, and reaps containers whose owner died.
+    /// Connects to the engine at `config.host`, negotiates the API version, and reaps
+    /// containers whose owner died.
     pub async fn connect(mut config: DockerConfig) -> Result<Self, DockerError> {
-        let host = docker_host();
+        let host = config.host.clone();
         let unreachable = |reason: String| DockerError::Unreachable {
             host: host.clone(),
             reason,
         };
-        let docker = Docker::connect_with_defaults().map_err(|e| unreachable(e.to_string()))?;
+        let docker = Docker::connect_with_host(&host).map_err(|e| unreachable(e.to_string()))?;
         let docker = tokio::time::timeout(Duration::from_secs(5), docker.negotiate_version())
             .await
             .map_err(|_| unreachable("no answer within 5 s".to_owned()))?

@@ -30,8 +30,11 @@ pub struct LocalConfig {
     pub python: Option<PathBuf>,
     /// Node.js binary to use instead of `node` from PATH.
     pub node: Option<PathBuf>,
-    /// PATH searched for interpreters and given to code; the daemon's PATH when `None`.
+    /// PATH searched for interpreters and given to code; [`DEFAULT_PATH`] when `None` (the
+    /// CLI passes its own).
     pub path: Option<String>,
+    /// LANG given to code; `C.UTF-8` when `None` (the CLI passes its own).
+    pub lang: Option<String>,
     /// Extra environment variables passed to code (names and values), on top of the allowlist.
     pub env: Vec<(String, String)>,
     /// Run python blocks as forks of a warm interpreter instead of fresh `python3` starts.
@@ -44,11 +47,15 @@ impl Default for LocalConfig {
             python: None,
             node: None,
             path: None,
+            lang: None,
             env: Vec::new(),
             python_fork_server: true,
         }
     }
 }
+
+/// The PATH interpreters are looked up on when the config names none.
+pub const DEFAULT_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
 
 /// Runs python, sh and (when node is installed) javascript as local processes.
 pub struct LocalExecutor {
@@ -111,10 +118,9 @@ impl LocalExecutor {
         let path = config
             .path
             .clone()
-            .or_else(|| std::env::var("PATH").ok())
-            .unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".to_owned());
+            .unwrap_or_else(|| DEFAULT_PATH.to_owned());
         let languages = Interpreters::languages_on(&config, &path);
-        let lang = std::env::var("LANG").unwrap_or_else(|_| "C.UTF-8".to_owned());
+        let lang = config.lang.clone().unwrap_or_else(|| "C.UTF-8".to_owned());
         // The owner tag rides along in every block's environment (and the fork server's, which
         // its forks show in /proc), so a later Tandem can find what a dead one left running.
         let mut env = vec![

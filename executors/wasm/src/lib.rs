@@ -15,6 +15,7 @@ mod capture;
 mod run;
 mod ticker;
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -71,11 +72,14 @@ pub enum PythonProfile {
     Snapshot,
 }
 
-impl Default for WasmConfig {
-    fn default() -> Self {
+impl WasmConfig {
+    /// The defaults, with the directories found through `env` (a variable's value by name;
+    /// the process's own is `|name| std::env::var_os(name)`): see [`default_runtimes_dir`]
+    /// and [`default_cache_dir`].
+    pub fn from_env(env: &dyn Fn(&str) -> Option<OsString>) -> Self {
         Self {
-            runtimes_dir: default_runtimes_dir(),
-            cache_dir: default_cache_dir(),
+            runtimes_dir: default_runtimes_dir(env),
+            cache_dir: default_cache_dir(env),
             memory_bytes: 256 << 20,
             fuel: None,
             python: PythonProfile::Auto,
@@ -84,22 +88,22 @@ impl Default for WasmConfig {
 }
 
 /// `$TANDEM_WASM_DIR`, else `$XDG_DATA_HOME/tandem/wasm`, else `~/.local/share/tandem/wasm`.
-pub fn default_runtimes_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os(WASM_DIR_VAR).filter(|d| !d.is_empty()) {
+pub fn default_runtimes_dir(env: &dyn Fn(&str) -> Option<OsString>) -> PathBuf {
+    if let Some(dir) = env(WASM_DIR_VAR).filter(|d| !d.is_empty()) {
         return PathBuf::from(dir);
     }
-    xdg_dir("XDG_DATA_HOME", ".local/share").join("tandem/wasm")
+    xdg_dir(env, "XDG_DATA_HOME", ".local/share").join("tandem/wasm")
 }
 
 /// `$XDG_CACHE_HOME/tandem/wasm`, else `~/.cache/tandem/wasm`.
-pub fn default_cache_dir() -> PathBuf {
-    xdg_dir("XDG_CACHE_HOME", ".cache").join("tandem/wasm")
+pub fn default_cache_dir(env: &dyn Fn(&str) -> Option<OsString>) -> PathBuf {
+    xdg_dir(env, "XDG_CACHE_HOME", ".cache").join("tandem/wasm")
 }
 
-fn xdg_dir(var: &str, under_home: &str) -> PathBuf {
-    match std::env::var_os(var).filter(|d| !d.is_empty()) {
+fn xdg_dir(env: &dyn Fn(&str) -> Option<OsString>, var: &str, under_home: &str) -> PathBuf {
+    match env(var).filter(|d| !d.is_empty()) {
         Some(dir) => PathBuf::from(dir),
-        None => std::env::var_os("HOME")
+        None => env("HOME")
             .map_or_else(std::env::temp_dir, PathBuf::from)
             .join(under_home),
     }
