@@ -93,6 +93,19 @@ impl Language {
         }
     }
 
+    /// The usual command that runs a file of this language (`python3`, `sh`, `node`,
+    /// `perl`), looked up on a PATH; `None` for data formats and languages with no one command.
+    pub fn program(&self) -> Option<&'static str> {
+        match self.0.as_str() {
+            "python" => Some("python3"),
+            "sh" => Some("sh"),
+            "javascript" => Some("node"),
+            "ruby" => Some("ruby"),
+            "perl" => Some("perl"),
+            _ => None,
+        }
+    }
+
     /// The language a file extension means, such as `py` → python.
     pub fn from_extension(ext: &str) -> Option<Self> {
         let lang = match ext.to_ascii_lowercase().as_str() {

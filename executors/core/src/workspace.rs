@@ -14,6 +14,23 @@ pub fn filename_directive(code: &str) -> Option<&str> {
     (!name.is_empty()).then_some(name)
 }
 
+/// Where block `block` runs from, relative to the workspace, and whether the file is
+/// transient (removed after the run): the path its `# filename:` line names (checked to stay
+/// inside), or a hidden `.tandem-block-N.EXT`. Every executor names its scripts this way.
+pub fn block_script_path(
+    code: &str,
+    block: u32,
+    extension: &str,
+) -> Result<(PathBuf, bool), PathError> {
+    match filename_directive(code) {
+        Some(name) => Ok((clean_relative(name)?, false)),
+        None => Ok((
+            PathBuf::from(format!(".tandem-block-{block}.{extension}")),
+            true,
+        )),
+    }
+}
+
 /// Writes a block's code where it runs from: the path its `# filename:` line names, or else
 /// a hidden file `.tandem-block-N.EXT` that is removed after the run (`transient`). Running
 /// from a file in the workspace lets imports see the files earlier blocks saved, as when a
@@ -30,13 +47,8 @@ pub fn write_block_script(
     extension: &str,
 ) -> Result<BlockScript, PathError> {
     use std::io::Write;
-    let (rel, shown, transient) = match filename_directive(code) {
-        Some(name) => (clean_relative(name)?, name.to_owned(), false),
-        None => {
-            let name = format!(".tandem-block-{block}.{extension}");
-            (PathBuf::from(&name), name, true)
-        }
-    };
+    let (rel, transient) = block_script_path(code, block, extension)?;
+    let shown = filename_directive(code).map_or_else(|| rel.display().to_string(), str::to_owned);
     let dir = cap_std::fs::Dir::open_ambient_dir(workspace, cap_std::ambient_authority()).map_err(
         |source| PathError::Io {
             path: shown.clone(),

@@ -12,10 +12,10 @@ use bollard::query_parameters::{
 };
 use futures::StreamExt;
 use serde::Deserialize;
-use tandem_executor::workspace::{clean_relative, filename_directive};
+use tandem_executor::workspace::block_script_path;
 use tandem_executor::{
-    BoxFuture, CaptureBuffer, ExecContext, ExecError, ExecOutcome, ExecRequest, ExitStatus,
-    Language, Limits, Session, SessionSpec, Stream, scratch,
+    BoxFuture, CaptureBuffer, ExecContext, ExecError, ExecOutcome, ExecRequest, ExitStatus, Limits,
+    Session, SessionSpec, Stream, scratch,
 };
 use tempfile::TempDir;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
@@ -104,8 +104,8 @@ struct Conn {
 }
 
 impl Conn {
-    async fn send(&mut self, request: &serde_json::Value) -> std::io::Result<()> {
-        let mut line = request.to_string();
+    async fn send(&mut self, request: &Request<'_>) -> std::io::Result<()> {
+        let mut line = serde_json::to_string(request).map_err(std::io::Error::other)?;
         line.push('\n');
         self.input.write_all(line.as_bytes()).await?;
         self.input.flush().await
@@ -280,8 +280,10 @@ impl DockerSession {
     ) -> Result<ExecOutcome, ExecError> {
         let executor = self.executor.clone();
         let inner = executor.inner();
-        let Some(argv0) =
-            interpreter(&req.language).filter(|_| inner.config.languages.contains(&req.language))
+        let Some(argv0) = req
+            .language
+            .program()
+            .filter(|_| inner.config.languages.contains(&req.language))
         else {
             return Err(ExecError::unsupported(
                 &req.language,
@@ -290,44 +292,33 @@ impl DockerSession {
             ));
         };
         self.blocks += 1;
-        let directive = filename_directive(&req.code);
-        let path = match directive {
-            Some(name) => match clean_relative(name) {
-                Ok(rel) => format!("/workspace/{}", rel.display()),
+        // Unnamed blocks run from a hidden file in the workspace, removed afterwards, so
+        // that imports see the files earlier blocks saved.
+        let (rel, transient) =
+            match block_script_path(&req.code, self.blocks, req.language.extension()) {
+                Ok(named) => named,
                 Err(e) => return Ok(ExecOutcome::refused(&e.to_string())),
-            },
-            // Unnamed blocks run from a hidden file in the workspace, removed afterwards, so
-            // that imports see the files earlier blocks saved.
-            None => format!(
-                "/workspace/.tandem-block-{}.{}",
-                self.blocks,
-                req.language.extension()
-            ),
-        };
-        let transient = directive.is_none();
+            };
+        let path = format!("/workspace/{}", rel.display());
         let limits = self.limits.clone();
-        let rlimits: Vec<(&str, u64)> = [
-            ("RLIMIT_CPU", limits.cpu_secs),
-            ("RLIMIT_FSIZE", limits.file_size_bytes),
-            ("RLIMIT_NOFILE", limits.open_files),
-            ("RLIMIT_CORE", Some(0)),
-        ]
-        .into_iter()
-        .filter_map(|(name, limit)| limit.map(|l| (name, l)))
-        .collect();
+        // Memory is the container's cgroup limit, not an address-space rlimit.
+        let rlimits: Vec<(String, u64)> = tandem_executor::process::rlimits(&limits)
+            .into_iter()
+            .filter(|(r, _)| *r != nix::sys::resource::Resource::RLIMIT_AS)
+            .filter_map(|(r, limit)| limit.map(|l| (format!("{r:?}"), l)))
+            .collect();
         let env: HashMap<&str, &str> = crate::base_env(&inner.config)
             .chain([("PYTHONUNBUFFERED", "1"), ("PYTHONDONTWRITEBYTECODE", "1")])
             .collect();
-        let request = serde_json::json!({
-            "op": "run",
-            "argv": [argv0, &path],
-            "path": &path,
-            "transient": transient,
-            "code": &req.code,
-            "env": env,
-            "rlimits": rlimits,
-            "cap": limits.output_bytes,
-        });
+        let request = Request::Run {
+            argv: [argv0, &path],
+            path: &path,
+            transient,
+            code: &req.code,
+            env,
+            rlimits,
+            cap: limits.output_bytes,
+        };
         if self.conn.is_none() {
             self.restart().await?;
         }
@@ -363,13 +354,13 @@ impl DockerSession {
                 () = tokio::time::sleep_until(deadline), if stopped.is_none() => {
                     stopped = Some(ExitStatus::TimedOut);
                     // The runner kills every process of the block and then reports it.
-                    let _ = conn.send(&serde_json::json!({"op": "kill"})).await;
+                    let _ = conn.send(&Request::Kill).await;
                     kill_deadline = Some(tokio::time::Instant::now() + KILL_GRACE);
                     continue;
                 }
                 () = ctx.cancel.cancelled(), if stopped.is_none() => {
                     stopped = Some(ExitStatus::Cancelled);
-                    let _ = conn.send(&serde_json::json!({"op": "kill"})).await;
+                    let _ = conn.send(&Request::Kill).await;
                     kill_deadline = Some(tokio::time::Instant::now() + KILL_GRACE);
                     continue;
                 }
@@ -436,12 +427,12 @@ impl DockerSession {
         // Files the unprivileged user made must be removable (temporary workspace) or
         // manageable (a kept one) by the host user afterwards.
         let op = if self.owned_workspace.is_some() {
-            "wipe"
+            Request::Wipe
         } else {
-            "release"
+            Request::Release
         };
         if let Some(mut conn) = self.conn.take()
-            && conn.send(&serde_json::json!({"op": op})).await.is_ok()
+            && conn.send(&op).await.is_ok()
         {
             let _ = tokio::time::timeout(Duration::from_secs(5), async {
                 while let Some(frame) = conn.frames.recv().await {
@@ -610,13 +601,27 @@ fn docker_name_part(text: &str) -> String {
         .collect()
 }
 
-fn interpreter(language: &Language) -> Option<&'static str> {
-    match language.as_str() {
-        "python" => Some("python3"),
-        "sh" => Some("sh"),
-        "javascript" => Some("node"),
-        _ => None,
-    }
+/// A request to the in-container runner (`runner.py`), one JSON line each.
+#[derive(Debug, serde::Serialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub(crate) enum Request<'a> {
+    /// Run a block: write `code` to `path` (removed afterwards when `transient`), run `argv`
+    /// as the block's user with `env` and `rlimits`, stream at most `cap` bytes per stream.
+    Run {
+        argv: [&'a str; 2],
+        path: &'a str,
+        transient: bool,
+        code: &'a str,
+        env: HashMap<&'a str, &'a str>,
+        rlimits: Vec<(String, u64)>,
+        cap: usize,
+    },
+    /// Kill every process of the running block; it is then reported as done.
+    Kill,
+    /// Remove the files of a temporary workspace, which the block's user may own.
+    Wipe,
+    /// Give a kept workspace's files back to the host user.
+    Release,
 }
 
 async fn sleep_until_opt(at: Option<tokio::time::Instant>) {

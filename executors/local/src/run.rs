@@ -159,6 +159,19 @@ fn spawn(
     })
 }
 
+/// What the fork server (`forkserver.py`) is asked to start, one JSON line.
+#[derive(serde::Serialize)]
+struct ForkRequest<'a> {
+    /// The block's file: run in the fork itself, when `argv` is `None` (python).
+    script: &'a Path,
+    /// A program the fork's child execs instead (sh, node).
+    argv: Option<Vec<String>>,
+    cwd: &'a Path,
+    env: std::collections::BTreeMap<&'a str, &'a str>,
+    /// `RLIMIT_*` names and values.
+    rlimits: Vec<(String, u64)>,
+}
+
 /// Starts a block as a fork of the warm Python (which execs `argv` for other languages).
 async fn fork(
     server: &Arc<ForkServer>,
@@ -172,14 +185,15 @@ async fn fork(
         .into_iter()
         .filter_map(|(r, l)| l.map(|l| (format!("{r:?}"), l)))
         .collect();
-    let request = serde_json::json!({
-        "script": script,
-        "argv": argv,
-        "cwd": workspace,
-        "env": env.iter().cloned().collect::<std::collections::BTreeMap<_, _>>(),
-        "rlimits": rlimits,
-    })
-    .to_string();
+    let request = ForkRequest {
+        script,
+        argv,
+        cwd: workspace,
+        env: env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
+        rlimits,
+    };
+    let request = serde_json::to_string(&request)
+        .map_err(|e| ExecError::Backend(format!("encoding a fork server request failed: {e}")))?;
     let server = server.clone();
     let launched = tokio::task::spawn_blocking(move || server.launch(request.as_bytes()))
         .await
