@@ -317,7 +317,7 @@ async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
         Ok(sup.metrics.render(&sup.store().counts()?))
     })
     .await?;
-    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
+    Ok(([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response())
 }
 
 /// Stored events after `Last-Event-ID` (or `?after=`), then live ones until the task ends

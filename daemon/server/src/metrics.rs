@@ -1,10 +1,14 @@
-//! Prometheus text metrics: executions, model latency, tokens; task counts come from the store.
+//! Metrics in the OpenMetrics text format (prometheus-client): executions, model latency,
+//! tokens; task counts come from the store when scraped.
 
-use std::collections::BTreeMap;
-use std::fmt::Write;
-use std::sync::Mutex;
 use std::time::Duration;
 
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 use tandem_protocol::{BlockResult, Usage};
 
 use crate::store::TaskState;
@@ -14,126 +18,127 @@ const BUCKETS: [f64; 13] = [
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
-#[derive(Default)]
-struct Histogram {
-    counts: [u64; BUCKETS.len()],
-    sum: f64,
-    total: u64,
-}
+/// The Content-Type of [`Metrics::render`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-impl Histogram {
-    fn observe(&mut self, secs: f64) {
-        for (bound, count) in BUCKETS.iter().zip(&mut self.counts) {
-            if secs <= *bound {
-                *count += 1;
-            }
-        }
-        self.sum += secs;
-        self.total += 1;
-    }
+type Labels = Vec<(&'static str, String)>;
 
-    fn render(&self, out: &mut String, name: &str, labels: &str) {
-        let sep = if labels.is_empty() { "" } else { "," };
-        for (bound, count) in BUCKETS.iter().zip(&self.counts) {
-            let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"{bound}\"}} {count}");
-        }
-        let _ = writeln!(
-            out,
-            "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {}",
-            self.total
-        );
-        let braces = if labels.is_empty() {
-            String::new()
-        } else {
-            format!("{{{labels}}}")
-        };
-        let _ = writeln!(out, "{name}_sum{braces} {}", self.sum);
-        let _ = writeln!(out, "{name}_count{braces} {}", self.total);
-    }
-}
-
-#[derive(Default)]
-struct Inner {
-    executions: BTreeMap<(String, String), u64>,
-    execution_seconds: BTreeMap<String, Histogram>,
-    model_seconds: Histogram,
-    prompt_tokens: u64,
-    completion_tokens: u64,
+fn latency() -> Histogram {
+    Histogram::new(BUCKETS)
 }
 
 /// The daemon's counters and histograms.
-#[derive(Default)]
 pub struct Metrics {
-    inner: Mutex<Inner>,
+    registry: Registry,
+    tasks: Family<Labels, Gauge>,
+    executions: Family<Labels, Counter>,
+    execution_seconds: Family<Labels, Histogram, fn() -> Histogram>,
+    model_seconds: Histogram,
+    tokens: Family<Labels, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let m = Self {
+            registry: Registry::default(),
+            tasks: Family::default(),
+            executions: Family::default(),
+            execution_seconds: Family::new_with_constructor(latency),
+            model_seconds: latency(),
+            tokens: Family::default(),
+        };
+        let mut registry = Registry::default();
+        registry.register("tandem_tasks", "Tasks by state", m.tasks.clone());
+        registry.register(
+            "tandem_executions",
+            "Code blocks run, by executor and outcome",
+            m.executions.clone(),
+        );
+        registry.register(
+            "tandem_execution_seconds",
+            "Time to run one code block",
+            m.execution_seconds.clone(),
+        );
+        registry.register(
+            "tandem_model_seconds",
+            "Time for one model call",
+            m.model_seconds.clone(),
+        );
+        registry.register(
+            "tandem_tokens",
+            "Tokens used, by direction",
+            m.tokens.clone(),
+        );
+        Self { registry, ..m }
+    }
 }
 
 impl Metrics {
     /// Counts a finished block by executor and status, and its duration.
     pub fn execution(&self, executor: &str, result: &BlockResult) {
-        if let Ok(mut m) = self.inner.lock() {
-            *m.executions
-                .entry((executor.to_owned(), result.status.as_str().to_owned()))
-                .or_default() += 1;
-            m.execution_seconds
-                .entry(executor.to_owned())
-                .or_default()
-                .observe(result.duration_ms as f64 / 1000.0);
-        }
+        let status = result.status.as_str().to_owned();
+        self.executions
+            .get_or_create(&vec![("executor", executor.to_owned()), ("status", status)])
+            .inc();
+        self.execution_seconds
+            .get_or_create(&vec![("executor", executor.to_owned())])
+            .observe(result.duration_ms as f64 / 1000.0);
     }
 
     /// Records how long a model call took.
     pub fn model_latency(&self, took: Duration) {
-        if let Ok(mut m) = self.inner.lock() {
-            m.model_seconds.observe(took.as_secs_f64());
-        }
+        self.model_seconds.observe(took.as_secs_f64());
     }
 
     /// Adds a model call's tokens.
     pub fn tokens(&self, usage: Usage) {
-        if let Ok(mut m) = self.inner.lock() {
-            m.prompt_tokens += usage.prompt_tokens;
-            m.completion_tokens += usage.completion_tokens;
+        for (kind, n) in [
+            ("prompt", usage.prompt_tokens),
+            ("completion", usage.completion_tokens),
+        ] {
+            self.tokens
+                .get_or_create(&vec![("kind", kind.to_owned())])
+                .inc_by(n);
         }
     }
 
-    /// The Prometheus text exposition, with task counts by state.
+    /// The text exposition ([`CONTENT_TYPE`]), with task counts by state.
     pub fn render(&self, tasks_by_state: &[(TaskState, u64)]) -> String {
-        let mut out = String::new();
-        out.push_str("# HELP tandem_tasks Tasks by state.\n# TYPE tandem_tasks gauge\n");
         for (state, n) in tasks_by_state {
-            let _ = writeln!(out, "tandem_tasks{{state=\"{}\"}} {n}", state.as_str());
+            self.tasks
+                .get_or_create(&vec![("state", state.as_str().to_owned())])
+                .set(i64::try_from(*n).unwrap_or(i64::MAX));
         }
-        let Ok(m) = self.inner.lock() else {
-            return out;
-        };
-        out.push_str("# HELP tandem_executions_total Code blocks run, by executor and outcome.\n# TYPE tandem_executions_total counter\n");
-        for ((executor, status), n) in &m.executions {
-            let _ = writeln!(
-                out,
-                "tandem_executions_total{{executor=\"{executor}\",status=\"{status}\"}} {n}"
-            );
-        }
-        out.push_str("# HELP tandem_execution_seconds Time to run one code block.\n# TYPE tandem_execution_seconds histogram\n");
-        for (executor, h) in &m.execution_seconds {
-            h.render(
-                &mut out,
-                "tandem_execution_seconds",
-                &format!("executor=\"{executor}\""),
-            );
-        }
-        out.push_str("# HELP tandem_model_seconds Time for one model call.\n# TYPE tandem_model_seconds histogram\n");
-        m.model_seconds.render(&mut out, "tandem_model_seconds", "");
-        out.push_str("# HELP tandem_tokens_total Tokens used, by direction.\n# TYPE tandem_tokens_total counter\n");
-        let _ = writeln!(
-            out,
-            "tandem_tokens_total{{kind=\"prompt\"}} {}",
-            m.prompt_tokens
-        );
-        let _ = writeln!(
-            out,
-            "tandem_tokens_total{{kind=\"completion\"}} {}",
-            m.completion_tokens
-        );
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_text_has_every_family_with_its_labels() {
+        let m = Metrics::default();
+        m.tokens(Usage {
+            prompt_tokens: 7,
+            completion_tokens: 3,
+        });
+        m.model_latency(Duration::from_millis(20));
+        let text = m.render(&[(TaskState::Queued, 2)]);
+        for line in [
+            "# TYPE tandem_tasks gauge",
+            "tandem_tasks{state=\"queued\"} 2",
+            "tandem_tokens_total{kind=\"prompt\"} 7",
+            "tandem_tokens_total{kind=\"completion\"} 3",
+            "tandem_model_seconds_bucket{le=\"0.025\"} 1",
+            "tandem_model_seconds_count 1",
+            "# EOF",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} not in:\n{text}");
+        }
     }
 }

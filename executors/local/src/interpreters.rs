@@ -24,10 +24,13 @@ impl Interpreters {
         let python = config
             .python
             .clone()
-            .or_else(|| which("python3", path))
+            .or_else(|| which(program(&Language::python()), path))
             .map(|p| resolve_shim(&p).unwrap_or(p));
-        let node = config.node.clone().or_else(|| which("node", path));
-        let sh = which("sh", path).unwrap_or_else(|| PathBuf::from("/bin/sh"));
+        let node = config
+            .node
+            .clone()
+            .or_else(|| which(program(&Language::javascript()), path));
+        let sh = which(program(&Language::sh()), path).unwrap_or_else(|| PathBuf::from("/bin/sh"));
         // Shims of version managers (pyenv, asdf) find their root through HOME, which code
         // does not share with the daemon; putting the real interpreter's directory first
         // makes `python3` inside an sh block the same interpreter as python blocks use.
@@ -51,11 +54,11 @@ impl Interpreters {
     /// Languages runnable with what PATH holds, without starting anything.
     pub(crate) fn languages_on(config: &LocalConfig, path: &str) -> Vec<Language> {
         let mut langs = Vec::new();
-        if config.python.is_some() || which("python3", path).is_some() {
+        if config.python.is_some() || which(program(&Language::python()), path).is_some() {
             langs.push(Language::python());
         }
         langs.push(Language::sh());
-        if config.node.is_some() || which("node", path).is_some() {
+        if config.node.is_some() || which(program(&Language::javascript()), path).is_some() {
             langs.push(Language::javascript());
         }
         langs
@@ -72,14 +75,15 @@ impl Interpreters {
     }
 }
 
+/// The command that runs `language` (every built-in language has one).
+fn program(language: &Language) -> &'static str {
+    language.program().unwrap_or("sh")
+}
+
+/// `name` on `path`: an executable file, as a shell finds it (relative entries against `/`,
+/// not the daemon's working directory).
 fn which(name: &str, path: &str) -> Option<PathBuf> {
-    use std::os::unix::fs::PermissionsExt;
-    path.split(':')
-        .filter(|d| !d.is_empty())
-        .map(|d| Path::new(d).join(name))
-        .find(|p| {
-            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        })
+    which::which_in(name, Some(path), "/").ok()
 }
 
 /// A script (`#!`) named python3 is a version-manager shim costing ~100 ms per start; ask it
