@@ -20,6 +20,8 @@ use tandem_executor::{
 use tempfile::TempDir;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
+use tokio_util::bytes::BytesMut;
+use tokio_util::codec::{Decoder, LengthDelimitedCodec};
 
 use crate::{DockerError, DockerExecutor, engine, labels, remove_container};
 
@@ -53,48 +55,66 @@ struct ExitFrame {
 /// runner's, and is refused before anything is buffered for it.
 const MAX_FRAME: usize = 1 << 20;
 
+/// The runner's framing: a kind byte, a big-endian `u32` payload length, the payload; a
+/// length over [`MAX_FRAME`] is refused before anything is buffered for it.
+fn frame_codec() -> LengthDelimitedCodec {
+    LengthDelimitedCodec::builder()
+        .length_field_offset(1)
+        .length_field_type::<u32>()
+        // Yield the whole frame, kind and length included: the length counts the payload.
+        .length_adjustment(5)
+        .num_skip(0)
+        .max_frame_length(MAX_FRAME)
+        .new_codec()
+}
+
 /// Splits complete frames off the front of `buf`; a frame over [`MAX_FRAME`] ends the stream
 /// with an error (the rest of `buf` is dropped).
-fn parse_frames(buf: &mut Vec<u8>) -> Vec<Frame> {
+fn parse_frames(codec: &mut LengthDelimitedCodec, buf: &mut BytesMut) -> Vec<Frame> {
     let mut frames = Vec::new();
-    let mut at = 0;
-    while buf.len() - at >= 5 {
-        let len = u32::from_be_bytes([buf[at + 1], buf[at + 2], buf[at + 3], buf[at + 4]]) as usize;
-        if len > MAX_FRAME {
-            frames.push(Frame::Error(format!(
-                "a frame of {len} bytes (kind {:?}) is over the {MAX_FRAME} byte limit",
-                char::from(buf[at])
-            )));
-            buf.clear();
-            return frames;
-        }
-        if buf.len() - at - 5 < len {
-            break;
-        }
-        let payload = &buf[at + 5..at + 5 + len];
-        let stream = |k: u8| match k.to_ascii_lowercase() {
-            b'e' => Stream::Stderr,
-            _ => Stream::Stdout,
-        };
-        frames.push(match buf[at] {
-            b'R' => Frame::Ready,
-            k @ (b'o' | b'e') => Frame::Output(stream(k), payload.to_vec()),
-            k @ (b'O' | b'E') => {
-                let mut n = [0u8; 8];
-                n.copy_from_slice(payload.get(..8).unwrap_or(&[0; 8]));
-                Frame::Dropped(stream(k), u64::from_be_bytes(n))
-            }
-            b'x' => match serde_json::from_slice(payload) {
-                Ok(exit) => Frame::Exit(exit),
-                Err(e) => Frame::Error(format!("bad exit frame: {e}")),
+    loop {
+        match codec.decode(buf) {
+            Ok(Some(frame)) => match (frame.first(), frame.get(5..)) {
+                (Some(&kind), Some(payload)) => frames.push(frame_of(kind, payload)),
+                _ => frames.push(Frame::Error("a frame shorter than its header".to_owned())),
             },
-            b'd' => Frame::Done,
-            _ => Frame::Error(String::from_utf8_lossy(payload).into_owned()),
-        });
-        at += 5 + len;
+            Ok(None) => return frames,
+            Err(_) => {
+                let len = buf
+                    .get(1..5)
+                    .map_or(0, |b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]));
+                let kind = buf.first().map_or('?', |k| char::from(*k));
+                frames.push(Frame::Error(format!(
+                    "a frame of {len} bytes (kind {kind:?}) is over the {MAX_FRAME} byte limit"
+                )));
+                buf.clear();
+                return frames;
+            }
+        }
     }
-    buf.drain(..at);
-    frames
+}
+
+/// One frame, by its kind byte.
+fn frame_of(kind: u8, payload: &[u8]) -> Frame {
+    let stream = |k: u8| match k.to_ascii_lowercase() {
+        b'e' => Stream::Stderr,
+        _ => Stream::Stdout,
+    };
+    match kind {
+        b'R' => Frame::Ready,
+        k @ (b'o' | b'e') => Frame::Output(stream(k), payload.to_vec()),
+        k @ (b'O' | b'E') => {
+            let mut n = [0u8; 8];
+            n.copy_from_slice(payload.get(..8).unwrap_or(&[0; 8]));
+            Frame::Dropped(stream(k), u64::from_be_bytes(n))
+        }
+        b'x' => match serde_json::from_slice(payload) {
+            Ok(exit) => Frame::Exit(exit),
+            Err(e) => Frame::Error(format!("bad exit frame: {e}")),
+        },
+        b'd' => Frame::Done,
+        _ => Frame::Error(String::from_utf8_lossy(payload).into_owned()),
+    }
 }
 
 /// A live attachment to the runner.
@@ -637,12 +657,13 @@ async fn read_frames(
     >,
     tx: mpsc::UnboundedSender<Frame>,
 ) {
-    let mut buf = Vec::new();
+    let mut buf = BytesMut::new();
+    let mut codec = frame_codec();
     while let Some(item) = output.next().await {
         match item {
             Ok(LogOutput::StdOut { message }) => {
                 buf.extend_from_slice(&message);
-                for frame in parse_frames(&mut buf) {
+                for frame in parse_frames(&mut codec, &mut buf) {
                     // After an error the stream is out of step; the session restarts the
                     // container rather than read on.
                     let broken = matches!(frame, Frame::Error(_));
@@ -686,11 +707,12 @@ mod tests {
             wire.extend_from_slice(&(p.len() as u32).to_be_bytes());
             wire.extend_from_slice(&p);
         }
-        let mut buf = wire[..7].to_vec();
-        let first = parse_frames(&mut buf);
+        let mut codec = frame_codec();
+        let mut buf = BytesMut::from(&wire[..7]);
+        let first = parse_frames(&mut codec, &mut buf);
         assert!(matches!(first.as_slice(), [Frame::Ready]));
         buf.extend_from_slice(&wire[7..]);
-        let rest = parse_frames(&mut buf);
+        let rest = parse_frames(&mut codec, &mut buf);
         assert!(matches!(
             rest.as_slice(),
             [Frame::Output(Stream::Stdout, d), Frame::Dropped(Stream::Stderr, 7)] if d == b"hi\n"
@@ -700,10 +722,10 @@ mod tests {
 
     #[test]
     fn a_frame_claiming_gigabytes_is_refused_before_it_is_buffered() {
-        let mut buf = vec![b'o'];
+        let mut buf = BytesMut::from(&b"o"[..]);
         buf.extend_from_slice(&u32::MAX.to_be_bytes());
         buf.extend_from_slice(b"the start of 4 GiB");
-        let frames = parse_frames(&mut buf);
+        let frames = parse_frames(&mut frame_codec(), &mut buf);
         assert!(
             matches!(frames.as_slice(), [Frame::Error(e)] if e == "a frame of 4294967295 bytes (kind 'o') is over the 1048576 byte limit"),
             "{frames:?}"
