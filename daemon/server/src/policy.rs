@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use tandem_executor::Registry;
-use tandem_protocol::TaskSpec;
+use tandem_executor::{Limits, Registry};
+use tandem_protocol::{TaskLimits, TaskSpec};
 
 /// The executor that is no boundary: offered to clients only when the operator lists it.
 pub const LOCAL: &str = "local";
@@ -162,6 +162,38 @@ impl Policy {
 
 fn normalise(url: &str) -> &str {
     url.trim().trim_end_matches('/')
+}
+
+/// The daemon's limits tightened by a task's; a task that asks for more than the daemon
+/// allows is refused rather than quietly capped.
+pub fn task_limits(daemon: &Limits, asked: &TaskLimits) -> Result<Limits, String> {
+    fn tighten(
+        name: &str,
+        ceiling: Option<u64>,
+        asked: Option<u64>,
+    ) -> Result<Option<u64>, String> {
+        match (ceiling, asked) {
+            (_, Some(0)) => Err(format!("limits.{name} must be at least 1")),
+            (Some(max), Some(n)) if n > max => Err(format!(
+                "limits.{name} {n} is above this daemon's limit of {max}; ask for less, or raise {name} under [limits] in the daemon's config"
+            )),
+            (_, Some(n)) => Ok(Some(n)),
+            (ceiling, None) => Ok(ceiling),
+        }
+    }
+    let mut limits = daemon.clone();
+    limits.memory_bytes = tighten("memory_bytes", daemon.memory_bytes, asked.memory_bytes)?;
+    limits.cpu_secs = tighten("cpu_secs", daemon.cpu_secs, asked.cpu_secs)?;
+    limits.file_size_bytes = tighten(
+        "file_size_bytes",
+        daemon.file_size_bytes,
+        asked.file_size_bytes,
+    )?;
+    let output_ceiling = u64::try_from(daemon.output_bytes).unwrap_or(u64::MAX);
+    if let Some(n) = tighten("output_bytes", Some(output_ceiling), asked.output_bytes)? {
+        limits.output_bytes = usize::try_from(n).unwrap_or(daemon.output_bytes);
+    }
+    Ok(limits)
 }
 
 #[cfg(test)]

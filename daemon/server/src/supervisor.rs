@@ -14,7 +14,7 @@ use tandem_agent::{
 use tandem_executor::{CancellationToken, Executor, Limits, Registry, SessionSpec};
 use tandem_protocol::team::{Kind, TeamSpec};
 use tandem_protocol::{
-    ErrorCode, ErrorInfo, Event, EventMsg, Message, Role, StopReason, TaskLimits, TaskSpec, Usage,
+    ErrorCode, ErrorInfo, Event, EventMsg, Message, Role, StopReason, TaskSpec, Usage,
 };
 use tokio::sync::{Semaphore, broadcast};
 use tokio_util::task::TaskTracker;
@@ -298,7 +298,8 @@ impl Supervisor {
         if let Some(team) = &spec.team {
             self.check_team(spec, team)?;
         }
-        task_limits(&self.config.defaults.limits, &spec.limits).map_err(TaskError::Invalid)?;
+        crate::policy::task_limits(&self.config.defaults.limits, &spec.limits)
+            .map_err(TaskError::Invalid)?;
         if spec.max_turns == Some(0) {
             return Err(TaskError::Invalid(
                 "max_turns must be at least 1".to_owned(),
@@ -738,7 +739,7 @@ impl Supervisor {
             .unwrap_or_else(|| d.termination.clone());
         settings.max_turns = spec.max_turns.unwrap_or(d.max_turns);
         settings.timeout = spec.timeout_secs.map(Duration::from_secs).or(d.timeout);
-        let mut limits = task_limits(&d.limits, &spec.limits).map_err(invalid)?;
+        let mut limits = crate::policy::task_limits(&d.limits, &spec.limits).map_err(invalid)?;
         if let Some(secs) = spec.block_timeout_secs {
             limits.wall = Duration::from_secs(secs);
         }
@@ -852,36 +853,4 @@ fn history(events: &[Event]) -> Vec<Message> {
         messages.pop();
     }
     messages
-}
-
-/// The daemon's limits tightened by a task's; a task that asks for more than the daemon
-/// allows is refused rather than quietly capped.
-fn task_limits(daemon: &Limits, asked: &TaskLimits) -> Result<Limits, String> {
-    fn tighten(
-        name: &str,
-        ceiling: Option<u64>,
-        asked: Option<u64>,
-    ) -> Result<Option<u64>, String> {
-        match (ceiling, asked) {
-            (_, Some(0)) => Err(format!("limits.{name} must be at least 1")),
-            (Some(max), Some(n)) if n > max => Err(format!(
-                "limits.{name} {n} is above this daemon's limit of {max}; ask for less, or raise {name} under [limits] in the daemon's config"
-            )),
-            (_, Some(n)) => Ok(Some(n)),
-            (ceiling, None) => Ok(ceiling),
-        }
-    }
-    let mut limits = daemon.clone();
-    limits.memory_bytes = tighten("memory_bytes", daemon.memory_bytes, asked.memory_bytes)?;
-    limits.cpu_secs = tighten("cpu_secs", daemon.cpu_secs, asked.cpu_secs)?;
-    limits.file_size_bytes = tighten(
-        "file_size_bytes",
-        daemon.file_size_bytes,
-        asked.file_size_bytes,
-    )?;
-    let output_ceiling = u64::try_from(daemon.output_bytes).unwrap_or(u64::MAX);
-    if let Some(n) = tighten("output_bytes", Some(output_ceiling), asked.output_bytes)? {
-        limits.output_bytes = usize::try_from(n).unwrap_or(daemon.output_bytes);
-    }
-    Ok(limits)
 }

@@ -60,6 +60,32 @@ impl Wait for Child {
     }
 }
 
+/// How work bounded by a timeout and a cancellation ended.
+#[derive(Debug)]
+pub enum Bounded<T> {
+    /// It finished, with this.
+    Finished(T),
+    /// The timeout passed first.
+    TimedOut,
+    /// It was cancelled first.
+    Cancelled,
+}
+
+/// Runs `work` until it finishes, `timeout` passes or `cancel` fires; a cancel that is
+/// already there wins. Every executor bounds a block this way.
+pub async fn bounded<F: std::future::Future>(
+    work: F,
+    timeout: Duration,
+    cancel: &CancellationToken,
+) -> Bounded<F::Output> {
+    tokio::select! {
+        biased;
+        () = cancel.cancelled() => Bounded::Cancelled,
+        () = tokio::time::sleep(timeout) => Bounded::TimedOut,
+        out = work => Bounded::Finished(out),
+    }
+}
+
 /// A started block: its process group, its pipes, and how to wait for it.
 pub struct Started<W> {
     /// The pid of its main process, which leads its own process group; `None` when it had
@@ -152,10 +178,10 @@ pub async fn supervise<W: Wait>(
     let stop_reading = CancellationToken::new();
     let read = |r, s| tokio::spawn(capture(r, s, cap, ctx.sink.clone(), stop_reading.clone()));
     let (out, err) = (read(stdout, Stream::Stdout), read(stderr, Stream::Stderr));
-    let status = tokio::select! {
-        status = wait.wait() => status,
-        () = tokio::time::sleep(timeout) => Ok(ExitStatus::TimedOut),
-        () = ctx.cancel.cancelled() => Ok(ExitStatus::Cancelled),
+    let status = match bounded(wait.wait(), timeout, &ctx.cancel).await {
+        Bounded::Finished(status) => status,
+        Bounded::TimedOut => Ok(ExitStatus::TimedOut),
+        Bounded::Cancelled => Ok(ExitStatus::Cancelled),
     };
     let duration = clock.elapsed();
     let killed = tokio::task::spawn_blocking(kill).await;

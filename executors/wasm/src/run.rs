@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use tandem_executor::process::{Bounded, bounded};
 use tandem_executor::workspace::{BlockScript, write_block_script};
 use tandem_executor::{ExecContext, ExecError, ExecOutcome, ExecRequest, ExitStatus, Stream};
 use wasmtime::component::{self, ResourceTable};
@@ -130,13 +131,8 @@ pub(crate) async fn run_block(
     result
 }
 
-/// How the guest's entry point ended.
-enum Ended {
-    /// It returned (with the exit code a component's `run` gives) or failed.
-    Returned(wasmtime::Result<i32>),
-    TimedOut,
-    Cancelled,
-}
+/// How a guest run ended.
+type Ended = Bounded<wasmtime::Result<i32>>;
 
 async fn execute(
     session: &WasmSession,
@@ -228,12 +224,7 @@ async fn supervise(
     timeout: Duration,
     ctx: &ExecContext,
 ) -> Ended {
-    tokio::select! {
-        biased;
-        () = ctx.cancel.cancelled() => Ended::Cancelled,
-        () = tokio::time::sleep(timeout) => Ended::TimedOut,
-        result = run => Ended::Returned(result),
-    }
+    bounded(run, timeout, &ctx.cancel).await
 }
 
 /// A fresh instance of a command and its `_start`: each block gets clean interpreter state.
@@ -268,8 +259,8 @@ fn classify(ended: Ended, memory_refused: bool) -> (ExitStatus, Option<String>) 
     let error = match ended {
         Ended::Cancelled => return (ExitStatus::Cancelled, None),
         Ended::TimedOut => return (ExitStatus::TimedOut, None),
-        Ended::Returned(Ok(code)) => return (ExitStatus::Exited(code), None),
-        Ended::Returned(Err(e)) => e,
+        Ended::Finished(Ok(code)) => return (ExitStatus::Exited(code), None),
+        Ended::Finished(Err(e)) => e,
     };
     if let Some(exit) = error.downcast_ref::<I32Exit>() {
         return (ExitStatus::Exited(exit.0), None);
@@ -312,7 +303,7 @@ mod tests {
     use super::*;
 
     fn returned(error: impl std::error::Error + Send + Sync + 'static) -> Ended {
-        Ended::Returned(Err(wasmtime::Error::new(error)))
+        Ended::Finished(Err(wasmtime::Error::new(error)))
     }
 
     #[test]
@@ -322,7 +313,7 @@ mod tests {
             (ExitStatus::Exited(7), None)
         );
         assert_eq!(
-            classify(Ended::Returned(Ok(3)), false).0,
+            classify(Ended::Finished(Ok(3)), false).0,
             ExitStatus::Exited(3)
         );
         let (status, note) = classify(returned(Trap::OutOfFuel), false);
