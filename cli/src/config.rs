@@ -141,6 +141,13 @@ pub struct LocalSection {
     /// Extra variables passed to code; nothing from the daemon's environment is.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// Kernel confinement of blocks: auto (default), off or required.
+    pub confine: Option<String>,
+    /// Whether confined blocks may use the network (default false).
+    pub network: Option<bool>,
+    /// Paths confined blocks may read besides the system's and the interpreters'.
+    #[serde(default)]
+    pub read_paths: Vec<PathBuf>,
 }
 
 /// Loads the config file: `--config`, else `TANDEM_CONFIG`, else
@@ -301,16 +308,25 @@ pub fn secs_to_duration(secs: f64, flag: &str) -> Result<Duration> {
 }
 
 /// Settings for the local executor.
-pub fn local_config(file: &FileConfig) -> LocalConfig {
+pub fn local_config(file: &FileConfig) -> Result<LocalConfig> {
     let l = &file.executors.local;
-    LocalConfig {
+    let confine = match l.confine.as_deref() {
+        None => tandem_executor_local::Confine::Auto,
+        Some(text) => text
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("[executors.local] {e}"))?,
+    };
+    Ok(LocalConfig {
         python: l.python.clone(),
         node: l.node.clone(),
         path: env("PATH"),
         lang: env("LANG"),
         env: l.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
         python_fork_server: l.fork_server.unwrap_or(true),
-    }
+        confine,
+        network: l.network.unwrap_or(false),
+        read_paths: l.read_paths.clone(),
+    })
 }
 
 /// Settings for the WASM executor: the runtimes from `TANDEM_WASM_DIR`, then the file; the

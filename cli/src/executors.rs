@@ -21,7 +21,7 @@ pub async fn resolve(
     image: Option<&str>,
 ) -> Result<Arc<dyn Executor>> {
     match name {
-        "local" => Ok(local(file)),
+        "local" => Ok(local(file)?),
         "wasm" => {
             let wasm = wasm(file)?;
             if !wasm.runtimes().iter().any(|r| r.present) {
@@ -58,9 +58,8 @@ pub async fn resolve(
 pub fn executors_for(language: &Language, file: &FileConfig) -> Vec<&'static str> {
     let docker = config::docker_config(file, None).is_ok_and(|c| c.languages.contains(language));
     let wasm = [Language::python(), Language::javascript()].contains(language);
-    let local = LocalExecutor::new(config::local_config(file))
-        .languages()
-        .contains(language);
+    let local = config::local_config(file)
+        .is_ok_and(|c| LocalExecutor::new(c).languages().contains(language));
     [("docker", docker), ("wasm", wasm), ("local", local)]
         .into_iter()
         .filter_map(|(name, runs)| runs.then_some(name))
@@ -81,7 +80,7 @@ pub async fn auto(file: &FileConfig, image: Option<&str>) -> Result<(Arc<dyn Exe
             let (name, why) = without_docker(why_not.unwrap_or_default(), wasm.as_ref());
             match (name, wasm) {
                 ("wasm", Ok(wasm)) => (Arc::new(wasm), why),
-                _ => (local(file), why),
+                _ => (local(file)?, why),
             }
         }
     })
@@ -144,8 +143,8 @@ pub async fn why_not_docker(connected: Result<&DockerExecutor, &DockerError>) ->
     }
 }
 
-fn local(file: &FileConfig) -> Arc<dyn Executor> {
-    Arc::new(LocalExecutor::new(config::local_config(file)))
+fn local(file: &FileConfig) -> Result<Arc<dyn Executor>> {
+    Ok(Arc::new(LocalExecutor::new(config::local_config(file)?)))
 }
 
 /// `tandem doctor`'s executor lines; `precompile` loads the WASM runtimes (compiling and
@@ -162,10 +161,14 @@ pub async fn report(
             .join(", ")
     };
     let mut lines = Vec::new();
-    let local = local(file);
+    let local = LocalExecutor::new(config::local_config(file)?);
     lines.push(format!(
-        "executor:  local ({}) - not a security boundary",
-        langs(local.languages())
+        "executor:  local ({}) - {}",
+        langs(local.languages()),
+        match local.confinement() {
+            Ok(confined) => confined,
+            Err(unconfined) => format!("{unconfined}; not a security boundary"),
+        }
     ));
     let connected = DockerExecutor::connect(config::docker_config(file, image)?).await;
     match &connected {

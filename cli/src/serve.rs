@@ -226,7 +226,7 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
 
     // Every executor the daemon can offer; `auto` decides the default once, at start.
     let mut executors = Registry::new();
-    executors.register(Arc::new(LocalExecutor::new(config::local_config(&file))));
+    executors.register(Arc::new(LocalExecutor::new(config::local_config(&file)?)));
     let mut docker_config = config::docker_config(&file, args.image.as_deref())?;
     docker_config.pool_size = file.executors.docker.pool_size.unwrap_or(2);
     let connected = DockerExecutor::connect(docker_config).await;

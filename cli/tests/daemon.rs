@@ -55,6 +55,19 @@ fn two_turns(tasks: impl IntoIterator<Item = (String, String)>) -> Script {
         .collect()
 }
 
+/// The pid a running block printed first (`pid N`), from its live output. Confined blocks
+/// cannot write outside their workspace, so they say it rather than leave a file.
+fn printed_pid(events: &[Value]) -> Option<u32> {
+    let text: String = events
+        .iter()
+        .filter(|e| e["type"] == "exec_output")
+        .filter_map(|e| e["text"].as_str())
+        .collect();
+    text.lines()
+        .find_map(|l| l.strip_prefix("pid "))
+        .and_then(|p| p.trim().parse().ok())
+}
+
 pub(crate) fn block_output(events: &[Value]) -> Vec<String> {
     events
         .iter()
@@ -537,12 +550,10 @@ async fn kill_9_then_restart_keeps_every_task_and_resumes_the_interrupted() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_lets_short_tasks_finish_and_interrupts_long_ones() {
-    let pid_dir = tempfile::tempdir().unwrap();
-    let pid_file = pid_dir.path().join("long.pid");
     let mut script = two_turns([("quick".to_owned(), "print('quick done')".to_owned())]);
     script.extend(two_turns([(
         "long".to_owned(),
-        format!("import os, time\nopen('{}', 'w').write(str(os.getpid()))\nprint('long started', flush=True)\ntime.sleep(60)", pid_file.display()),
+        "import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(60)".to_owned(),
     )]));
     let server = ScriptedOpenAi::start(script).await.unwrap();
     let mut d = start(&server, &["--grace", "1"]).await;
@@ -550,19 +561,17 @@ async fn sigterm_lets_short_tasks_finish_and_interrupts_long_ones() {
     let long = d.submit(json!({"task": "long"})).await;
     d.wait_finished(&quick, Duration::from_secs(30)).await;
     let started = Instant::now();
-    while !block_output(&d.events(&long, 0).await).is_empty()
-        || !d
-            .events(&long, 0)
-            .await
-            .iter()
-            .any(|e| e["type"] == "exec_output")
-    {
+    let pid = loop {
+        let events = d.events(&long, 0).await;
+        if let (true, Some(pid)) = (block_output(&events).is_empty(), printed_pid(&events)) {
+            break pid;
+        }
         assert!(
             started.elapsed() < Duration::from_secs(30),
             "the long task never started its block"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    };
     let stopping = Instant::now();
     let code = d.terminate().await;
     assert_eq!(code, Some(0), "{}", d.log());
@@ -573,7 +582,6 @@ async fn sigterm_lets_short_tasks_finish_and_interrupts_long_ones() {
     );
     assert!(!d.socket().exists(), "the socket outlived the daemon");
     // Nothing of the long block survives, and the task can go on after a restart.
-    let pid: i32 = std::fs::read_to_string(&pid_file).unwrap().parse().unwrap();
     assert!(
         !std::path::Path::new(&format!("/proc/{pid}")).exists(),
         "the long block (pid {pid}) outlived the daemon"
@@ -614,27 +622,24 @@ async fn sigterm_does_not_wait_for_the_first_wasm_compile() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_restart_reaps_the_sandboxes_a_killed_daemon_left() {
-    let pid_dir = tempfile::tempdir().unwrap();
-    let pid_file = pid_dir.path().join("orphan.pid");
-    let code = format!(
-        "import os, time\nopen('{}', 'w').write(str(os.getpid()))\ntime.sleep(60)",
-        pid_file.display()
-    );
+    let code = "import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(60)".to_owned();
     let server = ScriptedOpenAi::start(two_turns([("orphan".to_owned(), code)]))
         .await
         .unwrap();
     let mut d = start(&server, &[]).await;
     let daemon_pid = d.pid();
-    d.submit(json!({"task": "orphan"})).await;
+    let id = d.submit(json!({"task": "orphan"})).await;
     let started = Instant::now();
-    while std::fs::read_to_string(&pid_file).map_or(true, |s| s.is_empty()) {
+    let block = loop {
+        if let Some(pid) = printed_pid(&d.events(&id, 0).await) {
+            break pid;
+        }
         assert!(
             started.elapsed() < Duration::from_secs(30),
             "the block never started"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let block: u32 = std::fs::read_to_string(&pid_file).unwrap().parse().unwrap();
+    };
     let workspaces = || -> Vec<String> {
         std::fs::read_dir(std::env::temp_dir())
             .unwrap()

@@ -14,7 +14,7 @@ use tandem_executor::{
     Limits,
 };
 use tandem_executor_docker::{DockerConfig, DockerExecutor};
-use tandem_executor_local::{LocalConfig, LocalExecutor};
+use tandem_executor_local::{Confine, LocalConfig, LocalExecutor};
 use tandem_executor_wasm::{WasmConfig, WasmExecutor};
 use tandem_tests::conformance::{self, run};
 
@@ -54,6 +54,38 @@ struct Host {
     /// A file only the host should read.
     secrets: tempfile::TempDir,
     secret: String,
+    /// A key planted in the host user's `~/.ssh`, removed when the suite ends.
+    ssh_key: std::path::PathBuf,
+    /// Where a block would write in the host user's home; must never exist.
+    home_file: std::path::PathBuf,
+}
+
+impl Host {
+    fn new() -> Self {
+        let home = std::path::PathBuf::from(std::env::var_os("HOME").unwrap());
+        let tag = uuid::Uuid::new_v4().simple().to_string();
+        let host = Self {
+            outside: tempfile::tempdir().unwrap(),
+            secrets: tempfile::tempdir().unwrap(),
+            secret: format!("host-secret-{tag}"),
+            ssh_key: home.join(".ssh").join(format!("tandem-hostile-{tag}")),
+            home_file: home.join(format!("tandem-hostile-{tag}")),
+        };
+        std::fs::write(host.secrets.path().join("secret.txt"), &host.secret).unwrap();
+        std::fs::create_dir_all(home.join(".ssh")).unwrap();
+        std::fs::write(&host.ssh_key, &host.secret).unwrap();
+        for kind in [Kind::Local, Kind::Docker, Kind::Wasm] {
+            std::fs::create_dir(host.outside.path().join(format!("{kind:?}"))).unwrap();
+        }
+        host
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.ssh_key);
+        let _ = std::fs::remove_file(&self.home_file);
+    }
 }
 
 const CASES: &[&str] = &[
@@ -71,7 +103,13 @@ const CASES: &[&str] = &[
     "the largest timeout",
     "forged runner frames",
     "kill the runner (`kill -9 -1`)",
+    "read `~/.ssh` and `/etc/shadow`",
+    "write to the host user's home",
+    "`ptrace` a process outside the block",
 ];
+
+/// The cases a confined local executor newly holds, which an unconfined one fails.
+const CONFINEMENT_CASES: [usize; 5] = [2, 3, 14, 15, 16];
 
 fn short() -> Limits {
     Limits {
@@ -173,10 +211,6 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
             let out = run(&mut *s, "python", &code).await;
             let text = out.stdout.to_text();
             s.close().await.unwrap();
-            if kind == Kind::Local {
-                assert!(text.contains(&host.secret), "{text}");
-                return Verdict::Escapes;
-            }
             assert!(!text.contains(&host.secret), "{kind:?}: {text}");
             assert!(!text.contains("PATH="), "{kind:?}: {text}");
             assert_eq!(text.matches("denied").count(), 3, "{kind:?}: {text}");
@@ -193,10 +227,6 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
             let out = run(&mut *s, "python", &code).await;
             s.close().await.unwrap();
             let text = out.stdout.to_text();
-            if kind == Kind::Local {
-                assert_eq!(text, "connected\n");
-                return Verdict::Escapes;
-            }
             assert!(
                 text.starts_with("blocked"),
                 "{kind:?}: {}",
@@ -365,6 +395,57 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
                 Verdict::Contained
             }
         },
+        14 => {
+            let shadow = std::fs::read_to_string("/etc/shadow").unwrap_or_default();
+            let root_line = shadow.lines().next().unwrap_or("root:").to_owned();
+            let mut s = conformance::open(executor, short()).await;
+            let code = format!(
+                "for p in ('{}', '/etc/shadow'):\n    try:\n        print(open(p).read())\n    except OSError as e:\n        print('denied', type(e).__name__)",
+                host.ssh_key.display()
+            );
+            let out = run(&mut *s, "python", &code).await;
+            s.close().await.unwrap();
+            let text = out.stdout.to_text();
+            assert!(!text.contains(&host.secret), "{kind:?} read ~/.ssh: {text}");
+            assert!(
+                !text.lines().any(|l| l == root_line),
+                "{kind:?} read the host's /etc/shadow: {text}"
+            );
+            Verdict::Contained
+        }
+        15 => {
+            let mut s = conformance::open(executor, short()).await;
+            let code = format!(
+                "try:\n    open('{}', 'w').write('x')\n    print('wrote')\nexcept OSError as e:\n    print('denied', type(e).__name__)",
+                host.home_file.display()
+            );
+            let out = run(&mut *s, "python", &code).await;
+            s.close().await.unwrap();
+            assert!(
+                !host.home_file.exists(),
+                "{kind:?} wrote to the host's home: {}",
+                status_text(&out)
+            );
+            Verdict::Contained
+        }
+        16 => {
+            if kind == Kind::Wasm {
+                return Verdict::NotApplicable;
+            }
+            // Local: the waiter's parent, the fork server, is outside the block; Docker: the
+            // block's parent is the runner.
+            let code = "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\ntarget = os.getppid()\ntry:\n    grand = int(open('/proc/%d/stat' % target).read().rsplit(')', 1)[1].split()[1])\n    if grand > 1:\n        target = grand\nexcept OSError:\n    pass\nr = libc.ptrace(16, target, 0, 0)\nif r == 0:\n    libc.ptrace(17, target, 0, 0)\n    print('attached', target)\nelse:\n    print('refused', os.strerror(ctypes.get_errno()))";
+            let mut s = conformance::open(executor, short()).await;
+            let out = run(&mut *s, "python", code).await;
+            s.close().await.unwrap();
+            let text = out.stdout.to_text();
+            assert!(
+                text.starts_with("refused"),
+                "{kind:?}: {}",
+                status_text(&out)
+            );
+            Verdict::Contained
+        }
         _ => unreachable!(),
     }
 }
@@ -396,15 +477,7 @@ async fn executors() -> Vec<(Kind, Arc<dyn Executor>)> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn every_case_against_every_executor_matches_the_security_table() {
-    let host = Host {
-        outside: tempfile::tempdir().unwrap(),
-        secrets: tempfile::tempdir().unwrap(),
-        secret: format!("host-secret-{}", uuid::Uuid::new_v4().simple()),
-    };
-    std::fs::write(host.secrets.path().join("secret.txt"), &host.secret).unwrap();
-    for kind in [Kind::Local, Kind::Docker, Kind::Wasm] {
-        std::fs::create_dir(host.outside.path().join(format!("{kind:?}"))).unwrap();
-    }
+    let host = Host::new();
     let executors = executors().await;
     // Executors side by side, cases one after another within each; a case that breaks is
     // reported with every other one, not instead of them.
@@ -449,4 +522,23 @@ async fn every_case_against_every_executor_matches_the_security_table() {
         doc.contains(&table),
         "docs/security.md does not hold the measured table; put this one there:\n\n{table}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_confinement_cases_catch_an_unconfined_local_executor() {
+    // The same cases against local with confinement off: each must find the escape, so a
+    // confined local executor that passes them holds because of its confinement.
+    let host = Host::new();
+    let unconfined = LocalExecutor::new(LocalConfig {
+        confine: Confine::Off,
+        ..LocalConfig::default()
+    });
+    for i in CONFINEMENT_CASES {
+        let run = std::panic::AssertUnwindSafe(case(i, Kind::Local, &unconfined, &host));
+        assert!(
+            futures::FutureExt::catch_unwind(run).await.is_err(),
+            "case `{}` did not catch an unconfined local executor",
+            CASES[i]
+        );
+    }
 }

@@ -5,7 +5,7 @@
 # status pipes); the reply is the pid of the block's waiter. On the status pipe the block
 # writes its own pid once it leads its own session, then the waiter writes the block's raw
 # wait status; EOF follows once every process the block started is dead.
-import builtins, io, json, os, resource, signal, socket, sys, types
+import builtins, io, json, os, resource, signal, socket, struct, sys, types
 
 ctl = socket.socket(fileno=3)
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the waiters are reaped by the kernel
@@ -153,6 +153,84 @@ def spawn(req, out, err, status):
     return pid
 
 
+# Landlock (linux/landlock.h): filesystem rights by ABI version, TCP rights from ABI 4,
+# scopes (abstract unix sockets, signals) from ABI 6.
+LL_READ = (1 << 0) | (1 << 2) | (1 << 3)  # execute, read file, read dir
+LL_FILE = (1 << 0) | (1 << 1) | (1 << 2) | (1 << 14) | (1 << 15)  # rights a file rule may hold
+LL_FS = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 4: (1 << 15) - 1}
+CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+
+
+class Refused(Exception):
+    """The kernel would not confine the block: it must not run."""
+
+
+def confine(c):
+    """Confines this waiter, and so the block it starts: a network namespace (or, failing
+    that, Landlock's TCP rules) unless the network is allowed, Landlock over the files
+    (`read` read-only, `write` read-write, nothing else), no new privileges, and the seccomp
+    program. Everything is checked: a step the kernel refuses raises Refused."""
+    if _prctl is None:
+        raise Refused("this Python has no ctypes")
+    libc = ctypes.CDLL(None, use_errno=True)
+    syscall = libc.syscall
+    syscall.restype = ctypes.c_long
+
+    def check(ret, what):
+        if ret < 0:
+            e = ctypes.get_errno()
+            raise Refused("%s: %s" % (what, os.strerror(e)))
+        return ret
+
+    uid, gid = os.getuid(), os.getgid()
+    netns = False
+    if not c["network"] and libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
+        netns = True
+        for name, text in (("uid_map", "%d %d 1" % (uid, uid)), ("setgroups", "deny"), ("gid_map", "%d %d 1" % (gid, gid))):
+            with open("/proc/self/" + name, "w") as f:
+                f.write(text)
+    abi = check(syscall(444, None, 0, 1), "landlock")
+    fs = LL_FS.get(abi, (1 << 16) - 1)
+    net = 0 if (c["network"] or netns or abi < 4) else 3
+    if not c["network"] and not netns and abi < 4:
+        raise Refused("no network namespace and no Landlock TCP rules (ABI %d)" % abi)
+    if abi >= 6:
+        attr = struct.pack("=QQQ", fs, net, 3)
+    elif abi >= 4:
+        attr = struct.pack("=QQ", fs, net)
+    else:
+        attr = struct.pack("=Q", fs)
+    ruleset = check(syscall(444, attr, len(attr), 0), "landlock ruleset")
+    try:
+        for paths, rights in ((c["read"], LL_READ), (c["write"], fs)):
+            for path in paths:
+                try:
+                    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+                except OSError:
+                    continue  # absent here; nothing to allow
+                try:
+                    allowed = rights & fs
+                    if not os.path.isdir(path):
+                        allowed &= LL_FILE
+                    rule = struct.pack("=Qi", allowed, fd)
+                    check(syscall(445, ruleset, 1, rule, 0), "landlock rule for %s" % path)
+                finally:
+                    os.close(fd)
+        check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")  # PR_SET_NO_NEW_PRIVS
+        check(syscall(446, ruleset, 0), "landlock restrict")
+    finally:
+        os.close(ruleset)
+    program = bytes.fromhex(c["seccomp"])
+    if program:
+        buf = ctypes.create_string_buffer(program)
+
+        class Fprog(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+        fprog = Fprog(len(program) // 8, ctypes.cast(buf, ctypes.c_void_p))
+        check(libc.prctl(22, 2, ctypes.byref(fprog), 0, 0), "seccomp")  # PR_SET_SECCOMP, FILTER
+
+
 def waiter(req, out, err, status):
     """Start the block, wait for it, clean up after it, report its raw wait status."""
     try:
@@ -161,6 +239,15 @@ def waiter(req, out, err, status):
             _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         for name, limit in req["rlimits"]:
             resource.setrlimit(getattr(resource, name), (limit, limit))
+        if req.get("confine"):
+            try:
+                confine(req["confine"])
+            except Exception as e:
+                # Nothing runs unconfined that was asked to be confined: the block fails.
+                os.write(status, b"%d\n" % os.getpid())
+                os.write(err, ("tandem: cannot confine the block: %s\n" % e).encode())
+                os.write(status, b"%d\n" % (127 << 8))
+                return
         if req.get("argv"):
             pid = spawn(req, out, err, status)
         else:

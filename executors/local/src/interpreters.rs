@@ -64,6 +64,30 @@ impl Interpreters {
         langs
     }
 
+    /// The installations the interpreters run from (`/usr`, a pyenv version, a venv):
+    /// what a confined block must be able to read.
+    pub fn prefixes(&self) -> Vec<PathBuf> {
+        let mut prefixes: Vec<PathBuf> = Vec::new();
+        for program in [
+            self.python.as_deref(),
+            self.node.as_deref(),
+            Some(self.sh.as_path()),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let real = std::fs::canonicalize(program).unwrap_or_else(|_| program.to_owned());
+            for path in [program, real.as_path()] {
+                if let Some(prefix) = path.parent().and_then(Path::parent)
+                    && !prefixes.iter().any(|p| p == prefix)
+                {
+                    prefixes.push(prefix.to_owned());
+                }
+            }
+        }
+        prefixes
+    }
+
     /// The program that runs `language`, if any.
     pub fn program(&self, language: &Language) -> Option<&Path> {
         match language.as_str() {

@@ -5,6 +5,7 @@
 //! process a block started when the block ends. Use the Docker or WASM executor to contain
 //! untrusted code.
 
+mod confine;
 mod forkserver;
 mod interpreters;
 mod kill;
@@ -20,6 +21,7 @@ use tandem_executor::{
 use tandem_executor::{owner, scratch};
 use tempfile::TempDir;
 
+pub use confine::{Confine, Support};
 use forkserver::ForkServer;
 pub use interpreters::Interpreters;
 
@@ -39,6 +41,12 @@ pub struct LocalConfig {
     pub env: Vec<(String, String)>,
     /// Run python blocks as forks of a warm interpreter instead of fresh `python3` starts.
     pub python_fork_server: bool,
+    /// Whether blocks are confined by the kernel (Landlock, a network namespace, seccomp).
+    pub confine: Confine,
+    /// Whether confined blocks may use the network.
+    pub network: bool,
+    /// Paths confined blocks may read besides the system's and the interpreters'.
+    pub read_paths: Vec<PathBuf>,
 }
 
 impl Default for LocalConfig {
@@ -50,6 +58,9 @@ impl Default for LocalConfig {
             lang: None,
             env: Vec::new(),
             python_fork_server: true,
+            confine: Confine::Auto,
+            network: false,
+            read_paths: Vec::new(),
         }
     }
 }
@@ -77,6 +88,42 @@ struct Inner {
 }
 
 impl Inner {
+    /// The confinement policy of a session with `workspace` and `tmp`; an error when it is
+    /// required and the kernel cannot apply it.
+    fn policy(&self, workspace: &Path, tmp: &Path) -> Result<Option<confine::Policy>, ExecError> {
+        let support = Support::probe();
+        let can = support.can_confine() && self.config.python_fork_server;
+        match self.config.confine {
+            Confine::Off => Ok(None),
+            _ if can => Ok(Some(confine::policy(
+                workspace,
+                tmp,
+                &self.interpreters().prefixes(),
+                &self.config.read_paths,
+                self.config.network,
+            ))),
+            Confine::Required => Err(ExecError::Unavailable {
+                what: "confinement of local blocks".to_owned(),
+                hint: format!(
+                    "this machine offers {}{}; set [executors.local] confine = \"auto\" to run unconfined, or use the docker or wasm executor",
+                    support.describe(),
+                    if self.config.python_fork_server {
+                        ""
+                    } else {
+                        " and the fork server is off"
+                    }
+                ),
+            }),
+            Confine::Auto => {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| {
+                    tracing::warn!(kernel = %support.describe(), "local blocks run unconfined: this machine cannot confine them");
+                });
+                Ok(None)
+            }
+        }
+    }
+
     fn interpreters(&self) -> &Interpreters {
         self.interpreters
             .get_or_init(|| Interpreters::discover(&self.config, &self.path))
@@ -141,6 +188,30 @@ impl LocalExecutor {
         }
     }
 
+    /// How its blocks run: confined (and by what), or unconfined and why.
+    pub fn confinement(&self) -> Result<String, String> {
+        let support = Support::probe();
+        match self.inner.config.confine {
+            Confine::Off => Err("unconfined: confine = \"off\"".to_owned()),
+            _ if !self.inner.config.python_fork_server => Err(
+                "unconfined: confinement is applied by the fork server, which is off".to_owned(),
+            ),
+            _ if support.can_confine() => Ok(format!(
+                "confined ({}; network {})",
+                support.describe(),
+                if self.inner.config.network {
+                    "on"
+                } else {
+                    "off"
+                }
+            )),
+            _ => Err(format!(
+                "unconfined: this kernel cannot confine blocks ({})",
+                support.describe()
+            )),
+        }
+    }
+
     /// The interpreters, resolved on first call (this may start `python3` once).
     pub fn interpreters(&self) -> &Interpreters {
         self.inner.interpreters()
@@ -188,6 +259,8 @@ struct LocalSession {
     scratch: TempDir,
     limits: Limits,
     blocks: u32,
+    /// What confines its blocks; `None` when they run unconfined.
+    policy: Option<confine::Policy>,
 }
 
 impl LocalSession {
@@ -201,6 +274,7 @@ impl LocalSession {
         })?;
         let (workspace, owned_workspace) =
             scratch::open_workspace(spec.workdir, &inner.root, "tandem-workspace-")?;
+        let policy = inner.policy(&workspace, &scratch.path().join("tmp"))?;
         Ok(Self {
             inner,
             workspace,
@@ -208,6 +282,7 @@ impl LocalSession {
             scratch,
             limits: spec.limits,
             blocks: 0,
+            policy,
         })
     }
 }

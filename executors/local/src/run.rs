@@ -117,7 +117,27 @@ async fn supervise(
         .then(|| vec![program.display().to_string(), script.display().to_string()]);
     let marker_only = server.is_none();
     let started = match server {
-        Some(server) => fork(&server, script, argv, &session.workspace, &env, limits).await?,
+        Some(server) => {
+            let confine = session.policy.as_ref();
+            fork(
+                &server,
+                script,
+                argv,
+                &session.workspace,
+                &env,
+                limits,
+                confine,
+            )
+            .await?
+        }
+        // Confinement is the fork server's: a session that has a policy and no fork server
+        // runs nothing rather than run unconfined.
+        None if session.policy.is_some() => {
+            return Err(ExecError::Unavailable {
+                what: "confinement of local blocks".to_owned(),
+                hint: "the Python fork server that applies it did not start (see the log); set [executors.local] confine = \"off\" to run unconfined".to_owned(),
+            });
+        }
         None => spawn(
             program,
             script,
@@ -170,6 +190,8 @@ struct ForkRequest<'a> {
     env: std::collections::BTreeMap<&'a str, &'a str>,
     /// `RLIMIT_*` names and values.
     rlimits: Vec<(String, u64)>,
+    /// What the waiter confines itself (and so the block) with; `None` runs it unconfined.
+    confine: Option<&'a crate::confine::Policy>,
 }
 
 /// Starts a block as a fork of the warm Python (which execs `argv` for other languages).
@@ -180,6 +202,7 @@ async fn fork(
     workspace: &Path,
     env: &[(String, String)],
     limits: &Limits,
+    confine: Option<&crate::confine::Policy>,
 ) -> Result<Started<Running>, ExecError> {
     let rlimits: Vec<(String, u64)> = process::rlimits(limits)
         .into_iter()
@@ -191,6 +214,7 @@ async fn fork(
         cwd: workspace,
         env: env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
         rlimits,
+        confine,
     };
     let request = serde_json::to_string(&request)
         .map_err(|e| ExecError::Backend(format!("encoding a fork server request failed: {e}")))?;

@@ -1,0 +1,276 @@
+//! Confining local blocks with the kernel. The fork server's waiter applies the policy built
+//! here before it starts a block, so the block and everything it starts inherit it:
+//! - files (Landlock): system directories, the interpreters' prefixes and configured extra
+//!   paths read-only; the workspace, the session's private tmp and `/dev/null` read-write;
+//!   nothing else, the user's home included;
+//! - network: a new network namespace (in a new user namespace) with nothing in it, or, where
+//!   namespaces are refused, Landlock's TCP rules with no port allowed;
+//! - seccomp: no ptrace, `process_vm_*`, bpf, mount, keyring, namespace or module calls;
+//! - Landlock scopes signals and abstract unix sockets to the block's own domain, and its
+//!   ptrace rule keeps the block out of Tandem's `/proc/<pid>/{environ,mem,fd}`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule,
+};
+
+/// Whether local blocks are confined.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Confine {
+    /// Confined where the kernel can; unconfined (and said so) where it cannot.
+    #[default]
+    Auto,
+    /// Never confined.
+    Off,
+    /// Confined, or not run at all.
+    Required,
+}
+
+impl std::str::FromStr for Confine {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "off" => Ok(Self::Off),
+            "required" => Ok(Self::Required),
+            other => Err(format!(
+                "confine must be auto, off or required, got `{other}`"
+            )),
+        }
+    }
+}
+
+/// What the kernel offers for confinement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Support {
+    /// The Landlock ABI version; 0 when Landlock is off or absent.
+    pub landlock_abi: i64,
+    /// Whether this process may make user (and so network) namespaces.
+    pub user_namespaces: bool,
+    /// Whether seccomp filters can be installed.
+    pub seccomp: bool,
+}
+
+impl Support {
+    /// What this machine's kernel offers (asked once).
+    pub fn probe() -> Self {
+        static SUPPORT: OnceLock<Support> = OnceLock::new();
+        *SUPPORT.get_or_init(|| {
+            // SAFETY: landlock_create_ruleset with a null attribute, size 0 and the VERSION
+            // flag only returns the ABI version (or an error); it touches no memory.
+            #[allow(unsafe_code)]
+            let abi = unsafe {
+                nix::libc::syscall(
+                    nix::libc::SYS_landlock_create_ruleset,
+                    std::ptr::null::<u8>(),
+                    0usize,
+                    1u32,
+                )
+            };
+            let max_userns = std::fs::read_to_string("/proc/sys/user/max_user_namespaces")
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+                .unwrap_or(0);
+            let unprivileged =
+                std::fs::read_to_string("/proc/sys/kernel/unprivileged_userns_clone")
+                    .map_or(true, |s| s.trim() != "0");
+            Self {
+                landlock_abi: abi.max(0),
+                user_namespaces: max_userns > 0
+                    && (unprivileged || nix::unistd::geteuid().is_root()),
+                seccomp: std::path::Path::new("/proc/sys/kernel/seccomp").exists()
+                    || std::fs::read_to_string("/proc/self/status")
+                        .is_ok_and(|s| s.contains("Seccomp:")),
+            }
+        })
+    }
+
+    /// Whether blocks can be confined here: Landlock for files, and a network namespace or
+    /// Landlock's TCP rules (ABI 4) for the network.
+    pub fn can_confine(&self) -> bool {
+        self.landlock_abi >= 1 && self.seccomp && (self.user_namespaces || self.landlock_abi >= 4)
+    }
+
+    /// One line for `tandem doctor`.
+    pub fn describe(&self) -> String {
+        format!(
+            "Landlock {}, user namespaces {}, seccomp {}",
+            if self.landlock_abi > 0 {
+                format!("ABI {}", self.landlock_abi)
+            } else {
+                "absent".to_owned()
+            },
+            if self.user_namespaces { "yes" } else { "no" },
+            if self.seccomp { "yes" } else { "no" },
+        )
+    }
+}
+
+/// What the waiter is told to apply (forkserver.py's `confine`).
+#[derive(Clone, Debug, serde::Serialize)]
+pub(crate) struct Policy {
+    /// Paths read (and executed) only.
+    pub read: Vec<PathBuf>,
+    /// Paths read and written.
+    pub write: Vec<PathBuf>,
+    /// Whether blocks may use the network.
+    pub network: bool,
+    /// The seccomp program, hex of its `sock_filter`s in native byte order.
+    pub seccomp: String,
+}
+
+/// System paths interpreters read: libraries, the loader's cache, the little of `/etc` that
+/// name lookups, time zones, certificates and Debian's Python read.
+const SYSTEM_READ: &[&str] = &[
+    "/usr",
+    "/lib",
+    "/lib64",
+    "/lib32",
+    "/libx32",
+    "/bin",
+    "/sbin",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/localtime",
+    "/etc/timezone",
+    "/etc/passwd",
+    "/etc/group",
+    "/etc/nsswitch.conf",
+    "/etc/hosts",
+    "/etc/host.conf",
+    "/etc/resolv.conf",
+    "/etc/gai.conf",
+    "/etc/protocols",
+    "/etc/services",
+    "/etc/mime.types",
+    "/etc/ssl",
+    "/etc/ca-certificates",
+    "/etc/alternatives",
+    "/etc/os-release",
+    "/etc/debian_version",
+    "/proc",
+    "/sys/devices/system/cpu",
+    "/sys/fs/cgroup",
+    "/dev/urandom",
+    "/dev/random",
+    "/dev/zero",
+    "/dev/full",
+];
+
+/// The policy for a session: `workspace` and `tmp` writable, `prefixes` (the interpreters'
+/// installations) and `extra` readable.
+pub(crate) fn policy(
+    workspace: &Path,
+    tmp: &Path,
+    prefixes: &[PathBuf],
+    extra: &[PathBuf],
+    network: bool,
+) -> Policy {
+    let mut read: Vec<PathBuf> = SYSTEM_READ.iter().map(PathBuf::from).collect();
+    // Debian's Python reads its sitecustomize from /etc/python3.N.
+    if let Ok(entries) = std::fs::read_dir("/etc") {
+        read.extend(
+            entries
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
+                .map(|e| e.path()),
+        );
+    }
+    read.extend(prefixes.iter().cloned());
+    read.extend(extra.iter().cloned());
+    Policy {
+        read,
+        write: vec![
+            workspace.to_owned(),
+            tmp.to_owned(),
+            PathBuf::from("/dev/null"),
+        ],
+        network,
+        seccomp: seccomp_hex().to_owned(),
+    }
+}
+
+/// Calls a block never needs and an escape would: debugging and reading other processes,
+/// loading kernel code, mounting, keyrings, new namespaces, and the like.
+const DENIED: &[i64] = &[
+    nix::libc::SYS_ptrace,
+    nix::libc::SYS_process_vm_readv,
+    nix::libc::SYS_process_vm_writev,
+    nix::libc::SYS_bpf,
+    nix::libc::SYS_mount,
+    nix::libc::SYS_umount2,
+    nix::libc::SYS_pivot_root,
+    nix::libc::SYS_chroot,
+    nix::libc::SYS_keyctl,
+    nix::libc::SYS_add_key,
+    nix::libc::SYS_request_key,
+    nix::libc::SYS_unshare,
+    nix::libc::SYS_setns,
+    nix::libc::SYS_perf_event_open,
+    nix::libc::SYS_kexec_load,
+    nix::libc::SYS_init_module,
+    nix::libc::SYS_finit_module,
+    nix::libc::SYS_delete_module,
+    nix::libc::SYS_userfaultfd,
+    nix::libc::SYS_open_by_handle_at,
+    nix::libc::SYS_fsopen,
+    nix::libc::SYS_fsmount,
+    nix::libc::SYS_move_mount,
+    nix::libc::SYS_open_tree,
+    // Its flags are behind a pointer, where a filter cannot look: libc falls back to clone.
+    nix::libc::SYS_clone3,
+];
+
+/// The seccomp program, built once: `ENOSYS` for [`DENIED`] and for `clone` with a new user
+/// namespace, everything else allowed.
+fn seccomp_hex() -> &'static str {
+    static PROGRAM: OnceLock<String> = OnceLock::new();
+    PROGRAM.get_or_init(|| match build_seccomp() {
+        Ok(program) => program
+            .iter()
+            .flat_map(|f| {
+                let mut b = Vec::with_capacity(8);
+                b.extend_from_slice(&f.code.to_ne_bytes());
+                b.push(f.jt);
+                b.push(f.jf);
+                b.extend_from_slice(&f.k.to_ne_bytes());
+                b
+            })
+            .map(|byte| format!("{byte:02x}"))
+            .collect(),
+        Err(e) => {
+            // The rules are constants; this is a bug, and confinement then fails closed.
+            tracing::error!(error = %e, "building the seccomp program failed");
+            "zz".to_owned()
+        }
+    })
+}
+
+fn build_seccomp() -> Result<BpfProgram, seccompiler::BackendError> {
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
+        DENIED.iter().map(|&call| (call, Vec::new())).collect();
+    let new_user = u64::try_from(nix::libc::CLONE_NEWUSER).unwrap_or(0x1000_0000);
+    rules.insert(
+        nix::libc::SYS_clone,
+        vec![SeccompRule::new(vec![SeccompCondition::new(
+            0,
+            SeccompCmpArgLen::Qword,
+            SeccompCmpOp::MaskedEq(new_user),
+            new_user,
+        )?])?],
+    );
+    let arch = seccompiler::TargetArch::try_from(std::env::consts::ARCH)?;
+    let filter = SeccompFilter::new(
+        rules,
+        SeccompAction::Allow,
+        SeccompAction::Errno(u32::try_from(nix::libc::ENOSYS).unwrap_or(38)),
+        arch,
+    )?;
+    filter.try_into()
+}
