@@ -22,7 +22,7 @@ use tandem_agent::{ChatModel, ModelConfig, TaskSettings, run_task};
 use tandem_executor::{
     CancellationToken, ExecContext, ExecRequest, Executor, Language, SessionSpec,
 };
-use tandem_executor_local::{LocalConfig, LocalExecutor};
+use tandem_executor_local::{Confine, LocalConfig, LocalExecutor};
 use tandem_protocol::StopReason;
 use tandem_tests::{DaemonHarness, Reply, Script, ScriptedOpenAi};
 
@@ -45,11 +45,71 @@ fn bench_python() -> Option<PathBuf> {
 }
 
 fn local_executor(fork_server: bool) -> LocalExecutor {
+    // `TANDEM_BENCH_CONFINE=off` measures the unconfined executor beside the default.
+    let confine = match std::env::var("TANDEM_BENCH_CONFINE").as_deref() {
+        Ok("off") => Confine::Off,
+        _ => Confine::Auto,
+    };
+    confined_executor(fork_server, confine)
+}
+
+fn confined_executor(fork_server: bool, confine: Confine) -> LocalExecutor {
     LocalExecutor::new(LocalConfig {
         python: bench_python(),
         python_fork_server: fork_server,
+        confine,
         ..LocalConfig::default()
     })
+}
+
+/// Per-block cost of confinement: python (fork server) and sh blocks in a confined and an
+/// unconfined session, interleaved.
+async fn confinement_overhead(n: usize) {
+    let mut sessions = Vec::new();
+    for confine in [Confine::Off, Confine::Auto] {
+        sessions.push(
+            confined_executor(true, confine)
+                .open(SessionSpec::default())
+                .await
+                .unwrap(),
+        );
+    }
+    let blocks = [(Language::python(), "print(1)"), (Language::sh(), "echo 1")];
+    // samples[block][session]
+    let mut samples = vec![vec![Vec::new(); sessions.len()]; blocks.len()];
+    for i in 0..=n {
+        for ((language, code), per_session) in blocks.iter().zip(&mut samples) {
+            for (session, times) in sessions.iter_mut().zip(per_session.iter_mut()) {
+                let t = Instant::now();
+                let ctx = ExecContext::new(CancellationToken::new());
+                let out = session
+                    .run(ExecRequest::new(language.clone(), *code), ctx)
+                    .await
+                    .unwrap();
+                assert_eq!(out.stdout.to_text(), "1\n");
+                if i > 0 {
+                    times.push(t.elapsed());
+                }
+            }
+        }
+    }
+    for session in sessions {
+        session.close().await.unwrap();
+    }
+    println!("\n## Confinement: one block, {n} runs each, fork server, interleaved");
+    println!("| block | unconfined mean | confined mean | confined median | ratio (mean) |");
+    println!("|---|---|---|---|---|");
+    for ((language, code), mut per_session) in blocks.iter().zip(samples) {
+        let (cm, cp) = stats(per_session.pop().unwrap_or_default());
+        let (um, _) = stats(per_session.pop().unwrap_or_default());
+        println!(
+            "| {language} `{code}` | {} | {} | {} | {:.2}x |",
+            ms(um),
+            ms(cm),
+            ms(cp),
+            cm.as_secs_f64() / um.as_secs_f64()
+        );
+    }
 }
 
 /// The two ways the local executor starts a python block.
@@ -931,12 +991,16 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    // `TANDEM_BENCH_ONLY=daemon` (or local, turn_loop, cold_start, docker, team) runs one section.
+    // `TANDEM_BENCH_ONLY=daemon` (or local, confine, turn_loop, cold_start, docker, team) runs
+    // one section.
     let only = std::env::var("TANDEM_BENCH_ONLY").ok();
     let run = |name: &str| only.as_deref().is_none_or(|o| o == name);
     rt.block_on(async {
         if run("local") {
             executor_overhead(100).await;
+        }
+        if run("confine") {
+            confinement_overhead(200).await;
         }
         if run("turn_loop") {
             turn_loop_throughput(200, 8).await;

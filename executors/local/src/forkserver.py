@@ -165,73 +165,105 @@ class Refused(Exception):
     """The kernel would not confine the block: it must not run."""
 
 
-def confine(c):
-    """Confines this waiter, and so the block it starts: a network namespace (or, failing
-    that, Landlock's TCP rules) unless the network is allowed, Landlock over the files
-    (`read` read-only, `write` read-write, nothing else), no new privileges, and the seccomp
-    program. Everything is checked: a step the kernel refuses raises Refused."""
+def check(ret, what):
+    if ret < 0:
+        raise Refused("%s: %s" % (what, os.strerror(ctypes.get_errno())))
+    return ret
+
+
+if _prctl is not None:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.syscall.restype = ctypes.c_long
+
+    class Fprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def isolate_network():
+    """A new user and network namespace with nothing in it, keeping this user's ids; True
+    when the kernel allowed it."""
+    uid, gid = os.getuid(), os.getgid()
+    if _prctl is None or _libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
+        return False
+    for name, text in (("uid_map", "%d %d 1" % (uid, uid)), ("setgroups", "deny"), ("gid_map", "%d %d 1" % (gid, gid))):
+        with open("/proc/self/" + name, "w") as f:
+            f.write(text)
+    return True
+
+
+# With the network off, the server itself leaves the network once: every block it forks is
+# then in a namespace with no interfaces, at no cost per block.
+ISOLATED = "--no-network" in sys.argv[1:] and isolate_network()
+# Landlock rulesets by policy: made once per session's policy, applied by each of its blocks.
+RULESETS = {}
+SECCOMP = {}
+
+
+def ruleset(c):
+    """The Landlock ruleset fd for policy `c` (made on first use, at most 32 kept)."""
+    key = json.dumps([c["read"], c["write"], c["network"] or ISOLATED], sort_keys=True)
+    if key in RULESETS:
+        return RULESETS[key]
     if _prctl is None:
         raise Refused("this Python has no ctypes")
-    libc = ctypes.CDLL(None, use_errno=True)
-    syscall = libc.syscall
-    syscall.restype = ctypes.c_long
-
-    def check(ret, what):
-        if ret < 0:
-            e = ctypes.get_errno()
-            raise Refused("%s: %s" % (what, os.strerror(e)))
-        return ret
-
-    uid, gid = os.getuid(), os.getgid()
-    netns = False
-    if not c["network"] and libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
-        netns = True
-        for name, text in (("uid_map", "%d %d 1" % (uid, uid)), ("setgroups", "deny"), ("gid_map", "%d %d 1" % (gid, gid))):
-            with open("/proc/self/" + name, "w") as f:
-                f.write(text)
-    abi = check(syscall(444, None, 0, 1), "landlock")
+    abi = check(_libc.syscall(444, None, 0, 1), "landlock")
     fs = LL_FS.get(abi, (1 << 16) - 1)
-    net = 0 if (c["network"] or netns or abi < 4) else 3
-    if not c["network"] and not netns and abi < 4:
+    if not c["network"] and not ISOLATED and abi < 4:
         raise Refused("no network namespace and no Landlock TCP rules (ABI %d)" % abi)
+    net = 0 if (c["network"] or ISOLATED or abi < 4) else 3
     if abi >= 6:
         attr = struct.pack("=QQQ", fs, net, 3)
     elif abi >= 4:
         attr = struct.pack("=QQ", fs, net)
     else:
         attr = struct.pack("=Q", fs)
-    ruleset = check(syscall(444, attr, len(attr), 0), "landlock ruleset")
+    fd = check(_libc.syscall(444, attr, len(attr), 0), "landlock ruleset")
     try:
         for paths, rights in ((c["read"], LL_READ), (c["write"], fs)):
             for path in paths:
                 try:
-                    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+                    target = os.open(path, os.O_PATH | os.O_CLOEXEC)
                 except OSError:
                     continue  # absent here; nothing to allow
                 try:
                     allowed = rights & fs
                     if not os.path.isdir(path):
                         allowed &= LL_FILE
-                    rule = struct.pack("=Qi", allowed, fd)
-                    check(syscall(445, ruleset, 1, rule, 0), "landlock rule for %s" % path)
+                    rule = struct.pack("=Qi", allowed, target)
+                    check(_libc.syscall(445, fd, 1, rule, 0), "landlock rule for %s" % path)
                 finally:
-                    os.close(fd)
-        check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")  # PR_SET_NO_NEW_PRIVS
-        check(syscall(446, ruleset, 0), "landlock restrict")
-    finally:
-        os.close(ruleset)
-    program = bytes.fromhex(c["seccomp"])
-    if program:
-        buf = ctypes.create_string_buffer(program)
-
-        class Fprog(ctypes.Structure):
-            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-        fprog = Fprog(len(program) // 8, ctypes.cast(buf, ctypes.c_void_p))
-        check(libc.prctl(22, 2, ctypes.byref(fprog), 0, 0), "seccomp")  # PR_SET_SECCOMP, FILTER
+                    os.close(target)
+    except BaseException:
+        os.close(fd)
+        raise
+    if len(RULESETS) >= 32:
+        os.close(RULESETS.pop(next(iter(RULESETS))))
+    RULESETS[key] = fd
+    return fd
 
 
-def waiter(req, out, err, status):
+def confine(c, fd):
+    """Confines this waiter, and so the block it starts: a network namespace (the server's,
+    or one of its own; failing that, Landlock's TCP rules) unless the network is allowed,
+    Landlock over the files (`read` read-only, `write` read-write, nothing else; ruleset
+    `fd`), no new privileges, and the seccomp program. A step the kernel refuses raises
+    Refused."""
+    if fd is None:
+        raise Refused("no Landlock ruleset")
+    if not c["network"] and not ISOLATED:
+        isolate_network()
+    check(_prctl(38, 1, 0, 0, 0), "no_new_privs")  # PR_SET_NO_NEW_PRIVS
+    check(_libc.syscall(446, fd, 0), "landlock restrict")
+    program = SECCOMP.get(c["seccomp"])
+    if program is None:
+        program = SECCOMP[c["seccomp"]] = ctypes.create_string_buffer(bytes.fromhex(c["seccomp"]))
+    if len(program) > 1:
+        # create_string_buffer adds a NUL: the program is len - 1 bytes.
+        fprog = Fprog((len(program) - 1) // 8, ctypes.cast(program, ctypes.c_void_p))
+        check(_libc.prctl(22, 2, ctypes.byref(fprog), 0, 0), "seccomp")  # PR_SET_SECCOMP, FILTER
+
+
+def waiter(req, out, err, status, rules=None, refused=None):
     """Start the block, wait for it, clean up after it, report its raw wait status."""
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -241,7 +273,9 @@ def waiter(req, out, err, status):
             resource.setrlimit(getattr(resource, name), (limit, limit))
         if req.get("confine"):
             try:
-                confine(req["confine"])
+                if refused is not None:
+                    raise refused
+                confine(req["confine"], rules)
             except Exception as e:
                 # Nothing runs unconfined that was asked to be confined: the block fails.
                 os.write(status, b"%d\n" % os.getpid())
@@ -268,10 +302,16 @@ while True:
     if not msg:
         os._exit(0)
     req = json.loads(msg)
+    rules = refused = None
+    if req.get("confine"):
+        try:
+            rules = ruleset(req["confine"])
+        except Exception as e:
+            refused = e
     pid = os.fork()
     if pid == 0:
         ctl.close()
-        waiter(req, *fds)
+        waiter(req, *fds, rules=rules, refused=refused)
     for f in fds:
         os.close(f)
     ctl.send(str(pid).encode())

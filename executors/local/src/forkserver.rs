@@ -33,8 +33,13 @@ pub(crate) struct ForkServer {
 }
 
 impl ForkServer {
-    /// Starts the server with `env` as its whole environment.
-    pub(crate) fn start(python: &Path, env: &[(String, String)]) -> io::Result<Self> {
+    /// Starts the server with `env` as its whole environment; with `no_network`, the server
+    /// leaves the network (a user and network namespace of its own) before its first fork.
+    pub(crate) fn start(
+        python: &Path,
+        env: &[(String, String)],
+        no_network: bool,
+    ) -> io::Result<Self> {
         let (ours, theirs) = socketpair(
             AddressFamily::Unix,
             SockType::SeqPacket,
@@ -43,8 +48,11 @@ impl ForkServer {
         )?;
         let theirs_raw = theirs.as_raw_fd();
         let mut cmd = Command::new(python);
-        cmd.args(["-c", SERVER])
-            .env_clear()
+        cmd.args(["-c", SERVER]);
+        if no_network {
+            cmd.arg("--no-network");
+        }
+        cmd.env_clear()
             .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -144,7 +144,8 @@ impl Inner {
         let mut env = self.env.clone();
         env.push(("PATH".to_owned(), self.interpreters().path_env.clone()));
         env.push(("PYTHONDONTWRITEBYTECODE".to_owned(), "1".to_owned()));
-        match ForkServer::start(python, &env) {
+        let confined = self.config.confine != Confine::Off && Support::probe().can_confine();
+        match ForkServer::start(python, &env, confined && !self.config.network) {
             Ok(server) => {
                 let server = Arc::new(server);
                 *slot = Some(Ok(server.clone()));
