@@ -10,8 +10,9 @@
 //!   ptrace rule keeps the block out of Tandem's `/proc/<pid>/{environ,mem,fd}`.
 
 use std::collections::BTreeMap;
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
@@ -111,15 +112,18 @@ impl Support {
     }
 }
 
-/// What the waiter is told to apply (forkserver.py's `confine`).
+/// What the waiter is told to apply (forkserver.py's `confine`); the Landlock ruleset goes
+/// beside the request as a file descriptor.
 #[derive(Clone, Debug, serde::Serialize)]
 pub(crate) struct Policy {
-    /// Paths read (and executed) only.
-    pub read: Vec<PathBuf>,
-    /// Paths read and written.
-    pub write: Vec<PathBuf>,
+    /// The session's Landlock ruleset, made once and applied by each of its blocks.
+    #[serde(skip)]
+    pub ruleset: Arc<OwnedFd>,
     /// Whether blocks may use the network.
     pub network: bool,
+    /// Whether the ruleset denies TCP (Landlock ABI 4), for when no network namespace can be
+    /// made.
+    pub tcp: bool,
     /// The seccomp program, hex of its `sock_filter`s in native byte order.
     pub seccomp: String,
 }
@@ -171,7 +175,7 @@ pub(crate) fn policy(
     prefixes: &[PathBuf],
     extra: &[PathBuf],
     network: bool,
-) -> Policy {
+) -> std::io::Result<Policy> {
     let mut read: Vec<PathBuf> = SYSTEM_READ.iter().map(PathBuf::from).collect();
     // Debian's Python reads its sitecustomize from /etc/python3.N.
     if let Ok(entries) = std::fs::read_dir("/etc") {
@@ -184,16 +188,120 @@ pub(crate) fn policy(
     }
     read.extend(prefixes.iter().cloned());
     read.extend(extra.iter().cloned());
-    Policy {
-        read,
-        write: vec![
-            workspace.to_owned(),
-            tmp.to_owned(),
-            PathBuf::from("/dev/null"),
-        ],
+    let write = [
+        workspace.to_owned(),
+        tmp.to_owned(),
+        PathBuf::from("/dev/null"),
+    ];
+    let abi = Support::probe().landlock_abi;
+    let tcp = !network && abi >= 4;
+    Ok(Policy {
+        ruleset: Arc::new(ruleset(abi, &read, &write, tcp)?),
         network,
+        tcp,
         seccomp: seccomp_hex().to_owned(),
+    })
+}
+
+/// Landlock's filesystem rights that ABI `abi` handles (linux/landlock.h).
+fn fs_rights(abi: i64) -> u64 {
+    match abi {
+        1 => (1 << 13) - 1,
+        2 => (1 << 14) - 1,
+        3 | 4 => (1 << 15) - 1,
+        _ => (1 << 16) - 1,
     }
+}
+
+/// Execute, read a file, read a directory.
+const READ: u64 = (1 << 0) | (1 << 2) | (1 << 3);
+/// The rights a rule on a file (not a directory) may hold.
+const FILE: u64 = (1 << 0) | (1 << 1) | (1 << 2) | (1 << 14) | (1 << 15);
+
+#[repr(C)]
+struct RulesetAttr {
+    fs: u64,
+    net: u64,
+    scoped: u64,
+}
+
+#[repr(C, packed)]
+struct PathBeneath {
+    allowed: u64,
+    parent_fd: i32,
+}
+
+/// A Landlock ruleset that allows `read` read-only and `write` read-write and nothing else
+/// on files; with `tcp`, no TCP bind or connect; from ABI 6, signals and abstract unix
+/// sockets scoped to the domain. Paths that do not exist are skipped.
+fn ruleset(abi: i64, read: &[PathBuf], write: &[PathBuf], tcp: bool) -> std::io::Result<OwnedFd> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let fs = fs_rights(abi);
+    let attr = RulesetAttr {
+        fs,
+        net: if tcp { 3 } else { 0 },
+        scoped: 3,
+    };
+    let size: usize = match abi {
+        ..=3 => 8,
+        4 | 5 => 16,
+        _ => 24,
+    };
+    // SAFETY: `attr` outlives the call and `size` is at most its size.
+    #[allow(unsafe_code)]
+    let fd = unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_landlock_create_ruleset,
+            &raw const attr,
+            size,
+            0u32,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let fd = i32::try_from(fd).map_err(|_| std::io::Error::other("bad ruleset fd"))?;
+    // SAFETY: the kernel just returned this descriptor, which nothing else owns.
+    #[allow(unsafe_code)]
+    let ruleset = unsafe { OwnedFd::from_raw_fd(fd) };
+    for (paths, rights) in [(read, READ), (write, fs)] {
+        for path in paths {
+            let Ok(target) = nix::fcntl::open(
+                path.as_path(),
+                nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_CLOEXEC,
+                nix::sys::stat::Mode::empty(),
+            ) else {
+                continue;
+            };
+            let mut allowed = rights & fs;
+            if !std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
+                allowed &= FILE;
+            }
+            let rule = PathBeneath {
+                allowed,
+                parent_fd: target.as_raw_fd(),
+            };
+            // SAFETY: `rule` outlives the call; 1 is LANDLOCK_RULE_PATH_BENEATH.
+            #[allow(unsafe_code)]
+            let added = unsafe {
+                nix::libc::syscall(
+                    nix::libc::SYS_landlock_add_rule,
+                    ruleset.as_raw_fd(),
+                    1u32,
+                    &raw const rule,
+                    0u32,
+                )
+            };
+            if added < 0 {
+                let e = std::io::Error::last_os_error();
+                return Err(std::io::Error::new(
+                    e.kind(),
+                    format!("a Landlock rule for {}: {e}", path.display()),
+                ));
+            }
+        }
+    }
+    Ok(ruleset)
 }
 
 /// Calls a block never needs and an escape would: debugging and reading other processes,

@@ -153,11 +153,6 @@ def spawn(req, out, err, status):
     return pid
 
 
-# Landlock (linux/landlock.h): filesystem rights by ABI version, TCP rights from ABI 4,
-# scopes (abstract unix sockets, signals) from ABI 6.
-LL_READ = (1 << 0) | (1 << 2) | (1 << 3)  # execute, read file, read dir
-LL_FILE = (1 << 0) | (1 << 1) | (1 << 2) | (1 << 14) | (1 << 15)  # rights a file rule may hold
-LL_FS = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 4: (1 << 15) - 1}
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 
 
@@ -194,76 +189,39 @@ def isolate_network():
 # With the network off, the server itself leaves the network once: every block it forks is
 # then in a namespace with no interfaces, at no cost per block.
 ISOLATED = "--no-network" in sys.argv[1:] and isolate_network()
-# Landlock rulesets by policy: made once per session's policy, applied by each of its blocks.
-RULESETS = {}
+# Seccomp programs by their hex, decoded by the server so its forks need not.
 SECCOMP = {}
 
 
-def ruleset(c):
-    """The Landlock ruleset fd for policy `c` (made on first use, at most 32 kept)."""
-    key = json.dumps([c["read"], c["write"], c["network"] or ISOLATED], sort_keys=True)
-    if key in RULESETS:
-        return RULESETS[key]
-    if _prctl is None:
-        raise Refused("this Python has no ctypes")
-    abi = check(_libc.syscall(444, None, 0, 1), "landlock")
-    fs = LL_FS.get(abi, (1 << 16) - 1)
-    if not c["network"] and not ISOLATED and abi < 4:
-        raise Refused("no network namespace and no Landlock TCP rules (ABI %d)" % abi)
-    net = 0 if (c["network"] or ISOLATED or abi < 4) else 3
-    if abi >= 6:
-        attr = struct.pack("=QQQ", fs, net, 3)
-    elif abi >= 4:
-        attr = struct.pack("=QQ", fs, net)
-    else:
-        attr = struct.pack("=Q", fs)
-    fd = check(_libc.syscall(444, attr, len(attr), 0), "landlock ruleset")
-    try:
-        for paths, rights in ((c["read"], LL_READ), (c["write"], fs)):
-            for path in paths:
-                try:
-                    target = os.open(path, os.O_PATH | os.O_CLOEXEC)
-                except OSError:
-                    continue  # absent here; nothing to allow
-                try:
-                    allowed = rights & fs
-                    if not os.path.isdir(path):
-                        allowed &= LL_FILE
-                    rule = struct.pack("=Qi", allowed, target)
-                    check(_libc.syscall(445, fd, 1, rule, 0), "landlock rule for %s" % path)
-                finally:
-                    os.close(target)
-    except BaseException:
-        os.close(fd)
-        raise
-    if len(RULESETS) >= 32:
-        os.close(RULESETS.pop(next(iter(RULESETS))))
-    RULESETS[key] = fd
-    return fd
+def seccomp_program(text):
+    program = SECCOMP.get(text)
+    if program is None and _prctl is not None:
+        program = SECCOMP[text] = ctypes.create_string_buffer(bytes.fromhex(text))
+    return program
 
 
 def confine(c, fd):
     """Confines this waiter, and so the block it starts: a network namespace (the server's,
-    or one of its own; failing that, Landlock's TCP rules) unless the network is allowed,
-    Landlock over the files (`read` read-only, `write` read-write, nothing else; ruleset
-    `fd`), no new privileges, and the seccomp program. A step the kernel refuses raises
-    Refused."""
+    or one of its own; failing that, the ruleset's TCP rules) unless the network is allowed,
+    the session's Landlock ruleset `fd` (made by Tandem), no new privileges, and the seccomp
+    program. A step the kernel refuses raises Refused."""
     if fd is None:
-        raise Refused("no Landlock ruleset")
-    if not c["network"] and not ISOLATED:
-        isolate_network()
+        raise Refused("no Landlock ruleset came with the request")
+    if _prctl is None:
+        raise Refused("this Python has no ctypes")
+    if not c["network"] and not ISOLATED and not isolate_network() and not c["tcp"]:
+        raise Refused("no network namespace and no Landlock TCP rules")
     check(_prctl(38, 1, 0, 0, 0), "no_new_privs")  # PR_SET_NO_NEW_PRIVS
     check(_libc.syscall(446, fd, 0), "landlock restrict")
-    program = SECCOMP.get(c["seccomp"])
-    if program is None:
-        program = SECCOMP[c["seccomp"]] = ctypes.create_string_buffer(bytes.fromhex(c["seccomp"]))
+    os.close(fd)
+    program = seccomp_program(c["seccomp"])
     if len(program) > 1:
         # create_string_buffer adds a NUL: the program is len - 1 bytes.
         fprog = Fprog((len(program) - 1) // 8, ctypes.cast(program, ctypes.c_void_p))
         check(_libc.prctl(22, 2, ctypes.byref(fprog), 0, 0), "seccomp")  # PR_SET_SECCOMP, FILTER
 
 
-def waiter(req, out, err, status, rules=None, refused=None):
+def waiter(req, out, err, status, rules=None):
     """Start the block, wait for it, clean up after it, report its raw wait status."""
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -273,8 +231,6 @@ def waiter(req, out, err, status, rules=None, refused=None):
             resource.setrlimit(getattr(resource, name), (limit, limit))
         if req.get("confine"):
             try:
-                if refused is not None:
-                    raise refused
                 confine(req["confine"], rules)
             except Exception as e:
                 # Nothing runs unconfined that was asked to be confined: the block fails.
@@ -298,20 +254,19 @@ def waiter(req, out, err, status, rules=None, refused=None):
 
 
 while True:
-    msg, fds, _, _ = socket.recv_fds(ctl, 1 << 20, 3)
+    msg, fds, _, _ = socket.recv_fds(ctl, 1 << 20, 4)
     if not msg:
         os._exit(0)
     req = json.loads(msg)
-    rules = refused = None
     if req.get("confine"):
         try:
-            rules = ruleset(req["confine"])
-        except Exception as e:
-            refused = e
+            seccomp_program(req["confine"]["seccomp"])
+        except (ValueError, KeyError):
+            pass  # the waiter reports it
     pid = os.fork()
     if pid == 0:
         ctl.close()
-        waiter(req, *fds, rules=rules, refused=refused)
+        waiter(req, *fds[:3], rules=fds[3] if len(fds) > 3 else None)
     for f in fds:
         os.close(f)
     ctl.send(str(pid).encode())

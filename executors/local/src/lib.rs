@@ -95,13 +95,15 @@ impl Inner {
         let can = support.can_confine() && self.config.python_fork_server;
         match self.config.confine {
             Confine::Off => Ok(None),
-            _ if can => Ok(Some(confine::policy(
+            _ if can => confine::policy(
                 workspace,
                 tmp,
                 &self.interpreters().prefixes(),
                 &self.config.read_paths,
                 self.config.network,
-            ))),
+            )
+            .map(Some)
+            .map_err(|e| ExecError::io("making the session's Landlock ruleset", e)),
             Confine::Required => Err(ExecError::Unavailable {
                 what: "confinement of local blocks".to_owned(),
                 hint: format!(

@@ -219,10 +219,12 @@ async fn fork(
     let request = serde_json::to_string(&request)
         .map_err(|e| ExecError::Backend(format!("encoding a fork server request failed: {e}")))?;
     let server = server.clone();
-    let launched = tokio::task::spawn_blocking(move || server.launch(request.as_bytes()))
-        .await
-        .map_err(|e| ExecError::Backend(format!("the Python fork server failed: {e}")))?
-        .map_err(|e| ExecError::io("starting a block through the Python fork server", e))?;
+    let ruleset = confine.map(|c| c.ruleset.clone());
+    let launched =
+        tokio::task::spawn_blocking(move || server.launch(request.as_bytes(), ruleset.as_deref()))
+            .await
+            .map_err(|e| ExecError::Backend(format!("the Python fork server failed: {e}")))?
+            .map_err(|e| ExecError::io("starting a block through the Python fork server", e))?;
     let wrap = |fd| {
         pipe::Receiver::from_owned_fd(fd)
             .map_err(|e| ExecError::io("reading the block's output", e))
