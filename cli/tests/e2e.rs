@@ -960,3 +960,51 @@ async fn docker_engine_down_or_image_missing_says_what_to_do() {
         out.stderr
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn exec_says_when_local_blocks_run_unconfined_and_doctor_says_which() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tandem.toml");
+    let code = "import socket\ntry:\n    socket.create_connection(('127.0.0.1', 9), timeout=1)\nexcept OSError as e:\n    print(type(e).__name__)";
+    // Confined (this machine's kernel can): no line, and the network is out of reach.
+    std::fs::write(&config, "").unwrap();
+    let cfg = config.to_str().unwrap();
+    let args = [
+        "exec",
+        "--config",
+        cfg,
+        "--executor",
+        "local",
+        "--lang",
+        "python",
+        "-",
+    ];
+    let out = tandem(&args, &[], Some(code)).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(!out.stderr.contains("unconfined"), "{}", out.stderr);
+    assert_eq!(out.stdout, "PermissionError\n");
+    let doctor = tandem(&["doctor", "--config", cfg], &[], None).await;
+    assert!(
+        doctor.stdout.contains("local (python, sh") && doctor.stdout.contains("- confined ("),
+        "{}",
+        doctor.stdout
+    );
+    // Off: one line says so.
+    std::fs::write(&config, "[executors.local]\nconfine = \"off\"\n").unwrap();
+    let out = tandem(&args, &[], Some("print('ran')")).await;
+    assert_eq!(out.stdout, "ran\n");
+    assert_eq!(
+        out.stderr,
+        "tandem: local blocks run unconfined: confine = \"off\"\n"
+    );
+    // A bad value names the setting.
+    std::fs::write(&config, "[executors.local]\nconfine = \"sometimes\"\n").unwrap();
+    let out = tandem(&args, &[], Some("print(1)")).await;
+    assert_eq!(out.code, 2);
+    assert!(
+        out.stderr
+            .contains("[executors.local] confine must be auto, off or required, got `sometimes`"),
+        "{}",
+        out.stderr
+    );
+}

@@ -167,17 +167,10 @@ const SYSTEM_READ: &[&str] = &[
     "/dev/full",
 ];
 
-/// The policy for a session: `workspace` and `tmp` writable, `prefixes` (the interpreters'
-/// installations) and `extra` readable.
-pub(crate) fn policy(
-    workspace: &Path,
-    tmp: &Path,
-    prefixes: &[PathBuf],
-    extra: &[PathBuf],
-    network: bool,
-) -> std::io::Result<Policy> {
+/// What every session's blocks may read: the system's paths, Debian's `/etc/python3.N`,
+/// the interpreters' `prefixes` and the configured `extra` paths.
+pub(crate) fn readable(prefixes: &[PathBuf], extra: &[PathBuf]) -> Vec<PathBuf> {
     let mut read: Vec<PathBuf> = SYSTEM_READ.iter().map(PathBuf::from).collect();
-    // Debian's Python reads its sitecustomize from /etc/python3.N.
     if let Ok(entries) = std::fs::read_dir("/etc") {
         read.extend(
             entries
@@ -188,6 +181,16 @@ pub(crate) fn policy(
     }
     read.extend(prefixes.iter().cloned());
     read.extend(extra.iter().cloned());
+    read
+}
+
+/// The policy for a session: `workspace` and `tmp` writable, `read` ([`readable`]) readable.
+pub(crate) fn policy(
+    workspace: &Path,
+    tmp: &Path,
+    read: &[PathBuf],
+    network: bool,
+) -> std::io::Result<Policy> {
     let write = [
         workspace.to_owned(),
         tmp.to_owned(),
@@ -196,7 +199,7 @@ pub(crate) fn policy(
     let abi = Support::probe().landlock_abi;
     let tcp = !network && abi >= 4;
     Ok(Policy {
-        ruleset: Arc::new(ruleset(abi, &read, &write, tcp)?),
+        ruleset: Arc::new(ruleset(abi, read, &write, tcp)?),
         network,
         tcp,
         seccomp: seccomp_hex().to_owned(),

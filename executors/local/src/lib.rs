@@ -83,6 +83,8 @@ struct Inner {
     env: Vec<(String, String)>,
     /// Where temporary workspaces go (see [`ROOT_PREFIX`]).
     root: PathBuf,
+    /// What confined blocks may read, found once.
+    readable: OnceLock<Vec<PathBuf>>,
     /// Started on the first python block; `Err` once starting it failed (then blocks spawn).
     fork_server: tokio::sync::Mutex<Option<Result<Arc<ForkServer>, ()>>>,
 }
@@ -98,8 +100,9 @@ impl Inner {
             _ if can => confine::policy(
                 workspace,
                 tmp,
-                &self.interpreters().prefixes(),
-                &self.config.read_paths,
+                self.readable.get_or_init(|| {
+                    confine::readable(&self.interpreters().prefixes(), &self.config.read_paths)
+                }),
                 self.config.network,
             )
             .map(Some)
@@ -183,6 +186,7 @@ impl LocalExecutor {
                 config,
                 path,
                 interpreters: OnceLock::new(),
+                readable: OnceLock::new(),
                 languages,
                 env,
                 root: scratch::process_root(ROOT_PREFIX),
