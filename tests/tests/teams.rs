@@ -12,6 +12,20 @@ use tandem_protocol::team::{AgentSpec, Kind, TeamSpec, Termination};
 use tandem_protocol::{ErrorInfo, EventMsg, Message};
 use tandem_tests::{Reply, ScriptedOpenAi};
 
+/// A scripted server whose `coder` agent of `task` says `replies`, and a model on it.
+async fn coder(task: &str, replies: Vec<Reply>) -> (ScriptedOpenAi, ChatModel) {
+    let server = ScriptedOpenAi::start([(format!("{task}#coder"), replies)].into_iter().collect())
+        .await
+        .unwrap();
+    let model = ChatModel::new(ModelConfig {
+        base_url: server.base_url(),
+        max_retries: 0,
+        ..ModelConfig::default()
+    })
+    .unwrap();
+    (server, model)
+}
+
 /// Refuses code that mentions `forbidden`, and adds a note to every assistant's view.
 struct Gate;
 
@@ -41,25 +55,14 @@ impl Hook for Gate {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hook_changes_what_an_agent_receives_and_can_refuse_a_turn() {
     let task = "team api: gate";
-    let server = ScriptedOpenAi::start(
-        [(
-            format!("{task}#coder"),
-            vec![
-                Reply::from("```python\nprint('forbidden')\n```"),
-                Reply::from("```python\nprint('allowed')\n```"),
-            ],
-        )]
-        .into_iter()
-        .collect(),
+    let (server, model) = coder(
+        task,
+        vec![
+            Reply::from("```python\nprint('forbidden')\n```"),
+            Reply::from("```python\nprint('allowed')\n```"),
+        ],
     )
-    .await
-    .unwrap();
-    let model = ChatModel::new(ModelConfig {
-        base_url: server.base_url(),
-        max_retries: 0,
-        ..ModelConfig::default()
-    })
-    .unwrap();
+    .await;
     let spec = TeamSpec {
         team: AgentSpec {
             kind: Kind::Chat,
@@ -173,22 +176,7 @@ impl Agent for Reviewer {
 #[tokio::test(flavor = "multi_thread")]
 async fn an_agent_written_in_rust_takes_an_assistants_place() {
     let task = "team api: rust agent";
-    let server = ScriptedOpenAi::start(
-        [(
-            format!("{task}#coder"),
-            vec![Reply::from("```python\nprint(6 * 7)\n```")],
-        )]
-        .into_iter()
-        .collect(),
-    )
-    .await
-    .unwrap();
-    let model = ChatModel::new(ModelConfig {
-        base_url: server.base_url(),
-        max_retries: 0,
-        ..ModelConfig::default()
-    })
-    .unwrap();
+    let (server, model) = coder(task, vec![Reply::from("```python\nprint(6 * 7)\n```")]).await;
     let member = |kind: Kind, instructions: Option<&str>| AgentSpec {
         kind,
         instructions: instructions.map(str::to_owned),
