@@ -202,10 +202,11 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
             // By its path, through a link the block plants, and the parent's environment.
             let secret = host.secrets.path().join("secret.txt");
             let code = format!(
-                "import os\nos.symlink('{}{}', 'peek')\nfor p in ('{}', 'peek', '/proc/{}/environ'):\n    try:\n        print(open(p, 'rb').read()[:200])\n    except OSError as e:\n        print('denied', type(e).__name__)",
+                "import os\nos.symlink('{}{}', 'peek')\nfor p in ('{}', 'peek', '/proc/{}/environ'):\n    try:\n        print(open(p, 'rb').read()[:200])\n    except OSError as e:\n        print('denied', type(e).__name__)\ntry:\n    print('fd', os.readlink('/proc/{}/fd/0'))\nexcept OSError as e:\n    print('denied', type(e).__name__)",
                 "../".repeat(40),
                 secret.display().to_string().trim_start_matches('/'),
                 secret.display(),
+                std::process::id(),
                 std::process::id()
             );
             let out = run(&mut *s, "python", &code).await;
@@ -213,7 +214,7 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
             s.close().await.unwrap();
             assert!(!text.contains(&host.secret), "{kind:?}: {text}");
             assert!(!text.contains("PATH="), "{kind:?}: {text}");
-            assert_eq!(text.matches("denied").count(), 3, "{kind:?}: {text}");
+            assert_eq!(text.matches("denied").count(), 4, "{kind:?}: {text}");
             Verdict::Contained
         }
         3 => {
