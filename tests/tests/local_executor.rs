@@ -42,6 +42,9 @@ async fn python_blocks_fork_from_the_warm_interpreter_which_restarts_if_killed()
     let said = out.stdout.to_text();
     let (verdict, server) = said.trim().split_once(' ').unwrap();
     assert_eq!(verdict, "refused", "a block signalled the fork server");
+    // Nor its own waiter, which kills what the block leaves behind.
+    let out = conformance::run(&mut *s, "python", "import os, signal\ntry:\n    os.kill(os.getppid(), signal.SIGKILL)\n    print('killed the waiter')\nexcept PermissionError:\n    print('refused')").await;
+    assert_eq!(out.stdout.to_text(), "refused\n", "{:?}", out.status);
     let killed = std::process::Command::new("kill")
         .args(["-9", server])
         .status()
