@@ -122,7 +122,11 @@ impl Inner {
             Confine::Auto => {
                 static SAID: std::sync::Once = std::sync::Once::new();
                 SAID.call_once(|| {
-                    tracing::warn!(kernel = %support.describe(), "local blocks run unconfined: this machine cannot confine them");
+                    tracing::warn!(
+                        kernel = %support.describe(),
+                        fork_server = self.config.python_fork_server,
+                        "local blocks run unconfined: confinement needs the fork server and a kernel with Landlock"
+                    );
                 });
                 Ok(None)
             }
