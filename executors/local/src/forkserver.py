@@ -2,7 +2,8 @@
 # encodings) forks a fresh process per block; a block in another language is exec'd from
 # such a fork, so that every block runs under a waiter that is its subreaper. Requests
 # arrive on fd 3, a SOCK_SEQPACKET socket: one JSON message with three fds (stdout, stderr,
-# status pipes); the reply is the pid of the block's waiter. On the status pipe the block
+# status pipes), and a fourth, the session's Landlock ruleset, when the block is to be
+# confined; the reply is the pid of the block's waiter. On the status pipe the block
 # writes its own pid once it leads its own session, then the waiter writes the block's raw
 # wait status; EOF follows once every process the block started is dead.
 import builtins, io, json, os, resource, signal, socket, struct, sys, types
