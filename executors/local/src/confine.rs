@@ -7,7 +7,8 @@
 //!   namespaces are refused, Landlock's TCP rules with no port allowed;
 //! - seccomp: no ptrace, `process_vm_*`, bpf, mount, keyring, namespace or module calls;
 //! - Landlock scopes signals and abstract unix sockets to the block's own domain, and its
-//!   ptrace rule keeps the block out of Tandem's `/proc/<pid>/{environ,mem,fd}`.
+//!   ptrace rule keeps the block out of Tandem's `/proc/<pid>/environ` and memory and from
+//!   resolving its fds (the kernel still lets anyone list the fd numbers).
 
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
