@@ -139,11 +139,10 @@ pub async fn exec(args: ExecArgs, file: FileConfig) -> Result<u8> {
     let name = config::executor_name(args.executor.as_deref(), &file);
     let executor = crate::executors::resolve(&name, &file, args.image.as_deref()).await?;
     let executor_name = executor.name().to_owned();
-    if executor_name == "local" {
-        let local = tandem_executor_local::LocalExecutor::new(config::local_config(&file)?);
-        if let Err(unconfined) = local.confinement() {
-            eprintln!("tandem: local blocks run {unconfined}");
-        }
+    if executor_name == "local"
+        && let Err(unconfined) = tandem_executor_local::confinement(&config::local_config(&file)?)
+    {
+        eprintln!("tandem: local blocks run {unconfined}");
     }
     let limits = config::limits(&file, args.timeout)?;
     let mut slot = SessionSlot::new(

@@ -161,11 +161,13 @@ pub async fn report(
             .join(", ")
     };
     let mut lines = Vec::new();
-    let local = LocalExecutor::new(config::local_config(file)?);
+    let local_config = config::local_config(file)?;
+    let confinement = tandem_executor_local::confinement(&local_config);
+    let local = LocalExecutor::new(local_config);
     lines.push(format!(
         "executor:  local ({}) - {}",
         langs(local.languages()),
-        match local.confinement() {
+        match confinement {
             Ok(confined) => confined,
             Err(unconfined) => format!("{unconfined}; not a security boundary"),
         }

@@ -65,6 +65,36 @@ impl Default for LocalConfig {
     }
 }
 
+/// Why blocks under `config` run unconfined on this machine; `None` when they are confined.
+fn unconfined_because(config: &LocalConfig) -> Option<String> {
+    let support = Support::probe();
+    if config.confine == Confine::Off {
+        Some("confine = \"off\"".to_owned())
+    } else if !config.python_fork_server {
+        Some("confinement is applied by the fork server, which is off".to_owned())
+    } else if !support.can_confine() {
+        Some(format!(
+            "this kernel cannot confine blocks ({})",
+            support.describe()
+        ))
+    } else {
+        None
+    }
+}
+
+/// How blocks under `config` run on this machine: `Ok` with what confines them, or `Err`
+/// with why they are unconfined.
+pub fn confinement(config: &LocalConfig) -> Result<String, String> {
+    match unconfined_because(config) {
+        None => Ok(format!(
+            "confined ({}; network {})",
+            Support::probe().describe(),
+            if config.network { "on" } else { "off" }
+        )),
+        Some(why) => Err(format!("unconfined: {why}")),
+    }
+}
+
 /// The PATH interpreters are looked up on when the config names none.
 pub const DEFAULT_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
 
@@ -93,11 +123,8 @@ impl Inner {
     /// The confinement policy of a session with `workspace` and `tmp`; an error when it is
     /// required and the kernel cannot apply it.
     fn policy(&self, workspace: &Path, tmp: &Path) -> Result<Option<confine::Policy>, ExecError> {
-        let support = Support::probe();
-        let can = support.can_confine() && self.config.python_fork_server;
-        match self.config.confine {
-            Confine::Off => Ok(None),
-            _ if can => confine::policy(
+        match (unconfined_because(&self.config), self.config.confine) {
+            (None, _) => confine::policy(
                 workspace,
                 tmp,
                 self.readable.get_or_init(|| {
@@ -107,29 +134,18 @@ impl Inner {
             )
             .map(Some)
             .map_err(|e| ExecError::io("making the session's Landlock ruleset", e)),
-            Confine::Required => Err(ExecError::Unavailable {
+            (Some(why), Confine::Required) => Err(ExecError::Unavailable {
                 what: "confinement of local blocks".to_owned(),
                 hint: format!(
-                    "this machine offers {}{}; set [executors.local] confine = \"auto\" to run unconfined, or use the docker or wasm executor",
-                    support.describe(),
-                    if self.config.python_fork_server {
-                        ""
-                    } else {
-                        " and the fork server is off"
-                    }
+                    "{why}; set [executors.local] confine = \"auto\" to run unconfined, or use the docker or wasm executor"
                 ),
             }),
-            Confine::Auto => {
+            (Some(why), Confine::Auto) => {
                 static SAID: std::sync::Once = std::sync::Once::new();
-                SAID.call_once(|| {
-                    tracing::warn!(
-                        kernel = %support.describe(),
-                        fork_server = self.config.python_fork_server,
-                        "local blocks run unconfined: confinement needs the fork server and a kernel with Landlock"
-                    );
-                });
+                SAID.call_once(|| tracing::warn!("local blocks run unconfined: {why}"));
                 Ok(None)
             }
+            (Some(_), Confine::Off) => Ok(None),
         }
     }
 
@@ -153,8 +169,8 @@ impl Inner {
         let mut env = self.env.clone();
         env.push(("PATH".to_owned(), self.interpreters().path_env.clone()));
         env.push(("PYTHONDONTWRITEBYTECODE".to_owned(), "1".to_owned()));
-        let confined = self.config.confine != Confine::Off && Support::probe().can_confine();
-        match ForkServer::start(python, &env, confined && !self.config.network) {
+        let no_network = unconfined_because(&self.config).is_none() && !self.config.network;
+        match ForkServer::start(python, &env, no_network) {
             Ok(server) => {
                 let server = Arc::new(server);
                 *slot = Some(Ok(server.clone()));
@@ -196,30 +212,6 @@ impl LocalExecutor {
                 root: scratch::process_root(ROOT_PREFIX),
                 fork_server: tokio::sync::Mutex::new(None),
             }),
-        }
-    }
-
-    /// How its blocks run: confined (and by what), or unconfined and why.
-    pub fn confinement(&self) -> Result<String, String> {
-        let support = Support::probe();
-        match self.inner.config.confine {
-            Confine::Off => Err("unconfined: confine = \"off\"".to_owned()),
-            _ if !self.inner.config.python_fork_server => Err(
-                "unconfined: confinement is applied by the fork server, which is off".to_owned(),
-            ),
-            _ if support.can_confine() => Ok(format!(
-                "confined ({}; network {})",
-                support.describe(),
-                if self.inner.config.network {
-                    "on"
-                } else {
-                    "off"
-                }
-            )),
-            _ => Err(format!(
-                "unconfined: this kernel cannot confine blocks ({})",
-                support.describe()
-            )),
         }
     }
 
