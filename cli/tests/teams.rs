@@ -83,6 +83,21 @@ fn team_file(dir: &tempfile::TempDir, toml: &str) -> String {
     path.display().to_string()
 }
 
+/// A scripted server whose agents of `task` say their replies ([`per_agent`]).
+async fn scripted(task: &str, agents: Vec<(&str, Vec<Reply>)>) -> ScriptedOpenAi {
+    ScriptedOpenAi::start(per_agent(task, agents))
+        .await
+        .unwrap()
+}
+
+/// The JSON events of a `--json` run's output.
+fn events_of(out: &crate::e2e::Output) -> Vec<serde_json::Value> {
+    out.stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
 /// Replies per agent of `task` (keyed by the first line of each agent's instructions).
 fn per_agent(task: &str, agents: Vec<(&str, Vec<Reply>)>) -> Script {
     agents
@@ -127,15 +142,14 @@ instructions = "reviewer"
 #[tokio::test(flavor = "multi_thread")]
 async fn a_chat_runs_code_after_code_names_its_speakers_and_ends_on_a_mention() {
     let task = "team: review";
-    let server = ScriptedOpenAi::start(per_agent(
+    let server = scripted(
         task,
         vec![
             ("coder", vec![Reply::from("```python\nprint(6 * 7)\n```")]),
             ("reviewer", vec![Reply::from("The output is 42. APPROVED")]),
         ],
-    ))
-    .await
-    .unwrap();
+    )
+    .await;
     let dir = tempfile::tempdir().unwrap();
     let out = run_team(&server, &team_file(&dir, REVIEW), task, false).await;
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
@@ -202,7 +216,7 @@ instructions = "summariser"
 #[tokio::test(flavor = "multi_thread")]
 async fn an_escalation_ends_only_the_innermost_loop() {
     let task = "team: refine";
-    let server = ScriptedOpenAi::start(per_agent(
+    let server = scripted(
         task,
         vec![
             (
@@ -215,16 +229,14 @@ async fn an_escalation_ends_only_the_innermost_loop() {
             ),
             ("summariser", vec![Reply::from("Final: draft 2")]),
         ],
-    ))
-    .await
-    .unwrap();
+    )
+    .await;
     let dir = tempfile::tempdir().unwrap();
     let out = run_team(&server, &team_file(&dir, REFINE), task, true).await;
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
-    let speakers: Vec<String> = out
-        .stdout
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+    let events = events_of(&out);
+    let speakers: Vec<String> = events
+        .iter()
         .filter(|e| e["type"] == "agent_turn")
         .map(|e| e["agent"].as_str().unwrap().to_owned())
         .collect();
@@ -246,10 +258,8 @@ async fn an_escalation_ends_only_the_innermost_loop() {
         out.stdout
     );
     // Every event of an agent's turn names the agent by its path.
-    let said: Vec<(String, String)> = out
-        .stdout
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+    let said: Vec<(String, String)> = events
+        .iter()
         .filter(|e| e["type"] == "assistant_message")
         .map(|e| {
             let path = e["path"].as_str().unwrap_or("none").to_owned();
@@ -301,7 +311,7 @@ instructions = "reviewer"
 #[tokio::test(flavor = "multi_thread")]
 async fn a_nested_chat_answers_its_team_with_its_last_message_only() {
     let task = "team: nested";
-    let server = ScriptedOpenAi::start(per_agent(
+    let server = scripted(
         task,
         vec![
             (
@@ -313,9 +323,8 @@ async fn a_nested_chat_answers_its_team_with_its_last_message_only() {
             ),
             ("reviewer", vec![Reply::from("APPROVED")]),
         ],
-    ))
-    .await
-    .unwrap();
+    )
+    .await;
     let dir = tempfile::tempdir().unwrap();
     let out = run_team(&server, &team_file(&dir, NESTED), task, false).await;
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
@@ -351,7 +360,7 @@ async fn a_nested_chat_answers_its_team_with_its_last_message_only() {
 async fn parallel_members_run_at_once_and_a_turn_limit_stops_a_team() {
     let task = "team: parallel";
     let slow = |text: &str| Reply::Delayed(Duration::from_secs(1), Box::new(Reply::from(text)));
-    let server = ScriptedOpenAi::start(per_agent(
+    let server = scripted(
         task,
         vec![
             ("a", vec![slow("from a")]),
@@ -359,9 +368,8 @@ async fn parallel_members_run_at_once_and_a_turn_limit_stops_a_team() {
             ("c", vec![slow("from c")]),
             ("editor", vec![Reply::from("merged")]),
         ],
-    ))
-    .await
-    .unwrap();
+    )
+    .await;
     let dir = tempfile::tempdir().unwrap();
     let file = team_file(
         &dir,
@@ -428,7 +436,7 @@ const JUDGE: &str = "You judge a team's conversation. Answer yes or no.";
 #[tokio::test(flavor = "multi_thread")]
 async fn llm_selection_hooks_and_an_llm_judge() {
     let task = "team: selection";
-    let server = ScriptedOpenAi::start(per_agent(
+    let server = scripted(
         task,
         vec![
             (
@@ -439,9 +447,8 @@ async fn llm_selection_hooks_and_an_llm_judge() {
             (SELECTOR, vec![Reply::from("checker, please")]),
             (JUDGE, vec![Reply::from("Yes, it is planned.")]),
         ],
-    ))
-    .await
-    .unwrap();
+    )
+    .await;
     let dir = tempfile::tempdir().unwrap();
     let team = |termination: &str| {
         format!(
@@ -532,7 +539,7 @@ keep_last = 1
 #[tokio::test(flavor = "multi_thread")]
 async fn a_team_on_the_daemon_resumes_after_kill_9_where_it_was() {
     let task = "team: resume the loop";
-    let server = ScriptedOpenAi::start(per_agent(
+    let server = scripted(
         task,
         vec![
             (
@@ -548,9 +555,8 @@ async fn a_team_on_the_daemon_resumes_after_kill_9_where_it_was() {
             ),
             ("summariser", vec![Reply::from("Final")]),
         ],
-    ))
-    .await
-    .unwrap();
+    )
+    .await;
     let mut d = tandem_tests::DaemonHarness::start(
         std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
         &server.base_url(),
@@ -719,7 +725,7 @@ async fn the_example_teams_run_to_their_end() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_flat_chat_shares_every_message_and_limits_stop_with_their_codes() {
     let task = "team: flat";
-    let server = ScriptedOpenAi::start(per_agent(
+    let server = scripted(
         task,
         vec![
             (
@@ -731,9 +737,8 @@ async fn a_flat_chat_shares_every_message_and_limits_stop_with_their_codes() {
             ),
             ("reviewer", vec![Reply::from("APPROVED")]),
         ],
-    ))
-    .await
-    .unwrap();
+    )
+    .await;
     let dir = tempfile::tempdir().unwrap();
     let flat = NESTED.replace("aggregate = \"nested\"", "aggregate = \"flat\"");
     let out = run_team(&server, &team_file(&dir, &flat), task, false).await;
@@ -811,7 +816,7 @@ async fn ends_with_runs_the_last_code_first_and_a_fenced_word_is_said_not_run() 
     // Prose first: the runner answers with its no_code_reply; DONE mid-prose does not end
     // it; then code and DONE in one message: the code runs, then the chat ends.
     let task = "team: ends_with";
-    let server = ScriptedOpenAi::start(per_agent(
+    let server = scripted(
         task,
         vec![(
             "coder",
@@ -820,16 +825,11 @@ async fn ends_with_runs_the_last_code_first_and_a_fenced_word_is_said_not_run() 
                 Reply::from("```python\nprint(6 * 7)\n```\nDONE"),
             ],
         )],
-    ))
-    .await
-    .unwrap();
+    )
+    .await;
     let out = run_team(&server, &file, task, true).await;
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
-    let events: Vec<serde_json::Value> = out
-        .stdout
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
+    let events = events_of(&out);
     let reports: Vec<&str> = events
         .iter()
         .filter(|e| e["type"] == "executor_message")
@@ -844,12 +844,7 @@ async fn ends_with_runs_the_last_code_first_and_a_fenced_word_is_said_not_run() 
 
     // A block that holds only the word says it: the chat ends and nothing runs.
     let task = "team: fenced word";
-    let server = ScriptedOpenAi::start(per_agent(
-        task,
-        vec![("coder", vec![Reply::from("```\nDONE\n```")])],
-    ))
-    .await
-    .unwrap();
+    let server = scripted(task, vec![("coder", vec![Reply::from("```\nDONE\n```")])]).await;
     let out = run_team(&server, &file, task, true).await;
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
     assert!(!out.stdout.contains("\"code_block\""), "{}", out.stdout);

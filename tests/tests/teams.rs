@@ -26,6 +26,21 @@ async fn coder(task: &str, replies: Vec<Reply>) -> (ScriptedOpenAi, ChatModel) {
     (server, model)
 }
 
+/// `spec`, checked, with `model` for every assistant and the local executor for every
+/// executor; at most 10 turns.
+fn local_team(spec: &TeamSpec, model: &ChatModel) -> Team {
+    let executor: Arc<dyn Executor> = Arc::new(LocalExecutor::new(LocalConfig::default()));
+    Team::new(
+        check(spec).unwrap(),
+        model.clone(),
+        |_| Ok(model.clone()),
+        |_| Ok(SessionSlot::new(executor.clone(), SessionSpec::default())),
+        10,
+        &Limits::default(),
+    )
+    .unwrap()
+}
+
 /// Refuses code that mentions `forbidden`, and adds a note to every assistant's view.
 struct Gate;
 
@@ -92,17 +107,7 @@ async fn a_hook_changes_what_an_agent_receives_and_can_refuse_a_turn() {
         .into_iter()
         .collect(),
     };
-    let executor: Arc<dyn Executor> = Arc::new(LocalExecutor::new(LocalConfig::default()));
-    let team = Team::new(
-        check(&spec).unwrap(),
-        model.clone(),
-        |_| Ok(model.clone()),
-        |_| Ok(SessionSlot::new(executor.clone(), SessionSpec::default())),
-        10,
-        &Limits::default(),
-    )
-    .unwrap()
-    .with_hook(Arc::new(Gate));
+    let team = local_team(&spec, &model).with_hook(Arc::new(Gate));
     let events = Arc::new(Mutex::new(Vec::new()));
     let sink = events.clone();
     let (ended, history, _, _) = team
@@ -211,18 +216,7 @@ async fn an_agent_written_in_rust_takes_an_assistants_place() {
         .map(|(n, a)| (n.to_owned(), a))
         .collect(),
     };
-    let executor: Arc<dyn Executor> = Arc::new(LocalExecutor::new(LocalConfig::default()));
-    let make = || {
-        Team::new(
-            check(&spec).unwrap(),
-            model.clone(),
-            |_| Ok(model.clone()),
-            |_| Ok(SessionSlot::new(executor.clone(), SessionSpec::default())),
-            10,
-            &Limits::default(),
-        )
-        .unwrap()
-    };
+    let make = || local_team(&spec, &model);
     let reviewer = Arc::new(Reviewer {
         seen: Mutex::new(Vec::new()),
     });

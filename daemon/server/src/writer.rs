@@ -439,13 +439,19 @@ mod tests {
         assert!(batch.next_due().is_none());
     }
 
-    #[test]
-    fn a_bad_change_in_a_batch_costs_only_itself() {
+    /// A store in a temporary directory (kept while the guard lives) holding queued task `a`.
+    fn store_with_task_a() -> (tempfile::TempDir, Store) {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("tandem.db")).unwrap();
         store
             .apply(&[Change::Create("a".into(), Box::default(), 1)])
             .unwrap();
+        (dir, store)
+    }
+
+    #[test]
+    fn a_bad_change_in_a_batch_costs_only_itself() {
+        let (_dir, store) = store_with_task_a();
         let (tx, rx) = std::sync::mpsc::channel();
         let (live, mut seen) = broadcast::channel(16);
         tx.send(Write::State("a".into(), TaskState::Running, 2))
@@ -495,11 +501,7 @@ mod tests {
 
     #[test]
     fn a_conditional_change_follows_what_was_queued_before_it_and_says_if_it_moved() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(&dir.path().join("tandem.db")).unwrap();
-        store
-            .apply(&[Change::Create("a".into(), Box::default(), 1)])
-            .unwrap();
+        let (_dir, store) = store_with_task_a();
         let (tx, rx) = std::sync::mpsc::channel();
         let (live, _seen) = broadcast::channel(16);
         let transition = |from, to| {
