@@ -84,6 +84,7 @@ pub async fn all(executor: Arc<dyn Executor>) {
     filename_directive(&*executor).await;
     environment_is_isolated(&*executor).await;
     stdin_is_closed(&*executor).await;
+    signals_are_as_in_a_fresh_process(&*executor).await;
     timeout_kills_the_whole_tree(&*executor).await;
     python_daemons_do_not_outlive_their_block(&*executor).await;
     cancel_stops_a_block_at_once(&*executor).await;
@@ -209,6 +210,28 @@ pub async fn stdin_is_closed(executor: &dyn Executor) {
     .await;
     assert_eq!(out.stdout.to_text(), "''\n");
     assert!(started.elapsed() < Duration::from_secs(5));
+    s.close().await.unwrap();
+}
+
+/// A block's programs start with the signal dispositions of a fresh process, whatever its
+/// supervisor ignores: a write past the file-size limit kills with SIGXFSZ (exit 153 in sh),
+/// and a writer into a closed pipe dies of SIGPIPE (141) instead of looping on EPIPE.
+pub async fn signals_are_as_in_a_fresh_process(executor: &dyn Executor) {
+    let limits = Limits {
+        file_size_bytes: Some(1 << 20),
+        ..Limits::default()
+    };
+    let mut s = open(executor, limits).await;
+    let out = run(
+        &mut *s,
+        "sh",
+        "head -c 2000000 /dev/zero > big; echo xfsz $?\n(yes; echo yes-ended $? >&2) | head -n 1 > /dev/null; echo pipe done",
+    )
+    .await;
+    // The shell names the signal on stderr ("File size limit exceeded" in dash).
+    let err = out.stderr.to_text();
+    assert_eq!(out.stdout.to_text(), "xfsz 153\npipe done\n", "{err}");
+    assert!(err.ends_with("\nyes-ended 141\n"), "{err}");
     s.close().await.unwrap();
 }
 

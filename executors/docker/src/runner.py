@@ -11,6 +11,11 @@
 # everything that touches the workspace on a block's behalf, runs as the unprivileged user
 # named by argv[1]. Being another user is what keeps a block away from the runner: it cannot
 # open /proc/<runner>/fd/1 to forge frames, read the requests on fd 0, or signal the runner.
+#
+# It is not the local executor's fork server because its boundary is another: the uid and
+# the container's pid namespace (kill(-1) ends a block's every process), where the fork
+# server's is Landlock, seccomp and a subreaper per block. What a block sees is the same in
+# both, and the shared conformance suite holds both to it.
 import json, os, resource, select, shutil, signal, struct, sys
 
 ME = os.getpid()
@@ -119,10 +124,11 @@ def oom_kills():
 
 
 class Capture:
-    """Forwards the first `cap` bytes live, keeps the last cap/2 after that."""
+    """Forwards the head (the first half of `cap`, rounded up) live and keeps the last half
+    after it: the split Tandem's own capture buffer makes, so nothing is sent only to be cut."""
 
     def __init__(self, kind, cap):
-        self.kind, self.head_left, self.tail_cap = kind, cap, cap // 2
+        self.kind, self.head_left, self.tail_cap = kind, cap - cap // 2, cap // 2
         self.tail, self.dropped = bytearray(), 0
 
     def push(self, data):
@@ -151,8 +157,10 @@ def start(req, out_w, err_w):
         return pid
     try:
         os.setsid()
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        # The dispositions of a fresh process: Python ignores SIGPIPE and SIGXFSZ, and an
+        # ignored signal stays ignored across exec.
+        for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(sig, signal.SIG_DFL)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(out_w, 1)
@@ -176,7 +184,7 @@ def start(req, out_w, err_w):
         os.chdir(WORKSPACE)
         os.execvpe(req["argv"][0], req["argv"], req["env"])
     except BaseException as e:
-        os.write(2, ("tandem runner: cannot start %s: %s\n" % (req["argv"][0], e)).encode())
+        os.write(2, ("tandem: cannot start %s: %s\n" % (req["argv"][0], e)).encode())
     os._exit(127)
 
 
@@ -190,7 +198,7 @@ def run(req, stdin_buf):
     except OSError as e:  # fork failed: a process limit reached, or out of memory
         for fd in (out_r, out_w, err_r, err_w):
             os.close(fd)
-        send(b"e", ("tandem runner: cannot start the block: %s\n" % e).encode())
+        send(b"e", ("tandem: cannot start the block: %s\n" % e).encode())
         send(b"x", json.dumps({"code": 1, "signal": None, "oom": False}).encode())
         return stdin_buf
     os.close(out_w)

@@ -12,6 +12,7 @@ use bollard::query_parameters::{
 };
 use futures::StreamExt;
 use serde::Deserialize;
+use tandem_executor::process::{Bounded, bounded};
 use tandem_executor::workspace::block_script_path;
 use tandem_executor::{
     BoxFuture, CaptureBuffer, ExecContext, ExecError, ExecOutcome, ExecRequest, ExitStatus, Limits,
@@ -354,59 +355,33 @@ impl DockerSession {
             .await
             .map_err(|e| ExecError::io("sending a block to the session container", e))?;
 
-        let mut out = CaptureBuffer::new(cap);
-        let mut err = CaptureBuffer::new(cap);
-        let mut stopped: Option<ExitStatus> = None;
-        // Any timeout a client sends must not overflow: past the clock's range is never.
-        let now = tokio::time::Instant::now();
-        let deadline = now
-            .checked_add(timeout)
-            .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400));
-        let mut kill_deadline: Option<tokio::time::Instant> = None;
-        let mut runner_error = None;
-        let exit = loop {
-            // `None` from the channel means the runner is gone; a timer waking is not that.
-            let frame = tokio::select! {
-                frame = conn.frames.recv() => match frame {
-                    Some(frame) => frame,
-                    None => break None,
-                },
-                () = tokio::time::sleep_until(deadline), if stopped.is_none() => {
-                    stopped = Some(ExitStatus::TimedOut);
+        let mut streams = Streams {
+            out: CaptureBuffer::new(cap),
+            err: CaptureBuffer::new(cap),
+            runner_error: None,
+        };
+        let (stopped, exit) =
+            match bounded(streams.until_exit(conn, &ctx), timeout, &ctx.cancel).await {
+                Bounded::Finished(exit) => (None, exit),
+                stop => {
+                    let stopped = match stop {
+                        Bounded::TimedOut => ExitStatus::TimedOut,
+                        _ => ExitStatus::Cancelled,
+                    };
                     // The runner kills every process of the block and then reports it.
                     let _ = conn.send(&Request::Kill).await;
-                    kill_deadline = Some(tokio::time::Instant::now() + KILL_GRACE);
-                    continue;
+                    let exit = tokio::time::timeout(KILL_GRACE, streams.until_exit(conn, &ctx))
+                        .await
+                        .ok()
+                        .flatten();
+                    (Some(stopped), exit)
                 }
-                () = ctx.cancel.cancelled(), if stopped.is_none() => {
-                    stopped = Some(ExitStatus::Cancelled);
-                    let _ = conn.send(&Request::Kill).await;
-                    kill_deadline = Some(tokio::time::Instant::now() + KILL_GRACE);
-                    continue;
-                }
-                () = sleep_until_opt(kill_deadline) => break None,
             };
-            match frame {
-                Frame::Output(stream, data) => {
-                    let buf = match stream {
-                        Stream::Stdout => &mut out,
-                        Stream::Stderr => &mut err,
-                    };
-                    let live = buf.push(&data);
-                    if live > 0 {
-                        (ctx.sink)(stream, &data[..live]);
-                    }
-                }
-                Frame::Dropped(Stream::Stdout, n) => out.skip(n),
-                Frame::Dropped(Stream::Stderr, n) => err.skip(n),
-                Frame::Exit(exit) => break Some(exit),
-                Frame::Error(e) => {
-                    runner_error = Some(e);
-                    break None;
-                }
-                Frame::Ready | Frame::Done => {}
-            }
-        };
+        let Streams {
+            out,
+            err,
+            runner_error,
+        } = streams;
         let duration = started.elapsed();
         let answered = exit.is_some();
         let status = match (stopped, exit) {
@@ -644,10 +619,40 @@ pub(crate) enum Request<'a> {
     Release,
 }
 
-async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
+/// A block's two output streams as the runner reports them.
+struct Streams {
+    out: CaptureBuffer,
+    err: CaptureBuffer,
+    runner_error: Option<String>,
+}
+
+impl Streams {
+    /// Takes the runner's frames until the block's exit report (`None`: the runner is gone
+    /// or failed); stopping it between frames loses nothing, so it can be resumed.
+    async fn until_exit(&mut self, conn: &mut Conn, ctx: &ExecContext) -> Option<ExitFrame> {
+        while let Some(frame) = conn.frames.recv().await {
+            match frame {
+                Frame::Output(stream, data) => {
+                    let buf = match stream {
+                        Stream::Stdout => &mut self.out,
+                        Stream::Stderr => &mut self.err,
+                    };
+                    let live = buf.push(&data);
+                    if live > 0 {
+                        (ctx.sink)(stream, &data[..live]);
+                    }
+                }
+                Frame::Dropped(Stream::Stdout, n) => self.out.skip(n),
+                Frame::Dropped(Stream::Stderr, n) => self.err.skip(n),
+                Frame::Exit(exit) => return Some(exit),
+                Frame::Error(e) => {
+                    self.runner_error = Some(e);
+                    return None;
+                }
+                Frame::Ready | Frame::Done => {}
+            }
+        }
+        None
     }
 }
 
