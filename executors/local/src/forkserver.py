@@ -121,9 +121,43 @@ def kill_descendants():
         os.sched_yield()
 
 
+# Python ignores these; a block's programs start with them as a fresh process has them.
+FRESH_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD)
+
+
+def fork_exec(req, out, err, status):
+    """Another language's confined block: forked rather than spawned, so that before exec it
+    can enter the Landlock domain that keeps it from signalling this waiter."""
+    pid = os.fork()
+    if pid:
+        return pid
+    argv = req["argv"]
+    try:
+        os.setsid()
+        scope_away_from_waiter()
+        os.write(status, b"%d\n" % os.getpid())
+        os.close(status)
+        os.chdir(req["cwd"])
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        for f in (null, out, err):
+            if f > 2:
+                os.close(f)
+        for sig in FRESH_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        os.execve(argv[0], argv, req["env"])
+    except BaseException as e:
+        os.write(2, ("tandem: cannot start %s: %s\n" % (argv[0], e)).encode())
+    os._exit(127)
+
+
 def spawn(req, out, err, status):
     """Another language's block: exec'd by posix_spawn (vfork, no copy of this interpreter)
     in its own session, with the signal dispositions a fresh process has."""
+    if req.get("confine") and SIGNAL_SCOPE:
+        return fork_exec(req, out, err, status)
     os.chdir(req["cwd"])
     null = os.open(os.devnull, os.O_RDONLY)
     argv = req["argv"]
@@ -133,7 +167,7 @@ def spawn(req, out, err, status):
             argv,
             req["env"],
             setsid=True,
-            setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD),
+            setsigdef=FRESH_SIGNALS,
             file_actions=[
                 (os.POSIX_SPAWN_DUP2, null, 0),
                 (os.POSIX_SPAWN_DUP2, out, 1),
@@ -224,12 +258,14 @@ def confine(c, fd):
         check(_libc.prctl(22, 2, ctypes.byref(fprog), 0, 0), "seccomp")  # PR_SET_SECCOMP, FILTER
 
 
+# Landlock scopes signals from ABI 6 on.
+SIGNAL_SCOPE = _prctl is not None and _libc.syscall(444, None, 0, 1) >= 6
+
+
 def scope_away_from_waiter():
-    """Puts this python block in a Landlock domain of its own inside the waiter's, which only
-    scopes signals (ABI 6): the block can no longer kill the waiter that kills what it leaves
-    behind. Blocks of other languages are spawned straight from the waiter and share its
-    domain."""
-    if _prctl is None or _libc.syscall(444, None, 0, 1) < 6:
+    """Puts this block in a Landlock domain of its own inside the waiter's, which only scopes
+    signals: the block can no longer kill the waiter that kills what it leaves behind."""
+    if not SIGNAL_SCOPE:
         return
     attr = struct.pack("=QQQ", 0, 0, 2)  # LANDLOCK_SCOPE_SIGNAL
     fd = _libc.syscall(444, attr, len(attr), 0)
