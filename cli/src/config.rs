@@ -69,6 +69,16 @@ pub struct ModelSection {
     pub max_tokens: Option<u32>,
     /// Most bytes of one reply kept; a server streaming past it is cut off.
     pub max_reply_bytes: Option<usize>,
+    /// Where the embedded model's files are (default `$XDG_CACHE_HOME/tandem/models`).
+    pub models_dir: Option<PathBuf>,
+    /// `embedded` or `openai`; unset: a server when one is named, else the embedded model.
+    pub provider: Option<String>,
+    /// Sampling seed.
+    pub seed: Option<u32>,
+    /// Strings that end a reply.
+    pub stop: Option<Vec<String>>,
+    /// The embedded model's context window in tokens.
+    pub context_tokens: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -221,6 +231,8 @@ pub fn model_config(flags: &ModelFlags, file: &FileConfig) -> Result<ModelConfig
         max_retries,
         temperature: m.temperature,
         max_tokens: m.max_tokens,
+        seed: m.seed,
+        stop: m.stop.clone().unwrap_or_default(),
         max_reply_bytes: match m.max_reply_bytes {
             Some(0) => bail!("[model] max_reply_bytes must be at least 1"),
             Some(n) => n,
@@ -228,6 +240,22 @@ pub fn model_config(flags: &ModelFlags, file: &FileConfig) -> Result<ModelConfig
         },
         ..defaults
     })
+}
+
+/// The models directory: `TANDEM_MODELS_DIR`, then `[model] models_dir`, then the cache.
+pub fn models_dir(file: &FileConfig) -> Result<PathBuf> {
+    env("TANDEM_MODELS_DIR")
+        .map(PathBuf::from)
+        .or_else(|| file.model.models_dir.clone())
+        .or_else(crate::model::default_models_dir)
+        .context(
+            "no models directory: set TANDEM_MODELS_DIR (neither XDG_CACHE_HOME nor HOME is set)",
+        )
+}
+
+/// The Hugging Face hub's endpoint: `HF_ENDPOINT`, as the hub's own clients read it.
+pub fn hub_endpoint() -> String {
+    env("HF_ENDPOINT").unwrap_or_else(|| "https://huggingface.co".to_owned())
 }
 
 /// The daemon's policy for API clients, from `[policy]`.

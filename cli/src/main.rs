@@ -4,6 +4,8 @@ mod client;
 mod config;
 mod exec;
 mod executors;
+mod model;
+mod provider;
 mod render;
 mod run;
 mod serve;
@@ -79,6 +81,11 @@ enum Command {
     Cancel(tasks::IdArgs),
     /// Continue an interrupted task from its transcript
     Resume(tasks::IdArgs),
+    /// The embedded model's files: pull one, list them
+    Model {
+        #[command(subcommand)]
+        action: model::ModelAction,
+    },
     /// Work with team files (several agents): check one
     Team {
         #[command(subcommand)]
@@ -175,6 +182,7 @@ fn dispatch(cli: Cli) -> Result<u8> {
             image,
             precompile,
         } => runtime()?.block_on(doctor(&model, image, precompile, &file)),
+        Command::Model { action } => runtime()?.block_on(model::model(action, &file)),
         Command::Run(args) => runtime()?.block_on(run::run(args, file)),
         Command::Exec(args) => runtime()?.block_on(exec::exec(args, file)),
         Command::Serve(args) => {
@@ -235,15 +243,28 @@ async fn doctor(
     file: &config::FileConfig,
 ) -> Result<u8> {
     let model = config::model_config(flags, file)?;
-    println!("model:     {} at {}", model.model, model.base_url);
-    println!(
-        "api key:   {}",
-        if model.api_key.is_some() {
-            "set"
-        } else {
-            "not set"
+    match provider::choose(flags, file) {
+        Ok(provider::Provider::Embedded { name, path }) => {
+            let size = std::fs::metadata(&path).map_or(0, |m| m.len());
+            println!(
+                "model:     {name}, embedded: runs in Tandem's process, no server or key ({}, {:.0} MB)",
+                path.display(),
+                size as f64 / 1e6
+            );
         }
-    );
+        Ok(provider::Provider::Server) => {
+            println!("model:     {} at {}", model.model, model.base_url);
+            println!(
+                "api key:   {}",
+                if model.api_key.is_some() {
+                    "set"
+                } else {
+                    "not set"
+                }
+            );
+        }
+        Err(e) => println!("model:     none: {e:#}"),
+    }
     for line in executors::report(file, image.as_deref(), precompile).await? {
         println!("{line}");
     }

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use tandem_agent::{ChatModel, TaskSettings, allowed_languages, run_task};
+use tandem_agent::{TaskSettings, allowed_languages, run_task};
 use tandem_executor::{CancellationToken, SessionSpec};
 use tandem_protocol::EventMsg;
 
@@ -102,7 +102,6 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
             }
         }
     }
-    let model = ChatModel::new(config::model_config(&args.model, &file)?)?;
     let executor_name = config::executor_name(args.executor.as_deref(), &file);
     let executor = crate::executors::resolve(&executor_name, &file, args.image.as_deref()).await?;
     let mut settings = TaskSettings::new(args.task.clone());
@@ -138,6 +137,8 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
         limits: config::limits(&file, args.block_timeout)?,
         labels: Vec::new(),
     };
+    // Last of the checks: loading the embedded model takes a moment.
+    let model = crate::provider::chat_model(&args.model, &file).await?;
 
     let cancel = CancellationToken::new();
     spawn_ctrl_c(cancel.clone());

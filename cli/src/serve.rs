@@ -326,14 +326,35 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
         },
         limits: config::limits(&file, None)?,
     };
+    let mut model = config::model_config(&args.model, &file)?;
+    // Loaded once and shared by every task that names no model server.
+    let local_model = match crate::provider::choose(&args.model, &file) {
+        Ok(crate::provider::Provider::Embedded { name, path }) => {
+            let loaded = crate::provider::load(&name, path.clone(), &file).await?;
+            say.note(&format!(
+                "model: {name}, embedded ({}); tasks that name no model server use it",
+                path.display()
+            ));
+            model.model = name;
+            Some(loaded)
+        }
+        Ok(crate::provider::Provider::Server) => None,
+        Err(e) => {
+            say.warn(&format!(
+                "{e:#}; tasks fail until a client names a model server"
+            ));
+            None
+        }
+    };
     let supervisor = Supervisor::new(
         store,
         SupervisorConfig {
-            model: config::model_config(&args.model, &file)?,
+            model,
             executors,
             defaults,
             max_concurrent,
             policy,
+            local_model,
         },
     );
 

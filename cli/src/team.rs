@@ -86,7 +86,11 @@ pub async fn run(
         code: ErrorCode::InvalidRequest,
         message,
     };
+    let selector = crate::provider::chat_model(&args.model, &file).await?;
     let model = |node: &tandem_agent::team::Node| {
+        if node.spec.model.is_none() && node.spec.base_url.is_none() {
+            return Ok(selector.clone());
+        }
         let mut c = model_config.clone();
         if let Some(m) = &node.spec.model {
             c.model = m.clone();
@@ -108,19 +112,18 @@ pub async fn run(
         .max_turns
         .or(file.task.max_turns)
         .unwrap_or(DEFAULT_TEAM_TURNS);
-    let selector = ChatModel::new(model_config.clone())?;
-    let team = Team::new(root, selector, model, slot, max_turns, &limits)
+    let label = TaskLabel {
+        model: selector.config().model.clone(),
+        base_url: selector.location(),
+        executor: format!("team {}", path.display()),
+    };
+    let team = Team::new(root, selector.clone(), model, slot, max_turns, &limits)
         .map_err(|e| anyhow!("{}", e.message))?;
 
     let cancel = CancellationToken::new();
     crate::run::spawn_ctrl_c(cancel.clone());
     let timeout = crate::run::task_timeout(args, &file)?;
     let (renderer, events) = crate::run::transcript(args.json, &cancel);
-    let label = TaskLabel {
-        model: model_config.model.clone(),
-        base_url: model_config.base_url.clone(),
-        executor: format!("team {}", path.display()),
-    };
     let stop_reason =
         run_team_task(team, &args.task, label, events, cancel, timeout, Vec::new()).await;
     if renderer.lock().is_ok_and(|r| r.reader_gone()) {

@@ -4,6 +4,7 @@
 
 mod daemon;
 mod e2e;
+mod embedded;
 mod hostile;
 mod new_user;
 mod teams;

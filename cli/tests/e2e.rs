@@ -18,14 +18,14 @@ impl Output {
             .collect()
     }
 
-    fn of_type(&self, kind: &str) -> Vec<Value> {
+    pub(crate) fn of_type(&self, kind: &str) -> Vec<Value> {
         self.events()
             .into_iter()
             .filter(|e| e["type"] == kind)
             .collect()
     }
 
-    fn finished(&self) -> Value {
+    pub(crate) fn finished(&self) -> Value {
         let events = self.events();
         let last = events.last().expect("no events").clone();
         assert_eq!(last["type"], "task_finished", "last event: {last}");
@@ -43,6 +43,9 @@ pub(crate) async fn tandem(args: &[&str], env: &[(&str, &str)], stdin: Option<&s
         .env_remove("TANDEM_MODEL")
         .env_remove("TANDEM_CONFIG")
         .env("XDG_CONFIG_HOME", config_home.path())
+        // No embedded model unless a test names one: the machine's pulled models would
+        // otherwise answer every task that names no server.
+        .env("TANDEM_MODELS_DIR", config_home.path().join("no-models"))
         .env("NO_COLOR", "1")
         // The default is `auto`, which depends on the machine; the docker tests say so.
         .env("TANDEM_EXECUTOR", "local")

@@ -34,6 +34,11 @@ pub struct ModelConfig {
     pub temperature: Option<f32>,
     /// Reply length cap, when set.
     pub max_tokens: Option<u32>,
+    /// Sampling seed, when set: the same seed and conversation give the same reply where the
+    /// model honours it (the embedded one does).
+    pub seed: Option<u32>,
+    /// The reply ends before any of these.
+    pub stop: Vec<String>,
     /// Most bytes of one reply that are kept: a server that never stops streaming is cut
     /// off here, and the reply ends as if it had hit its length limit.
     pub max_reply_bytes: usize,
@@ -56,6 +61,8 @@ impl Default for ModelConfig {
             idle_timeout: Duration::from_secs(300),
             temperature: None,
             max_tokens: None,
+            seed: None,
+            stop: Vec::new(),
             max_reply_bytes: DEFAULT_MAX_REPLY_BYTES,
         }
     }
@@ -70,6 +77,17 @@ pub struct ModelError {
     /// One line: what failed, with the URL and model, and what to check.
     pub message: String,
     retryable: bool,
+}
+
+impl ModelError {
+    /// A failure that a retry would not mend.
+    pub fn new(code: ErrorCode, message: String) -> Self {
+        Self {
+            code,
+            message,
+            retryable: false,
+        }
+    }
 }
 
 impl From<ModelError> for ErrorInfo {
@@ -108,17 +126,39 @@ pub struct Completion {
     pub finish_reason: Option<String>,
 }
 
-/// A chat model behind an OpenAI-compatible API.
+/// A model that runs inside this process (the embedded provider) instead of behind an API.
+pub trait LocalModel: Send + Sync {
+    /// Generates the reply to `messages` under `config`'s sampling settings, streaming its
+    /// text through `progress`; dropping the future stops the generation.
+    fn complete<'a>(
+        &'a self,
+        messages: &'a [Message],
+        config: &'a ModelConfig,
+        progress: &'a mut (dyn FnMut(ModelProgress<'_>) + Send),
+    ) -> futures::future::BoxFuture<'a, Result<Completion, ModelError>>;
+
+    /// What to call it in the transcript header and `tandem doctor`.
+    fn describe(&self) -> String;
+}
+
+/// How a [`ChatModel`] reaches its model.
+#[derive(Clone)]
+enum Transport {
+    Http(Client<OpenAIConfig>),
+    Local(std::sync::Arc<dyn LocalModel>),
+}
+
+/// The assistant's chat model: behind an OpenAI-compatible API, or run in this process.
 #[derive(Clone)]
 pub struct ChatModel {
-    client: Client<OpenAIConfig>,
+    transport: Transport,
     config: ModelConfig,
 }
 
 impl std::fmt::Debug for ChatModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ChatModel")
-            .field("base_url", &self.config.base_url)
+            .field("location", &self.location())
             .field("model", &self.config.model)
             .finish_non_exhaustive()
     }
@@ -157,7 +197,26 @@ impl ChatModel {
         // async-openai retries 429/5xx/connect errors itself, invisibly and a fixed number of
         // times; its plain transport leaves the retry policy (and its events) to `complete`.
         let client = Client::with_config(openai).with_http_service(ReqwestService::new(http));
-        Ok(Self { client, config })
+        Ok(Self {
+            transport: Transport::Http(client),
+            config,
+        })
+    }
+
+    /// A chat model run in this process; `config` gives the sampling settings and limits.
+    pub fn local(model: std::sync::Arc<dyn LocalModel>, config: ModelConfig) -> Self {
+        Self {
+            transport: Transport::Local(model),
+            config,
+        }
+    }
+
+    /// Where the model is, for people: the server's URL, or the local model's description.
+    pub fn location(&self) -> String {
+        match &self.transport {
+            Transport::Http(_) => self.config.base_url.clone(),
+            Transport::Local(model) => model.describe(),
+        }
     }
 
     /// The configuration in use.
@@ -171,12 +230,18 @@ impl ChatModel {
         messages: &[Message],
         progress: &mut (dyn FnMut(ModelProgress<'_>) + Send),
     ) -> Result<Completion, ModelError> {
+        let client = match &self.transport {
+            Transport::Http(client) => client,
+            Transport::Local(model) => {
+                return model.complete(messages, &self.config, progress).await;
+            }
+        };
         let mut attempt = 0;
         loop {
             let result = if self.config.stream {
-                self.complete_streaming(messages, progress).await
+                self.complete_streaming(client, messages, progress).await
             } else {
-                self.complete_once(messages).await
+                self.complete_once(client, messages).await
             };
             match result {
                 Err(e) if e.retryable && attempt < self.config.max_retries => {
@@ -211,16 +276,22 @@ impl ChatModel {
         if let Some(n) = self.config.max_tokens {
             body["max_tokens"] = json!(n);
         }
+        if let Some(seed) = self.config.seed {
+            body["seed"] = json!(seed);
+        }
+        if !self.config.stop.is_empty() {
+            body["stop"] = json!(self.config.stop);
+        }
         body
     }
 
     async fn complete_streaming(
         &self,
+        client: &Client<OpenAIConfig>,
         messages: &[Message],
         progress: &mut (dyn FnMut(ModelProgress<'_>) + Send),
     ) -> Result<Completion, ModelError> {
-        let mut stream = self
-            .client
+        let mut stream = client
             .chat()
             .create_stream_byot::<_, Chunk>(self.request(messages, true))
             .await
@@ -258,9 +329,12 @@ impl ChatModel {
         Ok(done)
     }
 
-    async fn complete_once(&self, messages: &[Message]) -> Result<Completion, ModelError> {
-        let reply: Reply = self
-            .client
+    async fn complete_once(
+        &self,
+        client: &Client<OpenAIConfig>,
+        messages: &[Message],
+    ) -> Result<Completion, ModelError> {
+        let reply: Reply = client
             .chat()
             .create_byot(self.request(messages, false))
             .await
@@ -400,7 +474,7 @@ impl ChatModel {
 ///
 /// Loading the CA bundle costs ~100 ms of start-up with OpenSSL, and a local model server on
 /// plain HTTP never needs it, so only HTTPS pays (and rustls parses it faster).
-fn tls_config(https: bool) -> Result<rustls::ClientConfig, ModelError> {
+pub fn tls_config(https: bool) -> Result<rustls::ClientConfig, ModelError> {
     let fail = |message: String| ModelError {
         code: ErrorCode::Internal,
         message,

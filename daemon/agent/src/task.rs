@@ -83,7 +83,7 @@ pub async fn run_task(
 ) -> TaskOutcome {
     let label = TaskLabel {
         model: model.config().model.clone(),
-        base_url: model.config().base_url.clone(),
+        base_url: model.location(),
         executor: executor.name().to_owned(),
     };
     let slot =

@@ -66,6 +66,8 @@ pub struct SupervisorConfig {
     pub max_concurrent: usize,
     /// What API clients may ask for.
     pub policy: Policy,
+    /// The embedded model, loaded once, for every task that names no model server.
+    pub local_model: Option<Arc<dyn tandem_agent::chat::LocalModel>>,
 }
 
 /// Why a request about tasks failed; the API turns these into 4xx/5xx answers.
@@ -443,7 +445,7 @@ impl Supervisor {
         };
         let label = TaskLabel {
             model: model.config().model.clone(),
-            base_url: model.config().base_url.clone(),
+            base_url: model.location(),
             executor: "team".to_owned(),
         };
         run_team_task(
@@ -763,6 +765,9 @@ impl Supervisor {
     /// key configured for that endpoint, never the daemon's own.
     fn model(&self, spec: &TaskSpec) -> Result<ChatModel, ErrorInfo> {
         let mut config = self.config.model.clone();
+        if let (Some(local), None) = (&self.config.local_model, &spec.base_url) {
+            return Ok(ChatModel::local(local.clone(), config));
+        }
         if let Some(url) = &spec.base_url {
             let endpoint = self
                 .config

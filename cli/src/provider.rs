@@ -1,0 +1,128 @@
+//! Which model answers: an OpenAI-compatible server, or the embedded model run in this
+//! process. Decided once per command from `[model] provider`, or, when that is not set, by
+//! whether a server is named at all.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use tandem_agent::ChatModel;
+use tandem_agent::chat::LocalModel;
+use tandem_model_embedded::{Embedded, EmbeddedChat, EmbeddedConfig};
+use tandem_model_files::ModelDir;
+
+use crate::config::{self, FileConfig, ModelFlags};
+
+/// The choice, before anything is loaded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Provider {
+    /// An OpenAI-compatible server.
+    Server,
+    /// A GGUF file run in this process, under this name.
+    Embedded {
+        /// The catalog name, or the file's name.
+        name: String,
+        /// The file.
+        path: PathBuf,
+    },
+}
+
+/// What to say when there is no model at all.
+pub const NO_MODEL: &str = "no model to talk to: set OPENAI_API_KEY (for OpenAI) or OPENAI_BASE_URL (for any OpenAI-compatible server), or run `tandem model pull` once for a model that runs inside Tandem with no key and no network";
+
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+/// Decides the provider from the flags, the environment and the file.
+pub fn choose(flags: &ModelFlags, file: &FileConfig) -> Result<Provider> {
+    let m = &file.model;
+    let named = flags
+        .model
+        .clone()
+        .or_else(|| env("TANDEM_MODEL"))
+        .or_else(|| m.model.clone());
+    match m.provider.as_deref() {
+        Some("openai") => Ok(Provider::Server),
+        Some("embedded") => embedded(named.as_deref(), file)?.context(
+            "[model] provider is embedded but no model file is there: run `tandem model pull`",
+        ),
+        Some(other) => bail!("[model] provider must be embedded or openai, got `{other}`"),
+        None => {
+            let server_named = flags.base_url.is_some()
+                || env("OPENAI_BASE_URL").is_some()
+                || m.base_url.is_some()
+                || env("OPENAI_API_KEY").is_some()
+                || m.api_key.is_some();
+            if server_named {
+                return Ok(Provider::Server);
+            }
+            match embedded(named.as_deref(), file)? {
+                Some(found) => Ok(found),
+                None => bail!("{NO_MODEL}"),
+            }
+        }
+    }
+}
+
+/// The embedded model `name` names (a catalog name or a `.gguf` path), or the first pulled
+/// one; `None` when there is none.
+fn embedded(name: Option<&str>, file: &FileConfig) -> Result<Option<Provider>> {
+    let dir = ModelDir::new(config::models_dir(file)?);
+    if let Some(name) = name {
+        if name.ends_with(".gguf") {
+            let path = PathBuf::from(name);
+            anyhow::ensure!(path.is_file(), "no model file at {name}");
+            return Ok(Some(Provider::Embedded {
+                name: path
+                    .file_stem()
+                    .map_or_else(|| name.to_owned(), |s| s.to_string_lossy().into_owned()),
+                path,
+            }));
+        }
+        if let Ok(spec) = tandem_model_files::find(name) {
+            return Ok(dir.installed(&spec).map(|path| Provider::Embedded {
+                name: spec.name,
+                path,
+            }));
+        }
+    }
+    Ok(dir
+        .first_installed()
+        .map(|(spec, path)| Provider::Embedded {
+            name: spec.name,
+            path,
+        }))
+}
+
+/// Loads the embedded model off the async runtime.
+pub async fn load(name: &str, path: PathBuf, file: &FileConfig) -> Result<Arc<dyn LocalModel>> {
+    let mut config = EmbeddedConfig::for_cores(
+        std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get),
+    );
+    if let Some(n) = file.model.context_tokens {
+        config.context_tokens = n;
+    }
+    let engine = tokio::task::spawn_blocking(move || Embedded::load(&path, config))
+        .await
+        .context("loading the embedded model stopped")??;
+    tracing::info!(
+        model = name,
+        load_ms = engine.load_time().as_millis() as u64,
+        "embedded model loaded"
+    );
+    Ok(Arc::new(EmbeddedChat::new(engine, name)))
+}
+
+/// The assistant's chat model for a command run in this process.
+pub async fn chat_model(flags: &ModelFlags, file: &FileConfig) -> Result<ChatModel> {
+    let mut config = config::model_config(flags, file)?;
+    match choose(flags, file)? {
+        Provider::Server => Ok(ChatModel::new(config)?),
+        Provider::Embedded { name, path } => {
+            let local = load(&name, path, file).await?;
+            config.model = name;
+            Ok(ChatModel::local(local, config))
+        }
+    }
+}

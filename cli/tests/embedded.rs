@@ -1,0 +1,124 @@
+//! The embedded model through the real binary: a task solved with no server and no key, on
+//! the 0.5B model that `scripts/fetch-test-model.sh` pulls (a missing model fails the test
+//! and says how to get it), and what a new user meets with no model at all.
+
+use std::path::PathBuf;
+
+use crate::e2e::tandem;
+
+/// The directory holding the pulled test model.
+fn models_dir() -> String {
+    let dir = std::env::var_os("TANDEM_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/tandem/models")
+        });
+    assert!(
+        dir.join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+            .is_file(),
+        "the test model is not in {}: run scripts/fetch-test-model.sh",
+        dir.display()
+    );
+    dir.display().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_task_is_solved_by_the_embedded_model_with_no_server_and_no_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tandem.toml");
+    std::fs::write(
+        &config,
+        "[model]\nprovider = \"embedded\"\nmodel = \"qwen2.5-coder-0.5b\"\ntemperature = 0.0\nseed = 1\ncontext_tokens = 4096\n",
+    )
+    .unwrap();
+    let models = models_dir();
+    let out = tandem(
+        &[
+            "run",
+            "--json",
+            "--config",
+            config.to_str().unwrap(),
+            "--max-turns",
+            "4",
+            "Print the sum of 2 and 3 with python.",
+        ],
+        &[("TANDEM_MODELS_DIR", models.as_str())],
+        None,
+    )
+    .await;
+    let started = out.of_type("task_started");
+    assert_eq!(started[0]["model"], "qwen2.5-coder-0.5b", "{}", out.stderr);
+    assert!(
+        started[0]["base_url"]
+            .as_str()
+            .unwrap()
+            .starts_with("the embedded engine ("),
+        "{}",
+        started[0]
+    );
+    let ran = out.of_type("exec_result");
+    assert!(
+        ran.iter().any(|r| r.to_string().contains("5\\n")),
+        "no block printed 5: {}\n{}",
+        out.stdout,
+        out.stderr
+    );
+    assert_eq!(
+        out.finished()["stop_reason"],
+        "terminated",
+        "{}",
+        out.stdout
+    );
+    assert_eq!(out.code, 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_no_model_and_no_server_the_error_names_both_ways_out() {
+    let out = tandem(&["run", "Print 1"], &[], None).await;
+    assert_eq!(out.code, 2);
+    assert_eq!(
+        out.stderr,
+        "tandem: no model to talk to: set OPENAI_API_KEY (for OpenAI) or OPENAI_BASE_URL (for any OpenAI-compatible server), or run `tandem model pull` once for a model that runs inside Tandem with no key and no network\n"
+    );
+    let doctor = tandem(&["doctor"], &[], None).await;
+    assert!(
+        doctor
+            .stdout
+            .starts_with("model:     none: no model to talk to: "),
+        "{}",
+        doctor.stdout
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn doctor_and_model_list_show_the_pulled_model() {
+    let models = models_dir();
+    let out = tandem(&["doctor"], &[("TANDEM_MODELS_DIR", models.as_str())], None).await;
+    let first = out.stdout.lines().next().unwrap_or_default();
+    assert!(
+        first.starts_with(
+            "model:     qwen2.5-coder-0.5b, embedded: runs in Tandem's process, no server or key ("
+        ) && first.ends_with("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf, 491 MB)"),
+        "{first}"
+    );
+    let empty = tempfile::tempdir().unwrap();
+    let list = tandem(
+        &["model", "list"],
+        &[("TANDEM_MODELS_DIR", empty.path().to_str().unwrap())],
+        None,
+    )
+    .await;
+    assert_eq!(
+        list.stdout,
+        format!(
+            "no model files in {}\ncan be pulled (`tandem model pull NAME`): qwen2.5-coder-1.5b (1117 MB), qwen2.5-coder-0.5b (491 MB)\n",
+            empty.path().display()
+        )
+    );
+    let unknown = tandem(&["model", "pull", "gpt-9"], &[], None).await;
+    assert_eq!(unknown.code, 2);
+    assert_eq!(
+        unknown.stderr,
+        "tandem: no model named `gpt-9`; known models: qwen2.5-coder-1.5b, qwen2.5-coder-0.5b\n"
+    );
+}

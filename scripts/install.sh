@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Sets Tandem up on this machine: the system packages its build needs (with apt-get, when
+# they are missing), `tandem` into ~/.cargo/bin, and a coding model that runs inside Tandem
+# (Qwen2.5-Coder-1.5B-Instruct, 1.1 GB; pass `qwen2.5-coder-0.5b` for a small machine), so
+# that `tandem run` works with no API key and no network.
+#
+#   scripts/install.sh [MODEL]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+missing=()
+# llama.cpp, the embedded model's engine, is compiled from source (cmake, a C++ compiler)
+# and bound to Rust by bindgen (libclang).
+command -v cmake >/dev/null || missing+=(cmake)
+command -v c++ >/dev/null || missing+=(g++)
+ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || missing+=(libclang-dev clang)
+command -v python3 >/dev/null || missing+=(python3)
+python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing system packages: ${missing[*]}"
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo=sudo
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq "${missing[@]}"
+fi
+
+cargo install --locked --path cli
+"${CARGO_HOME:-$HOME/.cargo}/bin/tandem" model pull "$@"
