@@ -379,8 +379,46 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
         }
         13 => match kind {
             Kind::Wasm => Verdict::NotApplicable,
-            // kill(-1) as the daemon's user would kill the user's (or, as root, every) process.
-            Kind::Local => Verdict::NotRun,
+            Kind::Local => {
+                let mut s = conformance::open(executor, short()).await;
+                // Unconfined, kill(-1) as the tests' user would kill the user's (as root,
+                // every) process: it runs only once the block is seen unable to signal its
+                // waiter, and fails the case otherwise.
+                let probe = run(
+                    &mut *s,
+                    "sh",
+                    "kill -0 $PPID 2>/dev/null && echo reachable || echo scoped",
+                )
+                .await;
+                assert_eq!(
+                    probe.stdout.to_text(),
+                    "scoped\n",
+                    "the local executor is not confined here; kill -9 -1 not run"
+                );
+                let mut bystander = std::process::Command::new("sleep")
+                    .arg("30")
+                    .spawn()
+                    .unwrap();
+                let out = run(
+                    &mut *s,
+                    "sh",
+                    "kill -9 -1; for p in /proc/[0-9]*; do kill -9 ${p#/proc/} 2>/dev/null; done; echo survived",
+                )
+                .await;
+                // The block killed itself (its own domain is all it can reach) and was reported.
+                assert_eq!(out.stdout.to_text(), "", "{}", status_text(&out));
+                assert_eq!(out.status, ExitStatus::Signaled(9));
+                assert!(
+                    bystander.try_wait().unwrap().is_none(),
+                    "a process outside the block was killed"
+                );
+                let _ = bystander.kill();
+                let _ = bystander.wait();
+                let after = run(&mut *s, "python", "print('fine')").await;
+                assert_eq!(after.stdout.to_text(), "fine\n");
+                s.close().await.unwrap();
+                Verdict::Contained
+            }
             Kind::Docker => {
                 let mut s = conformance::open(executor, short()).await;
                 let out = run(
