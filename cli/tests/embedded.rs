@@ -93,7 +93,12 @@ async fn with_no_model_and_no_server_the_error_names_both_ways_out() {
 #[tokio::test(flavor = "multi_thread")]
 async fn doctor_and_model_list_show_the_pulled_model() {
     let models = models_dir();
-    let out = tandem(&["doctor"], &[("TANDEM_MODELS_DIR", models.as_str())], None).await;
+    let out = tandem(
+        &["doctor", "--model", "qwen2.5-coder-0.5b"],
+        &[("TANDEM_MODELS_DIR", models.as_str())],
+        None,
+    )
+    .await;
     let first = out.stdout.lines().next().unwrap_or_default();
     assert!(
         first.starts_with(

@@ -101,33 +101,52 @@ fn sources(endpoint: String) -> Sources {
     }
 }
 
-fn data() -> Vec<u8> {
-    (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect()
+/// A hub on loopback serving 300 kB as the test model (its first response cut after
+/// `cut_first_at` bytes, if set), an empty models directory, and the model's spec.
+struct Fixture {
+    data: Vec<u8>,
+    seen: Arc<Mutex<Vec<Option<String>>>>,
+    endpoint: String,
+    tmp: tempfile::TempDir,
+    dir: ModelDir,
+    spec: ModelSpec,
 }
 
-#[tokio::test]
-async fn a_cut_download_resumes_with_a_range_request_and_is_checked() {
-    let data = data();
+async fn fixture(cut_first_at: Option<usize>) -> Fixture {
+    let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
     let hub = Hub {
         data: Arc::new(data.clone()),
-        cut_first_at: Some(100_000),
+        cut_first_at,
         ..Hub::default()
     };
     let seen = hub.seen.clone();
     let endpoint = start(hub).await;
     let tmp = tempfile::tempdir().unwrap();
-    let dir = ModelDir::new(tmp.path().join("models"));
+    let dir = ModelDir::new(tmp.path());
     let spec = spec_for(&data);
+    Fixture {
+        data,
+        seen,
+        endpoint,
+        tmp,
+        dir,
+        spec,
+    }
+}
+
+#[tokio::test]
+async fn a_cut_download_resumes_with_a_range_request_and_is_checked() {
+    let f = fixture(Some(100_000)).await;
     let mut events = Vec::new();
-    let pulled = pull(&dir, &spec, &sources(endpoint.clone()), &mut |p| {
+    let pulled = pull(&f.dir, &f.spec, &sources(f.endpoint.clone()), &mut |p| {
         events.push(p)
     })
     .await
     .unwrap();
     assert_eq!(pulled.source, Some(Source::Hub));
-    assert_eq!(std::fs::read(&pulled.path).unwrap(), data);
+    assert_eq!(std::fs::read(&pulled.path).unwrap(), f.data);
     assert_eq!(
-        *seen.lock().unwrap(),
+        *f.seen.lock().unwrap(),
         vec![None, Some("bytes=100000-".to_owned())]
     );
     assert!(events.contains(&Progress::Trying {
@@ -137,63 +156,48 @@ async fn a_cut_download_resumes_with_a_range_request_and_is_checked() {
     }));
     assert_eq!(events.last(), Some(&Progress::Verifying));
     assert_eq!(
-        std::fs::read_dir(dir.path()).unwrap().count(),
+        std::fs::read_dir(f.dir.path()).unwrap().count(),
         1,
         "no .part left"
     );
     // Pulled again: already there, nothing fetched.
-    let again = pull(&dir, &spec, &sources(endpoint), &mut |_| {})
+    let again = pull(&f.dir, &f.spec, &sources(f.endpoint), &mut |_| {})
         .await
         .unwrap();
     assert_eq!(again.source, None);
-    assert_eq!(seen.lock().unwrap().len(), 2);
+    assert_eq!(f.seen.lock().unwrap().len(), 2);
 }
 
 #[tokio::test]
 async fn a_download_cut_every_time_keeps_its_part_for_the_next_pull() {
-    let data = data();
-    let hub = Hub {
-        data: Arc::new(data.clone()),
-        cut_first_at: Some(120_000),
-        ..Hub::default()
-    };
-    let endpoint = start(hub).await;
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = ModelDir::new(tmp.path());
-    let spec = spec_for(&data);
+    let f = fixture(Some(120_000)).await;
     let one_try = Sources {
         attempts: 1,
-        ..sources(endpoint.clone())
+        ..sources(f.endpoint.clone())
     };
-    let e = pull(&dir, &spec, &one_try, &mut |_| {}).await.unwrap_err();
+    let e = pull(&f.dir, &f.spec, &one_try, &mut |_| {})
+        .await
+        .unwrap_err();
     let text = e.to_string();
     assert!(
         text.contains("was cut at 120000 of 300000 bytes") && text.contains("run the pull again"),
         "{text}"
     );
     assert_eq!(
-        std::fs::metadata(tmp.path().join("model.gguf.part"))
+        std::fs::metadata(f.tmp.path().join("model.gguf.part"))
             .unwrap()
             .len(),
         120_000
     );
-    let pulled = pull(&dir, &spec, &one_try, &mut |_| {}).await.unwrap();
-    assert_eq!(std::fs::read(pulled.path).unwrap(), data);
+    let pulled = pull(&f.dir, &f.spec, &one_try, &mut |_| {}).await.unwrap();
+    assert_eq!(std::fs::read(pulled.path).unwrap(), f.data);
 }
 
 #[tokio::test]
 async fn a_wrong_sha256_is_refused_and_nothing_is_kept() {
-    let data = data();
-    let endpoint = start(Hub {
-        data: Arc::new(data.clone()),
-        ..Hub::default()
-    })
-    .await;
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = ModelDir::new(tmp.path());
-    let mut spec = spec_for(&data);
-    spec.sha256 = "00".repeat(32);
-    let e = pull(&dir, &spec, &sources(endpoint), &mut |_| {})
+    let mut f = fixture(None).await;
+    f.spec.sha256 = "00".repeat(32);
+    let e = pull(&f.dir, &f.spec, &sources(f.endpoint), &mut |_| {})
         .await
         .unwrap_err();
     let text = e.to_string();
@@ -202,22 +206,15 @@ async fn a_wrong_sha256_is_refused_and_nothing_is_kept() {
             && text.contains(&format!(", not {}; the download was removed", "00".repeat(32))),
         "{text}"
     );
-    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+    assert_eq!(std::fs::read_dir(f.tmp.path()).unwrap().count(), 0);
 }
 
 #[tokio::test]
 async fn a_missing_file_and_an_unreachable_hub_name_the_url() {
-    let data = data();
-    let endpoint = start(Hub {
-        data: Arc::new(data.clone()),
-        ..Hub::default()
-    })
-    .await;
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = ModelDir::new(tmp.path());
-    let mut spec = spec_for(&data);
-    spec.hub.as_mut().unwrap().path = "missing.gguf".into();
-    let e = pull(&dir, &spec, &sources(endpoint.clone()), &mut |_| {})
+    let mut f = fixture(None).await;
+    let endpoint = f.endpoint.clone();
+    f.spec.hub.as_mut().unwrap().path = "missing.gguf".into();
+    let e = pull(&f.dir, &f.spec, &sources(endpoint.clone()), &mut |_| {})
         .await
         .unwrap_err();
     assert_eq!(
@@ -227,9 +224,9 @@ async fn a_missing_file_and_an_unreachable_hub_name_the_url() {
         )
     );
     // Nothing listens on port 9 here.
-    let spec = spec_for(&data);
+    let spec = spec_for(&f.data);
     let e = pull(
-        &dir,
+        &f.dir,
         &spec,
         &sources("http://127.0.0.1:9".into()),
         &mut |_| {},
@@ -246,18 +243,9 @@ async fn a_missing_file_and_an_unreachable_hub_name_the_url() {
 
 #[tokio::test]
 async fn too_little_disk_space_is_said_before_anything_is_fetched() {
-    let data = data();
-    let hub = Hub {
-        data: Arc::new(data.clone()),
-        ..Hub::default()
-    };
-    let seen = hub.seen.clone();
-    let endpoint = start(hub).await;
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = ModelDir::new(tmp.path());
-    let mut spec = spec_for(&data);
-    spec.size = 1 << 60;
-    let e = pull(&dir, &spec, &sources(endpoint), &mut |_| {})
+    let mut f = fixture(None).await;
+    f.spec.size = 1 << 60;
+    let e = pull(&f.dir, &f.spec, &sources(f.endpoint), &mut |_| {})
         .await
         .unwrap_err();
     assert!(matches!(e, ModelFilesError::NoSpace { .. }), "{e}");
@@ -265,9 +253,9 @@ async fn too_little_disk_space_is_said_before_anything_is_fetched() {
     assert!(
         text.starts_with(&format!(
             "not enough disk space in {}: the model needs 1152921504607 MB more and ",
-            tmp.path().display()
+            f.tmp.path().display()
         )) && text.ends_with("free some space or set TANDEM_MODELS_DIR to a larger disk"),
         "{text}"
     );
-    assert!(seen.lock().unwrap().is_empty());
+    assert!(f.seen.lock().unwrap().is_empty());
 }
