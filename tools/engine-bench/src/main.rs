@@ -96,6 +96,7 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
         Some("--llama") => return one_run(|| llama(&args[2])),
+        #[cfg(feature = "candle")]
         Some("--candle") => return one_run(|| candle(&args[2])),
         _ => {}
     }
@@ -111,7 +112,12 @@ fn main() -> Result<()> {
     for round in 0..ROUNDS {
         eprintln!("round {}", round + 1);
         rows[0].1.push(server(model, python)?);
-        for (i, flag) in [(1, "--llama"), (2, "--candle")] {
+        let engines: &[(usize, &str)] = if cfg!(feature = "candle") {
+            &[(1, "--llama"), (2, "--candle")]
+        } else {
+            &[(1, "--llama")]
+        };
+        for &(i, flag) in engines {
             let out = Command::new(&me)
                 .args([flag, model])
                 .stderr(Stdio::inherit())
@@ -134,7 +140,7 @@ fn main() -> Result<()> {
         "| engine | load ms | prompt tok/s | first token ms | generation tok/s | gen vs server | first token vs server | RSS after run MB | peak RSS MB |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
-    for (name, runs) in &rows {
+    for (name, runs) in rows.iter().filter(|(_, runs)| !runs.is_empty()) {
         let generation = med(runs, |f| f.gen_tps);
         let ttft = med(runs, |f| f.ttft_ms);
         println!(
@@ -230,6 +236,7 @@ fn llama(model_path: &str) -> Result<Figures> {
     })
 }
 
+#[cfg(feature = "candle")]
 fn candle(model_path: &str) -> Result<Figures> {
     use candle_core::quantized::gguf_file;
     use candle_core::quantized::tokenizer::TokenizerFromGguf;
