@@ -130,8 +130,9 @@ def spawn_scoped(req, out, err, status):
     enters the Landlock domain keeping it from signalling the waiter: Landlock restricts the
     calling thread only, so the waiter itself stays outside, and posix_spawn keeps its speed
     (a fork of this interpreter costs about 2 ms more per block). The thread ends as soon as
-    the spawn returns, microseconds after the exec and long before the block's program has
-    started, so there is nothing of the waiter's in the block's domain to signal."""
+    the spawn returns, microseconds after the exec, while the new program is still loading
+    and before it runs a line of the block, so by then nothing of the waiter's is left in the
+    block's domain to signal."""
     found = []
     done = _thread.allocate_lock()
     done.acquire()
