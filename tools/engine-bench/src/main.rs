@@ -98,6 +98,8 @@ fn main() -> Result<()> {
         Some("--llama") => return one_run(|| llama(&args[2])),
         #[cfg(feature = "candle")]
         Some("--candle") => return one_run(|| candle(&args[2])),
+        #[cfg(feature = "tandem")]
+        Some("--tandem") => return one_run(|| tandem(&args[2])),
         _ => {}
     }
     let (Some(model), Some(python)) = (args.get(1), args.get(2)) else {
@@ -108,16 +110,19 @@ fn main() -> Result<()> {
         ("llama.cpp server (xllamacpp)", vec![]),
         ("llama-cpp-2", vec![]),
         ("candle", vec![]),
+        ("tandem-model-embedded", vec![]),
     ];
     for round in 0..ROUNDS {
         eprintln!("round {}", round + 1);
         rows[0].1.push(server(model, python)?);
-        let engines: &[(usize, &str)] = if cfg!(feature = "candle") {
-            &[(1, "--llama"), (2, "--candle")]
-        } else {
-            &[(1, "--llama")]
-        };
-        for &(i, flag) in engines {
+        let mut engines = vec![(1, "--llama")];
+        if cfg!(feature = "candle") {
+            engines.push((2, "--candle"));
+        }
+        if cfg!(feature = "tandem") {
+            engines.push((3, "--tandem"));
+        }
+        for &(i, flag) in &engines {
             let out = Command::new(&me)
                 .args([flag, model])
                 .stderr(Stdio::inherit())
@@ -288,6 +293,77 @@ fn candle(model_path: &str) -> Result<Figures> {
         ttft_ms: first * 1e3,
         gen_tps: GENERATE as f64 / gen_s,
         ..Figures::default()
+    })
+}
+
+/// Tandem's engine through its own API: the same chat (system and user message) rendered by
+/// the model's template, greedy; the first token is the first text it streams.
+#[cfg(feature = "tandem")]
+fn tandem(model_path: &str) -> Result<Figures> {
+    use tandem_model_embedded::{Embedded, EmbeddedConfig, Event, Generate};
+    let text = prompt();
+    let system = text
+        .split("<|im_start|>system\n")
+        .nth(1)
+        .and_then(|s| s.split("<|im_end|>").next())
+        .unwrap_or_default()
+        .to_owned();
+    let user = text
+        .split("<|im_start|>user\n")
+        .nth(1)
+        .and_then(|s| s.split("<|im_end|>").next())
+        .unwrap_or_default()
+        .to_owned();
+    let started = Instant::now();
+    let engine = Embedded::load(
+        std::path::Path::new(model_path),
+        EmbeddedConfig {
+            threads: THREADS,
+            context_tokens: CTX,
+            batch_tokens: 512,
+        },
+    )?;
+    let load_ms = started.elapsed().as_secs_f64() * 1e3;
+    let rt = tokio::runtime::Builder::new_current_thread().build()?;
+    rt.block_on(async {
+        let t0 = Instant::now();
+        let mut reply = engine.generate(Generate {
+            messages: vec![("system".into(), system), ("user".into(), user)],
+            max_tokens: GENERATE as u32,
+            temperature: 0.0,
+            seed: 1,
+            stop: vec![],
+        })?;
+        let mut first = None;
+        while let Some(event) = reply.events.recv().await {
+            match event {
+                Event::Text(_) => {
+                    first.get_or_insert_with(|| t0.elapsed().as_secs_f64());
+                }
+                Event::Done {
+                    prompt_tokens,
+                    completion_tokens,
+                    ..
+                } => {
+                    let first = first.unwrap_or_default();
+                    let total = t0.elapsed().as_secs_f64();
+                    if completion_tokens as usize != GENERATE {
+                        bail!("the reply ended after {completion_tokens} tokens, not {GENERATE}");
+                    }
+                    return Ok(Figures {
+                        load_ms,
+                        prompt_tokens: prompt_tokens as usize,
+                        // The first token's time is prompt reading plus one token.
+                        prompt_tps: f64::from(prompt_tokens) / first,
+                        ttft_ms: first * 1e3,
+                        gen_tps: (completion_tokens - 1) as f64 / (total - first),
+                        ..Figures::default()
+                    });
+                }
+                Event::Failed(why) => bail!("{why}"),
+            }
+        }
+        bail!("no reply")
     })
 }
 
