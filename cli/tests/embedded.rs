@@ -127,3 +127,33 @@ async fn doctor_and_model_list_show_the_pulled_model() {
         "tandem: no model named `gpt-9`; known models: qwen2.5-coder-1.5b, qwen2.5-coder-0.5b\n"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_daemon_loads_the_model_once_and_tasks_share_it() {
+    let models = models_dir();
+    let config = "[model]\nprovider = \"embedded\"\nmodel = \"qwen2.5-coder-0.5b\"\ntemperature = 0.0\nseed = 1\ncontext_tokens = 4096\n\n[policy]\nexecutors = [\"local\"]\n";
+    // The server URL the harness sets leads nowhere: only the embedded model can answer.
+    let mut d = tandem_tests::DaemonHarness::start_with_env(
+        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
+        "http://127.0.0.1:9/v1",
+        &[],
+        Some(config),
+        &[("TANDEM_MODELS_DIR", models.as_str())],
+    )
+    .await;
+    let spec = serde_json::json!({
+        "task": "Print the sum of 2 and 3 with python.",
+        "executor": "local",
+        "max_turns": 4,
+    });
+    let ids = [d.submit(spec.clone()).await, d.submit(spec).await];
+    for id in &ids {
+        let task = d
+            .wait_finished(id, std::time::Duration::from_secs(180))
+            .await;
+        assert_eq!(task["stop_reason"], "terminated", "{task}\n{}", d.log());
+    }
+    let log = d.log();
+    assert_eq!(log.matches("embedded model loaded").count(), 1, "{log}");
+    d.terminate().await;
+}
