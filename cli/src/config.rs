@@ -179,10 +179,16 @@ pub fn load(explicit: Option<&Path>) -> Result<FileConfig> {
 }
 
 fn default_path() -> Option<PathBuf> {
-    let base = std::env::var_os("XDG_CONFIG_HOME")
+    Some(xdg_dir("XDG_CONFIG_HOME", ".config")?.join("tandem.toml"))
+}
+
+/// Tandem's directory under the XDG base directory `var`, else under `~/{under_home}`.
+fn xdg_dir(var: &str, under_home: &str) -> Option<PathBuf> {
+    let base = std::env::var_os(var)
+        .filter(|v| !v.is_empty())
         .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")))?;
-    Some(base.join("tandem").join("tandem.toml"))
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(under_home)))?;
+    Some(base.join("tandem"))
 }
 
 /// Flags that override the model settings.
@@ -199,7 +205,8 @@ pub struct ModelFlags {
     pub no_stream: bool,
 }
 
-fn env(name: &str) -> Option<String> {
+/// A variable's value; unset and empty are the same.
+pub(crate) fn env(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
@@ -247,7 +254,7 @@ pub fn models_dir(file: &FileConfig) -> Result<PathBuf> {
     env("TANDEM_MODELS_DIR")
         .map(PathBuf::from)
         .or_else(|| file.model.models_dir.clone())
-        .or_else(crate::model::default_models_dir)
+        .or_else(|| Some(xdg_dir("XDG_CACHE_HOME", ".cache")?.join("models")))
         .context(
             "no models directory: set TANDEM_MODELS_DIR (neither XDG_CACHE_HOME nor HOME is set)",
         )

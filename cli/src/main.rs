@@ -247,9 +247,9 @@ async fn doctor(
         Ok(provider::Provider::Embedded { name, path }) => {
             let size = std::fs::metadata(&path).map_or(0, |m| m.len());
             println!(
-                "model:     {name}, embedded: runs in Tandem's process, no server or key ({}, {:.0} MB)",
+                "model:     {name}, embedded: runs in Tandem's process, no server or key ({}, {})",
                 path.display(),
-                size as f64 / 1e6
+                tandem_model_files::megabytes(size)
             );
         }
         Ok(provider::Provider::Server) => {

@@ -1,11 +1,10 @@
 //! `tandem model`: the embedded model's files (pull, list).
 
 use std::io::IsTerminal;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use tandem_model_files::{ModelDir, Progress, Sources, catalog};
+use tandem_model_files::{ModelDir, Progress, Sources, catalog, megabytes};
 
 use crate::config::{self, FileConfig};
 use crate::exit;
@@ -31,10 +30,6 @@ pub async fn model(action: ModelAction, file: &FileConfig) -> Result<u8> {
     }
 }
 
-fn mb(bytes: u64) -> String {
-    format!("{:.0} MB", bytes as f64 / 1e6)
-}
-
 async fn pull(dir: &ModelDir, name: Option<&str>) -> Result<u8> {
     let spec = tandem_model_files::find(name.unwrap_or(tandem_model_files::DEFAULT_MODEL))?;
     let tls = tandem_agent::chat::tls_config(true)?;
@@ -54,7 +49,7 @@ async fn pull(dir: &ModelDir, name: Option<&str>) -> Result<u8> {
         "pulling {} ({}, {}) into {}",
         spec.name,
         spec.summary,
-        mb(spec.size),
+        megabytes(spec.size),
         dir.path().display()
     );
     let bar = std::io::stderr()
@@ -73,7 +68,7 @@ async fn pull(dir: &ModelDir, name: Option<&str>) -> Result<u8> {
             source, resumed_at, ..
         } => {
             let line = if resumed_at > 0 {
-                format!("  from {source}, resuming at {}", mb(resumed_at))
+                format!("  from {source}, resuming at {}", megabytes(resumed_at))
             } else {
                 format!("  from {source}")
             };
@@ -128,7 +123,7 @@ fn list(dir: &ModelDir) -> Result<u8> {
             println!(
                 "{:<20} {:>9}  {}",
                 f.name.as_deref().unwrap_or("-"),
-                mb(f.size),
+                megabytes(f.size),
                 f.path.display()
             );
         }
@@ -136,7 +131,7 @@ fn list(dir: &ModelDir) -> Result<u8> {
     let missing: Vec<String> = catalog()
         .into_iter()
         .filter(|m| dir.installed(m).is_none())
-        .map(|m| format!("{} ({})", m.name, mb(m.size)))
+        .map(|m| format!("{} ({})", m.name, megabytes(m.size)))
         .collect();
     if !missing.is_empty() {
         println!(
@@ -145,13 +140,4 @@ fn list(dir: &ModelDir) -> Result<u8> {
         );
     }
     Ok(exit::DONE)
-}
-
-/// Where model files live when nothing says otherwise.
-pub fn default_models_dir() -> Option<PathBuf> {
-    std::env::var_os("XDG_CACHE_HOME")
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .map(|base| base.join("tandem").join("models"))
 }

@@ -11,7 +11,7 @@ use tandem_agent::chat::LocalModel;
 use tandem_model_embedded::{Embedded, EmbeddedChat, EmbeddedConfig};
 use tandem_model_files::ModelDir;
 
-use crate::config::{self, FileConfig, ModelFlags};
+use crate::config::{self, FileConfig, ModelFlags, env};
 
 /// The choice, before anything is loaded.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,10 +29,6 @@ pub enum Provider {
 
 /// What to say when there is no model at all.
 pub const NO_MODEL: &str = "no model to talk to: set OPENAI_API_KEY (for OpenAI) or OPENAI_BASE_URL (for any OpenAI-compatible server), or run `tandem model pull` once for a model that runs inside Tandem with no key and no network";
-
-fn env(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.is_empty())
-}
 
 /// Decides the provider from the flags, the environment and the file.
 pub fn choose(flags: &ModelFlags, file: &FileConfig) -> Result<Provider> {

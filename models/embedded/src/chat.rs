@@ -28,11 +28,6 @@ impl EmbeddedChat {
             name: name.into(),
         }
     }
-
-    /// The loaded engine.
-    pub fn engine(&self) -> &Arc<Embedded> {
-        &self.engine
-    }
 }
 
 fn failed(message: String) -> ModelError {

@@ -136,7 +136,6 @@ pub struct Embedded {
     path: PathBuf,
     jobs: mpsc::Sender<Job>,
     load_time: Duration,
-    file_bytes: u64,
 }
 
 impl std::fmt::Debug for Embedded {
@@ -165,9 +164,9 @@ impl Embedded {
     /// Loads `path` (memory-mapped, so a second process or a reload reads it from the page
     /// cache) and starts the worker. Blocks while loading: call it off the async runtime.
     pub fn load(path: &Path, config: EmbeddedConfig) -> Result<Arc<Self>, EmbeddedError> {
-        let file_bytes = std::fs::metadata(path)
-            .map_err(|_| EmbeddedError::Missing(path.to_owned()))?
-            .len();
+        if !path.is_file() {
+            return Err(EmbeddedError::Missing(path.to_owned()));
+        }
         let fail = |reason: String| EmbeddedError::Load {
             path: path.to_owned(),
             reason,
@@ -195,7 +194,6 @@ impl Embedded {
             path: path.to_owned(),
             jobs,
             load_time: started.elapsed(),
-            file_bytes,
         }))
     }
 
@@ -207,11 +205,6 @@ impl Embedded {
     /// How long loading took.
     pub fn load_time(&self) -> Duration {
         self.load_time
-    }
-
-    /// The model file's size.
-    pub fn file_bytes(&self) -> u64 {
-        self.file_bytes
     }
 
     /// The prompt the model is given for `messages`: the chat rendered with the model's own
@@ -382,9 +375,17 @@ impl Worker<'_> {
                     .max_utf8_buffer_length(piece.len())
                     .unwrap_or(piece.len() * 3 + 4),
             );
+            let before = reply.len();
             let _ = decoder.decode_to_string(&piece, &mut reply, false);
-            if let Some(at) = r.stop.iter().filter_map(|s| reply.find(s.as_str())).min() {
-                reply.truncate(at);
+            // A stop string that is new ends in this piece: only the tail is searched.
+            let tail = reply.floor_char_boundary(before.saturating_sub(longest_stop));
+            if let Some(at) = r
+                .stop
+                .iter()
+                .filter_map(|s| reply[tail..].find(s.as_str()))
+                .min()
+            {
+                reply.truncate(tail + at);
                 break Finish::Stop;
             }
             // Hold back what could still become a stop string.

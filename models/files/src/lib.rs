@@ -119,7 +119,7 @@ pub enum ModelFilesError {
     /// Not enough free disk space for the download.
     #[error(
         "not enough disk space in {}: the model needs {} more and {} are free; free some space or set TANDEM_MODELS_DIR to a larger disk",
-        dir.display(), mb(*needed), mb(*available)
+        dir.display(), megabytes(*needed), megabytes(*available)
     )]
     NoSpace {
         /// Where the file goes.
@@ -157,7 +157,8 @@ pub enum ModelFilesError {
     },
 }
 
-fn mb(bytes: u64) -> String {
+/// A size as people read it: whole megabytes.
+pub fn megabytes(bytes: u64) -> String {
     format!("{:.0} MB", bytes as f64 / 1e6)
 }
 
