@@ -13,7 +13,10 @@ missing=()
 # and bound to Rust by bindgen (libclang).
 command -v cmake >/dev/null || missing+=(cmake)
 command -v c++ >/dev/null || missing+=(g++)
-ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || missing+=(libclang-dev clang)
+# The C library itself: libclang-cpp, which some systems carry alone, is not it.
+compgen -G '/usr/lib/llvm-*/lib/libclang.so*' >/dev/null \
+  || compgen -G '/usr/lib/*/libclang-[0-9]*.so*' >/dev/null \
+  || missing+=(libclang-dev clang)
 command -v python3 >/dev/null || missing+=(python3)
 python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
 if [ ${#missing[@]} -gt 0 ]; then
