@@ -11,6 +11,7 @@ use tandem_agent::ModelConfig;
 use tandem_executor::{Language, Limits};
 use tandem_executor_docker::DockerConfig;
 use tandem_executor_local::LocalConfig;
+use tandem_executor_plugin::PluginConfig;
 use tandem_executor_wasm::{PythonProfile, WasmConfig};
 
 /// The contents of `tandem.toml`; unknown keys are rejected so typos do not pass silently.
@@ -91,8 +92,8 @@ pub struct TaskSection {
     pub system_prompt_file: Option<PathBuf>,
 }
 
+/// `[executors]`: the built-ins' settings, and every other `[executors.NAME]` is a plugin.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct ExecutorsSection {
     #[serde(default)]
     pub local: LocalSection,
@@ -100,6 +101,28 @@ pub struct ExecutorsSection {
     pub docker: DockerSection,
     #[serde(default)]
     pub wasm: WasmSection,
+    /// Executor plugins by name (serde cannot deny unknown keys beside a flatten: a table
+    /// that is not a plugin fails on its own keys instead).
+    #[serde(flatten)]
+    pub plugins: BTreeMap<String, PluginSection>,
+}
+
+/// `[executors.NAME]` for a name that is not a built-in: an out-of-process executor.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginSection {
+    /// The program and its arguments.
+    pub command: Vec<String>,
+    /// Variables for the plugin, on top of PATH, HOME, LANG, USER and TMPDIR.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Its working directory (default: Tandem's).
+    pub cwd: Option<PathBuf>,
+    /// Its languages, if it does not say them itself (saying them here also saves starting
+    /// it to ask).
+    pub languages: Option<Vec<String>>,
+    /// How long it may take to start and answer `initialize` (default 10 s).
+    pub start_timeout_secs: Option<f64>,
 }
 
 /// `[executors.wasm]`.
@@ -387,6 +410,36 @@ pub fn wasm_config(file: &FileConfig) -> Result<WasmConfig> {
         fuel: w.fuel.or(defaults.fuel),
         python,
     })
+}
+
+/// Names `--executor` takes besides the plugins.
+pub const BUILT_IN_EXECUTORS: [&str; 4] = ["auto", "docker", "local", "wasm"];
+
+/// How to start the plugin `[executors.NAME]`; its environment is Tandem's PATH, HOME,
+/// LANG, USER and TMPDIR (no keys or tokens) and its own `env`.
+pub fn plugin_config(name: &str, section: &PluginSection) -> Result<PluginConfig> {
+    if BUILT_IN_EXECUTORS.contains(&name) {
+        bail!("[executors.{name}] names a built-in executor; a plugin needs a name of its own");
+    }
+    if section.command.first().is_none_or(String::is_empty) {
+        bail!("[executors.{name}] command must name a program: command = [\"prog\", \"arg\", ...]");
+    }
+    let mut config = PluginConfig::new(name, section.command.clone());
+    config.env = ["PATH", "HOME", "LANG", "USER", "TMPDIR"]
+        .into_iter()
+        .filter_map(|k| env(k).map(|v| (k.to_owned(), v)))
+        .chain(section.env.iter().map(|(k, v)| (k.clone(), v.clone())))
+        .collect();
+    config.cwd.clone_from(&section.cwd);
+    config.languages = section
+        .languages
+        .as_ref()
+        .map(|l| l.iter().map(|n| Language::new(n)).collect());
+    if let Some(secs) = section.start_timeout_secs {
+        config.start_timeout =
+            secs_to_duration(secs, &format!("[executors.{name}] start_timeout_secs"))?;
+    }
+    Ok(config)
 }
 
 /// The executor name: the flag, then `TANDEM_EXECUTOR`, then `[task] executor`, then `auto`.

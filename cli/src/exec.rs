@@ -195,7 +195,7 @@ pub async fn exec(args: ExecArgs, file: FileConfig) -> Result<u8> {
             .filter(|r| r.result.status == BlockStatus::Unsupported)
             .filter_map(|r| r.result.language.as_deref());
         for language in unsupported {
-            let others: Vec<&str> =
+            let others: Vec<String> =
                 crate::executors::executors_for(&Language::new(language), &file)
                     .into_iter()
                     .filter(|e| *e != executor_name)

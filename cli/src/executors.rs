@@ -7,12 +7,30 @@ use anyhow::{Result, bail};
 use tandem_executor::{Executor, Language};
 use tandem_executor_docker::{DockerError, DockerExecutor};
 use tandem_executor_local::LocalExecutor;
+use tandem_executor_plugin::PluginExecutor;
 use tandem_executor_wasm::{FETCH_SCRIPT, ModuleSource, Runtime, WasmExecutor};
 
 use crate::config::{self, FileConfig};
 
-/// Names `--executor` accepts.
-pub const NAMES: &str = "auto, docker, local, wasm";
+/// Every name `--executor` accepts here: the built-ins and the configured plugins.
+pub fn names(file: &FileConfig) -> String {
+    config::BUILT_IN_EXECUTORS
+        .iter()
+        .map(|n| (*n).to_owned())
+        .chain(file.executors.plugins.keys().cloned())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The plugin `[executors.NAME]`, started if it must be asked for its languages.
+pub async fn plugin(name: &str, file: &FileConfig) -> Result<Option<PluginExecutor>> {
+    let Some(section) = file.executors.plugins.get(name) else {
+        return Ok(None);
+    };
+    Ok(Some(
+        PluginExecutor::new(config::plugin_config(name, section)?).await?,
+    ))
+}
 
 /// The executor called `name` (or the one `auto` picks), ready to open sessions.
 pub async fn resolve(
@@ -49,20 +67,37 @@ pub async fn resolve(
             }
             Ok(executor)
         }
-        other => bail!("executor `{other}` is not registered; available: {NAMES}"),
+        other => match plugin(other, file).await? {
+            Some(plugin) => Ok(Arc::new(plugin)),
+            None => bail!(
+                "executor `{other}` is not registered; available: {}",
+                names(file)
+            ),
+        },
     }
 }
 
 /// The executors that run `language` on this machine's configuration, for a hint when the
 /// chosen one cannot.
-pub fn executors_for(language: &Language, file: &FileConfig) -> Vec<&'static str> {
+/// Plugins count when their configuration names the language (they are not started).
+pub fn executors_for(language: &Language, file: &FileConfig) -> Vec<String> {
     let docker = config::docker_config(file, None).is_ok_and(|c| c.languages.contains(language));
     let wasm = [Language::python(), Language::javascript()].contains(language);
     let local = config::local_config(file)
         .is_ok_and(|c| LocalExecutor::new(c).languages().contains(language));
+    let plugins = file.executors.plugins.iter().map(|(name, p)| {
+        let runs = p
+            .languages
+            .iter()
+            .flatten()
+            .any(|l| Language::new(l) == *language);
+        (name.as_str(), runs)
+    });
     [("docker", docker), ("wasm", wasm), ("local", local)]
         .into_iter()
-        .filter_map(|(name, runs)| runs.then_some(name))
+        .chain(plugins)
+        .filter(|(_, runs)| *runs)
+        .map(|(name, _)| name.to_owned())
         .collect()
 }
 
@@ -237,6 +272,9 @@ pub async fn report(
         }
         Err(e) => lines.push(format!("executor:  wasm - unavailable: {e}")),
     }
+    for name in file.executors.plugins.keys() {
+        lines.push(plugin_line(name, file).await);
+    }
     let auto = match why_not_docker(connected.as_ref()).await {
         None => format!(
             "docker ({})",
@@ -249,4 +287,34 @@ pub async fn report(
     };
     lines.push(format!("auto:      {auto}"));
     Ok(lines)
+}
+
+/// `tandem doctor`'s line for a plugin: it is started, asked about itself, and shut down.
+async fn plugin_line(name: &str, file: &FileConfig) -> String {
+    let command = file
+        .executors
+        .plugins
+        .get(name)
+        .map_or(String::new(), |p| p.command.join(" "));
+    let plugin = match plugin(name, file).await {
+        Ok(Some(p)) => p,
+        Ok(None) => return format!("executor:  {name} - not configured"),
+        Err(e) => return format!("executor:  {name} (plugin `{command}`) - unavailable: {e:#}"),
+    };
+    let line = match plugin.info().await {
+        Ok(info) => format!(
+            "executor:  {name} ({}) - plugin `{command}`{}, protocol {}, enforces {}",
+            tandem_executor::join_languages(plugin.languages()),
+            info.name.map_or(String::new(), |n| format!(" ({n})")),
+            tandem_executor_plugin::PROTOCOL_VERSION,
+            if info.enforces.is_empty() {
+                "no limits itself (Tandem still bounds time and output)".to_owned()
+            } else {
+                info.enforces.join(", ")
+            }
+        ),
+        Err(e) => format!("executor:  {name} (plugin `{command}`) - unavailable: {e}"),
+    };
+    plugin.shutdown().await;
+    line
 }

@@ -4,6 +4,7 @@ mod client;
 mod config;
 mod exec;
 mod executors;
+mod kit;
 mod model;
 mod provider;
 mod render;
@@ -85,6 +86,11 @@ enum Command {
     Model {
         #[command(subcommand)]
         action: model::ModelAction,
+    },
+    /// Check an executor, built-in or plugin, against the conformance suite
+    Executor {
+        #[command(subcommand)]
+        action: kit::ExecutorAction,
     },
     /// Work with team files (several agents): check one
     Team {
@@ -183,6 +189,7 @@ fn dispatch(cli: Cli) -> Result<u8> {
             precompile,
         } => runtime()?.block_on(doctor(&model, image, precompile, &file)),
         Command::Model { action } => runtime()?.block_on(model::model(action, &file)),
+        Command::Executor { action } => runtime()?.block_on(kit::executor(action, &file)),
         Command::Run(args) => runtime()?.block_on(run::run(args, file)),
         Command::Exec(args) => runtime()?.block_on(exec::exec(args, file)),
         Command::Serve(args) => {

@@ -282,6 +282,17 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
             None
         }
     };
+    // A plugin that names no languages in the config is started now to ask for them; one
+    // that cannot start is left out, as an unreachable Docker engine is.
+    for name in file.executors.plugins.keys() {
+        match crate::executors::plugin(name, &file).await {
+            Ok(Some(plugin)) => {
+                executors.register(Arc::new(plugin));
+            }
+            Ok(None) => {}
+            Err(e) => say.warn(&format!("executor `{name}` is not available: {e:#}")),
+        }
+    }
     executors.get(&default_executor)?;
     let mut policy = config::policy(&file)?;
     for name in policy.executors.iter().flatten() {
@@ -383,7 +394,9 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
     // Sandboxes a crashed daemon left: local blocks, local and WASM workspaces (docker
     // containers were reaped when the docker executor connected).
     let reaped = tokio::task::spawn_blocking(|| {
-        LocalExecutor::reap_orphans() + tandem_executor_wasm::WasmExecutor::reap_orphans()
+        LocalExecutor::reap_orphans()
+            + tandem_executor_wasm::WasmExecutor::reap_orphans()
+            + tandem_executor_plugin::PluginExecutor::reap_orphans()
     })
     .await
     .unwrap_or(0);

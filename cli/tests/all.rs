@@ -7,4 +7,5 @@ mod e2e;
 mod embedded;
 mod hostile;
 mod new_user;
+mod plugins;
 mod teams;

@@ -1,10 +1,11 @@
-//! Library-level suites: executors (local, Docker, WASM) against the conformance suite, the
+//! Library-level suites: executors (local, Docker, WASM, plugins) against the conformance kit, the
 //! turn loop in-process against the scripted server over real HTTP.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod docker_executor;
 mod hostile;
 mod local_executor;
+mod plugin_executor;
 mod teams;
 mod turn_loop;
 mod wasm_executor;

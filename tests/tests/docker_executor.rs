@@ -73,7 +73,7 @@ async fn open_for_task(executor: &DockerExecutor, task: &str) -> Box<dyn tandem_
 
 #[tokio::test(flavor = "multi_thread")]
 async fn docker_executor_passes_the_conformance_suite() {
-    conformance::all(docker().await).await;
+    conformance::all(docker().await, &[]).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

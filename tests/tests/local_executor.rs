@@ -12,7 +12,7 @@ fn local() -> Arc<LocalExecutor> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn local_executor_passes_the_conformance_suite() {
-    conformance::all(local()).await;
+    conformance::all(local(), &[]).await;
 }
 
 fn without_fork_server() -> Arc<LocalExecutor> {
@@ -24,7 +24,7 @@ fn without_fork_server() -> Arc<LocalExecutor> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn local_executor_without_fork_server_passes_the_conformance_suite() {
-    conformance::all(without_fork_server()).await;
+    conformance::all(without_fork_server(), &[]).await;
 }
 
 const PARENT: &str =

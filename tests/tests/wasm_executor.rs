@@ -46,12 +46,21 @@ async fn both_pythons() -> Vec<(PythonProfile, Arc<WasmExecutor>)> {
 
 #[tokio::test]
 async fn shared_behaviour() {
-    let executor = wasm().await;
-    conformance::stdin_is_closed(&*executor).await;
-    conformance::cancel_stops_a_block_at_once(&*executor).await;
-    conformance::invalid_utf8_is_decoded_lossily(&*executor).await;
-    conformance::big_output_is_capped_without_deadlock(&*executor).await;
-    conformance::unsupported_language_is_an_error(&*executor).await;
+    // WASM runs no sh, so the cases about shells and host processes do not apply.
+    conformance::all(
+        wasm().await,
+        &[
+            "exit_codes_and_streams",
+            "files_persist_but_variables_do_not",
+            "filename_directive",
+            "environment_is_isolated",
+            "signals_are_as_in_a_fresh_process",
+            "timeout_kills_the_whole_tree",
+            "python_daemons_do_not_outlive_their_block",
+            "concurrent_sessions",
+        ],
+    )
+    .await;
 }
 
 #[tokio::test]
