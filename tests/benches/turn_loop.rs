@@ -10,6 +10,8 @@
 //! 4. Docker executor: per-block `print(1)` through Tandem's runner vs `docker exec` (the CLI)
 //!    and bollard's exec API, in the same container (image: `TANDEM_DOCKER_IMAGE`, else
 //!    `tandem-sandbox:latest`).
+//! 6. Plugins: `print(1)` through the Python example plugin vs the built-in local executor,
+//!    and the protocol's own round trip (a plugin that answers each block at once).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
@@ -23,6 +25,7 @@ use tandem_executor::{
     CancellationToken, ExecContext, ExecRequest, Executor, Language, SessionSpec,
 };
 use tandem_executor_local::{Confine, LocalConfig, LocalExecutor};
+use tandem_executor_plugin::{PluginConfig, PluginExecutor};
 use tandem_protocol::StopReason;
 use tandem_tests::{DaemonHarness, Reply, Script, ScriptedOpenAi};
 
@@ -96,6 +99,22 @@ async fn confinement_overhead(n: usize) {
     for session in sessions {
         session.close().await.unwrap();
     }
+    // What a session costs to open and close, with no block run in it.
+    let executors = [
+        confined_executor(true, Confine::Off),
+        confined_executor(true, Confine::Auto),
+    ];
+    let mut opens = vec![Vec::new(); executors.len()];
+    for i in 0..=n {
+        for (executor, times) in executors.iter().zip(&mut opens) {
+            let t = Instant::now();
+            let s = executor.open(SessionSpec::default()).await.unwrap();
+            s.close().await.unwrap();
+            if i > 0 {
+                times.push(t.elapsed());
+            }
+        }
+    }
     println!("\n## Confinement: one block, {n} runs each, fork server, interleaved");
     println!("| block | unconfined mean | confined mean | confined median | ratio (mean) |");
     println!("|---|---|---|---|---|");
@@ -108,6 +127,101 @@ async fn confinement_overhead(n: usize) {
             ms(cm),
             ms(cp),
             cm.as_secs_f64() / um.as_secs_f64()
+        );
+    }
+    let (cm, cp) = stats(opens.pop().unwrap_or_default());
+    let (um, _) = stats(opens.pop().unwrap_or_default());
+    println!(
+        "| open and close a session, no block | {} | {} | {} | {:.2}x |",
+        ms(um),
+        ms(cm),
+        ms(cp),
+        cm.as_secs_f64() / um.as_secs_f64()
+    );
+}
+
+/// Blocks through executor plugins beside the built-in local executor, interleaved: the
+/// Python example plugin's `print(1)` against local's, and the protocol's own cost per block:
+/// a plugin that answers each run at once (one output notification and the result).
+async fn plugin_overhead(n: usize) {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let plugin = |name: &str, args: Vec<String>| {
+        let mut config = PluginConfig::new(name, args);
+        config.env = vec![("PATH".to_owned(), "/usr/local/bin:/usr/bin:/bin".to_owned())];
+        config
+    };
+    let python = bench_python().unwrap_or_else(|| PathBuf::from("python3"));
+    let python = python.display().to_string();
+    let example = plugin(
+        "pyplug",
+        vec![
+            python.clone(),
+            root.join("examples/executor-plugin-python/tandem_plugin.py")
+                .display()
+                .to_string(),
+        ],
+    );
+    let noop = plugin(
+        "noop",
+        vec![
+            python,
+            root.join("tests/plugins/misbehaving.py").display().to_string(),
+            "well".to_owned(),
+        ],
+    );
+    let executors: Vec<(&str, Arc<dyn Executor>, Language)> = vec![
+        ("built-in local (fork server)", Arc::new(local_executor(true)), Language::python()),
+        (
+            "Python example plugin",
+            Arc::new(PluginExecutor::new(example).await.unwrap()),
+            Language::python(),
+        ),
+        (
+            "no-op plugin: the protocol's round trip",
+            Arc::new(PluginExecutor::new(noop).await.unwrap()),
+            Language::sh(),
+        ),
+    ];
+    let mut sessions = Vec::new();
+    for (_, executor, _) in &executors {
+        sessions.push(executor.open(SessionSpec::default()).await.unwrap());
+    }
+    let mut samples = vec![Vec::new(); executors.len()];
+    for i in 0..=n {
+        for ((session, (_, _, language)), times) in
+            sessions.iter_mut().zip(&executors).zip(&mut samples)
+        {
+            let t = Instant::now();
+            let out = session
+                .run(
+                    ExecRequest::new(language.clone(), "print(1)"),
+                    ExecContext::new(CancellationToken::new()),
+                )
+                .await
+                .unwrap();
+            assert!(
+                ["1\n", "ok\n"].contains(&out.stdout.to_text().as_str()),
+                "{out:?}"
+            );
+            if i > 0 {
+                times.push(t.elapsed());
+            }
+        }
+    }
+    for session in sessions {
+        session.close().await.unwrap();
+    }
+    println!("\n## Executor plugins: one `print(1)` block, {n} runs each, interleaved");
+    println!("| executor | mean | median | mean vs built-in local |");
+    println!("|---|---|---|---|");
+    let (local_mean, _) = stats(samples[0].clone());
+    for ((label, _, _), times) in executors.iter().zip(samples) {
+        let (mean, median) = stats(times);
+        println!(
+            "| {label} | {} | {} | {:.2}x |",
+            ms(mean),
+            ms(median),
+            mean.as_secs_f64() / local_mean.as_secs_f64()
         );
     }
 }
@@ -991,7 +1105,7 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    // `TANDEM_BENCH_ONLY=daemon` (or local, confine, turn_loop, cold_start, docker, team) runs
+    // `TANDEM_BENCH_ONLY=daemon` (or local, confine, turn_loop, cold_start, docker, team, plugin) runs
     // one section.
     let only = std::env::var("TANDEM_BENCH_ONLY").ok();
     let run = |name: &str| only.as_deref().is_none_or(|o| o == name);
@@ -1017,6 +1131,9 @@ fn main() {
         }
         if run("daemon") {
             daemon(400, 8).await;
+        }
+        if run("plugin") {
+            plugin_overhead(300).await;
         }
     });
 }
