@@ -70,6 +70,8 @@ enum Command {
     Exec(exec::ExecArgs),
     /// Run the daemon in the foreground: tasks from many clients, stored durably
     Serve(serve::ServeArgs),
+    /// Serve Tandem's executors and tasks to an agent over MCP on stdin and stdout
+    Mcp(serve::McpArgs),
     /// Queue a task on the daemon and print its id
     Submit(tasks::SubmitArgs),
     /// List the daemon's tasks
@@ -198,6 +200,12 @@ fn dispatch(cli: Cli) -> Result<u8> {
             // `serve` has already waited for what must finish (tasks, the store, sandboxes);
             // a WASM precompile still running on the blocking pool, or waiting on another
             // process's compile lock, must not hold the exit for seconds after SIGTERM.
+            rt.shutdown_background();
+            result
+        }
+        Command::Mcp(args) => {
+            let rt = runtime()?;
+            let result = rt.block_on(serve::mcp(args, file));
             rt.shutdown_background();
             result
         }

@@ -195,10 +195,146 @@ fn lock_state_dir(state_dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>> 
 /// A daemon task's wall-clock limit when neither it nor `[task] timeout_secs` sets one.
 const DEFAULT_TASK_TIMEOUT_SECS: u64 = 1800;
 
+/// A daemon's parts, ready for tasks, before it listens.
+struct Started {
+    supervisor: Arc<Supervisor>,
+    state_dir: PathBuf,
+    /// Held until the daemon exits: one daemon per state dir.
+    _lock: nix::fcntl::Flock<std::fs::File>,
+    docker: Option<DockerExecutor>,
+    default_executor: String,
+    max_concurrent: usize,
+    grace: Duration,
+}
+
+/// Arguments of `tandem mcp`.
+#[derive(Debug, clap::Args)]
+pub struct McpArgs {
+    /// Where its tasks are kept [default: a temporary directory, removed on exit]
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// Default executor for execute_code and run_task: auto, docker, wasm, local or a plugin [env: TANDEM_EXECUTOR]
+    #[arg(long, short = 'e')]
+    executor: Option<String>,
+    /// Docker image for the docker executor [env: TANDEM_DOCKER_IMAGE]
+    #[arg(long)]
+    image: Option<String>,
+    #[command(flatten)]
+    model: ModelFlags,
+}
+
+/// `tandem mcp`: Tandem's executors and tasks as an MCP server on stdin and stdout (logs on
+/// stderr), until the client goes.
+pub async fn mcp(args: McpArgs, file: FileConfig) -> Result<u8> {
+    let temp = match &args.state_dir {
+        Some(_) => None,
+        None => Some(tempfile::Builder::new().prefix("tandem-mcp-").tempdir()?),
+    };
+    let state_dir = args
+        .state_dir
+        .clone()
+        .or_else(|| temp.as_ref().map(|t| t.path().to_owned()));
+    let serve_args = ServeArgs {
+        socket: None,
+        listen: None,
+        state_dir,
+        max_concurrent: None,
+        grace: 2.0,
+        executor: args.executor,
+        image: args.image,
+        log_format: "text".to_owned(),
+        model: args.model,
+    };
+    let started = start(&serve_args, &file, Say { json: false }).await?;
+    let served = tandem_daemon::mcp::serve_stdio(started.supervisor.clone()).await;
+    started.supervisor.shutdown(started.grace).await;
+    if let Some(d) = started.docker {
+        d.shutdown().await;
+    }
+    served.map_err(|e| anyhow::anyhow!("MCP over stdio: {e}"))?;
+    Ok(crate::exit::DONE)
+}
+
 pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
     let say = Say {
         json: args.json_logs(),
     };
+    let Started {
+        supervisor,
+        state_dir,
+        _lock,
+        docker,
+        default_executor,
+        max_concurrent,
+        grace,
+    } = start(&args, &file, say).await?;
+    let socket = args
+        .socket
+        .clone()
+        .unwrap_or_else(|| default_socket(&state_dir));
+    let unix = tandem_daemon::bind_unix(&socket).await?;
+    let tcp = match &args.listen {
+        Some(addr) => {
+            // Only where it is: logs are read by more people than the token file.
+            let created = |path: &Path| {
+                say.note(&format!(
+                    "generated a TCP token in {} (owner-only; send it as `Authorization: Bearer <token>`)",
+                    path.display()
+                ));
+            };
+            let token = token(&state_dir, Some(&created))?.unwrap_or_default();
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on {addr}"))?;
+            Some((listener, token))
+        }
+        None => None,
+    };
+    tracing::info!(
+        socket = %socket.display(),
+        tcp = args.listen.as_deref().unwrap_or("off"),
+        state_dir = %state_dir.display(),
+        executor = %default_executor,
+        max_concurrent,
+        "tandem daemon ready"
+    );
+    if !say.json {
+        // The JSON log has the same in its "ready" record.
+        say.note(&format!(
+            "serving on unix://{}{} (executor {default_executor}, {max_concurrent} at once)",
+            socket.display(),
+            args.listen
+                .as_deref()
+                .map(|a| format!(" and tcp://{a}"))
+                .unwrap_or_default()
+        ));
+    }
+
+    let shutdown = CancellationToken::new();
+    spawn_signal_handler(shutdown.clone(), say);
+    tandem_daemon::serve(
+        supervisor,
+        Listeners {
+            unix: Some(unix),
+            tcp,
+        },
+        tandem_daemon::api::DEFAULT_BODY_LIMIT,
+        grace,
+        shutdown,
+    )
+    .await
+    .context("serving failed")?;
+    if let Some(d) = docker {
+        d.shutdown().await;
+    }
+    let _ = std::fs::remove_file(&socket);
+    tracing::info!("tandem daemon stopped");
+    Ok(crate::exit::DONE)
+}
+
+/// Everything up to listening: the state dir locked, the store open, the executors, policy,
+/// defaults and model resolved, what a dead daemon left reaped, and its tasks recovered.
+async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started> {
     // The daemon holds the model's API key (in its environment) and the token: code running
     // as the same user (the local executor) must not read them from /proc/<daemon>/environ,
     // mem or fd. A non-dumpable process's /proc entries belong to root.
@@ -226,14 +362,14 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
 
     // Every executor the daemon can offer; `auto` decides the default once, at start.
     let mut executors = Registry::new();
-    executors.register(Arc::new(LocalExecutor::new(config::local_config(&file)?)));
-    let mut docker_config = config::docker_config(&file, args.image.as_deref())?;
+    executors.register(Arc::new(LocalExecutor::new(config::local_config(file)?)));
+    let mut docker_config = config::docker_config(file, args.image.as_deref())?;
     docker_config.pool_size = file.executors.docker.pool_size.unwrap_or(2);
     let connected = DockerExecutor::connect(docker_config).await;
     // A bad `[executors.wasm]` is a configuration error, not an executor that is missing.
-    let wasm = tandem_executor_wasm::WasmExecutor::new(config::wasm_config(&file)?)
+    let wasm = tandem_executor_wasm::WasmExecutor::new(config::wasm_config(file)?)
         .map_err(anyhow::Error::from);
-    let name = config::executor_name(args.executor.as_deref(), &file);
+    let name = config::executor_name(args.executor.as_deref(), file);
     let default_executor = match name.as_str() {
         "auto" => match crate::executors::why_not_docker(connected.as_ref()).await {
             None => "docker".to_owned(),
@@ -285,7 +421,7 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
     // A plugin that names no languages in the config is started now to ask for them; one
     // that cannot start is left out, as an unreachable Docker engine is.
     for name in file.executors.plugins.keys() {
-        match crate::executors::plugin(name, &file).await {
+        match crate::executors::plugin(name, file).await {
             Ok(Some(plugin)) => {
                 executors.register(Arc::new(plugin));
             }
@@ -294,7 +430,7 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
         }
     }
     executors.get(&default_executor)?;
-    let mut policy = config::policy(&file)?;
+    let mut policy = config::policy(file)?;
     for name in policy.executors.iter().flatten() {
         executors.get(name).with_context(|| {
             format!("[policy] executors names `{name}`, which this daemon does not have")
@@ -335,13 +471,13 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
                 .with_context(|| format!("cannot read the system prompt file {}", p.display()))?,
             None => tandem_agent::DEFAULT_SYSTEM_PROMPT.to_owned(),
         },
-        limits: config::limits(&file, None)?,
+        limits: config::limits(file, None)?,
     };
-    let mut model = config::model_config(&args.model, &file)?;
+    let mut model = config::model_config(&args.model, file)?;
     // Loaded once and shared by every task that names no model server.
-    let local_model = match crate::provider::choose(&args.model, &file) {
+    let local_model = match crate::provider::choose(&args.model, file) {
         Ok(crate::provider::Provider::Embedded { name, path }) => {
-            let loaded = crate::provider::load(&name, path.clone(), &file).await?;
+            let loaded = crate::provider::load(&name, path.clone(), file).await?;
             say.note(&format!(
                 "model: {name}, embedded ({}); tasks that name no model server use it",
                 path.display()
@@ -369,30 +505,8 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
         },
     );
 
-    let socket = args
-        .socket
-        .clone()
-        .unwrap_or_else(|| default_socket(&state_dir));
-    let unix = tandem_daemon::bind_unix(&socket).await?;
-    let tcp = match &args.listen {
-        Some(addr) => {
-            // Only where it is: logs are read by more people than the token file.
-            let created = |path: &Path| {
-                say.note(&format!(
-                    "generated a TCP token in {} (owner-only; send it as `Authorization: Bearer <token>`)",
-                    path.display()
-                ));
-            };
-            let token = token(&state_dir, Some(&created))?.unwrap_or_default();
-            let listener = tokio::net::TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot listen on {addr}"))?;
-            Some((listener, token))
-        }
-        None => None,
-    };
-    // Sandboxes a crashed daemon left: local blocks, local and WASM workspaces (docker
-    // containers were reaped when the docker executor connected).
+    // Sandboxes a crashed daemon left: local blocks, local, WASM and plugin workspaces
+    // (docker containers were reaped when the docker executor connected).
     let reaped = tokio::task::spawn_blocking(|| {
         LocalExecutor::reap_orphans()
             + tandem_executor_wasm::WasmExecutor::reap_orphans()
@@ -407,47 +521,21 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
         );
     }
     let interrupted = supervisor.recover()?;
-    tracing::info!(
-        socket = %socket.display(),
-        tcp = args.listen.as_deref().unwrap_or("off"),
-        state_dir = %state_dir.display(),
-        executor = %default_executor,
-        max_concurrent,
-        interrupted,
-        "tandem daemon ready"
-    );
-    if !say.json {
-        // The JSON log has the same in its "ready" record.
-        say.note(&format!(
-            "serving on unix://{}{} (executor {default_executor}, {max_concurrent} at once)",
-            socket.display(),
-            args.listen
-                .as_deref()
-                .map(|a| format!(" and tcp://{a}"))
-                .unwrap_or_default()
-        ));
+    if interrupted > 0 {
+        tracing::info!(
+            interrupted,
+            "tasks the last daemon left running are interrupted"
+        );
     }
-
-    let shutdown = CancellationToken::new();
-    spawn_signal_handler(shutdown.clone(), say);
-    tandem_daemon::serve(
+    Ok(Started {
         supervisor,
-        Listeners {
-            unix: Some(unix),
-            tcp,
-        },
-        tandem_daemon::api::DEFAULT_BODY_LIMIT,
+        state_dir,
+        _lock,
+        docker,
+        default_executor,
+        max_concurrent,
         grace,
-        shutdown,
-    )
-    .await
-    .context("serving failed")?;
-    if let Some(d) = docker {
-        d.shutdown().await;
-    }
-    let _ = std::fs::remove_file(&socket);
-    tracing::info!("tandem daemon stopped");
-    Ok(crate::exit::DONE)
+    })
 }
 
 /// SIGTERM or SIGINT starts a graceful shutdown; a second one exits at once.

@@ -6,6 +6,7 @@ mod daemon;
 mod e2e;
 mod embedded;
 mod hostile;
+mod mcp;
 mod new_user;
 mod plugins;
 mod teams;

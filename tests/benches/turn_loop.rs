@@ -165,12 +165,18 @@ async fn plugin_overhead(n: usize) {
         "noop",
         vec![
             python,
-            root.join("tests/plugins/misbehaving.py").display().to_string(),
+            root.join("tests/plugins/misbehaving.py")
+                .display()
+                .to_string(),
             "well".to_owned(),
         ],
     );
     let executors: Vec<(&str, Arc<dyn Executor>, Language)> = vec![
-        ("built-in local (fork server)", Arc::new(local_executor(true)), Language::python()),
+        (
+            "built-in local (fork server)",
+            Arc::new(local_executor(true)),
+            Language::python(),
+        ),
         (
             "Python example plugin",
             Arc::new(PluginExecutor::new(example).await.unwrap()),

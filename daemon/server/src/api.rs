@@ -105,8 +105,8 @@ pub fn router(
     shutdown: CancellationToken,
 ) -> Router {
     let state = AppState {
-        supervisor,
-        shutdown,
+        supervisor: supervisor.clone(),
+        shutdown: shutdown.clone(),
         body_limit,
     };
     let mut app = Router::new()
@@ -119,7 +119,11 @@ pub fn router(
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
         .fallback(not_found)
-        .with_state(state);
+        .with_state(state)
+        .nest_service(
+            "/mcp",
+            crate::mcp::http_service(supervisor.clone(), shutdown.clone()),
+        );
     if let Some(token) = token {
         let expected: Arc<str> = format!("Bearer {token}").into();
         app = app.layer(middleware::from_fn(move |req: Request, next: Next| {

@@ -2,6 +2,7 @@
 //! the HTTP API that clients reach over a Unix socket or TCP.
 
 pub mod api;
+pub mod mcp;
 pub mod metrics;
 pub mod policy;
 pub mod serve;

@@ -196,6 +196,11 @@ impl Supervisor {
         health
     }
 
+    /// What a task that leaves a setting out gets.
+    pub fn defaults(&self) -> &TaskDefaults {
+        &self.config.defaults
+    }
+
     /// What API clients may ask for.
     pub fn policy(&self) -> &Policy {
         &self.config.policy

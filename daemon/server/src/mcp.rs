@@ -1,0 +1,672 @@
+//! Tandem's sandboxes and tasks as a Model Context Protocol server, for the agents people
+//! already use: `tandem mcp` serves it over stdio, and the daemon over streamable HTTP at
+//! `/mcp` (behind the API's auth).
+//!
+//! Tools:
+//! - `execute_code`: one block in an executor the operator's policy offers; with a
+//!   `session_id`, files persist between calls in that session's workspace;
+//! - `run_task`: a whole task (the pair, or a team), its events streamed as progress
+//!   notifications, its answer and stop reason returned.
+//!
+//! Resources: each task's transcript, `tandem://tasks/{id}/transcript`.
+//!
+//! Sessions belong to one MCP connection: they are closed when it ends and after
+//! [`SESSION_IDLE`] without use.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation,
+    InitializeResult, ListResourcesResult, ListToolsResult, PaginatedRequestParams,
+    ProgressNotificationParam, ReadResourceRequestParams, ReadResourceResponse, ReadResourceResult,
+    Resource, ResourceContents, ServerCapabilities, Tool,
+};
+use rmcp::service::RequestContext;
+use rmcp::{ErrorData, RoleServer, ServerHandler, ServiceExt};
+use serde_json::{Value, json};
+use tandem_executor::{
+    CancellationToken, ExecContext, ExecOutcome, ExecRequest, ExitStatus, Language, Limits,
+    Session, SessionSpec,
+};
+use tandem_protocol::{EventMsg, TaskSpec};
+
+use crate::supervisor::{Supervisor, TaskError};
+
+/// The largest block `execute_code` takes.
+pub const MAX_CODE_BYTES: usize = 1 << 20;
+/// How long an `execute_code` session lives unused.
+pub const SESSION_IDLE: Duration = Duration::from_secs(600);
+/// Most sessions one connection may hold at once.
+const MAX_SESSIONS: usize = 32;
+/// Transcripts `resources/list` shows: the latest tasks.
+const LISTED_TASKS: usize = 50;
+
+/// One MCP connection's server.
+#[derive(Clone)]
+pub struct TandemMcp {
+    supervisor: Arc<Supervisor>,
+    sessions: Arc<Sessions>,
+}
+
+/// A connection's `execute_code` sessions by id.
+#[derive(Default)]
+pub struct Sessions {
+    map: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Entry>>>>,
+}
+
+struct Entry {
+    /// `None` once closed.
+    session: Option<Box<dyn Session>>,
+    executor: String,
+    used: Instant,
+}
+
+impl Sessions {
+    /// Closes every session (the connection ended).
+    pub async fn close_all(&self) {
+        let entries: Vec<_> = self
+            .map
+            .lock()
+            .map(|mut m| m.drain().map(|(_, e)| e).collect())
+            .unwrap_or_default();
+        for entry in entries {
+            close(&entry).await;
+        }
+    }
+
+    async fn close_idle(&self, idle: Duration) {
+        let stale: Vec<_> = {
+            let Ok(mut map) = self.map.lock() else {
+                return;
+            };
+            let ids: Vec<String> = map
+                .iter()
+                .filter(|(_, e)| e.try_lock().is_ok_and(|e| e.used.elapsed() > idle))
+                .map(|(id, _)| id.clone())
+                .collect();
+            ids.iter().filter_map(|id| map.remove(id)).collect()
+        };
+        for entry in stale {
+            close(&entry).await;
+        }
+    }
+}
+
+async fn close(entry: &tokio::sync::Mutex<Entry>) {
+    let session = entry.lock().await.session.take();
+    if let Some(session) = session
+        && let Err(e) = session.close().await
+    {
+        tracing::warn!(error = %e, "closing an MCP session's sandbox failed");
+    }
+}
+
+impl Drop for Sessions {
+    fn drop(&mut self) {
+        let entries: Vec<_> = self
+            .map
+            .get_mut()
+            .map(|m| m.drain().map(|(_, e)| e).collect())
+            .unwrap_or_default();
+        if entries.is_empty() {
+            return;
+        }
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                for entry in entries {
+                    close(&entry).await;
+                }
+            });
+        }
+    }
+}
+
+impl TandemMcp {
+    /// A server for one connection; its idle sessions are closed in the background.
+    pub fn new(supervisor: Arc<Supervisor>) -> Self {
+        let sessions = Arc::new(Sessions::default());
+        let weak: Weak<Sessions> = Arc::downgrade(&sessions);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(SESSION_IDLE / 10);
+            loop {
+                tick.tick().await;
+                let Some(sessions) = weak.upgrade() else {
+                    return;
+                };
+                sessions.close_idle(SESSION_IDLE).await;
+            }
+        });
+        Self {
+            supervisor,
+            sessions,
+        }
+    }
+
+    /// The connection's sessions, to close them when it ends.
+    pub fn sessions(&self) -> Arc<Sessions> {
+        self.sessions.clone()
+    }
+
+    async fn execute_code(
+        &self,
+        args: &serde_json::Map<String, Value>,
+        context: &RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let language = string(args, "language")?.ok_or_else(|| missing("language"))?;
+        let code = string(args, "code")?.ok_or_else(|| missing("code"))?;
+        if code.len() > MAX_CODE_BYTES {
+            return Err(ErrorData::invalid_params(
+                format!(
+                    "code is {} bytes; execute_code takes at most {MAX_CODE_BYTES}",
+                    code.len()
+                ),
+                None,
+            ));
+        }
+        let session_id = string(args, "session_id")?;
+        if let Some(id) = &session_id
+            && (id.is_empty()
+                || id.len() > 64
+                || !id
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'))
+        {
+            return Err(ErrorData::invalid_params(
+                "session_id must be 1 to 64 letters, digits, `-` or `_`",
+                None,
+            ));
+        }
+        let defaults = self.supervisor.defaults();
+        let executor = string(args, "executor")?.unwrap_or_else(|| defaults.executor.clone());
+        let policy = self.supervisor.policy();
+        if !policy.offers(&executor) {
+            return Err(ErrorData::invalid_params(
+                policy.not_offered(&executor, self.supervisor.executors()),
+                None,
+            ));
+        }
+        let sandbox = self
+            .supervisor
+            .executors()
+            .get(&executor)
+            .map_err(|e| ErrorData::invalid_params(e.to_string(), None))?;
+        let language = Language::new(&language);
+        if !sandbox.supports(&language) {
+            return Err(ErrorData::invalid_params(
+                tandem_executor::ExecError::unsupported(&language, &executor, sandbox.languages())
+                    .to_string(),
+                None,
+            ));
+        }
+        let mut request = ExecRequest::new(language.clone(), code);
+        if let Some(secs) = args.get("timeout_secs") {
+            let secs = secs.as_f64().filter(|s| *s > 0.0).ok_or_else(|| {
+                ErrorData::invalid_params("timeout_secs must be a positive number", None)
+            })?;
+            let asked = Duration::try_from_secs_f64(secs)
+                .map_err(|_| ErrorData::invalid_params("timeout_secs is too large", None))?;
+            request.timeout = Some(asked.min(policy.max_block_timeout));
+        }
+        let ctx = ExecContext::new(context.ct.clone());
+        let limits = defaults.limits.clone();
+        let outcome = match session_id {
+            None => {
+                let mut session = open(&*sandbox, limits).await?;
+                let ran = session.run(request, ctx).await;
+                let _ = session.close().await;
+                ran
+            }
+            Some(id) => {
+                let entry = self.session(&id, &executor, &*sandbox, limits).await?;
+                let mut entry = entry.lock().await;
+                entry.used = Instant::now();
+                match entry.session.as_mut() {
+                    Some(session) => session.run(request, ctx).await,
+                    None => {
+                        return Err(ErrorData::invalid_params(
+                            format!("session `{id}` was closed; use another id"),
+                            None,
+                        ));
+                    }
+                }
+            }
+        };
+        let outcome = outcome.map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+        Ok(outcome_result(&outcome, args.get("session_id")))
+    }
+
+    /// The session `id` of this connection, opened on first use.
+    async fn session(
+        &self,
+        id: &str,
+        executor: &str,
+        sandbox: &dyn tandem_executor::Executor,
+        limits: Limits,
+    ) -> Result<Arc<tokio::sync::Mutex<Entry>>, ErrorData> {
+        let existing = self
+            .sessions
+            .map
+            .lock()
+            .ok()
+            .and_then(|m| m.get(id).cloned());
+        if let Some(entry) = existing {
+            let owner = entry.lock().await.executor.clone();
+            if owner != executor {
+                return Err(ErrorData::invalid_params(
+                    format!("session `{id}` runs on the {owner} executor, not {executor}"),
+                    None,
+                ));
+            }
+            return Ok(entry);
+        }
+        if self.sessions.map.lock().map(|m| m.len()).unwrap_or(0) >= MAX_SESSIONS {
+            return Err(ErrorData::invalid_params(
+                format!("this connection already holds {MAX_SESSIONS} sessions; reuse one"),
+                None,
+            ));
+        }
+        let session = open(sandbox, limits).await?;
+        let entry = Arc::new(tokio::sync::Mutex::new(Entry {
+            session: Some(session),
+            executor: executor.to_owned(),
+            used: Instant::now(),
+        }));
+        let raced = self.sessions.map.lock().ok().map(|mut m| {
+            m.entry(id.to_owned())
+                .or_insert_with(|| entry.clone())
+                .clone()
+        });
+        match raced {
+            // Another call opened it first: this one is closed, theirs used.
+            Some(theirs) if !Arc::ptr_eq(&theirs, &entry) => {
+                close(&entry).await;
+                Ok(theirs)
+            }
+            _ => Ok(entry),
+        }
+    }
+
+    async fn run_task(
+        &self,
+        args: &serde_json::Map<String, Value>,
+        context: &RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, ErrorData> {
+        let task = string(args, "task")?.ok_or_else(|| missing("task"))?;
+        let mut spec = TaskSpec {
+            task,
+            executor: string(args, "executor")?,
+            ..TaskSpec::default()
+        };
+        if let Some(team) = args.get("team") {
+            spec.team = Some(serde_json::from_value(team.clone()).map_err(|e| {
+                ErrorData::invalid_params(format!("team is not a team (docs/teams.md): {e}"), None)
+            })?);
+        }
+        if let Some(turns) = args.get("max_turns") {
+            spec.max_turns = Some(
+                turns
+                    .as_u64()
+                    .and_then(|t| u32::try_from(t).ok())
+                    .ok_or_else(|| {
+                        ErrorData::invalid_params("max_turns must be a whole number", None)
+                    })?,
+            );
+        }
+        // Subscribed before the task exists, so that none of its events is missed.
+        let mut live = self.supervisor.subscribe();
+        let record = self.supervisor.submit(spec).await.map_err(|e| match e {
+            TaskError::Invalid(_) | TaskError::NotAllowed(_) | TaskError::Unavailable(_) => {
+                ErrorData::invalid_params(e.to_string(), None)
+            }
+            other => ErrorData::internal_error(other.to_string(), None),
+        })?;
+        let id = record.id;
+        let progress = context.meta.get_progress_token();
+        let mut sent = 0u32;
+        let finished = loop {
+            let next = tokio::select! {
+                () = context.ct.cancelled() => {
+                    let _ = self.supervisor.cancel(&id);
+                    return Err(ErrorData::internal_error(format!("task {id} was cancelled by the client"), None));
+                }
+                next = live.recv() => next,
+            };
+            match next {
+                Ok(item) if item.0 == id => {
+                    let event = &item.1;
+                    if let Some(token) = &progress {
+                        sent += 1;
+                        let message = serde_json::to_string(event).unwrap_or_default();
+                        let _ = context
+                            .peer
+                            .notify_progress(
+                                ProgressNotificationParam::new(token.clone(), f64::from(sent))
+                                    .with_message(message),
+                            )
+                            .await;
+                    }
+                    if let EventMsg::TaskFinished { .. } = &event.msg {
+                        break event.msg.clone();
+                    }
+                }
+                Ok(_) => {}
+                // Too slow to keep up: what the store has is the truth.
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                    if let Some(done) = self.finished_in_store(&id) {
+                        break done;
+                    }
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => {
+                    return Err(ErrorData::internal_error(
+                        "the daemon is shutting down; the task is kept and can be resumed",
+                        None,
+                    ));
+                }
+            }
+        };
+        let EventMsg::TaskFinished {
+            stop_reason,
+            turns,
+            error,
+            summary,
+            ..
+        } = finished
+        else {
+            return Err(ErrorData::internal_error(
+                "the task ended without its last event",
+                None,
+            ));
+        };
+        let uri = transcript_uri(&id);
+        let structured = json!({
+            "task_id": id,
+            "stop_reason": stop_reason,
+            "turns": turns,
+            "answer": summary,
+            "error": error,
+            "transcript": uri,
+        });
+        let text = match (&summary, &error) {
+            (_, Some(e)) => format!("task {id} failed: {}\n(transcript: {uri})", e.message),
+            (Some(answer), None) => format!(
+                "{answer}\n\n(task {id}: {stop_reason:?} after {turns} turns; transcript: {uri})"
+            ),
+            (None, None) => {
+                format!("task {id} ended: {stop_reason:?} after {turns} turns (transcript: {uri})")
+            }
+        };
+        let mut result = CallToolResult::success(vec![ContentBlock::text(text)]);
+        result.structured_content = Some(structured);
+        Ok(result)
+    }
+
+    fn finished_in_store(&self, id: &str) -> Option<EventMsg> {
+        let events = self.supervisor.store().events_after(id, 0).ok()?;
+        events
+            .into_iter()
+            .rev()
+            .map(|e| e.msg)
+            .find(|m| matches!(m, EventMsg::TaskFinished { .. }))
+    }
+}
+
+fn transcript_uri(id: &str) -> String {
+    format!("tandem://tasks/{id}/transcript")
+}
+
+fn missing(name: &str) -> ErrorData {
+    ErrorData::invalid_params(format!("`{name}` is required"), None)
+}
+
+/// The string argument `name`; an error if it is there but not a string.
+fn string(args: &serde_json::Map<String, Value>, name: &str) -> Result<Option<String>, ErrorData> {
+    match args.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(other) => Err(ErrorData::invalid_params(
+            format!("`{name}` must be a string, not {other}"),
+            None,
+        )),
+    }
+}
+
+async fn open(
+    sandbox: &dyn tandem_executor::Executor,
+    limits: Limits,
+) -> Result<Box<dyn Session>, ErrorData> {
+    sandbox
+        .open(SessionSpec {
+            limits,
+            ..SessionSpec::default()
+        })
+        .await
+        .map_err(|e| ErrorData::internal_error(format!("opening a sandbox failed: {e}"), None))
+}
+
+fn outcome_result(outcome: &ExecOutcome, session_id: Option<&Value>) -> CallToolResult {
+    let (status, exit_code) = match outcome.status {
+        ExitStatus::Exited(code) => ("exited".to_owned(), Some(code)),
+        ExitStatus::Signaled(signal) => (format!("killed by signal {signal}"), None),
+        ExitStatus::TimedOut => ("timed out".to_owned(), None),
+        ExitStatus::OutOfMemory => ("out of memory".to_owned(), None),
+        ExitStatus::Cancelled => ("cancelled".to_owned(), None),
+    };
+    let (stdout, stderr) = (outcome.stdout.to_text(), outcome.stderr.to_text());
+    let duration_ms = outcome.duration.as_secs_f64() * 1000.0;
+    let structured = json!({
+        "exit_code": exit_code,
+        "status": status,
+        "stdout": stdout,
+        "stderr": stderr,
+        "stdout_truncated": outcome.stdout.truncated(),
+        "stderr_truncated": outcome.stderr.truncated(),
+        "duration_ms": duration_ms,
+        "session_id": session_id,
+    });
+    let mut text = match exit_code {
+        Some(code) => format!("exit {code}"),
+        None => status,
+    };
+    text.push_str(&format!(" in {duration_ms:.0} ms\n"));
+    if !stdout.is_empty() {
+        text.push_str(&format!("--- stdout\n{stdout}"));
+    }
+    if !stderr.is_empty() {
+        text.push_str(&format!("--- stderr\n{stderr}"));
+    }
+    let mut result = if exit_code == Some(0) {
+        CallToolResult::success(vec![ContentBlock::text(text)])
+    } else {
+        CallToolResult::error(vec![ContentBlock::text(text)])
+    };
+    result.structured_content = Some(structured);
+    result
+}
+
+fn tools() -> Vec<Tool> {
+    let schema = |v: Value| Arc::new(v.as_object().cloned().unwrap_or_default());
+    vec![
+        Tool::new(
+            "execute_code",
+            "Run one code block in one of Tandem's sandboxes and return its exit code, stdout, stderr, whether output was truncated, and how long it took. Give a session_id to keep files between calls.",
+            schema(json!({
+                "type": "object",
+                "properties": {
+                    "language": {"type": "string", "description": "python, sh, javascript, ... (what the executor runs)"},
+                    "code": {"type": "string", "maxLength": MAX_CODE_BYTES},
+                    "session_id": {"type": "string", "description": "Files persist between calls with the same id (closed when the connection ends or after 10 minutes unused)"},
+                    "executor": {"type": "string", "description": "A sandbox the operator offers (default: the daemon's)"},
+                    "timeout_secs": {"type": "number", "exclusiveMinimum": 0}
+                },
+                "required": ["language", "code"]
+            })),
+        ),
+        Tool::new(
+            "run_task",
+            "Solve a coding task with Tandem: a model writes code, a sandbox runs it, turn after turn until done. Progress notifications carry the task's events; the result is the final answer and why the task stopped.",
+            schema(json!({
+                "type": "object",
+                "properties": {
+                    "task": {"type": "string"},
+                    "executor": {"type": "string"},
+                    "team": {"type": "object", "description": "A team of agents, as in the HTTP API (docs/teams.md)"},
+                    "max_turns": {"type": "integer", "minimum": 1}
+                },
+                "required": ["task"]
+            })),
+        ),
+    ]
+}
+
+impl ServerHandler for TandemMcp {
+    fn get_info(&self) -> InitializeResult {
+        InitializeResult::new(
+            ServerCapabilities::builder()
+                .enable_tools()
+                .enable_resources()
+                .build(),
+        )
+        .with_server_info(Implementation::new("tandem", env!("CARGO_PKG_VERSION")))
+        .with_instructions(
+            "execute_code runs code in a sandbox; run_task solves a whole coding task. Task transcripts are resources.",
+        )
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        Ok(ListToolsResult::with_all_items(tools()))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        let args = request.arguments.unwrap_or_default();
+        let result = match request.name.as_ref() {
+            "execute_code" => self.execute_code(&args, &context).await?,
+            "run_task" => self.run_task(&args, &context).await?,
+            other => {
+                return Err(ErrorData::invalid_params(
+                    format!("no tool `{other}`; the tools are execute_code and run_task"),
+                    None,
+                ));
+            }
+        };
+        Ok(result.into())
+    }
+
+    async fn list_resources(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListResourcesResult, ErrorData> {
+        let mut tasks = self
+            .supervisor
+            .store()
+            .list(None)
+            .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+        tasks.sort_by_key(|t| std::cmp::Reverse(t.created_ms));
+        let resources = tasks
+            .into_iter()
+            .take(LISTED_TASKS)
+            .map(|t| {
+                let name: String = t.spec.task.chars().take(80).collect();
+                Resource::new(transcript_uri(&t.id), name)
+                    .with_description(format!(
+                        "the transcript of task {} ({})",
+                        t.id,
+                        t.state.as_str()
+                    ))
+                    .with_mime_type("text/markdown")
+            })
+            .collect();
+        Ok(ListResourcesResult::with_all_items(resources))
+    }
+
+    async fn read_resource(
+        &self,
+        request: ReadResourceRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ReadResourceResponse, ErrorData> {
+        let id = request
+            .uri
+            .strip_prefix("tandem://tasks/")
+            .and_then(|rest| rest.strip_suffix("/transcript"))
+            .ok_or_else(|| {
+                ErrorData::resource_not_found(
+                    format!(
+                        "no resource {}; transcripts are tandem://tasks/ID/transcript",
+                        request.uri
+                    ),
+                    None,
+                )
+            })?;
+        let record = self
+            .supervisor
+            .store()
+            .get(id)
+            .map_err(|e| ErrorData::internal_error(e.to_string(), None))?
+            .ok_or_else(|| ErrorData::resource_not_found(format!("no task {id}"), None))?;
+        let messages = self
+            .supervisor
+            .transcript(&record)
+            .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+        let mut text = format!("# Task {id}\n\n{}\n", record.spec.task);
+        for m in messages {
+            let who = m
+                .name
+                .clone()
+                .unwrap_or_else(|| format!("{:?}", m.role).to_lowercase());
+            text.push_str(&format!("\n## {who}\n\n{}\n", m.content));
+        }
+        Ok(ReadResourceResult::new(vec![
+            ResourceContents::text(text, request.uri.clone()).with_mime_type("text/markdown"),
+        ])
+        .into())
+    }
+}
+
+/// Serves MCP over this process's stdin and stdout until the client goes; its sessions are
+/// closed then.
+pub async fn serve_stdio(supervisor: Arc<Supervisor>) -> Result<(), String> {
+    let server = TandemMcp::new(supervisor);
+    let sessions = server.sessions();
+    let running = server
+        .serve(rmcp::transport::stdio())
+        .await
+        .map_err(|e| format!("the MCP client did not start a session: {e}"))?;
+    let ended = running.waiting().await;
+    sessions.close_all().await;
+    ended.map(|_| ()).map_err(|e| e.to_string())
+}
+
+/// MCP over streamable HTTP, one [`TandemMcp`] per MCP session, for the API's `/mcp`.
+pub fn http_service(
+    supervisor: Arc<Supervisor>,
+    shutdown: CancellationToken,
+) -> rmcp::transport::streamable_http_server::StreamableHttpService<
+    TandemMcp,
+    rmcp::transport::streamable_http_server::session::local::LocalSessionManager,
+> {
+    use rmcp::transport::streamable_http_server::{
+        StreamableHttpServerConfig, StreamableHttpService, session::local::LocalSessionManager,
+    };
+    let mut sessions = LocalSessionManager::default();
+    sessions.session_config.keep_alive = Some(SESSION_IDLE);
+    // The API's own auth (the socket's permissions, or the bearer token) guards /mcp; a
+    // Host check would refuse a daemon reached by its name.
+    let config = StreamableHttpServerConfig::default()
+        .disable_allowed_hosts()
+        .with_cancellation_token(shutdown.child_token());
+    StreamableHttpService::new(
+        move || Ok(TandemMcp::new(supervisor.clone())),
+        Arc::new(sessions),
+        config,
+    )
+}
