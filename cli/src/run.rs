@@ -17,7 +17,7 @@ use crate::render::{Mode, Renderer};
 pub struct RunArgs {
     /// The task, in words
     pub(crate) task: String,
-    /// Executor that runs the code: auto, docker, wasm or local [env: TANDEM_EXECUTOR; default: auto]
+    /// Executor that runs the code: auto, docker, wasm, local or an [executors.NAME] plugin [env: TANDEM_EXECUTOR; default: auto]
     #[arg(long, short = 'e')]
     pub(crate) executor: Option<String>,
     /// Docker image for the docker executor [env: TANDEM_DOCKER_IMAGE; default: python:3.12-slim]

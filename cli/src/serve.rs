@@ -29,7 +29,7 @@ pub struct ServeArgs {
     /// Seconds running tasks get to finish on SIGTERM before they are interrupted
     #[arg(long, default_value_t = 10.0)]
     grace: f64,
-    /// Default executor for tasks that name none: auto, docker, wasm or local [env: TANDEM_EXECUTOR]
+    /// Default executor for tasks that name none: auto, docker, wasm, local or an [executors.NAME] plugin [env: TANDEM_EXECUTOR]
     #[arg(long, short = 'e')]
     executor: Option<String>,
     /// Docker image for the docker executor [env: TANDEM_DOCKER_IMAGE]

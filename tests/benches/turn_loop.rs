@@ -12,6 +12,8 @@
 //!    `tandem-sandbox:latest`).
 //! 6. Plugins: `print(1)` through the Python example plugin vs the built-in local executor,
 //!    and the protocol's own round trip (a plugin that answers each block at once).
+//! 7. MCP: `execute_code` of `print(1)` over `tandem mcp`'s stdio in a warm session vs
+//!    `tandem exec` of the same block, and vs the same session run in-process.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
@@ -228,6 +230,120 @@ async fn plugin_overhead(n: usize) {
             ms(mean),
             ms(median),
             mean.as_secs_f64() / local_mean.as_secs_f64()
+        );
+    }
+}
+
+/// `execute_code` over MCP stdio (the release `tandem mcp`, a session kept warm by its id)
+/// beside `tandem exec` of the same block and the block run in-process; local executor.
+async fn mcp_overhead(n: usize) {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let Some(bin) = tandem_binary() else {
+        println!(
+            "\n## MCP: not measured: build the binary first with `cargo build --release -p tandem-cli`"
+        );
+        return;
+    };
+    let models = tempfile::tempdir().unwrap();
+    let mut child = tokio::process::Command::new(&bin)
+        .args(["mcp", "--executor", "local"])
+        .env("XDG_CONFIG_HOME", "/nonexistent")
+        .env("TANDEM_MODELS_DIR", models.path())
+        .env("OPENAI_BASE_URL", "http://127.0.0.1:9/v1")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut id = 0u64;
+    let mut call = async |method: &str, params: serde_json::Value| {
+        id += 1;
+        let line =
+            serde_json::json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});
+        stdin
+            .write_all(format!("{line}\n").as_bytes())
+            .await
+            .unwrap();
+        loop {
+            let answer: serde_json::Value =
+                serde_json::from_str(&lines.next_line().await.unwrap().unwrap()).unwrap();
+            if answer["id"] == id {
+                return answer;
+            }
+        }
+    };
+    call(
+        "initialize",
+        serde_json::json!({"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "bench", "version": "1"}}),
+    )
+    .await;
+    let block = serde_json::json!({"name": "execute_code", "arguments": {"language": "python", "code": "print(1)", "session_id": "bench"}});
+    let executor = local_executor(true);
+    let mut session = executor.open(SessionSpec::default()).await.unwrap();
+    let (mut over_mcp, mut exec, mut in_process) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..=n {
+        let t = Instant::now();
+        let answer = call("tools/call", block.clone()).await;
+        assert_eq!(
+            answer["result"]["structuredContent"]["stdout"], "1\n",
+            "{answer}"
+        );
+        let mcp = t.elapsed();
+        let t = Instant::now();
+        let mut cli = tokio::process::Command::new(&bin)
+            .args(["exec", "--executor", "local", "--lang", "python", "-"])
+            .env("XDG_CONFIG_HOME", "/nonexistent")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut input = cli.stdin.take().unwrap();
+        input.write_all(b"print(1)").await.unwrap();
+        drop(input);
+        let out = cli.wait_with_output().await.unwrap();
+        assert_eq!(out.stdout, b"1\n");
+        let cli = t.elapsed();
+        let t = Instant::now();
+        session
+            .run(
+                ExecRequest::new(Language::python(), "print(1)"),
+                ExecContext::new(CancellationToken::new()),
+            )
+            .await
+            .unwrap();
+        if i > 0 {
+            over_mcp.push(mcp);
+            exec.push(cli);
+            in_process.push(t.elapsed());
+        }
+    }
+    session.close().await.unwrap();
+    drop(stdin);
+    let _ = child.wait().await;
+    let (mm, md) = stats(over_mcp);
+    let (em, ed) = stats(exec);
+    let (im, id_) = stats(in_process);
+    println!("\n## MCP: `execute_code` of `print(1)`, local executor, {n} runs each, interleaved");
+    println!("| path | mean | median | mean vs `tandem exec` |");
+    println!("|---|---|---|---|");
+    for (label, mean, median) in [
+        ("`tandem exec` (a process per block)", em, ed),
+        (
+            "`execute_code` over `tandem mcp` stdio, warm session",
+            mm,
+            md,
+        ),
+        ("the same block in-process, warm session (floor)", im, id_),
+    ] {
+        println!(
+            "| {label} | {} | {} | {:.2}x |",
+            ms(mean),
+            ms(median),
+            mean.as_secs_f64() / em.as_secs_f64()
         );
     }
 }
@@ -1111,7 +1227,7 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    // `TANDEM_BENCH_ONLY=daemon` (or local, confine, turn_loop, cold_start, docker, team, plugin) runs
+    // `TANDEM_BENCH_ONLY=daemon` (or local, confine, turn_loop, cold_start, docker, team, plugin, mcp) runs
     // one section.
     let only = std::env::var("TANDEM_BENCH_ONLY").ok();
     let run = |name: &str| only.as_deref().is_none_or(|o| o == name);
@@ -1140,6 +1256,9 @@ fn main() {
         }
         if run("plugin") {
             plugin_overhead(300).await;
+        }
+        if run("mcp") {
+            mcp_overhead(100).await;
         }
     });
 }

@@ -3,11 +3,13 @@
 Tandem's tests of what it does with a bad plugin. With `well` it behaves: every block prints
 `ok` and exits 0 at once (the benchmark's no-op plugin).
 
-Modes: well, garbage, silent, wrong-version, wrong-id, crash-once (needs a state file as its
-second argument), flood, oversized, ignore-cancel, hang-close.
+Modes: well, env (each block prints the plugin's own environment's names), garbage, silent,
+wrong-version, wrong-id, crash-once (needs a state file as its second argument), flood,
+oversized, ignore-cancel, hang-close.
 """
 import json
 import os
+import subprocess
 import sys
 
 mode = sys.argv[1]
@@ -64,7 +66,13 @@ for line in sys.stdin.buffer:
             output(rid, "small\n")
             answer(rid, {"status": {"exited": 0}})
         elif mode == "ignore-cancel":
+            # A child in the plugin's process group, which must die with the plugin.
+            child = subprocess.Popen(["sleep", "300"])
+            output(rid, f"child {child.pid}\n")
             continue
+        elif mode == "env":
+            output(rid, " ".join(sorted(os.environ)) + "\n")
+            answer(rid, {"status": {"exited": 0}})
         else:
             output(rid, "ok\n")
             answer(rid, {"status": {"exited": 0}, "duration_secs": 0.0})

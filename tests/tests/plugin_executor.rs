@@ -238,13 +238,26 @@ async fn a_plugin_that_ignores_cancel_is_killed_and_tandem_keeps_its_timeout() {
         "{:?}",
         started.elapsed()
     );
+    let child: u32 = out
+        .stdout
+        .to_text()
+        .trim()
+        .strip_prefix("child ")
+        .unwrap()
+        .parse()
+        .unwrap();
+    // The plugin and what it started (its process group) are killed.
     let gone = Instant::now();
-    while std::path::Path::new(&format!("/proc/{pid}")).exists() {
-        assert!(
-            gone.elapsed() < Duration::from_secs(2),
-            "the plugin outlived its kill"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    for pid in [pid, child] {
+        while std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|s| !s.contains(") Z "))
+        {
+            assert!(
+                gone.elapsed() < Duration::from_secs(2),
+                "{pid} outlived the plugin's kill"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
     // Cancel works the same way.
     let mut s = plugin.open(SessionSpec::default()).await.unwrap();
@@ -294,4 +307,25 @@ async fn dropping_the_executor_ends_the_plugin_process() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_plugin_gets_only_the_environment_it_is_given() {
+    // Tandem's own variables (the test runner's CARGO_* stand for keys and tokens) stay out.
+    assert!(std::env::vars().any(|(k, _)| k.starts_with("CARGO")));
+    let mut config = misbehaving("env", &[]);
+    config
+        .env
+        .push(("PLUGIN_SETTING".to_owned(), "1".to_owned()));
+    let plugin = PluginExecutor::new(config).await.unwrap();
+    let out = sh(&plugin, Duration::from_secs(5)).await.unwrap();
+    // Python itself may add LC_CTYPE when it coerces the C locale.
+    let names: Vec<String> = out
+        .stdout
+        .to_text()
+        .split_whitespace()
+        .filter(|n| *n != "LC_CTYPE")
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(names, ["PATH", "PLUGIN_SETTING"]);
 }

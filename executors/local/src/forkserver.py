@@ -6,7 +6,7 @@
 # confined; the reply is the pid of the block's waiter. On the status pipe the block
 # writes its own pid once it leads its own session, then the waiter writes the block's raw
 # wait status; EOF follows once every process the block started is dead.
-import _thread, builtins, io, json, os, resource, signal, socket, struct, sys, types
+import _thread, builtins, fcntl, io, json, os, resource, signal, socket, struct, sys, types
 
 ctl = socket.socket(fileno=3)
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the waiters are reaped by the kernel
@@ -125,22 +125,38 @@ def kill_descendants():
 FRESH_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD)
 
 
+# A confined block's program waits behind this gate until the waiter says go: `read` on fd
+# 3 returns once the spawning thread (the one task of the waiter inside the block's domain,
+# which the block could otherwise signal, and so kill the whole waiter) is gone.
+GATE = (
+    'read -r _ <&3; [ -x "$1" ] || { echo "tandem: cannot start $1: not an executable file" >&2; exit 127; }; '
+    'exec "$@" 3<&-'
+)
+
+
 def spawn_scoped(req, out, err, status):
     """Another language's confined block, spawned from a thread of this waiter that first
     enters the Landlock domain keeping it from signalling the waiter: Landlock restricts the
     calling thread only, so the waiter itself stays outside, and posix_spawn keeps its speed
-    (a fork of this interpreter costs about 2 ms more per block). The thread ends as soon as
-    the spawn returns, microseconds after the exec, while the new program is still loading
-    and before it runs a line of the block, so by then nothing of the waiter's is left in the
-    block's domain to signal."""
+    (a fork of this interpreter costs about 2 ms more per block). Until that thread has
+    ended, the block is held at a gate (a shell reading fd 3, which then execs the program):
+    before, nothing of the block's own runs."""
     found = []
     done = _thread.allocate_lock()
     done.acquire()
+    gate_r, gate_w = os.pipe()
+    if gate_r <= 3:
+        # Above every fd the spawn moves, so that it can land at 3 last.
+        high = fcntl.fcntl(gate_r, fcntl.F_DUPFD_CLOEXEC, 10)
+        os.close(gate_r)
+        gate_r = high
+    gated = dict(req, argv=["/bin/sh", "-c", GATE, "tandem-gate"] + list(req["argv"]))
 
     def run():
         try:
+            found.append(_thread.get_native_id())
             scope_away_from_waiter()
-            found.append(spawn_plain(req, out, err, status))
+            found.append(spawn_plain(gated, out, err, status, gate=gate_r))
         except BaseException as e:
             found.append(e)
         finally:
@@ -148,9 +164,16 @@ def spawn_scoped(req, out, err, status):
 
     _thread.start_new_thread(run, ())
     done.acquire()
-    if isinstance(found[0], BaseException):
-        raise found[0]
-    return found[0]
+    os.close(gate_r)
+    # The thread has released the lock; wait for the kernel to have ended it.
+    task = "/proc/self/task/%d" % found[0]
+    while os.path.exists(task):
+        os.sched_yield()
+    os.write(gate_w, b"go\n")
+    os.close(gate_w)
+    if isinstance(found[1], BaseException):
+        raise found[1]
+    return found[1]
 
 
 def spawn(req, out, err, status):
@@ -159,12 +182,22 @@ def spawn(req, out, err, status):
     return spawn_plain(req, out, err, status)
 
 
-def spawn_plain(req, out, err, status):
+def spawn_plain(req, out, err, status, gate=None):
     """Another language's block: exec'd by posix_spawn (vfork, no copy of this interpreter)
-    in its own session, with the signal dispositions a fresh process has."""
+    in its own session, with the signal dispositions a fresh process has; `gate`, when
+    given, becomes its fd 3."""
     os.chdir(req["cwd"])
     null = os.open(os.devnull, os.O_RDONLY)
     argv = req["argv"]
+    # In order: the three streams, then every original closed (one of them may be fd 3),
+    # then the gate at 3.
+    actions = [
+        (os.POSIX_SPAWN_DUP2, null, 0),
+        (os.POSIX_SPAWN_DUP2, out, 1),
+        (os.POSIX_SPAWN_DUP2, err, 2),
+    ] + [(os.POSIX_SPAWN_CLOSE, fd) for fd in (null, out, err, status) if fd > 2]
+    if gate is not None:
+        actions += [(os.POSIX_SPAWN_DUP2, gate, 3), (os.POSIX_SPAWN_CLOSE, gate)]
     try:
         pid = os.posix_spawn(
             argv[0],
@@ -172,12 +205,7 @@ def spawn_plain(req, out, err, status):
             req["env"],
             setsid=True,
             setsigdef=FRESH_SIGNALS,
-            file_actions=[
-                (os.POSIX_SPAWN_DUP2, null, 0),
-                (os.POSIX_SPAWN_DUP2, out, 1),
-                (os.POSIX_SPAWN_DUP2, err, 2),
-            ]
-            + [(os.POSIX_SPAWN_CLOSE, fd) for fd in (null, out, err, status)],
+            file_actions=actions,
         )
     except OSError as e:
         # Reported as the block's own failure, by a process that keeps the pipe's protocol.
