@@ -133,6 +133,10 @@ GATE = (
     'exec "$@" 3<&-'
 )
 
+# ...and a shell block is run by the gate's shell itself, with $0 the script as `sh script`
+# has it.
+SH_GATE = 'read -r _ <&3; exec 3<&-; . "$0"'
+
 
 def spawn_scoped(req, out, err, status):
     """Another language's confined block, spawned from a thread of this waiter that first
@@ -150,7 +154,12 @@ def spawn_scoped(req, out, err, status):
         high = fcntl.fcntl(gate_r, fcntl.F_DUPFD_CLOEXEC, 10)
         os.close(gate_r)
         gate_r = high
-    gated = dict(req, argv=["/bin/sh", "-c", GATE, "tandem-gate"] + list(req["argv"]))
+    argv = list(req["argv"])
+    if len(argv) == 2 and os.path.basename(argv[0]) in ("sh", "dash"):
+        # A shell block is sourced by the gate's own shell: one exec, not two.
+        gated = dict(req, argv=[argv[0], "-c", SH_GATE, argv[1]])
+    else:
+        gated = dict(req, argv=["/bin/sh", "-c", GATE, "tandem-gate"] + argv)
 
     def run():
         try:
