@@ -221,4 +221,27 @@ mod tests {
         assert_eq!(outcome.stdout.to_text(), "a\n");
         session.close().await.unwrap();
     }
+
+    /// The conformance kit (what `tandem executor test` runs): a perl-only executor passes
+    /// the one case that applies to it, and every other case says why it does not apply.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn passes_the_conformance_kit_where_it_applies() {
+        let reports = tandem_executor_conformance::run(Arc::new(PerlExecutor::new()), None).await;
+        for r in &reports {
+            match (&r.verdict, r.case) {
+                (
+                    tandem_executor_conformance::Verdict::Pass,
+                    "unsupported_language_is_an_error",
+                ) => {}
+                (tandem_executor_conformance::Verdict::NotApplicable(why), _) => {
+                    assert!(
+                        why.contains("which `perl` does not run"),
+                        "{}: {why}",
+                        r.case
+                    )
+                }
+                (verdict, case) => panic!("{case}: {verdict:?}"),
+            }
+        }
+    }
 }
