@@ -144,3 +144,57 @@ async fn executor_test_prints_a_case_table_and_fails_a_plugin_that_lies() {
         "{why}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_daemon_offers_a_configured_plugin_and_runs_tasks_on_it() {
+    let server = tandem_tests::ScriptedOpenAi::start(tandem_tests::script([(
+        "plugin task",
+        vec![
+            tandem_tests::Reply::from("```python\nprint(6 * 7)\n```"),
+            tandem_tests::Reply::from("42\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let config = format!(
+        "[executors.pyplug]\ncommand = [\"python3\", \"{}\"]\n",
+        repo("examples/executor-plugin-python/tandem_plugin.py")
+    );
+    let mut d = tandem_tests::DaemonHarness::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &[],
+        Some(&config),
+    )
+    .await;
+    let executors = d.get("/v1/executors").await;
+    let pyplug = executors["executors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "pyplug")
+        .cloned()
+        .unwrap_or_else(|| panic!("no pyplug: {executors}"));
+    assert_eq!(
+        (&pyplug["health"], &pyplug["offered"], &pyplug["languages"]),
+        (
+            &Value::from("ok"),
+            &Value::from(true),
+            &serde_json::json!(["python", "sh"])
+        )
+    );
+    let id = d
+        .submit(serde_json::json!({"task": "plugin task", "executor": "pyplug"}))
+        .await;
+    let task = d
+        .wait_finished(&id, std::time::Duration::from_secs(60))
+        .await;
+    assert_eq!(task["stop_reason"], "terminated", "{task}");
+    let events = d.events(&id, 0).await;
+    let result = events
+        .iter()
+        .find(|e| e["type"] == "exec_result")
+        .unwrap_or_else(|| panic!("no block ran: {events:?}"));
+    assert_eq!(result["result"]["stdout"], "42\n", "{result}");
+    d.terminate().await;
+}
