@@ -143,7 +143,7 @@ def spawn_scoped(req, out, err, status):
     enters the Landlock domain keeping it from signalling the waiter: Landlock restricts the
     calling thread only, so the waiter itself stays outside, and posix_spawn keeps its speed
     (a fork of this interpreter costs about 2 ms more per block). Until that thread has
-    ended, the block is held at a gate (a shell reading fd 3, which then execs the program):
+    ended, the block is held at a gate (a shell reading fd 3, which then runs the program):
     before, nothing of the block's own runs."""
     found = []
     done = _thread.allocate_lock()
