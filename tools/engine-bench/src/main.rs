@@ -112,7 +112,12 @@ fn main() -> Result<()> {
         ("candle", vec![]),
         ("tandem-model-embedded", vec![]),
     ];
-    for round in 0..ROUNDS {
+    // More rounds narrow a median on a noisy machine: ENGINE_BENCH_ROUNDS=5.
+    let rounds = std::env::var("ENGINE_BENCH_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(ROUNDS);
+    for round in 0..rounds {
         eprintln!("round {}", round + 1);
         rows[0].1.push(server(model, python)?);
         let mut engines = vec![(1, "--llama")];
@@ -161,7 +166,7 @@ fn main() -> Result<()> {
         );
     }
     println!(
-        "\n(medians of {ROUNDS} alternated rounds; prompt {} tokens, {GENERATE} generated, greedy, {THREADS} threads)",
+        "\n(medians of {rounds} alternated rounds; prompt {} tokens, {GENERATE} generated, greedy, {THREADS} threads)",
         rows[1].1.first().map_or(0, |f| f.prompt_tokens)
     );
     Ok(())
