@@ -194,7 +194,7 @@ impl Shared {
     fn notification(&self, method: &str, params: Option<&Value>) {
         match method {
             "session/output" => {
-                let output: Output = match params.map(Output::deserialize_from) {
+                let output: Output = match params.map(serde::Deserialize::deserialize) {
                     Some(Ok(o)) => o,
                     Some(Err(e)) => {
                         return self.fault(format!(
@@ -223,12 +223,6 @@ impl Shared {
             // Notifications Tandem does not know are ignored, as JSON-RPC allows.
             other => tracing::debug!(plugin = %self.name, method = other, "unknown notification"),
         }
-    }
-}
-
-impl Output {
-    fn deserialize_from(v: &Value) -> Result<Self, serde_json::Error> {
-        serde::Deserialize::deserialize(v)
     }
 }
 
