@@ -141,6 +141,11 @@ impl Client {
         self.call(reqwest::Method::POST, path, None).await
     }
 
+    /// `POST path` with a JSON body, as JSON.
+    pub async fn post_json(&self, path: &str, body: &Value) -> Result<Value> {
+        self.call(reqwest::Method::POST, path, Some(body)).await
+    }
+
     /// Queues a task; returns its id.
     pub async fn submit(&self, spec: &TaskSpec) -> Result<String> {
         let body = serde_json::to_value(spec)?;
@@ -255,6 +260,13 @@ fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
 
 /// Follows a task to its end, rendering its events; Ctrl-C cancels it on the daemon.
 pub async fn follow(client: &Client, id: &str, mode: Mode) -> Result<u8> {
+    follow_approving(client, id, mode, false).await
+}
+
+/// [`follow`], answering the task's approvals at this terminal when `approve`; otherwise
+/// a block that waits says how to decide it.
+pub async fn follow_approving(client: &Client, id: &str, mode: Mode, approve: bool) -> Result<u8> {
+    let answer = approve.then(|| crate::approve::answer_on_daemon(client, id));
     let renderer = Arc::new(Mutex::new(
         Renderer::stdout(mode).place(format!("on the daemon at {}", client.host)),
     ));
@@ -276,6 +288,23 @@ pub async fn follow(client: &Client, id: &str, mode: Mode) -> Result<u8> {
         .events(id, 0, true, &mut |e| {
             if let Ok(mut r) = r.lock() {
                 r.event(&e.msg);
+            }
+            if let EventMsg::ApprovalRequested {
+                n,
+                language,
+                code,
+                reason,
+                ..
+            } = &e.msg
+            {
+                match &answer {
+                    Some(tx) => {
+                        let _ = tx.send((*n, language.clone(), code.clone(), reason.clone()));
+                    }
+                    None => eprintln!(
+                        "tandem: block waits for approval {n}: `tandem approve {id} {n}` runs it, `tandem deny {id} {n} --reason WHY` declines it"
+                    ),
+                }
             }
         })
         .await;

@@ -28,6 +28,9 @@ pub struct FileConfig {
     pub executors: ExecutorsSection,
     #[serde(default)]
     pub policy: PolicySection,
+    /// `[approval]`: which blocks wait for a person (docs/approval.md).
+    #[serde(default)]
+    pub approval: tandem_protocol::ApprovalPolicy,
 }
 
 /// `[policy]`: what API clients of a daemon may ask for.
@@ -198,7 +201,11 @@ pub fn load(explicit: Option<&Path>) -> Result<FileConfig> {
     };
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("cannot read config file {}", path.display()))?;
-    toml::from_str(&text).with_context(|| format!("invalid config file {}", path.display()))
+    let file: FileConfig =
+        toml::from_str(&text).with_context(|| format!("invalid config file {}", path.display()))?;
+    tandem_agent::ApprovalGate::new(&file.approval, None)
+        .with_context(|| format!("invalid config file {}: [approval]", path.display()))?;
+    Ok(file)
 }
 
 fn default_path() -> Option<PathBuf> {
@@ -510,16 +517,19 @@ mod tests {
         assert_eq!(limits.wall, Duration::from_secs(60));
         assert_eq!(limits.output_bytes, 65536);
         assert_eq!(file.executors.local.env.len(), 1);
-        // Every other example in the README and the security model is valid too (unknown
-        // keys are errors).
+        // Every other example in the README, the security model and the approval guide is
+        // valid too (unknown keys are errors), and its approval policy can be used.
         let security = tandem_agent::extract_code_blocks(include_str!("../../docs/security.md"));
+        let approval = tandem_agent::extract_code_blocks(include_str!("../../docs/approval.md"));
         for block in blocks
             .iter()
             .chain(&security)
+            .chain(&approval)
             .filter(|b| b.language.as_deref() == Some("toml"))
         {
-            toml::from_str::<FileConfig>(&block.code)
+            let file = toml::from_str::<FileConfig>(&block.code)
                 .unwrap_or_else(|e| panic!("README example does not parse: {e}\n{}", block.code));
+            tandem_agent::ApprovalGate::new(&file.approval, None).unwrap();
         }
     }
 

@@ -172,6 +172,8 @@ pub async fn exec(args: ExecArgs, file: FileConfig) -> Result<u8> {
         timeout: None,
         cancel,
         events,
+        // The person typing the code is the one who would approve it.
+        approval: None,
     };
     let runs = blocks::run_blocks(&mut slot, &blocks, &opts).await;
     let closed = slot.close().await;

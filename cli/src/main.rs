@@ -1,5 +1,6 @@
 //! `tandem`: run coding tasks with an LLM that writes code and a sandbox that runs it.
 
+mod approve;
 mod client;
 mod config;
 mod exec;
@@ -84,6 +85,10 @@ enum Command {
     Cancel(tasks::IdArgs),
     /// Continue an interrupted task from its transcript
     Resume(tasks::IdArgs),
+    /// Run a block a daemon's task waits on (as written, or as edited with --code-file)
+    Approve(approve::ApproveArgs),
+    /// Decline a block a daemon's task waits on; the model is told the reason
+    Deny(approve::DenyArgs),
     /// The embedded model's files: pull one, list them
     Model {
         #[command(subcommand)]
@@ -215,6 +220,8 @@ fn dispatch(cli: Cli) -> Result<u8> {
         Command::Logs(args) => runtime()?.block_on(tasks::logs(args)),
         Command::Cancel(args) => runtime()?.block_on(tasks::cancel(args)),
         Command::Resume(args) => runtime()?.block_on(tasks::resume(args)),
+        Command::Approve(args) => runtime()?.block_on(approve::approve(args)),
+        Command::Deny(args) => runtime()?.block_on(approve::deny_cmd(args)),
     }
 }
 

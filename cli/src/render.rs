@@ -239,6 +239,51 @@ impl<W: Write> Renderer<W> {
                 let lang = language.as_deref().unwrap_or("untagged");
                 self.rule(&format!("block {index} · {lang}"))
             }
+            EventMsg::ApprovalRequested {
+                n, rule, reason, ..
+            } => {
+                let by = rule
+                    .as_deref()
+                    .map(|r| format!(" (rule `{r}`)"))
+                    .unwrap_or_default();
+                self.rule(&format!("approval {n} asked{by}: {reason}"))
+            }
+            EventMsg::ApprovalDecided {
+                n,
+                decision,
+                by,
+                code,
+                reason,
+                rule,
+                ..
+            } => {
+                let what = match (decision, code.is_some()) {
+                    (tandem_protocol::Decision::Approve, true) => "approved, edited",
+                    (tandem_protocol::Decision::Approve, false) => "approved",
+                    (tandem_protocol::Decision::Deny, _) => "denied",
+                };
+                let by = match rule {
+                    Some(rule) => format!("rule `{rule}`"),
+                    None => by.clone(),
+                };
+                let why = reason
+                    .as_deref()
+                    .map(|r| format!(": {r}"))
+                    .unwrap_or_default();
+                let label = if *n == 0 {
+                    format!("{what} by {by}{why}")
+                } else {
+                    format!("approval {n} {what} by {by}{why}")
+                };
+                self.rule(&label)?;
+                match code {
+                    Some(code) => {
+                        self.text(code)?;
+                        self.text(if code.ends_with('\n') { "" } else { "\n" })
+                    }
+                    None => Ok(()),
+                }
+            }
             EventMsg::ExecOutput { text, stream, .. } => {
                 self.shown.push(*stream, text);
                 self.output(*stream, text)
@@ -314,6 +359,7 @@ pub fn result_line(r: &BlockResult) -> String {
         BlockStatus::Skipped => "not run: data, not a program".to_owned(),
         BlockStatus::NotRun => "not run: an earlier block failed".to_owned(),
         BlockStatus::Incomplete => "not run: the reply was cut off inside this block".to_owned(),
+        BlockStatus::Declined => "not run: declined".to_owned(),
         BlockStatus::Error => "sandbox error".to_owned(),
     }
 }

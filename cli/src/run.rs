@@ -5,9 +5,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use tandem_agent::{TaskSettings, allowed_languages, run_task};
+use tandem_agent::{ApprovalGate, TaskSettings, allowed_languages, run_task};
 use tandem_executor::{CancellationToken, SessionSpec};
-use tandem_protocol::EventMsg;
+use tandem_protocol::{ApprovalMode, ApprovalPolicy, EventMsg};
 
 use crate::config::{self, FileConfig, ModelFlags};
 use crate::exit;
@@ -52,6 +52,9 @@ pub struct RunArgs {
     /// Run in this process even when a daemon is reachable
     #[arg(long)]
     pub(crate) local: bool,
+    /// Ask at the terminal before each code block runs: [y]es / [n]o / [e]dit / [a]lways
+    #[arg(long)]
+    pub(crate) approve: bool,
     /// Solve the task with this team of agents (a team file: docs/teams.md) instead of the
     /// assistant and executor pair
     #[arg(long)]
@@ -65,6 +68,9 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
         anyhow::bail!(
             "the task is empty; say what to do, for example: tandem run \"print the 10th prime\""
         );
+    }
+    if args.approve {
+        crate::approve::need_terminal()?;
     }
     if let Some(team) = args.team.clone() {
         if !args.local && crate::client::Client::new(&args.host)?.reachable().await {
@@ -143,6 +149,7 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
     let cancel = CancellationToken::new();
     spawn_ctrl_c(cancel.clone());
     let (renderer, events) = transcript(args.json, &cancel);
+    settings.approval = gate(&args, &file, &events)?;
     let outcome = run_task(settings, &model, executor, events, cancel).await;
     if renderer.lock().is_ok_and(|r| r.reader_gone()) {
         return Ok(exit::DONE);
@@ -189,9 +196,41 @@ async fn through_daemon(
         languages: (!args.languages.is_empty()).then(|| args.languages.clone()),
         limits: tandem_protocol::TaskLimits::default(),
         team: None,
+        approval: args.approve.then(always),
     };
     let id = client.submit(&spec).await?;
-    crate::client::follow(client, &id, Mode::json(args.json)).await
+    crate::client::follow_approving(client, &id, Mode::json(args.json), args.approve).await
+}
+
+/// `--approve`: every block is asked about.
+fn always() -> ApprovalPolicy {
+    ApprovalPolicy {
+        mode: ApprovalMode::Always,
+        ..ApprovalPolicy::default()
+    }
+}
+
+/// The approval gate of a run in this process: the config's `[approval]`, made to ask for
+/// every block by `--approve`, asking at this terminal when there is one (else a block that
+/// needs asking is declined, and the model told why).
+pub(crate) fn gate(
+    args: &RunArgs,
+    file: &FileConfig,
+    events: &tandem_agent::EventSink,
+) -> Result<Option<Arc<ApprovalGate>>> {
+    let task = args.approve.then(always);
+    let gate = ApprovalGate::new(&file.approval, task.as_ref())
+        .context("the config's [approval] policy cannot be used")?;
+    if gate.is_open() {
+        return Ok(None);
+    }
+    let gate = if gate.may_ask() && crate::approve::need_terminal().is_ok() {
+        let approver = crate::approve::TerminalApprover::new(events.clone());
+        gate.with_approver(Arc::new(approver))
+    } else {
+        gate
+    };
+    Ok(Some(Arc::new(gate)))
 }
 
 /// The whole-task wall-clock limit: `--timeout`, else `[task] timeout_secs`.

@@ -502,6 +502,7 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
             max_concurrent,
             policy,
             local_model,
+            approval: file.approval.clone(),
         },
     );
 

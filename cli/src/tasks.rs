@@ -74,7 +74,7 @@ pub async fn submit(args: SubmitArgs) -> Result<u8> {
 
 #[derive(Debug, clap::Args)]
 pub struct ListArgs {
-    /// Only tasks in this state: queued, running, interrupted or finished
+    /// Only tasks in this state: queued, running, awaiting_approval, interrupted or finished
     #[arg(long)]
     state: Option<String>,
     /// Print the daemon's JSON
@@ -96,7 +96,7 @@ pub async fn list(args: ListArgs) -> Result<u8> {
         return Ok(exit::DONE);
     }
     println!(
-        "{:<32}  {:<11}  {:<10}  {:>5}  TASK",
+        "{:<32}  {:<17}  {:<10}  {:>5}  TASK",
         "ID", "STATE", "STOP", "TURNS"
     );
     for t in value["tasks"].as_array().into_iter().flatten() {
@@ -108,7 +108,7 @@ pub async fn list(args: ListArgs) -> Result<u8> {
             .take(60)
             .collect();
         println!(
-            "{:<32}  {:<11}  {:<10}  {:>5}  {task}",
+            "{:<32}  {:<17}  {:<10}  {:>5}  {task}",
             t["id"].as_str().unwrap_or_default(),
             t["state"].as_str().unwrap_or_default(),
             t["stop_reason"].as_str().unwrap_or("-"),

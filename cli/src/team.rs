@@ -124,6 +124,7 @@ pub async fn run(
     crate::run::spawn_ctrl_c(cancel.clone());
     let timeout = crate::run::task_timeout(args, &file)?;
     let (renderer, events) = crate::run::transcript(args.json, &cancel);
+    let team = team.with_approval(crate::run::gate(args, &file, &events)?);
     let stop_reason =
         run_team_task(team, &args.task, label, events, cancel, timeout, Vec::new()).await;
     if renderer.lock().is_ok_and(|r| r.reader_gone()) {

@@ -2,6 +2,7 @@
 //! processes.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod approval;
 mod daemon;
 mod e2e;
 mod embedded;
@@ -10,3 +11,4 @@ mod mcp;
 mod new_user;
 mod plugins;
 mod teams;
+mod web;

@@ -8,8 +8,10 @@
 
 pub mod conformance;
 pub mod daemon;
+pub mod webdriver;
 
 pub use daemon::DaemonHarness;
+pub use webdriver::Browser;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

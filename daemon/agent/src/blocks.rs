@@ -195,6 +195,8 @@ pub struct RunOptions {
     pub cancel: CancellationToken,
     /// Where events go.
     pub events: EventSink,
+    /// Checks each block before it runs; `None` runs every block.
+    pub approval: Option<std::sync::Arc<crate::approval::ApprovalGate>>,
 }
 
 /// Runs `blocks` in order in one session; the first failure stops the rest, which are
@@ -227,12 +229,31 @@ pub async fn run_blocks(
         } else if let Some(why) = slot.refusal(&language) {
             not_run(&language, BlockStatus::Unsupported, &why)
         } else {
-            match run_one(slot, &language, block, index, opts).await {
-                Ok(outcome) => to_result(&language, outcome),
-                Err(e @ ExecError::UnsupportedLanguage { .. }) => {
-                    not_run(&language, BlockStatus::Unsupported, &e.to_string())
+            let code = match &opts.approval {
+                None => Ok(block.code.clone()),
+                Some(gate) => {
+                    let executor = slot.executor().clone();
+                    let decided =
+                        gate.decide(index, &language, executor.as_ref(), &block.code, opts);
+                    match decided.await {
+                        Some(code) => code,
+                        None => Err("the task was cancelled while the block waited".to_owned()),
+                    }
                 }
-                Err(e) => return Err(e),
+            };
+            let outcome = match code {
+                Ok(code) => Ok(run_one(slot, &language, &code, index, opts).await),
+                Err(why) => Err(why),
+            };
+            match outcome {
+                Err(why) => not_run(&language, BlockStatus::Declined, &why),
+                Ok(run) => match run {
+                    Ok(outcome) => to_result(&language, outcome),
+                    Err(e @ ExecError::UnsupportedLanguage { .. }) => {
+                        not_run(&language, BlockStatus::Unsupported, &e.to_string())
+                    }
+                    Err(e) => return Err(e),
+                },
             }
         };
         failed |= !result.succeeded();
@@ -253,7 +274,7 @@ pub async fn run_blocks(
 async fn run_one(
     slot: &mut SessionSlot,
     language: &Language,
-    block: &CodeBlock,
+    code: &str,
     index: u32,
     opts: &RunOptions,
 ) -> Result<ExecOutcome, ExecError> {
@@ -292,7 +313,7 @@ async fn run_one(
         }
     };
     let ctx = ExecContext::new(opts.cancel.child_token()).with_sink(Arc::new(sink));
-    let mut req = ExecRequest::new(language.clone(), block.code.clone());
+    let mut req = ExecRequest::new(language.clone(), code.to_owned());
     req.timeout = opts.timeout;
     let outcome = slot.session().await?.run(req, ctx).await;
     // Whatever is left is a character the program never finished.
@@ -423,6 +444,9 @@ pub fn report(
             )),
             BlockStatus::Incomplete => notes.push(format!(
                 "Your reply was cut off inside code block {i}, so it was not run. Send the complete code again, in one block."
+            )),
+            BlockStatus::Declined => notes.push(format!(
+                "Block {i} was not run: it was declined, for the reason above. Do not send it again unchanged; take another way or explain."
             )),
             _ => {}
         }

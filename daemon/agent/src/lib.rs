@@ -6,6 +6,7 @@
 //! - [`blocks`]: the executor agent: run a reply's blocks in one session and report back.
 //! - [`task`]: the turn loop that ties them together until termination or a limit.
 
+pub mod approval;
 pub mod blocks;
 pub mod chat;
 pub mod extract;
@@ -13,6 +14,7 @@ pub mod task;
 pub mod team;
 pub mod termination;
 
+pub use approval::{ApprovalError, ApprovalGate, Approver, Ask, Ruling};
 pub use blocks::{EventSink, LanguageListError, SessionSlot, allowed_languages};
 pub use chat::{ChatModel, ModelConfig, ModelError};
 pub use extract::{CodeBlock, extract_code_blocks};

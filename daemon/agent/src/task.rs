@@ -34,6 +34,8 @@ pub struct TaskSettings {
     /// Turns already taken, when continuing an interrupted task: the assistant's replies and
     /// the executor's reports that followed the task, in order.
     pub history: Vec<Message>,
+    /// Checks each block before it runs; `None` runs every block.
+    pub approval: Option<Arc<crate::approval::ApprovalGate>>,
 }
 
 impl TaskSettings {
@@ -48,6 +50,7 @@ impl TaskSettings {
             session: SessionSpec::default(),
             languages: None,
             history: Vec::new(),
+            approval: None,
         }
     }
 }
@@ -111,7 +114,10 @@ pub async fn run_task(
                 &settings.session.limits,
             )
         })
-        .map(Team::exchange_turns);
+        .map(|team| {
+            team.exchange_turns()
+                .with_approval(settings.approval.clone())
+        });
     // What the interrupted run said, by the pair's two agents in turn.
     let replay = settings
         .history

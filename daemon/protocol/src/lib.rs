@@ -7,7 +7,10 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod approval;
 pub mod team;
+
+pub use approval::{ApprovalMode, ApprovalPolicy, ApprovalRule, AutoApprove, Decision};
 
 /// What a client asks Tandem to do.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -50,6 +53,10 @@ pub struct TaskSpec {
     /// (docs/teams.md); `executor`, `model` and `base_url` are its agents' defaults.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub team: Option<team::TeamSpec>,
+    /// Which blocks wait for a person before they run; it can only tighten the operator's
+    /// `[approval]` policy (docs/approval.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<ApprovalPolicy>,
 }
 
 /// Per-block limits a task asks for; each one left out keeps the daemon's. Only limits the
@@ -114,6 +121,8 @@ impl Speakers {
             | EventMsg::ModelRetry { turn, .. }
             | EventMsg::AssistantMessage { turn, .. }
             | EventMsg::CodeBlock { turn, .. }
+            | EventMsg::ApprovalRequested { turn, .. }
+            | EventMsg::ApprovalDecided { turn, .. }
             | EventMsg::ExecOutput { turn, .. }
             | EventMsg::ExecResult { turn, .. }
             | EventMsg::ExecutorMessage { turn, .. } => turn,
@@ -197,6 +206,46 @@ pub enum EventMsg {
         language: Option<String>,
         /// The code.
         code: String,
+    },
+    /// A block waits for a person to approve, edit or deny it.
+    ApprovalRequested {
+        /// Turn number.
+        turn: u32,
+        /// Block index.
+        index: u32,
+        /// The task's approval number, from 1: what `POST /v1/tasks/{id}/approvals/{n}` names.
+        n: u32,
+        /// Normalised language.
+        language: String,
+        /// The code that would run.
+        code: String,
+        /// The name of the rule that asked, when one did.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rule: Option<String>,
+        /// Why it asks, in words.
+        reason: String,
+    },
+    /// A block's approval was decided: by a person, a rule, or the timeout.
+    ApprovalDecided {
+        /// Turn number.
+        turn: u32,
+        /// Block index.
+        index: u32,
+        /// The approval number; 0 when a rule decided without asking.
+        n: u32,
+        /// What was decided.
+        decision: Decision,
+        /// Who decided: `user`, `rule` or `timeout`.
+        by: String,
+        /// The code a person edited it to, when they did; it runs instead.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        code: Option<String>,
+        /// The reason given (what the model is told on a denial).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+        /// The rule that decided, when one did.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rule: Option<String>,
     },
     /// Live output of a running block.
     ExecOutput {
@@ -303,6 +352,8 @@ pub enum BlockStatus {
     NotRun,
     /// The reply was cut off inside this block, so it was not run.
     Incomplete,
+    /// A person or the approval policy declined it; it never ran.
+    Declined,
     /// The sandbox itself failed (not the program).
     Error,
 }
@@ -320,6 +371,7 @@ impl BlockStatus {
             Self::Skipped => "skipped",
             Self::NotRun => "not_run",
             Self::Incomplete => "incomplete",
+            Self::Declined => "declined",
             Self::Error => "error",
         }
     }

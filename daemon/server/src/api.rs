@@ -115,6 +115,8 @@ pub fn router(
         .route("/v1/tasks/{id}/cancel", post(cancel_task))
         .route("/v1/tasks/{id}/resume", post(resume_task))
         .route("/v1/tasks/{id}/events", get(task_events))
+        .route("/v1/tasks/{id}/approvals/{n}", post(decide_approval))
+        .route("/v1/teams/parse", post(parse_team))
         .route("/v1/executors", get(executors))
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
@@ -146,7 +148,8 @@ pub fn router(
             }
         }));
     }
-    app
+    // The page is public: it holds no data, and asks for the token before any API call.
+    crate::web::router().merge(app)
 }
 
 async fn not_found() -> ApiError {
@@ -223,25 +226,119 @@ async fn read_limited(headers: &HeaderMap, body: Body, limit: usize) -> Result<B
     Ok(Bytes::from(kept))
 }
 
+/// Most tasks one page may ask for.
+const MAX_PAGE: usize = 500;
+
 async fn list_tasks(
     State(state): State<AppState>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
+    let invalid =
+        |message: String| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message);
+    if let Some(key) = query
+        .keys()
+        .find(|k| !["state", "limit", "before"].contains(&k.as_str()))
+    {
+        return Err(invalid(format!(
+            "unknown query parameter `{key}`; use state, limit and before"
+        )));
+    }
     let filter = match query.get("state") {
         None => None,
         Some(s) => Some(TaskState::parse(s).ok_or_else(|| {
-            ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_request",
-                format!("unknown state `{s}`; use one of: queued, running, interrupted, finished"),
-            )
+            let names: Vec<&str> = TaskState::ALL.iter().map(|s| s.as_str()).collect();
+            invalid(format!(
+                "unknown state `{s}`; use one of: {}",
+                names.join(", ")
+            ))
         })?),
     };
-    let tasks = blocking(&state.supervisor, move |sup| {
-        Ok(sup.store().list(filter)?)
+    let limit = match query.get("limit") {
+        None => None,
+        Some(l) => match l.parse::<usize>() {
+            Ok(n) if (1..=MAX_PAGE).contains(&n) => Some(n),
+            _ => {
+                return Err(invalid(format!(
+                    "limit `{l}` is not a whole number from 1 to {MAX_PAGE}"
+                )));
+            }
+        },
+    };
+    let before = query.get("before").cloned();
+    if before.is_some() && limit.is_none() {
+        return Err(invalid(
+            "`before` pages through the newest tasks; give `limit` too (e.g. limit=50)".to_owned(),
+        ));
+    }
+    match limit {
+        // Without a limit: every task, oldest first, as before paging existed.
+        None => {
+            let tasks = blocking(&state.supervisor, move |sup| {
+                Ok(sup.store().list(filter)?)
+            })
+            .await?;
+            Ok(Json(json!({ "tasks": tasks })))
+        }
+        Some(limit) => {
+            let (tasks, next) = blocking(&state.supervisor, move |sup| {
+                Ok(sup.store().page(filter, before.as_deref(), limit)?)
+            })
+            .await?;
+            Ok(Json(json!({ "tasks": tasks, "next": next })))
+        }
+    }
+}
+
+async fn decide_approval(
+    State(state): State<AppState>,
+    Path((id, n)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let invalid =
+        |message: String| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message);
+    let n: u32 = n
+        .parse()
+        .ok()
+        .filter(|n| *n > 0)
+        .ok_or_else(|| invalid(format!("approval `{n}` is not a number from 1 up")))?;
+    let body = read_limited(&headers, body, state.body_limit).await?;
+    let decision: crate::approvals::DecisionBody = serde_json::from_slice(&body).map_err(|e| {
+        invalid(format!(
+            "the body is not a decision: {e}; send {{\"decision\": \"approve\"}}, or {{\"decision\": \"deny\", \"reason\": \"...\"}}, or approve with \"code\" to run an edited block"
+        ))
+    })?;
+    let decided = blocking(&state.supervisor, move |sup| {
+        Ok(sup.decide(&id, n, decision)?)
     })
     .await?;
-    Ok(Json(json!({ "tasks": tasks })))
+    Ok(Json(json!({ "approval": decided })))
+}
+
+/// A team file's TOML as the JSON a task's `team` takes, checked: for clients (the page)
+/// that hold a team file but no TOML parser.
+async fn parse_team(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let body = read_limited(&headers, body, state.body_limit).await?;
+    let invalid =
+        |message: String| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message);
+    let text = std::str::from_utf8(&body)
+        .map_err(|_| invalid("the team file is not UTF-8 text".to_owned()))?;
+    let de = toml::Deserializer::parse(text)
+        .map_err(|e| invalid(format!("the team file is not TOML: {e}")))?;
+    let spec: tandem_protocol::team::TeamSpec =
+        serde_path_to_error::deserialize(de).map_err(|e| {
+            invalid(format!(
+                "the team file does not check: {}",
+                tandem_agent::team::path_error(&e)
+            ))
+        })?;
+    tandem_agent::team::check(&spec)
+        .map_err(|e| invalid(format!("the team file does not check: {}", e.0.join("; "))))?;
+    Ok(Json(json!({ "team": spec })))
 }
 
 async fn get_task(
@@ -256,6 +353,15 @@ async fn get_task(
         let transcript = sup.transcript(&record)?;
         let mut body = json!(record);
         body["transcript"] = json!(transcript);
+        if record.state != TaskState::Finished {
+            let events = sup.store().events_after(&record.id, 0)?;
+            let waiting = crate::approvals::requested(&events)
+                .into_iter()
+                .rfind(|r| r.ruling.is_none());
+            if let Some(waiting) = waiting {
+                body["pending_approval"] = json!(waiting);
+            }
+        }
         Ok(Json(body))
     })
     .await

@@ -2,12 +2,14 @@
 //! the HTTP API that clients reach over a Unix socket or TCP.
 
 pub mod api;
+pub mod approvals;
 pub mod mcp;
 pub mod metrics;
 pub mod policy;
 pub mod serve;
 pub mod store;
 pub mod supervisor;
+pub mod web;
 mod writer;
 
 pub use policy::{Endpoint, Policy};

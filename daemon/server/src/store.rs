@@ -18,6 +18,9 @@ pub enum TaskState {
     Queued,
     /// Being worked on.
     Running,
+    /// A block waits for a person's decision (`POST /v1/tasks/{id}/approvals/{n}`); it
+    /// holds no execution slot meanwhile.
+    AwaitingApproval,
     /// The daemon stopped (crash or shutdown) while it ran; `resume` continues it.
     Interrupted,
     /// Ended; see its stop reason.
@@ -30,15 +33,17 @@ impl TaskState {
         match self {
             Self::Queued => "queued",
             Self::Running => "running",
+            Self::AwaitingApproval => "awaiting_approval",
             Self::Interrupted => "interrupted",
             Self::Finished => "finished",
         }
     }
 
     /// Every state, in the order metrics list them.
-    pub const ALL: [Self; 4] = [
+    pub const ALL: [Self; 5] = [
         Self::Queued,
         Self::Running,
+        Self::AwaitingApproval,
         Self::Interrupted,
         Self::Finished,
     ];
@@ -48,6 +53,7 @@ impl TaskState {
         Some(match s {
             "queued" => Self::Queued,
             "running" => Self::Running,
+            "awaiting_approval" => Self::AwaitingApproval,
             "interrupted" => Self::Interrupted,
             "finished" => Self::Finished,
             _ => return None,
@@ -155,7 +161,8 @@ pub enum StoreError {
 }
 
 /// Schema migrations, in order; `PRAGMA user_version` says how many have run.
-const MIGRATIONS: &[&str] = &["
+const MIGRATIONS: &[&str] = &[
+    "
     CREATE TABLE tasks (
         id TEXT PRIMARY KEY,
         queue_order INTEGER NOT NULL,
@@ -177,7 +184,13 @@ const MIGRATIONS: &[&str] = &["
         body TEXT NOT NULL,
         PRIMARY KEY (task_id, seq)
     ) WITHOUT ROWID;
-"];
+",
+    "
+    -- Pages of the newest tasks (`?limit=&before=`); also marks stores that may hold the
+    -- awaiting_approval state, which older daemons do not know.
+    CREATE INDEX tasks_by_order ON tasks (queue_order);
+",
+];
 
 /// The task store; cheap operations behind one connection.
 pub struct Store {
@@ -391,6 +404,38 @@ impl Store {
         rows.into_iter().map(decode).collect()
     }
 
+    /// At most `limit` tasks, newest first, queued before task `before` when given,
+    /// optionally only those in `state`; and the id to pass as `before` for the next page.
+    pub fn page(
+        &self,
+        state: Option<TaskState>,
+        before: Option<&str>,
+        limit: usize,
+    ) -> Result<(Vec<TaskRecord>, Option<String>)> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = self.with(|c| {
+            // An unknown `before` matches no row, so the page is empty, not the first one.
+            let mut stmt = c.prepare_cached(&format!(
+                "SELECT {COLUMNS} FROM tasks
+                 WHERE (?1 IS NULL OR state = ?1)
+                   AND (?2 IS NULL OR queue_order < (SELECT queue_order FROM tasks WHERE id = ?2))
+                 ORDER BY queue_order DESC LIMIT ?3"
+            ))?;
+            let rows = stmt
+                .query_map(
+                    params![state.map(TaskState::as_str), before, limit + 1],
+                    raw_row,
+                )?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })?;
+        let mut tasks = rows.into_iter().map(decode).collect::<Result<Vec<_>>>()?;
+        let more = tasks.len() as i64 > limit;
+        tasks.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
+        let next = more.then(|| tasks.last().map(|t| t.id.clone())).flatten();
+        Ok((tasks, next))
+    }
+
     /// Events of a task with seq above `after`, in order.
     pub fn events_after(&self, id: &str, after: u64) -> Result<Vec<Event>> {
         let rows = self.with(|c| {
@@ -428,19 +473,26 @@ impl Store {
     pub fn interrupt_running(&self) -> Result<Vec<String>> {
         self.with_db(|db| {
             db.transaction(|db| {
-                let ids = db
+                let rows = db
                     .conn
-                    .prepare("SELECT id FROM tasks WHERE state = 'running'")?
-                    .query_map([], |r| r.get::<_, String>(0))?
+                    .prepare(
+                        "SELECT id, state FROM tasks WHERE state IN ('running', 'awaiting_approval')",
+                    )?
+                    .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?
                     .collect::<rusqlite::Result<Vec<_>>>()?;
                 db.conn.execute(
-                    "UPDATE tasks SET state = 'interrupted' WHERE state = 'running'",
+                    "UPDATE tasks SET state = 'interrupted'
+                     WHERE state IN ('running', 'awaiting_approval')",
                     [],
                 )?;
-                let n = ids.len() as u64;
-                let running = &mut db.counts[TaskState::Running as usize];
-                *running = running.saturating_sub(n);
-                db.counts[TaskState::Interrupted as usize] += n;
+                let mut ids = Vec::with_capacity(rows.len());
+                for (id, state) in rows {
+                    let from = TaskState::parse(&state).unwrap_or(TaskState::Running);
+                    let count = &mut db.counts[from as usize];
+                    *count = count.saturating_sub(1);
+                    db.counts[TaskState::Interrupted as usize] += 1;
+                    ids.push(id);
+                }
                 Ok(ids)
             })
         })

@@ -68,6 +68,8 @@ pub struct SupervisorConfig {
     pub policy: Policy,
     /// The embedded model, loaded once, for every task that names no model server.
     pub local_model: Option<Arc<dyn tandem_agent::chat::LocalModel>>,
+    /// The operator's approval policy; a task's can only tighten it.
+    pub approval: tandem_protocol::ApprovalPolicy,
 }
 
 /// Why a request about tasks failed; the API turns these into 4xx/5xx answers.
@@ -113,6 +115,8 @@ pub struct Supervisor {
     health: Mutex<HashMap<String, (Instant, Health)>>,
     /// Counters and histograms for `/metrics`.
     pub metrics: Metrics,
+    /// Who waits for which approval.
+    pub(crate) approvals: crate::approvals::Approvals,
 }
 
 /// Milliseconds since the Unix epoch.
@@ -146,6 +150,7 @@ impl Supervisor {
             models: Mutex::new(HashMap::new()),
             health: Mutex::new(HashMap::new()),
             metrics: Metrics::default(),
+            approvals: crate::approvals::Approvals::default(),
         })
     }
 
@@ -217,13 +222,33 @@ impl Supervisor {
     }
 
     /// At start-up: tasks the last daemon left running become interrupted (resumable), and
-    /// queued ones are queued again in their order. Returns how many were interrupted.
+    /// queued ones are queued again in their order. A task that was waiting for an approval
+    /// goes back to waiting for it (it costs nothing while it waits). Returns how many were
+    /// interrupted and stay so.
     pub fn recover(self: &Arc<Self>) -> Result<usize, TaskError> {
-        let interrupted = self.store.interrupt_running()?;
+        self.store.interrupt_running()?;
         for task in self.store.list(Some(TaskState::Queued))? {
             self.enqueue(task.id, task.spec, Vec::new());
         }
-        Ok(interrupted.len())
+        let mut interrupted = 0;
+        for task in self.store.list(Some(TaskState::Interrupted))? {
+            if waits_for_approval(&self.store.events_after(&task.id, 0)?) {
+                self.resume(&task.id)?;
+            } else {
+                interrupted += 1;
+            }
+        }
+        Ok(interrupted)
+    }
+
+    /// The execution slots: a task holds one while it runs, none while it waits for approval.
+    pub(crate) fn slots(&self) -> Arc<Semaphore> {
+        self.slots.clone()
+    }
+
+    /// Moves task `id` to `state`, in order with its events.
+    pub(crate) fn set_state(&self, id: &str, state: TaskState) {
+        let _ = self.writer.send(crate::approvals::state_write(id, state));
     }
 
     /// Validates and queues a task; it is committed to the store when this returns.
@@ -307,6 +332,8 @@ impl Supervisor {
         }
         crate::policy::task_limits(&self.config.defaults.limits, &spec.limits)
             .map_err(TaskError::Invalid)?;
+        tandem_agent::ApprovalGate::new(&self.config.approval, spec.approval.as_ref())
+            .map_err(|e| TaskError::Invalid(format!("approval: {e}")))?;
         if spec.max_turns == Some(0) {
             return Err(TaskError::Invalid(
                 "max_turns must be at least 1".to_owned(),
@@ -445,7 +472,7 @@ impl Supervisor {
             max_turns,
             &settings.session.limits,
         ) {
-            Ok(team) => team,
+            Ok(team) => team.with_approval(settings.approval.clone()),
             Err(info) => return fail(info.message),
         };
         let label = TaskLabel {
@@ -484,7 +511,10 @@ impl Supervisor {
                 self.flush();
                 Ok(self.store.get(id)?.unwrap_or(record))
             }
-            TaskState::Interrupted | TaskState::Queued | TaskState::Running => {
+            TaskState::Interrupted
+            | TaskState::Queued
+            | TaskState::Running
+            | TaskState::AwaitingApproval => {
                 if let Some(token) = self.active.lock().ok().and_then(|a| a.get(id).cloned()) {
                     token.cancel();
                 }
@@ -588,6 +618,7 @@ impl Supervisor {
             if let Ok(mut active) = this.active.lock() {
                 active.remove(&id);
             }
+            this.approvals.forget(&id);
         });
     }
 
@@ -609,15 +640,24 @@ impl Supervisor {
                 return;
             }
         };
-        let Ok(_permit) = permit else {
+        let Ok(permit) = permit else {
             return;
         };
+        // Shared with the approver, which gives it up while a block waits for a person.
+        let permit = Arc::new(tokio::sync::Mutex::new(Some(permit)));
         // Through the writer, in order with the task's events, so the turn loop starts at once.
         let _ = self
             .writer
             .send(Write::State(id.to_owned(), TaskState::Running, now_ms()));
-        let (settings, model, executor) = match self.prepare(id, &spec, history) {
+        let (mut settings, model, executor) = match self.prepare(id, &spec, history) {
             Ok(parts) => parts,
+            Err(info) => {
+                self.record(id, finished(StopReason::Error, 0, Some(info)));
+                return;
+            }
+        };
+        settings.approval = match self.gate(id, &spec, permit).await {
+            Ok(gate) => gate,
             Err(info) => {
                 self.record(id, finished(StopReason::Error, 0, Some(info)));
                 return;
@@ -672,9 +712,36 @@ impl Supervisor {
         }
     }
 
+    /// The approval gate of task `id`: the operator's policy tightened by the task's, asking
+    /// through the API; `None` when it lets every block through.
+    async fn gate(
+        self: &Arc<Self>,
+        id: &str,
+        spec: &TaskSpec,
+        permit: Arc<tokio::sync::Mutex<Option<tokio::sync::OwnedSemaphorePermit>>>,
+    ) -> Result<Option<Arc<tandem_agent::ApprovalGate>>, ErrorInfo> {
+        let gate = tandem_agent::ApprovalGate::new(&self.config.approval, spec.approval.as_ref())
+            .map_err(|e| ErrorInfo {
+            code: ErrorCode::InvalidRequest,
+            message: format!("approval: {e}"),
+        })?;
+        if gate.is_open() {
+            return Ok(None);
+        }
+        let task_id = id.to_owned();
+        let events = self
+            .off_thread(move |sup| sup.store().events_after(&task_id, 0))
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .unwrap_or_default();
+        let approver = crate::approvals::TaskApprover::new(self.clone(), id, permit, &events);
+        Ok(Some(Arc::new(gate.with_approver(Arc::new(approver)))))
+    }
+
     /// Queues an event for the writer, which commits it and only then sends it to live
     /// subscribers. The turn loop never waits on the disk.
-    fn record(&self, id: &str, msg: EventMsg) {
+    pub(crate) fn record(&self, id: &str, msg: EventMsg) {
         if self
             .writer
             .send(Write::Event(id.to_owned(), msg, now_ms()))
@@ -856,11 +923,31 @@ fn conversation(events: &[Event]) -> Vec<Message> {
 }
 
 /// The turns an interrupted task completed: a last reply that its report never answered
-/// (the interruption cut its code off) is asked for again.
+/// (the interruption cut its code off) is asked for again, unless one of its blocks asked
+/// for approval: then its code runs again, and the approval is found where it was.
 fn history(events: &[Event]) -> Vec<Message> {
     let mut messages = conversation(events);
-    if messages.last().is_some_and(|m| m.role == Role::Assistant) {
+    if messages.last().is_some_and(|m| m.role == Role::Assistant) && !waits_for_approval(events) {
         messages.pop();
     }
     messages
+}
+
+/// Whether the task's last reply asked for an approval and was never answered by a report.
+fn waits_for_approval(events: &[Event]) -> bool {
+    let last_reply = events
+        .iter()
+        .rposition(|e| matches!(e.msg, EventMsg::AssistantMessage { .. }));
+    last_reply.is_some_and(|at| {
+        let after = &events[at..];
+        after
+            .iter()
+            .any(|e| matches!(e.msg, EventMsg::ApprovalRequested { .. }))
+            && !after.iter().any(|e| {
+                matches!(
+                    e.msg,
+                    EventMsg::ExecutorMessage { .. } | EventMsg::TaskFinished { .. }
+                )
+            })
+    })
 }

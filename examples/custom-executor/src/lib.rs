@@ -160,6 +160,7 @@ mod tests {
             timeout: None,
             cancel: CancellationToken::new(),
             events: Arc::new(|_| {}),
+            approval: None,
         };
         let runs = run_blocks(&mut slot, &blocks, &opts).await.unwrap();
         slot.close().await.unwrap();

@@ -66,6 +66,12 @@ pub trait Executor: Send + Sync + 'static {
     fn health(&self) -> BoxFuture<'_, Result<(), String>> {
         Box::pin(async { Ok(()) })
     }
+
+    /// Whether a block could reach the network. An executor that cannot tell says yes: an
+    /// approval policy's `ask_network` then asks rather than assumes.
+    fn network(&self) -> bool {
+        true
+    }
 }
 
 /// One task's sandbox. Dropping it without [`Session::close`] must still clean up.

@@ -496,6 +496,10 @@ impl Executor for DockerExecutor {
         "docker"
     }
 
+    fn network(&self) -> bool {
+        self.inner.config.network
+    }
+
     fn health(&self) -> BoxFuture<'_, Result<(), String>> {
         Box::pin(async move {
             let image = &self.inner.config.image;

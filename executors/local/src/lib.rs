@@ -236,6 +236,11 @@ impl Executor for LocalExecutor {
         "local"
     }
 
+    fn network(&self) -> bool {
+        // Only confinement takes the network away.
+        self.inner.config.network || unconfined_because(&self.inner.config).is_some()
+    }
+
     fn languages(&self) -> &[Language] {
         &self.inner.languages
     }

@@ -514,6 +514,11 @@ impl Executor for WasmExecutor {
         "wasm"
     }
 
+    fn network(&self) -> bool {
+        // WASI preview 1 has no sockets, and no socket is granted.
+        false
+    }
+
     fn health(&self) -> BoxFuture<'_, Result<(), String>> {
         let statuses = self.runtimes();
         let python = python_in(&statuses);

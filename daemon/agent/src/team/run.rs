@@ -132,6 +132,7 @@ pub struct Team {
     /// Most turns of all agents together, whatever the team's own limits.
     pub max_turns: u32,
     hooks: Vec<std::sync::Arc<dyn Hook>>,
+    approval: Option<Arc<crate::approval::ApprovalGate>>,
     block_timeout: Duration,
     output_cap: usize,
     /// Every `mention` and `ends_with` word of the team's chats: a block holding only one of
@@ -168,6 +169,7 @@ impl Team {
             redact: HashMap::new(),
             max_turns,
             hooks: Vec::new(),
+            approval: None,
             block_timeout: limits.wall,
             output_cap: limits.output_bytes,
             words: Vec::new(),
@@ -239,6 +241,13 @@ impl Team {
     /// the number of the turn it answers, and no `agent_turn` or `team_ended` is told.
     pub fn exchange_turns(mut self) -> Self {
         self.exchange_turns = true;
+        self
+    }
+
+    /// Checks every executor's blocks with `gate` before they run (an approval gate asks per
+    /// block, which a whole-message [`Hook`] cannot).
+    pub fn with_approval(mut self, gate: Option<Arc<crate::approval::ApprovalGate>>) -> Self {
+        self.approval = gate.filter(|g| !g.is_open());
         self
     }
 
@@ -638,6 +647,7 @@ impl Ctx<'_> {
             timeout: None,
             cancel: self.cancel.clone(),
             events: self.events.clone(),
+            approval: self.team.approval.clone(),
         };
         let runs = blocks::run_blocks(&mut slot, &code, &opts)
             .await

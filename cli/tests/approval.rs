@@ -1,0 +1,621 @@
+//! Approval before execution, on the real daemon over HTTP and in a real terminal (tmux):
+//! a block waits, a person approves, edits or denies it, the model hears why, rules fire by
+//! name, the wait holds no slot, times out, and survives a restart.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tandem_tests::{DaemonHarness as Daemon, Reply, Script, ScriptedOpenAi, script, texts};
+
+async fn start(server: &ScriptedOpenAi, args: &[&str], config: &str) -> Daemon {
+    Daemon::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        args,
+        Some(config),
+    )
+    .await
+}
+
+fn fence(code: &str) -> String {
+    format!("```python\n{code}\n```")
+}
+
+/// Polls until task `id` is in `state`; returns its record.
+async fn wait_state(d: &Daemon, id: &str, state: &str) -> Value {
+    let started = Instant::now();
+    loop {
+        let t = d.get(&format!("/v1/tasks/{id}")).await;
+        if t["state"] == state {
+            return t;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "task {id} never reached {state}: {t}\n{}",
+            d.log()
+        );
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+}
+
+async fn decide(d: &Daemon, id: &str, n: u64, body: Value) -> (u16, Value) {
+    d.send(
+        reqwest::Method::POST,
+        &format!("/v1/tasks/{id}/approvals/{n}"),
+        Some(body.to_string()),
+    )
+    .await
+}
+
+fn of_type<'a>(events: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    events.iter().filter(|e| e["type"] == kind).collect()
+}
+
+/// What the model was sent as the executor's report in its second request.
+fn report_seen(server: &ScriptedOpenAi, task: &str) -> String {
+    let requests = server.requests_for(task);
+    assert!(
+        requests.len() >= 2,
+        "the model was asked {} times",
+        requests.len()
+    );
+    requests[1].last_message().unwrap_or_default().to_owned()
+}
+
+const ALWAYS: &str = "[approval]\nmode = \"always\"\n";
+
+#[tokio::test]
+async fn a_block_waits_and_runs_as_the_person_edited_it() {
+    let task = "approval: edit";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::from(fence("print(41)").as_str()),
+            "Done.\nTERMINATE".into(),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let d = start(&server, &[], ALWAYS).await;
+    let id = d.submit(json!({ "task": task })).await;
+    let waiting = wait_state(&d, &id, "awaiting_approval").await;
+    assert_eq!(
+        waiting["pending_approval"],
+        json!({"n": 1, "turn": 1, "index": 1, "language": "python", "code": "print(41)\n",
+               "reason": "every block is asked about (mode = \"always\")"})
+    );
+    // Nothing ran yet.
+    let events = d.events(&id, 0).await;
+    assert!(of_type(&events, "exec_result").is_empty(), "{events:?}");
+    assert_eq!(of_type(&events, "approval_requested").len(), 1);
+
+    let (status, body) = decide(
+        &d,
+        &id,
+        1,
+        json!({"decision": "approve", "code": "print(42)"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    d.wait_finished(&id, Duration::from_secs(30)).await;
+    let events = d.events(&id, 0).await;
+    let decided = of_type(&events, "approval_decided");
+    assert_eq!(decided.len(), 1);
+    assert_eq!(decided[0]["by"], "user");
+    assert_eq!(decided[0]["code"], "print(42)");
+    let result = &of_type(&events, "exec_result")[0]["result"];
+    assert_eq!(
+        result["stdout"], "42\n",
+        "the edited code ran, not the model's"
+    );
+    assert!(report_seen(&server, task).contains("42"));
+
+    // Deciding again is a conflict, naming the first decision; an unknown number is 404.
+    let (status, body) = decide(&d, &id, 1, json!({"decision": "deny"})).await;
+    assert_eq!(status, 409, "{body}");
+    let (status, body) = decide(&d, &id, 7, json!({"decision": "approve"})).await;
+    assert_eq!(
+        status, 409,
+        "a finished task has nothing to approve: {body}"
+    );
+}
+
+#[tokio::test]
+async fn a_denial_reaches_the_model_with_the_reason_typed() {
+    let task = "approval: deny";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::from(fence("import os; print('deleting')").as_str()),
+            "Understood.\nTERMINATE".into(),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let d = start(&server, &[], ALWAYS).await;
+    let id = d.submit(json!({ "task": task })).await;
+    wait_state(&d, &id, "awaiting_approval").await;
+    // Bad bodies are refused with what to send, and decide nothing.
+    for bad in [
+        json!({"decision": "maybe"}),
+        json!({"decision": "deny", "code": "x"}),
+        json!({"decision": "approve", "code": "  "}),
+        json!({"decision": "approve", "extra": 1}),
+    ] {
+        let (status, body) = decide(&d, &id, 1, bad.clone()).await;
+        assert_eq!(status, 400, "{bad} → {body}");
+        assert_eq!(body["error"]["code"], "invalid_request");
+    }
+    let (status, _) = decide(&d, &id, 2, json!({"decision": "approve"})).await;
+    assert_eq!(status, 404);
+    let (status, body) = decide(
+        &d,
+        &id,
+        1,
+        json!({"decision": "deny", "reason": "do not touch files"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let done = d.wait_finished(&id, Duration::from_secs(30)).await;
+    assert_eq!(done["stop_reason"], "terminated");
+    let events = d.events(&id, 0).await;
+    let result = &of_type(&events, "exec_result")[0]["result"];
+    assert_eq!(result["status"], "declined");
+    assert!(
+        result["stdout"].as_str().unwrap().is_empty(),
+        "it never ran"
+    );
+    let report = report_seen(&server, task);
+    assert!(
+        report.contains("the user declined to run this block: do not touch files"),
+        "{report}"
+    );
+}
+
+#[tokio::test]
+async fn rules_ask_deny_and_approve_by_name_and_a_task_only_tightens() {
+    let config = r#"
+[approval]
+mode = "policy"
+auto_approve = { languages = ["python"] }
+[[approval.ask]]
+name = "pip install"
+pattern = "pip install"
+[[approval.deny]]
+name = "rm at the root"
+pattern = 'rm\s+-rf\s+/'
+"#;
+    let (free, denied, asked, tightened) = (
+        "approval: auto",
+        "approval: rule denies",
+        "approval: rule asks",
+        "approval: task tightens",
+    );
+    let server = ScriptedOpenAi::start(script([
+        (
+            free,
+            vec![
+                Reply::from(fence("print('ok')").as_str()),
+                "TERMINATE".into(),
+            ],
+        ),
+        (
+            denied,
+            vec![
+                Reply::from(fence("import os; os.system('rm -rf /tmp/x')").as_str()),
+                "TERMINATE".into(),
+            ],
+        ),
+        (
+            asked,
+            vec![
+                Reply::from(fence("# pip install requests\nprint(1)").as_str()),
+                "TERMINATE".into(),
+            ],
+        ),
+        (
+            tightened,
+            vec![Reply::from(fence("print(2)").as_str()), "TERMINATE".into()],
+        ),
+    ]))
+    .await
+    .unwrap();
+    let d = start(&server, &[], config).await;
+
+    let id = d.submit(json!({ "task": free })).await;
+    d.wait_finished(&id, Duration::from_secs(30)).await;
+    let events = d.events(&id, 0).await;
+    assert!(of_type(&events, "approval_requested").is_empty());
+    assert_eq!(
+        of_type(&events, "exec_result")[0]["result"]["stdout"],
+        "ok\n"
+    );
+
+    let id = d.submit(json!({ "task": denied })).await;
+    d.wait_finished(&id, Duration::from_secs(30)).await;
+    let events = d.events(&id, 0).await;
+    let decided = of_type(&events, "approval_decided");
+    assert_eq!(decided.len(), 1);
+    assert_eq!(decided[0]["rule"], "rm at the root");
+    assert_eq!(decided[0]["decision"], "deny");
+    assert_eq!(
+        of_type(&events, "exec_result")[0]["result"]["status"],
+        "declined"
+    );
+    assert!(report_seen(&server, denied).contains("deny rule `rm at the root`"));
+
+    let id = d.submit(json!({ "task": asked })).await;
+    let waiting = wait_state(&d, &id, "awaiting_approval").await;
+    assert_eq!(waiting["pending_approval"]["rule"], "pip install");
+    let (status, _) = decide(&d, &id, 1, json!({"decision": "approve"})).await;
+    assert_eq!(status, 200);
+    d.wait_finished(&id, Duration::from_secs(30)).await;
+
+    // A task that says "never" cannot loosen the operator's policy; one that says
+    // "always" tightens it: python, auto-approved above, now waits.
+    let (status, body) = d
+        .send(
+            reqwest::Method::POST,
+            "/v1/tasks",
+            Some(json!({"task": denied, "approval": {"mode": "never"}}).to_string()),
+        )
+        .await;
+    assert_eq!(status, 201, "{body}");
+    let loosen = body["id"].as_str().unwrap().to_owned();
+    d.wait_finished(&loosen, Duration::from_secs(30)).await;
+    let events = d.events(&loosen, 0).await;
+    assert_eq!(
+        of_type(&events, "approval_decided")[0]["rule"],
+        "rm at the root"
+    );
+    let id = d
+        .submit(json!({"task": tightened, "approval": {"mode": "always"}}))
+        .await;
+    wait_state(&d, &id, "awaiting_approval").await;
+    let (status, _) = decide(&d, &id, 1, json!({"decision": "approve"})).await;
+    assert_eq!(status, 200);
+    d.wait_finished(&id, Duration::from_secs(30)).await;
+
+    // A pattern that is not a regex is refused at submit, naming the rule.
+    let (status, body) = d
+        .send(
+            reqwest::Method::POST,
+            "/v1/tasks",
+            Some(
+                json!({"task": "x", "approval": {"mode": "policy", "deny": [{"name": "broken", "pattern": "("}]}})
+                    .to_string(),
+            ),
+        )
+        .await;
+    assert_eq!(status, 400, "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("approval rule `broken` (deny)"),
+        "{message}"
+    );
+}
+
+#[tokio::test]
+async fn a_waiting_task_holds_no_slot_and_an_unanswered_one_is_denied_in_time() {
+    let config = "[approval]\nmode = \"policy\"\ntimeout_secs = 2\n[[approval.ask]]\nname = \"slow\"\npattern = \"SLOW\"\n";
+    let (waits, passes) = ("approval: waits", "approval: passes meanwhile");
+    let server = ScriptedOpenAi::start(script([
+        (
+            waits,
+            vec![
+                Reply::from(fence("print('SLOW')").as_str()),
+                "TERMINATE".into(),
+            ],
+        ),
+        (passes, texts(&["Nothing to run.\nTERMINATE"])),
+    ]))
+    .await
+    .unwrap();
+    // One slot: the second task can only run if the waiting one gave its slot up.
+    let d = start(&server, &["--max-concurrent", "1"], config).await;
+    let first = d.submit(json!({ "task": waits })).await;
+    wait_state(&d, &first, "awaiting_approval").await;
+    let second = d.submit(json!({ "task": passes })).await;
+    let done = d.wait_finished(&second, Duration::from_secs(10)).await;
+    assert_eq!(done["stop_reason"], "terminated");
+    assert_eq!(
+        d.get(&format!("/v1/tasks/{first}")).await["state"],
+        "awaiting_approval"
+    );
+    // No one answers: the timeout denies it, and the model is told.
+    d.wait_finished(&first, Duration::from_secs(30)).await;
+    let events = d.events(&first, 0).await;
+    let decided = of_type(&events, "approval_decided");
+    assert_eq!(decided[0]["by"], "timeout");
+    assert!(report_seen(&server, waits).contains("no one approved it within 2 s"));
+}
+
+#[tokio::test]
+async fn a_waiting_block_survives_a_crash_and_is_decided_after_it() {
+    let task = "approval: restart";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::from(fence("print('after restart')").as_str()),
+            "TERMINATE".into(),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let mut d = start(&server, &[], ALWAYS).await;
+    let id = d.submit(json!({ "task": task })).await;
+    wait_state(&d, &id, "awaiting_approval").await;
+    d.kill9();
+    d.spawn().await;
+    // Back to waiting for the same block, under the same number, without asking the model
+    // again.
+    let waiting = wait_state(&d, &id, "awaiting_approval").await;
+    assert_eq!(waiting["pending_approval"]["n"], 1);
+    assert_eq!(
+        waiting["pending_approval"]["code"],
+        "print('after restart')\n"
+    );
+    assert_eq!(server.requests_for(task).len(), 1);
+    // Decided over the CLI, which finds the waiting approval itself.
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["approve", &id])
+        .env("TANDEM_HOST", d.host())
+        .env("XDG_CONFIG_HOME", d.state_dir())
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        format!("{id} approval 1 approved\n")
+    );
+    d.wait_finished(&id, Duration::from_secs(30)).await;
+    let events = d.events(&id, 0).await;
+    assert_eq!(of_type(&events, "approval_requested").len(), 1);
+    let results = of_type(&events, "exec_result");
+    assert_eq!(
+        results.last().unwrap()["result"]["stdout"],
+        "after restart\n"
+    );
+
+    // A decision made while the daemon is down is made after it is up again: SIGTERM
+    // interrupts the waiting task, and the next start waits again.
+    let task2 = "approval: deny after shutdown";
+    server.set(
+        task2,
+        vec![Reply::from(fence("print(3)").as_str()), "TERMINATE".into()],
+    );
+    let id = d.submit(json!({ "task": task2 })).await;
+    wait_state(&d, &id, "awaiting_approval").await;
+    d.terminate().await;
+    d.spawn().await;
+    wait_state(&d, &id, "awaiting_approval").await;
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["deny", &id, "--reason", "not today"])
+        .env("TANDEM_HOST", d.host())
+        .env("XDG_CONFIG_HOME", d.state_dir())
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    d.wait_finished(&id, Duration::from_secs(30)).await;
+    assert!(report_seen(&server, task2).contains("not today"));
+}
+
+#[tokio::test]
+async fn run_approve_without_a_terminal_is_an_error_that_says_why() {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["run", "--local", "--approve", "print 1"])
+        .env("OPENAI_BASE_URL", "http://127.0.0.1:9/v1")
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--approve asks at the terminal before each block runs, but stdin or stderr is not a terminal"),
+        "{err}"
+    );
+}
+
+/// A real terminal: tmux runs `tandem run --approve`, keys are typed into it, and its screen
+/// is read back.
+#[tokio::test(flavor = "multi_thread")]
+async fn run_approve_asks_in_a_real_terminal_edits_and_denies() {
+    let task = "approval: terminal";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::from(fence("print(6 * 7)").as_str()),
+            Reply::from(fence("print('second')").as_str()),
+            "Done.\nTERMINATE".into(),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // The "editor" rewrites the block as a person would, then saves.
+    let editor = dir.path().join("editor.sh");
+    std::fs::write(&editor, "#!/bin/sh\nsed -i 's/6 \\* 7/6 * 9/' \"$1\"\n").unwrap();
+    std::fs::set_permissions(&editor, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let transcript = dir.path().join("out.txt");
+    let session = format!("tandem-approve-{}", std::process::id());
+    let command = format!(
+        "{} run --local --approve -e local '{task}' > {} ; echo EXIT=$? >> {}; sleep 30",
+        env!("CARGO_BIN_EXE_tandem"),
+        transcript.display(),
+        transcript.display()
+    );
+    let tmux = |args: &[&str]| {
+        let out = std::process::Command::new("tmux")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "tmux {args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    tmux(&[
+        "new-session",
+        "-d",
+        "-s",
+        &session,
+        "-x",
+        "150",
+        "-y",
+        "50",
+        "-e",
+        &format!("OPENAI_BASE_URL={}", server.base_url()),
+        "-e",
+        &format!("EDITOR={}", editor.display()),
+        "-e",
+        &format!("XDG_CONFIG_HOME={}", dir.path().display()),
+        "-e",
+        "TANDEM_MAX_RETRIES=0",
+        &command,
+    ]);
+    let screen = || tmux(&["capture-pane", "-p", "-t", &session]);
+    let wait_for = |needle: &str| {
+        let started = Instant::now();
+        loop {
+            let s = screen();
+            if s.contains(needle) {
+                return s;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "`{needle}` never appeared on the terminal:\n{s}\nstdout so far:\n{}",
+                std::fs::read_to_string(&transcript).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let first = wait_for("Run this block? [y]es / [n]o / [e]dit / [a]lways for python:");
+    assert!(
+        first.contains("── approval 1 · python · every block is asked about"),
+        "{first}"
+    );
+    assert!(first.contains("print(6 * 7)"), "{first}");
+    tmux(&["send-keys", "-t", &session, "e", "Enter"]);
+    wait_for("print(6 * 9)");
+    wait_for("approval 2 · python");
+    tmux(&["send-keys", "-t", &session, "n", "Enter"]);
+    wait_for("Why not?");
+    tmux(&["send-keys", "-t", &session, "not needed", "Enter"]);
+    let started = Instant::now();
+    let out = loop {
+        let text = std::fs::read_to_string(&transcript).unwrap_or_default();
+        if text.contains("EXIT=") {
+            break text;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the run never ended:\n{}",
+            screen()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let _ = std::process::Command::new("tmux")
+        .args(["kill-session", "-t", &session])
+        .status();
+    assert!(out.contains("EXIT=0"), "{out}");
+    assert!(out.contains("54\n"), "the edited block ran: {out}");
+    assert!(
+        !out.contains("\n42\n"),
+        "the model's own block did not: {out}"
+    );
+    assert!(
+        out.contains("approval 2 denied by user: not needed"),
+        "{out}"
+    );
+    let requests = server.requests_for(task);
+    let last = requests[2].last_message().unwrap_or_default().to_owned();
+    assert!(
+        last.contains("the user declined to run this block: not needed"),
+        "{last}"
+    );
+}
+
+#[tokio::test]
+async fn the_task_list_pages_newest_first() {
+    let server = ScriptedOpenAi::start(Script::new()).await.unwrap();
+    let d = start(&server, &[], "").await;
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        // No model reply is scripted: each task ends at once, with an error.
+        ids.push(d.submit(json!({ "task": format!("page {i}") })).await);
+    }
+    let mut seen = Vec::new();
+    let mut before: Option<String> = None;
+    loop {
+        let path = match &before {
+            None => "/v1/tasks?limit=2".to_owned(),
+            Some(b) => format!("/v1/tasks?limit=2&before={b}"),
+        };
+        let page = d.get(&path).await;
+        let tasks = page["tasks"].as_array().unwrap();
+        assert!(tasks.len() <= 2);
+        seen.extend(tasks.iter().map(|t| t["id"].as_str().unwrap().to_owned()));
+        match page["next"].as_str() {
+            Some(next) => before = Some(next.to_owned()),
+            None => break,
+        }
+    }
+    ids.reverse();
+    assert_eq!(seen, ids);
+    for bad in [
+        "limit=0",
+        "limit=501",
+        "limit=x",
+        "before=abc",
+        "limt=2",
+        "state=waiting",
+    ] {
+        let (status, body) = d
+            .send(reqwest::Method::GET, &format!("/v1/tasks?{bad}"), None)
+            .await;
+        assert_eq!(status, 400, "{bad}: {body}");
+    }
+    let empty = d.get("/v1/tasks?limit=2&before=nosuchtask").await;
+    assert_eq!(empty, json!({"tasks": [], "next": null}));
+}
+
+#[tokio::test]
+async fn a_team_file_parses_to_the_json_a_task_takes() {
+    let server = ScriptedOpenAi::start(Script::new()).await.unwrap();
+    let d = start(&server, &[], "").await;
+    let file = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/teams/review.toml"
+    ))
+    .unwrap();
+    let resp = d
+        .http()
+        .post("http://tandem/v1/teams/parse")
+        .header("content-type", "text/plain")
+        .body(file)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let body: Value = resp.json().await.unwrap();
+    assert!(body["team"]["team"].is_object(), "{body}");
+    let resp = d
+        .http()
+        .post("http://tandem/v1/teams/parse")
+        .body("[team]\nkind = \"chat\"\nagents = [\"nobody\"]\n")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let body: Value = resp.json().await.unwrap();
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("the team file does not check:"),
+        "{message}"
+    );
+}

@@ -1,0 +1,513 @@
+//! The web page in a real browser: headless Chromium from the system packages, driven over
+//! WebDriver, against the real daemon over TCP and the scripted model server. Screenshots go
+//! to `$TANDEM_SCREENSHOTS` (default: a `tandem-screenshots` dir under the temp dir).
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tandem_daemon::store::{Change, Store};
+use tandem_protocol::{
+    BlockResult, BlockStatus, EventMsg, OutputStream, StopReason, TaskSpec, Usage,
+};
+use tandem_tests::{Browser, DaemonHarness as Daemon, Reply, Script, ScriptedOpenAi, script};
+
+fn free_addr() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().to_string()
+}
+
+fn shots() -> PathBuf {
+    let dir = std::env::var_os("TANDEM_SCREENSHOTS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| std::env::temp_dir().join("tandem-screenshots"));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+async fn shot(b: &Browser, name: &str) {
+    let png = b.screenshot().await;
+    assert!(png.starts_with(b"\x89PNG"), "not a PNG");
+    std::fs::write(shots().join(name), png).unwrap();
+}
+
+async fn start_tcp(server: &ScriptedOpenAi, config: &str) -> (Daemon, String, String) {
+    let addr = free_addr();
+    let d = Daemon::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &["--listen", &addr],
+        Some(config),
+    )
+    .await;
+    let token = std::fs::read_to_string(d.state_dir().join("token"))
+        .unwrap()
+        .trim()
+        .to_owned();
+    (d, addr, token)
+}
+
+/// Opens the page and gives it the token, as a person does once per tab.
+async fn sign_in(b: &Browser, addr: &str, token: &str) {
+    b.goto(&format!("http://{addr}/")).await;
+    let limit = Duration::from_secs(15);
+    b.wait(
+        "the token form",
+        "return !document.getElementById('token-form').hidden",
+        limit,
+    )
+    .await;
+    b.type_into("#token", token).await;
+    b.click("#token-submit").await;
+    b.wait(
+        "the task list",
+        "return document.getElementById('token-form').hidden && document.getElementById('task-text')",
+        limit,
+    )
+    .await;
+}
+
+const STATE: &str = "return document.getElementById('task-state').textContent";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_page_submits_streams_approves_and_cancels_and_model_markup_stays_text() {
+    let task = "web: approve me";
+    let xss = "Look <script>window.__xss = 1</script><img src=x onerror=\"window.__xss = 2\"> here";
+    let first = format!("{xss}\n```python\nprint('hello from the page')\n```");
+    let other = "web: cancel me";
+    let server = ScriptedOpenAi::start(script([
+        (
+            task,
+            vec![
+                // Slow enough to be seen streaming.
+                Reply::Trickle(Duration::from_millis(150), first),
+                "All done.\nTERMINATE".into(),
+            ],
+        ),
+        (other, vec![Reply::from("```python\nprint('never')\n```")]),
+    ]))
+    .await
+    .unwrap();
+    let (d, addr, token) = start_tcp(&server, "[approval]\nmode = \"always\"\n").await;
+    let b = Browser::start(1280, 900).await;
+    sign_in(&b, &addr, &token).await;
+    assert_eq!(
+        b.run("return sessionStorage.getItem('tandem.token')", json!([]))
+            .await,
+        json!(token)
+    );
+
+    b.type_into("#task-text", task).await;
+    b.click("#submit").await;
+    let path = b
+        .wait(
+            "the task's own page",
+            "return location.pathname.startsWith('/tasks/') && location.pathname",
+            Duration::from_secs(15),
+        )
+        .await;
+    let id = path
+        .as_str()
+        .unwrap()
+        .trim_start_matches("/tasks/")
+        .to_owned();
+    let limit = Duration::from_secs(30);
+    // The reply streams in: part of it shows before the whole.
+    let partial = b
+        .wait(
+            "streamed text",
+            "const t = document.querySelector('.assistant-text'); return t && t.textContent",
+            limit,
+        )
+        .await;
+    b.wait(
+        "the approval card",
+        "return document.querySelector('.approval .approve')",
+        limit,
+    )
+    .await;
+    let whole = b
+        .run(
+            "return document.querySelector('.assistant-text').textContent",
+            json!([]),
+        )
+        .await;
+    let (partial, whole) = (partial.as_str().unwrap(), whole.as_str().unwrap());
+    assert!(
+        partial.len() < whole.len() && whole.starts_with(partial.trim_end()),
+        "not streamed: {partial:?} then {whole:?}"
+    );
+    // The model's markup is characters on the page: no element made of it, nothing ran.
+    assert!(whole.contains(xss), "{whole}");
+    let made = b
+        .run(
+            "return document.querySelectorAll('#transcript img, #transcript script').length",
+            json!([]),
+        )
+        .await;
+    assert_eq!(made, json!(0));
+    b.wait(
+        "the waiting state",
+        &format!("{STATE} === 'awaiting_approval'"),
+        limit,
+    )
+    .await;
+    shot(&b, "task-awaiting-approval.png").await;
+
+    b.click(".approval .approve").await;
+    b.wait(
+        "the task's end",
+        "return document.getElementById('transcript').dataset.complete === 'true'",
+        limit,
+    )
+    .await;
+    b.wait(
+        "the finished state",
+        &format!("{STATE} === 'finished'"),
+        limit,
+    )
+    .await;
+    let output = b
+        .run(
+            "return [...document.querySelectorAll('.output')].map(o => o.textContent).join('')",
+            json!([]),
+        )
+        .await;
+    assert!(
+        output.as_str().unwrap().contains("hello from the page"),
+        "{output}"
+    );
+    assert_eq!(
+        b.run("return typeof window.__xss", json!([])).await,
+        json!("undefined")
+    );
+    assert!(
+        !b.run("return location.href", json!([]))
+            .await
+            .as_str()
+            .unwrap()
+            .contains(&token),
+        "the token is never in a URL"
+    );
+    let t = d.get(&format!("/v1/tasks/{id}")).await;
+    assert_eq!(t["stop_reason"], "terminated");
+    shot(&b, "task.png").await;
+    b.resize(390, 844).await;
+    let overflow = b
+        .run(
+            "return document.documentElement.scrollWidth - window.innerWidth",
+            json!([]),
+        )
+        .await;
+    assert!(
+        overflow.as_i64().unwrap() <= 0,
+        "the task page scrolls sideways at 390 px: {overflow}"
+    );
+    shot(&b, "task-phone.png").await;
+    b.resize(1280, 900).await;
+
+    // Another task, cancelled while its block waits.
+    b.goto(&format!("http://{addr}/")).await;
+    b.wait(
+        "the task list",
+        "return document.getElementById('task-text')",
+        limit,
+    )
+    .await;
+    b.type_into("#task-text", other).await;
+    b.click("#submit").await;
+    b.wait(
+        "the approval card",
+        "return document.querySelector('.approval .approve')",
+        limit,
+    )
+    .await;
+    b.click("#cancel").await;
+    b.wait(
+        "the finished state",
+        &format!("{STATE} === 'finished'"),
+        limit,
+    )
+    .await;
+    let stop = b
+        .run(
+            "return document.getElementById('task-stop').textContent",
+            json!([]),
+        )
+        .await;
+    assert_eq!(stop, json!("cancelled"));
+
+    // The list shows both, live, with their states.
+    b.goto(&format!("http://{addr}/")).await;
+    let rows = b
+        .wait(
+            "two rows",
+            "const r = [...document.querySelectorAll('.task-row')]; return r.length === 2 && r.map(x => x.querySelector('.state').textContent + ' ' + x.querySelector('.stop').textContent)",
+            limit,
+        )
+        .await;
+    assert_eq!(rows, json!(["finished cancelled", "finished terminated"]));
+    shot(&b, "list.png").await;
+    b.resize(390, 844).await;
+    let overflow = b
+        .run(
+            "return document.documentElement.scrollWidth - window.innerWidth",
+            json!([]),
+        )
+        .await;
+    assert!(
+        overflow.as_i64().unwrap() <= 0,
+        "the list scrolls sideways at 390 px"
+    );
+    shot(&b, "list-phone.png").await;
+    b.quit().await;
+}
+
+/// A store with `tasks` finished tasks and one whose transcript is `events` events long;
+/// returns that task's id.
+fn fill_store(path: &Path, tasks: usize, events: usize) -> String {
+    let store = Store::open(path).unwrap();
+    let now = 1_700_000_000_000;
+    let finished = |turns| EventMsg::TaskFinished {
+        stop_reason: StopReason::Terminated,
+        turns,
+        usage: Usage::default(),
+        elapsed_ms: 1000,
+        error: None,
+        summary: Some("42".to_owned()),
+    };
+    let spec = |task: String| {
+        Box::new(TaskSpec {
+            task,
+            ..TaskSpec::default()
+        })
+    };
+    let mut batch = Vec::new();
+    for i in 0..tasks {
+        let id = format!("bulk{i:06}");
+        batch.push(Change::Create(
+            id.clone(),
+            spec(format!("task number {i}")),
+            now + i as u64,
+        ));
+        batch.push(Change::Event(id, finished(1), now + i as u64));
+        if batch.len() >= 2000 {
+            store.apply(&batch).unwrap();
+            batch.clear();
+        }
+    }
+    let big = "bigtranscript".to_owned();
+    batch.push(Change::Create(
+        big.clone(),
+        spec("a long task".to_owned()),
+        now + tasks as u64,
+    ));
+    let mut msgs = vec![EventMsg::TaskStarted {
+        task: "a long task".to_owned(),
+        model: "m".to_owned(),
+        base_url: "http://127.0.0.1:1/v1".to_owned(),
+        executor: "local".to_owned(),
+    }];
+    let mut turn = 0;
+    // Ten events a turn, as a real one: streamed text, the reply, a block, its output.
+    while msgs.len() + 10 < events {
+        turn += 1;
+        msgs.push(EventMsg::TurnStarted { turn });
+        for piece in ["Let me ", "compute it ", "with code."] {
+            msgs.push(EventMsg::AssistantDelta {
+                turn,
+                text: piece.to_owned(),
+            });
+        }
+        let code = format!("print({turn} * 2)");
+        msgs.push(EventMsg::AssistantMessage {
+            turn,
+            text: format!("Let me compute it with code.\n```python\n{code}\n```"),
+            usage: None,
+        });
+        msgs.push(EventMsg::CodeBlock {
+            turn,
+            index: 1,
+            language: Some("python".to_owned()),
+            code,
+        });
+        let out = format!("{}\n", turn * 2);
+        msgs.push(EventMsg::ExecOutput {
+            turn,
+            index: 1,
+            stream: OutputStream::Stdout,
+            text: out.clone(),
+        });
+        msgs.push(EventMsg::ExecOutput {
+            turn,
+            index: 1,
+            stream: OutputStream::Stderr,
+            text: "a warning\n".to_owned(),
+        });
+        msgs.push(EventMsg::ExecResult {
+            turn,
+            index: 1,
+            result: BlockResult {
+                language: Some("python".to_owned()),
+                status: BlockStatus::Exited,
+                exit_code: Some(0),
+                stdout: out.clone(),
+                stderr: "a warning\n".to_owned(),
+                truncated: false,
+                duration_ms: 7,
+            },
+        });
+        msgs.push(EventMsg::ExecutorMessage {
+            turn,
+            text: format!("exitcode: 0 (execution succeeded)\nCode output: {out}"),
+        });
+    }
+    while msgs.len() + 1 < events {
+        msgs.push(EventMsg::TurnStarted { turn: turn + 1 });
+    }
+    msgs.push(finished(turn));
+    for m in msgs {
+        batch.push(Change::Event(big.clone(), m, now));
+    }
+    store.apply(&batch).unwrap();
+    big
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ten_thousand_tasks_and_a_five_thousand_event_transcript_stay_usable() {
+    let server = ScriptedOpenAi::start(Script::new()).await.unwrap();
+    let (mut d, addr, token) = start_tcp(&server, "").await;
+    d.terminate().await;
+    let big = fill_store(&d.state_dir().join("tandem.db"), 10_000, 5_000);
+    d.spawn().await;
+    assert_eq!(d.count("finished").await, 10_001);
+    let stored = d.events(&big, 0).await;
+    assert_eq!(stored.len(), 5_000);
+
+    let b = Browser::start(1280, 900).await;
+    sign_in(&b, &addr, &token).await;
+    let limit = Duration::from_secs(30);
+    // A fresh load of the list, token already given: the first page only, from the server.
+    b.goto(&format!("http://{addr}/")).await;
+    let list_ms = b
+        .wait(
+            "the first page",
+            "return window.tandemTiming && window.tandemTiming.listRendered",
+            limit,
+        )
+        .await;
+    let rows = b
+        .run(
+            "return document.querySelectorAll('.task-row').length",
+            json!([]),
+        )
+        .await;
+    assert_eq!(rows, json!(50));
+    b.click("#load-more").await;
+    b.wait(
+        "the second page",
+        "return document.querySelectorAll('.task-row').length === 100",
+        limit,
+    )
+    .await;
+
+    let started = Instant::now();
+    b.goto(&format!("http://{addr}/tasks/{big}")).await;
+    let timing: Value = b
+        .wait(
+            "the whole transcript",
+            "const t = window.tandemTiming; return t && t.complete && t",
+            limit,
+        )
+        .await;
+    let wall = started.elapsed();
+    let render_ms = timing["complete"].as_f64().unwrap() - timing["start"].as_f64().unwrap();
+    let blocks = b
+        .run(
+            "return document.querySelectorAll('#transcript .code-block').length",
+            json!([]),
+        )
+        .await;
+    assert_eq!(
+        blocks.as_u64().unwrap(),
+        499,
+        "every turn's block is on the page"
+    );
+    shot(&b, "long-transcript.png").await;
+    // The figures docs/benchmarks.md records; a bound far above them only catches a page
+    // that has become quadratic.
+    eprintln!(
+        "web: list of 10001 tasks, first page on screen {:.0} ms after navigation; \
+         5000-event transcript rendered in {render_ms:.0} ms (page start to task_finished \
+         shown), {:.0} ms wall including the page load",
+        list_ms.as_f64().unwrap(),
+        wall.as_secs_f64() * 1000.0
+    );
+    assert!(render_ms < 10_000.0, "{render_ms} ms");
+    b.quit().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_page_is_served_without_the_token_under_a_strict_policy_and_the_api_is_not() {
+    let server = ScriptedOpenAi::start(Script::new()).await.unwrap();
+    let (_d, addr, token) = start_tcp(&server, "").await;
+    let http = reqwest::Client::new();
+    for (path, kind) in [
+        ("/", "text/html; charset=utf-8"),
+        ("/tasks/anything", "text/html; charset=utf-8"),
+        ("/assets/app.js", "text/javascript; charset=utf-8"),
+        ("/assets/app.css", "text/css; charset=utf-8"),
+    ] {
+        let resp = http
+            .get(format!("http://{addr}{path}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "{path}");
+        let h = resp.headers();
+        assert_eq!(h["content-type"], kind, "{path}");
+        assert_eq!(
+            h["content-security-policy"],
+            "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+        );
+        assert_eq!(h["x-content-type-options"], "nosniff");
+        let body = resp.text().await.unwrap();
+        assert!(!body.contains(&token), "the page never carries the token");
+    }
+    // The page holds no data: without the token, the API it calls answers 401.
+    for path in ["/v1/tasks?limit=50", "/v1/executors", "/v1/tasks/x/events"] {
+        let resp = http
+            .get(format!("http://{addr}{path}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 401, "{path}");
+    }
+    // A page that only inserts text, and no inline script for the policy to need.
+    let html = http
+        .get(format!("http://{addr}/"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(!html.contains("<script>") && !html.contains(" style=") && !html.contains(" onclick="));
+    let js = http
+        .get(format!("http://{addr}/assets/app.js"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for sink in [
+        "innerHTML",
+        "outerHTML",
+        "insertAdjacentHTML",
+        "document.write",
+        "eval(",
+    ] {
+        assert!(!js.contains(sink), "app.js uses {sink}");
+    }
+}

@@ -1,0 +1,469 @@
+//! The approval gate: the one place a block is checked against the approval policies, and a
+//! person asked, before it runs.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use regex::Regex;
+use tandem_executor::{CancellationToken, Executor, Language};
+use tandem_protocol::{ApprovalMode, ApprovalPolicy, Decision, EventMsg};
+
+use crate::blocks::RunOptions;
+
+/// A policy that cannot be used: a pattern that is not a regular expression.
+#[derive(Debug, thiserror::Error)]
+pub enum ApprovalError {
+    /// A rule's pattern does not compile.
+    #[error("approval rule `{name}` ({list}): the pattern is not a regular expression: {error}")]
+    Pattern {
+        /// The rule's name.
+        name: String,
+        /// `ask` or `deny`.
+        list: &'static str,
+        /// What the regex parser said.
+        error: String,
+    },
+    /// A rule has an empty name, which nothing could report.
+    #[error("an approval rule in `{0}` has an empty name; give every rule a name to report")]
+    Unnamed(&'static str),
+    /// The timeout is zero.
+    #[error("approval timeout_secs must be at least 1")]
+    ZeroTimeout,
+}
+
+/// One policy, its patterns compiled.
+#[derive(Clone, Debug)]
+struct Compiled {
+    mode: ApprovalMode,
+    languages: Vec<Language>,
+    executors: Vec<String>,
+    ask: Vec<(String, Regex)>,
+    ask_network: bool,
+    deny: Vec<(String, Regex)>,
+}
+
+impl Compiled {
+    fn new(policy: &ApprovalPolicy) -> Result<Self, ApprovalError> {
+        let compile = |rules: &[tandem_protocol::ApprovalRule], list| {
+            rules
+                .iter()
+                .map(|r| {
+                    if r.name.trim().is_empty() {
+                        return Err(ApprovalError::Unnamed(list));
+                    }
+                    Regex::new(&r.pattern)
+                        .map(|re| (r.name.clone(), re))
+                        .map_err(|e| ApprovalError::Pattern {
+                            name: r.name.clone(),
+                            list,
+                            error: e.to_string(),
+                        })
+                })
+                .collect::<Result<Vec<_>, _>>()
+        };
+        if policy.timeout_secs == Some(0) {
+            return Err(ApprovalError::ZeroTimeout);
+        }
+        Ok(Self {
+            mode: policy.mode,
+            languages: policy
+                .auto_approve
+                .languages
+                .iter()
+                .map(|l| Language::new(l))
+                .collect(),
+            executors: policy.auto_approve.executors.clone(),
+            ask: compile(&policy.ask, "ask")?,
+            ask_network: policy.ask_network,
+            deny: compile(&policy.deny, "deny")?,
+        })
+    }
+
+    fn verdict(&self, language: &Language, executor: &dyn Executor, code: &str) -> Verdict {
+        if let Some((name, _)) = self.deny.iter().find(|(_, re)| re.is_match(code)) {
+            return Verdict::Deny { rule: name.clone() };
+        }
+        match self.mode {
+            ApprovalMode::Never => Verdict::Run,
+            ApprovalMode::Always => Verdict::Ask {
+                rule: None,
+                reason: "every block is asked about (mode = \"always\")".to_owned(),
+            },
+            ApprovalMode::Policy => {
+                if let Some((name, _)) = self.ask.iter().find(|(_, re)| re.is_match(code)) {
+                    return Verdict::Ask {
+                        rule: Some(name.clone()),
+                        reason: format!("the code matches the ask rule `{name}`"),
+                    };
+                }
+                if self.ask_network && executor.network() {
+                    return Verdict::Ask {
+                        rule: Some("network".to_owned()),
+                        reason: format!(
+                            "the {} executor's sandbox can reach the network",
+                            executor.name()
+                        ),
+                    };
+                }
+                if self.languages.contains(language)
+                    || self.executors.iter().any(|e| e == executor.name())
+                {
+                    return Verdict::Run;
+                }
+                Verdict::Ask {
+                    rule: None,
+                    reason: format!(
+                        "no rule approves {language} on the {} executor",
+                        executor.name()
+                    ),
+                }
+            }
+        }
+    }
+}
+
+/// What the policies say of one block.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// It runs without asking.
+    Run,
+    /// A person decides; `rule` names the rule that asked, when one did.
+    Ask {
+        /// The rule's name.
+        rule: Option<String>,
+        /// Why, in words.
+        reason: String,
+    },
+    /// A deny rule matched; it never runs.
+    Deny {
+        /// The rule's name.
+        rule: String,
+    },
+}
+
+/// A block waiting for a person.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ask {
+    /// Turn number.
+    pub turn: u32,
+    /// Block index in the reply.
+    pub index: u32,
+    /// Its language.
+    pub language: Language,
+    /// The code.
+    pub code: String,
+    /// The rule that asked.
+    pub rule: Option<String>,
+    /// Why it asks.
+    pub reason: String,
+}
+
+/// A person's (or the timeout's) answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ruling {
+    /// Approve or deny.
+    pub decision: Decision,
+    /// Edited code to run instead, when approved with an edit.
+    pub code: Option<String>,
+    /// Why, when denied (told to the model).
+    pub reason: Option<String>,
+    /// `user` or `timeout`.
+    pub by: String,
+}
+
+/// Asks a person about a block and waits for the answer: a terminal prompt, the daemon's API.
+/// It tells its own events (`approval_requested`, `approval_decided`), since only it knows
+/// when a decision was stored.
+pub trait Approver: Send + Sync {
+    /// The ruling on `ask`, or `None` when `cancel` fired first.
+    fn decide<'a>(
+        &'a self,
+        ask: Ask,
+        timeout: Duration,
+        cancel: &'a CancellationToken,
+    ) -> BoxFuture<'a, Option<Ruling>>;
+}
+
+/// The operator's policy and the task's, and who to ask.
+#[derive(Clone)]
+pub struct ApprovalGate {
+    policies: Vec<Compiled>,
+    timeout: Duration,
+    approver: Option<Arc<dyn Approver>>,
+}
+
+impl std::fmt::Debug for ApprovalGate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApprovalGate")
+            .field("policies", &self.policies)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How long a request waits for a decision unless the operator says otherwise.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+
+impl ApprovalGate {
+    /// A gate over `operator`'s policy tightened by `task`'s.
+    pub fn new(
+        operator: &ApprovalPolicy,
+        task: Option<&ApprovalPolicy>,
+    ) -> Result<Self, ApprovalError> {
+        let mut policies = vec![Compiled::new(operator)?];
+        let mut timeout = operator
+            .timeout_secs
+            .map_or(DEFAULT_TIMEOUT, Duration::from_secs);
+        if let Some(task) = task {
+            policies.push(Compiled::new(task)?);
+            if let Some(secs) = task.timeout_secs {
+                timeout = timeout.min(Duration::from_secs(secs));
+            }
+        }
+        Ok(Self {
+            policies,
+            timeout,
+            approver: None,
+        })
+    }
+
+    /// Asks `approver` when a policy says to ask.
+    pub fn with_approver(mut self, approver: Arc<dyn Approver>) -> Self {
+        self.approver = Some(approver);
+        self
+    }
+
+    /// Whether some block could be asked about (so a person must be there to answer).
+    pub fn may_ask(&self) -> bool {
+        self.policies.iter().any(|p| p.mode != ApprovalMode::Never)
+    }
+
+    /// Whether the gate lets every block through (no deny rule, never asks).
+    pub fn is_open(&self) -> bool {
+        !self.may_ask() && self.policies.iter().all(|p| p.deny.is_empty())
+    }
+
+    /// The strictest verdict of the policies on a block.
+    pub fn verdict(&self, language: &Language, executor: &dyn Executor, code: &str) -> Verdict {
+        let rank = |v: &Verdict| match v {
+            Verdict::Run => 0,
+            Verdict::Ask { .. } => 1,
+            Verdict::Deny { .. } => 2,
+        };
+        self.policies
+            .iter()
+            .map(|p| p.verdict(language, executor, code))
+            .max_by_key(rank)
+            .unwrap_or(Verdict::Run)
+    }
+
+    /// Decides block `index` of the turn `opts` runs: `Ok(code)` to run (edited or not),
+    /// `Err(reason)` when it must not run (the reason is for the model). Rule denials are
+    /// told here; asks by the approver. `None` when the task was cancelled while waiting.
+    pub(crate) async fn decide(
+        &self,
+        index: u32,
+        language: &Language,
+        executor: &dyn Executor,
+        code: &str,
+        opts: &RunOptions,
+    ) -> Option<Result<String, String>> {
+        let (turn, events, cancel) = (opts.turn, &opts.events, &opts.cancel);
+        match self.verdict(language, executor, code) {
+            Verdict::Run => Some(Ok(code.to_owned())),
+            Verdict::Deny { rule } => {
+                events(EventMsg::ApprovalDecided {
+                    turn,
+                    index,
+                    n: 0,
+                    decision: Decision::Deny,
+                    by: "rule".to_owned(),
+                    code: None,
+                    reason: None,
+                    rule: Some(rule.clone()),
+                });
+                Some(Err(format!(
+                    "the operator's approval policy does not allow this code (deny rule `{rule}`)"
+                )))
+            }
+            Verdict::Ask { rule, reason } => {
+                let Some(approver) = &self.approver else {
+                    return Some(Err(format!(
+                        "it needs a person's approval ({reason}) and no one can be asked here"
+                    )));
+                };
+                let ask = Ask {
+                    turn,
+                    index,
+                    language: language.clone(),
+                    code: code.to_owned(),
+                    rule,
+                    reason,
+                };
+                let ruling = approver.decide(ask, self.timeout, cancel).await?;
+                Some(match ruling.decision {
+                    Decision::Approve => Ok(ruling.code.unwrap_or_else(|| code.to_owned())),
+                    Decision::Deny => Err(match (ruling.by.as_str(), ruling.reason) {
+                        ("timeout", _) => format!(
+                            "no one approved it within {} s, so it was denied",
+                            self.timeout.as_secs()
+                        ),
+                        (_, Some(reason)) if !reason.trim().is_empty() => {
+                            format!("the user declined to run this block: {}", reason.trim())
+                        }
+                        _ => "the user declined to run this block".to_owned(),
+                    }),
+                })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_executor::{BoxFuture as ExecFuture, ExecError, Session, SessionSpec};
+    use tandem_protocol::{ApprovalRule, AutoApprove};
+
+    /// An executor that only has a name and a network answer: verdicts need nothing else.
+    struct Named(&'static str, bool);
+
+    impl Executor for Named {
+        fn name(&self) -> &str {
+            self.0
+        }
+        fn languages(&self) -> &[Language] {
+            &[]
+        }
+        fn open(&self, _: SessionSpec) -> ExecFuture<'_, Result<Box<dyn Session>, ExecError>> {
+            Box::pin(async { Err(ExecError::Backend("not for running".to_owned())) })
+        }
+        fn network(&self) -> bool {
+            self.1
+        }
+    }
+
+    fn rule(name: &str, pattern: &str) -> ApprovalRule {
+        ApprovalRule {
+            name: name.to_owned(),
+            pattern: pattern.to_owned(),
+        }
+    }
+
+    fn operator() -> ApprovalPolicy {
+        ApprovalPolicy {
+            mode: ApprovalMode::Policy,
+            auto_approve: AutoApprove {
+                languages: vec!["py".to_owned()],
+                executors: vec!["wasm".to_owned()],
+            },
+            ask: vec![rule("pip", r"pip\s+install")],
+            ask_network: true,
+            deny: vec![rule("rm root", r"rm\s+-rf\s+/")],
+            timeout_secs: Some(60),
+        }
+    }
+
+    #[test]
+    fn the_strictest_policy_wins_and_rules_are_named() {
+        let gate = ApprovalGate::new(&operator(), None).unwrap();
+        let (py, sh) = (Language::python(), Language::sh());
+        let (local, docker, wasm) = (
+            Named("local", false),
+            Named("docker", true),
+            Named("wasm", false),
+        );
+        let ask = |rule: Option<&str>, reason: &str| Verdict::Ask {
+            rule: rule.map(str::to_owned),
+            reason: reason.to_owned(),
+        };
+        assert_eq!(gate.verdict(&py, &local, "print(1)"), Verdict::Run);
+        assert_eq!(gate.verdict(&sh, &wasm, "echo"), Verdict::Run);
+        assert_eq!(
+            gate.verdict(&sh, &local, "echo"),
+            ask(None, "no rule approves sh on the local executor")
+        );
+        assert_eq!(
+            gate.verdict(&py, &local, "# pip  install x"),
+            ask(Some("pip"), "the code matches the ask rule `pip`")
+        );
+        assert_eq!(
+            gate.verdict(&py, &docker, "print(1)"),
+            ask(
+                Some("network"),
+                "the docker executor's sandbox can reach the network"
+            )
+        );
+        // Deny beats every other rule.
+        assert_eq!(
+            gate.verdict(&py, &local, "pip install x; rm -rf /"),
+            Verdict::Deny {
+                rule: "rm root".to_owned()
+            }
+        );
+
+        // A task cannot loosen: "never" and its own auto-approvals change nothing...
+        let loose = ApprovalPolicy {
+            auto_approve: AutoApprove {
+                languages: vec!["sh".to_owned()],
+                executors: Vec::new(),
+            },
+            ..ApprovalPolicy::default()
+        };
+        let gate = ApprovalGate::new(&operator(), Some(&loose)).unwrap();
+        assert!(matches!(
+            gate.verdict(&sh, &local, "echo"),
+            Verdict::Ask { .. }
+        ));
+        assert!(matches!(
+            gate.verdict(&py, &local, "rm -rf /"),
+            Verdict::Deny { .. }
+        ));
+        // ...but it tightens: "always" asks for what the operator lets run, its deny rules
+        // add to the operator's, and its timeout can only be shorter.
+        let strict = ApprovalPolicy {
+            mode: ApprovalMode::Always,
+            deny: vec![rule("no sleep", "sleep")],
+            timeout_secs: Some(3600),
+            ..ApprovalPolicy::default()
+        };
+        let gate = ApprovalGate::new(&operator(), Some(&strict)).unwrap();
+        assert!(matches!(
+            gate.verdict(&py, &local, "print(1)"),
+            Verdict::Ask { .. }
+        ));
+        assert_eq!(
+            gate.verdict(&py, &wasm, "time.sleep(1)"),
+            Verdict::Deny {
+                rule: "no sleep".to_owned()
+            }
+        );
+        assert_eq!(gate.timeout, Duration::from_secs(60));
+    }
+
+    #[test]
+    fn a_policy_that_cannot_work_is_refused_naming_the_rule() {
+        let mut bad = operator();
+        bad.ask.push(rule("broken", "(unclosed"));
+        let e = ApprovalGate::new(&bad, None).unwrap_err().to_string();
+        assert!(
+            e.starts_with("approval rule `broken` (ask): the pattern is not a regular expression"),
+            "{e}"
+        );
+        let mut unnamed = operator();
+        unnamed.deny.push(rule(" ", "x"));
+        assert_eq!(
+            ApprovalGate::new(&unnamed, None).unwrap_err().to_string(),
+            "an approval rule in `deny` has an empty name; give every rule a name to report"
+        );
+        let zero = ApprovalPolicy {
+            timeout_secs: Some(0),
+            ..ApprovalPolicy::default()
+        };
+        assert!(ApprovalGate::new(&operator(), Some(&zero)).is_err());
+        // Nothing to check: the gate is open and never asks.
+        let open = ApprovalGate::new(&ApprovalPolicy::default(), None).unwrap();
+        assert!(open.is_open() && !open.may_ask());
+    }
+}

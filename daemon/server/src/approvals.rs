@@ -1,0 +1,384 @@
+//! Approvals on the daemon: a block that waits for a person parks its task in
+//! `awaiting_approval` (its execution slot freed) until `POST /v1/tasks/{id}/approvals/{n}`,
+//! the timeout or a cancel decides it. Every request and decision is an event in the store,
+//! so a decision survives a restart: a task resumed at that block finds it there.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+use tandem_agent::{Approver, Ask, Ruling};
+use tandem_executor::CancellationToken;
+use tandem_protocol::{Decision, Event, EventMsg};
+use tokio::sync::{OwnedSemaphorePermit, oneshot};
+
+use crate::store::TaskState;
+use crate::supervisor::{Supervisor, TaskError};
+use crate::writer::Write;
+
+/// What a client sends to decide an approval.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DecisionBody {
+    /// Approve or deny.
+    pub decision: Decision,
+    /// The code to run instead (approve only).
+    #[serde(default)]
+    pub code: Option<String>,
+    /// Why (told to the model on a denial).
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+/// A block that asked, as the stored events tell it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Requested {
+    /// Approval number.
+    pub n: u32,
+    /// Turn number.
+    pub turn: u32,
+    /// Block index.
+    pub index: u32,
+    /// Language.
+    pub language: String,
+    /// The code it asked about.
+    pub code: String,
+    /// The rule that asked.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rule: Option<String>,
+    /// Why it asked.
+    pub reason: String,
+    /// The decision, once made.
+    #[serde(skip)]
+    pub ruling: Option<Ruling>,
+}
+
+/// Every approval a task asked for, with its decision when one was stored.
+pub fn requested(events: &[Event]) -> Vec<Requested> {
+    let mut asked: Vec<Requested> = Vec::new();
+    for e in events {
+        match &e.msg {
+            EventMsg::ApprovalRequested {
+                turn,
+                index,
+                n,
+                language,
+                code,
+                rule,
+                reason,
+            } => asked.push(Requested {
+                n: *n,
+                turn: *turn,
+                index: *index,
+                language: language.clone(),
+                code: code.clone(),
+                rule: rule.clone(),
+                reason: reason.clone(),
+                ruling: None,
+            }),
+            EventMsg::ApprovalDecided {
+                n,
+                decision,
+                by,
+                code,
+                reason,
+                ..
+            } if *n > 0 => {
+                if let Some(r) = asked.iter_mut().find(|r| r.n == *n) {
+                    r.ruling = Some(Ruling {
+                        decision: *decision,
+                        code: code.clone(),
+                        reason: reason.clone(),
+                        by: by.clone(),
+                    });
+                }
+            }
+            _ => {}
+        }
+    }
+    asked
+}
+
+/// The live side of approvals: who waits for which decision.
+#[derive(Default)]
+pub(crate) struct Approvals {
+    slots: Mutex<HashMap<(String, u32), Slot>>,
+}
+
+enum Slot {
+    /// A running task waits.
+    Waiting(oneshot::Sender<Ruling>),
+    /// Decided while its task was not waiting for it (before a resume reached the block).
+    Decided(Ruling),
+}
+
+impl Approvals {
+    /// Forgets task `id`'s approvals once it has stopped.
+    pub(crate) fn forget(&self, id: &str) {
+        if let Ok(mut slots) = self.slots.lock() {
+            slots.retain(|(task, _), _| task != id);
+        }
+    }
+}
+
+impl Supervisor {
+    /// Decides approval `n` of task `id`: the decision is stored before this returns, then
+    /// handed to the task if it is waiting.
+    pub fn decide(&self, id: &str, n: u32, body: DecisionBody) -> Result<Requested, TaskError> {
+        let record = self
+            .store()
+            .get(id)?
+            .ok_or_else(|| TaskError::NotFound(id.to_owned()))?;
+        if record.state == TaskState::Finished {
+            return Err(TaskError::Conflict(format!(
+                "task `{id}` already finished; there is nothing to approve"
+            )));
+        }
+        if body.decision == Decision::Deny && body.code.is_some() {
+            return Err(TaskError::Invalid(
+                "`code` goes with `approve` (run this instead); a denial takes only a `reason`"
+                    .to_owned(),
+            ));
+        }
+        if body.code.as_deref().is_some_and(|c| c.trim().is_empty()) {
+            return Err(TaskError::Invalid(
+                "`code` is empty; leave it out to run the block as it is, or deny it".to_owned(),
+            ));
+        }
+        self.flush();
+        let asked = requested(&self.store().events_after(id, 0)?);
+        let Some(request) = asked.iter().find(|r| r.n == n).cloned() else {
+            let open: Vec<String> = asked
+                .iter()
+                .filter(|r| r.ruling.is_none())
+                .map(|r| r.n.to_string())
+                .collect();
+            return Err(TaskError::NotFound(format!(
+                "{id}/approvals/{n}: the task has no approval {n}; waiting: {}",
+                if open.is_empty() {
+                    "none".to_owned()
+                } else {
+                    open.join(", ")
+                }
+            )));
+        };
+        let already = |r: &Ruling| {
+            TaskError::Conflict(format!(
+                "approval {n} of task `{id}` was already decided: {} by {}",
+                r.decision.as_str(),
+                r.by
+            ))
+        };
+        if let Some(r) = &request.ruling {
+            return Err(already(r));
+        }
+        let ruling = Ruling {
+            decision: body.decision,
+            code: body.code,
+            reason: body.reason.filter(|r| !r.trim().is_empty()),
+            by: "user".to_owned(),
+        };
+        let mut slots = self
+            .approvals
+            .slots
+            .lock()
+            .map_err(|_| TaskError::Unavailable("the approvals lock is poisoned".to_owned()))?;
+        let key = (id.to_owned(), n);
+        let waiting = match slots.remove(&key) {
+            Some(Slot::Decided(r)) => {
+                let e = already(&r);
+                slots.insert(key, Slot::Decided(r));
+                return Err(e);
+            }
+            Some(Slot::Waiting(tx)) => Some(tx),
+            None => None,
+        };
+        self.record(id, decided(&request, &ruling));
+        match waiting {
+            Some(tx) => {
+                // Stored first: the task acts on it only after the decision is durable.
+                self.flush();
+                slots.insert(key, Slot::Decided(ruling.clone()));
+                if let Err(ruling) = tx.send(ruling) {
+                    // The task stopped waiting (cancelled) between the two; a resume finds it.
+                    slots.insert((id.to_owned(), n), Slot::Decided(ruling));
+                }
+            }
+            None => {
+                slots.insert(key, Slot::Decided(ruling));
+                self.flush();
+            }
+        }
+        Ok(Requested {
+            ruling: None,
+            ..request
+        })
+    }
+}
+
+fn decided(request: &Requested, ruling: &Ruling) -> EventMsg {
+    EventMsg::ApprovalDecided {
+        turn: request.turn,
+        index: request.index,
+        n: request.n,
+        decision: ruling.decision,
+        by: ruling.by.clone(),
+        code: ruling.code.clone(),
+        reason: ruling.reason.clone(),
+        rule: None,
+    }
+}
+
+/// One task's approver: asks through the store and the API, and gives up the task's
+/// execution slot while it waits.
+pub(crate) struct TaskApprover {
+    pub(crate) sup: Arc<Supervisor>,
+    pub(crate) id: String,
+    /// The task's execution slot; `None` while it waits for a decision.
+    pub(crate) permit: Arc<tokio::sync::Mutex<Option<OwnedSemaphorePermit>>>,
+    /// What the store held when the task (re)started.
+    pub(crate) stored: Vec<Requested>,
+    pub(crate) next: AtomicU32,
+}
+
+impl TaskApprover {
+    pub(crate) fn new(
+        sup: Arc<Supervisor>,
+        id: &str,
+        permit: Arc<tokio::sync::Mutex<Option<OwnedSemaphorePermit>>>,
+        events: &[Event],
+    ) -> Self {
+        let stored = requested(events);
+        let next = stored.iter().map(|r| r.n).max().unwrap_or(0) + 1;
+        Self {
+            sup,
+            id: id.to_owned(),
+            permit,
+            stored,
+            next: AtomicU32::new(next),
+        }
+    }
+
+    async fn wait(
+        &self,
+        ask: Ask,
+        timeout: Duration,
+        cancel: &CancellationToken,
+    ) -> Option<Ruling> {
+        // The same block asked before a restart keeps its number, and its decision if made.
+        let before = self
+            .stored
+            .iter()
+            .find(|r| r.turn == ask.turn && r.index == ask.index && r.code == ask.code);
+        let request = match before {
+            Some(r) => {
+                if let Some(ruling) = &r.ruling {
+                    return Some(ruling.clone());
+                }
+                r.clone()
+            }
+            None => {
+                let request = Requested {
+                    n: self.next.fetch_add(1, Ordering::SeqCst),
+                    turn: ask.turn,
+                    index: ask.index,
+                    language: ask.language.to_string(),
+                    code: ask.code.clone(),
+                    rule: ask.rule.clone(),
+                    reason: ask.reason.clone(),
+                    ruling: None,
+                };
+                self.sup.record(
+                    &self.id,
+                    EventMsg::ApprovalRequested {
+                        turn: request.turn,
+                        index: request.index,
+                        n: request.n,
+                        language: request.language.clone(),
+                        code: request.code.clone(),
+                        rule: request.rule.clone(),
+                        reason: request.reason.clone(),
+                    },
+                );
+                request
+            }
+        };
+        let key = (self.id.clone(), request.n);
+        let (tx, mut rx) = oneshot::channel();
+        {
+            let mut slots = self.sup.approvals.slots.lock().ok()?;
+            if let Some(Slot::Decided(ruling)) = slots.get(&key) {
+                return Some(ruling.clone());
+            }
+            slots.insert(key.clone(), Slot::Waiting(tx));
+        }
+        self.sup.set_state(&self.id, TaskState::AwaitingApproval);
+        self.permit.lock().await.take();
+        let ruling = tokio::select! {
+            r = &mut rx => r.ok(),
+            () = tokio::time::sleep(timeout) => {
+                let timed_out = self.sup.approvals.slots.lock().ok().and_then(|mut slots| {
+                    match slots.remove(&key) {
+                        Some(Slot::Waiting(_)) => {
+                            let ruling = Ruling {
+                                decision: Decision::Deny,
+                                code: None,
+                                reason: Some(format!("no decision within {} s", timeout.as_secs())),
+                                by: "timeout".to_owned(),
+                            };
+                            self.sup.record(&self.id, decided(&request, &ruling));
+                            slots.insert(key.clone(), Slot::Decided(ruling.clone()));
+                            Some(ruling)
+                        }
+                        other => {
+                            if let Some(slot) = other {
+                                slots.insert(key.clone(), slot);
+                            }
+                            None
+                        }
+                    }
+                });
+                match timed_out {
+                    Some(ruling) => Some(ruling),
+                    // A person's decision won the race; it is on its way.
+                    None => rx.await.ok(),
+                }
+            }
+            () = cancel.cancelled() => None,
+        };
+        if ruling.is_none()
+            && let Ok(mut slots) = self.sup.approvals.slots.lock()
+            && matches!(slots.get(&key), Some(Slot::Waiting(_)))
+        {
+            slots.remove(&key);
+        }
+        let ruling = ruling?;
+        // Back in line for a slot, behind the tasks queued meanwhile.
+        let permit = tokio::select! {
+            p = self.sup.slots().acquire_owned() => p.ok()?,
+            () = cancel.cancelled() => return None,
+        };
+        *self.permit.lock().await = Some(permit);
+        self.sup.set_state(&self.id, TaskState::Running);
+        Some(ruling)
+    }
+}
+
+impl Approver for TaskApprover {
+    fn decide<'a>(
+        &'a self,
+        ask: Ask,
+        timeout: Duration,
+        cancel: &'a CancellationToken,
+    ) -> BoxFuture<'a, Option<Ruling>> {
+        Box::pin(self.wait(ask, timeout, cancel))
+    }
+}
+
+/// Tells the writer to move task `id` to `state`, in order with its events.
+pub(crate) fn state_write(id: &str, state: TaskState) -> Write {
+    Write::State(id.to_owned(), state, crate::supervisor::now_ms())
+}

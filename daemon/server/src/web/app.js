@@ -1,0 +1,836 @@
+// Tandem's web page: the task list at `/`, one task at `/tasks/{id}`.
+// Everything a model or program wrote is inserted as text (textContent, text nodes,
+// `value`), never parsed as HTML; the page's CSP forbids inline script and style anyway.
+(() => {
+  'use strict';
+
+  const TOKEN_KEY = 'tandem.token';
+  const ACTIVE = new Set(['queued', 'running', 'awaiting_approval', 'interrupted']);
+  const STOP = {
+    terminated: 'done', max_turns: 'turn limit reached', timeout: 'timed out',
+    cancelled: 'cancelled', error: 'failed',
+  };
+  const enc = encodeURIComponent;
+  const $ = (id) => document.getElementById(id);
+  // One formatter each: building Intl formatters per call is slow in long transcripts.
+  const clockFmt = new Intl.DateTimeFormat(undefined, { hour: '2-digit', minute: '2-digit', second: '2-digit' });
+  const dateFmt = new Intl.DateTimeFormat(undefined, { dateStyle: 'medium', timeStyle: 'short' });
+
+  // Small element builder. Strings among `kids` become text nodes, so data stays text.
+  function h(tag, props, ...kids) {
+    const e = document.createElement(tag);
+    for (const k in props) {
+      const v = props[k];
+      if (v == null || v === false) continue;
+      if (k === 'class') e.className = v;
+      else if (k === 'title' || k === 'rows') e[k] = v;
+      else e.setAttribute(k, String(v));
+    }
+    for (const c of kids) if (c != null && c !== false) e.append(c);
+    return e;
+  }
+
+  const plural = (n, word) => `${n} ${word}${n === 1 ? '' : 's'}`;
+  const lastPart = (path) => path.slice(path.lastIndexOf('/') + 1);
+  const taskHref = (id) => '/tasks/' + enc(id);
+
+  function duration(ms) {
+    if (ms < 1000) return `${ms} ms`;
+    if (ms < 60000) return `${(ms / 1000).toFixed(1)} s`;
+    const m = Math.floor(ms / 60000);
+    return `${m} min ${Math.round((ms % 60000) / 1000)} s`;
+  }
+
+  function ago(ms) {
+    const s = Math.round((Date.now() - ms) / 1000);
+    if (s < 5) return 'just now';
+    if (s < 60) return `${s} s ago`;
+    if (s < 3600) return `${Math.floor(s / 60)} min ago`;
+    if (s < 86400) return `${Math.floor(s / 3600)} h ago`;
+    return dateFmt.format(ms);
+  }
+
+  function stateClass(r) {
+    const bad = r.state === 'finished' && (r.stop_reason === 'error' || r.stop_reason === 'timeout');
+    return `state badge state-${r.state}${bad ? ' bad' : ''}`;
+  }
+
+  function tokens(u) {
+    return u ? `${u.prompt_tokens} in / ${u.completion_tokens} out tokens` : '';
+  }
+
+  // ---- auth and API -------------------------------------------------------------------
+
+  // Storage can be disabled (privacy modes); the token then lives as long as the page.
+  let memToken = '';
+  function getToken() {
+    try { return sessionStorage.getItem(TOKEN_KEY) || ''; } catch (_) { return ''; }
+  }
+  function setToken(t) {
+    try { sessionStorage.setItem(TOKEN_KEY, t); } catch (_) { /* kept for this page only */ }
+    memToken = t;
+  }
+
+  function authHeaders(extra) {
+    const headers = Object.assign({}, extra);
+    const t = getToken() || memToken;
+    if (t) headers.Authorization = 'Bearer ' + t;
+    return headers;
+  }
+
+  const apiError = (message, status) => Object.assign(new Error(message), { status });
+
+  // Each view sets what to redo once a token is entered.
+  let onAuth = () => {};
+
+  function askToken() {
+    const form = $('token-form');
+    if (!form.hidden) return;
+    $('token-note').textContent = getToken() || memToken
+      ? 'The daemon refused the saved token. Enter a valid one.'
+      : 'This daemon needs an API token.';
+    form.hidden = false;
+    $('token').focus();
+  }
+
+  function setupTokenForm() {
+    $('token-form').addEventListener('submit', (e) => {
+      e.preventDefault();
+      const value = $('token').value.trim();
+      if (!value) return;
+      setToken(value);
+      $('token').value = '';
+      $('token-form').hidden = true;
+      onAuth();
+    });
+  }
+
+  async function readResponse(res) {
+    if (res.status === 401) askToken();
+    const text = await res.text();
+    let data = null;
+    try { data = text ? JSON.parse(text) : null; } catch (_) { /* not JSON: reported below */ }
+    if (!res.ok) {
+      const err = data && data.error;
+      throw apiError((err && err.message) || `${res.status} ${res.statusText || 'error'}`, res.status);
+    }
+    $('token-form').hidden = true;
+    return data;
+  }
+
+  async function api(method, path, body) {
+    const init = { method, headers: authHeaders(), cache: 'no-store' };
+    if (body !== undefined) {
+      const raw = typeof body === 'string'; // a team file's TOML goes as it is
+      init.headers['Content-Type'] = raw ? 'text/plain' : 'application/json';
+      init.body = raw ? body : JSON.stringify(body);
+    }
+    let res;
+    try { res = await fetch(path, init); } catch (e) {
+      throw apiError(`Cannot reach the daemon (${e.message})`, 0);
+    }
+    return readResponse(res);
+  }
+
+  // ---- list view ----------------------------------------------------------------------
+
+  function listView() {
+    $('app').replaceChildren($('list-tpl').content.cloneNode(true));
+    const list = $('task-list');
+    const moreBtn = $('load-more');
+    const entries = new Map(); // id -> {row, parts, key, text}
+    let nextBefore = null;
+    let loaded = false;
+    let polling = false;
+    let generation = 0; // bumped when the filter changes, so stale answers are dropped
+
+    function query(before) {
+      const p = new URLSearchParams({ limit: '50' });
+      const state = $('state-filter').value;
+      if (state) p.set('state', state);
+      if (before) p.set('before', before);
+      return '/v1/tasks?' + p;
+    }
+
+    function makeRow(t) {
+      const parts = {
+        link: h('a', { class: 'task-link', href: taskHref(t.id) }),
+        state: h('span', { class: 'state badge' }),
+        stop: h('span', { class: 'stop' }),
+        turns: h('span', { class: 'turns' }),
+        time: h('time'),
+      };
+      const row = h('li', { class: 'task-row', 'data-id': t.id }, parts.link,
+        h('div', { class: 'row-meta' }, parts.state, parts.stop, parts.turns, parts.time));
+      const entry = { row, parts, key: '', text: '' };
+      entries.set(t.id, entry);
+      fill(entry, t);
+      return entry;
+    }
+
+    function fill(entry, t) {
+      const task = (t.spec && t.spec.task) || '';
+      const key = [t.state, t.stop_reason, t.turns, task].join('\u0000');
+      const p = entry.parts;
+      if (key !== entry.key) {
+        entry.key = key;
+        entry.text = task.toLowerCase();
+        p.link.textContent = task || '(empty task)';
+        p.link.title = task;
+        p.state.textContent = t.state;
+        p.state.className = stateClass(t);
+        p.stop.textContent = t.state === 'finished' && t.stop_reason ? t.stop_reason : '';
+        p.stop.title = STOP[t.stop_reason] || '';
+        p.turns.textContent = plural(t.turns || 0, 'turn');
+        matchSearch(entry);
+      }
+      entry.created = t.created_ms;
+      if (!t.created_ms) return;
+      p.time.dateTime = new Date(t.created_ms).toISOString();
+      p.time.title = dateFmt.format(t.created_ms);
+      p.time.textContent = ago(t.created_ms);
+    }
+
+    function matchSearch(entry) {
+      const q = $('search').value.trim().toLowerCase();
+      entry.row.hidden = q !== '' && !entry.text.includes(q);
+    }
+
+    // Drops the rows from `row` up to (not including) `stop`; returns `stop`.
+    function dropUntil(row, stop) {
+      while (row && row !== stop) {
+        const next = row.nextElementSibling;
+        entries.delete(row.dataset.id);
+        row.remove();
+        row = next;
+      }
+      return stop;
+    }
+
+    // Merges a fresh first page into the rows in place: tasks are newest first, so new
+    // ones go on top, known ones are updated, and rows between two page entries that the
+    // page no longer holds (they left the state filter) are dropped.
+    function merge(page, first) {
+      let cursor = list.firstElementChild;
+      for (const t of page.tasks) {
+        const known = entries.get(t.id);
+        if (known) {
+          cursor = dropUntil(cursor, known.row).nextElementSibling;
+          fill(known, t);
+        } else {
+          list.insertBefore(makeRow(t).row, cursor);
+        }
+      }
+      if (page.next == null) {
+        dropUntil(cursor, null);
+        nextBefore = null;
+      } else if (first) {
+        nextBefore = page.next;
+      }
+    }
+
+    function updateFoot() {
+      moreBtn.hidden = nextBefore == null;
+      let shown = 0;
+      for (const e of entries.values()) if (!e.row.hidden) shown++;
+      let text = `${plural(shown, 'task')} shown`;
+      if (shown !== entries.size) text += ` (of ${entries.size} loaded)`;
+      else if (loaded && shown === 0) text = $('state-filter').value ? 'No tasks in this state' : 'No tasks yet';
+      $('list-status').textContent = text;
+    }
+
+    async function refresh(force) {
+      if (polling && !force) return;
+      polling = true;
+      const gen = generation;
+      try {
+        const page = await api('GET', query(null));
+        if (gen !== generation) return;
+        merge(page, !loaded);
+        // For the browser test's measurement: when the first page was on screen.
+        if (!loaded) window.tandemTiming = { listRendered: performance.now() };
+        loaded = true;
+        for (const e of entries.values()) if (e.created) e.parts.time.textContent = ago(e.created);
+        $('list-error').textContent = '';
+      } catch (e) {
+        if (gen === generation) $('list-error').textContent = e.message;
+      } finally {
+        polling = false;
+        if (gen === generation) updateFoot();
+      }
+    }
+
+    async function loadMore() {
+      if (nextBefore == null) return;
+      moreBtn.disabled = true;
+      const gen = generation;
+      try {
+        const page = await api('GET', query(nextBefore));
+        if (gen !== generation) return;
+        const frag = document.createDocumentFragment();
+        for (const t of page.tasks) {
+          const known = entries.get(t.id);
+          if (known) fill(known, t);
+          else frag.append(makeRow(t).row);
+        }
+        list.append(frag);
+        nextBefore = page.next;
+        $('list-error').textContent = '';
+      } catch (e) {
+        $('list-error').textContent = e.message;
+      } finally {
+        moreBtn.disabled = false;
+        updateFoot();
+      }
+    }
+
+    function reset() {
+      generation++;
+      entries.clear();
+      list.replaceChildren();
+      nextBefore = null;
+      loaded = false;
+      updateFoot();
+      refresh(true);
+    }
+
+    async function loadExecutors() {
+      const select = $('executor');
+      try {
+        const { executors } = await api('GET', '/v1/executors');
+        const chosen = select.value;
+        while (select.options.length > 1) select.remove(1);
+        for (const ex of executors || []) {
+          if (!ex.offered) continue;
+          let label = ex.name;
+          if (ex.languages && ex.languages.length) label += ` (${ex.languages.join(', ')})`;
+          if (ex.health !== 'ok') label += ' · unavailable';
+          const opt = new Option(label, ex.name);
+          if (ex.problem) opt.title = ex.problem;
+          select.add(opt);
+        }
+        select.value = chosen;
+        if (select.selectedIndex < 0) select.value = '';
+      } catch (_) {
+        // "default" stays usable; a 401 already asked for a token.
+      }
+    }
+
+    async function submit(e) {
+      e.preventDefault();
+      const btn = $('submit');
+      const errEl = $('submit-error');
+      const text = $('task-text').value;
+      errEl.textContent = text.trim() ? '' : 'Write a task first.';
+      if (!text.trim()) return;
+      btn.disabled = true;
+      try {
+        const body = { task: text };
+        const executor = $('executor').value;
+        if (executor) body.executor = executor;
+        const file = $('team-file').files[0];
+        if (file) {
+          const parsed = await api('POST', '/v1/teams/parse', await file.text()).catch((err) => {
+            throw new Error(`Team file ${file.name}: ${err.message}`);
+          });
+          body.team = parsed.team;
+        }
+        const rec = await api('POST', '/v1/tasks', body);
+        location.assign(taskHref(rec.id));
+      } catch (err) {
+        errEl.textContent = err.message;
+        btn.disabled = false;
+      }
+    }
+
+    $('submit-form').addEventListener('submit', submit);
+    $('task-text').addEventListener('keydown', (e) => {
+      if (e.key === 'Enter' && (e.ctrlKey || e.metaKey)) {
+        e.preventDefault();
+        $('submit-form').requestSubmit();
+      }
+    });
+    $('state-filter').addEventListener('change', reset);
+    $('search').addEventListener('input', () => {
+      for (const entry of entries.values()) matchSearch(entry);
+      updateFoot();
+    });
+    moreBtn.addEventListener('click', loadMore);
+
+    onAuth = () => { loadExecutors(); refresh(true); };
+    loadExecutors();
+    refresh(true);
+    setInterval(() => { if (!document.hidden) refresh(false); }, 2000);
+    document.addEventListener('visibilitychange', () => { if (!document.hidden) refresh(false); });
+  }
+
+  // ---- SSE over fetch -----------------------------------------------------------------
+
+  // EventSource cannot send an Authorization header, so the stream is parsed by hand.
+  async function readSse(body, onEvent) {
+    const reader = body.getReader();
+    const decoder = new TextDecoder();
+    let buf = '', data = [], type = '', id = '';
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      let text = buf + decoder.decode(value, { stream: true });
+      // A trailing CR may be the first half of a CRLF split across chunks: keep it for later.
+      const hold = text.endsWith('\r');
+      if (hold) text = text.slice(0, -1);
+      // Splitting on a plain '\n' is much faster; CR line ends are normalised only if present.
+      if (text.includes('\r')) text = text.replace(/\r\n?/g, '\n');
+      const lines = text.split('\n');
+      buf = lines.pop() + (hold ? '\r' : '');
+      for (const line of lines) {
+        if (line === '') { // the blank line ends an event
+          if (data.length) onEvent(data.join('\n'), type, id);
+          data = [];
+          type = '';
+        }
+        if (line === '' || line[0] === ':') continue; // ':' is a keep-alive or comment
+        const colon = line.indexOf(':');
+        const field = colon < 0 ? line : line.slice(0, colon);
+        let val = colon < 0 ? '' : line.slice(colon + 1);
+        if (val[0] === ' ') val = val.slice(1);
+        if (field === 'data') data.push(val);
+        else if (field === 'event') type = val;
+        else if (field === 'id' && !val.includes('\0')) id = val;
+      }
+    }
+  }
+
+  // ---- task view ----------------------------------------------------------------------
+
+  function taskView(id) {
+    const timing = { start: performance.now(), firstEvent: null, complete: null };
+    window.tandemTiming = timing;
+    $('app').replaceChildren($('task-tpl').content.cloneNode(true));
+    const transcript = $('transcript');
+    const apiPath = '/v1/tasks/' + enc(id);
+
+    let record = null;
+    let actionBusy = false;
+    let loadFailed = false; // the shown error is loadRecord's, so its next success clears it
+    let refreshTimer = 0;
+    // Stream state; `finished` means task_finished arrived, so there is nothing to reconnect for.
+    let lastSeq = 0, finished = false, streaming = false, fatal = false, ctrl = null, wake = null;
+    // Render state: events are queued as they arrive and applied once per frame.
+    const queue = [];
+    let scheduled = false, frag = null, finishedRendered = false;
+    const turns = new Map(); // turn number -> its latest section (team turn numbers can repeat)
+    const approvals = new Map(); // n -> card
+    let group = null; // a nested team's <details>, while its turns follow each other
+
+    const setError = (msg) => { $('task-error').textContent = msg; };
+    const setStream = (msg) => { $('stream-status').textContent = msg; };
+    const notFound = (e) => (e.status === 404 ? `No task ${id}.` : e.message);
+
+    // ---- record and actions ----
+
+    function showRecord(r) {
+      record = r;
+      const task = (r.spec && r.spec.task) || '';
+      $('task-title').textContent = task;
+      document.title = `${task.slice(0, 60) || r.id} · Tandem`;
+      const st = $('task-state');
+      st.textContent = r.state;
+      st.className = stateClass(r);
+      const stop = $('task-stop');
+      stop.textContent = r.state === 'finished' && r.stop_reason ? r.stop_reason : '';
+      stop.title = STOP[r.stop_reason] || '';
+      const spec = r.spec || {};
+      $('task-meta').textContent = [
+        spec.team ? 'team' : null,
+        spec.executor ? `executor ${spec.executor}` : null,
+        r.created_ms ? `created ${dateFmt.format(r.created_ms)}` : null,
+        plural(r.turns || 0, 'turn'),
+        tokens(r.usage),
+        r.started_ms && r.finished_ms ? duration(r.finished_ms - r.started_ms) : null,
+      ].filter(Boolean).join(' · ');
+      if (r.error && r.error.message) setError(r.error.message);
+      updateButtons();
+    }
+
+    function updateButtons() {
+      const state = record ? record.state : '';
+      $('cancel').disabled = actionBusy || !ACTIVE.has(state);
+      $('resume').disabled = actionBusy || state !== 'interrupted';
+    }
+
+    async function loadRecord() {
+      try {
+        const r = await api('GET', apiPath);
+        if (loadFailed) setError('');
+        loadFailed = false;
+        showRecord(r);
+      } catch (e) {
+        loadFailed = true;
+        setError(notFound(e));
+      }
+    }
+
+    function refreshSoon() {
+      clearTimeout(refreshTimer);
+      refreshTimer = setTimeout(loadRecord, 250);
+    }
+
+    async function act(action) {
+      actionBusy = true;
+      updateButtons();
+      setError('');
+      try {
+        showRecord(await api('POST', `${apiPath}/${action}`));
+        return true;
+      } catch (e) {
+        setError(e.message);
+        return false;
+      } finally {
+        actionBusy = false;
+        updateButtons();
+      }
+    }
+
+    $('cancel').addEventListener('click', () => act('cancel'));
+    $('resume').addEventListener('click', async () => { if (await act('resume')) reconnect(); });
+
+    // ---- stream ----
+
+    function pause(ms) {
+      return new Promise((resolve) => {
+        const t = setTimeout(resolve, ms);
+        wake = () => { clearTimeout(t); resolve(); };
+      });
+    }
+
+    function reconnect() {
+      fatal = false;
+      if (ctrl) ctrl.abort();
+      if (wake) wake();
+      if (!streaming) stream();
+    }
+
+    function receive(json, type, sseId) {
+      let ev;
+      try { ev = JSON.parse(json); } catch (_) { return; }
+      if (!ev.type) ev.type = type;
+      const seq = Number(ev.seq != null ? ev.seq : sseId) || 0;
+      if (seq && seq <= lastSeq) return; // already seen before a reconnect
+      if (seq) lastSeq = seq;
+      if (ev.type === 'task_finished') finished = true;
+      queue.push(ev);
+      schedule();
+    }
+
+    async function stream() {
+      streaming = true;
+      let backoff = 500;
+      while (!finished && !fatal) {
+        ctrl = new AbortController();
+        let wait = backoff;
+        setStream(lastSeq ? 'reconnecting…' : 'connecting…');
+        try {
+          const res = await fetch(`${apiPath}/events?after=${lastSeq}`, {
+            headers: authHeaders({ Accept: 'text/event-stream' }), signal: ctrl.signal, cache: 'no-store',
+          });
+          if (res.ok) {
+            $('token-form').hidden = true;
+            setStream('live');
+            await readSse(res.body, (data, type, sseId) => { backoff = 500; receive(data, type, sseId); });
+          } else {
+            await readResponse(res).catch((e) => {
+              if (res.status === 401) wait = 3600e3; // until a token is entered (wake)
+              else if (res.status < 500) { fatal = true; setError(notFound(e)); }
+            });
+          }
+        } catch (e) {
+          if (e.name === 'AbortError') continue; // reconnect() wants a fresh stream now
+        }
+        if (finished || fatal) break;
+        setStream('reconnecting…');
+        await pause(wait);
+        backoff = Math.min(backoff * 2, 8000);
+      }
+      streaming = false;
+      setStream(finished ? '' : 'disconnected');
+    }
+
+    // ---- rendering ----
+
+    function schedule() {
+      if (scheduled) return;
+      scheduled = true;
+      // rAF does not run in hidden tabs; the timeout keeps events flowing there.
+      requestAnimationFrame(flush);
+      setTimeout(flush, 100);
+    }
+
+    function flush() {
+      if (!scheduled) return;
+      scheduled = false;
+      if (!queue.length) return;
+      // The only layout read of the batch: follow the end only if the reader is there.
+      const doc = document.scrollingElement || document.documentElement;
+      const follow = doc.scrollTop + window.innerHeight >= doc.scrollHeight - 60;
+      frag = document.createDocumentFragment();
+      let refresh = false;
+      for (const ev of queue) {
+        const handle = HANDLERS[ev.type];
+        if (!handle) continue;
+        try { handle(ev); } catch (e) { console.error('tandem: cannot show event', ev, e); }
+        refresh = refresh || ev.type.startsWith('approval_') || ev.type === 'task_finished';
+      }
+      queue.length = 0;
+      transcript.append(frag);
+      frag = null;
+      if (timing.firstEvent == null) timing.firstEvent = performance.now();
+      if (finishedRendered && timing.complete == null) {
+        transcript.dataset.complete = 'true';
+        timing.complete = performance.now();
+      }
+      if (follow) doc.scrollTop = doc.scrollHeight;
+      if (refresh) refreshSoon();
+    }
+
+    function top(node) {
+      frag.append(node);
+      group = null;
+    }
+
+    const note = (text, cls) => h('div', { class: cls ? `note ${cls}` : 'note' }, text);
+
+    function newTurn(num, path) {
+      const speaker = h('span', { class: 'speaker', title: path || null }, path ? lastPart(path) : 'assistant');
+      const head = h('header', { class: 'turn-head' }, speaker, h('span', { class: 'turn-no' }, `turn ${num}`));
+      const body = h('div', { class: 'turn-body' });
+      const el = h('section', { class: 'turn' }, head, body);
+      const t = { head, body, speaker, path, text: null, blocks: new Map() };
+      turns.set(num, t);
+      const parts = path ? path.split('/') : [];
+      if (parts.length <= 2) {
+        top(el);
+        return t;
+      }
+      // A nested team's turns fold away; consecutive ones share one <details>.
+      const team = parts.slice(0, -1).join('/');
+      if (!group || group.team !== team) {
+        const count = h('span', { class: 'count' });
+        const details = h('details', { class: 'nested' }, h('summary', null, h('span', { class: 'team-path' }, team), count));
+        top(details);
+        group = { team, details, count, n: 0 };
+      }
+      group.details.append(el);
+      group.count.textContent = ` · ${plural(++group.n, 'turn')}`;
+      return t;
+    }
+
+    function turnOf(ev) {
+      const t = turns.get(ev.turn) || newTurn(ev.turn, ev.path || null);
+      if (ev.path && !t.path) {
+        t.path = ev.path;
+        t.speaker.textContent = lastPart(ev.path);
+        t.speaker.title = ev.path;
+      }
+      return t;
+    }
+
+    function textOf(t) {
+      if (!t.text) {
+        t.text = document.createTextNode('');
+        t.body.append(h('pre', { class: 'assistant-text' }, t.text));
+      }
+      return t.text;
+    }
+
+    function blockOf(ev) {
+      const t = turnOf(ev);
+      let b = t.blocks.get(ev.index);
+      if (!b) {
+        const lang = h('span', { class: 'lang' }, 'code');
+        const el = h('div', { class: 'code-block' }, h('div', { class: 'code-head' }, lang, ` · block ${ev.index}`));
+        b = { el, lang, out: null, streamed: false, lastStream: '', lastNode: null };
+        t.blocks.set(ev.index, b);
+        t.body.append(el);
+      }
+      return b;
+    }
+
+    // Where a note about a block goes: the block if it is shown, else its turn.
+    function placeOf(ev) {
+      const t = turnOf(ev);
+      const b = t.blocks.get(ev.index);
+      return b ? b.el : t.body;
+    }
+
+    function write(b, stream, text) {
+      if (!b.out) b.el.append(b.out = h('pre', { class: 'output' }));
+      if (b.lastNode && b.lastStream === stream) return b.lastNode.appendData(text);
+      b.lastNode = document.createTextNode(text);
+      b.lastStream = stream;
+      b.out.append(h('span', { class: stream === 'stderr' ? 'stderr' : 'stdout' }, b.lastNode));
+    }
+
+    function resultLine(r) {
+      const parts = [r.status === 'exited' ? `exited ${r.exit_code}` : r.status];
+      if (r.status === 'exited' || r.duration_ms) parts.push(duration(r.duration_ms || 0));
+      if (r.truncated) parts.push('output truncated');
+      return parts.join(' · ');
+    }
+
+    function approvalCard(ev) {
+      const code = h('textarea', {
+        class: 'approval-code', spellcheck: 'false', 'aria-label': 'Code to run',
+        rows: Math.min(20, Math.max(3, (ev.code || '').split('\n').length + 1)),
+      });
+      code.value = ev.code || '';
+      const reason = h('input', { class: 'approval-reason', type: 'text', placeholder: 'reason (optional)', 'aria-label': 'Reason' });
+      const approve = h('button', { type: 'button', class: 'approve primary' }, 'Approve');
+      const edited = h('button', { type: 'button', class: 'approve-edited' }, 'Run edited');
+      const deny = h('button', { type: 'button', class: 'deny danger' }, 'Deny');
+      const buttons = h('div', { class: 'approval-actions' }, approve, edited, deny);
+      const error = h('p', { class: 'error', role: 'alert' });
+      const status = h('p', { class: 'approval-status' });
+      const el = h('div', { class: 'approval', 'data-n': ev.n },
+        h('div', { class: 'approval-head' }, h('strong', null, 'Approval needed'), ` · ${ev.language || 'code'} block ${ev.index}`),
+        h('p', { class: 'approval-why' }, ev.rule ? h('span', { class: 'rule' }, `rule ${ev.rule}: `) : null, ev.reason || ''),
+        code, reason, buttons, error, status);
+      const card = { el, code, reason, buttons, status, decided: false };
+      const setDisabled = (on) => { for (const b of buttons.children) b.disabled = on; };
+
+      async function send(body) {
+        setDisabled(true);
+        error.textContent = '';
+        status.textContent = 'Sending…';
+        try {
+          await api('POST', `${apiPath}/approvals/${enc(ev.n)}`, body);
+          if (!card.decided) status.textContent = 'Sent; waiting for the task…';
+          refreshSoon();
+        } catch (e) {
+          error.textContent = e.message;
+          if (card.decided) return;
+          status.textContent = '';
+          setDisabled(false);
+        }
+      }
+      approve.addEventListener('click', () => send({ decision: 'approve' }));
+      edited.addEventListener('click', () => send({ decision: 'approve', code: code.value }));
+      deny.addEventListener('click', () => {
+        const why = reason.value.trim();
+        send(why ? { decision: 'deny', reason: why } : { decision: 'deny' });
+      });
+      return card;
+    }
+
+    function decisionText(ev) {
+      const who = ev.rule ? (ev.by === 'rule' ? `rule ${ev.rule}` : `${ev.by} (rule ${ev.rule})`) : ev.by;
+      if (ev.decision === 'approve') return `approved by ${who}${ev.code ? ' · edited code ran' : ''}`;
+      return ev.reason ? `denied: ${ev.reason} (by ${who})` : `denied by ${who}`;
+    }
+
+    function closeCard(card, text, cls) {
+      card.decided = true;
+      card.buttons.hidden = true;
+      for (const b of card.buttons.children) b.disabled = true;
+      card.code.readOnly = true;
+      card.reason.disabled = true;
+      card.reason.hidden = !card.reason.value;
+      card.status.textContent = text;
+      card.el.classList.add('decided', cls);
+    }
+
+    function showSummary(ev) {
+      const s = $('summary');
+      s.replaceChildren(
+        h('h3', null, STOP[ev.stop_reason] || ev.stop_reason || 'finished'),
+        h('p', { class: 'muted' }, [plural(ev.turns || 0, 'turn'), tokens(ev.usage), duration(ev.elapsed_ms || 0)].filter(Boolean).join(' · ')));
+      if (ev.error && ev.error.message) s.append(h('p', { class: 'error' }, ev.error.message));
+      if (ev.summary) s.append(h('pre', { class: 'summary-text' }, ev.summary));
+      s.className = `card summary stop-${ev.stop_reason}`;
+      s.hidden = false;
+    }
+
+    // One handler per event type; each adds to the DOM, none reads layout.
+    const HANDLERS = {
+      task_started: (ev) => top(note(`model ${ev.model} at ${ev.base_url} · executor ${ev.executor}`, 'start')),
+      turn_started: (ev) => newTurn(ev.turn, ev.path || null),
+      agent_turn: (ev) => newTurn(ev.turn, ev.agent),
+      team_ended: (ev) => top(note(`${ev.agent} ended: ${ev.by}`, 'team-end')),
+      assistant_delta: (ev) => textOf(turnOf(ev)).appendData(ev.text),
+      model_retry(ev) {
+        const t = turnOf(ev);
+        // The retried reply starts over, below the note.
+        if (t.text) t.text.parentNode.remove();
+        t.text = null;
+        t.body.append(note(`model call failed (${ev.reason}); retry ${ev.attempt} in ${duration(ev.delay_ms || 0)}`, 'retry'));
+      },
+      assistant_message(ev) {
+        const t = turnOf(ev);
+        textOf(t).data = ev.text;
+        if (ev.usage) t.head.append(h('span', { class: 'usage' }, tokens(ev.usage)));
+      },
+      code_block(ev) {
+        const b = blockOf(ev);
+        b.lang.textContent = ev.language || 'untagged';
+        b.el.append(h('pre', { class: 'code' }, h('code', null, ev.code)));
+      },
+      approval_requested(ev) {
+        if (approvals.has(ev.n)) return;
+        const card = approvalCard(ev);
+        approvals.set(ev.n, card);
+        placeOf(ev).append(card.el);
+      },
+      approval_decided(ev) {
+        const card = ev.n ? approvals.get(ev.n) : null;
+        if (!card) return placeOf(ev).append(note(decisionText(ev), 'decision'));
+        if (ev.code) card.code.value = ev.code;
+        closeCard(card, decisionText(ev), ev.decision === 'approve' ? 'approved' : 'denied');
+      },
+      exec_output(ev) {
+        const b = blockOf(ev);
+        b.streamed = true;
+        write(b, ev.stream, ev.text);
+      },
+      exec_result(ev) {
+        const b = blockOf(ev);
+        const r = ev.result || {};
+        if (!b.streamed) {
+          if (r.stdout) write(b, 'stdout', r.stdout);
+          if (r.stderr) write(b, 'stderr', r.stderr);
+        }
+        const ok = (r.status === 'exited' && r.exit_code === 0) || r.status === 'skipped';
+        b.el.append(h('div', { class: `result ${ok ? 'ok' : 'bad'}` }, resultLine(r)));
+      },
+      executor_message: (ev) => turnOf(ev).body.append(h('details', { class: 'executor-message' },
+        h('summary', null, h('span', { class: 'speaker' }, 'executor'), ' · report to the model'),
+        h('pre', null, ev.text))),
+      task_finished(ev) {
+        for (const card of approvals.values()) {
+          if (!card.decided) closeCard(card, 'no longer waiting: the task ended', 'expired');
+        }
+        if (ev.at_ms) top(note(`finished at ${clockFmt.format(ev.at_ms)}`, 'end'));
+        showSummary(ev);
+        finishedRendered = true;
+      },
+    };
+
+    onAuth = () => { loadRecord(); reconnect(); };
+    stream();
+    loadRecord();
+    setInterval(() => {
+      if (!document.hidden && !fatal && !finished && (!record || record.state !== 'finished')) loadRecord();
+    }, 3000);
+  }
+
+  function notFoundView() {
+    $('app').replaceChildren(h('div', { class: 'card' },
+      h('p', null, 'There is no page here.'), h('a', { href: '/' }, 'Back to all tasks')));
+  }
+
+  setupTokenForm();
+  const m = location.pathname.match(/^\/tasks\/([^/]+)\/?$/);
+  let taskId = null;
+  try { taskId = m && decodeURIComponent(m[1]); } catch (_) { /* malformed: not found */ }
+  if (location.pathname === '/' || location.pathname === '/index.html') listView();
+  else if (taskId) taskView(taskId);
+  else notFoundView();
+})();
