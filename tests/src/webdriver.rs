@@ -12,7 +12,7 @@ const CHROMIUM: &str = "/usr/bin/chromium";
 const DRIVER: &str = "/usr/bin/chromedriver";
 
 /// The W3C name of the property that identifies an element in answers.
-const ELEMENT: &str = "element-6066-11e4-a52e-4f735a466352";
+const ELEMENT: &str = "element-6066-11e4-a52e-4f735466cecf";
 
 /// A headless Chromium session; the driver is killed when this is dropped.
 pub struct Browser {
@@ -141,7 +141,10 @@ impl Browser {
                 Some(json!({"using": "css selector", "value": css})),
             )
             .await;
-        v[ELEMENT].as_str().unwrap().to_owned()
+        v[ELEMENT]
+            .as_str()
+            .unwrap_or_else(|| panic!("no element `{css}`: {v}"))
+            .to_owned()
     }
 
     /// Clicks the element `css` selects, as a person would (the driver moves the pointer).
