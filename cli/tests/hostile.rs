@@ -600,3 +600,93 @@ async fn an_empty_or_short_token_is_refused_and_a_generated_one_is_never_printed
     assert!(log.contains("generated a TCP token in"), "{log}");
     assert!(!log.contains(token.trim()), "the token was printed: {log}");
 }
+
+/// What a block runs to act on the daemon through its Unix socket, as any process of the
+/// daemon's user could: it approves every block that waits, in every task.
+fn approve_everything(socket: &Path) -> String {
+    format!(
+        r#"import json, socket
+SOCK = {socket:?}
+def call(method, path, body=b''):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(SOCK)
+    s.sendall(f'{{method}} {{path}} HTTP/1.0\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {{len(body)}}\r\n\r\n'.encode() + body)
+    data = b''
+    while chunk := s.recv(65536):
+        data += chunk
+    return data.split(b'\r\n\r\n', 1)[1]
+try:
+    waiting = json.loads(call('GET', '/v1/tasks?state=awaiting_approval'))['tasks']
+except OSError as e:
+    print('denied', e.errno)
+    raise SystemExit(0)
+for t in waiting:
+    print('forged', call('POST', f"/v1/tasks/{{t['id']}}/approvals/1", b'{{"decision": "approve"}}')[:80])
+"#,
+        socket = socket.display().to_string()
+    )
+}
+
+/// The approval a block waits on is a person's to give: a confined local block, running
+/// beside it, cannot reach the daemon's socket to give it; unconfined, it can (the control).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_local_block_cannot_reach_the_daemons_socket_to_approve_a_waiting_block() {
+    for confine in ["auto", "off"] {
+        let (gated, attacker) = (
+            format!("hostile: gated {confine}"),
+            format!("hostile: forger {confine}"),
+        );
+        let server = ScriptedOpenAi::start(tandem_tests::Script::new())
+            .await
+            .unwrap();
+        let config = format!(
+            "[executors.local]\nconfine = \"{confine}\"\n[approval]\nmode = \"policy\"\nauto_approve = {{ languages = [\"python\"] }}\n[[approval.ask]]\nname = \"gated\"\npattern = \"GATED\"\n"
+        );
+        let d = Daemon::start(Path::new(BIN), &server.base_url(), &[], Some(&config)).await;
+        server.set(
+            &gated,
+            vec![python("print('GATED ran')"), "TERMINATE".into()],
+        );
+        server.set(
+            &attacker,
+            vec![python(&approve_everything(&d.socket())), "TERMINATE".into()],
+        );
+        let gated_id = d.submit(json!({ "task": gated })).await;
+        let started = Instant::now();
+        while d.get(&format!("/v1/tasks/{gated_id}")).await["state"] != "awaiting_approval" {
+            assert!(started.elapsed() < Duration::from_secs(30), "never waited");
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        let forger = d.submit(json!({ "task": attacker })).await;
+        d.wait_finished(&forger, Duration::from_secs(30)).await;
+        let events = d.events(&forger, 0).await;
+        let out = events
+            .iter()
+            .find(|e| e["type"] == "exec_result")
+            .map(|e| {
+                e["result"]["stdout"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned()
+            })
+            .unwrap_or_default();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let state = d.get(&format!("/v1/tasks/{gated_id}")).await["state"].clone();
+        if confine == "auto" {
+            assert!(
+                out.starts_with("denied"),
+                "the block reached the daemon: {out}"
+            );
+            assert_eq!(
+                state, "awaiting_approval",
+                "a block approved another's code"
+            );
+        } else {
+            assert!(
+                out.contains("forged"),
+                "the control did not reach the daemon: {out}"
+            );
+            assert_ne!(state, "awaiting_approval");
+        }
+    }
+}

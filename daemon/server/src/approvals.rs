@@ -17,7 +17,6 @@ use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
 use crate::store::TaskState;
 use crate::supervisor::{Supervisor, TaskError};
-use crate::writer::Write;
 
 /// What a client sends to decide an approval.
 #[derive(Clone, Debug, Deserialize)]
@@ -181,36 +180,33 @@ impl Supervisor {
             reason: body.reason.filter(|r| !r.trim().is_empty()),
             by: "user".to_owned(),
         };
-        let mut slots = self
-            .approvals
-            .slots
-            .lock()
-            .map_err(|_| TaskError::Unavailable("the approvals lock is poisoned".to_owned()))?;
-        let key = (id.to_owned(), n);
-        let waiting = match slots.remove(&key) {
-            Some(Slot::Decided(r)) => {
-                let e = already(&r);
-                slots.insert(key, Slot::Decided(r));
-                return Err(e);
-            }
-            Some(Slot::Waiting(tx)) => Some(tx),
-            None => None,
-        };
-        self.record(id, decided(&request, &ruling));
-        match waiting {
-            Some(tx) => {
-                // Stored first: the task acts on it only after the decision is durable.
-                self.flush();
-                slots.insert(key, Slot::Decided(ruling.clone()));
-                if let Err(ruling) = tx.send(ruling) {
-                    // The task stopped waiting (cancelled) between the two; a resume finds it.
-                    slots.insert((id.to_owned(), n), Slot::Decided(ruling));
+        // Taken and told to the writer under the lock, so the timeout and a second decision
+        // see it taken, and it is stored before any event of the block it lets run.
+        let waiting = {
+            let mut slots =
+                self.approvals.slots.lock().map_err(|_| {
+                    TaskError::Unavailable("the approvals lock is poisoned".to_owned())
+                })?;
+            let key = (id.to_owned(), n);
+            let waiting = match slots.remove(&key) {
+                Some(Slot::Decided(r)) => {
+                    let e = already(&r);
+                    slots.insert(key, Slot::Decided(r));
+                    return Err(e);
                 }
-            }
-            None => {
-                slots.insert(key, Slot::Decided(ruling));
-                self.flush();
-            }
+                Some(Slot::Waiting(tx)) => Some(tx),
+                None => None,
+            };
+            self.record(id, decided(&request, &ruling));
+            slots.insert(key, Slot::Decided(ruling.clone()));
+            waiting
+        };
+        // Durable before the answer, and before a waiting task acts on it. A task that is
+        // not waiting finds it in `slots` or, after a restart, in the store.
+        self.flush();
+        if let Some(tx) = waiting {
+            // An error means the task stopped waiting (cancelled) meanwhile.
+            let _ = tx.send(ruling);
         }
         Ok(Requested {
             ruling: None,
@@ -376,9 +372,4 @@ impl Approver for TaskApprover {
     ) -> BoxFuture<'a, Option<Ruling>> {
         Box::pin(self.wait(ask, timeout, cancel))
     }
-}
-
-/// Tells the writer to move task `id` to `state`, in order with its events.
-pub(crate) fn state_write(id: &str, state: TaskState) -> Write {
-    Write::State(id.to_owned(), state, crate::supervisor::now_ms())
 }

@@ -781,6 +781,7 @@ mod tests {
             [
                 (TaskState::Queued, 0),
                 (TaskState::Running, 0),
+                (TaskState::AwaitingApproval, 0),
                 (TaskState::Interrupted, 0),
                 (TaskState::Finished, 1)
             ]
@@ -813,18 +814,18 @@ mod tests {
             for id in ["a", "b", "c", "d"] {
                 create(&store, id, id, 1);
             }
-            assert_eq!(counts(&store), [4, 0, 0, 0]);
+            assert_eq!(counts(&store), [4, 0, 0, 0, 0]);
             let (queued, running) = (TaskState::Queued, TaskState::Running);
             assert!(store.transition("a", queued, running, 2).unwrap());
             assert!(store.transition("b", queued, running, 2).unwrap());
             // Only from the state it is in, and only tasks that exist.
             assert!(!store.transition("b", queued, running, 2).unwrap());
             assert!(!store.transition("nope", queued, running, 2).unwrap());
-            assert_eq!(counts(&store), [2, 2, 0, 0]);
+            assert_eq!(counts(&store), [2, 2, 0, 0, 0]);
             store
                 .apply(&[Change::Event("a".into(), done(1), 3)])
                 .unwrap();
-            assert_eq!(counts(&store), [2, 1, 0, 1]);
+            assert_eq!(counts(&store), [2, 1, 0, 0, 1]);
             // A failed batch rolls back whole, counts included.
             let bad = store.apply(&[
                 Change::Event("c".into(), done(1), 4),
@@ -832,19 +833,26 @@ mod tests {
                 Change::Event("missing".into(), EventMsg::TurnStarted { turn: 1 }, 4),
             ]);
             assert!(bad.is_err());
-            assert_eq!(counts(&store), [2, 1, 0, 1]);
+            assert_eq!(counts(&store), [2, 1, 0, 0, 1]);
             assert_eq!(store.get("c").unwrap().unwrap().state, TaskState::Queued);
+            store
+                .apply(&[Change::State("c".into(), TaskState::AwaitingApproval, 5)])
+                .unwrap();
+            assert_eq!(counts(&store), [1, 1, 1, 0, 1]);
         }
         let store = Store::open(&path).unwrap();
-        assert_eq!(counts(&store), [2, 1, 0, 1]);
-        assert_eq!(store.interrupt_running().unwrap(), ["b"]);
-        assert_eq!(counts(&store), [2, 0, 1, 1]);
+        assert_eq!(counts(&store), [1, 1, 1, 0, 1]);
+        // Running and waiting for approval alike were cut off by the stop.
+        let mut interrupted = store.interrupt_running().unwrap();
+        interrupted.sort();
+        assert_eq!(interrupted, ["b", "c"]);
+        assert_eq!(counts(&store), [1, 0, 0, 2, 1]);
         assert!(
             store
                 .transition("b", TaskState::Interrupted, TaskState::Queued, 5)
                 .unwrap()
         );
-        assert_eq!(counts(&store), [3, 0, 0, 1]);
+        assert_eq!(counts(&store), [2, 0, 0, 1, 1]);
         // Queue order continues after the tasks already stored.
         create(&store, "e", "e", 6);
         let order: Vec<String> = store
@@ -853,7 +861,7 @@ mod tests {
             .into_iter()
             .map(|t| t.id)
             .collect();
-        assert_eq!(order, ["b", "c", "d", "e"]);
+        assert_eq!(order, ["b", "d", "e"]);
     }
 
     #[test]

@@ -248,7 +248,9 @@ impl Supervisor {
 
     /// Moves task `id` to `state`, in order with its events.
     pub(crate) fn set_state(&self, id: &str, state: TaskState) {
-        let _ = self.writer.send(crate::approvals::state_write(id, state));
+        let _ = self
+            .writer
+            .send(Write::State(id.to_owned(), state, now_ms()));
     }
 
     /// Validates and queues a task; it is committed to the store when this returns.
@@ -646,9 +648,7 @@ impl Supervisor {
         // Shared with the approver, which gives it up while a block waits for a person.
         let permit = Arc::new(tokio::sync::Mutex::new(Some(permit)));
         // Through the writer, in order with the task's events, so the turn loop starts at once.
-        let _ = self
-            .writer
-            .send(Write::State(id.to_owned(), TaskState::Running, now_ms()));
+        self.set_state(id, TaskState::Running);
         let (mut settings, model, executor) = match self.prepare(id, &spec, history) {
             Ok(parts) => parts,
             Err(info) => {

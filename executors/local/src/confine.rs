@@ -5,7 +5,8 @@
 //!   nothing else, the user's home included;
 //! - network: a new network namespace (in a new user namespace) with nothing in it, or, where
 //!   namespaces are refused, Landlock's TCP rules with no port allowed;
-//! - seccomp: no ptrace, `process_vm_*`, bpf, mount, keyring, namespace or module calls;
+//! - seccomp: no ptrace, `process_vm_*`, bpf, mount, keyring, namespace, module or io_uring
+//!   calls, and no new Unix socket (the daemon's socket is reachable by path);
 //! - Landlock scopes signals and abstract unix sockets to the block's own domain, and its
 //!   ptrace rule keeps the block out of Tandem's `/proc/<pid>/environ` and memory and from
 //!   resolving its fds (the kernel still lets anyone list the fd numbers).
@@ -337,10 +338,14 @@ const DENIED: &[i64] = &[
     nix::libc::SYS_open_tree,
     // Its flags are behind a pointer, where a filter cannot look: libc falls back to clone.
     nix::libc::SYS_clone3,
+    // io_uring makes sockets and opens files without the calls filtered here.
+    nix::libc::SYS_io_uring_setup,
+    nix::libc::SYS_io_uring_enter,
+    nix::libc::SYS_io_uring_register,
 ];
 
-/// The seccomp program, built once: `ENOSYS` for [`DENIED`] and for `clone` with a new user
-/// namespace, everything else allowed.
+/// The seccomp program, built once: `ENOSYS` for [`DENIED`], for `clone` with a new user
+/// namespace and for a new Unix socket; everything else allowed.
 fn seccomp_hex() -> &'static str {
     static PROGRAM: OnceLock<String> = OnceLock::new();
     PROGRAM.get_or_init(|| match build_seccomp() {
@@ -375,6 +380,20 @@ fn build_seccomp() -> Result<BpfProgram, seccompiler::BackendError> {
             SeccompCmpArgLen::Qword,
             SeccompCmpOp::MaskedEq(new_user),
             new_user,
+        )?])?],
+    );
+    // A Unix socket that some process of this user listens on (the daemon's, which takes
+    // no token; an agent's; a desktop bus) is a way out that neither Landlock nor the network
+    // namespace closes: connecting to a path is not a file access, and the path is not in
+    // any namespace. No new one is made; `socketpair` (pipes between a block's processes)
+    // stays.
+    rules.insert(
+        nix::libc::SYS_socket,
+        vec![SeccompRule::new(vec![SeccompCondition::new(
+            0,
+            SeccompCmpArgLen::Dword,
+            SeccompCmpOp::Eq,
+            u64::try_from(nix::libc::AF_UNIX).unwrap_or(1),
         )?])?],
     );
     let arch = seccompiler::TargetArch::try_from(std::env::consts::ARCH)?;
