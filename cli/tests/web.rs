@@ -369,6 +369,44 @@ fn fill_store(path: &Path, tasks: usize, events: usize) -> String {
     for m in msgs {
         batch.push(Change::Event(big.clone(), m, now));
     }
+    // A team task whose `refine` chat is nested in the top team.
+    let team = "nestedteam";
+    batch.push(Change::Create(
+        team.to_owned(),
+        spec("a team task".to_owned()),
+        now + tasks as u64 + 1,
+    ));
+    let said = |turn, agent: &str, text: &str| {
+        [
+            EventMsg::AgentTurn {
+                turn,
+                agent: agent.to_owned(),
+            },
+            EventMsg::AssistantMessage {
+                turn,
+                text: text.to_owned(),
+                usage: None,
+            },
+        ]
+    };
+    let mut team_msgs = vec![EventMsg::TaskStarted {
+        task: "a team task".to_owned(),
+        model: "m".to_owned(),
+        base_url: "http://127.0.0.1:1/v1".to_owned(),
+        executor: "team".to_owned(),
+    }];
+    team_msgs.extend(said(1, "team/writer", "a draft"));
+    team_msgs.extend(said(2, "team/refine/critic", "too long"));
+    team_msgs.extend(said(3, "team/refine/editor", "shorter"));
+    team_msgs.push(EventMsg::TeamEnded {
+        agent: "team/refine".to_owned(),
+        by: "critic said STOP".to_owned(),
+    });
+    team_msgs.extend(said(4, "team/writer", "final"));
+    team_msgs.push(finished(4));
+    for m in team_msgs {
+        batch.push(Change::Event(team.to_owned(), m, now));
+    }
     store.apply(&batch).unwrap();
     big
 }
@@ -380,7 +418,7 @@ async fn ten_thousand_tasks_and_a_five_thousand_event_transcript_stay_usable() {
     d.terminate().await;
     let big = fill_store(&d.state_dir().join("tandem.db"), 10_000, 5_000);
     d.spawn().await;
-    assert_eq!(d.count("finished").await, 10_001);
+    assert_eq!(d.count("finished").await, 10_002);
     let stored = d.events(&big, 0).await;
     assert_eq!(stored.len(), 5_000);
 
@@ -459,6 +497,34 @@ async fn ten_thousand_tasks_and_a_five_thousand_event_transcript_stay_usable() {
         render_ms / bare_ms.max(0.1)
     );
     assert!(render_ms < 10_000.0, "{render_ms} ms");
+
+    // A nested team's turns are folded under its path; the top team's are not.
+    b.goto(&format!("http://{addr}/tasks/nestedteam")).await;
+    b.wait(
+        "the team transcript",
+        "return document.getElementById('transcript').dataset.complete === 'true'",
+        limit,
+    )
+    .await;
+    let folded = b
+        .run(
+            "return [...document.querySelectorAll('#transcript details.nested')].map(d => \
+             [d.open, d.querySelector('summary').textContent, \
+              [...d.querySelectorAll('.speaker')].map(s => s.textContent)])",
+            json!([]),
+        )
+        .await;
+    assert_eq!(
+        folded,
+        json!([[false, "team/refine · 2 turns", ["critic", "editor"]]])
+    );
+    let top = b
+        .run(
+            "return [...document.querySelectorAll('#transcript > .turn .speaker, #transcript > section.turn .speaker')].map(s => s.textContent)",
+            json!([]),
+        )
+        .await;
+    assert_eq!(top, json!(["writer", "writer"]));
     b.quit().await;
 }
 
