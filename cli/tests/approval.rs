@@ -423,8 +423,104 @@ async fn run_approve_without_a_terminal_is_an_error_that_says_why() {
     );
 }
 
-/// A real terminal: tmux runs `tandem run --approve`, keys are typed into it, and its screen
-/// is read back.
+/// A real terminal: tmux runs a command in a pane of its own; keys are typed into it and its
+/// screen is read back. Its stdout goes to a file, with `EXIT=<code>` at the end.
+struct Terminal {
+    session: String,
+    transcript: std::path::PathBuf,
+}
+
+impl Terminal {
+    fn start(dir: &Path, args: &str, env: &[(&str, String)]) -> Self {
+        let transcript = dir.join("out.txt");
+        let session = format!(
+            "tandem-{}-{}",
+            std::process::id(),
+            uuid::Uuid::new_v4().simple()
+        );
+        let command = format!(
+            "{} {args} > {out} ; echo EXIT=$? >> {out}; sleep 60",
+            env!("CARGO_BIN_EXE_tandem"),
+            out = transcript.display(),
+        );
+        let mut tmux_args: Vec<String> =
+            ["new-session", "-d", "-s", &session, "-x", "150", "-y", "50"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+        for (k, v) in env {
+            tmux_args.extend(["-e".to_owned(), format!("{k}={v}")]);
+        }
+        tmux_args.push(command);
+        let t = Self {
+            session,
+            transcript,
+        };
+        t.tmux(&tmux_args.iter().map(String::as_str).collect::<Vec<_>>());
+        t
+    }
+
+    fn tmux(&self, args: &[&str]) -> String {
+        let out = std::process::Command::new("tmux")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "tmux {args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn stdout(&self) -> String {
+        std::fs::read_to_string(&self.transcript).unwrap_or_default()
+    }
+
+    /// Waits for `needle` on the screen; the screen.
+    fn wait_for(&self, needle: &str) -> String {
+        let started = Instant::now();
+        loop {
+            let s = self.tmux(&["capture-pane", "-p", "-t", &self.session]);
+            if s.contains(needle) {
+                return s;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "`{needle}` never appeared on the terminal:\n{s}\nstdout so far:\n{}",
+                self.stdout()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Types `text` and Enter.
+    fn answer(&self, text: &str) {
+        self.tmux(&["send-keys", "-t", &self.session, text, "Enter"]);
+    }
+
+    /// Waits for the command to end; its stdout.
+    fn finish(self) -> String {
+        let started = Instant::now();
+        loop {
+            let out = self.stdout();
+            if out.contains("EXIT=") {
+                return out;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "the command never ended:\n{}",
+                self.tmux(&["capture-pane", "-p", "-t", &self.session])
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Terminal {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("tmux")
+            .args(["kill-session", "-t", &self.session])
+            .status();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn run_approve_asks_in_a_real_terminal_edits_and_denies() {
     let task = "approval: terminal";
@@ -443,85 +539,29 @@ async fn run_approve_asks_in_a_real_terminal_edits_and_denies() {
     let editor = dir.path().join("editor.sh");
     std::fs::write(&editor, "#!/bin/sh\nsed -i 's/6 \\* 7/6 * 9/' \"$1\"\n").unwrap();
     std::fs::set_permissions(&editor, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let transcript = dir.path().join("out.txt");
-    let session = format!("tandem-approve-{}", std::process::id());
-    let command = format!(
-        "{} run --local --approve -e local '{task}' > {} ; echo EXIT=$? >> {}; sleep 30",
-        env!("CARGO_BIN_EXE_tandem"),
-        transcript.display(),
-        transcript.display()
+    let term = Terminal::start(
+        dir.path(),
+        &format!("run --local --approve -e local '{task}'"),
+        &[
+            ("OPENAI_BASE_URL", server.base_url()),
+            ("EDITOR", editor.display().to_string()),
+            ("XDG_CONFIG_HOME", dir.path().display().to_string()),
+            ("TANDEM_MAX_RETRIES", "0".to_owned()),
+        ],
     );
-    let tmux = |args: &[&str]| {
-        let out = std::process::Command::new("tmux")
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "tmux {args:?}: {out:?}");
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
-    tmux(&[
-        "new-session",
-        "-d",
-        "-s",
-        &session,
-        "-x",
-        "150",
-        "-y",
-        "50",
-        "-e",
-        &format!("OPENAI_BASE_URL={}", server.base_url()),
-        "-e",
-        &format!("EDITOR={}", editor.display()),
-        "-e",
-        &format!("XDG_CONFIG_HOME={}", dir.path().display()),
-        "-e",
-        "TANDEM_MAX_RETRIES=0",
-        &command,
-    ]);
-    let screen = || tmux(&["capture-pane", "-p", "-t", &session]);
-    let wait_for = |needle: &str| {
-        let started = Instant::now();
-        loop {
-            let s = screen();
-            if s.contains(needle) {
-                return s;
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "`{needle}` never appeared on the terminal:\n{s}\nstdout so far:\n{}",
-                std::fs::read_to_string(&transcript).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    };
-    let first = wait_for("Run this block? [y]es / [n]o / [e]dit / [a]lways for python:");
+    let first = term.wait_for("Run this block? [y]es / [n]o / [e]dit / [a]lways for python:");
     assert!(
         first.contains("── approval 1 · python · every block is asked about"),
         "{first}"
     );
     assert!(first.contains("print(6 * 7)"), "{first}");
-    tmux(&["send-keys", "-t", &session, "e", "Enter"]);
-    wait_for("print(6 * 9)");
-    wait_for("approval 2 · python");
-    tmux(&["send-keys", "-t", &session, "n", "Enter"]);
-    wait_for("Why not?");
-    tmux(&["send-keys", "-t", &session, "not needed", "Enter"]);
-    let started = Instant::now();
-    let out = loop {
-        let text = std::fs::read_to_string(&transcript).unwrap_or_default();
-        if text.contains("EXIT=") {
-            break text;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the run never ended:\n{}",
-            screen()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let _ = std::process::Command::new("tmux")
-        .args(["kill-session", "-t", &session])
-        .status();
+    term.answer("e");
+    term.wait_for("print(6 * 9)");
+    term.wait_for("approval 2 · python");
+    term.answer("n");
+    term.wait_for("Why not?");
+    term.answer("not needed");
+    let out = term.finish();
     assert!(out.contains("EXIT=0"), "{out}");
     assert!(out.contains("54\n"), "the edited block ran: {out}");
     assert!(
@@ -537,6 +577,56 @@ async fn run_approve_asks_in_a_real_terminal_edits_and_denies() {
     assert!(
         last.contains("the user declined to run this block: not needed"),
         "{last}"
+    );
+}
+
+/// `tandem run --approve` on a daemon: the task waits there, and this terminal answers.
+#[tokio::test(flavor = "multi_thread")]
+async fn run_approve_through_the_daemon_answers_at_the_terminal() {
+    let task = "approval: terminal via daemon";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::from(fence("print('via the daemon')").as_str()),
+            Reply::from(fence("print('again')").as_str()),
+            "Done.\nTERMINATE".into(),
+        ],
+    )]))
+    .await
+    .unwrap();
+    // The daemon's own policy asks nothing: the task's `--approve` tightens it.
+    let d = start(&server, &[], "").await;
+    let dir = tempfile::tempdir().unwrap();
+    let term = Terminal::start(
+        dir.path(),
+        &format!("run --approve '{task}'"),
+        &[
+            ("TANDEM_HOST", d.host()),
+            ("XDG_CONFIG_HOME", dir.path().display().to_string()),
+        ],
+    );
+    term.wait_for("Run this block? [y]es / [n]o / [e]dit / [a]lways for python:");
+    let waiting = d.get("/v1/tasks?state=awaiting_approval").await;
+    assert_eq!(waiting["tasks"].as_array().unwrap().len(), 1, "{waiting}");
+    // [a]lways: this block and every later python block run without asking.
+    term.answer("a");
+    let out = term.finish();
+    assert!(out.contains("on the daemon at"), "{out}");
+    assert!(out.contains("EXIT=0"), "{out}");
+    assert!(
+        out.contains("via the daemon\n") && out.contains("again\n"),
+        "{out}"
+    );
+    let id = d.get("/v1/tasks").await["tasks"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let events = d.events(&id, 0).await;
+    assert_eq!(of_type(&events, "approval_decided").len(), 2);
+    assert!(
+        of_type(&events, "approval_decided")
+            .iter()
+            .all(|e| e["by"] == "user")
     );
 }
 

@@ -248,6 +248,50 @@ async fn the_page_submits_streams_approves_and_cancels_and_model_markup_stays_te
         .await;
     assert_eq!(rows, json!(["finished cancelled", "finished terminated"]));
     shot(&b, "list.png").await;
+    // Live: a task submitted elsewhere appears without a reload.
+    d.submit(json!({ "task": "web: submitted elsewhere" }))
+        .await;
+    b.wait(
+        "the new row, live",
+        "return document.querySelectorAll('.task-row').length === 3",
+        limit,
+    )
+    .await;
+    // The form takes an executor and a team file, which the daemon turns into the task's team.
+    b.type_into("#task-text", "web: a team").await;
+    b.wait(
+        "the executors",
+        "return document.querySelector('#executor option[value=local]')",
+        limit,
+    )
+    .await;
+    b.click("#executor option[value=local]").await;
+    let team_file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/teams/review.toml");
+    b.type_into(
+        "#team-file",
+        &team_file.canonicalize().unwrap().display().to_string(),
+    )
+    .await;
+    b.click("#submit").await;
+    let path = b
+        .wait(
+            "the team task's page",
+            "return location.pathname.startsWith('/tasks/') && location.pathname",
+            limit,
+        )
+        .await;
+    let id = path.as_str().unwrap().trim_start_matches("/tasks/");
+    let record = d.get(&format!("/v1/tasks/{id}")).await;
+    assert_eq!(record["spec"]["task"], "web: a team");
+    assert_eq!(record["spec"]["executor"], "local");
+    assert!(record["spec"]["team"]["agents"].is_object(), "{record}");
+    b.goto(&format!("http://{addr}/")).await;
+    b.wait(
+        "four rows",
+        "return document.querySelectorAll('.task-row').length === 4",
+        limit,
+    )
+    .await;
     b.resize(390, 844).await;
     let overflow = b
         .run(
