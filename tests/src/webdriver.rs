@@ -28,7 +28,7 @@ impl Browser {
         for (path, package) in [(CHROMIUM, "chromium"), (DRIVER, "chromium-driver")] {
             assert!(
                 std::path::Path::new(path).exists(),
-                "{path} is missing: install the Debian package `{package}` (.ci/run does)"
+                "{path} is missing: install the Debian package `{package}` (scripts/install-test-tools.sh does)"
             );
         }
         let port = std::net::TcpListener::bind("127.0.0.1:0")
