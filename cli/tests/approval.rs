@@ -49,6 +49,17 @@ async fn decide(d: &Daemon, id: &str, n: u64, body: Value) -> (u16, Value) {
     .await
 }
 
+/// Snapshots without what changes from run to run (ports, times, token counts).
+fn settings() -> insta::Settings {
+    let mut s = insta::Settings::clone_current();
+    s.add_filter(r"\d+ ms", "[N] ms");
+    s.add_filter(r"\d+\.\d s", "[N] s");
+    s.add_filter(r"\d+ in / \d+ out tokens", "[N] in / [N] out tokens");
+    s.add_filter(r"127\.0\.0\.1:\d+", "127.0.0.1:[PORT]");
+    s.set_prepend_module_to_snapshot(false);
+    s
+}
+
 fn of_type<'a>(events: &'a [Value], kind: &str) -> Vec<&'a Value> {
     events.iter().filter(|e| e["type"] == kind).collect()
 }
@@ -111,6 +122,21 @@ async fn a_block_waits_and_runs_as_the_person_edited_it() {
         "the edited code ran, not the model's"
     );
     assert!(report_seen(&server, task).contains("42"));
+    // What a person reads afterwards, pinned.
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["logs", &id])
+        .env("TANDEM_HOST", d.host())
+        .env("XDG_CONFIG_HOME", d.state_dir())
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    settings().bind(|| {
+        insta::assert_snapshot!(
+            "approval_edited_transcript",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    });
 
     // Deciding again is a conflict, naming the first decision; an unknown number is 404.
     let (status, body) = decide(&d, &id, 1, json!({"decision": "deny"})).await;
@@ -555,6 +581,8 @@ async fn run_approve_asks_in_a_real_terminal_edits_and_denies() {
         "{first}"
     );
     assert!(first.contains("print(6 * 7)"), "{first}");
+    let prompt: Vec<&str> = first.lines().filter(|l| !l.trim().is_empty()).collect();
+    settings().bind(|| insta::assert_snapshot!("approval_terminal_prompt", prompt.join("\n")));
     term.answer("e");
     term.wait_for("print(6 * 9)");
     term.wait_for("approval 2 · python");
