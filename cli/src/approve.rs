@@ -13,7 +13,7 @@ use futures::future::BoxFuture;
 use serde_json::{Value, json};
 use tandem_agent::{Approver, Ask, EventSink, Ruling};
 use tandem_executor::CancellationToken;
-use tandem_protocol::{Decision, EventMsg};
+use tandem_protocol::Decision;
 
 use crate::client::{Client, HostFlag};
 use crate::exit;
@@ -168,39 +168,21 @@ impl Approver for TerminalApprover {
     ) -> BoxFuture<'a, Option<Ruling>> {
         Box::pin(async move {
             let n = self.next.fetch_add(1, Ordering::SeqCst);
-            (self.events)(EventMsg::ApprovalRequested {
-                turn: ask.turn,
-                index: ask.index,
-                n,
-                language: ask.language.to_string(),
-                code: ask.code.clone(),
-                rule: ask.rule.clone(),
-                reason: ask.reason.clone(),
-            });
+            (self.events)(ask.requested(n));
             let prompter = self.prompter.clone();
-            let (language, code, why) = (ask.language.to_string(), ask.code, ask.reason);
+            let (language, code, why) = (
+                ask.language.to_string(),
+                ask.code.clone(),
+                ask.reason.clone(),
+            );
             let asked =
                 tokio::task::spawn_blocking(move || prompter.ask(n, &language, &code, &why));
             let ruling = tokio::select! {
                 r = asked => r.ok()?,
-                () = tokio::time::sleep(timeout) => Ruling {
-                    decision: Decision::Deny,
-                    code: None,
-                    reason: Some(format!("no decision within {} s", timeout.as_secs())),
-                    by: "timeout".to_owned(),
-                },
+                () = tokio::time::sleep(timeout) => Ruling::timed_out(timeout),
                 () = cancel.cancelled() => return None,
             };
-            (self.events)(EventMsg::ApprovalDecided {
-                turn: ask.turn,
-                index: ask.index,
-                n,
-                decision: ruling.decision,
-                by: ruling.by.clone(),
-                code: ruling.code.clone(),
-                reason: ruling.reason.clone(),
-                rule: None,
-            });
+            (self.events)(ruling.decided(ask.turn, ask.index, n));
             Some(ruling)
         })
     }

@@ -159,6 +159,21 @@ pub struct Ask {
     pub reason: String,
 }
 
+impl Ask {
+    /// Its `approval_requested` event, as approval `n`.
+    pub fn requested(&self, n: u32) -> EventMsg {
+        EventMsg::ApprovalRequested {
+            turn: self.turn,
+            index: self.index,
+            n,
+            language: self.language.to_string(),
+            code: self.code.clone(),
+            rule: self.rule.clone(),
+            reason: self.reason.clone(),
+        }
+    }
+}
+
 /// A person's (or the timeout's) answer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Ruling {
@@ -170,6 +185,32 @@ pub struct Ruling {
     pub reason: Option<String>,
     /// `user` or `timeout`.
     pub by: String,
+}
+
+impl Ruling {
+    /// The denial of a request no one decided within `timeout`.
+    pub fn timed_out(timeout: Duration) -> Self {
+        Self {
+            decision: Decision::Deny,
+            code: None,
+            reason: Some(format!("no decision within {} s", timeout.as_secs())),
+            by: "timeout".to_owned(),
+        }
+    }
+
+    /// Its `approval_decided` event, for approval `n` of block `index` in turn `turn`.
+    pub fn decided(&self, turn: u32, index: u32, n: u32) -> EventMsg {
+        EventMsg::ApprovalDecided {
+            turn,
+            index,
+            n,
+            decision: self.decision,
+            by: self.by.clone(),
+            code: self.code.clone(),
+            reason: self.reason.clone(),
+            rule: None,
+        }
+    }
 }
 
 /// Asks a person about a block and waits for the answer: a terminal prompt, the daemon's API.

@@ -197,7 +197,7 @@ impl Supervisor {
                 Some(Slot::Waiting(tx)) => Some(tx),
                 None => None,
             };
-            self.record(id, decided(&request, &ruling));
+            self.record(id, ruling.decided(request.turn, request.index, request.n));
             slots.insert(key, Slot::Decided(ruling.clone()));
             waiting
         };
@@ -212,19 +212,6 @@ impl Supervisor {
             ruling: None,
             ..request
         })
-    }
-}
-
-fn decided(request: &Requested, ruling: &Ruling) -> EventMsg {
-    EventMsg::ApprovalDecided {
-        turn: request.turn,
-        index: request.index,
-        n: request.n,
-        decision: ruling.decision,
-        by: ruling.by.clone(),
-        code: ruling.code.clone(),
-        reason: ruling.reason.clone(),
-        rule: None,
     }
 }
 
@@ -287,18 +274,7 @@ impl TaskApprover {
                     reason: ask.reason.clone(),
                     ruling: None,
                 };
-                self.sup.record(
-                    &self.id,
-                    EventMsg::ApprovalRequested {
-                        turn: request.turn,
-                        index: request.index,
-                        n: request.n,
-                        language: request.language.clone(),
-                        code: request.code.clone(),
-                        rule: request.rule.clone(),
-                        reason: request.reason.clone(),
-                    },
-                );
+                self.sup.record(&self.id, ask.requested(request.n));
                 request
             }
         };
@@ -319,13 +295,8 @@ impl TaskApprover {
                 let timed_out = self.sup.approvals.slots.lock().ok().and_then(|mut slots| {
                     match slots.remove(&key) {
                         Some(Slot::Waiting(_)) => {
-                            let ruling = Ruling {
-                                decision: Decision::Deny,
-                                code: None,
-                                reason: Some(format!("no decision within {} s", timeout.as_secs())),
-                                by: "timeout".to_owned(),
-                            };
-                            self.sup.record(&self.id, decided(&request, &ruling));
+                            let ruling = Ruling::timed_out(timeout);
+                            self.sup.record(&self.id, ruling.decided(request.turn, request.index, request.n));
                             slots.insert(key.clone(), Slot::Decided(ruling.clone()));
                             Some(ruling)
                         }
