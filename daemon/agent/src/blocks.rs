@@ -241,13 +241,9 @@ pub async fn run_blocks(
                     }
                 }
             };
-            let outcome = match code {
-                Ok(code) => Ok(run_one(slot, &language, &code, index, opts).await),
-                Err(why) => Err(why),
-            };
-            match outcome {
+            match code {
                 Err(why) => not_run(&language, BlockStatus::Declined, &why),
-                Ok(run) => match run {
+                Ok(code) => match run_one(slot, &language, &code, index, opts).await {
                     Ok(outcome) => to_result(&language, outcome),
                     Err(e @ ExecError::UnsupportedLanguage { .. }) => {
                         not_run(&language, BlockStatus::Unsupported, &e.to_string())

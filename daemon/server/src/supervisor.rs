@@ -232,9 +232,11 @@ impl Supervisor {
         }
         let mut interrupted = 0;
         for task in self.store.list(Some(TaskState::Interrupted))? {
-            if waits_for_approval(&self.store.events_after(&task.id, 0)?) {
-                self.resume(&task.id)?;
-            } else {
+            if !waits_for_approval(&self.store.events_after(&task.id, 0)?) {
+                interrupted += 1;
+            } else if let Err(e) = self.resume(&task.id) {
+                // It stays interrupted, for `tandem resume` to try again.
+                tracing::warn!(task = %task.id, error = %e, "a task waiting for approval could not wait again");
                 interrupted += 1;
             }
         }
