@@ -416,7 +416,14 @@ async fn a_waiting_block_survives_a_crash_and_is_decided_after_it() {
     );
     let id = d.submit(json!({ "task": task2 })).await;
     wait_state(&d, &id, "awaiting_approval").await;
+    // A task waiting for a person does not hold the shutdown for its grace (10 s).
+    let stopping = Instant::now();
     d.terminate().await;
+    assert!(
+        stopping.elapsed() < Duration::from_secs(5),
+        "the shutdown waited {:?}",
+        stopping.elapsed()
+    );
     d.spawn().await;
     wait_state(&d, &id, "awaiting_approval").await;
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))

@@ -230,20 +230,22 @@ pub async fn run_blocks(
             not_run(&language, BlockStatus::Unsupported, &why)
         } else {
             let code = match &opts.approval {
-                None => Ok(block.code.clone()),
+                None => Some(Ok(block.code.clone())),
                 Some(gate) => {
                     let executor = slot.executor().clone();
-                    let decided =
-                        gate.decide(index, &language, executor.as_ref(), &block.code, opts);
-                    match decided.await {
-                        Some(code) => code,
-                        None => Err("the task was cancelled while the block waited".to_owned()),
-                    }
+                    gate.decide(index, &language, executor.as_ref(), &block.code, opts)
+                        .await
                 }
             };
             match code {
-                Err(why) => not_run(&language, BlockStatus::Declined, &why),
-                Ok(code) => match run_one(slot, &language, &code, index, opts).await {
+                // Stopped while it waited: no one decided, so it is not declined.
+                None => not_run(
+                    &language,
+                    BlockStatus::Cancelled,
+                    "the task stopped while the block waited for approval",
+                ),
+                Some(Err(why)) => not_run(&language, BlockStatus::Declined, &why),
+                Some(Ok(code)) => match run_one(slot, &language, &code, index, opts).await {
                     Ok(outcome) => to_result(&language, outcome),
                     Err(e @ ExecError::UnsupportedLanguage { .. }) => {
                         not_run(&language, BlockStatus::Unsupported, &e.to_string())

@@ -115,6 +115,20 @@ enum Slot {
 }
 
 impl Approvals {
+    /// The tasks that wait for a decision now.
+    pub(crate) fn waiting(&self) -> Vec<String> {
+        self.slots.lock().map_or_else(
+            |_| Vec::new(),
+            |slots| {
+                slots
+                    .iter()
+                    .filter(|(_, slot)| matches!(slot, Slot::Waiting(_)))
+                    .map(|((id, _), _)| id.clone())
+                    .collect()
+            },
+        )
+    }
+
     /// Forgets task `id`'s approvals once it has stopped.
     pub(crate) fn forget(&self, id: &str) {
         if let Ok(mut slots) = self.slots.lock() {

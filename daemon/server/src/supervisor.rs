@@ -590,6 +590,13 @@ impl Supervisor {
     pub async fn shutdown(self: &Arc<Self>, grace: Duration) {
         self.stopping.store(true, Ordering::SeqCst);
         self.tracker.close();
+        // A task waiting for a person would only hold the grace period up: it is interrupted
+        // now, and the next start has it wait again where it was.
+        for id in self.approvals.waiting() {
+            if let Some(token) = self.active.lock().ok().and_then(|a| a.get(&id).cloned()) {
+                token.cancel();
+            }
+        }
         let running = self.active.lock().map_or(0, |a| a.len());
         if running > 0 {
             tracing::info!(tasks = running, ?grace, "waiting for running tasks");
