@@ -75,6 +75,7 @@ async fn the_page_submits_streams_approves_and_cancels_and_model_markup_stays_te
     let xss = "Look <script>window.__xss = 1</script><img src=x onerror=\"window.__xss = 2\"> here";
     let first = format!("{xss}\n```python\nprint('hello from the page')\n```");
     let other = "web: cancel me";
+    let edited = "web: edit then deny";
     let server = ScriptedOpenAi::start(script([
         (
             task,
@@ -85,6 +86,14 @@ async fn the_page_submits_streams_approves_and_cancels_and_model_markup_stays_te
             ],
         ),
         (other, vec![Reply::from("```python\nprint('never')\n```")]),
+        (
+            edited,
+            vec![
+                Reply::from("```python\nprint(6 * 7)\n```"),
+                Reply::from("```python\nprint('second')\n```"),
+                "Understood.\nTERMINATE".into(),
+            ],
+        ),
     ]))
     .await
     .unwrap();
@@ -237,23 +246,87 @@ async fn the_page_submits_streams_approves_and_cancels_and_model_markup_stays_te
         .await;
     assert_eq!(stop, json!("cancelled"));
 
-    // The list shows both, live, with their states.
+    // Edited on the page, then denied with a reason the model hears.
+    b.goto(&format!("http://{addr}/")).await;
+    b.wait(
+        "the form",
+        "return document.getElementById('task-text')",
+        limit,
+    )
+    .await;
+    b.type_into("#task-text", edited).await;
+    b.click("#submit").await;
+    let card = |n: u32, part: &str| format!(".approval[data-n=\"{n}\"] {part}");
+    b.wait(
+        "the first card",
+        &format!(
+            "return document.querySelector('{}')",
+            card(1, ".approve-edited")
+        ),
+        limit,
+    )
+    .await;
+    b.run(
+        &format!(
+            "document.querySelector('{}').value = 'print(6 * 9)'",
+            card(1, ".approval-code")
+        ),
+        json!([]),
+    )
+    .await;
+    b.click(&card(1, ".approve-edited")).await;
+    b.wait(
+        "the second card",
+        &format!("return document.querySelector('{}')", card(2, ".deny")),
+        limit,
+    )
+    .await;
+    b.type_into(&card(2, ".approval-reason"), "not needed")
+        .await;
+    b.click(&card(2, ".deny")).await;
+    b.wait(
+        "the end",
+        "return document.getElementById('transcript').dataset.complete === 'true'",
+        limit,
+    )
+    .await;
+    let output = b
+        .run(
+            "return [...document.querySelectorAll('.output')].map(o => o.textContent).join('|')",
+            json!([]),
+        )
+        .await;
+    assert!(output.as_str().unwrap().contains("54"), "{output}");
+    let requests = server.requests_for(edited);
+    let told = requests[2].last_message().unwrap_or_default().to_owned();
+    assert!(
+        told.contains("the user declined to run this block: not needed"),
+        "{told}"
+    );
+    // The list shows the tasks, live, with their states.
     b.goto(&format!("http://{addr}/")).await;
     let rows = b
         .wait(
-            "two rows",
-            "const r = [...document.querySelectorAll('.task-row')]; return r.length === 2 && r.map(x => x.querySelector('.state').textContent + ' ' + x.querySelector('.stop').textContent)",
+            "three rows",
+            "const r = [...document.querySelectorAll('.task-row')]; return r.length === 3 && r.map(x => x.querySelector('.state').textContent + ' ' + x.querySelector('.stop').textContent)",
             limit,
         )
         .await;
-    assert_eq!(rows, json!(["finished cancelled", "finished terminated"]));
+    assert_eq!(
+        rows,
+        json!([
+            "finished terminated",
+            "finished cancelled",
+            "finished terminated"
+        ])
+    );
     shot(&b, "list.png").await;
     // Live: a task submitted elsewhere appears without a reload.
     d.submit(json!({ "task": "web: submitted elsewhere" }))
         .await;
     b.wait(
         "the new row, live",
-        "return document.querySelectorAll('.task-row').length === 3",
+        "return document.querySelectorAll('.task-row').length === 4",
         limit,
     )
     .await;
@@ -287,8 +360,8 @@ async fn the_page_submits_streams_approves_and_cancels_and_model_markup_stays_te
     assert!(record["spec"]["team"]["agents"].is_object(), "{record}");
     b.goto(&format!("http://{addr}/")).await;
     b.wait(
-        "four rows",
-        "return document.querySelectorAll('.task-row').length === 4",
+        "five rows",
+        "return document.querySelectorAll('.task-row').length === 5",
         limit,
     )
     .await;
