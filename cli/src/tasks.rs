@@ -152,6 +152,16 @@ pub async fn show(args: IdArgs) -> Result<u8> {
     if let Some(message) = value["error"]["message"].as_str() {
         println!("error: {message}");
     }
+    let waiting = &value["pending_approval"];
+    if let Some(n) = waiting["n"].as_u64() {
+        let id = value["id"].as_str().unwrap_or_default();
+        println!(
+            "block {} of turn {} waits for approval {n} ({}): `tandem approve {id} {n}` runs it, `tandem deny {id} {n} --reason WHY` declines it",
+            waiting["index"],
+            waiting["turn"],
+            waiting["reason"].as_str().unwrap_or_default(),
+        );
+    }
     for m in value["transcript"].as_array().into_iter().flatten() {
         println!("── {} ──", m["role"].as_str().unwrap_or_default());
         println!("{}", m["content"].as_str().unwrap_or_default().trim_end());

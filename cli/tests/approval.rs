@@ -97,6 +97,20 @@ async fn a_block_waits_and_runs_as_the_person_edited_it() {
         json!({"n": 1, "turn": 1, "index": 1, "language": "python", "code": "print(41)\n",
                "reason": "every block is asked about (mode = \"always\")"})
     );
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["show", &id])
+        .env("TANDEM_HOST", d.host())
+        .env("XDG_CONFIG_HOME", d.state_dir())
+        .output()
+        .await
+        .unwrap();
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        shown.contains(&format!(
+            "block 1 of turn 1 waits for approval 1 (every block is asked about (mode = \"always\")): `tandem approve {id} 1` runs it"
+        )),
+        "{shown}"
+    );
     // Nothing ran yet.
     let events = d.events(&id, 0).await;
     assert!(of_type(&events, "exec_result").is_empty(), "{events:?}");
