@@ -188,8 +188,12 @@ async fn a_denial_reaches_the_model_with_the_reason_typed() {
         assert_eq!(status, 400, "{bad} → {body}");
         assert_eq!(body["error"]["code"], "invalid_request");
     }
-    let (status, _) = decide(&d, &id, 2, json!({"decision": "approve"})).await;
+    let (status, body) = decide(&d, &id, 2, json!({"decision": "approve"})).await;
     assert_eq!(status, 404);
+    assert_eq!(
+        body["error"]["message"],
+        format!("task `{id}` never asked for approval 2; waiting for a decision: 1")
+    );
     let (status, body) = decide(
         &d,
         &id,

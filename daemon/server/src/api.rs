@@ -57,7 +57,7 @@ impl From<TaskError> for ApiError {
     fn from(e: TaskError) -> Self {
         let (status, code) = match &e {
             TaskError::Invalid(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
-            TaskError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            TaskError::NotFound(_) | TaskError::Missing(_) => (StatusCode::NOT_FOUND, "not_found"),
             TaskError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             TaskError::NotAllowed(_) => (StatusCode::BAD_REQUEST, "not_allowed"),
             TaskError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "executor_unavailable"),

@@ -169,8 +169,8 @@ impl Supervisor {
                 .filter(|r| r.ruling.is_none())
                 .map(|r| r.n.to_string())
                 .collect();
-            return Err(TaskError::NotFound(format!(
-                "{id}/approvals/{n}: the task has no approval {n}; waiting: {}",
+            return Err(TaskError::Missing(format!(
+                "task `{id}` never asked for approval {n}; waiting for a decision: {}",
                 if open.is_empty() {
                     "none".to_owned()
                 } else {

@@ -81,6 +81,9 @@ pub enum TaskError {
     /// No task has that id.
     #[error("task `{0}` does not exist")]
     NotFound(String),
+    /// The task exists but not the thing asked about (an approval number); says which.
+    #[error("{0}")]
+    Missing(String),
     /// The task is in a state that does not allow this.
     #[error("{0}")]
     Conflict(String),
