@@ -423,7 +423,11 @@ impl Store {
             ))?;
             let rows = stmt
                 .query_map(
-                    params![state.map(TaskState::as_str), before, limit + 1],
+                    params![
+                        state.map(TaskState::as_str),
+                        before,
+                        limit.saturating_add(1)
+                    ],
                     raw_row,
                 )?
                 .collect::<rusqlite::Result<Vec<_>>>()?;
