@@ -457,6 +457,75 @@ async fn a_waiting_block_survives_a_crash_and_is_decided_after_it() {
     assert!(report_seen(&server, task2).contains("not today"));
 }
 
+/// A decision stored just before a crash is not lost: the task, back after the restart, runs
+/// the block as decided without asking again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_decision_made_before_a_crash_is_acted_on_after_it() {
+    let (waits, holds) = ("approval: decided then crash", "approval: holds the slot");
+    let config = "[approval]\nmode = \"policy\"\nauto_approve = { languages = [\"python\"] }\n[[approval.ask]]\nname = \"gated\"\npattern = \"GATED\"\n";
+    let server = ScriptedOpenAi::start(script([
+        (
+            waits,
+            vec![
+                Reply::from(fence("print('GATED, then run')").as_str()),
+                "TERMINATE".into(),
+            ],
+        ),
+        (
+            holds,
+            vec![
+                Reply::from(fence("import time; time.sleep(60)").as_str()),
+                "TERMINATE".into(),
+            ],
+        ),
+    ]))
+    .await
+    .unwrap();
+    let mut d = start(&server, &["--max-concurrent", "1"], config).await;
+    let id = d.submit(json!({ "task": waits })).await;
+    wait_state(&d, &id, "awaiting_approval").await;
+    // The other task takes the only slot while this one waits...
+    let holder = d.submit(json!({ "task": holds })).await;
+    let started = Instant::now();
+    while !d
+        .events(&holder, 0)
+        .await
+        .iter()
+        .any(|e| e["type"] == "code_block")
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the holder never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    // ...so the decision is stored, but the block cannot run before the crash.
+    let (status, body) = decide(&d, &id, 1, json!({"decision": "approve"})).await;
+    assert_eq!(status, 200, "{body}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(of_type(&d.events(&id, 0).await, "exec_result").is_empty());
+    d.kill9();
+    d.spawn().await;
+    let done = d.wait_finished(&id, Duration::from_secs(30)).await;
+    assert_eq!(done["stop_reason"], "terminated");
+    let events = d.events(&id, 0).await;
+    assert_eq!(
+        of_type(&events, "approval_requested").len(),
+        1,
+        "asked again"
+    );
+    assert_eq!(of_type(&events, "approval_decided").len(), 1);
+    assert_eq!(
+        of_type(&events, "exec_result").last().unwrap()["result"]["stdout"],
+        "GATED, then run\n"
+    );
+    assert_eq!(
+        server.requests_for(waits).len(),
+        2,
+        "the reply was not asked for again"
+    );
+}
+
 #[tokio::test]
 async fn run_approve_without_a_terminal_is_an_error_that_says_why() {
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
