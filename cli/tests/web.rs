@@ -161,7 +161,11 @@ async fn the_page_submits_streams_approves_and_cancels_and_model_markup_stays_te
         limit,
     )
     .await;
+    // The README's picture: the whole task, from its title to the waiting block.
+    b.resize(1280, 1060).await;
+    b.run("window.scrollTo(0, 0)", json!([])).await;
     shot(&b, "task-awaiting-approval.png").await;
+    b.resize(1280, 900).await;
 
     b.click(".approval .approve").await;
     b.wait(
