@@ -626,7 +626,18 @@ async fn a_restart_reaps_the_sandboxes_a_killed_daemon_left() {
     let server = ScriptedOpenAi::start(two_turns([("orphan".to_owned(), code)]))
         .await
         .unwrap();
-    let mut d = start(&server, &[]).await;
+    // Its own TMPDIR: every daemon that starts reaps the workspaces dead daemons left in its
+    // TMPDIR, and other tests start daemons while this one waits for its restart.
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp_path = tmp.path().to_str().unwrap().to_owned();
+    let mut d = Daemon::start_with_env(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &[],
+        None,
+        &[("TMPDIR", &tmp_path)],
+    )
+    .await;
     let daemon_pid = d.pid();
     let id = d.submit(json!({"task": "orphan"})).await;
     let started = Instant::now();
@@ -641,7 +652,7 @@ async fn a_restart_reaps_the_sandboxes_a_killed_daemon_left() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     let workspaces = || -> Vec<String> {
-        std::fs::read_dir(std::env::temp_dir())
+        std::fs::read_dir(tmp.path())
             .unwrap()
             .flatten()
             .map(|e| e.file_name().to_string_lossy().into_owned())
@@ -649,7 +660,8 @@ async fn a_restart_reaps_the_sandboxes_a_killed_daemon_left() {
             .collect()
     };
     d.kill9();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Short: any daemon another test starts meanwhile kills this orphan too.
+    tokio::time::sleep(Duration::from_millis(30)).await;
     let alive = |pid: u32| std::path::Path::new(&format!("/proc/{pid}")).exists();
     assert!(
         alive(block),
