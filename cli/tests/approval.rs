@@ -23,6 +23,11 @@ fn fence(code: &str) -> String {
     format!("```python\n{code}\n```")
 }
 
+/// A reply with one python block, then `last` (what the model says once it ran).
+fn block_then(code: &str, last: &str) -> Vec<Reply> {
+    vec![Reply::from(fence(code).as_str()), Reply::from(last)]
+}
+
 /// Polls until task `id` is in `state`; returns its record.
 async fn wait_state(d: &Daemon, id: &str, state: &str) -> Value {
     let started = Instant::now();
@@ -82,10 +87,7 @@ async fn a_block_waits_and_runs_as_the_person_edited_it() {
     let task = "approval: edit";
     let server = ScriptedOpenAi::start(script([(
         task,
-        vec![
-            Reply::from(fence("print(41)").as_str()),
-            "Done.\nTERMINATE".into(),
-        ],
+        block_then("print(41)", "Done.\nTERMINATE"),
     )]))
     .await
     .unwrap();
@@ -97,14 +99,7 @@ async fn a_block_waits_and_runs_as_the_person_edited_it() {
         json!({"n": 1, "turn": 1, "index": 1, "language": "python", "code": "print(41)\n",
                "reason": "every block is asked about (mode = \"always\")"})
     );
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["show", &id])
-        .env("TANDEM_HOST", d.host())
-        .env("XDG_CONFIG_HOME", d.state_dir())
-        .output()
-        .await
-        .unwrap();
-    let shown = String::from_utf8_lossy(&out.stdout);
+    let (_, shown, _) = d.cli(&["show", &id]).await;
     assert!(
         shown.contains(&format!(
             "block 1 of turn 1 waits for approval 1 (every block is asked about (mode = \"always\")): `tandem approve {id} 1` runs it"
@@ -137,20 +132,9 @@ async fn a_block_waits_and_runs_as_the_person_edited_it() {
     );
     assert!(report_seen(&server, task).contains("42"));
     // What a person reads afterwards, pinned.
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["logs", &id])
-        .env("TANDEM_HOST", d.host())
-        .env("XDG_CONFIG_HOME", d.state_dir())
-        .output()
-        .await
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
-    settings().bind(|| {
-        insta::assert_snapshot!(
-            "approval_edited_transcript",
-            String::from_utf8_lossy(&out.stdout)
-        )
-    });
+    let (code, logs, err) = d.cli(&["logs", &id]).await;
+    assert_eq!(code, 0, "{err}");
+    settings().bind(|| insta::assert_snapshot!("approval_edited_transcript", logs));
 
     // Deciding again is a conflict, naming the first decision; an unknown number is 404.
     let (status, body) = decide(&d, &id, 1, json!({"decision": "deny"})).await;
@@ -167,10 +151,7 @@ async fn a_denial_reaches_the_model_with_the_reason_typed() {
     let task = "approval: deny";
     let server = ScriptedOpenAi::start(script([(
         task,
-        vec![
-            Reply::from(fence("import os; print('deleting')").as_str()),
-            "Understood.\nTERMINATE".into(),
-        ],
+        block_then("import os; print('deleting')", "Understood.\nTERMINATE"),
     )]))
     .await
     .unwrap();
@@ -238,31 +219,16 @@ pattern = 'rm\s+-rf\s+/'
         "approval: task tightens",
     );
     let server = ScriptedOpenAi::start(script([
-        (
-            free,
-            vec![
-                Reply::from(fence("print('ok')").as_str()),
-                "TERMINATE".into(),
-            ],
-        ),
+        (free, block_then("print('ok')", "TERMINATE")),
         (
             denied,
-            vec![
-                Reply::from(fence("import os; os.system('rm -rf /tmp/x')").as_str()),
-                "TERMINATE".into(),
-            ],
+            block_then("import os; os.system('rm -rf /tmp/x')", "TERMINATE"),
         ),
         (
             asked,
-            vec![
-                Reply::from(fence("# pip install requests\nprint(1)").as_str()),
-                "TERMINATE".into(),
-            ],
+            block_then("# pip install requests\nprint(1)", "TERMINATE"),
         ),
-        (
-            tightened,
-            vec![Reply::from(fence("print(2)").as_str()), "TERMINATE".into()],
-        ),
+        (tightened, block_then("print(2)", "TERMINATE")),
     ]))
     .await
     .unwrap();
@@ -346,13 +312,7 @@ async fn a_waiting_task_holds_no_slot_and_an_unanswered_one_is_denied_in_time() 
     let config = "[approval]\nmode = \"policy\"\ntimeout_secs = 2\n[[approval.ask]]\nname = \"slow\"\npattern = \"SLOW\"\n";
     let (waits, passes) = ("approval: waits", "approval: passes meanwhile");
     let server = ScriptedOpenAi::start(script([
-        (
-            waits,
-            vec![
-                Reply::from(fence("print('SLOW')").as_str()),
-                "TERMINATE".into(),
-            ],
-        ),
+        (waits, block_then("print('SLOW')", "TERMINATE")),
         (passes, texts(&["Nothing to run.\nTERMINATE"])),
     ]))
     .await
@@ -381,10 +341,7 @@ async fn a_waiting_block_survives_a_crash_and_is_decided_after_it() {
     let task = "approval: restart";
     let server = ScriptedOpenAi::start(script([(
         task,
-        vec![
-            Reply::from(fence("print('after restart')").as_str()),
-            "TERMINATE".into(),
-        ],
+        block_then("print('after restart')", "TERMINATE"),
     )]))
     .await
     .unwrap();
@@ -403,19 +360,9 @@ async fn a_waiting_block_survives_a_crash_and_is_decided_after_it() {
     );
     assert_eq!(server.requests_for(task).len(), 1);
     // Decided over the CLI, which finds the waiting approval itself.
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["approve", &id])
-        .env("TANDEM_HOST", d.host())
-        .env("XDG_CONFIG_HOME", d.state_dir())
-        .stdin(Stdio::null())
-        .output()
-        .await
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout),
-        format!("{id} approval 1 approved\n")
-    );
+    let (code, out, err) = d.cli(&["approve", &id]).await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, format!("{id} approval 1 approved\n"));
     d.wait_finished(&id, Duration::from_secs(30)).await;
     let events = d.events(&id, 0).await;
     assert_eq!(of_type(&events, "approval_requested").len(), 1);
@@ -428,10 +375,7 @@ async fn a_waiting_block_survives_a_crash_and_is_decided_after_it() {
     // A decision made while the daemon is down is made after it is up again: SIGTERM
     // interrupts the waiting task, and the next start waits again.
     let task2 = "approval: deny after shutdown";
-    server.set(
-        task2,
-        vec![Reply::from(fence("print(3)").as_str()), "TERMINATE".into()],
-    );
+    server.set(task2, block_then("print(3)", "TERMINATE"));
     let id = d.submit(json!({ "task": task2 })).await;
     wait_state(&d, &id, "awaiting_approval").await;
     // A task waiting for a person does not hold the shutdown for its grace (10 s).
@@ -444,15 +388,8 @@ async fn a_waiting_block_survives_a_crash_and_is_decided_after_it() {
     );
     d.spawn().await;
     wait_state(&d, &id, "awaiting_approval").await;
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["deny", &id, "--reason", "not today"])
-        .env("TANDEM_HOST", d.host())
-        .env("XDG_CONFIG_HOME", d.state_dir())
-        .stdin(Stdio::null())
-        .output()
-        .await
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
+    let (code, _, err) = d.cli(&["deny", &id, "--reason", "not today"]).await;
+    assert_eq!(code, 0, "{err}");
     d.wait_finished(&id, Duration::from_secs(30)).await;
     assert!(report_seen(&server, task2).contains("not today"));
 }
@@ -464,19 +401,10 @@ async fn a_decision_made_before_a_crash_is_acted_on_after_it() {
     let (waits, holds) = ("approval: decided then crash", "approval: holds the slot");
     let config = "[approval]\nmode = \"policy\"\nauto_approve = { languages = [\"python\"] }\n[[approval.ask]]\nname = \"gated\"\npattern = \"GATED\"\n";
     let server = ScriptedOpenAi::start(script([
-        (
-            waits,
-            vec![
-                Reply::from(fence("print('GATED, then run')").as_str()),
-                "TERMINATE".into(),
-            ],
-        ),
+        (waits, block_then("print('GATED, then run')", "TERMINATE")),
         (
             holds,
-            vec![
-                Reply::from(fence("import time; time.sleep(60)").as_str()),
-                "TERMINATE".into(),
-            ],
+            block_then("import time; time.sleep(60)", "TERMINATE"),
         ),
     ]))
     .await

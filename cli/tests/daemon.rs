@@ -19,23 +19,6 @@ async fn start(server: &ScriptedOpenAi, args: &[&str]) -> Daemon {
     .await
 }
 
-/// Runs the CLI against `d`: `(exit code, stdout, stderr)`.
-async fn cli(d: &Daemon, args: &[&str]) -> (i32, String, String) {
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(args)
-        .env("TANDEM_HOST", d.host())
-        .env("XDG_CONFIG_HOME", d.state_dir())
-        .stdin(Stdio::null())
-        .output()
-        .await
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 fn fence(code: &str) -> String {
     format!("```python\n{code}\n```")
 }
@@ -98,7 +81,7 @@ async fn cli_commands_go_through_the_daemon() {
     assert_eq!(mode(&d.socket()), 0o600);
     assert_eq!(mode(d.socket().parent().unwrap()), 0o700);
 
-    let (code, out, err) = cli(&d, &["submit", "--json", "daemon hello"]).await;
+    let (code, out, err) = d.cli(&["submit", "--json", "daemon hello"]).await;
     assert_eq!(code, 0, "{err}");
     let id = serde_json::from_str::<Value>(&out).unwrap()["id"]
         .as_str()
@@ -111,19 +94,19 @@ async fn cli_commands_go_through_the_daemon() {
         ["hello from the daemon\n"]
     );
 
-    let (code, out, _) = cli(&d, &["tasks"]).await;
+    let (code, out, _) = d.cli(&["tasks"]).await;
     assert_eq!(code, 0);
     assert!(
         out.contains(&id) && out.contains("finished") && out.contains("terminated"),
         "{out}"
     );
-    let (code, out, _) = cli(&d, &["show", &id]).await;
+    let (code, out, _) = d.cli(&["show", &id]).await;
     assert_eq!(code, 0);
     assert!(
         out.contains("── assistant ──") && out.contains("hello from the daemon"),
         "{out}"
     );
-    let (code, out, _) = cli(&d, &["logs", &id]).await;
+    let (code, out, _) = d.cli(&["logs", &id]).await;
     assert_eq!(code, 0);
     assert!(
         out.contains("hello from the daemon") && out.contains("── done"),
@@ -131,7 +114,7 @@ async fn cli_commands_go_through_the_daemon() {
     );
 
     // `tandem run` uses the daemon when one answers; the task shows up in its list.
-    let (code, out, err) = cli(&d, &["run", "--json", "daemon run"]).await;
+    let (code, out, err) = d.cli(&["run", "--json", "daemon run"]).await;
     assert_eq!(code, 0, "{err}");
     let events: Vec<Value> = out
         .lines()
@@ -142,7 +125,7 @@ async fn cli_commands_go_through_the_daemon() {
     assert_eq!(listed["tasks"].as_array().unwrap().len(), 2);
 
     // Cancelling a finished task is a conflict, said plainly.
-    let (code, _, err) = cli(&d, &["cancel", &id]).await;
+    let (code, _, err) = d.cli(&["cancel", &id]).await;
     assert_eq!(code, 2);
     assert!(err.contains("already finished (terminated)"), "{err}");
 }
@@ -344,7 +327,7 @@ async fn a_task_runs_only_its_languages_within_its_own_tighter_limits() {
         "{:?}",
         asked[1].last_message()
     );
-    let (code, _, stderr) = cli(&d, &["submit", "--language", "cobol", "x"]).await;
+    let (code, _, stderr) = d.cli(&["submit", "--language", "cobol", "x"]).await;
     assert_ne!(code, 0);
     assert!(
         stderr.contains("language `cobol` is not supported by the local executor"),
@@ -403,7 +386,7 @@ async fn events_resume_after_last_event_id_with_no_gap_or_duplicate() {
         assert_eq!(rest, all[cut as usize..].to_vec(), "after {cut}");
     }
     // Following a finished task ends after its last event.
-    let (code, out, _) = cli(&d, &["logs", "-f", "--json", &id]).await;
+    let (code, out, _) = d.cli(&["logs", "-f", "--json", &id]).await;
     assert_eq!(code, 0);
     assert_eq!(out.lines().count(), all.len());
 }
@@ -533,7 +516,7 @@ async fn kill_9_then_restart_keeps_every_task_and_resumes_the_interrupted() {
         .collect();
     assert!(!interrupted.is_empty(), "kill -9 interrupted nothing");
     for id in &interrupted {
-        let (code, _, err) = cli(&d, &["resume", id]).await;
+        let (code, _, err) = d.cli(&["resume", id]).await;
         assert_eq!(code, 0, "{err}");
     }
     for (i, id) in ids.iter().enumerate() {
@@ -702,7 +685,7 @@ async fn logs_follow_reconnects_across_a_daemon_restart() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     d.kill9();
     d.spawn().await;
-    let (code, _, err) = cli(&d, &["resume", &id]).await;
+    let (code, _, err) = d.cli(&["resume", &id]).await;
     assert_eq!(code, 0, "{err}");
     let out = tokio::time::timeout(Duration::from_secs(60), follower.wait_with_output())
         .await

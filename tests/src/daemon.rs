@@ -132,6 +132,24 @@ impl DaemonHarness {
         }
     }
 
+    /// Runs this daemon's `tandem` binary as a client of it (stdin closed): `(exit code,
+    /// stdout, stderr)`.
+    pub async fn cli(&self, args: &[&str]) -> (i32, String, String) {
+        let out = tokio::process::Command::new(&self.bin)
+            .args(args)
+            .env("TANDEM_HOST", self.host())
+            .env("XDG_CONFIG_HOME", self.state_dir())
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
     /// The HTTP client on the daemon's socket (URLs are `http://tandem/...`).
     pub fn http(&self) -> &reqwest::Client {
         &self.client

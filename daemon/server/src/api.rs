@@ -46,6 +46,13 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// A 400 `invalid_request` saying what is wrong with the request and what to send.
+    fn invalid(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = json!({"error": {"code": self.code, "message": self.message}});
@@ -170,10 +177,7 @@ async fn create_task(
     let spec: TaskSpec =
         serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_slice(&body))
             .map_err(|e| {
-                ApiError::new(
-                    StatusCode::BAD_REQUEST,
-                    "invalid_request",
-                    format!(
+                ApiError::invalid(format!(
                         "the body is not a valid task: {}; send JSON like {{\"task\": \"print the 10th prime\"}}",
                         tandem_agent::team::path_error(&e)
                     ),
@@ -205,13 +209,8 @@ async fn read_limited(headers: &HeaderMap, body: Body, limit: usize) -> Result<B
     let mut kept = Vec::new();
     let mut total = 0usize;
     while let Some(chunk) = futures::StreamExt::next(&mut stream).await {
-        let chunk = chunk.map_err(|e| {
-            ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_request",
-                format!("reading the request body failed: {e}"),
-            )
-        })?;
+        let chunk = chunk
+            .map_err(|e| ApiError::invalid(format!("reading the request body failed: {e}")))?;
         total += chunk.len();
         if total > OVERSIZE_DRAIN {
             break;
@@ -233,13 +232,11 @@ async fn list_tasks(
     State(state): State<AppState>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let invalid =
-        |message: String| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message);
     if let Some(key) = query
         .keys()
         .find(|k| !["state", "limit", "before"].contains(&k.as_str()))
     {
-        return Err(invalid(format!(
+        return Err(ApiError::invalid(format!(
             "unknown query parameter `{key}`; use state, limit and before"
         )));
     }
@@ -247,7 +244,7 @@ async fn list_tasks(
         None => None,
         Some(s) => Some(TaskState::parse(s).ok_or_else(|| {
             let names: Vec<&str> = TaskState::ALL.iter().map(|s| s.as_str()).collect();
-            invalid(format!(
+            ApiError::invalid(format!(
                 "unknown state `{s}`; use one of: {}",
                 names.join(", ")
             ))
@@ -258,7 +255,7 @@ async fn list_tasks(
         Some(l) => match l.parse::<usize>() {
             Ok(n) if (1..=MAX_PAGE).contains(&n) => Some(n),
             _ => {
-                return Err(invalid(format!(
+                return Err(ApiError::invalid(format!(
                     "limit `{l}` is not a whole number from 1 to {MAX_PAGE}"
                 )));
             }
@@ -266,7 +263,7 @@ async fn list_tasks(
     };
     let before = query.get("before").cloned();
     if before.is_some() && limit.is_none() {
-        return Err(invalid(
+        return Err(ApiError::invalid(
             "`before` pages through the newest tasks; give `limit` too (e.g. limit=50)".to_owned(),
         ));
     }
@@ -295,16 +292,13 @@ async fn decide_approval(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let invalid =
-        |message: String| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message);
-    let n: u32 = n
-        .parse()
-        .ok()
-        .filter(|n| *n > 0)
-        .ok_or_else(|| invalid(format!("approval `{n}` is not a number from 1 up")))?;
+    let n: u32 =
+        n.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+            ApiError::invalid(format!("approval `{n}` is not a number from 1 up"))
+        })?;
     let body = read_limited(&headers, body, state.body_limit).await?;
     let decision: crate::approvals::DecisionBody = serde_json::from_slice(&body).map_err(|e| {
-        invalid(format!(
+        ApiError::invalid(format!(
             "the body is not a decision: {e}; send {{\"decision\": \"approve\"}}, or {{\"decision\": \"deny\", \"reason\": \"...\"}}, or approve with \"code\" to run an edited block"
         ))
     })?;
@@ -323,21 +317,20 @@ async fn parse_team(
     body: Body,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let body = read_limited(&headers, body, state.body_limit).await?;
-    let invalid =
-        |message: String| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message);
     let text = std::str::from_utf8(&body)
-        .map_err(|_| invalid("the team file is not UTF-8 text".to_owned()))?;
+        .map_err(|_| ApiError::invalid("the team file is not UTF-8 text".to_owned()))?;
     let de = toml::Deserializer::parse(text)
-        .map_err(|e| invalid(format!("the team file is not TOML: {e}")))?;
+        .map_err(|e| ApiError::invalid(format!("the team file is not TOML: {e}")))?;
     let spec: tandem_protocol::team::TeamSpec =
         serde_path_to_error::deserialize(de).map_err(|e| {
-            invalid(format!(
+            ApiError::invalid(format!(
                 "the team file does not check: {}",
                 tandem_agent::team::path_error(&e)
             ))
         })?;
-    tandem_agent::team::check(&spec)
-        .map_err(|e| invalid(format!("the team file does not check: {}", e.0.join("; "))))?;
+    tandem_agent::team::check(&spec).map_err(|e| {
+        ApiError::invalid(format!("the team file does not check: {}", e.0.join("; ")))
+    })?;
     Ok(Json(json!({ "team": spec })))
 }
 
@@ -350,11 +343,11 @@ async fn get_task(
             .store()
             .get(&id)?
             .ok_or(TaskError::NotFound(id.clone()))?;
-        let transcript = sup.transcript(&record)?;
+        // One read of the events serves the transcript and the waiting approval.
+        let events = sup.store().events_after(&record.id, 0)?;
         let mut body = json!(record);
-        body["transcript"] = json!(transcript);
+        body["transcript"] = json!(sup.transcript(&record, &events));
         if record.state != TaskState::Finished {
-            let events = sup.store().events_after(&record.id, 0)?;
             let waiting = crate::approvals::requested(&events)
                 .into_iter()
                 .rfind(|r| r.ruling.is_none());
@@ -446,11 +439,9 @@ async fn task_events(
     let after = match after_text {
         None => 0,
         Some(t) => t.trim().parse::<u64>().map_err(|_| {
-            ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_request",
-                format!("Last-Event-ID `{t}` is not an event seq (a whole number)"),
-            )
+            ApiError::invalid(format!(
+                "Last-Event-ID `{t}` is not an event seq (a whole number)"
+            ))
         })?,
     };
     let sup = state.supervisor.clone();

@@ -613,10 +613,12 @@ impl ServerHandler for TandemMcp {
             .get(id)
             .map_err(|e| ErrorData::internal_error(e.to_string(), None))?
             .ok_or_else(|| ErrorData::resource_not_found(format!("no task {id}"), None))?;
-        let messages = self
+        let events = self
             .supervisor
-            .transcript(&record)
+            .store()
+            .events_after(id, 0)
             .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+        let messages = self.supervisor.transcript(&record, &events);
         let mut text = format!("# Task {id}\n\n{}\n", record.spec.task);
         for m in messages {
             let who = m

@@ -561,8 +561,8 @@ impl Supervisor {
         })
     }
 
-    /// The conversation so far, rebuilt from the stored events.
-    pub fn transcript(&self, record: &TaskRecord) -> Result<Vec<Message>, TaskError> {
+    /// The conversation so far, rebuilt from the task's stored `events`.
+    pub fn transcript(&self, record: &TaskRecord, events: &[Event]) -> Vec<Message> {
         let spec = &record.spec;
         let template = spec
             .system_prompt
@@ -583,8 +583,8 @@ impl Supervisor {
             Message::new(Role::System, system),
             Message::new(Role::User, spec.task.clone()),
         ];
-        messages.extend(conversation(&self.store.events_after(&record.id, 0)?));
-        Ok(messages)
+        messages.extend(conversation(events));
+        messages
     }
 
     /// Stops: no new work; running tasks get `grace` to finish, then are cancelled and

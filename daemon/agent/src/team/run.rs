@@ -247,7 +247,7 @@ impl Team {
     /// Checks every executor's blocks with `gate` before they run (an approval gate asks per
     /// block, which a whole-message [`Hook`] cannot).
     pub fn with_approval(mut self, gate: Option<Arc<crate::approval::ApprovalGate>>) -> Self {
-        self.approval = gate.filter(|g| !g.is_open());
+        self.approval = gate;
         self
     }
 

@@ -536,6 +536,8 @@
           if (res.ok) {
             $('token-form').hidden = true;
             setStream('live');
+            // Back after a break (a daemon restart interrupts, or re-queues, its tasks).
+            if (lastSeq) loadRecord();
             await readSse(res.body, (data, type, sseId) => { backoff = 500; receive(data, type, sseId); });
           } else {
             await readResponse(res).catch((e) => {
@@ -578,7 +580,7 @@
         const handle = HANDLERS[ev.type];
         if (!handle) continue;
         try { handle(ev); } catch (e) { console.error('tandem: cannot show event', ev, e); }
-        refresh = refresh || ev.type.startsWith('approval_') || ev.type === 'task_finished';
+        refresh = refresh || changesState(ev);
       }
       queue.length = 0;
       transcript.append(frag);
@@ -590,6 +592,18 @@
       }
       if (follow) doc.scrollTop = doc.scrollHeight;
       if (refresh) refreshSoon();
+    }
+
+    // The record is read again only when an event says its state moved: the events carry
+    // the transcript, and the record read with it would be the whole transcript again.
+    let decided = false; // an approval was decided: the next block event means it runs again
+    function changesState(ev) {
+      if (ev.type === 'approval_decided') decided = true;
+      if (decided && ev.type.startsWith('exec_')) {
+        decided = false;
+        return true;
+      }
+      return ev.type === 'task_started' || ev.type.startsWith('approval_') || ev.type === 'task_finished';
     }
 
     function top(node) {
@@ -816,9 +830,6 @@
     onAuth = () => { loadRecord(); reconnect(); };
     stream();
     loadRecord();
-    setInterval(() => {
-      if (!document.hidden && !fatal && !finished && (!record || record.state !== 'finished')) loadRecord();
-    }, 3000);
   }
 
   function notFoundView() {
