@@ -50,11 +50,10 @@ async fn start_tcp(server: &ScriptedOpenAi, config: &str) -> (Daemon, String, St
 /// Opens the page and gives it the token, as a person does once per tab.
 async fn sign_in(b: &Browser, addr: &str, token: &str) {
     b.goto(&format!("http://{addr}/")).await;
-    let limit = Duration::from_secs(15);
     b.wait(
         "the token form",
         "return !document.getElementById('token-form').hidden",
-        limit,
+        LIMIT,
     )
     .await;
     b.type_into("#token", token).await;
@@ -62,12 +61,67 @@ async fn sign_in(b: &Browser, addr: &str, token: &str) {
     b.wait(
         "the task list",
         "return document.getElementById('token-form').hidden && document.getElementById('task-text')",
-        limit,
+        LIMIT,
     )
     .await;
 }
 
 const STATE: &str = "return document.getElementById('task-state').textContent";
+const LIMIT: Duration = Duration::from_secs(30);
+
+/// Submits the form (already filled but for the task text); the new task's id, once the
+/// page has gone to the task's own link.
+async fn submit(b: &Browser, task: &str) -> String {
+    b.type_into("#task-text", task).await;
+    b.click("#submit").await;
+    let path = b
+        .wait(
+            "the task's own page",
+            "return location.pathname.startsWith('/tasks/') && location.pathname",
+            LIMIT,
+        )
+        .await;
+    path.as_str()
+        .unwrap()
+        .trim_start_matches("/tasks/")
+        .to_owned()
+}
+
+/// Opens the task list and waits for its form.
+async fn open_list(b: &Browser, addr: &str) {
+    b.goto(&format!("http://{addr}/")).await;
+    b.wait(
+        "the task list",
+        "return document.getElementById('task-text')",
+        LIMIT,
+    )
+    .await;
+}
+
+/// Waits until the task's end is on the page.
+async fn wait_complete(b: &Browser, what: &str) {
+    b.wait(
+        what,
+        "return document.getElementById('transcript').dataset.complete === 'true'",
+        LIMIT,
+    )
+    .await;
+}
+
+/// Fails when the page is wider than a 390 px window.
+async fn fits_a_phone(b: &Browser, what: &str) {
+    b.resize(390, 844).await;
+    let overflow = b
+        .run(
+            "return document.documentElement.scrollWidth - window.innerWidth",
+            json!([]),
+        )
+        .await;
+    assert!(
+        overflow.as_i64().unwrap() <= 0,
+        "{what} scrolls sideways at 390 px: {overflow}"
+    );
+}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_page_submits_streams_approves_and_cancels_and_model_markup_stays_text() {
@@ -106,33 +160,19 @@ async fn the_page_submits_streams_approves_and_cancels_and_model_markup_stays_te
         json!(token)
     );
 
-    b.type_into("#task-text", task).await;
-    b.click("#submit").await;
-    let path = b
-        .wait(
-            "the task's own page",
-            "return location.pathname.startsWith('/tasks/') && location.pathname",
-            Duration::from_secs(15),
-        )
-        .await;
-    let id = path
-        .as_str()
-        .unwrap()
-        .trim_start_matches("/tasks/")
-        .to_owned();
-    let limit = Duration::from_secs(30);
+    let id = submit(&b, task).await;
     // The reply streams in: part of it shows before the whole.
     let partial = b
         .wait(
             "streamed text",
             "const t = document.querySelector('.assistant-text'); return t && t.textContent",
-            limit,
+            LIMIT,
         )
         .await;
     b.wait(
         "the approval card",
         "return document.querySelector('.approval .approve')",
-        limit,
+        LIMIT,
     )
     .await;
     let whole = b
@@ -158,7 +198,7 @@ async fn the_page_submits_streams_approves_and_cancels_and_model_markup_stays_te
     b.wait(
         "the waiting state",
         &format!("{STATE} === 'awaiting_approval'"),
-        limit,
+        LIMIT,
     )
     .await;
     // The README's picture: the whole task, from its title to the waiting block.
@@ -168,16 +208,11 @@ async fn the_page_submits_streams_approves_and_cancels_and_model_markup_stays_te
     b.resize(1280, 900).await;
 
     b.click(".approval .approve").await;
-    b.wait(
-        "the task's end",
-        "return document.getElementById('transcript').dataset.complete === 'true'",
-        limit,
-    )
-    .await;
+    wait_complete(&b, "the task's end").await;
     b.wait(
         "the finished state",
         &format!("{STATE} === 'finished'"),
-        limit,
+        LIMIT,
     )
     .await;
     let output = b
@@ -205,41 +240,24 @@ async fn the_page_submits_streams_approves_and_cancels_and_model_markup_stays_te
     let t = d.get(&format!("/v1/tasks/{id}")).await;
     assert_eq!(t["stop_reason"], "terminated");
     shot(&b, "task.png").await;
-    b.resize(390, 844).await;
-    let overflow = b
-        .run(
-            "return document.documentElement.scrollWidth - window.innerWidth",
-            json!([]),
-        )
-        .await;
-    assert!(
-        overflow.as_i64().unwrap() <= 0,
-        "the task page scrolls sideways at 390 px: {overflow}"
-    );
+    fits_a_phone(&b, "the task page").await;
     shot(&b, "task-phone.png").await;
     b.resize(1280, 900).await;
 
     // Another task, cancelled while its block waits.
-    b.goto(&format!("http://{addr}/")).await;
-    b.wait(
-        "the task list",
-        "return document.getElementById('task-text')",
-        limit,
-    )
-    .await;
-    b.type_into("#task-text", other).await;
-    b.click("#submit").await;
+    open_list(&b, &addr).await;
+    submit(&b, other).await;
     b.wait(
         "the approval card",
         "return document.querySelector('.approval .approve')",
-        limit,
+        LIMIT,
     )
     .await;
     b.click("#cancel").await;
     b.wait(
         "the finished state",
         &format!("{STATE} === 'finished'"),
-        limit,
+        LIMIT,
     )
     .await;
     let stop = b
@@ -251,15 +269,8 @@ async fn the_page_submits_streams_approves_and_cancels_and_model_markup_stays_te
     assert_eq!(stop, json!("cancelled"));
 
     // Edited on the page, then denied with a reason the model hears.
-    b.goto(&format!("http://{addr}/")).await;
-    b.wait(
-        "the form",
-        "return document.getElementById('task-text')",
-        limit,
-    )
-    .await;
-    b.type_into("#task-text", edited).await;
-    b.click("#submit").await;
+    open_list(&b, &addr).await;
+    submit(&b, edited).await;
     let card = |n: u32, part: &str| format!(".approval[data-n=\"{n}\"] {part}");
     b.wait(
         "the first card",
@@ -267,7 +278,7 @@ async fn the_page_submits_streams_approves_and_cancels_and_model_markup_stays_te
             "return document.querySelector('{}')",
             card(1, ".approve-edited")
         ),
-        limit,
+        LIMIT,
     )
     .await;
     b.run(
@@ -282,18 +293,13 @@ async fn the_page_submits_streams_approves_and_cancels_and_model_markup_stays_te
     b.wait(
         "the second card",
         &format!("return document.querySelector('{}')", card(2, ".deny")),
-        limit,
+        LIMIT,
     )
     .await;
     b.type_into(&card(2, ".approval-reason"), "not needed")
         .await;
     b.click(&card(2, ".deny")).await;
-    b.wait(
-        "the end",
-        "return document.getElementById('transcript').dataset.complete === 'true'",
-        limit,
-    )
-    .await;
+    wait_complete(&b, "the end").await;
     let output = b
         .run(
             "return [...document.querySelectorAll('.output')].map(o => o.textContent).join('|')",
@@ -313,7 +319,7 @@ async fn the_page_submits_streams_approves_and_cancels_and_model_markup_stays_te
         .wait(
             "three rows",
             "const r = [...document.querySelectorAll('.task-row')]; return r.length === 3 && r.map(x => x.querySelector('.state').textContent + ' ' + x.querySelector('.stop').textContent)",
-            limit,
+            LIMIT,
         )
         .await;
     assert_eq!(
@@ -331,15 +337,14 @@ async fn the_page_submits_streams_approves_and_cancels_and_model_markup_stays_te
     b.wait(
         "the new row, live",
         "return document.querySelectorAll('.task-row').length === 4",
-        limit,
+        LIMIT,
     )
     .await;
     // The form takes an executor and a team file, which the daemon turns into the task's team.
-    b.type_into("#task-text", "web: a team").await;
     b.wait(
         "the executors",
         "return document.querySelector('#executor option[value=local]')",
-        limit,
+        LIMIT,
     )
     .await;
     b.click("#executor option[value=local]").await;
@@ -349,15 +354,7 @@ async fn the_page_submits_streams_approves_and_cancels_and_model_markup_stays_te
         &team_file.canonicalize().unwrap().display().to_string(),
     )
     .await;
-    b.click("#submit").await;
-    let path = b
-        .wait(
-            "the team task's page",
-            "return location.pathname.startsWith('/tasks/') && location.pathname",
-            limit,
-        )
-        .await;
-    let id = path.as_str().unwrap().trim_start_matches("/tasks/");
+    let id = submit(&b, "web: a team").await;
     let record = d.get(&format!("/v1/tasks/{id}")).await;
     assert_eq!(record["spec"]["task"], "web: a team");
     assert_eq!(record["spec"]["executor"], "local");
@@ -366,20 +363,10 @@ async fn the_page_submits_streams_approves_and_cancels_and_model_markup_stays_te
     b.wait(
         "five rows",
         "return document.querySelectorAll('.task-row').length === 5",
-        limit,
+        LIMIT,
     )
     .await;
-    b.resize(390, 844).await;
-    let overflow = b
-        .run(
-            "return document.documentElement.scrollWidth - window.innerWidth",
-            json!([]),
-        )
-        .await;
-    assert!(
-        overflow.as_i64().unwrap() <= 0,
-        "the list scrolls sideways at 390 px"
-    );
+    fits_a_phone(&b, "the list").await;
     shot(&b, "list-phone.png").await;
     b.quit().await;
 }
@@ -545,14 +532,13 @@ async fn ten_thousand_tasks_and_a_five_thousand_event_transcript_stay_usable() {
 
     let b = Browser::start(1280, 900).await;
     sign_in(&b, &addr, &token).await;
-    let limit = Duration::from_secs(30);
     // A fresh load of the list, token already given: the first page only, from the server.
     b.goto(&format!("http://{addr}/")).await;
     let list_ms = b
         .wait(
             "the first page",
             "return window.tandemTiming && window.tandemTiming.listRendered",
-            limit,
+            LIMIT,
         )
         .await;
     let rows = b
@@ -566,7 +552,7 @@ async fn ten_thousand_tasks_and_a_five_thousand_event_transcript_stay_usable() {
     b.wait(
         "the second page",
         "return document.querySelectorAll('.task-row').length === 100",
-        limit,
+        LIMIT,
     )
     .await;
 
@@ -576,7 +562,7 @@ async fn ten_thousand_tasks_and_a_five_thousand_event_transcript_stay_usable() {
         .wait(
             "the whole transcript",
             "const t = window.tandemTiming; return t && t.complete && t",
-            limit,
+            LIMIT,
         )
         .await;
     let wall = started.elapsed();
@@ -621,12 +607,7 @@ async fn ten_thousand_tasks_and_a_five_thousand_event_transcript_stay_usable() {
 
     // A nested team's turns are folded under its path; the top team's are not.
     b.goto(&format!("http://{addr}/tasks/nestedteam")).await;
-    b.wait(
-        "the team transcript",
-        "return document.getElementById('transcript').dataset.complete === 'true'",
-        limit,
-    )
-    .await;
+    wait_complete(&b, "the team transcript").await;
     let folded = b
         .run(
             "return [...document.querySelectorAll('#transcript details.nested')].map(d => \
