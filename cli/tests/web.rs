@@ -633,7 +633,7 @@ async fn ten_thousand_tasks_and_a_five_thousand_event_transcript_stay_usable() {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_page_is_served_without_the_token_under_a_strict_policy_and_the_api_is_not() {
     let server = ScriptedOpenAi::start(Script::new()).await.unwrap();
-    let (_d, addr, token) = start_tcp(&server, "").await;
+    let (d, addr, token) = start_tcp(&server, "").await;
     let http = reqwest::Client::new();
     for (path, kind) in [
         ("/", "text/html; charset=utf-8"),
@@ -667,23 +667,9 @@ async fn the_page_is_served_without_the_token_under_a_strict_policy_and_the_api_
         assert_eq!(resp.status(), 401, "{path}");
     }
     // A page that only inserts text, and no inline script for the policy to need.
-    let html = http
-        .get(format!("http://{addr}/"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let html = d.text("/").await;
     assert!(!html.contains("<script>") && !html.contains(" style=") && !html.contains(" onclick="));
-    let js = http
-        .get(format!("http://{addr}/assets/app.js"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let js = d.text("/assets/app.js").await;
     for sink in [
         "innerHTML",
         "outerHTML",
