@@ -31,6 +31,41 @@ pub struct FileConfig {
     /// `[approval]`: which blocks wait for a person (docs/approval.md).
     #[serde(default)]
     pub approval: tandem_protocol::ApprovalPolicy,
+    /// `[sessions]`: how many sandboxes a daemon keeps open at once.
+    #[serde(default)]
+    pub sessions: SessionsSection,
+    /// `[teams]`: how large a team a daemon runs.
+    #[serde(default)]
+    pub teams: tandem_protocol::team::TeamBounds,
+    /// `[server]`: what a TCP peer of the daemon may hold.
+    #[serde(default)]
+    pub server: ServerSection,
+}
+
+/// `[sessions]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SessionsSection {
+    /// Most sandbox sessions open at once, all executors together (default 4 x
+    /// --max-concurrent).
+    pub max: Option<usize>,
+    /// Longest a block waits for a free sandbox before it fails (default 120 s).
+    pub wait_secs: Option<u64>,
+    /// Most sessions of one executor open at once, by name.
+    #[serde(default)]
+    pub executors: BTreeMap<String, usize>,
+}
+
+/// `[server]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerSection {
+    /// Seconds a TCP connection may take to send a request's headers or sit idle (default 30).
+    pub header_timeout_secs: Option<u64>,
+    /// Most TCP connections at once (default 512).
+    pub max_connections: Option<usize>,
+    /// Most TCP connections at once that have not sent the token yet (default 64).
+    pub max_unauthenticated: Option<usize>,
 }
 
 /// `[policy]`: what API clients of a daemon may ask for.
@@ -293,6 +328,76 @@ pub fn models_dir(file: &FileConfig) -> Result<PathBuf> {
 /// The Hugging Face hub's endpoint: `HF_ENDPOINT`, as the hub's own clients read it.
 pub fn hub_endpoint() -> String {
     env("HF_ENDPOINT").unwrap_or_else(|| "https://huggingface.co".to_owned())
+}
+
+/// The caps on open sandbox sessions, from `[sessions]`, for a daemon running
+/// `max_concurrent` tasks at once.
+pub fn sessions(file: &FileConfig, max_concurrent: usize) -> Result<tandem_executor::BudgetConfig> {
+    let s = &file.sessions;
+    let max = match s.max {
+        Some(0) => bail!("[sessions] max must be at least 1"),
+        Some(n) => n,
+        None => max_concurrent.saturating_mul(4),
+    };
+    let wait = match s.wait_secs {
+        Some(0) => bail!("[sessions] wait_secs must be at least 1"),
+        Some(n) => Duration::from_secs(n),
+        None => Duration::from_secs(120),
+    };
+    if let Some((name, _)) = s.executors.iter().find(|(_, n)| **n == 0) {
+        bail!("[sessions.executors] {name} must be at least 1");
+    }
+    let mut config = tandem_executor::BudgetConfig::new(max, wait);
+    config.per_executor = s.executors.clone();
+    Ok(config)
+}
+
+/// How large a team may be, from `[teams]`, within the ceilings that keep checking it safe.
+pub fn teams(file: &FileConfig) -> Result<tandem_protocol::team::TeamBounds> {
+    use tandem_protocol::team::TeamBounds;
+    let t = file.teams;
+    for (key, value, ceiling) in [
+        ("max_depth", t.max_depth, TeamBounds::DEPTH_CEILING),
+        ("max_agents", t.max_agents, TeamBounds::AGENTS_CEILING),
+        ("max_parallel", t.max_parallel, TeamBounds::AGENTS_CEILING),
+    ] {
+        if !(1..=ceiling).contains(&value) {
+            bail!("[teams] {key} is {value}; give a number from 1 to {ceiling}");
+        }
+    }
+    Ok(t)
+}
+
+/// The TCP listener's bounds, from `[server]`.
+pub fn conn_limits(file: &FileConfig) -> Result<tandem_daemon::ConnLimits> {
+    let s = &file.server;
+    let defaults = tandem_daemon::ConnLimits::default();
+    let at_least_one = |value: Option<u64>, key: &str, default: u64| match value {
+        Some(0) => bail!("[server] {key} must be at least 1"),
+        Some(n) => Ok(n),
+        None => Ok(default),
+    };
+    let count = |value: Option<usize>, key: &str, default: usize| {
+        at_least_one(value.map(|n| n as u64), key, default as u64)
+            .map(|n| usize::try_from(n).unwrap_or(usize::MAX))
+    };
+    Ok(tandem_daemon::ConnLimits {
+        header_timeout: Duration::from_secs(at_least_one(
+            s.header_timeout_secs,
+            "header_timeout_secs",
+            defaults.header_timeout.as_secs(),
+        )?),
+        max_connections: count(
+            s.max_connections,
+            "max_connections",
+            defaults.max_connections,
+        )?,
+        max_unauthenticated: count(
+            s.max_unauthenticated,
+            "max_unauthenticated",
+            defaults.max_unauthenticated,
+        )?,
+    })
 }
 
 /// The daemon's policy for API clients, from `[policy]`.

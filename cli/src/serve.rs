@@ -317,6 +317,7 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
         Listeners {
             unix: Some(unix),
             tcp,
+            limits: config::conn_limits(&file)?,
         },
         tandem_daemon::api::DEFAULT_BODY_LIMIT,
         grace,
@@ -339,6 +340,15 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
     // as the same user (the local executor) must not read them from /proc/<daemon>/environ,
     // mem or fd. A non-dumpable process's /proc entries belong to root.
     nix::sys::prctl::set_dumpable(false).context("cannot make the daemon non-dumpable")?;
+    // TCP connections are capped well below the hard limit ([server] max_connections), so
+    // with the soft limit raised to it the Unix socket, the store and sandboxes keep
+    // descriptors whatever a TCP peer holds.
+    {
+        use nix::sys::resource::{Resource, getrlimit, setrlimit};
+        if let Ok((_, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+            let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
+        }
+    }
     let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
     std::fs::create_dir_all(&state_dir)
         .with_context(|| format!("cannot create the state dir {}", state_dir.display()))?;
@@ -356,6 +366,10 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
         Some(n) => n,
         None => 2 * std::thread::available_parallelism().map_or(1, |n| n.get()),
     };
+    // Read before anything slow starts, so a mistake in them is told at once.
+    let sessions = config::sessions(file, max_concurrent)?;
+    let teams = config::teams(file)?;
+    config::conn_limits(file)?;
     let store = Arc::new(
         Store::open(&state_dir.join("tandem.db")).context("cannot open the task database")?,
     );
@@ -503,6 +517,8 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
             policy,
             local_model,
             approval: file.approval.clone(),
+            sessions,
+            teams,
         },
     );
 

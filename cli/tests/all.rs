@@ -7,6 +7,7 @@ mod daemon;
 mod e2e;
 mod embedded;
 mod hostile;
+mod limits;
 mod mcp;
 mod new_user;
 mod plugins;

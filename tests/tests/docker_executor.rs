@@ -386,3 +386,45 @@ async fn warm_pool_serves_sessions_and_never_reuses_a_container() {
         "shutdown left pooled containers"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kept_workdir_keeps_the_hosts_files_and_gets_its_mode_back() {
+    use std::os::unix::fs::PermissionsExt;
+    let executor = docker().await;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let kept = dir.path().join("keep.txt");
+    std::fs::write(&kept, "the host's\n").unwrap();
+    std::fs::set_permissions(&kept, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let mut s = tandem_executor::Executor::open(
+        &*executor,
+        SessionSpec {
+            workdir: Some(dir.path().to_owned()),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    // The block is another user: it cannot write the host's file, so it tries to replace it
+    // by renaming its own over it, and to remove it.
+    let out = run(
+        &mut *s,
+        "sh",
+        "echo planted > p; mv -f p keep.txt; rm -f keep.txt; ls",
+    )
+    .await;
+    s.close().await.unwrap();
+    assert_eq!(
+        std::fs::read_to_string(&kept).unwrap(),
+        "the host's\n",
+        "the block replaced the host's file: {}",
+        out.stderr.to_text()
+    );
+    // Its own files it still makes, and the directory has its mode back.
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("p")).unwrap(),
+        "planted\n"
+    );
+    let mode = std::fs::metadata(dir.path()).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode, 0o755, "the workdir was left {mode:o}");
+}

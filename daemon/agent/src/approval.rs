@@ -310,24 +310,10 @@ impl ApprovalGate {
         code: &str,
         opts: &RunOptions,
     ) -> Option<Result<String, String>> {
-        let (turn, events, cancel) = (opts.turn, &opts.events, &opts.cancel);
+        let (turn, cancel) = (opts.turn, &opts.cancel);
         match self.verdict(language, executor, code) {
             Verdict::Run => Some(Ok(code.to_owned())),
-            Verdict::Deny { rule } => {
-                events(EventMsg::ApprovalDecided {
-                    turn,
-                    index,
-                    n: 0,
-                    decision: Decision::Deny,
-                    by: "rule".to_owned(),
-                    code: None,
-                    reason: None,
-                    rule: Some(rule.clone()),
-                });
-                Some(Err(format!(
-                    "the operator's approval policy does not allow this code (deny rule `{rule}`)"
-                )))
-            }
+            Verdict::Deny { rule } => Some(Err(denied_by_rule(opts, index, &rule, None))),
             Verdict::Ask { rule, reason } => {
                 let Some(approver) = &self.approver else {
                     return Some(Err(format!(
@@ -344,7 +330,17 @@ impl ApprovalGate {
                 };
                 let ruling = approver.decide(ask, self.timeout, cancel).await?;
                 Some(match ruling.decision {
-                    Decision::Approve => Ok(ruling.code.unwrap_or_else(|| code.to_owned())),
+                    // An approver's edit is new code: the deny rules hold for it as for the
+                    // model's, so an approval cannot carry what a rule refuses.
+                    Decision::Approve => match ruling.code {
+                        Some(edited) => match self.verdict(language, executor, &edited) {
+                            Verdict::Deny { rule } => {
+                                Err(denied_by_rule(opts, index, &rule, Some("the edited code")))
+                            }
+                            Verdict::Run | Verdict::Ask { .. } => Ok(edited),
+                        },
+                        None => Ok(code.to_owned()),
+                    },
                     Decision::Deny => Err(match (ruling.by.as_str(), ruling.reason) {
                         ("timeout", _) => format!(
                             "no one approved it within {} s, so it was denied",
@@ -359,6 +355,25 @@ impl ApprovalGate {
             }
         }
     }
+}
+
+/// Tells that deny rule `rule` refused block `index` (its `what`, when not the model's code),
+/// and returns what the model is told.
+fn denied_by_rule(opts: &RunOptions, index: u32, rule: &str, what: Option<&str>) -> String {
+    (opts.events)(EventMsg::ApprovalDecided {
+        turn: opts.turn,
+        index,
+        n: 0,
+        decision: Decision::Deny,
+        by: "rule".to_owned(),
+        code: None,
+        reason: what.map(str::to_owned),
+        rule: Some(rule.to_owned()),
+    });
+    format!(
+        "the operator's approval policy does not allow {} (deny rule `{rule}`)",
+        what.unwrap_or("this code")
+    )
 }
 
 #[cfg(test)]

@@ -69,9 +69,26 @@ impl SessionSlot {
         Some(e.to_string())
     }
 
-    async fn session(&mut self) -> Result<&mut Box<dyn Session>, ExecError> {
+    /// Most blocks of one reply that run in this session.
+    pub fn blocks_per_reply(&self) -> usize {
+        self.spec.limits.blocks_per_reply.max(1)
+    }
+
+    /// The session, opened on first use; waiting for a free sandbox ends when `cancel` fires.
+    async fn session(
+        &mut self,
+        cancel: &CancellationToken,
+    ) -> Result<&mut Box<dyn Session>, ExecError> {
         if self.session.is_none() {
-            self.session = Some(self.executor.open(self.spec.clone()).await?);
+            let opened = tokio::select! {
+                opened = self.executor.open(self.spec.clone()) => opened?,
+                () = cancel.cancelled() => {
+                    return Err(ExecError::Backend(
+                        "the task stopped while it waited for a sandbox".to_owned(),
+                    ));
+                }
+            };
+            self.session = Some(opened);
         }
         self.session
             .as_mut()
@@ -200,12 +217,15 @@ pub struct RunOptions {
 }
 
 /// Runs `blocks` in order in one session; the first failure stops the rest, which are
-/// reported as not run. `Err` means the sandbox broke, not the program.
+/// reported as not run. Blocks past the session's `blocks_per_reply` are left out, with no
+/// event each ([`report`] tells the model how many). `Err` means the sandbox broke, not the
+/// program.
 pub async fn run_blocks(
     slot: &mut SessionSlot,
     blocks: &[CodeBlock],
     opts: &RunOptions,
 ) -> Result<Vec<BlockRun>, ExecError> {
+    let blocks = &blocks[..blocks.len().min(slot.blocks_per_reply())];
     let mut runs = Vec::with_capacity(blocks.len());
     let mut failed = false;
     for (i, block) in blocks.iter().enumerate() {
@@ -313,7 +333,7 @@ async fn run_one(
     let ctx = ExecContext::new(opts.cancel.child_token()).with_sink(Arc::new(sink));
     let mut req = ExecRequest::new(language.clone(), code.to_owned());
     req.timeout = opts.timeout;
-    let outcome = slot.session().await?.run(req, ctx).await;
+    let outcome = slot.session(&opts.cancel).await?.run(req, ctx).await;
     // Whatever is left is a character the program never finished.
     for stream in [OutputStream::Stdout, OutputStream::Stderr] {
         emit(stream, &[], true);
@@ -412,6 +432,7 @@ pub fn exit_code_of(result: &BlockResult) -> i32 {
 /// when none of them was a program.
 pub fn report(
     runs: &[BlockRun],
+    left_out: usize,
     block_timeout: Duration,
     output_cap: usize,
     no_code: &str,
@@ -467,6 +488,13 @@ pub fn report(
             )),
             _ => {}
         }
+    }
+    if left_out > 0 {
+        notes.push(format!(
+            "Your reply had {} code blocks; at most {} are taken from one reply, so the last {left_out} were not run. Send fewer blocks: put steps that belong together in one.",
+            runs.len() + left_out,
+            runs.len()
+        ));
     }
     let last = ran
         .iter()

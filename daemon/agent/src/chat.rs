@@ -462,6 +462,11 @@ impl ChatModel {
                 ),
             ),
         };
+        // The key itself, however the server wrapped it.
+        let message = match self.config.api_key.as_deref().filter(|k| k.len() >= 4) {
+            Some(key) => message.replace(key, "[redacted]"),
+            None => message,
+        };
         ModelError {
             code,
             message,
@@ -522,12 +527,41 @@ fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
     one_line(&cur.to_string())
 }
 
+/// What a server said, as one line of at most 200 characters with anything that looks like
+/// a credential replaced: it is stored with the task and shown to API clients, and a server
+/// (or a proxy before it) may echo the request's headers into its error.
 fn one_line(s: &str) -> String {
     let flat = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    // Scrubbed whole, before the cut, so that no prefix of a key survives at the edge.
+    let flat = scrub_credentials(&flat);
     match flat.char_indices().nth(200) {
         Some((at, _)) => format!("{}…", &flat[..at]),
         None => flat,
     }
+}
+
+/// `text` with bearer tokens, `sk-` keys and the values of key-, token-, secret-, password-
+/// and authorization-named fields replaced by `[redacted]`.
+pub fn scrub_credentials(text: &str) -> String {
+    static PATTERNS: std::sync::LazyLock<Vec<(regex::Regex, &'static str)>> =
+        std::sync::LazyLock::new(|| {
+            [
+                (r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=:-]{4,}", "$1 [redacted]"),
+                (
+                    r#"(?i)([A-Za-z0-9_-]*(?:authorization|api[-_ ]?key|token|secret|password|passwd|credential)[A-Za-z0-9_-]*["']?\s*[:=]\s*["']?)(?:bearer\s+|basic\s+)?[^\s"',;}&]{4,}"#,
+                    "${1}[redacted]",
+                ),
+                (r"\b(?:sk|pk|rk)-[A-Za-z0-9_-]{8,}", "[redacted]"),
+            ]
+            .into_iter()
+            .filter_map(|(pattern, with)| regex::Regex::new(pattern).ok().map(|r| (r, with)))
+            .collect()
+        });
+    let mut out = text.to_owned();
+    for (pattern, with) in PATTERNS.iter() {
+        out = pattern.replace_all(&out, *with).into_owned();
+    }
+    out
 }
 
 /// Ollama and some proxies answer `{"error": "text"}` instead of an error object.

@@ -225,3 +225,35 @@ pub enum Aggregate {
     /// The inner conversation stays inside; the outer history gets its last message.
     Nested,
 }
+
+/// How large a team may be: the operator's `[teams]`, checked before anything of the team
+/// runs. Depth comes from names (agents list each other as members), so no parser's nesting
+/// limit bounds it; this does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TeamBounds {
+    /// Most teams nested inside one another, the top one counted.
+    pub max_depth: usize,
+    /// Most agents, the top one counted.
+    pub max_agents: usize,
+    /// Most members of one `parallel`, which run at once.
+    pub max_parallel: usize,
+}
+
+impl TeamBounds {
+    /// The largest `max_depth` an operator may set: checking and running a team recurses
+    /// once per level, and this many levels fit a worker thread's stack many times over.
+    pub const DEPTH_CEILING: usize = 64;
+    /// The largest `max_agents` an operator may set.
+    pub const AGENTS_CEILING: usize = 1024;
+}
+
+impl Default for TeamBounds {
+    fn default() -> Self {
+        Self {
+            max_depth: 8,
+            max_agents: 64,
+            max_parallel: 8,
+        }
+    }
+}

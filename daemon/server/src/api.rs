@@ -96,6 +96,24 @@ async fn blocking<T: Send + 'static>(
     })?
 }
 
+/// A TCP connection's place among those that have not shown the token, given up by its
+/// first request that does.
+#[derive(Clone)]
+pub struct Unauthenticated(Arc<std::sync::Mutex<Option<tokio::sync::OwnedSemaphorePermit>>>);
+
+impl Unauthenticated {
+    /// A connection holding `permit` until it authenticates.
+    pub fn new(permit: tokio::sync::OwnedSemaphorePermit) -> Self {
+        Self(Arc::new(std::sync::Mutex::new(Some(permit))))
+    }
+
+    fn authenticated(&self) {
+        if let Ok(mut permit) = self.0.lock() {
+            permit.take();
+        }
+    }
+}
+
 #[derive(Clone)]
 struct AppState {
     supervisor: Arc<Supervisor>,
@@ -143,6 +161,11 @@ pub fn router(
                     .get(header::AUTHORIZATION)
                     .and_then(|v| v.to_str().ok());
                 if given.is_some_and(|g| bool::from(subtle::ConstantTimeEq::ct_eq(g.as_bytes(), expected.as_bytes()))) {
+                    // The connection has shown the token: it no longer counts against the
+                    // cap on connections that have not.
+                    if let Some(pending) = req.extensions().get::<Unauthenticated>() {
+                        pending.authenticated();
+                    }
                     next.run(req).await
                 } else {
                     ApiError::new(
@@ -231,7 +254,7 @@ const MAX_PAGE: usize = 500;
 async fn list_tasks(
     State(state): State<AppState>,
     Query(query): Query<HashMap<String, String>>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Response, ApiError> {
     if let Some(key) = query
         .keys()
         .find(|k| !["state", "limit", "before"].contains(&k.as_str()))
@@ -268,22 +291,81 @@ async fn list_tasks(
         ));
     }
     match limit {
-        // Without a limit: every task, oldest first, as before paging existed.
-        None => {
-            let tasks = blocking(&state.supervisor, move |sup| {
-                Ok(sup.store().list(filter)?)
-            })
-            .await?;
-            Ok(Json(json!({ "tasks": tasks })))
-        }
+        // Without a limit: every task, oldest first, as before paging existed. Streamed a
+        // chunk at a time, so the daemon holds one chunk per listing however large the store.
+        None => Ok(stream_tasks(state.supervisor.clone(), filter)),
         Some(limit) => {
             let (tasks, next) = blocking(&state.supervisor, move |sup| {
                 Ok(sup.store().page(filter, before.as_deref(), limit)?)
             })
             .await?;
-            Ok(Json(json!({ "tasks": tasks, "next": next })))
+            Ok(Json(json!({ "tasks": tasks, "next": next })).into_response())
         }
     }
+}
+
+/// Tasks the unpaged listing reads from the store and writes out at a time.
+const LIST_CHUNK: usize = 4;
+
+/// `{"tasks": [...]}` with every task in `state`, written as the store is read. A store
+/// failure midway ends the body early (the client sees a cut-off answer, not a short list).
+fn stream_tasks(sup: Arc<Supervisor>, state: Option<TaskState>) -> Response {
+    let (tx, mut rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(1);
+    tokio::spawn(async move {
+        if tx
+            .send(Ok(Bytes::from_static(b"{\"tasks\":[")))
+            .await
+            .is_err()
+        {
+            return;
+        }
+        let mut after: Option<String> = None;
+        let mut first = true;
+        loop {
+            let from = after.clone();
+            let chunk = sup
+                .off_thread(move |sup| sup.store().list_after(state, from.as_deref(), LIST_CHUNK))
+                .await;
+            let read = match chunk {
+                Ok(Ok(tasks)) => Ok(tasks),
+                Ok(Err(e)) => Err(std::io::Error::other(e)),
+                Err(e) => Err(std::io::Error::other(e)),
+            };
+            let tasks = match read {
+                Ok(tasks) => tasks,
+                Err(e) => {
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
+            };
+            let mut out = Vec::new();
+            for task in &tasks {
+                if !first {
+                    out.push(b',');
+                }
+                first = false;
+                if let Err(e) = serde_json::to_writer(&mut out, task) {
+                    let _ = tx.send(Err(std::io::Error::other(e))).await;
+                    return;
+                }
+            }
+            // A client that left stops the reading.
+            if tx.send(Ok(Bytes::from(out))).await.is_err() {
+                return;
+            }
+            match tasks.last() {
+                Some(last) if tasks.len() == LIST_CHUNK => after = Some(last.id.clone()),
+                _ => break,
+            }
+        }
+        let _ = tx.send(Ok(Bytes::from_static(b"]}"))).await;
+    });
+    let stream = futures::stream::poll_fn(move |cx| rx.poll_recv(cx));
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        Body::from_stream(stream),
+    )
+        .into_response()
 }
 
 async fn decide_approval(
@@ -328,7 +410,7 @@ async fn parse_team(
                 tandem_agent::team::path_error(&e)
             ))
         })?;
-    tandem_agent::team::check(&spec).map_err(|e| {
+    state.supervisor.check_team_spec(&spec).map_err(|e| {
         ApiError::invalid(format!("the team file does not check: {}", e.0.join("; ")))
     })?;
     Ok(Json(json!({ "team": spec })))
@@ -417,7 +499,11 @@ async fn healthz(State(state): State<AppState>) -> (StatusCode, Json<serde_json:
 
 async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
     let text = blocking(&state.supervisor, |sup| {
-        Ok(sup.metrics.render(&sup.store().counts()?))
+        let open = sup
+            .executors()
+            .budget()
+            .map_or(0, tandem_executor::Budget::in_use);
+        Ok(sup.metrics.render(&sup.store().counts()?, open))
     })
     .await?;
     Ok(([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response())

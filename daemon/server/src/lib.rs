@@ -13,6 +13,6 @@ pub mod web;
 mod writer;
 
 pub use policy::{Endpoint, Policy};
-pub use serve::{Listeners, bind_unix, serve};
+pub use serve::{ConnLimits, Listeners, bind_unix, serve};
 pub use store::{Store, StoreError, TaskRecord, TaskState};
 pub use supervisor::{Supervisor, SupervisorConfig, TaskDefaults, TaskError};

@@ -14,6 +14,7 @@
 //! [`SESSION_IDLE`] without use.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -39,7 +40,11 @@ pub const MAX_CODE_BYTES: usize = 1 << 20;
 /// How long an `execute_code` session lives unused.
 pub const SESSION_IDLE: Duration = Duration::from_secs(600);
 /// Most sessions one connection may hold at once.
-const MAX_SESSIONS: usize = 32;
+const MAX_SESSIONS: usize = 8;
+/// Most tool calls one connection may have running at once.
+const MAX_CALLS: usize = 4;
+/// Most MCP connections the daemon serves at once over HTTP.
+pub const MAX_CONNECTIONS: usize = 64;
 /// Transcripts `resources/list` shows: the latest tasks.
 const LISTED_TASKS: usize = 50;
 
@@ -48,12 +53,24 @@ const LISTED_TASKS: usize = 50;
 pub struct TandemMcp {
     supervisor: Arc<Supervisor>,
     sessions: Arc<Sessions>,
+    calls: Arc<tokio::sync::Semaphore>,
 }
 
 /// A connection's `execute_code` sessions by id.
 #[derive(Default)]
 pub struct Sessions {
     map: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Entry>>>>,
+    /// Counts the connection among the daemon's while it lives.
+    _counted: Option<Counted>,
+}
+
+/// One of the daemon's MCP connections; dropping it frees its place.
+struct Counted(Arc<AtomicUsize>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 struct Entry {
@@ -126,7 +143,15 @@ impl Drop for Sessions {
 impl TandemMcp {
     /// A server for one connection; its idle sessions are closed in the background.
     pub fn new(supervisor: Arc<Supervisor>) -> Self {
-        let sessions = Arc::new(Sessions::default());
+        Self::counted(supervisor, None)
+    }
+
+    /// A server for one connection counted in `live` while it lives.
+    fn counted(supervisor: Arc<Supervisor>, live: Option<Arc<AtomicUsize>>) -> Self {
+        let sessions = Arc::new(Sessions {
+            map: Mutex::default(),
+            _counted: live.map(Counted),
+        });
         let weak: Weak<Sessions> = Arc::downgrade(&sessions);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(SESSION_IDLE / 10);
@@ -141,6 +166,7 @@ impl TandemMcp {
         Self {
             supervisor,
             sessions,
+            calls: Arc::new(tokio::sync::Semaphore::new(MAX_CALLS)),
         }
     }
 
@@ -209,6 +235,30 @@ impl TandemMcp {
                 .map_err(|_| ErrorData::invalid_params("timeout_secs is too large", None))?;
             request.timeout = Some(asked.min(policy.max_block_timeout));
         }
+        // The operator's approval policy holds here as in a task. No one can be asked in the
+        // middle of a tool call, so a block that needs a person is refused with the way to
+        // get one: a task, whose blocks wait for approval.
+        let gate = tandem_agent::ApprovalGate::new(self.supervisor.approval(), None)
+            .map_err(|e| ErrorData::internal_error(format!("approval: {e}"), None))?;
+        match gate.verdict(&language, sandbox.as_ref(), &request.code) {
+            tandem_agent::approval::Verdict::Run => {}
+            tandem_agent::approval::Verdict::Deny { rule } => {
+                return Ok(declined(format!(
+                    "declined: the operator's approval policy does not allow this code (deny rule `{rule}`)"
+                )));
+            }
+            tandem_agent::approval::Verdict::Ask { reason, .. } => {
+                return Ok(declined(format!(
+                    "declined: this code needs a person's approval ({reason}), and execute_code cannot wait for one; use run_task, whose blocks wait for approval in the daemon"
+                )));
+            }
+        }
+        // Like a task, a call takes one of the daemon's execution slots while it runs.
+        let _slot = self
+            .supervisor
+            .execution_slot(&context.ct)
+            .await
+            .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
         let ctx = ExecContext::new(context.ct.clone());
         let limits = defaults.limits.clone();
         let outcome = match session_id {
@@ -445,6 +495,13 @@ async fn open(
         .map_err(|e| ErrorData::internal_error(format!("opening a sandbox failed: {e}"), None))
 }
 
+/// A call's result when the block was not run: an error result the client's model reads.
+fn declined(text: String) -> CallToolResult {
+    let mut result = CallToolResult::error(vec![ContentBlock::text(text.clone())]);
+    result.structured_content = Some(json!({"status": "declined", "reason": text}));
+    result
+}
+
 fn outcome_result(outcome: &ExecOutcome, session_id: Option<&Value>) -> CallToolResult {
     let (status, exit_code) = match outcome.status {
         ExitStatus::Exited(code) => ("exited".to_owned(), Some(code)),
@@ -548,6 +605,14 @@ impl ServerHandler for TandemMcp {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, ErrorData> {
         let args = request.arguments.unwrap_or_default();
+        let Ok(_call) = self.calls.clone().try_acquire_owned() else {
+            return Err(ErrorData::invalid_params(
+                format!(
+                    "this connection already has {MAX_CALLS} tool calls running; wait for one to end"
+                ),
+                None,
+            ));
+        };
         let result = match request.name.as_ref() {
             "execute_code" => self.execute_code(&args, &context).await?,
             "run_task" => self.run_task(&args, &context).await?,
@@ -566,12 +631,13 @@ impl ServerHandler for TandemMcp {
         _request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListResourcesResult, ErrorData> {
-        let mut tasks = self
+        // The newest tasks only, read off the async workers like every other store call.
+        let page = self
             .supervisor
-            .store()
-            .list(None)
+            .off_thread(|sup| sup.store().page(None, None, LISTED_TASKS))
+            .await
             .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
-        tasks.sort_by_key(|t| std::cmp::Reverse(t.created_ms));
+        let (tasks, _) = page.map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
         let resources = tasks
             .into_iter()
             .take(LISTED_TASKS)
@@ -666,8 +732,19 @@ pub fn http_service(
     let config = StreamableHttpServerConfig::default()
         .disable_allowed_hosts()
         .with_cancellation_token(shutdown.child_token());
+    let live = Arc::new(AtomicUsize::new(0));
     StreamableHttpService::new(
-        move || Ok(TandemMcp::new(supervisor.clone())),
+        move || {
+            // Each connection holds sessions and calls; past the cap a new one is refused
+            // (idle ones close after SESSION_IDLE and free their place).
+            if live.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
+                live.fetch_sub(1, Ordering::SeqCst);
+                return Err(std::io::Error::other(format!(
+                    "the daemon already serves {MAX_CONNECTIONS} MCP connections; close one or wait for an idle one to time out"
+                )));
+            }
+            Ok(TandemMcp::counted(supervisor.clone(), Some(live.clone())))
+        },
         Arc::new(sessions),
         config,
     )

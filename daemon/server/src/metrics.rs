@@ -35,6 +35,7 @@ pub struct Metrics {
     execution_seconds: Family<Labels, Histogram, fn() -> Histogram>,
     model_seconds: Histogram,
     tokens: Family<Labels, Counter>,
+    sessions: Gauge,
 }
 
 impl Default for Metrics {
@@ -46,6 +47,7 @@ impl Default for Metrics {
             execution_seconds: Family::new_with_constructor(latency),
             model_seconds: latency(),
             tokens: Family::default(),
+            sessions: Gauge::default(),
         };
         let mut registry = Registry::default();
         registry.register("tandem_tasks", "Tasks by state", m.tasks.clone());
@@ -68,6 +70,11 @@ impl Default for Metrics {
             "tandem_tokens",
             "Tokens used, by direction",
             m.tokens.clone(),
+        );
+        registry.register(
+            "tandem_sessions_open",
+            "Sandbox sessions open now, every executor and road together",
+            m.sessions.clone(),
         );
         Self { registry, ..m }
     }
@@ -102,8 +109,11 @@ impl Metrics {
         }
     }
 
-    /// The text exposition ([`CONTENT_TYPE`]), with task counts by state.
-    pub fn render(&self, tasks_by_state: &[(TaskState, u64)]) -> String {
+    /// The text exposition ([`CONTENT_TYPE`]), with task counts by state and the sandbox
+    /// sessions open.
+    pub fn render(&self, tasks_by_state: &[(TaskState, u64)], sessions_open: usize) -> String {
+        self.sessions
+            .set(i64::try_from(sessions_open).unwrap_or(i64::MAX));
         for (state, n) in tasks_by_state {
             self.tasks
                 .get_or_create(&vec![("state", state.as_str().to_owned())])
@@ -128,7 +138,7 @@ mod tests {
             completion_tokens: 3,
         });
         m.model_latency(Duration::from_millis(20));
-        let text = m.render(&[(TaskState::Queued, 2)]);
+        let text = m.render(&[(TaskState::Queued, 2)], 3);
         for line in [
             "# TYPE tandem_tasks gauge",
             "tandem_tasks{state=\"queued\"} 2",
@@ -136,6 +146,7 @@ mod tests {
             "tandem_tokens_total{kind=\"completion\"} 3",
             "tandem_model_seconds_bucket{le=\"0.025\"} 1",
             "tandem_model_seconds_count 1",
+            "tandem_sessions_open 3",
             "# EOF",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} not in:\n{text}");

@@ -66,6 +66,31 @@ pub struct Listeners {
     pub unix: Option<UnixListener>,
     /// TCP, with the bearer token every request must carry.
     pub tcp: Option<(TcpListener, String)>,
+    /// What one TCP peer may hold.
+    pub limits: ConnLimits,
+}
+
+/// Bounds on TCP connections, whoever opens them: anyone who can reach the port can open
+/// them before showing a token, so none of these waits on the token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConnLimits {
+    /// Longest a connection may take to send a request's headers, and longest it may sit
+    /// idle between requests; then it is closed.
+    pub header_timeout: Duration,
+    /// Most TCP connections open at once.
+    pub max_connections: usize,
+    /// Most TCP connections open at once that have not yet sent a request with the token.
+    pub max_unauthenticated: usize,
+}
+
+impl Default for ConnLimits {
+    fn default() -> Self {
+        Self {
+            header_timeout: Duration::from_secs(30),
+            max_connections: 512,
+            max_unauthenticated: 64,
+        }
+    }
 }
 
 /// Serves the API until `shutdown` is cancelled; then takes no new tasks (503), gives running
@@ -101,10 +126,10 @@ pub async fn serve(
     if let Some((tcp, token)) = listeners.tcp {
         let app = api::router(supervisor.clone(), Some(token), body_limit, close.clone());
         let stop = close.clone();
+        let limits = listeners.limits;
         servers.spawn(async move {
-            axum::serve(tcp, app)
-                .with_graceful_shutdown(stop.cancelled_owned())
-                .await
+            serve_tcp(tcp, app, limits, stop).await;
+            Ok(())
         });
     }
     let mut result = Ok(());
@@ -126,4 +151,71 @@ pub async fn serve(
     shutdown.cancel();
     let _ = drain.await;
     result
+}
+
+/// Serves `app` on `tcp` within `limits` until `stop`; then lets open responses (event
+/// streams end with the daemon) finish, for at most a minute.
+async fn serve_tcp(
+    tcp: TcpListener,
+    app: axum::Router,
+    limits: ConnLimits,
+    stop: CancellationToken,
+) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use tokio::sync::Semaphore;
+
+    let open = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let unauthenticated = Arc::new(Semaphore::new(limits.max_unauthenticated.max(1)));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout);
+    loop {
+        let accepted = tokio::select! {
+            accepted = tcp.accept() => accepted,
+            () = stop.cancelled() => break,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors, most likely: the Unix socket must keep its own, so
+                // wait for connections to close rather than spin.
+                tracing::warn!(error = %e, "accepting a TCP connection failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        // Over a cap the connection is closed at once: a peer holding many learns it now,
+        // and they cost the daemon nothing while they wait.
+        let (Ok(slot), Ok(pending)) = (
+            open.clone().try_acquire_owned(),
+            unauthenticated.clone().try_acquire_owned(),
+        ) else {
+            tracing::debug!("a TCP connection over the caps was closed");
+            continue;
+        };
+        let pending = api::Unauthenticated::new(pending);
+        let app = app.clone();
+        let service = hyper::service::service_fn(
+            move |mut request: hyper::Request<hyper::body::Incoming>| {
+                request.extensions_mut().insert(pending.clone());
+                tower::ServiceExt::oneshot(app.clone(), request)
+            },
+        );
+        let connection = http.serve_connection(TokioIo::new(stream), service);
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "a TCP connection ended with an error");
+            }
+            drop(slot);
+        });
+    }
+    drop(tcp);
+    if tokio::time::timeout(Duration::from_secs(60), graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("some TCP connections were still open a minute after the shutdown");
+    }
 }

@@ -440,6 +440,30 @@ impl Store {
         Ok((tasks, next))
     }
 
+    /// At most `limit` tasks in queue order, after task `after` when given, optionally only
+    /// those in `state`: the unpaged listing reads the store this way, a chunk at a time.
+    pub fn list_after(
+        &self,
+        state: Option<TaskState>,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<TaskRecord>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = self.with(|c| {
+            let mut stmt = c.prepare_cached(&format!(
+                "SELECT {COLUMNS} FROM tasks
+                 WHERE (?1 IS NULL OR state = ?1)
+                   AND (?2 IS NULL OR queue_order > (SELECT queue_order FROM tasks WHERE id = ?2))
+                 ORDER BY queue_order LIMIT ?3"
+            ))?;
+            let rows = stmt
+                .query_map(params![state.map(TaskState::as_str), after, limit], raw_row)?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok(rows)
+        })?;
+        rows.into_iter().map(decode).collect()
+    }
+
     /// Events of a task with seq above `after`, in order.
     pub fn events_after(&self, id: &str, after: u64) -> Result<Vec<Event>> {
         let rows = self.with(|c| {

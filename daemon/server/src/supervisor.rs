@@ -70,6 +70,11 @@ pub struct SupervisorConfig {
     pub local_model: Option<Arc<dyn tandem_agent::chat::LocalModel>>,
     /// The operator's approval policy; a task's can only tighten it.
     pub approval: tandem_protocol::ApprovalPolicy,
+    /// Most sandbox sessions open at once, overall and per executor: every road that opens
+    /// one (tasks, teams, MCP) takes its permits from here.
+    pub sessions: tandem_executor::BudgetConfig,
+    /// How large a team may be.
+    pub teams: tandem_protocol::team::TeamBounds,
 }
 
 /// Why a request about tasks failed; the API turns these into 4xx/5xx answers.
@@ -131,7 +136,11 @@ pub fn now_ms() -> u64 {
 
 impl Supervisor {
     /// A supervisor over `store`; call [`Supervisor::recover`] before serving.
-    pub fn new(store: Arc<Store>, config: SupervisorConfig) -> Arc<Self> {
+    pub fn new(store: Arc<Store>, mut config: SupervisorConfig) -> Arc<Self> {
+        // The one place sessions are handed out: every executor a task, a team or MCP can
+        // reach comes from this registry, so each of their sessions holds a permit.
+        config.executors = std::mem::take(&mut config.executors)
+            .with_budget(tandem_executor::Budget::new(&config.sessions));
         let (live, _) = broadcast::channel(4096);
         let (writer, writes) = std::sync::mpsc::channel();
         let (writer_store, writer_live) = (store.clone(), live.clone());
@@ -251,6 +260,38 @@ impl Supervisor {
         self.slots.clone()
     }
 
+    /// A slot for an execution that is not a task (an MCP `execute_code` call): it waits
+    /// behind queued tasks like one, until `cancel` fires or the sessions' wait runs out.
+    pub(crate) async fn execution_slot(
+        &self,
+        cancel: &CancellationToken,
+    ) -> Result<tokio::sync::OwnedSemaphorePermit, TaskError> {
+        let wait = self.config.sessions.wait;
+        let busy = || {
+            TaskError::Unavailable(format!(
+                "no execution slot was free within {} s: this daemon runs {} at once (--max-concurrent); try again when a task ends",
+                wait.as_secs(),
+                self.config.max_concurrent
+            ))
+        };
+        tokio::select! {
+            permit = tokio::time::timeout(wait, self.slots.clone().acquire_owned()) => {
+                permit.map_err(|_| busy())?.map_err(|_| TaskError::ShuttingDown)
+            }
+            () = cancel.cancelled() => Err(TaskError::Conflict("the call was cancelled while it waited for a slot".to_owned())),
+        }
+    }
+
+    /// The operator's approval policy.
+    pub fn approval(&self) -> &tandem_protocol::ApprovalPolicy {
+        &self.config.approval
+    }
+
+    /// Checks a team within the operator's bounds.
+    pub fn check_team_spec(&self, team: &TeamSpec) -> Result<Node, tandem_agent::team::TeamErrors> {
+        tandem_agent::team::check_within(team, &self.config.teams)
+    }
+
     /// Moves task `id` to `state`, in order with its events.
     pub(crate) fn set_state(&self, id: &str, state: TaskState) {
         let _ = self
@@ -366,7 +407,7 @@ impl Supervisor {
     /// A team must check, and each of its agents stay within the policy: an executor that is
     /// offered, a model server that is allowed.
     fn check_team(&self, spec: &TaskSpec, team: &TeamSpec) -> Result<(), TaskError> {
-        let root = tandem_agent::team::check(team).map_err(|e| {
+        let root = self.check_team_spec(team).map_err(|e| {
             TaskError::Invalid(format!("the team does not check: {}", e.0.join("; ")))
         })?;
         let policy = &self.config.policy;
@@ -433,7 +474,7 @@ impl Supervisor {
                 ),
             );
         };
-        let root = match tandem_agent::team::check(team) {
+        let root = match self.check_team_spec(team) {
             Ok(root) => root,
             Err(e) => return fail(e.0.join("; ")),
         };
@@ -657,8 +698,11 @@ impl Supervisor {
         let Ok(permit) = permit else {
             return;
         };
-        // Shared with the approver, which gives it up while a block waits for a person.
+        // Shared with the approver, which gives it up while a block waits for a person. This
+        // handle keeps the slot for the whole run when there is no approver: dropping the
+        // last one gives the slot back.
         let permit = Arc::new(tokio::sync::Mutex::new(Some(permit)));
+        let _slot = permit.clone();
         // Through the writer, in order with the task's events, so the turn loop starts at once.
         self.set_state(id, TaskState::Running);
         let (mut settings, model, executor) = match self.prepare(id, &spec, history) {

@@ -52,6 +52,20 @@ pub enum ExecError {
         #[source]
         source: std::io::Error,
     },
+    /// Every sandbox the operator allows is in use, and none was freed in time.
+    #[error(
+        "no {executor} sandbox was free within {waited:?}: {cap} may be open at once ({which} in the daemon's config); try again when a task ends, or raise the cap"
+    )]
+    Busy {
+        /// Executor name.
+        executor: String,
+        /// The cap that was full.
+        cap: usize,
+        /// Where the operator sets that cap.
+        which: String,
+        /// How long the open waited.
+        waited: std::time::Duration,
+    },
     /// The backend failed in its own way (engine errors and the like).
     #[error("{0}")]
     Backend(String),

@@ -21,6 +21,7 @@
 //! A third-party executor depends on this crate alone; see `examples/custom-executor`.
 #![deny(missing_docs)]
 
+pub mod budget;
 mod capture;
 mod error;
 mod language;
@@ -37,6 +38,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use budget::{Budget, BudgetConfig};
 pub use capture::{CaptureBuffer, Captured};
 pub use error::ExecError;
 pub use language::{Language, join as join_languages};

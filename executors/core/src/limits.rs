@@ -20,7 +20,13 @@ pub struct Limits {
     pub open_files: Option<u64>,
     /// Bytes of each output stream kept for the model (head and tail kept, middle cut).
     pub output_bytes: usize,
+    /// Most code blocks of one reply that run; the model is told the rest were not run.
+    pub blocks_per_reply: usize,
 }
+
+/// Code blocks of one reply that run unless the operator says otherwise: more than a model
+/// writes to solve a step, far fewer than a reply built to keep a session busy.
+pub const DEFAULT_BLOCKS_PER_REPLY: usize = 16;
 
 impl Default for Limits {
     fn default() -> Self {
@@ -31,6 +37,7 @@ impl Default for Limits {
             file_size_bytes: Some(1 << 30),
             open_files: Some(1024),
             output_bytes: 64 << 10,
+            blocks_per_reply: DEFAULT_BLOCKS_PER_REPLY,
         }
     }
 }

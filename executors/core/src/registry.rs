@@ -1,12 +1,13 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::{ExecError, Executor};
+use crate::{Budget, ExecError, Executor};
 
 /// Executors by name; the daemon and CLI pick one per task from here.
 #[derive(Clone, Default)]
 pub struct Registry {
     executors: BTreeMap<String, Arc<dyn Executor>>,
+    budget: Option<Budget>,
 }
 
 impl Registry {
@@ -17,8 +18,31 @@ impl Registry {
 
     /// Adds an executor under its own name, replacing one of the same name.
     pub fn register(&mut self, executor: Arc<dyn Executor>) -> &mut Self {
+        let executor = match &self.budget {
+            Some(budget) => budget.wrap(executor),
+            None => executor,
+        };
         self.executors.insert(executor.name().to_owned(), executor);
         self
+    }
+
+    /// Every executor, registered now or later, opens sessions only within `budget`. Applied
+    /// once: a registry already under a budget keeps it.
+    pub fn with_budget(mut self, budget: Budget) -> Self {
+        if self.budget.is_some() {
+            return self;
+        }
+        self.executors = std::mem::take(&mut self.executors)
+            .into_iter()
+            .map(|(name, executor)| (name, budget.wrap(executor)))
+            .collect();
+        self.budget = Some(budget);
+        self
+    }
+
+    /// The budget its sessions are opened within, if one was given.
+    pub fn budget(&self) -> Option<&Budget> {
+        self.budget.as_ref()
     }
 
     /// Looks an executor up, with an error that lists what is registered.

@@ -139,6 +139,8 @@ pub(crate) struct DockerSession {
     session_id: String,
     workspace: PathBuf,
     owned_workspace: Option<TempDir>,
+    /// A kept workspace's mode before the session opened it to the block's user.
+    restore_mode: Option<u32>,
     limits: Limits,
     /// `None` after the runner died; the next block restarts the container.
     conn: Option<Conn>,
@@ -159,8 +161,26 @@ impl DockerSession {
         };
         let (workspace, owned_workspace) =
             scratch::open_workspace(spec.workdir, &inner.root, "ws-")?;
-        // Code runs as an unprivileged user that must be able to write the workspace.
-        set_mode(&workspace, 0o777).map_err(ws_err(&workspace))?;
+        // Code runs as an unprivileged user that must be able to write the workspace. A kept
+        // one (--workdir) holds the host user's files: the sticky bit keeps the block from
+        // renaming over or removing what it does not own, and its mode is given back when
+        // the session ends.
+        let restore_mode = match &owned_workspace {
+            Some(_) => {
+                set_mode(&workspace, 0o777).map_err(ws_err(&workspace))?;
+                None
+            }
+            None => {
+                use std::os::unix::fs::PermissionsExt;
+                let mode = std::fs::metadata(&workspace)
+                    .map_err(ws_err(&workspace))?
+                    .permissions()
+                    .mode()
+                    & 0o7777;
+                set_mode(&workspace, 0o1777).map_err(ws_err(&workspace))?;
+                Some(mode)
+            }
+        };
 
         let mut labels: HashMap<String, String> = spec.labels.iter().cloned().collect();
         labels.insert(labels::DAEMON.to_owned(), inner.config.daemon_id.clone());
@@ -194,6 +214,7 @@ impl DockerSession {
             session_id,
             workspace,
             owned_workspace,
+            restore_mode,
             limits: spec.limits,
             conn: None,
             blocks: 0,
@@ -241,6 +262,8 @@ impl DockerSession {
             id,
             session_id: std::mem::take(&mut warm.session_id),
             owned_workspace: workspace,
+            // Pooled containers have temporary workspaces only.
+            restore_mode: None,
             limits: spec.limits,
             conn: warm.conn.take(),
             blocks: 0,
@@ -439,10 +462,20 @@ impl DockerSession {
             .await;
         }
         remove_container(&self.executor.inner().docker, &self.id).await;
+        self.restore_workdir();
         if let Some(ws) = self.owned_workspace.take() {
             scratch::remove_dirs(vec![ws], self.executor.inner().root.clone()).await?;
         }
         Ok(())
+    }
+
+    /// Gives a kept workspace its mode back, once no block can reach it.
+    fn restore_workdir(&mut self) {
+        if let Some(mode) = self.restore_mode.take()
+            && let Err(e) = set_mode(&self.workspace, mode)
+        {
+            tracing::warn!(workdir = %self.workspace.display(), error = %e, "could not give the workdir its mode back");
+        }
     }
 }
 
@@ -474,10 +507,14 @@ impl Drop for DockerSession {
         let docker = self.executor.inner().docker.clone();
         let id = self.id.clone();
         let ws = self.owned_workspace.take();
+        let (workdir, mode) = (self.workspace.clone(), self.restore_mode.take());
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
                 remove_container(&docker, &id).await;
                 drop(ws);
+                if let Some(mode) = mode {
+                    let _ = set_mode(&workdir, mode);
+                }
             });
         }
     }

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use tandem_protocol::team::{AgentSpec, Kind, SelectionKind, TeamSpec, Termination};
+use tandem_protocol::team::{AgentSpec, Kind, SelectionKind, TeamBounds, TeamSpec, Termination};
 
 /// The name of the top agent, `[team]` in a file.
 pub const TOP: &str = "team";
@@ -65,8 +65,22 @@ fn set_fields(a: &AgentSpec) -> Vec<&'static str> {
     .collect()
 }
 
-/// Checks a team; on success, the tree of agents from the top.
+/// Checks a team within the default [`TeamBounds`]; on success, the tree of agents from the
+/// top.
 pub fn check(spec: &TeamSpec) -> Result<Node, TeamErrors> {
+    check_within(spec, &TeamBounds::default())
+}
+
+/// Checks a team within `bounds`; on success, the tree of agents from the top.
+pub fn check_within(spec: &TeamSpec, bounds: &TeamBounds) -> Result<Node, TeamErrors> {
+    // Before anything else walks the agents: a file past this bound is refused whole.
+    let agents = spec.agents.len() + 1;
+    if agents > bounds.max_agents {
+        return Err(TeamErrors(vec![format!(
+            "agents: the team has {agents} agents (the top one counted); at most {} are allowed ([teams] max_agents in the daemon's config)",
+            bounds.max_agents
+        )]));
+    }
     let mut errors = Vec::new();
     let mut parent: BTreeMap<&str, String> = BTreeMap::new();
     let all =
@@ -131,6 +145,22 @@ pub fn check(spec: &TeamSpec) -> Result<Node, TeamErrors> {
                 field_path(name)
             ));
         }
+        let members = agent.agents.as_ref().map_or(0, Vec::len);
+        if agent.kind == Kind::Parallel && members > bounds.max_parallel {
+            errors.push(format!(
+                "{}.agents: a parallel runs its {members} members at once; at most {} are allowed ([teams] max_parallel in the daemon's config)",
+                field_path(name),
+                bounds.max_parallel
+            ));
+        }
+    }
+    // Every agent has one parent here, so walking up ends at the top or, in a cycle that
+    // does not reach it, after the bound: building the tree below then recurses at most
+    // `max_depth` times, however deep the names nest.
+    if errors.is_empty()
+        && let Some(error) = too_deep(spec, &parent, bounds.max_depth)
+    {
+        errors.push(error);
     }
     if errors.is_empty() {
         let mut seen = BTreeSet::new();
@@ -140,6 +170,33 @@ pub fn check(spec: &TeamSpec) -> Result<Node, TeamErrors> {
         }
     }
     Err(TeamErrors(errors))
+}
+
+/// The first agent found nested more than `max` teams deep (the top team is level 1), or
+/// inside a cycle of teams that the top does not reach, said as an error; the walk up from
+/// each agent stops after `max + 1` steps.
+fn too_deep(spec: &TeamSpec, parent: &BTreeMap<&str, String>, max: usize) -> Option<String> {
+    spec.agents.keys().find_map(|name| {
+        let mut at = name.as_str();
+        let mut depth = 0;
+        while let Some(up) = parent.get(at) {
+            depth += 1;
+            if up == name {
+                return Some(format!(
+                    "{}.agents: `{name}` contains itself through its members: a team cannot contain itself",
+                    field_path(up)
+                ));
+            }
+            if depth > max {
+                return Some(format!(
+                    "{}: nested more than {max} teams deep; at most {max} levels are allowed ([teams] max_depth in the daemon's config)",
+                    field_path(name)
+                ));
+            }
+            at = up;
+        }
+        None
+    })
 }
 
 fn field_path(name: &str) -> String {

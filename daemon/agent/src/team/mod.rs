@@ -4,7 +4,7 @@
 pub mod check;
 pub mod run;
 
-pub use check::{Node, TeamErrors, check};
+pub use check::{Node, TeamErrors, check, check_within};
 pub use run::{
     Agent, AgentReply, Ended, Hook, Said, TaskLabel, Team, Turn, executor_slot, replay_of,
     run_team_task,

@@ -664,6 +664,7 @@ impl Ctx<'_> {
         }
         let report = blocks::report(
             &runs,
+            code.len().saturating_sub(runs.len()),
             self.team.block_timeout,
             self.team.output_cap,
             &no_code,

@@ -1,0 +1,315 @@
+//! How many sandboxes may be open at once, across every executor and per executor.
+//!
+//! A [`Registry`](crate::Registry) given a budget hands out only [`Budgeted`] executors, so
+//! every road that opens a session through it (a task, a team's executor agents, a
+//! `parallel`, MCP `execute_code`, a plugin) waits for the same permits: a new road cannot
+//! skip the cap by accident. A session holds its permits until it is closed or dropped.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::{
+    BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Executor, Language, Session,
+    SessionSpec,
+};
+
+/// The operator's caps on open sessions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BudgetConfig {
+    /// Most sessions open at once, all executors together.
+    pub total: usize,
+    /// Most sessions of one executor open at once, by executor name; an executor not named
+    /// here is bounded by `total` alone.
+    pub per_executor: BTreeMap<String, usize>,
+    /// Longest an open waits for a free permit before it fails with [`ExecError::Busy`].
+    pub wait: Duration,
+}
+
+impl BudgetConfig {
+    /// `total` sessions at once, no executor capped apart, waiting up to `wait`.
+    pub fn new(total: usize, wait: Duration) -> Self {
+        Self {
+            total,
+            per_executor: BTreeMap::new(),
+            wait,
+        }
+    }
+}
+
+/// The shared permits behind a [`BudgetConfig`]; cloning shares them.
+#[derive(Clone, Debug)]
+pub struct Budget {
+    total: Arc<Semaphore>,
+    total_cap: usize,
+    per_executor: BTreeMap<String, (Arc<Semaphore>, usize)>,
+    wait: Duration,
+}
+
+impl Budget {
+    /// Permits for `config` (a cap of 0 is taken as 1: a daemon that can open nothing is a
+    /// configuration mistake, refused where the config is read).
+    pub fn new(config: &BudgetConfig) -> Self {
+        let semaphore = |n: usize| (Arc::new(Semaphore::new(n.max(1))), n.max(1));
+        let (total, total_cap) = semaphore(config.total);
+        Self {
+            total,
+            total_cap,
+            per_executor: config
+                .per_executor
+                .iter()
+                .map(|(name, n)| (name.clone(), semaphore(*n)))
+                .collect(),
+            wait: config.wait,
+        }
+    }
+
+    /// Sessions open now, all executors together.
+    pub fn in_use(&self) -> usize {
+        self.total_cap - self.total.available_permits()
+    }
+
+    /// The most sessions open at once, all executors together.
+    pub fn total(&self) -> usize {
+        self.total_cap
+    }
+
+    /// `executor` wrapped so that each of its sessions holds permits from this budget.
+    pub fn wrap(&self, executor: Arc<dyn Executor>) -> Arc<dyn Executor> {
+        let own = self.per_executor.get(executor.name()).cloned();
+        Arc::new(Budgeted {
+            inner: executor,
+            total: (self.total.clone(), self.total_cap),
+            own,
+            wait: self.wait,
+        })
+    }
+}
+
+/// An executor whose sessions each hold a permit of the whole budget and, when the operator
+/// capped it, one of its own.
+struct Budgeted {
+    inner: Arc<dyn Executor>,
+    total: (Arc<Semaphore>, usize),
+    own: Option<(Arc<Semaphore>, usize)>,
+    wait: Duration,
+}
+
+impl Budgeted {
+    /// The executor's own permit first, then the shared one: every open takes them in this
+    /// order, so two opens cannot each hold the permit the other waits for.
+    async fn permits(&self) -> Result<Permits, ExecError> {
+        let acquire = async {
+            let own = match &self.own {
+                Some((semaphore, _)) => Some(semaphore.clone().acquire_owned().await.ok()?),
+                None => None,
+            };
+            let total = self.total.0.clone().acquire_owned().await.ok()?;
+            Some(Permits {
+                _own: own,
+                _total: total,
+            })
+        };
+        let busy = || {
+            let (cap, which) = match &self.own {
+                Some((semaphore, cap)) if semaphore.available_permits() == 0 => {
+                    (*cap, format!("[sessions.executors] {}", self.inner.name()))
+                }
+                _ => (self.total.1, "[sessions] max".to_owned()),
+            };
+            ExecError::Busy {
+                executor: self.inner.name().to_owned(),
+                cap,
+                which,
+                waited: self.wait,
+            }
+        };
+        match tokio::time::timeout(self.wait, acquire).await {
+            Ok(Some(permits)) => Ok(permits),
+            // A closed semaphore is never made here; treat it as a full one.
+            Ok(None) | Err(_) => Err(busy()),
+        }
+    }
+}
+
+/// What an open session holds; dropping it frees the permits.
+struct Permits {
+    _own: Option<OwnedSemaphorePermit>,
+    _total: OwnedSemaphorePermit,
+}
+
+impl Executor for Budgeted {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn languages(&self) -> &[Language] {
+        self.inner.languages()
+    }
+
+    fn open(&self, spec: SessionSpec) -> BoxFuture<'_, Result<Box<dyn Session>, ExecError>> {
+        Box::pin(async move {
+            let permits = self.permits().await?;
+            let session = self.inner.open(spec).await?;
+            Ok(Box::new(Held {
+                session,
+                _permits: permits,
+            }) as Box<dyn Session>)
+        })
+    }
+
+    fn supports(&self, language: &Language) -> bool {
+        self.inner.supports(language)
+    }
+
+    fn health(&self) -> BoxFuture<'_, Result<(), String>> {
+        self.inner.health()
+    }
+
+    fn network(&self) -> bool {
+        self.inner.network()
+    }
+}
+
+/// A session and the permits it holds until it is closed (or dropped, when its own drop
+/// cleans up).
+struct Held {
+    session: Box<dyn Session>,
+    _permits: Permits,
+}
+
+impl Session for Held {
+    fn run(
+        &mut self,
+        req: ExecRequest,
+        ctx: ExecContext,
+    ) -> BoxFuture<'_, Result<ExecOutcome, ExecError>> {
+        self.session.run(req, ctx)
+    }
+
+    fn workspace(&self) -> Option<&Path> {
+        self.session.workspace()
+    }
+
+    fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
+        let Held {
+            session,
+            _permits: permits,
+        } = *self;
+        Box::pin(async move {
+            // The permits go back only once the sandbox is gone.
+            let closed = session.close().await;
+            drop(permits);
+            closed
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Registry;
+
+    /// An executor whose sessions hold nothing.
+    struct Empty(&'static str);
+
+    struct Nothing;
+
+    impl Session for Nothing {
+        fn run(
+            &mut self,
+            _: ExecRequest,
+            _: ExecContext,
+        ) -> BoxFuture<'_, Result<ExecOutcome, ExecError>> {
+            Box::pin(async { Ok(ExecOutcome::refused("nothing runs here")) })
+        }
+        fn workspace(&self) -> Option<&Path> {
+            None
+        }
+        fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    impl Executor for Empty {
+        fn name(&self) -> &str {
+            self.0
+        }
+        fn languages(&self) -> &[Language] {
+            &[]
+        }
+        fn open(&self, _: SessionSpec) -> BoxFuture<'_, Result<Box<dyn Session>, ExecError>> {
+            Box::pin(async { Ok(Box::new(Nothing) as Box<dyn Session>) })
+        }
+    }
+
+    fn registry(total: usize, a: Option<usize>) -> Registry {
+        let mut config = BudgetConfig::new(total, Duration::from_millis(100));
+        if let Some(a) = a {
+            config.per_executor.insert("a".to_owned(), a);
+        }
+        let mut registry = Registry::new();
+        registry.register(Arc::new(Empty("a")));
+        // One registered before the budget and one after are both under it.
+        let mut registry = registry.with_budget(Budget::new(&config));
+        registry.register(Arc::new(Empty("b")));
+        registry
+    }
+
+    async fn open(registry: &Registry, name: &str) -> Result<Box<dyn Session>, ExecError> {
+        registry.get(name)?.open(SessionSpec::default()).await
+    }
+
+    #[tokio::test]
+    async fn sessions_past_the_total_wait_then_fail_naming_the_cap() {
+        let registry = registry(2, None);
+        let first = open(&registry, "a").await.unwrap();
+        let _second = open(&registry, "b").await.unwrap();
+        assert_eq!(registry.budget().map(Budget::in_use), Some(2));
+        let busy = open(&registry, "a").await.err().unwrap().to_string();
+        assert_eq!(
+            busy,
+            "no a sandbox was free within 100ms: 2 may be open at once ([sessions] max in the daemon's config); try again when a task ends, or raise the cap"
+        );
+        // Closing one gives its place back; so does dropping one.
+        first.close().await.unwrap();
+        let third = open(&registry, "a").await.unwrap();
+        drop(third);
+        assert_eq!(registry.budget().map(Budget::in_use), Some(1));
+        open(&registry, "b").await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn an_executors_own_cap_leaves_the_others_free() {
+        let registry = registry(3, Some(1));
+        let _a = open(&registry, "a").await.unwrap();
+        let busy = open(&registry, "a").await.err().unwrap().to_string();
+        assert!(
+            busy.contains("1 may be open at once ([sessions.executors] a"),
+            "{busy}"
+        );
+        let _b1 = open(&registry, "b").await.unwrap();
+        let _b2 = open(&registry, "b").await.unwrap();
+        assert_eq!(registry.budget().map(Budget::in_use), Some(3));
+    }
+
+    #[tokio::test]
+    async fn a_waiting_open_gets_the_place_a_close_frees() {
+        let mut config = BudgetConfig::new(1, Duration::from_secs(30));
+        config.per_executor.insert("a".to_owned(), 1);
+        let mut registry = Registry::new().with_budget(Budget::new(&config));
+        registry.register(Arc::new(Empty("a")));
+        let held = open(&registry, "a").await.unwrap();
+        let waiting = tokio::spawn({
+            let registry = registry.clone();
+            async move { open(&registry, "a").await.map(|_| ()) }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished());
+        held.close().await.unwrap();
+        waiting.await.unwrap().unwrap();
+    }
+}
