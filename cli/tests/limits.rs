@@ -501,9 +501,10 @@ async fn tandem_mcp_over_stdio_passes_the_operators_approval_policy() {
     assert_eq!(results[&2]["structuredContent"]["stdout"], "allowed ran\n");
 }
 
-/// The most sessions `/metrics` said were open, sampled until `done`.
-async fn peak_sessions(d: &Daemon, done: &AtomicBool) -> u64 {
-    let mut peak = 0;
+/// The most sessions `/metrics` said were open, and the most processes whose command line
+/// holds `marker` the host had at once (when one is given), sampled until `done`.
+async fn peaks(d: &Daemon, marker: Option<&str>, done: &AtomicBool) -> (u64, usize) {
+    let (mut sessions, mut processes) = (0, 0);
     while !done.load(Ordering::SeqCst) {
         let text = d.text("/metrics").await;
         let open = text
@@ -511,10 +512,26 @@ async fn peak_sessions(d: &Daemon, done: &AtomicBool) -> u64 {
             .find_map(|l| l.strip_prefix("tandem_sessions_open "))
             .and_then(|n| n.trim().parse().ok())
             .unwrap_or(0);
-        peak = peak.max(open);
+        sessions = sessions.max(open);
+        if let Some(marker) = marker {
+            processes = processes.max(processes_with(marker));
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    peak
+    (sessions, processes)
+}
+
+/// Processes on the host whose command line holds `marker`.
+fn processes_with(marker: &str) -> usize {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
+        .filter(|cmdline| {
+            cmdline
+                .split(|b| *b == 0)
+                .any(|arg| arg == marker.as_bytes())
+        })
+        .count()
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -531,27 +548,32 @@ async fn mcp_calls_on_many_connections_share_the_daemons_sandbox_budget() {
         Mcp::connect(&d).await.unwrap(),
         Mcp::connect(&d).await.unwrap(),
     ];
+    // Each block runs a `sleep` the host can see, marked by its odd argument.
+    let marker = "1.4142";
+    let code = format!("import subprocess\nsubprocess.run(['sleep', '{marker}'])\nprint('ok')");
     let done = AtomicBool::new(false);
     let calls = async {
         let calls = connections.iter().flat_map(|mcp| {
-            (0..3).map(move |i| {
-                mcp.call_tool(
-                    "execute_code",
-                    json!({"language": "python",
-                           "code": format!("import time\ntime.sleep(1)\nprint('ok'[:{i} + 2])")}),
-                )
-            })
+            (0..3)
+                .map(|_| mcp.call_tool("execute_code", json!({"language": "python", "code": code})))
         });
         let results = futures::future::join_all(calls).await;
         done.store(true, Ordering::SeqCst);
         results
     };
-    let (results, peak) = tokio::join!(calls, peak_sessions(&d, &done));
-    // Every call waited for a sandbox and ran; never more than two were open.
+    let (results, (sessions, running)) = tokio::join!(calls, peaks(&d, Some(marker), &done));
+    // Every call waited for a sandbox and ran; never more than two ran at once.
     for r in &results {
         assert_eq!(r["structuredContent"]["stdout"], "ok\n", "{r}");
     }
-    assert!((1..=2).contains(&peak), "{peak} sessions were open at once");
+    assert!(
+        (1..=2).contains(&running),
+        "{running} blocks ran at once on the host"
+    );
+    assert!(
+        (1..=2).contains(&sessions),
+        "{sessions} sessions were open at once"
+    );
     // One connection cannot run more than four calls at once.
     let mcp = &connections[0];
     let slow = json!({"language": "python", "code": "import time\ntime.sleep(2)"});
@@ -631,14 +653,14 @@ async fn wasm_calls_over_mcp_are_bounded_by_the_executors_session_cap() {
         done.store(true, Ordering::SeqCst);
         results
     };
-    let (results, peak) = tokio::join!(calls, peak_sessions(&d, &done));
+    let (results, (peak, _)) = tokio::join!(calls, peaks(&d, None, &done));
     for r in &results {
         assert_eq!(r["structuredContent"]["stdout"], "150\n", "{r}");
     }
-    assert!((1..=2).contains(&peak), "{peak} WASM sessions at once");
     let grew_mib = (status_kib(d.pid(), "VmHWM:").saturating_sub(before)) / 1024;
     // Ten at once took the daemon past 2 GiB; two at a time stay near 2 x 150 MiB.
     assert!(grew_mib < 800, "the daemon grew by {grew_mib} MiB");
+    assert!((1..=2).contains(&peak), "{peak} WASM sessions at once");
 }
 
 #[tokio::test(flavor = "multi_thread")]
