@@ -14,6 +14,8 @@
 //!    and the protocol's own round trip (a plugin that answers each block at once).
 //! 7. MCP: `execute_code` of `print(1)` over `tandem mcp`'s stdio in a warm session vs
 //!    `tandem exec` of the same block, and vs the same session run in-process.
+//! 8. Session budget: the turn loop's tasks with the executor under the daemon's budget (every
+//!    session holding a permit) vs the same executor unwrapped, alternated rounds.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
@@ -526,6 +528,66 @@ async fn turn_loop_throughput(tasks: usize, concurrency: usize) {
         );
     }
     println!("| reference: AutoGen 0.7.5 on this machine (from the issue) | | 55 | |");
+}
+
+/// What the session budget (every session taking and giving back a permit) costs the turn
+/// loop: the same tasks through the same executor, wrapped and not, in alternated rounds.
+async fn budget_overhead(tasks: usize, concurrency: usize) {
+    const ROUNDS: usize = 7;
+    let code = "```python\nprint(1)\n```";
+    let script: Script = (0..tasks)
+        .map(|i| {
+            (
+                format!("bench task {i}"),
+                vec![Reply::from(code), Reply::from("Done.\nTERMINATE")],
+            )
+        })
+        .collect();
+    let server = ScriptedOpenAi::start(script).await.unwrap();
+    let model = ChatModel::new(ModelConfig {
+        base_url: server.base_url(),
+        ..ModelConfig::default()
+    })
+    .unwrap();
+    let plain: Arc<dyn Executor> = Arc::new(local_executor(true));
+    // As the daemon sets it up: four sessions per task slot, an executor cap of its own.
+    let mut config = tandem_executor::BudgetConfig::new(concurrency * 4, Duration::from_secs(120));
+    config
+        .per_executor
+        .insert("local".to_owned(), concurrency * 4);
+    let mut registry =
+        tandem_executor::Registry::new().with_budget(tandem_executor::Budget::new(&config));
+    registry.register(plain.clone());
+    let budgeted = registry.get("local").unwrap();
+    let (mut without, mut with, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        let a = tasks_at(&model, plain.clone(), tasks, concurrency).await;
+        let b = tasks_at(&model, budgeted.clone(), tasks, concurrency).await;
+        ratios.push(b.as_secs_f64() / a.as_secs_f64());
+        without.push(a);
+        with.push(b);
+    }
+    ratios.sort_by(f64::total_cmp);
+    let rate = |d: Duration| tasks as f64 / d.as_secs_f64();
+    let (a, b) = (stats(without).1, stats(with).1);
+    println!(
+        "\n## Session budget: {tasks} two-turn tasks (python print(1)), concurrency {concurrency}, {ROUNDS} alternated rounds (medians)"
+    );
+    println!("| run | wall | tasks/s | ratio |");
+    println!("|---|---|---|---|");
+    println!(
+        "| local executor, unwrapped | {:.2} s | {:.1} | 1.00x |",
+        a.as_secs_f64(),
+        rate(a)
+    );
+    println!(
+        "| the same under the budget ([sessions] max and a cap of its own) | {:.2} s | {:.1} | {:.3}x (median of per-round ratios; range {:.3}x to {:.3}x) |",
+        b.as_secs_f64(),
+        rate(b),
+        ratios[ROUNDS / 2],
+        ratios[0],
+        ratios[ROUNDS - 1]
+    );
 }
 
 /// Runs `tasks` two-turn tasks at `concurrency` and returns the wall time.
@@ -1227,7 +1289,7 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    // `TANDEM_BENCH_ONLY=daemon` (or local, confine, turn_loop, cold_start, docker, team, plugin, mcp) runs
+    // `TANDEM_BENCH_ONLY=daemon` (or local, confine, turn_loop, cold_start, docker, team, plugin, mcp, budget) runs
     // one section.
     let only = std::env::var("TANDEM_BENCH_ONLY").ok();
     let run = |name: &str| only.as_deref().is_none_or(|o| o == name);
@@ -1259,6 +1321,9 @@ fn main() {
         }
         if run("mcp") {
             mcp_overhead(100).await;
+        }
+        if run("budget") {
+            budget_overhead(200, 8).await;
         }
     });
 }

@@ -74,25 +74,20 @@ impl SessionSlot {
         self.spec.limits.blocks_per_reply.max(1)
     }
 
-    /// The session, opened on first use; waiting for a free sandbox ends when `cancel` fires.
+    /// The session, opened on first use; `None` when `cancel` fired while it waited for a
+    /// free sandbox (the block is then cancelled, like one stopped while it ran).
     async fn session(
         &mut self,
         cancel: &CancellationToken,
-    ) -> Result<&mut Box<dyn Session>, ExecError> {
+    ) -> Result<Option<&mut Box<dyn Session>>, ExecError> {
         if self.session.is_none() {
             let opened = tokio::select! {
                 opened = self.executor.open(self.spec.clone()) => opened?,
-                () = cancel.cancelled() => {
-                    return Err(ExecError::Backend(
-                        "the task stopped while it waited for a sandbox".to_owned(),
-                    ));
-                }
+                () = cancel.cancelled() => return Ok(None),
             };
             self.session = Some(opened);
         }
-        self.session
-            .as_mut()
-            .ok_or_else(|| ExecError::Backend("session vanished".to_owned()))
+        Ok(self.session.as_mut())
     }
 
     /// Closes the session if one was opened.
@@ -333,7 +328,15 @@ async fn run_one(
     let ctx = ExecContext::new(opts.cancel.child_token()).with_sink(Arc::new(sink));
     let mut req = ExecRequest::new(language.clone(), code.to_owned());
     req.timeout = opts.timeout;
-    let outcome = slot.session(&opts.cancel).await?.run(req, ctx).await;
+    let outcome = match slot.session(&ctx.cancel).await? {
+        Some(session) => session.run(req, ctx).await,
+        None => Ok(ExecOutcome {
+            status: ExitStatus::Cancelled,
+            stdout: Default::default(),
+            stderr: Default::default(),
+            duration: Duration::ZERO,
+        }),
+    };
     // Whatever is left is a character the program never finished.
     for stream in [OutputStream::Stdout, OutputStream::Stderr] {
         emit(stream, &[], true);
