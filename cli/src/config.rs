@@ -635,7 +635,48 @@ mod tests {
             let file = toml::from_str::<FileConfig>(&block.code)
                 .unwrap_or_else(|e| panic!("README example does not parse: {e}\n{}", block.code));
             tandem_agent::ApprovalGate::new(&file.approval, None).unwrap();
+            sessions(&file, 4).unwrap();
+            teams(&file).unwrap();
+            conn_limits(&file).unwrap();
         }
+    }
+
+    #[test]
+    fn limits_a_daemon_is_given_are_checked_and_defaulted() {
+        let file = |text: &str| toml::from_str::<FileConfig>(text).unwrap();
+        let defaults = sessions(&file(""), 3).unwrap();
+        assert_eq!(
+            (defaults.total, defaults.wait),
+            (12, Duration::from_secs(120))
+        );
+        let set = sessions(
+            &file("[sessions]\nmax = 5\nwait_secs = 9\n[sessions.executors]\nwasm = 2\n"),
+            3,
+        )
+        .unwrap();
+        assert_eq!((set.total, set.per_executor["wasm"]), (5, 2));
+        for (text, error) in [
+            ("[sessions]\nmax = 0\n", "[sessions] max must be at least 1"),
+            (
+                "[sessions.executors]\ndocker = 0\n",
+                "[sessions.executors] docker must be at least 1",
+            ),
+        ] {
+            assert_eq!(sessions(&file(text), 3).unwrap_err().to_string(), error);
+        }
+        assert_eq!(
+            teams(&file("[teams]\nmax_agents = 2000\n"))
+                .unwrap_err()
+                .to_string(),
+            "[teams] max_agents is 2000; give a number from 1 to 1024"
+        );
+        assert_eq!(
+            conn_limits(&file("[server]\nmax_unauthenticated = 0\n"))
+                .unwrap_err()
+                .to_string(),
+            "[server] max_unauthenticated must be at least 1"
+        );
+        assert!(toml::from_str::<FileConfig>("[teams]\nmax_dept = 3\n").is_err());
     }
 
     #[test]

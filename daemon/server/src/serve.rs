@@ -66,7 +66,7 @@ pub struct Listeners {
     pub unix: Option<UnixListener>,
     /// TCP, with the bearer token every request must carry.
     pub tcp: Option<(TcpListener, String)>,
-    /// What one TCP peer may hold.
+    /// Bounds on the TCP listener's connections.
     pub limits: ConnLimits,
 }
 
