@@ -658,26 +658,38 @@ async fn wasm_calls_over_mcp_are_bounded_by_the_executors_session_cap() {
         assert_eq!(r["structuredContent"]["stdout"], "150\n", "{r}");
     }
     let grew_mib = (status_kib(d.pid(), "VmHWM:").saturating_sub(before)) / 1024;
+    eprintln!("ten WASM calls: the daemon grew by {grew_mib} MiB, {peak} sessions at most");
     // Ten at once took the daemon past 2 GiB; two at a time stay near 2 x 150 MiB.
     assert!(grew_mib < 800, "the daemon grew by {grew_mib} MiB");
     assert!((1..=2).contains(&peak), "{peak} WASM sessions at once");
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn idle_and_slow_tcp_connections_are_capped_and_closed() {
-    let server = ScriptedOpenAi::start(script([])).await.unwrap();
+/// A daemon that also listens on a free loopback port, with `config`: it, the address and
+/// the token.
+async fn tcp_daemon(config: &str) -> (Daemon, String, String) {
     let port = {
         let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         probe.local_addr().unwrap().port()
     };
     let addr = format!("127.0.0.1:{port}");
-    let d = daemon(
-        &server,
+    // No task here asks a model.
+    let d = Daemon::start(
+        Path::new(BIN),
+        "http://127.0.0.1:9/v1",
         &["--listen", &addr],
-        Some("[server]\nheader_timeout_secs = 2\nmax_unauthenticated = 8\nmax_connections = 32\n"),
+        Some(config),
     )
     .await;
     let token = std::fs::read_to_string(d.state_dir().join("token")).unwrap();
+    (d, addr, token.trim().to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_and_slow_tcp_connections_are_capped_and_closed() {
+    let (d, addr, token) = tcp_daemon(
+        "[server]\nheader_timeout_secs = 2\nmax_unauthenticated = 8\nmax_connections = 32\n",
+    )
+    .await;
     let baseline = open_fds(d.pid());
     // 200 connections that never send a token: silent ones, and ones that trickle a header.
     let mut held = Vec::new();
@@ -720,7 +732,7 @@ async fn idle_and_slow_tcp_connections_are_capped_and_closed() {
     let client = reqwest::Client::new();
     let resp = client
         .get(format!("http://{addr}/v1/executors"))
-        .bearer_auth(token.trim())
+        .bearer_auth(&token)
         .send()
         .await
         .unwrap();
@@ -730,19 +742,7 @@ async fn idle_and_slow_tcp_connections_are_capped_and_closed() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_authenticated_connection_does_not_count_against_the_token_less_cap() {
-    let server = ScriptedOpenAi::start(script([])).await.unwrap();
-    let port = {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        probe.local_addr().unwrap().port()
-    };
-    let addr = format!("127.0.0.1:{port}");
-    let d = daemon(
-        &server,
-        &["--listen", &addr],
-        Some("[server]\nmax_unauthenticated = 2\n"),
-    )
-    .await;
-    let token = std::fs::read_to_string(d.state_dir().join("token")).unwrap();
+    let (_daemon, addr, token) = tcp_daemon("[server]\nmax_unauthenticated = 2\n").await;
     // Three clients that each keep one connection and show the token: none is turned away.
     let clients: Vec<reqwest::Client> = (0..3)
         .map(|_| {
@@ -756,7 +756,7 @@ async fn an_authenticated_connection_does_not_count_against_the_token_less_cap()
         for c in &clients {
             let resp = c
                 .get(format!("http://{addr}/healthz"))
-                .bearer_auth(token.trim())
+                .bearer_auth(&token)
                 .send()
                 .await
                 .unwrap();
@@ -800,6 +800,7 @@ async fn listing_every_task_holds_a_chunk_not_the_store() {
     let resources = mcp.request("resources/list", json!({})).await;
     assert_eq!(resources["resources"].as_array().unwrap().len(), 50);
     let grew_mib = (status_kib(d.pid(), "VmHWM:").saturating_sub(before)) / 1024;
+    eprintln!("four unpaged listings and resources/list: the daemon grew by {grew_mib} MiB");
     // Four listings of 180 MB took the daemon from 176 MiB to 1.7 GiB; a few chunks at a
     // time (and the allocator's leftovers) are a fraction of one listing.
     assert!(grew_mib < 300, "the daemon grew by {grew_mib} MiB");

@@ -458,7 +458,9 @@ async fn executor_overhead(n: usize) {
     );
 }
 
-async fn turn_loop_throughput(tasks: usize, concurrency: usize) {
+/// A scripted model for [`tasks_at`]'s `tasks`: each replies with a python `print(1)` block,
+/// then ends; the server lives as long as the first value.
+async fn print_one_model(tasks: usize) -> (ScriptedOpenAi, ChatModel) {
     let code = "```python\nprint(1)\n```";
     let script: Script = (0..tasks)
         .map(|i| {
@@ -474,6 +476,11 @@ async fn turn_loop_throughput(tasks: usize, concurrency: usize) {
         ..ModelConfig::default()
     })
     .unwrap();
+    (server, model)
+}
+
+async fn turn_loop_throughput(tasks: usize, concurrency: usize) {
+    let (_server, model) = print_one_model(tasks).await;
     let python = local_executor(false)
         .interpreters()
         .python
@@ -533,22 +540,8 @@ async fn turn_loop_throughput(tasks: usize, concurrency: usize) {
 /// What the session budget (every session taking and giving back a permit) costs the turn
 /// loop: the same tasks through the same executor, wrapped and not, in alternated rounds.
 async fn budget_overhead(tasks: usize, concurrency: usize) {
-    const ROUNDS: usize = 7;
-    let code = "```python\nprint(1)\n```";
-    let script: Script = (0..tasks)
-        .map(|i| {
-            (
-                format!("bench task {i}"),
-                vec![Reply::from(code), Reply::from("Done.\nTERMINATE")],
-            )
-        })
-        .collect();
-    let server = ScriptedOpenAi::start(script).await.unwrap();
-    let model = ChatModel::new(ModelConfig {
-        base_url: server.base_url(),
-        ..ModelConfig::default()
-    })
-    .unwrap();
+    const ROUNDS: usize = 9;
+    let (_server, model) = print_one_model(tasks).await;
     let plain: Arc<dyn Executor> = Arc::new(local_executor(true));
     // As the daemon sets it up: four sessions per task slot, an executor cap of its own.
     let mut config = tandem_executor::BudgetConfig::new(concurrency * 4, Duration::from_secs(120));
@@ -560,9 +553,18 @@ async fn budget_overhead(tasks: usize, concurrency: usize) {
     registry.register(plain.clone());
     let budgeted = registry.get("local").unwrap();
     let (mut without, mut with, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..ROUNDS {
-        let a = tasks_at(&model, plain.clone(), tasks, concurrency).await;
-        let b = tasks_at(&model, budgeted.clone(), tasks, concurrency).await;
+    for round in 0..ROUNDS {
+        // Which goes first alternates, so that neither always meets a warmer machine.
+        let (a, b) = if round % 2 == 0 {
+            let a = tasks_at(&model, plain.clone(), tasks, concurrency).await;
+            (
+                a,
+                tasks_at(&model, budgeted.clone(), tasks, concurrency).await,
+            )
+        } else {
+            let b = tasks_at(&model, budgeted.clone(), tasks, concurrency).await;
+            (tasks_at(&model, plain.clone(), tasks, concurrency).await, b)
+        };
         ratios.push(b.as_secs_f64() / a.as_secs_f64());
         without.push(a);
         with.push(b);
@@ -1323,7 +1325,7 @@ fn main() {
             mcp_overhead(100).await;
         }
         if run("budget") {
-            budget_overhead(200, 8).await;
+            budget_overhead(1000, 8).await;
         }
     });
 }

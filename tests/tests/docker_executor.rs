@@ -71,6 +71,22 @@ async fn open_for_task(executor: &DockerExecutor, task: &str) -> Box<dyn tandem_
     .unwrap()
 }
 
+/// A session whose workspace is the kept directory `dir`.
+async fn open_in(
+    executor: &DockerExecutor,
+    dir: &std::path::Path,
+) -> Box<dyn tandem_executor::Session> {
+    tandem_executor::Executor::open(
+        executor,
+        SessionSpec {
+            workdir: Some(dir.to_owned()),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn docker_executor_passes_the_conformance_suite() {
     conformance::all(docker().await, &[]).await;
@@ -356,15 +372,7 @@ async fn warm_pool_serves_sessions_and_never_reuses_a_container() {
     assert!(!now.contains(&id), "a used container was kept");
     // A session the pool cannot serve (a kept workdir) still opens, cold.
     let dir = tempfile::tempdir().unwrap();
-    let mut s = tandem_executor::Executor::open(
-        &*executor,
-        SessionSpec {
-            workdir: Some(dir.path().to_owned()),
-            ..Default::default()
-        },
-    )
-    .await
-    .unwrap();
+    let mut s = open_in(&executor, dir.path()).await;
     let out = run(&mut *s, "sh", "echo kept > k.txt; cat k.txt").await;
     assert_eq!(out.stdout.to_text(), "kept\n");
     s.close().await.unwrap();
@@ -396,15 +404,7 @@ async fn a_kept_workdir_keeps_the_hosts_files_and_gets_its_mode_back() {
     let kept = dir.path().join("keep.txt");
     std::fs::write(&kept, "the host's\n").unwrap();
     std::fs::set_permissions(&kept, std::fs::Permissions::from_mode(0o644)).unwrap();
-    let mut s = tandem_executor::Executor::open(
-        &*executor,
-        SessionSpec {
-            workdir: Some(dir.path().to_owned()),
-            ..Default::default()
-        },
-    )
-    .await
-    .unwrap();
+    let mut s = open_in(&executor, dir.path()).await;
     // The block is another user: it cannot write the host's file, so it tries to replace it
     // by renaming its own over it, and to remove it.
     let out = run(
