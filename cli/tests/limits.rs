@@ -704,7 +704,8 @@ async fn idle_and_slow_tcp_connections_are_capped_and_closed() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let during = open_fds(d.pid());
     assert!(
-        during <= baseline + 8 + 4,
+        // The cap's eight, and room for what the daemon opens meanwhile on its own.
+        during <= baseline + 8 + 16,
         "the daemon holds {during} descriptors (it had {baseline}) for 200 token-less connections"
     );
     // The Unix socket answers meanwhile.
