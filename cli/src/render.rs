@@ -70,6 +70,9 @@ pub struct Renderer<W: Write> {
     place: Option<String>,
     /// Which agent each event belongs to, for `--json`.
     speakers: tandem_protocol::Speakers,
+    /// Where a failed task's reason is said as well: the transcript may be going to a file or
+    /// a pipe that no one reads now.
+    failures: Option<Box<dyn Write + Send>>,
     pub error: Option<io::Error>,
 }
 
@@ -77,7 +80,9 @@ impl Renderer<io::Stdout> {
     /// A renderer on standard output, colored when it is a terminal.
     pub fn stdout(mode: Mode) -> Self {
         let color = io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
-        Self::new(io::stdout(), mode, color)
+        let mut renderer = Self::new(io::stdout(), mode, color);
+        renderer.failures = Some(Box::new(io::stderr()));
+        renderer
     }
 }
 
@@ -93,6 +98,7 @@ impl<W: Write> Renderer<W> {
             shown: Shown::default(),
             place: None,
             speakers: tandem_protocol::Speakers::default(),
+            failures: None,
             error: None,
         }
     }
@@ -112,6 +118,11 @@ impl<W: Write> Renderer<W> {
 
     /// Writes one event; after a write error, later events are dropped.
     pub fn event(&mut self, msg: &EventMsg) {
+        // Said even when the transcript's reader is gone.
+        if let (EventMsg::TaskFinished { error: Some(e), .. }, Some(to)) = (msg, &mut self.failures)
+        {
+            let _ = writeln!(to, "tandem: the task failed: {}", e.message);
+        }
         if self.error.is_some() {
             return;
         }

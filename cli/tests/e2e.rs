@@ -285,6 +285,13 @@ async fn model_server_down_is_a_one_line_error() {
         "{error_line}"
     );
     assert!(error_line.contains("OPENAI_BASE_URL"), "{error_line}");
+    // Said on stderr as well, for a transcript that goes to a file.
+    assert!(
+        out.stderr
+            .contains("tandem: the task failed: cannot connect to the model server"),
+        "{}",
+        out.stderr
+    );
     assert!(!out.stderr.contains("panicked") && !out.stdout.contains("panicked"));
     // One retry was announced, then it gave up.
     assert_eq!(
@@ -1010,4 +1017,43 @@ async fn exec_says_when_local_blocks_run_unconfined_and_doctor_says_which() {
         "{}",
         out.stderr
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_task_says_why_on_stderr_on_every_road() {
+    let url = "http://127.0.0.1:9/v1";
+    let dir = tempfile::tempdir().unwrap();
+    let team = dir.path().join("team.toml");
+    std::fs::write(
+        &team,
+        "[team]\nkind = \"sequence\"\nagents = [\"solo\"]\n[agents.solo]\ninstructions = \"Answer.\"\n",
+    )
+    .unwrap();
+    let said =
+        "tandem: the task failed: cannot connect to the model server at http://127.0.0.1:9/v1";
+    let env = [("TANDEM_MAX_RETRIES", "0")];
+    // In this process: the pair, and a team.
+    let pair = tandem(&["run", "--base-url", url, "pair"], &env, None).await;
+    let team_path = team.display().to_string();
+    let team_run = tandem(
+        &["run", "--base-url", url, "--team", &team_path, "team"],
+        &env,
+        None,
+    )
+    .await;
+    for out in [&pair, &team_run] {
+        assert_eq!(out.code, 1, "{}", out.stderr);
+        assert!(out.stderr.contains(said), "stderr: {}", out.stderr);
+    }
+    // Through a daemon whose model server is down.
+    let d = tandem_tests::DaemonHarness::start(
+        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
+        url,
+        &[],
+        None,
+    )
+    .await;
+    let (code, _, stderr) = d.cli(&["run", "on the daemon"]).await;
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains(said), "stderr: {stderr}");
 }
