@@ -6,11 +6,11 @@
 use std::io::Read;
 use std::path::Path;
 use std::process::Stdio;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use tandem_tests::{DaemonHarness as Daemon, Reply, ScriptedOpenAi, script, texts};
+use tandem_tests::{DaemonHarness as Daemon, McpHttp as Mcp, Reply, ScriptedOpenAi, script, texts};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tandem");
@@ -301,89 +301,6 @@ async fn max_concurrent_holds_with_no_approval_policy() {
             pair[1].0 >= pair[0].1,
             "two tasks ran at once under --max-concurrent 1: {spans:?}"
         );
-    }
-}
-
-/// A raw MCP client over the daemon's streamable HTTP endpoint (its Unix socket).
-struct Mcp<'a> {
-    d: &'a Daemon,
-    session: String,
-    next: AtomicU64,
-}
-
-impl<'a> Mcp<'a> {
-    /// Initializes a session; `Err` carries what the daemon answered instead.
-    async fn connect(d: &'a Daemon) -> Result<Self, String> {
-        let resp = d
-            .http()
-            .post("http://tandem/mcp")
-            .header("accept", "application/json, text/event-stream")
-            .header("content-type", "application/json")
-            .body(
-                json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-                    "protocolVersion": "2025-06-18", "capabilities": {},
-                    "clientInfo": {"name": "limits-test", "version": "1"}}})
-                .to_string(),
-            )
-            .send()
-            .await
-            .map_err(|e| e.to_string())?;
-        let session = resp
-            .headers()
-            .get("mcp-session-id")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
-        let status = resp.status();
-        let text = resp.text().await.unwrap_or_default();
-        let Some(session) = session.filter(|_| status.is_success()) else {
-            return Err(format!("{status}: {text}"));
-        };
-        let mcp = Self {
-            d,
-            session,
-            next: AtomicU64::new(1),
-        };
-        mcp.post(json!({"jsonrpc": "2.0", "method": "notifications/initialized"}))
-            .await;
-        Ok(mcp)
-    }
-
-    async fn post(&self, message: Value) -> String {
-        self.d
-            .http()
-            .post("http://tandem/mcp")
-            .header("accept", "application/json, text/event-stream")
-            .header("content-type", "application/json")
-            .header("mcp-session-id", &self.session)
-            .body(message.to_string())
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
-    }
-
-    /// The response to a request: its `result`, or `{"error": ...}`.
-    async fn request(&self, method: &str, params: Value) -> Value {
-        let id = self.next.fetch_add(1, Ordering::SeqCst);
-        let text = self
-            .post(json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}))
-            .await;
-        text.lines()
-            .filter_map(|l| l.strip_prefix("data:"))
-            .filter_map(|d| serde_json::from_str::<Value>(d.trim()).ok())
-            .find(|m| m["id"] == id)
-            .map(|m| match m.get("result") {
-                Some(result) => result.clone(),
-                None => json!({"error": m["error"]}),
-            })
-            .unwrap_or_else(|| panic!("no response to {method}: {text}"))
-    }
-
-    async fn call_tool(&self, name: &str, arguments: Value) -> Value {
-        self.request("tools/call", json!({"name": name, "arguments": arguments}))
-            .await
     }
 }
 

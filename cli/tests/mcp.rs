@@ -90,20 +90,23 @@ fn check(seen: &Value) {
         seen["unknown_tool"]["error"],
         "no tool `rm_rf`; the tools are execute_code and run_task"
     );
-    assert_eq!(seen["no_code"]["error"], "`code` is required");
+    // Arguments the tool cannot take are tool results with isError, which the client's model
+    // reads (SEP-1303); only the unknown tool above is a protocol error.
+    let refused = |case: &str| {
+        assert_eq!(seen[case]["is_error"], true, "{case}: {seen}");
+        seen[case]["text"].as_str().unwrap().to_owned()
+    };
+    assert_eq!(refused("no_code"), "`code` is required");
     assert_eq!(
-        seen["bad_language"]["error"],
+        refused("bad_language"),
         "language `cobol` is not supported by the local executor; supported: python, sh, javascript"
     );
     assert!(
-        seen["bad_executor"]["error"]
-            .as_str()
-            .unwrap()
-            .starts_with("executor `nope` is not"),
+        refused("bad_executor").starts_with("executor `nope` is not"),
         "{seen}"
     );
     assert_eq!(
-        seen["huge"]["error"],
+        refused("huge"),
         "code is 2097152 bytes; execute_code takes at most 1048576"
     );
     let task = &seen["task"]["structured"];

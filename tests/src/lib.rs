@@ -8,9 +8,11 @@
 
 pub mod conformance;
 pub mod daemon;
+pub mod mcp;
 pub mod webdriver;
 
 pub use daemon::DaemonHarness;
+pub use mcp::McpHttp;
 pub use webdriver::Browser;
 
 use std::collections::HashMap;

@@ -495,6 +495,11 @@ async fn open(
         .map_err(|e| ErrorData::internal_error(format!("opening a sandbox failed: {e}"), None))
 }
 
+/// A call that could not be carried out, said as a result the client's model reads.
+fn tool_error(text: String) -> CallToolResult {
+    CallToolResult::error(vec![ContentBlock::text(text)])
+}
+
 /// A call's result when the block was not run: an error result the client's model reads.
 fn declined(text: String) -> CallToolResult {
     let mut result = CallToolResult::error(vec![ContentBlock::text(text.clone())]);
@@ -605,25 +610,30 @@ impl ServerHandler for TandemMcp {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, ErrorData> {
         let args = request.arguments.unwrap_or_default();
-        let Ok(_call) = self.calls.clone().try_acquire_owned() else {
+        let name = request.name.as_ref();
+        if !matches!(name, "execute_code" | "run_task") {
             return Err(ErrorData::invalid_params(
-                format!(
-                    "this connection already has {MAX_CALLS} tool calls running; wait for one to end"
-                ),
+                format!("no tool `{name}`; the tools are execute_code and run_task"),
                 None,
             ));
+        }
+        // A call to a tool that exists but cannot be carried out (arguments that fail the
+        // schema or the policy, a cap, a sandbox that broke) is a tool result with isError,
+        // as the MCP specification asks (SEP-1303): the client's model reads it and can
+        // correct itself. Only a call naming no tool is a protocol error.
+        let Ok(_call) = self.calls.clone().try_acquire_owned() else {
+            return Ok(tool_error(format!(
+                "this connection already has {MAX_CALLS} tool calls running; wait for one to end"
+            ))
+            .into());
         };
-        let result = match request.name.as_ref() {
-            "execute_code" => self.execute_code(&args, &context).await?,
-            "run_task" => self.run_task(&args, &context).await?,
-            other => {
-                return Err(ErrorData::invalid_params(
-                    format!("no tool `{other}`; the tools are execute_code and run_task"),
-                    None,
-                ));
-            }
+        let result = match name {
+            "execute_code" => self.execute_code(&args, &context).await,
+            _ => self.run_task(&args, &context).await,
         };
-        Ok(result.into())
+        Ok(result
+            .unwrap_or_else(|e| tool_error(e.message.into_owned()))
+            .into())
     }
 
     async fn list_resources(
