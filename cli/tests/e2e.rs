@@ -1057,3 +1057,58 @@ async fn a_failed_task_says_why_on_stderr_on_every_road() {
     assert_eq!(code, 1, "{stderr}");
     assert!(stderr.contains(said), "stderr: {stderr}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn characters_split_between_reads_or_by_the_cap_stay_whole_on_every_road() {
+    // 40 000 bytes (more than a pipe's buffer, under the cap), and 80 000 (past the 64 KiB
+    // cap, so Tandem cuts the middle out: its cuts must fall between characters).
+    let cases = [
+        ("print('ñ' * 20000)", "split: under the cap"),
+        ("print('✓' * 20000)", "split: at the head's edge"),
+        ("print('ñ' * 40000)", "split: past the cap"),
+        ("print('✓' * 40000)", "split: past the cap, three bytes"),
+    ];
+    let server = ScriptedOpenAi::start(script(cases.map(|(code, task)| {
+        (
+            task,
+            vec![
+                Reply::from(format!("```python\n{code}\n```").as_str()),
+                Reply::from("TERMINATE"),
+            ],
+        )
+    })))
+    .await
+    .unwrap();
+    let url = server.base_url();
+    let dir = tempfile::tempdir().unwrap();
+    let d = tandem_tests::DaemonHarness::start(
+        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &url,
+        &[],
+        None,
+    )
+    .await;
+    for (code, task) in cases {
+        let file = dir.path().join("split.py");
+        std::fs::write(&file, code).unwrap();
+        let exec = tandem(&["exec", &file.display().to_string()], &[], None).await;
+        let run = tandem(&["run", "--base-url", &url, task], &[], None).await;
+        let (_, followed, _) = d.cli(&["run", task]).await;
+        for (road, text) in [
+            ("exec", &exec.stdout),
+            ("run", &run.stdout),
+            ("run through the daemon", &followed),
+        ] {
+            let char = if code.contains('ñ') { "ñ" } else { "✓" };
+            assert!(
+                text.contains(&char.repeat(1000)),
+                "{task}, {road}: {}",
+                &text[..text.len().min(500)]
+            );
+            assert!(
+                !text.contains('\u{FFFD}'),
+                "{task}, {road} shows a broken character"
+            );
+        }
+    }
+}

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tandem_executor::{
     CancellationToken, ExecContext, ExecError, ExecOutcome, ExecRequest, Executor, ExitStatus,
-    Language, Session, SessionSpec, Stream,
+    Language, Session, SessionSpec, Stream, complete_utf8,
 };
 use tandem_protocol::{BlockResult, BlockStatus, EventMsg, OutputStream};
 
@@ -337,31 +337,26 @@ async fn run_one(
             duration: Duration::ZERO,
         }),
     };
-    // Whatever is left is a character the program never finished.
-    for stream in [OutputStream::Stdout, OutputStream::Stderr] {
-        emit(stream, &[], true);
+    // Bytes left of a character at the end of the live head are the program's unfinished
+    // character only when nothing came after them; otherwise the character continues past
+    // the head, in the text the result carries.
+    for (stream, continues) in [
+        (
+            OutputStream::Stdout,
+            outcome
+                .as_ref()
+                .is_ok_and(|o| o.stdout.continues_past_head()),
+        ),
+        (
+            OutputStream::Stderr,
+            outcome
+                .as_ref()
+                .is_ok_and(|o| o.stderr.continues_past_head()),
+        ),
+    ] {
+        emit(stream, &[], !continues);
     }
     outcome
-}
-
-/// How much of `buf` to decode now: all of it, unless it ends inside a UTF-8 sequence that
-/// more bytes could still complete.
-fn complete_utf8(buf: &[u8]) -> usize {
-    for back in 1..=buf.len().min(3) {
-        let at = buf.len() - back;
-        let byte = buf[at];
-        if byte & 0xC0 == 0x80 {
-            continue; // a continuation byte: the sequence started further back
-        }
-        let needs = match byte {
-            0xF0..=0xF7 => 4,
-            0xE0..=0xEF => 3,
-            0xC0..=0xDF => 2,
-            _ => 1,
-        };
-        return if needs > back { at } else { buf.len() };
-    }
-    buf.len()
 }
 
 fn not_run(language: &Language, status: BlockStatus, stderr: &str) -> BlockResult {

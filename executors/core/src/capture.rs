@@ -1,5 +1,25 @@
 use std::collections::VecDeque;
 
+/// How much of `buf` is whole characters to decode now: all of it, unless it ends inside a
+/// UTF-8 sequence that more bytes could still complete.
+pub fn complete_utf8(buf: &[u8]) -> usize {
+    for back in 1..=buf.len().min(3) {
+        let at = buf.len() - back;
+        let byte = buf[at];
+        if byte & 0xC0 == 0x80 {
+            continue; // a continuation byte: the sequence started further back
+        }
+        let needs = match byte {
+            0xF0..=0xF7 => 4,
+            0xE0..=0xEF => 3,
+            0xC0..=0xDF => 2,
+            _ => 1,
+        };
+        return if needs > back { at } else { buf.len() };
+    }
+    buf.len()
+}
+
 /// Collects one output stream up to a cap, keeping the head and the tail.
 ///
 /// Programs that print megabytes usually matter at both ends (the first error and the final
@@ -91,17 +111,37 @@ impl Captured {
         self.total
     }
 
+    /// Whether the stream went on past the kept head (so a character at the head's end may
+    /// continue in what follows).
+    pub fn continues_past_head(&self) -> bool {
+        self.total > self.head.len() as u64
+    }
+
     /// Lossily decoded text with a visible `[... N bytes truncated ...]` note where the
-    /// middle was cut.
+    /// middle was cut. Only bytes the program wrote wrong become U+FFFD: a character that the
+    /// head and tail split is decoded whole, and the pieces of one that Tandem's cut split
+    /// are counted with the cut.
     pub fn to_text(&self) -> String {
-        let mut text = String::from_utf8_lossy(&self.head).into_owned();
-        if self.truncated() {
-            if !text.ends_with('\n') {
-                text.push('\n');
-            }
-            text.push_str(&format!("[... {} bytes truncated ...]\n", self.dropped()));
+        if !self.truncated() {
+            let mut whole = self.head.clone();
+            whole.extend_from_slice(&self.tail);
+            return String::from_utf8_lossy(&whole).into_owned();
         }
-        text.push_str(&String::from_utf8_lossy(&self.tail));
+        let head = &self.head[..complete_utf8(&self.head)];
+        let partial = self
+            .tail
+            .iter()
+            .take(3)
+            .take_while(|b| **b & 0xC0 == 0x80)
+            .count();
+        let tail = &self.tail[partial..];
+        let mut text = String::from_utf8_lossy(head).into_owned();
+        if !text.ends_with('\n') {
+            text.push('\n');
+        }
+        let cut = self.total - (head.len() + tail.len()) as u64;
+        text.push_str(&format!("[... {cut} bytes truncated ...]\n"));
+        text.push_str(&String::from_utf8_lossy(tail));
         text
     }
 }
@@ -109,6 +149,23 @@ impl Captured {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn characters_split_by_the_head_or_the_cut_stay_whole() {
+        // Three-byte characters: the head's edge (5 bytes) falls inside one.
+        let text = "✓".repeat(3);
+        let mut buf = CaptureBuffer::new(10);
+        buf.push(text.as_bytes());
+        assert_eq!(buf.finish().to_text(), text);
+        // Past the cap, the pieces the cut leaves at both ends are counted with it.
+        let mut buf = CaptureBuffer::new(10);
+        buf.push("✓".repeat(10).as_bytes());
+        assert_eq!(buf.finish().to_text(), "✓\n[... 24 bytes truncated ...]\n✓");
+        // Bytes the program wrote wrong still show as such.
+        let mut buf = CaptureBuffer::new(10);
+        buf.push(b"ok\xff\n");
+        assert_eq!(buf.finish().to_text(), "ok\u{FFFD}\n");
+    }
 
     #[test]
     fn small_output_is_kept_whole() {

@@ -39,7 +39,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use budget::{Budget, BudgetConfig};
-pub use capture::{CaptureBuffer, Captured};
+pub use capture::{CaptureBuffer, Captured, complete_utf8};
 pub use error::ExecError;
 pub use language::{Language, join as join_languages};
 pub use limits::Limits;
