@@ -1,4 +1,7 @@
 //! `tandem`: run coding tasks with an LLM that writes code and a sandbox that runs it.
+// The doc comments of clap's argument types are the `--help` text a person reads, not
+// rustdoc: `[y]es` and a bare URL there are meant as they are.
+#![allow(rustdoc::broken_intra_doc_links, rustdoc::bare_urls)]
 
 mod approve;
 mod client;

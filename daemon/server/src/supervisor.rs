@@ -166,7 +166,7 @@ impl Supervisor {
         })
     }
 
-    /// Runs `f` (store work) on the blocking pool, at most [`STORE_CALLS`] at once: every
+    /// Runs `f` (store work) on the blocking pool, at most `STORE_CALLS` (2) at once: every
     /// store call waits on one connection, so more threads would only queue on its lock, and
     /// a burst of requests would otherwise grow the blocking pool by a thread each.
     pub async fn off_thread<T: Send + 'static>(

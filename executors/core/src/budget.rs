@@ -1,6 +1,6 @@
 //! How many sandboxes may be open at once, across every executor and per executor.
 //!
-//! A [`Registry`](crate::Registry) given a budget hands out only [`Budgeted`] executors, so
+//! A [`Registry`](crate::Registry) given a budget hands out only budgeted executors, so
 //! every road that opens a session through it (a task, a team's executor agents, a
 //! `parallel`, MCP `execute_code`, a plugin) waits for the same permits: a new road cannot
 //! skip the cap by accident. A session holds its permits until it is closed or dropped.

@@ -1,5 +1,5 @@
 //! Teams of agents: a group chat, a loop, a sequence or a parallel of assistants, executors
-//! and other teams, as a [`TeamSpec`] describes them.
+//! and other teams, as a [`TeamSpec`](tandem_protocol::team::TeamSpec) describes them.
 
 pub mod check;
 pub mod run;
@@ -10,7 +10,7 @@ pub use run::{
     run_team_task,
 };
 
-/// `path: message` for a deserialisation error, the way [`check`] names fields.
+/// `path: message` for a deserialisation error, the way [`check()`] names fields.
 pub fn path_error<E: std::fmt::Display>(e: &serde_path_to_error::Error<E>) -> String {
     let path = e.path().to_string();
     // `.` is the whole document, `?` a place a syntax error left unknown.
