@@ -734,7 +734,12 @@ async fn team_overhead(tasks: usize, concurrency: usize) {
                     &tandem_executor::Limits::default(),
                 )
                 .unwrap();
-                let (ended, history, _, turns) = team
+                let tandem_agent::team::Run {
+                    ended,
+                    history,
+                    turns,
+                    ..
+                } = team
                     .run(
                         &format!("team {i}"),
                         Arc::new(|_| {}),

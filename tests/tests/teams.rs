@@ -110,7 +110,7 @@ async fn a_hook_changes_what_an_agent_receives_and_can_refuse_a_turn() {
     let team = local_team(&spec, &model).with_hook(Arc::new(Gate));
     let events = Arc::new(Mutex::new(Vec::new()));
     let sink = events.clone();
-    let (ended, history, _, _) = team
+    let tandem_agent::team::Run { ended, history, .. } = team
         .run(
             task,
             Arc::new(move |e| sink.lock().unwrap().push(e)),
@@ -223,7 +223,7 @@ async fn an_agent_written_in_rust_takes_an_assistants_place() {
     let team = make()
         .with_agent("team/reviewer", reviewer.clone())
         .unwrap();
-    let (ended, history, _, _) = team
+    let tandem_agent::team::Run { ended, history, .. } = team
         .run(task, Arc::new(|_| {}), CancellationToken::new(), Vec::new())
         .await;
     team.close().await;

@@ -10,7 +10,7 @@ use tandem_protocol::{ErrorCode, ErrorInfo, EventMsg, Message, Role, StopReason,
 
 use crate::blocks::{self, EventSink, SessionSlot};
 use crate::chat::{ChatModel, ModelProgress};
-use crate::team::run::run_team;
+use crate::team::task::run_team;
 use crate::team::{TaskLabel, Team, check};
 use crate::termination::strip_termination;
 

@@ -3,12 +3,12 @@
 
 pub mod check;
 pub mod run;
+pub mod task;
+mod termination;
 
 pub use check::{Node, TeamErrors, check, check_within};
-pub use run::{
-    Agent, AgentReply, Ended, Hook, Said, TaskLabel, Team, Turn, executor_slot, replay_of,
-    run_team_task,
-};
+pub use run::{Agent, AgentReply, Ended, Hook, Run, Said, Team, Turn, executor_slot, replay_of};
+pub use task::{TaskLabel, run_team_task};
 
 /// `path: message` for a deserialisation error, the way [`check()`] names fields.
 pub fn path_error<E: std::fmt::Display>(e: &serde_path_to_error::Error<E>) -> String {

@@ -13,15 +13,16 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 use regex::Regex;
 use tandem_executor::CancellationToken;
-use tandem_protocol::team::{Aggregate, Kind, SelectionKind, Termination};
+use tandem_protocol::team::{Aggregate, Kind, SelectionKind};
 use tandem_protocol::{ErrorCode, ErrorInfo, EventMsg, Message, Role, StopReason, Usage};
 
+use super::termination::{ChatState, Condition, Test};
 use crate::blocks::{self, EventSink, RunOptions, SessionSlot};
 use crate::chat::ChatModel;
 use crate::extract::{CodeBlock, extract_code_blocks};
 use crate::task::progress;
 use crate::team::Node;
-use crate::termination::{is_termination_block, mentions, says_terminate};
+use crate::termination::{is_termination_block, mentions};
 
 /// One message of the team's shared history.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -138,9 +139,24 @@ pub struct Team {
     /// Every `mention` and `ends_with` word of the team's chats: a block holding only one of
     /// them is a way of saying it, which no executor runs.
     words: Vec<String>,
+    /// Each chat's termination, compiled once, by the chat's path.
+    conditions: HashMap<String, Condition>,
     /// Turns are the assistants' alone, told as `turn_started`: an executor's reply belongs
     /// to the turn whose code it answers (the two-agent pair's shape).
     exchange_turns: bool,
+}
+
+/// How a run of a team went.
+#[derive(Debug)]
+pub struct Run {
+    /// How it ended, or what broke.
+    pub ended: Result<Ended, ErrorInfo>,
+    /// The shared history, the task first.
+    pub history: Vec<Said>,
+    /// Tokens used.
+    pub usage: Usage,
+    /// Turns taken.
+    pub turns: u32,
 }
 
 impl std::fmt::Debug for Team {
@@ -174,6 +190,7 @@ impl Team {
             output_cap: limits.output_bytes,
             words: Vec::new(),
             exchange_turns: false,
+            conditions: HashMap::new(),
             root: root.clone(),
         };
         let mut stack = vec![&root];
@@ -189,7 +206,12 @@ impl Team {
                 }
                 Kind::Chat => {
                     if let Some(t) = &node.spec.termination {
-                        words_of(t, &mut team.words);
+                        let condition = Condition::compile(t).map_err(|e| ErrorInfo {
+                            code: ErrorCode::InvalidRequest,
+                            message: format!("{}.{e}", node.path),
+                        })?;
+                        condition.words_into(&mut team.words);
+                        team.conditions.insert(node.path.clone(), condition);
                     }
                     // A chat's `llm` selection may name its own model: made as an
                     // assistant with that model would be.
@@ -267,7 +289,7 @@ impl Team {
         events: EventSink,
         cancel: CancellationToken,
         replay: Vec<(String, String)>,
-    ) -> (Result<Ended, ErrorInfo>, Vec<Said>, Usage, u32) {
+    ) -> Run {
         let shared = Shared {
             turns: AtomicU32::new(0),
             usage: Mutex::new(Usage::default()),
@@ -285,8 +307,12 @@ impl Team {
             output: false,
         }];
         let ended = ctx.run(&self.root, &mut history, true).await;
-        let usage = shared.usage.lock().map(|u| *u).unwrap_or_default();
-        (ended, history, usage, shared.turns.load(Ordering::SeqCst))
+        Run {
+            ended,
+            history,
+            usage: shared.usage.lock().map(|u| *u).unwrap_or_default(),
+            turns: shared.turns.load(Ordering::SeqCst),
+        }
     }
 
     /// Closes every executor session.
@@ -784,7 +810,7 @@ impl Ctx<'_> {
             let new: Vec<Said> = history.get(before..).unwrap_or_default().to_vec();
             messages += u32::try_from(new.len()).unwrap_or(u32::MAX);
             silent = if new.is_empty() { silent + 1 } else { 0 };
-            if let Some(t) = &spec.termination {
+            if let Some(condition) = self.team.conditions.get(&node.path) {
                 let state = ChatState {
                     path: &node.path,
                     new: &new,
@@ -793,7 +819,7 @@ impl Ctx<'_> {
                     elapsed: started.elapsed(),
                     tokens: self.tokens() - tokens_before,
                 };
-                if let Some((by, reason)) = self.fired(t, &state).await? {
+                if let Some((by, reason)) = self.fired(condition, &state).await? {
                     // Code in the message that ended the chat still runs, and its output
                     // is recorded, before the chat ends.
                     if let (true, Some(&executor)) =
@@ -934,106 +960,56 @@ impl Ctx<'_> {
             .unwrap_or_default())
     }
 
-    /// Whether `t` holds after the chat's latest messages: the condition in words and the
+    /// Whether `c` holds after the chat's latest messages: the condition in words and the
     /// stop reason it means for a whole task.
     fn fired<'b>(
         &'b self,
-        t: &'b Termination,
+        c: &'b Condition,
         s: &'b ChatState<'b>,
     ) -> BoxFuture<'b, Result<Option<(String, StopReason)>, ErrorInfo>> {
         Box::pin(async move {
-            let by = |agents: &Option<Vec<String>>, said: &Said| {
-                agents.as_ref().is_none_or(|a| a.contains(&said.speaker))
-            };
-            let words = super::check::describe(t);
-            let hit = |yes: bool, reason: StopReason| yes.then(|| (words.clone(), reason));
-            Ok(if let Some(word) = &t.mention {
-                let yes = s.new.iter().any(|m| {
-                    !m.output && by(&t.agents, m) && (mentions(&m.text, word) || alone(m, word))
-                });
-                hit(yes, StopReason::Terminated)
-            } else if let Some(word) = &t.ends_with {
-                let yes = s.new.iter().any(|m| {
-                    !m.output
-                        && by(&t.agents, m)
-                        && (says_terminate(&m.text, word) || alone(m, word))
-                });
-                hit(yes, StopReason::Terminated)
-            } else if let Some(pattern) = &t.regex {
-                let re =
-                    Regex::new(pattern).map_err(|e| internal("termination", &e.to_string()))?;
-                let yes = s
-                    .new
-                    .iter()
-                    .any(|m| !m.output && by(&t.agents, m) && re.is_match(&m.text));
-                hit(yes, StopReason::Terminated)
-            } else if let Some(n) = t.max_turns {
-                hit(s.messages >= n, StopReason::MaxTurns)
-            } else if let Some(secs) = t.timeout {
-                hit(s.elapsed >= Duration::from_secs(secs), StopReason::Timeout)
-            } else if let Some(budget) = t.token_budget {
-                hit(s.tokens >= budget, StopReason::MaxTurns)
-            } else if let Some(question) = &t.llm {
-                let answer = self
-                    .ask(
-                        &format!("{}/termination", s.path),
-                        "You judge a team's conversation. Answer yes or no.",
-                        s.history,
-                        &format!("Conversation:\n{}\n\n{question}", transcript(s.history)),
-                    )
-                    .await?;
-                hit(
-                    answer.trim_start().to_ascii_lowercase().starts_with("yes"),
-                    StopReason::Terminated,
-                )
-            } else if let Some(list) = &t.any {
-                let mut first = None;
-                for inner in list {
-                    if let Some(found) = self.fired(inner, s).await? {
-                        first = Some(found);
-                        break;
-                    }
+            if let Some(held) = c.holds(s) {
+                return Ok(held.map(|reason| (c.words.clone(), reason)));
+            }
+            Ok(match &c.test {
+                Test::Llm(question) => {
+                    let answer = self
+                        .ask(
+                            &format!("{}/termination", s.path),
+                            "You judge a team's conversation. Answer yes or no.",
+                            s.history,
+                            &format!("Conversation:\n{}\n\n{question}", transcript(s.history)),
+                        )
+                        .await?;
+                    answer
+                        .trim_start()
+                        .to_ascii_lowercase()
+                        .starts_with("yes")
+                        .then(|| (c.words.clone(), StopReason::Terminated))
                 }
-                first
-            } else if let Some(list) = &t.all {
-                let mut last = None;
-                for inner in list {
-                    match self.fired(inner, s).await? {
-                        Some(found) => last = Some(found),
-                        None => return Ok(None),
+                Test::Any(list) => {
+                    let mut first = None;
+                    for inner in list {
+                        if let Some(found) = self.fired(inner, s).await? {
+                            first = Some(found);
+                            break;
+                        }
                     }
+                    first
                 }
-                last.map(|(_, reason)| (words.clone(), reason))
-            } else {
-                None
+                Test::All(list) => {
+                    let mut last = None;
+                    for inner in list {
+                        match self.fired(inner, s).await? {
+                            Some(found) => last = Some(found),
+                            None => return Ok(None),
+                        }
+                    }
+                    last.map(|(_, reason)| (c.words.clone(), reason))
+                }
+                _ => None,
             })
         })
-    }
-}
-
-/// What a termination condition looks at.
-struct ChatState<'a> {
-    /// The chat's path.
-    path: &'a str,
-    new: &'a [Said],
-    history: &'a [Said],
-    messages: u32,
-    elapsed: Duration,
-    tokens: u64,
-}
-
-/// Whether `said` has a block that holds only `word`: small models fence their last word.
-fn alone(said: &Said, word: &str) -> bool {
-    extract_code_blocks(&said.text)
-        .iter()
-        .any(|b| is_termination_block(&b.code, word))
-}
-
-/// Adds the words `t` ends a chat on to `words`.
-fn words_of(t: &Termination, words: &mut Vec<String>) {
-    words.extend(t.mention.iter().chain(&t.ends_with).cloned());
-    for inner in t.any.iter().chain(&t.all).flatten() {
-        words_of(inner, words);
     }
 }
 
@@ -1114,134 +1090,5 @@ mod tests {
         // Never inside a character.
         let cut = cut_middle(&"é".repeat(20), 9);
         assert!(cut.starts_with("éé\n[..."), "{cut}");
-    }
-}
-
-/// What a team task's start says of it.
-#[derive(Clone, Debug)]
-pub struct TaskLabel {
-    /// The task's model (every assistant's default).
-    pub model: String,
-    /// Its model server.
-    pub base_url: String,
-    /// What runs it, as the transcript's header shows (`team review.toml`).
-    pub executor: String,
-}
-
-/// Runs `team` as a whole task: a `task_started` event, the team's events, a
-/// `task_finished` event with the stop reason (a team that finished its work is
-/// `terminated`) and its last message as the summary, the timeout and cancellation honoured,
-/// and every executor session closed at the end.
-pub async fn run_team_task(
-    team: Team,
-    task: &str,
-    label: TaskLabel,
-    events: EventSink,
-    cancel: CancellationToken,
-    timeout: Option<Duration>,
-    replay: Vec<(String, String)>,
-) -> StopReason {
-    let ran = run_team(
-        Ok(team),
-        task,
-        label,
-        events,
-        cancel,
-        timeout,
-        replay,
-        |_, history| {
-            history
-                .iter()
-                .skip(1)
-                .rev()
-                .find(|s| !s.output)
-                .map(|s| s.text.clone())
-        },
-    )
-    .await;
-    ran.stop_reason
-}
-
-/// How a whole task run by a team ended.
-pub(crate) struct TeamRun {
-    pub stop_reason: StopReason,
-    pub error: Option<ErrorInfo>,
-    /// The shared history, the task first.
-    pub history: Vec<Said>,
-    pub usage: Usage,
-    pub turns: u32,
-    pub summary: Option<String>,
-    pub elapsed: Duration,
-}
-
-/// [`run_team_task`] with the final answer chosen by `summary` from the stop reason and the
-/// history; a team that could not be made ends the task with its error.
-#[allow(clippy::too_many_arguments)]
-pub(crate) async fn run_team(
-    team: Result<Team, ErrorInfo>,
-    task: &str,
-    label: TaskLabel,
-    events: EventSink,
-    cancel: CancellationToken,
-    timeout: Option<Duration>,
-    replay: Vec<(String, String)>,
-    summary: impl FnOnce(StopReason, &[Said]) -> Option<String>,
-) -> TeamRun {
-    let started = Instant::now();
-    events(EventMsg::TaskStarted {
-        task: task.to_owned(),
-        model: label.model,
-        base_url: label.base_url,
-        executor: label.executor,
-    });
-    // One token for both ways a task is stopped from outside; the flag tells them apart.
-    let stop = cancel.child_token();
-    let timed_out = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let timer = timeout.map(|limit| {
-        let (stop, timed_out) = (stop.clone(), timed_out.clone());
-        tokio::spawn(async move {
-            tokio::time::sleep(limit).await;
-            timed_out.store(true, Ordering::SeqCst);
-            stop.cancel();
-        })
-    });
-    let (ended, history, usage, turns) = match team {
-        Ok(team) => {
-            let ran = team.run(task, events.clone(), stop, replay).await;
-            team.close().await;
-            ran
-        }
-        Err(e) => (Err(e), Vec::new(), Usage::default(), 0),
-    };
-    if let Some(timer) = timer {
-        timer.abort();
-    }
-    let (stop_reason, error) = match ended {
-        Ok(Ended::Done | Ended::Escalated) => (StopReason::Terminated, None),
-        Ok(Ended::Finished { reason, .. }) => (reason, None),
-        Ok(Ended::Stopped(StopReason::Cancelled)) if timed_out.load(Ordering::SeqCst) => {
-            (StopReason::Timeout, None)
-        }
-        Ok(Ended::Stopped(reason)) => (reason, None),
-        Err(info) => (StopReason::Error, Some(info)),
-    };
-    let summary = summary(stop_reason, &history);
-    let elapsed = started.elapsed();
-    events(EventMsg::TaskFinished {
-        stop_reason,
-        turns,
-        usage,
-        elapsed_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
-        error: error.clone(),
-        summary: summary.clone(),
-    });
-    TeamRun {
-        stop_reason,
-        error,
-        history,
-        usage,
-        turns,
-        summary,
-        elapsed,
     }
 }

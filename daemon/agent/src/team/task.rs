@@ -1,0 +1,150 @@
+//! A team as a whole task: the task's start and end events, its timeout and cancellation,
+//! its final answer, and its sandboxes closed at the end.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use tandem_executor::CancellationToken;
+use tandem_protocol::{ErrorInfo, EventMsg, StopReason, Usage};
+
+use super::run::{Ended, Run, Said, Team};
+use crate::blocks::EventSink;
+
+/// What a team task's start says of it.
+#[derive(Clone, Debug)]
+pub struct TaskLabel {
+    /// The task's model (every assistant's default).
+    pub model: String,
+    /// Its model server.
+    pub base_url: String,
+    /// What runs it, as the transcript's header shows (`team review.toml`).
+    pub executor: String,
+}
+
+/// Runs `team` as a whole task: a `task_started` event, the team's events, a
+/// `task_finished` event with the stop reason (a team that finished its work is
+/// `terminated`) and its last message as the summary, the timeout and cancellation honoured,
+/// and every executor session closed at the end.
+pub async fn run_team_task(
+    team: Team,
+    task: &str,
+    label: TaskLabel,
+    events: EventSink,
+    cancel: CancellationToken,
+    timeout: Option<Duration>,
+    replay: Vec<(String, String)>,
+) -> StopReason {
+    let ran = run_team(
+        Ok(team),
+        task,
+        label,
+        events,
+        cancel,
+        timeout,
+        replay,
+        |_, history| {
+            history
+                .iter()
+                .skip(1)
+                .rev()
+                .find(|s| !s.output)
+                .map(|s| s.text.clone())
+        },
+    )
+    .await;
+    ran.stop_reason
+}
+
+/// How a whole task run by a team ended.
+pub(crate) struct TeamRun {
+    pub stop_reason: StopReason,
+    pub error: Option<ErrorInfo>,
+    /// The shared history, the task first.
+    pub history: Vec<Said>,
+    pub usage: Usage,
+    pub turns: u32,
+    pub summary: Option<String>,
+    pub elapsed: Duration,
+}
+
+/// [`run_team_task`] with the final answer chosen by `summary` from the stop reason and the
+/// history; a team that could not be made ends the task with its error.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn run_team(
+    team: Result<Team, ErrorInfo>,
+    task: &str,
+    label: TaskLabel,
+    events: EventSink,
+    cancel: CancellationToken,
+    timeout: Option<Duration>,
+    replay: Vec<(String, String)>,
+    summary: impl FnOnce(StopReason, &[Said]) -> Option<String>,
+) -> TeamRun {
+    let started = Instant::now();
+    events(EventMsg::TaskStarted {
+        task: task.to_owned(),
+        model: label.model,
+        base_url: label.base_url,
+        executor: label.executor,
+    });
+    // One token for both ways a task is stopped from outside; the flag tells them apart.
+    let stop = cancel.child_token();
+    let timed_out = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let timer = timeout.map(|limit| {
+        let (stop, timed_out) = (stop.clone(), timed_out.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(limit).await;
+            timed_out.store(true, Ordering::SeqCst);
+            stop.cancel();
+        })
+    });
+    let Run {
+        ended,
+        history,
+        usage,
+        turns,
+    } = match team {
+        Ok(team) => {
+            let ran = team.run(task, events.clone(), stop, replay).await;
+            team.close().await;
+            ran
+        }
+        Err(e) => Run {
+            ended: Err(e),
+            history: Vec::new(),
+            usage: Usage::default(),
+            turns: 0,
+        },
+    };
+    if let Some(timer) = timer {
+        timer.abort();
+    }
+    let (stop_reason, error) = match ended {
+        Ok(Ended::Done | Ended::Escalated) => (StopReason::Terminated, None),
+        Ok(Ended::Finished { reason, .. }) => (reason, None),
+        Ok(Ended::Stopped(StopReason::Cancelled)) if timed_out.load(Ordering::SeqCst) => {
+            (StopReason::Timeout, None)
+        }
+        Ok(Ended::Stopped(reason)) => (reason, None),
+        Err(info) => (StopReason::Error, Some(info)),
+    };
+    let summary = summary(stop_reason, &history);
+    let elapsed = started.elapsed();
+    events(EventMsg::TaskFinished {
+        stop_reason,
+        turns,
+        usage,
+        elapsed_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
+        error: error.clone(),
+        summary: summary.clone(),
+    });
+    TeamRun {
+        stop_reason,
+        error,
+        history,
+        usage,
+        turns,
+        summary,
+        elapsed,
+    }
+}

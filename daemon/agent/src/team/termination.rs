@@ -1,0 +1,176 @@
+//! A chat's termination condition, compiled once when the team is made: regular expressions
+//! are built then, not on every message, and a pattern that does not compile is an error
+//! before anything runs.
+
+use std::time::Duration;
+
+use regex::Regex;
+use tandem_protocol::StopReason;
+use tandem_protocol::team::Termination;
+
+use super::run::Said;
+use crate::extract::extract_code_blocks;
+use crate::termination::{is_termination_block, mentions, says_terminate};
+
+/// One condition of a chat's `termination`, ready to check.
+#[derive(Clone, Debug)]
+pub(crate) struct Condition {
+    /// The condition in words, as `team_ended` tells it.
+    pub words: String,
+    pub test: Test,
+}
+
+/// What a condition checks.
+#[derive(Clone, Debug)]
+pub(crate) enum Test {
+    /// A message by one of `agents` (anyone when `None`) mentions the word, or holds a
+    /// block of only the word.
+    Mention(String, Option<Vec<String>>),
+    /// A message by one of `agents` ends with the word, or holds a block of only the word.
+    EndsWith(String, Option<Vec<String>>),
+    /// A message by one of `agents` matches.
+    Regex(Regex, Option<Vec<String>>),
+    /// The chat has this many messages.
+    MaxTurns(u32),
+    /// The chat has run this long.
+    Timeout(Duration),
+    /// The chat has used this many tokens.
+    TokenBudget(u64),
+    /// A model, asked this question, says yes.
+    Llm(String),
+    /// The first of these that holds.
+    Any(Vec<Condition>),
+    /// All of these hold (the last one's stop reason).
+    All(Vec<Condition>),
+}
+
+/// What a termination condition looks at.
+pub(crate) struct ChatState<'a> {
+    /// The chat's path.
+    pub path: &'a str,
+    /// The messages since the condition was last checked.
+    pub new: &'a [Said],
+    /// The whole history.
+    pub history: &'a [Said],
+    /// Messages the chat has had.
+    pub messages: u32,
+    pub elapsed: Duration,
+    pub tokens: u64,
+}
+
+impl Condition {
+    /// `t` compiled; a regular expression that does not compile is an error naming it.
+    pub fn compile(t: &Termination) -> Result<Self, String> {
+        let list = |l: &[Termination]| l.iter().map(Self::compile).collect::<Result<Vec<_>, _>>();
+        let test = if let Some(word) = &t.mention {
+            Test::Mention(word.clone(), t.agents.clone())
+        } else if let Some(word) = &t.ends_with {
+            Test::EndsWith(word.clone(), t.agents.clone())
+        } else if let Some(pattern) = &t.regex {
+            let re = Regex::new(pattern)
+                .map_err(|e| format!("termination.regex: not a regular expression: {e}"))?;
+            Test::Regex(re, t.agents.clone())
+        } else if let Some(n) = t.max_turns {
+            Test::MaxTurns(n)
+        } else if let Some(secs) = t.timeout {
+            Test::Timeout(Duration::from_secs(secs))
+        } else if let Some(budget) = t.token_budget {
+            Test::TokenBudget(budget)
+        } else if let Some(question) = &t.llm {
+            Test::Llm(question.clone())
+        } else if let Some(l) = &t.any {
+            Test::Any(list(l)?)
+        } else if let Some(l) = &t.all {
+            Test::All(list(l)?)
+        } else {
+            return Err("termination: no condition (the check refuses this)".to_owned());
+        };
+        Ok(Self {
+            words: super::check::describe(t),
+            test,
+        })
+    }
+
+    /// Adds the words this condition ends a chat on to `words`.
+    pub fn words_into(&self, words: &mut Vec<String>) {
+        match &self.test {
+            Test::Mention(word, _) | Test::EndsWith(word, _) => words.push(word.clone()),
+            Test::Any(list) | Test::All(list) => {
+                for inner in list {
+                    inner.words_into(words);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Whether a test that needs no model holds in `s`, and the stop reason it means; `None`
+    /// for the tests that combine others or ask a model.
+    pub fn holds(&self, s: &ChatState<'_>) -> Option<Option<StopReason>> {
+        let by = |agents: &Option<Vec<String>>, said: &Said| {
+            agents.as_ref().is_none_or(|a| a.contains(&said.speaker))
+        };
+        let said = |agents: &Option<Vec<String>>, yes: &dyn Fn(&Said) -> bool| {
+            s.new.iter().any(|m| !m.output && by(agents, m) && yes(m))
+        };
+        let hit = |yes: bool, reason: StopReason| Some(yes.then_some(reason));
+        match &self.test {
+            Test::Mention(word, agents) => hit(
+                said(agents, &|m| mentions(&m.text, word) || alone(m, word)),
+                StopReason::Terminated,
+            ),
+            Test::EndsWith(word, agents) => hit(
+                said(agents, &|m| says_terminate(&m.text, word) || alone(m, word)),
+                StopReason::Terminated,
+            ),
+            Test::Regex(re, agents) => hit(
+                said(agents, &|m| re.is_match(&m.text)),
+                StopReason::Terminated,
+            ),
+            Test::MaxTurns(n) => hit(s.messages >= *n, StopReason::MaxTurns),
+            Test::Timeout(limit) => hit(s.elapsed >= *limit, StopReason::Timeout),
+            Test::TokenBudget(budget) => hit(s.tokens >= *budget, StopReason::MaxTurns),
+            Test::Llm(_) | Test::Any(_) | Test::All(_) => None,
+        }
+    }
+}
+
+/// Whether `said` has a block that holds only `word`: small models fence their last word.
+fn alone(said: &Said, word: &str) -> bool {
+    extract_code_blocks(&said.text)
+        .iter()
+        .any(|b| is_termination_block(&b.code, word))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_regex_is_compiled_once_and_a_bad_one_is_refused() {
+        let t = |regex: &str| Termination {
+            regex: Some(regex.to_owned()),
+            ..Termination::default()
+        };
+        let said = |text: &str| Said {
+            speaker: "a".to_owned(),
+            text: text.to_owned(),
+            output: false,
+        };
+        let condition = Condition::compile(&t(r"^DONE\b")).unwrap();
+        let check = |text: &str| {
+            let new = vec![said(text)];
+            condition.holds(&ChatState {
+                path: "team",
+                new: &new,
+                history: &new,
+                messages: 1,
+                elapsed: Duration::ZERO,
+                tokens: 0,
+            })
+        };
+        assert_eq!(check("DONE here"), Some(Some(StopReason::Terminated)));
+        assert_eq!(check("not DONE"), Some(None));
+        assert!(Condition::compile(&t("(")).is_err());
+    }
+}
