@@ -2,16 +2,12 @@
 //! `run` through the daemon.
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use futures::StreamExt;
 use serde_json::Value;
 use tandem_protocol::{Event, EventMsg, TaskSpec};
-
-use crate::exit;
-use crate::render::{Mode, Renderer};
 
 /// `--host`, shared by the client commands.
 #[derive(Debug, Default, Clone, clap::Args)]
@@ -256,66 +252,6 @@ fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
         cause = next;
     }
     cause.to_string()
-}
-
-/// Follows a task to its end, rendering its events; Ctrl-C cancels it on the daemon.
-pub async fn follow(client: &Client, id: &str, mode: Mode) -> Result<u8> {
-    follow_approving(client, id, mode, false).await
-}
-
-/// [`follow`], answering the task's approvals at this terminal when `approve`; otherwise
-/// a block that waits says how to decide it.
-pub async fn follow_approving(client: &Client, id: &str, mode: Mode, approve: bool) -> Result<u8> {
-    let answer = approve.then(|| crate::approve::answer_on_daemon(client, id));
-    let renderer = Arc::new(Mutex::new(
-        Renderer::stdout(mode).place(format!("on the daemon at {}", client.host)),
-    ));
-    let cancel_client_id = id.to_owned();
-    let canceller = client.clone();
-    let ctrl_c = tokio::spawn(async move {
-        if tokio::signal::ctrl_c().await.is_ok() {
-            eprintln!(
-                "\ntandem: cancelling task {cancel_client_id} (Ctrl-C again to stop watching)"
-            );
-            let _ = canceller.cancel(&cancel_client_id).await;
-            if tokio::signal::ctrl_c().await.is_ok() {
-                std::process::exit(i32::from(exit::CANCELLED));
-            }
-        }
-    });
-    let r = renderer.clone();
-    let last = client
-        .events(id, 0, true, &mut |e| {
-            if let Ok(mut r) = r.lock() {
-                r.event(&e.msg);
-            }
-            if let EventMsg::ApprovalRequested {
-                n,
-                language,
-                code,
-                reason,
-                ..
-            } = &e.msg
-            {
-                match &answer {
-                    Some(tx) => {
-                        let _ = tx.send((*n, language.clone(), code.clone(), reason.clone()));
-                    }
-                    None => eprintln!(
-                        "tandem: block waits for approval {n}: `tandem approve {id} {n}` runs it, `tandem deny {id} {n} --reason WHY` declines it"
-                    ),
-                }
-            }
-        })
-        .await;
-    ctrl_c.abort();
-    if renderer.lock().is_ok_and(|r| r.reader_gone()) {
-        return Ok(exit::DONE);
-    }
-    match last?.map(|e| e.msg) {
-        Some(EventMsg::TaskFinished { stop_reason, .. }) => Ok(exit::for_stop(stop_reason)),
-        _ => Ok(exit::FAILED),
-    }
 }
 
 /// An error answer from the daemon: its code (`not_allowed`, `invalid_request`, ...) and

@@ -8,6 +8,7 @@ mod client;
 mod config;
 mod exec;
 mod executors;
+mod follow;
 mod kit;
 mod model;
 mod provider;

@@ -199,7 +199,7 @@ async fn through_daemon(
         approval: args.approve.then(always),
     };
     let id = client.submit(&spec).await?;
-    crate::client::follow_approving(client, &id, Mode::json(args.json), args.approve).await
+    crate::follow::follow_approving(client, &id, Mode::json(args.json), args.approve).await
 }
 
 /// `--approve`: every block is asked about.

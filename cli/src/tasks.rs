@@ -4,8 +4,9 @@ use anyhow::Result;
 use serde_json::Value;
 use tandem_protocol::TaskSpec;
 
-use crate::client::{Client, HostFlag, follow};
+use crate::client::{Client, HostFlag};
 use crate::exit;
+use crate::follow::follow;
 use crate::render::{Mode, Renderer};
 
 #[derive(Debug, clap::Args)]

@@ -9,7 +9,7 @@ use regex::Regex;
 use tandem_executor::{CancellationToken, Executor, Language};
 use tandem_protocol::{ApprovalMode, ApprovalPolicy, Decision, EventMsg};
 
-use crate::blocks::RunOptions;
+use crate::events::EventSink;
 
 /// A policy that cannot be used: a pattern that is not a regular expression.
 #[derive(Debug, thiserror::Error)]
@@ -299,21 +299,20 @@ impl ApprovalGate {
             .unwrap_or(Verdict::Run)
     }
 
-    /// Decides block `index` of the turn `opts` runs: `Ok(code)` to run (edited or not),
+    /// Decides the block `at` names: `Ok(code)` to run (edited or not),
     /// `Err(reason)` when it must not run (the reason is for the model). Rule denials are
     /// told here; asks by the approver. `None` when the task was cancelled while waiting.
     pub(crate) async fn decide(
         &self,
-        index: u32,
         language: &Language,
         executor: &dyn Executor,
         code: &str,
-        opts: &RunOptions,
+        at: &BlockAt<'_>,
     ) -> Option<Result<String, String>> {
-        let (turn, cancel) = (opts.turn, &opts.cancel);
+        let (turn, index, cancel) = (at.turn, at.index, at.cancel);
         match self.verdict(language, executor, code) {
             Verdict::Run => Some(Ok(code.to_owned())),
-            Verdict::Deny { rule } => Some(Err(denied_by_rule(opts, index, &rule, None))),
+            Verdict::Deny { rule } => Some(Err(denied_by_rule(at, &rule, None))),
             Verdict::Ask { rule, reason } => {
                 let Some(approver) = &self.approver else {
                     return Some(Err(format!(
@@ -335,7 +334,7 @@ impl ApprovalGate {
                     Decision::Approve => match ruling.code {
                         Some(edited) => match self.verdict(language, executor, &edited) {
                             Verdict::Deny { rule } => {
-                                Err(denied_by_rule(opts, index, &rule, Some("the edited code")))
+                                Err(denied_by_rule(at, &rule, Some("the edited code")))
                             }
                             Verdict::Run | Verdict::Ask { .. } => Ok(edited),
                         },
@@ -357,12 +356,22 @@ impl ApprovalGate {
     }
 }
 
-/// Tells that deny rule `rule` refused block `index` (its `what`, when not the model's code),
+/// Which block a decision is about, where its events go, and what stops a wait for it.
+pub(crate) struct BlockAt<'a> {
+    /// Turn number.
+    pub turn: u32,
+    /// The block's index in the reply.
+    pub index: u32,
+    pub events: &'a EventSink,
+    pub cancel: &'a CancellationToken,
+}
+
+/// Tells that deny rule `rule` refused the block `at` (its `what`, when not the model's code),
 /// and returns what the model is told.
-fn denied_by_rule(opts: &RunOptions, index: u32, rule: &str, what: Option<&str>) -> String {
-    (opts.events)(EventMsg::ApprovalDecided {
-        turn: opts.turn,
-        index,
+fn denied_by_rule(at: &BlockAt<'_>, rule: &str, what: Option<&str>) -> String {
+    (at.events)(EventMsg::ApprovalDecided {
+        turn: at.turn,
+        index: at.index,
         n: 0,
         decision: Decision::Deny,
         by: "rule".to_owned(),

@@ -10,10 +10,8 @@ use tandem_executor::{
 };
 use tandem_protocol::{BlockResult, BlockStatus, EventMsg, OutputStream};
 
+pub use crate::events::EventSink;
 use crate::extract::CodeBlock;
-
-/// Receives every event of a task as it happens.
-pub type EventSink = Arc<dyn Fn(EventMsg) + Send + Sync>;
 
 /// A task's session, opened when its first block runs and closed exactly once.
 pub struct SessionSlot {
@@ -248,7 +246,13 @@ pub async fn run_blocks(
                 None => Some(Ok(block.code.clone())),
                 Some(gate) => {
                     let executor = slot.executor().clone();
-                    gate.decide(index, &language, executor.as_ref(), &block.code, opts)
+                    let at = crate::approval::BlockAt {
+                        turn: opts.turn,
+                        index,
+                        events: &opts.events,
+                        cancel: &opts.cancel,
+                    };
+                    gate.decide(&language, executor.as_ref(), &block.code, &at)
                         .await
                 }
             };

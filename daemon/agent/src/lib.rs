@@ -5,18 +5,21 @@
 //! - [`termination`]: whether the assistant said it is done.
 //! - [`blocks`]: the executor agent: run a reply's blocks in one session and report back.
 //! - [`task`]: the turn loop that ties them together until termination or a limit.
+//! - [`events`]: where a task's events go.
 
 pub mod approval;
 pub mod blocks;
 pub mod chat;
+pub mod events;
 pub mod extract;
 pub mod task;
 pub mod team;
 pub mod termination;
 
 pub use approval::{ApprovalError, ApprovalGate, Approver, Ask, Ruling};
-pub use blocks::{EventSink, LanguageListError, SessionSlot, allowed_languages};
+pub use blocks::{LanguageListError, SessionSlot, allowed_languages};
 pub use chat::{ChatModel, ModelConfig, ModelError};
+pub use events::EventSink;
 pub use extract::{CodeBlock, extract_code_blocks};
 pub use task::{TaskOutcome, TaskSettings, pair, render_system_prompt, run_task};
 

@@ -6,10 +6,11 @@ use std::time::Duration;
 
 use tandem_executor::{CancellationToken, Executor, Language, SessionSpec};
 use tandem_protocol::team::{AgentSpec, Kind, TeamSpec, Termination};
-use tandem_protocol::{ErrorCode, ErrorInfo, EventMsg, Message, Role, StopReason, Usage};
+use tandem_protocol::{ErrorCode, ErrorInfo, Message, Role, StopReason, Usage};
 
-use crate::blocks::{self, EventSink, SessionSlot};
-use crate::chat::{ChatModel, ModelProgress};
+use crate::blocks::{self, SessionSlot};
+use crate::chat::ChatModel;
+use crate::events::EventSink;
 use crate::team::task::run_team;
 use crate::team::{TaskLabel, Team, check};
 use crate::termination::strip_termination;
@@ -212,26 +213,6 @@ pub fn pair(system: &str, word: &str, nudge: &str) -> TeamSpec {
             ),
         ]
         .into(),
-    }
-}
-
-/// Turns a model call's progress (streamed text, retries) into turn `turn`'s events.
-pub(crate) fn progress(events: &EventSink, turn: u32) -> impl FnMut(ModelProgress<'_>) + Send + '_ {
-    move |p| match p {
-        ModelProgress::Delta(text) => events(EventMsg::AssistantDelta {
-            turn,
-            text: text.to_owned(),
-        }),
-        ModelProgress::Retry {
-            attempt,
-            delay,
-            reason,
-        } => events(EventMsg::ModelRetry {
-            turn,
-            attempt,
-            delay_ms: u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
-            reason: reason.to_owned(),
-        }),
     }
 }
 

@@ -16,24 +16,15 @@ use tandem_executor::CancellationToken;
 use tandem_protocol::team::{Aggregate, Kind, SelectionKind};
 use tandem_protocol::{ErrorCode, ErrorInfo, EventMsg, Message, Role, StopReason, Usage};
 
+pub use super::history::Said;
 use super::termination::{ChatState, Condition, Test};
-use crate::blocks::{self, EventSink, RunOptions, SessionSlot};
+use crate::blocks::{self, RunOptions, SessionSlot};
 use crate::chat::ChatModel;
+use crate::events::EventSink;
+use crate::events::progress;
 use crate::extract::{CodeBlock, extract_code_blocks};
-use crate::task::progress;
 use crate::team::Node;
 use crate::termination::{is_termination_block, mentions};
-
-/// One message of the team's shared history.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Said {
-    /// Who said it: an agent's name, or `user` for the task.
-    pub speaker: String,
-    /// What was said.
-    pub text: String,
-    /// Whether it is an executor's report of program output.
-    pub output: bool,
-}
 
 /// How one agent's (or team's) run ended.
 #[derive(Clone, Debug, PartialEq, Eq)]

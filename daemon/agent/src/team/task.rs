@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 use tandem_executor::CancellationToken;
 use tandem_protocol::{ErrorInfo, EventMsg, StopReason, Usage};
 
-use super::run::{Ended, Run, Said, Team};
-use crate::blocks::EventSink;
+use super::history::Said;
+use super::run::{Ended, Run, Team};
+use crate::events::EventSink;
 
 /// What a team task's start says of it.
 #[derive(Clone, Debug)]

@@ -8,7 +8,7 @@ use regex::Regex;
 use tandem_protocol::StopReason;
 use tandem_protocol::team::Termination;
 
-use super::run::Said;
+use super::history::Said;
 use crate::extract::extract_code_blocks;
 use crate::termination::{is_termination_block, mentions, says_terminate};
 
