@@ -72,14 +72,8 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
     if args.approve {
         crate::approve::need_terminal()?;
     }
-    if let Some(team) = args.team.clone() {
-        if !args.local && crate::client::Client::new(&args.host)?.reachable().await {
-            eprintln!("tandem: teams run in this process, not on the daemon, for now");
-        }
-        return crate::team::run(&args, &team, file).await;
-    }
-    // A daemon that answers runs the task (it owns sandboxes and history); a kept --workdir
-    // or --image is this machine's business, so those run here, and say so.
+    // A daemon that answers runs the task, a team's as well (it owns sandboxes and history);
+    // a kept --workdir or --image is this machine's business, so those run here, and say so.
     if !args.local {
         let client = crate::client::Client::new(&args.host)?;
         let own = [
@@ -107,6 +101,9 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
                 other => return other,
             }
         }
+    }
+    if let Some(team) = args.team.clone() {
+        return crate::team::run(&args, &team, file).await;
     }
     let executor_name = config::executor_name(args.executor.as_deref(), &file);
     let executor = crate::executors::resolve(&executor_name, &file, args.image.as_deref()).await?;
@@ -195,7 +192,12 @@ async fn through_daemon(
         termination: args.termination.clone(),
         languages: (!args.languages.is_empty()).then(|| args.languages.clone()),
         limits: tandem_protocol::TaskLimits::default(),
-        team: None,
+        // Checked here first, so a mistake in the file is told with its path, as in-process.
+        team: args
+            .team
+            .as_deref()
+            .map(crate::team::load_spec)
+            .transpose()?,
         approval: args.approve.then(always),
     };
     let id = client.submit(&spec).await?;

@@ -851,3 +851,55 @@ async fn ends_with_runs_the_last_code_first_and_a_fenced_word_is_said_not_run() 
     assert!(!out.stdout.contains("executor_message"), "{}", out.stdout);
     assert!(out.stdout.contains("\"stop_reason\":\"terminated\""));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn run_with_a_team_goes_to_the_daemon_when_one_answers() {
+    let task = "team: review on the daemon";
+    let server = scripted(
+        task,
+        vec![
+            ("coder", vec![Reply::from("```python\nprint(6 * 7)\n```")]),
+            ("reviewer", vec![Reply::from("The output is 42. APPROVED")]),
+        ],
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let d = tandem_tests::DaemonHarness::start(
+        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &[],
+        None,
+    )
+    .await;
+    let (code, stdout, stderr) = d
+        .cli(&["run", "--team", &team_file(&dir, REVIEW), task])
+        .await;
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    assert!(
+        stdout
+            .lines()
+            .next()
+            .unwrap_or("")
+            .contains("on the daemon at"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("APPROVED"), "{stdout}");
+    // The daemon holds it, as a team task like one submitted.
+    let tasks = d.get("/v1/tasks").await;
+    let stored = &tasks["tasks"][0];
+    assert_eq!(stored["spec"]["task"], task);
+    assert_eq!(stored["spec"]["team"]["team"]["kind"], "chat", "{stored}");
+    assert_eq!(stored["stop_reason"], "terminated", "{stored}");
+    // A file that does not check is refused before anything is sent, naming the field.
+    let bad = team_file(&dir, "[team]\nkind = \"chat\"\nagents = [\"nobody\"]\n");
+    let (code, _, stderr) = d.cli(&["run", "--team", &bad, task]).await;
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("team.agents: `nobody` is not defined"),
+        "{stderr}"
+    );
+    assert_eq!(
+        d.get("/v1/tasks").await["tasks"].as_array().unwrap().len(),
+        1
+    );
+}
