@@ -385,7 +385,7 @@ async fn decide_approval(
         ))
     })?;
     let decided = blocking(&state.supervisor, move |sup| {
-        Ok(sup.decide(&id, n, decision)?)
+        Ok(sup.approvals.decide(&id, n, decision)?)
     })
     .await?;
     Ok(Json(json!({ "approval": decided })))

@@ -15,8 +15,9 @@ use tandem_executor::CancellationToken;
 use tandem_protocol::{Decision, Event, EventMsg};
 use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
-use crate::store::TaskState;
-use crate::supervisor::{Supervisor, TaskError};
+use crate::error::TaskError;
+use crate::store::{Store, TaskState};
+use crate::writer::Writes;
 
 /// What a client sends to decide an approval.
 #[derive(Clone, Debug, Deserialize)]
@@ -101,10 +102,14 @@ pub fn requested(events: &[Event]) -> Vec<Requested> {
     asked
 }
 
-/// The live side of approvals: who waits for which decision.
-#[derive(Default)]
+/// The live side of approvals: who waits for which decision, and deciding them. It owns its
+/// state; the store, the writer and the tasks' execution slots are handed to it.
 pub(crate) struct Approvals {
     slots: Mutex<HashMap<(String, u32), Slot>>,
+    store: Arc<Store>,
+    writer: Writes,
+    /// The daemon's execution slots, which a waiting task gives back.
+    execution: Arc<tokio::sync::Semaphore>,
 }
 
 enum Slot {
@@ -115,6 +120,21 @@ enum Slot {
 }
 
 impl Approvals {
+    /// Approvals over `store`, writing through `writer`; a task that waits gives its slot of
+    /// `execution` back.
+    pub(crate) fn new(
+        store: Arc<Store>,
+        writer: Writes,
+        execution: Arc<tokio::sync::Semaphore>,
+    ) -> Self {
+        Self {
+            slots: Mutex::default(),
+            store,
+            writer,
+            execution,
+        }
+    }
+
     /// The tasks that wait for a decision now.
     pub(crate) fn waiting(&self) -> Vec<String> {
         self.slots.lock().map_or_else(
@@ -137,12 +157,17 @@ impl Approvals {
     }
 }
 
-impl Supervisor {
+impl Approvals {
     /// Decides approval `n` of task `id`: the decision is stored before this returns, then
     /// handed to the task if it is waiting.
-    pub fn decide(&self, id: &str, n: u32, body: DecisionBody) -> Result<Requested, TaskError> {
+    pub(crate) fn decide(
+        &self,
+        id: &str,
+        n: u32,
+        body: DecisionBody,
+    ) -> Result<Requested, TaskError> {
         let record = self
-            .store()
+            .store
             .get(id)?
             .ok_or_else(|| TaskError::NotFound(id.to_owned()))?;
         if record.state == TaskState::Finished {
@@ -161,8 +186,8 @@ impl Supervisor {
                 "`code` is empty; leave it out to run the block as it is, or deny it".to_owned(),
             ));
         }
-        self.flush();
-        let asked = requested(&self.store().events_after(id, 0)?);
+        self.writer.flush();
+        let asked = requested(&self.store.events_after(id, 0)?);
         let Some(request) = asked.iter().find(|r| r.n == n).cloned() else {
             let open: Vec<String> = asked
                 .iter()
@@ -197,10 +222,10 @@ impl Supervisor {
         // Taken and told to the writer under the lock, so the timeout and a second decision
         // see it taken, and it is stored before any event of the block it lets run.
         let waiting = {
-            let mut slots =
-                self.approvals.slots.lock().map_err(|_| {
-                    TaskError::Unavailable("the approvals lock is poisoned".to_owned())
-                })?;
+            let mut slots = self
+                .slots
+                .lock()
+                .map_err(|_| TaskError::Unavailable("the approvals lock is poisoned".to_owned()))?;
             let key = (id.to_owned(), n);
             let waiting = match slots.remove(&key) {
                 Some(Slot::Decided(r)) => {
@@ -211,13 +236,14 @@ impl Supervisor {
                 Some(Slot::Waiting(tx)) => Some(tx),
                 None => None,
             };
-            self.record(id, ruling.decided(request.turn, request.index, request.n));
+            self.writer
+                .record(id, ruling.decided(request.turn, request.index, request.n));
             slots.insert(key, Slot::Decided(ruling.clone()));
             waiting
         };
         // Durable before the answer, and before a waiting task acts on it. A task that is
         // not waiting finds it in `slots` or, after a restart, in the store.
-        self.flush();
+        self.writer.flush();
         if let Some(tx) = waiting {
             // An error means the task stopped waiting (cancelled) meanwhile.
             let _ = tx.send(ruling);
@@ -232,7 +258,7 @@ impl Supervisor {
 /// One task's approver: asks through the store and the API, and gives up the task's
 /// execution slot while it waits.
 pub(crate) struct TaskApprover {
-    pub(crate) sup: Arc<Supervisor>,
+    pub(crate) approvals: Arc<Approvals>,
     pub(crate) id: String,
     /// The task's execution slot; `None` while it waits for a decision.
     pub(crate) permit: Arc<tokio::sync::Mutex<Option<OwnedSemaphorePermit>>>,
@@ -243,7 +269,7 @@ pub(crate) struct TaskApprover {
 
 impl TaskApprover {
     pub(crate) fn new(
-        sup: Arc<Supervisor>,
+        approvals: Arc<Approvals>,
         id: &str,
         permit: Arc<tokio::sync::Mutex<Option<OwnedSemaphorePermit>>>,
         events: &[Event],
@@ -251,7 +277,7 @@ impl TaskApprover {
         let stored = requested(events);
         let next = stored.iter().map(|r| r.n).max().unwrap_or(0) + 1;
         Self {
-            sup,
+            approvals,
             id: id.to_owned(),
             permit,
             stored,
@@ -288,29 +314,33 @@ impl TaskApprover {
                     reason: ask.reason.clone(),
                     ruling: None,
                 };
-                self.sup.record(&self.id, ask.requested(request.n));
+                self.approvals
+                    .writer
+                    .record(&self.id, ask.requested(request.n));
                 request
             }
         };
         let key = (self.id.clone(), request.n);
         let (tx, mut rx) = oneshot::channel();
         {
-            let mut slots = self.sup.approvals.slots.lock().ok()?;
+            let mut slots = self.approvals.slots.lock().ok()?;
             if let Some(Slot::Decided(ruling)) = slots.get(&key) {
                 return Some(ruling.clone());
             }
             slots.insert(key.clone(), Slot::Waiting(tx));
         }
-        self.sup.set_state(&self.id, TaskState::AwaitingApproval);
+        self.approvals
+            .writer
+            .set_state(&self.id, TaskState::AwaitingApproval);
         self.permit.lock().await.take();
         let ruling = tokio::select! {
             r = &mut rx => r.ok(),
             () = tokio::time::sleep(timeout) => {
-                let timed_out = self.sup.approvals.slots.lock().ok().and_then(|mut slots| {
+                let timed_out = self.approvals.slots.lock().ok().and_then(|mut slots| {
                     match slots.remove(&key) {
                         Some(Slot::Waiting(_)) => {
                             let ruling = Ruling::timed_out(timeout);
-                            self.sup.record(&self.id, ruling.decided(request.turn, request.index, request.n));
+                            self.approvals.writer.record(&self.id, ruling.decided(request.turn, request.index, request.n));
                             slots.insert(key.clone(), Slot::Decided(ruling.clone()));
                             Some(ruling)
                         }
@@ -331,7 +361,7 @@ impl TaskApprover {
             () = cancel.cancelled() => None,
         };
         if ruling.is_none()
-            && let Ok(mut slots) = self.sup.approvals.slots.lock()
+            && let Ok(mut slots) = self.approvals.slots.lock()
             && matches!(slots.get(&key), Some(Slot::Waiting(_)))
         {
             slots.remove(&key);
@@ -339,11 +369,13 @@ impl TaskApprover {
         let ruling = ruling?;
         // Back in line for a slot, behind the tasks queued meanwhile.
         let permit = tokio::select! {
-            p = self.sup.slots().acquire_owned() => p.ok()?,
+            p = self.approvals.execution.clone().acquire_owned() => p.ok()?,
             () = cancel.cancelled() => return None,
         };
         *self.permit.lock().await = Some(permit);
-        self.sup.set_state(&self.id, TaskState::Running);
+        self.approvals
+            .writer
+            .set_state(&self.id, TaskState::Running);
         Some(ruling)
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod api;
 pub mod approvals;
+mod error;
 pub mod mcp;
 pub mod metrics;
 pub mod policy;
@@ -12,7 +13,9 @@ pub mod supervisor;
 pub mod web;
 mod writer;
 
+pub use error::TaskError;
 pub use policy::{Endpoint, Policy};
 pub use serve::{ConnLimits, Listeners, bind_unix, serve};
 pub use store::{Store, StoreError, TaskRecord, TaskState};
-pub use supervisor::{Supervisor, SupervisorConfig, TaskDefaults, TaskError};
+pub use supervisor::{Supervisor, SupervisorConfig, TaskDefaults};
+pub use writer::now_ms;

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use tandem_agent::team::{Node, TaskLabel, Team, executor_slot, run_team_task};
 use tandem_agent::{
@@ -19,10 +19,11 @@ use tandem_protocol::{
 use tokio::sync::{Semaphore, broadcast};
 use tokio_util::task::TaskTracker;
 
+pub use crate::error::TaskError;
 use crate::metrics::Metrics;
 use crate::policy::Policy;
 use crate::store::{Store, StoreError, TaskRecord, TaskState};
-use crate::writer::{Write, write_events};
+use crate::writer::{Write, Writes, now_ms, write_events};
 
 /// Defaults for what a [`TaskSpec`] leaves out.
 #[derive(Clone, Debug)]
@@ -77,35 +78,6 @@ pub struct SupervisorConfig {
     pub teams: tandem_protocol::team::TeamBounds,
 }
 
-/// Why a request about tasks failed; the API turns these into 4xx/5xx answers.
-#[derive(Debug, thiserror::Error)]
-pub enum TaskError {
-    /// The request is invalid.
-    #[error("{0}")]
-    Invalid(String),
-    /// No task has that id.
-    #[error("task `{0}` does not exist")]
-    NotFound(String),
-    /// The task exists but not the thing asked about (an approval number); says which.
-    #[error("{0}")]
-    Missing(String),
-    /// The task is in a state that does not allow this.
-    #[error("{0}")]
-    Conflict(String),
-    /// The operator's policy does not allow it.
-    #[error("{0}")]
-    NotAllowed(String),
-    /// The executor cannot run code now (its health check says why).
-    #[error("{0}")]
-    Unavailable(String),
-    /// The daemon is stopping.
-    #[error("the daemon is shutting down and takes no new work")]
-    ShuttingDown,
-    /// The store failed.
-    #[error(transparent)]
-    Store(#[from] StoreError),
-}
-
 /// Runs tasks; one per daemon.
 pub struct Supervisor {
     store: Arc<Store>,
@@ -116,22 +88,15 @@ pub struct Supervisor {
     tracker: TaskTracker,
     active: Mutex<HashMap<String, CancellationToken>>,
     live: broadcast::Sender<Arc<(String, Event)>>,
-    writer: std::sync::mpsc::Sender<Write>,
+    writer: Writes,
     stopping: AtomicBool,
     models: Mutex<HashMap<(String, String), ChatModel>>,
     /// Each executor's last health answer and when it came.
     health: Mutex<HashMap<String, (Instant, Health)>>,
     /// Counters and histograms for `/metrics`.
     pub metrics: Metrics,
-    /// Who waits for which approval.
-    pub(crate) approvals: crate::approvals::Approvals,
-}
-
-/// Milliseconds since the Unix epoch.
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    /// Who waits for which approval, and deciding them.
+    pub(crate) approvals: Arc<crate::approvals::Approvals>,
 }
 
 impl Supervisor {
@@ -142,16 +107,23 @@ impl Supervisor {
         config.executors = std::mem::take(&mut config.executors)
             .with_budget(tandem_executor::Budget::new(&config.sessions));
         let (live, _) = broadcast::channel(4096);
-        let (writer, writes) = std::sync::mpsc::channel();
+        let (queue, writes) = std::sync::mpsc::channel();
+        let writer = Writes::new(queue);
         let (writer_store, writer_live) = (store.clone(), live.clone());
         std::thread::Builder::new()
             .name("tandem-store-writer".to_owned())
             .spawn(move || write_events(&writer_store, &writes, &writer_live))
             .ok();
+        let slots = Arc::new(Semaphore::new(config.max_concurrent.max(1)));
         Arc::new(Self {
+            approvals: Arc::new(crate::approvals::Approvals::new(
+                store.clone(),
+                writer.clone(),
+                slots.clone(),
+            )),
             store,
             writer,
-            slots: Arc::new(Semaphore::new(config.max_concurrent.max(1))),
+            slots,
             store_calls: Arc::new(Semaphore::new(STORE_CALLS)),
             config,
             root: CancellationToken::new(),
@@ -162,7 +134,6 @@ impl Supervisor {
             models: Mutex::new(HashMap::new()),
             health: Mutex::new(HashMap::new()),
             metrics: Metrics::default(),
-            approvals: crate::approvals::Approvals::default(),
         })
     }
 
@@ -255,11 +226,6 @@ impl Supervisor {
         Ok(interrupted)
     }
 
-    /// The execution slots: a task holds one while it runs, none while it waits for approval.
-    pub(crate) fn slots(&self) -> Arc<Semaphore> {
-        self.slots.clone()
-    }
-
     /// A slot for an execution that is not a task (an MCP `execute_code` call): it waits
     /// behind queued tasks like one, until `cancel` fires or the sessions' wait runs out.
     pub(crate) async fn execution_slot(
@@ -292,13 +258,6 @@ impl Supervisor {
         tandem_agent::team::check_within(team, &self.config.teams)
     }
 
-    /// Moves task `id` to `state`, in order with its events.
-    pub(crate) fn set_state(&self, id: &str, state: TaskState) {
-        let _ = self
-            .writer
-            .send(Write::State(id.to_owned(), state, now_ms()));
-    }
-
     /// Validates and queues a task; it is committed to the store when this returns.
     pub async fn submit(self: &Arc<Self>, spec: TaskSpec) -> Result<TaskRecord, TaskError> {
         self.validate(&spec)?;
@@ -315,9 +274,7 @@ impl Supervisor {
         // Through the writer, so concurrent submits share a commit (and its log sync).
         let (created, committed) = tokio::sync::oneshot::channel();
         let create = Write::Create(id.clone(), Box::new(spec.clone()), now, created);
-        self.writer
-            .send(create)
-            .map_err(|_| StoreError::Writer("has stopped"))?;
+        self.writer.send(create)?;
         // Queued once committed, even if this request is dropped or gives up waiting: a
         // stored task that never runs would be worse than a late one.
         let (this, queued_id, queued_spec) = (self.clone(), id.clone(), spec.clone());
@@ -747,11 +704,7 @@ impl Supervisor {
                     ..
                 } if this.stopping() => {
                     // In order with the task's events, like every other write.
-                    let _ = this.writer.send(Write::State(
-                        task_id.clone(),
-                        TaskState::Interrupted,
-                        now_ms(),
-                    ));
+                    this.writer.set_state(&task_id, TaskState::Interrupted);
                     return;
                 }
                 _ => {}
@@ -791,20 +744,20 @@ impl Supervisor {
             .ok()
             .and_then(Result::ok)
             .unwrap_or_default();
-        let approver = crate::approvals::TaskApprover::new(self.clone(), id, permit, &events);
+        let approver =
+            crate::approvals::TaskApprover::new(self.approvals.clone(), id, permit, &events);
         Ok(Some(Arc::new(gate.with_approver(Arc::new(approver)))))
     }
 
     /// Queues an event for the writer, which commits it and only then sends it to live
     /// subscribers. The turn loop never waits on the disk.
     pub(crate) fn record(&self, id: &str, msg: EventMsg) {
-        if self
-            .writer
-            .send(Write::Event(id.to_owned(), msg, now_ms()))
-            .is_err()
-        {
-            tracing::error!(task = id, "the store writer is gone; an event was lost");
-        }
+        self.writer.record(id, msg);
+    }
+
+    /// Moves task `id` to `state`, in order with its events.
+    pub(crate) fn set_state(&self, id: &str, state: TaskState) {
+        self.writer.set_state(id, state);
     }
 
     /// Moves task `id` from `from` to `to` through the writer, after everything queued before,
@@ -827,10 +780,7 @@ impl Supervisor {
 
     /// Waits until every event queued so far is committed.
     pub fn flush(&self) {
-        let (ack, done) = std::sync::mpsc::channel();
-        if self.writer.send(Write::Flush(ack)).is_ok() {
-            let _ = done.recv_timeout(Duration::from_secs(10));
-        }
+        self.writer.flush();
     }
 
     fn prepare(

@@ -5,10 +5,12 @@
 //! row, and only then sends the events to live subscribers.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tandem_protocol::{Event, EventMsg, TaskSpec};
 use tokio::sync::broadcast;
+
+use tandem_protocol::EventMsg as Msg;
 
 use crate::store::{Change, Store, StoreError, TaskState};
 
@@ -529,5 +531,54 @@ mod tests {
             "two resumes both moved it"
         );
         assert_eq!(store.get("a").unwrap().unwrap().state, TaskState::Queued);
+    }
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// The road every state change takes to the store: writes queued for the writer thread, in
+/// order. Cloning shares the queue.
+#[derive(Clone)]
+pub(crate) struct Writes(std::sync::mpsc::Sender<Write>);
+
+impl Writes {
+    /// A handle on the writer that reads `queue`.
+    pub(crate) fn new(queue: std::sync::mpsc::Sender<Write>) -> Self {
+        Self(queue)
+    }
+
+    /// Queues `write`; `Err` when the writer has stopped.
+    pub(crate) fn send(&self, write: Write) -> Result<(), StoreError> {
+        self.0
+            .send(write)
+            .map_err(|_| StoreError::Writer("has stopped"))
+    }
+
+    /// Queues event `msg` of task `id`, stamped now.
+    pub(crate) fn record(&self, id: &str, msg: Msg) {
+        if self
+            .send(Write::Event(id.to_owned(), msg, now_ms()))
+            .is_err()
+        {
+            tracing::error!(task = id, "the store writer is gone; an event was lost");
+        }
+    }
+
+    /// Moves task `id` to `state`, in order with its events.
+    pub(crate) fn set_state(&self, id: &str, state: TaskState) {
+        let _ = self.send(Write::State(id.to_owned(), state, now_ms()));
+    }
+
+    /// Waits until every write queued so far is committed (at most 10 s).
+    pub(crate) fn flush(&self) {
+        let (ack, done) = std::sync::mpsc::channel();
+        if self.send(Write::Flush(ack)).is_ok() {
+            let _ = done.recv_timeout(Duration::from_secs(10));
+        }
     }
 }
