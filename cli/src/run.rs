@@ -103,7 +103,7 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
         }
     }
     if let Some(team) = args.team.clone() {
-        return crate::team::run(&args, &team, file).await;
+        return run_team_here(&args, &team, file).await;
     }
     let executor_name = config::executor_name(args.executor.as_deref(), &file);
     let executor = crate::executors::resolve(&executor_name, &file, args.image.as_deref()).await?;
@@ -288,3 +288,104 @@ pub fn spawn_ctrl_c(cancel: CancellationToken) {
         }
     });
 }
+
+/// `tandem run --team FILE TASK`: the team in this process, with the run's model, executor
+/// and limits as every agent's defaults.
+async fn run_team_here(
+    args: &RunArgs,
+    path: &std::path::Path,
+    file: crate::config::FileConfig,
+) -> Result<u8> {
+    use std::collections::HashMap;
+
+    use tandem_agent::ChatModel;
+    use tandem_agent::team::{TaskLabel, Team, executor_slot, run_team_task};
+    use tandem_executor::{CancellationToken, SessionSpec};
+    use tandem_protocol::team::Kind;
+    use tandem_protocol::{ErrorCode, ErrorInfo};
+
+    use crate::config;
+
+    let root = crate::team::load(path)?;
+    let model_config = config::model_config(&args.model, &file)?;
+    let default_executor = config::executor_name(args.executor.as_deref(), &file);
+    // Every executor the team names, resolved once (starting one may take a moment).
+    let mut names = vec![];
+    let mut stack = vec![&root];
+    while let Some(node) = stack.pop() {
+        if node.spec.kind == Kind::Executor {
+            names.push(
+                node.spec
+                    .executor
+                    .clone()
+                    .unwrap_or_else(|| default_executor.clone()),
+            );
+        }
+        stack.extend(&node.members);
+    }
+    names.sort();
+    names.dedup();
+    let mut executors = HashMap::new();
+    for name in names {
+        let executor = crate::executors::resolve(&name, &file, args.image.as_deref()).await?;
+        executors.insert(name, executor);
+    }
+    let limits = config::limits(&file, args.block_timeout)?;
+    let session = SessionSpec {
+        workdir: args.workdir.clone(),
+        limits: limits.clone(),
+        labels: Vec::new(),
+    };
+    let invalid = |message: String| ErrorInfo {
+        code: ErrorCode::InvalidRequest,
+        message,
+    };
+    let selector = crate::provider::chat_model(&args.model, &file).await?;
+    let model = |node: &tandem_agent::team::Node| {
+        if node.spec.model.is_none() && node.spec.base_url.is_none() {
+            return Ok(selector.clone());
+        }
+        let mut c = model_config.clone();
+        if let Some(m) = &node.spec.model {
+            c.model = m.clone();
+        }
+        if let Some(url) = &node.spec.base_url {
+            c.base_url = url.clone();
+        }
+        ChatModel::new(c).map_err(ErrorInfo::from)
+    };
+    let slot = |node: &tandem_agent::team::Node| {
+        let name = node.spec.executor.as_ref().unwrap_or(&default_executor);
+        let executor = executors
+            .get(name)
+            .cloned()
+            .ok_or_else(|| invalid(format!("{}: executor `{name}` is not available", node.path)))?;
+        executor_slot(node, executor, session.clone())
+    };
+    let max_turns = args
+        .max_turns
+        .or(file.task.max_turns)
+        .unwrap_or(DEFAULT_TEAM_TURNS);
+    let label = TaskLabel {
+        model: selector.config().model.clone(),
+        base_url: selector.location(),
+        executor: format!("team {}", path.display()),
+    };
+    let team = Team::new(root, selector.clone(), model, slot, max_turns, &limits)
+        .map_err(|e| anyhow::anyhow!("{}", e.message))?;
+
+    let cancel = CancellationToken::new();
+    spawn_ctrl_c(cancel.clone());
+    let timeout = task_timeout(args, &file)?;
+    let (renderer, events) = transcript(args.json, &cancel);
+    let team = team.with_approval(gate(args, &file, &events)?);
+    let stop_reason =
+        run_team_task(team, &args.task, label, events, cancel, timeout, Vec::new()).await;
+    if renderer.lock().is_ok_and(|r| r.reader_gone()) {
+        return Ok(crate::exit::DONE);
+    }
+    Ok(crate::exit::for_stop(stop_reason))
+}
+
+/// Most turns of a team's agents together when neither `--max-turns` nor the config says.
+const DEFAULT_TEAM_TURNS: u32 = 50;
