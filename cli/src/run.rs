@@ -365,7 +365,7 @@ async fn run_team_here(
     let max_turns = args
         .max_turns
         .or(file.task.max_turns)
-        .unwrap_or(DEFAULT_TEAM_TURNS);
+        .unwrap_or(tandem_agent::DEFAULT_TEAM_TURNS);
     let label = TaskLabel {
         model: selector.config().model.clone(),
         base_url: selector.location(),
@@ -386,6 +386,3 @@ async fn run_team_here(
     }
     Ok(crate::exit::for_stop(stop_reason))
 }
-
-/// Most turns of a team's agents together when neither `--max-turns` nor the config says.
-const DEFAULT_TEAM_TURNS: u32 = 50;

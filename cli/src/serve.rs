@@ -470,7 +470,10 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
     }
     let defaults = TaskDefaults {
         executor: default_executor.clone(),
-        max_turns: file.task.max_turns.unwrap_or(10),
+        max_turns: file
+            .task
+            .max_turns
+            .unwrap_or(tandem_agent::DEFAULT_MAX_TURNS),
         // A task that names no timeout gets this one: nothing a client forgets runs forever.
         timeout: Some(Duration::from_secs(
             file.task.timeout_secs.unwrap_or(DEFAULT_TASK_TIMEOUT_SECS),

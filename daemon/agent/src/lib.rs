@@ -26,6 +26,12 @@ pub use task::{TaskOutcome, TaskSettings, pair, render_system_prompt, run_task};
 /// The termination string used unless configured otherwise.
 pub const DEFAULT_TERMINATION: &str = "TERMINATE";
 
+/// Most assistant turns of the two-agent pair unless configured otherwise.
+pub const DEFAULT_MAX_TURNS: u32 = 10;
+
+/// Most turns of a team's agents together unless the task or the config says.
+pub const DEFAULT_TEAM_TURNS: u32 = 50;
+
 /// The default system prompt, in the spirit of AutoGen's coding assistant. `{languages}` is
 /// replaced by the fences of exactly the languages the task can run (see
 /// [`render_system_prompt`]); a custom prompt may use it too.

@@ -46,7 +46,7 @@ impl TaskSettings {
             task: task.into(),
             system_prompt: crate::DEFAULT_SYSTEM_PROMPT.to_owned(),
             termination: crate::DEFAULT_TERMINATION.to_owned(),
-            max_turns: 10,
+            max_turns: crate::DEFAULT_MAX_TURNS,
             timeout: None,
             session: SessionSpec::default(),
             languages: None,

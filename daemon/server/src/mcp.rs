@@ -207,16 +207,9 @@ impl TandemMcp {
         let defaults = self.supervisor.defaults();
         let executor = string(args, "executor")?.unwrap_or_else(|| defaults.executor.clone());
         let policy = self.supervisor.policy();
-        if !policy.offers(&executor) {
-            return Err(ErrorData::invalid_params(
-                policy.not_offered(&executor, self.supervisor.executors()),
-                None,
-            ));
-        }
         let sandbox = self
             .supervisor
-            .executors()
-            .get(&executor)
+            .offered(&executor)
             .map_err(|e| ErrorData::invalid_params(e.to_string(), None))?;
         let language = Language::new(&language);
         if !sandbox.supports(&language) {

@@ -46,7 +46,7 @@ impl Default for TaskDefaults {
     fn default() -> Self {
         Self {
             executor: "local".to_owned(),
-            max_turns: 10,
+            max_turns: tandem_agent::DEFAULT_MAX_TURNS,
             timeout: None,
             termination: tandem_agent::DEFAULT_TERMINATION.to_owned(),
             system_prompt: tandem_agent::DEFAULT_SYSTEM_PROMPT.to_owned(),
@@ -248,6 +248,23 @@ impl Supervisor {
         }
     }
 
+    /// Executor `name`, when this daemon has it and its policy offers it to clients: the one
+    /// check every road makes (a task, a team's agents, a restart, MCP).
+    pub(crate) fn offered(&self, name: &str) -> Result<Arc<dyn Executor>, TaskError> {
+        let executor = self
+            .config
+            .executors
+            .get(name)
+            .map_err(|e| TaskError::Invalid(e.to_string()))?;
+        let policy = &self.config.policy;
+        if !policy.offers(name) {
+            return Err(TaskError::NotAllowed(
+                policy.not_offered(name, &self.config.executors),
+            ));
+        }
+        Ok(executor)
+    }
+
     /// The operator's approval policy.
     pub fn approval(&self) -> &tandem_protocol::ApprovalPolicy {
         &self.config.approval
@@ -314,17 +331,8 @@ impl Supervisor {
             .executor
             .as_deref()
             .unwrap_or(&self.config.defaults.executor);
-        let executor = self
-            .config
-            .executors
-            .get(name)
-            .map_err(|e| TaskError::Invalid(e.to_string()))?;
+        let executor = self.offered(name)?;
         let policy = &self.config.policy;
-        if !policy.offers(name) {
-            return Err(TaskError::NotAllowed(
-                policy.not_offered(name, &self.config.executors),
-            ));
-        }
         policy
             .check(spec, &self.config.model.base_url)
             .map_err(|e| TaskError::NotAllowed(e.0))?;
@@ -377,18 +385,12 @@ impl Supervisor {
                     .executor
                     .clone()
                     .unwrap_or_else(|| executor_name(self, spec));
-                let executor = self
-                    .config
-                    .executors
-                    .get(&name)
-                    .map_err(|e| TaskError::Invalid(format!("{}: {e}", at("executor"))))?;
-                if !policy.offers(&name) {
-                    return Err(TaskError::NotAllowed(format!(
-                        "{}: {}",
-                        at("executor"),
-                        policy.not_offered(&name, &self.config.executors)
-                    )));
-                }
+                let executor = self.offered(&name).map_err(|e| match e {
+                    TaskError::NotAllowed(m) => {
+                        TaskError::NotAllowed(format!("{}: {m}", at("executor")))
+                    }
+                    other => TaskError::Invalid(format!("{}: {other}", at("executor"))),
+                })?;
                 if let Some(asked) = &node.spec.languages {
                     allowed_languages(asked, executor.as_ref())
                         .map_err(|e| TaskError::Invalid(format!("{}: {e}", at("languages"))))?;
@@ -467,7 +469,7 @@ impl Supervisor {
         };
         let max_turns = spec
             .max_turns
-            .unwrap_or(TEAM_TURNS)
+            .unwrap_or(tandem_agent::DEFAULT_TEAM_TURNS)
             .min(self.config.policy.max_turns);
         let team = match Team::new(
             root,
@@ -791,20 +793,20 @@ impl Supervisor {
     ) -> Result<(TaskSettings, ChatModel, Arc<dyn Executor>), ErrorInfo> {
         let d = &self.config.defaults;
         let name = executor_name(self, spec);
-        let executor = self.config.executors.get(&name).map_err(|e| ErrorInfo {
-            code: ErrorCode::Executor,
-            message: e.to_string(),
-        })?;
         // A task stored under an older policy (queued or interrupted across a restart) runs
         // only if today's still allows it.
+        let executor = self.offered(&name).map_err(|e| ErrorInfo {
+            code: match e {
+                TaskError::NotAllowed(_) => ErrorCode::InvalidRequest,
+                _ => ErrorCode::Executor,
+            },
+            message: e.to_string(),
+        })?;
         let policy = &self.config.policy;
         let invalid = |message| ErrorInfo {
             code: ErrorCode::InvalidRequest,
             message,
         };
-        if !policy.offers(&name) {
-            return Err(invalid(policy.not_offered(&name, &self.config.executors)));
-        }
         policy
             .check(spec, &self.config.model.base_url)
             .map_err(|e| invalid(e.0))?;
@@ -884,9 +886,6 @@ type Health = Result<(), String>;
 
 /// How long an executor's health answer is reused by submits.
 const HEALTH_TTL: Duration = Duration::from_secs(2);
-
-/// Most turns of a team task's agents together when the task does not say.
-const TEAM_TURNS: u32 = 50;
 
 /// Most chat clients kept for reuse (one per endpoint and model name).
 const MODEL_CACHE: usize = 32;
