@@ -16,7 +16,7 @@ use tandem_protocol::{Decision, Event, EventMsg};
 use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
 use crate::error::TaskError;
-use crate::store::{Store, TaskState};
+use crate::store::{TaskState, TaskStore};
 use crate::writer::Writes;
 
 /// What a client sends to decide an approval.
@@ -106,7 +106,7 @@ pub fn requested(events: &[Event]) -> Vec<Requested> {
 /// state; the store, the writer and the tasks' execution slots are handed to it.
 pub(crate) struct Approvals {
     slots: Mutex<HashMap<(String, u32), Slot>>,
-    store: Arc<Store>,
+    store: Arc<dyn TaskStore>,
     writer: Writes,
     /// The daemon's execution slots, which a waiting task gives back.
     execution: Arc<tokio::sync::Semaphore>,
@@ -123,7 +123,7 @@ impl Approvals {
     /// Approvals over `store`, writing through `writer`; a task that waits gives its slot of
     /// `execution` back.
     pub(crate) fn new(
-        store: Arc<Store>,
+        store: Arc<dyn TaskStore>,
         writer: Writes,
         execution: Arc<tokio::sync::Semaphore>,
     ) -> Self {

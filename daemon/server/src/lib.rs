@@ -16,6 +16,6 @@ mod writer;
 pub use error::TaskError;
 pub use policy::{Endpoint, Policy};
 pub use serve::{ConnLimits, Listeners, bind_unix, serve};
-pub use store::{Store, StoreError, TaskRecord, TaskState};
+pub use store::{Store, StoreError, TaskRecord, TaskState, TaskStore};
 pub use supervisor::{Supervisor, SupervisorConfig, TaskDefaults};
 pub use writer::now_ms;

@@ -192,6 +192,81 @@ const MIGRATIONS: &[&str] = &[
 ",
 ];
 
+/// What the daemon needs of a task store. Everything above the store reaches it through this
+/// trait alone, so another engine is a second implementation with nothing above it changing;
+/// the SQLite file ([`Store`]) is the embedded one.
+pub trait TaskStore: Send + Sync {
+    /// Applies `changes` (of any tasks, in order) at once; the events as stored.
+    fn apply(&self, changes: &[Change]) -> Result<Vec<(String, Event)>>;
+    /// Moves a task from `from` to `to` only if it is still in `from`; whether it moved.
+    fn transition(&self, id: &str, from: TaskState, to: TaskState, now_ms: u64) -> Result<bool>;
+    /// One task, if it exists.
+    fn get(&self, id: &str) -> Result<Option<TaskRecord>>;
+    /// Every task in queue order, optionally only those in `state`.
+    fn list(&self, state: Option<TaskState>) -> Result<Vec<TaskRecord>>;
+    /// At most `limit` tasks, newest first, before task `before` when given; and the next
+    /// page's `before`.
+    fn page(
+        &self,
+        state: Option<TaskState>,
+        before: Option<&str>,
+        limit: usize,
+    ) -> Result<(Vec<TaskRecord>, Option<String>)>;
+    /// At most `limit` tasks in queue order, after task `after` when given.
+    fn list_after(
+        &self,
+        state: Option<TaskState>,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<TaskRecord>>;
+    /// Events of a task with seq above `after`, in order.
+    fn events_after(&self, id: &str, after: u64) -> Result<Vec<Event>>;
+    /// Marks running tasks interrupted (at start-up); their ids.
+    fn interrupt_running(&self) -> Result<Vec<String>>;
+    /// How many tasks are in each state.
+    fn counts(&self) -> Result<Vec<(TaskState, u64)>>;
+}
+
+impl TaskStore for Store {
+    fn apply(&self, changes: &[Change]) -> Result<Vec<(String, Event)>> {
+        Store::apply(self, changes)
+    }
+    fn transition(&self, id: &str, from: TaskState, to: TaskState, now_ms: u64) -> Result<bool> {
+        Store::transition(self, id, from, to, now_ms)
+    }
+    fn get(&self, id: &str) -> Result<Option<TaskRecord>> {
+        Store::get(self, id)
+    }
+    fn list(&self, state: Option<TaskState>) -> Result<Vec<TaskRecord>> {
+        Store::list(self, state)
+    }
+    fn page(
+        &self,
+        state: Option<TaskState>,
+        before: Option<&str>,
+        limit: usize,
+    ) -> Result<(Vec<TaskRecord>, Option<String>)> {
+        Store::page(self, state, before, limit)
+    }
+    fn list_after(
+        &self,
+        state: Option<TaskState>,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<TaskRecord>> {
+        Store::list_after(self, state, after, limit)
+    }
+    fn events_after(&self, id: &str, after: u64) -> Result<Vec<Event>> {
+        Store::events_after(self, id, after)
+    }
+    fn interrupt_running(&self) -> Result<Vec<String>> {
+        Store::interrupt_running(self)
+    }
+    fn counts(&self) -> Result<Vec<(TaskState, u64)>> {
+        Store::counts(self)
+    }
+}
+
 /// The task store; cheap operations behind one connection.
 pub struct Store {
     conn: Mutex<Db>,
@@ -356,7 +431,7 @@ impl Store {
 
     /// Moves a task from `from` to `to` in one statement, only if it is still in `from`;
     /// `false` when it was not (another request changed it first, or there is no such task).
-    pub(crate) fn transition(
+    pub fn transition(
         &self,
         id: &str,
         from: TaskState,

@@ -22,7 +22,7 @@ use tokio_util::task::TaskTracker;
 pub use crate::error::TaskError;
 use crate::metrics::Metrics;
 use crate::policy::Policy;
-use crate::store::{Store, StoreError, TaskRecord, TaskState};
+use crate::store::{StoreError, TaskRecord, TaskState, TaskStore};
 use crate::writer::{Write, Writes, now_ms, write_events};
 
 /// Defaults for what a [`TaskSpec`] leaves out.
@@ -80,7 +80,7 @@ pub struct SupervisorConfig {
 
 /// Runs tasks; one per daemon.
 pub struct Supervisor {
-    store: Arc<Store>,
+    store: Arc<dyn TaskStore>,
     config: SupervisorConfig,
     slots: Arc<Semaphore>,
     store_calls: Arc<Semaphore>,
@@ -101,7 +101,7 @@ pub struct Supervisor {
 
 impl Supervisor {
     /// A supervisor over `store`; call [`Supervisor::recover`] before serving.
-    pub fn new(store: Arc<Store>, mut config: SupervisorConfig) -> Arc<Self> {
+    pub fn new(store: Arc<dyn TaskStore>, mut config: SupervisorConfig) -> Arc<Self> {
         // The one place sessions are handed out: every executor a task, a team or MCP can
         // reach comes from this registry, so each of their sessions holds a permit.
         config.executors = std::mem::take(&mut config.executors)
@@ -112,7 +112,7 @@ impl Supervisor {
         let (writer_store, writer_live) = (store.clone(), live.clone());
         std::thread::Builder::new()
             .name("tandem-store-writer".to_owned())
-            .spawn(move || write_events(&writer_store, &writes, &writer_live))
+            .spawn(move || write_events(writer_store.as_ref(), &writes, &writer_live))
             .ok();
         let slots = Arc::new(Semaphore::new(config.max_concurrent.max(1)));
         Arc::new(Self {
@@ -154,8 +154,8 @@ impl Supervisor {
     }
 
     /// The store, for reads.
-    pub fn store(&self) -> &Store {
-        &self.store
+    pub fn store(&self) -> &dyn TaskStore {
+        self.store.as_ref()
     }
 
     /// The executors tasks can use.

@@ -12,7 +12,9 @@ use tokio::sync::broadcast;
 
 use tandem_protocol::EventMsg as Msg;
 
-use crate::store::{Change, Store, StoreError, TaskState};
+#[cfg(test)]
+use crate::store::Store;
+use crate::store::{Change, StoreError, TaskState, TaskStore};
 
 /// Work for the store's writer thread, in order.
 pub(crate) enum Write {
@@ -104,7 +106,7 @@ impl Batch {
 
     /// Makes the conditional state changes, after the batch's other changes are committed
     /// (nothing of their tasks can follow them in the same batch: their callers wait).
-    fn transition(&mut self, store: &Store) {
+    fn transition(&mut self, store: &dyn TaskStore) {
         for t in self.transitions.drain(..) {
             if let Write::Transition {
                 id,
@@ -174,7 +176,7 @@ impl Batch {
 
     /// Commits the changes in one transaction, then tells the submitters and sends the events
     /// to live subscribers.
-    fn commit(&mut self, store: &Store, live: &broadcast::Sender<Arc<(String, Event)>>) {
+    fn commit(&mut self, store: &dyn TaskStore, live: &broadcast::Sender<Arc<(String, Event)>>) {
         if self.changes.is_empty() {
             return;
         }
@@ -221,7 +223,7 @@ impl Batch {
 /// The writer thread: commits whatever is waiting in one transaction (a burst from many
 /// tasks costs one commit), then sends the events to live subscribers.
 pub(crate) fn write_events(
-    store: &Store,
+    store: &dyn TaskStore,
     writes: &std::sync::mpsc::Receiver<Write>,
     live: &broadcast::Sender<Arc<(String, Event)>>,
 ) {
