@@ -67,6 +67,16 @@ fn chain(levels: usize) -> (Value, String) {
     )
 }
 
+/// Submits `spec` and checks that it is a 400 whose message holds `bound`.
+async fn refused(d: &Daemon, spec: Value, bound: &str) {
+    let (status, body) = d
+        .send(reqwest::Method::POST, "/v1/tasks", Some(spec.to_string()))
+        .await;
+    assert_eq!(status, 400, "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains(bound), "{message}");
+}
+
 async fn parse_team(d: &Daemon, toml: String) -> (u16, Value) {
     let resp = d
         .http()
@@ -112,15 +122,7 @@ async fn a_team_nested_by_names_past_the_bound_is_refused_and_the_daemon_lives()
         assert_eq!(status, 400, "{body}");
         let message = body["error"]["message"].as_str().unwrap();
         assert!(message.contains(bound), "{message}");
-        let (status, body) = d
-            .send(
-                reqwest::Method::POST,
-                "/v1/tasks",
-                Some(json!({"task": "too deep", "team": deep}).to_string()),
-            )
-            .await;
-        assert_eq!(status, 400, "{body}");
-        assert!(body["error"]["message"].as_str().unwrap().contains(bound));
+        refused(&d, json!({"task": "too deep", "team": deep}), bound).await;
     }
     // MCP's run_task takes the same road.
     let mcp = Mcp::connect(&d).await.unwrap();
@@ -227,34 +229,18 @@ async fn a_parallel_wider_than_the_bound_is_refused_and_one_within_it_runs() {
             .collect();
         json!({"team": {"kind": "parallel", "agents": names}, "agents": agents})
     };
-    let (status, body) = d
-        .send(
-            reqwest::Method::POST,
-            "/v1/tasks",
-            Some(json!({"task": "wide", "team": wide(40)}).to_string()),
-        )
-        .await;
-    assert_eq!(status, 400, "{body}");
-    assert!(
-        body["error"]["message"].as_str().unwrap().contains(
-            "a parallel runs its 40 members at once; at most 8 are allowed ([teams] max_parallel"
-        ),
-        "{body}"
-    );
-    let (status, body) = d
-        .send(
-            reqwest::Method::POST,
-            "/v1/tasks",
-            Some(json!({"task": "wide", "team": wide(100)}).to_string()),
-        )
-        .await;
-    assert_eq!(status, 400, "{body}");
-    assert!(
-        body["error"]["message"].as_str().unwrap().contains(
-            "the team has 101 agents (the top one counted); at most 64 are allowed ([teams] max_agents"
-        ),
-        "{body}"
-    );
+    refused(
+        &d,
+        json!({"task": "wide", "team": wide(40)}),
+        "a parallel runs its 40 members at once; at most 8 are allowed ([teams] max_parallel",
+    )
+    .await;
+    refused(
+        &d,
+        json!({"task": "wide", "team": wide(100)}),
+        "the team has 101 agents (the top one counted); at most 64 are allowed ([teams] max_agents",
+    )
+    .await;
     let id = d.submit(json!({"task": "wide", "team": wide(8)})).await;
     let done = d.wait_finished(&id, Duration::from_secs(60)).await;
     assert!(done["error"].is_null(), "{done}");
