@@ -77,7 +77,8 @@ pub struct TaskOutcome {
 
 /// Runs a task to its end: the two-agent chat, as a built-in team ([`pair`]) of an
 /// `assistant` and an `executor`. Every step is sent to `events`, the last being
-/// [`EventMsg::TaskFinished`]; the sandbox is closed on every path.
+/// [`EventMsg::TaskFinished`](tandem_protocol::EventMsg::TaskFinished); the sandbox is
+/// closed on every path.
 pub async fn run_task(
     settings: TaskSettings,
     model: &ChatModel,
