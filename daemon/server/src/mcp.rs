@@ -397,7 +397,7 @@ impl TandemMcp {
                 Ok(_) => {}
                 // Too slow to keep up: what the store has is the truth.
                 Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
-                    if let Some(done) = self.finished_in_store(&id) {
+                    if let Some(done) = self.finished_in_store(&id).await {
                         break done;
                     }
                 }
@@ -445,8 +445,14 @@ impl TandemMcp {
         Ok(result)
     }
 
-    fn finished_in_store(&self, id: &str) -> Option<EventMsg> {
-        let events = self.supervisor.store().events_after(id, 0).ok()?;
+    async fn finished_in_store(&self, id: &str) -> Option<EventMsg> {
+        let id = id.to_owned();
+        let events = self
+            .supervisor
+            .off_thread(move |sup| sup.store().events_after(&id, 0))
+            .await
+            .ok()?
+            .ok()?;
         events
             .into_iter()
             .rev()
@@ -676,17 +682,23 @@ impl ServerHandler for TandemMcp {
                     None,
                 )
             })?;
-        let record = self
+        // Off the async workers, as the API reads the store: a read may wait on the writer's
+        // commit.
+        let wanted = id.to_owned();
+        let read = self
             .supervisor
-            .store()
-            .get(id)
+            .off_thread(move |sup| {
+                let record = sup.store().get(&wanted)?;
+                Ok::<_, crate::StoreError>(match record {
+                    Some(record) => Some((sup.store().events_after(&wanted, 0)?, record)),
+                    None => None,
+                })
+            })
+            .await
             .map_err(|e| ErrorData::internal_error(e.to_string(), None))?
-            .ok_or_else(|| ErrorData::resource_not_found(format!("no task {id}"), None))?;
-        let events = self
-            .supervisor
-            .store()
-            .events_after(id, 0)
             .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+        let (events, record) =
+            read.ok_or_else(|| ErrorData::resource_not_found(format!("no task {id}"), None))?;
         let messages = self.supervisor.transcript(&record, &events);
         let mut text = format!("# Task {id}\n\n{}\n", record.spec.task);
         for m in messages {
