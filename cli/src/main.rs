@@ -190,7 +190,7 @@ fn dispatch(cli: Cli) -> Result<u8> {
         Command::Team {
             action: TeamAction::Check { file: path },
         } => {
-            let team = team::load(&path)?;
+            let team = team::load(&path, &config::teams(&file)?)?;
             print!("{}", team.render());
             Ok(exit::DONE)
         }

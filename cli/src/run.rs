@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use tandem_agent::{ApprovalGate, TaskSettings, allowed_languages, run_task};
 use tandem_executor::{CancellationToken, SessionSpec};
+use tandem_protocol::team::TeamBounds;
 use tandem_protocol::{ApprovalMode, ApprovalPolicy, EventMsg};
 
 use crate::config::{self, FileConfig, ModelFlags};
@@ -196,7 +197,7 @@ async fn through_daemon(
         team: args
             .team
             .as_deref()
-            .map(crate::team::load_spec)
+            .map(|path| crate::team::load_spec(path, &TeamBounds::CEILINGS))
             .transpose()?,
         approval: args.approve.then(always),
     };
@@ -306,7 +307,7 @@ async fn run_team_here(
 
     use crate::config;
 
-    let root = crate::team::load(path)?;
+    let root = crate::team::load(path, &config::teams(&file)?)?;
     let model_config = config::model_config(&args.model, &file)?;
     let default_executor = config::executor_name(args.executor.as_deref(), &file);
     // Every executor the team names, resolved once (starting one may take a moment).

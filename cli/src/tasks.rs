@@ -57,7 +57,7 @@ pub async fn submit(args: SubmitArgs) -> Result<u8> {
         team: args
             .team
             .as_deref()
-            .map(crate::team::load_spec)
+            .map(|path| crate::team::load_spec(path, &tandem_protocol::team::TeamBounds::CEILINGS))
             .transpose()?,
         ..TaskSpec::default()
     };

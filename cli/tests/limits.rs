@@ -77,6 +77,14 @@ async fn refused(d: &Daemon, spec: Value, bound: &str) {
     assert!(message.contains(bound), "{message}");
 }
 
+/// `text` written to a file in a new temporary directory (kept as long as the first value).
+fn file_dir(text: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("team.toml");
+    std::fs::write(&path, text).unwrap();
+    (dir, path)
+}
+
 async fn parse_team(d: &Daemon, toml: String) -> (u16, Value) {
     let resp = d
         .http()
@@ -179,40 +187,56 @@ async fn a_team_at_the_highest_depth_an_operator_may_set_runs_without_overflowin
         Some("[teams]\nmax_depth = 64\nmax_agents = 128\n"),
     )
     .await;
-    let (team, _) = chain(64);
+    let (team, file) = chain(64);
     let id = d.submit(json!({"task": "deepest", "team": team})).await;
     let done = d.wait_finished(&id, Duration::from_secs(60)).await;
     assert!(done["error"].is_null(), "{done}");
     assert!(alive(d.pid()));
+    // `tandem run --team` leaves the bounds to the daemon: past the defaults, within its own.
+    let path = file_dir(&file);
+    let (code, stdout, stderr) = d
+        .cli(&["run", "--team", &path.1.display().to_string(), "deepest"])
+        .await;
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    assert!(stdout.contains("on the daemon at"), "{stdout}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn tandem_team_check_refuses_a_deep_file_instead_of_crashing() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("deep.toml");
-    std::fs::write(&path, chain(5000).1).unwrap();
-    let shallow = dir.path().join("nine.toml");
-    std::fs::write(&shallow, chain(9).1).unwrap();
-    let out = tokio::process::Command::new(BIN)
-        .args(["team", "check"])
-        .arg(&path)
-        .env("XDG_CONFIG_HOME", dir.path())
-        .output()
-        .await
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let check = |levels: usize| {
+        let path = dir.path().join(format!("chain-{levels}.toml"));
+        std::fs::write(&path, chain(levels).1).unwrap();
+        let config = dir.path().to_owned();
+        async move {
+            let out = tokio::process::Command::new(BIN)
+                .args(["team", "check"])
+                .arg(&path)
+                .env("XDG_CONFIG_HOME", config)
+                .output()
+                .await
+                .unwrap();
+            (
+                out.status.code(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
+        }
+    };
+    let (code, stderr) = check(5000).await;
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("max_agents"), "{stderr}");
-    let out = tokio::process::Command::new(BIN)
-        .args(["team", "check"])
-        .arg(&shallow)
-        .env("XDG_CONFIG_HOME", dir.path())
-        .output()
-        .await
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let (code, stderr) = check(9).await;
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("nested more than 8 teams deep"), "{stderr}");
+    // The operator's [teams] holds in this process too.
+    std::fs::create_dir_all(dir.path().join("tandem")).unwrap();
+    std::fs::write(
+        dir.path().join("tandem/tandem.toml"),
+        "[teams]\nmax_depth = 16\n",
+    )
+    .unwrap();
+    let (code, stderr) = check(9).await;
+    assert_eq!(code, Some(0), "{stderr}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -344,7 +368,11 @@ async fn mcp_execute_code_passes_the_operators_approval_policy() {
         )
         .await;
     assert_eq!(asked["isError"], true, "{asked}");
-    assert!(tool_text(&asked).contains("use run_task"), "{asked}");
+    let text = tool_text(&asked);
+    assert!(
+        text.contains("needs a person's approval") && text.contains("run_task"),
+        "{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

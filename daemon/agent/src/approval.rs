@@ -299,6 +299,21 @@ impl ApprovalGate {
             .unwrap_or(Verdict::Run)
     }
 
+    /// Why a block may not run where no person can be asked (an MCP tool call): the deny
+    /// rule that refuses it, or the policy that would ask; `None` when it runs.
+    pub fn unattended(
+        &self,
+        language: &Language,
+        executor: &dyn Executor,
+        code: &str,
+    ) -> Option<String> {
+        match self.verdict(language, executor, code) {
+            Verdict::Run => None,
+            Verdict::Deny { rule } => Some(denial(&rule, None)),
+            Verdict::Ask { reason, .. } => Some(no_one_to_ask(&reason)),
+        }
+    }
+
     /// Decides the block `at` names: `Ok(code)` to run (edited or not),
     /// `Err(reason)` when it must not run (the reason is for the model). Rule denials are
     /// told here; asks by the approver. `None` when the task was cancelled while waiting.
@@ -315,9 +330,7 @@ impl ApprovalGate {
             Verdict::Deny { rule } => Some(Err(denied_by_rule(at, &rule, None))),
             Verdict::Ask { rule, reason } => {
                 let Some(approver) = &self.approver else {
-                    return Some(Err(format!(
-                        "it needs a person's approval ({reason}) and no one can be asked here"
-                    )));
+                    return Some(Err(no_one_to_ask(&reason)));
                 };
                 let ask = Ask {
                     turn,
@@ -379,10 +392,20 @@ fn denied_by_rule(at: &BlockAt<'_>, rule: &str, what: Option<&str>) -> String {
         reason: what.map(str::to_owned),
         rule: Some(rule.to_owned()),
     });
+    denial(rule, what)
+}
+
+/// What the model is told of code (`what`, else the block) that deny rule `rule` refuses.
+fn denial(rule: &str, what: Option<&str>) -> String {
     format!(
         "the operator's approval policy does not allow {} (deny rule `{rule}`)",
         what.unwrap_or("this code")
     )
+}
+
+/// What the model is told of a block that needs a person's approval when no one can be asked.
+fn no_one_to_ask(reason: &str) -> String {
+    format!("it needs a person's approval ({reason}) and no one can be asked here")
 }
 
 #[cfg(test)]

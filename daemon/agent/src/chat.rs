@@ -542,7 +542,7 @@ fn one_line(s: &str) -> String {
 
 /// `text` with bearer tokens, `sk-` keys and the values of key-, token-, secret-, password-
 /// and authorization-named fields replaced by `[redacted]`.
-pub fn scrub_credentials(text: &str) -> String {
+fn scrub_credentials(text: &str) -> String {
     static PATTERNS: std::sync::LazyLock<Vec<(regex::Regex, &'static str)>> =
         std::sync::LazyLock::new(|| {
             [

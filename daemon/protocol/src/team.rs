@@ -246,6 +246,14 @@ impl TeamBounds {
     pub const DEPTH_CEILING: usize = 64;
     /// The largest `max_agents` an operator may set.
     pub const AGENTS_CEILING: usize = 1024;
+
+    /// The largest bounds any daemon may have: what a client checks a file within before a
+    /// daemon, which knows its own, checks it again.
+    pub const CEILINGS: Self = Self {
+        max_depth: Self::DEPTH_CEILING,
+        max_agents: Self::AGENTS_CEILING,
+        max_parallel: Self::AGENTS_CEILING,
+    };
 }
 
 impl Default for TeamBounds {

@@ -44,7 +44,7 @@ const MAX_SESSIONS: usize = 8;
 /// Most tool calls one connection may have running at once.
 const MAX_CALLS: usize = 4;
 /// Most MCP connections the daemon serves at once over HTTP.
-pub const MAX_CONNECTIONS: usize = 64;
+const MAX_CONNECTIONS: usize = 64;
 /// Transcripts `resources/list` shows: the latest tasks.
 const LISTED_TASKS: usize = 50;
 
@@ -233,18 +233,10 @@ impl TandemMcp {
         // get one: a task, whose blocks wait for approval.
         let gate = tandem_agent::ApprovalGate::new(self.supervisor.approval(), None)
             .map_err(|e| ErrorData::internal_error(format!("approval: {e}"), None))?;
-        match gate.verdict(&language, sandbox.as_ref(), &request.code) {
-            tandem_agent::approval::Verdict::Run => {}
-            tandem_agent::approval::Verdict::Deny { rule } => {
-                return Ok(declined(format!(
-                    "declined: the operator's approval policy does not allow this code (deny rule `{rule}`)"
-                )));
-            }
-            tandem_agent::approval::Verdict::Ask { reason, .. } => {
-                return Ok(declined(format!(
-                    "declined: this code needs a person's approval ({reason}), and execute_code cannot wait for one; use run_task, whose blocks wait for approval in the daemon"
-                )));
-            }
+        if let Some(why) = gate.unattended(&language, sandbox.as_ref(), &request.code) {
+            return Ok(declined(format!(
+                "declined: {why}; run_task runs code whose blocks wait for a person's approval in the daemon"
+            )));
         }
         // Like a task, a call takes one of the daemon's execution slots while it runs.
         let _slot = self

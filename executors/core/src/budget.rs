@@ -72,11 +72,6 @@ impl Budget {
         self.total_cap - self.total.available_permits()
     }
 
-    /// The most sessions open at once, all executors together.
-    pub fn total(&self) -> usize {
-        self.total_cap
-    }
-
     /// `executor` wrapped so that each of its sessions holds permits from this budget.
     pub fn wrap(&self, executor: Arc<dyn Executor>) -> Arc<dyn Executor> {
         let own = self.per_executor.get(executor.name()).cloned();

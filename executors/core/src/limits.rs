@@ -26,7 +26,7 @@ pub struct Limits {
 
 /// Code blocks of one reply that run unless the operator says otherwise: more than a model
 /// writes to solve a step, far fewer than a reply built to keep a session busy.
-pub const DEFAULT_BLOCKS_PER_REPLY: usize = 16;
+const DEFAULT_BLOCKS_PER_REPLY: usize = 16;
 
 impl Default for Limits {
     fn default() -> Self {
