@@ -444,6 +444,12 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
         }
     }
     executors.get(&default_executor)?;
+    // A cap for an executor the daemon does not have is a typo that would cap nothing.
+    for name in sessions.per_executor.keys() {
+        executors.get(name).with_context(|| {
+            format!("[sessions.executors] names `{name}`, which this daemon does not have")
+        })?;
+    }
     let mut policy = config::policy(file)?;
     for name in policy.executors.iter().flatten() {
         executors.get(name).with_context(|| {

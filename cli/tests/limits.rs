@@ -77,6 +77,35 @@ async fn refused(d: &Daemon, spec: Value, bound: &str) {
     assert!(message.contains(bound), "{message}");
 }
 
+/// What `tandem serve` says on stderr when it refuses to start with `config`; it must exit 2.
+fn serve_refuses(config: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("tandem")).unwrap();
+    std::fs::write(dir.path().join("tandem/tandem.toml"), config).unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["serve", "--executor", "local", "--socket"])
+        .arg(dir.path().join("s.sock"))
+        .arg("--state-dir")
+        .arg(dir.path())
+        .env("XDG_CONFIG_HOME", dir.path())
+        .env("OPENAI_BASE_URL", "http://127.0.0.1:9/v1")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    stderr
+}
+
+#[test]
+fn a_session_cap_for_an_executor_the_daemon_lacks_is_refused() {
+    let stderr = serve_refuses("[sessions.executors]\ndokcer = 4\n");
+    assert!(
+        stderr.contains("[sessions.executors] names `dokcer`, which this daemon does not have"),
+        "{stderr}"
+    );
+}
+
 /// `text` written to a file in a new temporary directory (kept as long as the first value).
 fn file_dir(text: &str) -> (tempfile::TempDir, std::path::PathBuf) {
     let dir = tempfile::tempdir().unwrap();
@@ -158,24 +187,7 @@ async fn a_team_at_the_highest_depth_an_operator_may_set_runs_without_overflowin
         .await
         .unwrap();
     // Past the ceiling is a configuration error...
-    let file = tempfile::tempdir().unwrap();
-    std::fs::create_dir_all(file.path().join("tandem")).unwrap();
-    std::fs::write(
-        file.path().join("tandem/tandem.toml"),
-        "[teams]\nmax_depth = 65\n",
-    )
-    .unwrap();
-    let out = std::process::Command::new(BIN)
-        .args(["serve", "--socket"])
-        .arg(file.path().join("s.sock"))
-        .arg("--state-dir")
-        .arg(file.path())
-        .env("XDG_CONFIG_HOME", file.path())
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = serve_refuses("[teams]\nmax_depth = 65\n");
     assert!(
         stderr.contains("[teams] max_depth is 65; give a number from 1 to 64"),
         "{stderr}"
@@ -642,8 +654,7 @@ async fn idle_and_slow_tcp_connections_are_capped_and_closed() {
     // The Unix socket answers meanwhile.
     assert_eq!(d.get("/healthz").await["status"], "ok");
     // Every one of them is closed by the daemon: over the cap at once, within the cap after
-    // the header timeout.
-    let started = Instant::now();
+    // the header timeout (a read that waits 20 s for it finds one held).
     for conn in &mut held {
         conn.set_read_timeout(Some(Duration::from_secs(20)))
             .unwrap();
@@ -659,7 +670,6 @@ async fn idle_and_slow_tcp_connections_are_capped_and_closed() {
         };
         assert!(closed, "a token-less connection was held open");
     }
-    assert!(started.elapsed() < Duration::from_secs(20));
     // Then a client with the token gets in over TCP.
     let client = reqwest::Client::new();
     let resp = client
