@@ -457,6 +457,7 @@ pub fn policy(file: &FileConfig) -> Result<tandem_daemon::Policy> {
             Some(n) => n,
             None => policy::DEFAULT_MAX_TURNS,
         },
+        any_endpoint: false,
     })
 }
 

@@ -110,15 +110,18 @@ pub async fn load(name: &str, path: PathBuf, file: &FileConfig) -> Result<Arc<dy
     Ok(Arc::new(EmbeddedChat::new(engine, name)))
 }
 
-/// The assistant's chat model for a command run in this process.
-pub async fn chat_model(flags: &ModelFlags, file: &FileConfig) -> Result<ChatModel> {
-    let mut config = config::model_config(flags, file)?;
+/// The embedded model of a command run in this process, loaded, with its name, when that is
+/// the one that answers; `None` when a server does (checked now, so a bad setting is told
+/// before any sandbox starts).
+pub async fn local_model(
+    flags: &ModelFlags,
+    file: &FileConfig,
+) -> Result<Option<(Arc<dyn LocalModel>, String)>> {
     match choose(flags, file)? {
-        Provider::Server => Ok(ChatModel::new(config)?),
-        Provider::Embedded { name, path } => {
-            let local = load(&name, path, file).await?;
-            config.model = name;
-            Ok(ChatModel::local(local, config))
+        Provider::Server => {
+            ChatModel::new(config::model_config(flags, file)?)?;
+            Ok(None)
         }
+        Provider::Embedded { name, path } => Ok(Some((load(&name, path, file).await?, name))),
     }
 }

@@ -5,10 +5,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use tandem_agent::{ApprovalGate, TaskSettings, allowed_languages, run_task};
-use tandem_executor::{CancellationToken, SessionSpec};
-use tandem_protocol::team::TeamBounds;
-use tandem_protocol::{ApprovalMode, ApprovalPolicy, EventMsg};
+use tandem_daemon::plan::Start;
+use tandem_daemon::{Planner, PlannerConfig, Policy, TaskDefaults};
+use tandem_executor::{CancellationToken, Registry};
+use tandem_protocol::team::{Kind, TeamBounds};
+use tandem_protocol::{ApprovalMode, ApprovalPolicy, EventMsg, TaskSpec};
 
 use crate::config::{self, FileConfig, ModelFlags};
 use crate::exit;
@@ -103,67 +104,135 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
             }
         }
     }
-    if let Some(team) = args.team.clone() {
-        return run_team_here(&args, &team, file).await;
-    }
-    let executor_name = config::executor_name(args.executor.as_deref(), &file);
-    let executor = crate::executors::resolve(&executor_name, &file, args.image.as_deref()).await?;
-    let mut settings = TaskSettings::new(args.task.clone());
-    if let Some(path) = args
-        .system_prompt
-        .as_ref()
-        .or(file.task.system_prompt_file.as_ref())
-    {
-        settings.system_prompt = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read the system prompt file {}", path.display()))?;
-    }
-    if let Some(word) = args
-        .termination
-        .clone()
-        .or_else(|| file.task.termination.clone())
-    {
+    run_here(&args, file).await
+}
+
+/// The task in this process, planned as the daemon plans one: the user's flags and file are
+/// the operator's settings, and every executor the task names is offered.
+async fn run_here(args: &RunArgs, file: FileConfig) -> Result<u8> {
+    let mut spec = task_spec(args, &file, &config::teams(&file)?)?;
+    if let Some(word) = &args.termination {
         anyhow::ensure!(
             !word.trim().is_empty(),
             "the termination string must not be empty"
         );
-        settings.termination = word;
     }
-    if let Some(n) = args.max_turns.or(file.task.max_turns) {
-        anyhow::ensure!(n > 0, "--max-turns must be at least 1");
-        settings.max_turns = n;
+    if args.max_turns == Some(0) {
+        anyhow::bail!("--max-turns must be at least 1");
     }
-    settings.timeout = task_timeout(&args, &file)?;
-    if !args.languages.is_empty() {
-        settings.languages = Some(allowed_languages(&args.languages, executor.as_ref())?);
-    }
-    settings.session = SessionSpec {
-        workdir: args.workdir.clone(),
+    spec.max_turns = args.max_turns;
+    let executors = resolve_executors(&mut spec, args, &file).await?;
+    let names = executors.names().into_iter().map(str::to_owned).collect();
+    let defaults = TaskDefaults {
+        executor: config::executor_name(args.executor.as_deref(), &file),
+        max_turns: file.task.max_turns,
+        timeout: task_timeout(args, &file)?,
+        termination: file
+            .task
+            .termination
+            .clone()
+            .unwrap_or_else(|| tandem_agent::DEFAULT_TERMINATION.to_owned()),
+        system_prompt: tandem_agent::DEFAULT_SYSTEM_PROMPT.to_owned(),
         limits: config::limits(&file, args.block_timeout)?,
-        labels: Vec::new(),
     };
+    let planner = Planner::new(PlannerConfig {
+        model: config::model_config(&args.model, &file)?,
+        local_model: None,
+        executors,
+        defaults,
+        policy: Policy::own(names),
+        approval: file.approval.clone(),
+        teams: config::teams(&file)?,
+    });
+    planner.check(&spec)?;
     // Last of the checks: loading the embedded model takes a moment.
-    let model = crate::provider::chat_model(&args.model, &file).await?;
+    let planner = match crate::provider::local_model(&args.model, &file).await? {
+        Some((local, name)) => planner.with_local_model(local, name),
+        None => planner,
+    };
+    let start = Start {
+        workdir: args.workdir.clone(),
+        ..Start::default()
+    };
+    let mut planned = planner
+        .plan(&spec, start)
+        .map_err(|info| anyhow::anyhow!("{}", info.message))?;
+    if let Some(path) = &args.team {
+        planned = planned.team_label(format!("team {}", path.display()));
+    }
 
     let cancel = CancellationToken::new();
     spawn_ctrl_c(cancel.clone());
     let (renderer, events) = transcript(args.json, &cancel);
-    settings.approval = gate(&args, &file, &events)?;
-    let outcome = run_task(settings, &model, executor, events, cancel).await;
+    // Asked at this terminal when there is one; else a block that needs asking is declined,
+    // and the model told why.
+    let approver: Option<Arc<dyn tandem_agent::Approver>> = (planned.may_ask()
+        && crate::approve::need_terminal().is_ok())
+    .then(|| Arc::new(crate::approve::TerminalApprover::new(events.clone())) as _);
+    let stop_reason = planned.run(approver, events, cancel).await;
     if renderer.lock().is_ok_and(|r| r.reader_gone()) {
         return Ok(exit::DONE);
     }
-    Ok(exit::for_stop(outcome.stop_reason))
+    Ok(exit::for_stop(stop_reason))
 }
 
-async fn through_daemon(
-    client: &crate::client::Client,
+/// Starts every executor `spec` names (its own and its team's executor agents'), each once,
+/// and names them in `spec` as started (`auto` becomes what it chose).
+async fn resolve_executors(
+    spec: &mut TaskSpec,
     args: &RunArgs,
     file: &FileConfig,
-) -> Result<u8> {
-    let whole_secs = |secs: f64, flag: &str| -> Result<u64> {
-        let d = config::secs_to_duration(secs, flag)?;
-        Ok(d.as_secs().max(1))
+) -> Result<Registry> {
+    let default = config::executor_name(args.executor.as_deref(), file);
+    let mut asked = Vec::new();
+    if let Some(team) = &spec.team {
+        for agent in std::iter::once(&team.team).chain(team.agents.values()) {
+            if agent.kind == Kind::Executor {
+                asked.push(agent.executor.clone().unwrap_or_else(|| default.clone()));
+            }
+        }
+    }
+    // A team whose agents all name their executors runs on theirs: the default would only
+    // be started to go unused.
+    if asked.is_empty() || asked.contains(&default) {
+        asked.push(default.clone());
+    }
+    asked.sort();
+    asked.dedup();
+    let mut registry = Registry::new();
+    let mut chosen = std::collections::HashMap::new();
+    for name in &asked {
+        let executor = crate::executors::resolve(name, file, args.image.as_deref()).await?;
+        chosen.insert(name.clone(), executor.name().to_owned());
+        registry.register(executor);
+    }
+    let rename = |name: &mut Option<String>| {
+        if let Some(n) = name
+            && let Some(to) = chosen.get(n.as_str())
+        {
+            n.clone_from(to);
+        }
     };
+    spec.executor = Some(
+        chosen
+            .get(&default)
+            .cloned()
+            .unwrap_or_else(|| asked[0].clone()),
+    );
+    if let Some(team) = &mut spec.team {
+        for agent in std::iter::once(&mut team.team).chain(team.agents.values_mut()) {
+            if agent.kind == Kind::Executor {
+                rename(&mut agent.executor);
+            }
+        }
+    }
+    Ok(registry)
+}
+
+/// The task `args` ask for, as a daemon is sent it: the task's text and what it names, with
+/// the system prompt read and a team file read and checked (within `bounds`), so a mistake
+/// in either is told with its path.
+fn task_spec(args: &RunArgs, file: &FileConfig, bounds: &TeamBounds) -> Result<TaskSpec> {
     let system_prompt =
         match args
             .system_prompt
@@ -175,32 +244,44 @@ async fn through_daemon(
             })?),
             None => None,
         };
-    let spec = tandem_protocol::TaskSpec {
+    Ok(TaskSpec {
         task: args.task.clone(),
         executor: args.executor.clone(),
         model: args.model.model.clone(),
         base_url: args.model.base_url.clone(),
-        max_turns: args.max_turns,
-        timeout_secs: args
-            .timeout
-            .map(|s| whole_secs(s, "--timeout"))
-            .transpose()?,
-        block_timeout_secs: args
-            .block_timeout
-            .map(|s| whole_secs(s, "--block-timeout"))
-            .transpose()?,
         system_prompt,
         termination: args.termination.clone(),
         languages: (!args.languages.is_empty()).then(|| args.languages.clone()),
-        limits: tandem_protocol::TaskLimits::default(),
-        // Checked here first, so a mistake in the file is told with its path, as in-process.
         team: args
             .team
             .as_deref()
-            .map(|path| crate::team::load_spec(path, &TeamBounds::CEILINGS))
+            .map(|path| crate::team::load_spec(path, bounds))
             .transpose()?,
         approval: args.approve.then(always),
+        ..TaskSpec::default()
+    })
+}
+
+async fn through_daemon(
+    client: &crate::client::Client,
+    args: &RunArgs,
+    file: &FileConfig,
+) -> Result<u8> {
+    let whole_secs = |secs: f64, flag: &str| -> Result<u64> {
+        let d = config::secs_to_duration(secs, flag)?;
+        Ok(d.as_secs().max(1))
     };
+    // A team is checked here within the ceilings only: the daemon knows its own bounds.
+    let mut spec = task_spec(args, file, &TeamBounds::CEILINGS)?;
+    spec.max_turns = args.max_turns;
+    spec.timeout_secs = args
+        .timeout
+        .map(|s| whole_secs(s, "--timeout"))
+        .transpose()?;
+    spec.block_timeout_secs = args
+        .block_timeout
+        .map(|s| whole_secs(s, "--block-timeout"))
+        .transpose()?;
     let id = client.submit(&spec).await?;
     crate::follow::follow_approving(client, &id, Mode::json(args.json), args.approve).await
 }
@@ -211,29 +292,6 @@ fn always() -> ApprovalPolicy {
         mode: ApprovalMode::Always,
         ..ApprovalPolicy::default()
     }
-}
-
-/// The approval gate of a run in this process: the config's `[approval]`, made to ask for
-/// every block by `--approve`, asking at this terminal when there is one (else a block that
-/// needs asking is declined, and the model told why).
-pub(crate) fn gate(
-    args: &RunArgs,
-    file: &FileConfig,
-    events: &tandem_agent::EventSink,
-) -> Result<Option<Arc<ApprovalGate>>> {
-    let task = args.approve.then(always);
-    let gate = ApprovalGate::new(&file.approval, task.as_ref())
-        .context("the config's [approval] policy cannot be used")?;
-    if gate.is_open() {
-        return Ok(None);
-    }
-    let gate = if gate.may_ask() && crate::approve::need_terminal().is_ok() {
-        let approver = crate::approve::TerminalApprover::new(events.clone());
-        gate.with_approver(Arc::new(approver))
-    } else {
-        gate
-    };
-    Ok(Some(Arc::new(gate)))
 }
 
 /// The whole-task wall-clock limit: `--timeout`, else `[task] timeout_secs`.
@@ -288,102 +346,4 @@ pub fn spawn_ctrl_c(cancel: CancellationToken) {
             }
         }
     });
-}
-
-/// `tandem run --team FILE TASK`: the team in this process, with the run's model, executor
-/// and limits as every agent's defaults.
-async fn run_team_here(
-    args: &RunArgs,
-    path: &std::path::Path,
-    file: crate::config::FileConfig,
-) -> Result<u8> {
-    use std::collections::HashMap;
-
-    use tandem_agent::ChatModel;
-    use tandem_agent::team::{TaskLabel, Team, executor_slot, run_team_task};
-    use tandem_executor::{CancellationToken, SessionSpec};
-    use tandem_protocol::team::Kind;
-    use tandem_protocol::{ErrorCode, ErrorInfo};
-
-    use crate::config;
-
-    let root = crate::team::load(path, &config::teams(&file)?)?;
-    let model_config = config::model_config(&args.model, &file)?;
-    let default_executor = config::executor_name(args.executor.as_deref(), &file);
-    // Every executor the team names, resolved once (starting one may take a moment).
-    let mut names = vec![];
-    let mut stack = vec![&root];
-    while let Some(node) = stack.pop() {
-        if node.spec.kind == Kind::Executor {
-            names.push(
-                node.spec
-                    .executor
-                    .clone()
-                    .unwrap_or_else(|| default_executor.clone()),
-            );
-        }
-        stack.extend(&node.members);
-    }
-    names.sort();
-    names.dedup();
-    let mut executors = HashMap::new();
-    for name in names {
-        let executor = crate::executors::resolve(&name, &file, args.image.as_deref()).await?;
-        executors.insert(name, executor);
-    }
-    let limits = config::limits(&file, args.block_timeout)?;
-    let session = SessionSpec {
-        workdir: args.workdir.clone(),
-        limits: limits.clone(),
-        labels: Vec::new(),
-    };
-    let invalid = |message: String| ErrorInfo {
-        code: ErrorCode::InvalidRequest,
-        message,
-    };
-    let selector = crate::provider::chat_model(&args.model, &file).await?;
-    let model = |node: &tandem_agent::team::Node| {
-        if node.spec.model.is_none() && node.spec.base_url.is_none() {
-            return Ok(selector.clone());
-        }
-        let mut c = model_config.clone();
-        if let Some(m) = &node.spec.model {
-            c.model = m.clone();
-        }
-        if let Some(url) = &node.spec.base_url {
-            c.base_url = url.clone();
-        }
-        ChatModel::new(c).map_err(ErrorInfo::from)
-    };
-    let slot = |node: &tandem_agent::team::Node| {
-        let name = node.spec.executor.as_ref().unwrap_or(&default_executor);
-        let executor = executors
-            .get(name)
-            .cloned()
-            .ok_or_else(|| invalid(format!("{}: executor `{name}` is not available", node.path)))?;
-        executor_slot(node, executor, session.clone())
-    };
-    let max_turns = args
-        .max_turns
-        .or(file.task.max_turns)
-        .unwrap_or(tandem_agent::DEFAULT_TEAM_TURNS);
-    let label = TaskLabel {
-        model: selector.config().model.clone(),
-        base_url: selector.location(),
-        executor: format!("team {}", path.display()),
-    };
-    let team = Team::new(root, selector.clone(), model, slot, max_turns, &limits)
-        .map_err(|e| anyhow::anyhow!("{}", e.message))?;
-
-    let cancel = CancellationToken::new();
-    spawn_ctrl_c(cancel.clone());
-    let timeout = task_timeout(args, &file)?;
-    let (renderer, events) = transcript(args.json, &cancel);
-    let team = team.with_approval(gate(args, &file, &events)?);
-    let stop_reason =
-        run_team_task(team, &args.task, label, events, cancel, timeout, Vec::new()).await;
-    if renderer.lock().is_ok_and(|r| r.reader_gone()) {
-        return Ok(crate::exit::DONE);
-    }
-    Ok(crate::exit::for_stop(stop_reason))
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use tandem_daemon::{Listeners, Store, Supervisor, SupervisorConfig, TaskDefaults};
+use tandem_daemon::{Listeners, PlannerConfig, Store, Supervisor, SupervisorConfig, TaskDefaults};
 use tandem_executor::{CancellationToken, Registry};
 use tandem_executor_docker::DockerExecutor;
 use tandem_executor_local::LocalExecutor;
@@ -476,10 +476,7 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
     }
     let defaults = TaskDefaults {
         executor: default_executor.clone(),
-        max_turns: file
-            .task
-            .max_turns
-            .unwrap_or(tandem_agent::DEFAULT_MAX_TURNS),
+        max_turns: file.task.max_turns,
         // A task that names no timeout gets this one: nothing a client forgets runs forever.
         timeout: Some(Duration::from_secs(
             file.task.timeout_secs.unwrap_or(DEFAULT_TASK_TIMEOUT_SECS),
@@ -519,15 +516,17 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
     let supervisor = Supervisor::new(
         store,
         SupervisorConfig {
-            model,
-            executors,
-            defaults,
+            planner: PlannerConfig {
+                model,
+                local_model,
+                executors,
+                defaults,
+                policy,
+                approval: file.approval.clone(),
+                teams,
+            },
             max_concurrent,
-            policy,
-            local_model,
-            approval: file.approval.clone(),
             sessions,
-            teams,
         },
     );
 

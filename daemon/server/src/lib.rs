@@ -6,6 +6,7 @@ pub mod approvals;
 mod error;
 pub mod mcp;
 pub mod metrics;
+pub mod plan;
 pub mod policy;
 pub mod serve;
 pub mod store;
@@ -14,8 +15,9 @@ pub mod web;
 mod writer;
 
 pub use error::TaskError;
+pub use plan::{Planner, PlannerConfig, TaskDefaults};
 pub use policy::{Endpoint, Policy};
 pub use serve::{ConnLimits, Listeners, bind_unix, serve};
 pub use store::{Store, StoreError, TaskRecord, TaskState, TaskStore};
-pub use supervisor::{Supervisor, SupervisorConfig, TaskDefaults};
+pub use supervisor::{Supervisor, SupervisorConfig};
 pub use writer::now_ms;

@@ -32,6 +32,9 @@ pub struct Policy {
     pub max_block_timeout: Duration,
     /// Most `max_turns` a task may ask for.
     pub max_turns: u32,
+    /// Whether a task may name any model server (a run in the user's own process); one that
+    /// is neither the configured server nor listed gets no key.
+    pub any_endpoint: bool,
 }
 
 /// Defaults for a daemon whose operator set nothing.
@@ -49,6 +52,7 @@ impl Default for Policy {
             max_timeout: DEFAULT_MAX_TIMEOUT,
             max_block_timeout: DEFAULT_MAX_BLOCK_TIMEOUT,
             max_turns: DEFAULT_MAX_TURNS,
+            any_endpoint: false,
         }
     }
 }
@@ -59,6 +63,19 @@ impl Default for Policy {
 pub struct Refused(pub String);
 
 impl Policy {
+    /// The policy of a task run in the user's own process: every executor in `executors`,
+    /// any model server, and no caps (the user is the operator).
+    pub fn own(executors: Vec<String>) -> Self {
+        Self {
+            executors: Some(executors),
+            endpoints: Vec::new(),
+            max_timeout: Duration::MAX,
+            max_block_timeout: Duration::MAX,
+            max_turns: u32::MAX,
+            any_endpoint: true,
+        }
+    }
+
     /// Whether API clients may use executor `name`.
     pub fn offers(&self, name: &str) -> bool {
         match &self.executors {
@@ -139,7 +156,7 @@ impl Policy {
 
     /// The endpoint a task's `base_url` names: `None` for the configured server (which keeps
     /// its own key), else the listed endpoint; anything else is refused.
-    pub fn endpoint(&self, url: &str, configured: &str) -> Result<Option<&Endpoint>, Refused> {
+    pub fn endpoint(&self, url: &str, configured: &str) -> Result<Option<Endpoint>, Refused> {
         let url = normalise(url);
         if url == normalise(configured) {
             return Ok(None);
@@ -149,7 +166,13 @@ impl Policy {
             .iter()
             .find(|e| normalise(&e.base_url) == url)
         {
-            return Ok(Some(e));
+            return Ok(Some(e.clone()));
+        }
+        if self.any_endpoint {
+            return Ok(Some(Endpoint {
+                base_url: url.to_owned(),
+                api_key: None,
+            }));
         }
         let mut allowed = vec![normalise(configured)];
         allowed.extend(self.endpoints.iter().map(|e| normalise(&e.base_url)));

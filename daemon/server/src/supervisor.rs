@@ -6,82 +6,36 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tandem_agent::team::{Node, TaskLabel, Team, executor_slot, run_team_task};
-use tandem_agent::{
-    ChatModel, EventSink, ModelConfig, TaskSettings, allowed_languages, render_system_prompt,
-    run_task,
-};
-use tandem_executor::{CancellationToken, Executor, Limits, Registry, SessionSpec};
-use tandem_protocol::team::{Kind, TeamSpec};
-use tandem_protocol::{
-    ErrorCode, ErrorInfo, Event, EventMsg, Message, Role, StopReason, TaskSpec, Usage,
-};
+use tandem_executor::{CancellationToken, Executor, Registry};
+use tandem_protocol::team::TeamSpec;
+use tandem_protocol::{ErrorInfo, Event, EventMsg, Message, StopReason, TaskSpec, Usage};
 use tokio::sync::{Semaphore, broadcast};
 use tokio_util::task::TaskTracker;
 
 pub use crate::error::TaskError;
 use crate::metrics::Metrics;
+use crate::plan::{Planner, PlannerConfig, Start, TaskDefaults, waits_for_approval};
 use crate::policy::Policy;
 use crate::store::{StoreError, TaskRecord, TaskState, TaskStore};
 use crate::writer::{Write, Writes, now_ms, write_events};
 
-/// Defaults for what a [`TaskSpec`] leaves out.
-#[derive(Clone, Debug)]
-pub struct TaskDefaults {
-    /// Executor name.
-    pub executor: String,
-    /// Most assistant turns.
-    pub max_turns: u32,
-    /// Wall-clock limit per task.
-    pub timeout: Option<Duration>,
-    /// Termination string.
-    pub termination: String,
-    /// System prompt.
-    pub system_prompt: String,
-    /// Per-block limits.
-    pub limits: Limits,
-}
-
-impl Default for TaskDefaults {
-    fn default() -> Self {
-        Self {
-            executor: "local".to_owned(),
-            max_turns: tandem_agent::DEFAULT_MAX_TURNS,
-            timeout: None,
-            termination: tandem_agent::DEFAULT_TERMINATION.to_owned(),
-            system_prompt: tandem_agent::DEFAULT_SYSTEM_PROMPT.to_owned(),
-            limits: Limits::default(),
-        }
-    }
-}
-
 /// What the supervisor needs, resolved once by the binary.
 pub struct SupervisorConfig {
-    /// The model server and its settings; a task may override the URL and model.
-    pub model: ModelConfig,
-    /// The executors tasks can name.
-    pub executors: Registry,
-    /// Defaults for task settings.
-    pub defaults: TaskDefaults,
+    /// What tasks are planned with: model, executors, defaults and policies.
+    pub planner: PlannerConfig,
     /// Most tasks running at once; the rest wait in FIFO order.
     pub max_concurrent: usize,
-    /// What API clients may ask for.
-    pub policy: Policy,
-    /// The embedded model, loaded once, for every task that names no model server.
-    pub local_model: Option<Arc<dyn tandem_agent::chat::LocalModel>>,
-    /// The operator's approval policy; a task's can only tighten it.
-    pub approval: tandem_protocol::ApprovalPolicy,
     /// Most sandbox sessions open at once, overall and per executor: every road that opens
     /// one (tasks, teams, MCP) takes its permits from here.
     pub sessions: tandem_executor::BudgetConfig,
-    /// How large a team may be.
-    pub teams: tandem_protocol::team::TeamBounds,
 }
 
 /// Runs tasks; one per daemon.
 pub struct Supervisor {
     store: Arc<dyn TaskStore>,
-    config: SupervisorConfig,
+    planner: Planner,
+    max_concurrent: usize,
+    session_wait: Duration,
     slots: Arc<Semaphore>,
     store_calls: Arc<Semaphore>,
     root: CancellationToken,
@@ -90,7 +44,6 @@ pub struct Supervisor {
     live: broadcast::Sender<Arc<(String, Event)>>,
     writer: Writes,
     stopping: AtomicBool,
-    models: Mutex<HashMap<(String, String), ChatModel>>,
     /// Each executor's last health answer and when it came.
     health: Mutex<HashMap<String, (Instant, Health)>>,
     /// Counters and histograms for `/metrics`.
@@ -101,11 +54,13 @@ pub struct Supervisor {
 
 impl Supervisor {
     /// A supervisor over `store`; call [`Supervisor::recover`] before serving.
-    pub fn new(store: Arc<dyn TaskStore>, mut config: SupervisorConfig) -> Arc<Self> {
+    pub fn new(store: Arc<dyn TaskStore>, config: SupervisorConfig) -> Arc<Self> {
+        let mut planner = Planner::new(config.planner);
         // The one place sessions are handed out: every executor a task, a team or MCP can
         // reach comes from this registry, so each of their sessions holds a permit.
-        config.executors = std::mem::take(&mut config.executors)
-            .with_budget(tandem_executor::Budget::new(&config.sessions));
+        let executors = planner.executors_mut();
+        *executors =
+            std::mem::take(executors).with_budget(tandem_executor::Budget::new(&config.sessions));
         let (live, _) = broadcast::channel(4096);
         let (queue, writes) = std::sync::mpsc::channel();
         let writer = Writes::new(queue);
@@ -125,13 +80,14 @@ impl Supervisor {
             writer,
             slots,
             store_calls: Arc::new(Semaphore::new(STORE_CALLS)),
-            config,
+            planner,
+            max_concurrent: config.max_concurrent,
+            session_wait: config.sessions.wait,
             root: CancellationToken::new(),
             tracker: TaskTracker::new(),
             active: Mutex::new(HashMap::new()),
             live,
             stopping: AtomicBool::new(false),
-            models: Mutex::new(HashMap::new()),
             health: Mutex::new(HashMap::new()),
             metrics: Metrics::default(),
         })
@@ -160,7 +116,12 @@ impl Supervisor {
 
     /// The executors tasks can use.
     pub fn executors(&self) -> &Registry {
-        &self.config.executors
+        &self.planner.config().executors
+    }
+
+    /// What plans its tasks.
+    pub fn planner(&self) -> &Planner {
+        &self.planner
     }
 
     /// An executor's health, checked at most every [`HEALTH_TTL`] (a submit must not wait
@@ -174,7 +135,7 @@ impl Supervisor {
         if let Some(health) = cached {
             return health;
         }
-        let Ok(executor) = self.config.executors.get(name) else {
+        let Ok(executor) = self.executors().get(name) else {
             return Ok(());
         };
         let health = executor.health().await;
@@ -186,12 +147,12 @@ impl Supervisor {
 
     /// What a task that leaves a setting out gets.
     pub fn defaults(&self) -> &TaskDefaults {
-        &self.config.defaults
+        &self.planner.config().defaults
     }
 
     /// What API clients may ask for.
     pub fn policy(&self) -> &Policy {
-        &self.config.policy
+        &self.planner.config().policy
     }
 
     /// Live events of every task, after they are stored.
@@ -211,7 +172,9 @@ impl Supervisor {
     pub fn recover(self: &Arc<Self>) -> Result<usize, TaskError> {
         self.store.interrupt_running()?;
         for task in self.store.list(Some(TaskState::Queued))? {
-            self.enqueue(task.id, task.spec, Vec::new());
+            // One queued by a resume has a past to continue from.
+            let events = self.store.events_after(&task.id, 0)?;
+            self.enqueue(task.id, task.spec, events);
         }
         let mut interrupted = 0;
         for task in self.store.list(Some(TaskState::Interrupted))? {
@@ -232,12 +195,12 @@ impl Supervisor {
         &self,
         cancel: &CancellationToken,
     ) -> Result<tokio::sync::OwnedSemaphorePermit, TaskError> {
-        let wait = self.config.sessions.wait;
+        let wait = self.session_wait;
         let busy = || {
             TaskError::Unavailable(format!(
                 "no execution slot was free within {} s: this daemon runs {} at once (--max-concurrent); try again when a task ends",
                 wait.as_secs(),
-                self.config.max_concurrent
+                self.max_concurrent
             ))
         };
         tokio::select! {
@@ -248,31 +211,22 @@ impl Supervisor {
         }
     }
 
-    /// Executor `name`, when this daemon has it and its policy offers it to clients: the one
-    /// check every road makes (a task, a team's agents, a restart, MCP).
+    /// Executor `name`, when this daemon has it and its policy offers it.
     pub(crate) fn offered(&self, name: &str) -> Result<Arc<dyn Executor>, TaskError> {
-        let executor = self
-            .config
-            .executors
-            .get(name)
-            .map_err(|e| TaskError::Invalid(e.to_string()))?;
-        let policy = &self.config.policy;
-        if !policy.offers(name) {
-            return Err(TaskError::NotAllowed(
-                policy.not_offered(name, &self.config.executors),
-            ));
-        }
-        Ok(executor)
+        self.planner.offered(name)
     }
 
     /// The operator's approval policy.
     pub fn approval(&self) -> &tandem_protocol::ApprovalPolicy {
-        &self.config.approval
+        &self.planner.config().approval
     }
 
     /// Checks a team within the operator's bounds.
-    pub fn check_team_spec(&self, team: &TeamSpec) -> Result<Node, tandem_agent::team::TeamErrors> {
-        tandem_agent::team::check_within(team, &self.config.teams)
+    pub fn check_team_spec(
+        &self,
+        team: &TeamSpec,
+    ) -> Result<tandem_agent::team::Node, tandem_agent::team::TeamErrors> {
+        self.planner.check_team_spec(team)
     }
 
     /// Validates and queues a task; it is committed to the store when this returns.
@@ -280,7 +234,7 @@ impl Supervisor {
         self.validate(&spec)?;
         // A task for a sandbox that cannot run (an image that is not there) would spend a
         // model turn before failing; refuse it now, with the fix.
-        let name = executor_name(self, &spec);
+        let name = self.planner.executor_name(&spec).to_owned();
         if let Err(problem) = self.health(&name).await {
             return Err(TaskError::Unavailable(format!(
                 "the {name} executor cannot run tasks now: {problem}"
@@ -322,181 +276,7 @@ impl Supervisor {
         if self.stopping() {
             return Err(TaskError::ShuttingDown);
         }
-        if spec.task.trim().is_empty() {
-            return Err(TaskError::Invalid(
-                "the task is empty; say what to do in `task`".to_owned(),
-            ));
-        }
-        let name = spec
-            .executor
-            .as_deref()
-            .unwrap_or(&self.config.defaults.executor);
-        let executor = self.offered(name)?;
-        let policy = &self.config.policy;
-        policy
-            .check(spec, &self.config.model.base_url)
-            .map_err(|e| TaskError::NotAllowed(e.0))?;
-        if let Some(asked) = &spec.languages {
-            allowed_languages(asked, executor.as_ref())
-                .map_err(|e| TaskError::Invalid(e.to_string()))?;
-        }
-        if let Some(team) = &spec.team {
-            self.check_team(spec, team)?;
-        }
-        crate::policy::task_limits(&self.config.defaults.limits, &spec.limits)
-            .map_err(TaskError::Invalid)?;
-        tandem_agent::ApprovalGate::new(&self.config.approval, spec.approval.as_ref())
-            .map_err(|e| TaskError::Invalid(format!("approval: {e}")))?;
-        if spec.max_turns == Some(0) {
-            return Err(TaskError::Invalid(
-                "max_turns must be at least 1".to_owned(),
-            ));
-        }
-        if spec.timeout_secs == Some(0) || spec.block_timeout_secs == Some(0) {
-            return Err(TaskError::Invalid(
-                "timeout_secs and block_timeout_secs must be at least 1".to_owned(),
-            ));
-        }
-        if spec
-            .termination
-            .as_deref()
-            .is_some_and(|t| t.trim().is_empty())
-        {
-            return Err(TaskError::Invalid(
-                "termination must not be empty".to_owned(),
-            ));
-        }
-        Ok(())
-    }
-
-    /// A team must check, and each of its agents stay within the policy: an executor that is
-    /// offered, a model server that is allowed.
-    fn check_team(&self, spec: &TaskSpec, team: &TeamSpec) -> Result<(), TaskError> {
-        let root = self.check_team_spec(team).map_err(|e| {
-            TaskError::Invalid(format!("the team does not check: {}", e.0.join("; ")))
-        })?;
-        let policy = &self.config.policy;
-        let mut stack = vec![&root];
-        while let Some(node) = stack.pop() {
-            let at = |field: &str| format!("team: {}.{field}", node.path.replace('/', "."));
-            if node.spec.kind == Kind::Executor {
-                let name = node
-                    .spec
-                    .executor
-                    .clone()
-                    .unwrap_or_else(|| executor_name(self, spec));
-                let executor = self.offered(&name).map_err(|e| match e {
-                    TaskError::NotAllowed(m) => {
-                        TaskError::NotAllowed(format!("{}: {m}", at("executor")))
-                    }
-                    other => TaskError::Invalid(format!("{}: {other}", at("executor"))),
-                })?;
-                if let Some(asked) = &node.spec.languages {
-                    allowed_languages(asked, executor.as_ref())
-                        .map_err(|e| TaskError::Invalid(format!("{}: {e}", at("languages"))))?;
-                }
-            }
-            if let Some(url) = &node.spec.base_url {
-                policy
-                    .endpoint(url, &self.config.model.base_url)
-                    .map_err(|e| TaskError::NotAllowed(format!("{}: {}", at("base_url"), e.0)))?;
-            }
-            stack.extend(&node.members);
-        }
-        Ok(())
-    }
-
-    /// Runs a team task: its agents' models and sessions within the policy, resumed from
-    /// what its stored events say each agent already said.
-    async fn run_team(
-        self: &Arc<Self>,
-        id: &str,
-        spec: &TaskSpec,
-        settings: TaskSettings,
-        model: ChatModel,
-        sink: EventSink,
-        token: CancellationToken,
-    ) {
-        let Some(team) = &spec.team else {
-            return;
-        };
-        let fail = |message: String| {
-            self.record(
-                id,
-                finished(
-                    StopReason::Error,
-                    0,
-                    Some(ErrorInfo {
-                        code: ErrorCode::InvalidRequest,
-                        message,
-                    }),
-                ),
-            );
-        };
-        let root = match self.check_team_spec(team) {
-            Ok(root) => root,
-            Err(e) => return fail(e.0.join("; ")),
-        };
-        let task_id = id.to_owned();
-        let stored = self
-            .off_thread(move |sup| sup.store().events_after(&task_id, 0))
-            .await;
-        let replay = match stored {
-            Ok(Ok(events)) => {
-                let msgs: Vec<EventMsg> = events.into_iter().map(|e| e.msg).collect();
-                tandem_agent::team::replay_of(&msgs)
-            }
-            _ => Vec::new(),
-        };
-        let default_executor = executor_name(self, spec);
-        let models = |node: &Node| {
-            let mut agent = spec.clone();
-            if node.spec.model.is_some() {
-                agent.model = node.spec.model.clone();
-            }
-            if node.spec.base_url.is_some() {
-                agent.base_url = node.spec.base_url.clone();
-            }
-            self.model(&agent)
-        };
-        let slots = |node: &Node| {
-            let name = node.spec.executor.as_ref().unwrap_or(&default_executor);
-            let executor = self.config.executors.get(name).map_err(|e| ErrorInfo {
-                code: ErrorCode::Executor,
-                message: e.to_string(),
-            })?;
-            executor_slot(node, executor, settings.session.clone())
-        };
-        let max_turns = spec
-            .max_turns
-            .unwrap_or(tandem_agent::DEFAULT_TEAM_TURNS)
-            .min(self.config.policy.max_turns);
-        let team = match Team::new(
-            root,
-            model.clone(),
-            models,
-            slots,
-            max_turns,
-            &settings.session.limits,
-        ) {
-            Ok(team) => team.with_approval(settings.approval.clone()),
-            Err(info) => return fail(info.message),
-        };
-        let label = TaskLabel {
-            model: model.config().model.clone(),
-            base_url: model.location(),
-            executor: "team".to_owned(),
-        };
-        run_team_task(
-            team,
-            &spec.task,
-            label,
-            sink,
-            token,
-            settings.timeout,
-            replay,
-        )
-        .await;
+        self.planner.check(spec)
     }
 
     /// Cancels a queued, running or interrupted task.
@@ -548,13 +328,13 @@ impl Supervisor {
         if record.state != TaskState::Interrupted {
             return Err(conflict(record.state));
         }
-        let history = history(&self.store.events_after(id, 0)?);
+        let events = self.store.events_after(id, 0)?;
         // Two resumes can both pass the check above; only the one whose change finds the
         // task still interrupted runs it.
         if !self.transition(id, TaskState::Interrupted, TaskState::Queued)? {
             return Err(conflict(TaskState::Queued));
         }
-        self.enqueue(id.to_owned(), record.spec.clone(), history);
+        self.enqueue(id.to_owned(), record.spec.clone(), events);
         Ok(TaskRecord {
             state: TaskState::Queued,
             ..record
@@ -563,28 +343,7 @@ impl Supervisor {
 
     /// The conversation so far, rebuilt from the task's stored `events`.
     pub fn transcript(&self, record: &TaskRecord, events: &[Event]) -> Vec<Message> {
-        let spec = &record.spec;
-        let template = spec
-            .system_prompt
-            .as_deref()
-            .unwrap_or(&self.config.defaults.system_prompt);
-        // As the model was sent it: the prompt names the languages the task's executor runs.
-        let system = match self.config.executors.get(&executor_name(self, spec)) {
-            Ok(executor) => {
-                let allowed = spec
-                    .languages
-                    .as_deref()
-                    .and_then(|asked| allowed_languages(asked, executor.as_ref()).ok());
-                render_system_prompt(template, executor.languages(), allowed.as_deref())
-            }
-            Err(_) => template.to_owned(),
-        };
-        let mut messages = vec![
-            Message::new(Role::System, system),
-            Message::new(Role::User, spec.task.clone()),
-        ];
-        messages.extend(conversation(events));
-        messages
+        self.planner.transcript(&record.spec, events)
     }
 
     /// Stops: no new work; running tasks get `grace` to finish, then are cancelled and
@@ -621,14 +380,15 @@ impl Supervisor {
         let _ = self.off_thread(|sup| sup.flush()).await;
     }
 
-    fn enqueue(self: &Arc<Self>, id: String, spec: TaskSpec, history: Vec<Message>) {
+    /// Queues task `id` to run; `events` are what it stored before, when it resumes.
+    fn enqueue(self: &Arc<Self>, id: String, spec: TaskSpec, events: Vec<Event>) {
         let token = self.root.child_token();
         if let Ok(mut active) = self.active.lock() {
             active.insert(id.clone(), token.clone());
         }
         let this = self.clone();
         self.tracker.spawn(async move {
-            this.run_one(&id, spec, history, token).await;
+            this.run_one(&id, spec, events, token).await;
             if let Ok(mut active) = this.active.lock() {
                 active.remove(&id);
             }
@@ -640,7 +400,7 @@ impl Supervisor {
         self: &Arc<Self>,
         id: &str,
         spec: TaskSpec,
-        history: Vec<Message>,
+        events: Vec<Event>,
         token: CancellationToken,
     ) {
         // The semaphore is fair, so tasks start in the order they were queued.
@@ -664,23 +424,29 @@ impl Supervisor {
         let _slot = permit.clone();
         // Through the writer, in order with the task's events, so the turn loop starts at once.
         self.set_state(id, TaskState::Running);
-        let (mut settings, model, executor) = match self.prepare(id, &spec, history) {
-            Ok(parts) => parts,
+        let start = Start {
+            labels: vec![("tandem.task".to_owned(), id.to_owned())],
+            workdir: None,
+            events: &events,
+        };
+        let planned = match self.planner.plan(&spec, start) {
+            Ok(planned) => planned,
             Err(info) => {
                 self.record(id, finished(StopReason::Error, 0, Some(info)));
                 return;
             }
         };
-        settings.approval = match self.gate(id, &spec, permit).await {
-            Ok(gate) => gate,
-            Err(info) => {
-                self.record(id, finished(StopReason::Error, 0, Some(info)));
-                return;
-            }
-        };
+        let approver: Option<Arc<dyn tandem_agent::Approver>> = planned.gated().then(|| {
+            Arc::new(crate::approvals::TaskApprover::new(
+                self.approvals.clone(),
+                id,
+                permit,
+                &events,
+            )) as _
+        });
         let this = self.clone();
         let task_id = id.to_owned();
-        let executor_name = executor_name(self, &spec);
+        let executor_name = planned.executor().to_owned();
         let turn_started = Mutex::new(None::<Instant>);
         let sink = Arc::new(move |msg: EventMsg| {
             match &msg {
@@ -713,42 +479,7 @@ impl Supervisor {
             }
             this.record(&task_id, msg);
         });
-        match &spec.team {
-            None => {
-                run_task(settings, &model, executor, sink, token).await;
-            }
-            Some(_) => {
-                self.run_team(id, &spec, settings, model, sink, token).await;
-            }
-        }
-    }
-
-    /// The approval gate of task `id`: the operator's policy tightened by the task's, asking
-    /// through the API; `None` when it lets every block through.
-    async fn gate(
-        self: &Arc<Self>,
-        id: &str,
-        spec: &TaskSpec,
-        permit: Arc<tokio::sync::Mutex<Option<tokio::sync::OwnedSemaphorePermit>>>,
-    ) -> Result<Option<Arc<tandem_agent::ApprovalGate>>, ErrorInfo> {
-        let gate = tandem_agent::ApprovalGate::new(&self.config.approval, spec.approval.as_ref())
-            .map_err(|e| ErrorInfo {
-            code: ErrorCode::InvalidRequest,
-            message: format!("approval: {e}"),
-        })?;
-        if gate.is_open() {
-            return Ok(None);
-        }
-        let task_id = id.to_owned();
-        let events = self
-            .off_thread(move |sup| sup.store().events_after(&task_id, 0))
-            .await
-            .ok()
-            .and_then(Result::ok)
-            .unwrap_or_default();
-        let approver =
-            crate::approvals::TaskApprover::new(self.approvals.clone(), id, permit, &events);
-        Ok(Some(Arc::new(gate.with_approver(Arc::new(approver)))))
+        planned.run(approver, sink, token).await;
     }
 
     /// Queues an event for the writer, which commits it and only then sends it to live
@@ -784,101 +515,6 @@ impl Supervisor {
     pub fn flush(&self) {
         self.writer.flush();
     }
-
-    fn prepare(
-        &self,
-        id: &str,
-        spec: &TaskSpec,
-        history: Vec<Message>,
-    ) -> Result<(TaskSettings, ChatModel, Arc<dyn Executor>), ErrorInfo> {
-        let d = &self.config.defaults;
-        let name = executor_name(self, spec);
-        // A task stored under an older policy (queued or interrupted across a restart) runs
-        // only if today's still allows it.
-        let executor = self.offered(&name).map_err(|e| ErrorInfo {
-            code: match e {
-                TaskError::NotAllowed(_) => ErrorCode::InvalidRequest,
-                _ => ErrorCode::Executor,
-            },
-            message: e.to_string(),
-        })?;
-        let policy = &self.config.policy;
-        let invalid = |message| ErrorInfo {
-            code: ErrorCode::InvalidRequest,
-            message,
-        };
-        policy
-            .check(spec, &self.config.model.base_url)
-            .map_err(|e| invalid(e.0))?;
-        let mut settings = TaskSettings::new(spec.task.clone());
-        settings.system_prompt = spec
-            .system_prompt
-            .clone()
-            .unwrap_or_else(|| d.system_prompt.clone());
-        settings.termination = spec
-            .termination
-            .clone()
-            .unwrap_or_else(|| d.termination.clone());
-        settings.max_turns = spec.max_turns.unwrap_or(d.max_turns);
-        settings.timeout = spec.timeout_secs.map(Duration::from_secs).or(d.timeout);
-        let mut limits = crate::policy::task_limits(&d.limits, &spec.limits).map_err(invalid)?;
-        if let Some(secs) = spec.block_timeout_secs {
-            limits.wall = Duration::from_secs(secs);
-        }
-        settings.languages = spec
-            .languages
-            .as_deref()
-            .map(|asked| allowed_languages(asked, executor.as_ref()))
-            .transpose()
-            .map_err(|e| invalid(e.to_string()))?;
-        settings.session = SessionSpec {
-            workdir: None,
-            limits,
-            labels: vec![("tandem.task".to_owned(), id.to_owned())],
-        };
-        settings.history = history;
-        let model = self.model(spec)?;
-        Ok((settings, model, executor))
-    }
-
-    /// The chat model for a task's URL and model, built once per pair. A task's URL gets the
-    /// key configured for that endpoint, never the daemon's own.
-    fn model(&self, spec: &TaskSpec) -> Result<ChatModel, ErrorInfo> {
-        let mut config = self.config.model.clone();
-        if let (Some(local), None) = (&self.config.local_model, &spec.base_url) {
-            return Ok(ChatModel::local(local.clone(), config));
-        }
-        if let Some(url) = &spec.base_url {
-            let endpoint = self
-                .config
-                .policy
-                .endpoint(url, &self.config.model.base_url)
-                .map_err(|e| ErrorInfo {
-                    code: ErrorCode::InvalidRequest,
-                    message: e.0,
-                })?;
-            if let Some(endpoint) = endpoint {
-                config.base_url = endpoint.base_url.clone();
-                config.api_key = endpoint.api_key.clone();
-            }
-        }
-        if let Some(model) = &spec.model {
-            config.model = model.clone();
-        }
-        let key = (config.base_url.clone(), config.model.clone());
-        if let Some(m) = self.models.lock().ok().and_then(|m| m.get(&key).cloned()) {
-            return Ok(m);
-        }
-        let model = ChatModel::new(config).map_err(ErrorInfo::from)?;
-        if let Ok(mut models) = self.models.lock() {
-            // Model names are the client's to choose; the cache must not grow with them.
-            if models.len() >= MODEL_CACHE {
-                models.clear();
-            }
-            models.insert(key, model.clone());
-        }
-        Ok(model)
-    }
 }
 
 /// An executor's health: `Err` says what is wrong and how to fix it.
@@ -887,20 +523,11 @@ type Health = Result<(), String>;
 /// How long an executor's health answer is reused by submits.
 const HEALTH_TTL: Duration = Duration::from_secs(2);
 
-/// Most chat clients kept for reuse (one per endpoint and model name).
-const MODEL_CACHE: usize = 32;
-
 /// Store calls from the API running at once on the blocking pool.
 const STORE_CALLS: usize = 2;
 
 /// Longest a submit waits for its task to be committed.
 const CREATE_TIMEOUT: Duration = Duration::from_secs(30);
-
-fn executor_name(supervisor: &Supervisor, spec: &TaskSpec) -> String {
-    spec.executor
-        .clone()
-        .unwrap_or_else(|| supervisor.config.defaults.executor.clone())
-}
 
 fn finished(stop_reason: StopReason, turns: u32, error: Option<ErrorInfo>) -> EventMsg {
     EventMsg::TaskFinished {
@@ -911,48 +538,4 @@ fn finished(stop_reason: StopReason, turns: u32, error: Option<ErrorInfo>) -> Ev
         error,
         summary: None,
     }
-}
-
-/// What the assistant and the executor said, in order, from the stored events.
-fn conversation(events: &[Event]) -> Vec<Message> {
-    events
-        .iter()
-        .filter_map(|e| match &e.msg {
-            EventMsg::AssistantMessage { text, .. } => {
-                Some(Message::new(Role::Assistant, text.clone()))
-            }
-            EventMsg::ExecutorMessage { text, .. } => Some(Message::new(Role::User, text.clone())),
-            _ => None,
-        })
-        .collect()
-}
-
-/// The turns an interrupted task completed: a last reply that its report never answered
-/// (the interruption cut its code off) is asked for again, unless one of its blocks asked
-/// for approval: then its code runs again, and the approval is found where it was.
-fn history(events: &[Event]) -> Vec<Message> {
-    let mut messages = conversation(events);
-    if messages.last().is_some_and(|m| m.role == Role::Assistant) && !waits_for_approval(events) {
-        messages.pop();
-    }
-    messages
-}
-
-/// Whether the task's last reply asked for an approval and was never answered by a report.
-fn waits_for_approval(events: &[Event]) -> bool {
-    let last_reply = events
-        .iter()
-        .rposition(|e| matches!(e.msg, EventMsg::AssistantMessage { .. }));
-    last_reply.is_some_and(|at| {
-        let after = &events[at..];
-        after
-            .iter()
-            .any(|e| matches!(e.msg, EventMsg::ApprovalRequested { .. }))
-            && !after.iter().any(|e| {
-                matches!(
-                    e.msg,
-                    EventMsg::ExecutorMessage { .. } | EventMsg::TaskFinished { .. }
-                )
-            })
-    })
 }

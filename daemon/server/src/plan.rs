@@ -1,0 +1,557 @@
+//! The planner: the one place a [`TaskSpec`] becomes a task ready to run (its model, its
+//! executor or team, its limits and its approval gate), checked against the policy the same
+//! way whether the daemon, MCP or `tandem run` in the user's own process asked for it.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tandem_agent::chat::LocalModel;
+use tandem_agent::team::{Node, TaskLabel, Team, TeamErrors, executor_slot, run_team_task};
+use tandem_agent::{
+    ApprovalGate, Approver, ChatModel, EventSink, ModelConfig, TaskSettings, allowed_languages,
+    render_system_prompt, run_task,
+};
+use tandem_executor::{CancellationToken, Executor, Limits, Registry, SessionSpec};
+use tandem_protocol::team::{Kind, TeamBounds, TeamSpec};
+use tandem_protocol::{
+    ApprovalPolicy, ErrorCode, ErrorInfo, Event, EventMsg, Message, Role, StopReason, TaskSpec,
+};
+
+use crate::error::TaskError;
+use crate::policy::Policy;
+
+/// Defaults for what a [`TaskSpec`] leaves out.
+#[derive(Clone, Debug)]
+pub struct TaskDefaults {
+    /// Executor name.
+    pub executor: String,
+    /// Most turns, when the operator set it; else a pair gets
+    /// [`DEFAULT_MAX_TURNS`](tandem_agent::DEFAULT_MAX_TURNS) and a team
+    /// [`DEFAULT_TEAM_TURNS`](tandem_agent::DEFAULT_TEAM_TURNS).
+    pub max_turns: Option<u32>,
+    /// Wall-clock limit per task.
+    pub timeout: Option<Duration>,
+    /// Termination string.
+    pub termination: String,
+    /// System prompt.
+    pub system_prompt: String,
+    /// Per-block limits.
+    pub limits: Limits,
+}
+
+impl Default for TaskDefaults {
+    fn default() -> Self {
+        Self {
+            executor: "local".to_owned(),
+            max_turns: None,
+            timeout: None,
+            termination: tandem_agent::DEFAULT_TERMINATION.to_owned(),
+            system_prompt: tandem_agent::DEFAULT_SYSTEM_PROMPT.to_owned(),
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// What the planner plans with, resolved once by the binary.
+pub struct PlannerConfig {
+    /// The model server and its settings; a task may override the URL and model.
+    pub model: ModelConfig,
+    /// The embedded model, loaded once, for every task that names no model server.
+    pub local_model: Option<Arc<dyn LocalModel>>,
+    /// The executors tasks can name.
+    pub executors: Registry,
+    /// Defaults for task settings.
+    pub defaults: TaskDefaults,
+    /// What a task may ask for.
+    pub policy: Policy,
+    /// The operator's approval policy; a task's can only tighten it.
+    pub approval: ApprovalPolicy,
+    /// How large a team may be.
+    pub teams: TeamBounds,
+}
+
+/// Turns task specs into runnable tasks; one per daemon, or per `tandem run`.
+pub struct Planner {
+    config: PlannerConfig,
+    models: Mutex<HashMap<(String, String), ChatModel>>,
+}
+
+/// Where a planned task runs and what it already did.
+#[derive(Default)]
+pub struct Start<'a> {
+    /// Labels every sandbox session of the task carries (for reaping and `docker ps`).
+    pub labels: Vec<(String, String)>,
+    /// A workspace of the caller's own to use and keep (only `tandem run` in-process).
+    pub workdir: Option<PathBuf>,
+    /// The task's stored events, when it resumes; empty for a new task.
+    pub events: &'a [Event],
+}
+
+/// A task ready to run.
+pub struct Planned {
+    settings: TaskSettings,
+    gate: Option<ApprovalGate>,
+    work: Work,
+    executor: String,
+}
+
+enum Work {
+    Pair {
+        model: Box<ChatModel>,
+        executor: Arc<dyn Executor>,
+    },
+    Team {
+        team: Box<Team>,
+        label: TaskLabel,
+        replay: Vec<(String, String)>,
+    },
+}
+
+impl Planner {
+    /// A planner over `config`.
+    pub fn new(config: PlannerConfig) -> Self {
+        Self {
+            config,
+            models: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Every task that names no model server is answered by `local`, called `name`.
+    pub fn with_local_model(mut self, local: Arc<dyn LocalModel>, name: String) -> Self {
+        self.config.local_model = Some(local);
+        self.config.model.model = name;
+        self
+    }
+
+    /// What it plans with.
+    pub fn config(&self) -> &PlannerConfig {
+        &self.config
+    }
+
+    /// The executors tasks can name.
+    pub(crate) fn executors_mut(&mut self) -> &mut Registry {
+        &mut self.config.executors
+    }
+
+    /// The executor a task runs on: the one it names, else the default.
+    pub fn executor_name<'a>(&'a self, spec: &'a TaskSpec) -> &'a str {
+        spec.executor
+            .as_deref()
+            .unwrap_or(&self.config.defaults.executor)
+    }
+
+    /// Executor `name`, when there is one and the policy offers it: the one check every road
+    /// makes (a task, a team's agents, a restart, MCP).
+    pub fn offered(&self, name: &str) -> Result<Arc<dyn Executor>, TaskError> {
+        let executor = self
+            .config
+            .executors
+            .get(name)
+            .map_err(|e| TaskError::Invalid(e.to_string()))?;
+        let policy = &self.config.policy;
+        if !policy.offers(name) {
+            return Err(TaskError::NotAllowed(
+                policy.not_offered(name, &self.config.executors),
+            ));
+        }
+        Ok(executor)
+    }
+
+    /// Checks a team within the bounds.
+    pub fn check_team_spec(&self, team: &TeamSpec) -> Result<Node, TeamErrors> {
+        tandem_agent::team::check_within(team, &self.config.teams)
+    }
+
+    /// Everything about `spec` that can be checked before it runs.
+    pub fn check(&self, spec: &TaskSpec) -> Result<(), TaskError> {
+        if spec.task.trim().is_empty() {
+            return Err(TaskError::Invalid(
+                "the task is empty; say what to do in `task`".to_owned(),
+            ));
+        }
+        let executor = self.offered(self.executor_name(spec))?;
+        self.check_offered(spec, executor.as_ref())
+    }
+
+    /// [`Planner::check`] past the executor.
+    fn check_offered(&self, spec: &TaskSpec, executor: &dyn Executor) -> Result<(), TaskError> {
+        let policy = &self.config.policy;
+        policy
+            .check(spec, &self.config.model.base_url)
+            .map_err(|e| TaskError::NotAllowed(e.0))?;
+        if let Some(asked) = &spec.languages {
+            allowed_languages(asked, executor).map_err(|e| TaskError::Invalid(e.to_string()))?;
+        }
+        if let Some(team) = &spec.team {
+            self.check_team(spec, team)?;
+        }
+        crate::policy::task_limits(&self.config.defaults.limits, &spec.limits)
+            .map_err(TaskError::Invalid)?;
+        ApprovalGate::new(&self.config.approval, spec.approval.as_ref())
+            .map_err(|e| TaskError::Invalid(format!("approval: {e}")))?;
+        if spec.max_turns == Some(0) {
+            return Err(TaskError::Invalid(
+                "max_turns must be at least 1".to_owned(),
+            ));
+        }
+        if spec.timeout_secs == Some(0) || spec.block_timeout_secs == Some(0) {
+            return Err(TaskError::Invalid(
+                "timeout_secs and block_timeout_secs must be at least 1".to_owned(),
+            ));
+        }
+        if spec
+            .termination
+            .as_deref()
+            .is_some_and(|t| t.trim().is_empty())
+        {
+            return Err(TaskError::Invalid(
+                "termination must not be empty".to_owned(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A team must check, and each of its agents stay within the policy: an executor that is
+    /// offered, a model server that is allowed.
+    fn check_team(&self, spec: &TaskSpec, team: &TeamSpec) -> Result<(), TaskError> {
+        let root = self.check_team_spec(team).map_err(|e| {
+            TaskError::Invalid(format!("the team does not check: {}", e.0.join("; ")))
+        })?;
+        let policy = &self.config.policy;
+        let mut stack = vec![&root];
+        while let Some(node) = stack.pop() {
+            let at = |field: &str| format!("team: {}.{field}", node.path.replace('/', "."));
+            if node.spec.kind == Kind::Executor {
+                let name = node
+                    .spec
+                    .executor
+                    .as_deref()
+                    .unwrap_or_else(|| self.executor_name(spec));
+                let executor = self.offered(name).map_err(|e| match e {
+                    TaskError::NotAllowed(m) => {
+                        TaskError::NotAllowed(format!("{}: {m}", at("executor")))
+                    }
+                    other => TaskError::Invalid(format!("{}: {other}", at("executor"))),
+                })?;
+                if let Some(asked) = &node.spec.languages {
+                    allowed_languages(asked, executor.as_ref())
+                        .map_err(|e| TaskError::Invalid(format!("{}: {e}", at("languages"))))?;
+                }
+            }
+            if let Some(url) = &node.spec.base_url {
+                policy
+                    .endpoint(url, &self.config.model.base_url)
+                    .map_err(|e| TaskError::NotAllowed(format!("{}: {}", at("base_url"), e.0)))?;
+            }
+            stack.extend(&node.members);
+        }
+        Ok(())
+    }
+
+    /// `spec` as a task ready to run, checked again: a task stored under an older policy
+    /// (queued or interrupted across a restart) runs only if today's still allows it.
+    pub fn plan(&self, spec: &TaskSpec, start: Start<'_>) -> Result<Planned, ErrorInfo> {
+        let d = &self.config.defaults;
+        let name = self.executor_name(spec).to_owned();
+        let executor = self.offered(&name).map_err(|e| ErrorInfo {
+            code: match e {
+                TaskError::NotAllowed(_) => ErrorCode::InvalidRequest,
+                _ => ErrorCode::Executor,
+            },
+            message: e.to_string(),
+        })?;
+        let invalid = |message| ErrorInfo {
+            code: ErrorCode::InvalidRequest,
+            message,
+        };
+        self.check_offered(spec, executor.as_ref())
+            .map_err(|e| invalid(e.to_string()))?;
+        let mut settings = TaskSettings::new(spec.task.clone());
+        settings.system_prompt = spec
+            .system_prompt
+            .clone()
+            .unwrap_or_else(|| d.system_prompt.clone());
+        settings.termination = spec
+            .termination
+            .clone()
+            .unwrap_or_else(|| d.termination.clone());
+        let default_turns = match spec.team {
+            None => tandem_agent::DEFAULT_MAX_TURNS,
+            Some(_) => tandem_agent::DEFAULT_TEAM_TURNS,
+        };
+        settings.max_turns = spec
+            .max_turns
+            .or(d.max_turns)
+            .unwrap_or(default_turns.min(self.config.policy.max_turns));
+        settings.timeout = spec.timeout_secs.map(Duration::from_secs).or(d.timeout);
+        let mut limits = crate::policy::task_limits(&d.limits, &spec.limits).map_err(invalid)?;
+        if let Some(secs) = spec.block_timeout_secs {
+            limits.wall = Duration::from_secs(secs);
+        }
+        settings.languages = spec
+            .languages
+            .as_deref()
+            .map(|asked| allowed_languages(asked, executor.as_ref()))
+            .transpose()
+            .map_err(|e| invalid(e.to_string()))?;
+        settings.session = SessionSpec {
+            workdir: start.workdir,
+            limits,
+            labels: start.labels,
+        };
+        let gate = ApprovalGate::new(&self.config.approval, spec.approval.as_ref())
+            .map_err(|e| invalid(format!("approval: {e}")))?;
+        let gate = (!gate.is_open()).then_some(gate);
+        let model = self.model(spec.model.as_deref(), spec.base_url.as_deref())?;
+        let work = match &spec.team {
+            None => {
+                settings.history = history(start.events);
+                Work::Pair {
+                    model: Box::new(model),
+                    executor,
+                }
+            }
+            Some(team) => self.team(spec, team, &settings, model, start.events)?,
+        };
+        Ok(Planned {
+            settings,
+            gate,
+            work,
+            executor: name,
+        })
+    }
+
+    /// A team task's team: its agents' models and sessions within the policy, and what its
+    /// stored events say each agent already said.
+    fn team(
+        &self,
+        spec: &TaskSpec,
+        team: &TeamSpec,
+        settings: &TaskSettings,
+        model: ChatModel,
+        events: &[Event],
+    ) -> Result<Work, ErrorInfo> {
+        let root = self.check_team_spec(team).map_err(|e| ErrorInfo {
+            code: ErrorCode::InvalidRequest,
+            message: e.0.join("; "),
+        })?;
+        let msgs: Vec<EventMsg> = events.iter().map(|e| e.msg.clone()).collect();
+        let replay = tandem_agent::team::replay_of(&msgs);
+        let models = |node: &Node| {
+            self.model(
+                node.spec.model.as_deref().or(spec.model.as_deref()),
+                node.spec.base_url.as_deref().or(spec.base_url.as_deref()),
+            )
+        };
+        let slots = |node: &Node| {
+            let name = node
+                .spec
+                .executor
+                .as_deref()
+                .unwrap_or_else(|| self.executor_name(spec));
+            let executor = self.config.executors.get(name).map_err(|e| ErrorInfo {
+                code: ErrorCode::Executor,
+                message: e.to_string(),
+            })?;
+            executor_slot(node, executor, settings.session.clone())
+        };
+        let label = TaskLabel {
+            model: model.config().model.clone(),
+            base_url: model.location(),
+            executor: "team".to_owned(),
+        };
+        let team = Team::new(
+            root,
+            model,
+            models,
+            slots,
+            settings.max_turns,
+            &settings.session.limits,
+        )?;
+        Ok(Work::Team {
+            team: Box::new(team),
+            label,
+            replay,
+        })
+    }
+
+    /// The chat model for a URL and model name, built once per pair. A task's URL gets the
+    /// key configured for that endpoint, never the daemon's own.
+    fn model(&self, model: Option<&str>, base_url: Option<&str>) -> Result<ChatModel, ErrorInfo> {
+        let mut config = self.config.model.clone();
+        if let (Some(local), None) = (&self.config.local_model, base_url) {
+            return Ok(ChatModel::local(local.clone(), config));
+        }
+        if let Some(url) = base_url {
+            let endpoint = self
+                .config
+                .policy
+                .endpoint(url, &self.config.model.base_url)
+                .map_err(|e| ErrorInfo {
+                    code: ErrorCode::InvalidRequest,
+                    message: e.0,
+                })?;
+            if let Some(endpoint) = endpoint {
+                config.base_url = endpoint.base_url;
+                config.api_key = endpoint.api_key;
+            }
+        }
+        if let Some(model) = model {
+            config.model = model.to_owned();
+        }
+        let key = (config.base_url.clone(), config.model.clone());
+        if let Some(m) = self.models.lock().ok().and_then(|m| m.get(&key).cloned()) {
+            return Ok(m);
+        }
+        let model = ChatModel::new(config).map_err(ErrorInfo::from)?;
+        if let Ok(mut models) = self.models.lock() {
+            // Model names are the client's to choose; the cache must not grow with them.
+            if models.len() >= MODEL_CACHE {
+                models.clear();
+            }
+            models.insert(key, model.clone());
+        }
+        Ok(model)
+    }
+
+    /// The conversation of a pair task so far, rebuilt from its stored `events`, as the model
+    /// was sent it.
+    pub fn transcript(&self, spec: &TaskSpec, events: &[Event]) -> Vec<Message> {
+        let template = spec
+            .system_prompt
+            .as_deref()
+            .unwrap_or(&self.config.defaults.system_prompt);
+        // The prompt names the languages the task's executor runs.
+        let system = match self.config.executors.get(self.executor_name(spec)) {
+            Ok(executor) => {
+                let allowed = spec
+                    .languages
+                    .as_deref()
+                    .and_then(|asked| allowed_languages(asked, executor.as_ref()).ok());
+                render_system_prompt(template, executor.languages(), allowed.as_deref())
+            }
+            Err(_) => template.to_owned(),
+        };
+        let mut messages = vec![
+            Message::new(Role::System, system),
+            Message::new(Role::User, spec.task.clone()),
+        ];
+        messages.extend(conversation(events));
+        messages
+    }
+}
+
+impl Planned {
+    /// Whether some block may need a verdict: the policy does not let every block through.
+    pub fn gated(&self) -> bool {
+        self.gate.is_some()
+    }
+
+    /// Whether the policy may want a person asked about a block.
+    pub fn may_ask(&self) -> bool {
+        self.gate.as_ref().is_some_and(ApprovalGate::may_ask)
+    }
+
+    /// The executor it runs on (a team's default executor).
+    pub fn executor(&self) -> &str {
+        &self.executor
+    }
+
+    /// Names what runs a team task in its start event (`team review.toml`).
+    pub fn team_label(mut self, label: String) -> Self {
+        if let Work::Team { label: l, .. } = &mut self.work {
+            l.executor = label;
+        }
+        self
+    }
+
+    /// Runs it to its end with `approver` asked about the blocks the policy wants a person
+    /// for (`None` declines them, and the model is told why); every event goes to `sink`.
+    pub async fn run(
+        self,
+        approver: Option<Arc<dyn Approver>>,
+        sink: EventSink,
+        cancel: CancellationToken,
+    ) -> StopReason {
+        let mut settings = self.settings;
+        settings.approval = self.gate.map(|gate| {
+            Arc::new(match approver {
+                Some(approver) => gate.with_approver(approver),
+                None => gate,
+            })
+        });
+        match self.work {
+            Work::Pair { model, executor } => {
+                run_task(settings, &model, executor, sink, cancel)
+                    .await
+                    .stop_reason
+            }
+            Work::Team {
+                team,
+                label,
+                replay,
+            } => {
+                let team = team.with_approval(settings.approval.clone());
+                run_team_task(
+                    team,
+                    &settings.task,
+                    label,
+                    sink,
+                    cancel,
+                    settings.timeout,
+                    replay,
+                )
+                .await
+            }
+        }
+    }
+}
+
+/// Most chat clients kept for reuse (one per endpoint and model name).
+const MODEL_CACHE: usize = 32;
+
+/// What the assistant and the executor said, in order, from the stored events.
+fn conversation(events: &[Event]) -> Vec<Message> {
+    events
+        .iter()
+        .filter_map(|e| match &e.msg {
+            EventMsg::AssistantMessage { text, .. } => {
+                Some(Message::new(Role::Assistant, text.clone()))
+            }
+            EventMsg::ExecutorMessage { text, .. } => Some(Message::new(Role::User, text.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The turns an interrupted task completed: a last reply that its report never answered
+/// (the interruption cut its code off) is asked for again, unless one of its blocks asked
+/// for approval: then its code runs again, and the approval is found where it was.
+fn history(events: &[Event]) -> Vec<Message> {
+    let mut messages = conversation(events);
+    if messages.last().is_some_and(|m| m.role == Role::Assistant) && !waits_for_approval(events) {
+        messages.pop();
+    }
+    messages
+}
+
+/// Whether the task's last reply asked for an approval and was never answered by a report.
+pub(crate) fn waits_for_approval(events: &[Event]) -> bool {
+    let last_reply = events
+        .iter()
+        .rposition(|e| matches!(e.msg, EventMsg::AssistantMessage { .. }));
+    last_reply.is_some_and(|at| {
+        let after = &events[at..];
+        after
+            .iter()
+            .any(|e| matches!(e.msg, EventMsg::ApprovalRequested { .. }))
+            && !after.iter().any(|e| {
+                matches!(
+                    e.msg,
+                    EventMsg::ExecutorMessage { .. } | EventMsg::TaskFinished { .. }
+                )
+            })
+    })
+}
