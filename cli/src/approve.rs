@@ -13,7 +13,7 @@ use futures::future::BoxFuture;
 use serde_json::{Value, json};
 use tandem_agent::{Approver, Ask, EventSink, Ruling};
 use tandem_executor::CancellationToken;
-use tandem_protocol::Decision;
+use tandem_protocol::{Decision, DecisionBody, TaskView};
 
 use crate::client::{Client, HostFlag};
 use crate::exit;
@@ -217,14 +217,11 @@ pub fn answer_on_daemon(
 }
 
 fn body(ruling: &Ruling) -> Value {
-    let mut body = json!({ "decision": ruling.decision.as_str() });
-    if let Some(code) = &ruling.code {
-        body["code"] = json!(code);
-    }
-    if let Some(reason) = &ruling.reason {
-        body["reason"] = json!(reason);
-    }
-    body
+    json!(DecisionBody {
+        decision: ruling.decision,
+        code: ruling.code.clone(),
+        reason: ruling.reason.clone(),
+    })
 }
 
 #[derive(Debug, clap::Args)]
@@ -294,11 +291,12 @@ async fn decide(
         Some(n) => n,
         None => {
             let task = client.get(&format!("/v1/tasks/{id}")).await?;
-            match task["pending_approval"]["n"].as_u64() {
-                Some(n) => u32::try_from(n).context("the daemon sent a bad approval number")?,
+            let task: TaskView = crate::client::typed(task, "a task")?;
+            match task.pending_approval {
+                Some(waiting) => waiting.n,
                 None => bail!(
                     "task `{id}` has no block waiting for approval (it is {})",
-                    task["state"].as_str().unwrap_or("in an unknown state")
+                    task.record.state.as_str()
                 ),
             }
         }

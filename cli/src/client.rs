@@ -7,7 +7,9 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, bail};
 use futures::StreamExt;
 use serde_json::Value;
-use tandem_protocol::{Event, EventMsg, TaskSpec};
+use tandem_protocol::{
+    ApiErrorBody, ApiErrorCode, ApiErrorDetail, Event, EventMsg, TaskRecord, TaskSpec,
+};
 
 /// `--host`, shared by the client commands.
 #[derive(Debug, Default, Clone, clap::Args)]
@@ -114,14 +116,15 @@ impl Client {
         if status.is_success() {
             Ok(value)
         } else {
-            Err(Refused {
-                code: value["error"]["code"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_owned(),
-                message: value["error"]["message"]
-                    .as_str()
-                    .map_or_else(|| format!("the daemon answered {status}"), str::to_owned),
+            Err(match refusal(value) {
+                Some(error) => Refused {
+                    code: error.code,
+                    message: error.message,
+                },
+                None => Refused {
+                    code: ApiErrorCode::Other,
+                    message: format!("the daemon answered {status}"),
+                },
             }
             .into())
         }
@@ -148,10 +151,8 @@ impl Client {
         let task = self
             .call(reqwest::Method::POST, "/v1/tasks", Some(&body))
             .await?;
-        task["id"]
-            .as_str()
-            .map(str::to_owned)
-            .ok_or_else(|| anyhow!("the daemon's answer has no task id"))
+        let task: TaskRecord = typed(task, "a task")?;
+        Ok(task.id)
     }
 
     /// Asks the daemon to cancel a task.
@@ -193,9 +194,8 @@ impl Client {
                     let value: Value = r.json().await.unwrap_or_default();
                     bail!(
                         "{}",
-                        value["error"]["message"]
-                            .as_str()
-                            .map_or_else(|| format!("the daemon answered {status}"), str::to_owned)
+                        refusal(value)
+                            .map_or_else(|| format!("the daemon answered {status}"), |e| e.message)
                     );
                 }
                 Err(e) if failures < 10 && last.is_some() => {
@@ -254,12 +254,24 @@ fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
     cause.to_string()
 }
 
-/// An error answer from the daemon: its code (`not_allowed`, `invalid_request`, ...) and
-/// message.
+/// An error answer from the daemon: its code and message.
 #[derive(Debug)]
 pub struct Refused {
-    pub code: String,
+    pub code: ApiErrorCode,
     pub message: String,
+}
+
+/// A daemon's answer as the wire type it is (`what` names it in the error).
+pub fn typed<T: serde::de::DeserializeOwned>(value: Value, what: &str) -> Result<T> {
+    serde_json::from_value(value)
+        .with_context(|| format!("the daemon sent {what} this tandem cannot read"))
+}
+
+/// What an error answer says, when it is one.
+fn refusal(value: Value) -> Option<ApiErrorDetail> {
+    serde_json::from_value::<ApiErrorBody>(value)
+        .ok()
+        .map(|b| b.error)
 }
 
 impl std::fmt::Display for Refused {

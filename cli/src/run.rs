@@ -332,7 +332,7 @@ pub(crate) fn transcript(
 fn local_refused(e: &anyhow::Error, args: &RunArgs, file: &FileConfig) -> bool {
     config::executor_name(args.executor.as_deref(), file) == "local"
         && e.downcast_ref::<crate::client::Refused>()
-            .is_some_and(|r| r.code == "not_allowed")
+            .is_some_and(|r| r.code == tandem_protocol::ApiErrorCode::NotAllowed)
 }
 
 /// First Ctrl-C cancels cleanly (sandbox closed); a second one exits at once.

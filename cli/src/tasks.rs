@@ -2,9 +2,9 @@
 
 use anyhow::Result;
 use serde_json::Value;
-use tandem_protocol::TaskSpec;
+use tandem_protocol::{StopReason, TaskList, TaskRecord, TaskSpec, TaskView};
 
-use crate::client::{Client, HostFlag};
+use crate::client::{Client, HostFlag, typed};
 use crate::exit;
 use crate::follow::follow;
 use crate::render::{Mode, Renderer};
@@ -100,20 +100,15 @@ pub async fn list(args: ListArgs) -> Result<u8> {
         "{:<32}  {:<17}  {:<10}  {:>5}  TASK",
         "ID", "STATE", "STOP", "TURNS"
     );
-    for t in value["tasks"].as_array().into_iter().flatten() {
-        let task: String = t["spec"]["task"]
-            .as_str()
-            .unwrap_or_default()
-            .replace('\n', " ")
-            .chars()
-            .take(60)
-            .collect();
+    let list: TaskList = typed(value, "a task list")?;
+    for t in &list.tasks {
+        let task: String = t.spec.task.replace('\n', " ").chars().take(60).collect();
         println!(
             "{:<32}  {:<17}  {:<10}  {:>5}  {task}",
-            t["id"].as_str().unwrap_or_default(),
-            t["state"].as_str().unwrap_or_default(),
-            t["stop_reason"].as_str().unwrap_or("-"),
-            t["turns"].as_u64().unwrap_or(0),
+            t.id,
+            t.state.as_str(),
+            t.stop_reason.map_or("-", StopReason::as_str),
+            t.turns,
         );
     }
     Ok(exit::DONE)
@@ -137,35 +132,33 @@ pub async fn show(args: IdArgs) -> Result<u8> {
         println!("{value}");
         return Ok(exit::DONE);
     }
-    let turns = value["turns"].as_u64().unwrap_or(0);
+    let view: TaskView = typed(value, "a task")?;
+    let task = &view.record;
+    let turns = task.turns;
     println!(
         "task {} · {}{} · {turns} turn{} · {} in / {} out tokens",
-        value["id"].as_str().unwrap_or_default(),
-        value["state"].as_str().unwrap_or_default(),
-        value["stop_reason"]
-            .as_str()
-            .map(|s| format!(" ({s})"))
+        task.id,
+        task.state.as_str(),
+        task.stop_reason
+            .map(|s| format!(" ({})", s.as_str()))
             .unwrap_or_default(),
         if turns == 1 { "" } else { "s" },
-        value["usage"]["prompt_tokens"],
-        value["usage"]["completion_tokens"],
+        task.usage.prompt_tokens,
+        task.usage.completion_tokens,
     );
-    if let Some(message) = value["error"]["message"].as_str() {
-        println!("error: {message}");
+    if let Some(error) = &task.error {
+        println!("error: {}", error.message);
     }
-    let waiting = &value["pending_approval"];
-    if let Some(n) = waiting["n"].as_u64() {
-        let id = value["id"].as_str().unwrap_or_default();
+    if let Some(waiting) = &view.pending_approval {
+        let (id, n) = (&task.id, waiting.n);
         println!(
             "block {} of turn {} waits for approval {n} ({}): `tandem approve {id} {n}` runs it, `tandem deny {id} {n} --reason WHY` declines it",
-            waiting["index"],
-            waiting["turn"],
-            waiting["reason"].as_str().unwrap_or_default(),
+            waiting.index, waiting.turn, waiting.reason,
         );
     }
-    for m in value["transcript"].as_array().into_iter().flatten() {
-        println!("── {} ──", m["role"].as_str().unwrap_or_default());
-        println!("{}", m["content"].as_str().unwrap_or_default().trim_end());
+    for m in &view.transcript {
+        println!("── {} ──", m.role.as_str());
+        println!("{}", m.content.trim_end());
     }
     Ok(exit::DONE)
 }
@@ -200,7 +193,7 @@ pub async fn logs(args: LogsArgs) -> Result<u8> {
 pub async fn cancel(args: IdArgs) -> Result<u8> {
     let client = Client::new(&args.host)?;
     let value = client.cancel(&args.id).await?;
-    print_state(&value, args.json, "cancelling");
+    print_state(value, args.json, "cancelling")?;
     Ok(exit::DONE)
 }
 
@@ -209,14 +202,16 @@ pub async fn resume(args: IdArgs) -> Result<u8> {
     let value = client
         .post(&format!("/v1/tasks/{}/resume", args.id))
         .await?;
-    print_state(&value, args.json, "resumed");
+    print_state(value, args.json, "resumed")?;
     Ok(exit::DONE)
 }
 
-fn print_state(value: &Value, json: bool, what: &str) {
+fn print_state(value: Value, json: bool, what: &str) -> Result<()> {
     if json {
         println!("{value}");
     } else {
-        println!("{} {what}", value["id"].as_str().unwrap_or_default());
+        let task: TaskRecord = typed(value, "a task")?;
+        println!("{} {what}", task.id);
     }
+    Ok(())
 }

@@ -8,9 +8,14 @@
 use serde::{Deserialize, Serialize};
 
 pub mod approval;
+pub mod task;
 pub mod team;
 
 pub use approval::{ApprovalMode, ApprovalPolicy, ApprovalRule, AutoApprove, Decision};
+pub use task::{
+    ApiErrorBody, ApiErrorCode, ApiErrorDetail, ApprovalRequest, DecisionBody, TaskList,
+    TaskRecord, TaskState, TaskView,
+};
 
 /// What a client asks Tandem to do.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -479,6 +484,17 @@ pub enum Role {
     User,
     /// The model.
     Assistant,
+}
+
+impl Role {
+    /// The snake_case name on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::System => "system",
+            Self::User => "user",
+            Self::Assistant => "assistant",
+        }
+    }
 }
 
 impl Message {

@@ -1,11 +1,11 @@
 //! The HTTP API (see docs/api.md). Every error is `{"error": {"code", "message"}}`.
 
-use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
@@ -15,7 +15,11 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::json;
 use tandem_executor::CancellationToken;
-use tandem_protocol::{Event, EventMsg, TaskSpec};
+use tandem_protocol::task::Decided;
+use tandem_protocol::{
+    ApiErrorBody, ApiErrorCode, ApiErrorDetail, Event, EventMsg, TaskList, TaskRecord, TaskSpec,
+    TaskView,
+};
 use tokio::sync::{broadcast, mpsc};
 
 use crate::store::TaskState;
@@ -32,12 +36,12 @@ const OVERSIZE_DRAIN: usize = 16 << 20;
 #[derive(Debug)]
 pub struct ApiError {
     status: StatusCode,
-    code: &'static str,
+    code: ApiErrorCode,
     message: String,
 }
 
 impl ApiError {
-    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+    fn new(status: StatusCode, code: ApiErrorCode, message: impl Into<String>) -> Self {
         Self {
             status,
             code,
@@ -49,13 +53,22 @@ impl ApiError {
 impl ApiError {
     /// A 400 `invalid_request` saying what is wrong with the request and what to send.
     fn invalid(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            ApiErrorCode::InvalidRequest,
+            message,
+        )
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {"code": self.code, "message": self.message}});
+        let body = ApiErrorBody {
+            error: ApiErrorDetail {
+                code: self.code,
+                message: self.message,
+            },
+        };
         (self.status, Json(body)).into_response()
     }
 }
@@ -63,13 +76,20 @@ impl IntoResponse for ApiError {
 impl From<TaskError> for ApiError {
     fn from(e: TaskError) -> Self {
         let (status, code) = match &e {
-            TaskError::Invalid(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
-            TaskError::NotFound(_) | TaskError::Missing(_) => (StatusCode::NOT_FOUND, "not_found"),
-            TaskError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
-            TaskError::NotAllowed(_) => (StatusCode::BAD_REQUEST, "not_allowed"),
-            TaskError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "executor_unavailable"),
-            TaskError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down"),
-            TaskError::Store(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+            TaskError::Invalid(_) => (StatusCode::BAD_REQUEST, ApiErrorCode::InvalidRequest),
+            TaskError::NotFound(_) | TaskError::Missing(_) => {
+                (StatusCode::NOT_FOUND, ApiErrorCode::NotFound)
+            }
+            TaskError::Conflict(_) => (StatusCode::CONFLICT, ApiErrorCode::Conflict),
+            TaskError::NotAllowed(_) => (StatusCode::BAD_REQUEST, ApiErrorCode::NotAllowed),
+            TaskError::Unavailable(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                ApiErrorCode::ExecutorUnavailable,
+            ),
+            TaskError::ShuttingDown => {
+                (StatusCode::SERVICE_UNAVAILABLE, ApiErrorCode::ShuttingDown)
+            }
+            TaskError::Store(_) => (StatusCode::INTERNAL_SERVER_ERROR, ApiErrorCode::Internal),
         };
         Self::new(status, code, e.to_string())
     }
@@ -90,7 +110,7 @@ async fn blocking<T: Send + 'static>(
     sup.off_thread(f).await.map_err(|e| {
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
+            ApiErrorCode::Internal,
             format!("a store call failed: {e}"),
         )
     })?
@@ -170,7 +190,7 @@ pub fn router(
                 } else {
                     ApiError::new(
                         StatusCode::UNAUTHORIZED,
-                        "unauthorized",
+                        ApiErrorCode::Unauthorized,
                         "missing or wrong bearer token: send `Authorization: Bearer <token>` with the daemon's token (TANDEM_TOKEN, or the token file in its state dir)",
                     )
                     .into_response()
@@ -185,7 +205,7 @@ pub fn router(
 async fn not_found() -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
-        "not_found",
+        ApiErrorCode::NotFound,
         "no such endpoint; see docs/api.md",
     )
 }
@@ -194,7 +214,7 @@ async fn create_task(
     State(state): State<AppState>,
     headers: HeaderMap,
     body: Body,
-) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
+) -> Result<(StatusCode, Json<TaskRecord>), ApiError> {
     let body = read_limited(&headers, body, state.body_limit).await?;
     // With the path of a bad field (`team.agents.critic.escalte: unknown field ...`).
     let spec: TaskSpec =
@@ -207,7 +227,7 @@ async fn create_task(
                 )
             })?;
     let record = state.supervisor.submit(spec).await?;
-    Ok((StatusCode::CREATED, Json(json!(record))))
+    Ok((StatusCode::CREATED, Json(record)))
 }
 
 /// The body, or 413 when it is over `limit`. An oversized body up to [`OVERSIZE_DRAIN`] is
@@ -217,7 +237,7 @@ async fn read_limited(headers: &HeaderMap, body: Body, limit: usize) -> Result<B
     let too_large = || {
         ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
-            "payload_too_large",
+            ApiErrorCode::PayloadTooLarge,
             format!("the request body is over the {limit} byte limit"),
         )
     };
@@ -251,40 +271,54 @@ async fn read_limited(headers: &HeaderMap, body: Body, limit: usize) -> Result<B
 /// Most tasks one page may ask for.
 const MAX_PAGE: usize = 500;
 
+/// `GET /v1/tasks`'s query.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListQuery {
+    state: Option<TaskState>,
+    limit: Option<usize>,
+    before: Option<String>,
+}
+
+/// `GET /v1/tasks/{id}/events`'s query.
+#[derive(Debug, serde::Deserialize)]
+struct EventsQuery {
+    /// The seq to start after, when there is no `Last-Event-ID`.
+    after: Option<String>,
+    /// `false`: only the stored events.
+    follow: Option<bool>,
+}
+
+/// A query that does not parse, as a 400 that says what `fix` says to send.
+fn bad_query(rejection: &QueryRejection, fix: &str) -> ApiError {
+    ApiError::invalid(format!("{}; {fix}", rejection.body_text()))
+}
+
 async fn list_tasks(
     State(state): State<AppState>,
-    Query(query): Query<HashMap<String, String>>,
+    query: Result<Query<ListQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
-    if let Some(key) = query
-        .keys()
-        .find(|k| !["state", "limit", "before"].contains(&k.as_str()))
-    {
-        return Err(ApiError::invalid(format!(
-            "unknown query parameter `{key}`; use state, limit and before"
-        )));
-    }
-    let filter = match query.get("state") {
-        None => None,
-        Some(s) => Some(TaskState::parse(s).ok_or_else(|| {
-            let names: Vec<&str> = TaskState::ALL.iter().map(|s| s.as_str()).collect();
-            ApiError::invalid(format!(
-                "unknown state `{s}`; use one of: {}",
+    let names: Vec<&str> = TaskState::ALL.iter().map(|s| s.as_str()).collect();
+    let Query(query) = query.map_err(|e| {
+        bad_query(
+            &e,
+            &format!(
+                "use state (one of: {}), limit (1 to {MAX_PAGE}) and before",
                 names.join(", ")
-            ))
-        })?),
-    };
-    let limit = match query.get("limit") {
+            ),
+        )
+    })?;
+    let filter = query.state;
+    let limit = match query.limit {
         None => None,
-        Some(l) => match l.parse::<usize>() {
-            Ok(n) if (1..=MAX_PAGE).contains(&n) => Some(n),
-            _ => {
-                return Err(ApiError::invalid(format!(
-                    "limit `{l}` is not a whole number from 1 to {MAX_PAGE}"
-                )));
-            }
-        },
+        Some(n) if (1..=MAX_PAGE).contains(&n) => Some(n),
+        Some(n) => {
+            return Err(ApiError::invalid(format!(
+                "limit `{n}` is not a whole number from 1 to {MAX_PAGE}"
+            )));
+        }
     };
-    let before = query.get("before").cloned();
+    let before = query.before;
     if before.is_some() && limit.is_none() {
         return Err(ApiError::invalid(
             "`before` pages through the newest tasks; give `limit` too (e.g. limit=50)".to_owned(),
@@ -299,7 +333,7 @@ async fn list_tasks(
                 Ok(sup.store().page(filter, before.as_deref(), limit)?)
             })
             .await?;
-            Ok(Json(json!({ "tasks": tasks, "next": next })).into_response())
+            Ok(Json(TaskList { tasks, next }).into_response())
         }
     }
 }
@@ -373,7 +407,7 @@ async fn decide_approval(
     Path((id, n)): Path<(String, String)>,
     headers: HeaderMap,
     body: Body,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<Decided>, ApiError> {
     let n: u32 =
         n.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
             ApiError::invalid(format!("approval `{n}` is not a number from 1 up"))
@@ -388,7 +422,7 @@ async fn decide_approval(
         Ok(sup.approvals.decide(&id, n, decision)?)
     })
     .await?;
-    Ok(Json(json!({ "approval": decided })))
+    Ok(Json(Decided { approval: decided }))
 }
 
 /// A team file's TOML as the JSON a task's `team` takes, checked: for clients (the page)
@@ -419,7 +453,7 @@ async fn parse_team(
 async fn get_task(
     State(state): State<AppState>,
     Path(id): Path<String>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<TaskView>, ApiError> {
     blocking(&state.supervisor, move |sup| {
         let record = sup
             .store()
@@ -427,17 +461,19 @@ async fn get_task(
             .ok_or(TaskError::NotFound(id.clone()))?;
         // One read of the events serves the transcript and the waiting approval.
         let events = sup.store().events_after(&record.id, 0)?;
-        let mut body = json!(record);
-        body["transcript"] = json!(sup.transcript(&record, &events));
-        if record.state != TaskState::Finished {
-            let waiting = crate::approvals::requested(&events)
-                .into_iter()
-                .rfind(|r| r.ruling.is_none());
-            if let Some(waiting) = waiting {
-                body["pending_approval"] = json!(waiting);
-            }
-        }
-        Ok(Json(body))
+        let pending_approval = (record.state != TaskState::Finished)
+            .then(|| {
+                crate::approvals::requested(&events)
+                    .into_iter()
+                    .rfind(|r| r.ruling.is_none())
+                    .map(|r| r.asked)
+            })
+            .flatten();
+        Ok(Json(TaskView {
+            transcript: sup.transcript(&record, &events),
+            record,
+            pending_approval,
+        }))
     })
     .await
 }
@@ -445,17 +481,17 @@ async fn get_task(
 async fn cancel_task(
     State(state): State<AppState>,
     Path(id): Path<String>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<TaskRecord>, ApiError> {
     let record = blocking(&state.supervisor, move |sup| Ok(sup.cancel(&id)?)).await?;
-    Ok(Json(json!(record)))
+    Ok(Json(record))
 }
 
 async fn resume_task(
     State(state): State<AppState>,
     Path(id): Path<String>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<TaskRecord>, ApiError> {
     let record = blocking(&state.supervisor, move |sup| Ok(sup.resume(&id)?)).await?;
-    Ok(Json(json!(record)))
+    Ok(Json(record))
 }
 
 async fn executors(State(state): State<AppState>) -> Json<serde_json::Value> {
@@ -514,14 +550,16 @@ async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
 async fn task_events(
     State(state): State<AppState>,
     Path(id): Path<String>,
-    Query(query): Query<HashMap<String, String>>,
+    query: Result<Query<EventsQuery>, QueryRejection>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
+    let Query(query) =
+        query.map_err(|e| bad_query(&e, "use after (an event seq) and follow (true or false)"))?;
     let after_text = headers
         .get("last-event-id")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned)
-        .or_else(|| query.get("after").cloned());
+        .or(query.after);
     let after = match after_text {
         None => 0,
         Some(t) => t.trim().parse::<u64>().map_err(|_| {
@@ -538,7 +576,7 @@ async fn task_events(
     {
         return Err(TaskError::NotFound(id).into());
     }
-    let follow = query.get("follow").is_none_or(|f| f != "false");
+    let follow = query.follow.unwrap_or(true);
     // Subscribe before reading the store, so nothing falls between the two.
     let live = sup.subscribe();
     let (tx, mut rx) = mpsc::channel::<SseEvent>(256);

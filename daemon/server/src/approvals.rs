@@ -9,7 +9,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use serde::{Deserialize, Serialize};
 use tandem_agent::{Approver, Ask, Ruling};
 use tandem_executor::CancellationToken;
 use tandem_protocol::{Decision, Event, EventMsg};
@@ -19,41 +18,23 @@ use crate::error::TaskError;
 use crate::store::{TaskState, TaskStore};
 use crate::writer::Writes;
 
-/// What a client sends to decide an approval.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DecisionBody {
-    /// Approve or deny.
-    pub decision: Decision,
-    /// The code to run instead (approve only).
-    #[serde(default)]
-    pub code: Option<String>,
-    /// Why (told to the model on a denial).
-    #[serde(default)]
-    pub reason: Option<String>,
+pub use tandem_protocol::task::{ApprovalRequest, DecisionBody};
+
+/// A block that asked, as the stored events tell it, and its decision once made.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Requested {
+    /// What it asked, as clients see it.
+    pub asked: ApprovalRequest,
+    /// The decision, once made.
+    pub ruling: Option<Ruling>,
 }
 
-/// A block that asked, as the stored events tell it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct Requested {
-    /// Approval number.
-    pub n: u32,
-    /// Turn number.
-    pub turn: u32,
-    /// Block index.
-    pub index: u32,
-    /// Language.
-    pub language: String,
-    /// The code it asked about.
-    pub code: String,
-    /// The rule that asked.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub rule: Option<String>,
-    /// Why it asked.
-    pub reason: String,
-    /// The decision, once made.
-    #[serde(skip)]
-    pub ruling: Option<Ruling>,
+impl std::ops::Deref for Requested {
+    type Target = ApprovalRequest;
+
+    fn deref(&self) -> &ApprovalRequest {
+        &self.asked
+    }
 }
 
 /// Every approval a task asked for, with its decision when one was stored.
@@ -70,13 +51,15 @@ pub fn requested(events: &[Event]) -> Vec<Requested> {
                 rule,
                 reason,
             } => asked.push(Requested {
-                n: *n,
-                turn: *turn,
-                index: *index,
-                language: language.clone(),
-                code: code.clone(),
-                rule: rule.clone(),
-                reason: reason.clone(),
+                asked: ApprovalRequest {
+                    n: *n,
+                    turn: *turn,
+                    index: *index,
+                    language: language.clone(),
+                    code: code.clone(),
+                    rule: rule.clone(),
+                    reason: reason.clone(),
+                },
                 ruling: None,
             }),
             EventMsg::ApprovalDecided {
@@ -165,7 +148,7 @@ impl Approvals {
         id: &str,
         n: u32,
         body: DecisionBody,
-    ) -> Result<Requested, TaskError> {
+    ) -> Result<ApprovalRequest, TaskError> {
         let record = self
             .store
             .get(id)?
@@ -248,10 +231,7 @@ impl Approvals {
             // An error means the task stopped waiting (cancelled) meanwhile.
             let _ = tx.send(ruling);
         }
-        Ok(Requested {
-            ruling: None,
-            ..request
-        })
+        Ok(request.asked)
     }
 }
 
@@ -305,13 +285,15 @@ impl TaskApprover {
             }
             None => {
                 let request = Requested {
-                    n: self.next.fetch_add(1, Ordering::SeqCst),
-                    turn: ask.turn,
-                    index: ask.index,
-                    language: ask.language.to_string(),
-                    code: ask.code.clone(),
-                    rule: ask.rule.clone(),
-                    reason: ask.reason.clone(),
+                    asked: ApprovalRequest {
+                        n: self.next.fetch_add(1, Ordering::SeqCst),
+                        turn: ask.turn,
+                        index: ask.index,
+                        language: ask.language.to_string(),
+                        code: ask.code.clone(),
+                        rule: ask.rule.clone(),
+                        reason: ask.reason.clone(),
+                    },
                     ruling: None,
                 };
                 self.approvals

@@ -7,88 +7,10 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use rusqlite::{Connection, OptionalExtension, params};
-use serde::{Deserialize, Serialize};
-use tandem_protocol::{ErrorInfo, Event, EventMsg, StopReason, TaskSpec, Usage};
+use serde::Serialize;
+use tandem_protocol::{Event, EventMsg, TaskSpec, Usage};
 
-/// Where a task is in its life.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TaskState {
-    /// Waiting for a free slot.
-    Queued,
-    /// Being worked on.
-    Running,
-    /// A block waits for a person's decision (`POST /v1/tasks/{id}/approvals/{n}`); it
-    /// holds no execution slot meanwhile.
-    AwaitingApproval,
-    /// The daemon stopped (crash or shutdown) while it ran; `resume` continues it.
-    Interrupted,
-    /// Ended; see its stop reason.
-    Finished,
-}
-
-impl TaskState {
-    /// The snake_case name used in the store and on the wire.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Queued => "queued",
-            Self::Running => "running",
-            Self::AwaitingApproval => "awaiting_approval",
-            Self::Interrupted => "interrupted",
-            Self::Finished => "finished",
-        }
-    }
-
-    /// Every state, in the order metrics list them.
-    pub const ALL: [Self; 5] = [
-        Self::Queued,
-        Self::Running,
-        Self::AwaitingApproval,
-        Self::Interrupted,
-        Self::Finished,
-    ];
-
-    /// Parses a state name, as given in `?state=`.
-    pub fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "queued" => Self::Queued,
-            "running" => Self::Running,
-            "awaiting_approval" => Self::AwaitingApproval,
-            "interrupted" => Self::Interrupted,
-            "finished" => Self::Finished,
-            _ => return None,
-        })
-    }
-}
-
-/// A task as stored, without its events.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct TaskRecord {
-    /// Task id.
-    pub id: String,
-    /// Where it is.
-    pub state: TaskState,
-    /// What was asked.
-    pub spec: TaskSpec,
-    /// Why it ended, once finished.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stop_reason: Option<StopReason>,
-    /// What failed, when it ended in an error.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<ErrorInfo>,
-    /// Tokens used so far.
-    pub usage: Usage,
-    /// Assistant turns taken so far.
-    pub turns: u32,
-    /// Milliseconds since the Unix epoch.
-    pub created_ms: u64,
-    /// When it last started running.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub started_ms: Option<u64>,
-    /// When it finished.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub finished_ms: Option<u64>,
-}
+pub use tandem_protocol::task::{TaskRecord, TaskState};
 
 /// One write the store applies in order with others: an event, or a task's new state.
 #[derive(Clone, Debug, PartialEq)]
@@ -99,24 +21,6 @@ pub enum Change {
     Event(String, EventMsg, u64),
     /// Task `.0` is now in state `.1`, since `.2`.
     State(String, TaskState, u64),
-}
-
-impl TaskRecord {
-    /// A task just queued.
-    pub fn queued(id: &str, spec: TaskSpec, now_ms: u64) -> Self {
-        Self {
-            id: id.to_owned(),
-            state: TaskState::Queued,
-            spec,
-            stop_reason: None,
-            error: None,
-            usage: Usage::default(),
-            turns: 0,
-            created_ms: now_ms,
-            started_ms: None,
-            finished_ms: None,
-        }
-    }
 }
 
 /// Store failures.
@@ -776,6 +680,7 @@ fn to_json<T: Serialize>(value: &T) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tandem_protocol::StopReason;
 
     /// Adds queued task `id`, asking `task`.
     fn create(store: &Store, id: &str, task: &str, now_ms: u64) {

@@ -1,0 +1,241 @@
+//! The task API's answers: a task's record and view, a page of tasks, an approval a block
+//! asked for, a decision on it, and the error every refusal carries.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Decision, ErrorInfo, Message, StopReason, TaskSpec, Usage};
+
+/// Where a task is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskState {
+    /// Waiting for a free slot.
+    Queued,
+    /// Being worked on.
+    Running,
+    /// A block waits for a person's decision (`POST /v1/tasks/{id}/approvals/{n}`); it
+    /// holds no execution slot meanwhile.
+    AwaitingApproval,
+    /// The daemon stopped (crash or shutdown) while it ran; `resume` continues it.
+    Interrupted,
+    /// Ended; see its stop reason.
+    Finished,
+}
+
+impl TaskState {
+    /// The snake_case name used in the store and on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Running => "running",
+            Self::AwaitingApproval => "awaiting_approval",
+            Self::Interrupted => "interrupted",
+            Self::Finished => "finished",
+        }
+    }
+
+    /// Every state, in the order metrics list them.
+    pub const ALL: [Self; 5] = [
+        Self::Queued,
+        Self::Running,
+        Self::AwaitingApproval,
+        Self::Interrupted,
+        Self::Finished,
+    ];
+
+    /// Parses a state name, as given in `?state=`.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|state| state.as_str() == s)
+    }
+}
+
+/// A task as stored, without its events.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TaskRecord {
+    /// Task id.
+    pub id: String,
+    /// Where it is.
+    pub state: TaskState,
+    /// What was asked.
+    pub spec: TaskSpec,
+    /// Why it ended, once finished.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<StopReason>,
+    /// What failed, when it ended in an error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorInfo>,
+    /// Tokens used so far.
+    pub usage: Usage,
+    /// Assistant turns taken so far.
+    pub turns: u32,
+    /// Milliseconds since the Unix epoch.
+    pub created_ms: u64,
+    /// When it last started running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_ms: Option<u64>,
+    /// When it finished.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_ms: Option<u64>,
+}
+
+impl TaskRecord {
+    /// A task just queued.
+    pub fn queued(id: &str, spec: TaskSpec, now_ms: u64) -> Self {
+        Self {
+            id: id.to_owned(),
+            state: TaskState::Queued,
+            spec,
+            stop_reason: None,
+            error: None,
+            usage: Usage::default(),
+            turns: 0,
+            created_ms: now_ms,
+            started_ms: None,
+            finished_ms: None,
+        }
+    }
+}
+
+/// `GET /v1/tasks/{id}`: the record, the conversation so far and the approval it waits for.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TaskView {
+    /// The stored task.
+    #[serde(flatten)]
+    pub record: TaskRecord,
+    /// The conversation as the model was sent it, system prompt first.
+    #[serde(default)]
+    pub transcript: Vec<Message>,
+    /// The approval a block waits for, while the task is not finished.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_approval: Option<ApprovalRequest>,
+}
+
+/// `GET /v1/tasks`: tasks, and with `limit`, where the next page starts.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TaskList {
+    /// The tasks.
+    pub tasks: Vec<TaskRecord>,
+    /// The `before` of the next page; `null` on the last one (absent with no `limit`).
+    #[serde(default)]
+    pub next: Option<String>,
+}
+
+/// A block that asked for a person's decision, as the task's events tell it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApprovalRequest {
+    /// Approval number, from 1 within the task.
+    pub n: u32,
+    /// Turn number.
+    pub turn: u32,
+    /// Block index.
+    pub index: u32,
+    /// Language.
+    pub language: String,
+    /// The code it asked about.
+    pub code: String,
+    /// The rule that asked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<String>,
+    /// Why it asked.
+    pub reason: String,
+}
+
+/// `POST /v1/tasks/{id}/approvals/{n}`'s body.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DecisionBody {
+    /// Approve or deny.
+    pub decision: Decision,
+    /// The code to run instead (approve only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<String>,
+    /// Why (told to the model on a denial).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// `POST /v1/tasks/{id}/approvals/{n}`'s answer: the approval decided.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Decided {
+    /// The approval.
+    pub approval: ApprovalRequest,
+}
+
+/// What kind of refusal an API error is; the message says the rest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApiErrorCode {
+    /// 400: the request is malformed or asks for something impossible.
+    InvalidRequest,
+    /// 400: the operator's policy does not allow it.
+    NotAllowed,
+    /// 401: no token, or the wrong one.
+    Unauthorized,
+    /// 404: no such task, approval or endpoint.
+    NotFound,
+    /// 409: the task's state does not allow it.
+    Conflict,
+    /// 413: the body is over the daemon's limit.
+    PayloadTooLarge,
+    /// 503: the executor cannot run code now.
+    ExecutorUnavailable,
+    /// 503: the daemon is stopping.
+    ShuttingDown,
+    /// 500: the daemon failed.
+    Internal,
+    /// A code this client does not know (a newer daemon's).
+    #[serde(other)]
+    Other,
+}
+
+impl ApiErrorCode {
+    /// The snake_case name on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InvalidRequest => "invalid_request",
+            Self::NotAllowed => "not_allowed",
+            Self::Unauthorized => "unauthorized",
+            Self::NotFound => "not_found",
+            Self::Conflict => "conflict",
+            Self::PayloadTooLarge => "payload_too_large",
+            Self::ExecutorUnavailable => "executor_unavailable",
+            Self::ShuttingDown => "shutting_down",
+            Self::Internal => "internal",
+            Self::Other => "other",
+        }
+    }
+}
+
+/// Every API error's body: `{"error": {"code": ..., "message": ...}}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApiErrorBody {
+    /// The error.
+    pub error: ApiErrorDetail,
+}
+
+/// What an API error says.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApiErrorDetail {
+    /// What kind of refusal.
+    pub code: ApiErrorCode,
+    /// What is wrong and what to do.
+    pub message: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn states_and_codes_round_trip_by_their_wire_names() {
+        for state in TaskState::ALL {
+            let wire = serde_json::to_value(state).unwrap();
+            assert_eq!(wire, state.as_str());
+            assert_eq!(TaskState::parse(state.as_str()), Some(state));
+        }
+        let code: ApiErrorCode = serde_json::from_str("\"payload_too_large\"").unwrap();
+        assert_eq!(code.as_str(), "payload_too_large");
+        let newer: ApiErrorCode = serde_json::from_str("\"rate_limited\"").unwrap();
+        assert_eq!(newer, ApiErrorCode::Other);
+    }
+}
