@@ -17,11 +17,11 @@ use serde_json::json;
 use tandem_executor::CancellationToken;
 use tandem_protocol::task::Decided;
 use tandem_protocol::{
-    ApiErrorBody, ApiErrorCode, ApiErrorDetail, Event, EventMsg, TaskList, TaskRecord, TaskSpec,
-    TaskView,
+    ApiErrorBody, ApiErrorCode, ApiErrorDetail, Event, TaskList, TaskRecord, TaskSpec, TaskView,
 };
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::mpsc;
 
+use crate::follow::Follower;
 use crate::store::TaskState;
 use crate::supervisor::{Supervisor, TaskError};
 
@@ -580,14 +580,14 @@ async fn task_events(
     // Subscribe before reading the store, so nothing falls between the two.
     let live = sup.subscribe();
     let (tx, mut rx) = mpsc::channel::<SseEvent>(256);
-    tokio::spawn(forward(
+    let follower = Follower::new(
         sup,
         id,
         after,
         follow.then_some(live),
-        tx,
         state.shutdown.clone(),
-    ));
+    );
+    tokio::spawn(forward(follower, tx));
     let stream =
         futures::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|e| e.map(Ok::<_, Infallible>)));
     Ok(Sse::new(stream)
@@ -605,99 +605,18 @@ fn sse_event(e: &Event) -> SseEvent {
         .data(value.to_string())
 }
 
-async fn forward(
-    sup: Arc<Supervisor>,
-    id: String,
-    mut last: u64,
-    live: Option<broadcast::Receiver<Arc<(String, Event)>>>,
-    tx: mpsc::Sender<SseEvent>,
-    shutdown: CancellationToken,
-) {
-    let Some(stored) = catch_up(&sup, &id, &mut last).await else {
-        return;
-    };
-    for e in &stored {
-        if tx.send(sse_event(e)).await.is_err() {
+/// Sends task `id`'s events to `tx` as SSE events until they end or the client leaves.
+async fn forward(mut follower: Follower, tx: mpsc::Sender<SseEvent>) {
+    loop {
+        let next = tokio::select! {
+            e = follower.next() => e,
+            () = tx.closed() => return,
+        };
+        let Some(e) = next else {
+            return;
+        };
+        if tx.send(sse_event(&e)).await.is_err() {
             return;
         }
     }
-    let Some(mut live) = live else {
-        return;
-    };
-    if stored
-        .iter()
-        .any(|e| matches!(e.msg, EventMsg::TaskFinished { .. }))
-        || is_finished(&sup, &id).await
-    {
-        return;
-    }
-    loop {
-        let received = tokio::select! {
-            r = live.recv() => r,
-            () = shutdown.cancelled() => {
-                // The daemon closes once every event is stored: a follower gets them all,
-                // the task's end among them, before its stream ends.
-                for e in catch_up(&sup, &id, &mut last).await.unwrap_or_default() {
-                    if tx.send(sse_event(&e)).await.is_err() {
-                        return;
-                    }
-                }
-                return;
-            }
-            () = tx.closed() => return,
-        };
-        let batch = match received {
-            Ok(item) if item.0 == id && item.1.seq == last + 1 => {
-                last = item.1.seq;
-                vec![item.1.clone()]
-            }
-            Ok(item) if item.0 == id && item.1.seq > last + 1 => {
-                match catch_up(&sup, &id, &mut last).await {
-                    Some(events) => events,
-                    None => return,
-                }
-            }
-            Ok(_) => continue,
-            // Too slow to keep up with the live feed: the store has everything.
-            Err(broadcast::error::RecvError::Lagged(_)) => {
-                match catch_up(&sup, &id, &mut last).await {
-                    Some(events) => events,
-                    None => return,
-                }
-            }
-            Err(broadcast::error::RecvError::Closed) => return,
-        };
-        for e in &batch {
-            if tx.send(sse_event(e)).await.is_err() {
-                return;
-            }
-            if matches!(e.msg, EventMsg::TaskFinished { .. }) {
-                return;
-            }
-        }
-    }
-}
-
-/// The stored events after `last` (advancing it), read off the async workers.
-async fn catch_up(sup: &Arc<Supervisor>, id: &str, last: &mut u64) -> Option<Vec<Event>> {
-    let (id, after) = (id.to_owned(), *last);
-    let events = sup
-        .off_thread(move |sup| sup.store().events_after(&id, after))
-        .await
-        .ok()?
-        .ok()?;
-    if let Some(e) = events.last() {
-        *last = e.seq;
-    }
-    Some(events)
-}
-
-async fn is_finished(sup: &Arc<Supervisor>, id: &str) -> bool {
-    let id = id.to_owned();
-    sup.off_thread(move |sup| sup.store().get(&id))
-        .await
-        .ok()
-        .and_then(Result::ok)
-        .flatten()
-        .is_some_and(|t| t.state == TaskState::Finished)
 }

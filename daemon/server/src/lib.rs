@@ -4,6 +4,7 @@
 pub mod api;
 pub mod approvals;
 mod error;
+pub mod follow;
 pub mod mcp;
 pub mod metrics;
 pub mod plan;

@@ -33,6 +33,7 @@ use tandem_executor::{
 };
 use tandem_protocol::{EventMsg, TaskSpec};
 
+use crate::follow::Follower;
 use crate::supervisor::{Supervisor, TaskError};
 
 /// The largest block `execute_code` takes.
@@ -350,7 +351,7 @@ impl TandemMcp {
             );
         }
         // Subscribed before the task exists, so that none of its events is missed.
-        let mut live = self.supervisor.subscribe();
+        let live = self.supervisor.subscribe();
         let record = self.supervisor.submit(spec).await.map_err(|e| match e {
             TaskError::Invalid(_) | TaskError::NotAllowed(_) | TaskError::Unavailable(_) => {
                 ErrorData::invalid_params(e.to_string(), None)
@@ -360,45 +361,40 @@ impl TandemMcp {
         let id = record.id;
         let progress = context.meta.get_progress_token();
         let mut sent = 0u32;
+        let mut follower = Follower::new(
+            self.supervisor.clone(),
+            id.clone(),
+            0,
+            Some(live),
+            CancellationToken::new(),
+        );
         let finished = loop {
             let next = tokio::select! {
                 () = context.ct.cancelled() => {
                     let _ = self.supervisor.cancel(&id);
                     return Err(ErrorData::internal_error(format!("task {id} was cancelled by the client"), None));
                 }
-                next = live.recv() => next,
+                next = follower.next() => next,
             };
-            match next {
-                Ok(item) if item.0 == id => {
-                    let event = &item.1;
-                    if let Some(token) = &progress {
-                        sent += 1;
-                        let message = serde_json::to_string(event).unwrap_or_default();
-                        let _ = context
-                            .peer
-                            .notify_progress(
-                                ProgressNotificationParam::new(token.clone(), f64::from(sent))
-                                    .with_message(message),
-                            )
-                            .await;
-                    }
-                    if let EventMsg::TaskFinished { .. } = &event.msg {
-                        break event.msg.clone();
-                    }
-                }
-                Ok(_) => {}
-                // Too slow to keep up: what the store has is the truth.
-                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
-                    if let Some(done) = self.finished_in_store(&id).await {
-                        break done;
-                    }
-                }
-                Err(tokio::sync::broadcast::error::RecvError::Closed) => {
-                    return Err(ErrorData::internal_error(
-                        "the daemon is shutting down; the task is kept and can be resumed",
-                        None,
-                    ));
-                }
+            let Some(event) = next else {
+                return Err(ErrorData::internal_error(
+                    "the daemon is shutting down; the task is kept and can be resumed",
+                    None,
+                ));
+            };
+            if let Some(token) = &progress {
+                sent += 1;
+                let message = serde_json::to_string(&event).unwrap_or_default();
+                let _ = context
+                    .peer
+                    .notify_progress(
+                        ProgressNotificationParam::new(token.clone(), f64::from(sent))
+                            .with_message(message),
+                    )
+                    .await;
+            }
+            if let EventMsg::TaskFinished { .. } = &event.msg {
+                break event.msg;
             }
         };
         let EventMsg::TaskFinished {
@@ -435,21 +431,6 @@ impl TandemMcp {
         let mut result = CallToolResult::success(vec![ContentBlock::text(text)]);
         result.structured_content = Some(structured);
         Ok(result)
-    }
-
-    async fn finished_in_store(&self, id: &str) -> Option<EventMsg> {
-        let id = id.to_owned();
-        let events = self
-            .supervisor
-            .off_thread(move |sup| sup.store().events_after(&id, 0))
-            .await
-            .ok()?
-            .ok()?;
-        events
-            .into_iter()
-            .rev()
-            .map(|e| e.msg)
-            .find(|m| matches!(m, EventMsg::TaskFinished { .. }))
     }
 }
 

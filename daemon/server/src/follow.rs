@@ -1,0 +1,126 @@
+//! Following one task's events: what the store holds after a point, then the live ones, in
+//! order and without a gap, until the task's last event. The one follower behind the SSE API
+//! and MCP's `run_task`; it reads the store off the async workers.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use tandem_executor::CancellationToken;
+use tandem_protocol::{Event, EventMsg};
+use tokio::sync::broadcast;
+
+use crate::store::TaskState;
+use crate::supervisor::Supervisor;
+
+/// The live feed of every task's events, as [`Supervisor::subscribe`] gives it.
+pub type Live = broadcast::Receiver<Arc<(String, Event)>>;
+
+/// One task's events, stored then live.
+pub struct Follower {
+    sup: Arc<Supervisor>,
+    id: String,
+    last: u64,
+    /// `None`: only what is stored (or the end was seen).
+    live: Option<Live>,
+    pending: VecDeque<Event>,
+    started: bool,
+    stopping: CancellationToken,
+}
+
+impl Follower {
+    /// Task `id`'s events after seq `after`; then, with `live` (subscribed before the store
+    /// is read, so nothing falls between the two), the live ones until the task ends or
+    /// `stopping` fires, when what the store then holds is the rest.
+    pub fn new(
+        sup: Arc<Supervisor>,
+        id: String,
+        after: u64,
+        live: Option<Live>,
+        stopping: CancellationToken,
+    ) -> Self {
+        Self {
+            sup,
+            id,
+            last: after,
+            live,
+            pending: VecDeque::new(),
+            started: false,
+            stopping,
+        }
+    }
+
+    /// The next event; `None` after the task's last one, when the store cannot be read, or
+    /// when the live feed closed.
+    pub async fn next(&mut self) -> Option<Event> {
+        if !self.started {
+            self.started = true;
+            self.catch_up().await?;
+            let ended = self
+                .pending
+                .iter()
+                .any(|e| matches!(e.msg, EventMsg::TaskFinished { .. }));
+            if self.live.is_some() && (ended || self.is_finished().await) {
+                self.live = None;
+            }
+        }
+        loop {
+            if let Some(e) = self.pending.pop_front() {
+                if matches!(e.msg, EventMsg::TaskFinished { .. }) {
+                    self.live = None;
+                    self.pending.clear();
+                }
+                return Some(e);
+            }
+            let live = self.live.as_mut()?;
+            let received = tokio::select! {
+                r = live.recv() => r,
+                () = self.stopping.cancelled() => {
+                    // Every event is stored before the daemon closes: the rest is there.
+                    self.live = None;
+                    self.catch_up().await?;
+                    continue;
+                }
+            };
+            match received {
+                Ok(item) if item.0 == self.id && item.1.seq == self.last + 1 => {
+                    self.last = item.1.seq;
+                    self.pending.push_back(item.1.clone());
+                }
+                Ok(item) if item.0 == self.id && item.1.seq > self.last + 1 => {
+                    self.catch_up().await?;
+                }
+                Ok(_) => {}
+                // Too slow to keep up with the live feed: the store has everything.
+                Err(broadcast::error::RecvError::Lagged(_)) => self.catch_up().await?,
+                Err(broadcast::error::RecvError::Closed) => self.live = None,
+            }
+        }
+    }
+
+    /// Queues the stored events after the last one seen.
+    async fn catch_up(&mut self) -> Option<()> {
+        let (id, after) = (self.id.clone(), self.last);
+        let events = self
+            .sup
+            .off_thread(move |sup| sup.store().events_after(&id, after))
+            .await
+            .ok()?
+            .ok()?;
+        if let Some(e) = events.last() {
+            self.last = e.seq;
+        }
+        self.pending.extend(events);
+        Some(())
+    }
+
+    async fn is_finished(&self) -> bool {
+        let id = self.id.clone();
+        self.sup
+            .off_thread(move |sup| sup.store().get(&id))
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .flatten()
+            .is_some_and(|t| t.state == TaskState::Finished)
+    }
+}
