@@ -1,6 +1,7 @@
 //! Tandem as a service: the durable task store, the supervisor that runs queued tasks, and
 //! the HTTP API that clients reach over a Unix socket or TCP.
 
+mod admission;
 pub mod api;
 pub mod approvals;
 mod error;

@@ -12,6 +12,7 @@ use tandem_protocol::{ErrorInfo, Event, EventMsg, Message, StopReason, TaskSpec,
 use tokio::sync::{Semaphore, broadcast};
 use tokio_util::task::TaskTracker;
 
+use crate::admission::Admission;
 pub use crate::error::TaskError;
 use crate::metrics::Metrics;
 use crate::plan::{Planner, PlannerConfig, Start, TaskDefaults, waits_for_approval};
@@ -34,9 +35,7 @@ pub struct SupervisorConfig {
 pub struct Supervisor {
     store: Arc<dyn TaskStore>,
     planner: Planner,
-    max_concurrent: usize,
-    session_wait: Duration,
-    slots: Arc<Semaphore>,
+    admission: Admission,
     store_calls: Arc<Semaphore>,
     root: CancellationToken,
     tracker: TaskTracker,
@@ -44,8 +43,6 @@ pub struct Supervisor {
     live: broadcast::Sender<Arc<(String, Event)>>,
     writer: Writes,
     stopping: AtomicBool,
-    /// Each executor's last health answer and when it came.
-    health: Mutex<HashMap<String, (Instant, Health)>>,
     /// Counters and histograms for `/metrics`.
     pub metrics: Metrics,
     /// Who waits for which approval, and deciding them.
@@ -69,26 +66,23 @@ impl Supervisor {
             .name("tandem-store-writer".to_owned())
             .spawn(move || write_events(writer_store.as_ref(), &writes, &writer_live))
             .ok();
-        let slots = Arc::new(Semaphore::new(config.max_concurrent.max(1)));
+        let admission = Admission::new(config.max_concurrent, config.sessions.wait);
         Arc::new(Self {
             approvals: Arc::new(crate::approvals::Approvals::new(
                 store.clone(),
                 writer.clone(),
-                slots.clone(),
+                admission.slots(),
             )),
             store,
             writer,
-            slots,
+            admission,
             store_calls: Arc::new(Semaphore::new(STORE_CALLS)),
             planner,
-            max_concurrent: config.max_concurrent,
-            session_wait: config.sessions.wait,
             root: CancellationToken::new(),
             tracker: TaskTracker::new(),
             active: Mutex::new(HashMap::new()),
             live,
             stopping: AtomicBool::new(false),
-            health: Mutex::new(HashMap::new()),
             metrics: Metrics::default(),
         })
     }
@@ -122,27 +116,6 @@ impl Supervisor {
     /// What plans its tasks.
     pub fn planner(&self) -> &Planner {
         &self.planner
-    }
-
-    /// An executor's health, checked at most every [`HEALTH_TTL`] (a submit must not wait
-    /// on the engine each time).
-    async fn health(&self, name: &str) -> Health {
-        let cached = self.health.lock().ok().and_then(|h| {
-            h.get(name)
-                .filter(|(at, _)| at.elapsed() < HEALTH_TTL)
-                .map(|(_, health)| health.clone())
-        });
-        if let Some(health) = cached {
-            return health;
-        }
-        let Ok(executor) = self.executors().get(name) else {
-            return Ok(());
-        };
-        let health = executor.health().await;
-        if let Ok(mut h) = self.health.lock() {
-            h.insert(name.to_owned(), (Instant::now(), health.clone()));
-        }
-        health
     }
 
     /// What a task that leaves a setting out gets.
@@ -189,26 +162,12 @@ impl Supervisor {
         Ok(interrupted)
     }
 
-    /// A slot for an execution that is not a task (an MCP `execute_code` call): it waits
-    /// behind queued tasks like one, until `cancel` fires or the sessions' wait runs out.
+    /// A slot for an execution that is not a task (an MCP `execute_code` call).
     pub(crate) async fn execution_slot(
         &self,
         cancel: &CancellationToken,
     ) -> Result<tokio::sync::OwnedSemaphorePermit, TaskError> {
-        let wait = self.session_wait;
-        let busy = || {
-            TaskError::Unavailable(format!(
-                "no execution slot was free within {} s: this daemon runs {} at once (--max-concurrent); try again when a task ends",
-                wait.as_secs(),
-                self.max_concurrent
-            ))
-        };
-        tokio::select! {
-            permit = tokio::time::timeout(wait, self.slots.clone().acquire_owned()) => {
-                permit.map_err(|_| busy())?.map_err(|_| TaskError::ShuttingDown)
-            }
-            () = cancel.cancelled() => Err(TaskError::Conflict("the call was cancelled while it waited for a slot".to_owned())),
-        }
+        self.admission.execution_slot(cancel).await
     }
 
     /// Executor `name`, when this daemon has it and its policy offers it.
@@ -231,15 +190,10 @@ impl Supervisor {
 
     /// Validates and queues a task; it is committed to the store when this returns.
     pub async fn submit(self: &Arc<Self>, spec: TaskSpec) -> Result<TaskRecord, TaskError> {
-        self.validate(&spec)?;
-        // A task for a sandbox that cannot run (an image that is not there) would spend a
-        // model turn before failing; refuse it now, with the fix.
-        let name = self.planner.executor_name(&spec).to_owned();
-        if let Err(problem) = self.health(&name).await {
-            return Err(TaskError::Unavailable(format!(
-                "the {name} executor cannot run tasks now: {problem}"
-            )));
+        if self.stopping() {
+            return Err(TaskError::ShuttingDown);
         }
+        self.admission.admit(&self.planner, &spec).await?;
         let id = uuid::Uuid::now_v7().simple().to_string();
         let now = now_ms();
         // Through the writer, so concurrent submits share a commit (and its log sync).
@@ -270,13 +224,6 @@ impl Supervisor {
             }
         }
         Ok(TaskRecord::queued(&id, spec, now))
-    }
-
-    fn validate(&self, spec: &TaskSpec) -> Result<(), TaskError> {
-        if self.stopping() {
-            return Err(TaskError::ShuttingDown);
-        }
-        self.planner.check(spec)
     }
 
     /// Cancels a queued, running or interrupted task.
@@ -403,18 +350,11 @@ impl Supervisor {
         events: Vec<Event>,
         token: CancellationToken,
     ) {
-        // The semaphore is fair, so tasks start in the order they were queued.
-        let permit = tokio::select! {
-            permit = self.slots.clone().acquire_owned() => permit,
-            () = token.cancelled() => {
-                if !self.stopping() {
-                    // Cancelled while queued: it ends without having run.
-                    self.record(id, finished(StopReason::Cancelled, 0, None));
-                }
-                return;
+        let Some(permit) = self.admission.task_slot(&token).await else {
+            if token.is_cancelled() && !self.stopping() {
+                // Cancelled while queued: it ends without having run.
+                self.record(id, finished(StopReason::Cancelled, 0, None));
             }
-        };
-        let Ok(permit) = permit else {
             return;
         };
         // Shared with the approver, which gives it up while a block waits for a person. This
@@ -516,12 +456,6 @@ impl Supervisor {
         self.writer.flush();
     }
 }
-
-/// An executor's health: `Err` says what is wrong and how to fix it.
-type Health = Result<(), String>;
-
-/// How long an executor's health answer is reused by submits.
-const HEALTH_TTL: Duration = Duration::from_secs(2);
 
 /// Store calls from the API running at once on the blocking pool.
 const STORE_CALLS: usize = 2;
