@@ -10,7 +10,7 @@ use tandem_executor::CancellationToken;
 use tandem_protocol::TaskSpec;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::error::TaskError;
+use crate::error::{Conflict, TaskError, Unavailable};
 use crate::plan::Planner;
 
 /// An executor's health: `Err` says what is wrong and how to fix it.
@@ -52,9 +52,11 @@ impl Admission {
         planner.check(spec)?;
         let name = planner.executor_name(spec);
         if let Err(problem) = self.health(planner, name).await {
-            return Err(TaskError::Unavailable(format!(
-                "the {name} executor cannot run tasks now: {problem}"
-            )));
+            return Err(Unavailable::Executor {
+                name: name.to_owned(),
+                problem,
+            }
+            .into());
         }
         Ok(())
     }
@@ -77,18 +79,15 @@ impl Admission {
         &self,
         cancel: &CancellationToken,
     ) -> Result<OwnedSemaphorePermit, TaskError> {
-        let busy = || {
-            TaskError::Unavailable(format!(
-                "no execution slot was free within {} s: this daemon runs {} at once (--max-concurrent); try again when a task ends",
-                self.wait.as_secs(),
-                self.max_concurrent
-            ))
+        let busy = || Unavailable::NoSlot {
+            wait_secs: self.wait.as_secs(),
+            max: self.max_concurrent,
         };
         tokio::select! {
             permit = tokio::time::timeout(self.wait, self.slots.clone().acquire_owned()) => {
                 permit.map_err(|_| busy())?.map_err(|_| TaskError::ShuttingDown)
             }
-            () = cancel.cancelled() => Err(TaskError::Conflict("the call was cancelled while it waited for a slot".to_owned())),
+            () = cancel.cancelled() => Err(Conflict::CallCancelled.into()),
         }
     }
 

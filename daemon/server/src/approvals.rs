@@ -14,7 +14,7 @@ use tandem_executor::CancellationToken;
 use tandem_protocol::{Decision, Event, EventMsg};
 use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
-use crate::error::TaskError;
+use crate::error::{Conflict, Invalid, MissingApproval, TaskError, Unavailable};
 use crate::store::{TaskState, TaskStore};
 use crate::writer::Writes;
 
@@ -154,44 +154,42 @@ impl Approvals {
             .get(id)?
             .ok_or_else(|| TaskError::NotFound(id.to_owned()))?;
         if record.state == TaskState::Finished {
-            return Err(TaskError::Conflict(format!(
-                "task `{id}` already finished; there is nothing to approve"
-            )));
+            return Err(Conflict::NothingToApprove(id.to_owned()).into());
         }
         if body.decision == Decision::Deny && body.code.is_some() {
-            return Err(TaskError::Invalid(
-                "`code` goes with `approve` (run this instead); a denial takes only a `reason`"
-                    .to_owned(),
-            ));
+            return Err(Invalid::Decision(
+                "`code` goes with `approve` (run this instead); a denial takes only a `reason`",
+            )
+            .into());
         }
         if body.code.as_deref().is_some_and(|c| c.trim().is_empty()) {
-            return Err(TaskError::Invalid(
-                "`code` is empty; leave it out to run the block as it is, or deny it".to_owned(),
-            ));
+            return Err(Invalid::Decision(
+                "`code` is empty; leave it out to run the block as it is, or deny it",
+            )
+            .into());
         }
         self.writer.flush();
         let asked = requested(&self.store.events_after(id, 0)?);
         let Some(request) = asked.iter().find(|r| r.n == n).cloned() else {
-            let open: Vec<String> = asked
+            let waiting = asked
                 .iter()
                 .filter(|r| r.ruling.is_none())
-                .map(|r| r.n.to_string())
+                .map(|r| r.n)
                 .collect();
-            return Err(TaskError::Missing(format!(
-                "task `{id}` never asked for approval {n}; waiting for a decision: {}",
-                if open.is_empty() {
-                    "none".to_owned()
-                } else {
-                    open.join(", ")
-                }
-            )));
+            return Err(MissingApproval {
+                id: id.to_owned(),
+                n,
+                waiting,
+            }
+            .into());
         };
         let already = |r: &Ruling| {
-            TaskError::Conflict(format!(
-                "approval {n} of task `{id}` was already decided: {} by {}",
-                r.decision.as_str(),
-                r.by
-            ))
+            TaskError::from(Conflict::Decided {
+                id: id.to_owned(),
+                n,
+                decision: r.decision.as_str(),
+                by: r.by.clone(),
+            })
         };
         if let Some(r) = &request.ruling {
             return Err(already(r));
@@ -208,7 +206,7 @@ impl Approvals {
             let mut slots = self
                 .slots
                 .lock()
-                .map_err(|_| TaskError::Unavailable("the approvals lock is poisoned".to_owned()))?;
+                .map_err(|_| Unavailable::Poisoned("approvals"))?;
             let key = (id.to_owned(), n);
             let waiting = match slots.remove(&key) {
                 Some(Slot::Decided(r)) => {

@@ -1,32 +1,169 @@
-//! Why a request about tasks failed.
+//! Why a request about tasks failed, by cause: the API picks its status from the variant and
+//! says the cause's text, which names the problem and what to do.
 
+use tandem_agent::team::TeamErrors;
+use tandem_agent::{ApprovalError, LanguageListError};
+use tandem_executor::ExecError;
+
+use crate::policy::Refused;
 use crate::store::StoreError;
 
 /// Why a request about tasks failed; the API turns these into 4xx/5xx answers.
 #[derive(Debug, thiserror::Error)]
 pub enum TaskError {
     /// The request is invalid.
-    #[error("{0}")]
-    Invalid(String),
+    #[error(transparent)]
+    Invalid(#[from] Invalid),
     /// No task has that id.
     #[error("task `{0}` does not exist")]
     NotFound(String),
-    /// The task exists but not the thing asked about (an approval number); says which.
-    #[error("{0}")]
-    Missing(String),
+    /// The task exists but not the approval asked about.
+    #[error(transparent)]
+    Missing(#[from] MissingApproval),
     /// The task is in a state that does not allow this.
-    #[error("{0}")]
-    Conflict(String),
+    #[error(transparent)]
+    Conflict(#[from] Conflict),
     /// The operator's policy does not allow it.
-    #[error("{0}")]
-    NotAllowed(String),
-    /// The executor cannot run code now (its health check says why).
-    #[error("{0}")]
-    Unavailable(String),
+    #[error(transparent)]
+    NotAllowed(#[from] Refused),
+    /// Something the request needs cannot serve it now.
+    #[error(transparent)]
+    Unavailable(#[from] Unavailable),
     /// The daemon is stopping.
     #[error("the daemon is shutting down and takes no new work")]
     ShuttingDown,
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+/// What is wrong with a task or a request about one.
+#[derive(Debug, thiserror::Error)]
+pub enum Invalid {
+    /// The task says nothing.
+    #[error("the task is empty; say what to do in `task`")]
+    EmptyTask,
+    /// The executor is not one this daemon has.
+    #[error(transparent)]
+    Executor(#[from] ExecError),
+    /// `languages` names none, or one the executor does not run.
+    #[error(transparent)]
+    Languages(#[from] LanguageListError),
+    /// `limits` asks for more than the daemon allows, or for zero.
+    #[error("{0}")]
+    Limits(String),
+    /// The task's approval policy does not compile.
+    #[error("approval: {0}")]
+    Approval(#[from] ApprovalError),
+    /// `max_turns` is zero.
+    #[error("max_turns must be at least 1")]
+    NoTurns,
+    /// A timeout is zero.
+    #[error("timeout_secs and block_timeout_secs must be at least 1")]
+    NoTime,
+    /// `termination` is blank.
+    #[error("termination must not be empty")]
+    EmptyTermination,
+    /// The team does not check.
+    #[error("the team does not check: {}", .0.0.join("; "))]
+    Team(TeamErrors),
+    /// One of the team's agents asks for something wrong (`at` names its field).
+    #[error("{at}: {source}")]
+    Agent {
+        /// `team: team.coder.executor`.
+        at: String,
+        /// What is wrong there.
+        source: Box<Invalid>,
+    },
+    /// A decision that does not go together (`code` with a denial, an empty `code`).
+    #[error("{0}")]
+    Decision(&'static str),
+}
+
+/// An approval number the task never asked for.
+#[derive(Debug, thiserror::Error)]
+#[error("task `{id}` never asked for approval {n}; waiting for a decision: {}", waiting_list(.waiting))]
+pub struct MissingApproval {
+    /// The task.
+    pub id: String,
+    /// The number asked about.
+    pub n: u32,
+    /// The approvals that do wait for a decision.
+    pub waiting: Vec<u32>,
+}
+
+fn waiting_list(waiting: &[u32]) -> String {
+    if waiting.is_empty() {
+        return "none".to_owned();
+    }
+    let names: Vec<String> = waiting.iter().map(u32::to_string).collect();
+    names.join(", ")
+}
+
+/// A task whose state does not allow what was asked.
+#[derive(Debug, thiserror::Error)]
+pub enum Conflict {
+    /// Cancelling a finished task.
+    #[error("task `{id}` already finished ({reason}); there is nothing to cancel")]
+    Finished {
+        /// The task.
+        id: String,
+        /// Its stop reason.
+        reason: &'static str,
+    },
+    /// Resuming a task that is not interrupted.
+    #[error("task `{id}` is {state}; only interrupted tasks can be resumed")]
+    NotInterrupted {
+        /// The task.
+        id: String,
+        /// Its state.
+        state: &'static str,
+    },
+    /// Deciding an approval of a finished task.
+    #[error("task `{0}` already finished; there is nothing to approve")]
+    NothingToApprove(String),
+    /// Deciding an approval twice.
+    #[error("approval {n} of task `{id}` was already decided: {decision} by {by}")]
+    Decided {
+        /// The task.
+        id: String,
+        /// The approval.
+        n: u32,
+        /// What was decided.
+        decision: &'static str,
+        /// Who decided.
+        by: String,
+    },
+    /// An MCP call cancelled while it waited for a slot.
+    #[error("the call was cancelled while it waited for a slot")]
+    CallCancelled,
+}
+
+/// Something a request needs that cannot serve it now.
+#[derive(Debug, thiserror::Error)]
+pub enum Unavailable {
+    /// The executor's health check fails.
+    #[error("the {name} executor cannot run tasks now: {problem}")]
+    Executor {
+        /// The executor.
+        name: String,
+        /// What its health check says, with the fix.
+        problem: String,
+    },
+    /// Every execution slot stayed taken.
+    #[error(
+        "no execution slot was free within {wait_secs} s: this daemon runs {max} at once (--max-concurrent); try again when a task ends"
+    )]
+    NoSlot {
+        /// How long the call waited.
+        wait_secs: u64,
+        /// The daemon's slots.
+        max: usize,
+    },
+    /// The store's writer thread is gone.
+    #[error("the task store's writer is not running")]
+    Writer,
+    /// A lock was poisoned by a panic.
+    #[error("the {0} lock is poisoned")]
+    Poisoned(&'static str),
 }

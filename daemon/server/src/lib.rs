@@ -4,7 +4,7 @@
 mod admission;
 pub mod api;
 pub mod approvals;
-mod error;
+pub mod error;
 pub mod follow;
 pub mod mcp;
 pub mod metrics;

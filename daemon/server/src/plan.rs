@@ -19,8 +19,8 @@ use tandem_protocol::{
     ApprovalPolicy, ErrorCode, ErrorInfo, Event, EventMsg, Message, Role, StopReason, TaskSpec,
 };
 
-use crate::error::TaskError;
-use crate::policy::Policy;
+use crate::error::{Invalid, TaskError};
+use crate::policy::{Policy, Refused};
 
 /// Defaults for what a [`TaskSpec`] leaves out.
 #[derive(Clone, Debug)]
@@ -145,16 +145,10 @@ impl Planner {
     /// Executor `name`, when there is one and the policy offers it: the one check every road
     /// makes (a task, a team's agents, a restart, MCP).
     pub fn offered(&self, name: &str) -> Result<Arc<dyn Executor>, TaskError> {
-        let executor = self
-            .config
-            .executors
-            .get(name)
-            .map_err(|e| TaskError::Invalid(e.to_string()))?;
+        let executor = self.config.executors.get(name).map_err(Invalid::Executor)?;
         let policy = &self.config.policy;
         if !policy.offers(name) {
-            return Err(TaskError::NotAllowed(
-                policy.not_offered(name, &self.config.executors),
-            ));
+            return Err(Refused(policy.not_offered(name, &self.config.executors)).into());
         }
         Ok(executor)
     }
@@ -167,9 +161,7 @@ impl Planner {
     /// Everything about `spec` that can be checked before it runs.
     pub fn check(&self, spec: &TaskSpec) -> Result<(), TaskError> {
         if spec.task.trim().is_empty() {
-            return Err(TaskError::Invalid(
-                "the task is empty; say what to do in `task`".to_owned(),
-            ));
+            return Err(Invalid::EmptyTask.into());
         }
         let executor = self.offered(self.executor_name(spec))?;
         self.check_offered(spec, executor.as_ref())
@@ -178,37 +170,29 @@ impl Planner {
     /// [`Planner::check`] past the executor.
     fn check_offered(&self, spec: &TaskSpec, executor: &dyn Executor) -> Result<(), TaskError> {
         let policy = &self.config.policy;
-        policy
-            .check(spec, &self.config.model.base_url)
-            .map_err(|e| TaskError::NotAllowed(e.0))?;
+        policy.check(spec, &self.config.model.base_url)?;
         if let Some(asked) = &spec.languages {
-            allowed_languages(asked, executor).map_err(|e| TaskError::Invalid(e.to_string()))?;
+            allowed_languages(asked, executor).map_err(Invalid::Languages)?;
         }
         if let Some(team) = &spec.team {
             self.check_team(spec, team)?;
         }
         crate::policy::task_limits(&self.config.defaults.limits, &spec.limits)
-            .map_err(TaskError::Invalid)?;
+            .map_err(Invalid::Limits)?;
         ApprovalGate::new(&self.config.approval, spec.approval.as_ref())
-            .map_err(|e| TaskError::Invalid(format!("approval: {e}")))?;
+            .map_err(Invalid::Approval)?;
         if spec.max_turns == Some(0) {
-            return Err(TaskError::Invalid(
-                "max_turns must be at least 1".to_owned(),
-            ));
+            return Err(Invalid::NoTurns.into());
         }
         if spec.timeout_secs == Some(0) || spec.block_timeout_secs == Some(0) {
-            return Err(TaskError::Invalid(
-                "timeout_secs and block_timeout_secs must be at least 1".to_owned(),
-            ));
+            return Err(Invalid::NoTime.into());
         }
         if spec
             .termination
             .as_deref()
             .is_some_and(|t| t.trim().is_empty())
         {
-            return Err(TaskError::Invalid(
-                "termination must not be empty".to_owned(),
-            ));
+            return Err(Invalid::EmptyTermination.into());
         }
         Ok(())
     }
@@ -216,9 +200,7 @@ impl Planner {
     /// A team must check, and each of its agents stay within the policy: an executor that is
     /// offered, a model server that is allowed.
     fn check_team(&self, spec: &TaskSpec, team: &TeamSpec) -> Result<(), TaskError> {
-        let root = self.check_team_spec(team).map_err(|e| {
-            TaskError::Invalid(format!("the team does not check: {}", e.0.join("; ")))
-        })?;
+        let root = self.check_team_spec(team).map_err(Invalid::Team)?;
         let policy = &self.config.policy;
         let mut stack = vec![&root];
         while let Some(node) = stack.pop() {
@@ -230,20 +212,24 @@ impl Planner {
                     .as_deref()
                     .unwrap_or_else(|| self.executor_name(spec));
                 let executor = self.offered(name).map_err(|e| match e {
-                    TaskError::NotAllowed(m) => {
-                        TaskError::NotAllowed(format!("{}: {m}", at("executor")))
-                    }
-                    other => TaskError::Invalid(format!("{}: {other}", at("executor"))),
+                    TaskError::NotAllowed(m) => Refused(format!("{}: {m}", at("executor"))).into(),
+                    TaskError::Invalid(source) => TaskError::from(Invalid::Agent {
+                        at: at("executor"),
+                        source: Box::new(source),
+                    }),
+                    other => other,
                 })?;
                 if let Some(asked) = &node.spec.languages {
-                    allowed_languages(asked, executor.as_ref())
-                        .map_err(|e| TaskError::Invalid(format!("{}: {e}", at("languages"))))?;
+                    allowed_languages(asked, executor.as_ref()).map_err(|e| Invalid::Agent {
+                        at: at("languages"),
+                        source: Box::new(Invalid::Languages(e)),
+                    })?;
                 }
             }
             if let Some(url) = &node.spec.base_url {
                 policy
                     .endpoint(url, &self.config.model.base_url)
-                    .map_err(|e| TaskError::NotAllowed(format!("{}: {}", at("base_url"), e.0)))?;
+                    .map_err(|e| Refused(format!("{}: {}", at("base_url"), e.0)))?;
             }
             stack.extend(&node.members);
         }

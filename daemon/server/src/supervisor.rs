@@ -14,6 +14,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::admission::Admission;
 pub use crate::error::TaskError;
+use crate::error::{Conflict, Unavailable};
 use crate::metrics::Metrics;
 use crate::plan::{Planner, PlannerConfig, Start, TaskDefaults, waits_for_approval};
 use crate::policy::Policy;
@@ -233,10 +234,11 @@ impl Supervisor {
             .get(id)?
             .ok_or_else(|| TaskError::NotFound(id.to_owned()))?;
         match record.state {
-            TaskState::Finished => Err(TaskError::Conflict(format!(
-                "task `{id}` already finished ({}); there is nothing to cancel",
-                record.stop_reason.map_or("unknown", StopReason::as_str)
-            ))),
+            TaskState::Finished => Err(Conflict::Finished {
+                id: id.to_owned(),
+                reason: record.stop_reason.map_or("unknown", StopReason::as_str),
+            }
+            .into()),
             // Only if no resume took it first; then it is queued and cancelled below.
             TaskState::Interrupted
                 if self.transition(id, TaskState::Interrupted, TaskState::Finished)? =>
@@ -267,10 +269,10 @@ impl Supervisor {
             .get(id)?
             .ok_or_else(|| TaskError::NotFound(id.to_owned()))?;
         let conflict = |state: TaskState| {
-            TaskError::Conflict(format!(
-                "task `{id}` is {}; only interrupted tasks can be resumed",
-                state.as_str()
-            ))
+            TaskError::from(Conflict::NotInterrupted {
+                id: id.to_owned(),
+                state: state.as_str(),
+            })
         };
         if record.state != TaskState::Interrupted {
             return Err(conflict(record.state));
@@ -444,7 +446,7 @@ impl Supervisor {
             at: now_ms(),
             moved,
         };
-        let gone = || TaskError::Unavailable("the task store's writer is not running".to_owned());
+        let gone = || TaskError::from(Unavailable::Writer);
         self.writer.send(write).map_err(|_| gone())?;
         Ok(answer
             .recv_timeout(Duration::from_secs(10))
