@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use rmcp::handler::server::common::schema_for_type;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation,
     InitializeResult, ListResourcesResult, ListToolsResult, PaginatedRequestParams,
@@ -26,6 +27,7 @@ use rmcp::model::{
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer, ServerHandler, ServiceExt};
+use schemars::JsonSchema;
 use serde_json::{Value, json};
 use tandem_executor::{
     CancellationToken, ExecContext, ExecOutcome, ExecRequest, ExitStatus, Language, Limits,
@@ -178,11 +180,16 @@ impl TandemMcp {
 
     async fn execute_code(
         &self,
-        args: &serde_json::Map<String, Value>,
+        args: ExecuteCodeArgs,
         context: &RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        let language = string(args, "language")?.ok_or_else(|| missing("language"))?;
-        let code = string(args, "code")?.ok_or_else(|| missing("code"))?;
+        let ExecuteCodeArgs {
+            language,
+            code,
+            session_id,
+            executor,
+            timeout_secs,
+        } = args;
         if code.len() > MAX_CODE_BYTES {
             return Err(ErrorData::invalid_params(
                 format!(
@@ -192,7 +199,6 @@ impl TandemMcp {
                 None,
             ));
         }
-        let session_id = string(args, "session_id")?;
         if let Some(id) = &session_id
             && (id.is_empty()
                 || id.len() > 64
@@ -206,7 +212,7 @@ impl TandemMcp {
             ));
         }
         let defaults = self.supervisor.defaults();
-        let executor = string(args, "executor")?.unwrap_or_else(|| defaults.executor.clone());
+        let executor = executor.unwrap_or_else(|| defaults.executor.clone());
         let policy = self.supervisor.policy();
         let sandbox = self
             .supervisor
@@ -221,10 +227,13 @@ impl TandemMcp {
             ));
         }
         let mut request = ExecRequest::new(language.clone(), code);
-        if let Some(secs) = args.get("timeout_secs") {
-            let secs = secs.as_f64().filter(|s| *s > 0.0).ok_or_else(|| {
-                ErrorData::invalid_params("timeout_secs must be a positive number", None)
-            })?;
+        if let Some(secs) = timeout_secs {
+            if secs.is_nan() || secs <= 0.0 {
+                return Err(ErrorData::invalid_params(
+                    "timeout_secs must be a positive number",
+                    None,
+                ));
+            }
             let asked = Duration::try_from_secs_f64(secs)
                 .map_err(|_| ErrorData::invalid_params("timeout_secs is too large", None))?;
             request.timeout = Some(asked.min(policy.max_block_timeout));
@@ -247,7 +256,7 @@ impl TandemMcp {
             .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
         let ctx = ExecContext::new(context.ct.clone());
         let limits = defaults.limits.clone();
-        let outcome = match session_id {
+        let outcome = match session_id.clone() {
             None => {
                 let mut session = open(&*sandbox, limits).await?;
                 let ran = session.run(request, ctx).await;
@@ -270,7 +279,7 @@ impl TandemMcp {
             }
         };
         let outcome = outcome.map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
-        Ok(outcome_result(&outcome, args.get("session_id")))
+        Ok(outcome_result(&outcome, session_id.as_deref()))
     }
 
     /// The session `id` of this connection, opened on first use.
@@ -326,29 +335,19 @@ impl TandemMcp {
 
     async fn run_task(
         &self,
-        args: &serde_json::Map<String, Value>,
+        args: RunTaskArgs,
         context: &RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        let task = string(args, "task")?.ok_or_else(|| missing("task"))?;
         let mut spec = TaskSpec {
-            task,
-            executor: string(args, "executor")?,
+            task: args.task,
+            executor: args.executor,
+            max_turns: args.max_turns,
             ..TaskSpec::default()
         };
-        if let Some(team) = args.get("team") {
-            spec.team = Some(serde_json::from_value(team.clone()).map_err(|e| {
+        if let Some(team) = args.team {
+            spec.team = Some(serde_json::from_value(team).map_err(|e| {
                 ErrorData::invalid_params(format!("team is not a team (docs/teams.md): {e}"), None)
             })?);
-        }
-        if let Some(turns) = args.get("max_turns") {
-            spec.max_turns = Some(
-                turns
-                    .as_u64()
-                    .and_then(|t| u32::try_from(t).ok())
-                    .ok_or_else(|| {
-                        ErrorData::invalid_params("max_turns must be a whole number", None)
-                    })?,
-            );
         }
         // Subscribed before the task exists, so that none of its events is missed.
         let live = self.supervisor.subscribe();
@@ -438,20 +437,53 @@ fn transcript_uri(id: &str) -> String {
     format!("tandem://tasks/{id}/transcript")
 }
 
-fn missing(name: &str) -> ErrorData {
-    ErrorData::invalid_params(format!("`{name}` is required"), None)
+/// `execute_code`'s arguments; the tool's schema is derived from them.
+#[derive(Debug, serde::Deserialize, JsonSchema)]
+struct ExecuteCodeArgs {
+    /// python, sh, javascript, ... (what the executor runs)
+    language: String,
+    /// The code to run.
+    #[schemars(length(max = MAX_CODE_BYTES))]
+    code: String,
+    /// Files persist between calls with the same id (closed when the connection ends or after 10 minutes unused)
+    session_id: Option<String>,
+    /// A sandbox the operator offers (default: the daemon's)
+    executor: Option<String>,
+    /// Wall-clock limit for the block, in seconds (at most the operator's).
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    timeout_secs: Option<f64>,
 }
 
-/// The string argument `name`; an error if it is there but not a string.
-fn string(args: &serde_json::Map<String, Value>, name: &str) -> Result<Option<String>, ErrorData> {
-    match args.get(name) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s.clone())),
-        Some(other) => Err(ErrorData::invalid_params(
-            format!("`{name}` must be a string, not {other}"),
-            None,
-        )),
-    }
+/// `run_task`'s arguments; the tool's schema is derived from them.
+#[derive(Debug, serde::Deserialize, JsonSchema)]
+struct RunTaskArgs {
+    /// The task, in words.
+    task: String,
+    /// A sandbox the operator offers (default: the daemon's)
+    executor: Option<String>,
+    /// A team of agents, as in the HTTP API (docs/teams.md)
+    #[schemars(extend("type" = "object"))]
+    team: Option<Value>,
+    /// Most turns.
+    #[schemars(range(min = 1))]
+    max_turns: Option<u32>,
+}
+
+/// A tool's arguments as `T`; what does not fit says which argument and why.
+fn arguments<T: serde::de::DeserializeOwned>(
+    args: serde_json::Map<String, Value>,
+) -> Result<T, ErrorData> {
+    serde_path_to_error::deserialize(Value::Object(args)).map_err(|e| {
+        let inner = e.inner().to_string();
+        let message = match inner
+            .strip_prefix("missing field `")
+            .and_then(|rest| rest.strip_suffix('`'))
+        {
+            Some(field) => format!("`{field}` is required"),
+            None => format!("`{}`: {inner}", e.path()),
+        };
+        ErrorData::invalid_params(message, None)
+    })
 }
 
 async fn open(
@@ -479,7 +511,7 @@ fn declined(text: String) -> CallToolResult {
     result
 }
 
-fn outcome_result(outcome: &ExecOutcome, session_id: Option<&Value>) -> CallToolResult {
+fn outcome_result(outcome: &ExecOutcome, session_id: Option<&str>) -> CallToolResult {
     let (status, exit_code) = match outcome.status {
         ExitStatus::Exited(code) => ("exited".to_owned(), Some(code)),
         ExitStatus::Signaled(signal) => (format!("killed by signal {signal}"), None),
@@ -520,36 +552,16 @@ fn outcome_result(outcome: &ExecOutcome, session_id: Option<&Value>) -> CallTool
 }
 
 fn tools() -> Vec<Tool> {
-    let schema = |v: Value| Arc::new(v.as_object().cloned().unwrap_or_default());
     vec![
         Tool::new(
             "execute_code",
             "Run one code block in one of Tandem's sandboxes and return its exit code, stdout, stderr, whether output was truncated, and how long it took. Give a session_id to keep files between calls.",
-            schema(json!({
-                "type": "object",
-                "properties": {
-                    "language": {"type": "string", "description": "python, sh, javascript, ... (what the executor runs)"},
-                    "code": {"type": "string", "maxLength": MAX_CODE_BYTES},
-                    "session_id": {"type": "string", "description": "Files persist between calls with the same id (closed when the connection ends or after 10 minutes unused)"},
-                    "executor": {"type": "string", "description": "A sandbox the operator offers (default: the daemon's)"},
-                    "timeout_secs": {"type": "number", "exclusiveMinimum": 0}
-                },
-                "required": ["language", "code"]
-            })),
+            schema_for_type::<ExecuteCodeArgs>(),
         ),
         Tool::new(
             "run_task",
             "Solve a coding task with Tandem: a model writes code, a sandbox runs it, turn after turn until done. Progress notifications carry the task's events; the result is the final answer and why the task stopped.",
-            schema(json!({
-                "type": "object",
-                "properties": {
-                    "task": {"type": "string"},
-                    "executor": {"type": "string"},
-                    "team": {"type": "object", "description": "A team of agents, as in the HTTP API (docs/teams.md)"},
-                    "max_turns": {"type": "integer", "minimum": 1}
-                },
-                "required": ["task"]
-            })),
+            schema_for_type::<RunTaskArgs>(),
         ),
     ]
 }
@@ -600,8 +612,14 @@ impl ServerHandler for TandemMcp {
             .into());
         };
         let result = match name {
-            "execute_code" => self.execute_code(&args, &context).await,
-            _ => self.run_task(&args, &context).await,
+            "execute_code" => match arguments(args) {
+                Ok(args) => self.execute_code(args, &context).await,
+                Err(e) => Err(e),
+            },
+            _ => match arguments(args) {
+                Ok(args) => self.run_task(args, &context).await,
+                Err(e) => Err(e),
+            },
         };
         Ok(result
             .unwrap_or_else(|e| tool_error(e.message.into_owned()))
@@ -736,4 +754,54 @@ pub fn http_service(
         Arc::new(sessions),
         config,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_schemas_are_derived_from_the_arguments_the_tools_parse() {
+        let tools = tools();
+        let execute = serde_json::to_value(&*tools[0].input_schema).unwrap();
+        let mut required: Vec<&str> = execute["required"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        required.sort_unstable();
+        assert_eq!(required, ["code", "language"], "{execute}");
+        let props = &execute["properties"];
+        assert_eq!(props["code"]["maxLength"], MAX_CODE_BYTES, "{execute}");
+        assert_eq!(props["timeout_secs"]["exclusiveMinimum"], 0, "{execute}");
+        assert!(
+            props["session_id"]["description"]
+                .as_str()
+                .is_some_and(|d| d.contains("persist")),
+            "{execute}"
+        );
+        let run = serde_json::to_value(&*tools[1].input_schema).unwrap();
+        assert_eq!(run["required"], json!(["task"]), "{run}");
+        assert_eq!(run["properties"]["max_turns"]["minimum"], 1, "{run}");
+    }
+
+    #[test]
+    fn arguments_that_do_not_fit_name_the_argument() {
+        let parse = |v: Value| {
+            arguments::<ExecuteCodeArgs>(v.as_object().cloned().unwrap())
+                .map(|_| ())
+                .map_err(|e| e.message.into_owned())
+        };
+        assert_eq!(
+            parse(json!({"language": "python"})),
+            Err("`code` is required".to_owned())
+        );
+        let wrong = parse(json!({"language": 5, "code": "x"})).unwrap_err();
+        assert!(
+            wrong.starts_with("`language`: invalid type: integer `5`"),
+            "{wrong}"
+        );
+        assert_eq!(parse(json!({"language": "sh", "code": "x"})), Ok(()));
+    }
 }
