@@ -125,9 +125,7 @@ fn edit(code: &str, language: &str) -> Result<String> {
         .tempfile()
         .context("cannot make a file to edit the block in")?;
     std::fs::write(file.path(), code).context("cannot write the block to edit")?;
-    let editor = std::env::var("VISUAL")
-        .or_else(|_| std::env::var("EDITOR"))
-        .unwrap_or_else(|_| "vi".to_owned());
+    let editor = crate::config::editor();
     // Through the shell, as git does: EDITOR may carry arguments (`code --wait`).
     let status = std::process::Command::new("/bin/sh")
         .arg("-c")

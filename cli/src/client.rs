@@ -14,8 +14,8 @@ use tandem_protocol::{
 /// `--host`, shared by the client commands.
 #[derive(Debug, Default, Clone, clap::Args)]
 pub struct HostFlag {
-    /// Daemon to talk to: unix:///path/to.sock (or /path/to.sock) or tcp://host:port [env: TANDEM_HOST; default: the default socket]
-    #[arg(long)]
+    /// Daemon to talk to: unix:///path/to.sock (or /path/to.sock) or tcp://host:port [default: the default socket]
+    #[arg(long, env = "TANDEM_HOST")]
     pub host: Option<String>,
 }
 
@@ -30,12 +30,12 @@ pub struct Client {
 }
 
 impl Client {
-    /// The daemon named by `--host`, `TANDEM_HOST`, or the default socket.
+    /// The daemon named by `--host` (or `TANDEM_HOST`), or the default socket.
     pub fn new(flag: &HostFlag) -> Result<Self> {
         let host = flag
             .host
             .clone()
-            .or_else(|| std::env::var("TANDEM_HOST").ok().filter(|h| !h.is_empty()))
+            .filter(|h| !h.is_empty())
             .unwrap_or_else(|| {
                 let state = crate::serve::default_state_dir();
                 format!("unix://{}", crate::serve::default_socket(&state).display())

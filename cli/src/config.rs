@@ -221,15 +221,12 @@ pub struct LocalSection {
     pub read_paths: Vec<PathBuf>,
 }
 
-/// Loads the config file: `--config`, else `TANDEM_CONFIG`, else
+/// Loads the config file: `--config` (or `TANDEM_CONFIG`), else
 /// `$XDG_CONFIG_HOME/tandem/tandem.toml` when it exists.
 pub fn load(explicit: Option<&Path>) -> Result<FileConfig> {
-    let path = match explicit {
+    let path = match explicit.filter(|p| !p.as_os_str().is_empty()) {
         Some(p) => Some(p.to_owned()),
-        None => match std::env::var_os("TANDEM_CONFIG") {
-            Some(p) => Some(PathBuf::from(p)),
-            None => default_path().filter(|p| p.exists()),
-        },
+        None => default_path().filter(|p| p.exists()),
     };
     let Some(path) = path else {
         return Ok(FileConfig::default());
@@ -248,7 +245,7 @@ fn default_path() -> Option<PathBuf> {
 }
 
 /// Tandem's directory under the XDG base directory `var`, else under `~/{under_home}`.
-fn xdg_dir(var: &str, under_home: &str) -> Option<PathBuf> {
+pub(crate) fn xdg_dir(var: &str, under_home: &str) -> Option<PathBuf> {
     let base = std::env::var_os(var)
         .filter(|v| !v.is_empty())
         .map(PathBuf::from)
@@ -270,8 +267,30 @@ pub struct ModelFlags {
     pub no_stream: bool,
 }
 
+/// The editor for an edited block: `VISUAL`, else `EDITOR`, else `vi`.
+pub(crate) fn editor() -> String {
+    env("VISUAL")
+        .or_else(|| env("EDITOR"))
+        .unwrap_or_else(|| "vi".to_owned())
+}
+
+/// `TANDEM_TOKEN`, the TCP token, when set.
+pub(crate) fn token_from_env() -> Option<String> {
+    env("TANDEM_TOKEN")
+}
+
+/// `XDG_RUNTIME_DIR`, when set.
+pub(crate) fn runtime_dir() -> Option<PathBuf> {
+    env("XDG_RUNTIME_DIR").map(PathBuf::from)
+}
+
+/// Whether `NO_COLOR` asks for no colour (set at all, as no-color.org says).
+pub(crate) fn no_color() -> bool {
+    std::env::var_os("NO_COLOR").is_some()
+}
+
 /// A variable's value; unset and empty are the same.
-pub(crate) fn env(name: &str) -> Option<String> {
+fn env(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
@@ -293,12 +312,7 @@ pub fn model_config(flags: &ModelFlags, file: &FileConfig) -> Result<ModelConfig
             .or_else(|| m.base_url.clone())
             .unwrap_or(defaults.base_url),
         api_key: env("OPENAI_API_KEY").or_else(|| m.api_key.clone()),
-        model: flags
-            .model
-            .clone()
-            .or_else(|| env("TANDEM_MODEL"))
-            .or_else(|| m.model.clone())
-            .unwrap_or(defaults.model),
+        model: model_named(flags, file).unwrap_or(defaults.model),
         stream: !flags.no_stream && m.stream.unwrap_or(true),
         max_retries,
         temperature: m.temperature,
@@ -312,6 +326,26 @@ pub fn model_config(flags: &ModelFlags, file: &FileConfig) -> Result<ModelConfig
         },
         ..defaults
     })
+}
+
+/// The model named by the flags, `TANDEM_MODEL` or the file, if any.
+pub fn model_named(flags: &ModelFlags, file: &FileConfig) -> Option<String> {
+    flags
+        .model
+        .clone()
+        .or_else(|| env("TANDEM_MODEL"))
+        .or_else(|| file.model.model.clone())
+}
+
+/// Whether a model server is named anywhere: a base URL or an API key, in the flags, the
+/// environment or the file.
+pub fn server_named(flags: &ModelFlags, file: &FileConfig) -> bool {
+    let m = &file.model;
+    flags.base_url.is_some()
+        || env("OPENAI_BASE_URL").is_some()
+        || m.base_url.is_some()
+        || env("OPENAI_API_KEY").is_some()
+        || m.api_key.is_some()
 }
 
 /// The models directory: `TANDEM_MODELS_DIR`, then `[model] models_dir`, then the cache.
@@ -557,7 +591,9 @@ pub fn plugin_config(name: &str, section: &PluginSection) -> Result<PluginConfig
 
 /// The executor name: the flag, then `TANDEM_EXECUTOR`, then `[task] executor`, then `auto`.
 pub fn executor_name(flag: Option<&str>, file: &FileConfig) -> String {
-    flag.map(str::to_owned)
+    // A flag filled from an empty variable by clap counts as unset, as the variable does.
+    flag.filter(|f| !f.is_empty())
+        .map(str::to_owned)
         .or_else(|| env("TANDEM_EXECUTOR"))
         .or_else(|| file.task.executor.clone())
         .unwrap_or_else(|| "auto".to_owned())
@@ -574,6 +610,7 @@ pub fn docker_config(file: &FileConfig, image: Option<&str>) -> Result<DockerCon
         bail!("[executors.docker] cpus must be between 0 and 1024, got {cpus}");
     }
     let chosen = image
+        .filter(|i| !i.is_empty())
         .map(str::to_owned)
         .or_else(|| env("TANDEM_DOCKER_IMAGE"))
         .or_else(|| d.image.clone());

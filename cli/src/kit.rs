@@ -25,8 +25,8 @@ pub struct TestArgs {
     /// Print one JSON object instead of a table
     #[arg(long)]
     pub json: bool,
-    /// Docker image for the docker executor [env: TANDEM_DOCKER_IMAGE]
-    #[arg(long)]
+    /// Docker image for the docker executor
+    #[arg(long, env = "TANDEM_DOCKER_IMAGE")]
     pub image: Option<String>,
 }
 

@@ -60,8 +60,17 @@ pub mod exit {
     about = "An LLM that solves coding tasks by running real code in a sandbox"
 )]
 struct Cli {
-    /// Config file [env: TANDEM_CONFIG; default: ~/.config/tandem/tandem.toml if present]
-    #[arg(long, global = true)]
+    /// Config file [default: ~/.config/tandem/tandem.toml if present]
+    // An empty TANDEM_CONFIG means none, as an unset one does.
+    #[arg(
+        long,
+        global = true,
+        env = "TANDEM_CONFIG",
+        value_parser = clap::builder::TypedValueParser::map(
+            clap::builder::OsStringValueParser::new(),
+            PathBuf::from
+        )
+    )]
     config: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
@@ -117,8 +126,8 @@ enum Command {
     Doctor {
         #[command(flatten)]
         model: config::ModelFlags,
-        /// Docker image to check [env: TANDEM_DOCKER_IMAGE; default: python:3.12-slim]
-        #[arg(long)]
+        /// Docker image to check [default: python:3.12-slim]
+        #[arg(long, env = "TANDEM_DOCKER_IMAGE")]
         image: Option<String>,
         /// Load the WASM runtimes now, compiling and caching them on first use, so that no
         /// task pays for it

@@ -11,7 +11,7 @@ use tandem_agent::chat::LocalModel;
 use tandem_model_embedded::{Embedded, EmbeddedChat, EmbeddedConfig};
 use tandem_model_files::ModelDir;
 
-use crate::config::{self, FileConfig, ModelFlags, env};
+use crate::config::{self, FileConfig, ModelFlags};
 
 /// The choice, before anything is loaded.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,25 +32,15 @@ pub const NO_MODEL: &str = "no model to talk to: set OPENAI_API_KEY (for OpenAI)
 
 /// Decides the provider from the flags, the environment and the file.
 pub fn choose(flags: &ModelFlags, file: &FileConfig) -> Result<Provider> {
-    let m = &file.model;
-    let named = flags
-        .model
-        .clone()
-        .or_else(|| env("TANDEM_MODEL"))
-        .or_else(|| m.model.clone());
-    match m.provider.as_deref() {
+    let named = config::model_named(flags, file);
+    match file.model.provider.as_deref() {
         Some("openai") => Ok(Provider::Server),
         Some("embedded") => embedded(named.as_deref(), file)?.context(
             "[model] provider is embedded but no model file is there: run `tandem model pull`",
         ),
         Some(other) => bail!("[model] provider must be embedded or openai, got `{other}`"),
         None => {
-            let server_named = flags.base_url.is_some()
-                || env("OPENAI_BASE_URL").is_some()
-                || m.base_url.is_some()
-                || env("OPENAI_API_KEY").is_some()
-                || m.api_key.is_some();
-            if server_named {
+            if config::server_named(flags, file) {
                 return Ok(Provider::Server);
             }
             match embedded(named.as_deref(), file)? {

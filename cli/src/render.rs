@@ -79,7 +79,7 @@ pub struct Renderer<W: Write> {
 impl Renderer<io::Stdout> {
     /// A renderer on standard output, colored when it is a terminal.
     pub fn stdout(mode: Mode) -> Self {
-        let color = io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+        let color = io::stdout().is_terminal() && !crate::config::no_color();
         let mut renderer = Self::new(io::stdout(), mode, color);
         renderer.failures = Some(Box::new(io::stderr()));
         renderer

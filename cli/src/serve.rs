@@ -29,11 +29,11 @@ pub struct ServeArgs {
     /// Seconds running tasks get to finish on SIGTERM before they are interrupted
     #[arg(long, default_value_t = 10.0)]
     grace: f64,
-    /// Default executor for tasks that name none: auto, docker, wasm, local or an [executors.NAME] plugin [env: TANDEM_EXECUTOR]
-    #[arg(long, short = 'e')]
+    /// Default executor for tasks that name none: auto, docker, wasm, local or an [executors.NAME] plugin
+    #[arg(long, short = 'e', env = "TANDEM_EXECUTOR")]
     executor: Option<String>,
-    /// Docker image for the docker executor [env: TANDEM_DOCKER_IMAGE]
-    #[arg(long)]
+    /// Docker image for the docker executor
+    #[arg(long, env = "TANDEM_DOCKER_IMAGE")]
     image: Option<String>,
     /// Log format on stderr: text or json
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
@@ -51,17 +51,14 @@ impl ServeArgs {
 
 /// `$XDG_STATE_HOME/tandem`, else `~/.local/state/tandem`.
 pub fn default_state_dir() -> PathBuf {
-    std::env::var_os("XDG_STATE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/state")))
-        .unwrap_or_else(std::env::temp_dir)
-        .join("tandem")
+    crate::config::xdg_dir("XDG_STATE_HOME", ".local/state")
+        .unwrap_or_else(|| std::env::temp_dir().join("tandem"))
 }
 
 /// `$XDG_RUNTIME_DIR/tandem/tandem.sock`, else `tandem.sock` in the state dir.
 pub fn default_socket(state_dir: &Path) -> PathBuf {
-    match std::env::var_os("XDG_RUNTIME_DIR") {
-        Some(dir) => PathBuf::from(dir).join("tandem").join("tandem.sock"),
+    match crate::config::runtime_dir() {
+        Some(dir) => dir.join("tandem").join("tandem.sock"),
         None => state_dir.join("tandem.sock"),
     }
 }
@@ -115,7 +112,7 @@ pub fn token(state_dir: &Path, created: Option<&dyn Fn(&Path)>) -> Result<Option
         }
         Ok(Some(token))
     };
-    if let Some(t) = std::env::var("TANDEM_TOKEN").ok().filter(|t| !t.is_empty()) {
+    if let Some(t) = crate::config::token_from_env() {
         return strong(t, &"TANDEM_TOKEN");
     }
     let path = state_dir.join("token");
@@ -213,11 +210,11 @@ pub struct McpArgs {
     /// Where its tasks are kept [default: a temporary directory, removed on exit]
     #[arg(long)]
     state_dir: Option<PathBuf>,
-    /// Default executor for execute_code and run_task: auto, docker, wasm, local or a plugin [env: TANDEM_EXECUTOR]
-    #[arg(long, short = 'e')]
+    /// Default executor for execute_code and run_task: auto, docker, wasm, local or a plugin
+    #[arg(long, short = 'e', env = "TANDEM_EXECUTOR")]
     executor: Option<String>,
-    /// Docker image for the docker executor [env: TANDEM_DOCKER_IMAGE]
-    #[arg(long)]
+    /// Docker image for the docker executor
+    #[arg(long, env = "TANDEM_DOCKER_IMAGE")]
     image: Option<String>,
     #[command(flatten)]
     model: ModelFlags,
