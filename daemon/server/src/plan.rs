@@ -541,3 +541,152 @@ pub(crate) fn waits_for_approval(events: &[Event]) -> bool {
             })
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use futures::future::BoxFuture;
+    use tandem_executor::{ExecError, Language, Session};
+
+    use super::*;
+
+    /// An executor that is only planned with, never opened.
+    struct Paper(&'static str, Vec<Language>);
+
+    impl Executor for Paper {
+        fn name(&self) -> &str {
+            self.0
+        }
+
+        fn languages(&self) -> &[Language] {
+            &self.1
+        }
+
+        fn open(&self, _: SessionSpec) -> BoxFuture<'_, Result<Box<dyn Session>, ExecError>> {
+            Box::pin(async {
+                Err(ExecError::Unavailable {
+                    what: "a sandbox".to_owned(),
+                    hint: "this executor is only planned with".to_owned(),
+                })
+            })
+        }
+    }
+
+    fn planner(policy: Policy, defaults: TaskDefaults) -> Planner {
+        let mut executors = Registry::new();
+        for name in ["local", "wasm"] {
+            executors.register(Arc::new(Paper(name, vec![Language::python()])));
+        }
+        Planner::new(PlannerConfig {
+            model: ModelConfig {
+                base_url: "http://127.0.0.1:9/v1".to_owned(),
+                ..ModelConfig::default()
+            },
+            local_model: None,
+            executors,
+            defaults,
+            policy,
+            approval: ApprovalPolicy::default(),
+            teams: TeamBounds::default(),
+        })
+    }
+
+    fn spec(task: &str) -> TaskSpec {
+        TaskSpec {
+            task: task.to_owned(),
+            ..TaskSpec::default()
+        }
+    }
+
+    fn team() -> TeamSpec {
+        let text = include_str!("../../../examples/teams/review.toml");
+        toml::from_str(text).unwrap()
+    }
+
+    fn turns(planner: &Planner, spec: &TaskSpec) -> u32 {
+        planner
+            .plan(spec, Start::default())
+            .unwrap()
+            .settings
+            .max_turns
+    }
+
+    #[test]
+    fn every_road_gets_one_default_of_turns_for_a_pair_and_one_for_a_team() {
+        let own = planner(
+            Policy::own(vec!["local".to_owned()]),
+            TaskDefaults::default(),
+        );
+        let mut pair = spec("t");
+        assert_eq!(turns(&own, &pair), tandem_agent::DEFAULT_MAX_TURNS);
+        let mut teamed = spec("t");
+        teamed.team = Some(team());
+        assert_eq!(turns(&own, &teamed), tandem_agent::DEFAULT_TEAM_TURNS);
+        // The operator's default holds for both; the task's own number wins over it.
+        let set = planner(
+            Policy::own(vec!["local".to_owned()]),
+            TaskDefaults {
+                max_turns: Some(7),
+                ..TaskDefaults::default()
+            },
+        );
+        assert_eq!((turns(&set, &pair), turns(&set, &teamed)), (7, 7));
+        pair.max_turns = Some(3);
+        teamed.max_turns = Some(3);
+        assert_eq!((turns(&set, &pair), turns(&set, &teamed)), (3, 3));
+    }
+
+    #[test]
+    fn the_one_check_names_the_problem_for_the_task_and_for_each_agent() {
+        let shared = planner(
+            Policy::default(),
+            TaskDefaults {
+                executor: "wasm".to_owned(),
+                ..TaskDefaults::default()
+            },
+        );
+        let refused = |s: &TaskSpec| shared.check(s).unwrap_err().to_string();
+        assert_eq!(
+            refused(&spec(" ")),
+            "the task is empty; say what to do in `task`"
+        );
+        let mut local = spec("t");
+        local.executor = Some("local".to_owned());
+        assert!(matches!(
+            shared.check(&local),
+            Err(TaskError::NotAllowed(_))
+        ));
+        let mut unknown = spec("t");
+        unknown.executor = Some("dockr".to_owned());
+        assert!(matches!(
+            shared.check(&unknown),
+            Err(TaskError::Invalid(Invalid::Executor(_)))
+        ));
+        // An agent's executor is checked where it is named.
+        let mut teamed = spec("t");
+        let mut t = team();
+        t.agents.get_mut("runner").unwrap().executor = Some("local".to_owned());
+        teamed.team = Some(t);
+        assert!(
+            refused(&teamed)
+                .starts_with("team: team.runner.executor: executor `local` is not offered"),
+            "{}",
+            refused(&teamed)
+        );
+        // A plan is checked again: a task stored under a looser policy does not run.
+        let info = shared.plan(&local, Start::default()).err().unwrap();
+        assert_eq!(info.code, ErrorCode::InvalidRequest);
+        // A model server the policy does not list is refused; one's own machine allows it.
+        let mut elsewhere = spec("t");
+        elsewhere.base_url = Some("http://127.0.0.1:1/v1".to_owned());
+        assert!(matches!(
+            shared.check(&elsewhere),
+            Err(TaskError::NotAllowed(_))
+        ));
+        let own = planner(
+            Policy::own(vec!["wasm".to_owned()]),
+            TaskDefaults::default(),
+        );
+        elsewhere.executor = Some("wasm".to_owned());
+        assert!(own.check(&elsewhere).is_ok());
+    }
+}
