@@ -111,7 +111,7 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
 /// the operator's settings, and every executor the task names is offered.
 async fn run_here(args: &RunArgs, file: FileConfig) -> Result<u8> {
     let mut spec = task_spec(args, &file, &config::teams(&file)?)?;
-    if let Some(word) = &args.termination {
+    if let Some(word) = args.termination.as_ref().or(file.task.termination.as_ref()) {
         anyhow::ensure!(
             !word.trim().is_empty(),
             "the termination string must not be empty"
