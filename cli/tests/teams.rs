@@ -890,6 +890,13 @@ async fn run_with_a_team_goes_to_the_daemon_when_one_answers() {
     assert_eq!(stored["spec"]["task"], task);
     assert_eq!(stored["spec"]["team"]["team"]["kind"], "chat", "{stored}");
     assert_eq!(stored["stop_reason"], "terminated", "{stored}");
+    // A team's model calls are timed as a pair's are (its turns are `agent_turn` events).
+    let metrics = d.text("/metrics").await;
+    let calls = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("tandem_model_seconds_count "))
+        .and_then(|n| n.trim().parse::<f64>().ok());
+    assert!(calls.is_some_and(|n| n >= 2.0), "{metrics}");
     // A file that does not check is refused before anything is sent, naming the field.
     let bad = team_file(&dir, "[team]\nkind = \"chat\"\nagents = [\"nobody\"]\n");
     let (code, _, stderr) = d.cli(&["run", "--team", &bad, task]).await;

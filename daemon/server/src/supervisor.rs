@@ -392,7 +392,8 @@ impl Supervisor {
         let turn_started = Mutex::new(None::<Instant>);
         let sink = Arc::new(move |msg: EventMsg| {
             match &msg {
-                EventMsg::TurnStarted { .. } => {
+                // A pair says `turn_started`, a team `agent_turn`: either starts a reply.
+                EventMsg::TurnStarted { .. } | EventMsg::AgentTurn { .. } => {
                     if let Ok(mut t) = turn_started.lock() {
                         *t = Some(Instant::now());
                     }
