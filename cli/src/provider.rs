@@ -109,7 +109,7 @@ pub async fn local_model(
 ) -> Result<Option<(Arc<dyn LocalModel>, String)>> {
     match choose(flags, file)? {
         Provider::Server => {
-            ChatModel::new(config::model_config(flags, file)?)?;
+            ChatModel::check(&config::model_config(flags, file)?)?;
             Ok(None)
         }
         Provider::Embedded { name, path } => Ok(Some((load(&name, path, file).await?, name))),

@@ -165,9 +165,9 @@ impl std::fmt::Debug for ChatModel {
 }
 
 impl ChatModel {
-    /// Builds the HTTP client; fails only on an unusable URL or TLS setup.
-    pub fn new(mut config: ModelConfig) -> Result<Self, ModelError> {
-        config.base_url = config.base_url.trim_end_matches('/').to_owned();
+    /// Whether `config` names a server [`ChatModel::new`] can talk to, without building a
+    /// client (which costs milliseconds at a command's start).
+    pub fn check(config: &ModelConfig) -> Result<(), ModelError> {
         let url = &config.base_url;
         if !(url.starts_with("http://") || url.starts_with("https://")) {
             return Err(ModelError {
@@ -178,6 +178,14 @@ impl ChatModel {
                 retryable: false,
             });
         }
+        Ok(())
+    }
+
+    /// Builds the HTTP client; fails only on an unusable URL or TLS setup.
+    pub fn new(mut config: ModelConfig) -> Result<Self, ModelError> {
+        config.base_url = config.base_url.trim_end_matches('/').to_owned();
+        Self::check(&config)?;
+        let url = &config.base_url;
         let http = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
             .read_timeout(config.idle_timeout)
