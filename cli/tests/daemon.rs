@@ -643,7 +643,8 @@ async fn a_restart_reaps_the_sandboxes_a_killed_daemon_left() {
             .collect()
     };
     d.kill9();
-    // Short: any daemon another test starts meanwhile kills this orphan too.
+    // The killed daemon stays a zombie until the restart, so no daemon another test starts
+    // meanwhile can take it for dead and reap this orphan first.
     tokio::time::sleep(Duration::from_millis(30)).await;
     let alive = |pid: u32| std::path::Path::new(&format!("/proc/{pid}")).exists();
     assert!(

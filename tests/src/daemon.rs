@@ -12,6 +12,10 @@ use serde_json::Value;
 pub struct DaemonHarness {
     bin: PathBuf,
     child: Option<tokio::process::Child>,
+    /// A daemon killed by [`DaemonHarness::kill9`], not yet waited for: while it is a zombie
+    /// its pid and start time still name it, so no other daemon takes it for dead and reaps
+    /// its sandboxes before this one restarts.
+    killed: Option<tokio::process::Child>,
     state: tempfile::TempDir,
     base_url: String,
     args: Vec<String>,
@@ -48,6 +52,7 @@ impl DaemonHarness {
         let mut d = Self {
             bin: bin.to_owned(),
             child: None,
+            killed: None,
             state,
             base_url: base_url.to_owned(),
             args: args.iter().map(|s| s.to_string()).collect(),
@@ -88,6 +93,10 @@ impl DaemonHarness {
 
     /// Starts (again, after a kill) the daemon on the same state; returns once it answers.
     pub async fn spawn(&mut self) {
+        // The killed daemon is waited for first, so the new one finds it dead.
+        if let Some(mut killed) = self.killed.take() {
+            let _ = killed.wait().await;
+        }
         // A file, not a pipe: nobody has to drain it for the daemon to keep going.
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -265,7 +274,7 @@ impl DaemonHarness {
     pub fn kill9(&mut self) {
         let pid = nix::unistd::Pid::from_raw(self.pid() as i32);
         nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).unwrap();
-        self.child = None;
+        self.killed = self.child.take();
     }
 
     /// Sends SIGTERM and returns at once; [`DaemonHarness::wait_exit`] waits for the end.
