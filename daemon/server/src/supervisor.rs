@@ -1,5 +1,7 @@
-//! The supervisor: queues tasks FIFO, runs at most `max_concurrent` at once, stores every
-//! event before it is sent, and stops cleanly.
+//! The supervisor: a task's life on the daemon. It is admitted (`admission`), queued FIFO
+//! for one of `max_concurrent` slots, planned (`plan`) and run, with every event stored
+//! through the writer before it is sent; it is cancelled, resumed after a restart, and
+//! stopped cleanly on shutdown.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
