@@ -227,7 +227,7 @@ fn dispatch(cli: Cli) -> Result<u8> {
             rt.shutdown_background();
             result
         }
-        Command::Submit(args) => runtime()?.block_on(tasks::submit(args)),
+        Command::Submit(args) => runtime()?.block_on(tasks::submit(args, &file)),
         Command::Tasks(args) => runtime()?.block_on(tasks::list(args)),
         Command::Show(args) => runtime()?.block_on(tasks::show(args)),
         Command::Logs(args) => runtime()?.block_on(tasks::logs(args)),

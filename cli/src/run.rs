@@ -15,22 +15,18 @@ use crate::config::{self, FileConfig, ModelFlags};
 use crate::exit;
 use crate::render::{Mode, Renderer};
 
+/// What a task asks for, the same for `run` and `submit`.
 #[derive(Debug, clap::Args)]
-pub struct RunArgs {
+pub struct TaskFlags {
     /// The task, in words
     pub(crate) task: String,
-    /// Executor that runs the code: auto, docker, wasm, local or an [executors.NAME] plugin [env: TANDEM_EXECUTOR; default: auto]
+    /// Executor that runs the code: auto, docker, wasm, local or an [executors.NAME] plugin [env: TANDEM_EXECUTOR; default: auto, or the daemon's]
     #[arg(long, short = 'e')]
     pub(crate) executor: Option<String>,
-    /// Docker image for the docker executor [env: TANDEM_DOCKER_IMAGE; default: python:3.12-slim]
-    #[arg(long)]
-    pub(crate) image: Option<String>,
-    #[command(flatten)]
-    pub(crate) model: ModelFlags,
-    /// Most assistant turns [default: 10]
+    /// Most assistant turns [default: 10, 50 for a team]
     #[arg(long)]
     pub(crate) max_turns: Option<u32>,
-    /// Wall-clock limit for the whole task, in seconds
+    /// Wall-clock limit for the whole task, in seconds (a daemon takes whole seconds)
     #[arg(long)]
     pub(crate) timeout: Option<f64>,
     /// Wall-clock limit per code block, in seconds [default: 60]
@@ -45,6 +41,86 @@ pub struct RunArgs {
     /// Run only blocks in this language (repeat for more) [default: all the executor runs]
     #[arg(long = "language", short = 'l', value_name = "LANGUAGE")]
     languages: Vec<String>,
+    /// Solve the task with this team of agents (a team file: docs/teams.md) instead of the
+    /// assistant and executor pair
+    #[arg(long)]
+    pub(crate) team: Option<PathBuf>,
+}
+
+impl TaskFlags {
+    /// The task they ask for, as a daemon is sent it: with the system prompt read and a team
+    /// file read and checked within `bounds` (a mistake in either is told with its path);
+    /// `approve` has every block asked about.
+    fn spec(
+        &self,
+        model: &ModelFlags,
+        approve: bool,
+        file: &FileConfig,
+        bounds: &TeamBounds,
+    ) -> Result<TaskSpec> {
+        let system_prompt = match self
+            .system_prompt
+            .as_ref()
+            .or(file.task.system_prompt_file.as_ref())
+        {
+            Some(path) => Some(std::fs::read_to_string(path).with_context(|| {
+                format!("cannot read the system prompt file {}", path.display())
+            })?),
+            None => None,
+        };
+        Ok(TaskSpec {
+            task: self.task.clone(),
+            executor: self.executor.clone(),
+            model: model.model.clone(),
+            base_url: model.base_url.clone(),
+            system_prompt,
+            termination: self.termination.clone(),
+            languages: (!self.languages.is_empty()).then(|| self.languages.clone()),
+            team: self
+                .team
+                .as_deref()
+                .map(|path| crate::team::load_spec(path, bounds))
+                .transpose()?,
+            approval: approve.then(always),
+            ..TaskSpec::default()
+        })
+    }
+
+    /// The task for a daemon, which checks a team within its own bounds and takes limits in
+    /// whole seconds.
+    pub(crate) fn daemon_spec(
+        &self,
+        model: &ModelFlags,
+        approve: bool,
+        file: &FileConfig,
+    ) -> Result<TaskSpec> {
+        let whole_secs = |secs: f64, flag: &str| -> Result<u64> {
+            let d = config::secs_to_duration(secs, flag)?;
+            Ok(d.as_secs().max(1))
+        };
+        let mut spec = self.spec(model, approve, file, &TeamBounds::CEILINGS)?;
+        spec.max_turns = self.max_turns;
+        spec.timeout_secs = self
+            .timeout
+            .map(|s| whole_secs(s, "--timeout"))
+            .transpose()?;
+        spec.block_timeout_secs = self
+            .block_timeout
+            .map(|s| whole_secs(s, "--block-timeout"))
+            .transpose()?;
+        Ok(spec)
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub(crate) flags: TaskFlags,
+    /// Docker image for the docker executor [env: TANDEM_DOCKER_IMAGE; default: python:3.12-slim]
+    #[arg(long)]
+    pub(crate) image: Option<String>,
+    #[command(flatten)]
+    pub(crate) model: ModelFlags,
     /// Use this directory as the workspace and keep it
     #[arg(long)]
     pub(crate) workdir: Option<PathBuf>,
@@ -57,16 +133,12 @@ pub struct RunArgs {
     /// Ask at the terminal before each code block runs: [y]es / [n]o / [e]dit / [a]lways
     #[arg(long)]
     pub(crate) approve: bool,
-    /// Solve the task with this team of agents (a team file: docs/teams.md) instead of the
-    /// assistant and executor pair
-    #[arg(long)]
-    pub(crate) team: Option<PathBuf>,
     #[command(flatten)]
     pub(crate) host: crate::client::HostFlag,
 }
 
 pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
-    if args.task.trim().is_empty() {
+    if args.flags.task.trim().is_empty() {
         anyhow::bail!(
             "the task is empty; say what to do, for example: tandem run \"print the 10th prime\""
         );
@@ -110,21 +182,28 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
 /// The task in this process, planned as the daemon plans one: the user's flags and file are
 /// the operator's settings, and every executor the task names is offered.
 async fn run_here(args: &RunArgs, file: FileConfig) -> Result<u8> {
-    let mut spec = task_spec(args, &file, &config::teams(&file)?)?;
-    if let Some(word) = args.termination.as_ref().or(file.task.termination.as_ref()) {
+    let mut spec = args
+        .flags
+        .spec(&args.model, args.approve, &file, &config::teams(&file)?)?;
+    if let Some(word) = args
+        .flags
+        .termination
+        .as_ref()
+        .or(file.task.termination.as_ref())
+    {
         anyhow::ensure!(
             !word.trim().is_empty(),
             "the termination string must not be empty"
         );
     }
-    if args.max_turns == Some(0) {
+    if args.flags.max_turns == Some(0) {
         anyhow::bail!("--max-turns must be at least 1");
     }
-    spec.max_turns = args.max_turns;
+    spec.max_turns = args.flags.max_turns;
     let executors = resolve_executors(&mut spec, args, &file).await?;
     let names = executors.names().into_iter().map(str::to_owned).collect();
     let defaults = TaskDefaults {
-        executor: config::executor_name(args.executor.as_deref(), &file),
+        executor: config::executor_name(args.flags.executor.as_deref(), &file),
         max_turns: file.task.max_turns,
         timeout: task_timeout(args, &file)?,
         termination: file
@@ -133,7 +212,7 @@ async fn run_here(args: &RunArgs, file: FileConfig) -> Result<u8> {
             .clone()
             .unwrap_or_else(|| tandem_agent::DEFAULT_TERMINATION.to_owned()),
         system_prompt: tandem_agent::DEFAULT_SYSTEM_PROMPT.to_owned(),
-        limits: config::limits(&file, args.block_timeout)?,
+        limits: config::limits(&file, args.flags.block_timeout)?,
     };
     let planner = Planner::new(PlannerConfig {
         model: config::model_config(&args.model, &file)?,
@@ -157,7 +236,7 @@ async fn run_here(args: &RunArgs, file: FileConfig) -> Result<u8> {
     let mut planned = planner
         .plan(&spec, start)
         .map_err(|info| anyhow::anyhow!("{}", info.message))?;
-    if let Some(path) = &args.team {
+    if let Some(path) = &args.flags.team {
         planned = planned.team_label(format!("team {}", path.display()));
     }
 
@@ -183,7 +262,7 @@ async fn resolve_executors(
     args: &RunArgs,
     file: &FileConfig,
 ) -> Result<Registry> {
-    let default = config::executor_name(args.executor.as_deref(), file);
+    let default = config::executor_name(args.flags.executor.as_deref(), file);
     let mut asked = Vec::new();
     if let Some(team) = &spec.team {
         for agent in std::iter::once(&team.team).chain(team.agents.values()) {
@@ -229,59 +308,12 @@ async fn resolve_executors(
     Ok(registry)
 }
 
-/// The task `args` ask for, as a daemon is sent it: the task's text and what it names, with
-/// the system prompt read and a team file read and checked (within `bounds`), so a mistake
-/// in either is told with its path.
-fn task_spec(args: &RunArgs, file: &FileConfig, bounds: &TeamBounds) -> Result<TaskSpec> {
-    let system_prompt =
-        match args
-            .system_prompt
-            .as_ref()
-            .or(file.task.system_prompt_file.as_ref())
-        {
-            Some(path) => Some(std::fs::read_to_string(path).with_context(|| {
-                format!("cannot read the system prompt file {}", path.display())
-            })?),
-            None => None,
-        };
-    Ok(TaskSpec {
-        task: args.task.clone(),
-        executor: args.executor.clone(),
-        model: args.model.model.clone(),
-        base_url: args.model.base_url.clone(),
-        system_prompt,
-        termination: args.termination.clone(),
-        languages: (!args.languages.is_empty()).then(|| args.languages.clone()),
-        team: args
-            .team
-            .as_deref()
-            .map(|path| crate::team::load_spec(path, bounds))
-            .transpose()?,
-        approval: args.approve.then(always),
-        ..TaskSpec::default()
-    })
-}
-
 async fn through_daemon(
     client: &crate::client::Client,
     args: &RunArgs,
     file: &FileConfig,
 ) -> Result<u8> {
-    let whole_secs = |secs: f64, flag: &str| -> Result<u64> {
-        let d = config::secs_to_duration(secs, flag)?;
-        Ok(d.as_secs().max(1))
-    };
-    // A team is checked here within the ceilings only: the daemon knows its own bounds.
-    let mut spec = task_spec(args, file, &TeamBounds::CEILINGS)?;
-    spec.max_turns = args.max_turns;
-    spec.timeout_secs = args
-        .timeout
-        .map(|s| whole_secs(s, "--timeout"))
-        .transpose()?;
-    spec.block_timeout_secs = args
-        .block_timeout
-        .map(|s| whole_secs(s, "--block-timeout"))
-        .transpose()?;
+    let spec = args.flags.daemon_spec(&args.model, args.approve, file)?;
     let id = client.submit(&spec).await?;
     crate::follow::follow_approving(client, &id, Mode::json(args.json), args.approve).await
 }
@@ -296,7 +328,7 @@ fn always() -> ApprovalPolicy {
 
 /// The whole-task wall-clock limit: `--timeout`, else `[task] timeout_secs`.
 pub(crate) fn task_timeout(args: &RunArgs, file: &FileConfig) -> Result<Option<Duration>> {
-    Ok(match (args.timeout, file.task.timeout_secs) {
+    Ok(match (args.flags.timeout, file.task.timeout_secs) {
         (Some(secs), _) => Some(config::secs_to_duration(secs, "--timeout")?),
         (None, Some(secs)) => Some(Duration::from_secs(secs)),
         (None, None) => None,
@@ -330,7 +362,7 @@ pub(crate) fn transcript(
 /// Whether the daemon refused a task only because it does not offer `local`, which this
 /// process can run on the user's own behalf.
 fn local_refused(e: &anyhow::Error, args: &RunArgs, file: &FileConfig) -> bool {
-    config::executor_name(args.executor.as_deref(), file) == "local"
+    config::executor_name(args.flags.executor.as_deref(), file) == "local"
         && e.downcast_ref::<crate::client::Refused>()
             .is_some_and(|r| r.code == tandem_protocol::ApiErrorCode::NotAllowed)
 }

@@ -2,38 +2,28 @@
 
 use anyhow::Result;
 use serde_json::Value;
-use tandem_protocol::{StopReason, TaskList, TaskRecord, TaskSpec, TaskView};
+use tandem_protocol::{StopReason, TaskList, TaskRecord, TaskView};
 
 use crate::client::{Client, HostFlag, typed};
+use crate::config::{FileConfig, ModelFlags};
 use crate::exit;
 use crate::follow::follow;
 use crate::render::{Mode, Renderer};
+use crate::run::TaskFlags;
 
 #[derive(Debug, clap::Args)]
 pub struct SubmitArgs {
-    /// The task, in words
-    task: String,
-    /// Executor that runs the code (the daemon's default when absent)
-    #[arg(long, short = 'e')]
-    executor: Option<String>,
+    #[command(flatten)]
+    flags: TaskFlags,
     /// Model name (the daemon's when absent)
     #[arg(long)]
     model: Option<String>,
     /// OpenAI-compatible API base URL (the daemon's when absent)
     #[arg(long)]
     base_url: Option<String>,
-    /// Most assistant turns
+    /// Every code block waits for `tandem approve` (or `deny`) before it runs
     #[arg(long)]
-    max_turns: Option<u32>,
-    /// Wall-clock limit for the whole task, in seconds
-    #[arg(long)]
-    timeout: Option<u64>,
-    /// Run only blocks in this language (repeat for more) [default: all the executor runs]
-    #[arg(long = "language", short = 'l', value_name = "LANGUAGE")]
-    languages: Vec<String>,
-    /// Solve the task with this team of agents (a team file: docs/teams.md)
-    #[arg(long)]
-    team: Option<std::path::PathBuf>,
+    approve: bool,
     /// Wait for the task and show it as it runs; exit as `tandem run` does
     #[arg(long)]
     wait: bool,
@@ -44,23 +34,14 @@ pub struct SubmitArgs {
     host: HostFlag,
 }
 
-pub async fn submit(args: SubmitArgs) -> Result<u8> {
+pub async fn submit(args: SubmitArgs, file: &FileConfig) -> Result<u8> {
     let client = Client::new(&args.host)?;
-    let spec = TaskSpec {
-        task: args.task,
-        executor: args.executor,
+    let model = ModelFlags {
         model: args.model,
         base_url: args.base_url,
-        max_turns: args.max_turns,
-        timeout_secs: args.timeout,
-        languages: (!args.languages.is_empty()).then_some(args.languages),
-        team: args
-            .team
-            .as_deref()
-            .map(|path| crate::team::load_spec(path, &tandem_protocol::team::TeamBounds::CEILINGS))
-            .transpose()?,
-        ..TaskSpec::default()
+        no_stream: false,
     };
+    let spec = args.flags.daemon_spec(&model, args.approve, file)?;
     let id = client.submit(&spec).await?;
     if args.wait {
         return follow(&client, &id, Mode::json(args.json)).await;

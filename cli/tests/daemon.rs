@@ -336,6 +336,52 @@ async fn a_task_runs_only_its_languages_within_its_own_tighter_limits() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn submit_sends_what_run_sends_a_daemon() {
+    let code = "print(1)".to_owned();
+    let server = ScriptedOpenAi::start(two_turns([("asked".to_owned(), code)]))
+        .await
+        .unwrap();
+    let d = start(&server, &[]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let prompt = dir.path().join("prompt.txt");
+    std::fs::write(&prompt, "You are terse. Languages: {languages}").unwrap();
+    let prompt = prompt.to_str().unwrap();
+    let flags = [
+        "--max-turns",
+        "3",
+        "--timeout",
+        "90.5",
+        "--block-timeout",
+        "7",
+        "--termination",
+        "FIN",
+        "--system-prompt",
+        prompt,
+        "-l",
+        "python",
+        "--approve",
+        "asked",
+    ];
+    let (code, out, err) = d.cli(&[&["submit"][..], &flags].concat()).await;
+    assert_eq!(code, 0, "{err}");
+    let id = out.trim();
+    let task = d.get(&format!("/v1/tasks/{id}")).await;
+    let spec = &task["spec"];
+    assert_eq!(spec["max_turns"], 3, "{spec}");
+    assert_eq!(spec["timeout_secs"], 90, "{spec}");
+    assert_eq!(spec["block_timeout_secs"], 7, "{spec}");
+    assert_eq!(spec["termination"], "FIN", "{spec}");
+    assert_eq!(
+        spec["system_prompt"], "You are terse. Languages: {languages}",
+        "{spec}"
+    );
+    assert_eq!(spec["languages"], json!(["python"]), "{spec}");
+    assert_eq!(spec["approval"]["mode"], "always", "{spec}");
+    let (code, _, err) = d.cli(&["cancel", id]).await;
+    assert_eq!(code, 0, "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_streamed_reply_is_stored_in_a_few_rows_not_one_per_piece() {
     // 13 pieces of 24 characters, 10 ms apart: a model streaming its tokens.
     let text = format!("{}\nTERMINATE", "The answer is forty-two. ".repeat(12));
