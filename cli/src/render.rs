@@ -204,7 +204,7 @@ impl<W: Write> Renderer<W> {
                     "tandem · model {model} at {base_url} · executor {executor}{place}"
                 ))
             }
-            EventMsg::TurnStarted { turn } => {
+            EventMsg::TurnStarted { turn, agent: None } => {
                 self.streamed = false;
                 self.rule(&format!("assistant · turn {turn}"))
             }
@@ -212,7 +212,10 @@ impl<W: Write> Renderer<W> {
                 let (indent, name) = speaker(agent);
                 self.rule_at(&indent, &format!("{name} ended: {by}"))
             }
-            EventMsg::AgentTurn { turn, agent } => {
+            EventMsg::TurnStarted {
+                turn,
+                agent: Some(agent),
+            } => {
                 self.streamed = false;
                 let (indent, name) = speaker(agent);
                 self.rule_at(&indent, &format!("{name} · turn {turn}"))

@@ -237,7 +237,7 @@ async fn an_escalation_ends_only_the_innermost_loop() {
     let events = events_of(&out);
     let speakers: Vec<String> = events
         .iter()
-        .filter(|e| e["type"] == "agent_turn")
+        .filter(|e| e["type"] == "turn_started")
         .map(|e| e["agent"].as_str().unwrap().to_owned())
         .collect();
     // The loop ended at the critic's STOP; the sequence went on to the summariser.
@@ -890,7 +890,7 @@ async fn run_with_a_team_goes_to_the_daemon_when_one_answers() {
     assert_eq!(stored["spec"]["task"], task);
     assert_eq!(stored["spec"]["team"]["team"]["kind"], "chat", "{stored}");
     assert_eq!(stored["stop_reason"], "terminated", "{stored}");
-    // A team's model calls are timed as a pair's are (its turns are `agent_turn` events).
+    // A team's model calls are timed as a pair's are.
     let metrics = d.text("/metrics").await;
     let calls = metrics
         .lines()

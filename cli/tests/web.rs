@@ -420,7 +420,7 @@ fn fill_store(path: &Path, tasks: usize, events: usize) -> String {
     // Ten events a turn, as a real one: streamed text, the reply, a block, its output.
     while msgs.len() + 10 < events {
         turn += 1;
-        msgs.push(EventMsg::TurnStarted { turn });
+        msgs.push(EventMsg::TurnStarted { turn, agent: None });
         for piece in ["Let me ", "compute it ", "with code."] {
             msgs.push(EventMsg::AssistantDelta {
                 turn,
@@ -471,7 +471,10 @@ fn fill_store(path: &Path, tasks: usize, events: usize) -> String {
         });
     }
     while msgs.len() + 1 < events {
-        msgs.push(EventMsg::TurnStarted { turn: turn + 1 });
+        msgs.push(EventMsg::TurnStarted {
+            turn: turn + 1,
+            agent: None,
+        });
     }
     msgs.push(finished(turn));
     for m in msgs {
@@ -486,9 +489,9 @@ fn fill_store(path: &Path, tasks: usize, events: usize) -> String {
     ));
     let said = |turn, agent: &str, text: &str| {
         [
-            EventMsg::AgentTurn {
+            EventMsg::TurnStarted {
                 turn,
-                agent: agent.to_owned(),
+                agent: Some(agent.to_owned()),
             },
             EventMsg::AssistantMessage {
                 turn,

@@ -98,7 +98,7 @@ pub struct Event {
     /// Milliseconds since the Unix epoch when the event was made.
     pub at_ms: u64,
     /// In a team, the path of the agent whose event it is (`team/refine/critic`); see
-    /// [`Speakers`]. (Not `agent`: `agent_turn` and `team_ended` have a field of that name.)
+    /// [`Speakers`]. (Not `agent`: `turn_started` and `team_ended` have a field of that name.)
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
     /// What happened.
@@ -106,8 +106,8 @@ pub struct Event {
     pub msg: EventMsg,
 }
 
-/// Which agent of a team each event belongs to, from the `agent_turn` events before it: the
-/// latest `agent_turn` of an event's turn names its agent.
+/// Which agent of a team each event belongs to, from the `turn_started` events before it: the
+/// latest `turn_started` of an event's turn names its agent.
 #[derive(Clone, Debug, Default)]
 pub struct Speakers {
     by_turn: std::collections::HashMap<u32, String>,
@@ -117,7 +117,10 @@ impl Speakers {
     /// The agent `msg` belongs to, if it is part of an agent's turn in a team.
     pub fn agent_of(&mut self, msg: &EventMsg) -> Option<String> {
         let turn = match msg {
-            EventMsg::AgentTurn { turn, agent } => {
+            EventMsg::TurnStarted {
+                turn,
+                agent: Some(agent),
+            } => {
                 self.by_turn.insert(*turn, agent.clone());
                 return Some(agent.clone());
             }
@@ -152,10 +155,17 @@ pub enum EventMsg {
         /// Executor name used.
         executor: String,
     },
-    /// The assistant is being asked for turn `turn`.
+    /// Turn `turn` starts: the assistant of a pair is asked for its reply, or, in a team,
+    /// `agent` takes the turn (the team's running count), and the events that follow, up to
+    /// the next of these, are its own. One event for both; a team's was called `agent_turn`,
+    /// which is still read as this.
+    #[serde(alias = "agent_turn")]
     TurnStarted {
         /// Turn number, starting at 1.
         turn: u32,
+        /// In a team, the agent's path from the top of the team (`team/refine/critic`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        agent: Option<String>,
     },
     /// In a team, a chat or a loop ended, and why (the condition that fired, an escalation,
     /// its iteration limit).
@@ -164,14 +174,6 @@ pub enum EventMsg {
         agent: String,
         /// What ended it, in words (`mention APPROVED by reviewer`, `critic said STOP`).
         by: String,
-    },
-    /// In a team, an agent takes turn `turn` (the team's running count); the events that
-    /// follow, up to the next of these, are its own.
-    AgentTurn {
-        /// Turn number, starting at 1.
-        turn: u32,
-        /// The agent's path from the top of the team (`team/refine/critic`).
-        agent: String,
     },
     /// A streamed piece of the assistant's reply.
     AssistantDelta {

@@ -239,3 +239,33 @@ mod tests {
         assert_eq!(newer, ApiErrorCode::Other);
     }
 }
+
+#[cfg(test)]
+mod dialect {
+    use crate::{Event, EventMsg};
+
+    #[test]
+    fn a_pair_and_a_team_start_turns_with_one_event_and_old_team_events_still_read() {
+        let pair = EventMsg::TurnStarted {
+            turn: 1,
+            agent: None,
+        };
+        // The pair's event is what it always was on the wire.
+        assert_eq!(
+            serde_json::to_value(&pair).unwrap(),
+            serde_json::json!({"type": "turn_started", "turn": 1})
+        );
+        let stored = r#"{"seq":4,"at_ms":9,"type":"agent_turn","turn":3,"agent":"team/coder"}"#;
+        let event: Event = serde_json::from_str(stored).unwrap();
+        assert_eq!(
+            event.msg,
+            EventMsg::TurnStarted {
+                turn: 3,
+                agent: Some("team/coder".to_owned()),
+            }
+        );
+        let served = serde_json::to_value(&event).unwrap();
+        assert_eq!(served["type"], "turn_started");
+        assert_eq!(served["agent"], "team/coder");
+    }
+}

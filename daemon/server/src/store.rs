@@ -704,8 +704,22 @@ mod tests {
             let stored = store
                 .apply(&[
                     Change::State("a".into(), TaskState::Running, 3),
-                    Change::Event("a".into(), EventMsg::TurnStarted { turn: 1 }, 4),
-                    Change::Event("b".into(), EventMsg::TurnStarted { turn: 1 }, 4),
+                    Change::Event(
+                        "a".into(),
+                        EventMsg::TurnStarted {
+                            turn: 1,
+                            agent: None,
+                        },
+                        4,
+                    ),
+                    Change::Event(
+                        "b".into(),
+                        EventMsg::TurnStarted {
+                            turn: 1,
+                            agent: None,
+                        },
+                        4,
+                    ),
                     Change::Event(
                         "a".into(),
                         EventMsg::AssistantMessage {
@@ -745,7 +759,10 @@ mod tests {
         let next = store
             .apply(&[Change::Event(
                 "a".into(),
-                EventMsg::TurnStarted { turn: 2 },
+                EventMsg::TurnStarted {
+                    turn: 2,
+                    agent: None,
+                },
                 6,
             )])
             .unwrap();
@@ -838,7 +855,14 @@ mod tests {
             let bad = store.apply(&[
                 Change::Event("c".into(), done(1), 4),
                 Change::State("a".into(), TaskState::Running, 4),
-                Change::Event("missing".into(), EventMsg::TurnStarted { turn: 1 }, 4),
+                Change::Event(
+                    "missing".into(),
+                    EventMsg::TurnStarted {
+                        turn: 1,
+                        agent: None,
+                    },
+                    4,
+                ),
             ]);
             assert!(bad.is_err());
             assert_eq!(counts(&store), [2, 1, 0, 0, 1]);

@@ -394,8 +394,7 @@ impl Supervisor {
         let turn_started = Mutex::new(None::<Instant>);
         let sink = Arc::new(move |msg: EventMsg| {
             match &msg {
-                // A pair says `turn_started`, a team `agent_turn`: either starts a reply.
-                EventMsg::TurnStarted { .. } | EventMsg::AgentTurn { .. } => {
+                EventMsg::TurnStarted { .. } => {
                     if let Ok(mut t) = turn_started.lock() {
                         *t = Some(Instant::now());
                     }

@@ -363,7 +363,13 @@ mod tests {
             ("a", delta(1, "Hel")),
             ("b", delta(1, "x")),
             ("a", delta(1, "lo")),
-            ("b", EventMsg::TurnStarted { turn: 2 }),
+            (
+                "b",
+                EventMsg::TurnStarted {
+                    turn: 2,
+                    agent: None,
+                },
+            ),
             ("a", delta(2, "next turn")),
             ("b", delta(2, "y")),
             ("a", output(1, OutputStream::Stdout, "1\n")),
@@ -387,7 +393,10 @@ mod tests {
             got["b"],
             [
                 delta(1, "x"),
-                EventMsg::TurnStarted { turn: 2 },
+                EventMsg::TurnStarted {
+                    turn: 2,
+                    agent: None
+                },
                 delta(2, "y")
             ]
         );
@@ -398,7 +407,13 @@ mod tests {
         let big = "x".repeat(MAX_MERGED);
         let got = events_of(vec![
             ("a", delta(1, "one")),
-            ("a", EventMsg::TurnStarted { turn: 1 }),
+            (
+                "a",
+                EventMsg::TurnStarted {
+                    turn: 1,
+                    agent: None,
+                },
+            ),
             ("a", delta(1, "two")),
             ("a", delta(1, &big)),
         ]);
@@ -406,7 +421,10 @@ mod tests {
             got["a"],
             [
                 delta(1, "one"),
-                EventMsg::TurnStarted { turn: 1 },
+                EventMsg::TurnStarted {
+                    turn: 1,
+                    agent: None
+                },
                 delta(1, "two"),
                 delta(1, &big),
             ]
@@ -466,7 +484,10 @@ mod tests {
             .unwrap();
         tx.send(Write::Event(
             "a".into(),
-            EventMsg::TurnStarted { turn: 2 },
+            EventMsg::TurnStarted {
+                turn: 2,
+                agent: None,
+            },
             4,
         ))
         .unwrap();
@@ -493,7 +514,13 @@ mod tests {
                 .collect::<Vec<_>>(),
             [
                 (1, delta(1, "kept")),
-                (2, EventMsg::TurnStarted { turn: 2 })
+                (
+                    2,
+                    EventMsg::TurnStarted {
+                        turn: 2,
+                        agent: None
+                    }
+                )
             ]
         );
         assert_eq!(store.get("a").unwrap().unwrap().state, TaskState::Running);

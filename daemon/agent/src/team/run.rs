@@ -251,7 +251,7 @@ impl Team {
 
     /// Counts and tells turns as the two-agent pair does: only assistants' turns count
     /// against `max_turns`, each is announced by `turn_started`, an executor's reply shares
-    /// the number of the turn it answers, and no `agent_turn` or `team_ended` is told.
+    /// the number of the turn it answers, and no agent or `team_ended` is told.
     pub fn exchange_turns(mut self) -> Self {
         self.exchange_turns = true;
         self
@@ -352,14 +352,17 @@ pub fn executor_slot(
 }
 
 /// What a team's stored events say each agent said, in order: the replay for a resume. A
-/// turn that was cut off (no message after its `agent_turn`) is not in it, so it runs again.
+/// turn that was cut off (no message after its `turn_started`) is not in it, so it runs again.
 pub fn replay_of(events: &[EventMsg]) -> Vec<(String, String)> {
     let mut said = Vec::new();
     // By turn: parallel members' events interleave, and each message names its turn.
     let mut speaking: HashMap<u32, &str> = HashMap::new();
     for e in events {
         match e {
-            EventMsg::AgentTurn { turn, agent } => {
+            EventMsg::TurnStarted {
+                turn,
+                agent: Some(agent),
+            } => {
                 speaking.insert(*turn, agent);
             }
             EventMsg::AssistantMessage { turn, text, .. }
@@ -450,14 +453,9 @@ impl Ctx<'_> {
             return Ok(self.shared.turns.load(Ordering::SeqCst));
         }
         let turn = self.count_turn()?;
-        (self.events)(if self.team.exchange_turns {
-            EventMsg::TurnStarted { turn }
-        } else {
-            EventMsg::AgentTurn {
-                turn,
-                agent: node.path.clone(),
-            }
-        });
+        // A pair's turns are exchanges, and name no agent.
+        let agent = (!self.team.exchange_turns).then(|| node.path.clone());
+        (self.events)(EventMsg::TurnStarted { turn, agent });
         Ok(turn)
     }
 
@@ -934,9 +932,9 @@ impl Ctx<'_> {
             return Ok(answer);
         }
         let turn = self.shared.turns.load(Ordering::SeqCst);
-        (self.events)(EventMsg::AgentTurn {
+        (self.events)(EventMsg::TurnStarted {
             turn,
-            agent: path.to_owned(),
+            agent: Some(path.to_owned()),
         });
         let task = history.first().map_or("", |s| s.text.as_str());
         let messages = [
@@ -1040,9 +1038,9 @@ mod tests {
 
     #[test]
     fn a_replay_attributes_interleaved_messages_by_turn() {
-        let turn = |turn, agent: &str| EventMsg::AgentTurn {
+        let turn = |turn, agent: &str| EventMsg::TurnStarted {
             turn,
-            agent: agent.to_owned(),
+            agent: Some(agent.to_owned()),
         };
         let says = |turn, text: &str| EventMsg::AssistantMessage {
             turn,

@@ -766,8 +766,7 @@
     // One handler per event type; each adds to the DOM, none reads layout.
     const HANDLERS = {
       task_started: (ev) => top(note(`model ${ev.model} at ${ev.base_url} · executor ${ev.executor}`, 'start')),
-      turn_started: (ev) => newTurn(ev.turn, ev.path || null),
-      agent_turn: (ev) => newTurn(ev.turn, ev.agent),
+      turn_started: (ev) => newTurn(ev.turn, ev.agent || ev.path || null),
       team_ended: (ev) => top(note(`${ev.agent} ended: ${ev.by}`, 'team-end')),
       assistant_delta: (ev) => textOf(turnOf(ev)).appendData(ev.text),
       model_retry(ev) {
