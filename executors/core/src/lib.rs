@@ -21,6 +21,7 @@
 //! A third-party executor depends on this crate alone; see `examples/custom-executor`.
 #![deny(missing_docs)]
 
+pub mod archive;
 pub mod budget;
 mod capture;
 mod error;

@@ -1,0 +1,468 @@
+//! Files into and out of a session's workspace as tar archives: the form files take through
+//! the API, the CLI and (later) a container engine's archive calls.
+//!
+//! Both directions are resolved beneath the workspace's directory handle (`cap-std`), so a
+//! link that code in the session planted cannot lead a write or a read out of it. An archive
+//! going in may hold only regular files and directories, under relative paths with no `..`;
+//! links, devices, FIFOs and sparse entries are refused by name, and its size is counted as
+//! it is read, whatever its headers claim. An archive coming out holds the regular files and
+//! directories there, never following a link.
+
+use std::io::{Read, Write};
+use std::path::{Component, Path, PathBuf};
+
+use cap_std::ambient_authority;
+use cap_std::fs::Dir;
+
+/// How much one archive may bring in or take out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ArchiveCaps {
+    /// Most bytes of file content, in all.
+    pub max_bytes: u64,
+    /// Most entries (files and directories).
+    pub max_entries: usize,
+}
+
+impl Default for ArchiveCaps {
+    fn default() -> Self {
+        Self {
+            max_bytes: 256 << 20,
+            max_entries: 10_000,
+        }
+    }
+}
+
+/// A file that went into the workspace, or came out of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArchivedFile {
+    /// Its path, relative to the workspace.
+    pub path: PathBuf,
+    /// Its size in bytes.
+    pub bytes: u64,
+}
+
+/// Why an archive was refused; each names the entry and what to send instead.
+#[derive(Debug, thiserror::Error)]
+pub enum ArchiveError {
+    /// A path that is absolute, holds `..`, or names nothing.
+    #[error("`{0}` is not a path inside the workspace: use a relative path without `..`")]
+    Outside(String),
+    /// An entry that is not a regular file or a directory.
+    #[error("`{path}` is a {kind}; only regular files and directories can go into a workspace")]
+    Kind {
+        /// The entry.
+        path: String,
+        /// What it is (`symbolic link`, `device`, ...).
+        kind: &'static str,
+    },
+    /// Past [`ArchiveCaps::max_bytes`].
+    #[error("the files are over the {max} byte limit (at `{path}`)")]
+    TooLarge {
+        /// The entry that went past it.
+        path: String,
+        /// The limit.
+        max: u64,
+    },
+    /// Past [`ArchiveCaps::max_entries`].
+    #[error("the archive has more than {0} entries")]
+    TooMany(usize),
+    /// A link on the way that leads out of the workspace, or any other failure there.
+    #[error("`{path}`: {source}")]
+    Io {
+        /// The entry.
+        path: String,
+        /// What failed.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The archive itself does not read as tar.
+    #[error("the archive is not a tar archive: {0}")]
+    Malformed(std::io::Error),
+}
+
+/// Puts the regular files and directories of the tar archive `archive` into `workspace`,
+/// beneath it only; a file already there is replaced. Returns the files placed.
+pub fn unpack_into(
+    workspace: &Path,
+    archive: impl Read,
+    caps: ArchiveCaps,
+) -> Result<Vec<ArchivedFile>, ArchiveError> {
+    let dir = open(workspace)?;
+    let mut archive = tar::Archive::new(archive);
+    let mut placed = Vec::new();
+    let (mut entries, mut bytes) = (0usize, 0u64);
+    for entry in archive.entries().map_err(ArchiveError::Malformed)? {
+        let mut entry = entry.map_err(ArchiveError::Malformed)?;
+        entries += 1;
+        if entries > caps.max_entries {
+            return Err(ArchiveError::TooMany(caps.max_entries));
+        }
+        let raw = entry.path_bytes().into_owned();
+        let shown = String::from_utf8_lossy(&raw).into_owned();
+        let rel = inside(&shown)?;
+        let kind = entry.header().entry_type();
+        let io = |source| ArchiveError::Io {
+            path: shown.clone(),
+            source,
+        };
+        if kind.is_dir() {
+            dir.create_dir_all(&rel).map_err(io)?;
+            continue;
+        }
+        if !kind.is_file() {
+            return Err(ArchiveError::Kind {
+                path: shown,
+                kind: kind_name(kind),
+            });
+        }
+        // Checked against the header first, so a huge claim is refused before anything is
+        // written, and again as bytes arrive, so a header that lies is no way round it.
+        let left = caps.max_bytes.saturating_sub(bytes);
+        let too_large = || ArchiveError::TooLarge {
+            path: shown.clone(),
+            max: caps.max_bytes,
+        };
+        if entry.header().size().map_err(ArchiveError::Malformed)? > left {
+            return Err(too_large());
+        }
+        if let Some(parent) = rel.parent().filter(|p| !p.as_os_str().is_empty()) {
+            dir.create_dir_all(parent).map_err(io)?;
+        }
+        // A link (or anything else) at the file's own name is replaced, not written through.
+        if dir
+            .symlink_metadata(&rel)
+            .is_ok_and(|m| !m.file_type().is_file())
+        {
+            dir.remove_file(&rel).map_err(io)?;
+        }
+        let mut file = dir.create(&rel).map_err(io)?;
+        let copied = std::io::copy(&mut (&mut entry).take(left + 1), &mut file).map_err(io)?;
+        if copied > left {
+            drop(file);
+            let _ = dir.remove_file(&rel);
+            return Err(too_large());
+        }
+        bytes += copied;
+        placed.push(ArchivedFile {
+            path: rel,
+            bytes: copied,
+        });
+    }
+    Ok(placed)
+}
+
+/// Writes the regular files and directories at `rel` in `workspace` (the whole workspace
+/// when `rel` is empty or `.`) to `out` as a tar archive; links are left out, never
+/// followed. Returns the files written.
+pub fn pack(
+    workspace: &Path,
+    rel: &str,
+    out: impl Write,
+    caps: ArchiveCaps,
+) -> Result<Vec<ArchivedFile>, ArchiveError> {
+    let dir = open(workspace)?;
+    let start = match rel.trim() {
+        "" | "." => PathBuf::new(),
+        other => inside(other)?,
+    };
+    let mut builder = tar::Builder::new(out);
+    builder.follow_symlinks(false);
+    let mut packed = Vec::new();
+    let (mut entries, mut bytes) = (0usize, 0u64);
+    let mut stack = vec![start];
+    while let Some(path) = stack.pop() {
+        let shown = path.display().to_string();
+        let io = |source| ArchiveError::Io {
+            path: shown.clone(),
+            source,
+        };
+        let meta = if path.as_os_str().is_empty() {
+            dir.dir_metadata().map_err(io)?
+        } else {
+            dir.symlink_metadata(&path).map_err(io)?
+        };
+        entries += 1;
+        if entries > caps.max_entries {
+            return Err(ArchiveError::TooMany(caps.max_entries));
+        }
+        let mut header = tar::Header::new_gnu();
+        header.set_mode(0o644);
+        header.set_mtime(0);
+        if meta.is_dir() {
+            let sub = if path.as_os_str().is_empty() {
+                dir.try_clone().map_err(io)?
+            } else {
+                dir.open_dir(&path).map_err(io)?
+            };
+            if !path.as_os_str().is_empty() {
+                header.set_entry_type(tar::EntryType::Directory);
+                header.set_mode(0o755);
+                header.set_size(0);
+                builder
+                    .append_data(&mut header, &path, std::io::empty())
+                    .map_err(io)?;
+            }
+            let mut names: Vec<PathBuf> = sub
+                .entries()
+                .map_err(io)?
+                .filter_map(Result::ok)
+                .map(|e| path.join(e.file_name()))
+                .collect();
+            names.sort();
+            stack.extend(names.into_iter().rev());
+        } else if meta.is_file() {
+            let size = meta.len();
+            if size > caps.max_bytes.saturating_sub(bytes) {
+                return Err(ArchiveError::TooLarge {
+                    path: shown,
+                    max: caps.max_bytes,
+                });
+            }
+            let file = dir.open(&path).map_err(io)?;
+            // Opened by name beneath the handle: a link swapped in since the check leads
+            // nowhere outside, and only what was measured is read.
+            header.set_entry_type(tar::EntryType::Regular);
+            header.set_size(size);
+            builder
+                .append_data(&mut header, &path, file.take(size))
+                .map_err(io)?;
+            bytes += size;
+            packed.push(ArchivedFile { path, bytes: size });
+        }
+        // Links, sockets, FIFOs and devices stay where they are.
+    }
+    builder.finish().map_err(|source| ArchiveError::Io {
+        path: rel.to_owned(),
+        source,
+    })?;
+    Ok(packed)
+}
+
+fn open(workspace: &Path) -> Result<Dir, ArchiveError> {
+    Dir::open_ambient_dir(workspace, ambient_authority()).map_err(|source| ArchiveError::Io {
+        path: workspace.display().to_string(),
+        source,
+    })
+}
+
+/// `path` as a relative path of plain names (a `.` is dropped); anything else is refused.
+fn inside(path: &str) -> Result<PathBuf, ArchiveError> {
+    let mut clean = PathBuf::new();
+    for comp in Path::new(path).components() {
+        match comp {
+            Component::Normal(part) => clean.push(part),
+            Component::CurDir => {}
+            Component::ParentDir | Component::RootDir | Component::Prefix(_) => {
+                return Err(ArchiveError::Outside(path.to_owned()));
+            }
+        }
+    }
+    if clean.as_os_str().is_empty() {
+        return Err(ArchiveError::Outside(path.to_owned()));
+    }
+    Ok(clean)
+}
+
+fn kind_name(kind: tar::EntryType) -> &'static str {
+    match kind {
+        tar::EntryType::Symlink => "symbolic link",
+        tar::EntryType::Link => "hard link",
+        tar::EntryType::Char | tar::EntryType::Block => "device",
+        tar::EntryType::Fifo => "FIFO",
+        tar::EntryType::GNUSparse => "sparse file",
+        _ => "special entry",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tar archive of `entries`, each written with its header as given (no checks: the
+    /// archive an attacker would send).
+    fn archive(entries: &[(&str, tar::EntryType, &[u8], u64)]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (path, kind, data, claimed) in entries {
+            let mut header = tar::Header::new_gnu();
+            header.set_entry_type(*kind);
+            header.set_size(*claimed);
+            header.set_mode(0o644);
+            let name = path.as_bytes();
+            header.as_old_mut().name[..name.len()].copy_from_slice(name);
+            if *kind == tar::EntryType::Symlink {
+                header.set_link_name("/etc/passwd").unwrap();
+            }
+            if *kind == tar::EntryType::GNUSparse {
+                // A terabyte of holes in no bytes at all.
+                let gnu = header.as_gnu_mut().unwrap();
+                gnu.set_real_size(1 << 40);
+                gnu.sparse[0].set_offset(1 << 40);
+                gnu.sparse[0].set_length(0);
+            }
+            header.set_cksum();
+            out.extend_from_slice(header.as_bytes());
+            out.extend_from_slice(data);
+            out.resize(out.len().div_ceil(512) * 512, 0);
+        }
+        out.resize(out.len() + 1024, 0);
+        out
+    }
+
+    fn file(
+        path: &'static str,
+        data: &'static [u8],
+    ) -> (&'static str, tar::EntryType, &'static [u8], u64) {
+        (path, tar::EntryType::Regular, data, data.len() as u64)
+    }
+
+    fn workspace() -> (tempfile::TempDir, PathBuf) {
+        let base = tempfile::tempdir().unwrap();
+        let ws = base.path().join("ws");
+        std::fs::create_dir(&ws).unwrap();
+        (base, ws)
+    }
+
+    #[test]
+    fn files_and_directories_go_in_and_come_out_the_same() {
+        let (_base, ws) = workspace();
+        let tar = archive(&[
+            file("sales.csv", b"month,revenue\n1,10\n"),
+            ("data", tar::EntryType::Directory, b"", 0),
+            file("./data/more.txt", b"more"),
+        ]);
+        let placed = unpack_into(&ws, &tar[..], ArchiveCaps::default()).unwrap();
+        assert_eq!(
+            placed,
+            vec![
+                ArchivedFile {
+                    path: "sales.csv".into(),
+                    bytes: 19
+                },
+                ArchivedFile {
+                    path: "data/more.txt".into(),
+                    bytes: 4
+                },
+            ]
+        );
+        assert_eq!(std::fs::read(ws.join("data/more.txt")).unwrap(), b"more");
+        let mut out = Vec::new();
+        let packed = pack(&ws, ".", &mut out, ArchiveCaps::default()).unwrap();
+        assert_eq!(packed.len(), 2);
+        let (_again, copy) = workspace();
+        unpack_into(&copy, &out[..], ArchiveCaps::default()).unwrap();
+        assert_eq!(
+            std::fs::read(copy.join("sales.csv")).unwrap(),
+            b"month,revenue\n1,10\n"
+        );
+        let mut one = Vec::new();
+        let packed = pack(&ws, "data", &mut one, ArchiveCaps::default()).unwrap();
+        assert_eq!(packed[0].path, PathBuf::from("data/more.txt"));
+    }
+
+    #[test]
+    fn an_archive_cannot_place_anything_outside_or_anything_but_files() {
+        let (base, ws) = workspace();
+        let refused = |entries: &[(&str, tar::EntryType, &'static [u8], u64)]| {
+            unpack_into(&ws, &archive(entries)[..], ArchiveCaps::default())
+                .unwrap_err()
+                .to_string()
+        };
+        assert_eq!(
+            refused(&[file("../escaped.txt", b"x")]),
+            "`../escaped.txt` is not a path inside the workspace: use a relative path without `..`"
+        );
+        assert!(refused(&[file("/tmp/abs.txt", b"x")]).contains("not a path inside"));
+        assert!(refused(&[file("a/../../b", b"x")]).contains("not a path inside"));
+        assert_eq!(
+            refused(&[("link", tar::EntryType::Symlink, b"", 0)]),
+            "`link` is a symbolic link; only regular files and directories can go into a workspace"
+        );
+        assert!(refused(&[("hard", tar::EntryType::Link, b"", 0)]).contains("hard link"));
+        assert!(refused(&[("dev", tar::EntryType::Char, b"", 0)]).contains("device"));
+        assert!(refused(&[("fifo", tar::EntryType::Fifo, b"", 0)]).contains("FIFO"));
+        let sparse = refused(&[("sparse", tar::EntryType::GNUSparse, b"", 0)]);
+        assert!(sparse.contains("sparse"), "{sparse}");
+        // Nothing landed beside the workspace or in it.
+        assert!(!base.path().join("escaped.txt").exists());
+        assert_eq!(std::fs::read_dir(&ws).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn a_link_planted_in_the_workspace_leads_nowhere_outside() {
+        let (base, ws) = workspace();
+        let outside = base.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::write(outside.join("secret"), "host secret").unwrap();
+        // What code in the session could have made.
+        std::os::unix::fs::symlink(&outside, ws.join("out")).unwrap();
+        std::os::unix::fs::symlink(outside.join("secret"), ws.join("secret.txt")).unwrap();
+        let err = unpack_into(
+            &ws,
+            &archive(&[file("out/planted", b"x")])[..],
+            ArchiveCaps::default(),
+        )
+        .unwrap_err();
+        assert!(matches!(err, ArchiveError::Io { .. }), "{err}");
+        assert!(!outside.join("planted").exists());
+        // An upload at a link's name replaces the link; the host file is untouched.
+        unpack_into(
+            &ws,
+            &archive(&[file("secret.txt", b"mine")])[..],
+            ArchiveCaps::default(),
+        )
+        .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(outside.join("secret")).unwrap(),
+            "host secret"
+        );
+        assert_eq!(std::fs::read(ws.join("secret.txt")).unwrap(), b"mine");
+        // Reading out never follows a link: not the whole workspace, not one named.
+        std::os::unix::fs::symlink(outside.join("secret"), ws.join("again")).unwrap();
+        let mut out = Vec::new();
+        let packed = pack(&ws, ".", &mut out, ArchiveCaps::default()).unwrap();
+        let names: Vec<_> = packed.iter().map(|f| f.path.clone()).collect();
+        assert_eq!(names, vec![PathBuf::from("secret.txt")]);
+        assert!(!String::from_utf8_lossy(&out).contains("host secret"));
+        assert!(pack(&ws, "out/secret", std::io::sink(), ArchiveCaps::default()).is_err());
+    }
+
+    #[test]
+    fn sizes_are_counted_whatever_the_headers_claim() {
+        let (_base, ws) = workspace();
+        let caps = ArchiveCaps {
+            max_bytes: 10,
+            max_entries: 3,
+        };
+        // A header claiming a terabyte (a sparse bomb) is refused before anything is written.
+        let err = unpack_into(
+            &ws,
+            &archive(&[("huge", tar::EntryType::Regular, b"", 1 << 40)])[..],
+            caps,
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "the files are over the 10 byte limit (at `huge`)"
+        );
+        assert!(!ws.join("huge").exists());
+        // Files that fit one by one but not together.
+        let err = unpack_into(
+            &ws,
+            &archive(&[file("a", b"123456"), file("b", b"123456")])[..],
+            caps,
+        )
+        .unwrap_err();
+        assert!(matches!(err, ArchiveError::TooLarge { .. }), "{err}");
+        assert!(!ws.join("b").exists());
+        let many: Vec<_> = ["1", "2", "3", "4"].iter().map(|n| file(n, b"")).collect();
+        let err = unpack_into(&ws, &archive(&many)[..], caps).unwrap_err();
+        assert_eq!(err.to_string(), "the archive has more than 3 entries");
+        // Out, too.
+        std::fs::write(ws.join("big"), vec![b'x'; 100]).unwrap();
+        let err = pack(&ws, "big", std::io::sink(), caps).unwrap_err();
+        assert!(matches!(err, ArchiveError::TooLarge { .. }), "{err}");
+        // Not an archive at all.
+        let err = unpack_into(&ws, &b"not a tar archive, just some text"[..], caps);
+        assert!(err.is_err());
+    }
+}
