@@ -151,6 +151,7 @@ pub async fn exec(args: ExecArgs, file: FileConfig) -> Result<u8> {
             workdir: args.workdir.clone(),
             limits,
             labels: Vec::new(),
+            inputs: None,
         },
     );
     let cancel = CancellationToken::new();

@@ -8,6 +8,7 @@ mod client;
 mod config;
 mod exec;
 mod executors;
+mod files;
 mod follow;
 mod kit;
 mod model;

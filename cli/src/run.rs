@@ -124,6 +124,10 @@ pub struct RunArgs {
     /// Use this directory as the workspace and keep it
     #[arg(long)]
     pub(crate) workdir: Option<PathBuf>,
+    /// Give the task this file, or this directory whole (repeat for more): it is in the
+    /// working directory of every block, and the model is told its name, size and first lines
+    #[arg(long = "file", value_name = "PATH")]
+    pub(crate) files: Vec<PathBuf>,
     /// Print one JSON event per line
     #[arg(long)]
     pub(crate) json: bool,
@@ -147,20 +151,29 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
         crate::approve::need_terminal()?;
     }
     // A daemon that answers runs the task, a team's as well (it owns sandboxes and history);
-    // a kept --workdir or --image is this machine's business, so those run here, and say so.
+    // a kept --workdir or --image is this machine's business, and --file is not sent to a
+    // daemon yet, so those run here, and say so.
     if !args.local {
         let client = crate::client::Client::new(&args.host)?;
         let own = [
             ("--workdir", args.workdir.is_some()),
             ("--image", args.image.is_some()),
+            ("--file", !args.files.is_empty()),
         ]
         .into_iter()
         .filter_map(|(flag, given)| given.then_some(flag))
         .collect::<Vec<_>>();
         if !own.is_empty() {
             if client.reachable().await {
+                let what = if own == ["--file"] {
+                    "files of this machine"
+                } else if own.contains(&"--file") {
+                    "files, a directory or an image of this machine"
+                } else {
+                    "a directory or image of this machine"
+                };
                 eprintln!(
-                    "tandem: running in this process, not on the daemon at {}: the daemon cannot honour {} (a directory or image of this machine); the model settings are this shell's",
+                    "tandem: running in this process, not on the daemon at {}: the daemon cannot honour {} ({what}); the model settings are this shell's",
                     client.host,
                     own.join(" and ")
                 );
@@ -229,8 +242,17 @@ async fn run_here(args: &RunArgs, file: FileConfig) -> Result<u8> {
         Some((local, name)) => planner.with_local_model(local, name),
         None => planner,
     };
+    // Packed once; every session of the task unpacks it.
+    let packed = tempfile::Builder::new()
+        .prefix("tandem-files-")
+        .tempdir()
+        .context("cannot make a directory for the task's files")?;
+    let inputs = (!args.files.is_empty())
+        .then(|| crate::files::pack(&args.files, packed.path()))
+        .transpose()?;
     let start = Start {
         workdir: args.workdir.clone(),
+        inputs,
         ..Start::default()
     };
     let mut planned = planner

@@ -1112,3 +1112,55 @@ async fn characters_split_between_reads_or_by_the_cap_stay_whole_on_every_road()
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn files_given_to_a_task_are_in_its_workspace_and_the_model_is_told_of_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("sales.csv");
+    std::fs::write(&csv, "month,revenue\n1,10\n2,32\n").unwrap();
+    let notes = dir.path().join("notes");
+    std::fs::create_dir(&notes).unwrap();
+    std::fs::write(notes.join("a.txt"), "alpha\n").unwrap();
+    std::fs::write(notes.join("blob.bin"), [0u8, 159, 146, 150]).unwrap();
+    let task = "sum the revenue";
+    // Exactly what the model reads: the task, then each file with its size, and the first
+    // lines of the text ones.
+    let told = format!(
+        "{task}\n\nFiles in your working directory (the current directory):\n\
+         - sales.csv (24 bytes)\n    month,revenue\n    1,10\n    2,32\n\
+         - notes/a.txt (6 bytes)\n    alpha\n\
+         - notes/blob.bin (4 bytes)"
+    );
+    let code = "import csv\nrows = list(csv.DictReader(open('sales.csv')))\nprint(sum(int(r['revenue']) for r in rows), open('notes/a.txt').read().strip())";
+    let server = ScriptedOpenAi::start(script([(
+        told.as_str(),
+        vec![Reply::Text(fence("python", code)), Reply::from("TERMINATE")],
+    )]))
+    .await
+    .unwrap();
+    let (csv, notes) = (csv.to_str().unwrap(), notes.to_str().unwrap());
+    // On the local executor and in a Docker container alike.
+    for executor in ["local", "docker"] {
+        let out = run_task(
+            &server,
+            task,
+            &["-e", executor, "--file", csv, "--file", notes],
+        )
+        .await;
+        assert_eq!(out.code, 0, "{executor}: {}\n{}", out.stdout, out.stderr);
+        let result = &out.of_type("exec_result")[0]["result"];
+        assert_eq!(result["stdout"], "42 alpha\n", "{executor}: {}", out.stdout);
+    }
+    // The user's own files are where they were.
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("sales.csv")).unwrap(),
+        "month,revenue\n1,10\n2,32\n"
+    );
+    let missing = run_task(&server, task, &["--file", "/nonexistent/data.csv"]).await;
+    assert_eq!(missing.code, 2);
+    assert!(
+        missing.stderr.contains("--file /nonexistent/data.csv"),
+        "{}",
+        missing.stderr
+    );
+}

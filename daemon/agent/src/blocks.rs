@@ -79,10 +79,19 @@ impl SessionSlot {
         cancel: &CancellationToken,
     ) -> Result<Option<&mut Box<dyn Session>>, ExecError> {
         if self.session.is_none() {
-            let opened = tokio::select! {
+            let mut opened = tokio::select! {
                 opened = self.executor.open(self.spec.clone()) => opened?,
                 () = cancel.cancelled() => return Ok(None),
             };
+            // The task's files are there before its first block runs.
+            if let Some(inputs) = &self.spec.inputs
+                && let Err(e) = opened
+                    .put_archive(inputs, tandem_executor::archive::ArchiveCaps::default())
+                    .await
+            {
+                let _ = opened.close().await;
+                return Err(e);
+            }
             self.session = Some(opened);
         }
         Ok(self.session.as_mut())

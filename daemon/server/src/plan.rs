@@ -87,6 +87,17 @@ pub struct Start<'a> {
     pub workdir: Option<PathBuf>,
     /// The task's stored events, when it resumes; empty for a new task.
     pub events: &'a [Event],
+    /// Files the task was given, placed in every session it opens.
+    pub inputs: Option<Inputs>,
+}
+
+/// Files a task was given: a tar archive on this host, and what the model is told of them.
+#[derive(Clone, Debug)]
+pub struct Inputs {
+    /// The archive, placed in each session's workspace when it opens.
+    pub archive: PathBuf,
+    /// Their names, sizes and first lines, added to the task as the model reads it.
+    pub listing: String,
 }
 
 /// A task ready to run.
@@ -282,10 +293,14 @@ impl Planner {
             .map(|asked| allowed_languages(asked, executor.as_ref()))
             .transpose()
             .map_err(|e| invalid(e.to_string()))?;
+        if let Some(inputs) = &start.inputs {
+            settings.task = format!("{}\n\n{}", spec.task, inputs.listing);
+        }
         settings.session = SessionSpec {
             workdir: start.workdir,
             limits,
             labels: start.labels,
+            inputs: start.inputs.map(|i| i.archive),
         };
         let gate = ApprovalGate::new(&self.config.approval, spec.approval.as_ref())
             .map_err(|e| invalid(format!("approval: {e}")))?;

@@ -370,8 +370,8 @@ impl Supervisor {
         self.set_state(id, TaskState::Running);
         let start = Start {
             labels: vec![("tandem.task".to_owned(), id.to_owned())],
-            workdir: None,
             events: &events,
+            ..Start::default()
         };
         let planned = match self.planner.plan(&spec, start) {
             Ok(planned) => planned,

@@ -34,6 +34,9 @@ pub enum ExecError {
         /// How to get it.
         hint: String,
     },
+    /// Files given to the session could not be placed (or read out).
+    #[error(transparent)]
+    Files(#[from] crate::archive::ArchiveError),
     /// The workspace could not be prepared.
     #[error("workspace {path}: {source}")]
     Workspace {

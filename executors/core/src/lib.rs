@@ -89,6 +89,34 @@ pub trait Session: Send {
     fn workspace(&self) -> Option<&Path>;
     /// Releases the sandbox (processes, containers, temporary files).
     fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>>;
+    /// Places the regular files and directories of the tar archive at `archive` (on the
+    /// host) in the workspace, within `caps`. Sessions with a host workspace get this; one
+    /// without says it cannot take files.
+    fn put_archive(
+        &mut self,
+        archive: &Path,
+        caps: archive::ArchiveCaps,
+    ) -> BoxFuture<'_, Result<Vec<archive::ArchivedFile>, ExecError>> {
+        let workspace = self.workspace().map(Path::to_owned);
+        let archive = archive.to_owned();
+        Box::pin(async move {
+            let workspace = workspace.ok_or_else(|| ExecError::Unavailable {
+                what: "placing files in this executor's sessions".to_owned(),
+                hint: "it has no workspace Tandem can reach; run the task on local, docker or wasm"
+                    .to_owned(),
+            })?;
+            tokio::task::spawn_blocking(move || {
+                let file = std::fs::File::open(&archive).map_err(|source| ExecError::Io {
+                    context: format!("reading the files to place ({})", archive.display()),
+                    source,
+                })?;
+                archive::unpack_into(&workspace, std::io::BufReader::new(file), caps)
+                    .map_err(ExecError::Files)
+            })
+            .await
+            .map_err(|e| ExecError::Backend(format!("placing files stopped: {e}")))?
+        })
+    }
 }
 
 /// How to open a session.
@@ -101,6 +129,9 @@ pub struct SessionSpec {
     pub limits: Limits,
     /// Labels for the sandbox (task id, daemon id), used to find leftovers.
     pub labels: Vec<(String, String)>,
+    /// A tar archive on the host whose files are placed in the workspace when the session
+    /// opens (the files a task was given).
+    pub inputs: Option<PathBuf>,
 }
 
 /// One code block to run.
