@@ -1,19 +1,10 @@
 //! `--file`: the files a task is given, packed once into a tar archive that every session of
 //! the task unpacks into its workspace, and the listing the model is told.
 
-use std::fmt::Write as _;
-use std::io::{BufRead, Read};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use tandem_daemon::plan::Inputs;
-
-/// Most lines of a text file the model is shown.
-const HEAD_LINES: usize = 5;
-/// Most characters of one shown line.
-const LINE_CHARS: usize = 200;
-/// Most files listed one by one; the rest are counted.
-const LISTED: usize = 50;
 
 /// The files at `paths` (a directory is taken whole, under its own name) as the task's
 /// inputs, packed into an archive in `dir`.
@@ -58,55 +49,8 @@ pub fn pack(paths: &[PathBuf], dir: &Path) -> Result<Inputs> {
         .into_inner()
         .and_then(|mut w| std::io::Write::flush(&mut w))
         .with_context(|| format!("cannot write {}", archive.display()))?;
-    let listing = listing(&archive)?;
+    let packed = std::fs::File::open(&archive)
+        .with_context(|| format!("cannot read {}", archive.display()))?;
+    let listing = tandem_executor::archive::describe(std::io::BufReader::new(packed))?;
     Ok(Inputs { archive, listing })
-}
-
-/// What the model is told: each file's path and size, and the first lines of text files.
-fn listing(archive: &Path) -> Result<String> {
-    let file = std::fs::File::open(archive)?;
-    let mut tar = tar::Archive::new(std::io::BufReader::new(file));
-    let mut text = String::from("Files in your working directory (the current directory):\n");
-    let mut shown = 0;
-    let mut more = 0;
-    for entry in tar.entries()? {
-        let entry = entry?;
-        if !entry.header().entry_type().is_file() {
-            continue;
-        }
-        if shown == LISTED {
-            more += 1;
-            continue;
-        }
-        shown += 1;
-        let path = entry.path()?.display().to_string();
-        let size = entry.header().size()?;
-        let _ = writeln!(text, "- {path} ({size} bytes)");
-        let mut head = Vec::new();
-        entry.take(8192).read_to_end(&mut head)?;
-        // Text: valid UTF-8 up to where the first 8 KiB were cut, and no NUL.
-        let head = match std::str::from_utf8(&head) {
-            Ok(text) => Some(text),
-            Err(e) if e.error_len().is_none() => std::str::from_utf8(&head[..e.valid_up_to()]).ok(),
-            Err(_) => None,
-        };
-        if let Some(head) = head.filter(|h| !h.contains('\0')) {
-            for line in head
-                .as_bytes()
-                .lines()
-                .take(HEAD_LINES)
-                .map_while(Result::ok)
-            {
-                let line: String = line.chars().take(LINE_CHARS).collect();
-                let _ = writeln!(text, "    {line}");
-            }
-        }
-    }
-    if more > 0 {
-        let _ = writeln!(text, "- and {more} more files");
-    }
-    if shown == 0 {
-        let _ = writeln!(text, "- (no files)");
-    }
-    Ok(text.trim_end().to_owned())
 }

@@ -238,6 +238,66 @@ pub fn pack(
     Ok(packed)
 }
 
+/// Most lines of a text file [`describe`] shows.
+const HEAD_LINES: usize = 5;
+/// Most characters of one shown line.
+const LINE_CHARS: usize = 200;
+/// Most files [`describe`] lists one by one; the rest are counted.
+const LISTED: usize = 50;
+
+/// What a model is told of the files in `archive`: each file's path and size, and the first
+/// lines of the text ones.
+pub fn describe(archive: impl Read) -> Result<String, ArchiveError> {
+    use std::fmt::Write as _;
+    use std::io::BufRead;
+    let mut tar = tar::Archive::new(archive);
+    let mut text = String::from("Files in your working directory (the current directory):\n");
+    let (mut shown, mut more) = (0, 0);
+    for entry in tar.entries().map_err(ArchiveError::Malformed)? {
+        let entry = entry.map_err(ArchiveError::Malformed)?;
+        if !entry.header().entry_type().is_file() {
+            continue;
+        }
+        if shown == LISTED {
+            more += 1;
+            continue;
+        }
+        shown += 1;
+        let path = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
+        let size = entry.header().size().map_err(ArchiveError::Malformed)?;
+        let _ = writeln!(text, "- {path} ({size} bytes)");
+        let mut head = Vec::new();
+        entry
+            .take(8192)
+            .read_to_end(&mut head)
+            .map_err(ArchiveError::Malformed)?;
+        // Text: valid UTF-8 up to where the first 8 KiB were cut, and no NUL.
+        let head = match std::str::from_utf8(&head) {
+            Ok(text) => Some(text),
+            Err(e) if e.error_len().is_none() => std::str::from_utf8(&head[..e.valid_up_to()]).ok(),
+            Err(_) => None,
+        };
+        if let Some(head) = head.filter(|h| !h.contains('\0')) {
+            for line in head
+                .as_bytes()
+                .lines()
+                .take(HEAD_LINES)
+                .map_while(Result::ok)
+            {
+                let line: String = line.chars().take(LINE_CHARS).collect();
+                let _ = writeln!(text, "    {line}");
+            }
+        }
+    }
+    if more > 0 {
+        let _ = writeln!(text, "- and {more} more files");
+    }
+    if shown == 0 {
+        let _ = writeln!(text, "- (no files)");
+    }
+    Ok(text.trim_end().to_owned())
+}
+
 fn open(workspace: &Path) -> Result<Dir, ArchiveError> {
     Dir::open_ambient_dir(workspace, ambient_authority()).map_err(|source| ArchiveError::Io {
         path: workspace.display().to_string(),
