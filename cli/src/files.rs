@@ -13,34 +13,35 @@ pub fn pack(paths: &[PathBuf], dir: &Path) -> Result<Inputs> {
     let out = std::fs::File::create(&archive)
         .with_context(|| format!("cannot write {}", archive.display()))?;
     let mut builder = tar::Builder::new(std::io::BufWriter::new(out));
-    // A link among the user's files is packed as what it points to, never as a link.
-    builder.follow_symlinks(true);
+    // Links inside a directory are not followed (one could lead to `/`, or round in a
+    // circle); they are refused below, by name. A path given itself is resolved first.
+    builder.follow_symlinks(false);
     let mut names = Vec::new();
-    for path in paths {
-        let meta = std::fs::metadata(path).with_context(|| format!("--file {}", path.display()))?;
-        let Some(name) = path.file_name() else {
-            bail!("--file {} names no file", path.display());
+    for given in paths {
+        let at = || format!("--file {}", given.display());
+        let path = &std::fs::canonicalize(given).with_context(at)?;
+        let meta = std::fs::metadata(path).with_context(at)?;
+        let Some(name) = given.file_name().or(path.file_name()) else {
+            bail!("--file {} names no file", given.display());
         };
         let name = PathBuf::from(name);
         if names.contains(&name) {
             bail!(
                 "--file {}: two files are called {}; rename one",
-                path.display(),
+                given.display(),
                 name.display()
             );
         }
         if meta.is_dir() {
-            builder
-                .append_dir_all(&name, path)
-                .with_context(|| format!("--file {}", path.display()))?;
+            builder.append_dir_all(&name, path).with_context(at)?;
         } else if meta.is_file() {
             builder
                 .append_path_with_name(path, &name)
-                .with_context(|| format!("--file {}", path.display()))?;
+                .with_context(at)?;
         } else {
             bail!(
                 "--file {} is neither a file nor a directory",
-                path.display()
+                given.display()
             );
         }
         names.push(name);
@@ -49,8 +50,21 @@ pub fn pack(paths: &[PathBuf], dir: &Path) -> Result<Inputs> {
         .into_inner()
         .and_then(|mut w| std::io::Write::flush(&mut w))
         .with_context(|| format!("cannot write {}", archive.display()))?;
-    let packed = std::fs::File::open(&archive)
-        .with_context(|| format!("cannot read {}", archive.display()))?;
-    let listing = tandem_executor::archive::describe(std::io::BufReader::new(packed))?;
+    let read = || {
+        std::fs::File::open(&archive)
+            .map(std::io::BufReader::new)
+            .with_context(|| format!("cannot read {}", archive.display()))
+    };
+    for entry in tar::Archive::new(read()?).entries()? {
+        let entry = entry?;
+        let kind = entry.header().entry_type();
+        if !kind.is_file() && !kind.is_dir() {
+            bail!(
+                "--file: {} is a link or a special file; a task is given regular files and directories only",
+                entry.path()?.display()
+            );
+        }
+    }
+    let listing = tandem_executor::archive::describe(read()?)?;
     Ok(Inputs { archive, listing })
 }

@@ -1156,6 +1156,18 @@ async fn files_given_to_a_task_are_in_its_workspace_and_the_model_is_told_of_the
         std::fs::read_to_string(dir.path().join("sales.csv")).unwrap(),
         "month,revenue\n1,10\n2,32\n"
     );
+    // A link inside a directory given is not followed out (here, to the root): refused.
+    let linked = dir.path().join("linked");
+    std::fs::create_dir(&linked).unwrap();
+    std::os::unix::fs::symlink("/", linked.join("root")).unwrap();
+    let out = run_task(&server, task, &["--file", linked.to_str().unwrap()]).await;
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("linked/root is a link or a special file; a task is given regular files"),
+        "{}",
+        out.stderr
+    );
     let missing = run_task(&server, task, &["--file", "/nonexistent/data.csv"]).await;
     assert_eq!(missing.code, 2);
     assert!(
