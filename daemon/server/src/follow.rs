@@ -59,7 +59,12 @@ impl Follower {
                 .pending
                 .iter()
                 .any(|e| matches!(e.msg, EventMsg::TaskFinished { .. }));
-            if self.live.is_some() && (ended || self.is_finished().await) {
+            if ended {
+                self.live = None;
+            } else if self.live.is_some() && self.is_finished().await {
+                // It finished after the read above: its last events are stored by now (a
+                // task is finished only with its last event), so they are read, not lost.
+                self.catch_up().await?;
                 self.live = None;
             }
         }
