@@ -67,6 +67,12 @@ pub async fn follow_approving(client: &Client, id: &str, mode: Mode, approve: bo
     }
     match last?.map(|e| e.msg) {
         Some(EventMsg::TaskFinished { stop_reason, .. }) => Ok(exit::for_stop(stop_reason)),
-        _ => Ok(exit::FAILED),
+        _ => {
+            // Never silent: the user is told where the task is and how to see the rest.
+            eprintln!(
+                "tandem: the event stream of task {id} ended before the task did; `tandem logs -f {id}` follows it again"
+            );
+            Ok(exit::FAILED)
+        }
     }
 }
