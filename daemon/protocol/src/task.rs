@@ -188,24 +188,6 @@ pub enum ApiErrorCode {
     Other,
 }
 
-impl ApiErrorCode {
-    /// The snake_case name on the wire.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::InvalidRequest => "invalid_request",
-            Self::NotAllowed => "not_allowed",
-            Self::Unauthorized => "unauthorized",
-            Self::NotFound => "not_found",
-            Self::Conflict => "conflict",
-            Self::PayloadTooLarge => "payload_too_large",
-            Self::ExecutorUnavailable => "executor_unavailable",
-            Self::ShuttingDown => "shutting_down",
-            Self::Internal => "internal",
-            Self::Other => "other",
-        }
-    }
-}
-
 /// Every API error's body: `{"error": {"code": ..., "message": ...}}`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ApiErrorBody {
@@ -234,7 +216,7 @@ mod tests {
             assert_eq!(TaskState::parse(state.as_str()), Some(state));
         }
         let code: ApiErrorCode = serde_json::from_str("\"payload_too_large\"").unwrap();
-        assert_eq!(code.as_str(), "payload_too_large");
+        assert_eq!(code, ApiErrorCode::PayloadTooLarge);
         let newer: ApiErrorCode = serde_json::from_str("\"rate_limited\"").unwrap();
         assert_eq!(newer, ApiErrorCode::Other);
     }

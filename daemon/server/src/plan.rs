@@ -13,7 +13,7 @@ use tandem_agent::{
     ApprovalGate, Approver, ChatModel, EventSink, ModelConfig, TaskSettings, allowed_languages,
     render_system_prompt, run_task,
 };
-use tandem_executor::{CancellationToken, Executor, Limits, Registry, SessionSpec};
+use tandem_executor::{CancellationToken, Executor, Language, Limits, Registry, SessionSpec};
 use tandem_protocol::team::{Kind, TeamBounds, TeamSpec};
 use tandem_protocol::{
     ApprovalPolicy, ErrorCode, ErrorInfo, Event, EventMsg, Message, Role, StopReason, TaskSpec,
@@ -100,6 +100,14 @@ pub struct Inputs {
     pub listing: String,
 }
 
+/// What checking a task works out, so that planning it works out none of it again.
+struct Checked {
+    languages: Option<Vec<Language>>,
+    team: Option<Node>,
+    limits: Limits,
+    gate: ApprovalGate,
+}
+
 /// A task ready to run.
 pub struct Planned {
     settings: TaskSettings,
@@ -175,22 +183,31 @@ impl Planner {
             return Err(Invalid::EmptyTask.into());
         }
         let executor = self.offered(self.executor_name(spec))?;
-        self.check_offered(spec, executor.as_ref())
+        self.check_offered(spec, executor.as_ref()).map(|_| ())
     }
 
-    /// [`Planner::check`] past the executor.
-    fn check_offered(&self, spec: &TaskSpec, executor: &dyn Executor) -> Result<(), TaskError> {
+    /// [`Planner::check`] past the executor; what it worked out, for a plan to use.
+    fn check_offered(
+        &self,
+        spec: &TaskSpec,
+        executor: &dyn Executor,
+    ) -> Result<Checked, TaskError> {
         let policy = &self.config.policy;
         policy.check(spec, &self.config.model.base_url)?;
-        if let Some(asked) = &spec.languages {
-            allowed_languages(asked, executor).map_err(Invalid::Languages)?;
-        }
-        if let Some(team) = &spec.team {
-            self.check_team(spec, team)?;
-        }
-        crate::policy::task_limits(&self.config.defaults.limits, &spec.limits)
+        let languages = spec
+            .languages
+            .as_deref()
+            .map(|asked| allowed_languages(asked, executor))
+            .transpose()
+            .map_err(Invalid::Languages)?;
+        let team = spec
+            .team
+            .as_ref()
+            .map(|team| self.check_team(spec, team))
+            .transpose()?;
+        let limits = crate::policy::task_limits(&self.config.defaults.limits, &spec.limits)
             .map_err(Invalid::Limits)?;
-        ApprovalGate::new(&self.config.approval, spec.approval.as_ref())
+        let gate = ApprovalGate::new(&self.config.approval, spec.approval.as_ref())
             .map_err(Invalid::Approval)?;
         if spec.max_turns == Some(0) {
             return Err(Invalid::NoTurns.into());
@@ -205,12 +222,17 @@ impl Planner {
         {
             return Err(Invalid::EmptyTermination.into());
         }
-        Ok(())
+        Ok(Checked {
+            languages,
+            team,
+            limits,
+            gate,
+        })
     }
 
     /// A team must check, and each of its agents stay within the policy: an executor that is
     /// offered, a model server that is allowed.
-    fn check_team(&self, spec: &TaskSpec, team: &TeamSpec) -> Result<(), TaskError> {
+    fn check_team(&self, spec: &TaskSpec, team: &TeamSpec) -> Result<Node, TaskError> {
         let root = self.check_team_spec(team).map_err(Invalid::Team)?;
         let policy = &self.config.policy;
         let mut stack = vec![&root];
@@ -244,7 +266,7 @@ impl Planner {
             }
             stack.extend(&node.members);
         }
-        Ok(())
+        Ok(root)
     }
 
     /// `spec` as a task ready to run, checked again: a task stored under an older policy
@@ -263,7 +285,8 @@ impl Planner {
             code: ErrorCode::InvalidRequest,
             message,
         };
-        self.check_offered(spec, executor.as_ref())
+        let checked = self
+            .check_offered(spec, executor.as_ref())
             .map_err(|e| invalid(e.to_string()))?;
         let mut settings = TaskSettings::new(spec.task.clone());
         settings.system_prompt = spec
@@ -283,16 +306,11 @@ impl Planner {
             .or(d.max_turns)
             .unwrap_or(default_turns.min(self.config.policy.max_turns));
         settings.timeout = spec.timeout_secs.map(Duration::from_secs).or(d.timeout);
-        let mut limits = crate::policy::task_limits(&d.limits, &spec.limits).map_err(invalid)?;
+        let mut limits = checked.limits;
         if let Some(secs) = spec.block_timeout_secs {
             limits.wall = Duration::from_secs(secs);
         }
-        settings.languages = spec
-            .languages
-            .as_deref()
-            .map(|asked| allowed_languages(asked, executor.as_ref()))
-            .transpose()
-            .map_err(|e| invalid(e.to_string()))?;
+        settings.languages = checked.languages;
         if let Some(inputs) = &start.inputs {
             settings.task = format!("{}\n\n{}", spec.task, inputs.listing);
         }
@@ -302,11 +320,9 @@ impl Planner {
             labels: start.labels,
             inputs: start.inputs.map(|i| i.archive),
         };
-        let gate = ApprovalGate::new(&self.config.approval, spec.approval.as_ref())
-            .map_err(|e| invalid(format!("approval: {e}")))?;
-        let gate = (!gate.is_open()).then_some(gate);
+        let gate = (!checked.gate.is_open()).then_some(checked.gate);
         let model = self.model(spec.model.as_deref(), spec.base_url.as_deref())?;
-        let work = match &spec.team {
+        let work = match checked.team {
             None => {
                 settings.history = history(start.events);
                 Work::Pair {
@@ -314,7 +330,7 @@ impl Planner {
                     executor,
                 }
             }
-            Some(team) => self.team(spec, team, &settings, model, start.events)?,
+            Some(root) => self.team(spec, root, &settings, model, start.events)?,
         };
         Ok(Planned {
             settings,
@@ -329,15 +345,11 @@ impl Planner {
     fn team(
         &self,
         spec: &TaskSpec,
-        team: &TeamSpec,
+        root: Node,
         settings: &TaskSettings,
         model: ChatModel,
         events: &[Event],
     ) -> Result<Work, ErrorInfo> {
-        let root = self.check_team_spec(team).map_err(|e| ErrorInfo {
-            code: ErrorCode::InvalidRequest,
-            message: e.0.join("; "),
-        })?;
         let msgs: Vec<EventMsg> = events.iter().map(|e| e.msg.clone()).collect();
         let replay = tandem_agent::team::replay_of(&msgs);
         let models = |node: &Node| {

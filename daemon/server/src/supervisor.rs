@@ -116,11 +116,6 @@ impl Supervisor {
         &self.planner.config().executors
     }
 
-    /// What plans its tasks.
-    pub fn planner(&self) -> &Planner {
-        &self.planner
-    }
-
     /// What a task that leaves a setting out gets.
     pub fn defaults(&self) -> &TaskDefaults {
         &self.planner.config().defaults
