@@ -55,16 +55,9 @@ pub fn pack(paths: &[PathBuf], dir: &Path) -> Result<Inputs> {
             .map(std::io::BufReader::new)
             .with_context(|| format!("cannot read {}", archive.display()))
     };
-    for entry in tar::Archive::new(read()?).entries()? {
-        let entry = entry?;
-        let kind = entry.header().entry_type();
-        if !kind.is_file() && !kind.is_dir() {
-            bail!(
-                "--file: {} is a link or a special file; a task is given regular files and directories only",
-                entry.path()?.display()
-            );
-        }
-    }
+    // Refused now, by the rules every session applies, rather than at the first block.
+    tandem_executor::archive::check(read()?, tandem_executor::archive::ArchiveCaps::default())
+        .context("--file")?;
     let listing = tandem_executor::archive::describe(read()?)?;
     Ok(Inputs { archive, listing })
 }

@@ -1163,8 +1163,9 @@ async fn files_given_to_a_task_are_in_its_workspace_and_the_model_is_told_of_the
     let out = run_task(&server, task, &["--file", linked.to_str().unwrap()]).await;
     assert_eq!(out.code, 2, "{}", out.stderr);
     assert!(
-        out.stderr
-            .contains("linked/root is a link or a special file; a task is given regular files"),
+        out.stderr.contains(
+            "--file: `linked/root` is a symbolic link; only regular files and directories"
+        ),
         "{}",
         out.stderr
     );

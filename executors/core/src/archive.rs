@@ -97,32 +97,25 @@ pub fn unpack_into(
         if entries > caps.max_entries {
             return Err(ArchiveError::TooMany(caps.max_entries));
         }
-        let raw = entry.path_bytes().into_owned();
-        let shown = String::from_utf8_lossy(&raw).into_owned();
-        let rel = inside(&shown)?;
-        let kind = entry.header().entry_type();
+        let Admitted {
+            rel,
+            shown,
+            dir: is_dir,
+        } = admit(&entry)?;
         let io = |source| ArchiveError::Io {
             path: shown.clone(),
             source,
         };
-        if kind.is_dir() {
+        if is_dir {
             dir.create_dir_all(&rel).map_err(io)?;
             continue;
         }
-        if !kind.is_file() {
-            return Err(ArchiveError::Kind {
-                path: shown,
-                kind: kind_name(kind),
-            });
-        }
-        // Checked against the header first, so a huge claim is refused before anything is
-        // written, and again as bytes arrive, so a header that lies is no way round it.
         let left = caps.max_bytes.saturating_sub(bytes);
         let too_large = || ArchiveError::TooLarge {
             path: shown.clone(),
             max: caps.max_bytes,
         };
-        if entry.header().size().map_err(ArchiveError::Malformed)? > left {
+        if claims_over(&entry, left)? {
             return Err(too_large());
         }
         if let Some(parent) = rel.parent().filter(|p| !p.as_os_str().is_empty()) {
@@ -149,6 +142,77 @@ pub fn unpack_into(
         });
     }
     Ok(placed)
+}
+
+/// Checks `archive` as [`unpack_into`] would, writing nothing: its files, or why it would be
+/// refused (so a client can be told before anything is sent or started).
+pub fn check(archive: impl Read, caps: ArchiveCaps) -> Result<Vec<ArchivedFile>, ArchiveError> {
+    let mut archive = tar::Archive::new(archive);
+    let mut files = Vec::new();
+    let (mut entries, mut bytes) = (0usize, 0u64);
+    for entry in archive.entries().map_err(ArchiveError::Malformed)? {
+        let mut entry = entry.map_err(ArchiveError::Malformed)?;
+        entries += 1;
+        if entries > caps.max_entries {
+            return Err(ArchiveError::TooMany(caps.max_entries));
+        }
+        let Admitted { rel, shown, dir } = admit(&entry)?;
+        if dir {
+            continue;
+        }
+        let left = caps.max_bytes.saturating_sub(bytes);
+        let counted = if claims_over(&entry, left)? {
+            left + 1
+        } else {
+            std::io::copy(&mut (&mut entry).take(left + 1), &mut std::io::sink())
+                .map_err(ArchiveError::Malformed)?
+        };
+        if counted > left {
+            return Err(ArchiveError::TooLarge {
+                path: shown,
+                max: caps.max_bytes,
+            });
+        }
+        bytes += counted;
+        files.push(ArchivedFile {
+            path: rel,
+            bytes: counted,
+        });
+    }
+    Ok(files)
+}
+
+/// An entry that may go into a workspace: its clean path, as sent, and whether it is a
+/// directory.
+struct Admitted {
+    rel: PathBuf,
+    shown: String,
+    dir: bool,
+}
+
+/// `entry` when it is a regular file or a directory under a path inside the workspace.
+fn admit<R: Read>(entry: &tar::Entry<'_, R>) -> Result<Admitted, ArchiveError> {
+    let shown = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
+    let rel = inside(&shown)?;
+    let kind = entry.header().entry_type();
+    if !kind.is_dir() && !kind.is_file() {
+        return Err(ArchiveError::Kind {
+            path: shown,
+            kind: kind_name(kind),
+        });
+    }
+    Ok(Admitted {
+        rel,
+        shown,
+        dir: kind.is_dir(),
+    })
+}
+
+/// Whether `entry`'s header claims more than `left` bytes. Checked before anything is
+/// written, so a huge claim costs nothing; the bytes are counted again as they arrive, so a
+/// header that lies is no way round the cap.
+fn claims_over<R: Read>(entry: &tar::Entry<'_, R>, left: u64) -> Result<bool, ArchiveError> {
+    Ok(entry.header().size().map_err(ArchiveError::Malformed)? > left)
 }
 
 /// Writes the regular files and directories at `rel` in `workspace` (the whole workspace
@@ -422,10 +486,17 @@ mod tests {
     #[test]
     fn an_archive_cannot_place_anything_outside_or_anything_but_files() {
         let (base, ws) = workspace();
+        // Checking says what unpacking would, and writes nothing either way.
         let refused = |entries: &[(&str, tar::EntryType, &'static [u8], u64)]| {
-            unpack_into(&ws, &archive(entries)[..], ArchiveCaps::default())
+            let tar = archive(entries);
+            let checked = check(&tar[..], ArchiveCaps::default())
                 .unwrap_err()
-                .to_string()
+                .to_string();
+            let unpacked = unpack_into(&ws, &tar[..], ArchiveCaps::default())
+                .unwrap_err()
+                .to_string();
+            assert_eq!(checked, unpacked);
+            unpacked
         };
         assert_eq!(
             refused(&[file("../escaped.txt", b"x")]),
@@ -505,6 +576,11 @@ mod tests {
             "the files are over the 10 byte limit (at `huge`)"
         );
         assert!(!ws.join("huge").exists());
+        let together = archive(&[file("a", b"123456"), file("b", b"123456")]);
+        assert!(matches!(
+            check(&together[..], caps),
+            Err(ArchiveError::TooLarge { .. })
+        ));
         // Files that fit one by one but not together.
         let err = unpack_into(
             &ws,
