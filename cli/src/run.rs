@@ -195,9 +195,8 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
 /// The task in this process, planned as the daemon plans one: the user's flags and file are
 /// the operator's settings, and every executor the task names is offered.
 async fn run_here(args: &RunArgs, file: FileConfig) -> Result<u8> {
-    let mut spec = args
-        .flags
-        .spec(&args.model, args.approve, &file, &config::teams(&file)?)?;
+    let teams = config::teams(&file)?;
+    let mut spec = args.flags.spec(&args.model, args.approve, &file, &teams)?;
     if let Some(word) = args
         .flags
         .termination
@@ -234,7 +233,7 @@ async fn run_here(args: &RunArgs, file: FileConfig) -> Result<u8> {
         defaults,
         policy: Policy::own(names),
         approval: file.approval.clone(),
-        teams: config::teams(&file)?,
+        teams,
     });
     planner.check(&spec)?;
     // Last of the checks: loading the embedded model takes a moment.
