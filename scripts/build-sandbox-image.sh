@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds the Docker executor's image, tandem-sandbox:latest, with no image registry: a
 # Debian bookworm root made by debootstrap from the machine's own apt mirror, then
-# `docker import`. Idempotent: it returns at once when the image exists (--force rebuilds).
+# `docker import`. It holds Python with numpy, pandas and matplotlib, so a task can analyse
+# data and draw charts with the network off. Idempotent: it returns at once when an image of
+# this recipe exists (--force rebuilds).
 #
 #   scripts/build-sandbox-image.sh [--force] [IMAGE]
 #
@@ -12,12 +14,15 @@ force=0
 if [ "${1:-}" = "--force" ]; then force=1; shift; fi
 image="${1:-tandem-sandbox:latest}"
 suite=bookworm
+# Bumped whenever what goes into the image changes, so an older build is replaced.
+recipe=3
 
 if ! docker version --format '{{.Server.Version}}' >/dev/null 2>&1; then
   echo "error: the Docker engine does not answer (DOCKER_HOST=${DOCKER_HOST:-unix:///var/run/docker.sock}); start it (systemctl start docker) and retry" >&2
   exit 1
 fi
-if [ "$force" = 0 ] && docker image inspect "$image" >/dev/null 2>&1; then
+built=$(docker image inspect "$image" --format '{{index .Config.Labels "tandem.recipe"}}' 2>/dev/null || true)
+if [ "$force" = 0 ] && [ "$built" = "$recipe" ]; then
   echo "$image is already built"
   exit 0
 fi
@@ -43,13 +48,17 @@ for f in /etc/apt/sources.list.d/*.sources /etc/apt/sources.list.d/*.list /etc/a
   ' "$f")
   [ -n "$mirror" ] && break
 done
-mirror="${mirror:-http://deb.debian.org/debian}"
+if [ -z "$mirror" ]; then
+  echo "error: no Debian mirror found in /etc/apt/sources.list*; add the one this machine uses and retry" >&2
+  exit 1
+fi
 
 root=$(mktemp -d /tmp/tandem-sandbox-root.XXXXXX)
 trap 'rm -rf "$root"' EXIT
 echo "debootstrap $suite from $mirror into $root"
-# python3 (not python3-minimal): code from models imports json, urllib, sqlite3 and the like.
-debootstrap --variant=minbase --include=python3 "$suite" "$root" "$mirror" >"$root.log" 2>&1 || {
+# python3 (not python3-minimal): code from models imports json, urllib, sqlite3 and the like;
+# numpy, pandas and matplotlib are what data questions reach for first.
+debootstrap --variant=minbase --include=python3,python3-numpy,python3-pandas,python3-matplotlib "$suite" "$root" "$mirror" >"$root.log" 2>&1 || {
   tail -20 "$root.log" >&2
   echo "error: debootstrap failed (log above); check that $mirror is reachable" >&2
   exit 1
@@ -65,5 +74,6 @@ tar --numeric-owner -C "$root" -c . | docker import \
   --change 'WORKDIR /workspace' \
   --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8' \
   --change 'LABEL org.opencontainers.image.title=tandem-sandbox' \
+  --change "LABEL tandem.recipe=$recipe" \
   - "$image" >/dev/null
 echo "built $image ($(docker image inspect "$image" --format '{{.Size}}' | awk '{printf "%.0f MB", $1/1e6}'))"

@@ -108,26 +108,65 @@ impl Client {
             req = req.json(body);
         }
         let resp = req.send().await.map_err(|e| self.unreachable(&e))?;
+        self.answer(resp).await
+    }
+
+    /// Sends the tar archive at `archive` to `POST /v1/uploads`; what the daemon kept.
+    pub async fn upload(
+        &self,
+        archive: &std::path::Path,
+    ) -> Result<tandem_protocol::files::Upload> {
+        let file = tokio::fs::File::open(archive)
+            .await
+            .with_context(|| format!("cannot read {}", archive.display()))?;
+        let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::new(file));
+        let resp = self
+            .request(reqwest::Method::POST, "/v1/uploads")
+            .header(reqwest::header::CONTENT_TYPE, "application/x-tar")
+            .body(body)
+            .send()
+            .await
+            .map_err(|e| self.unreachable(&e))?;
+        let value = self.answer(resp).await?;
+        typed(value, "an upload")
+    }
+
+    /// `GET path` as a byte stream, for files; an error answer is the API's error.
+    pub async fn download(&self, path: &str) -> Result<reqwest::Response> {
+        let resp = self
+            .request(reqwest::Method::GET, path)
+            .send()
+            .await
+            .map_err(|e| self.unreachable(&e))?;
+        if resp.status().is_success() {
+            return Ok(resp);
+        }
+        self.answer(resp)
+            .await
+            .and_then(|_| Err(anyhow!("the daemon answered with no file")))
+    }
+
+    /// The JSON of a successful answer, or the API's error ([`Refused`]).
+    async fn answer(&self, resp: reqwest::Response) -> Result<Value> {
         let status = resp.status();
         let value: Value = resp
             .json()
             .await
             .with_context(|| format!("the daemon at {} sent a bad answer", self.host))?;
         if status.is_success() {
-            Ok(value)
-        } else {
-            Err(match refusal(value) {
-                Some(error) => Refused {
-                    code: error.code,
-                    message: error.message,
-                },
-                None => Refused {
-                    code: ApiErrorCode::Other,
-                    message: format!("the daemon answered {status}"),
-                },
-            }
-            .into())
+            return Ok(value);
         }
+        Err(match refusal(value) {
+            Some(error) => Refused {
+                code: error.code,
+                message: error.message,
+            },
+            None => Refused {
+                code: ApiErrorCode::Other,
+                message: format!("the daemon answered {status}"),
+            },
+        }
+        .into())
     }
 
     /// `GET path` as JSON.

@@ -40,6 +40,24 @@ pub struct FileConfig {
     /// `[server]`: what a TCP peer of the daemon may hold.
     #[serde(default)]
     pub server: ServerSection,
+    /// `[files]`: what a task may be given and how long a daemon keeps its workspace.
+    #[serde(default)]
+    pub files: FilesSection,
+}
+
+/// `[files]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilesSection {
+    /// Most megabytes (MiB) of file content one upload may hold (default 256).
+    pub max_upload_mb: Option<u64>,
+    /// Most files and directories one upload may hold (default 10000).
+    pub max_upload_files: Option<usize>,
+    /// Seconds a finished task's workspace is kept (default 7 days).
+    pub keep_secs: Option<u64>,
+    /// Most megabytes (MiB) all tasks' workspaces may hold; the oldest finished go first
+    /// (default 10240).
+    pub max_total_mb: Option<u64>,
 }
 
 /// `[sessions]`.
@@ -384,6 +402,31 @@ pub fn sessions(file: &FileConfig, max_concurrent: usize) -> Result<tandem_execu
     let mut config = tandem_executor::BudgetConfig::new(max, wait);
     config.per_executor = s.executors.clone();
     Ok(config)
+}
+
+/// Where a daemon keeps tasks' files and for how long, from `[files]`.
+pub fn files(file: &FileConfig, state_dir: &Path) -> Result<tandem_daemon::files::FilesConfig> {
+    let f = &file.files;
+    let positive = |key: &str, value: Option<u64>, default: u64| match value {
+        Some(0) => bail!("[files] {key} must be at least 1"),
+        Some(n) => Ok(n),
+        None => Ok(default),
+    };
+    let mb = |n: u64| n.saturating_mul(1 << 20);
+    let entries = match f.max_upload_files {
+        Some(0) => bail!("[files] max_upload_files must be at least 1"),
+        Some(n) => n,
+        None => tandem_executor::archive::ArchiveCaps::default().max_entries,
+    };
+    Ok(tandem_daemon::files::FilesConfig {
+        root: state_dir.join("files"),
+        keep: Duration::from_secs(positive("keep_secs", f.keep_secs, 7 * 24 * 3600)?),
+        max_total_bytes: mb(positive("max_total_mb", f.max_total_mb, 10240)?),
+        upload: tandem_executor::archive::ArchiveCaps {
+            max_bytes: mb(positive("max_upload_mb", f.max_upload_mb, 256)?),
+            max_entries: entries,
+        },
+    })
 }
 
 /// How large a team may be, from `[teams]`, within the ceilings that keep checking it safe.

@@ -1,5 +1,6 @@
 //! `--file`: the files a task is given, packed once into a tar archive that every session of
-//! the task unpacks into its workspace, and the listing the model is told.
+//! the task unpacks into its workspace (or that is sent to a daemon), and the listing the
+//! model is told; and `tandem files`, which reads a task's workspace on a daemon.
 
 use std::path::{Path, PathBuf};
 
@@ -59,5 +60,99 @@ pub fn pack(paths: &[PathBuf], dir: &Path) -> Result<Inputs> {
     tandem_executor::archive::check(read()?, tandem_executor::archive::ArchiveCaps::default())
         .context("--file")?;
     let listing = tandem_executor::archive::describe(read()?)?;
-    Ok(Inputs { archive, listing })
+    Ok(Inputs {
+        archive: Some(archive),
+        listing,
+    })
+}
+
+/// Sends the files at `paths` to the daemon; the upload's id for the task's `files`, or
+/// `None` when there are none.
+pub async fn upload(client: &crate::client::Client, paths: &[PathBuf]) -> Result<Option<String>> {
+    if paths.is_empty() {
+        return Ok(None);
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("tandem-files-")
+        .tempdir()
+        .context("cannot make a directory for the task's files")?;
+    let packed = pack(paths, dir.path())?;
+    let archive = packed.archive.context("the files were packed nowhere")?;
+    let upload = client.upload(&archive).await.context("--file")?;
+    Ok(Some(upload.id))
+}
+
+#[derive(Debug, clap::Args)]
+pub struct FilesArgs {
+    /// Task id
+    id: String,
+    /// Download this file of the task's workspace
+    #[arg(long, value_name = "PATH", conflicts_with = "tar")]
+    get: Option<String>,
+    /// Download the whole workspace as one tar archive
+    #[arg(long)]
+    tar: bool,
+    /// Write the download here instead of to standard output
+    #[arg(long, short = 'o', value_name = "OUT")]
+    output: Option<PathBuf>,
+    /// Print the list as JSON
+    #[arg(long, conflicts_with_all = ["get", "tar"])]
+    json: bool,
+    #[command(flatten)]
+    host: crate::client::HostFlag,
+}
+
+/// `tandem files`.
+pub async fn files(args: FilesArgs) -> Result<u8> {
+    use std::io::IsTerminal as _;
+    let client = crate::client::Client::new(&args.host)?;
+    let id = &args.id;
+    let path = match (&args.get, args.tar) {
+        (Some(path), _) => tandem_daemon::supervisor::file_href(id, path),
+        (None, true) => format!("/v1/tasks/{id}/files?format=tar"),
+        (None, false) => {
+            let list = client.get(&format!("/v1/tasks/{id}/files")).await?;
+            if args.json {
+                println!("{list}");
+                return Ok(crate::exit::DONE);
+            }
+            let list: tandem_protocol::files::TaskFiles =
+                crate::client::typed(list, "a file list")?;
+            print!("{}", listing(&list));
+            return Ok(crate::exit::DONE);
+        }
+    };
+    if args.output.is_none() && std::io::stdout().is_terminal() {
+        bail!("the download would go to the terminal; give -o FILE, or pipe it");
+    }
+    let mut resp = client.download(&path).await?;
+    let mut out: Box<dyn std::io::Write> = match &args.output {
+        Some(out) => Box::new(
+            std::fs::File::create(out)
+                .with_context(|| format!("cannot write {}", out.display()))?,
+        ),
+        None => Box::new(std::io::stdout().lock()),
+    };
+    while let Some(chunk) = resp
+        .chunk()
+        .await
+        .with_context(|| format!("the download of {path} broke off"))?
+    {
+        out.write_all(&chunk).context("cannot write the download")?;
+    }
+    out.flush().context("cannot write the download")?;
+    Ok(crate::exit::DONE)
+}
+
+/// The files of a workspace, one per line: size, then path.
+pub fn listing(list: &tandem_protocol::files::TaskFiles) -> String {
+    use std::fmt::Write as _;
+    if list.files.is_empty() {
+        return format!("task {} has no files\n", list.task);
+    }
+    let mut text = String::new();
+    for f in &list.files {
+        let _ = writeln!(text, "{:>10}  {}", crate::render::size(f.bytes), f.path);
+    }
+    text
 }

@@ -103,6 +103,8 @@ enum Command {
     Approve(approve::ApproveArgs),
     /// Decline a block a daemon's task waits on; the model is told the reason
     Deny(approve::DenyArgs),
+    /// List a daemon's task's files, or download one (--get) or all of them (--tar)
+    Files(files::FilesArgs),
     /// The embedded model's files: pull one, list them
     Model {
         #[command(subcommand)]
@@ -236,6 +238,7 @@ fn dispatch(cli: Cli) -> Result<u8> {
         Command::Resume(args) => runtime()?.block_on(tasks::resume(args)),
         Command::Approve(args) => runtime()?.block_on(approve::approve(args)),
         Command::Deny(args) => runtime()?.block_on(approve::deny_cmd(args)),
+        Command::Files(args) => runtime()?.block_on(files::files(args)),
     }
 }
 

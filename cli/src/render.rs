@@ -309,6 +309,9 @@ impl<W: Write> Renderer<W> {
                 }
                 self.rule(&result_line(result))
             }
+            EventMsg::Artifact {
+                path, mime, bytes, ..
+            } => self.rule(&format!("picture {path} · {mime} · {}", size(*bytes))),
             EventMsg::ExecutorMessage { text, .. } => {
                 // Output was shown live; only the executor's own words are worth repeating.
                 if !text.starts_with("exitcode:") {
@@ -375,5 +378,14 @@ pub fn result_line(r: &BlockResult) -> String {
         BlockStatus::Incomplete => "not run: the reply was cut off inside this block".to_owned(),
         BlockStatus::Declined => "not run: declined".to_owned(),
         BlockStatus::Error => "sandbox error".to_owned(),
+    }
+}
+
+/// A byte count as a person reads it: `812 B`, `12.3 KiB`, `4.0 MiB`.
+pub fn size(bytes: u64) -> String {
+    match bytes {
+        0..1024 => format!("{bytes} B"),
+        1024..1_048_576 => format!("{:.1} KiB", bytes as f64 / 1024.0),
+        _ => format!("{:.1} MiB", bytes as f64 / 1_048_576.0),
     }
 }

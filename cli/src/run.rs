@@ -45,6 +45,10 @@ pub struct TaskFlags {
     /// assistant and executor pair
     #[arg(long)]
     pub(crate) team: Option<PathBuf>,
+    /// Give the task this file, or this directory whole (repeat for more): it is in the
+    /// working directory of every block, and the model is told its name, size and first lines
+    #[arg(long = "file", value_name = "PATH")]
+    pub(crate) files: Vec<PathBuf>,
 }
 
 impl TaskFlags {
@@ -124,10 +128,6 @@ pub struct RunArgs {
     /// Use this directory as the workspace and keep it
     #[arg(long)]
     pub(crate) workdir: Option<PathBuf>,
-    /// Give the task this file, or this directory whole (repeat for more): it is in the
-    /// working directory of every block, and the model is told its name, size and first lines
-    #[arg(long = "file", value_name = "PATH")]
-    pub(crate) files: Vec<PathBuf>,
     /// Print one JSON event per line
     #[arg(long)]
     pub(crate) json: bool,
@@ -150,30 +150,22 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
     if args.approve {
         crate::approve::need_terminal()?;
     }
-    // A daemon that answers runs the task, a team's as well (it owns sandboxes and history);
-    // a kept --workdir or --image is this machine's business, and --file is not sent to a
-    // daemon yet, so those run here, and say so.
+    // A daemon that answers runs the task, a team's as well (it owns sandboxes and history),
+    // and is sent its --file files; a kept --workdir or --image is this machine's business,
+    // so those run here, and say so.
     if !args.local {
         let client = crate::client::Client::new(&args.host)?;
         let own = [
             ("--workdir", args.workdir.is_some()),
             ("--image", args.image.is_some()),
-            ("--file", !args.files.is_empty()),
         ]
         .into_iter()
         .filter_map(|(flag, given)| given.then_some(flag))
         .collect::<Vec<_>>();
         if !own.is_empty() {
             if client.reachable().await {
-                let what = if own == ["--file"] {
-                    "files of this machine"
-                } else if own.contains(&"--file") {
-                    "files, a directory or an image of this machine"
-                } else {
-                    "a directory or image of this machine"
-                };
                 eprintln!(
-                    "tandem: running in this process, not on the daemon at {}: the daemon cannot honour {} ({what}); the model settings are this shell's",
+                    "tandem: running in this process, not on the daemon at {}: the daemon cannot honour {} (a directory or image of this machine); the model settings are this shell's",
                     client.host,
                     own.join(" and ")
                 );
@@ -246,8 +238,8 @@ async fn run_here(args: &RunArgs, file: FileConfig) -> Result<u8> {
         .prefix("tandem-files-")
         .tempdir()
         .context("cannot make a directory for the task's files")?;
-    let inputs = (!args.files.is_empty())
-        .then(|| crate::files::pack(&args.files, packed.path()))
+    let inputs = (!args.flags.files.is_empty())
+        .then(|| crate::files::pack(&args.flags.files, packed.path()))
         .transpose()?;
     let start = Start {
         workdir: args.workdir.clone(),
@@ -334,7 +326,8 @@ async fn through_daemon(
     args: &RunArgs,
     file: &FileConfig,
 ) -> Result<u8> {
-    let spec = args.flags.daemon_spec(&args.model, args.approve, file)?;
+    let mut spec = args.flags.daemon_spec(&args.model, args.approve, file)?;
+    spec.files = crate::files::upload(client, &args.flags.files).await?;
     let id = client.submit(&spec).await?;
     crate::follow::follow_approving(client, &id, Mode::json(args.json), args.approve).await
 }

@@ -366,6 +366,10 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
     // Read before anything slow starts, so a mistake in them is told at once.
     let sessions = config::sessions(file, max_concurrent)?;
     let teams = config::teams(file)?;
+    let files = std::sync::Arc::new(
+        tandem_daemon::files::Files::new(config::files(file, &state_dir)?)
+            .with_context(|| format!("cannot make the files dir in {}", state_dir.display()))?,
+    );
     config::conn_limits(file)?;
     let store = Arc::new(
         Store::open(&state_dir.join("tandem.db")).context("cannot open the task database")?,
@@ -524,6 +528,7 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
             },
             max_concurrent,
             sessions,
+            files,
         },
     );
 
@@ -543,6 +548,7 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
         );
     }
     let interrupted = supervisor.recover()?;
+    supervisor.keep_files_tidy();
     if interrupted > 0 {
         tracing::info!(
             interrupted,

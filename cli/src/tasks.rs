@@ -41,7 +41,8 @@ pub async fn submit(args: SubmitArgs, file: &FileConfig) -> Result<u8> {
         base_url: args.base_url,
         no_stream: false,
     };
-    let spec = args.flags.daemon_spec(&model, args.approve, file)?;
+    let mut spec = args.flags.daemon_spec(&model, args.approve, file)?;
+    spec.files = crate::files::upload(&client, &args.flags.files).await?;
     let id = client.submit(&spec).await?;
     if args.wait {
         return follow(&client, &id, Mode::json(args.json)).await;

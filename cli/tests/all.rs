@@ -6,6 +6,7 @@ mod approval;
 mod daemon;
 mod e2e;
 mod embedded;
+mod files;
 mod hostile;
 mod limits;
 mod mcp;

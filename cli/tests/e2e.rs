@@ -440,7 +440,7 @@ async fn daemon_api_key_is_invisible_to_code() {
         .to_owned();
     assert_eq!(
         stdout,
-        "['HOME', 'LANG', 'PATH', 'PYTHONDONTWRITEBYTECODE', 'PYTHONUNBUFFERED', 'TANDEM_EXEC_ID', 'TANDEM_OWNER', 'TMPDIR']\n0\n"
+        "['HOME', 'LANG', 'PATH', 'PYTHONDONTWRITEBYTECODE', 'PYTHONUNBUFFERED', 'TANDEM_EXEC_ID', 'TANDEM_OWNER', 'TMPDIR', 'XDG_CACHE_HOME']\n0\n"
     );
     // The key did reach the model server.
     assert_eq!(
@@ -838,7 +838,7 @@ async fn docker_one_shots_leave_nothing_and_a_killed_tandems_container_is_reaped
         (out.code, out.stdout.as_str()),
         (
             0,
-            "65534 ['HOME', 'LANG', 'PATH', 'PYTHONDONTWRITEBYTECODE', 'PYTHONUNBUFFERED', 'TMPDIR']\n"
+            "65534 ['HOME', 'LANG', 'PATH', 'PYTHONDONTWRITEBYTECODE', 'PYTHONUNBUFFERED', 'TMPDIR', 'XDG_CACHE_HOME']\n"
         ),
         "{}",
         out.stderr

@@ -159,7 +159,8 @@ async fn session_containers_are_hardened_by_default() {
             "HOME=/workspace",
             "LANG=C.UTF-8",
             "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            "TMPDIR=/tmp"
+            "TMPDIR=/tmp",
+            "XDG_CACHE_HOME=/tmp/.cache"
         ]
     );
     let labels = c["Config"]["Labels"].as_object().unwrap();

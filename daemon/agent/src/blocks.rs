@@ -232,6 +232,7 @@ pub async fn run_blocks(
     let mut failed = false;
     for (i, block) in blocks.iter().enumerate() {
         let index = u32::try_from(i + 1).unwrap_or(u32::MAX);
+        let mut pictures = Vec::new();
         let language = block
             .language
             .as_deref()
@@ -274,7 +275,10 @@ pub async fn run_blocks(
                 ),
                 Some(Err(why)) => not_run(&language, BlockStatus::Declined, &why),
                 Some(Ok(code)) => match run_one(slot, &language, &code, index, opts).await {
-                    Ok(outcome) => to_result(&language, outcome),
+                    Ok((outcome, drawn)) => {
+                        pictures = drawn;
+                        to_result(&language, outcome)
+                    }
                     Err(e @ ExecError::UnsupportedLanguage { .. }) => {
                         not_run(&language, BlockStatus::Unsupported, &e.to_string())
                     }
@@ -288,6 +292,16 @@ pub async fn run_blocks(
             index,
             result: result.clone(),
         });
+        for picture in pictures {
+            (opts.events)(EventMsg::Artifact {
+                turn: opts.turn,
+                index,
+                path: picture.path.to_string_lossy().into_owned(),
+                mime: picture.mime.to_owned(),
+                bytes: picture.bytes,
+                href: None,
+            });
+        }
         runs.push(BlockRun {
             index,
             language,
@@ -297,13 +311,45 @@ pub async fn run_blocks(
     Ok(runs)
 }
 
+/// A picture a block wrote into the workspace.
+struct Picture {
+    path: std::path::PathBuf,
+    mime: &'static str,
+    bytes: u64,
+}
+
+/// Most workspace entries looked at to find what a block drew; a larger workspace gets no
+/// picture events, so a block that writes a million files does not cost a million stats
+/// after every block.
+const PICTURE_SCAN: usize = 10_000;
+
+/// The pictures in `workspace`: path to (size, modified).
+async fn pictures_in(
+    workspace: Option<std::path::PathBuf>,
+) -> std::collections::HashMap<std::path::PathBuf, (u64, u64)> {
+    let Some(workspace) = workspace else {
+        return Default::default();
+    };
+    tokio::task::spawn_blocking(move || {
+        tandem_executor::archive::list(&workspace, PICTURE_SCAN)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|f| tandem_executor::archive::picture_type(&f.path).is_some())
+            .map(|f| (f.path, (f.bytes, f.modified_ms)))
+            .collect()
+    })
+    .await
+    .unwrap_or_default()
+}
+
+/// Runs one block; its outcome, and the pictures it wrote (new or changed files).
 async fn run_one(
     slot: &mut SessionSlot,
     language: &Language,
     code: &str,
     index: u32,
     opts: &RunOptions,
-) -> Result<ExecOutcome, ExecError> {
+) -> Result<(ExecOutcome, Vec<Picture>), ExecError> {
     let events = opts.events.clone();
     let turn = opts.turn;
     // A read can end inside a character; its first bytes wait for the rest, so live output
@@ -341,8 +387,14 @@ async fn run_one(
     let ctx = ExecContext::new(opts.cancel.child_token()).with_sink(Arc::new(sink));
     let mut req = ExecRequest::new(language.clone(), code.to_owned());
     req.timeout = opts.timeout;
+    let mut workspace = None;
+    let mut before = Default::default();
     let outcome = match slot.session(&ctx.cancel).await? {
-        Some(session) => session.run(req, ctx).await,
+        Some(session) => {
+            workspace = session.workspace().map(std::path::Path::to_owned);
+            before = pictures_in(workspace.clone()).await;
+            session.run(req, ctx).await
+        }
         None => Ok(ExecOutcome {
             status: ExitStatus::Cancelled,
             stdout: Default::default(),
@@ -350,6 +402,16 @@ async fn run_one(
             duration: Duration::ZERO,
         }),
     };
+    let mut drawn: Vec<Picture> = pictures_in(workspace)
+        .await
+        .into_iter()
+        .filter(|(path, seen)| before.get(path) != Some(seen))
+        .filter_map(|(path, (bytes, _))| {
+            let mime = tandem_executor::archive::picture_type(&path)?;
+            Some(Picture { path, mime, bytes })
+        })
+        .collect();
+    drawn.sort_by(|a, b| a.path.cmp(&b.path));
     // Bytes left of a character at the end of the live head are the program's unfinished
     // character only when nothing came after them; otherwise the character continues past
     // the head, in the text the result carries.
@@ -369,7 +431,7 @@ async fn run_one(
     ] {
         emit(stream, &[], !continues);
     }
-    outcome
+    Ok((outcome?, drawn))
 }
 
 fn not_run(language: &Language, status: BlockStatus, stderr: &str) -> BlockResult {

@@ -8,6 +8,7 @@
 use serde::{Deserialize, Serialize};
 
 pub mod approval;
+pub mod files;
 pub mod task;
 pub mod team;
 
@@ -62,6 +63,10 @@ pub struct TaskSpec {
     /// `[approval]` policy (docs/approval.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approval: Option<ApprovalPolicy>,
+    /// The id of an upload (`POST /v1/uploads`) whose files are placed in the task's
+    /// workspace before its first block; the model is told what they are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub files: Option<String>,
 }
 
 /// Per-block limits a task asks for; each one left out keeps the daemon's. Only limits the
@@ -133,6 +138,7 @@ impl Speakers {
             | EventMsg::ApprovalDecided { turn, .. }
             | EventMsg::ExecOutput { turn, .. }
             | EventMsg::ExecResult { turn, .. }
+            | EventMsg::Artifact { turn, .. }
             | EventMsg::ExecutorMessage { turn, .. } => turn,
             _ => return None,
         };
@@ -273,6 +279,23 @@ pub enum EventMsg {
         index: u32,
         /// The outcome.
         result: BlockResult,
+    },
+    /// A block wrote a picture (a PNG, JPEG, GIF, WebP or SVG file, or a figure it showed)
+    /// into the workspace.
+    Artifact {
+        /// Turn number.
+        turn: u32,
+        /// Block index.
+        index: u32,
+        /// Its path in the workspace.
+        path: String,
+        /// Its media type (`image/png`, ...).
+        mime: String,
+        /// Its size in bytes.
+        bytes: u64,
+        /// Where to download it, on a daemon (`/v1/tasks/{id}/files/{path}`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        href: Option<String>,
     },
     /// The executor agent's reply to the assistant (what the model sees next).
     ExecutorMessage {

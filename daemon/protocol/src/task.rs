@@ -76,6 +76,10 @@ pub struct TaskRecord {
     /// When it finished.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_ms: Option<u64>,
+    /// When its workspace was removed (the operator's `[files]` retention); its files can no
+    /// longer be read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub files_removed_ms: Option<u64>,
 }
 
 impl TaskRecord {
@@ -92,6 +96,7 @@ impl TaskRecord {
             created_ms: now_ms,
             started_ms: None,
             finished_ms: None,
+            files_removed_ms: None,
         }
     }
 }
@@ -175,8 +180,12 @@ pub enum ApiErrorCode {
     NotFound,
     /// 409: the task's state does not allow it.
     Conflict,
+    /// 410: the task's files were removed by the operator's retention.
+    Gone,
     /// 413: the body is over the daemon's limit.
     PayloadTooLarge,
+    /// 429: too many of something wait already (uploads); try again later.
+    TooMany,
     /// 503: the executor cannot run code now.
     ExecutorUnavailable,
     /// 503: the daemon is stopping.

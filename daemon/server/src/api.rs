@@ -90,6 +90,23 @@ impl From<TaskError> for ApiError {
                 (StatusCode::SERVICE_UNAVAILABLE, ApiErrorCode::ShuttingDown)
             }
             TaskError::Store(_) => (StatusCode::INTERNAL_SERVER_ERROR, ApiErrorCode::Internal),
+            TaskError::Files(e) => {
+                use crate::files::FilesError;
+                match e {
+                    FilesError::NoUpload(_) | FilesError::Refused(_) => {
+                        (StatusCode::BAD_REQUEST, ApiErrorCode::InvalidRequest)
+                    }
+                    FilesError::TooLarge(_) => {
+                        (StatusCode::PAYLOAD_TOO_LARGE, ApiErrorCode::PayloadTooLarge)
+                    }
+                    FilesError::TooMany => (StatusCode::TOO_MANY_REQUESTS, ApiErrorCode::TooMany),
+                    FilesError::NotFound(_) => (StatusCode::NOT_FOUND, ApiErrorCode::NotFound),
+                    FilesError::Removed { .. } => (StatusCode::GONE, ApiErrorCode::Gone),
+                    FilesError::Io { .. } => {
+                        (StatusCode::INTERNAL_SERVER_ERROR, ApiErrorCode::Internal)
+                    }
+                }
+            }
         };
         Self::new(status, code, e.to_string())
     }
@@ -161,6 +178,9 @@ pub fn router(
         .route("/v1/tasks/{id}/resume", post(resume_task))
         .route("/v1/tasks/{id}/events", get(task_events))
         .route("/v1/tasks/{id}/approvals/{n}", post(decide_approval))
+        .route("/v1/tasks/{id}/files", get(task_files))
+        .route("/v1/tasks/{id}/files/{*path}", get(task_file))
+        .route("/v1/uploads", post(upload))
         .route("/v1/teams/parse", post(parse_team))
         .route("/v1/executors", get(executors))
         .route("/healthz", get(healthz))
@@ -448,6 +468,145 @@ async fn parse_team(
         ApiError::invalid(format!("the team file does not check: {}", e.0.join("; ")))
     })?;
     Ok(Json(json!({ "team": spec })))
+}
+
+/// `POST /v1/uploads`: a tar archive of files for tasks to name in `files`.
+async fn upload(
+    State(state): State<AppState>,
+    body: Body,
+) -> Result<(StatusCode, Json<tandem_protocol::files::Upload>), ApiError> {
+    let upload = state
+        .supervisor
+        .files()
+        .receive(body)
+        .await
+        .map_err(TaskError::from)?;
+    Ok((StatusCode::CREATED, Json(upload)))
+}
+
+/// `GET /v1/tasks/{id}/files`'s query.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FilesQuery {
+    /// `tar`: the whole workspace as one tar archive instead of a list.
+    format: Option<FilesFormat>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum FilesFormat {
+    Json,
+    Tar,
+}
+
+/// The task `id`, when it exists and its files are still kept.
+fn files_kept(sup: &Supervisor, id: &str) -> Result<(), ApiError> {
+    let record = sup
+        .store()
+        .get(id)?
+        .ok_or_else(|| TaskError::NotFound(id.to_owned()))?;
+    if let Some(at_ms) = record.files_removed_ms {
+        return Err(TaskError::from(crate::files::FilesError::Removed {
+            task: id.to_owned(),
+            at_ms,
+        })
+        .into());
+    }
+    Ok(())
+}
+
+/// `GET /v1/tasks/{id}/files`: the regular files of the task's workspace, or all of them as
+/// a tar archive with `?format=tar`.
+async fn task_files(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    query: Result<Query<FilesQuery>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(query) =
+        query.map_err(|e| bad_query(&e, "send ?format=json (the default) or ?format=tar"))?;
+    let tar = matches!(query.format, Some(FilesFormat::Tar));
+    blocking(&state.supervisor, move |sup| {
+        files_kept(sup, &id)?;
+        if tar {
+            let file = sup.files().pack(&id).map_err(TaskError::from)?;
+            let body = Body::from_stream(tokio_util::io::ReaderStream::new(
+                tokio::fs::File::from_std(file),
+            ));
+            let disposition = format!("attachment; filename=\"{id}.tar\"");
+            Ok((
+                [
+                    (header::CONTENT_TYPE, "application/x-tar".to_owned()),
+                    (header::CONTENT_DISPOSITION, disposition),
+                ],
+                body,
+            )
+                .into_response())
+        } else {
+            Ok(Json(sup.files().list(&id).map_err(TaskError::from)?).into_response())
+        }
+    })
+    .await
+}
+
+/// `GET /v1/tasks/{id}/files/{path}`: one regular file of the task's workspace. Served so a
+/// browser never runs it: pictures and plain text as what they are, with no scripts, and
+/// everything else as a download.
+async fn task_file(
+    State(state): State<AppState>,
+    Path((id, path)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
+    let (file, len, name) = blocking(&state.supervisor, move |sup| {
+        files_kept(sup, &id)?;
+        let (file, len) = sup.files().open(&id, &path).map_err(TaskError::from)?;
+        Ok((file, len, path))
+    })
+    .await?;
+    let (mime, inline) = media_type(&name);
+    let base = name
+        .rsplit('/')
+        .next()
+        .unwrap_or("file")
+        .replace(['"', '\\'], "_");
+    let disposition = if inline {
+        format!("inline; filename=\"{base}\"")
+    } else {
+        format!("attachment; filename=\"{base}\"")
+    };
+    use tokio::io::AsyncReadExt as _;
+    let body = Body::from_stream(tokio_util::io::ReaderStream::new(
+        tokio::fs::File::from_std(file).take(len),
+    ));
+    Ok((
+        [
+            (header::CONTENT_TYPE, mime.to_owned()),
+            (header::CONTENT_LENGTH, len.to_string()),
+            (header::CONTENT_DISPOSITION, disposition),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff".to_owned()),
+            (
+                header::CONTENT_SECURITY_POLICY,
+                "default-src 'none'; style-src 'unsafe-inline'; sandbox".to_owned(),
+            ),
+        ],
+        body,
+    )
+        .into_response())
+}
+
+/// The media type a workspace file is served as, and whether a browser may show it.
+pub fn media_type(path: &str) -> (&'static str, bool) {
+    if let Some(picture) = tandem_executor::archive::picture_type(std::path::Path::new(path)) {
+        return (picture, true);
+    }
+    let ext = path
+        .rsplit_once('.')
+        .map(|(_, e)| e.to_ascii_lowercase())
+        .unwrap_or_default();
+    match ext.as_str() {
+        "txt" | "md" | "csv" | "tsv" | "log" | "py" | "sh" | "js" | "rs" | "toml" | "yaml"
+        | "yml" => ("text/plain; charset=utf-8", true),
+        "json" => ("application/json", true),
+        _ => ("application/octet-stream", false),
+    }
 }
 
 async fn get_task(

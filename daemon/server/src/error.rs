@@ -35,6 +35,9 @@ pub enum TaskError {
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// A task's files could not be given, found or read.
+    #[error(transparent)]
+    Files(#[from] crate::files::FilesError),
 }
 
 /// What is wrong with a task or a request about one.

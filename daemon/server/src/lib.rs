@@ -5,6 +5,7 @@ mod admission;
 pub mod api;
 pub mod approvals;
 pub mod error;
+pub mod files;
 pub mod follow;
 pub mod mcp;
 pub mod metrics;

@@ -94,8 +94,9 @@ pub struct Start<'a> {
 /// Files a task was given: a tar archive on this host, and what the model is told of them.
 #[derive(Clone, Debug)]
 pub struct Inputs {
-    /// The archive, placed in each session's workspace when it opens.
-    pub archive: PathBuf,
+    /// The archive, placed in each session's workspace when it opens; `None` when they are
+    /// there already (a resumed task's workspace).
+    pub archive: Option<PathBuf>,
     /// Their names, sizes and first lines, added to the task as the model reads it.
     pub listing: String,
 }
@@ -318,7 +319,7 @@ impl Planner {
             workdir: start.workdir,
             limits,
             labels: start.labels,
-            inputs: start.inputs.map(|i| i.archive),
+            inputs: start.inputs.and_then(|i| i.archive),
         };
         let gate = (!checked.gate.is_open()).then_some(checked.gate);
         let model = self.model(spec.model.as_deref(), spec.base_url.as_deref())?;

@@ -94,6 +94,10 @@ const MIGRATIONS: &[&str] = &[
     -- awaiting_approval state, which older daemons do not know.
     CREATE INDEX tasks_by_order ON tasks (queue_order);
 ",
+    "
+    -- When the operator's retention removed the task's workspace.
+    ALTER TABLE tasks ADD COLUMN files_removed_ms INTEGER;
+",
 ];
 
 /// What the daemon needs of a task store. Everything above the store reaches it through this
@@ -129,6 +133,8 @@ pub trait TaskStore: Send + Sync {
     fn interrupt_running(&self) -> Result<Vec<String>>;
     /// How many tasks are in each state.
     fn counts(&self) -> Result<Vec<(TaskState, u64)>>;
+    /// Notes that the task's workspace was removed at `at_ms`.
+    fn files_removed(&self, id: &str, at_ms: u64) -> Result<()>;
 }
 
 impl TaskStore for Store {
@@ -168,6 +174,15 @@ impl TaskStore for Store {
     }
     fn counts(&self) -> Result<Vec<(TaskState, u64)>> {
         Store::counts(self)
+    }
+    fn files_removed(&self, id: &str, at_ms: u64) -> Result<()> {
+        self.with(|c| {
+            c.execute(
+                "UPDATE tasks SET files_removed_ms = ?2 WHERE id = ?1",
+                rusqlite::params![id, at_ms as i64],
+            )
+            .map(drop)
+        })
     }
 }
 
@@ -614,8 +629,8 @@ fn append_one(db: &mut Db, task_id: &str, msg: &EventMsg, now_ms: u64) -> rusqli
     Ok(event)
 }
 
-const COLUMNS: &str =
-    "id, state, spec, stop_reason, error, usage, turns, created_ms, started_ms, finished_ms";
+const COLUMNS: &str = "id, state, spec, stop_reason, error, usage, turns, created_ms, started_ms, \
+     finished_ms, files_removed_ms";
 
 type RawRow = (
     String,
@@ -626,6 +641,7 @@ type RawRow = (
     String,
     i64,
     i64,
+    Option<i64>,
     Option<i64>,
     Option<i64>,
 );
@@ -642,11 +658,13 @@ fn raw_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawRow> {
         r.get(7)?,
         r.get(8)?,
         r.get(9)?,
+        r.get(10)?,
     ))
 }
 
 fn decode(row: RawRow) -> Result<TaskRecord> {
-    let (id, state, spec, stop_reason, error, usage, turns, created, started, finished) = row;
+    let (id, state, spec, stop_reason, error, usage, turns, created, started, finished, removed) =
+        row;
     let json = |what: &'static str, text: &str| -> Result<serde_json::Value> {
         serde_json::from_str(text).map_err(|source| StoreError::Decode { what, source })
     };
@@ -665,6 +683,7 @@ fn decode(row: RawRow) -> Result<TaskRecord> {
         created_ms: created as u64,
         started_ms: started.map(|v| v as u64),
         finished_ms: finished.map(|v| v as u64),
+        files_removed_ms: removed.map(|v| v as u64),
     })
 }
 

@@ -17,6 +17,7 @@ use tokio_util::task::TaskTracker;
 use crate::admission::Admission;
 pub use crate::error::TaskError;
 use crate::error::{Conflict, Unavailable};
+use crate::files::Files;
 use crate::metrics::Metrics;
 use crate::plan::{Planner, PlannerConfig, Start, TaskDefaults, waits_for_approval};
 use crate::policy::Policy;
@@ -32,6 +33,8 @@ pub struct SupervisorConfig {
     /// Most sandbox sessions open at once, overall and per executor: every road that opens
     /// one (tasks, teams, MCP) takes its permits from here.
     pub sessions: tandem_executor::BudgetConfig,
+    /// Tasks' files: uploads, workspaces and their retention.
+    pub files: Arc<Files>,
 }
 
 /// Runs tasks; one per daemon.
@@ -46,6 +49,12 @@ pub struct Supervisor {
     live: broadcast::Sender<Arc<(String, Event)>>,
     writer: Writes,
     stopping: AtomicBool,
+    files: Arc<Files>,
+    /// Rung when a task ends, so the retention looks at once (the space cap).
+    finished: tokio::sync::Notify,
+    /// Cancelled when shutdown begins: the retention stops, rather than hold up the grace
+    /// period that running tasks have.
+    closing: CancellationToken,
     /// Counters and histograms for `/metrics`.
     pub metrics: Metrics,
     /// Who waits for which approval, and deciding them.
@@ -86,6 +95,9 @@ impl Supervisor {
             active: Mutex::new(HashMap::new()),
             live,
             stopping: AtomicBool::new(false),
+            files: config.files,
+            finished: tokio::sync::Notify::new(),
+            closing: CancellationToken::new(),
             metrics: Metrics::default(),
         })
     }
@@ -109,6 +121,11 @@ impl Supervisor {
     /// The store, for reads.
     pub fn store(&self) -> &dyn TaskStore {
         self.store.as_ref()
+    }
+
+    /// Tasks' files.
+    pub fn files(&self) -> &Arc<Files> {
+        &self.files
     }
 
     /// The executors tasks can use.
@@ -193,6 +210,17 @@ impl Supervisor {
         }
         self.admission.admit(&self.planner, &spec).await?;
         let id = uuid::Uuid::now_v7().simple().to_string();
+        if let Some(upload) = &spec.files {
+            // Before the task is stored, so a stored task always has its files; a link left
+            // by a task that then failed to store is removed by the retention.
+            let (files, upload, task) = (self.files.clone(), upload.clone(), id.clone());
+            tokio::task::spawn_blocking(move || files.claim(&upload, &task))
+                .await
+                .map_err(|e| crate::files::FilesError::Io {
+                    context: "giving the task its files".to_owned(),
+                    source: std::io::Error::other(e.to_string()),
+                })??;
+        }
         let now = now_ms();
         // Through the writer, so concurrent submits share a commit (and its log sync).
         let (created, committed) = tokio::sync::oneshot::channel();
@@ -287,6 +315,44 @@ impl Supervisor {
         })
     }
 
+    /// The workspace of task `id` and the files it was given; a task that resumes finds
+    /// them placed already.
+    fn task_files(
+        &self,
+        id: &str,
+        resuming: bool,
+    ) -> Result<(std::path::PathBuf, Option<crate::plan::Inputs>), crate::files::FilesError> {
+        let workdir = self.files.workspace(id)?;
+        let mut inputs = self.files.inputs(id)?;
+        if resuming && let Some(inputs) = &mut inputs {
+            inputs.archive = None;
+        }
+        Ok((workdir, inputs))
+    }
+
+    /// Removes tasks' files as the retention says, now and then until shutdown.
+    pub fn keep_files_tidy(self: &Arc<Self>) {
+        let (this, stop) = (self.clone(), self.closing.clone());
+        self.tracker.spawn(async move {
+            let every = this.files.sweep_every();
+            loop {
+                let swept = this
+                    .off_thread(|sup| sup.files.sweep(sup.store.as_ref()))
+                    .await;
+                if let Ok(removed) = swept
+                    && !removed.is_empty()
+                {
+                    tracing::debug!(count = removed.len(), "retention removed tasks' files");
+                }
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = tokio::time::sleep(every) => {}
+                    () = this.finished.notified() => {}
+                }
+            }
+        });
+    }
+
     /// The conversation so far, rebuilt from the task's stored `events`.
     pub fn transcript(&self, record: &TaskRecord, events: &[Event]) -> Vec<Message> {
         self.planner.transcript(&record.spec, events)
@@ -297,6 +363,7 @@ impl Supervisor {
     /// closed before this returns.
     pub async fn shutdown(self: &Arc<Self>, grace: Duration) {
         self.stopping.store(true, Ordering::SeqCst);
+        self.closing.cancel();
         self.tracker.close();
         // A task waiting for a person would only hold the grace period up: it is interrupted
         // now, and the next start has it wait again where it was.
@@ -338,6 +405,7 @@ impl Supervisor {
             if let Ok(mut active) = this.active.lock() {
                 active.remove(&id);
             }
+            this.finished.notify_one();
             this.approvals.forget(&id);
         });
     }
@@ -363,10 +431,22 @@ impl Supervisor {
         let _slot = permit.clone();
         // Through the writer, in order with the task's events, so the turn loop starts at once.
         self.set_state(id, TaskState::Running);
+        let (workdir, inputs) = match self.task_files(id, !events.is_empty()) {
+            Ok(found) => found,
+            Err(e) => {
+                let info = ErrorInfo {
+                    code: tandem_protocol::ErrorCode::Executor,
+                    message: e.to_string(),
+                };
+                self.record(id, finished(StopReason::Error, 0, Some(info)));
+                return;
+            }
+        };
         let start = Start {
             labels: vec![("tandem.task".to_owned(), id.to_owned())],
             events: &events,
-            ..Start::default()
+            workdir: Some(workdir),
+            inputs,
         };
         let planned = match self.planner.plan(&spec, start) {
             Ok(planned) => planned,
@@ -387,7 +467,10 @@ impl Supervisor {
         let task_id = id.to_owned();
         let executor_name = planned.executor().to_owned();
         let turn_started = Mutex::new(None::<Instant>);
-        let sink = Arc::new(move |msg: EventMsg| {
+        let sink = Arc::new(move |mut msg: EventMsg| {
+            if let EventMsg::Artifact { path, href, .. } = &mut msg {
+                *href = Some(file_href(&task_id, path));
+            }
             match &msg {
                 EventMsg::TurnStarted { .. } => {
                     if let Ok(mut t) = turn_started.lock() {
@@ -471,4 +554,22 @@ fn finished(stop_reason: StopReason, turns: u32, error: Option<ErrorInfo>) -> Ev
         error,
         summary: None,
     }
+}
+
+/// Where the API serves file `path` of task `task`, its parts percent-encoded.
+pub fn file_href(task: &str, path: &str) -> String {
+    let mut href = format!("/v1/tasks/{task}/files/");
+    for (i, part) in path.split('/').enumerate() {
+        if i > 0 {
+            href.push('/');
+        }
+        for b in part.bytes() {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                href.push(b as char);
+            } else {
+                href.push_str(&format!("%{b:02X}"));
+            }
+        }
+    }
+    href
 }

@@ -11,6 +11,7 @@
 use std::io::{Read, Write};
 use std::path::{Component, Path, PathBuf};
 
+use cap_fs_ext::DirExt as _;
 use cap_std::ambient_authority;
 use cap_std::fs::Dir;
 
@@ -53,6 +54,14 @@ pub enum ArchiveError {
         /// The entry.
         path: String,
         /// What it is (`symbolic link`, `device`, ...).
+        kind: &'static str,
+    },
+    /// A path to read that is not a regular file, or has a link on the way.
+    #[error("`{path}` is a {kind}, not a regular file")]
+    NotRegular {
+        /// The path asked for.
+        path: String,
+        /// What is there (`symbolic link`, `directory`, ...).
         kind: &'static str,
     },
     /// Past [`ArchiveCaps::max_bytes`].
@@ -224,48 +233,184 @@ pub fn pack(
     out: impl Write,
     caps: ArchiveCaps,
 ) -> Result<Vec<ArchivedFile>, ArchiveError> {
-    let dir = open(workspace)?;
-    let start = match rel.trim() {
-        "" | "." => PathBuf::new(),
-        other => inside(other)?,
-    };
     let mut builder = tar::Builder::new(out);
     builder.follow_symlinks(false);
     let mut packed = Vec::new();
-    let (mut entries, mut bytes) = (0usize, 0u64);
-    let mut stack = vec![start];
-    while let Some(path) = stack.pop() {
+    let mut bytes = 0u64;
+    walk(workspace, rel, caps.max_entries, |dir, path, found| {
         let shown = path.display().to_string();
         let io = |source| ArchiveError::Io {
             path: shown.clone(),
             source,
         };
-        let meta = if path.as_os_str().is_empty() {
+        let mut header = tar::Header::new_gnu();
+        header.set_mtime(0);
+        match found {
+            Found::Dir => {
+                header.set_entry_type(tar::EntryType::Directory);
+                header.set_mode(0o755);
+                header.set_size(0);
+                builder
+                    .append_data(&mut header, path, std::io::empty())
+                    .map_err(io)
+            }
+            Found::File { bytes: size, .. } => {
+                if size > caps.max_bytes.saturating_sub(bytes) {
+                    return Err(ArchiveError::TooLarge {
+                        path: shown.clone(),
+                        max: caps.max_bytes,
+                    });
+                }
+                let file = open_file(dir, path).map_err(io)?;
+                header.set_entry_type(tar::EntryType::Regular);
+                header.set_mode(0o644);
+                header.set_size(size);
+                // Only what was measured is read, so a file growing meanwhile cannot break
+                // the archive.
+                builder
+                    .append_data(&mut header, path, file.take(size))
+                    .map_err(io)?;
+                bytes += size;
+                packed.push(ArchivedFile {
+                    path: path.to_owned(),
+                    bytes: size,
+                });
+                Ok(())
+            }
+        }
+    })?;
+    builder.finish().map_err(|source| ArchiveError::Io {
+        path: rel.to_owned(),
+        source,
+    })?;
+    Ok(packed)
+}
+
+/// A regular file in a workspace, as [`list`] finds it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ListedFile {
+    /// Its path, relative to the workspace.
+    pub path: PathBuf,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// When it was last written, in milliseconds since the Unix epoch (0 when unknown).
+    pub modified_ms: u64,
+}
+
+/// The regular files in `workspace`, in path order, at most `max_entries` entries looked at;
+/// links are neither listed nor followed.
+pub fn list(workspace: &Path, max_entries: usize) -> Result<Vec<ListedFile>, ArchiveError> {
+    let mut files = Vec::new();
+    walk(workspace, "", max_entries, |_, path, found| {
+        if let Found::File { bytes, modified_ms } = found {
+            files.push(ListedFile {
+                path: path.to_owned(),
+                bytes,
+                modified_ms,
+            });
+        }
+        Ok(())
+    })?;
+    Ok(files)
+}
+
+/// Opens the regular file `rel` of `workspace` for reading, with its size. A link anywhere
+/// on the way is refused rather than followed, so a link planted by code in the session
+/// leads nowhere, inside or out.
+pub fn read(workspace: &Path, rel: &str) -> Result<(std::fs::File, u64), ArchiveError> {
+    let path = inside(rel)?;
+    let io = |source| ArchiveError::Io {
+        path: rel.to_owned(),
+        source,
+    };
+    let mut dir = open(workspace)?;
+    let mut parts = path.components().peekable();
+    while let Some(part) = parts.next() {
+        let meta = dir.symlink_metadata(part).map_err(io)?;
+        if meta.file_type().is_symlink() {
+            return Err(ArchiveError::NotRegular {
+                path: rel.to_owned(),
+                kind: "symbolic link",
+            });
+        }
+        if parts.peek().is_none() {
+            if !meta.is_file() {
+                return Err(ArchiveError::NotRegular {
+                    path: rel.to_owned(),
+                    kind: if meta.is_dir() {
+                        "directory"
+                    } else {
+                        "special entry"
+                    },
+                });
+            }
+            let file = open_file(&dir, Path::new(part.as_os_str())).map_err(io)?;
+            let len = file.metadata().map_err(io)?.len();
+            return Ok((file, len));
+        }
+        dir = dir.open_dir_nofollow(part).map_err(io)?;
+    }
+    Err(ArchiveError::Outside(rel.to_owned()))
+}
+
+/// The media type of a picture file, by its name's extension; `None` for anything else.
+pub fn picture_type(path: &Path) -> Option<&'static str> {
+    let ext = path.extension()?.to_str()?.to_ascii_lowercase();
+    Some(match ext.as_str() {
+        "png" => "image/png",
+        "jpg" | "jpeg" => "image/jpeg",
+        "gif" => "image/gif",
+        "webp" => "image/webp",
+        "svg" => "image/svg+xml",
+        _ => return None,
+    })
+}
+
+/// What [`walk`] found at a path.
+#[derive(Clone, Copy)]
+enum Found {
+    Dir,
+    File { bytes: u64, modified_ms: u64 },
+}
+
+/// Visits the directories and regular files beneath `rel` in `workspace` (all of it when
+/// `rel` is empty or `.`), in path order, parents first; links and special files are
+/// skipped, never followed. `visit` gets the directory handle of the workspace.
+fn walk(
+    workspace: &Path,
+    rel: &str,
+    max_entries: usize,
+    mut visit: impl FnMut(&Dir, &Path, Found) -> Result<(), ArchiveError>,
+) -> Result<(), ArchiveError> {
+    let dir = open(workspace)?;
+    let start = match rel.trim() {
+        "" | "." => PathBuf::new(),
+        other => inside(other)?,
+    };
+    let mut entries = 0usize;
+    let mut stack = vec![start];
+    while let Some(path) = stack.pop() {
+        let io = |source| ArchiveError::Io {
+            path: path.display().to_string(),
+            source,
+        };
+        let top = path.as_os_str().is_empty();
+        let meta = if top {
             dir.dir_metadata().map_err(io)?
         } else {
             dir.symlink_metadata(&path).map_err(io)?
         };
         entries += 1;
-        if entries > caps.max_entries {
-            return Err(ArchiveError::TooMany(caps.max_entries));
+        if entries > max_entries {
+            return Err(ArchiveError::TooMany(max_entries));
         }
-        let mut header = tar::Header::new_gnu();
-        header.set_mode(0o644);
-        header.set_mtime(0);
         if meta.is_dir() {
-            let sub = if path.as_os_str().is_empty() {
+            let sub = if top {
                 dir.try_clone().map_err(io)?
             } else {
-                dir.open_dir(&path).map_err(io)?
+                visit(&dir, &path, Found::Dir)?;
+                dir.open_dir_nofollow(&path).map_err(io)?
             };
-            if !path.as_os_str().is_empty() {
-                header.set_entry_type(tar::EntryType::Directory);
-                header.set_mode(0o755);
-                header.set_size(0);
-                builder
-                    .append_data(&mut header, &path, std::io::empty())
-                    .map_err(io)?;
-            }
             let mut names: Vec<PathBuf> = sub
                 .entries()
                 .map_err(io)?
@@ -275,31 +420,32 @@ pub fn pack(
             names.sort();
             stack.extend(names.into_iter().rev());
         } else if meta.is_file() {
-            let size = meta.len();
-            if size > caps.max_bytes.saturating_sub(bytes) {
-                return Err(ArchiveError::TooLarge {
-                    path: shown,
-                    max: caps.max_bytes,
-                });
-            }
-            let file = dir.open(&path).map_err(io)?;
-            // Opened by name beneath the handle: a link swapped in since the check leads
-            // nowhere outside, and only what was measured is read.
-            header.set_entry_type(tar::EntryType::Regular);
-            header.set_size(size);
-            builder
-                .append_data(&mut header, &path, file.take(size))
-                .map_err(io)?;
-            bytes += size;
-            packed.push(ArchivedFile { path, bytes: size });
+            let modified_ms = meta
+                .modified()
+                .ok()
+                .and_then(|t| t.into_std().duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_millis() as u64);
+            visit(
+                &dir,
+                &path,
+                Found::File {
+                    bytes: meta.len(),
+                    modified_ms,
+                },
+            )?;
         }
         // Links, sockets, FIFOs and devices stay where they are.
     }
-    builder.finish().map_err(|source| ArchiveError::Io {
-        path: rel.to_owned(),
-        source,
-    })?;
-    Ok(packed)
+    Ok(())
+}
+
+/// Opens `path` beneath `dir` for reading without following a link at its last part (the
+/// parts before it were checked or are opened beneath the handle).
+fn open_file(dir: &Dir, path: &Path) -> std::io::Result<std::fs::File> {
+    use cap_fs_ext::{FollowSymlinks, OpenOptionsFollowExt as _};
+    let mut options = cap_std::fs::OpenOptions::new();
+    options.read(true).follow(FollowSymlinks::No);
+    Ok(dir.open_with(path, &options)?.into_std())
 }
 
 /// Most lines of a text file [`describe`] shows.
@@ -555,6 +701,40 @@ mod tests {
         assert_eq!(names, vec![PathBuf::from("secret.txt")]);
         assert!(!String::from_utf8_lossy(&out).contains("host secret"));
         assert!(pack(&ws, "out/secret", std::io::sink(), ArchiveCaps::default()).is_err());
+        // Listing and reading one file do not follow one either, at any part of the path;
+        // links inside the workspace are refused too, so none can be swapped to lead out.
+        std::fs::create_dir(ws.join("sub")).unwrap();
+        std::fs::write(ws.join("sub/real.txt"), "inside").unwrap();
+        std::os::unix::fs::symlink(ws.join("sub"), ws.join("sublink")).unwrap();
+        let listed: Vec<_> = list(&ws, 100)
+            .unwrap()
+            .into_iter()
+            .map(|f| f.path)
+            .collect();
+        assert_eq!(
+            listed,
+            vec![PathBuf::from("secret.txt"), PathBuf::from("sub/real.txt")]
+        );
+        for planted in [
+            "again",
+            "out/secret",
+            "sublink/real.txt",
+            "sublink",
+            "../outside/secret",
+        ] {
+            let err = read(&ws, planted).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    ArchiveError::NotRegular { .. } | ArchiveError::Outside(_)
+                ),
+                "{planted}: {err}"
+            );
+        }
+        let (mut file, len) = read(&ws, "sub/real.txt").unwrap();
+        let mut text = String::new();
+        file.read_to_string(&mut text).unwrap();
+        assert_eq!((text.as_str(), len), ("inside", 6));
     }
 
     #[test]

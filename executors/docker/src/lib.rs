@@ -635,6 +635,9 @@ pub(crate) fn base_env(c: &DockerConfig) -> impl Iterator<Item = (&str, &str)> {
         ("LANG", "C.UTF-8"),
         ("HOME", "/workspace"),
         ("TMPDIR", "/tmp"),
+        // Caches (matplotlib's font list, pip's) live and die with the container instead of
+        // showing up among the task's files.
+        ("XDG_CACHE_HOME", "/tmp/.cache"),
     ]
     .into_iter()
     .chain(c.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))

@@ -101,6 +101,17 @@ async fn supervise(
             "TMPDIR".to_owned(),
             session.scratch.path().join("tmp").display().to_string(),
         ),
+        // Caches (matplotlib's font list, pip's) go with the session rather than show up
+        // among the task's files.
+        (
+            "XDG_CACHE_HOME".to_owned(),
+            session
+                .scratch
+                .path()
+                .join("tmp/.cache")
+                .display()
+                .to_string(),
+        ),
         ("PYTHONUNBUFFERED".to_owned(), "1".to_owned()),
         ("PYTHONDONTWRITEBYTECODE".to_owned(), "1".to_owned()),
         (MARKER_VAR.to_owned(), exec_id.clone()),

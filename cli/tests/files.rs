@@ -1,0 +1,569 @@
+//! Files in and out of a daemon's tasks (issue 30): uploads checked entry by entry, a task's
+//! workspace listed and read during and after it, pictures as artifacts, and the retention
+//! that removes workspaces. Each attack is judged on the host's disk and in what comes back.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tandem_tests::{DaemonHarness as Daemon, Reply, ScriptedOpenAi, script};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tandem");
+
+async fn daemon(server: &ScriptedOpenAi, args: &[&str], config: Option<&str>) -> Daemon {
+    Daemon::start(Path::new(BIN), &server.base_url(), args, config).await
+}
+
+fn python(code: &str) -> Reply {
+    Reply::from(format!("```python\n{code}\n```").as_str())
+}
+
+fn sh(code: &str) -> Reply {
+    Reply::from(format!("```sh\n{code}\n```").as_str())
+}
+
+/// A tar archive of `(path, kind, data, claimed size)` entries, written raw so that it can
+/// say anything a hostile client would.
+fn archive(entries: &[(&str, tar::EntryType, &[u8], Option<u64>)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (path, kind, data, claimed) in entries {
+        let mut header = tar::Header::new_gnu();
+        let name = &mut header.as_gnu_mut().unwrap().name;
+        name[..path.len()].copy_from_slice(path.as_bytes());
+        header.set_entry_type(*kind);
+        header.set_mode(0o644);
+        header.set_size(claimed.unwrap_or(data.len() as u64));
+        if *kind == tar::EntryType::GNUSparse {
+            // A terabyte of holes in no bytes at all.
+            let gnu = header.as_gnu_mut().unwrap();
+            gnu.set_real_size(1 << 40);
+            gnu.sparse[0].set_offset(1 << 40);
+            gnu.sparse[0].set_length(0);
+        }
+        if matches!(kind, tar::EntryType::Symlink | tar::EntryType::Link) {
+            header.set_link_name("/etc/passwd").unwrap();
+        }
+        header.set_cksum();
+        out.extend_from_slice(header.as_bytes());
+        out.extend_from_slice(data);
+        out.resize(out.len().div_ceil(512) * 512, 0);
+    }
+    out.extend_from_slice(&[0u8; 1024]);
+    out
+}
+
+/// `(status, body)` of `POST /v1/uploads` with `body`.
+async fn upload(d: &Daemon, body: Vec<u8>) -> (u16, Value) {
+    let resp = d
+        .http()
+        .post("http://tandem/v1/uploads")
+        .header("content-type", "application/x-tar")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.json().await.unwrap_or(Value::Null))
+}
+
+/// `(status, headers, bytes)` of `GET path`.
+async fn fetch(d: &Daemon, path: &str) -> (u16, reqwest::header::HeaderMap, Vec<u8>) {
+    let resp = d
+        .http()
+        .get(format!("http://tandem{path}"))
+        .send()
+        .await
+        .unwrap();
+    let (status, headers) = (resp.status().as_u16(), resp.headers().clone());
+    (status, headers, resp.bytes().await.unwrap().to_vec())
+}
+
+fn of_type<'a>(events: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    events.iter().filter(|e| e["type"] == kind).collect()
+}
+
+/// Every file beneath `dir`, as paths relative to it (links included, not followed).
+fn tree(dir: &Path) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut stack = vec![dir.to_owned()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if entry.file_type().unwrap().is_dir() {
+                stack.push(path.clone());
+            }
+            found.push(path.strip_prefix(dir).unwrap().display().to_string());
+        }
+    }
+    found.sort();
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_csv_uploaded_over_the_api_is_analysed_and_its_chart_comes_back_byte_identical() {
+    let csv = "month,revenue\n1,10\n2,32\n3,18\n";
+    let told = format!(
+        "plot revenue by month\n\nFiles in your working directory (the current directory):\n\
+         - data/sales.csv ({} bytes)\n    month,revenue\n    1,10\n    2,32\n    3,18",
+        csv.len()
+    );
+    let code = "import pandas as pd\nimport matplotlib.pyplot as plt\n\
+                df = pd.read_csv('data/sales.csv')\nprint(int(df.revenue.sum()))\n\
+                df.plot(x='month', y='revenue')\nplt.savefig('chart.png')";
+    let server = ScriptedOpenAi::start(script([(
+        told.as_str(),
+        vec![
+            python(code),
+            Reply::from("The chart is in chart.png.\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let d = daemon(&server, &["--executor", "docker"], None).await;
+    let (status, up) = upload(
+        &d,
+        archive(&[(
+            "data/sales.csv",
+            tar::EntryType::Regular,
+            csv.as_bytes(),
+            None,
+        )]),
+    )
+    .await;
+    assert_eq!(status, 201, "{up}");
+    assert_eq!(
+        up["files"],
+        json!([{"path": "data/sales.csv", "bytes": csv.len()}])
+    );
+    assert_eq!(up["bytes"], csv.len());
+    let id = d
+        .submit(json!({"task": "plot revenue by month", "files": up["id"]}))
+        .await;
+    let record = d.wait_finished(&id, Duration::from_secs(120)).await;
+    let events = d.events(&id, 0).await;
+    assert_eq!(record["stop_reason"], "terminated", "{record}\n{events:#?}");
+    // The block read the file it was given.
+    let result = &of_type(&events, "exec_result")[0]["result"];
+    assert_eq!(result["stdout"], "60\n", "{result}");
+    // The chart it saved is an artifact with a link, after the block's result.
+    let artifacts = of_type(&events, "artifact");
+    assert_eq!(artifacts.len(), 1, "{events:#?}");
+    let chart = artifacts[0];
+    assert_eq!(chart["path"], "chart.png");
+    assert_eq!(chart["mime"], "image/png");
+    let href = chart["href"].as_str().unwrap();
+    assert_eq!(href, format!("/v1/tasks/{id}/files/chart.png"));
+    let (status, headers, png) = fetch(&d, href).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["content-type"], "image/png");
+    assert_eq!(headers["x-content-type-options"], "nosniff");
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
+    assert_eq!(png.len() as u64, chart["bytes"].as_u64().unwrap());
+    // Byte for byte what the block wrote, and what the tar of the workspace holds.
+    let on_disk = d
+        .state_dir()
+        .join(format!("files/tasks/{id}/work/chart.png"));
+    assert_eq!(std::fs::read(on_disk).unwrap(), png);
+    let (status, headers, tarred) = fetch(&d, &format!("/v1/tasks/{id}/files?format=tar")).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["content-type"], "application/x-tar");
+    let mut from_tar = std::collections::BTreeMap::new();
+    for entry in tar::Archive::new(&tarred[..]).entries().unwrap() {
+        let mut entry = entry.unwrap();
+        let path = entry.path().unwrap().display().to_string();
+        let mut data = Vec::new();
+        std::io::Read::read_to_end(&mut entry, &mut data).unwrap();
+        from_tar.insert(path, data);
+    }
+    assert_eq!(from_tar["chart.png"], png);
+    assert_eq!(from_tar["data/sales.csv"], csv.as_bytes());
+    // The list names both, with their sizes.
+    let list = d.get(&format!("/v1/tasks/{id}/files")).await;
+    let listed: Vec<(&str, u64)> = list["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| (f["path"].as_str().unwrap(), f["bytes"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(
+        listed,
+        vec![
+            ("chart.png", png.len() as u64),
+            ("data/sales.csv", csv.len() as u64)
+        ]
+    );
+    // The CLI reads the same: a list, one file, and the whole workspace.
+    let (code, out, err) = d.cli(&["files", &id]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("chart.png") && out.contains("data/sales.csv"),
+        "{out}"
+    );
+    let got = d.state_dir().join("got.png");
+    let (code, _, err) = d
+        .cli(&[
+            "files",
+            &id,
+            "--get",
+            "chart.png",
+            "-o",
+            got.to_str().unwrap(),
+        ])
+        .await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(std::fs::read(&got).unwrap(), png);
+    let (code, _, err) = d
+        .cli(&["files", &id, "--get", "nothing.png", "-o", "/dev/null"])
+        .await;
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(&format!("task {id} has no file `nothing.png`")),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_uploads_are_refused_by_name_and_write_nothing() {
+    use tar::EntryType as T;
+    let server = ScriptedOpenAi::start(script([])).await.unwrap();
+    let d = daemon(
+        &server,
+        &[],
+        Some("[files]\nmax_upload_mb = 1\nmax_upload_files = 20\n"),
+    )
+    .await;
+    let big = vec![b'x'; (1 << 20) + 1];
+    let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
+        (
+            "a path up and out",
+            archive(&[("../escaped", T::Regular, b"x", None)]),
+            400,
+            "`../escaped` is not a path inside the workspace",
+        ),
+        (
+            "an absolute path",
+            archive(&[("/tmp/escaped", T::Regular, b"x", None)]),
+            400,
+            "`/tmp/escaped` is not a path inside the workspace",
+        ),
+        (
+            "a symbolic link",
+            archive(&[("passwd", T::Symlink, b"", None)]),
+            400,
+            "`passwd` is a symbolic link",
+        ),
+        (
+            "a hard link",
+            archive(&[("passwd", T::Link, b"", None)]),
+            400,
+            "`passwd` is a hard link",
+        ),
+        (
+            "a device",
+            archive(&[("null", T::Char, b"", None)]),
+            400,
+            "`null` is a device",
+        ),
+        (
+            "a FIFO",
+            archive(&[("pipe", T::Fifo, b"", None)]),
+            400,
+            "`pipe` is a FIFO",
+        ),
+        (
+            "a sparse file",
+            archive(&[("holes", T::GNUSparse, b"", None)]),
+            400,
+            "`holes` is a sparse file",
+        ),
+        (
+            "a header claiming a terabyte",
+            archive(&[("huge", T::Regular, b"x", Some(1 << 40))]),
+            400,
+            "over the 1048576 byte limit (at `huge`)",
+        ),
+        (
+            "more bytes than the cap",
+            archive(&[("big", T::Regular, &big, None)]),
+            400,
+            "over the 1048576 byte limit (at `big`)",
+        ),
+        (
+            "more files than the cap",
+            {
+                let names: Vec<String> = (0..21).map(|i| format!("f{i}")).collect();
+                let entries: Vec<_> = names
+                    .iter()
+                    .map(|n| (n.as_str(), T::Regular, &b"x"[..], None))
+                    .collect();
+                archive(&entries)
+            },
+            400,
+            "more than 20 entries",
+        ),
+        (
+            "a body far over any archive within the caps",
+            vec![0u8; 4 << 20],
+            413,
+            "over the 1048576 byte limit",
+        ),
+        (
+            "not a tar archive",
+            b"this is not a tar archive, only text that goes on long enough".repeat(20),
+            400,
+            "the upload was refused",
+        ),
+    ];
+    for (what, body, status, says) in cases {
+        let (got, answer) = upload(&d, body).await;
+        assert_eq!(got, status, "{what}: {answer}");
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(says), "{what}: {message}");
+    }
+    // Nothing of them is anywhere: not in the uploads, not beside the state dir.
+    let files = d.state_dir().join("files");
+    assert_eq!(tree(&files), vec!["tasks", "uploads"], "{:?}", tree(&files));
+    assert!(!d.state_dir().join("escaped").exists());
+    assert!(!Path::new("/tmp/escaped").exists());
+    // A task naming an upload that is not there, or a path for one, is refused, and nothing
+    // is queued.
+    for bad in [
+        "0123456789abcdef0123456789abcdef",
+        "../../tandem.db",
+        "uploads/x",
+    ] {
+        let (status, body) = d
+            .send(
+                reqwest::Method::POST,
+                "/v1/tasks",
+                Some(json!({"task": "t", "files": bad}).to_string()),
+            )
+            .await;
+        assert_eq!(status, 400, "{bad}: {body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(&format!("there is no upload `{bad}`")),
+            "{message}"
+        );
+    }
+    assert_eq!(d.get("/v1/tasks").await["tasks"], json!([]));
+    // Within the caps, the same daemon takes an upload.
+    let (status, up) = upload(&d, archive(&[("ok.txt", T::Regular, b"fine", None)])).await;
+    assert_eq!(status, 201, "{up}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reading_a_workspace_follows_no_link_the_code_planted() {
+    // The block plants links to the host's files and to the root, and to another task.
+    let plant = "mkdir -p sub && echo inside > sub/ok.txt && ln -s /etc/passwd leak.txt \
+                 && ln -s / root && ln -s sub subway && echo done";
+    let server = ScriptedOpenAi::start(script([
+        ("plant", vec![sh(plant), Reply::from("TERMINATE")]),
+        (
+            "secret",
+            vec![sh("echo private > secret.txt"), Reply::from("TERMINATE")],
+        ),
+    ]))
+    .await
+    .unwrap();
+    let d = daemon(&server, &[], None).await;
+    let other = d.submit(json!({"task": "secret"})).await;
+    d.wait_finished(&other, Duration::from_secs(60)).await;
+    let id = d.submit(json!({"task": "plant"})).await;
+    let record = d.wait_finished(&id, Duration::from_secs(60)).await;
+    assert_eq!(record["stop_reason"], "terminated", "{record}");
+    let list = d.get(&format!("/v1/tasks/{id}/files")).await;
+    assert_eq!(
+        list["files"].as_array().unwrap().len(),
+        1,
+        "only sub/ok.txt: {list}"
+    );
+    assert_eq!(list["files"][0]["path"], "sub/ok.txt");
+    let passwd = std::fs::read("/etc/passwd").unwrap();
+    for path in [
+        "leak.txt",
+        "root/etc/passwd",
+        "subway/ok.txt",
+        "..%2F..%2F..%2F..%2F..%2Fetc%2Fpasswd",
+        "%2e%2e/%2e%2e/{other}/work/secret.txt",
+        "../{other}/work/secret.txt",
+        "%2Fetc%2Fpasswd",
+    ] {
+        let path = path.replace("{other}", &other);
+        let (status, _, body) = fetch(&d, &format!("/v1/tasks/{id}/files/{path}")).await;
+        let text = String::from_utf8_lossy(&body);
+        assert!(status == 404 || status == 400, "{path}: {status} {text}");
+        assert!(
+            !text.contains("root:") && !text.contains("private"),
+            "{path}: {text}"
+        );
+        assert_ne!(body, passwd);
+    }
+    let (status, _, body) = fetch(&d, &format!("/v1/tasks/{id}/files/leak.txt")).await;
+    assert_eq!(status, 404);
+    assert!(
+        String::from_utf8_lossy(&body).contains(
+            "`leak.txt` cannot be read: `leak.txt` is a symbolic link, not a regular file"
+        ),
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    // The whole workspace as tar carries the real file and none of what the links name.
+    let (status, _, tarred) = fetch(&d, &format!("/v1/tasks/{id}/files?format=tar")).await;
+    assert_eq!(status, 200);
+    let names: Vec<String> = tar::Archive::new(&tarred[..])
+        .entries()
+        .unwrap()
+        .map(|e| e.unwrap().path().unwrap().display().to_string())
+        .collect();
+    assert_eq!(names, vec!["sub", "sub/ok.txt"]);
+    assert!(!String::from_utf8_lossy(&tarred).contains("root:x:0"));
+    // A page served from a workspace cannot run in the browser.
+    let (status, _, _) = fetch(&d, "/v1/tasks/nosuchtask/files").await;
+    assert_eq!(status, 404);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workspace_served_as_html_or_svg_is_not_run_by_the_browser() {
+    let write = "printf '<script>alert(1)</script>' > page.html && \
+                 printf '<svg xmlns=\"http://www.w3.org/2000/svg\"><script>alert(1)</script></svg>' > pic.svg";
+    let server = ScriptedOpenAi::start(script([(
+        "write",
+        vec![sh(write), Reply::from("TERMINATE")],
+    )]))
+    .await
+    .unwrap();
+    let d = daemon(&server, &[], None).await;
+    let id = d.submit(json!({"task": "write"})).await;
+    d.wait_finished(&id, Duration::from_secs(60)).await;
+    let (status, headers, _) = fetch(&d, &format!("/v1/tasks/{id}/files/page.html")).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["content-type"], "application/octet-stream");
+    assert!(
+        headers["content-disposition"]
+            .to_str()
+            .unwrap()
+            .starts_with("attachment")
+    );
+    let (status, headers, _) = fetch(&d, &format!("/v1/tasks/{id}/files/pic.svg")).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["content-type"], "image/svg+xml");
+    let csp = headers["content-security-policy"].to_str().unwrap();
+    assert!(
+        csp.contains("sandbox") && csp.contains("default-src 'none'"),
+        "{csp}"
+    );
+    // And the SVG the block wrote was told as a picture.
+    let events = d.events(&id, 0).await;
+    let pictures: Vec<_> = of_type(&events, "artifact")
+        .iter()
+        .map(|a| a["path"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(pictures, vec!["pic.svg"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finished_tasks_files_are_removed_after_their_time_and_the_store_says_so() {
+    let server = ScriptedOpenAi::start(script([(
+        "write",
+        vec![sh("echo kept > out.txt"), Reply::from("TERMINATE")],
+    )]))
+    .await
+    .unwrap();
+    let d = daemon(&server, &[], Some("[files]\nkeep_secs = 2\n")).await;
+    let id = d.submit(json!({"task": "write"})).await;
+    d.wait_finished(&id, Duration::from_secs(60)).await;
+    let dir = d.state_dir().join(format!("files/tasks/{id}"));
+    let started = Instant::now();
+    loop {
+        let (status, _, body) = fetch(&d, &format!("/v1/tasks/{id}/files/out.txt")).await;
+        if status == 410 {
+            let text = String::from_utf8_lossy(&body);
+            assert!(text.contains("were removed"), "{text}");
+            break;
+        }
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        assert!(started.elapsed() < Duration::from_secs(60), "never removed");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(!dir.exists(), "{}", dir.display());
+    let record = d.get(&format!("/v1/tasks/{id}")).await;
+    assert!(record["files_removed_ms"].as_u64().is_some(), "{record}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_space_cap_the_oldest_finished_workspace_goes_first() {
+    let server = ScriptedOpenAi::start(script([
+        (
+            "first",
+            vec![
+                sh("head -c 700000 /dev/zero > a.bin"),
+                Reply::from("TERMINATE"),
+            ],
+        ),
+        (
+            "second",
+            vec![
+                sh("head -c 700000 /dev/zero > b.bin"),
+                Reply::from("TERMINATE"),
+            ],
+        ),
+    ]))
+    .await
+    .unwrap();
+    let d = daemon(&server, &[], Some("[files]\nmax_total_mb = 1\n")).await;
+    let first = d.submit(json!({"task": "first"})).await;
+    d.wait_finished(&first, Duration::from_secs(60)).await;
+    let second = d.submit(json!({"task": "second"})).await;
+    d.wait_finished(&second, Duration::from_secs(60)).await;
+    let started = Instant::now();
+    while d.get(&format!("/v1/tasks/{first}")).await["files_removed_ms"].is_null() {
+        assert!(started.elapsed() < Duration::from_secs(60), "never removed");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The newer one stays: the two together were over the cap, one alone is not.
+    let (status, _, body) = fetch(&d, &format!("/v1/tasks/{second}/files/b.bin")).await;
+    assert_eq!(status, 200);
+    assert_eq!(body.len(), 700_000);
+    assert!(d.get(&format!("/v1/tasks/{second}")).await["files_removed_ms"].is_null());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tandem_submit_and_run_send_their_files_to_the_daemon() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("n.txt"), "21\n").unwrap();
+    let told = "double it\n\nFiles in your working directory (the current directory):\n\
+                - n.txt (3 bytes)\n    21";
+    let server = ScriptedOpenAi::start(script([(
+        told,
+        vec![
+            python("print(2 * int(open('n.txt').read()))"),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let d = daemon(&server, &[], None).await;
+    let n = dir.path().join("n.txt");
+    for command in ["submit", "run"] {
+        let mut args = vec![
+            command,
+            "double it",
+            "--file",
+            n.to_str().unwrap(),
+            "--json",
+        ];
+        if command == "submit" {
+            args.push("--wait");
+        }
+        let (code, out, err) = d.cli(&args).await;
+        assert_eq!(code, 0, "{command}: {err}\n{out}");
+        assert!(!err.contains("running in this process"), "{command}: {err}");
+        assert!(out.contains(r#""stdout":"42\n""#), "{command}: {out}");
+    }
+    // Both ran on the daemon.
+    assert_eq!(
+        d.get("/v1/tasks").await["tasks"].as_array().unwrap().len(),
+        2
+    );
+}

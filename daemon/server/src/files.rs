@@ -1,0 +1,467 @@
+//! Tasks' files on the daemon: uploads waiting for a task, each task's workspace (kept after
+//! it ends, so its files can be read), and the retention that removes them.
+//!
+//! Layout, beneath the state dir's `files/`:
+//! - `uploads/ID.tar` and `ID.txt`: an upload, checked entry by entry, and what the model is
+//!   told of it; removed an hour after it arrived.
+//! - `tasks/ID/inputs.tar`, `inputs.txt`: a task's own link to the upload it named, so the
+//!   upload expiring does not take the task's files with it.
+//! - `tasks/ID/work/`: the workspace every session of the task opens.
+//!
+//! Ids are checked to be lowercase hex before they become paths, and everything read out
+//! of a workspace goes through `archive`, beneath a directory handle, following no link.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::Body;
+use tandem_executor::archive::{self, ArchiveCaps, ArchiveError};
+use tandem_protocol::files::{FileInfo, TaskFiles, Upload};
+use tokio::io::AsyncWriteExt;
+
+use crate::plan::Inputs;
+use crate::store::TaskStore;
+
+/// How long an upload no task named is kept.
+pub const UPLOAD_KEEP: Duration = Duration::from_secs(3600);
+/// Bytes of an oversized upload read and dropped before it is refused.
+const OVERSIZE_DRAIN: u64 = 16 << 20;
+/// Most uploads waiting for a task at once.
+pub const MAX_PENDING_UPLOADS: usize = 64;
+
+/// Where tasks' files live and how long they stay, from `[files]`.
+#[derive(Clone, Debug)]
+pub struct FilesConfig {
+    /// The directory that holds them (the state dir's `files/`).
+    pub root: PathBuf,
+    /// How long a finished task's workspace is kept.
+    pub keep: Duration,
+    /// Most bytes all tasks' workspaces may hold; the oldest finished ones go first.
+    pub max_total_bytes: u64,
+    /// What one upload may hold.
+    pub upload: ArchiveCaps,
+}
+
+/// Why a file operation was refused; each says what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum FilesError {
+    /// The upload is not there (never made, expired, or a typo).
+    #[error(
+        "there is no upload `{0}`: send the files to POST /v1/uploads first (an upload no task names is removed after an hour)"
+    )]
+    NoUpload(String),
+    /// The archive was refused, entry by entry.
+    #[error("the upload was refused: {0}")]
+    Refused(#[source] ArchiveError),
+    /// The body was larger than any archive within the caps.
+    #[error(
+        "the upload is over the {0} byte limit (the operator's [files] max_upload_mb); send fewer or smaller files"
+    )]
+    TooLarge(u64),
+    /// Too many uploads wait for tasks.
+    #[error(
+        "{MAX_PENDING_UPLOADS} uploads already wait for a task; name them in tasks, or wait for them to expire"
+    )]
+    TooMany,
+    /// A path that does not name a regular file of the workspace.
+    #[error("{0}")]
+    NotFound(String),
+    /// The retention removed the task's workspace.
+    #[error(
+        "the files of task {task} were removed at {at_ms} ms (the operator's [files] retention)"
+    )]
+    Removed {
+        /// The task.
+        task: String,
+        /// When.
+        at_ms: u64,
+    },
+    /// The disk failed us.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// What failed.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl FilesError {
+    fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Self {
+        let context = context.into();
+        move |source| Self::Io { context, source }
+    }
+}
+
+/// Tasks' files; one per daemon.
+pub struct Files {
+    config: FilesConfig,
+    uploads: tokio::sync::Semaphore,
+}
+
+impl Files {
+    /// Files under `config.root`, made (private to the daemon's user) if missing.
+    pub fn new(config: FilesConfig) -> std::io::Result<Self> {
+        for dir in ["uploads", "tasks"] {
+            std::fs::create_dir_all(config.root.join(dir))?;
+        }
+        Ok(Self {
+            config,
+            // Each upload holds a file open and a blocking check: a few at once is plenty.
+            uploads: tokio::sync::Semaphore::new(4),
+        })
+    }
+
+    /// What an upload may hold.
+    pub fn upload_caps(&self) -> ArchiveCaps {
+        self.config.upload
+    }
+
+    fn task_dir(&self, task: &str) -> PathBuf {
+        self.config.root.join("tasks").join(task)
+    }
+
+    fn upload_path(&self, id: &str, ext: &str) -> PathBuf {
+        self.config.root.join("uploads").join(format!("{id}.{ext}"))
+    }
+
+    /// The workspace of `task`, made if missing. It is open to every user because a Docker
+    /// block runs as another one; the state dir above it is the daemon's alone.
+    pub fn workspace(&self, task: &str) -> Result<PathBuf, FilesError> {
+        use std::os::unix::fs::PermissionsExt;
+        let work = self.task_dir(task).join("work");
+        std::fs::create_dir_all(&work).map_err(FilesError::io("making the task's workspace"))?;
+        std::fs::set_permissions(&work, std::fs::Permissions::from_mode(0o1777))
+            .map_err(FilesError::io("opening the task's workspace"))?;
+        Ok(work)
+    }
+
+    /// The files `task` was given, if any.
+    pub fn inputs(&self, task: &str) -> Result<Option<Inputs>, FilesError> {
+        let dir = self.task_dir(task);
+        let archive = dir.join("inputs.tar");
+        if !archive.exists() {
+            return Ok(None);
+        }
+        let listing = std::fs::read_to_string(dir.join("inputs.txt"))
+            .map_err(FilesError::io("reading what the task was given"))?;
+        Ok(Some(Inputs {
+            archive: Some(archive),
+            listing,
+        }))
+    }
+
+    /// Whether the upload `id` is there to be named.
+    pub fn has_upload(&self, id: &str) -> bool {
+        valid_id(id) && self.upload_path(id, "tar").is_file()
+    }
+
+    /// Gives `task` the files of upload `id`, by a link of its own: the upload stays for
+    /// other tasks until it expires.
+    pub fn claim(&self, id: &str, task: &str) -> Result<(), FilesError> {
+        if !self.has_upload(id) {
+            return Err(FilesError::NoUpload(id.to_owned()));
+        }
+        let dir = self.task_dir(task);
+        std::fs::create_dir_all(&dir).map_err(FilesError::io("making the task's file dir"))?;
+        for ext in ["tar", "txt"] {
+            let to = dir.join(format!("inputs.{ext}"));
+            match std::fs::hard_link(self.upload_path(id, ext), &to) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(FilesError::NoUpload(id.to_owned()));
+                }
+                Err(e) => return Err(FilesError::io("keeping the upload for the task")(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Receives an upload: the tar archive in `body`, written to disk as it arrives and
+    /// checked entry by entry (paths, kinds, sizes) before it can be named.
+    pub async fn receive(&self, body: Body) -> Result<Upload, FilesError> {
+        let _permit = self.uploads.acquire().await;
+        let pending = std::fs::read_dir(self.config.root.join("uploads"))
+            .map_err(FilesError::io("listing uploads"))?
+            .filter_map(Result::ok)
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".tar"))
+            .count();
+        if pending >= MAX_PENDING_UPLOADS {
+            return Err(FilesError::TooMany);
+        }
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let part = self.upload_path(&id, "part");
+        let result = self.receive_into(&id, &part, body).await;
+        if result.is_err() {
+            let _ = std::fs::remove_file(&part);
+        }
+        result
+    }
+
+    async fn receive_into(&self, id: &str, part: &Path, body: Body) -> Result<Upload, FilesError> {
+        let caps = self.config.upload;
+        // The archive's own bytes past its contents: a header and padding per entry, and the
+        // end blocks.
+        let raw_cap = caps
+            .max_bytes
+            .saturating_add((caps.max_entries as u64).saturating_mul(1536))
+            .saturating_add(10240);
+        let mut file = tokio::fs::File::create(part)
+            .await
+            .map_err(FilesError::io("storing the upload"))?;
+        let mut stream = body.into_data_stream();
+        let mut total = 0u64;
+        while let Some(chunk) = futures::StreamExt::next(&mut stream).await {
+            let chunk = chunk.map_err(|e| FilesError::Io {
+                context: "reading the upload".to_owned(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+            total += chunk.len() as u64;
+            if total > raw_cap {
+                // Read on a little, unkept, so a client still writing hears the answer rather
+                // than a broken connection; past that it is closed on.
+                if total > raw_cap.saturating_add(OVERSIZE_DRAIN) {
+                    return Err(FilesError::TooLarge(caps.max_bytes));
+                }
+                continue;
+            }
+            file.write_all(&chunk)
+                .await
+                .map_err(FilesError::io("storing the upload"))?;
+        }
+        if total > raw_cap {
+            return Err(FilesError::TooLarge(caps.max_bytes));
+        }
+        file.sync_all()
+            .await
+            .map_err(FilesError::io("storing the upload"))?;
+        drop(file);
+        let (part, tar, txt) = (
+            part.to_owned(),
+            self.upload_path(id, "tar"),
+            self.upload_path(id, "txt"),
+        );
+        let checked = tokio::task::spawn_blocking(move || -> Result<_, FilesError> {
+            let open = || {
+                std::fs::File::open(&part)
+                    .map(std::io::BufReader::new)
+                    .map_err(FilesError::io("reading the upload"))
+            };
+            let files = archive::check(open()?, caps).map_err(FilesError::Refused)?;
+            let listing = archive::describe(open()?).map_err(FilesError::Refused)?;
+            std::fs::write(&txt, listing).map_err(FilesError::io("storing the upload"))?;
+            std::fs::rename(&part, &tar).map_err(FilesError::io("storing the upload"))?;
+            Ok(files)
+        })
+        .await
+        .map_err(|e| FilesError::Io {
+            context: "checking the upload".to_owned(),
+            source: std::io::Error::other(e.to_string()),
+        })??;
+        let bytes = checked.iter().map(|f| f.bytes).sum();
+        Ok(Upload {
+            id: id.to_owned(),
+            files: checked
+                .into_iter()
+                .map(|f| FileInfo {
+                    path: slashed(&f.path),
+                    bytes: f.bytes,
+                    modified_ms: None,
+                })
+                .collect(),
+            bytes,
+            expires_ms: ms(SystemTime::now() + UPLOAD_KEEP),
+        })
+    }
+
+    /// The regular files of `task`'s workspace.
+    pub fn list(&self, task: &str) -> Result<TaskFiles, FilesError> {
+        let work = self.task_dir(task).join("work");
+        let files = if work.is_dir() {
+            archive::list(&work, 100_000)
+                .map_err(|e| FilesError::NotFound(format!("listing the workspace: {e}")))?
+        } else {
+            Vec::new()
+        };
+        Ok(TaskFiles {
+            task: task.to_owned(),
+            files: files
+                .into_iter()
+                .map(|f| FileInfo {
+                    path: slashed(&f.path),
+                    bytes: f.bytes,
+                    modified_ms: Some(f.modified_ms),
+                })
+                .collect(),
+        })
+    }
+
+    /// Opens the file at `path` in `task`'s workspace, with its size; links are refused.
+    pub fn open(&self, task: &str, path: &str) -> Result<(std::fs::File, u64), FilesError> {
+        let work = self.task_dir(task).join("work");
+        archive::read(&work, path).map_err(|e| match e {
+            ArchiveError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                FilesError::NotFound(format!(
+                    "task {task} has no file `{path}`; GET /v1/tasks/{task}/files lists its files"
+                ))
+            }
+            other => FilesError::NotFound(format!("`{path}` cannot be read: {other}")),
+        })
+    }
+
+    /// Packs `task`'s whole workspace into a temporary tar file, opened and already
+    /// unlinked, so it goes away with the handle.
+    pub fn pack(&self, task: &str) -> Result<std::fs::File, FilesError> {
+        let work = self.task_dir(task).join("work");
+        let mut out = tempfile::tempfile_in(&self.config.root)
+            .map_err(FilesError::io("packing the workspace"))?;
+        if work.is_dir() {
+            let caps = ArchiveCaps {
+                max_bytes: u64::MAX,
+                max_entries: 100_000,
+            };
+            archive::pack(&work, "", &mut out, caps)
+                .map_err(|e| FilesError::NotFound(format!("packing the workspace: {e}")))?;
+        } else {
+            // An empty archive: its two end blocks.
+            std::io::Write::write_all(&mut out, &[0u8; 1024])
+                .map_err(FilesError::io("packing the workspace"))?;
+        }
+        use std::io::Seek;
+        out.rewind()
+            .map_err(FilesError::io("packing the workspace"))?;
+        Ok(out)
+    }
+
+    /// Removes what the retention says must go: uploads past their hour, workspaces of
+    /// tasks finished longer than `keep` ago, then the oldest finished ones while all of
+    /// them hold more than `max_total_bytes`, and those of tasks the store does not know.
+    /// A task still queued or running keeps its files. Returns the tasks whose files went.
+    pub fn sweep(&self, store: &dyn TaskStore) -> Vec<String> {
+        let now = SystemTime::now();
+        self.sweep_uploads(now);
+        let Ok(dirs) = std::fs::read_dir(self.config.root.join("tasks")) else {
+            return Vec::new();
+        };
+        let mut removed = Vec::new();
+        let mut finished = Vec::new();
+        let mut total = 0u64;
+        for dir in dirs.filter_map(Result::ok) {
+            let name = dir.file_name().to_string_lossy().into_owned();
+            let record = match store.get(&name) {
+                Ok(record) => record,
+                Err(e) => {
+                    tracing::warn!(task = %name, error = %e, "retention could not read the task");
+                    continue;
+                }
+            };
+            let Some(record) = record else {
+                // A task whose creation failed after its files were linked.
+                if self.remove(&name, store, false) {
+                    removed.push(name);
+                }
+                continue;
+            };
+            let size = size_of(&dir.path());
+            total = total.saturating_add(size);
+            if let Some(done) = record
+                .finished_ms
+                .filter(|_| record.files_removed_ms.is_none())
+            {
+                if ms(now).saturating_sub(done) > self.config.keep.as_millis() as u64 {
+                    if self.remove(&name, store, true) {
+                        total = total.saturating_sub(size);
+                        removed.push(name);
+                    }
+                } else {
+                    finished.push((done, name, size));
+                }
+            }
+        }
+        finished.sort();
+        for (_, name, size) in finished {
+            if total <= self.config.max_total_bytes {
+                break;
+            }
+            if self.remove(&name, store, true) {
+                total = total.saturating_sub(size);
+                removed.push(name);
+            }
+        }
+        removed
+    }
+
+    fn sweep_uploads(&self, now: SystemTime) {
+        let Ok(entries) = std::fs::read_dir(self.config.root.join("uploads")) else {
+            return;
+        };
+        for entry in entries.filter_map(Result::ok) {
+            let old = entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| now.duration_since(t).ok())
+                .is_some_and(|age| age > UPLOAD_KEEP);
+            if old {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+
+    fn remove(&self, task: &str, store: &dyn TaskStore, note: bool) -> bool {
+        match std::fs::remove_dir_all(self.task_dir(task)) {
+            Ok(()) => {}
+            Err(e) => {
+                tracing::warn!(task, error = %e, "retention could not remove the task's files");
+                return false;
+            }
+        }
+        if note && let Err(e) = store.files_removed(task, ms(SystemTime::now())) {
+            tracing::warn!(task, error = %e, "retention could not note the removal");
+        }
+        tracing::info!(task, "removed the task's files (retention)");
+        true
+    }
+
+    /// How often [`Files::sweep`] runs: often enough that nothing outlives its time by more
+    /// than a quarter of it, and at most once a minute.
+    pub fn sweep_every(&self) -> Duration {
+        (self.config.keep / 4).clamp(Duration::from_millis(200), Duration::from_secs(60))
+    }
+}
+
+/// Whether `id` has the form of an upload or task id: the only names turned into paths.
+pub fn valid_id(id: &str) -> bool {
+    (1..=64).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+fn slashed(path: &Path) -> String {
+    path.to_string_lossy().into_owned()
+}
+
+fn ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Bytes of the regular files beneath `dir`, following no link.
+fn size_of(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_owned()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.filter_map(Result::ok) {
+            match entry.file_type() {
+                Ok(t) if t.is_dir() => stack.push(entry.path()),
+                Ok(t) if t.is_file() => {
+                    total += entry.metadata().map_or(0, |m| m.len());
+                }
+                _ => {}
+            }
+        }
+    }
+    total
+}
