@@ -567,3 +567,120 @@ async fn tandem_submit_and_run_send_their_files_to_the_daemon() {
         2
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_gives_files_to_code_and_tasks_and_returns_their_pictures() {
+    use tandem_tests::McpHttp;
+    // A 1x1 PNG, as the block copies it: the picture that comes back must be these bytes.
+    let png: &[u8] = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0\0\x01\0\0\0\x01\x08\x06\0\0\0\x1f\x15\xc4\x89\0\0\0\rIDATx\x9cc\xf8\xff\xff?\0\x05\xfe\x02\xfe\xa7\x35\x81\x84\0\0\0\0IEND\xaeB`\x82";
+    let encoded = base64_of(png);
+    let told = "copy the dot\n\nFiles in your working directory (the current directory):\n\
+                - in/dot.png (69 bytes)\n- note.txt (6 bytes)\n    hello!";
+    let server = ScriptedOpenAi::start(script([(
+        told,
+        vec![
+            sh("cp in/dot.png out.png && cat note.txt"),
+            Reply::from("Copied.\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let d = daemon(&server, &[], None).await;
+    let mcp = McpHttp::connect(&d).await.unwrap();
+    let files = json!([
+        {"path": "in/dot.png", "base64": encoded},
+        {"path": "note.txt", "text": "hello!"}
+    ]);
+    // execute_code: the files are there for the block, and what it draws comes back.
+    let result = mcp
+        .call_tool(
+            "execute_code",
+            json!({"language": "sh", "code": "cp in/dot.png copy.png && cat note.txt", "files": files}),
+        )
+        .await;
+    assert_eq!(result["isError"], false, "{result}");
+    assert_eq!(result["structuredContent"]["stdout"], "hello!");
+    let image = &result["content"][1];
+    assert_eq!(image["type"], "image", "{result}");
+    assert_eq!(image["mimeType"], "image/png");
+    assert_eq!(image["data"], encoded);
+    // run_task: the same, through a task's workspace.
+    let result = mcp
+        .call_tool("run_task", json!({"task": "copy the dot", "files": files}))
+        .await;
+    assert_eq!(result["isError"], false, "{result}");
+    let structured = &result["structuredContent"];
+    assert_eq!(structured["stop_reason"], "terminated", "{result}");
+    let id = structured["task_id"].as_str().unwrap();
+    let uri = format!("tandem://tasks/{id}/files/out.png");
+    assert_eq!(structured["pictures"][0]["uri"], uri.as_str());
+    let image = result["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "image")
+        .unwrap_or_else(|| panic!("no image: {result}"));
+    assert_eq!(image["data"], encoded);
+    // The task's files are resources; a path out of the workspace is not.
+    let read = mcp.request("resources/read", json!({"uri": uri})).await;
+    assert_eq!(read["contents"][0]["blob"], encoded, "{read}");
+    let note = mcp
+        .request(
+            "resources/read",
+            json!({"uri": format!("tandem://tasks/{id}/files/note.txt")}),
+        )
+        .await;
+    assert_eq!(note["contents"][0]["text"], "hello!", "{note}");
+    for bad in ["../../../../etc/passwd", "/etc/passwd"] {
+        let read = mcp
+            .request(
+                "resources/read",
+                json!({"uri": format!("tandem://tasks/{id}/files/{bad}")}),
+            )
+            .await;
+        assert!(read["error"]["message"].is_string(), "{bad}: {read}");
+        assert!(!read.to_string().contains("root:"), "{bad}: {read}");
+    }
+    // Files that could not be placed are refused by name, and nothing runs.
+    for (files, says) in [
+        (json!([{"path": "../up.txt", "text": "x"}]), "up.txt"),
+        (
+            json!([{"path": "a.txt"}]),
+            "give exactly one of `text` and `base64`",
+        ),
+        (
+            json!([{"path": "a.bin", "base64": "***"}]),
+            "base64 does not decode",
+        ),
+    ] {
+        let result = mcp
+            .call_tool(
+                "execute_code",
+                json!({"language": "sh", "code": "echo ran", "files": files}),
+            )
+            .await;
+        assert_eq!(result["isError"], true, "{result}");
+        let text = result["content"][0]["text"].as_str().unwrap();
+        assert!(text.contains(says), "{text}");
+        assert!(!text.contains("ran"), "{text}");
+    }
+}
+
+fn base64_of(bytes: &[u8]) -> String {
+    const ABC: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ABC[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}

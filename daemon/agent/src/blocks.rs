@@ -312,10 +312,14 @@ pub async fn run_blocks(
 }
 
 /// A picture a block wrote into the workspace.
-struct Picture {
-    path: std::path::PathBuf,
-    mime: &'static str,
-    bytes: u64,
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Picture {
+    /// Its path in the workspace.
+    pub path: std::path::PathBuf,
+    /// Its media type.
+    pub mime: &'static str,
+    /// Its size in bytes.
+    pub bytes: u64,
 }
 
 /// Most workspace entries looked at to find what a block drew; a larger workspace gets no
@@ -323,10 +327,12 @@ struct Picture {
 /// after every block.
 const PICTURE_SCAN: usize = 10_000;
 
-/// The pictures in `workspace`: path to (size, modified).
-async fn pictures_in(
-    workspace: Option<std::path::PathBuf>,
-) -> std::collections::HashMap<std::path::PathBuf, (u64, u64)> {
+/// The pictures in a workspace, by path: their size and when they were written.
+pub type Pictures = std::collections::HashMap<std::path::PathBuf, (u64, u64)>;
+
+/// The pictures in `workspace` now (none when there is no workspace, or it is too large to
+/// look through).
+pub async fn pictures_in(workspace: Option<std::path::PathBuf>) -> Pictures {
     let Some(workspace) = workspace else {
         return Default::default();
     };
@@ -340,6 +346,20 @@ async fn pictures_in(
     })
     .await
     .unwrap_or_default()
+}
+
+/// The pictures of `after` that are new or changed since `before`, in path order.
+pub fn drawn_since(before: &Pictures, after: Pictures) -> Vec<Picture> {
+    let mut drawn: Vec<Picture> = after
+        .into_iter()
+        .filter(|(path, seen)| before.get(path) != Some(seen))
+        .filter_map(|(path, (bytes, _))| {
+            let mime = tandem_executor::archive::picture_type(&path)?;
+            Some(Picture { path, mime, bytes })
+        })
+        .collect();
+    drawn.sort_by(|a, b| a.path.cmp(&b.path));
+    drawn
 }
 
 /// Runs one block; its outcome, and the pictures it wrote (new or changed files).
@@ -388,7 +408,7 @@ async fn run_one(
     let mut req = ExecRequest::new(language.clone(), code.to_owned());
     req.timeout = opts.timeout;
     let mut workspace = None;
-    let mut before = Default::default();
+    let mut before = Pictures::default();
     let outcome = match slot.session(&ctx.cancel).await? {
         Some(session) => {
             workspace = session.workspace().map(std::path::Path::to_owned);
@@ -402,16 +422,7 @@ async fn run_one(
             duration: Duration::ZERO,
         }),
     };
-    let mut drawn: Vec<Picture> = pictures_in(workspace)
-        .await
-        .into_iter()
-        .filter(|(path, seen)| before.get(path) != Some(seen))
-        .filter_map(|(path, (bytes, _))| {
-            let mime = tandem_executor::archive::picture_type(&path)?;
-            Some(Picture { path, mime, bytes })
-        })
-        .collect();
-    drawn.sort_by(|a, b| a.path.cmp(&b.path));
+    let drawn = drawn_since(&before, pictures_in(workspace).await);
     // Bytes left of a character at the end of the live head are the program's unfinished
     // character only when nothing came after them; otherwise the character continues past
     // the head, in the text the result carries.

@@ -189,7 +189,13 @@ impl TandemMcp {
             session_id,
             executor,
             timeout_secs,
+            files,
         } = args;
+        let caps = self.supervisor.files().upload_caps();
+        let given = match files.as_deref() {
+            None | Some([]) => None,
+            Some(files) => Some(packed_file(files, caps)?),
+        };
         if code.len() > MAX_CODE_BYTES {
             return Err(ErrorData::invalid_params(
                 format!(
@@ -256,19 +262,20 @@ impl TandemMcp {
             .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
         let ctx = ExecContext::new(context.ct.clone());
         let limits = defaults.limits.clone();
-        let outcome = match session_id.clone() {
+        let given = given.as_ref().map(|f| (f.path(), caps));
+        let (outcome, pictures) = match session_id.clone() {
             None => {
                 let mut session = open(&*sandbox, limits).await?;
-                let ran = session.run(request, ctx).await;
+                let ran = run_with_files(session.as_mut(), given, request, ctx).await;
                 let _ = session.close().await;
-                ran
+                ran?
             }
             Some(id) => {
                 let entry = self.session(&id, &executor, &*sandbox, limits).await?;
                 let mut entry = entry.lock().await;
                 entry.used = Instant::now();
                 match entry.session.as_mut() {
-                    Some(session) => session.run(request, ctx).await,
+                    Some(session) => run_with_files(session.as_mut(), given, request, ctx).await?,
                     None => {
                         return Err(ErrorData::invalid_params(
                             format!("session `{id}` was closed; use another id"),
@@ -278,8 +285,9 @@ impl TandemMcp {
                 }
             }
         };
-        let outcome = outcome.map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
-        Ok(outcome_result(&outcome, session_id.as_deref()))
+        let mut result = outcome_result(&outcome, session_id.as_deref());
+        result.content.extend(pictures);
+        Ok(result)
     }
 
     /// The session `id` of this connection, opened on first use.
@@ -344,6 +352,18 @@ impl TandemMcp {
             max_turns: args.max_turns,
             ..TaskSpec::default()
         };
+        if let Some(files) = args.files.as_deref().filter(|f| !f.is_empty()) {
+            let files_of = self.supervisor.files();
+            let packed = packed_file(files, files_of.upload_caps())?;
+            let bytes = std::fs::read(packed.path()).map_err(|e| {
+                ErrorData::internal_error(format!("packing the files failed: {e}"), None)
+            })?;
+            let upload = files_of
+                .receive(axum::body::Body::from(bytes))
+                .await
+                .map_err(|e| ErrorData::invalid_params(format!("files: {e}"), None))?;
+            spec.files = Some(upload.id);
+        }
         if let Some(team) = args.team {
             spec.team = Some(serde_json::from_value(team).map_err(|e| {
                 ErrorData::invalid_params(format!("team is not a team (docs/teams.md): {e}"), None)
@@ -360,6 +380,7 @@ impl TandemMcp {
         let id = record.id;
         let progress = context.meta.get_progress_token();
         let mut sent = 0u32;
+        let mut drawn = Vec::new();
         let mut follower = Follower::new(
             self.supervisor.clone(),
             id.clone(),
@@ -392,8 +413,12 @@ impl TandemMcp {
                     )
                     .await;
             }
-            if let EventMsg::TaskFinished { .. } = &event.msg {
-                break event.msg;
+            match event.msg {
+                EventMsg::Artifact {
+                    path, mime, bytes, ..
+                } => drawn.push((path, mime, bytes)),
+                EventMsg::TaskFinished { .. } => break event.msg,
+                _ => {}
             }
         };
         let EventMsg::TaskFinished {
@@ -410,6 +435,12 @@ impl TandemMcp {
             ));
         };
         let uri = transcript_uri(&id);
+        let pictures: Vec<Value> = drawn
+            .iter()
+            .map(|(path, mime, bytes)| {
+                json!({"path": path, "mime": mime, "bytes": bytes, "uri": file_uri(&id, path)})
+            })
+            .collect();
         let structured = json!({
             "task_id": id,
             "stop_reason": stop_reason,
@@ -417,6 +448,7 @@ impl TandemMcp {
             "answer": summary,
             "error": error,
             "transcript": uri,
+            "pictures": pictures,
         });
         let text = match (&summary, &error) {
             (_, Some(e)) => format!("task {id} failed: {}\n(transcript: {uri})", e.message),
@@ -427,11 +459,211 @@ impl TandemMcp {
                 format!("task {id} ended: {stop_reason:?} after {turns} turns (transcript: {uri})")
             }
         };
-        let mut result = CallToolResult::success(vec![ContentBlock::text(text)]);
+        let mut content = vec![ContentBlock::text(text)];
+        // The last version of each picture, as the task left it.
+        let mut seen = std::collections::HashSet::new();
+        let last: Vec<_> = drawn
+            .iter()
+            .rev()
+            .filter(|(path, _, _)| seen.insert(path.clone()))
+            .take(MAX_PICTURES)
+            .collect();
+        for (path, mime, _) in last.into_iter().rev() {
+            let read = self.supervisor.files().open(&id, path);
+            if let Ok((file, len)) = read
+                && let Some(image) = image_of(file, len, mime)
+            {
+                content.push(image);
+            }
+        }
+        let mut result = CallToolResult::success(content);
         result.structured_content = Some(structured);
         Ok(result)
     }
 }
+
+/// Most pictures one tool result carries as images; the rest are named by their URIs.
+const MAX_PICTURES: usize = 8;
+/// Largest picture a tool result carries whole.
+const MAX_PICTURE_BYTES: u64 = 4 << 20;
+
+/// `file` as image content, when it is small enough to carry.
+fn image_of(mut file: std::fs::File, len: u64, mime: &str) -> Option<ContentBlock> {
+    use base64::Engine as _;
+    use std::io::Read as _;
+    if len > MAX_PICTURE_BYTES {
+        return None;
+    }
+    let mut bytes = Vec::new();
+    (&mut file).take(len).read_to_end(&mut bytes).ok()?;
+    Some(ContentBlock::image(
+        base64::engine::general_purpose::STANDARD.encode(bytes),
+        mime,
+    ))
+}
+
+/// Files given to a call, packed into a tar archive in a temporary file (checked again where
+/// they are placed). Each has exactly one of `text` and `base64`.
+fn packed_file(
+    files: &[FileArg],
+    caps: tandem_executor::archive::ArchiveCaps,
+) -> Result<tempfile::NamedTempFile, ErrorData> {
+    use base64::Engine as _;
+    let bad = |message: String| ErrorData::invalid_params(message, None);
+    if files.len() > caps.max_entries {
+        return Err(bad(format!(
+            "files: {} files; at most {} may be given",
+            files.len(),
+            caps.max_entries
+        )));
+    }
+    let out = tempfile::NamedTempFile::new()
+        .map_err(|e| ErrorData::internal_error(format!("packing the files failed: {e}"), None))?;
+    let mut builder = tar::Builder::new(out);
+    let mut total = 0u64;
+    for (i, f) in files.iter().enumerate() {
+        let data = match (&f.text, &f.base64) {
+            (Some(text), None) => text.clone().into_bytes(),
+            (None, Some(encoded)) => base64::engine::general_purpose::STANDARD
+                .decode(encoded)
+                .map_err(|e| {
+                    bad(format!(
+                        "files[{i}] ({}): base64 does not decode: {e}",
+                        f.path
+                    ))
+                })?,
+            _ => {
+                return Err(bad(format!(
+                    "files[{i}] ({}): give exactly one of `text` and `base64`",
+                    f.path
+                )));
+            }
+        };
+        total += data.len() as u64;
+        if total > caps.max_bytes {
+            return Err(bad(format!(
+                "files: over the {} byte limit (at `{}`)",
+                caps.max_bytes, f.path
+            )));
+        }
+        let mut header = tar::Header::new_gnu();
+        header.set_size(data.len() as u64);
+        header.set_mode(0o644);
+        header.set_entry_type(tar::EntryType::Regular);
+        builder
+            .append_data(&mut header, &f.path, &data[..])
+            .map_err(|e| {
+                bad(format!(
+                    "files[{i}]: `{}` cannot be a file's path: {e}",
+                    f.path
+                ))
+            })?;
+    }
+    builder
+        .into_inner()
+        .map_err(|e| ErrorData::internal_error(format!("packing the files failed: {e}"), None))
+}
+
+/// Runs `request` in `session` after placing `given` (a tar archive and its caps) there; the
+/// outcome and the pictures the block wrote, as image content.
+async fn run_with_files(
+    session: &mut dyn Session,
+    given: Option<(&std::path::Path, tandem_executor::archive::ArchiveCaps)>,
+    request: ExecRequest,
+    ctx: ExecContext,
+) -> Result<(ExecOutcome, Vec<ContentBlock>), ErrorData> {
+    if let Some((archive, caps)) = given {
+        session
+            .put_archive(archive, caps)
+            .await
+            .map_err(|e| ErrorData::invalid_params(format!("files: {e}"), None))?;
+    }
+    let workspace = session.workspace().map(std::path::Path::to_owned);
+    let before = tandem_agent::blocks::pictures_in(workspace.clone()).await;
+    let outcome = session
+        .run(request, ctx)
+        .await
+        .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+    let mut images = Vec::new();
+    if let Some(workspace) = &workspace {
+        let drawn = tandem_agent::blocks::drawn_since(
+            &before,
+            tandem_agent::blocks::pictures_in(Some(workspace.clone())).await,
+        );
+        for picture in drawn.into_iter().take(MAX_PICTURES) {
+            let path = picture.path.to_string_lossy();
+            if let Ok((file, len)) = tandem_executor::archive::read(workspace, &path)
+                && let Some(image) = image_of(file, len, picture.mime)
+            {
+                images.push(image);
+            }
+        }
+    }
+    Ok((outcome, images))
+}
+
+/// A file of a task's workspace, as an MCP resource.
+fn file_uri(id: &str, path: &str) -> String {
+    format!("tandem://tasks/{id}/files/{path}")
+}
+
+impl TandemMcp {
+    /// The file `path` of task `id`'s workspace, as text or as a base64 blob.
+    async fn read_file(
+        &self,
+        id: &str,
+        path: &str,
+        uri: &str,
+    ) -> Result<ReadResourceResponse, ErrorData> {
+        use base64::Engine as _;
+        use std::io::Read as _;
+        let (id, path) = (id.to_owned(), path.to_owned());
+        let read = self
+            .supervisor
+            .off_thread(move |sup| -> Result<Vec<u8>, TaskError> {
+                let record = sup
+                    .store()
+                    .get(&id)?
+                    .ok_or_else(|| TaskError::NotFound(id.clone()))?;
+                if let Some(at_ms) = record.files_removed_ms {
+                    return Err(crate::files::FilesError::Removed { task: id, at_ms }.into());
+                }
+                let (file, len) = sup.files().open(&id, &path)?;
+                if len > MAX_RESOURCE_BYTES {
+                    return Err(crate::files::FilesError::NotFound(format!(
+                        "`{path}` is {len} bytes, over the {MAX_RESOURCE_BYTES} a resource carries; GET /v1/tasks/{id}/files/{path} serves it whole"
+                    ))
+                    .into());
+                }
+                let mut bytes = Vec::new();
+                file.take(len)
+                    .read_to_end(&mut bytes)
+                    .map_err(|e| crate::files::FilesError::NotFound(e.to_string()))?;
+                Ok(bytes)
+            })
+            .await
+            .map_err(|e| ErrorData::internal_error(e.to_string(), None))?
+            .map_err(|e| ErrorData::resource_not_found(e.to_string(), None))?;
+        let (mime, _) = crate::api::media_type(uri);
+        let contents = match String::from_utf8(read) {
+            Ok(text) if mime.starts_with("text/") || mime == "application/json" => {
+                ResourceContents::text(text, uri.to_owned())
+            }
+            Ok(text) => ResourceContents::blob(
+                base64::engine::general_purpose::STANDARD.encode(text),
+                uri.to_owned(),
+            ),
+            Err(e) => ResourceContents::blob(
+                base64::engine::general_purpose::STANDARD.encode(e.into_bytes()),
+                uri.to_owned(),
+            ),
+        };
+        Ok(ReadResourceResult::new(vec![contents.with_mime_type(mime)]).into())
+    }
+}
+
+/// Largest file a resource read carries.
+const MAX_RESOURCE_BYTES: u64 = 16 << 20;
 
 fn transcript_uri(id: &str) -> String {
     format!("tandem://tasks/{id}/transcript")
@@ -452,6 +684,20 @@ struct ExecuteCodeArgs {
     /// Wall-clock limit for the block, in seconds (at most the operator's).
     #[schemars(extend("exclusiveMinimum" = 0))]
     timeout_secs: Option<f64>,
+    /// Files to place in the workspace before the code runs
+    files: Option<Vec<FileArg>>,
+}
+
+/// A file given to a call: where it goes and what it holds.
+#[derive(Debug, serde::Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct FileArg {
+    /// Its path in the workspace, relative (`data/sales.csv`)
+    path: String,
+    /// Its content, when it is text
+    text: Option<String>,
+    /// Its content, base64-encoded (for binary files)
+    base64: Option<String>,
 }
 
 /// `run_task`'s arguments; the tool's schema is derived from them.
@@ -467,6 +713,8 @@ struct RunTaskArgs {
     /// Most turns.
     #[schemars(range(min = 1))]
     max_turns: Option<u32>,
+    /// Files to place in the task's workspace; the model is told what they are
+    files: Option<Vec<FileArg>>,
 }
 
 /// A tool's arguments as `T`; what does not fit says which argument and why.
@@ -660,6 +908,13 @@ impl ServerHandler for TandemMcp {
         request: ReadResourceRequestParams,
         _context: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, ErrorData> {
+        if let Some((id, path)) = request
+            .uri
+            .strip_prefix("tandem://tasks/")
+            .and_then(|rest| rest.split_once("/files/"))
+        {
+            return self.read_file(id, path, &request.uri).await;
+        }
         let id = request
             .uri
             .strip_prefix("tandem://tasks/")
@@ -667,7 +922,7 @@ impl ServerHandler for TandemMcp {
             .ok_or_else(|| {
                 ErrorData::resource_not_found(
                     format!(
-                        "no resource {}; transcripts are tandem://tasks/ID/transcript",
+                        "no resource {}; transcripts are tandem://tasks/ID/transcript, files tandem://tasks/ID/files/PATH",
                         request.uri
                     ),
                     None,
