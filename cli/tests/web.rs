@@ -654,7 +654,7 @@ async fn the_page_is_served_without_the_token_under_a_strict_policy_and_the_api_
         assert_eq!(h["content-type"], kind, "{path}");
         assert_eq!(
             h["content-security-policy"],
-            "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+            "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data: blob:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
         );
         assert_eq!(h["x-content-type-options"], "nosniff");
         let body = resp.text().await.unwrap();
@@ -682,4 +682,76 @@ async fn the_page_is_served_without_the_token_under_a_strict_policy_and_the_api_
     ] {
         assert!(!js.contains(sink), "app.js uses {sink}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_page_uploads_a_file_and_shows_the_chart_the_task_drew() {
+    let csv = "month,revenue\n1,10\n2,32\n3,18\n";
+    let told = format!(
+        "web: plot it\n\nFiles in your working directory (the current directory):\n\
+         - sales.csv ({} bytes)\n    month,revenue\n    1,10\n    2,32\n    3,18",
+        csv.len()
+    );
+    let code = "import pandas as pd\nimport matplotlib.pyplot as plt\n\
+                df = pd.read_csv('sales.csv')\ndf.plot(x='month', y='revenue')\n\
+                plt.savefig('chart.png')\nprint(len(df))";
+    let server = ScriptedOpenAi::start(script([(
+        told.as_str(),
+        vec![
+            Reply::from(format!("```python\n{code}\n```").as_str()),
+            Reply::from("Here is the chart.\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let addr = free_addr();
+    let d = Daemon::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &["--listen", &addr, "--executor", "docker"],
+        Some(""),
+    )
+    .await;
+    let token = std::fs::read_to_string(d.state_dir().join("token"))
+        .unwrap()
+        .trim()
+        .to_owned();
+    let data = tempfile::tempdir().unwrap();
+    let file = data.path().join("sales.csv");
+    std::fs::write(&file, csv).unwrap();
+    let b = Browser::start(1280, 1000).await;
+    sign_in(&b, &addr, &token).await;
+    // The file input takes a path, as a person picking the file does.
+    b.type_into("#data-files", file.to_str().unwrap()).await;
+    let id = submit(&b, "web: plot it").await;
+    wait_complete(&b, "the task's end").await;
+    let drawn = b
+        .wait(
+            "the chart, loaded",
+            "const img = document.querySelector('figure.artifact img'); \
+             return img && img.complete && img.naturalWidth > 0 && [img.naturalWidth, img.naturalHeight, img.alt]",
+            LIMIT,
+        )
+        .await;
+    // matplotlib's default figure: 6.4 x 4.8 inches at 100 dpi.
+    assert_eq!(drawn, json!([640, 480, "chart.png"]));
+    let files = b
+        .wait(
+            "the file list",
+            "const items = [...document.querySelectorAll('#file-list a')].map((a) => a.textContent); \
+             return items.length >= 2 && items",
+            LIMIT,
+        )
+        .await;
+    assert_eq!(files, json!(["chart.png", "sales.csv"]));
+    b.run(
+        "document.querySelector('figure.artifact').scrollIntoView()",
+        json!([]),
+    )
+    .await;
+    shot(&b, "task-with-chart.png").await;
+    // What the page shows is the task's own file.
+    let record = d.get(&format!("/v1/tasks/{id}")).await;
+    assert_eq!(record["stop_reason"], "terminated", "{record}");
+    b.quit().await;
 }

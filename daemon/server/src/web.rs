@@ -13,8 +13,9 @@ const STYLE: &str = include_str!("web/app.css");
 
 /// What the page may load and run: its own script and style only, API calls to its own
 /// origin, no frames. Model output shown on the page is text, and even markup that slipped
-/// through could run no inline script or load nothing.
-pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+/// through could run no inline script or load nothing. Pictures a task drew are fetched with
+/// the token and shown from `blob:` URLs the page made itself.
+pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data: blob:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
 
 /// The page's routes: `/` (the task list) and `/tasks/{id}` (one task) are the same page.
 pub fn router() -> Router {

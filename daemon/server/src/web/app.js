@@ -132,6 +132,73 @@
     return readResponse(res);
   }
 
+  // The body of an authorised GET, as a Blob (pictures and downloads need the token, which
+  // an <img> or a link cannot send).
+  async function fetchBlob(path) {
+    let res;
+    try { res = await fetch(path, { headers: authHeaders(), cache: 'no-store' }); } catch (e) {
+      throw apiError(`Cannot reach the daemon (${e.message})`, 0);
+    }
+    if (!res.ok) return readResponse(res);
+    return res.blob();
+  }
+
+  // Files as one tar archive (ustar), the form POST /v1/uploads takes.
+  const enc8 = new TextEncoder();
+  function tarOf(files) {
+    const parts = [];
+    for (const f of files) {
+      const name = enc8.encode(f.name);
+      if (name.length > 100) throw new Error(`${f.name}: the name is longer than 100 bytes; rename it`);
+      const head = new Uint8Array(512);
+      const put = (at, text) => head.set(enc8.encode(text), at);
+      head.set(name, 0);
+      put(100, '0000644\0');
+      put(108, '0000000\0');
+      put(116, '0000000\0');
+      put(124, f.size.toString(8).padStart(11, '0') + '\0');
+      put(136, Math.floor(Date.now() / 1000).toString(8).padStart(11, '0') + '\0');
+      put(148, '        ');
+      put(156, '0');
+      put(257, 'ustar\0');
+      put(263, '00');
+      let sum = 0;
+      for (const b of head) sum += b;
+      put(148, sum.toString(8).padStart(6, '0') + '\0 ');
+      parts.push(head, f, new Uint8Array((512 - (f.size % 512)) % 512));
+    }
+    parts.push(new Uint8Array(1024));
+    return new Blob(parts, { type: 'application/x-tar' });
+  }
+
+  async function upload(files) {
+    const init = {
+      method: 'POST', cache: 'no-store', body: tarOf(files),
+      headers: authHeaders({ 'Content-Type': 'application/x-tar' }),
+    };
+    let res;
+    try { res = await fetch('/v1/uploads', init); } catch (e) {
+      throw apiError(`Cannot reach the daemon (${e.message})`, 0);
+    }
+    return readResponse(res);
+  }
+
+  // Saves a blob under `name` through a temporary link.
+  function saveBlob(blob, name) {
+    const url = URL.createObjectURL(blob);
+    const a = h('a', { href: url, download: name });
+    document.body.append(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 60000);
+  }
+
+  function size(bytes) {
+    if (bytes < 1024) return `${bytes} B`;
+    if (bytes < 1048576) return `${(bytes / 1024).toFixed(1)} KiB`;
+    return `${(bytes / 1048576).toFixed(1)} MiB`;
+  }
+
   // ---- list view ----------------------------------------------------------------------
 
   function listView() {
@@ -335,6 +402,13 @@
           });
           body.team = parsed.team;
         }
+        const files = [...$('data-files').files, ...dropped];
+        if (files.length) {
+          const up = await upload(files).catch((err) => {
+            throw new Error(`Files: ${err.message}`);
+          });
+          body.files = up.id;
+        }
         const rec = await api('POST', '/v1/tasks', body);
         location.assign(taskHref(rec.id));
       } catch (err) {
@@ -343,7 +417,20 @@
       }
     }
 
-    $('submit-form').addEventListener('submit', submit);
+    // Files dropped on the form join those chosen with the picker.
+    let dropped = [];
+    const form = $('submit-form');
+    form.addEventListener('dragover', (e) => { e.preventDefault(); form.classList.add('drop'); });
+    form.addEventListener('dragleave', () => form.classList.remove('drop'));
+    form.addEventListener('drop', (e) => {
+      e.preventDefault();
+      form.classList.remove('drop');
+      dropped = dropped.concat([...e.dataTransfer.files]);
+      const note = $('dropped');
+      note.textContent = `Dropped: ${dropped.map((f) => f.name).join(', ')}`;
+      note.hidden = false;
+    });
+    form.addEventListener('submit', submit);
     $('task-text').addEventListener('keydown', (e) => {
       if (e.key === 'Enter' && (e.ctrlKey || e.metaKey)) {
         e.preventDefault();
@@ -456,6 +543,26 @@
       const state = record ? record.state : '';
       $('cancel').disabled = actionBusy || !ACTIVE.has(state);
       $('resume').disabled = actionBusy || state !== 'interrupted';
+    }
+
+    // The task's workspace: each file a download, fetched with the token.
+    async function loadFiles() {
+      const list = $('file-list');
+      try {
+        const { files } = await api('GET', `${apiPath}/files`);
+        list.replaceChildren(...(files || []).map((f) => {
+          const link = h('a', { href: `${apiPath}/files/${f.path.split('/').map(enc).join('/')}` }, f.path);
+          link.addEventListener('click', async (e) => {
+            e.preventDefault();
+            try { saveBlob(await fetchBlob(link.getAttribute('href')), f.path.split('/').pop()); } catch (err) { setError(err.message); }
+          });
+          return h('li', null, link, h('span', { class: 'muted' }, ` ${size(f.bytes)}`));
+        }));
+        if (!files || !files.length) list.append(h('li', { class: 'muted' }, 'no files'));
+      } catch (e) {
+        list.replaceChildren(h('li', { class: 'muted' }, e.status === 410 ? 'removed after the daemon\'s retention time' : e.message));
+      }
+      $('files').hidden = false;
     }
 
     async function loadRecord() {
@@ -813,6 +920,16 @@
         const ok = (r.status === 'exited' && r.exit_code === 0) || r.status === 'skipped';
         b.el.append(h('div', { class: `result ${ok ? 'ok' : 'bad'}` }, resultLine(r)));
       },
+      artifact(ev) {
+        const b = blockOf(ev);
+        const img = h('img', { alt: ev.path, class: 'picture' });
+        const caption = h('figcaption', null, `${ev.path} · ${size(ev.bytes || 0)}`);
+        b.el.append(h('figure', { class: 'artifact' }, img, caption));
+        if (!ev.href) return;
+        fetchBlob(ev.href).then((blob) => {
+          img.src = URL.createObjectURL(blob);
+        }).catch((e) => caption.append(` · ${e.message}`));
+      },
       executor_message: (ev) => turnOf(ev).body.append(h('details', { class: 'executor-message' },
         h('summary', null, h('span', { class: 'speaker' }, 'executor'), ' · report to the model'),
         h('pre', null, ev.text))),
@@ -823,6 +940,7 @@
         if (ev.at_ms) top(note(`finished at ${clockFmt.format(ev.at_ms)}`, 'end'));
         showSummary(ev);
         finishedRendered = true;
+        loadFiles();
       },
     };
 
