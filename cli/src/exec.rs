@@ -152,6 +152,7 @@ pub async fn exec(args: ExecArgs, file: FileConfig) -> Result<u8> {
             limits,
             labels: Vec::new(),
             inputs: None,
+            keep_state: false,
         },
     );
     let cancel = CancellationToken::new();

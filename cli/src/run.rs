@@ -49,6 +49,10 @@ pub struct TaskFlags {
     /// working directory of every block, and the model is told its name, size and first lines
     #[arg(long = "file", value_name = "PATH")]
     pub(crate) files: Vec<PathBuf>,
+    /// Run the task's Python blocks in one interpreter whose variables survive from block to
+    /// block, as in a notebook (local and docker) [default: a fresh process per block]
+    #[arg(long)]
+    pub(crate) keep_state: bool,
 }
 
 impl TaskFlags {
@@ -86,6 +90,7 @@ impl TaskFlags {
                 .map(|path| crate::team::load_spec(path, bounds))
                 .transpose()?,
             approval: approve.then(always),
+            keep_state: self.keep_state,
             ..TaskSpec::default()
         })
     }

@@ -1177,3 +1177,103 @@ async fn files_given_to_a_task_are_in_its_workspace_and_the_model_is_told_of_the
         missing.stderr
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_interpreter_keeps_variables_survives_an_interrupt_and_says_when_it_is_lost() {
+    let py = |code: &str| fence("python", code);
+    let server = ScriptedOpenAi::start(script([(
+        "keep it",
+        vec![
+            // Turn 1: block 1 sets, block 2 is a shell block, block 3 reads.
+            Reply::Text(format!(
+                "{}\n{}\n{}",
+                py("import os\nx = 41\npid = os.getpid()"),
+                fence("sh", "echo between"),
+                py("print(x + 1, os.getpid() == pid)")
+            )),
+            // Turn 2: the next turn still has them; then a block past its time.
+            Reply::Text(py("print(x)\ny = 'kept'\nimport time\ntime.sleep(60)")),
+            // Turn 3: interrupted, and the variables are still there.
+            Reply::Text(py("print(y, x)")),
+            // Turn 4: a block that kills the interpreter.
+            Reply::Text(py("import os\nos._exit(3)")),
+            // Turn 5: a fresh interpreter, with nothing of before.
+            Reply::Text(py("print('x' in globals())")),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    for executor in ["local", "docker"] {
+        let out = run_task(
+            &server,
+            "keep it",
+            &["-e", executor, "--keep-state", "--block-timeout", "2"],
+        )
+        .await;
+        assert_eq!(out.code, 0, "{executor}: {}\n{}", out.stdout, out.stderr);
+        let results: Vec<Value> = out
+            .of_type("exec_result")
+            .into_iter()
+            .map(|e| e["result"].clone())
+            .collect();
+        let stdout: Vec<&str> = results
+            .iter()
+            .map(|r| r["stdout"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            stdout,
+            vec![
+                "",
+                "between\n",
+                "42 True\n",
+                "41\n",
+                "kept 41\n",
+                "",
+                "False\n"
+            ],
+            "{executor}: {results:#?}"
+        );
+        // The interrupted block: timed out, told that the interpreter lives on.
+        assert_eq!(
+            results[3]["status"], "timed_out",
+            "{executor}: {:#?}",
+            results[3]
+        );
+        let told = results[3]["stderr"].as_str().unwrap();
+        assert!(told.contains("KeyboardInterrupt"), "{executor}: {told}");
+        assert!(
+            told.contains("the interpreter and its variables live on"),
+            "{executor}: {told}"
+        );
+        // The block that ended the interpreter: its code, and that the state is gone.
+        assert_eq!(results[5]["exit_code"], 3, "{executor}: {:#?}", results[5]);
+        let told = results[5]["stderr"].as_str().unwrap();
+        assert!(
+            told.contains("the interpreter exited with code 3 during this block; the variables of earlier blocks are gone"),
+            "{executor}: {told}"
+        );
+        // The model read it too.
+        let reports: Vec<String> = out
+            .of_type("executor_message")
+            .iter()
+            .map(|e| e["text"].as_str().unwrap().to_owned())
+            .collect();
+        assert!(
+            reports
+                .iter()
+                .any(|r| r.contains("the variables of earlier blocks are gone")),
+            "{executor}: {reports:#?}"
+        );
+    }
+    // An executor that cannot keep an interpreter says so before anything runs.
+    let out = run_task(&server, "keep it", &["-e", "wasm", "--keep-state"]).await;
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr.contains(
+            "keep_state: the wasm executor cannot keep a Python interpreter between blocks"
+        ),
+        "{}",
+        out.stderr
+    );
+}

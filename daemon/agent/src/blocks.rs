@@ -83,14 +83,24 @@ impl SessionSlot {
                 opened = self.executor.open(self.spec.clone()) => opened?,
                 () = cancel.cancelled() => return Ok(None),
             };
-            // The task's files are there before its first block runs.
+            // The task's files are there before its first block runs; they were checked
+            // against the caps when they were given.
+            let caps = tandem_executor::archive::ArchiveCaps {
+                max_bytes: u64::MAX,
+                max_entries: usize::MAX,
+            };
             if let Some(inputs) = &self.spec.inputs
-                && let Err(e) = opened
-                    .put_archive(inputs, tandem_executor::archive::ArchiveCaps::default())
-                    .await
+                && let Err(e) = opened.put_archive(inputs, caps).await
             {
                 let _ = opened.close().await;
                 return Err(e);
+            }
+            if self.spec.keep_state {
+                opened = Box::new(tandem_executor::kept::KeptSession::new(
+                    opened,
+                    self.executor.clone(),
+                    self.spec.clone(),
+                ));
             }
             self.session = Some(opened);
         }

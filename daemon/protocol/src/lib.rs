@@ -67,6 +67,10 @@ pub struct TaskSpec {
     /// workspace before its first block; the model is told what they are.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub files: Option<String>,
+    /// Python blocks run in one interpreter kept for the task, whose variables survive from
+    /// block to block (local and docker executors); by default each block is a fresh process.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub keep_state: bool,
 }
 
 /// Per-block limits a task asks for; each one left out keeps the daemon's. Only limits the

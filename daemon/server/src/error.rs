@@ -64,6 +64,11 @@ pub enum Invalid {
     /// A timeout is zero.
     #[error("timeout_secs and block_timeout_secs must be at least 1")]
     NoTime,
+    /// `keep_state` on an executor whose sessions cannot keep an interpreter.
+    #[error(
+        "keep_state: the {0} executor cannot keep a Python interpreter between blocks; use local or docker, or leave keep_state out"
+    )]
+    KeepState(String),
     /// `termination` is blank.
     #[error("termination must not be empty")]
     EmptyTermination,

@@ -213,6 +213,9 @@ impl Planner {
         if spec.max_turns == Some(0) {
             return Err(Invalid::NoTurns.into());
         }
+        if spec.keep_state && !executor.keeps_state() {
+            return Err(Invalid::KeepState(executor.name().to_owned()).into());
+        }
         if spec.timeout_secs == Some(0) || spec.block_timeout_secs == Some(0) {
             return Err(Invalid::NoTime.into());
         }
@@ -253,6 +256,13 @@ impl Planner {
                     }),
                     other => other,
                 })?;
+                if spec.keep_state && !executor.keeps_state() {
+                    return Err(Invalid::Agent {
+                        at: at("executor"),
+                        source: Box::new(Invalid::KeepState(executor.name().to_owned())),
+                    }
+                    .into());
+                }
                 if let Some(asked) = &node.spec.languages {
                     allowed_languages(asked, executor.as_ref()).map_err(|e| Invalid::Agent {
                         at: at("languages"),
@@ -320,6 +330,7 @@ impl Planner {
             limits,
             labels: start.labels,
             inputs: start.inputs.and_then(|i| i.archive),
+            keep_state: spec.keep_state,
         };
         let gate = (!checked.gate.is_open()).then_some(checked.gate);
         let model = self.model(spec.model.as_deref(), spec.base_url.as_deref())?;

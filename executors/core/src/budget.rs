@@ -167,6 +167,10 @@ impl Executor for Budgeted {
     fn network(&self) -> bool {
         self.inner.network()
     }
+
+    fn keeps_state(&self) -> bool {
+        self.inner.keeps_state()
+    }
 }
 
 /// A session and the permits it holds until it is closed (or dropped, when its own drop

@@ -25,6 +25,7 @@ pub mod archive;
 pub mod budget;
 mod capture;
 mod error;
+pub mod kept;
 mod language;
 mod limits;
 pub mod owner;
@@ -68,6 +69,13 @@ pub trait Executor: Send + Sync + 'static {
     /// Cheap enough to call on every `GET /v1/executors`.
     fn health(&self) -> BoxFuture<'_, Result<(), String>> {
         Box::pin(async { Ok(()) })
+    }
+
+    /// Whether sessions can keep one Python interpreter for all their Python blocks
+    /// ([`kept::KeptSession`]): the executor's sessions have a host workspace, a second
+    /// session can be opened on it, and its Python has threads and FIFOs.
+    fn keeps_state(&self) -> bool {
+        false
     }
 
     /// Whether a block could reach the network. An executor that cannot tell says yes: an
@@ -132,6 +140,9 @@ pub struct SessionSpec {
     /// A tar archive on the host whose files are placed in the workspace when the session
     /// opens (the files a task was given).
     pub inputs: Option<PathBuf>,
+    /// Python blocks share one interpreter whose globals survive ([`kept::KeptSession`]);
+    /// only for executors that [`Executor::keeps_state`].
+    pub keep_state: bool,
 }
 
 /// One code block to run.

@@ -496,6 +496,10 @@ impl Executor for DockerExecutor {
         "docker"
     }
 
+    fn keeps_state(&self) -> bool {
+        true
+    }
+
     fn network(&self) -> bool {
         self.inner.config.network
     }

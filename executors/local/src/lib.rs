@@ -236,6 +236,10 @@ impl Executor for LocalExecutor {
         "local"
     }
 
+    fn keeps_state(&self) -> bool {
+        true
+    }
+
     fn network(&self) -> bool {
         // Only confinement takes the network away.
         self.inner.config.network || unconfined_because(&self.inner.config).is_some()

@@ -1,0 +1,382 @@
+//! A kept Python interpreter: Python blocks of a session run one after another in one
+//! interpreter whose globals survive, as in a notebook, on any executor whose sessions have a
+//! host workspace and can share it with a second session.
+//!
+//! The interpreter (`kernel.py`) is itself a block: it runs in a second session of the same
+//! executor opened on the first one's workspace, so it is confined, limited and cleaned up as
+//! every block is. Blocks and their output go over FIFOs in `.tandem/` of the workspace. A
+//! block past its time is interrupted (`KeyboardInterrupt`) and the interpreter lives on; one
+//! that does not stop within [`GRACE`], or that kills the interpreter, is reported, and the
+//! next block gets a fresh interpreter. Other languages run in the first session as before.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::unix::pipe;
+
+use crate::{
+    BoxFuture, CancellationToken, CaptureBuffer, ExecContext, ExecError, ExecOutcome, ExecRequest,
+    Executor, ExitStatus, Language, Session, SessionSpec, Stream,
+};
+
+/// The interpreter's program.
+const KERNEL: &str = include_str!("kernel.py");
+/// How long an interrupted block has to stop before the interpreter is killed.
+pub const GRACE: Duration = Duration::from_secs(3);
+/// How long a new interpreter has to open its FIFOs.
+const START: Duration = Duration::from_secs(60);
+
+/// A session whose Python blocks share one interpreter.
+pub struct KeptSession {
+    inner: Box<dyn Session>,
+    executor: Arc<dyn Executor>,
+    spec: SessionSpec,
+    kernel: Option<Kernel>,
+}
+
+/// A running interpreter.
+struct Kernel {
+    input: pipe::Sender,
+    output: pipe::Receiver,
+    control: pipe::Sender,
+    stop: CancellationToken,
+    /// Ends the interpreter when the session is dropped without being closed.
+    _guard: tokio_util::sync::DropGuard,
+    run: tokio::task::JoinHandle<(Box<dyn Session>, Result<ExecOutcome, ExecError>)>,
+}
+
+impl KeptSession {
+    /// Keeps an interpreter for `inner`, a session of `executor` opened with `spec`.
+    pub fn new(inner: Box<dyn Session>, executor: Arc<dyn Executor>, spec: SessionSpec) -> Self {
+        Self {
+            inner,
+            executor,
+            spec,
+            kernel: None,
+        }
+    }
+
+    fn fifo_dir(&self) -> Result<PathBuf, ExecError> {
+        self.inner
+            .workspace()
+            .map(|w| w.join(".tandem"))
+            .ok_or_else(|| ExecError::Unavailable {
+                what: "a kept interpreter".to_owned(),
+                hint: "this executor's sessions have no workspace Tandem can reach".to_owned(),
+            })
+    }
+
+    async fn start(&mut self) -> Result<(), ExecError> {
+        let dir = self.fifo_dir()?;
+        let workspace = self.inner.workspace().map(Path::to_owned);
+        let io = |what: &str| {
+            let what = what.to_owned();
+            move |source| ExecError::Io {
+                context: format!("{what} for the kept interpreter"),
+                source,
+            }
+        };
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).map_err(io("making .tandem"))?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            // The block may run as another user (Docker): the FIFOs are the session's own.
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777))
+                .map_err(io("opening .tandem"))?;
+        }
+        for name in ["in", "out", "ctl"] {
+            nix::unistd::mkfifo(
+                &dir.join(name),
+                nix::sys::stat::Mode::from_bits_truncate(0o666),
+            )
+            .map_err(|e| io("making a FIFO")(std::io::Error::from(e)))?;
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(dir.join(name), std::fs::Permissions::from_mode(0o666))
+                .map_err(io("opening a FIFO"))?;
+        }
+        let mut spec = self.spec.clone();
+        spec.workdir = workspace;
+        spec.inputs = None;
+        spec.keep_state = false;
+        let mut session = self.executor.open(spec).await?;
+        let stop = CancellationToken::new();
+        let token = stop.clone();
+        let run = tokio::spawn(async move {
+            let mut req = ExecRequest::new(Language::python(), KERNEL);
+            req.timeout = Some(Duration::from_secs(u64::from(u32::MAX)));
+            let ran = session.run(req, ExecContext::new(token)).await;
+            (session, ran)
+        });
+        let started = Instant::now();
+        let input = loop {
+            match pipe::OpenOptions::new().open_sender(dir.join("in")) {
+                Ok(sender) => break sender,
+                // No reader yet: the interpreter is still starting.
+                Err(e) if e.raw_os_error() == Some(nix::libc::ENXIO) => {}
+                Err(e) => {
+                    stop.cancel();
+                    return Err(io("opening the input")(e));
+                }
+            }
+            if run.is_finished() || started.elapsed() > START {
+                stop.cancel();
+                let why = match run.await {
+                    Ok((session, ran)) => {
+                        let _ = session.close().await;
+                        match ran {
+                            Ok(outcome) => outcome.stderr.to_text(),
+                            Err(e) => e.to_string(),
+                        }
+                    }
+                    Err(e) => e.to_string(),
+                };
+                return Err(ExecError::Backend(format!(
+                    "the kept Python interpreter did not start: {}",
+                    why.trim()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        let output = pipe::OpenOptions::new()
+            .open_receiver(dir.join("out"))
+            .map_err(io("opening the output"))?;
+        let control = loop {
+            match pipe::OpenOptions::new().open_sender(dir.join("ctl")) {
+                Ok(sender) => break sender,
+                Err(e) if e.raw_os_error() == Some(nix::libc::ENXIO) => {}
+                Err(e) => return Err(io("opening the control")(e)),
+            }
+            if run.is_finished() || started.elapsed() > START {
+                stop.cancel();
+                return Err(ExecError::Backend(
+                    "the kept Python interpreter stopped while it started".to_owned(),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        self.kernel = Some(Kernel {
+            input,
+            output,
+            control,
+            _guard: stop.clone().drop_guard(),
+            stop,
+            run,
+        });
+        Ok(())
+    }
+
+    /// Ends the interpreter (if any) and closes its session.
+    async fn stop_kernel(&mut self) {
+        if let Some(kernel) = self.kernel.take() {
+            kernel.stop.cancel();
+            drop((kernel.input, kernel.output, kernel.control));
+            if let Ok((session, _)) = kernel.run.await {
+                let _ = session.close().await;
+            }
+        }
+    }
+
+    async fn run_python(
+        &mut self,
+        req: ExecRequest,
+        ctx: ExecContext,
+    ) -> Result<ExecOutcome, ExecError> {
+        if self.kernel.is_none() {
+            self.start().await?;
+        }
+        let limit = req.timeout.unwrap_or(self.spec.limits.wall);
+        let cap = self.spec.limits.output_bytes;
+        let (mut stdout, mut stderr) = (CaptureBuffer::new(cap), CaptureBuffer::new(cap));
+        let started = Instant::now();
+        let Some(kernel) = self.kernel.as_mut() else {
+            return Err(ExecError::Backend("no interpreter".to_owned()));
+        };
+        let code = req.code.as_bytes();
+        let mut frame = Vec::with_capacity(code.len() + 4);
+        frame.extend_from_slice(&u32::try_from(code.len()).unwrap_or(u32::MAX).to_be_bytes());
+        frame.extend_from_slice(code);
+        let sent = kernel.input.write_all(&frame).await;
+        let deadline = tokio::time::Instant::now() + limit;
+        let mut interrupted: Option<ExitStatus> = None;
+        let mut ended = None;
+        if sent.is_ok() {
+            loop {
+                let wait_until = match interrupted {
+                    None => deadline,
+                    Some(_) => tokio::time::Instant::now() + GRACE,
+                };
+                let next = tokio::select! {
+                    frame = read_frame(&mut kernel.output) => Some(frame),
+                    () = tokio::time::sleep_until(wait_until) => None,
+                    () = ctx.cancel.cancelled(), if interrupted.is_none() => {
+                        interrupted = Some(ExitStatus::Cancelled);
+                        let _ = kernel.control.write_all(b"i").await;
+                        continue;
+                    }
+                };
+                match next {
+                    None if interrupted.is_none() => {
+                        interrupted = Some(ExitStatus::TimedOut);
+                        let _ = kernel.control.write_all(b"i").await;
+                    }
+                    // It did not stop within the grace: it is killed below.
+                    None => break,
+                    Some(Ok((b'o', data))) => {
+                        (ctx.sink)(Stream::Stdout, &data);
+                        stdout.push(&data);
+                    }
+                    Some(Ok((b'e', data))) => {
+                        (ctx.sink)(Stream::Stderr, &data);
+                        stderr.push(&data);
+                    }
+                    Some(Ok((b'd', data))) => {
+                        ended = Some(serde_json::from_slice::<Done>(&data).unwrap_or_default());
+                        break;
+                    }
+                    Some(Ok(_)) => {}
+                    // The interpreter is gone.
+                    Some(Err(_)) => break,
+                }
+            }
+        }
+        let status = match (&ended, interrupted) {
+            (Some(_), Some(status)) => status,
+            (Some(done), None) => ExitStatus::Exited(done.exit_code),
+            (None, _) => {
+                // Killed, wedged or gone: its state is lost, and the model is told.
+                let kernel = self.kernel.take();
+                let mut why = String::new();
+                let mut status = interrupted.unwrap_or(ExitStatus::Exited(1));
+                if let Some(mut kernel) = kernel {
+                    // One that died on its own has its end reported as it was; one that is
+                    // wedged is killed.
+                    let mut ended = None;
+                    if interrupted.is_none() {
+                        ended = tokio::time::timeout(GRACE, &mut kernel.run).await.ok();
+                    }
+                    if ended.is_none() {
+                        kernel.stop.cancel();
+                    }
+                    drop((kernel.input, kernel.output, kernel.control));
+                    let ended = match ended {
+                        Some(ended) => ended,
+                        None => kernel.run.await,
+                    };
+                    if let Ok((session, ran)) = ended {
+                        let _ = session.close().await;
+                        if let Ok(outcome) = ran {
+                            why = outcome.stderr.to_text();
+                            if interrupted.is_none() {
+                                status = match outcome.status {
+                                    ExitStatus::Cancelled => ExitStatus::Exited(1),
+                                    other => other,
+                                };
+                            }
+                        }
+                    }
+                }
+                let what = match (interrupted, status) {
+                    (Some(_), _) => format!(
+                        "the block did not stop within {} s of being interrupted, so its interpreter was killed",
+                        GRACE.as_secs()
+                    ),
+                    (None, ExitStatus::Exited(code)) => {
+                        format!("the interpreter exited with code {code} during this block")
+                    }
+                    (None, ExitStatus::Signaled(sig)) => {
+                        format!("the interpreter was killed by signal {sig} during this block")
+                    }
+                    (None, ExitStatus::OutOfMemory) => {
+                        "the interpreter ran out of memory during this block".to_owned()
+                    }
+                    (None, _) => "the interpreter stopped during this block".to_owned(),
+                };
+                let tail = why.trim();
+                let tail = if tail.is_empty() {
+                    String::new()
+                } else {
+                    format!("\n{tail}")
+                };
+                stderr.push(
+                    format!(
+                        "{tail}\ntandem: {what}; the variables of earlier blocks are gone, and the next Python block starts a fresh interpreter\n"
+                    )
+                    .as_bytes(),
+                );
+                status
+            }
+        };
+        if ended.is_some() && interrupted == Some(ExitStatus::TimedOut) {
+            stderr.push(
+                format!(
+                    "tandem: the block was interrupted after its {} s limit; the interpreter and its variables live on\n",
+                    limit.as_secs()
+                )
+                .as_bytes(),
+            );
+        }
+        Ok(ExecOutcome {
+            status,
+            stdout: stdout.finish(),
+            stderr: stderr.finish(),
+            duration: started.elapsed(),
+        })
+    }
+}
+
+/// The interpreter's word that a block ended.
+#[derive(Debug, Default, serde::Deserialize)]
+struct Done {
+    exit_code: i32,
+}
+
+/// One frame from the interpreter: its kind and data.
+async fn read_frame(r: &mut pipe::Receiver) -> std::io::Result<(u8, Vec<u8>)> {
+    let mut head = [0u8; 5];
+    r.read_exact(&mut head).await?;
+    let len = u32::from_be_bytes([head[0], head[1], head[2], head[3]]) as usize;
+    // The interpreter reads at most 64 KiB at a time; anything larger is not its frame.
+    if len > 1 << 20 {
+        return Err(std::io::Error::other("a frame too large"));
+    }
+    let mut data = vec![0u8; len];
+    r.read_exact(&mut data).await?;
+    Ok((head[4], data))
+}
+
+impl Session for KeptSession {
+    fn run(
+        &mut self,
+        req: ExecRequest,
+        ctx: ExecContext,
+    ) -> BoxFuture<'_, Result<ExecOutcome, ExecError>> {
+        Box::pin(async move {
+            if req.language == Language::python() {
+                self.run_python(req, ctx).await
+            } else {
+                self.inner.run(req, ctx).await
+            }
+        })
+    }
+
+    fn workspace(&self) -> Option<&Path> {
+        self.inner.workspace()
+    }
+
+    fn close(mut self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
+        Box::pin(async move {
+            self.stop_kernel().await;
+            self.inner.close().await
+        })
+    }
+
+    fn put_archive(
+        &mut self,
+        archive: &Path,
+        caps: crate::archive::ArchiveCaps,
+    ) -> BoxFuture<'_, Result<Vec<crate::archive::ArchivedFile>, ExecError>> {
+        self.inner.put_archive(archive, caps)
+    }
+}
