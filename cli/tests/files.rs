@@ -684,3 +684,39 @@ fn base64_of(bytes: &[u8]) -> String {
     }
     out
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_figure_shown_in_a_kept_interpreter_comes_back_as_a_picture() {
+    let server = ScriptedOpenAi::start(script([(
+        "show it",
+        vec![
+            python("import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()"),
+            python("plt.figure()\nplt.bar(['a', 'b'], [2, 5])\nplt.show()"),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let d = daemon(&server, &["--executor", "docker"], None).await;
+    let id = d
+        .submit(json!({"task": "show it", "keep_state": true}))
+        .await;
+    let record = d.wait_finished(&id, Duration::from_secs(120)).await;
+    let events = d.events(&id, 0).await;
+    assert_eq!(record["stop_reason"], "terminated", "{record}\n{events:#?}");
+    let shown: Vec<(u64, &str)> = of_type(&events, "artifact")
+        .iter()
+        .map(|a| (a["turn"].as_u64().unwrap(), a["path"].as_str().unwrap()))
+        .collect();
+    // One figure a turn, each under a name of its own.
+    assert_eq!(
+        shown,
+        vec![(1, "figure-1.png"), (2, "figure-2.png")],
+        "{events:#?}"
+    );
+    for (_, path) in shown {
+        let (status, _, png) = fetch(&d, &format!("/v1/tasks/{id}/files/{path}")).await;
+        assert_eq!(status, 200);
+        assert!(png.starts_with(b"\x89PNG"), "{path}");
+    }
+}

@@ -138,7 +138,8 @@ pub fn unpack_into(
             dir.remove_file(&rel).map_err(io)?;
         }
         let mut file = dir.create(&rel).map_err(io)?;
-        let copied = std::io::copy(&mut (&mut entry).take(left + 1), &mut file).map_err(io)?;
+        let copied =
+            std::io::copy(&mut (&mut entry).take(left.saturating_add(1)), &mut file).map_err(io)?;
         if copied > left {
             drop(file);
             let _ = dir.remove_file(&rel);
@@ -171,10 +172,13 @@ pub fn check(archive: impl Read, caps: ArchiveCaps) -> Result<Vec<ArchivedFile>,
         }
         let left = caps.max_bytes.saturating_sub(bytes);
         let counted = if claims_over(&entry, left)? {
-            left + 1
+            left.saturating_add(1)
         } else {
-            std::io::copy(&mut (&mut entry).take(left + 1), &mut std::io::sink())
-                .map_err(ArchiveError::Malformed)?
+            std::io::copy(
+                &mut (&mut entry).take(left.saturating_add(1)),
+                &mut std::io::sink(),
+            )
+            .map_err(ArchiveError::Malformed)?
         };
         if counted > left {
             return Err(ArchiveError::TooLarge {

@@ -102,6 +102,20 @@ def clean_up():
             pass
 
 
+def save_figures():
+    """Figures the block left open (drawn, or shown with plt.show(), which draws nothing
+    here) are saved as figure-N.png in the workspace, as a notebook shows them."""
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is None:
+        return
+    n = 1
+    for num in plt.get_fignums():
+        while os.path.exists("figure-%d.png" % n):
+            n += 1
+        plt.figure(num).savefig("figure-%d.png" % n)
+        plt.close(num)
+
+
 main = types.ModuleType("__main__")
 main.__builtins__ = builtins
 sys.modules["__main__"] = main
@@ -151,6 +165,10 @@ while True:
         etype, value, tb = sys.exc_info()
         # From the user's code down, as python3 shows it for a script.
         traceback.print_exception(etype, value, tb.tb_next if tb else None)
+    try:
+        save_figures()
+    except BaseException:
+        traceback.print_exc()
     try:
         sys.stdout.flush()
         sys.stderr.flush()

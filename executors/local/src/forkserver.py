@@ -72,6 +72,12 @@ def block(req, out, err, status):
         code = 1
     finally:
         try:
+            save_figures()
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        try:
             if "threading" in sys.modules:
                 sys.modules["threading"]._shutdown()
             import atexit
@@ -82,6 +88,20 @@ def block(req, out, err, status):
         except BaseException:
             pass
         os._exit(code & 0xFF)
+
+
+def save_figures():
+    """Figures the block left open (drawn, or shown with plt.show(), which draws nothing
+    here) are saved as figure-N.png in the workspace, as a notebook shows them."""
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is None:
+        return
+    n = 1
+    for num in plt.get_fignums():
+        while os.path.exists("figure-%d.png" % n):
+            n += 1
+        plt.figure(num).savefig("figure-%d.png" % n)
+        plt.close(num)
 
 
 def children(me):
