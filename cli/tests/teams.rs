@@ -910,3 +910,67 @@ async fn run_with_a_team_goes_to_the_daemon_when_one_answers() {
         1
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_executor_agent_keeps_its_interpreter_when_its_team_file_says_so() {
+    let task = "team: keep";
+    let kept = |keep: &str| {
+        format!(
+            "[team]\nkind = \"chat\"\nagents = [\"coder\", \"runner\"]\ntermination = {{ max_turns = 4 }}\n\n\
+             [agents.coder]\nkind = \"assistant\"\ninstructions = \"coder\"\n\n\
+             [agents.runner]\nkind = \"executor\"\n{keep}"
+        )
+    };
+    let server = scripted(
+        task,
+        vec![(
+            "coder",
+            vec![
+                Reply::from("```python\nx = 6 * 7\n```"),
+                Reply::from("```python\nprint(x)\n```"),
+            ],
+        )],
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_team(
+        &server,
+        &team_file(&dir, &kept("keep_state = true\n")),
+        task,
+        true,
+    )
+    .await;
+    // The chat ends at its turn bound, after the second block read the first one's `x`.
+    assert!(
+        out.stdout.contains(r#""stop_reason":"max_turns""#),
+        "{}\n{}",
+        out.stdout,
+        out.stderr
+    );
+    assert!(out.stdout.contains(r#""stdout":"42\n""#), "{}", out.stdout);
+    // On an executor that cannot keep one, the agent's field is named before anything runs.
+    let url = server.base_url();
+    let file = team_file(&dir, &kept("executor = \"wasm\"\nkeep_state = true\n"));
+    let out = tandem(
+        &[
+            "run",
+            "--team",
+            &file,
+            "--base-url",
+            &url,
+            "--model",
+            "m",
+            task,
+        ],
+        &[("TANDEM_MAX_RETRIES", "0")],
+        None,
+    )
+    .await;
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("team: team.runner.executor: keep_state: the wasm executor cannot keep"),
+        "{}",
+        out.stderr
+    );
+}

@@ -90,6 +90,10 @@ pub struct AgentSpec {
     /// The only languages an executor agent runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub languages: Option<Vec<String>>,
+    /// Whether an executor agent's Python blocks share one kept interpreter (default: the
+    /// task's `keep_state`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep_state: Option<bool>,
     /// What an executor agent answers a message with no code to run (default: nothing, it
     /// stays silent; AutoGen's `default_auto_reply`).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -256,7 +256,7 @@ impl Planner {
                     }),
                     other => other,
                 })?;
-                if spec.keep_state && !executor.keeps_state() {
+                if node.spec.keep_state.unwrap_or(spec.keep_state) && !executor.keeps_state() {
                     return Err(Invalid::Agent {
                         at: at("executor"),
                         source: Box::new(Invalid::KeepState(executor.name().to_owned())),

@@ -34,7 +34,7 @@ pub struct TeamErrors(pub Vec<String>);
 fn allowed(kind: Kind) -> &'static [&'static str] {
     match kind {
         Kind::Assistant => &["instructions", "model", "base_url", "escalate"],
-        Kind::Executor => &["executor", "languages", "no_code_reply"],
+        Kind::Executor => &["executor", "languages", "no_code_reply", "keep_state"],
         Kind::Chat => &["agents", "selection", "initial", "termination", "aggregate"],
         Kind::Loop => &["agents", "max_iterations"],
         Kind::Sequence => &["agents"],
@@ -52,6 +52,7 @@ fn set_fields(a: &AgentSpec) -> Vec<&'static str> {
         ("executor", a.executor.is_some()),
         ("languages", a.languages.is_some()),
         ("no_code_reply", a.no_code_reply.is_some()),
+        ("keep_state", a.keep_state.is_some()),
         ("agents", a.agents.is_some()),
         ("selection", a.selection.is_some()),
         ("initial", a.initial.is_some()),

@@ -348,6 +348,20 @@ pub fn executor_slot(
             code: ErrorCode::InvalidRequest,
             message: format!("{}.languages: {e}", node.path),
         })?;
+    let mut session = session;
+    if let Some(keep) = node.spec.keep_state {
+        session.keep_state = keep;
+    }
+    if session.keep_state && !executor.keeps_state() {
+        return Err(ErrorInfo {
+            code: ErrorCode::InvalidRequest,
+            message: format!(
+                "{}.keep_state: the {} executor cannot keep a Python interpreter between blocks; use local or docker, or leave keep_state out",
+                node.path,
+                executor.name()
+            ),
+        });
+    }
     Ok(SessionSlot::new(executor, session).only(languages))
 }
 
