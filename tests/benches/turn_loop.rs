@@ -16,6 +16,10 @@
 //!    `tandem exec` of the same block, and vs the same session run in-process.
 //! 8. Session budget: the turn loop's tasks with the executor under the daemon's budget (every
 //!    session holding a permit) vs the same executor unwrapped, alternated rounds.
+//! 9. Kept state (local): a `print` block and a block that needs a 200 MB value, in a kept
+//!    interpreter vs a fresh process per block (which must load the value again each time).
+//! 10. Files: 100 MB uploaded to the daemon and downloaded from a task's workspace vs `cat`
+//!     of the same bytes to a file and from a file (the release `tandem` binary).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
@@ -1290,6 +1294,204 @@ async fn daemon(tasks: usize, concurrency: usize) {
     );
 }
 
+/// Per-block time of Python blocks in a kept interpreter vs a fresh process each: a trivial
+/// block, and one that needs a 200 MB value (the fresh process reads it from the workspace
+/// every time; the kept one read it once, in a first block not counted).
+async fn run_block(s: &mut Box<dyn tandem_executor::Session>, code: &str) -> (Duration, String) {
+    let req = ExecRequest::new(Language::python(), code);
+    let t = Instant::now();
+    let out = s
+        .run(req, ExecContext::new(CancellationToken::new()))
+        .await
+        .unwrap();
+    assert_eq!(
+        out.status,
+        tandem_executor::ExitStatus::Exited(0),
+        "{out:?}"
+    );
+    (t.elapsed(), out.stdout.to_text())
+}
+
+async fn kept_state(n: usize) {
+    let executor: Arc<dyn Executor> = Arc::new(local_executor(true));
+    let spec = SessionSpec::default();
+    let mut fresh = executor.open(spec.clone()).await.unwrap();
+    let mut kept: Box<dyn tandem_executor::Session> =
+        Box::new(tandem_executor::kept::KeptSession::new(
+            executor.open(spec.clone()).await.unwrap(),
+            executor.clone(),
+            spec,
+        ));
+    for s in [&fresh, &kept] {
+        let ws = s.workspace().unwrap().to_owned();
+        let mut big = vec![0u8; 200 << 20];
+        big[(200 << 20) - 1] = 7;
+        std::fs::write(ws.join("big.bin"), big).unwrap();
+    }
+    // The kept one loads the value once, and both start warm.
+    run_block(&mut kept, "data = open('big.bin', 'rb').read()").await;
+    run_block(&mut fresh, "print(1)").await;
+    let (mut print_fresh, mut print_kept, mut big_fresh, mut big_kept) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..n {
+        print_fresh.push(run_block(&mut fresh, "print(1)").await.0);
+        print_kept.push(run_block(&mut kept, "print(1)").await.0);
+        let (t, out) = run_block(
+            &mut fresh,
+            "data = open('big.bin', 'rb').read()\nprint(data[-1])",
+        )
+        .await;
+        assert_eq!(out, "7\n");
+        big_fresh.push(t);
+        let (t, out) = run_block(&mut kept, "print(data[-1])").await;
+        assert_eq!(out, "7\n");
+        big_kept.push(t);
+    }
+    let _ = fresh.close().await;
+    let _ = kept.close().await;
+    println!("\n## Kept state (local executor, {n} blocks each, alternated)");
+    println!(
+        "| block | fresh process: mean | median | kept interpreter: mean | median | ratio kept/fresh (median) |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for (what, f, k) in [
+        ("`print(1)`", print_fresh, print_kept),
+        ("needs a 200 MB value", big_fresh, big_kept),
+    ] {
+        let ((fm, fp), (km, kp)) = (stats(f), stats(k));
+        println!(
+            "| {what} | {} | {} | {} | {} | {:.3}x |",
+            ms(fm),
+            ms(fp),
+            ms(km),
+            ms(kp),
+            kp.as_secs_f64() / fp.as_secs_f64()
+        );
+    }
+}
+
+/// 100 MB into the daemon (`POST /v1/uploads`) and back out of a task's workspace (`GET
+/// .../files/{path}`), against `cat` writing the same bytes to a file and reading them from one.
+async fn files_round_trip(rounds: usize) {
+    let Some(bin) = tandem_binary() else {
+        println!(
+            "\n## Files: not measured: build the binary first with `cargo build --release -p tandem-cli`"
+        );
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let data: Vec<u8> = (0..100u32 << 20)
+        .map(|i| (i.wrapping_mul(2654435761) >> 24) as u8)
+        .collect();
+    let archive = dir.path().join("big.tar");
+    {
+        let mut builder = tar::Builder::new(std::fs::File::create(&archive).unwrap());
+        let mut header = tar::Header::new_gnu();
+        header.set_size(data.len() as u64);
+        header.set_mode(0o644);
+        builder
+            .append_data(&mut header, "big.bin", &data[..])
+            .unwrap();
+        builder.finish().unwrap();
+    }
+    let script: Script = (0..rounds)
+        .map(|i| {
+            (
+                format!("files {i}"),
+                vec![Reply::from("```sh\ntrue\n```"), Reply::from("TERMINATE")],
+            )
+        })
+        .collect();
+    let server = ScriptedOpenAi::start(script).await.unwrap();
+    let d = DaemonHarness::start(&bin, &server.base_url(), &[], None).await;
+    let (mut up, mut down, mut cat_in, mut cat_out) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for i in 0..rounds {
+        let copy = dir.path().join("copy.tar");
+        let t = Instant::now();
+        let status = tokio::process::Command::new("sh")
+            .arg("-c")
+            .arg("cat \"$0\" > \"$1\" && sync \"$1\"")
+            .arg(&archive)
+            .arg(&copy)
+            .status()
+            .await
+            .unwrap();
+        assert!(status.success());
+        cat_in.push(t.elapsed());
+        let t = Instant::now();
+        let file = tokio::fs::File::open(&archive).await.unwrap();
+        let resp = d
+            .http()
+            .post("http://tandem/v1/uploads")
+            .header("content-type", "application/x-tar")
+            .body(reqwest::Body::wrap_stream(
+                tokio_util::io::ReaderStream::new(file),
+            ))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 201);
+        let upload: serde_json::Value = resp.json().await.unwrap();
+        up.push(t.elapsed());
+        let id = d
+            .submit(serde_json::json!({"task": format!("files {i}"), "files": upload["id"]}))
+            .await;
+        d.wait_finished(&id, Duration::from_secs(120)).await;
+        let t = Instant::now();
+        let status = tokio::process::Command::new("sh")
+            .arg("-c")
+            .arg("cat \"$0\" > /dev/null")
+            .arg(&copy)
+            .status()
+            .await
+            .unwrap();
+        assert!(status.success());
+        cat_out.push(t.elapsed());
+        let t = Instant::now();
+        let mut resp = d
+            .http()
+            .get(format!("http://tandem/v1/tasks/{id}/files/big.bin"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let mut got = 0usize;
+        while let Some(chunk) = resp.chunk().await.unwrap() {
+            got += chunk.len();
+        }
+        assert_eq!(got, data.len());
+        down.push(t.elapsed());
+        let _ = std::fs::remove_file(&copy);
+    }
+    println!(
+        "\n## Files: 100 MB through the daemon vs `cat`, {rounds} rounds ({})",
+        bin.display()
+    );
+    println!("| direction | cat: median | daemon: median | ratio (median) |");
+    println!("|---|---|---|---|");
+    for (what, base, ours) in [
+        (
+            "in: `cat > file && sync` vs POST /v1/uploads (stored, synced, checked)",
+            cat_in,
+            up,
+        ),
+        (
+            "out: `cat file` vs GET /v1/tasks/ID/files/big.bin",
+            cat_out,
+            down,
+        ),
+    ] {
+        let ((_, bp), (_, op)) = (stats(base), stats(ours));
+        println!(
+            "| {what} | {} | {} | {:.2}x |",
+            ms(bp),
+            ms(op),
+            op.as_secs_f64() / bp.as_secs_f64()
+        );
+    }
+}
+
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -1331,6 +1533,12 @@ fn main() {
         }
         if run("budget") {
             budget_overhead(1000, 8).await;
+        }
+        if run("kept") {
+            kept_state(30).await;
+        }
+        if run("files") {
+            files_round_trip(5).await;
         }
     });
 }
