@@ -108,7 +108,15 @@ pub async fn files(args: FilesArgs) -> Result<u8> {
     let client = crate::client::Client::new(&args.host)?;
     let id = &args.id;
     let path = match (&args.get, args.tar) {
-        (Some(path), _) => tandem_daemon::supervisor::file_href(id, path),
+        (Some(path), _) => {
+            // Said here: an HTTP client would fold `..` away and ask for something else.
+            if path.starts_with('/') || path.split('/').any(|part| part == "..") {
+                bail!(
+                    "--get {path}: not a path inside the workspace; give it relative, without `..` (tandem files {id} lists them)"
+                );
+            }
+            tandem_daemon::supervisor::file_href(id, path)
+        }
         (None, true) => format!("/v1/tasks/{id}/files?format=tar"),
         (None, false) => {
             let list = client.get(&format!("/v1/tasks/{id}/files")).await?;

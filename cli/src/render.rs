@@ -310,8 +310,8 @@ impl<W: Write> Renderer<W> {
                 self.rule(&result_line(result))
             }
             EventMsg::Artifact {
-                path, mime, bytes, ..
-            } => self.rule(&format!("picture {path} · {mime} · {}", size(*bytes))),
+                file, mime, bytes, ..
+            } => self.rule(&format!("picture {file} · {mime} · {}", size(*bytes))),
             EventMsg::ExecutorMessage { text, .. } => {
                 // Output was shown live; only the executor's own words are worth repeating.
                 if !text.starts_with("exitcode:") {

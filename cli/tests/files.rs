@@ -149,7 +149,7 @@ async fn a_csv_uploaded_over_the_api_is_analysed_and_its_chart_comes_back_byte_i
     let artifacts = of_type(&events, "artifact");
     assert_eq!(artifacts.len(), 1, "{events:#?}");
     let chart = artifacts[0];
-    assert_eq!(chart["path"], "chart.png");
+    assert_eq!(chart["file"], "chart.png");
     assert_eq!(chart["mime"], "image/png");
     let href = chart["href"].as_str().unwrap();
     assert_eq!(href, format!("/v1/tasks/{id}/files/chart.png"));
@@ -457,7 +457,7 @@ async fn a_workspace_served_as_html_or_svg_is_not_run_by_the_browser() {
     let events = d.events(&id, 0).await;
     let pictures: Vec<_> = of_type(&events, "artifact")
         .iter()
-        .map(|a| a["path"].as_str().unwrap().to_owned())
+        .map(|a| a["file"].as_str().unwrap().to_owned())
         .collect();
     assert_eq!(pictures, vec!["pic.svg"]);
 }
@@ -706,7 +706,7 @@ async fn a_figure_shown_in_a_kept_interpreter_comes_back_as_a_picture() {
     assert_eq!(record["stop_reason"], "terminated", "{record}\n{events:#?}");
     let shown: Vec<(u64, &str)> = of_type(&events, "artifact")
         .iter()
-        .map(|a| (a["turn"].as_u64().unwrap(), a["path"].as_str().unwrap()))
+        .map(|a| (a["turn"].as_u64().unwrap(), a["file"].as_str().unwrap()))
         .collect();
     // One figure a turn, each under a name of its own.
     assert_eq!(
@@ -719,4 +719,48 @@ async fn a_figure_shown_in_a_kept_interpreter_comes_back_as_a_picture() {
         assert_eq!(status, 200);
         assert!(png.starts_with(b"\x89PNG"), "{path}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_person_sees_of_files_and_pictures() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("n.txt"), "21\n").unwrap();
+    let told = "draw it\n\nFiles in your working directory (the current directory):\n\
+                - n.txt (3 bytes)\n    21";
+    let svg =
+        "printf '<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"4\" height=\"4\"/>' > dot.svg";
+    let server = ScriptedOpenAi::start(script([(
+        told,
+        vec![sh(svg), Reply::from("Drawn.\nTERMINATE")],
+    )]))
+    .await
+    .unwrap();
+    let d = daemon(&server, &[], None).await;
+    let n = dir.path().join("n.txt");
+    let (code, transcript, err) = d
+        .cli(&["submit", "draw it", "--file", n.to_str().unwrap(), "--wait"])
+        .await;
+    assert_eq!(code, 0, "{err}");
+    let list = d.get("/v1/tasks").await;
+    let id = list["tasks"][0]["id"].as_str().unwrap().to_owned();
+    let (code, files, err) = d.cli(&["files", &id]).await;
+    assert_eq!(code, 0, "{err}");
+    let (code, _, refused) = d
+        .cli(&["files", &id, "--get", "../n.txt", "-o", "/dev/null"])
+        .await;
+    assert_eq!(code, 2);
+    let mut s = insta::Settings::clone_current();
+    s.add_filter(r"\d+ ms", "[N] ms");
+    s.add_filter(r"\d+\.\d s", "[N] s");
+    s.add_filter(r"\d+ in / \d+ out tokens", "[N] in / [N] out tokens");
+    s.add_filter(r"127\.0\.0\.1:\d+", "127.0.0.1:[PORT]");
+    s.add_filter(&id, "[ID]");
+    s.add_filter(r"unix://\S+\.sock", "unix://[SOCKET]");
+    s.set_prepend_module_to_snapshot(false);
+    s.bind(|| {
+        insta::assert_snapshot!(
+            "files_seen",
+            format!("$ tandem submit --file n.txt --wait\n{transcript}\n$ tandem files ID\n{files}\n$ tandem files ID --get ../n.txt\n{refused}")
+        )
+    });
 }

@@ -306,7 +306,7 @@ pub async fn run_blocks(
             (opts.events)(EventMsg::Artifact {
                 turn: opts.turn,
                 index,
-                path: picture.path.to_string_lossy().into_owned(),
+                file: picture.path.to_string_lossy().into_owned(),
                 mime: picture.mime.to_owned(),
                 bytes: picture.bytes,
                 href: None,

@@ -291,8 +291,8 @@ pub enum EventMsg {
         turn: u32,
         /// Block index.
         index: u32,
-        /// Its path in the workspace.
-        path: String,
+        /// Its path in the workspace (`file`, not `path`: an event's `path` names the agent).
+        file: String,
         /// Its media type (`image/png`, ...).
         mime: String,
         /// Its size in bytes.
@@ -533,6 +533,46 @@ impl Message {
             role,
             content: content.into(),
             name: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every event reads back as it was written, in a team (with the agent's `path`) and out
+    /// of one: a field of an event that shared a name with the envelope's would be taken by
+    /// the envelope and the event would no longer read.
+    #[test]
+    fn events_read_back_as_written() {
+        let msgs = [
+            EventMsg::Artifact {
+                turn: 2,
+                index: 1,
+                file: "out/chart.png".to_owned(),
+                mime: "image/png".to_owned(),
+                bytes: 512,
+                href: Some("/v1/tasks/t/files/out/chart.png".to_owned()),
+            },
+            EventMsg::TurnStarted {
+                turn: 3,
+                agent: Some("team/coder".to_owned()),
+            },
+        ];
+        for msg in msgs {
+            for path in [None, Some("team/runner".to_owned())] {
+                let event = Event {
+                    seq: 7,
+                    at_ms: 1,
+                    path,
+                    msg: msg.clone(),
+                };
+                let text = serde_json::to_string(&event).unwrap_or_default();
+                let back: Event = serde_json::from_str(&text)
+                    .unwrap_or_else(|e| panic!("{text} does not read back: {e}"));
+                assert_eq!(back, event, "{text}");
+            }
         }
     }
 }

@@ -415,8 +415,8 @@ impl TandemMcp {
             }
             match event.msg {
                 EventMsg::Artifact {
-                    path, mime, bytes, ..
-                } => drawn.push((path, mime, bytes)),
+                    file, mime, bytes, ..
+                } => drawn.push((file, mime, bytes)),
                 EventMsg::TaskFinished { .. } => break event.msg,
                 _ => {}
             }

@@ -468,8 +468,8 @@ impl Supervisor {
         let executor_name = planned.executor().to_owned();
         let turn_started = Mutex::new(None::<Instant>);
         let sink = Arc::new(move |mut msg: EventMsg| {
-            if let EventMsg::Artifact { path, href, .. } = &mut msg {
-                *href = Some(file_href(&task_id, path));
+            if let EventMsg::Artifact { file, href, .. } = &mut msg {
+                *href = Some(file_href(&task_id, file));
             }
             match &msg {
                 EventMsg::TurnStarted { .. } => {

@@ -922,8 +922,8 @@
       },
       artifact(ev) {
         const b = blockOf(ev);
-        const img = h('img', { alt: ev.path, class: 'picture' });
-        const caption = h('figcaption', null, `${ev.path} · ${size(ev.bytes || 0)}`);
+        const img = h('img', { alt: ev.file, class: 'picture' });
+        const caption = h('figcaption', null, `${ev.file} · ${size(ev.bytes || 0)}`);
         b.el.append(h('figure', { class: 'artifact' }, img, caption));
         if (!ev.href) return;
         fetchBlob(ev.href).then((blob) => {
