@@ -426,7 +426,8 @@ async fn reading_a_workspace_follows_no_link_the_code_planted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_workspace_served_as_html_or_svg_is_not_run_by_the_browser() {
     let write = "printf '<script>alert(1)</script>' > page.html && \
-                 printf '<svg xmlns=\"http://www.w3.org/2000/svg\"><script>alert(1)</script></svg>' > pic.svg";
+                 printf '<svg xmlns=\"http://www.w3.org/2000/svg\"><script>alert(1)</script></svg>' > pic.svg && \
+                 printf odd > \"$(printf 'd\\303\\251j\\303\\240\\nvu\\042.txt')\"";
     let server = ScriptedOpenAi::start(script([(
         "write",
         vec![sh(write), Reply::from("TERMINATE")],
@@ -452,6 +453,18 @@ async fn a_workspace_served_as_html_or_svg_is_not_run_by_the_browser() {
     assert!(
         csp.contains("sandbox") && csp.contains("default-src 'none'"),
         "{csp}"
+    );
+    // A name no header can carry as it is still downloads, under a name that can.
+    let (status, headers, body) = fetch(
+        &d,
+        &format!("/v1/tasks/{id}/files/d%C3%A9j%C3%A0%0Avu%22.txt"),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(body, b"odd");
+    assert_eq!(
+        headers["content-disposition"],
+        "inline; filename=\"d_j__vu_.txt\""
     );
     // And the SVG the block wrote was told as a picture.
     let events = d.events(&id, 0).await;

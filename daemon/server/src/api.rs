@@ -562,11 +562,17 @@ async fn task_file(
     })
     .await?;
     let (mime, inline) = media_type(&name);
-    let base = name
+    // A header value takes printable ASCII only; a name the code chose may hold anything.
+    let base: String = name
         .rsplit('/')
         .next()
         .unwrap_or("file")
-        .replace(['"', '\\'], "_");
+        .chars()
+        .map(|c| match c {
+            ' '..='~' if c != '"' && c != '\\' => c,
+            _ => '_',
+        })
+        .collect();
     let disposition = if inline {
         format!("inline; filename=\"{base}\"")
     } else {
