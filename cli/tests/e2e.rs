@@ -1277,3 +1277,27 @@ async fn a_kept_interpreter_keeps_variables_survives_an_interrupt_and_says_when_
         out.stderr
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_interpreter_streams_only_the_head_of_a_huge_output() {
+    let server = ScriptedOpenAi::start(script([(
+        "flood",
+        vec![
+            Reply::Text(fence("python", "print('x' * 3_000_000)")),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let out = run_task(&server, "flood", &["-e", "local", "--keep-state"]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let live: usize = out
+        .of_type("exec_output")
+        .iter()
+        .map(|e| e["text"].as_str().unwrap().len())
+        .sum();
+    // Half of the 64 KiB kept per stream goes live, as with a fresh process.
+    assert!(live <= 32 << 10, "{live} bytes streamed live");
+    let result = &out.of_type("exec_result")[0]["result"];
+    assert_eq!(result["truncated"], true, "{result}");
+}

@@ -357,8 +357,15 @@ impl Files {
                 }
             };
             let Some(record) = record else {
-                // A task whose creation failed after its files were linked.
-                if self.remove(&name, store, false) {
+                // A task whose creation failed after its files were linked; a young one may
+                // be a task whose record is still on its way to the store.
+                let old = dir
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| now.duration_since(t).ok())
+                    .is_some_and(|age| age > UPLOAD_KEEP);
+                if old && self.remove(&name, store, false) {
                     removed.push(name);
                 }
                 continue;

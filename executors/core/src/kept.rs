@@ -109,6 +109,8 @@ impl KeptSession {
             let ran = session.run(req, ExecContext::new(token)).await;
             (session, ran)
         });
+        // Until the interpreter is handed over, any way out of here ends it.
+        let guard = stop.clone().drop_guard();
         let started = Instant::now();
         let input = loop {
             match pipe::OpenOptions::new().open_sender(dir.join("in")) {
@@ -160,7 +162,7 @@ impl KeptSession {
             input,
             output,
             control,
-            _guard: stop.clone().drop_guard(),
+            _guard: guard,
             stop,
             run,
         });
@@ -189,6 +191,16 @@ impl KeptSession {
         let limit = req.timeout.unwrap_or(self.spec.limits.wall);
         let cap = self.spec.limits.output_bytes;
         let (mut stdout, mut stderr) = (CaptureBuffer::new(cap), CaptureBuffer::new(cap));
+        // Live output is the head of each stream, as every executor sends it.
+        let mut live = [cap / 2, cap / 2];
+        let mut show = |stream: Stream, data: &[u8]| {
+            let left = &mut live[stream as usize];
+            let n = data.len().min(*left);
+            if n > 0 {
+                (ctx.sink)(stream, &data[..n]);
+                *left -= n;
+            }
+        };
         let started = Instant::now();
         let Some(kernel) = self.kernel.as_mut() else {
             return Err(ExecError::Backend("no interpreter".to_owned()));
@@ -224,11 +236,11 @@ impl KeptSession {
                     // It did not stop within the grace: it is killed below.
                     None => break,
                     Some(Ok((b'o', data))) => {
-                        (ctx.sink)(Stream::Stdout, &data);
+                        show(Stream::Stdout, &data);
                         stdout.push(&data);
                     }
                     Some(Ok((b'e', data))) => {
-                        (ctx.sink)(Stream::Stderr, &data);
+                        show(Stream::Stderr, &data);
                         stderr.push(&data);
                     }
                     Some(Ok((b'd', data))) => {
