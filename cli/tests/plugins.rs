@@ -198,3 +198,57 @@ async fn the_daemon_offers_a_configured_plugin_and_runs_tasks_on_it() {
     assert_eq!(result["result"]["stdout"], "42\n", "{result}");
     d.terminate().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn files_given_to_a_task_reach_a_plugins_workspace_and_kept_state_is_refused() {
+    use tandem_tests::{Reply, ScriptedOpenAi, script};
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path());
+    let data = dir.path().join("data.txt");
+    std::fs::write(&data, "from the host\n").unwrap();
+    let told = "read it\n\nFiles in your working directory (the current directory):\n\
+                - data.txt (14 bytes)\n    from the host";
+    let server = ScriptedOpenAi::start(script([(
+        told,
+        vec![
+            Reply::from("```python\nprint(open('data.txt').read().upper())\n```"),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let url = server.base_url();
+    let base = [
+        "run",
+        "--config",
+        &config,
+        "-e",
+        "pyplug",
+        "--base-url",
+        &url,
+        "--model",
+        "m",
+        "--json",
+        "--file",
+    ];
+    let mut args = base.to_vec();
+    args.extend([data.to_str().unwrap(), "read it"]);
+    let out = tandem(&args, &[("TANDEM_MAX_RETRIES", "0")], None).await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains(r#""stdout":"FROM THE HOST\n\n""#),
+        "{}",
+        out.stdout
+    );
+    // A plugin keeps no interpreter: said before anything runs.
+    let mut args = base.to_vec();
+    args.extend([data.to_str().unwrap(), "--keep-state", "read it"]);
+    let out = tandem(&args, &[], None).await;
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("keep_state: the pyplug executor cannot keep a Python interpreter"),
+        "{}",
+        out.stderr
+    );
+}
