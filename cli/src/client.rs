@@ -119,7 +119,8 @@ impl Client {
         let file = tokio::fs::File::open(archive)
             .await
             .with_context(|| format!("cannot read {}", archive.display()))?;
-        let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::new(file));
+        let body =
+            reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::with_capacity(file, 1 << 20));
         let resp = self
             .request(reqwest::Method::POST, "/v1/uploads")
             .header(reqwest::header::CONTENT_TYPE, "application/x-tar")

@@ -1370,8 +1370,9 @@ async fn kept_state(n: usize) {
     }
 }
 
-/// 100 MB into the daemon (`POST /v1/uploads`) and back out of a task's workspace (`GET
-/// .../files/{path}`), against `cat` writing the same bytes to a file and reading them from one.
+/// 100 MB into the daemon (`POST /v1/uploads`, stored and synced) and back out of a task's
+/// workspace (`GET .../files/{path}`, into a file), against `cat` copying the same bytes from
+/// file to file (synced, for the way in).
 async fn files_round_trip(rounds: usize) {
     let Some(bin) = tandem_binary() else {
         println!(
@@ -1394,10 +1395,13 @@ async fn files_round_trip(rounds: usize) {
             .unwrap();
         builder.finish().unwrap();
     }
+    // The task as the model reads it: its text, then what it was given.
+    let listing =
+        tandem_executor::archive::describe(std::fs::File::open(&archive).unwrap()).unwrap();
     let script: Script = (0..rounds)
         .map(|i| {
             (
-                format!("files {i}"),
+                format!("files {i}\n\n{listing}"),
                 vec![Reply::from("```sh\ntrue\n```"), Reply::from("TERMINATE")],
             )
         })
@@ -1426,7 +1430,7 @@ async fn files_round_trip(rounds: usize) {
             .post("http://tandem/v1/uploads")
             .header("content-type", "application/x-tar")
             .body(reqwest::Body::wrap_stream(
-                tokio_util::io::ReaderStream::new(file),
+                tokio_util::io::ReaderStream::with_capacity(file, 1 << 20),
             ))
             .send()
             .await
@@ -1438,16 +1442,19 @@ async fn files_round_trip(rounds: usize) {
             .submit(serde_json::json!({"task": format!("files {i}"), "files": upload["id"]}))
             .await;
         d.wait_finished(&id, Duration::from_secs(120)).await;
+        let out = dir.path().join("out.bin");
         let t = Instant::now();
         let status = tokio::process::Command::new("sh")
             .arg("-c")
-            .arg("cat \"$0\" > /dev/null")
+            .arg("cat \"$0\" > \"$1\"")
             .arg(&copy)
+            .arg(&out)
             .status()
             .await
             .unwrap();
         assert!(status.success());
         cat_out.push(t.elapsed());
+        let _ = std::fs::remove_file(&out);
         let t = Instant::now();
         let mut resp = d
             .http()
@@ -1455,13 +1462,22 @@ async fn files_round_trip(rounds: usize) {
             .send()
             .await
             .unwrap();
-        assert_eq!(resp.status(), 200);
+        assert_eq!(
+            resp.status(),
+            200,
+            "{}",
+            resp.text().await.unwrap_or_default()
+        );
+        let mut file = std::fs::File::create(&out).unwrap();
         let mut got = 0usize;
         while let Some(chunk) = resp.chunk().await.unwrap() {
+            std::io::Write::write_all(&mut file, &chunk).unwrap();
             got += chunk.len();
         }
+        drop(file);
         assert_eq!(got, data.len());
         down.push(t.elapsed());
+        let _ = std::fs::remove_file(&out);
         let _ = std::fs::remove_file(&copy);
     }
     println!(
@@ -1477,7 +1493,7 @@ async fn files_round_trip(rounds: usize) {
             up,
         ),
         (
-            "out: `cat file` vs GET /v1/tasks/ID/files/big.bin",
+            "out: `cat file > copy` vs GET /v1/tasks/ID/files/big.bin into a file",
             cat_out,
             down,
         ),

@@ -529,8 +529,9 @@ async fn task_files(
         files_kept(sup, &id)?;
         if tar {
             let file = sup.files().pack(&id).map_err(TaskError::from)?;
-            let body = Body::from_stream(tokio_util::io::ReaderStream::new(
+            let body = Body::from_stream(tokio_util::io::ReaderStream::with_capacity(
                 tokio::fs::File::from_std(file),
+                crate::files::IO_BUFFER,
             ));
             let disposition = format!("attachment; filename=\"{id}.tar\"");
             Ok((
@@ -579,8 +580,10 @@ async fn task_file(
         format!("attachment; filename=\"{base}\"")
     };
     use tokio::io::AsyncReadExt as _;
-    let body = Body::from_stream(tokio_util::io::ReaderStream::new(
+    // Read in large pieces: each read of a tokio file is a trip to the blocking pool.
+    let body = Body::from_stream(tokio_util::io::ReaderStream::with_capacity(
         tokio::fs::File::from_std(file).take(len),
+        crate::files::IO_BUFFER,
     ));
     Ok((
         [

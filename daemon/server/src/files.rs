@@ -24,6 +24,8 @@ use crate::store::TaskStore;
 
 /// How long an upload no task named is kept.
 pub const UPLOAD_KEEP: Duration = Duration::from_secs(3600);
+/// Bytes moved at a time to and from files on disk.
+pub const IO_BUFFER: usize = 1 << 20;
 /// Bytes of an oversized upload read and dropped before it is refused.
 const OVERSIZE_DRAIN: u64 = 16 << 20;
 /// Most uploads waiting for a task at once.
@@ -207,9 +209,13 @@ impl Files {
             .max_bytes
             .saturating_add((caps.max_entries as u64).saturating_mul(1536))
             .saturating_add(10240);
-        let mut file = tokio::fs::File::create(part)
-            .await
-            .map_err(FilesError::io("storing the upload"))?;
+        // Written in large pieces: each write of a tokio file is a trip to the blocking pool.
+        let mut file = tokio::io::BufWriter::with_capacity(
+            IO_BUFFER,
+            tokio::fs::File::create(part)
+                .await
+                .map_err(FilesError::io("storing the upload"))?,
+        );
         let mut stream = body.into_data_stream();
         let mut total = 0u64;
         while let Some(chunk) = futures::StreamExt::next(&mut stream).await {
@@ -233,7 +239,11 @@ impl Files {
         if total > raw_cap {
             return Err(FilesError::TooLarge(caps.max_bytes));
         }
-        file.sync_all()
+        file.flush()
+            .await
+            .map_err(FilesError::io("storing the upload"))?;
+        file.get_ref()
+            .sync_all()
             .await
             .map_err(FilesError::io("storing the upload"))?;
         drop(file);
@@ -243,13 +253,11 @@ impl Files {
             self.upload_path(id, "txt"),
         );
         let checked = tokio::task::spawn_blocking(move || -> Result<_, FilesError> {
-            let open = || {
-                std::fs::File::open(&part)
-                    .map(std::io::BufReader::new)
-                    .map_err(FilesError::io("reading the upload"))
-            };
-            let files = archive::check(open()?, caps).map_err(FilesError::Refused)?;
-            let listing = archive::describe(open()?).map_err(FilesError::Refused)?;
+            // One read checks it and finds what the model is told.
+            let read = std::fs::File::open(&part)
+                .map(|f| std::io::BufReader::with_capacity(IO_BUFFER, f))
+                .map_err(FilesError::io("reading the upload"))?;
+            let (files, listing) = archive::inspect(read, caps).map_err(FilesError::Refused)?;
             std::fs::write(&txt, listing).map_err(FilesError::io("storing the upload"))?;
             std::fs::rename(&part, &tar).map_err(FilesError::io("storing the upload"))?;
             Ok(files)

@@ -157,8 +157,18 @@ pub fn unpack_into(
 /// Checks `archive` as [`unpack_into`] would, writing nothing: its files, or why it would be
 /// refused (so a client can be told before anything is sent or started).
 pub fn check(archive: impl Read, caps: ArchiveCaps) -> Result<Vec<ArchivedFile>, ArchiveError> {
+    inspect(archive, caps).map(|(files, _)| files)
+}
+
+/// [`check`] and [`describe`] in one read of `archive`: its files, and what a model is told
+/// of them.
+pub fn inspect(
+    archive: impl Read,
+    caps: ArchiveCaps,
+) -> Result<(Vec<ArchivedFile>, String), ArchiveError> {
     let mut archive = tar::Archive::new(archive);
     let mut files = Vec::new();
+    let mut listing = Listing::default();
     let (mut entries, mut bytes) = (0usize, 0u64);
     for entry in archive.entries().map_err(ArchiveError::Malformed)? {
         let mut entry = entry.map_err(ArchiveError::Malformed)?;
@@ -171,28 +181,35 @@ pub fn check(archive: impl Read, caps: ArchiveCaps) -> Result<Vec<ArchivedFile>,
             continue;
         }
         let left = caps.max_bytes.saturating_sub(bytes);
-        let counted = if claims_over(&entry, left)? {
-            left.saturating_add(1)
-        } else {
-            std::io::copy(
-                &mut (&mut entry).take(left.saturating_add(1)),
-                &mut std::io::sink(),
-            )
-            .map_err(ArchiveError::Malformed)?
+        let too_large = || ArchiveError::TooLarge {
+            path: shown.clone(),
+            max: caps.max_bytes,
         };
+        if claims_over(&entry, left)? {
+            return Err(too_large());
+        }
+        let mut head = Vec::new();
+        (&mut entry)
+            .take(HEAD_BYTES.min(left.saturating_add(1)))
+            .read_to_end(&mut head)
+            .map_err(ArchiveError::Malformed)?;
+        let rest = std::io::copy(
+            &mut (&mut entry).take(left.saturating_add(1) - head.len() as u64),
+            &mut std::io::sink(),
+        )
+        .map_err(ArchiveError::Malformed)?;
+        let counted = head.len() as u64 + rest;
         if counted > left {
-            return Err(ArchiveError::TooLarge {
-                path: shown,
-                max: caps.max_bytes,
-            });
+            return Err(too_large());
         }
         bytes += counted;
+        listing.add(&shown, counted, &head);
         files.push(ArchivedFile {
             path: rel,
             bytes: counted,
         });
     }
-    Ok(files)
+    Ok((files, listing.finish()))
 }
 
 /// An entry that may go into a workspace: its clean path, as sent, and whether it is a
@@ -459,34 +476,51 @@ const LINE_CHARS: usize = 200;
 /// Most files [`describe`] lists one by one; the rest are counted.
 const LISTED: usize = 50;
 
+/// Bytes of each file [`describe`] looks at for its first lines.
+const HEAD_BYTES: u64 = 8192;
+
 /// What a model is told of the files in `archive`: each file's path and size, and the first
 /// lines of the text ones.
 pub fn describe(archive: impl Read) -> Result<String, ArchiveError> {
-    use std::fmt::Write as _;
-    use std::io::BufRead;
     let mut tar = tar::Archive::new(archive);
-    let mut text = String::from("Files in your working directory (the current directory):\n");
-    let (mut shown, mut more) = (0, 0);
+    let mut listing = Listing::default();
     for entry in tar.entries().map_err(ArchiveError::Malformed)? {
         let entry = entry.map_err(ArchiveError::Malformed)?;
         if !entry.header().entry_type().is_file() {
             continue;
         }
-        if shown == LISTED {
-            more += 1;
-            continue;
-        }
-        shown += 1;
         let path = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
         let size = entry.header().size().map_err(ArchiveError::Malformed)?;
-        let _ = writeln!(text, "- {path} ({size} bytes)");
         let mut head = Vec::new();
         entry
-            .take(8192)
+            .take(HEAD_BYTES)
             .read_to_end(&mut head)
             .map_err(ArchiveError::Malformed)?;
-        // Text: valid UTF-8 up to where the first 8 KiB were cut, and no NUL.
-        let head = match std::str::from_utf8(&head) {
+        listing.add(&path, size, &head);
+    }
+    Ok(listing.finish())
+}
+
+/// The text [`describe`] writes, file by file.
+#[derive(Default)]
+struct Listing {
+    text: String,
+    shown: usize,
+    more: usize,
+}
+
+impl Listing {
+    fn add(&mut self, path: &str, size: u64, head: &[u8]) {
+        use std::fmt::Write as _;
+        use std::io::BufRead;
+        if self.shown == LISTED {
+            self.more += 1;
+            return;
+        }
+        self.shown += 1;
+        let _ = writeln!(self.text, "- {path} ({size} bytes)");
+        // Text: valid UTF-8 up to where the head was cut, and no NUL.
+        let head = match std::str::from_utf8(head) {
             Ok(text) => Some(text),
             Err(e) if e.error_len().is_none() => std::str::from_utf8(&head[..e.valid_up_to()]).ok(),
             Err(_) => None,
@@ -499,17 +533,26 @@ pub fn describe(archive: impl Read) -> Result<String, ArchiveError> {
                 .map_while(Result::ok)
             {
                 let line: String = line.chars().take(LINE_CHARS).collect();
-                let _ = writeln!(text, "    {line}");
+                let _ = writeln!(self.text, "    {line}");
             }
         }
     }
-    if more > 0 {
-        let _ = writeln!(text, "- and {more} more files");
+
+    fn finish(mut self) -> String {
+        use std::fmt::Write as _;
+        if self.more > 0 {
+            let _ = writeln!(self.text, "- and {} more files", self.more);
+        }
+        if self.shown == 0 {
+            let _ = writeln!(self.text, "- (no files)");
+        }
+        format!(
+            "Files in your working directory (the current directory):\n{}",
+            self.text
+        )
+        .trim_end()
+        .to_owned()
     }
-    if shown == 0 {
-        let _ = writeln!(text, "- (no files)");
-    }
-    Ok(text.trim_end().to_owned())
 }
 
 fn open(workspace: &Path) -> Result<Dir, ArchiveError> {
