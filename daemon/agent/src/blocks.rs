@@ -19,6 +19,8 @@ pub struct SessionSlot {
     spec: SessionSpec,
     allowed: Option<Vec<Language>>,
     session: Option<Box<dyn Session>>,
+    /// The workspace's pictures after the last block, which are the next block's "before".
+    pictures: Option<Pictures>,
 }
 
 impl SessionSlot {
@@ -29,6 +31,7 @@ impl SessionSlot {
             spec,
             allowed: None,
             session: None,
+            pictures: None,
         }
     }
 
@@ -418,11 +421,13 @@ async fn run_one(
     let mut req = ExecRequest::new(language.clone(), code.to_owned());
     req.timeout = opts.timeout;
     let mut workspace = None;
-    let mut before = Pictures::default();
+    let mut before = slot.pictures.take();
     let outcome = match slot.session(&ctx.cancel).await? {
         Some(session) => {
             workspace = session.workspace().map(std::path::Path::to_owned);
-            before = pictures_in(workspace.clone()).await;
+            if before.is_none() {
+                before = Some(pictures_in(workspace.clone()).await);
+            }
             session.run(req, ctx).await
         }
         None => Ok(ExecOutcome {
@@ -432,7 +437,10 @@ async fn run_one(
             duration: Duration::ZERO,
         }),
     };
-    let drawn = drawn_since(&before, pictures_in(workspace).await);
+    // One look at the workspace per block: what it holds now is the next block's before.
+    let after = pictures_in(workspace).await;
+    let drawn = drawn_since(&before.unwrap_or_default(), after.clone());
+    slot.pictures = Some(after);
     // Bytes left of a character at the end of the live head are the program's unfinished
     // character only when nothing came after them; otherwise the character continues past
     // the head, in the text the result carries.
