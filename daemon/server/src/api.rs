@@ -529,10 +529,8 @@ async fn task_files(
         files_kept(sup, &id)?;
         if tar {
             let file = sup.files().pack(&id).map_err(TaskError::from)?;
-            let body = Body::from_stream(tokio_util::io::ReaderStream::with_capacity(
-                tokio::fs::File::from_std(file),
-                crate::files::IO_BUFFER,
-            ));
+            let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+            let body = file_body(file, len);
             let disposition = format!("attachment; filename=\"{id}.tar\"");
             Ok((
                 [
@@ -579,12 +577,7 @@ async fn task_file(
     } else {
         format!("attachment; filename=\"{base}\"")
     };
-    use tokio::io::AsyncReadExt as _;
-    // Read in large pieces: each read of a tokio file is a trip to the blocking pool.
-    let body = Body::from_stream(tokio_util::io::ReaderStream::with_capacity(
-        tokio::fs::File::from_std(file).take(len),
-        crate::files::IO_BUFFER,
-    ));
+    let body = file_body(file, len);
     Ok((
         [
             (header::CONTENT_TYPE, mime.to_owned()),
@@ -599,6 +592,39 @@ async fn task_file(
         body,
     )
         .into_response())
+}
+
+/// The first `len` bytes of `file` as a body, read in large pieces on one blocking thread and
+/// handed over without another copy. A file that shrinks meanwhile ends the body early (the
+/// client sees it cut short against its length), never with other bytes.
+fn file_body(file: std::fs::File, len: u64) -> Body {
+    use std::io::Read as _;
+    let (pieces, arriving) = mpsc::channel::<std::io::Result<Bytes>>(4);
+    tokio::task::spawn_blocking(move || {
+        let mut file = file.take(len);
+        loop {
+            let mut piece = Vec::with_capacity(crate::files::IO_BUFFER);
+            match (&mut file)
+                .take(crate::files::IO_BUFFER as u64)
+                .read_to_end(&mut piece)
+            {
+                Ok(0) => return,
+                Ok(_) => {
+                    if pieces.blocking_send(Ok(Bytes::from(piece))).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    let _ = pieces.blocking_send(Err(e));
+                    return;
+                }
+            }
+        }
+    });
+    Body::from_stream(futures::stream::unfold(
+        arriving,
+        |mut arriving| async move { arriving.recv().await.map(|piece| (piece, arriving)) },
+    ))
 }
 
 /// The media type a workspace file is served as, and whether a browser may show it.
