@@ -560,7 +560,7 @@ async fn task_file(
         Ok((file, len, path))
     })
     .await?;
-    let (mime, inline) = media_type(&name);
+    let (mime, inline) = crate::files::media_type(&name);
     // A header value takes printable ASCII only; a name the code chose may hold anything.
     let base: String = name
         .rsplit('/')
@@ -625,23 +625,6 @@ fn file_body(file: std::fs::File, len: u64) -> Body {
         arriving,
         |mut arriving| async move { arriving.recv().await.map(|piece| (piece, arriving)) },
     ))
-}
-
-/// The media type a workspace file is served as, and whether a browser may show it.
-pub fn media_type(path: &str) -> (&'static str, bool) {
-    if let Some(picture) = tandem_executor::archive::picture_type(std::path::Path::new(path)) {
-        return (picture, true);
-    }
-    let ext = path
-        .rsplit_once('.')
-        .map(|(_, e)| e.to_ascii_lowercase())
-        .unwrap_or_default();
-    match ext.as_str() {
-        "txt" | "md" | "csv" | "tsv" | "log" | "py" | "sh" | "js" | "rs" | "toml" | "yaml"
-        | "yml" => ("text/plain; charset=utf-8", true),
-        "json" => ("application/json", true),
-        _ => ("application/octet-stream", false),
-    }
 }
 
 async fn get_task(

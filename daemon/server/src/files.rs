@@ -19,7 +19,6 @@ use tandem_executor::archive::{self, ArchiveCaps, ArchiveError};
 use tandem_protocol::files::{FileInfo, TaskFiles, Upload};
 use tokio::io::AsyncWriteExt;
 
-use crate::plan::Inputs;
 use crate::store::TaskStore;
 
 /// How long an upload no task named is kept.
@@ -139,8 +138,8 @@ impl Files {
         Ok(work)
     }
 
-    /// The files `task` was given, if any.
-    pub fn inputs(&self, task: &str) -> Result<Option<Inputs>, FilesError> {
+    /// The files `task` was given, if any: their archive, and what the model is told.
+    pub fn inputs(&self, task: &str) -> Result<Option<(PathBuf, String)>, FilesError> {
         let dir = self.task_dir(task);
         let archive = dir.join("inputs.tar");
         if !archive.exists() {
@@ -148,10 +147,7 @@ impl Files {
         }
         let listing = std::fs::read_to_string(dir.join("inputs.txt"))
             .map_err(FilesError::io("reading what the task was given"))?;
-        Ok(Some(Inputs {
-            archive: Some(archive),
-            listing,
-        }))
+        Ok(Some((archive, listing)))
     }
 
     /// Whether the upload `id` is there to be named.
@@ -479,4 +475,21 @@ fn size_of(dir: &Path) -> u64 {
         }
     }
     total
+}
+
+/// The media type a workspace file is served as, and whether a browser may show it.
+pub fn media_type(path: &str) -> (&'static str, bool) {
+    if let Some(picture) = archive::picture_type(Path::new(path)) {
+        return (picture, true);
+    }
+    let ext = path
+        .rsplit_once('.')
+        .map(|(_, e)| e.to_ascii_lowercase())
+        .unwrap_or_default();
+    match ext.as_str() {
+        "txt" | "md" | "csv" | "tsv" | "log" | "py" | "sh" | "js" | "rs" | "toml" | "yaml"
+        | "yml" => ("text/plain; charset=utf-8", true),
+        "json" => ("application/json", true),
+        _ => ("application/octet-stream", false),
+    }
 }

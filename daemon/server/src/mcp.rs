@@ -644,7 +644,7 @@ impl TandemMcp {
             .await
             .map_err(|e| ErrorData::internal_error(e.to_string(), None))?
             .map_err(|e| ErrorData::resource_not_found(e.to_string(), None))?;
-        let (mime, _) = crate::api::media_type(uri);
+        let (mime, _) = crate::files::media_type(uri);
         let contents = match String::from_utf8(read) {
             Ok(text) if mime.starts_with("text/") || mime == "application/json" => {
                 ResourceContents::text(text, uri.to_owned())

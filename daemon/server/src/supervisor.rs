@@ -323,10 +323,13 @@ impl Supervisor {
         resuming: bool,
     ) -> Result<(std::path::PathBuf, Option<crate::plan::Inputs>), crate::files::FilesError> {
         let workdir = self.files.workspace(id)?;
-        let mut inputs = self.files.inputs(id)?;
-        if resuming && let Some(inputs) = &mut inputs {
-            inputs.archive = None;
-        }
+        let inputs = self
+            .files
+            .inputs(id)?
+            .map(|(archive, listing)| crate::plan::Inputs {
+                archive: (!resuming).then_some(archive),
+                listing,
+            });
         Ok((workdir, inputs))
     }
 
