@@ -864,3 +864,54 @@ async fn executors_report_their_health() {
         "{problem}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_resumed_task_with_a_kept_interpreter_tells_the_model_its_variables_are_gone() {
+    let task = "kept across a crash";
+    let server = ScriptedOpenAi::start(
+        [(
+            task.to_owned(),
+            vec![
+                Reply::from(fence("x = 41").as_str()),
+                // Asked again after the resume: the workspace remembers it slept once.
+                Reply::from(
+                    fence(
+                        "import os, time\nif not os.path.exists('slept'):\n    open('slept', 'w').close()\n    print('pid', os.getpid(), flush=True)\n    time.sleep(60)\nprint('x' in globals())",
+                    )
+                    .as_str(),
+                ),
+                Reply::from("TERMINATE"),
+            ],
+        )]
+        .into_iter()
+        .collect(),
+    )
+    .await
+    .unwrap();
+    let mut d = start(&server, &[]).await;
+    let id = d.submit(json!({"task": task, "keep_state": true})).await;
+    let started = Instant::now();
+    while printed_pid(&d.events(&id, 0).await).is_none() {
+        assert!(started.elapsed() < Duration::from_secs(60), "never slept");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    d.kill9();
+    d.spawn().await;
+    let (code, _, err) = d.cli(&["resume", &id]).await;
+    assert_eq!(code, 0, "{err}");
+    let t = d.wait_finished(&id, Duration::from_secs(60)).await;
+    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    // The block after the restart ran in a new interpreter...
+    let out = block_output(&d.events(&id, 0).await);
+    assert_eq!(out.last().map(String::as_str), Some("False\n"), "{out:?}");
+    // ...and the model was told so before it wrote it.
+    let asked = &server.requests_for(task)[2];
+    let last = asked.body["messages"].as_array().unwrap().last().unwrap()["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        last.contains("its Python interpreter is new: variables, imports and open files of earlier blocks are gone"),
+        "{last}"
+    );
+}

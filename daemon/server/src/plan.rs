@@ -337,6 +337,16 @@ impl Planner {
         let work = match checked.team {
             None => {
                 settings.history = history(start.events);
+                // A kept interpreter does not outlive the daemon that ran it: the model is
+                // told, with the report it reads next, that its variables are gone.
+                if spec.keep_state
+                    && let Some(last) = settings
+                        .history
+                        .last_mut()
+                        .filter(|m| m.role == Role::User && !start.events.is_empty())
+                {
+                    last.content.push_str(RESUMED_FRESH);
+                }
                 Work::Pair {
                     model: Box::new(model),
                     executor,
@@ -554,6 +564,9 @@ fn conversation(events: &[Event]) -> Vec<Message> {
 /// The turns an interrupted task completed: a last reply that its report never answered
 /// (the interruption cut its code off) is asked for again, unless one of its blocks asked
 /// for approval: then its code runs again, and the approval is found where it was.
+/// Told to the model when a task with a kept interpreter resumes.
+const RESUMED_FRESH: &str = "\n\n(tandem: this task was interrupted and resumed. Its files are kept, but its Python interpreter is new: variables, imports and open files of earlier blocks are gone.)";
+
 fn history(events: &[Event]) -> Vec<Message> {
     let mut messages = conversation(events);
     if messages.last().is_some_and(|m| m.role == Role::Assistant) && !waits_for_approval(events) {
