@@ -777,3 +777,52 @@ async fn what_a_person_sees_of_files_and_pictures() {
         )
     });
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_figure_shown_by_a_fresh_docker_block_comes_back_as_a_picture() {
+    let server = ScriptedOpenAi::start(script([(
+        "show it fresh",
+        vec![
+            python(
+                "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()\n\
+                 plt.figure()\nplt.bar(['a', 'b'], [2, 5])\nplt.show()\nprint('drawn')",
+            ),
+            python("import matplotlib.pyplot as plt\nplt.plot([3, 1])\nplt.show()\nraise SystemExit(3)"),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let d = daemon(&server, &["--executor", "docker"], None).await;
+    let id = d.submit(json!({"task": "show it fresh"})).await;
+    let record = d.wait_finished(&id, Duration::from_secs(120)).await;
+    let events = d.events(&id, 0).await;
+    assert_eq!(record["stop_reason"], "terminated", "{record}\n{events:#?}");
+    let shown: Vec<(u64, &str)> = of_type(&events, "artifact")
+        .iter()
+        .map(|a| (a["turn"].as_u64().unwrap(), a["file"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        shown,
+        vec![
+            (1, "figure-1.png"),
+            (1, "figure-2.png"),
+            (2, "figure-3.png")
+        ],
+        "{events:#?}"
+    );
+    // The block's own output and exit code are as `python3 script` gives them.
+    let results: Vec<(String, Value)> = of_type(&events, "exec_result")
+        .iter()
+        .map(|e| {
+            (
+                e["result"]["stdout"].as_str().unwrap().to_owned(),
+                e["result"]["exit_code"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        results,
+        vec![("drawn\n".to_owned(), json!(0)), (String::new(), json!(3))]
+    );
+}

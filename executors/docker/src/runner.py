@@ -151,6 +151,103 @@ class Capture:
             send(self.kind, bytes(self.tail[i:i + (1 << 16)]))
 
 
+# A Python block runs as `python3 -c BOOT script`: BOOT runs the script as `python3 script`
+# would (the same __main__, argv, path, traceback and exit code), and then saves the figures
+# it showed (`plt.show()` draws nothing without a screen) as figure-N.png, as the local
+# executor's fork server does.
+BOOT = r"""
+import builtins, os, sys, types
+# Finds matplotlib.pyplot for the import system and wraps its show(), so that a figure
+# shown (which draws nothing without a screen) can be saved as a picture.
+class ShowWatch:
+    shown = False
+
+    def find_spec(self, name, path, target=None):
+        if name != "matplotlib.pyplot":
+            return None
+        sys.meta_path.remove(self)
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            real = module.show
+
+            def show(*args, **kwargs):
+                ShowWatch.shown = True
+                return real(*args, **kwargs)
+
+            module.show = show
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+# Figures shown (plt.show()) are saved as figure-N.png in the workspace, as a notebook shows
+# them; a figure only saved with savefig is that file.
+def save_figures():
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is None or not ShowWatch.shown:
+        return
+    ShowWatch.shown = False
+    n = 1
+    for num in plt.get_fignums():
+        while os.path.exists("figure-%d.png" % n):
+            n += 1
+        plt.figure(num).savefig("figure-%d.png" % n)
+        plt.close(num)
+
+
+sys.meta_path.insert(0, ShowWatch())
+script = sys.argv[1]
+sys.argv = [script]
+sys.path[0] = os.path.dirname(script)
+main = types.ModuleType("__main__")
+main.__file__ = script
+main.__builtins__ = builtins
+sys.modules["__main__"] = main
+code = 1
+try:
+    with open(script, "rb") as f:
+        source = f.read()
+    exec(compile(source, script, "exec"), main.__dict__)
+    code = 0
+except SystemExit as e:
+    if e.code is None:
+        code = 0
+    elif isinstance(e.code, int):
+        code = e.code
+    else:
+        print(e.code, file=sys.stderr)
+        code = 1
+except BaseException:
+    etype, value, tb = sys.exc_info()
+    tb = tb.tb_next if tb is not None else None
+    sys.excepthook(etype, value.with_traceback(tb), tb)
+    code = 1
+finally:
+    try:
+        save_figures()
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+    try:
+        if "threading" in sys.modules:
+            sys.modules["threading"]._shutdown()
+        import atexit
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BaseException:
+        pass
+    os._exit(code & 0xFF)
+"""
+
+
 def start(req, out_w, err_w):
     pid = os.fork()
     if pid:
@@ -182,7 +279,10 @@ def start(req, out_w, err_w):
         for name, limit in req.get("rlimits", []):
             resource.setrlimit(getattr(resource, name), (limit, limit))
         os.chdir(WORKSPACE)
-        os.execvpe(req["argv"][0], req["argv"], req["env"])
+        argv = req["argv"]
+        if os.path.basename(argv[0]).startswith("python") and len(argv) == 2:
+            argv = [argv[0], "-c", BOOT, argv[1]]
+        os.execvpe(argv[0], argv, req["env"])
     except BaseException as e:
         os.write(2, ("tandem: cannot start %s: %s\n" % (req["argv"][0], e)).encode())
     os._exit(127)
