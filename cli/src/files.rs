@@ -8,8 +8,25 @@ use anyhow::{Context, Result, bail};
 use tandem_daemon::plan::Inputs;
 
 /// The files at `paths` (a directory is taken whole, under its own name) as the task's
-/// inputs, packed into an archive in `dir`.
+/// inputs in this process, packed into an archive in `dir` and checked.
 pub fn pack(paths: &[PathBuf], dir: &Path) -> Result<Inputs> {
+    let archive = archive_of(paths, dir)?;
+    let read = std::fs::File::open(&archive)
+        .map(|f| std::io::BufReader::with_capacity(1 << 20, f))
+        .with_context(|| format!("cannot read {}", archive.display()))?;
+    // Refused now, by the rules every session applies, rather than at the first block.
+    let (_, listing) =
+        tandem_executor::archive::inspect(read, tandem_executor::archive::ArchiveCaps::default())
+            .context("--file")?;
+    Ok(Inputs {
+        archive: Some(archive),
+        listing,
+    })
+}
+
+/// The files at `paths` as one tar archive in `dir`, unchecked: links in a directory are
+/// written as links, for the reader's rules to refuse by name.
+fn archive_of(paths: &[PathBuf], dir: &Path) -> Result<PathBuf> {
     let archive = dir.join("files.tar");
     let out = std::fs::File::create(&archive)
         .with_context(|| format!("cannot write {}", archive.display()))?;
@@ -51,19 +68,7 @@ pub fn pack(paths: &[PathBuf], dir: &Path) -> Result<Inputs> {
         .into_inner()
         .and_then(|mut w| std::io::Write::flush(&mut w))
         .with_context(|| format!("cannot write {}", archive.display()))?;
-    let read = || {
-        std::fs::File::open(&archive)
-            .map(std::io::BufReader::new)
-            .with_context(|| format!("cannot read {}", archive.display()))
-    };
-    // Refused now, by the rules every session applies, rather than at the first block.
-    tandem_executor::archive::check(read()?, tandem_executor::archive::ArchiveCaps::default())
-        .context("--file")?;
-    let listing = tandem_executor::archive::describe(read()?)?;
-    Ok(Inputs {
-        archive: Some(archive),
-        listing,
-    })
+    Ok(archive)
 }
 
 /// Sends the files at `paths` to the daemon; the upload's id for the task's `files`, or
@@ -76,8 +81,8 @@ pub async fn upload(client: &crate::client::Client, paths: &[PathBuf]) -> Result
         .prefix("tandem-files-")
         .tempdir()
         .context("cannot make a directory for the task's files")?;
-    let packed = pack(paths, dir.path())?;
-    let archive = packed.archive.context("the files were packed nowhere")?;
+    // Checked by the daemon, under its own caps, which may be other than this machine's.
+    let archive = archive_of(paths, dir.path())?;
     let upload = client.upload(&archive).await.context("--file")?;
     Ok(Some(upload.id))
 }

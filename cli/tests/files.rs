@@ -579,6 +579,22 @@ async fn tandem_submit_and_run_send_their_files_to_the_daemon() {
         d.get("/v1/tasks").await["tasks"].as_array().unwrap().len(),
         2
     );
+    // A link in a directory given is sent as a link, and the daemon refuses it by name.
+    let linked = dir.path().join("linked");
+    std::fs::create_dir(&linked).unwrap();
+    std::os::unix::fs::symlink("/", linked.join("root")).unwrap();
+    let (code, _, err) = d
+        .cli(&["submit", "double it", "--file", linked.to_str().unwrap()])
+        .await;
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--file: the upload was refused: `linked/root` is a symbolic link"),
+        "{err}"
+    );
+    assert_eq!(
+        d.get("/v1/tasks").await["tasks"].as_array().unwrap().len(),
+        2
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

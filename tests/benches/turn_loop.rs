@@ -1396,8 +1396,12 @@ async fn files_round_trip(rounds: usize) {
         builder.finish().unwrap();
     }
     // The task as the model reads it: its text, then what it was given.
-    let listing =
-        tandem_executor::archive::describe(std::fs::File::open(&archive).unwrap()).unwrap();
+    let listing = tandem_executor::archive::inspect(
+        std::fs::File::open(&archive).unwrap(),
+        Default::default(),
+    )
+    .unwrap()
+    .1;
     let script: Script = (0..rounds)
         .map(|i| {
             (

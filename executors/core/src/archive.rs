@@ -154,14 +154,9 @@ pub fn unpack_into(
     Ok(placed)
 }
 
-/// Checks `archive` as [`unpack_into`] would, writing nothing: its files, or why it would be
-/// refused (so a client can be told before anything is sent or started).
-pub fn check(archive: impl Read, caps: ArchiveCaps) -> Result<Vec<ArchivedFile>, ArchiveError> {
-    inspect(archive, caps).map(|(files, _)| files)
-}
-
-/// [`check`] and [`describe`] in one read of `archive`: its files, and what a model is told
-/// of them.
+/// Checks `archive` as [`unpack_into`] would, writing nothing, and finds what a model is told
+/// of its files (each one's path and size, and the first lines of the text ones), in one
+/// read: its files and that text, or why it would be refused.
 pub fn inspect(
     archive: impl Read,
     caps: ArchiveCaps,
@@ -469,39 +464,17 @@ fn open_file(dir: &Dir, path: &Path) -> std::io::Result<std::fs::File> {
     Ok(dir.open_with(path, &options)?.into_std())
 }
 
-/// Most lines of a text file [`describe`] shows.
+/// Most lines of a text file [`inspect`] shows.
 const HEAD_LINES: usize = 5;
 /// Most characters of one shown line.
 const LINE_CHARS: usize = 200;
-/// Most files [`describe`] lists one by one; the rest are counted.
+/// Most files [`inspect`] lists one by one; the rest are counted.
 const LISTED: usize = 50;
 
-/// Bytes of each file [`describe`] looks at for its first lines.
+/// Bytes of each file [`inspect`] looks at for its first lines.
 const HEAD_BYTES: u64 = 8192;
 
-/// What a model is told of the files in `archive`: each file's path and size, and the first
-/// lines of the text ones.
-pub fn describe(archive: impl Read) -> Result<String, ArchiveError> {
-    let mut tar = tar::Archive::new(archive);
-    let mut listing = Listing::default();
-    for entry in tar.entries().map_err(ArchiveError::Malformed)? {
-        let entry = entry.map_err(ArchiveError::Malformed)?;
-        if !entry.header().entry_type().is_file() {
-            continue;
-        }
-        let path = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
-        let size = entry.header().size().map_err(ArchiveError::Malformed)?;
-        let mut head = Vec::new();
-        entry
-            .take(HEAD_BYTES)
-            .read_to_end(&mut head)
-            .map_err(ArchiveError::Malformed)?;
-        listing.add(&path, size, &head);
-    }
-    Ok(listing.finish())
-}
-
-/// The text [`describe`] writes, file by file.
+/// The text [`inspect`] writes, file by file.
 #[derive(Default)]
 struct Listing {
     text: String,
@@ -682,7 +655,8 @@ mod tests {
         // Checking says what unpacking would, and writes nothing either way.
         let refused = |entries: &[(&str, tar::EntryType, &'static [u8], u64)]| {
             let tar = archive(entries);
-            let checked = check(&tar[..], ArchiveCaps::default())
+            let checked = inspect(&tar[..], ArchiveCaps::default())
+                .map(|(files, _)| files)
                 .unwrap_err()
                 .to_string();
             let unpacked = unpack_into(&ws, &tar[..], ArchiveCaps::default())
@@ -805,7 +779,7 @@ mod tests {
         assert!(!ws.join("huge").exists());
         let together = archive(&[file("a", b"123456"), file("b", b"123456")]);
         assert!(matches!(
-            check(&together[..], caps),
+            inspect(&together[..], caps).map(|(files, _)| files),
             Err(ArchiveError::TooLarge { .. })
         ));
         // Files that fit one by one but not together.
