@@ -842,3 +842,49 @@ async fn a_figure_shown_by_a_fresh_docker_block_comes_back_as_a_picture() {
         vec![("drawn\n".to_owned(), json!(0)), (String::new(), json!(3))]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_run_task_keeps_state_when_asked_and_is_refused_where_it_cannot() {
+    use tandem_tests::McpHttp;
+    let server = ScriptedOpenAi::start(script([(
+        "keep over mcp",
+        vec![
+            python("x = 6 * 7"),
+            python("print(x)"),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let d = daemon(&server, &[], None).await;
+    let mcp = McpHttp::connect(&d).await.unwrap();
+    let result = mcp
+        .call_tool(
+            "run_task",
+            json!({"task": "keep over mcp", "keep_state": true, "executor": "local"}),
+        )
+        .await;
+    assert_eq!(result["isError"], false, "{result}");
+    let id = result["structuredContent"]["task_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let events = d.events(&id, 0).await;
+    let printed: Vec<&str> = of_type(&events, "exec_result")
+        .iter()
+        .map(|e| e["result"]["stdout"].as_str().unwrap())
+        .collect();
+    assert_eq!(printed, vec!["", "42\n"], "{events:#?}");
+    let refused = mcp
+        .call_tool(
+            "run_task",
+            json!({"task": "keep over mcp", "keep_state": true, "executor": "wasm"}),
+        )
+        .await;
+    assert_eq!(refused["isError"], true, "{refused}");
+    let text = refused["content"][0]["text"].as_str().unwrap();
+    assert!(
+        text.contains("keep_state: the wasm executor cannot keep a Python interpreter"),
+        "{text}"
+    );
+}

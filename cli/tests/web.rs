@@ -723,6 +723,7 @@ async fn the_page_uploads_a_file_and_shows_the_chart_the_task_drew() {
     sign_in(&b, &addr, &token).await;
     // The file input takes a path, as a person picking the file does.
     b.type_into("#data-files", file.to_str().unwrap()).await;
+    b.click("#keep-state").await;
     let id = submit(&b, "web: plot it").await;
     wait_complete(&b, "the task's end").await;
     let drawn = b
@@ -753,5 +754,7 @@ async fn the_page_uploads_a_file_and_shows_the_chart_the_task_drew() {
     // What the page shows is the task's own file.
     let record = d.get(&format!("/v1/tasks/{id}")).await;
     assert_eq!(record["stop_reason"], "terminated", "{record}");
+    // The form's box asked for a kept interpreter, and the task had one.
+    assert_eq!(record["spec"]["keep_state"], true, "{record}");
     b.quit().await;
 }

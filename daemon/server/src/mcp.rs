@@ -192,9 +192,18 @@ impl TandemMcp {
             files,
         } = args;
         let caps = self.supervisor.files().upload_caps();
+        // On disk, where a session's put_archive reads it.
         let given = match files.as_deref() {
             None | Some([]) => None,
-            Some(files) => Some(packed_file(files, caps)?),
+            Some(files) => {
+                let archive = packed(files, caps)?;
+                let file = tempfile::NamedTempFile::new()
+                    .and_then(|mut f| std::io::Write::write_all(&mut f, &archive).map(|()| f))
+                    .map_err(|e| {
+                        ErrorData::internal_error(format!("packing the files failed: {e}"), None)
+                    })?;
+                Some(file)
+            }
         };
         if code.len() > MAX_CODE_BYTES {
             return Err(ErrorData::invalid_params(
@@ -350,16 +359,14 @@ impl TandemMcp {
             task: args.task,
             executor: args.executor,
             max_turns: args.max_turns,
+            keep_state: args.keep_state.unwrap_or(false),
             ..TaskSpec::default()
         };
         if let Some(files) = args.files.as_deref().filter(|f| !f.is_empty()) {
             let files_of = self.supervisor.files();
-            let packed = packed_file(files, files_of.upload_caps())?;
-            let bytes = std::fs::read(packed.path()).map_err(|e| {
-                ErrorData::internal_error(format!("packing the files failed: {e}"), None)
-            })?;
+            let archive = packed(files, files_of.upload_caps())?;
             let upload = files_of
-                .receive(axum::body::Body::from(bytes))
+                .receive(axum::body::Body::from(archive))
                 .await
                 .map_err(|e| ErrorData::invalid_params(format!("files: {e}"), None))?;
             spec.files = Some(upload.id);
@@ -502,12 +509,12 @@ fn image_of(mut file: std::fs::File, len: u64, mime: &str) -> Option<ContentBloc
     ))
 }
 
-/// Files given to a call, packed into a tar archive in a temporary file (checked again where
-/// they are placed). Each has exactly one of `text` and `base64`.
-fn packed_file(
+/// Files given to a call, packed into a tar archive (checked again where they are placed).
+/// Each has exactly one of `text` and `base64`.
+fn packed(
     files: &[FileArg],
     caps: tandem_executor::archive::ArchiveCaps,
-) -> Result<tempfile::NamedTempFile, ErrorData> {
+) -> Result<Vec<u8>, ErrorData> {
     use base64::Engine as _;
     let bad = |message: String| ErrorData::invalid_params(message, None);
     if files.len() > caps.max_entries {
@@ -517,9 +524,7 @@ fn packed_file(
             caps.max_entries
         )));
     }
-    let out = tempfile::NamedTempFile::new()
-        .map_err(|e| ErrorData::internal_error(format!("packing the files failed: {e}"), None))?;
-    let mut builder = tar::Builder::new(out);
+    let mut builder = tar::Builder::new(Vec::new());
     let mut total = 0u64;
     for (i, f) in files.iter().enumerate() {
         let data = match (&f.text, &f.base64) {
@@ -715,6 +720,8 @@ struct RunTaskArgs {
     max_turns: Option<u32>,
     /// Files to place in the task's workspace; the model is told what they are
     files: Option<Vec<FileArg>>,
+    /// Python blocks share one interpreter whose variables survive (local and docker)
+    keep_state: Option<bool>,
 }
 
 /// A tool's arguments as `T`; what does not fit says which argument and why.

@@ -395,6 +395,7 @@
         const body = { task: text };
         const executor = $('executor').value;
         if (executor) body.executor = executor;
+        if ($('keep-state').checked) body.keep_state = true;
         const file = $('team-file').files[0];
         if (file) {
           const parsed = await api('POST', '/v1/teams/parse', await file.text()).catch((err) => {
