@@ -888,3 +888,72 @@ async fn mcp_run_task_keeps_state_when_asked_and_is_refused_where_it_cannot() {
         "{text}"
     );
 }
+
+/// A stand-in for matplotlib's pyplot, given to a task as files: the local executor's Python
+/// has no matplotlib here, and what is tested is Tandem's hook, not matplotlib.
+const FAKE_PYPLOT: &str = "_open = []\n\
+def plot(*a):\n    _open.append(len(_open) + 1)\n\
+def show():\n    pass\n\
+def get_fignums():\n    return list(_open)\n\
+class _Figure:\n    def savefig(self, name):\n        open(name, 'wb').write(b'\\x89PNG\\r\\n\\x1a\\n')\n\
+def figure(num=None):\n    return _Figure()\n\
+def close(num):\n    _open.remove(num)\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_figure_shown_by_a_local_block_fresh_or_kept_comes_back_as_a_picture() {
+    let drawn = "import matplotlib.pyplot as plt\nplt.plot([1])\nplt.show()";
+    let left_open = "import matplotlib.pyplot as plt\nplt.plot([2])";
+    let mut replies = Vec::new();
+    for task in ["local fresh", "local kept"] {
+        replies.push((
+            task,
+            vec![python(drawn), python(left_open), Reply::from("TERMINATE")],
+        ));
+    }
+    let entries = [
+        (
+            "matplotlib/__init__.py",
+            tar::EntryType::Regular,
+            &b""[..],
+            None,
+        ),
+        (
+            "matplotlib/pyplot.py",
+            tar::EntryType::Regular,
+            FAKE_PYPLOT.as_bytes(),
+            None,
+        ),
+    ];
+    let told = |task: &str| {
+        format!(
+            "{task}\n\nFiles in your working directory (the current directory):\n\
+             - matplotlib/__init__.py (0 bytes)\n- matplotlib/pyplot.py ({} bytes)\n    _open = []\n    def plot(*a):\n        _open.append(len(_open) + 1)\n    def show():\n        pass",
+            FAKE_PYPLOT.len()
+        )
+    };
+    let script: tandem_tests::Script = replies
+        .into_iter()
+        .map(|(task, r)| (told(task), r))
+        .collect();
+    let server = ScriptedOpenAi::start(script).await.unwrap();
+    let d = daemon(&server, &[], None).await;
+    for (task, keep) in [("local fresh", false), ("local kept", true)] {
+        let (status, up) = upload(&d, archive(&entries)).await;
+        assert_eq!(status, 201, "{up}");
+        let id = d
+            .submit(json!({"task": task, "files": up["id"], "keep_state": keep}))
+            .await;
+        let record = d.wait_finished(&id, Duration::from_secs(60)).await;
+        let events = d.events(&id, 0).await;
+        assert_eq!(
+            record["stop_reason"], "terminated",
+            "{task}: {record}\n{events:#?}"
+        );
+        // Shown: a picture; drawn and left unshown: none.
+        let shown: Vec<(u64, &str)> = of_type(&events, "artifact")
+            .iter()
+            .map(|a| (a["turn"].as_u64().unwrap(), a["file"].as_str().unwrap()))
+            .collect();
+        assert_eq!(shown, vec![(1, "figure-1.png")], "{task}: {events:#?}");
+    }
+}

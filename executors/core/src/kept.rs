@@ -22,7 +22,7 @@ use crate::{
 };
 
 /// The interpreter's program.
-const KERNEL: &str = include_str!("kernel.py");
+const KERNEL: &str = concat!(include_str!("figures.py"), include_str!("kernel.py"));
 /// How long an interrupted block has to stop before the interpreter is killed.
 pub const GRACE: Duration = Duration::from_secs(3);
 /// How long a new interpreter has to open its FIFOs.
@@ -390,5 +390,15 @@ impl Session for KeptSession {
         caps: crate::archive::ArchiveCaps,
     ) -> BoxFuture<'_, Result<Vec<crate::archive::ArchivedFile>, ExecError>> {
         self.inner.put_archive(archive, caps)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The Docker runner carries the figures code in a raw triple-quoted string.
+    #[test]
+    fn the_figures_code_can_be_carried_in_a_python_string() {
+        assert!(!crate::FIGURES_PY.contains("\"\"\""));
+        assert!(!crate::FIGURES_PY.trim_end().ends_with('\\'));
     }
 }

@@ -48,6 +48,11 @@ pub use limits::Limits;
 pub use registry::Registry;
 pub use tokio_util::sync::CancellationToken;
 
+/// Python that keeps the figures a block shows (`plt.show()`) as `figure-N.png`: defines
+/// `ShowWatch` (an import hook) and `save_figures()`, for each program that runs Python blocks
+/// to put before its own code. It holds no triple quotes, so it can be carried in a string.
+pub const FIGURES_PY: &str = include_str!("figures.py");
+
 /// A boxed, sendable future, as the object-safe traits here return.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 

@@ -450,7 +450,7 @@ impl DockerExecutor {
                 "python3".to_owned(),
                 "-I".to_owned(),
                 "-c".to_owned(),
-                RUNNER.to_owned(),
+                RUNNER.clone(),
             ]),
             // The runner is root with three capabilities and runs every block as `c.user`.
             cmd: Some(vec![c.user.clone()]),

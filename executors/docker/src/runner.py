@@ -155,51 +155,9 @@ class Capture:
 # would (the same __main__, argv, path, traceback and exit code), and then saves the figures
 # it showed (`plt.show()` draws nothing without a screen) as figure-N.png, as the local
 # executor's fork server does.
-BOOT = r"""
+# FIGURES (executors/core/src/figures.py) is set above this file by the Docker executor.
+BOOT = FIGURES + r"""
 import builtins, os, sys, types
-# Finds matplotlib.pyplot for the import system and wraps its show(), so that a figure
-# shown (which draws nothing without a screen) can be saved as a picture.
-class ShowWatch:
-    shown = False
-
-    def find_spec(self, name, path, target=None):
-        if name != "matplotlib.pyplot":
-            return None
-        sys.meta_path.remove(self)
-        import importlib.machinery
-
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            real = module.show
-
-            def show(*args, **kwargs):
-                ShowWatch.shown = True
-                return real(*args, **kwargs)
-
-            module.show = show
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-# Figures shown (plt.show()) are saved as figure-N.png in the workspace, as a notebook shows
-# them; a figure only saved with savefig is that file.
-def save_figures():
-    plt = sys.modules.get("matplotlib.pyplot")
-    if plt is None or not ShowWatch.shown:
-        return
-    ShowWatch.shown = False
-    n = 1
-    for num in plt.get_fignums():
-        while os.path.exists("figure-%d.png" % n):
-            n += 1
-        plt.figure(num).savefig("figure-%d.png" % n)
-        plt.close(num)
 
 
 sys.meta_path.insert(0, ShowWatch())

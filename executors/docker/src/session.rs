@@ -26,8 +26,15 @@ use tokio_util::codec::{Decoder, LengthDelimitedCodec};
 
 use crate::{DockerError, DockerExecutor, engine, labels, remove_container};
 
-/// The in-container runner's source, run as `python3 -I -c RUNNER`.
-pub const RUNNER: &str = include_str!("runner.py");
+/// The in-container runner's source, run as `python3 -I -c RUNNER`: `runner.py`, after the
+/// figures code as the string `FIGURES` its blocks' boot starts with.
+pub static RUNNER: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "FIGURES = r\"\"\"{}\"\"\"\n{}",
+        tandem_executor::FIGURES_PY,
+        include_str!("runner.py")
+    )
+});
 
 /// How long a runner may take to start and say it is ready.
 const READY_LIMIT: Duration = Duration::from_secs(30);

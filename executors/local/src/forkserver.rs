@@ -48,7 +48,12 @@ impl ForkServer {
         )?;
         let theirs_raw = theirs.as_raw_fd();
         let mut cmd = Command::new(python);
-        cmd.args(["-c", SERVER]);
+        // Named first, as `ps` shows it; the figures code is defined before the server runs.
+        let program = format!(
+            "# Tandem's Python fork server: the figures code, then forkserver.py\n{}\n{SERVER}",
+            tandem_executor::FIGURES_PY
+        );
+        cmd.args(["-c", &program]);
         if no_network {
             cmd.arg("--no-network");
         }
