@@ -43,6 +43,9 @@ pub struct FileConfig {
     /// `[files]`: what a task may be given and how long a daemon keeps its workspace.
     #[serde(default)]
     pub files: FilesSection,
+    /// `[tools.NAME]`: the functions offered to the model (docs/tools.md).
+    #[serde(default)]
+    pub tools: tandem_agent::tools::Catalog,
 }
 
 /// `[files]`.
@@ -136,6 +139,8 @@ pub struct ModelSection {
     pub stop: Option<Vec<String>>,
     /// The embedded model's context window in tokens.
     pub context_tokens: Option<u32>,
+    /// How the model's code reaches the executor: `blocks`, `tool` or `auto`.
+    pub code_via: Option<tandem_protocol::CodeVia>,
 }
 
 #[derive(Debug, Default, Deserialize)]

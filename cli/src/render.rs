@@ -312,9 +312,43 @@ impl<W: Write> Renderer<W> {
             EventMsg::Artifact {
                 file, mime, bytes, ..
             } => self.rule(&format!("picture {file} · {mime} · {}", size(*bytes))),
+            EventMsg::ToolCall {
+                name, arguments, ..
+            } => {
+                self.shown.clear();
+                self.rule(&format!("call {name}"))?;
+                // The code of an `execute_code` call is shown as code, not as JSON.
+                let code = (name == tandem_protocol::tools::EXECUTE_CODE)
+                    .then(|| serde_json::from_str::<serde_json::Value>(arguments).ok())
+                    .flatten()
+                    .and_then(|v| v.get("code").and_then(|c| c.as_str()).map(str::to_owned));
+                let shown = code.as_deref().unwrap_or(arguments);
+                self.text(shown)?;
+                self.text(if shown.ends_with('\n') { "" } else { "\n" })
+            }
+            EventMsg::ToolResult {
+                name,
+                result,
+                is_error,
+                duration_ms,
+                ..
+            } => {
+                // An `execute_code` call's output was shown as a block's.
+                if name == tandem_protocol::tools::EXECUTE_CODE {
+                    return Ok(());
+                }
+                let how = if *is_error { "failed" } else { "answered" };
+                self.rule(&format!("{name} {how} · {duration_ms} ms"))?;
+                self.text(result)?;
+                self.text(if result.ends_with('\n') || result.is_empty() {
+                    ""
+                } else {
+                    "\n"
+                })
+            }
             EventMsg::ExecutorMessage { text, .. } => {
                 // Output was shown live; only the executor's own words are worth repeating.
-                if !text.starts_with("exitcode:") {
+                if !text.is_empty() && !text.starts_with("exitcode:") {
                     self.rule("executor")?;
                     self.text(text)?;
                     self.text("\n")?;

@@ -53,6 +53,14 @@ pub struct TaskFlags {
     /// block, as in a notebook (local and docker) [default: a fresh process per block]
     #[arg(long)]
     pub(crate) keep_state: bool,
+    /// How the model's code reaches the executor: fenced blocks, the execute_code tool, or
+    /// the tool where the model server takes tools [default: [model] code_via, else blocks]
+    #[arg(long, value_name = "blocks|tool|auto")]
+    pub(crate) code_via: Option<tandem_protocol::CodeVia>,
+    /// Offer the model this one of the configured [tools.NAME] (repeat for more)
+    /// [default: every configured tool]
+    #[arg(long = "tool", value_name = "NAME")]
+    pub(crate) tools: Vec<String>,
 }
 
 impl TaskFlags {
@@ -91,6 +99,13 @@ impl TaskFlags {
                 .transpose()?,
             approval: approve.then(always),
             keep_state: self.keep_state,
+            code_via: self.code_via,
+            tools: (!self.tools.is_empty()).then(|| {
+                self.tools
+                    .iter()
+                    .map(|t| tandem_protocol::ToolRef::Name(t.clone()))
+                    .collect()
+            }),
             ..TaskSpec::default()
         })
     }
@@ -222,7 +237,9 @@ async fn run_here(args: &RunArgs, file: FileConfig) -> Result<u8> {
             .unwrap_or_else(|| tandem_agent::DEFAULT_TERMINATION.to_owned()),
         system_prompt: tandem_agent::DEFAULT_SYSTEM_PROMPT.to_owned(),
         limits: config::limits(&file, args.flags.block_timeout)?,
+        code_via: file.model.code_via.unwrap_or_default(),
     };
+    tandem_agent::tools::check_catalog(&file.tools).context("in [tools] of tandem.toml")?;
     let planner = Planner::new(PlannerConfig {
         model: config::model_config(&args.model, &file)?,
         local_model: None,
@@ -231,6 +248,7 @@ async fn run_here(args: &RunArgs, file: FileConfig) -> Result<u8> {
         policy: Policy::own(names),
         approval: file.approval.clone(),
         teams,
+        tools: file.tools.clone(),
     });
     planner.check(&spec)?;
     // Last of the checks: loading the embedded model takes a moment.

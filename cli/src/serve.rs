@@ -493,7 +493,9 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
             None => tandem_agent::DEFAULT_SYSTEM_PROMPT.to_owned(),
         },
         limits: config::limits(file, None)?,
+        code_via: file.model.code_via.unwrap_or_default(),
     };
+    tandem_agent::tools::check_catalog(&file.tools).context("in [tools] of tandem.toml")?;
     let mut model = config::model_config(&args.model, file)?;
     // Loaded once and shared by every task that names no model server.
     let local_model = match crate::provider::choose(&args.model, file) {
@@ -525,6 +527,7 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
                 policy,
                 approval: file.approval.clone(),
                 teams,
+                tools: file.tools.clone(),
             },
             max_concurrent,
             sessions,

@@ -432,6 +432,7 @@ fn fill_store(path: &Path, tasks: usize, events: usize) -> String {
             turn,
             text: format!("Let me compute it with code.\n```python\n{code}\n```"),
             usage: None,
+            tool_calls: Vec::new(),
         });
         msgs.push(EventMsg::CodeBlock {
             turn,
@@ -468,6 +469,7 @@ fn fill_store(path: &Path, tasks: usize, events: usize) -> String {
         msgs.push(EventMsg::ExecutorMessage {
             turn,
             text: format!("exitcode: 0 (execution succeeded)\nCode output: {out}"),
+            tool_results: Vec::new(),
         });
     }
     while msgs.len() + 1 < events {
@@ -497,6 +499,7 @@ fn fill_store(path: &Path, tasks: usize, events: usize) -> String {
                 turn,
                 text: text.to_owned(),
                 usage: None,
+                tool_calls: Vec::new(),
             },
         ]
     };

@@ -43,6 +43,20 @@ pub enum Reply {
     /// A streamed reply that repeats this piece without end (stopping only at [`ENDLESS_CAP`]
     /// pieces, or when the client hangs up), as a broken or hostile server.
     Endless(String),
+    /// A reply with this text and these native tool calls (`(id, name, arguments)`); streamed,
+    /// each call's arguments come in pieces of a few characters.
+    Calls(String, Vec<(String, String, String)>),
+    /// These `choices[0].delta` objects, as raw JSON text, as the streamed chunks (for pieces
+    /// a server splits in odd places, even inside a surrogate pair), then
+    /// `finish_reason: tool_calls`.
+    Deltas(Vec<String>),
+    /// A 400 naming the parameter when the request has it; the inner reply otherwise.
+    Refuses(String, Box<Reply>),
+}
+
+/// A tool call for [`Reply::Calls`].
+pub fn call(id: &str, name: &str, arguments: &str) -> (String, String, String) {
+    (id.to_owned(), name.to_owned(), arguments.to_owned())
 }
 
 /// Most pieces an [`Reply::Endless`] sends, so a test that fails cannot run forever.
@@ -210,6 +224,17 @@ async fn chat(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes
                 reply = *inner;
             }
             Reply::Error(status, message) => return error(status, &message),
+            Reply::Refuses(param, inner) => {
+                if body.get(&param).is_some() {
+                    return error(
+                        400,
+                        &format!("Unrecognized request argument supplied: {param}"),
+                    );
+                }
+                reply = *inner;
+            }
+            Reply::Calls(text, calls) => return answer_calls(&body, &text, &calls),
+            Reply::Deltas(deltas) => return stream_deltas(&body, deltas),
             Reply::Text(text) => return answer(&body, &text, None),
             Reply::Trickle(gap, text) => return answer(&body, &text, Some(gap)),
             Reply::Endless(piece) => return endless(&piece),
@@ -273,6 +298,56 @@ fn answer(request: &Value, text: &str, gap: Option<Duration>) -> Response {
         )),
     };
     ([(header::CONTENT_TYPE, "text/event-stream")], body).into_response()
+}
+
+fn answer_calls(request: &Value, text: &str, calls: &[(String, String, String)]) -> Response {
+    if request["stream"] != true {
+        let model = request["model"].as_str().unwrap_or("scripted");
+        let tool_calls: Vec<Value> = calls
+            .iter()
+            .map(|(id, name, args)| {
+                json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}})
+            })
+            .collect();
+        let body = json!({
+            "id": "chatcmpl-scripted", "object": "chat.completion", "created": 0, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": if text.is_empty() { Value::Null } else { json!(text) }, "tool_calls": tool_calls}, "finish_reason": "tool_calls"}],
+        });
+        return axum::Json(body).into_response();
+    }
+    let mut deltas = Vec::new();
+    if !text.is_empty() {
+        deltas.push(json!({"content": text}).to_string());
+    }
+    for (index, (id, name, args)) in calls.iter().enumerate() {
+        deltas.push(json!({"tool_calls": [{"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}).to_string());
+        let chars: Vec<char> = args.chars().collect();
+        for piece in chars.chunks(7) {
+            deltas.push(json!({"tool_calls": [{"index": index, "function": {"arguments": piece.iter().collect::<String>()}}]}).to_string());
+        }
+    }
+    stream_deltas(request, deltas)
+}
+
+fn stream_deltas(request: &Value, deltas: Vec<String>) -> Response {
+    let model = json!(request["model"].as_str().unwrap_or("scripted"));
+    let chunk = |delta: &str, finish: &str| {
+        format!(
+            "data: {{\"id\": \"chatcmpl-scripted\", \"object\": \"chat.completion.chunk\", \"created\": 0, \"model\": {model}, \"choices\": [{{\"index\": 0, \"delta\": {delta}, \"finish_reason\": {finish}}}]}}\n\n"
+        )
+    };
+    let mut sse: Vec<String> = Vec::new();
+    sse.push(chunk(r#"{"role": "assistant"}"#, "null"));
+    for delta in &deltas {
+        sse.push(chunk(delta, "null"));
+    }
+    sse.push(chunk("{}", r#""tool_calls""#));
+    sse.push("data: [DONE]\n\n".to_owned());
+    (
+        [(header::CONTENT_TYPE, "text/event-stream")],
+        axum::body::Body::from(sse.concat()),
+    )
+        .into_response()
 }
 
 fn endless(piece: &str) -> Response {

@@ -7,5 +7,6 @@ mod hostile;
 mod local_executor;
 mod plugin_executor;
 mod teams;
+mod tools;
 mod turn_loop;
 mod wasm_executor;

@@ -173,6 +173,7 @@ impl Agent for Reviewer {
             Ok(Some(AgentReply {
                 text: text.to_owned(),
                 usage: None,
+                calls: Vec::new(),
             }))
         })
     }

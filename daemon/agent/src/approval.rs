@@ -41,6 +41,9 @@ struct Compiled {
     ask: Vec<(String, Regex)>,
     ask_network: bool,
     deny: Vec<(String, Regex)>,
+    tools: Vec<String>,
+    ask_tools: Vec<String>,
+    deny_tools: Vec<String>,
 }
 
 impl Compiled {
@@ -77,7 +80,38 @@ impl Compiled {
             ask: compile(&policy.ask, "ask")?,
             ask_network: policy.ask_network,
             deny: compile(&policy.deny, "deny")?,
+            tools: policy.auto_approve.tools.clone(),
+            ask_tools: policy.ask_tools.clone(),
+            deny_tools: policy.deny_tools.clone(),
         })
+    }
+
+    /// What this policy says of a call of tool `name` (other than `execute_code`).
+    fn tool_verdict(&self, name: &str) -> Verdict {
+        let listed = |list: &[String]| list.iter().any(|t| t == name || t == "*");
+        if listed(&self.deny_tools) {
+            return Verdict::Deny {
+                rule: format!("deny_tools {name}"),
+            };
+        }
+        if listed(&self.ask_tools) {
+            return Verdict::Ask {
+                rule: Some(format!("ask_tools {name}")),
+                reason: format!("calls of tool `{name}` are asked about (ask_tools)"),
+            };
+        }
+        match self.mode {
+            ApprovalMode::Never => Verdict::Run,
+            ApprovalMode::Always => Verdict::Ask {
+                rule: None,
+                reason: format!("every call is asked about (mode = \"always\"): tool `{name}`"),
+            },
+            ApprovalMode::Policy if listed(&self.tools) => Verdict::Run,
+            ApprovalMode::Policy => Verdict::Ask {
+                rule: None,
+                reason: format!("no rule approves tool `{name}`"),
+            },
+        }
     }
 
     fn verdict(&self, language: &Language, executor: &dyn Executor, code: &str) -> Verdict {
@@ -287,16 +321,40 @@ impl ApprovalGate {
 
     /// The strictest verdict of the policies on a block.
     pub fn verdict(&self, language: &Language, executor: &dyn Executor, code: &str) -> Verdict {
-        let rank = |v: &Verdict| match v {
-            Verdict::Run => 0,
-            Verdict::Ask { .. } => 1,
-            Verdict::Deny { .. } => 2,
-        };
         self.policies
             .iter()
             .map(|p| p.verdict(language, executor, code))
             .max_by_key(rank)
             .unwrap_or(Verdict::Run)
+    }
+
+    /// The strictest verdict of the policies on a call of tool `name`.
+    pub fn tool_verdict(&self, name: &str) -> Verdict {
+        self.policies
+            .iter()
+            .map(|p| p.tool_verdict(name))
+            .max_by_key(rank)
+            .unwrap_or(Verdict::Run)
+    }
+
+    /// Decides a call of tool `name` with `arguments` (a person sees them as the code, and
+    /// an edit replaces them): `Ok(arguments)` to run, `Err(reason)` for the model.
+    pub(crate) async fn decide_tool(
+        &self,
+        name: &str,
+        arguments: &str,
+        at: &BlockAt<'_>,
+    ) -> Option<Result<String, String>> {
+        let verdict = self.tool_verdict(name);
+        self.settle(
+            verdict,
+            &Language::new("tool"),
+            arguments,
+            "call",
+            at,
+            &|_| self.tool_verdict(name),
+        )
+        .await
     }
 
     /// Why a block may not run where no person can be asked (an MCP tool call): the deny
@@ -324,10 +382,29 @@ impl ApprovalGate {
         code: &str,
         at: &BlockAt<'_>,
     ) -> Option<Result<String, String>> {
+        let verdict = self.verdict(language, executor, code);
+        self.settle(verdict, language, code, "block", at, &|edited| {
+            self.verdict(language, executor, edited)
+        })
+        .await
+    }
+
+    /// Carries out `verdict` on `code` (a block, or a tool call's arguments: `what`): runs
+    /// it, tells a rule's denial, or asks; `recheck` judges a person's edit.
+    async fn settle(
+        &self,
+        verdict: Verdict,
+        language: &Language,
+        code: &str,
+        what: &str,
+        at: &BlockAt<'_>,
+        recheck: &(dyn Fn(&str) -> Verdict + Sync),
+    ) -> Option<Result<String, String>> {
         let (turn, index, cancel) = (at.turn, at.index, at.cancel);
-        match self.verdict(language, executor, code) {
+        let this = (what != "block").then(|| format!("this {what}"));
+        match verdict {
             Verdict::Run => Some(Ok(code.to_owned())),
-            Verdict::Deny { rule } => Some(Err(denied_by_rule(at, &rule, None))),
+            Verdict::Deny { rule } => Some(Err(denied_by_rule(at, &rule, this.as_deref()))),
             Verdict::Ask { rule, reason } => {
                 let Some(approver) = &self.approver else {
                     return Some(Err(no_one_to_ask(&reason)));
@@ -345,7 +422,7 @@ impl ApprovalGate {
                     // An approver's edit is new code: the deny rules hold for it as for the
                     // model's, so an approval cannot carry what a rule refuses.
                     Decision::Approve => match ruling.code {
-                        Some(edited) => match self.verdict(language, executor, &edited) {
+                        Some(edited) => match recheck(&edited) {
                             Verdict::Deny { rule } => {
                                 Err(denied_by_rule(at, &rule, Some("the edited code")))
                             }
@@ -359,13 +436,22 @@ impl ApprovalGate {
                             self.timeout.as_secs()
                         ),
                         (_, Some(reason)) if !reason.trim().is_empty() => {
-                            format!("the user declined to run this block: {}", reason.trim())
+                            format!("the user declined to run this {what}: {}", reason.trim())
                         }
-                        _ => "the user declined to run this block".to_owned(),
+                        _ => format!("the user declined to run this {what}"),
                     }),
                 })
             }
         }
+    }
+}
+
+/// The strictness of a verdict: the strictest of several policies' wins.
+fn rank(v: &Verdict) -> u8 {
+    match v {
+        Verdict::Run => 0,
+        Verdict::Ask { .. } => 1,
+        Verdict::Deny { .. } => 2,
     }
 }
 
@@ -445,9 +531,12 @@ mod tests {
             auto_approve: AutoApprove {
                 languages: vec!["py".to_owned()],
                 executors: vec!["wasm".to_owned()],
+                tools: vec!["lookup".to_owned()],
             },
             ask: vec![rule("pip", r"pip\s+install")],
             ask_network: true,
+            ask_tools: vec!["wire_money".to_owned()],
+            deny_tools: vec!["format_disk".to_owned()],
             deny: vec![rule("rm root", r"rm\s+-rf\s+/")],
             timeout_secs: Some(60),
         }
@@ -468,6 +557,25 @@ mod tests {
         };
         assert_eq!(gate.verdict(&py, &local, "print(1)"), Verdict::Run);
         assert_eq!(gate.verdict(&sh, &wasm, "echo"), Verdict::Run);
+        // Tools by name: approved, asked about, denied, and asked about when no rule says.
+        assert_eq!(gate.tool_verdict("lookup"), Verdict::Run);
+        assert_eq!(
+            gate.tool_verdict("wire_money"),
+            ask(
+                Some("ask_tools wire_money"),
+                "calls of tool `wire_money` are asked about (ask_tools)"
+            )
+        );
+        assert_eq!(
+            gate.tool_verdict("format_disk"),
+            Verdict::Deny {
+                rule: "deny_tools format_disk".to_owned()
+            }
+        );
+        assert_eq!(
+            gate.tool_verdict("other"),
+            ask(None, "no rule approves tool `other`")
+        );
         assert_eq!(
             gate.verdict(&sh, &local, "echo"),
             ask(None, "no rule approves sh on the local executor")
@@ -496,10 +604,15 @@ mod tests {
             auto_approve: AutoApprove {
                 languages: vec!["sh".to_owned()],
                 executors: Vec::new(),
+                tools: vec!["send_mail".to_owned()],
             },
             ..ApprovalPolicy::default()
         };
         let gate = ApprovalGate::new(&operator(), Some(&loose)).unwrap();
+        assert_eq!(
+            gate.tool_verdict("send_mail"),
+            ask(None, "no rule approves tool `send_mail`")
+        );
         assert!(matches!(
             gate.verdict(&sh, &local, "echo"),
             Verdict::Ask { .. }

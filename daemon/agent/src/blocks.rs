@@ -21,6 +21,8 @@ pub struct SessionSlot {
     session: Option<Box<dyn Session>>,
     /// The workspace's pictures after the last block, which are the next block's "before".
     pictures: Option<Pictures>,
+    /// The latest tool calls run here (tool and arguments), newest last, to catch a loop.
+    recent: Vec<String>,
 }
 
 impl SessionSlot {
@@ -32,7 +34,44 @@ impl SessionSlot {
             allowed: None,
             session: None,
             pictures: None,
+            recent: Vec::new(),
         }
+    }
+
+    /// The session's block timeout.
+    pub fn block_timeout(&self) -> Duration {
+        self.spec.limits.wall
+    }
+
+    /// Bytes of each output stream kept.
+    pub fn output_cap(&self) -> usize {
+        self.spec.limits.output_bytes
+    }
+
+    /// Notes `call` with its checked `args`; an error for the model when the same call was
+    /// made [`REPEATS`](crate::dispatch::REPEATS) times in a row before it.
+    pub(crate) fn not_repeated(
+        &mut self,
+        call: &tandem_protocol::ToolCall,
+        args: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<(), String> {
+        let key = format!("{}\n{}", call.name, serde_json::Value::Object(args.clone()));
+        let n = crate::dispatch::REPEATS;
+        let repeated = self.recent.len() >= n
+            && self.recent[self.recent.len() - n..]
+                .iter()
+                .all(|k| *k == key);
+        if repeated {
+            return Err(format!(
+                "error: not run: `{}` was called with these same arguments {n} times in a row, and its answer will not change. Take another way, or give your answer.",
+                call.name
+            ));
+        }
+        self.recent.push(key);
+        if self.recent.len() > n {
+            self.recent.remove(0);
+        }
+        Ok(())
     }
 
     /// Runs only blocks in `languages` (`None`: every language the executor runs).
@@ -54,7 +93,7 @@ impl SessionSlot {
     }
 
     /// Why a block in `language` will not run here, if it will not.
-    fn refusal(&self, language: &Language) -> Option<String> {
+    pub(crate) fn refusal(&self, language: &Language) -> Option<String> {
         if let Some(allowed) = &self.allowed
             && !allowed.contains(language)
         {
@@ -245,83 +284,101 @@ pub async fn run_blocks(
     let mut failed = false;
     for (i, block) in blocks.iter().enumerate() {
         let index = u32::try_from(i + 1).unwrap_or(u32::MAX);
-        let mut pictures = Vec::new();
-        let language = block
-            .language
-            .as_deref()
-            .map_or_else(|| guess_language(&block.code), Language::new);
-        (opts.events)(EventMsg::CodeBlock {
-            turn: opts.turn,
-            index,
-            language: Some(language.to_string()),
-            code: block.code.clone(),
-        });
-        let result = if failed {
-            not_run(&language, BlockStatus::NotRun, "")
-        } else if block.unterminated {
-            not_run(&language, BlockStatus::Incomplete, "")
-        } else if language.is_data() {
-            not_run(&language, BlockStatus::Skipped, "")
-        } else if let Some(why) = slot.refusal(&language) {
-            not_run(&language, BlockStatus::Unsupported, &why)
-        } else {
-            let code = match &opts.approval {
-                None => Some(Ok(block.code.clone())),
-                Some(gate) => {
-                    let executor = slot.executor().clone();
-                    let at = crate::approval::BlockAt {
-                        turn: opts.turn,
-                        index,
-                        events: &opts.events,
-                        cancel: &opts.cancel,
-                    };
-                    gate.decide(&language, executor.as_ref(), &block.code, &at)
-                        .await
-                }
-            };
-            match code {
-                // Stopped while it waited: no one decided, so it is not declined.
-                None => not_run(
-                    &language,
-                    BlockStatus::Cancelled,
-                    "the task stopped while the block waited for approval",
-                ),
-                Some(Err(why)) => not_run(&language, BlockStatus::Declined, &why),
-                Some(Ok(code)) => match run_one(slot, &language, &code, index, opts).await {
-                    Ok((outcome, drawn)) => {
-                        pictures = drawn;
-                        to_result(&language, outcome)
-                    }
-                    Err(e @ ExecError::UnsupportedLanguage { .. }) => {
-                        not_run(&language, BlockStatus::Unsupported, &e.to_string())
-                    }
-                    Err(e) => return Err(e),
-                },
-            }
-        };
-        failed |= !result.succeeded();
-        (opts.events)(EventMsg::ExecResult {
-            turn: opts.turn,
-            index,
-            result: result.clone(),
-        });
-        for picture in pictures {
-            (opts.events)(EventMsg::Artifact {
-                turn: opts.turn,
-                index,
-                file: picture.path.to_string_lossy().into_owned(),
-                mime: picture.mime.to_owned(),
-                bytes: picture.bytes,
-                href: None,
-            });
-        }
-        runs.push(BlockRun {
-            index,
-            language,
-            result,
-        });
+        let run = run_block(slot, block, index, failed, opts).await?;
+        failed |= !run.result.succeeded();
+        runs.push(run);
     }
     Ok(runs)
+}
+
+/// Runs one block as the `index`th of its reply, telling its events; `after_failure` reports
+/// it as not run. `Err` means the sandbox broke, not the program.
+pub async fn run_block(
+    slot: &mut SessionSlot,
+    block: &CodeBlock,
+    index: u32,
+    after_failure: bool,
+    opts: &RunOptions,
+) -> Result<BlockRun, ExecError> {
+    let mut pictures = Vec::new();
+    let language = block
+        .language
+        .as_deref()
+        .map_or_else(|| guess_language(&block.code), Language::new);
+    (opts.events)(EventMsg::CodeBlock {
+        turn: opts.turn,
+        index,
+        language: Some(language.to_string()),
+        code: block.code.clone(),
+    });
+    let result = if after_failure {
+        not_run(&language, BlockStatus::NotRun, "")
+    } else if block.unterminated {
+        not_run(&language, BlockStatus::Incomplete, "")
+    } else if language.is_data() {
+        not_run(&language, BlockStatus::Skipped, "")
+    } else if let Some(why) = slot.refusal(&language) {
+        not_run(&language, BlockStatus::Unsupported, &why)
+    } else {
+        let code = match &opts.approval {
+            None => Some(Ok(block.code.clone())),
+            Some(gate) => {
+                let executor = slot.executor().clone();
+                let at = crate::approval::BlockAt {
+                    turn: opts.turn,
+                    index,
+                    events: &opts.events,
+                    cancel: &opts.cancel,
+                };
+                gate.decide(&language, executor.as_ref(), &block.code, &at)
+                    .await
+            }
+        };
+        match code {
+            // Stopped while it waited: no one decided, so it is not declined.
+            None => not_run(
+                &language,
+                BlockStatus::Cancelled,
+                "the task stopped while the block waited for approval",
+            ),
+            Some(Err(why)) => not_run(&language, BlockStatus::Declined, &why),
+            Some(Ok(code)) => match run_one(slot, &language, &code, index, opts).await {
+                Ok((outcome, drawn)) => {
+                    pictures = drawn;
+                    to_result(&language, outcome)
+                }
+                Err(e @ ExecError::UnsupportedLanguage { .. }) => {
+                    not_run(&language, BlockStatus::Unsupported, &e.to_string())
+                }
+                Err(e) => return Err(e),
+            },
+        }
+    };
+    (opts.events)(EventMsg::ExecResult {
+        turn: opts.turn,
+        index,
+        result: result.clone(),
+    });
+    tell_pictures(pictures, index, opts);
+    Ok(BlockRun {
+        index,
+        language,
+        result,
+    })
+}
+
+/// Tells an `artifact` event for each picture a block (or a tool) drew.
+pub(crate) fn tell_pictures(pictures: Vec<Picture>, index: u32, opts: &RunOptions) {
+    for picture in pictures {
+        (opts.events)(EventMsg::Artifact {
+            turn: opts.turn,
+            index,
+            file: picture.path.to_string_lossy().into_owned(),
+            mime: picture.mime.to_owned(),
+            bytes: picture.bytes,
+            href: None,
+        });
+    }
 }
 
 /// A picture a block wrote into the workspace.
@@ -376,7 +433,7 @@ pub fn drawn_since(before: &Pictures, after: Pictures) -> Vec<Picture> {
 }
 
 /// Runs one block; its outcome, and the pictures it wrote (new or changed files).
-async fn run_one(
+pub(crate) async fn run_one(
     slot: &mut SessionSlot,
     language: &Language,
     code: &str,

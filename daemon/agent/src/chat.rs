@@ -1,5 +1,6 @@
 //! The assistant's model: any OpenAI-compatible chat completions API, through async-openai.
 
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use async_openai::Client;
@@ -9,7 +10,9 @@ use async_openai::middleware::ReqwestService;
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::json;
-use tandem_protocol::{ErrorCode, ErrorInfo, Message, Usage};
+use tandem_protocol::{ErrorCode, ErrorInfo, Message, ToolCall, Usage};
+
+use crate::calls::Assembler;
 
 /// Where the model is and how to talk to it.
 #[derive(Clone, Debug)]
@@ -122,8 +125,22 @@ pub struct Completion {
     pub text: String,
     /// Tokens, when the server reported them.
     pub usage: Option<Usage>,
-    /// Why the model stopped (`stop`, `length`, ...).
+    /// Why the model stopped (`stop`, `length`, `tool_calls`, ...).
     pub finish_reason: Option<String>,
+    /// The tools it called natively, in order.
+    pub tool_calls: Vec<ToolCall>,
+}
+
+/// The tools offered to the model with a request.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ToolOffer {
+    /// Each tool as the chat API takes it (`{"type": "function", "function": {...}}`).
+    pub tools: Vec<serde_json::Value>,
+    /// The model must call one (`tool_choice: required`).
+    pub required: bool,
+    /// A server that refuses tools is asked again without them, and never offered them again
+    /// (`code_via = auto`), instead of failing.
+    pub optional: bool,
 }
 
 /// A model that runs inside this process (the embedded provider) instead of behind an API.
@@ -133,6 +150,7 @@ pub trait LocalModel: Send + Sync {
     fn complete<'a>(
         &'a self,
         messages: &'a [Message],
+        tools: Option<&'a ToolOffer>,
         config: &'a ModelConfig,
         progress: &'a mut (dyn FnMut(ModelProgress<'_>) + Send),
     ) -> futures::future::BoxFuture<'a, Result<Completion, ModelError>>;
@@ -153,6 +171,16 @@ enum Transport {
 pub struct ChatModel {
     transport: Transport,
     config: ModelConfig,
+    quirks: std::sync::Arc<Quirks>,
+}
+
+/// What a server was found to refuse, learnt once for every clone of a model.
+#[derive(Debug, Default)]
+struct Quirks {
+    /// It answered 400 to `parallel_tool_calls`.
+    no_parallel_calls: std::sync::atomic::AtomicBool,
+    /// It answered 400 to `tools`.
+    no_tools: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for ChatModel {
@@ -208,6 +236,7 @@ impl ChatModel {
         Ok(Self {
             transport: Transport::Http(client),
             config,
+            quirks: Default::default(),
         })
     }
 
@@ -216,6 +245,7 @@ impl ChatModel {
         Self {
             transport: Transport::Local(model),
             config,
+            quirks: Default::default(),
         }
     }
 
@@ -238,20 +268,56 @@ impl ChatModel {
         messages: &[Message],
         progress: &mut (dyn FnMut(ModelProgress<'_>) + Send),
     ) -> Result<Completion, ModelError> {
+        self.complete_with(messages, None, progress).await
+    }
+
+    /// Whether this model's server was found to refuse tools.
+    pub fn refuses_tools(&self) -> bool {
+        self.quirks.no_tools.load(Ordering::Relaxed)
+    }
+
+    /// Sends the conversation with `tools` offered and returns the reply, retrying transient
+    /// failures. A 400 to `parallel_tool_calls` is asked again without it, and so is a 400 to
+    /// optional tools without them; the server is not offered either again.
+    pub async fn complete_with(
+        &self,
+        messages: &[Message],
+        tools: Option<&ToolOffer>,
+        progress: &mut (dyn FnMut(ModelProgress<'_>) + Send),
+    ) -> Result<Completion, ModelError> {
         let client = match &self.transport {
             Transport::Http(client) => client,
             Transport::Local(model) => {
-                return model.complete(messages, &self.config, progress).await;
+                return model
+                    .complete(messages, tools, &self.config, progress)
+                    .await;
             }
         };
         let mut attempt = 0;
         loop {
+            let body = self.request(messages, tools, self.config.stream);
             let result = if self.config.stream {
-                self.complete_streaming(client, messages, progress).await
+                self.complete_streaming(client, body.clone(), progress)
+                    .await
             } else {
-                self.complete_once(client, messages).await
+                self.complete_once(client, body.clone()).await
             };
             match result {
+                Err(e)
+                    if e.code == ErrorCode::ModelRequest
+                        && body.get("parallel_tool_calls").is_some() =>
+                {
+                    tracing::info!(error = %e.message, "the model server refused parallel_tool_calls; asking without it");
+                    self.quirks.no_parallel_calls.store(true, Ordering::Relaxed);
+                }
+                Err(e)
+                    if e.code == ErrorCode::ModelRequest
+                        && body.get("tools").is_some()
+                        && tools.is_some_and(|t| t.optional) =>
+                {
+                    tracing::info!(error = %e.message, "the model server refused tools; asking without them (code_via auto: fenced blocks)");
+                    self.quirks.no_tools.store(true, Ordering::Relaxed);
+                }
                 Err(e) if e.retryable && attempt < self.config.max_retries => {
                     attempt += 1;
                     let delay = self.config.retry_base * 2u32.saturating_pow(attempt - 1);
@@ -269,7 +335,12 @@ impl ChatModel {
         }
     }
 
-    fn request(&self, messages: &[Message], stream: bool) -> serde_json::Value {
+    fn request(
+        &self,
+        messages: &[Message],
+        tools: Option<&ToolOffer>,
+        stream: bool,
+    ) -> serde_json::Value {
         let mut body = json!({
             "model": self.config.model,
             "messages": messages,
@@ -290,21 +361,31 @@ impl ChatModel {
         if !self.config.stop.is_empty() {
             body["stop"] = json!(self.config.stop);
         }
+        if let Some(offer) = tools.filter(|t| !t.tools.is_empty())
+            && !(offer.optional && self.refuses_tools())
+        {
+            body["tools"] = json!(offer.tools);
+            body["tool_choice"] = json!(if offer.required { "required" } else { "auto" });
+            if offer.tools.len() > 1 && !self.quirks.no_parallel_calls.load(Ordering::Relaxed) {
+                body["parallel_tool_calls"] = json!(true);
+            }
+        }
         body
     }
 
     async fn complete_streaming(
         &self,
         client: &Client<OpenAIConfig>,
-        messages: &[Message],
+        body: serde_json::Value,
         progress: &mut (dyn FnMut(ModelProgress<'_>) + Send),
     ) -> Result<Completion, ModelError> {
         let mut stream = client
             .chat()
-            .create_stream_byot::<_, Chunk>(self.request(messages, true))
+            .create_stream_byot::<_, Chunk>(body)
             .await
             .map_err(|e| self.classify(e))?;
         let mut done = Completion::default();
+        let mut calls = Assembler::default();
         let max = self.config.max_reply_bytes;
         while let Some(chunk) = stream.next().await {
             let chunk = chunk.map_err(|e| self.classify(e))?;
@@ -312,7 +393,14 @@ impl ChatModel {
                 done.usage = Some(u.into());
             }
             for choice in chunk.choices {
-                if let Some(text) = choice.delta.and_then(|d| d.content) {
+                let (content, pieces) = choice
+                    .delta
+                    .map(|d| (d.content, d.tool_calls))
+                    .unwrap_or_default();
+                for piece in pieces.into_iter().flatten() {
+                    calls.push(piece);
+                }
+                if let Some(text) = content {
                     let text =
                         &text[..text.floor_char_boundary(max.saturating_sub(done.text.len()))];
                     if !text.is_empty() {
@@ -324,7 +412,7 @@ impl ChatModel {
                     done.finish_reason = choice.finish_reason;
                 }
             }
-            if done.text.len() + 4 > max {
+            if done.text.len() + calls.bytes() + 4 > max {
                 // Dropping the stream closes the connection: the server stops generating.
                 tracing::warn!(
                     bytes = done.text.len(),
@@ -334,17 +422,18 @@ impl ChatModel {
                 break;
             }
         }
+        done.tool_calls = calls.finish();
         Ok(done)
     }
 
     async fn complete_once(
         &self,
         client: &Client<OpenAIConfig>,
-        messages: &[Message],
+        body: serde_json::Value,
     ) -> Result<Completion, ModelError> {
         let reply: Reply = client
             .chat()
-            .create_byot(self.request(messages, false))
+            .create_byot(body)
             .await
             .map_err(|e| self.classify(e))?;
         let choice = reply.choices.into_iter().next();
@@ -353,10 +442,15 @@ impl ChatModel {
             .and_then(|c| c.message.content.clone())
             .unwrap_or_default();
         text.truncate(text.floor_char_boundary(self.config.max_reply_bytes));
+        let tool_calls = choice
+            .as_ref()
+            .map(|c| crate::calls::whole(&c.message.tool_calls))
+            .unwrap_or_default();
         Ok(Completion {
             text,
             usage: reply.usage.map(Into::into),
             finish_reason: choice.and_then(|c| c.finish_reason),
+            tool_calls,
         })
     }
 
@@ -604,6 +698,8 @@ struct ChunkChoice {
 struct Delta {
     #[serde(default)]
     content: Option<String>,
+    #[serde(default)]
+    tool_calls: Option<Vec<crate::calls::Piece>>,
 }
 
 #[derive(Deserialize)]
@@ -625,6 +721,8 @@ struct ReplyChoice {
 struct ReplyMessage {
     #[serde(default)]
     content: Option<String>,
+    #[serde(default)]
+    tool_calls: Vec<crate::calls::WholeCall>,
 }
 
 #[derive(Deserialize)]

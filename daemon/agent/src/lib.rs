@@ -9,12 +9,15 @@
 
 pub mod approval;
 pub mod blocks;
+pub mod calls;
 pub mod chat;
+pub mod dispatch;
 pub mod events;
 pub mod extract;
 pub mod task;
 pub mod team;
 pub mod termination;
+pub mod tools;
 
 pub use approval::{ApprovalError, ApprovalGate, Approver, Ask, Ruling};
 pub use blocks::{LanguageListError, SessionSlot, allowed_languages};

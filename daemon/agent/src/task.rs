@@ -37,6 +37,10 @@ pub struct TaskSettings {
     pub history: Vec<Message>,
     /// Checks each block before it runs; `None` runs every block.
     pub approval: Option<Arc<crate::approval::ApprovalGate>>,
+    /// How the assistant's code reaches the executor.
+    pub code_via: tandem_protocol::CodeVia,
+    /// The tools offered to the assistant besides `execute_code`.
+    pub tools: Vec<crate::tools::Tool>,
 }
 
 impl TaskSettings {
@@ -52,6 +56,8 @@ impl TaskSettings {
             languages: None,
             history: Vec::new(),
             approval: None,
+            code_via: tandem_protocol::CodeVia::Blocks,
+            tools: Vec::new(),
         }
     }
 }
@@ -95,6 +101,8 @@ pub async fn run_task(
         SessionSlot::new(executor, settings.session.clone()).only(settings.languages.clone());
     let system = system_prompt(&settings, slot.executor().languages());
     let nudge = blocks::no_code_nudge(&settings.termination, slot.languages());
+    let toolbox =
+        crate::tools::ToolBox::new(settings.tools.clone(), settings.code_via, slot.languages());
     let team = check(&pair(&system, &settings.termination, &nudge))
         .map_err(|e| ErrorInfo {
             code: ErrorCode::InvalidRequest,
@@ -116,24 +124,17 @@ pub async fn run_task(
                 &settings.session.limits,
             )
         })
-        .map(|team| {
+        .and_then(|team| {
             team.exchange_turns()
                 .with_approval(settings.approval.clone())
+                .with_tools(&format!("{}/{ASSISTANT}", crate::team::check::TOP), toolbox)
         });
     // What the interrupted run said, by the pair's two agents in turn.
-    let replay = settings
-        .history
-        .iter()
-        .map(|m| {
-            let agent = if m.role == Role::Assistant {
-                ASSISTANT
-            } else {
-                EXECUTOR
-            };
-            (
-                format!("{}/{agent}", crate::team::check::TOP),
-                m.content.clone(),
-            )
+    let replay = crate::team::history::pair_turns(&settings.history)
+        .into_iter()
+        .map(|(assistant, said)| {
+            let agent = if assistant { ASSISTANT } else { EXECUTOR };
+            (format!("{}/{agent}", crate::team::check::TOP), said)
         })
         .collect();
     let word = settings.termination.clone();
@@ -155,14 +156,12 @@ pub async fn run_task(
         Message::new(Role::System, system),
         Message::new(Role::User, settings.task),
     ];
-    transcript.extend(ran.history.iter().skip(1).map(|s| {
-        let role = if s.speaker == ASSISTANT {
-            Role::Assistant
-        } else {
-            Role::User
-        };
-        Message::new(role, s.text.clone())
-    }));
+    transcript.extend(
+        ran.history
+            .iter()
+            .skip(1)
+            .flat_map(|s| s.to_messages(s.speaker == ASSISTANT)),
+    );
     TaskOutcome {
         stop_reason: ran.stop_reason,
         turns: ran.turns,

@@ -24,6 +24,12 @@ pub struct ApprovalPolicy {
     /// Code matching any of these never runs, in any mode; the model is told the rule's name.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub deny: Vec<ApprovalRule>,
+    /// Tools (by name) whose calls are always asked about, in every mode.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ask_tools: Vec<String>,
+    /// Tools (by name, or `*` for all) that are never called, in any mode; the model is told.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deny_tools: Vec<String>,
     /// How long a request waits for a decision before it is denied; a task may only shorten
     /// the operator's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -54,12 +60,16 @@ pub struct AutoApprove {
     /// Executor names.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub executors: Vec<String>,
+    /// Tool names whose calls run without asking (`execute_code` is a block: its language
+    /// and executor decide).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tools: Vec<String>,
 }
 
 impl AutoApprove {
     /// Whether it approves nothing.
     pub fn is_empty(&self) -> bool {
-        self.languages.is_empty() && self.executors.is_empty()
+        self.languages.is_empty() && self.executors.is_empty() && self.tools.is_empty()
     }
 }
 

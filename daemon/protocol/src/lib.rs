@@ -11,12 +11,14 @@ pub mod approval;
 pub mod files;
 pub mod task;
 pub mod team;
+pub mod tools;
 
 pub use approval::{ApprovalMode, ApprovalPolicy, ApprovalRule, AutoApprove, Decision};
 pub use task::{
     ApiErrorBody, ApiErrorCode, ApiErrorDetail, ApprovalRequest, DecisionBody, TaskList,
     TaskRecord, TaskState, TaskView,
 };
+pub use tools::{CodeVia, ToolCall, ToolDef, ToolRef, ToolReply};
 
 /// What a client asks Tandem to do.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -71,6 +73,14 @@ pub struct TaskSpec {
     /// block to block (local and docker executors); by default each block is a fresh process.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub keep_state: bool,
+    /// How the assistant's code reaches the executor: fenced blocks (the default), the
+    /// `execute_code` tool, or the tool where the server takes tools (docs/tools.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code_via: Option<CodeVia>,
+    /// The tools offered to the model: the operator's by name, or `command` tools defined
+    /// here, which run in the task's sandbox; `None` offers every tool the operator has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tools: Option<Vec<ToolRef>>,
 }
 
 /// Per-block limits a task asks for; each one left out keeps the daemon's. Only limits the
@@ -143,6 +153,8 @@ impl Speakers {
             | EventMsg::ExecOutput { turn, .. }
             | EventMsg::ExecResult { turn, .. }
             | EventMsg::Artifact { turn, .. }
+            | EventMsg::ToolCall { turn, .. }
+            | EventMsg::ToolResult { turn, .. }
             | EventMsg::ExecutorMessage { turn, .. } => turn,
             _ => return None,
         };
@@ -212,6 +224,9 @@ pub enum EventMsg {
         /// Tokens used by this call, when the server reported them.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         usage: Option<Usage>,
+        /// The tools it called natively, in order.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        tool_calls: Vec<ToolCall>,
     },
     /// A code block is about to run (or be reported as not runnable).
     CodeBlock {
@@ -301,12 +316,46 @@ pub enum EventMsg {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         href: Option<String>,
     },
+    /// A tool call starts to run (after its approval, when it needed one).
+    ToolCall {
+        /// Turn number.
+        turn: u32,
+        /// Its position among the reply's blocks and calls, from 1.
+        index: u32,
+        /// The call's id (made up for a call written as text).
+        id: String,
+        /// The tool.
+        name: String,
+        /// Its arguments, as the model wrote them.
+        arguments: String,
+    },
+    /// A tool call was answered.
+    ToolResult {
+        /// Turn number.
+        turn: u32,
+        /// Its position among the reply's blocks and calls.
+        index: u32,
+        /// The call's id.
+        id: String,
+        /// The tool.
+        name: String,
+        /// What the model reads.
+        result: String,
+        /// Whether the call failed (bad arguments, an unknown tool, a failing program).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        is_error: bool,
+        /// How long it took, in milliseconds.
+        duration_ms: u64,
+    },
     /// The executor agent's reply to the assistant (what the model sees next).
     ExecutorMessage {
         /// Turn number.
         turn: u32,
-        /// The message text.
+        /// The message text: its report on the reply's blocks (empty when it had only calls).
         text: String,
+        /// The answers to the reply's native tool calls, one per call, in the calls' order.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        tool_results: Vec<ToolReply>,
     },
     /// The task ended; always the last event.
     TaskFinished {
@@ -501,6 +550,16 @@ pub struct Message {
     /// messages that carry the speaker's name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// An assistant's native tool calls.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        with = "tools::wire_calls"
+    )]
+    pub tool_calls: Vec<ToolCall>,
+    /// A `tool` message's call id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 /// The speaker of a [`Message`].
@@ -513,6 +572,8 @@ pub enum Role {
     User,
     /// The model.
     Assistant,
+    /// The answer to one of the model's tool calls.
+    Tool,
 }
 
 impl Role {
@@ -522,6 +583,7 @@ impl Role {
             Self::System => "system",
             Self::User => "user",
             Self::Assistant => "assistant",
+            Self::Tool => "tool",
         }
     }
 }
@@ -533,6 +595,16 @@ impl Message {
             role,
             content: content.into(),
             name: None,
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        }
+    }
+
+    /// The answer to tool call `reply.id`.
+    pub fn tool(reply: &ToolReply) -> Self {
+        Self {
+            tool_call_id: Some(reply.id.clone()),
+            ..Self::new(Role::Tool, reply.content.clone())
         }
     }
 }

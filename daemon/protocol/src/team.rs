@@ -94,6 +94,13 @@ pub struct AgentSpec {
     /// task's `keep_state`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keep_state: Option<bool>,
+    /// How an assistant's code reaches the executors (default: the task's `code_via`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code_via: Option<crate::CodeVia>,
+    /// The tools offered to an assistant's model (default: the task's); the executor that
+    /// answers it runs them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tools: Option<Vec<crate::ToolRef>>,
     /// What an executor agent answers a message with no code to run (default: nothing, it
     /// stays silent; AutoGen's `default_auto_reply`).
     #[serde(default, skip_serializing_if = "Option::is_none")]

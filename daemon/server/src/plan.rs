@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tandem_agent::chat::LocalModel;
-use tandem_agent::team::{Node, TaskLabel, Team, TeamErrors, executor_slot, run_team_task};
+use tandem_agent::team::{Node, Said, TaskLabel, Team, TeamErrors, executor_slot, run_team_task};
 use tandem_agent::{
     ApprovalGate, Approver, ChatModel, EventSink, ModelConfig, TaskSettings, allowed_languages,
     render_system_prompt, run_task,
@@ -39,6 +39,8 @@ pub struct TaskDefaults {
     pub system_prompt: String,
     /// Per-block limits.
     pub limits: Limits,
+    /// How the assistant's code reaches the executor unless a task says.
+    pub code_via: tandem_protocol::CodeVia,
 }
 
 impl Default for TaskDefaults {
@@ -50,6 +52,7 @@ impl Default for TaskDefaults {
             termination: tandem_agent::DEFAULT_TERMINATION.to_owned(),
             system_prompt: tandem_agent::DEFAULT_SYSTEM_PROMPT.to_owned(),
             limits: Limits::default(),
+            code_via: tandem_protocol::CodeVia::Blocks,
         }
     }
 }
@@ -70,6 +73,8 @@ pub struct PlannerConfig {
     pub approval: ApprovalPolicy,
     /// How large a team may be.
     pub teams: TeamBounds,
+    /// The operator's tools (`[tools.NAME]`), the only ones a task can name.
+    pub tools: tandem_agent::tools::Catalog,
 }
 
 /// Turns task specs into runnable tasks; one per daemon, or per `tandem run`.
@@ -107,6 +112,7 @@ struct Checked {
     team: Option<Node>,
     limits: Limits,
     gate: ApprovalGate,
+    tools: Vec<tandem_agent::tools::Tool>,
 }
 
 /// A task ready to run.
@@ -125,7 +131,7 @@ enum Work {
     Team {
         team: Box<Team>,
         label: TaskLabel,
-        replay: Vec<(String, String)>,
+        replay: tandem_agent::team::Replay,
     },
 }
 
@@ -210,6 +216,8 @@ impl Planner {
             .map_err(Invalid::Limits)?;
         let gate = ApprovalGate::new(&self.config.approval, spec.approval.as_ref())
             .map_err(Invalid::Approval)?;
+        let tools = tandem_agent::tools::resolve(spec.tools.as_deref(), &self.config.tools)
+            .map_err(Invalid::Tools)?;
         if spec.max_turns == Some(0) {
             return Err(Invalid::NoTurns.into());
         }
@@ -231,6 +239,7 @@ impl Planner {
             team,
             limits,
             gate,
+            tools,
         })
     }
 
@@ -269,6 +278,13 @@ impl Planner {
                         source: Box::new(Invalid::Languages(e)),
                     })?;
                 }
+            }
+            if node.spec.tools.is_some() {
+                tandem_agent::tools::resolve(node.spec.tools.as_deref(), &self.config.tools)
+                    .map_err(|e| Invalid::Agent {
+                        at: at("tools"),
+                        source: Box::new(Invalid::Tools(e)),
+                    })?;
             }
             if let Some(url) = &node.spec.base_url {
                 policy
@@ -322,6 +338,8 @@ impl Planner {
             limits.wall = Duration::from_secs(secs);
         }
         settings.languages = checked.languages;
+        settings.code_via = spec.code_via.unwrap_or(d.code_via);
+        settings.tools = checked.tools;
         if let Some(inputs) = &start.inputs {
             settings.task = format!("{}\n\n{}", spec.task, inputs.listing);
         }
@@ -352,7 +370,7 @@ impl Planner {
                     executor,
                 }
             }
-            Some(root) => self.team(spec, root, &settings, model, start.events)?,
+            Some(root) => self.team(spec, root, &settings, model, executor, start.events)?,
         };
         Ok(Planned {
             settings,
@@ -370,6 +388,7 @@ impl Planner {
         root: Node,
         settings: &TaskSettings,
         model: ChatModel,
+        executor: Arc<dyn Executor>,
         events: &[Event],
     ) -> Result<Work, ErrorInfo> {
         let msgs: Vec<EventMsg> = events.iter().map(|e| e.msg.clone()).collect();
@@ -397,14 +416,39 @@ impl Planner {
             base_url: model.location(),
             executor: "team".to_owned(),
         };
-        let team = Team::new(
-            root,
+        let mut team = Team::new(
+            root.clone(),
             model,
             models,
             slots,
             settings.max_turns,
             &settings.session.limits,
         )?;
+        // Each assistant's tools: its own list, else the task's; its code goes to the
+        // task's executor's languages.
+        let mut stack = vec![&root];
+        while let Some(node) = stack.pop() {
+            if node.spec.kind == Kind::Assistant {
+                let tools = match &node.spec.tools {
+                    Some(refs) => tandem_agent::tools::resolve(Some(refs), &self.config.tools)
+                        .map_err(|e| ErrorInfo {
+                            code: ErrorCode::InvalidRequest,
+                            message: format!("{}.tools: {e}", node.path),
+                        })?,
+                    None => settings.tools.clone(),
+                };
+                let via = node.spec.code_via.unwrap_or(settings.code_via);
+                let languages = settings
+                    .languages
+                    .clone()
+                    .unwrap_or_else(|| executor.languages().to_vec());
+                team = team.with_tools(
+                    &node.path,
+                    tandem_agent::tools::ToolBox::new(tools, via, &languages),
+                )?;
+            }
+            stack.extend(&node.members);
+        }
         Ok(Work::Team {
             team: Box::new(team),
             label,
@@ -552,12 +596,29 @@ fn conversation(events: &[Event]) -> Vec<Message> {
     events
         .iter()
         .filter_map(|e| match &e.msg {
-            EventMsg::AssistantMessage { text, .. } => {
-                Some(Message::new(Role::Assistant, text.clone()))
-            }
-            EventMsg::ExecutorMessage { text, .. } => Some(Message::new(Role::User, text.clone())),
+            EventMsg::AssistantMessage {
+                text, tool_calls, ..
+            } => Some(
+                Said {
+                    text: text.clone(),
+                    calls: tool_calls.clone(),
+                    ..Said::default()
+                }
+                .to_messages(true),
+            ),
+            EventMsg::ExecutorMessage {
+                text, tool_results, ..
+            } => Some(
+                Said {
+                    text: text.clone(),
+                    results: tool_results.clone(),
+                    ..Said::default()
+                }
+                .to_messages(false),
+            ),
             _ => None,
         })
+        .flatten()
         .collect()
 }
 
@@ -639,6 +700,7 @@ mod tests {
             policy,
             approval: ApprovalPolicy::default(),
             teams: TeamBounds::default(),
+            tools: Default::default(),
         })
     }
 

@@ -748,6 +748,7 @@ mod tests {
                                 prompt_tokens: 10,
                                 completion_tokens: 3,
                             }),
+                            tool_calls: Vec::new(),
                         },
                         5,
                     ),

@@ -3,7 +3,9 @@
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
-use tandem_agent::chat::{Completion, LocalModel, ModelConfig, ModelError, ModelProgress};
+use tandem_agent::chat::{
+    Completion, LocalModel, ModelConfig, ModelError, ModelProgress, ToolOffer,
+};
 use tandem_protocol::{ErrorCode, Message, Role, Usage};
 
 use crate::{Embedded, Event, Finish, Generate};
@@ -38,6 +40,7 @@ impl LocalModel for EmbeddedChat {
     fn complete<'a>(
         &'a self,
         messages: &'a [Message],
+        _tools: Option<&'a ToolOffer>,
         config: &'a ModelConfig,
         progress: &'a mut (dyn FnMut(ModelProgress<'_>) + Send),
     ) -> BoxFuture<'a, Result<Completion, ModelError>> {
@@ -48,10 +51,19 @@ impl LocalModel for EmbeddedChat {
                     .map(|m| {
                         let role = match m.role {
                             Role::System => "system",
-                            Role::User => "user",
+                            Role::User | Role::Tool => "user",
                             Role::Assistant => "assistant",
                         };
-                        (role.to_owned(), m.content.clone())
+                        // The template knows no calls: they go as the text Qwen writes them in.
+                        let mut content = m.content.clone();
+                        for call in &m.tool_calls {
+                            content.push_str(&format!(
+                                "\n<tool_call>\n{{\"name\": {}, \"arguments\": {}}}\n</tool_call>",
+                                serde_json::Value::String(call.name.clone()),
+                                call.arguments
+                            ));
+                        }
+                        (role.to_owned(), content)
                     })
                     .collect(),
                 max_tokens: config.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS),
@@ -91,6 +103,7 @@ impl LocalModel for EmbeddedChat {
                                 }
                                 .to_owned(),
                             ),
+                            tool_calls: Vec::new(),
                         });
                     }
                     Event::Failed(reason) => {

@@ -1,7 +1,9 @@
 //! The team's shared history, message by message.
 
+use tandem_protocol::{ToolCall, ToolReply};
+
 /// One message of the team's shared history.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Said {
     /// Who said it: an agent's name, or `user` for the task.
     pub speaker: String,
@@ -9,4 +11,82 @@ pub struct Said {
     pub text: String,
     /// Whether it is an executor's report of program output.
     pub output: bool,
+    /// An assistant's native tool calls.
+    pub calls: Vec<ToolCall>,
+    /// An executor's answers to the native calls of the message before it.
+    pub results: Vec<ToolReply>,
+}
+
+/// What an agent said in a run being resumed: its words, and its calls or their answers.
+pub type Replay = Vec<(String, Said)>;
+
+impl Said {
+    /// The chat messages it is for the model that said it (`mine`) or answered by it: an
+    /// assistant message with its calls, or the answers to them as `tool` messages and its
+    /// report, if any, as a `user` message.
+    pub fn to_messages(&self, mine: bool) -> Vec<tandem_protocol::Message> {
+        use tandem_protocol::{Message, Role};
+        if mine {
+            let mut m = Message::new(Role::Assistant, self.text.clone());
+            m.tool_calls = self.calls.clone();
+            return vec![m];
+        }
+        let mut out: Vec<Message> = self.results.iter().map(Message::tool).collect();
+        if out.is_empty() || !self.text.is_empty() {
+            out.push(Message::new(Role::User, self.text.clone()));
+        }
+        out
+    }
+}
+
+/// The turns of a two-agent conversation (`messages`, after the task) as what each agent
+/// said: an assistant message, then the executor's `tool` answers and report.
+pub fn pair_turns(messages: &[tandem_protocol::Message]) -> Vec<(bool, Said)> {
+    use tandem_protocol::Role;
+    let mut turns: Vec<(bool, Said)> = Vec::new();
+    for m in messages {
+        match m.role {
+            Role::Assistant => turns.push((
+                true,
+                Said {
+                    text: m.content.clone(),
+                    calls: m.tool_calls.clone(),
+                    ..Said::default()
+                },
+            )),
+            Role::Tool | Role::User | Role::System => {
+                if !matches!(turns.last(), Some((false, s)) if s.text.is_empty()) {
+                    turns.push((
+                        false,
+                        Said {
+                            output: true,
+                            ..Said::default()
+                        },
+                    ));
+                }
+                let Some((_, said)) = turns.last_mut() else {
+                    continue;
+                };
+                match (&m.role, &m.tool_call_id) {
+                    (Role::Tool, Some(id)) => said.results.push(ToolReply {
+                        id: id.clone(),
+                        name: String::new(),
+                        content: m.content.clone(),
+                    }),
+                    _ => said.text = m.content.clone(),
+                }
+            }
+        }
+    }
+    // A tool answer names its tool by the call it answers.
+    for i in 1..turns.len() {
+        let (before, after) = turns.split_at_mut(i);
+        let calls = &before[i - 1].1.calls;
+        for r in &mut after[0].1.results {
+            if let Some(c) = calls.iter().find(|c| c.id == r.id) {
+                r.name = c.name.clone();
+            }
+        }
+    }
+    turns
 }

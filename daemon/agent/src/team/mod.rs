@@ -2,13 +2,13 @@
 //! and other teams, as a [`TeamSpec`](tandem_protocol::team::TeamSpec) describes them.
 
 pub mod check;
-mod history;
+pub mod history;
 pub mod run;
 pub mod task;
 mod termination;
 
 pub use check::{Node, TeamErrors, check, check_within};
-pub use history::Said;
+pub use history::{Replay, Said};
 pub use run::{Agent, AgentReply, Ended, Hook, Run, Team, Turn, executor_slot, replay_of};
 pub use task::{TaskLabel, run_team_task};
 

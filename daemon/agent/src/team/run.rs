@@ -14,17 +14,20 @@ use futures::future::BoxFuture;
 use regex::Regex;
 use tandem_executor::CancellationToken;
 use tandem_protocol::team::{Aggregate, Kind, SelectionKind};
-use tandem_protocol::{ErrorCode, ErrorInfo, EventMsg, Message, Role, StopReason, Usage};
+use tandem_protocol::{
+    ErrorCode, ErrorInfo, EventMsg, Message, Role, StopReason, ToolCall, ToolReply, Usage,
+};
 
-pub use super::history::Said;
+pub use super::history::{Replay, Said};
 use super::termination::{ChatState, Condition, Test};
 use crate::blocks::{self, RunOptions, SessionSlot};
-use crate::chat::ChatModel;
+use crate::chat::{ChatModel, ToolOffer};
 use crate::events::EventSink;
 use crate::events::progress;
 use crate::extract::{CodeBlock, extract_code_blocks};
 use crate::team::Node;
 use crate::termination::{is_termination_block, mentions};
+use crate::tools::ToolBox;
 
 /// How one agent's (or team's) run ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -67,6 +70,8 @@ pub struct AgentReply {
     pub text: String,
     /// Tokens used, when it called a model that said.
     pub usage: Option<Usage>,
+    /// The tools it called natively.
+    pub calls: Vec<ToolCall>,
 }
 
 /// One turn of an [`Agent`]: its number, where its progress goes, and how it is stopped.
@@ -78,6 +83,8 @@ pub struct Turn<'a> {
     pub events: &'a EventSink,
     /// Cancelled when the task is: a reply still coming is no longer wanted.
     pub cancel: &'a CancellationToken,
+    /// The tools offered, if any.
+    pub tools: Option<&'a ToolOffer>,
 }
 
 /// Something that replies to what it sees: the one thing every agent that speaks does. A
@@ -103,9 +110,9 @@ impl Agent for ChatModel {
         Box::pin(async move {
             let mut progress = progress(turn.events, turn.number);
             tokio::select! {
-                reply = self.complete(messages, &mut progress) => {
+                reply = self.complete_with(messages, turn.tools, &mut progress) => {
                     let reply = reply.map_err(ErrorInfo::from)?;
-                    Ok(Some(AgentReply { text: reply.text, usage: reply.usage }))
+                    Ok(Some(AgentReply { text: reply.text, usage: reply.usage, calls: reply.tool_calls }))
                 }
                 () = turn.cancel.cancelled() => Ok(None),
             }
@@ -135,6 +142,9 @@ pub struct Team {
     /// Turns are the assistants' alone, told as `turn_started`: an executor's reply belongs
     /// to the turn whose code it answers (the two-agent pair's shape).
     exchange_turns: bool,
+    /// Each assistant's tools, by its name (what its messages' `speaker` is): offered to its
+    /// model, and run by the executor that answers it.
+    tools: HashMap<String, Arc<ToolBox>>,
 }
 
 /// How a run of a team went.
@@ -182,6 +192,7 @@ impl Team {
             words: Vec::new(),
             exchange_turns: false,
             conditions: HashMap::new(),
+            tools: HashMap::new(),
             root: root.clone(),
         };
         let mut stack = vec![&root];
@@ -249,6 +260,24 @@ impl Team {
         }
     }
 
+    /// Gives the assistant at `path` (`team/coder`) `tools`; an error when there is no
+    /// assistant there.
+    pub fn with_tools(mut self, path: &str, tools: ToolBox) -> Result<Self, ErrorInfo> {
+        if !self.models.contains_key(path) || path.ends_with("/selector") {
+            return Err(ErrorInfo {
+                code: ErrorCode::InvalidRequest,
+                message: format!("{path}: no assistant of this team is there"),
+            });
+        }
+        let name = path.rsplit('/').next().unwrap_or(path).to_owned();
+        if tools.is_empty() {
+            self.tools.remove(&name);
+        } else {
+            self.tools.insert(name, Arc::new(tools));
+        }
+        Ok(self)
+    }
+
     /// Counts and tells turns as the two-agent pair does: only assistants' turns count
     /// against `max_turns`, each is announced by `turn_started`, an executor's reply shares
     /// the number of the turn it answers, and no agent or `team_ended` is told.
@@ -279,7 +308,7 @@ impl Team {
         task: &str,
         events: EventSink,
         cancel: CancellationToken,
-        replay: Vec<(String, String)>,
+        replay: Replay,
     ) -> Run {
         let shared = Shared {
             turns: AtomicU32::new(0),
@@ -295,7 +324,7 @@ impl Team {
         let mut history = vec![Said {
             speaker: "user".to_owned(),
             text: task.to_owned(),
-            output: false,
+            ..Said::default()
         }];
         let ended = ctx.run(&self.root, &mut history, true).await;
         Run {
@@ -320,7 +349,7 @@ impl Team {
 struct Shared {
     turns: AtomicU32,
     usage: Mutex<Usage>,
-    replay: Mutex<std::collections::VecDeque<(String, String)>>,
+    replay: Mutex<std::collections::VecDeque<(String, Said)>>,
 }
 
 /// A run, as one branch of it sees it: a parallel branch has its own event sink.
@@ -367,7 +396,7 @@ pub fn executor_slot(
 
 /// What a team's stored events say each agent said, in order: the replay for a resume. A
 /// turn that was cut off (no message after its `turn_started`) is not in it, so it runs again.
-pub fn replay_of(events: &[EventMsg]) -> Vec<(String, String)> {
+pub fn replay_of(events: &[EventMsg]) -> Replay {
     let mut said = Vec::new();
     // By turn: parallel members' events interleave, and each message names its turn.
     let mut speaking: HashMap<u32, &str> = HashMap::new();
@@ -379,10 +408,38 @@ pub fn replay_of(events: &[EventMsg]) -> Vec<(String, String)> {
             } => {
                 speaking.insert(*turn, agent);
             }
-            EventMsg::AssistantMessage { turn, text, .. }
-            | EventMsg::ExecutorMessage { turn, text } => {
+            EventMsg::AssistantMessage {
+                turn,
+                text,
+                tool_calls,
+                ..
+            } => {
                 if let Some(agent) = speaking.remove(turn) {
-                    said.push((agent.to_owned(), text.clone()));
+                    said.push((
+                        agent.to_owned(),
+                        Said {
+                            text: text.clone(),
+                            calls: tool_calls.clone(),
+                            ..Said::default()
+                        },
+                    ));
+                }
+            }
+            EventMsg::ExecutorMessage {
+                turn,
+                text,
+                tool_results,
+            } => {
+                if let Some(agent) = speaking.remove(turn) {
+                    said.push((
+                        agent.to_owned(),
+                        Said {
+                            text: text.clone(),
+                            output: true,
+                            results: tool_results.clone(),
+                            ..Said::default()
+                        },
+                    ));
                 }
             }
             _ => {}
@@ -452,6 +509,7 @@ impl Ctx<'_> {
                             speaker: node.name.clone(),
                             text: last.text.clone(),
                             output: last.output,
+                            ..Said::default()
                         });
                     }
                     Ok(ended)
@@ -476,6 +534,24 @@ impl Ctx<'_> {
     /// Whether `node`'s turns go uncounted: an executor's, when turns are exchanges.
     fn uncounted(&self, node: &Node) -> bool {
         self.team.exchange_turns && node.spec.kind == Kind::Executor
+    }
+
+    /// What an executor does for `said`: its calls (native, else written as text when its
+    /// speaker has tools) and the blocks to run.
+    fn work(&self, said: &Said) -> (Vec<ToolCall>, Vec<CodeBlock>) {
+        let mut blocks = self.runnable(&said.text);
+        if !said.calls.is_empty() {
+            return (said.calls.clone(), blocks);
+        }
+        let Some(tools) = self.team.tools.get(&said.speaker) else {
+            return (Vec::new(), blocks);
+        };
+        let calls = crate::calls::calls_in_text(&said.text, &|name| tools.get(name).is_some());
+        if !calls.is_empty() {
+            // A call written as a JSON block is the call, not data to show.
+            blocks.retain(|b| b.language.as_deref() != Some("json"));
+        }
+        (calls, blocks)
     }
 
     /// The blocks of `text` an executor runs: all but those holding only a termination word.
@@ -503,10 +579,10 @@ impl Ctx<'_> {
     /// What the agent at `path` said next in the run being resumed, if it said more. Taken
     /// by agent, not strictly in order: parallel members may ask in another order than
     /// they answered before.
-    fn replayed(&self, path: &str) -> Option<String> {
+    fn replayed(&self, path: &str) -> Option<Said> {
         let mut replay = self.shared.replay.lock().ok()?;
         let at = replay.iter().position(|(agent, _)| agent == path)?;
-        replay.remove(at).map(|(_, text)| text)
+        replay.remove(at).map(|(_, said)| said)
     }
 
     /// What `node` sees: its instructions, the task, then the history through its hooks.
@@ -522,30 +598,95 @@ impl Ctx<'_> {
                     .unwrap_or_default()
             )
         });
+        let instructions = match self.team.tools.get(&node.name).map(|t| t.code_via) {
+            Some(tandem_protocol::CodeVia::Tool) => format!(
+                "{}\n- Run code by calling the `execute_code` tool; its result is the program's exit code and output.",
+                instructions.trim_end()
+            ),
+            Some(tandem_protocol::CodeVia::Auto) => format!(
+                "{}\n- You can run code by calling the `execute_code` tool, or in fenced blocks.",
+                instructions.trim_end()
+            ),
+            _ => instructions,
+        };
         let mut messages = vec![Message::new(Role::System, instructions)];
         let keep = spec.keep_last.unwrap_or(usize::MAX);
         let rest = history.get(1..).unwrap_or_default();
-        let kept = history
+        let kept: Vec<&Said> = history
             .iter()
             .take(1)
-            .chain(rest.iter().skip(rest.len().saturating_sub(keep)));
+            .chain(rest.iter().skip(rest.len().saturating_sub(keep)))
+            .collect();
         let redact = self.team.redact.get(&node.path);
-        for said in kept {
-            let mut text = said.text.clone();
-            if said.output
-                && let Some(cap) = spec.max_output_bytes
-            {
+        let clean = |text: &str, output: bool| {
+            let mut text = text.to_owned();
+            if output && let Some(cap) = spec.max_output_bytes {
                 text = cut_middle(&text, cap);
             }
             for re in redact.into_iter().flatten() {
                 text = re.replace_all(&text, "[redacted]").into_owned();
             }
-            let mut message = if said.speaker == node.name {
+            text
+        };
+        for (i, said) in kept.iter().enumerate() {
+            let own = said.speaker == node.name;
+            // The chat APIs take calls only with an answer to each right after them: this
+            // agent's calls answered by the next message are native, all else is told as text.
+            let answered = own
+                && !said.calls.is_empty()
+                && kept.get(i + 1).is_some_and(|next| {
+                    said.calls
+                        .iter()
+                        .map(|c| &c.id)
+                        .eq(next.results.iter().map(|r| &r.id))
+                });
+            let native_results = !said.results.is_empty()
+                && i > 0
+                && kept[i - 1].speaker == node.name
+                && kept[i - 1]
+                    .calls
+                    .iter()
+                    .map(|c| &c.id)
+                    .eq(said.results.iter().map(|r| &r.id));
+            let mut text = clean(&said.text, said.output);
+            if !answered {
+                for call in &said.calls {
+                    text.push_str(&format!(
+                        "{}[called tool `{}` with {}]",
+                        if text.is_empty() { "" } else { "\n" },
+                        call.name,
+                        call.arguments
+                    ));
+                }
+            }
+            if native_results {
+                for reply in &said.results {
+                    let mut tool = Message::tool(reply);
+                    tool.content = clean(&reply.content, true);
+                    messages.push(tool);
+                }
+                if text.is_empty() {
+                    continue;
+                }
+            } else {
+                for reply in &said.results {
+                    text.push_str(&format!(
+                        "{}[tool `{}` answered]\n{}",
+                        if text.is_empty() { "" } else { "\n" },
+                        reply.name,
+                        clean(&reply.content, true)
+                    ));
+                }
+            }
+            let mut message = if own {
                 Message::new(Role::Assistant, text)
             } else {
                 Message::new(Role::User, text)
             };
-            if said.speaker != node.name && said.speaker != "user" {
+            if answered {
+                message.tool_calls = said.calls.clone();
+            }
+            if !own && said.speaker != "user" {
                 message.name = Some(said.speaker.clone());
             }
             messages.push(message);
@@ -554,11 +695,11 @@ impl Ctx<'_> {
     }
 
     async fn assistant(&self, node: &Node, history: &mut Vec<Said>) -> Result<Ended, ErrorInfo> {
-        if let Some(text) = self.replayed(&node.path) {
+        if let Some(said) = self.replayed(&node.path) {
             if let Err(reason) = self.count_turn() {
                 return Ok(Ended::Stopped(reason));
             }
-            return Ok(self.said(node, history, text));
+            return Ok(self.said(node, history, said.text, said.calls));
         }
         let Some(model) = self.team.models.get(&node.path) else {
             return Err(internal(&node.path, "has no model"));
@@ -572,8 +713,12 @@ impl Ctx<'_> {
             tracing::info!(agent = %node.path, %reason, "a hook refused the turn");
             return Ok(Ended::Done);
         }
-        match self.call(model.as_ref(), &view, turn).await? {
-            Some(text) => Ok(self.said(node, history, text)),
+        let offer = self.team.tools.get(&node.name).and_then(|t| t.offer());
+        match self
+            .call(model.as_ref(), &view, turn, offer.as_ref())
+            .await?
+        {
+            Some(reply) => Ok(self.said(node, history, reply.text, reply.calls)),
             None => Ok(Ended::Stopped(StopReason::Cancelled)),
         }
     }
@@ -585,11 +730,13 @@ impl Ctx<'_> {
         agent: &dyn Agent,
         messages: &[Message],
         turn: u32,
-    ) -> Result<Option<String>, ErrorInfo> {
+        tools: Option<&ToolOffer>,
+    ) -> Result<Option<AgentReply>, ErrorInfo> {
         let asked = Turn {
             number: turn,
             events: &self.events,
             cancel: &self.cancel,
+            tools,
         };
         let Some(reply) = agent.reply(messages, asked).await? else {
             return Ok(None);
@@ -601,12 +748,19 @@ impl Ctx<'_> {
             turn,
             text: reply.text.clone(),
             usage: reply.usage,
+            tool_calls: reply.calls.clone(),
         });
-        Ok(Some(reply.text))
+        Ok(Some(reply))
     }
 
     /// An assistant's words join the history; its escalation word ends its loop.
-    fn said(&self, node: &Node, history: &mut Vec<Said>, text: String) -> Ended {
+    fn said(
+        &self,
+        node: &Node,
+        history: &mut Vec<Said>,
+        text: String,
+        calls: Vec<ToolCall>,
+    ) -> Ended {
         let escalates = node
             .spec
             .escalate
@@ -615,7 +769,8 @@ impl Ctx<'_> {
         history.push(Said {
             speaker: node.name.clone(),
             text,
-            output: false,
+            calls,
+            ..Said::default()
         });
         if escalates {
             Ended::Escalated
@@ -624,9 +779,8 @@ impl Ctx<'_> {
         }
     }
 
-    /// Runs the code of the message before it; silent when there is none (or it is its own).
-    /// Runs the code of the message before it; when there is none (or the message is its
-    /// own), says its `no_code_reply`, or nothing.
+    /// Runs the code and the tool calls of the message before it; when there is none (or
+    /// the message is its own), says its `no_code_reply`, or nothing.
     async fn executor(&self, node: &Node, history: &mut Vec<Said>) -> Result<Ended, ErrorInfo> {
         let Some(last) = history
             .last()
@@ -634,21 +788,22 @@ impl Ctx<'_> {
         else {
             return Ok(Ended::Done);
         };
-        let has_code = !self.runnable(&last.text).is_empty();
+        let (calls, code) = self.work(last);
+        let has_code = !code.is_empty() || !calls.is_empty();
         if !has_code && node.spec.no_code_reply.is_none() {
             return Ok(Ended::Done);
         }
-        if let Some(report) = self.replayed(&node.path) {
+        let native = !last.calls.is_empty();
+        let caller = last.speaker.clone();
+        if let Some(mut report) = self.replayed(&node.path) {
             if !self.uncounted(node)
                 && let Err(reason) = self.count_turn()
             {
                 return Ok(Ended::Stopped(reason));
             }
-            history.push(Said {
-                speaker: node.name.clone(),
-                text: report,
-                output: true,
-            });
+            report.speaker = node.name.clone();
+            report.output = true;
+            history.push(report);
             return Ok(Ended::Done);
         }
         let Some(slot) = self.team.slots.get(&node.path) else {
@@ -660,16 +815,35 @@ impl Ctx<'_> {
         };
         let no_code = node.spec.no_code_reply.clone().unwrap_or_default();
         if !has_code {
-            return Ok(self.reported(node, history, turn, no_code));
+            return Ok(self.reported(node, history, turn, no_code, Vec::new()));
         }
+        let refuse_all = |why: &str| {
+            calls
+                .iter()
+                .map(|c| ToolReply {
+                    id: c.id.clone(),
+                    name: c.name.clone(),
+                    content: format!("error: not run: {why}"),
+                })
+                .collect::<Vec<_>>()
+        };
         let mut code_message = vec![Message::new(Role::User, last.text.clone())];
         if let Err(reason) = self.hooked(node, &mut code_message) {
-            return Ok(self.reported(node, history, turn, format!("Not run: {reason}")));
+            let results = if native {
+                refuse_all(&reason)
+            } else {
+                Vec::new()
+            };
+            return Ok(self.reported(node, history, turn, format!("Not run: {reason}"), results));
         }
-        let code = code_message
-            .first()
-            .map(|m| self.runnable(&m.content))
-            .unwrap_or_default();
+        let code = if calls.is_empty() || native {
+            code_message
+                .first()
+                .map(|m| self.runnable(&m.content))
+                .unwrap_or_default()
+        } else {
+            code
+        };
         let mut slot = slot.lock().await;
         let opts = RunOptions {
             turn,
@@ -678,39 +852,73 @@ impl Ctx<'_> {
             events: self.events.clone(),
             approval: self.team.approval.clone(),
         };
-        let runs = blocks::run_blocks(&mut slot, &code, &opts)
-            .await
-            .map_err(|e| ErrorInfo {
-                code: ErrorCode::Executor,
-                message: format!(
-                    "{}: the {} executor failed: {e}",
-                    node.path,
-                    slot.executor().name()
-                ),
-            })?;
+        let broke = |e: tandem_executor::ExecError, slot: &blocks::SessionSlot| ErrorInfo {
+            code: ErrorCode::Executor,
+            message: format!(
+                "{}: the {} executor failed: {e}",
+                node.path,
+                slot.executor().name()
+            ),
+        };
+        let runs = match blocks::run_blocks(&mut slot, &code, &opts).await {
+            Ok(runs) => runs,
+            Err(e) => return Err(broke(e, &slot)),
+        };
+        let tools = self.team.tools.get(&caller).cloned().unwrap_or_default();
+        let first = u32::try_from(code.len() + 1).unwrap_or(u32::MAX);
+        let answered =
+            match crate::dispatch::run_calls(&mut slot, &tools, &calls, first, &opts).await {
+                Ok(answered) => answered,
+                Err(e) => return Err(broke(e, &slot)),
+            };
         if self.cancel.is_cancelled() {
             return Ok(Ended::Stopped(StopReason::Cancelled));
         }
-        let report = blocks::report(
-            &runs,
-            code.len().saturating_sub(runs.len()),
-            self.team.block_timeout,
-            self.team.output_cap,
-            &no_code,
-        );
-        Ok(self.reported(node, history, turn, report))
+        let mut report = if code.is_empty() {
+            String::new()
+        } else {
+            blocks::report(
+                &runs,
+                code.len().saturating_sub(runs.len()),
+                self.team.block_timeout,
+                self.team.output_cap,
+                &no_code,
+            )
+        };
+        let results: Vec<ToolReply> = answered.into_iter().map(|a| a.reply).collect();
+        if native {
+            return Ok(self.reported(node, history, turn, report, results));
+        }
+        // Calls written as text are answered as text: there is no call id to answer.
+        for r in results {
+            if !report.is_empty() {
+                report.push_str("\n\n");
+            }
+            report.push_str(&format!("Result of tool `{}`:\n{}", r.name, r.content));
+        }
+        Ok(self.reported(node, history, turn, report, Vec::new()))
     }
 
-    /// An executor's report joins the history.
-    fn reported(&self, node: &Node, history: &mut Vec<Said>, turn: u32, report: String) -> Ended {
+    /// An executor's report (and its answers to native calls) joins the history.
+    fn reported(
+        &self,
+        node: &Node,
+        history: &mut Vec<Said>,
+        turn: u32,
+        report: String,
+        results: Vec<ToolReply>,
+    ) -> Ended {
         (self.events)(EventMsg::ExecutorMessage {
             turn,
             text: report.clone(),
+            tool_results: results.clone(),
         });
         history.push(Said {
             speaker: node.name.clone(),
             text: report,
             output: true,
+            results,
+            ..Said::default()
         });
         Ended::Done
     }
@@ -854,8 +1062,10 @@ impl Ctx<'_> {
 
     /// Whether the last of `new` is a member's message with code for an executor.
     fn has_code(&self, new: &[Said]) -> bool {
-        new.last()
-            .is_some_and(|s| !s.output && !self.runnable(&s.text).is_empty())
+        new.last().is_some_and(|s| {
+            let (calls, code) = self.work(s);
+            !s.output && (!code.is_empty() || !calls.is_empty())
+        })
     }
 
     /// Passes `messages` through every hook; the first refusal stops the turn.
@@ -943,7 +1153,7 @@ impl Ctx<'_> {
         question: &str,
     ) -> Result<String, ErrorInfo> {
         if let Some(answer) = self.replayed(path) {
-            return Ok(answer);
+            return Ok(answer.text);
         }
         let turn = self.shared.turns.load(Ordering::SeqCst);
         (self.events)(EventMsg::TurnStarted {
@@ -958,8 +1168,9 @@ impl Ctx<'_> {
         ];
         let model = self.team.models.get(path).unwrap_or(&self.team.selector);
         Ok(self
-            .call(model.as_ref(), &messages, turn)
+            .call(model.as_ref(), &messages, turn, None)
             .await?
+            .map(|r| r.text)
             .unwrap_or_default())
     }
 
@@ -1060,6 +1271,7 @@ mod tests {
             turn,
             text: text.to_owned(),
             usage: None,
+            tool_calls: Vec::new(),
         };
         // Two parallel members: b answers before a; then a turn cut off by a crash.
         let events = [
@@ -1070,7 +1282,10 @@ mod tests {
             turn(3, "team/c"),
         ];
         assert_eq!(
-            replay_of(&events),
+            replay_of(&events)
+                .into_iter()
+                .map(|(agent, said)| (agent, said.text))
+                .collect::<Vec<_>>(),
             [
                 ("team/p/b".to_owned(), "from b".to_owned()),
                 ("team/p/a".to_owned(), "from a".to_owned())

@@ -33,7 +33,7 @@ pub async fn run_team_task(
     events: EventSink,
     cancel: CancellationToken,
     timeout: Option<Duration>,
-    replay: Vec<(String, String)>,
+    replay: super::history::Replay,
 ) -> StopReason {
     let ran = run_team(
         Ok(team),
@@ -78,7 +78,7 @@ pub(crate) async fn run_team(
     events: EventSink,
     cancel: CancellationToken,
     timeout: Option<Duration>,
-    replay: Vec<(String, String)>,
+    replay: super::history::Replay,
     summary: impl FnOnce(StopReason, &[Said]) -> Option<String>,
 ) -> TeamRun {
     let started = Instant::now();

@@ -155,7 +155,7 @@ mod tests {
         let said = |text: &str| Said {
             speaker: "a".to_owned(),
             text: text.to_owned(),
-            output: false,
+            ..Said::default()
         };
         let condition = Condition::compile(&t(r"^DONE\b")).unwrap();
         let check = |text: &str| {

@@ -1,0 +1,417 @@
+//! The executor agent's half of a tool call: check it, ask about it, run it where its tool
+//! runs, and answer it. Every call gets exactly one answer, in the calls' order, whatever
+//! goes wrong with it; the other calls of the reply still run.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Map, Value};
+use tandem_executor::{ExecError, Language};
+use tandem_protocol::{EventMsg, ToolCall, ToolReply};
+
+use crate::blocks::{self, RunOptions, SessionSlot};
+use crate::extract::CodeBlock;
+use crate::tools::{Runs, Tool, ToolBox};
+
+/// How many times in a row one call (same tool, same arguments) is run before the next one
+/// is refused as a loop.
+pub const REPEATS: usize = 3;
+
+/// Most bytes of an HTTP tool's answer that are read.
+const HTTP_CAP: usize = 1 << 20;
+
+/// One answered call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Answered {
+    /// The answer the model reads.
+    pub reply: ToolReply,
+    /// Whether the call failed.
+    pub is_error: bool,
+}
+
+/// Runs `calls` with `tools`, numbered from `first` in the reply's events. Calls that run in
+/// the session run one after another, in order; HTTP calls run beside them. `Err` means the
+/// sandbox broke.
+pub async fn run_calls(
+    slot: &mut SessionSlot,
+    tools: &ToolBox,
+    calls: &[ToolCall],
+    first: u32,
+    opts: &RunOptions,
+) -> Result<Vec<Answered>, ExecError> {
+    let cap = slot.blocks_per_reply();
+    let mut answers: Vec<Option<Answered>> = vec![None; calls.len()];
+    let mut in_session = Vec::new();
+    let mut beside = Vec::new();
+    for (i, call) in calls.iter().enumerate() {
+        let index = first + u32::try_from(i).unwrap_or(u32::MAX);
+        let refused = if i >= cap {
+            Err(format!(
+                "error: not run: at most {cap} calls and blocks are run from one reply; call again with fewer."
+            ))
+        } else {
+            tools
+                .check(call)
+                .and_then(|(tool, args)| slot.not_repeated(call, &args).map(|()| (tool, args)))
+        };
+        match refused {
+            Err(text) => {
+                told_call(call, index, opts);
+                answers[i] = Some(answer(call, index, text, true, Instant::now(), opts));
+            }
+            Ok((tool, args)) => match &tool.runs {
+                Runs::Http(url) => beside.push((i, index, tool, url.clone(), args)),
+                _ => in_session.push((i, index, tool, args)),
+            },
+        }
+    }
+    let session = async {
+        let mut done = Vec::new();
+        for (i, index, tool, args) in in_session {
+            let call = &calls[i];
+            let answered = match &tool.runs {
+                Runs::Code => run_code(slot, call, &args, index, opts).await?,
+                _ => run_command(slot, tool, call, &args, index, opts).await?,
+            };
+            done.push((i, answered));
+        }
+        Ok::<_, ExecError>(done)
+    };
+    let http = futures::future::join_all(beside.into_iter().map(
+        |(i, index, tool, url, args)| async move {
+            (i, run_http(tool, &calls[i], &url, &args, index, opts).await)
+        },
+    ));
+    let (session, http) = futures::join!(session, http);
+    for (i, answered) in session?.into_iter().chain(http) {
+        answers[i] = Some(answered);
+    }
+    Ok(answers
+        .into_iter()
+        .zip(calls)
+        .map(|(a, call)| {
+            a.unwrap_or_else(|| Answered {
+                reply: ToolReply {
+                    id: call.id.clone(),
+                    name: call.name.clone(),
+                    content: "error: not run".to_owned(),
+                },
+                is_error: true,
+            })
+        })
+        .collect())
+}
+
+fn told_call(call: &ToolCall, index: u32, opts: &RunOptions) {
+    (opts.events)(EventMsg::ToolCall {
+        turn: opts.turn,
+        index,
+        id: call.id.clone(),
+        name: call.name.clone(),
+        arguments: call.arguments.clone(),
+    });
+}
+
+/// The answer to `call`, told as its `tool_result`.
+fn answer(
+    call: &ToolCall,
+    index: u32,
+    content: String,
+    is_error: bool,
+    started: Instant,
+    opts: &RunOptions,
+) -> Answered {
+    (opts.events)(EventMsg::ToolResult {
+        turn: opts.turn,
+        index,
+        id: call.id.clone(),
+        name: call.name.clone(),
+        result: content.clone(),
+        is_error,
+        duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+    });
+    Answered {
+        reply: ToolReply {
+            id: call.id.clone(),
+            name: call.name.clone(),
+            content,
+        },
+        is_error,
+    }
+}
+
+/// An `execute_code` call runs as a block: its events, approval, limits and report are a
+/// block's.
+async fn run_code(
+    slot: &mut SessionSlot,
+    call: &ToolCall,
+    args: &Map<String, Value>,
+    index: u32,
+    opts: &RunOptions,
+) -> Result<Answered, ExecError> {
+    let started = Instant::now();
+    let text = |key| args.get(key).and_then(Value::as_str).unwrap_or_default();
+    let language = Language::new(text("language"));
+    let mut code = text("code").to_owned();
+    let filename = text("filename").trim();
+    if !filename.is_empty() && !filename.contains('\n') {
+        let comment = if language == Language::javascript() {
+            "//"
+        } else {
+            "#"
+        };
+        code = format!("{comment} filename: {filename}\n{code}");
+    }
+    told_call(call, index, opts);
+    let block = CodeBlock {
+        language: Some(language.to_string()),
+        info: language.to_string(),
+        code,
+        unterminated: false,
+    };
+    let run = blocks::run_block(slot, &block, index, false, opts).await?;
+    let is_error = !run.result.succeeded();
+    let content = blocks::report(
+        std::slice::from_ref(&run),
+        0,
+        opts.timeout.unwrap_or(slot.block_timeout()),
+        slot.output_cap(),
+        "",
+    );
+    Ok(answer(call, index, content, is_error, started, opts))
+}
+
+/// The arguments once a person (or a rule) has let the call run: `Err` is the answer.
+async fn approved(
+    name: &str,
+    arguments: String,
+    index: u32,
+    opts: &RunOptions,
+) -> Result<String, String> {
+    let Some(gate) = &opts.approval else {
+        return Ok(arguments);
+    };
+    let at = crate::approval::BlockAt {
+        turn: opts.turn,
+        index,
+        events: &opts.events,
+        cancel: &opts.cancel,
+    };
+    match gate.decide_tool(name, &arguments, &at).await {
+        None => {
+            Err("error: not run: the task stopped while the call waited for approval".to_owned())
+        }
+        Some(Err(why)) => Err(format!(
+            "error: not run: {why}. Do not call it again unchanged."
+        )),
+        Some(Ok(edited)) if edited == arguments => Ok(arguments),
+        Some(Ok(edited)) => Ok(edited),
+    }
+}
+
+/// A command tool runs as a program in the session, started by a small Python launcher
+/// (never a shell), with the arguments as JSON on its stdin.
+async fn run_command(
+    slot: &mut SessionSlot,
+    tool: &Tool,
+    call: &ToolCall,
+    args: &Map<String, Value>,
+    index: u32,
+    opts: &RunOptions,
+) -> Result<Answered, ExecError> {
+    let started = Instant::now();
+    let Runs::Command(argv) = &tool.runs else {
+        return Ok(answer(
+            call,
+            index,
+            "error: not a command".to_owned(),
+            true,
+            started,
+            opts,
+        ));
+    };
+    let arguments = match approved(
+        &tool.name,
+        Value::Object(args.clone()).to_string(),
+        index,
+        opts,
+    )
+    .await
+    {
+        Ok(a) => a,
+        Err(text) => {
+            told_call(call, index, opts);
+            return Ok(answer(call, index, text, true, started, opts));
+        }
+    };
+    told_call(call, index, opts);
+    if let Some(why) = slot.refusal(&Language::python()) {
+        let text = format!(
+            "error: tool `{}` is a command, which needs an executor that runs python to start it: {why}",
+            tool.name
+        );
+        return Ok(answer(call, index, text, true, started, opts));
+    }
+    let launcher = launcher(argv, &arguments);
+    let mut run_opts = opts.clone();
+    if let Some(t) = tool.timeout {
+        run_opts.timeout = Some(t);
+    }
+    let (outcome, pictures) =
+        blocks::run_one(slot, &Language::python(), &launcher, index, &run_opts).await?;
+    blocks::tell_pictures(pictures, index, opts);
+    let result = blocks::to_result(&Language::python(), outcome);
+    let (content, is_error) = if result.succeeded() {
+        (result.stdout, false)
+    } else {
+        let code = blocks::exit_code_of(&result);
+        let mut text = format!("error: tool `{}` failed (exit code {code})", tool.name);
+        for stream in [&result.stderr, &result.stdout] {
+            if !stream.trim().is_empty() {
+                text.push_str(":\n");
+                text.push_str(stream.trim_end());
+                break;
+            }
+        }
+        (text, true)
+    };
+    Ok(answer(call, index, content, is_error, started, opts))
+}
+
+/// Python that runs `argv` with `stdin` on its standard input and exits as it did. Both are
+/// carried as JSON string literals, which Python reads as its own.
+fn launcher(argv: &[String], stdin: &str) -> String {
+    let literal = |v: &str| serde_json::to_string(v).unwrap_or_else(|_| "\"\"".to_owned());
+    let argv = serde_json::to_string(argv).unwrap_or_else(|_| "[]".to_owned());
+    format!(
+        "import json, subprocess, sys\n\
+         argv = json.loads({argv})\n\
+         try:\n    done = subprocess.run(argv, input=json.loads({stdin}).encode())\n\
+         except OSError as e:\n    print('tandem: cannot start the tool %s: %s' % (argv[0], e), file=sys.stderr)\n    sys.exit(127)\n\
+         sys.exit(done.returncode if done.returncode >= 0 else 128 - done.returncode)\n",
+        argv = literal(&argv),
+        stdin = literal(&literal(stdin)),
+    )
+}
+
+/// An operator's HTTP tool: the arguments are POSTed as JSON; a 2xx body is the answer.
+async fn run_http(
+    tool: &Tool,
+    call: &ToolCall,
+    url: &str,
+    args: &Map<String, Value>,
+    index: u32,
+    opts: &RunOptions,
+) -> Answered {
+    let started = Instant::now();
+    let arguments = match approved(
+        &tool.name,
+        Value::Object(args.clone()).to_string(),
+        index,
+        opts,
+    )
+    .await
+    {
+        Ok(a) => a,
+        Err(text) => {
+            told_call(call, index, opts);
+            return answer(call, index, text, true, started, opts);
+        }
+    };
+    told_call(call, index, opts);
+    let timeout = tool.timeout.unwrap_or(Duration::from_secs(60));
+    let (content, is_error) = tokio::select! {
+        got = post(url, arguments, timeout) => match got {
+            Ok(body) => (body, false),
+            Err(why) => (format!("error: tool `{}` failed: {why}", tool.name), true),
+        },
+        () = opts.cancel.cancelled() => ("error: the task stopped during the call".to_owned(), true),
+    };
+    answer(call, index, content, is_error, started, opts)
+}
+
+async fn post(url: &str, body: String, timeout: Duration) -> Result<String, String> {
+    use futures::StreamExt;
+    let client = reqwest::Client::builder()
+        .timeout(timeout)
+        .tls_backend_preconfigured(
+            crate::chat::tls_config(url.starts_with("https://")).map_err(|e| e.message)?,
+        )
+        .build()
+        .map_err(|e| e.to_string())?;
+    let response = client
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .map_err(|e| format!("the endpoint did not answer ({})", root(&e)))?;
+    let status = response.status();
+    let mut stream = response.bytes_stream();
+    let mut bytes = Vec::new();
+    let mut cut = false;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| format!("reading the answer failed ({})", root(&e)))?;
+        let room = HTTP_CAP.saturating_sub(bytes.len());
+        bytes.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        if chunk.len() > room {
+            cut = true;
+            break;
+        }
+    }
+    let mut text = String::from_utf8_lossy(&bytes).into_owned();
+    if cut {
+        text.push_str(&format!("\n[cut at {} KiB]", HTTP_CAP / 1024));
+    }
+    if status.is_success() {
+        Ok(text)
+    } else {
+        Err(format!("the endpoint answered {status}: {}", text.trim()))
+    }
+}
+
+fn root(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut cur = e;
+    while let Some(next) = cur.source() {
+        cur = next;
+    }
+    cur.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_launcher_runs_the_program_itself_with_any_text_as_it_was() {
+        // The tool is a Python program that prints what it was given, as JSON.
+        let echo = "import json, sys; print(json.dumps([sys.argv[1:], sys.stdin.read()]))";
+        let odd = "it's \"x\"\n\\ $(reboot) `id` ; | *";
+        let argv = vec![
+            "python3".to_owned(),
+            "-c".to_owned(),
+            echo.to_owned(),
+            odd.to_owned(),
+        ];
+        let stdin = "{\"text\": \"é 🎉 '''\\u0000\"}";
+        let run = |code: String| {
+            std::process::Command::new("python3")
+                .arg("-c")
+                .arg(code)
+                .output()
+                .unwrap_or_else(|e| panic!("python3: {e}"))
+        };
+        let out = run(launcher(&argv, stdin));
+        let printed: (Vec<String>, String) = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+        assert_eq!(printed, (vec![odd.to_owned()], stdin.to_owned()));
+        assert!(out.status.success());
+        // A program that is not there is exit code 127 and a line that names it.
+        let out = run(launcher(&["no-such-tool".to_owned()], "{}"));
+        assert_eq!(out.status.code(), Some(127));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.starts_with("tandem: cannot start the tool no-such-tool:"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,574 @@
+//! The tools an assistant is offered and what runs each: `execute_code` (the executor
+//! itself), a `command` run inside the task's sandbox session, or an operator's HTTP
+//! endpoint. Checking a call's arguments is here too.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{Map, Value, json};
+use tandem_executor::Language;
+use tandem_protocol::tools::{EXECUTE_CODE, NamedTool, valid_tool_name};
+use tandem_protocol::{CodeVia, ToolCall, ToolDef, ToolRef};
+
+use crate::chat::ToolOffer;
+
+/// What runs a tool.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Runs {
+    /// The executor: the call's `code` runs as a block.
+    Code,
+    /// A program run in the task's session with the arguments on stdin.
+    Command(Vec<String>),
+    /// An HTTP endpoint the arguments are POSTed to.
+    Http(String),
+}
+
+/// One tool as the model is offered it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tool {
+    /// Its name.
+    pub name: String,
+    /// What it does.
+    pub description: String,
+    /// A JSON Schema of its arguments.
+    pub parameters: Value,
+    /// What runs it.
+    pub runs: Runs,
+    /// Longest a call may take; `None` for a command is the block timeout.
+    pub timeout: Option<Duration>,
+}
+
+/// The tools of one assistant, and how its code reaches the executor.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ToolBox {
+    tools: Vec<Tool>,
+    /// How code is run: blocks, the `execute_code` tool, or either.
+    pub code_via: CodeVia,
+}
+
+/// Why a tool list cannot be used.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ToolError {
+    /// A name the operator does not offer.
+    #[error("tool `{name}` is not offered here; the operator's tools are: {offered}")]
+    Unknown {
+        /// The name asked for.
+        name: String,
+        /// The operator's tools, comma-separated (or `none`).
+        offered: String,
+    },
+    /// A definition that is not allowed or not complete.
+    #[error("tool `{name}`: {why}")]
+    Invalid {
+        /// The tool's name.
+        name: String,
+        /// What is wrong and what to do.
+        why: String,
+    },
+}
+
+/// The operator's tools, as `[tools.NAME]` in `tandem.toml` gives them.
+pub type Catalog = BTreeMap<String, ToolDef>;
+
+/// Checks one definition; `operator` says whether it came from the operator (who alone may
+/// give a URL).
+pub fn check_def(name: &str, def: &ToolDef, operator: bool) -> Result<Tool, ToolError> {
+    let invalid = |why: String| ToolError::Invalid {
+        name: name.to_owned(),
+        why,
+    };
+    if !valid_tool_name(name) {
+        return Err(invalid(
+            "a tool's name is 1 to 64 letters, digits, `_` or `-`".to_owned(),
+        ));
+    }
+    if name == EXECUTE_CODE {
+        return Err(invalid(format!(
+            "`{EXECUTE_CODE}` is the executor's own tool; set code_via to offer it"
+        )));
+    }
+    let runs = match (&def.command, &def.url) {
+        (Some(argv), None) => {
+            if argv.first().is_none_or(|a| a.is_empty()) {
+                return Err(invalid(
+                    "command needs a program: command = [\"prog\", \"arg\"]".to_owned(),
+                ));
+            }
+            Runs::Command(argv.clone())
+        }
+        (None, Some(url)) => {
+            if !operator {
+                return Err(invalid(
+                    "an HTTP tool can be configured only by the operator, as [tools.NAME] in tandem.toml; a task or a team file may define command tools, which run in its sandbox".to_owned(),
+                ));
+            }
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(invalid(format!(
+                    "url `{url}` must start with http:// or https://"
+                )));
+            }
+            Runs::Http(url.clone())
+        }
+        (Some(_), Some(_)) => {
+            return Err(invalid("give command or url, not both".to_owned()));
+        }
+        (None, None) => {
+            return Err(invalid(
+                "say what runs it: command = [\"prog\", ...] (in the sandbox) or url = \"http://...\" (operator only)".to_owned(),
+            ));
+        }
+    };
+    let parameters = def
+        .parameters
+        .clone()
+        .unwrap_or_else(|| json!({"type": "object"}));
+    if !parameters.is_object() || parameters.get("type").is_some_and(|t| t != "object") {
+        return Err(invalid(
+            "parameters must be a JSON Schema of an object ({\"type\": \"object\", \"properties\": {...}})".to_owned(),
+        ));
+    }
+    Ok(Tool {
+        name: name.to_owned(),
+        description: def.description.clone().unwrap_or_default(),
+        parameters,
+        runs,
+        timeout: def.timeout_secs.map(Duration::from_secs),
+    })
+}
+
+/// The operator's catalog, each definition checked.
+pub fn check_catalog(catalog: &Catalog) -> Result<(), ToolError> {
+    for (name, def) in catalog {
+        check_def(name, def, true)?;
+    }
+    Ok(())
+}
+
+/// The tools `refs` asks for, out of the operator's `catalog`: a name must be the
+/// operator's; a definition may only be a command (it runs in the sandbox). `None` gives
+/// every tool of the catalog.
+pub fn resolve(refs: Option<&[ToolRef]>, catalog: &Catalog) -> Result<Vec<Tool>, ToolError> {
+    let Some(refs) = refs else {
+        return catalog
+            .iter()
+            .map(|(name, def)| check_def(name, def, true))
+            .collect();
+    };
+    let mut tools: Vec<Tool> = Vec::with_capacity(refs.len());
+    for r in refs {
+        let tool = match r {
+            ToolRef::Name(name) => {
+                let def = catalog.get(name).ok_or_else(|| ToolError::Unknown {
+                    name: name.clone(),
+                    offered: if catalog.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        catalog.keys().cloned().collect::<Vec<_>>().join(", ")
+                    },
+                })?;
+                check_def(name, def, true)?
+            }
+            ToolRef::Def(NamedTool { name, .. }) => {
+                let ToolRef::Def(named) = r else { continue };
+                check_def(name, &named.def(), false)?
+            }
+        };
+        if tools.iter().any(|t| t.name == tool.name) {
+            return Err(ToolError::Invalid {
+                name: tool.name,
+                why: "named twice".to_owned(),
+            });
+        }
+        tools.push(tool);
+    }
+    Ok(tools)
+}
+
+impl ToolBox {
+    /// A box of `tools`; with `code_via` other than blocks, `execute_code` in `languages`
+    /// first.
+    pub fn new(mut tools: Vec<Tool>, code_via: CodeVia, languages: &[Language]) -> Self {
+        if code_via != CodeVia::Blocks {
+            let names: Vec<&str> = languages
+                .iter()
+                .filter(|l| !l.is_data())
+                .map(Language::as_str)
+                .collect();
+            tools.insert(
+                0,
+                Tool {
+                    name: EXECUTE_CODE.to_owned(),
+                    description: format!(
+                        "Run code in the task's sandbox and get its exit code and output. Files persist between calls; {}.",
+                        "print what you need to see"
+                    ),
+                    parameters: json!({
+                        "type": "object",
+                        "properties": {
+                            "language": {"type": "string", "enum": names, "description": "The code's language."},
+                            "code": {"type": "string", "description": "The complete program to run."},
+                            "filename": {"type": "string", "description": "Save the code under this path in the workspace before running it."},
+                        },
+                        "required": ["language", "code"],
+                        "additionalProperties": false,
+                    }),
+                    runs: Runs::Code,
+                    timeout: None,
+                },
+            );
+        }
+        Self { tools, code_via }
+    }
+
+    /// Whether it holds no tool.
+    pub fn is_empty(&self) -> bool {
+        self.tools.is_empty()
+    }
+
+    /// Its tools, in the order they are offered.
+    pub fn tools(&self) -> &[Tool] {
+        &self.tools
+    }
+
+    /// The tool called `name`.
+    pub fn get(&self, name: &str) -> Option<&Tool> {
+        self.tools.iter().find(|t| t.name == name)
+    }
+
+    /// What the model is offered with each request; `None` when there is nothing.
+    pub fn offer(&self) -> Option<ToolOffer> {
+        if self.tools.is_empty() {
+            return None;
+        }
+        let tools = self
+            .tools
+            .iter()
+            .map(|t| {
+                json!({
+                    "type": "function",
+                    "function": {
+                        "name": t.name,
+                        "description": t.description,
+                        "parameters": t.parameters,
+                    }
+                })
+            })
+            .collect();
+        Some(ToolOffer {
+            tools,
+            required: false,
+            optional: self.code_via == CodeVia::Auto,
+        })
+    }
+
+    /// The tool `call` names and its arguments, checked against its parameters; else what
+    /// the model is told, naming the problem and quoting the arguments.
+    pub fn check(&self, call: &ToolCall) -> Result<(&Tool, Map<String, Value>), String> {
+        let Some(tool) = self.get(&call.name) else {
+            let names: Vec<&str> = self.tools.iter().map(|t| t.name.as_str()).collect();
+            return Err(format!(
+                "error: there is no tool `{}`; the tools are: {}.",
+                call.name,
+                if names.is_empty() {
+                    "none".to_owned()
+                } else {
+                    names.join(", ")
+                }
+            ));
+        };
+        let quoted = quote(&call.arguments);
+        let text = if call.arguments.trim().is_empty() {
+            "{}"
+        } else {
+            &call.arguments
+        };
+        let value: Value = serde_json::from_str(text).map_err(|e| {
+            format!(
+                "error: the arguments of `{}` are not valid JSON ({e}); send a JSON object. They were: {quoted}",
+                call.name
+            )
+        })?;
+        let Value::Object(args) = value else {
+            return Err(format!(
+                "error: the arguments of `{}` must be a JSON object, not {}. They were: {quoted}",
+                call.name,
+                kind(&value)
+            ));
+        };
+        let whole = Value::Object(args);
+        if let Err(why) = conforms(&whole, &tool.parameters, "arguments") {
+            return Err(format!(
+                "error: the arguments of `{}` do not match its parameters: {why}. They were: {quoted}",
+                call.name
+            ));
+        }
+        let Value::Object(args) = whole else {
+            return Err(String::new());
+        };
+        Ok((tool, args))
+    }
+}
+
+/// The arguments as the model is shown them: in backticks, cut to 300 characters.
+fn quote(arguments: &str) -> String {
+    let flat: String = arguments.chars().take(300).collect();
+    if flat.len() < arguments.len() {
+        format!("`{flat}…` ({} bytes)", arguments.len())
+    } else {
+        format!("`{flat}`")
+    }
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(n) if n.is_i64() || n.is_u64() => "an integer",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Whether `value` meets `schema`: the JSON Schema keywords tool definitions use (`type`,
+/// `properties`, `required`, `additionalProperties`, `items`, `enum`, `const`, `minimum`,
+/// `maximum`, `minLength`, `maxLength`, `minItems`, `maxItems`, `anyOf`, `oneOf`); others
+/// are not checked. The error names the path (`arguments.code`).
+pub fn conforms(value: &Value, schema: &Value, at: &str) -> Result<(), String> {
+    let Some(schema) = schema.as_object() else {
+        return Ok(());
+    };
+    if let Some(t) = schema.get("type") {
+        let types: Vec<&str> = match t {
+            Value::String(s) => vec![s.as_str()],
+            Value::Array(list) => list.iter().filter_map(Value::as_str).collect(),
+            _ => Vec::new(),
+        };
+        let fits = |t: &str| match t {
+            "object" => value.is_object(),
+            "array" => value.is_array(),
+            "string" => value.is_string(),
+            "boolean" => value.is_boolean(),
+            "null" => value.is_null(),
+            "number" => value.is_number(),
+            "integer" => value.as_f64().is_some_and(|f| f.fract() == 0.0),
+            _ => true,
+        };
+        if !types.is_empty() && !types.iter().any(|t| fits(t)) {
+            return Err(format!(
+                "`{at}` must be {}, not {}",
+                types.join(" or "),
+                kind(value)
+            ));
+        }
+    }
+    if let Some(Value::Array(allowed)) = schema.get("enum")
+        && !allowed.contains(value)
+    {
+        let list: Vec<String> = allowed.iter().map(Value::to_string).collect();
+        return Err(format!("`{at}` must be one of {}", list.join(", ")));
+    }
+    if let Some(c) = schema.get("const")
+        && c != value
+    {
+        return Err(format!("`{at}` must be {c}"));
+    }
+    if let Some(n) = value.as_f64() {
+        if let Some(min) = schema.get("minimum").and_then(Value::as_f64)
+            && n < min
+        {
+            return Err(format!("`{at}` must be at least {min}"));
+        }
+        if let Some(max) = schema.get("maximum").and_then(Value::as_f64)
+            && n > max
+        {
+            return Err(format!("`{at}` must be at most {max}"));
+        }
+    }
+    if let Some(s) = value.as_str() {
+        let len = s.chars().count() as u64;
+        if let Some(min) = schema.get("minLength").and_then(Value::as_u64)
+            && len < min
+        {
+            return Err(format!("`{at}` must be at least {min} characters"));
+        }
+        if let Some(max) = schema.get("maxLength").and_then(Value::as_u64)
+            && len > max
+        {
+            return Err(format!("`{at}` must be at most {max} characters"));
+        }
+    }
+    if let Some(items) = value.as_array() {
+        let len = items.len() as u64;
+        if let Some(min) = schema.get("minItems").and_then(Value::as_u64)
+            && len < min
+        {
+            return Err(format!("`{at}` must have at least {min} items"));
+        }
+        if let Some(max) = schema.get("maxItems").and_then(Value::as_u64)
+            && len > max
+        {
+            return Err(format!("`{at}` must have at most {max} items"));
+        }
+        if let Some(item) = schema.get("items") {
+            for (i, v) in items.iter().enumerate() {
+                conforms(v, item, &format!("{at}[{i}]"))?;
+            }
+        }
+    }
+    if let Some(map) = value.as_object() {
+        let properties = schema.get("properties").and_then(Value::as_object);
+        if let Some(Value::Array(required)) = schema.get("required") {
+            for name in required.iter().filter_map(Value::as_str) {
+                if !map.contains_key(name) {
+                    return Err(format!("`{at}.{name}` is required"));
+                }
+            }
+        }
+        for (name, v) in map {
+            match properties.and_then(|p| p.get(name)) {
+                Some(sub) => conforms(v, sub, &format!("{at}.{name}"))?,
+                None => match schema.get("additionalProperties") {
+                    Some(Value::Bool(false)) => {
+                        let known: Vec<&String> =
+                            properties.map(|p| p.keys().collect()).unwrap_or_default();
+                        return Err(format!(
+                            "`{at}.{name}` is not a parameter (they are: {})",
+                            known
+                                .iter()
+                                .map(|k| k.as_str())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ));
+                    }
+                    Some(sub @ Value::Object(_)) => conforms(v, sub, &format!("{at}.{name}"))?,
+                    _ => {}
+                },
+            }
+        }
+    }
+    for (key, all) in [("anyOf", false), ("oneOf", true)] {
+        if let Some(Value::Array(options)) = schema.get(key) {
+            let fits = options
+                .iter()
+                .filter(|s| conforms(value, s, at).is_ok())
+                .count();
+            if fits == 0 || (all && fits > 1) {
+                return Err(format!("`{at}` matches {fits} of the {key} choices"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A tool box shared by the assistant that is offered it and the executor that runs it.
+pub type SharedToolBox = Arc<ToolBox>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn boxed() -> ToolBox {
+        let wc = ToolDef {
+            description: Some("count words".into()),
+            parameters: Some(json!({
+                "type": "object",
+                "properties": {"text": {"type": "string"}, "max": {"type": "integer", "minimum": 1}},
+                "required": ["text"],
+            })),
+            command: Some(vec!["wc".into(), "-w".into()]),
+            ..ToolDef::default()
+        };
+        let tools = vec![check_def("wc", &wc, false).unwrap_or_else(|e| panic!("{e}"))];
+        ToolBox::new(tools, CodeVia::Tool, &[Language::python(), Language::sh()])
+    }
+
+    fn call(name: &str, arguments: &str) -> ToolCall {
+        ToolCall {
+            id: "c1".into(),
+            name: name.into(),
+            arguments: arguments.into(),
+        }
+    }
+
+    #[test]
+    fn every_bad_call_is_an_error_the_model_reads() {
+        let b = boxed();
+        let err = |name, args| b.check(&call(name, args)).err().unwrap_or_default();
+        assert_eq!(
+            err("nope", "{}"),
+            "error: there is no tool `nope`; the tools are: execute_code, wc."
+        );
+        assert!(
+            err("wc", "{\"text\": ").starts_with(
+                "error: the arguments of `wc` are not valid JSON (EOF while parsing a value at line 1 column 9); send a JSON object. They were: `{\"text\": `"
+            ),
+            "{}",
+            err("wc", "{\"text\": ")
+        );
+        assert_eq!(
+            err("wc", "[1, 2]"),
+            "error: the arguments of `wc` must be a JSON object, not an array. They were: `[1, 2]`"
+        );
+        assert_eq!(
+            err("wc", "{\"max\": 0.5, \"text\": \"a\"}"),
+            "error: the arguments of `wc` do not match its parameters: `arguments.max` must be integer, not a number. They were: `{\"max\": 0.5, \"text\": \"a\"}`"
+        );
+        assert_eq!(
+            err("wc", "{}"),
+            "error: the arguments of `wc` do not match its parameters: `arguments.text` is required. They were: `{}`"
+        );
+        assert_eq!(
+            err("execute_code", r#"{"language": "ruby", "code": "1"}"#),
+            "error: the arguments of `execute_code` do not match its parameters: `arguments.language` must be one of \"python\", \"sh\". They were: `{\"language\": \"ruby\", \"code\": \"1\"}`"
+        );
+        let long = format!("{{\"text\": \"{}\"", "x".repeat(500));
+        assert!(err("wc", &long).ends_with(&format!("…` ({} bytes)", long.len())));
+        assert!(b.check(&call("wc", r#"{"text": "a b"}"#)).is_ok());
+        // No arguments at all is an empty object.
+        assert!(
+            b.check(&call("wc", ""))
+                .err()
+                .unwrap_or_default()
+                .contains("`arguments.text` is required")
+        );
+    }
+
+    #[test]
+    fn a_task_names_only_the_operators_tools_and_defines_only_commands() {
+        let mut catalog = Catalog::new();
+        catalog.insert(
+            "weather".into(),
+            ToolDef {
+                url: Some("http://127.0.0.1:9/w".into()),
+                ..ToolDef::default()
+            },
+        );
+        let named = |n: &str| ToolRef::Name(n.to_owned());
+        assert!(resolve(Some(&[named("weather")]), &catalog).is_ok());
+        assert_eq!(
+            resolve(Some(&[named("shell")]), &catalog)
+                .err()
+                .map(|e| e.to_string()),
+            Some("tool `shell` is not offered here; the operator's tools are: weather".to_owned())
+        );
+        let url = ToolRef::Def(NamedTool {
+            name: "fetch".into(),
+            description: None,
+            parameters: None,
+            command: None,
+            url: Some("http://169.254.169.254/".into()),
+            timeout_secs: None,
+        });
+        assert!(
+            resolve(Some(&[url]), &catalog)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default()
+                .starts_with("tool `fetch`: an HTTP tool can be configured only by the operator")
+        );
+        assert_eq!(resolve(None, &catalog).map(|t| t.len()), Ok(1));
+    }
+}

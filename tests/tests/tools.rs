@@ -1,0 +1,553 @@
+//! Tools through the turn loop, in-process, against the scripted server over real HTTP: the
+//! `execute_code` tool, users' command and HTTP tools in a local session, every way a call goes
+//! wrong, streamed pieces, text fallbacks and approval; each with the exact messages Tandem
+//! sends back.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use serde_json::{Value, json};
+use tandem_agent::tools::{Catalog, resolve};
+use tandem_agent::{
+    ApprovalGate, Approver, Ask, ChatModel, EventSink, ModelConfig, Ruling, TaskSettings, run_task,
+};
+use tandem_executor::CancellationToken;
+use tandem_executor_local::{LocalConfig, LocalExecutor};
+use tandem_protocol::{
+    ApprovalPolicy, CodeVia, Decision, EventMsg, Message, Role, StopReason, ToolDef, ToolReply,
+};
+use tandem_tests::{Reply, ScriptedOpenAi, call, script};
+
+fn model(server: &ScriptedOpenAi, stream: bool) -> ChatModel {
+    ChatModel::new(ModelConfig {
+        base_url: server.base_url(),
+        max_retries: 0,
+        stream,
+        ..ModelConfig::default()
+    })
+    .unwrap()
+}
+
+struct Ran {
+    outcome: tandem_agent::TaskOutcome,
+    events: Vec<EventMsg>,
+    requests: Vec<Value>,
+}
+
+async fn run(task: &str, replies: Vec<Reply>, settings: impl FnOnce(&mut TaskSettings)) -> Ran {
+    run_on(task, replies, true, settings).await
+}
+
+async fn run_on(
+    task: &str,
+    replies: Vec<Reply>,
+    stream: bool,
+    settings: impl FnOnce(&mut TaskSettings),
+) -> Ran {
+    let server = ScriptedOpenAi::start(script([(task, replies)]))
+        .await
+        .unwrap();
+    let mut s = TaskSettings::new(task);
+    s.code_via = CodeVia::Tool;
+    s.max_turns = 6;
+    settings(&mut s);
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let into = events.clone();
+    let sink: EventSink = Arc::new(move |e| into.lock().unwrap().push(e));
+    let executor = Arc::new(LocalExecutor::new(LocalConfig::default()));
+    let outcome = run_task(
+        s,
+        &model(&server, stream),
+        executor,
+        sink,
+        CancellationToken::new(),
+    )
+    .await;
+    let requests = server
+        .requests_for(task)
+        .into_iter()
+        .map(|r| r.body)
+        .collect();
+    let events = events.lock().unwrap().clone();
+    Ran {
+        outcome,
+        events,
+        requests,
+    }
+}
+
+fn code(id: &str, language: &str, code: &str) -> (String, String, String) {
+    call(
+        id,
+        "execute_code",
+        &json!({"language": language, "code": code}).to_string(),
+    )
+}
+
+/// The messages of a request after the system prompt and the task.
+fn said(request: &Value) -> Vec<Value> {
+    request["messages"].as_array().unwrap()[2..].to_vec()
+}
+
+fn tool_message(id: &str, content: &str) -> Value {
+    json!({"role": "tool", "content": content, "tool_call_id": id})
+}
+
+#[tokio::test]
+async fn code_runs_as_a_tool_call_and_is_answered_with_one_tool_message() {
+    let task = "tools: execute_code";
+    for stream in [true, false] {
+        let call = code("call_1", "python", "print(6 * 7)");
+        let ran = run_on(
+            task,
+            vec![
+                Reply::Calls(String::new(), vec![call.clone()]),
+                Reply::from("42\nTERMINATE"),
+            ],
+            stream,
+            |_| {},
+        )
+        .await;
+        assert_eq!(ran.outcome.stop_reason, StopReason::Terminated, "{stream}");
+        assert_eq!(ran.outcome.summary.as_deref(), Some("42"));
+        // The tool as the model is offered it: the executor's languages, code and filename.
+        let first = &ran.requests[0];
+        let tools = first["tools"].as_array().unwrap();
+        assert_eq!(tools.len(), 1);
+        assert_eq!(tools[0]["type"], "function");
+        assert_eq!(tools[0]["function"]["name"], "execute_code");
+        assert_eq!(
+            tools[0]["function"]["parameters"]["required"],
+            json!(["language", "code"])
+        );
+        assert_eq!(
+            tools[0]["function"]["parameters"]["properties"]["language"]["enum"],
+            json!(["python", "sh", "javascript"])
+        );
+        assert_eq!(first["tool_choice"], "auto");
+        // One tool: nothing to say about parallel calls.
+        assert!(first.get("parallel_tool_calls").is_none());
+        assert!(
+            first["messages"][0]["content"]
+                .as_str()
+                .unwrap()
+                .ends_with("- Run code by calling the `execute_code` tool; its result is the program's exit code and output.")
+        );
+        // What Tandem sent back: the call as it was made, then its one answer.
+        assert_eq!(
+            said(&ran.requests[1]),
+            [
+                json!({"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "execute_code", "arguments": call.2}}
+                ]}),
+                tool_message(
+                    "call_1",
+                    "exitcode: 0 (execution succeeded)\nCode output: 42\n"
+                ),
+            ]
+        );
+        // Seen as events: the call, its block, its result, and the executor's answer.
+        let kinds: Vec<&str> = ran
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                EventMsg::ToolCall { .. } => Some("tool_call"),
+                EventMsg::CodeBlock { .. } => Some("code_block"),
+                EventMsg::ExecResult { .. } => Some("exec_result"),
+                EventMsg::ToolResult { .. } => Some("tool_result"),
+                EventMsg::ExecutorMessage { .. } => Some("executor_message"),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                "tool_call",
+                "code_block",
+                "exec_result",
+                "tool_result",
+                "executor_message"
+            ]
+        );
+        assert!(ran.events.iter().any(|e| matches!(e,
+            EventMsg::ToolResult { id, name, is_error: false, index: 1, .. }
+                if id == "call_1" && name == "execute_code")));
+        // The transcript holds the call and its answer as the model saw them.
+        let transcript = &ran.outcome.transcript;
+        assert_eq!(transcript[2].tool_calls.len(), 1);
+        assert_eq!(transcript[3].role, Role::Tool);
+        assert_eq!(transcript[3].tool_call_id.as_deref(), Some("call_1"));
+    }
+}
+
+#[tokio::test]
+async fn every_bad_call_is_an_answer_the_model_reads_and_the_rest_still_run() {
+    let task = "tools: bad calls";
+    let ran = run(
+        task,
+        vec![
+            Reply::Calls(
+                "First a block.\n```python\nprint('fenced')\n```".to_owned(),
+                vec![
+                    call("a", "execute_code", r#"{"language": "python", "code": "#),
+                    call("b", "execute_code", r#"["print(1)"]"#),
+                    call("c", "execute_code", r#"{"language": "python"}"#),
+                    call("d", "rm_rf", r#"{}"#),
+                    code("e", "python", "print('still runs')"),
+                ],
+            ),
+            Reply::from("TERMINATE"),
+        ],
+        |_| {},
+    )
+    .await;
+    assert_eq!(ran.outcome.stop_reason, StopReason::Terminated);
+    let back = said(&ran.requests[1]);
+    assert_eq!(back.len(), 7, "{back:#?}");
+    assert_eq!(back[0]["tool_calls"].as_array().unwrap().len(), 5);
+    assert_eq!(
+        back[1..6].to_vec(),
+        [
+            tool_message(
+                "a",
+                "error: the arguments of `execute_code` are not valid JSON (EOF while parsing a value at line 1 column 31); send a JSON object. They were: `{\"language\": \"python\", \"code\": `"
+            ),
+            tool_message(
+                "b",
+                "error: the arguments of `execute_code` must be a JSON object, not an array. They were: `[\"print(1)\"]`"
+            ),
+            tool_message(
+                "c",
+                "error: the arguments of `execute_code` do not match its parameters: `arguments.code` is required. They were: `{\"language\": \"python\"}`"
+            ),
+            tool_message(
+                "d",
+                "error: there is no tool `rm_rf`; the tools are: execute_code."
+            ),
+            tool_message(
+                "e",
+                "exitcode: 0 (execution succeeded)\nCode output: still runs\n"
+            ),
+        ]
+    );
+    // The fenced block ran too, and its report follows the answers.
+    assert_eq!(
+        back[6],
+        json!({"role": "user", "name": "executor", "content": "exitcode: 0 (execution succeeded)\nCode output: fenced\n"})
+    );
+    let errors = ran
+        .events
+        .iter()
+        .filter(|e| matches!(e, EventMsg::ToolResult { is_error: true, .. }))
+        .count();
+    assert_eq!(errors, 4);
+}
+
+#[tokio::test]
+async fn streamed_pieces_join_by_index_across_escapes_and_surrogate_pairs() {
+    let task = "tools: pieces";
+    // Two calls whose pieces interleave; the second one's code is split inside `\"`, inside
+    // `\n` and between the halves of a surrogate pair.
+    let deltas = [
+        r#"{"tool_calls": [{"index": 1, "id": "second", "type": "function", "function": {"name": "execute_code", "arguments": "{\"language\": \"python\", \"code\": \"print(\\"}}]}"#,
+        r#"{"tool_calls": [{"index": 0, "id": "first", "type": "function", "function": {"name": "execute_code", "arguments": "{\"language\": \"sh\", "}}]}"#,
+        r#"{"tool_calls": [{"index": 1, "function": {"arguments": "\"caf\u00e9 \ud83c"}}]}"#,
+        r#"{"tool_calls": [{"index": 0, "function": {"arguments": "\"code\": \"echo one\"}"}}]}"#,
+        r#"{"tool_calls": [{"index": 1, "function": {"arguments": "\udf89\\\")\\"}}]}"#,
+        r#"{"tool_calls": [{"index": 1, "function": {"arguments": "nprint(2)\"}"}}]}"#,
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    let ran = run(
+        task,
+        vec![Reply::Deltas(deltas), Reply::from("TERMINATE")],
+        |_| {},
+    )
+    .await;
+    let back = said(&ran.requests[1]);
+    assert_eq!(
+        back[0]["tool_calls"],
+        json!([
+            {"id": "first", "type": "function", "function": {"name": "execute_code", "arguments": "{\"language\": \"sh\", \"code\": \"echo one\"}"}},
+            {"id": "second", "type": "function", "function": {"name": "execute_code", "arguments": "{\"language\": \"python\", \"code\": \"print(\\\"café 🎉\\\")\\nprint(2)\"}"}},
+        ])
+    );
+    assert_eq!(
+        back[1..],
+        [
+            tool_message(
+                "first",
+                "exitcode: 0 (execution succeeded)\nCode output: one\n"
+            ),
+            tool_message(
+                "second",
+                "exitcode: 0 (execution succeeded)\nCode output: café 🎉\n2\n"
+            ),
+        ]
+    );
+}
+
+fn wc_tool() -> ToolDef {
+    ToolDef {
+        description: Some("Count the words of a text.".to_owned()),
+        parameters: Some(json!({
+            "type": "object",
+            "properties": {"text": {"type": "string"}},
+            "required": ["text"],
+        })),
+        command: Some(vec![
+            "python3".to_owned(),
+            "-c".to_owned(),
+            "import json, sys\nargs = json.load(sys.stdin)\nif args['text'] == 'fail':\n    sys.exit('no words here')\nprint(len(args['text'].split()))".to_owned(),
+        ]),
+        ..ToolDef::default()
+    }
+}
+
+fn catalog(entries: &[(&str, ToolDef)]) -> Catalog {
+    entries
+        .iter()
+        .map(|(n, d)| ((*n).to_owned(), d.clone()))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_command_tool_runs_in_the_session_and_parallel_calls_fall_back_when_refused() {
+    let task = "tools: command";
+    let words = call("w1", "wc", r#"{"text": "one two three"}"#);
+    let fails = call("w2", "wc", r#"{"text": "fail"}"#);
+    // The server refuses parallel_tool_calls: asked again without it, and not sent again.
+    let ran = run(
+        task,
+        vec![
+            Reply::Refuses(
+                "parallel_tool_calls".to_owned(),
+                Box::new(Reply::Calls(String::new(), vec![words, fails])),
+            ),
+            Reply::Refuses(
+                "parallel_tool_calls".to_owned(),
+                Box::new(Reply::from("3 words. TERMINATE")),
+            ),
+        ],
+        |s| {
+            s.tools = resolve(None, &catalog(&[("wc", wc_tool())])).unwrap();
+        },
+    )
+    .await;
+    assert_eq!(ran.outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(ran.requests.len(), 3);
+    assert_eq!(ran.requests[0]["parallel_tool_calls"], true);
+    assert!(ran.requests[1].get("parallel_tool_calls").is_none());
+    assert!(ran.requests[2].get("parallel_tool_calls").is_none());
+    let names: Vec<&str> = ran.requests[0]["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["function"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["execute_code", "wc"]);
+    assert_eq!(
+        said(&ran.requests[2])[1..],
+        [
+            tool_message("w1", "3\n"),
+            tool_message(
+                "w2",
+                "error: tool `wc` failed (exit code 1):\nno words here"
+            ),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn auto_falls_back_to_blocks_when_the_server_refuses_tools() {
+    let task = "tools: auto";
+    let ran = run(
+        task,
+        vec![
+            Reply::Refuses(
+                "tools".to_owned(),
+                Box::new(Reply::from("```python\nprint(7)\n```")),
+            ),
+            Reply::Refuses("tools".to_owned(), Box::new(Reply::from("7 TERMINATE"))),
+        ],
+        |s| s.code_via = CodeVia::Auto,
+    )
+    .await;
+    assert_eq!(ran.outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(ran.requests.len(), 3);
+    assert!(ran.requests[0].get("tools").is_some());
+    assert!(ran.requests[1].get("tools").is_none());
+    assert!(ran.requests[2].get("tools").is_none());
+    assert_eq!(
+        said(&ran.requests[2])[1]["content"],
+        "exitcode: 0 (execution succeeded)\nCode output: 7\n"
+    );
+    // Asked for tool calls only, a server that refuses tools fails the task, by name.
+    let ran = run(
+        "tools: tool refused",
+        vec![Reply::Refuses(
+            "tools".to_owned(),
+            Box::new(Reply::from("TERMINATE")),
+        )],
+        |_| {},
+    )
+    .await;
+    assert_eq!(ran.outcome.stop_reason, StopReason::Error);
+    let error = ran.outcome.error.unwrap().message;
+    assert!(error.contains("tools"), "{error}");
+}
+
+#[tokio::test]
+async fn calls_written_as_text_run_and_the_same_call_repeated_is_stopped() {
+    let task = "tools: text and loops";
+    let text_call = "<tool_call>\n{\"name\": \"execute_code\", \"arguments\": {\"language\": \"python\", \"code\": \"print(5)\"}}\n</tool_call>";
+    let same = || Reply::Calls(String::new(), vec![code("same", "python", "print(1)")]);
+    let ran = run(
+        task,
+        vec![
+            Reply::from(text_call),
+            same(),
+            same(),
+            same(),
+            same(),
+            Reply::from("TERMINATE"),
+        ],
+        |_| {},
+    )
+    .await;
+    assert_eq!(ran.outcome.stop_reason, StopReason::Terminated);
+    // A call written as text is answered as text: there is no id to answer.
+    assert_eq!(
+        said(&ran.requests[1])[1],
+        json!({"role": "user", "name": "executor", "content": "Result of tool `execute_code`:\nexitcode: 0 (execution succeeded)\nCode output: 5\n"})
+    );
+    let last = said(&ran.requests[5]);
+    assert_eq!(
+        last[last.len() - 1],
+        tool_message(
+            "same",
+            "error: not run: `execute_code` was called with these same arguments 3 times in a row, and its answer will not change. Take another way, or give your answer."
+        )
+    );
+}
+
+/// Denies every request and remembers what it was asked.
+struct Denier(Mutex<Vec<Ask>>);
+
+impl Approver for Denier {
+    fn decide<'a>(
+        &'a self,
+        ask: Ask,
+        _timeout: Duration,
+        _cancel: &'a CancellationToken,
+    ) -> BoxFuture<'a, Option<Ruling>> {
+        self.0.lock().unwrap().push(ask);
+        Box::pin(async {
+            Some(Ruling {
+                decision: Decision::Deny,
+                code: None,
+                reason: Some("not today".to_owned()),
+                by: "user".to_owned(),
+            })
+        })
+    }
+}
+
+#[tokio::test]
+async fn tool_calls_are_asked_about_and_denied_by_name() {
+    let task = "tools: approval";
+    let denier = Arc::new(Denier(Mutex::new(Vec::new())));
+    let policy = ApprovalPolicy {
+        ask_tools: vec!["wc".to_owned()],
+        deny_tools: vec!["erase".to_owned()],
+        ..ApprovalPolicy::default()
+    };
+    let gate = ApprovalGate::new(&policy, None)
+        .unwrap()
+        .with_approver(denier.clone());
+    let erase = ToolDef {
+        command: Some(vec!["true".to_owned()]),
+        ..ToolDef::default()
+    };
+    let ran = run(
+        task,
+        vec![
+            Reply::Calls(
+                String::new(),
+                vec![
+                    call("w", "wc", r#"{"text": "a b"}"#),
+                    call("e", "erase", r#"{}"#),
+                    code("c", "python", "print('code is not asked about')"),
+                ],
+            ),
+            Reply::from("TERMINATE"),
+        ],
+        |s| {
+            s.approval = Some(Arc::new(gate));
+            s.tools = resolve(None, &catalog(&[("wc", wc_tool()), ("erase", erase)])).unwrap();
+        },
+    )
+    .await;
+    assert_eq!(
+        said(&ran.requests[1])[1..],
+        [
+            tool_message(
+                "w",
+                "error: not run: the user declined to run this call: not today. Do not call it again unchanged."
+            ),
+            tool_message(
+                "e",
+                "error: not run: the operator's approval policy does not allow this call (deny rule `deny_tools erase`). Do not call it again unchanged."
+            ),
+            tool_message(
+                "c",
+                "exitcode: 0 (execution succeeded)\nCode output: code is not asked about\n"
+            ),
+        ]
+    );
+    let asked = denier.0.lock().unwrap().clone();
+    assert_eq!(asked.len(), 1);
+    assert_eq!(
+        (asked[0].language.as_str(), asked[0].code.as_str()),
+        ("tool", r#"{"text":"a b"}"#)
+    );
+    assert_eq!(
+        asked[0].reason,
+        "calls of tool `wc` are asked about (ask_tools)"
+    );
+}
+
+#[tokio::test]
+async fn a_resumed_task_sends_its_calls_and_answers_as_they_were() {
+    let task = "tools: resume";
+    let call = code("r1", "python", "print(1)");
+    let mut assistant = Message::new(Role::Assistant, "");
+    assistant.tool_calls = vec![tandem_protocol::ToolCall {
+        id: call.0.clone(),
+        name: call.1.clone(),
+        arguments: call.2.clone(),
+    }];
+    let answer = Message::tool(&ToolReply {
+        id: "r1".to_owned(),
+        name: "execute_code".to_owned(),
+        content: "exitcode: 0 (execution succeeded)\nCode output: 1\n".to_owned(),
+    });
+    let ran = run(
+        task,
+        vec![Reply::from("unused"), Reply::from("1 TERMINATE")],
+        |s| s.history = vec![assistant, answer],
+    )
+    .await;
+    assert_eq!(ran.outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(ran.requests.len(), 1);
+    assert_eq!(
+        said(&ran.requests[0]),
+        [
+            json!({"role": "assistant", "content": "", "tool_calls": [
+                {"id": "r1", "type": "function", "function": {"name": "execute_code", "arguments": call.2}}
+            ]}),
+            tool_message("r1", "exitcode: 0 (execution succeeded)\nCode output: 1\n"),
+        ]
+    );
+}
