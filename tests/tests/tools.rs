@@ -551,3 +551,137 @@ async fn a_resumed_task_sends_its_calls_and_answers_as_they_were() {
         ]
     );
 }
+
+#[tokio::test]
+async fn code_in_a_confined_local_block_calls_the_tasks_tools_over_its_own_channel() {
+    let task = "tools: from code";
+    let python = "import tandem_tools\nprint(tandem_tools.call('wc', text='one two three'))\nprint(tandem_tools.wc({'text': 'a b'}))\ntry:\n    tandem_tools.call('wc', text=7)\nexcept tandem_tools.ToolError as e:\n    print('refused:', e)\ntry:\n    tandem_tools.call('execute_code', language='sh', code='id')\nexcept tandem_tools.ToolError as e:\n    print('refused:', e)\n";
+    let sh = "tandem-tool wc '{\"text\": \"x y z w\"}'\necho '{\"text\": \"from stdin\"}' | tandem-tool wc\ntandem-tool nope '{}' || echo \"exit $?\"";
+    let ran = run(
+        task,
+        vec![
+            Reply::from(format!("```python\n{python}```\n```sh\n{sh}\n```").as_str()),
+            Reply::from("TERMINATE"),
+        ],
+        |s| {
+            s.code_via = CodeVia::Auto;
+            s.tools = resolve(None, &catalog(&[("wc", wc_tool())])).unwrap();
+        },
+    )
+    .await;
+    assert_eq!(ran.outcome.stop_reason, StopReason::Terminated);
+    let report = said(&ran.requests[1])[1]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(
+        report,
+        "exitcode: 0 (execution succeeded)\nCode output: 3\n\n2\n\nrefused: error: the arguments of `wc` do not match its parameters: `arguments.text` must be string, not an integer. They were: `{\"text\": 7}`\nrefused: error: `execute_code` cannot be called from code: run the code directly\n4\n2\nexit 1\ntandem-tool: error: there is no tool `nope`; the tools are: execute_code, wc.\n"
+    );
+    // Each call is seen as the block's: its index, a made-up id, its result.
+    let results: Vec<(u32, String, bool)> = ran
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            EventMsg::ToolResult {
+                index,
+                name,
+                is_error,
+                ..
+            } => Some((*index, name.clone(), *is_error)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        results,
+        [
+            (1, "wc".to_owned(), false),
+            (1, "wc".to_owned(), false),
+            (1, "wc".to_owned(), true),
+            (1, "execute_code".to_owned(), true),
+            (2, "wc".to_owned(), false),
+            (2, "wc".to_owned(), false),
+            (2, "nope".to_owned(), true),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn a_block_cannot_reach_another_sessions_tools() {
+    // Task A holds a tool only it has, and a block that waits while B's block looks for
+    // A's channel: in its own environment, in every process's descriptors and environment.
+    let holder =
+        "import os, time\nprint(os.environ['TANDEM_TOOLS_FD'], flush=True)\ntime.sleep(4)\n";
+    let thief = r#"import json, os, socket, time
+import tandem_tools
+time.sleep(1)
+found = []
+for pid in os.listdir('/proc'):
+    if not pid.isdigit() or int(pid) == os.getpid():
+        continue
+    try:
+        env = open('/proc/%s/environ' % pid, 'rb').read()
+        if b'TANDEM_TOOLS_TOKEN' in env:
+            found.append('environ of %s' % pid)
+    except OSError:
+        pass
+    try:
+        for fd in os.listdir('/proc/%s/fd' % pid):
+            try:
+                f = os.open('/proc/%s/fd/%s' % (pid, fd), os.O_RDWR)
+                os.close(f)
+                found.append('fd %s of %s' % (fd, pid))
+            except OSError:
+                pass
+    except OSError:
+        pass
+try:
+    print(tandem_tools.call('secret_of_a'))
+except tandem_tools.ToolError as e:
+    print('refused:', e)
+print('reached:', found)
+"#;
+    let secret = ToolDef {
+        command: Some(vec!["echo".to_owned(), "the secret".to_owned()]),
+        ..ToolDef::default()
+    };
+    let a = run(
+        "tools: holder",
+        vec![
+            Reply::from(format!("```python\n{holder}```").as_str()),
+            Reply::from("TERMINATE"),
+        ],
+        |s| {
+            s.code_via = CodeVia::Blocks;
+            s.tools = resolve(None, &catalog(&[("secret_of_a", secret)])).unwrap();
+        },
+    );
+    let b = run(
+        "tools: thief",
+        vec![
+            Reply::from(format!("```python\n{thief}```").as_str()),
+            Reply::from("TERMINATE"),
+        ],
+        |s| {
+            s.code_via = CodeVia::Blocks;
+            s.tools = resolve(None, &catalog(&[("wc", wc_tool())])).unwrap();
+        },
+    );
+    let (a, b) = tokio::join!(a, b);
+    let report = said(&b.requests[1])[1]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(
+        report,
+        "exitcode: 0 (execution succeeded)\nCode output: refused: error: there is no tool `secret_of_a`; the tools are: wc.\nreached: []\n"
+    );
+    // A's tool was never called, by anyone.
+    assert!(
+        !a.events
+            .iter()
+            .any(|e| matches!(e, EventMsg::ToolCall { .. })),
+        "{:?}",
+        a.events
+    );
+}

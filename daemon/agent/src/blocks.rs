@@ -23,6 +23,8 @@ pub struct SessionSlot {
     pictures: Option<Pictures>,
     /// The latest tool calls run here (tool and arguments), newest last, to catch a loop.
     recent: Vec<String>,
+    /// The tools the code of the blocks running now may call: their author's.
+    code_tools: Option<Arc<crate::tools::ToolBox>>,
 }
 
 impl SessionSlot {
@@ -35,7 +37,14 @@ impl SessionSlot {
             session: None,
             pictures: None,
             recent: Vec::new(),
+            code_tools: None,
         }
+    }
+
+    /// Lets the code of the next blocks call `tools` (those of the agent that wrote them).
+    pub fn code_may_call(&mut self, tools: Option<Arc<crate::tools::ToolBox>>) {
+        self.code_tools =
+            tools.filter(|t| t.tools().iter().any(|t| t.runs != crate::tools::Runs::Code));
     }
 
     /// The session's block timeout.
@@ -474,16 +483,36 @@ pub(crate) async fn run_one(
             emit(stream, bytes, false);
         }
     };
-    let ctx = ExecContext::new(opts.cancel.child_token()).with_sink(Arc::new(sink));
+    let mut ctx = ExecContext::new(opts.cancel.child_token()).with_sink(Arc::new(sink));
     let mut req = ExecRequest::new(language.clone(), code.to_owned());
     req.timeout = opts.timeout;
     let mut workspace = None;
     let mut before = slot.pictures.take();
+    let slot_tools = slot
+        .code_tools
+        .clone()
+        .filter(|_| slot.executor.carries_tool_calls() && !slot.spec.keep_state);
+    let (slot_executor, slot_spec) = (slot.executor.clone(), slot.spec.clone());
     let outcome = match slot.session(&ctx.cancel).await? {
         Some(session) => {
             workspace = session.workspace().map(std::path::Path::to_owned);
             if before.is_none() {
                 before = Some(pictures_in(workspace.clone()).await);
+            }
+            if let (Some(tools), Some(dir)) = (&slot_tools, &workspace) {
+                let spec = SessionSpec {
+                    workdir: Some(dir.clone()),
+                    inputs: None,
+                    keep_state: false,
+                    ..slot_spec
+                };
+                ctx = ctx.with_tools(crate::dispatch::code_handler(
+                    tools.clone(),
+                    slot_executor,
+                    spec,
+                    index,
+                    opts.clone(),
+                ));
             }
             session.run(req, ctx).await
         }

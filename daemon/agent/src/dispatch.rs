@@ -259,22 +259,123 @@ async fn run_command(
     let (outcome, pictures) =
         blocks::run_one(slot, &Language::python(), &launcher, index, &run_opts).await?;
     blocks::tell_pictures(pictures, index, opts);
-    let result = blocks::to_result(&Language::python(), outcome);
-    let (content, is_error) = if result.succeeded() {
-        (result.stdout, false)
-    } else {
-        let code = blocks::exit_code_of(&result);
-        let mut text = format!("error: tool `{}` failed (exit code {code})", tool.name);
-        for stream in [&result.stderr, &result.stdout] {
-            if !stream.trim().is_empty() {
-                text.push_str(":\n");
-                text.push_str(stream.trim_end());
-                break;
-            }
-        }
-        (text, true)
-    };
+    let (content, is_error) = command_answer(&tool.name, outcome);
     Ok(answer(call, index, content, is_error, started, opts))
+}
+
+/// What the model (or the calling code) is told of a command tool's run: its stdout, or why
+/// it failed.
+fn command_answer(name: &str, outcome: tandem_executor::ExecOutcome) -> (String, bool) {
+    let result = blocks::to_result(&Language::python(), outcome);
+    if result.succeeded() {
+        return (result.stdout, false);
+    }
+    let code = blocks::exit_code_of(&result);
+    let mut text = format!("error: tool `{name}` failed (exit code {code})");
+    for stream in [&result.stderr, &result.stdout] {
+        if !stream.trim().is_empty() {
+            text.push_str(":\n");
+            text.push_str(stream.trim_end());
+            break;
+        }
+    }
+    (text, true)
+}
+
+/// Answers calls from the code of block `index`: `tools` are its caller's. A command runs in
+/// a second session on the same workspace (the block's own is busy running the block), an
+/// HTTP tool from here; `execute_code` is refused, since code can run code itself. Every call
+/// is told as a block's are, and passes the same approval.
+pub(crate) fn code_handler(
+    tools: std::sync::Arc<ToolBox>,
+    executor: std::sync::Arc<dyn tandem_executor::Executor>,
+    spec: tandem_executor::SessionSpec,
+    index: u32,
+    opts: RunOptions,
+) -> tandem_executor::toolchannel::ToolHandler {
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    std::sync::Arc::new(move |name: String, arguments: String| {
+        let (tools, executor, spec, opts) =
+            (tools.clone(), executor.clone(), spec.clone(), opts.clone());
+        let n = calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        Box::pin(async move {
+            let started = Instant::now();
+            let call = ToolCall {
+                id: format!("code_call_{}_{index}_{n}", opts.turn),
+                name,
+                arguments,
+            };
+            let refuse = |text: String| {
+                told_call(&call, index, &opts);
+                let a = answer(&call, index, text, true, started, &opts);
+                Err(a.reply.content)
+            };
+            let (tool, args) = match tools.check(&call) {
+                Ok(found) => found,
+                Err(text) => return refuse(text),
+            };
+            let arguments = Value::Object(args.clone()).to_string();
+            let done = match &tool.runs {
+                Runs::Code => {
+                    return refuse(format!(
+                        "error: `{}` cannot be called from code: run the code directly",
+                        tool.name
+                    ));
+                }
+                Runs::Http(url) => run_http(tool, &call, url, &args, index, &opts).await,
+                Runs::Command(argv) => {
+                    let arguments = match approved(&tool.name, arguments, index, &opts).await {
+                        Ok(a) => a,
+                        Err(text) => return refuse(text),
+                    };
+                    told_call(&call, index, &opts);
+                    let (content, is_error) = command_beside(
+                        &tool.name,
+                        argv,
+                        &arguments,
+                        tool.timeout,
+                        executor,
+                        spec,
+                        &opts,
+                    )
+                    .await;
+                    answer(&call, index, content, is_error, started, &opts)
+                }
+            };
+            if done.is_error {
+                Err(done.reply.content)
+            } else {
+                Ok(done.reply.content)
+            }
+        })
+    })
+}
+
+/// Runs a command tool in a second session on `spec`'s workspace, closed after.
+async fn command_beside(
+    name: &str,
+    argv: &[String],
+    arguments: &str,
+    timeout: Option<Duration>,
+    executor: std::sync::Arc<dyn tandem_executor::Executor>,
+    spec: tandem_executor::SessionSpec,
+    opts: &RunOptions,
+) -> (String, bool) {
+    let mut session = match executor.open(spec).await {
+        Ok(s) => s,
+        Err(e) => return (format!("error: tool `{name}` could not start: {e}"), true),
+    };
+    let mut req = tandem_executor::ExecRequest::new(Language::python(), launcher(argv, arguments));
+    req.timeout = timeout;
+    let ctx = tandem_executor::ExecContext::new(opts.cancel.child_token());
+    let ran = session.run(req, ctx).await;
+    if let Err(e) = session.close().await {
+        tracing::warn!(error = %e, "closing a tool's session failed");
+    }
+    match ran {
+        Ok(outcome) => command_answer(name, outcome),
+        Err(e) => (format!("error: tool `{name}` could not run: {e}"), true),
+    }
 }
 
 /// Python that runs `argv` with `stdin` on its standard input and exits as it did. Both are

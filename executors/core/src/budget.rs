@@ -171,6 +171,10 @@ impl Executor for Budgeted {
     fn keeps_state(&self) -> bool {
         self.inner.keeps_state()
     }
+
+    fn carries_tool_calls(&self) -> bool {
+        self.inner.carries_tool_calls()
+    }
 }
 
 /// A session and the permits it holds until it is closed (or dropped, when its own drop

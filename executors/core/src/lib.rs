@@ -32,6 +32,7 @@ pub mod owner;
 pub mod process;
 mod registry;
 pub mod scratch;
+pub mod toolchannel;
 pub mod workspace;
 
 use std::future::Future;
@@ -80,6 +81,12 @@ pub trait Executor: Send + Sync + 'static {
     /// ([`kept::KeptSession`]): the executor's sessions have a host workspace, a second
     /// session can be opened on it, and its Python has threads and FIFOs.
     fn keeps_state(&self) -> bool {
+        false
+    }
+
+    /// Whether its blocks' code can call the task's tools ([`ExecContext::tools`]): the
+    /// `tandem_tools` module and the `tandem-tool` command work in its sandbox.
+    fn carries_tool_calls(&self) -> bool {
         false
     }
 
@@ -191,6 +198,9 @@ pub struct ExecContext {
     pub cancel: CancellationToken,
     /// Live output; it sees the kept head of each stream (half of `Limits::output_bytes`).
     pub sink: OutputSink,
+    /// Answers calls the block's code makes to its task's tools, where the executor can carry
+    /// them ([`Executor::carries_tool_calls`]).
+    pub tools: Option<toolchannel::ToolHandler>,
 }
 
 impl ExecContext {
@@ -199,7 +209,14 @@ impl ExecContext {
         Self {
             cancel,
             sink: Arc::new(|_, _| {}),
+            tools: None,
         }
+    }
+
+    /// Lets the block's code call tools, answered by `handler`.
+    pub fn with_tools(mut self, handler: toolchannel::ToolHandler) -> Self {
+        self.tools = Some(handler);
+        self
     }
 
     /// Sends live output to `sink`.

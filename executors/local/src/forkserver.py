@@ -2,8 +2,8 @@
 # encodings) forks a fresh process per block; a block in another language is exec'd from
 # such a fork, so that every block runs under a waiter that is its subreaper. Requests
 # arrive on fd 3, a SOCK_SEQPACKET socket: one JSON message with three fds (stdout, stderr,
-# status pipes), and a fourth, the session's Landlock ruleset, when the block is to be
-# confined; the reply is the pid of the block's waiter. On the status pipe the block
+# status pipes), a fourth, the session's Landlock ruleset, when the block is to be
+# confined, and last the block's end of its tools channel when it has one; the reply is the pid of the block's waiter. On the status pipe the block
 # writes its own pid once it leads its own session, then the waiter writes the block's raw
 # wait status; EOF follows once every process the block started is dead.
 import _thread, builtins, fcntl, io, json, os, resource, signal, socket, struct, sys, types
@@ -47,6 +47,9 @@ def block(req, out, err, status):
         script = req["script"]
         sys.argv = [script]
         sys.path[0] = os.path.dirname(script)
+        # Read once at start-up by a fresh interpreter; this one started before the block.
+        for extra in reversed([p for p in req["env"].get("PYTHONPATH", "").split(":") if p]):
+            sys.path.insert(1, extra)
         sys.meta_path.insert(0, ShowWatch())
         main = types.ModuleType("__main__")
         main.__file__ = script
@@ -355,10 +358,15 @@ def waiter(req, out, err, status, rules=None):
 
 
 while True:
-    msg, fds, _, _ = socket.recv_fds(ctl, 1 << 20, 4)
+    msg, fds, _, _ = socket.recv_fds(ctl, 1 << 20, 5)
     if not msg:
         os._exit(0)
     req = json.loads(msg)
+    # The block's end of its tools channel comes last; the block and what it starts inherit
+    # it, and find it by number.
+    if req.get("tools") and len(fds) > 3:
+        req["env"]["TANDEM_TOOLS_FD"] = str(fds[-1])
+        os.set_inheritable(fds[-1], True)
     if req.get("confine"):
         try:
             seccomp_program(req["confine"]["seccomp"])
@@ -367,7 +375,7 @@ while True:
     pid = os.fork()
     if pid == 0:
         ctl.close()
-        waiter(req, *fds[:3], rules=fds[3] if len(fds) > 3 else None)
+        waiter(req, *fds[:3], rules=fds[3] if req.get("confine") and len(fds) > 3 else None)
     for f in fds:
         os.close(f)
     ctl.send(str(pid).encode())

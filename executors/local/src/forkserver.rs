@@ -87,10 +87,15 @@ impl ForkServer {
         })
     }
 
-    /// Asks the server to start a block; blocking (run it off the async workers).
-    /// Starts a block; `ruleset`, a Landlock ruleset, goes with the request for its waiter to
-    /// apply.
-    pub(crate) fn launch(&self, request: &[u8], ruleset: Option<&OwnedFd>) -> io::Result<Launched> {
+    /// Starts a block; blocking (run it off the async workers). `ruleset`, a Landlock
+    /// ruleset, goes with the request for its waiter to apply, and `tools`, the block's end
+    /// of its tools channel, for the block to inherit.
+    pub(crate) fn launch(
+        &self,
+        request: &[u8],
+        ruleset: Option<&OwnedFd>,
+        tools: Option<&OwnedFd>,
+    ) -> io::Result<Launched> {
         let (out_r, out_w) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
         let (err_r, err_w) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
         let (st_r, st_w) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
@@ -100,6 +105,8 @@ impl ForkServer {
             .map_err(|_| io::Error::other("fork server lock poisoned"))?;
         let mut fds = vec![out_w.as_raw_fd(), err_w.as_raw_fd(), st_w.as_raw_fd()];
         fds.extend(ruleset.map(AsRawFd::as_raw_fd));
+        // Last, where the server looks for it when the request says there is one.
+        fds.extend(tools.map(AsRawFd::as_raw_fd));
         sendmsg::<()>(
             ctl.as_raw_fd(),
             &[IoSlice::new(request)],

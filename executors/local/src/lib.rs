@@ -240,6 +240,14 @@ impl Executor for LocalExecutor {
         true
     }
 
+    fn carries_tool_calls(&self) -> bool {
+        // The fork server hands each block its channel.
+        self.inner
+            .interpreters()
+            .program(&Language::python())
+            .is_some()
+    }
+
     fn network(&self) -> bool {
         // Only confinement takes the network away.
         self.inner.config.network || unconfined_because(&self.inner.config).is_some()

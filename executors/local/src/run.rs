@@ -116,6 +116,11 @@ async fn supervise(
         ("PYTHONDONTWRITEBYTECODE".to_owned(), "1".to_owned()),
         (MARKER_VAR.to_owned(), exec_id.clone()),
     ]);
+    // The block's tools channel: a socket pair made here, its end inherited by the block.
+    let channel = match &ctx.tools {
+        Some(handler) => Some(tools_channel(session, &mut env, handler.clone())?),
+        None => None,
+    };
 
     // Every language goes through the fork server when it runs: its per-block waiter is a
     // subreaper, so processes that leave the block's session and environment (`setsid env -i
@@ -130,14 +135,23 @@ async fn supervise(
     let started = match server {
         Some(server) => {
             let confine = session.policy.as_ref();
-            fork(
-                &server,
+            let request = ForkRequest {
                 script,
                 argv,
-                &session.workspace,
-                &env,
-                limits,
+                cwd: &session.workspace,
+                env: env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
+                rlimits: process::rlimits(limits)
+                    .into_iter()
+                    .filter_map(|(r, l)| l.map(|l| (format!("{r:?}"), l)))
+                    .collect(),
                 confine,
+                tools: channel.is_some(),
+            };
+            fork(
+                &server,
+                &request,
+                confine.map(|c| c.ruleset.clone()),
+                channel.as_ref().map(|c| c.theirs.clone()),
             )
             .await?
         }
@@ -159,11 +173,63 @@ async fn supervise(
         )?,
     };
     let killer = TreeKiller::new(started.pid, &exec_id, marker_only);
+    // The calls are answered while the block runs, and no longer.
+    let serving = channel.map(|c| tokio::spawn(c.serve));
     // Background processes of a finished block die with it, as do all of a killed one.
-    process::supervise(started, timeout, limits.output_bytes, &ctx, move || {
+    let outcome = process::supervise(started, timeout, limits.output_bytes, &ctx, move || {
         killer.kill_all()
     })
-    .await
+    .await;
+    if let Some(serving) = serving {
+        serving.abort();
+    }
+    outcome
+}
+
+/// A block's tools channel: the block's end, and the future that answers on ours.
+struct Channel {
+    theirs: Arc<std::os::fd::OwnedFd>,
+    serve: futures::future::BoxFuture<'static, ()>,
+}
+
+/// Makes the channel for one block and tells the block where the module, the command, the
+/// descriptor (by the fork server) and the secret are.
+fn tools_channel(
+    session: &LocalSession,
+    env: &mut Vec<(String, String)>,
+    handler: tandem_executor::toolchannel::ToolHandler,
+) -> Result<Channel, ExecError> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
+    use tandem_executor::toolchannel;
+    let dir = session.scratch.path().join("tmp/.tandem-tools");
+    if !dir.join("tandem_tools.py").exists() {
+        toolchannel::install(&dir).map_err(|e| ExecError::io("installing the tools module", e))?;
+    }
+    let (ours, theirs) = socketpair(
+        AddressFamily::Unix,
+        SockType::Stream,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )
+    .map_err(|e| ExecError::io("making a tools channel", e.into()))?;
+    let ours = std::os::unix::net::UnixStream::from(ours);
+    ours.set_nonblocking(true)
+        .map_err(|e| ExecError::io("making a tools channel", e))?;
+    let ours = tokio::net::UnixStream::from_std(ours)
+        .map_err(|e| ExecError::io("making a tools channel", e))?;
+    let token = toolchannel::secret();
+    let dir = dir.display().to_string();
+    for (key, value) in env.iter_mut() {
+        if key == "PATH" {
+            *value = format!("{dir}:{value}");
+        }
+    }
+    env.push(("PYTHONPATH".to_owned(), dir));
+    env.push(("TANDEM_TOOLS_TOKEN".to_owned(), token.clone()));
+    Ok(Channel {
+        theirs: Arc::new(theirs),
+        serve: Box::pin(toolchannel::serve(ours, token, handler)),
+    })
 }
 
 /// Starts a fresh interpreter in its own session, with rlimits.
@@ -203,39 +269,26 @@ struct ForkRequest<'a> {
     rlimits: Vec<(String, u64)>,
     /// What the waiter confines itself (and so the block) with; `None` runs it unconfined.
     confine: Option<&'a crate::confine::Policy>,
+    /// Whether the block's tools channel comes as the last descriptor.
+    tools: bool,
 }
 
 /// Starts a block as a fork of the warm Python (which execs `argv` for other languages).
 async fn fork(
     server: &Arc<ForkServer>,
-    script: &Path,
-    argv: Option<Vec<String>>,
-    workspace: &Path,
-    env: &[(String, String)],
-    limits: &Limits,
-    confine: Option<&crate::confine::Policy>,
+    request: &ForkRequest<'_>,
+    ruleset: Option<Arc<std::os::fd::OwnedFd>>,
+    tools: Option<Arc<std::os::fd::OwnedFd>>,
 ) -> Result<Started<Running>, ExecError> {
-    let rlimits: Vec<(String, u64)> = process::rlimits(limits)
-        .into_iter()
-        .filter_map(|(r, l)| l.map(|l| (format!("{r:?}"), l)))
-        .collect();
-    let request = ForkRequest {
-        script,
-        argv,
-        cwd: workspace,
-        env: env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
-        rlimits,
-        confine,
-    };
-    let request = serde_json::to_string(&request)
+    let request = serde_json::to_string(request)
         .map_err(|e| ExecError::Backend(format!("encoding a fork server request failed: {e}")))?;
     let server = server.clone();
-    let ruleset = confine.map(|c| c.ruleset.clone());
-    let launched =
-        tokio::task::spawn_blocking(move || server.launch(request.as_bytes(), ruleset.as_deref()))
-            .await
-            .map_err(|e| ExecError::Backend(format!("the Python fork server failed: {e}")))?
-            .map_err(|e| ExecError::io("starting a block through the Python fork server", e))?;
+    let launched = tokio::task::spawn_blocking(move || {
+        server.launch(request.as_bytes(), ruleset.as_deref(), tools.as_deref())
+    })
+    .await
+    .map_err(|e| ExecError::Backend(format!("the Python fork server failed: {e}")))?
+    .map_err(|e| ExecError::io("starting a block through the Python fork server", e))?;
     let wrap = |fd| {
         pipe::Receiver::from_owned_fd(fd)
             .map_err(|e| ExecError::io("reading the block's output", e))

@@ -860,6 +860,7 @@ impl Ctx<'_> {
                 slot.executor().name()
             ),
         };
+        slot.code_may_call(self.team.tools.get(&caller).cloned());
         let runs = match blocks::run_blocks(&mut slot, &code, &opts).await {
             Ok(runs) => runs,
             Err(e) => return Err(broke(e, &slot)),

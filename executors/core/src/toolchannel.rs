@@ -1,0 +1,106 @@
+//! The channel code in a block calls its task's tools over: one JSON line per call, each
+//! answered by one line, on a descriptor the block inherits (never a socket anyone can
+//! reach), each call carrying the block's secret.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+
+/// Runs one call from code: the tool's name and its arguments (JSON text); the answer, or
+/// what went wrong.
+pub type ToolHandler =
+    Arc<dyn Fn(String, String) -> BoxFuture<'static, Result<String, String>> + Send + Sync>;
+
+/// The Python module code calls tools with (`import tandem_tools`).
+pub const MODULE_PY: &str = include_str!("tandem_tools.py");
+/// The command a shell block calls tools with (`tandem-tool NAME JSON`).
+pub const COMMAND: &str = include_str!("tandem-tool");
+
+/// Longest request line read; a longer one ends the channel.
+const MAX_LINE: u64 = 4 << 20;
+
+/// Writes the module and the command into `dir`, for a session's blocks to find on their
+/// `PYTHONPATH` and `PATH`.
+pub fn install(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join("tandem_tools.py"), MODULE_PY)?;
+    let command = dir.join("tandem-tool");
+    std::fs::write(&command, COMMAND)?;
+    std::fs::set_permissions(&command, std::fs::Permissions::from_mode(0o755))
+}
+
+/// A fresh secret for one block's channel.
+pub fn secret() -> String {
+    uuid::Uuid::new_v4().simple().to_string()
+}
+
+/// Answers the calls on `stream` with `handler` until it closes: each request must carry
+/// `token`, or it is refused and the channel closed.
+pub async fn serve<S>(stream: S, token: String, handler: ToolHandler)
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let (read, mut write) = tokio::io::split(stream);
+    let mut lines = BufReader::new(read);
+    loop {
+        let mut line = Vec::new();
+        // Through `take`, which reads from the one buffer: nothing past the line is lost.
+        match (&mut lines)
+            .take(MAX_LINE)
+            .read_until(b'\n', &mut line)
+            .await
+        {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        if !line.ends_with(b"\n") {
+            let _ = write
+                .write_all(
+                    answer_line(Err("the request is longer than 4 MiB".to_owned())).as_bytes(),
+                )
+                .await;
+            return;
+        }
+        let (reply, trusted) = match serde_json::from_slice::<Request>(&line) {
+            Ok(req) if req.token == token => (
+                handler(req.name, req.arguments.get().to_owned()).await,
+                true,
+            ),
+            Ok(_) => (
+                Err(
+                    "the call carries a wrong token; this channel serves only its own block"
+                        .to_owned(),
+                ),
+                false,
+            ),
+            Err(e) => (Err(format!("the request is not a call ({e})")), true),
+        };
+        if write
+            .write_all(answer_line(reply).as_bytes())
+            .await
+            .is_err()
+            || !trusted
+        {
+            return;
+        }
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct Request {
+    #[serde(default)]
+    token: String,
+    name: String,
+    arguments: Box<serde_json::value::RawValue>,
+}
+
+fn answer_line(reply: Result<String, String>) -> String {
+    let value = match reply {
+        Ok(result) => serde_json::json!({"ok": true, "result": result}),
+        Err(error) => serde_json::json!({"ok": false, "error": error}),
+    };
+    format!("{value}\n")
+}
