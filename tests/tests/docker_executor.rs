@@ -120,7 +120,10 @@ async fn session_containers_are_hardened_by_default() {
     assert_eq!(host["ReadonlyRootfs"], true);
     assert_eq!(
         host["Tmpfs"],
-        serde_json::json!({"/tmp": "rw,nosuid,nodev,size=67108864,mode=1777"})
+        serde_json::json!({
+            "/tmp": "rw,nosuid,nodev,size=67108864,mode=1777",
+            "/run/tandem": "rw,exec,nosuid,nodev,size=1m,mode=0755",
+        })
     );
     // The runner is root with three capabilities; blocks run as 65534 with none (below).
     assert_eq!(c["Config"]["User"], "0:0");

@@ -45,6 +45,17 @@ async fn run_on(
     stream: bool,
     settings: impl FnOnce(&mut TaskSettings),
 ) -> Ran {
+    let executor = Arc::new(LocalExecutor::new(LocalConfig::default()));
+    run_with(task, replies, stream, executor, settings).await
+}
+
+async fn run_with(
+    task: &str,
+    replies: Vec<Reply>,
+    stream: bool,
+    executor: Arc<dyn tandem_executor::Executor>,
+    settings: impl FnOnce(&mut TaskSettings),
+) -> Ran {
     let server = ScriptedOpenAi::start(script([(task, replies)]))
         .await
         .unwrap();
@@ -55,7 +66,6 @@ async fn run_on(
     let events = Arc::new(Mutex::new(Vec::new()));
     let into = events.clone();
     let sink: EventSink = Arc::new(move |e| into.lock().unwrap().push(e));
-    let executor = Arc::new(LocalExecutor::new(LocalConfig::default()));
     let outcome = run_task(
         s,
         &model(&server, stream),
@@ -683,5 +693,46 @@ print('reached:', found)
             .any(|e| matches!(e, EventMsg::ToolCall { .. })),
         "{:?}",
         a.events
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn code_in_a_docker_block_with_the_network_off_calls_tools_through_the_runner() {
+    let docker =
+        tandem_executor_docker::DockerExecutor::connect(tandem_executor_docker::DockerConfig {
+            image: std::env::var("TANDEM_DOCKER_IMAGE")
+                .unwrap_or_else(|_| "tandem-sandbox:latest".to_owned()),
+            pull: false,
+            pool_size: 0,
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("this test needs the Docker engine: {e}"));
+    let python = "import socket, tandem_tools\ntry:\n    socket.create_connection(('1.1.1.1', 53), timeout=2)\n    print('network: on')\nexcept OSError:\n    print('network: off')\nprint(tandem_tools.call('wc', text='one two three'))\n";
+    // The module is the runner's: a block cannot change what later blocks import.
+    let sh = "tandem-tool wc '{\"text\": \"a b\"}'\n(echo x > /run/tandem/tools/tandem_tools.py) 2>/dev/null || echo 'tools: read-only'";
+    let ran = run_with(
+        "tools: docker",
+        vec![
+            Reply::from(format!("```python\n{python}```\n```sh\n{sh}\n```").as_str()),
+            Reply::from("TERMINATE"),
+        ],
+        true,
+        Arc::new(docker),
+        |s| {
+            s.code_via = CodeVia::Blocks;
+            s.tools = resolve(None, &catalog(&[("wc", wc_tool())])).unwrap();
+        },
+    )
+    .await;
+    assert_eq!(
+        ran.outcome.stop_reason,
+        StopReason::Terminated,
+        "{:?}",
+        ran.outcome.error
+    );
+    assert_eq!(
+        said(&ran.requests[1])[1]["content"],
+        "exitcode: 0 (execution succeeded)\nCode output: network: off\n3\n\n2\ntools: read-only\n"
     );
 }

@@ -474,10 +474,18 @@ impl DockerExecutor {
                 cap_add: Some(RUNNER_CAPS.iter().map(|c| (*c).to_owned()).collect()),
                 security_opt: Some(vec!["no-new-privileges".to_owned()]),
                 readonly_rootfs: Some(c.read_only),
-                tmpfs: Some(HashMap::from([(
-                    "/tmp".to_owned(),
-                    format!("rw,nosuid,nodev,size={},mode=1777", c.tmpfs_bytes),
-                )])),
+                tmpfs: Some(HashMap::from([
+                    (
+                        "/tmp".to_owned(),
+                        format!("rw,nosuid,nodev,size={},mode=1777", c.tmpfs_bytes),
+                    ),
+                    // The tools module and command: written by the runner, which owns it, and
+                    // only read and run by blocks (/tmp is noexec).
+                    (
+                        "/run/tandem".to_owned(),
+                        "rw,exec,nosuid,nodev,size=1m,mode=0755".to_owned(),
+                    ),
+                ])),
                 pids_limit: Some(c.pids),
                 memory: Some(memory),
                 memory_swap: Some(memory),
@@ -497,6 +505,11 @@ impl Executor for DockerExecutor {
     }
 
     fn keeps_state(&self) -> bool {
+        true
+    }
+
+    fn carries_tool_calls(&self) -> bool {
+        // Relayed by the runner over its frames: no socket crosses into the container.
         true
     }
 

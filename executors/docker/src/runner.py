@@ -3,8 +3,9 @@
 # a `docker exec` round trip. Frame: kind (1 byte), length (4 bytes, big-endian), payload.
 #   R ready            o/e stdout/stderr bytes       O/E bytes dropped (8 bytes), tail follows
 #   x block ended (JSON: code, signal, oom)          d request done    ! runner error (text)
-# Requests: {"op": "run", ...}, {"op": "kill"} (while a block runs), {"op": "wipe"},
-# {"op": "release"}. The whole container is the session, so after a block ends every
+#   t bytes the block wrote on its tools channel
+# Requests: {"op": "run", ...}, {"op": "kill"} and {"op": "tool", "data": ...} (the answer
+# to a call, while a block runs), {"op": "wipe"}, {"op": "release"}. The whole container is the session, so after a block ends every
 # process but init and this runner is killed: nothing a block starts outlives it.
 #
 # The runner runs as root with only CAP_SETUID, CAP_SETGID and CAP_KILL; every block, and
@@ -206,7 +207,25 @@ finally:
 """
 
 
-def start(req, out_w, err_w):
+# Where the tools module and command are put: a tmpfs of the runner's own that blocks can
+# read and run but not change.
+TOOLS_DIR = "/run/tandem/tools"
+TOOLS_READY = []
+
+
+def install_tools(files):
+    if TOOLS_READY:
+        return
+    os.makedirs(TOOLS_DIR, mode=0o755, exist_ok=True)
+    for name, text in files.items():
+        path = os.path.join(TOOLS_DIR, os.path.basename(name))
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(path, 0o755)
+    TOOLS_READY.append(True)
+
+
+def start(req, out_w, err_w, tools=None):
     pid = os.fork()
     if pid:
         return pid
@@ -220,7 +239,13 @@ def start(req, out_w, err_w):
         os.dup2(null, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        os.closerange(3, 65536)
+        if tools is not None:
+            # The block's end of its tools channel, at a number it is told.
+            os.dup2(tools, 3)
+            os.set_inheritable(3, True)
+            os.closerange(4, 65536)
+        else:
+            os.closerange(3, 65536)
         drop_privileges()
         # Written as the block's user: a link an earlier block planted can lead only where
         # that user could write anyway. Before the limits, which are the code's, not its
@@ -251,23 +276,60 @@ def run(req, stdin_buf):
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     ooms = oom_kills()
+    ours = theirs = None
+    if req.get("tools"):
+        import socket
+
+        install_tools(req["tools"])
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.setblocking(False)
+        env = req["env"]
+        env["TANDEM_TOOLS_FD"] = "3"
+        env["PYTHONPATH"] = TOOLS_DIR
+        env["PATH"] = TOOLS_DIR + ":" + env.get("PATH", "/usr/bin:/bin")
     try:
-        pid = start(req, out_w, err_w)
+        pid = start(req, out_w, err_w, theirs.fileno() if theirs else None)
     except OSError as e:  # fork failed: a process limit reached, or out of memory
         for fd in (out_r, out_w, err_r, err_w):
             os.close(fd)
+        if ours is not None:
+            ours.close()
+            theirs.close()
         send(b"e", ("tandem: cannot start the block: %s\n" % e).encode())
         send(b"x", json.dumps({"code": 1, "signal": None, "oom": False}).encode())
         return stdin_buf
     os.close(out_w)
     os.close(err_w)
+    if theirs is not None:
+        theirs.close()
     caps = {out_r: Capture(b"o", req["cap"]), err_r: Capture(b"e", req["cap"])}
     status, deadline = None, None
+    calls = ours.fileno() if ours is not None else None
+    answers = bytearray()  # answers the block has not read yet
     while caps:
         wait = 0.05 if status is None else max(0.0, deadline - monotonic())
-        ready, _, _ = select.select(list(caps) + [0, WAKE_R], [], [], wait)
+        watch = list(caps) + [0, WAKE_R] + ([calls] if calls is not None else [])
+        ready, writable, _ = select.select(watch, [calls] if answers else [], [], wait)
+        if writable and answers:
+            try:
+                del answers[: os.write(calls, answers)]
+            except BlockingIOError:
+                pass
+            except OSError:
+                answers.clear()
         for fd in ready:
-            if fd == 0:
+            if fd == calls:
+                try:
+                    chunk = os.read(calls, 1 << 16)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    chunk = b""
+                if chunk:
+                    send(b"t", chunk)
+                else:
+                    calls = None
+            elif fd == 0:
                 chunk = os.read(0, 1 << 16)
                 if not chunk:
                     kill_all()
@@ -275,8 +337,13 @@ def run(req, stdin_buf):
                 stdin_buf += chunk
                 while b"\n" in stdin_buf:
                     line, stdin_buf = stdin_buf.split(b"\n", 1)
-                    if line.strip() and json.loads(line).get("op") == "kill":
+                    if not line.strip():
+                        continue
+                    op = json.loads(line)
+                    if op.get("op") == "kill":
                         kill_all()
+                    elif op.get("op") == "tool" and ours is not None:
+                        answers += op.get("data", "").encode()
             elif fd == WAKE_R:
                 os.read(WAKE_R, 512)
             else:
@@ -303,6 +370,8 @@ def run(req, stdin_buf):
         kill_all()
     reap()
     REAPED.clear()
+    if ours is not None:
+        ours.close()
     if req.get("transient"):
         try:
             os.unlink(path)

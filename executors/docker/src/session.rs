@@ -48,6 +48,8 @@ enum Frame {
     Output(Stream, Vec<u8>),
     Dropped(Stream, u64),
     Exit(ExitFrame),
+    /// Bytes the block wrote on its tools channel.
+    Tool(Vec<u8>),
     Done,
     Error(String),
 }
@@ -121,6 +123,7 @@ fn frame_of(kind: u8, payload: &[u8]) -> Frame {
             Err(e) => Frame::Error(format!("bad exit frame: {e}")),
         },
         b'd' => Frame::Done,
+        b't' => Frame::Tool(payload.to_vec()),
         _ => Frame::Error(String::from_utf8_lossy(payload).into_owned()),
     }
 }
@@ -133,10 +136,56 @@ struct Conn {
 
 impl Conn {
     async fn send(&mut self, request: &Request<'_>) -> std::io::Result<()> {
-        let mut line = serde_json::to_string(request).map_err(std::io::Error::other)?;
-        line.push('\n');
-        self.input.write_all(line.as_bytes()).await?;
-        self.input.flush().await
+        send_on(&mut self.input, request).await
+    }
+}
+
+async fn send_on(
+    input: &mut Pin<Box<dyn AsyncWrite + Send>>,
+    request: &Request<'_>,
+) -> std::io::Result<()> {
+    let mut line = serde_json::to_string(request).map_err(std::io::Error::other)?;
+    line.push('\n');
+    input.write_all(line.as_bytes()).await?;
+    input.flush().await
+}
+
+/// A block's tools channel, relayed through the runner: the bytes its code writes arrive as
+/// `t` frames and are answered here; the answers go back as `tool` requests.
+struct Relay {
+    to_serve: tokio::io::WriteHalf<tokio::io::DuplexStream>,
+    answers: mpsc::UnboundedReceiver<String>,
+    tasks: [tokio::task::JoinHandle<()>; 2],
+}
+
+impl Relay {
+    fn new(handler: tandem_executor::toolchannel::ToolHandler, token: String) -> Self {
+        use tokio::io::AsyncBufReadExt;
+        let (served, ours) = tokio::io::duplex(1 << 16);
+        let serve = tokio::spawn(tandem_executor::toolchannel::serve(served, token, handler));
+        let (read, to_serve) = tokio::io::split(ours);
+        let (tx, answers) = mpsc::unbounded_channel();
+        let pump = tokio::spawn(async move {
+            let mut lines = tokio::io::BufReader::new(read).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                if tx.send(line + "\n").is_err() {
+                    return;
+                }
+            }
+        });
+        Self {
+            to_serve,
+            answers,
+            tasks: [serve, pump],
+        }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
     }
 }
 
@@ -358,9 +407,20 @@ impl DockerSession {
             .filter(|(r, _)| *r != nix::sys::resource::Resource::RLIMIT_AS)
             .filter_map(|(r, limit)| limit.map(|l| (format!("{r:?}"), l)))
             .collect();
-        let env: HashMap<&str, &str> = crate::base_env(&inner.config)
+        let mut env: HashMap<&str, &str> = crate::base_env(&inner.config)
             .chain([("PYTHONUNBUFFERED", "1"), ("PYTHONDONTWRITEBYTECODE", "1")])
             .collect();
+        let token = tandem_executor::toolchannel::secret();
+        let mut relay = ctx.tools.clone().map(|handler| {
+            env.insert("TANDEM_TOOLS_TOKEN", &token);
+            Relay::new(handler, token.clone())
+        });
+        let tools = relay.as_ref().map(|_| {
+            HashMap::from([
+                ("tandem_tools.py", tandem_executor::toolchannel::MODULE_PY),
+                ("tandem-tool", tandem_executor::toolchannel::COMMAND),
+            ])
+        });
         let request = Request::Run {
             argv: [argv0, &path],
             path: &path,
@@ -369,6 +429,7 @@ impl DockerSession {
             env,
             rlimits,
             cap: limits.output_bytes,
+            tools,
         };
         if self.conn.is_none() {
             self.restart().await?;
@@ -390,23 +451,31 @@ impl DockerSession {
             err: CaptureBuffer::new(cap),
             runner_error: None,
         };
-        let (stopped, exit) =
-            match bounded(streams.until_exit(conn, &ctx), timeout, &ctx.cancel).await {
-                Bounded::Finished(exit) => (None, exit),
-                stop => {
-                    let stopped = match stop {
-                        Bounded::TimedOut => ExitStatus::TimedOut,
-                        _ => ExitStatus::Cancelled,
-                    };
-                    // The runner kills every process of the block and then reports it.
-                    let _ = conn.send(&Request::Kill).await;
-                    let exit = tokio::time::timeout(KILL_GRACE, streams.until_exit(conn, &ctx))
-                        .await
-                        .ok()
-                        .flatten();
-                    (Some(stopped), exit)
-                }
-            };
+        let (stopped, exit) = match bounded(
+            streams.until_exit(conn, &ctx, relay.as_mut()),
+            timeout,
+            &ctx.cancel,
+        )
+        .await
+        {
+            Bounded::Finished(exit) => (None, exit),
+            stop => {
+                let stopped = match stop {
+                    Bounded::TimedOut => ExitStatus::TimedOut,
+                    _ => ExitStatus::Cancelled,
+                };
+                // The runner kills every process of the block and then reports it.
+                let _ = conn.send(&Request::Kill).await;
+                let exit = tokio::time::timeout(
+                    KILL_GRACE,
+                    streams.until_exit(conn, &ctx, relay.as_mut()),
+                )
+                .await
+                .ok()
+                .flatten();
+                (Some(stopped), exit)
+            }
+        };
         let Streams {
             out,
             err,
@@ -654,9 +723,17 @@ pub(crate) enum Request<'a> {
         env: HashMap<&'a str, &'a str>,
         rlimits: Vec<(String, u64)>,
         cap: usize,
+        /// The tools module and command, by file name, when the block may call tools.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        tools: Option<HashMap<&'a str, &'a str>>,
     },
     /// Kill every process of the running block; it is then reported as done.
     Kill,
+    /// An answer on the running block's tools channel.
+    Tool {
+        /// The bytes to write to it.
+        data: &'a str,
+    },
     /// Remove the files of a temporary workspace, which the block's user may own.
     Wipe,
     /// Give a kept workspace's files back to the host user.
@@ -673,9 +750,36 @@ struct Streams {
 impl Streams {
     /// Takes the runner's frames until the block's exit report (`None`: the runner is gone
     /// or failed); stopping it between frames loses nothing, so it can be resumed.
-    async fn until_exit(&mut self, conn: &mut Conn, ctx: &ExecContext) -> Option<ExitFrame> {
-        while let Some(frame) = conn.frames.recv().await {
+    async fn until_exit(
+        &mut self,
+        conn: &mut Conn,
+        ctx: &ExecContext,
+        mut relay: Option<&mut Relay>,
+    ) -> Option<ExitFrame> {
+        let Conn { input, frames } = conn;
+        loop {
+            let answer = async {
+                match relay.as_mut() {
+                    Some(r) => r.answers.recv().await,
+                    None => std::future::pending().await,
+                }
+            };
+            let frame = tokio::select! {
+                frame = frames.recv() => frame?,
+                Some(line) = answer => {
+                    if send_on(input, &Request::Tool { data: &line }).await.is_err() {
+                        return None;
+                    }
+                    continue;
+                }
+            };
             match frame {
+                Frame::Tool(bytes) => {
+                    if let Some(r) = relay.as_mut() {
+                        // A channel that stopped being served (a wrong token) takes no more.
+                        let _ = r.to_serve.write_all(&bytes).await;
+                    }
+                }
                 Frame::Output(stream, data) => {
                     let buf = match stream {
                         Stream::Stdout => &mut self.out,
@@ -696,7 +800,6 @@ impl Streams {
                 Frame::Ready | Frame::Done => {}
             }
         }
-        None
     }
 }
 
