@@ -13,4 +13,5 @@ mod mcp;
 mod new_user;
 mod plugins;
 mod teams;
+mod tools;
 mod web;

@@ -256,6 +256,14 @@ async fn run_command(
     if let Some(t) = tool.timeout {
         run_opts.timeout = Some(t);
     }
+    // A tool's output is its answer, told once as its `tool_result`, not streamed as a
+    // block's.
+    let events = opts.events.clone();
+    run_opts.events = std::sync::Arc::new(move |e| {
+        if !matches!(e, EventMsg::ExecOutput { .. }) {
+            events(e);
+        }
+    });
     let (outcome, pictures) =
         blocks::run_one(slot, &Language::python(), &launcher, index, &run_opts).await?;
     blocks::tell_pictures(pictures, index, opts);

@@ -1,0 +1,236 @@
+//! Tools on every road: `tandem run` in-process (its transcript pinned), the daemon's API (an
+//! operator's tools, what a client may and may not name, a resume across `kill -9`), and
+//! the tool events a client reads.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tandem_tests::{DaemonHarness as Daemon, Reply, ScriptedOpenAi, call, script};
+
+use crate::e2e::tandem;
+
+/// An operator's `tandem.toml` with one command tool, `wc`, which counts words.
+const CONFIG: &str = r#"
+[tools.wc]
+description = "Count the words of a text."
+parameters = { type = "object", properties = { text = { type = "string" } }, required = ["text"] }
+command = ["python3", "-c", "import json, sys; print(len(json.load(sys.stdin)['text'].split()))"]
+"#;
+
+fn settings() -> insta::Settings {
+    let mut s = insta::Settings::clone_current();
+    s.add_filter(r"\d+ ms", "[N] ms");
+    s.add_filter(r"\d+\.\d s", "[N] s");
+    s.add_filter(r"\d+ in / \d+ out tokens", "[N] in / [N] out tokens");
+    s.add_filter(r"127\.0\.0\.1:\d+", "127.0.0.1:[PORT]");
+    s.set_prepend_module_to_snapshot(false);
+    s
+}
+
+fn execute(id: &str, code: &str) -> (String, String, String) {
+    call(
+        id,
+        "execute_code",
+        &json!({"language": "python", "code": code}).to_string(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn run_with_code_via_tool_shows_each_call_and_its_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tandem.toml");
+    std::fs::write(&config, CONFIG).unwrap();
+    let task = "tools: run transcript";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Calls(
+                "Counting first.".to_owned(),
+                vec![
+                    call("c1", "wc", r#"{"text": "one two three"}"#),
+                    execute("c2", "print(6 * 7)"),
+                ],
+            ),
+            Reply::from("3 words, and 42. TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let out = tandem(
+        &[
+            "run",
+            "--config",
+            config.to_str().unwrap(),
+            "--base-url",
+            &server.base_url(),
+            "--code-via",
+            "tool",
+            "--tool",
+            "wc",
+            task,
+        ],
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    settings().bind(|| insta::assert_snapshot!("run_code_via_tool_transcript", out.stdout));
+    // --tool names one of the configured tools; any other is refused by name.
+    let out = tandem(
+        &[
+            "run",
+            "--config",
+            config.to_str().unwrap(),
+            "--base-url",
+            &server.base_url(),
+            "--tool",
+            "shell",
+            task,
+        ],
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(out.code, 2);
+    assert!(
+        out.stderr
+            .contains("tools: tool `shell` is not offered here; the operator's tools are: wc"),
+        "{}",
+        out.stderr
+    );
+}
+
+async fn daemon(server: &ScriptedOpenAi) -> Daemon {
+    Daemon::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &[],
+        Some(CONFIG),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_names_only_the_operators_tools_and_defines_only_commands() {
+    let server = ScriptedOpenAi::start(script([])).await.unwrap();
+    let d = daemon(&server).await;
+    let refused = |spec: Value| {
+        let d = &d;
+        async move {
+            let (status, body) = d
+                .send(reqwest::Method::POST, "/v1/tasks", Some(spec.to_string()))
+                .await;
+            (
+                status,
+                body["error"]["message"].as_str().unwrap_or("").to_owned(),
+            )
+        }
+    };
+    let (status, message) = refused(json!({"task": "x", "tools": ["shell"]})).await;
+    assert_eq!(
+        (status, message.as_str()),
+        (
+            400,
+            "tools: tool `shell` is not offered here; the operator's tools are: wc"
+        )
+    );
+    let (status, message) = refused(json!({"task": "x", "tools": [
+        {"name": "metadata", "url": "http://169.254.169.254/latest/meta-data/"}
+    ]}))
+    .await;
+    assert_eq!(status, 400);
+    assert!(
+        message.starts_with(
+            "tools: tool `metadata`: an HTTP tool can be configured only by the operator"
+        ),
+        "{message}"
+    );
+    let (status, message) = refused(json!({"task": "x", "code_via": "sometimes"})).await;
+    assert_eq!(status, 400, "{message}");
+    assert!(message.contains("code_via"), "{message}");
+    // A command the task defines runs in its own sandbox: that is allowed.
+    let (status, _) = refused(json!({"task": "x", "tools": [
+        "wc", {"name": "upper", "command": ["tr", "a-z", "A-Z"]}
+    ]}))
+    .await;
+    assert_eq!(status, 201);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_task_with_tool_calls_resumes_after_kill_9_with_its_calls_answered() {
+    let task = "tools: across a crash";
+    // The second call sleeps the first time it runs, long enough to kill the daemon.
+    let slow = "import os, time\nif not os.path.exists('slept'):\n    open('slept', 'w').close()\n    print('sleeping', flush=True)\n    time.sleep(60)\nprint('awake')";
+    let calls = vec![
+        call("w", "wc", r#"{"text": "a b c d"}"#),
+        execute("s", slow),
+    ];
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Calls(String::new(), calls),
+            Reply::from("4 words. TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let mut d = daemon(&server).await;
+    let id = d
+        .submit(json!({"task": task, "code_via": "tool", "tools": ["wc"]}))
+        .await;
+    let started = Instant::now();
+    loop {
+        let events = d.events(&id, 0).await;
+        if events
+            .iter()
+            .any(|e| e["type"] == "exec_output" && e["text"] == "sleeping\n")
+        {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "never slept");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    d.kill9();
+    d.spawn().await;
+    let (code, _, err) = d.cli(&["resume", &id]).await;
+    assert_eq!(code, 0, "{err}");
+    let t = d.wait_finished(&id, Duration::from_secs(60)).await;
+    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    // After the resume the calls were asked for again and each answered once, in order.
+    let asked = server.requests_for(task);
+    let last = asked.last().unwrap().body["messages"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let tail: Vec<&Value> = last.iter().skip(2).collect();
+    assert_eq!(tail.len(), 3, "{tail:#?}");
+    assert_eq!(tail[0]["tool_calls"].as_array().unwrap().len(), 2);
+    assert_eq!(
+        (&tail[1]["tool_call_id"], &tail[1]["content"]),
+        (&json!("w"), &json!("4\n"))
+    );
+    assert_eq!(
+        (&tail[2]["tool_call_id"], &tail[2]["content"]),
+        (
+            &json!("s"),
+            &json!("exitcode: 0 (execution succeeded)\nCode output: awake\n")
+        )
+    );
+    // The stored events carry the calls and their answers.
+    let events = d.events(&id, 0).await;
+    let answered: Vec<(&str, &str)> = events
+        .iter()
+        .filter(|e| e["type"] == "tool_result")
+        .map(|e| (e["id"].as_str().unwrap(), e["name"].as_str().unwrap()))
+        .collect();
+    // The crash cut the reply's second call off; the reply asked for again ran both.
+    assert_eq!(answered, [("w", "wc"), ("w", "wc"), ("s", "execute_code")]);
+    let message = events
+        .iter()
+        .rev()
+        .find(|e| e["type"] == "executor_message")
+        .unwrap();
+    assert_eq!(message["tool_results"][0]["id"], "w");
+    assert_eq!(message["text"], "");
+}
