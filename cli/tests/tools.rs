@@ -234,3 +234,59 @@ async fn a_task_with_tool_calls_resumes_after_kill_9_with_its_calls_answered() {
     assert_eq!(message["tool_results"][0]["id"], "w");
     assert_eq!(message["text"], "");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn mcp_run_task_takes_code_via_and_tools_and_reports_the_calls() {
+    use tandem_tests::McpHttp;
+    let task = "tools: over mcp";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Calls(
+                String::new(),
+                vec![
+                    call("m1", "wc", r#"{"text": "a b"}"#),
+                    call("m2", "upper", r#"{}"#),
+                ],
+            ),
+            Reply::from("2 TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let d = daemon(&server).await;
+    let mcp = McpHttp::connect(&d).await.unwrap();
+    let result = mcp
+        .call_tool(
+            "run_task",
+            json!({"task": task, "code_via": "tool", "tools": [
+                "wc", {"name": "upper", "command": ["python3", "-c", "print('UP')"]}
+            ]}),
+        )
+        .await;
+    assert_eq!(result["isError"], false, "{result}");
+    let structured = &result["structuredContent"];
+    assert_eq!(structured["stop_reason"], "terminated", "{result}");
+    let calls: Vec<(&str, bool)> = structured["tool_calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["name"].as_str().unwrap(),
+                c["is_error"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(calls, [("wc", false), ("upper", false)]);
+    // What the model read back: both answers.
+    let asked = &server.requests_for(task)[1].body["messages"];
+    assert_eq!(asked[3]["content"], "2\n");
+    assert_eq!(asked[4]["content"], "UP\n");
+    // A tool the operator does not offer is refused before anything runs.
+    let result = mcp
+        .call_tool("run_task", json!({"task": task, "tools": ["shell"]}))
+        .await;
+    let text = result.to_string();
+    assert!(text.contains("tool `shell` is not offered here"), "{text}");
+}

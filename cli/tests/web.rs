@@ -761,3 +761,78 @@ async fn the_page_uploads_a_file_and_shows_the_chart_the_task_drew() {
     assert_eq!(record["spec"]["keep_state"], true, "{record}");
     b.quit().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_page_asks_for_tool_calls_and_shows_each_call_with_its_answer() {
+    let task = "web: tools";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Calls(
+                String::new(),
+                vec![
+                    tandem_tests::call("c1", "wc", r#"{"text": "one two three"}"#),
+                    tandem_tests::call(
+                        "c2",
+                        "execute_code",
+                        r#"{"language": "python", "code": "print(6 * 7)"}"#,
+                    ),
+                ],
+            ),
+            Reply::from("3 and 42.\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let addr = free_addr();
+    let config = "[tools.wc]\ncommand = [\"python3\", \"-c\", \"import json, sys; print(len(json.load(sys.stdin)['text'].split()))\"]\n";
+    let d = Daemon::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &["--listen", &addr],
+        Some(config),
+    )
+    .await;
+    let token = std::fs::read_to_string(d.state_dir().join("token"))
+        .unwrap()
+        .trim()
+        .to_owned();
+    let b = Browser::start(1280, 1000).await;
+    sign_in(&b, &addr, &token).await;
+    b.run(
+        "document.querySelector('#code-via').value = 'tool'",
+        json!([]),
+    )
+    .await;
+    let id = submit(&b, task).await;
+    wait_complete(&b, "the task's end").await;
+    let calls = b
+        .wait(
+            "both calls, answered",
+            "const cards = [...document.querySelectorAll('.tool-call')]; \
+             return cards.length === 2 && cards.every((c) => c.querySelector('.result')) && \
+               cards.map((c) => [c.querySelector('.lang').textContent, \
+                 (c.querySelector('pre.output') || {}).textContent || null, \
+                 c.querySelector('.result').textContent.split(' · ')[0]])",
+            LIMIT,
+        )
+        .await;
+    assert_eq!(
+        calls,
+        json!([
+            ["call wc", "3\n", "answered"],
+            ["call execute_code", null, "answered"]
+        ])
+    );
+    // The execute_code call's code and output are its block's.
+    let block = b
+        .run(
+            "const b = document.querySelector('.code-block'); return [b.querySelector('code').textContent, b.querySelector('pre.output').textContent]",
+            json!([]),
+        )
+        .await;
+    assert_eq!(block, json!(["print(6 * 7)", "42\n"]));
+    let record = d.get(&format!("/v1/tasks/{id}")).await;
+    assert_eq!(record["spec"]["code_via"], "tool", "{record}");
+    b.quit().await;
+}

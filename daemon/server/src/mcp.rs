@@ -360,6 +360,27 @@ impl TandemMcp {
             executor: args.executor,
             max_turns: args.max_turns,
             keep_state: args.keep_state.unwrap_or(false),
+            code_via: args
+                .code_via
+                .as_deref()
+                .map(str::parse)
+                .transpose()
+                .map_err(|e: String| ErrorData::invalid_params(e, None))?,
+            tools: args
+                .tools
+                .map(|tools| {
+                    tools
+                        .into_iter()
+                        .map(serde_json::from_value)
+                        .collect::<Result<Vec<tandem_protocol::ToolRef>, _>>()
+                })
+                .transpose()
+                .map_err(|e| {
+                    ErrorData::invalid_params(
+                        format!("tools: each is a tool's name or {{name, command, ...}} (docs/tools.md): {e}"),
+                        None,
+                    )
+                })?,
             ..TaskSpec::default()
         };
         if let Some(files) = args.files.as_deref().filter(|f| !f.is_empty()) {
@@ -388,6 +409,7 @@ impl TandemMcp {
         let progress = context.meta.get_progress_token();
         let mut sent = 0u32;
         let mut drawn = Vec::new();
+        let mut called = Vec::new();
         let mut follower = Follower::new(
             self.supervisor.clone(),
             id.clone(),
@@ -424,6 +446,13 @@ impl TandemMcp {
                 EventMsg::Artifact {
                     file, mime, bytes, ..
                 } => drawn.push((file, mime, bytes)),
+                EventMsg::ToolResult {
+                    name,
+                    is_error,
+                    duration_ms,
+                    ..
+                } => called
+                    .push(json!({"name": name, "is_error": is_error, "duration_ms": duration_ms})),
                 EventMsg::TaskFinished { .. } => break event.msg,
                 _ => {}
             }
@@ -456,6 +485,7 @@ impl TandemMcp {
             "error": error,
             "transcript": uri,
             "pictures": pictures,
+            "tool_calls": called,
         });
         let text = match (&summary, &error) {
             (_, Some(e)) => format!("task {id} failed: {}\n(transcript: {uri})", e.message),
@@ -722,6 +752,12 @@ struct RunTaskArgs {
     files: Option<Vec<FileArg>>,
     /// Python blocks share one interpreter whose variables survive (local and docker)
     keep_state: Option<bool>,
+    /// How the model's code reaches the sandbox: blocks, tool (the execute_code tool call) or auto
+    #[schemars(extend("enum" = ["blocks", "tool", "auto"]))]
+    code_via: Option<String>,
+    /// Tools offered to the model: names of the operator's tools, or command tools defined
+    /// here ({name, description, parameters, command}), which run in the task's sandbox
+    tools: Option<Vec<Value>>,
 }
 
 /// A tool's arguments as `T`; what does not fit says which argument and why.

@@ -396,6 +396,7 @@
         const executor = $('executor').value;
         if (executor) body.executor = executor;
         if ($('keep-state').checked) body.keep_state = true;
+        if ($('code-via').value) body.code_via = $('code-via').value;
         const file = $('team-file').files[0];
         if (file) {
           const parsed = await api('POST', '/v1/teams/parse', await file.text()).catch((err) => {
@@ -871,6 +872,9 @@
       s.hidden = false;
     }
 
+    // Each tool call's card, by its id, where its result goes.
+    const toolCalls = new Map();
+
     // One handler per event type; each adds to the DOM, none reads layout.
     const HANDLERS = {
       task_started: (ev) => top(note(`model ${ev.model} at ${ev.base_url} · executor ${ev.executor}`, 'start')),
@@ -930,6 +934,20 @@
         fetchBlob(ev.href).then((blob) => {
           img.src = URL.createObjectURL(blob);
         }).catch((e) => caption.append(` · ${e.message}`));
+      },
+      tool_call(ev) {
+        // An execute_code call's code and output are shown as its block's.
+        const el = h('div', { class: 'tool-call' }, h('div', { class: 'code-head' },
+          h('span', { class: 'lang' }, `call ${ev.name}`), ` · ${ev.id}`));
+        if (ev.name !== 'execute_code') el.append(h('pre', { class: 'code' }, h('code', null, ev.arguments)));
+        toolCalls.set(ev.id, el);
+        turnOf(ev).body.append(el);
+      },
+      tool_result(ev) {
+        const el = toolCalls.get(ev.id) || placeOf(ev);
+        if (ev.name !== 'execute_code') el.append(h('pre', { class: 'output' }, ev.result));
+        el.append(h('div', { class: `result ${ev.is_error ? 'bad' : 'ok'}` },
+          `${ev.is_error ? 'failed' : 'answered'} · ${duration(ev.duration_ms || 0)}`));
       },
       executor_message: (ev) => turnOf(ev).body.append(h('details', { class: 'executor-message' },
         h('summary', null, h('span', { class: 'speaker' }, 'executor'), ' · report to the model'),
