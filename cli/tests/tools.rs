@@ -290,3 +290,103 @@ async fn mcp_run_task_takes_code_via_and_tools_and_reports_the_calls() {
     let text = result.to_string();
     assert!(text.contains("tool `shell` is not offered here"), "{text}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_teams_agents_hold_different_tools_and_each_calls_only_its_own() {
+    let task = "tools: a team";
+    let server = ScriptedOpenAi::start(
+        [
+            (
+                format!("{task}#coder"),
+                vec![Reply::Calls(
+                    String::new(),
+                    vec![call("k1", "wc", r#"{"text": "x y"}"#)],
+                )],
+            ),
+            (
+                format!("{task}#reviewer"),
+                vec![
+                    Reply::Calls(
+                        String::new(),
+                        vec![
+                            call("r1", "wc", r#"{"text": "x"}"#),
+                            call("r2", "shout", "{}"),
+                        ],
+                    ),
+                    Reply::from("DONE"),
+                ],
+            ),
+        ]
+        .into_iter()
+        .collect(),
+    )
+    .await
+    .unwrap();
+    let d = daemon(&server).await;
+    let team = json!({
+        "team": {"kind": "chat", "agents": ["coder", "runner", "reviewer"],
+                 "termination": {"ends_with": "DONE"}},
+        "agents": {
+            "coder": {"instructions": "coder", "tools": ["wc"], "code_via": "tool"},
+            "runner": {"kind": "executor"},
+            "reviewer": {"instructions": "reviewer", "tools": [
+                {"name": "shout", "command": ["python3", "-c", "print('SHOUT')"]}
+            ]}
+        }
+    });
+    let id = d.submit(json!({"task": task, "team": team})).await;
+    let t = d.wait_finished(&id, Duration::from_secs(60)).await;
+    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    let offered = |agent: &str| -> Vec<String> {
+        let asked = server.requests_for(task);
+        let request = asked
+            .iter()
+            .find(|r| {
+                r.body["messages"][0]["content"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with(agent)
+            })
+            .unwrap();
+        request.body["tools"]
+            .as_array()
+            .map(|tools| {
+                tools
+                    .iter()
+                    .map(|t| t["function"]["name"].as_str().unwrap().to_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    assert_eq!(offered("coder"), ["execute_code", "wc"]);
+    assert_eq!(offered("reviewer"), ["shout"]);
+    // The reviewer's call of the coder's tool is answered as an unknown tool; its own runs.
+    let last = server.requests_for(task).last().unwrap().body["messages"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let answers: Vec<(&str, &str)> = last
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .map(|m| {
+            (
+                m["tool_call_id"].as_str().unwrap(),
+                m["content"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        answers,
+        [
+            ("r1", "error: there is no tool `wc`; the tools are: shout."),
+            ("r2", "SHOUT\n")
+        ]
+    );
+    // The coder's own call, which the reviewer did not make, reached it as words.
+    assert!(
+        last.iter().any(|m| m["content"]
+            .as_str()
+            .is_some_and(|c| c.contains("[called tool `wc` with {\"text\": \"x y\"}]"))),
+        "{last:#?}"
+    );
+}
