@@ -141,6 +141,8 @@ pub struct ModelSection {
     pub context_tokens: Option<u32>,
     /// How the model's code reaches the executor: `blocks`, `tool` or `auto`.
     pub code_via: Option<tandem_protocol::CodeVia>,
+    /// `auto` (the model may call a tool) or `required` (every reply is a call).
+    pub tool_choice: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -346,6 +348,11 @@ pub fn model_config(flags: &ModelFlags, file: &FileConfig) -> Result<ModelConfig
             Some(0) => bail!("[model] max_reply_bytes must be at least 1"),
             Some(n) => n,
             None => defaults.max_reply_bytes,
+        },
+        tool_required: match m.tool_choice.as_deref() {
+            None | Some("auto") => false,
+            Some("required") => true,
+            Some(other) => bail!("[model] tool_choice must be auto or required, got `{other}`"),
         },
         ..defaults
     })

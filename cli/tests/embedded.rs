@@ -157,3 +157,43 @@ async fn the_daemon_loads_the_model_once_and_tasks_share_it() {
     assert_eq!(log.matches("embedded model loaded").count(), 1, "{log}");
     d.terminate().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn asked_with_the_tool_required_the_embedded_model_calls_execute_code_and_it_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tandem.toml");
+    std::fs::write(
+        &config,
+        "[model]\nprovider = \"embedded\"\nmodel = \"qwen2.5-coder-0.5b\"\ntemperature = 0.0\nseed = 1\ncontext_tokens = 4096\ncode_via = \"tool\"\ntool_choice = \"required\"\n",
+    )
+    .unwrap();
+    let models = models_dir();
+    let out = tandem(
+        &[
+            "run",
+            "--json",
+            "--config",
+            config.to_str().unwrap(),
+            "--max-turns",
+            "1",
+            "Print the sum of 2 and 3 with python.",
+        ],
+        &[("TANDEM_MODELS_DIR", models.as_str())],
+        None,
+    )
+    .await;
+    // Every reply must be a call: the one turn is one, constrained by the tool's grammar.
+    let calls = out.of_type("tool_call");
+    assert_eq!(calls.len(), 1, "{}\n{}", out.stdout, out.stderr);
+    assert_eq!(calls[0]["name"], "execute_code");
+    let arguments: serde_json::Value =
+        serde_json::from_str(calls[0]["arguments"].as_str().unwrap()).unwrap();
+    assert!(arguments["code"].is_string(), "{arguments}");
+    // It ran as a block, and its answer went back as the call's.
+    let ran = out.of_type("exec_result");
+    assert_eq!(ran.len(), 1, "{}", out.stdout);
+    assert_eq!(ran[0]["result"]["status"], "exited", "{}", ran[0]);
+    let answered = out.of_type("tool_result");
+    assert_eq!(answered[0]["id"], calls[0]["id"]);
+    assert_eq!(out.finished()["stop_reason"], "max_turns", "{}", out.stdout);
+}

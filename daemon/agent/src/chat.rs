@@ -45,6 +45,8 @@ pub struct ModelConfig {
     /// Most bytes of one reply that are kept: a server that never stops streaming is cut
     /// off here, and the reply ends as if it had hit its length limit.
     pub max_reply_bytes: usize,
+    /// Every reply offered tools must call one (`tool_choice: required`).
+    pub tool_required: bool,
 }
 
 /// Default for [`ModelConfig::max_reply_bytes`]: far above any real reply (a 32k-token reply
@@ -67,6 +69,7 @@ impl Default for ModelConfig {
             seed: None,
             stop: Vec::new(),
             max_reply_bytes: DEFAULT_MAX_REPLY_BYTES,
+            tool_required: false,
         }
     }
 }
@@ -285,6 +288,17 @@ impl ChatModel {
         tools: Option<&ToolOffer>,
         progress: &mut (dyn FnMut(ModelProgress<'_>) + Send),
     ) -> Result<Completion, ModelError> {
+        let forced;
+        let tools = match tools {
+            Some(offer) if self.config.tool_required && !offer.required => {
+                forced = ToolOffer {
+                    required: true,
+                    ..offer.clone()
+                };
+                Some(&forced)
+            }
+            other => other,
+        };
         let client = match &self.transport {
             Transport::Http(client) => client,
             Transport::Local(model) => {

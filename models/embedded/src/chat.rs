@@ -6,7 +6,7 @@ use futures::future::BoxFuture;
 use tandem_agent::chat::{
     Completion, LocalModel, ModelConfig, ModelError, ModelProgress, ToolOffer,
 };
-use tandem_protocol::{ErrorCode, Message, Role, Usage};
+use tandem_protocol::{ErrorCode, Message, ToolCall, Usage};
 
 use crate::{Embedded, Event, Finish, Generate};
 
@@ -40,32 +40,24 @@ impl LocalModel for EmbeddedChat {
     fn complete<'a>(
         &'a self,
         messages: &'a [Message],
-        _tools: Option<&'a ToolOffer>,
+        tools: Option<&'a ToolOffer>,
         config: &'a ModelConfig,
         progress: &'a mut (dyn FnMut(ModelProgress<'_>) + Send),
     ) -> BoxFuture<'a, Result<Completion, ModelError>> {
         Box::pin(async move {
+            let offered: Vec<serde_json::Value> =
+                tools.map(|t| t.tools.clone()).unwrap_or_default();
+            let grammar = match tools.filter(|t| !t.tools.is_empty()) {
+                Some(offer) => Some((
+                    crate::tool_grammar(&offer.tools).map_err(failed)?,
+                    offer.required,
+                )),
+                None => None,
+            };
             let request = Generate {
-                messages: messages
-                    .iter()
-                    .map(|m| {
-                        let role = match m.role {
-                            Role::System => "system",
-                            Role::User | Role::Tool => "user",
-                            Role::Assistant => "assistant",
-                        };
-                        // The template knows no calls: they go as the text Qwen writes them in.
-                        let mut content = m.content.clone();
-                        for call in &m.tool_calls {
-                            content.push_str(&format!(
-                                "\n<tool_call>\n{{\"name\": {}, \"arguments\": {}}}\n</tool_call>",
-                                serde_json::Value::String(call.name.clone()),
-                                call.arguments
-                            ));
-                        }
-                        (role.to_owned(), content)
-                    })
-                    .collect(),
+                messages: messages.iter().map(wire_message).collect(),
+                tools: offered.clone(),
+                grammar,
                 max_tokens: config.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS),
                 temperature: config.temperature.unwrap_or(0.0),
                 seed: config.seed.unwrap_or(DEFAULT_SEED),
@@ -90,6 +82,7 @@ impl LocalModel for EmbeddedChat {
                         completion_tokens,
                         ..
                     } => {
+                        let (text, tool_calls) = calls_of(text, &offered);
                         return Ok(Completion {
                             text,
                             usage: Some(Usage {
@@ -103,7 +96,7 @@ impl LocalModel for EmbeddedChat {
                                 }
                                 .to_owned(),
                             ),
-                            tool_calls: Vec::new(),
+                            tool_calls,
                         });
                     }
                     Event::Failed(reason) => {
@@ -124,4 +117,53 @@ impl LocalModel for EmbeddedChat {
     fn describe(&self) -> String {
         format!("the embedded engine ({})", self.engine.path().display())
     }
+}
+
+/// A message as the chat template reads it: the OpenAI shape, a call's arguments as an
+/// object where they are JSON.
+fn wire_message(m: &Message) -> serde_json::Value {
+    let mut v = serde_json::json!({"role": m.role.as_str(), "content": m.content});
+    if !m.tool_calls.is_empty() {
+        v["tool_calls"] = m
+            .tool_calls
+            .iter()
+            .map(|c| {
+                let arguments = serde_json::from_str::<serde_json::Value>(&c.arguments)
+                    .unwrap_or_else(|_| serde_json::Value::String(c.arguments.clone()));
+                serde_json::json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": arguments}})
+            })
+            .collect();
+    }
+    if let Some(id) = &m.tool_call_id {
+        v["tool_call_id"] = serde_json::json!(id);
+    }
+    v
+}
+
+/// The reply's prose and the calls it wrote (`<tool_call>` elements) of the tools it was
+/// offered, as native calls.
+fn calls_of(text: String, offered: &[serde_json::Value]) -> (String, Vec<ToolCall>) {
+    if offered.is_empty() {
+        return (text, Vec::new());
+    }
+    let known = |name: &str| offered.iter().any(|t| t["function"]["name"] == name);
+    let calls = tandem_agent::calls::calls_in_text(&text, &known);
+    if calls.is_empty() {
+        return (text, calls);
+    }
+    let prose = text
+        .split("<tool_call>")
+        .next()
+        .unwrap_or("")
+        .trim_end()
+        .to_owned();
+    let calls = calls
+        .into_iter()
+        .enumerate()
+        .map(|(n, c)| ToolCall {
+            id: format!("call_{}", n + 1),
+            ..c
+        })
+        .collect();
+    (prose, calls)
 }

@@ -22,6 +22,8 @@ use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::{LlamaChatMessage, LlamaModel};
 use llama_cpp_2::sampling::LlamaSampler;
 use llama_cpp_2::token::LlamaToken;
+use llama_cpp_2::token::data::LlamaTokenData;
+use llama_cpp_2::token::data_array::LlamaTokenDataArray;
 use tokio::sync::mpsc as async_mpsc;
 
 /// How the model runs.
@@ -49,8 +51,15 @@ impl EmbeddedConfig {
 /// One request: a chat and how to sample the reply.
 #[derive(Clone, Debug)]
 pub struct Generate {
-    /// `(role, content)` pairs, the system message first.
-    pub messages: Vec<(String, String)>,
+    /// The chat as the OpenAI API shapes it (`role`, `content`, `tool_calls`,
+    /// `tool_call_id`), the system message first.
+    pub messages: Vec<serde_json::Value>,
+    /// Functions offered (`{"type": "function", "function": {...}}`), given to the template.
+    pub tools: Vec<serde_json::Value>,
+    /// How a call must look, when one is to be constrained: [`tool_grammar`]'s grammar, and
+    /// whether the reply must be one (`tool_choice: required`) or may start one at
+    /// `<tool_call>`.
+    pub grammar: Option<(String, bool)>,
     /// Most tokens of reply.
     pub max_tokens: u32,
     /// 0 (or less) samples greedily; above that, with this temperature.
@@ -209,8 +218,12 @@ impl Embedded {
 
     /// The prompt the model is given for `messages`: the chat rendered with the model's own
     /// template (from the GGUF file), ending where the assistant's reply begins.
-    pub fn render(&self, messages: &[(String, String)]) -> Result<String, String> {
-        render(&self.model, messages)
+    pub fn render(
+        &self,
+        messages: &[serde_json::Value],
+        tools: &[serde_json::Value],
+    ) -> Result<String, String> {
+        render(&self.model, messages, tools)
     }
 
     /// Queues a request; its events arrive on the reply, which cancels it when dropped.
@@ -267,18 +280,170 @@ fn worker(
     }
 }
 
-fn render(model: &LlamaModel, messages: &[(String, String)]) -> Result<String, String> {
+/// The chat rendered as the model was trained to read it: the GGUF's own Jinja template,
+/// with the tools; where the template cannot be rendered, llama.cpp's built-in rendering of
+/// its family (which knows no tools).
+fn render(
+    model: &LlamaModel,
+    messages: &[serde_json::Value],
+    tools: &[serde_json::Value],
+) -> Result<String, String> {
     let template = model
         .chat_template(None)
         .map_err(|e| format!("the model has no chat template: {e}"))?;
+    let jinja = template.to_string().unwrap_or_default();
+    let vocab = model.vocab();
+    let special = |t| String::from_utf8_lossy(&vocab.token_to_piece(t, true, None)).into_owned();
+    match render_jinja(
+        &jinja,
+        messages,
+        tools,
+        &special(vocab.bos()),
+        &special(vocab.eos()),
+    ) {
+        Ok(text) => return Ok(text),
+        Err(e) => {
+            tracing::warn!(error = %e, "the model's chat template did not render; using llama.cpp's built-in one")
+        }
+    }
     let chat = messages
         .iter()
-        .map(|(role, content)| LlamaChatMessage::new(role.clone(), content.clone()))
+        .map(|m| {
+            let role = match m["role"].as_str().unwrap_or("user") {
+                "tool" => "user",
+                other => other,
+            };
+            LlamaChatMessage::new(
+                role.to_owned(),
+                m["content"].as_str().unwrap_or("").to_owned(),
+            )
+        })
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| format!("a message cannot be passed to the model: {e}"))?;
     model
         .apply_chat_template(&template, &chat, true)
         .map_err(|e| format!("cannot render the chat: {e}"))
+}
+
+/// Renders a Hugging Face chat template (`template`) as `transformers` does: `messages`,
+/// `tools` (when any), `add_generation_prompt`, the BOS and EOS tokens, and
+/// `raise_exception`; Python's string methods work as templates expect.
+pub fn render_jinja(
+    template: &str,
+    messages: &[serde_json::Value],
+    tools: &[serde_json::Value],
+    bos: &str,
+    eos: &str,
+) -> Result<String, String> {
+    let mut env = minijinja::Environment::new();
+    minijinja_contrib::add_to_environment(&mut env);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |message: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                message,
+            ))
+        },
+    );
+    // As `transformers` renders it (Python's json.dumps): `, ` and `: ` between items, the
+    // shape the model saw its calls in when it was trained.
+    env.add_filter(
+        "tojson",
+        |value: minijinja::Value| -> Result<minijinja::Value, minijinja::Error> {
+            let json = serde_json::to_value(&value).map_err(|e| {
+                minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
+            })?;
+            Ok(minijinja::Value::from_safe_string(python_json(&json)))
+        },
+    );
+    env.add_template("chat", template)
+        .map_err(|e| format!("the chat template does not parse: {e}"))?;
+    let tmpl = env.get_template("chat").map_err(|e| e.to_string())?;
+    let tools = (!tools.is_empty()).then_some(tools);
+    tmpl.render(minijinja::context! {
+        messages => messages,
+        tools => tools,
+        add_generation_prompt => true,
+        bos_token => bos,
+        eos_token => eos,
+    })
+    .map_err(|e| format!("the chat template failed: {e}"))
+}
+
+/// `value` with the separators Python's `json.dumps` writes by default: `, ` and `: `.
+fn python_json(value: &serde_json::Value) -> String {
+    struct Spaced;
+    impl serde_json::ser::Formatter for Spaced {
+        fn begin_array_value<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+            first: bool,
+        ) -> std::io::Result<()> {
+            if first { Ok(()) } else { w.write_all(b", ") }
+        }
+        fn begin_object_key<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+            first: bool,
+        ) -> std::io::Result<()> {
+            if first { Ok(()) } else { w.write_all(b", ") }
+        }
+        fn begin_object_value<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+        ) -> std::io::Result<()> {
+            w.write_all(b": ")
+        }
+    }
+    let mut out = Vec::new();
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, Spaced);
+    if serde::Serialize::serialize(value, &mut ser).is_err() {
+        return value.to_string();
+    }
+    String::from_utf8(out).unwrap_or_else(|_| value.to_string())
+}
+
+/// A grammar (GBNF, root `root`) that lets the model write exactly one call of one of
+/// `tools` (`{"type": "function", "function": {name, parameters}}`) as Qwen and Hermes
+/// models write them: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, its
+/// arguments held to the tool's schema by llama.cpp's JSON-Schema-to-grammar.
+pub fn tool_grammar(tools: &[serde_json::Value]) -> Result<String, String> {
+    let choices: Vec<serde_json::Value> = tools
+        .iter()
+        .map(|t| {
+            let f = &t["function"];
+            let parameters = match &f["parameters"] {
+                serde_json::Value::Null => serde_json::json!({"type": "object"}),
+                p => p.clone(),
+            };
+            serde_json::json!({
+                "type": "object",
+                "properties": {"name": {"const": f["name"]}, "arguments": parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": false,
+            })
+        })
+        .collect();
+    let schema = if let [one] = choices.as_slice() {
+        one.clone()
+    } else {
+        serde_json::json!({"oneOf": choices})
+    };
+    let gbnf = llama_cpp_2::json_schema_to_grammar(&schema.to_string())
+        .map_err(|e| format!("the tools' parameters cannot be made a grammar: {e}"))?;
+    let renamed: Vec<String> = gbnf
+        .lines()
+        .map(|line| match line.strip_prefix("root ::=") {
+            Some(rest) => format!("tool-call-json ::={rest}"),
+            None => line.to_owned(),
+        })
+        .collect();
+    Ok(format!(
+        "root ::= \"<tool_call>\\n\" tool-call-json \"\\n</tool_call>\"\n{}\n",
+        renamed.join("\n")
+    ))
 }
 
 struct Worker<'m> {
@@ -292,7 +457,7 @@ struct Worker<'m> {
 impl Worker<'_> {
     fn run(&mut self, job: &Job) -> Result<Event, String> {
         let r = &job.request;
-        let text = render(self.model, &r.messages)?;
+        let text = render(self.model, &r.messages, &r.tools)?;
         let vocab = self.model.vocab();
         let tokens = vocab.tokenize(text.as_bytes(), true, true);
         let window = self.ctx.n_ctx() as usize;
@@ -339,16 +504,31 @@ impl Worker<'_> {
             self.cached.extend_from_slice(chunk);
             pos += chunk.len();
         }
-        let mut sampler = if r.temperature > 0.0 {
-            LlamaSampler::chain_simple([
+        let mut grammar = match &r.grammar {
+            Some((gbnf, true)) => Some(LlamaSampler::grammar(self.model, gbnf, "root")),
+            Some((gbnf, false)) => Some(LlamaSampler::grammar_lazy(
+                self.model,
+                gbnf,
+                "root",
+                ["<tool_call>"],
+                &[],
+            )),
+            None => None,
+        }
+        .transpose()
+        .map_err(|e| format!("the tool call grammar does not load: {e}"))?;
+        let mut chain = Vec::new();
+        if r.temperature > 0.0 {
+            chain.extend([
                 LlamaSampler::top_k(40),
                 LlamaSampler::top_p(0.95, 1),
                 LlamaSampler::temp(r.temperature),
                 LlamaSampler::dist(r.seed),
-            ])
+            ]);
         } else {
-            LlamaSampler::greedy()
-        };
+            chain.push(LlamaSampler::greedy());
+        }
+        let mut sampler = LlamaSampler::chain_simple(chain);
         let mut decoder = encoding_rs::UTF_8.new_decoder();
         let mut reply = String::new();
         let mut sent = 0;
@@ -362,7 +542,26 @@ impl Worker<'_> {
             if generated >= r.max_tokens || pos + 1 >= window {
                 break Finish::Length;
             }
-            let token = sampler.sample(&self.ctx, batch.n_tokens() - 1);
+            let at = batch.n_tokens() - 1;
+            let mut token = sampler.sample(&self.ctx, at);
+            if let Some(grammar) = grammar.as_mut() {
+                // As llama.cpp's own sampler does: the grammar judges the token chosen, and
+                // only when it refuses is the whole vocabulary (150k tokens) put through it.
+                let mut one =
+                    LlamaTokenDataArray::new(vec![LlamaTokenData::new(token, 0.0, 0.0)], false);
+                grammar.apply(&mut one);
+                if one
+                    .data
+                    .first()
+                    .is_none_or(|d| d.logit() == f32::NEG_INFINITY)
+                {
+                    let mut all = self.ctx.token_data_array_ith(at);
+                    grammar.apply(&mut all);
+                    all.apply_sampler(&mut sampler);
+                    token = all.selected_token().unwrap_or(token);
+                }
+                grammar.accept(token);
+            }
             if vocab.is_eog(token) {
                 break Finish::Stop;
             }

@@ -38,16 +38,18 @@ fn shared() -> Arc<Embedded> {
         .clone()
 }
 
-fn chat(user: &str) -> Vec<(String, String)> {
+fn chat(user: &str) -> Vec<serde_json::Value> {
     vec![
-        ("system".into(), "You are a terse assistant.".into()),
-        ("user".into(), user.into()),
+        serde_json::json!({"role": "system", "content": "You are a terse assistant."}),
+        serde_json::json!({"role": "user", "content": user}),
     ]
 }
 
 fn request(user: &str) -> Generate {
     Generate {
         messages: chat(user),
+        tools: Vec::new(),
+        grammar: None,
         max_tokens: 40,
         temperature: 0.0,
         seed: 1,
@@ -78,11 +80,80 @@ async fn collect(engine: &Embedded, request: Generate) -> (String, Event) {
 
 #[tokio::test]
 async fn the_template_from_the_gguf_renders_chatml_ending_at_the_reply() {
-    let prompt = shared().render(&chat("hi")).unwrap();
+    let prompt = shared().render(&chat("hi"), &[]).unwrap();
     assert_eq!(
         prompt,
         "<|im_start|>system\nYou are a terse assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     );
+}
+
+fn execute_code() -> serde_json::Value {
+    serde_json::json!({"type": "function", "function": {
+        "name": "execute_code",
+        "description": "Run code and get its output.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "language": {"type": "string", "enum": ["python", "sh"]},
+                "code": {"type": "string"}
+            },
+            "required": ["language", "code"],
+            "additionalProperties": false
+        }
+    }})
+}
+
+#[tokio::test]
+async fn the_gguf_template_renders_tools_calls_and_their_answers() {
+    let mut messages = chat("Print 5.");
+    messages.push(serde_json::json!({"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "execute_code", "arguments": {"language": "python", "code": "print(5)"}}}
+    ]}));
+    messages.push(serde_json::json!({"role": "tool", "tool_call_id": "c1", "content": "5"}));
+    let prompt = shared().render(&messages, &[execute_code()]).unwrap();
+    // Qwen's own template: the tools in the system message, the call as the model writes it,
+    // and the answer as a tool response.
+    assert!(
+        prompt.starts_with("<|im_start|>system\nYou are a terse assistant.\n\n# Tools\n"),
+        "{prompt}"
+    );
+    assert!(prompt.contains("\"name\": \"execute_code\""), "{prompt}");
+    assert!(
+        prompt.contains("<tool_call>\n{\"name\": \"execute_code\", \"arguments\": {\"code\": \"print(5)\", \"language\": \"python\"}}\n</tool_call>"),
+        "{prompt}"
+    );
+    assert!(
+        prompt.contains("<tool_response>\n5\n</tool_response>"),
+        "{prompt}"
+    );
+    assert!(prompt.ends_with("<|im_start|>assistant\n"), "{prompt}");
+}
+
+#[tokio::test]
+async fn asked_with_the_tool_required_the_model_writes_a_call_that_parses() {
+    let engine = shared();
+    let tools = [execute_code()];
+    let grammar = tandem_model_embedded::tool_grammar(&tools).unwrap();
+    let (text, done) = collect(
+        &engine,
+        Generate {
+            tools: tools.to_vec(),
+            grammar: Some((grammar, true)),
+            max_tokens: 200,
+            ..request("Print the sum of 2 and 3.")
+        },
+    )
+    .await;
+    assert_eq!(finish(&done), Some(Finish::Stop), "{done:?}: {text}");
+    let calls = tandem_agent::calls::calls_in_text(&text, &|_| true);
+    assert_eq!(calls.len(), 1, "{text}");
+    assert_eq!(calls[0].name, "execute_code");
+    let args: serde_json::Value = serde_json::from_str(&calls[0].arguments).unwrap();
+    assert!(
+        ["python", "sh"].contains(&args["language"].as_str().unwrap()),
+        "{text}"
+    );
+    assert!(args["code"].is_string(), "{text}");
 }
 
 #[tokio::test]
