@@ -20,6 +20,9 @@
 //!    interpreter vs a fresh process per block (which must load the value again each time).
 //! 10. Files: 100 MB uploaded to the daemon and downloaded from a task's workspace vs `cat`
 //!     of the same bytes to a file and from a file (the release `tandem` binary).
+//! 11. Tools: a two-turn task whose `print(1)` comes as an `execute_code` tool call vs the
+//!     same block fenced, alternated; and a call of an HTTP tool from inside a local block vs
+//!     the same request made straight from this process.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
@@ -1560,5 +1563,193 @@ fn main() {
         if run("files") {
             files_round_trip(5).await;
         }
+        if run("tools") {
+            tools_overhead(100, 2000).await;
+        }
     });
+}
+
+/// Tools: per-task time of a `print(1)` sent as an `execute_code` call against the same code
+/// fenced (one task at a time, alternated, so both meet the same machine); and what a tool
+/// call from inside a local block costs beyond the tool's own work (an HTTP endpoint on
+/// loopback that answers at once), against the same request made straight from here.
+async fn tools_overhead(tasks: usize, calls: usize) {
+    use tandem_agent::tools::{Catalog, resolve};
+    use tandem_protocol::{CodeVia, ToolDef};
+    let fenced = "```python\nprint(1)\n```";
+    let call = (
+        "c1".to_owned(),
+        "execute_code".to_owned(),
+        r#"{"language": "python", "code": "print(1)"}"#.to_owned(),
+    );
+    let script: Script = (0..tasks)
+        .flat_map(|i| {
+            [
+                (
+                    format!("fenced {i}"),
+                    vec![Reply::from(fenced), Reply::from("Done.\nTERMINATE")],
+                ),
+                (
+                    format!("tool {i}"),
+                    vec![
+                        Reply::Calls(String::new(), vec![call.clone()]),
+                        Reply::from("Done.\nTERMINATE"),
+                    ],
+                ),
+            ]
+        })
+        .collect();
+    let server = ScriptedOpenAi::start(script).await.unwrap();
+    let model = ChatModel::new(ModelConfig {
+        base_url: server.base_url(),
+        ..ModelConfig::default()
+    })
+    .unwrap();
+    let executor: Arc<dyn Executor> = Arc::new(local_executor(true));
+    let one = |task: String, via: CodeVia| {
+        let (model, executor) = (model.clone(), executor.clone());
+        async move {
+            let mut settings = TaskSettings::new(task);
+            settings.code_via = via;
+            let t = Instant::now();
+            let outcome = run_task(
+                settings,
+                &model,
+                executor,
+                Arc::new(|_| {}),
+                CancellationToken::new(),
+            )
+            .await;
+            assert_eq!(
+                outcome.stop_reason,
+                StopReason::Terminated,
+                "{:?}",
+                outcome.error
+            );
+            t.elapsed()
+        }
+    };
+    // Warm: the fork server and the HTTP connection.
+    one("fenced 0".to_owned(), CodeVia::Blocks).await;
+    let (mut by_block, mut by_tool) = (Vec::new(), Vec::new());
+    for i in 1..tasks {
+        by_block.push(one(format!("fenced {i}"), CodeVia::Blocks).await);
+        by_tool.push(one(format!("tool {i}"), CodeVia::Tool).await);
+    }
+    let ((bm, bp), (tm, tp)) = (stats(by_block), stats(by_tool));
+    println!(
+        "\n## Tools: `print(1)` as an `execute_code` call vs fenced ({} two-turn tasks each, one at a time, alternated; local executor)",
+        tasks - 1
+    );
+    println!("| code comes as | mean | median | ratio to fenced (median) |");
+    println!("|---|---|---|---|");
+    println!("| a fenced block | {} | {} | 1.000x |", ms(bm), ms(bp));
+    println!(
+        "| an `execute_code` tool call | {} | {} | {:.3}x |",
+        ms(tm),
+        ms(tp),
+        tp.as_secs_f64() / bp.as_secs_f64()
+    );
+
+    // A call from code: an endpoint that answers at once, called `calls` times by one block.
+    use axum::routing::post;
+    let app = axum::Router::new().route("/echo", post(|body: String| async move { body }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/echo", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    let mut catalog = Catalog::new();
+    catalog.insert(
+        "echo".to_owned(),
+        ToolDef {
+            url: Some(url.clone()),
+            ..ToolDef::default()
+        },
+    );
+    let code = format!(
+        "```python\nimport time, tandem_tools\ntandem_tools.call('echo', text='x')\nt = time.perf_counter()\nfor _ in range({calls}):\n    tandem_tools.call('echo', text='x')\nprint((time.perf_counter() - t) / {calls} * 1e6)\n```"
+    );
+    let server = ScriptedOpenAi::start(
+        [(
+            "call from code".to_owned(),
+            vec![Reply::from(code.as_str()), Reply::from("TERMINATE")],
+        )]
+        .into_iter()
+        .collect(),
+    )
+    .await
+    .unwrap();
+    let model = ChatModel::new(ModelConfig {
+        base_url: server.base_url(),
+        ..ModelConfig::default()
+    })
+    .unwrap();
+    let mut settings = TaskSettings::new("call from code");
+    settings.tools = resolve(None, &catalog).unwrap();
+    settings.session.limits.wall = Duration::from_secs(600);
+    let printed = Arc::new(std::sync::Mutex::new(String::new()));
+    let into = printed.clone();
+    let outcome = run_task(
+        settings,
+        &model,
+        executor.clone(),
+        Arc::new(move |e| {
+            if let tandem_protocol::EventMsg::ExecResult { result, .. } = e {
+                *into.lock().unwrap() = result.stdout.clone();
+            }
+        }),
+        CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(
+        outcome.stop_reason,
+        StopReason::Terminated,
+        "{:?}",
+        outcome.error
+    );
+    let per_call_us: f64 = printed
+        .lock()
+        .unwrap()
+        .trim()
+        .parse()
+        .expect("the block's timing");
+    // The same request made straight from here, on one kept connection.
+    let client = reqwest::Client::new();
+    let body = r#"{"text":"x"}"#;
+    client
+        .post(&url)
+        .body(body)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let t = Instant::now();
+    for _ in 0..calls {
+        client
+            .post(&url)
+            .body(body)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+    }
+    let direct_us = t.elapsed().as_secs_f64() * 1e6 / calls as f64;
+    println!(
+        "\n## Tools: a call from inside a local block ({calls} calls of an HTTP tool on loopback, one block)"
+    );
+    println!("| path | per call | Tandem's own cost |");
+    println!("|---|---|---|");
+    println!(
+        "| the endpoint called straight from this process (reqwest, kept connection) | {direct_us:.0} µs | |"
+    );
+    println!(
+        "| `tandem_tools.call` in the block: channel, checks, events, the same request | {per_call_us:.0} µs | {:.0} µs ({:.3} ms) |",
+        per_call_us - direct_us,
+        (per_call_us - direct_us) / 1000.0
+    );
 }

@@ -736,3 +736,75 @@ async fn code_in_a_docker_block_with_the_network_off_calls_tools_through_the_run
         "exitcode: 0 (execution succeeded)\nCode output: network: off\n3\n\n2\ntools: read-only\n"
     );
 }
+
+/// An HTTP endpoint that answers no request until `expected` have arrived, then answers each
+/// with its body in capitals: two calls finish only if they run at the same time.
+async fn meeting_point(expected: usize) -> (String, Arc<Mutex<Vec<String>>>) {
+    use axum::routing::post;
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let barrier = Arc::new(tokio::sync::Barrier::new(expected));
+    let (seen2, barrier2) = (seen.clone(), barrier.clone());
+    let app = axum::Router::new().route(
+        "/tool",
+        post(move |body: String| {
+            let (seen, barrier) = (seen2.clone(), barrier2.clone());
+            async move {
+                seen.lock().unwrap().push(body.clone());
+                barrier.wait().await;
+                body.to_uppercase()
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (format!("http://{addr}/tool"), seen)
+}
+
+#[tokio::test]
+async fn an_operators_http_tools_run_side_by_side_and_a_failing_one_is_an_answer() {
+    let task = "tools: http";
+    let (url, seen) = meeting_point(2).await;
+    let http = |url: &str| ToolDef {
+        url: Some(url.to_owned()),
+        timeout_secs: Some(20),
+        ..ToolDef::default()
+    };
+    let ran = run(
+        task,
+        vec![
+            Reply::Calls(
+                String::new(),
+                vec![
+                    call("h1", "shout", r#"{"word": "one"}"#),
+                    call("h2", "shout", r#"{"word": "two"}"#),
+                    call("h3", "down", r#"{}"#),
+                ],
+            ),
+            Reply::from("TERMINATE"),
+        ],
+        |s| {
+            s.tools = resolve(
+                None,
+                &catalog(&[
+                    ("shout", http(&url)),
+                    ("down", http("http://127.0.0.1:9/nothing-listens")),
+                ]),
+            )
+            .unwrap();
+        },
+    )
+    .await;
+    assert_eq!(ran.outcome.stop_reason, StopReason::Terminated);
+    let back = said(&ran.requests[1]);
+    assert_eq!(back[1], tool_message("h1", r#"{"WORD":"ONE"}"#));
+    assert_eq!(back[2], tool_message("h2", r#"{"WORD":"TWO"}"#));
+    let down = back[3]["content"].as_str().unwrap();
+    assert!(
+        down.starts_with("error: tool `down` failed: the endpoint did not answer ("),
+        "{down}"
+    );
+    assert_eq!(seen.lock().unwrap().len(), 2);
+}

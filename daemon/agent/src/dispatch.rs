@@ -440,15 +440,24 @@ async fn run_http(
 
 async fn post(url: &str, body: String, timeout: Duration) -> Result<String, String> {
     use futures::StreamExt;
-    let client = reqwest::Client::builder()
-        .timeout(timeout)
-        .tls_backend_preconfigured(
-            crate::chat::tls_config(url.starts_with("https://")).map_err(|e| e.message)?,
-        )
-        .build()
-        .map_err(|e| e.to_string())?;
+    // One client per process and scheme: its connections are kept for the next call.
+    static CLIENTS: std::sync::OnceLock<[Result<reqwest::Client, String>; 2]> =
+        std::sync::OnceLock::new();
+    let clients = CLIENTS.get_or_init(|| {
+        [false, true].map(|https| {
+            let tls = crate::chat::tls_config(https).map_err(|e| e.message)?;
+            reqwest::Client::builder()
+                .tls_backend_preconfigured(tls)
+                .build()
+                .map_err(|e| e.to_string())
+        })
+    });
+    let client = clients[usize::from(url.starts_with("https://"))]
+        .as_ref()
+        .map_err(Clone::clone)?;
     let response = client
         .post(url)
+        .timeout(timeout)
         .header("content-type", "application/json")
         .body(body)
         .send()
