@@ -104,3 +104,60 @@ fn answer_line(reply: Result<String, String>) -> String {
     };
     format!("{value}\n")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    #[tokio::test]
+    async fn a_call_with_another_token_is_refused_and_the_channel_closed() {
+        let (ours, mut theirs) = tokio::net::UnixStream::pair().unwrap();
+        let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = calls.clone();
+        let handler: ToolHandler = Arc::new(move |name, args| {
+            seen.lock().unwrap().push((name.clone(), args));
+            Box::pin(async move { Ok(format!("ran {name}")) })
+        });
+        let served = tokio::spawn(serve(ours, "right".to_owned(), handler));
+        theirs
+            .write_all(b"{\"token\": \"right\", \"name\": \"a\", \"arguments\": {\"x\": 1}}\n")
+            .await
+            .unwrap();
+        theirs
+            .write_all(b"{\"token\": \"forged\", \"name\": \"b\", \"arguments\": {}}\n")
+            .await
+            .unwrap();
+        let mut answers = String::new();
+        theirs.read_to_string(&mut answers).await.unwrap();
+        assert_eq!(
+            answers,
+            "{\"ok\":true,\"result\":\"ran a\"}\n{\"error\":\"the call carries a wrong token; this channel serves only its own block\",\"ok\":false}\n"
+        );
+        // The forged call never reached a tool, and the channel is closed after it.
+        assert_eq!(*calls.lock().unwrap(), [("a".to_owned(), "{\"x\": 1}".to_owned())]);
+        served.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_line_past_the_cap_ends_the_channel() {
+        let (ours, mut theirs) = tokio::net::UnixStream::pair().unwrap();
+        let handler: ToolHandler = Arc::new(|_, _| Box::pin(async { Ok(String::new()) }));
+        let served = tokio::spawn(serve(ours, "t".to_owned(), handler));
+        let writer = tokio::spawn(async move {
+            let chunk = vec![b'x'; 1 << 20];
+            for _ in 0..5 {
+                if theirs.write_all(&chunk).await.is_err() {
+                    break;
+                }
+            }
+            let mut answer = String::new();
+            let _ = theirs.read_to_string(&mut answer).await;
+            answer
+        });
+        // The channel ends (the answer that says why may be lost with the unread bytes).
+        served.await.unwrap();
+        let answer = writer.await.unwrap();
+        assert!(answer.is_empty() || answer.contains("longer than 4 MiB"), "{answer}");
+    }
+}
