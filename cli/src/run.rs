@@ -239,7 +239,6 @@ async fn run_here(args: &RunArgs, file: FileConfig) -> Result<u8> {
         limits: config::limits(&file, args.flags.block_timeout)?,
         code_via: file.model.code_via.unwrap_or_default(),
     };
-    tandem_agent::tools::check_catalog(&file.tools).context("in [tools] of tandem.toml")?;
     let planner = Planner::new(PlannerConfig {
         model: config::model_config(&args.model, &file)?,
         local_model: None,
@@ -248,7 +247,9 @@ async fn run_here(args: &RunArgs, file: FileConfig) -> Result<u8> {
         policy: Policy::own(names),
         approval: file.approval.clone(),
         teams,
-        tools: file.tools.clone(),
+        tools: tandem_agent::tools::Offered::start(file.tools.clone())
+            .await
+            .context("in [tools] of tandem.toml")?,
     });
     planner.check(&spec)?;
     // Last of the checks: loading the embedded model takes a moment.

@@ -495,7 +495,6 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
         limits: config::limits(file, None)?,
         code_via: file.model.code_via.unwrap_or_default(),
     };
-    tandem_agent::tools::check_catalog(&file.tools).context("in [tools] of tandem.toml")?;
     let mut model = config::model_config(&args.model, file)?;
     // Loaded once and shared by every task that names no model server.
     let local_model = match crate::provider::choose(&args.model, file) {
@@ -527,7 +526,9 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
                 policy,
                 approval: file.approval.clone(),
                 teams,
-                tools: file.tools.clone(),
+                tools: tandem_agent::tools::Offered::start(file.tools.clone())
+                    .await
+                    .context("in [tools] of tandem.toml")?,
             },
             max_concurrent,
             sessions,

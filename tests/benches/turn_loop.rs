@@ -1686,7 +1686,7 @@ async fn tools_overhead(tasks: usize, calls: usize) {
     })
     .unwrap();
     let mut settings = TaskSettings::new("call from code");
-    settings.tools = resolve(None, &catalog).unwrap();
+    settings.tools = resolve(None, &catalog.into()).unwrap();
     settings.session.limits.wall = Duration::from_secs(600);
     let printed = Arc::new(std::sync::Mutex::new(String::new()));
     let into = printed.clone();

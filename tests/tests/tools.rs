@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use serde_json::{Value, json};
-use tandem_agent::tools::{Catalog, resolve};
+use tandem_agent::tools::{Catalog, Offered, resolve};
 use tandem_agent::{
     ApprovalGate, Approver, Ask, ChatModel, EventSink, ModelConfig, Ruling, TaskSettings, run_task,
 };
@@ -315,11 +315,12 @@ fn wc_tool() -> ToolDef {
     }
 }
 
-fn catalog(entries: &[(&str, ToolDef)]) -> Catalog {
+fn catalog(entries: &[(&str, ToolDef)]) -> Offered {
     entries
         .iter()
         .map(|(n, d)| ((*n).to_owned(), d.clone()))
-        .collect()
+        .collect::<Catalog>()
+        .into()
 }
 
 #[tokio::test]
@@ -807,4 +808,115 @@ async fn an_operators_http_tools_run_side_by_side_and_a_failing_one_is_an_answer
         "{down}"
     );
     assert_eq!(seen.lock().unwrap().len(), 2);
+}
+
+/// The Python MCP SDK's environment (`scripts/fetch-mcp-client.sh`), whose server side
+/// plays an operator's MCP server.
+fn mcp_python() -> std::path::PathBuf {
+    let venv = std::env::var_os("TANDEM_MCP_CLIENT_VENV")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(std::env::var_os("HOME").unwrap())
+                .join(".cache/tandem/mcp-client")
+        });
+    let python = venv.join("bin/python");
+    assert!(
+        python.exists(),
+        "no MCP SDK at {}: run scripts/fetch-mcp-client.sh",
+        venv.display()
+    );
+    python
+}
+
+const MCP_SERVER: &str = r#"
+from mcp.server.mcpserver import MCPServer
+
+app = MCPServer("calc")
+
+@app.tool()
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+@app.tool()
+def fail(why: str) -> str:
+    """Always fails."""
+    raise ValueError(why)
+
+app.run()
+"#;
+
+#[tokio::test]
+async fn an_mcp_servers_tools_are_offered_called_by_the_model_and_from_code() {
+    let dir = tempfile::tempdir().unwrap();
+    let script_path = dir.path().join("calc.py");
+    std::fs::write(&script_path, MCP_SERVER).unwrap();
+    let mut defs = Catalog::new();
+    defs.insert(
+        "calc".to_owned(),
+        ToolDef {
+            mcp: Some(vec![
+                mcp_python().display().to_string(),
+                script_path.display().to_string(),
+            ]),
+            ..ToolDef::default()
+        },
+    );
+    let offered = Offered::start(defs).await.unwrap();
+    let tools = resolve(None, &offered).unwrap();
+    let names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["calc__add", "calc__fail"]);
+    // One of them by name; an unknown one names what there is.
+    let one = resolve(
+        Some(&[tandem_protocol::ToolRef::Name("calc__add".to_owned())]),
+        &offered,
+    )
+    .unwrap();
+    assert_eq!(one.len(), 1);
+    assert_eq!(
+        resolve(
+            Some(&[tandem_protocol::ToolRef::Name("calc__mul".to_owned())]),
+            &offered
+        )
+        .err()
+        .map(|e| e.to_string()),
+        Some(
+            "tool `calc__mul` is not offered here; the operator's tools are: calc__add, calc__fail"
+                .to_owned()
+        )
+    );
+    let code = "import tandem_tools\nprint(tandem_tools.call('calc__add', a=40, b=2))\n";
+    let ran = run(
+        "tools: mcp",
+        vec![
+            Reply::Calls(
+                format!("```python\n{code}```"),
+                vec![
+                    call("m1", "calc__add", r#"{"a": 2, "b": 3}"#),
+                    call("m2", "calc__fail", r#"{"why": "on purpose"}"#),
+                    call("m3", "calc__add", r#"{"a": "two"}"#),
+                ],
+            ),
+            Reply::from("TERMINATE"),
+        ],
+        |s| s.tools = tools,
+    )
+    .await;
+    assert_eq!(ran.outcome.stop_reason, StopReason::Terminated);
+    let back = said(&ran.requests[1]);
+    assert_eq!(back[1], tool_message("m1", "5"));
+    let failed = back[2]["content"].as_str().unwrap();
+    assert!(
+        // (The SDK tells no more than that the tool raised.)
+        failed.starts_with("error: tool `calc__fail` failed: ") && failed.contains("fail"),
+        "{failed}"
+    );
+    // The server's own schema is checked before anything is sent.
+    let bad = back[3]["content"].as_str().unwrap();
+    assert!(bad.contains("do not match its parameters"), "{bad}");
+    // The block's code called the same server over its channel.
+    assert_eq!(
+        back[4],
+        json!({"role": "user", "name": "executor", "content": "exitcode: 0 (execution succeeded)\nCode output: 42\n"})
+    );
 }

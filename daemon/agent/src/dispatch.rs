@@ -59,7 +59,7 @@ pub async fn run_calls(
                 answers[i] = Some(answer(call, index, text, true, Instant::now(), opts));
             }
             Ok((tool, args)) => match &tool.runs {
-                Runs::Http(url) => beside.push((i, index, tool, url.clone(), args)),
+                Runs::Http(_) | Runs::Mcp(..) => beside.push((i, index, tool, args)),
                 _ => in_session.push((i, index, tool, args)),
             },
         }
@@ -76,11 +76,10 @@ pub async fn run_calls(
         }
         Ok::<_, ExecError>(done)
     };
-    let http = futures::future::join_all(beside.into_iter().map(
-        |(i, index, tool, url, args)| async move {
-            (i, run_http(tool, &calls[i], &url, &args, index, opts).await)
-        },
-    ));
+    let http =
+        futures::future::join_all(beside.into_iter().map(|(i, index, tool, args)| async move {
+            (i, run_beside(tool, &calls[i], &args, index, opts).await)
+        }));
     let (session, http) = futures::join!(session, http);
     for (i, answered) in session?.into_iter().chain(http) {
         answers[i] = Some(answered);
@@ -330,7 +329,7 @@ pub(crate) fn code_handler(
                         tool.name
                     ));
                 }
-                Runs::Http(url) => run_http(tool, &call, url, &args, index, &opts).await,
+                Runs::Http(_) | Runs::Mcp(..) => run_beside(tool, &call, &args, index, &opts).await,
                 Runs::Command(argv) => {
                     let arguments = match approved(&tool.name, arguments, index, &opts).await {
                         Ok(a) => a,
@@ -402,11 +401,11 @@ fn launcher(argv: &[String], stdin: &str) -> String {
     )
 }
 
-/// An operator's HTTP tool: the arguments are POSTed as JSON; a 2xx body is the answer.
-async fn run_http(
+/// An operator's tool that runs outside the sandbox: an HTTP endpoint the arguments are
+/// POSTed to as JSON (a 2xx body is the answer), or an MCP server's tool.
+async fn run_beside(
     tool: &Tool,
     call: &ToolCall,
-    url: &str,
     args: &Map<String, Value>,
     index: u32,
     opts: &RunOptions,
@@ -428,8 +427,19 @@ async fn run_http(
     };
     told_call(call, index, opts);
     let timeout = tool.timeout.unwrap_or(Duration::from_secs(60));
+    let ran = async {
+        match &tool.runs {
+            Runs::Http(url) => post(url, arguments, timeout).await,
+            Runs::Mcp(source, name) => {
+                let args = serde_json::from_str::<Map<String, Value>>(&arguments)
+                    .map_err(|e| format!("the arguments are not an object ({e})"))?;
+                source.call(name, args, timeout).await
+            }
+            _ => Err("not a tool that runs beside the sandbox".to_owned()),
+        }
+    };
     let (content, is_error) = tokio::select! {
-        got = post(url, arguments, timeout) => match got {
+        got = ran => match got {
             Ok(body) => (body, false),
             Err(why) => (format!("error: tool `{}` failed: {why}", tool.name), true),
         },

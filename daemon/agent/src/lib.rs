@@ -14,6 +14,7 @@ pub mod chat;
 pub mod dispatch;
 pub mod events;
 pub mod extract;
+pub mod mcp_tools;
 pub mod task;
 pub mod team;
 pub mod termination;

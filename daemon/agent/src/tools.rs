@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use serde_json::{Map, Value, json};
 use tandem_executor::Language;
-use tandem_protocol::tools::{EXECUTE_CODE, NamedTool, valid_tool_name};
+use tandem_protocol::tools::{EXECUTE_CODE, valid_tool_name};
 use tandem_protocol::{CodeVia, ToolCall, ToolDef, ToolRef};
 
 use crate::chat::ToolOffer;
@@ -22,6 +22,8 @@ pub enum Runs {
     Command(Vec<String>),
     /// An HTTP endpoint the arguments are POSTed to.
     Http(String),
+    /// A tool of a running MCP server, by its own name there.
+    Mcp(Arc<crate::mcp_tools::McpSource>, String),
 }
 
 /// One tool as the model is offered it.
@@ -71,6 +73,102 @@ pub enum ToolError {
 /// The operator's tools, as `[tools.NAME]` in `tandem.toml` gives them.
 pub type Catalog = BTreeMap<String, ToolDef>;
 
+/// The operator's tools ready to offer: the definitions, and the MCP servers among them,
+/// started.
+#[derive(Clone, Debug, Default)]
+pub struct Offered {
+    defs: Catalog,
+    servers: BTreeMap<String, Arc<crate::mcp_tools::McpSource>>,
+}
+
+impl From<Catalog> for Offered {
+    /// Definitions with no MCP server among them (one there offers no tool).
+    fn from(defs: Catalog) -> Self {
+        Self {
+            defs,
+            servers: BTreeMap::new(),
+        }
+    }
+}
+
+impl Offered {
+    /// Checks every definition and starts each MCP server, listing its tools.
+    pub async fn start(defs: Catalog) -> Result<Self, ToolError> {
+        let mut servers = BTreeMap::new();
+        for (name, def) in &defs {
+            match &def.mcp {
+                Some(argv) => {
+                    let invalid = |why: String| ToolError::Invalid {
+                        name: name.clone(),
+                        why,
+                    };
+                    if def.command.is_some() || def.url.is_some() {
+                        return Err(invalid("give one of command, url and mcp".to_owned()));
+                    }
+                    let source = crate::mcp_tools::McpSource::start(name, argv)
+                        .await
+                        .map_err(invalid)?;
+                    servers.insert(name.clone(), source);
+                }
+                None => {
+                    check_def(name, def, true)?;
+                }
+            }
+        }
+        Ok(Self { defs, servers })
+    }
+
+    /// The names a task can ask for, comma-separated (or `none`).
+    fn names(&self) -> String {
+        let mut names: Vec<String> = Vec::new();
+        for name in self.defs.keys() {
+            match self.servers.get(name) {
+                Some(source) => {
+                    names.extend(source.tools.iter().map(|t| format!("{name}__{}", t.0)));
+                }
+                None => names.push(name.clone()),
+            }
+        }
+        if names.is_empty() {
+            "none".to_owned()
+        } else {
+            names.join(", ")
+        }
+    }
+
+    /// The tools entry `name` gives: one, or an MCP server's every tool (`SERVER__TOOL`
+    /// gives one of them).
+    fn entry(&self, name: &str) -> Option<Result<Vec<Tool>, ToolError>> {
+        let (server, only) = match name.split_once("__") {
+            Some((server, tool)) if self.servers.contains_key(server) => (server, Some(tool)),
+            _ => (name, None),
+        };
+        if let Some(source) = self.servers.get(server) {
+            let timeout = self
+                .defs
+                .get(server)
+                .and_then(|d| d.timeout_secs)
+                .map(Duration::from_secs);
+            let tools: Vec<Tool> = source
+                .tools
+                .iter()
+                .filter(|(tool, _, _)| only.is_none_or(|o| o == tool))
+                .map(|(tool, description, schema)| Tool {
+                    name: format!("{server}__{tool}"),
+                    description: description.clone(),
+                    parameters: schema.clone(),
+                    runs: Runs::Mcp(source.clone(), tool.clone()),
+                    timeout,
+                })
+                .collect();
+            return (!tools.is_empty() || only.is_none()).then_some(Ok(tools));
+        }
+        self.defs
+            .get(name)
+            .map(|def| check_def(name, def, true).map(|t| vec![t]))
+    }
+}
+
 /// Checks one definition; `operator` says whether it came from the operator (who alone may
 /// give a URL).
 pub fn check_def(name: &str, def: &ToolDef, operator: bool) -> Result<Tool, ToolError> {
@@ -87,6 +185,13 @@ pub fn check_def(name: &str, def: &ToolDef, operator: bool) -> Result<Tool, Tool
         return Err(invalid(format!(
             "`{EXECUTE_CODE}` is the executor's own tool; set code_via to offer it"
         )));
+    }
+    if def.mcp.is_some() {
+        return Err(invalid(if operator {
+            "an MCP server's tools come from the running server (Offered::start)".to_owned()
+        } else {
+            "an MCP server can be configured only by the operator, as [tools.NAME] mcp = [...] in tandem.toml".to_owned()
+        }));
     }
     let runs = match (&def.command, &def.url) {
         (Some(argv), None) => {
@@ -137,50 +242,47 @@ pub fn check_def(name: &str, def: &ToolDef, operator: bool) -> Result<Tool, Tool
     })
 }
 
-/// The operator's catalog, each definition checked.
-pub fn check_catalog(catalog: &Catalog) -> Result<(), ToolError> {
-    for (name, def) in catalog {
-        check_def(name, def, true)?;
-    }
-    Ok(())
-}
-
-/// The tools `refs` asks for, out of the operator's `catalog`: a name must be the
-/// operator's; a definition may only be a command (it runs in the sandbox). `None` gives
-/// every tool of the catalog.
-pub fn resolve(refs: Option<&[ToolRef]>, catalog: &Catalog) -> Result<Vec<Tool>, ToolError> {
-    let Some(refs) = refs else {
-        return catalog
-            .iter()
-            .map(|(name, def)| check_def(name, def, true))
-            .collect();
-    };
-    let mut tools: Vec<Tool> = Vec::with_capacity(refs.len());
-    for r in refs {
-        let tool = match r {
-            ToolRef::Name(name) => {
-                let def = catalog.get(name).ok_or_else(|| ToolError::Unknown {
-                    name: name.clone(),
-                    offered: if catalog.is_empty() {
-                        "none".to_owned()
-                    } else {
-                        catalog.keys().cloned().collect::<Vec<_>>().join(", ")
-                    },
-                })?;
-                check_def(name, def, true)?
+/// The tools `refs` asks for, out of the operator's `offered`: a name must be the
+/// operator's (an MCP server's name gives all its tools, `SERVER__TOOL` one); a definition may
+/// only be a command (it runs in the sandbox). `None` gives every tool the operator offers.
+pub fn resolve(refs: Option<&[ToolRef]>, offered: &Offered) -> Result<Vec<Tool>, ToolError> {
+    let mut tools: Vec<Tool> = Vec::new();
+    let mut add = |found: Vec<Tool>| -> Result<(), ToolError> {
+        for tool in found {
+            if tools.iter().any(|t| t.name == tool.name) {
+                return Err(ToolError::Invalid {
+                    name: tool.name,
+                    why: "named twice".to_owned(),
+                });
             }
-            ToolRef::Def(NamedTool { name, .. }) => {
-                let ToolRef::Def(named) = r else { continue };
-                check_def(name, &named.def(), false)?
-            }
-        };
-        if tools.iter().any(|t| t.name == tool.name) {
-            return Err(ToolError::Invalid {
-                name: tool.name,
-                why: "named twice".to_owned(),
-            });
+            tools.push(tool);
         }
-        tools.push(tool);
+        Ok(())
+    };
+    match refs {
+        None => {
+            for name in offered.defs.keys() {
+                if let Some(found) = offered.entry(name) {
+                    add(found?)?;
+                }
+            }
+        }
+        Some(refs) => {
+            for r in refs {
+                match r {
+                    ToolRef::Name(name) => {
+                        let found = offered.entry(name).ok_or_else(|| ToolError::Unknown {
+                            name: name.clone(),
+                            offered: offered.names(),
+                        })?;
+                        add(found?)?;
+                    }
+                    ToolRef::Def(named) => {
+                        add(vec![check_def(&named.name, &named.def(), false)?])?;
+                    }
+                }
+            }
+        }
     }
     Ok(tools)
 }
@@ -547,6 +649,7 @@ mod tests {
             },
         );
         let named = |n: &str| ToolRef::Name(n.to_owned());
+        let catalog = Offered::from(catalog);
         assert!(resolve(Some(&[named("weather")]), &catalog).is_ok());
         assert_eq!(
             resolve(Some(&[named("shell")]), &catalog)
@@ -554,7 +657,7 @@ mod tests {
                 .map(|e| e.to_string()),
             Some("tool `shell` is not offered here; the operator's tools are: weather".to_owned())
         );
-        let url = ToolRef::Def(NamedTool {
+        let url = ToolRef::Def(tandem_protocol::tools::NamedTool {
             name: "fetch".into(),
             description: None,
             parameters: None,

@@ -45,8 +45,8 @@ impl std::str::FromStr for CodeVia {
 /// The name of the built-in tool that runs code in the task's session.
 pub const EXECUTE_CODE: &str = "execute_code";
 
-/// One tool: what the model is told of it and what runs it. Exactly one of `command` and
-/// `url` says what runs it.
+/// One tool: what the model is told of it and what runs it. Exactly one of `command`, `url`
+/// and `mcp` says what runs it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ToolDef {
@@ -64,6 +64,10 @@ pub struct ToolDef {
     /// the operator can configure one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
+    /// An MCP server, started over stdio on the daemon's host, whose tools are offered as
+    /// `NAME__TOOL`. Only the operator can configure one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mcp: Option<Vec<String>>,
     /// Longest a call may take, in seconds (a command's block timeout otherwise).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_secs: Option<u64>,
@@ -121,6 +125,7 @@ impl NamedTool {
             parameters: self.parameters.clone(),
             command: self.command.clone(),
             url: self.url.clone(),
+            mcp: None,
             timeout_secs: self.timeout_secs,
         }
     }

@@ -73,8 +73,9 @@ pub struct PlannerConfig {
     pub approval: ApprovalPolicy,
     /// How large a team may be.
     pub teams: TeamBounds,
-    /// The operator's tools (`[tools.NAME]`), the only ones a task can name.
-    pub tools: tandem_agent::tools::Catalog,
+    /// The operator's tools (`[tools.NAME]`, MCP servers started), the only ones a task can
+    /// name.
+    pub tools: tandem_agent::tools::Offered,
 }
 
 /// Turns task specs into runnable tasks; one per daemon, or per `tandem run`.

@@ -135,7 +135,10 @@ mod tests {
             "{\"ok\":true,\"result\":\"ran a\"}\n{\"error\":\"the call carries a wrong token; this channel serves only its own block\",\"ok\":false}\n"
         );
         // The forged call never reached a tool, and the channel is closed after it.
-        assert_eq!(*calls.lock().unwrap(), [("a".to_owned(), "{\"x\": 1}".to_owned())]);
+        assert_eq!(
+            *calls.lock().unwrap(),
+            [("a".to_owned(), "{\"x\": 1}".to_owned())]
+        );
         served.await.unwrap();
     }
 
@@ -158,6 +161,9 @@ mod tests {
         // The channel ends (the answer that says why may be lost with the unread bytes).
         served.await.unwrap();
         let answer = writer.await.unwrap();
-        assert!(answer.is_empty() || answer.contains("longer than 4 MiB"), "{answer}");
+        assert!(
+            answer.is_empty() || answer.contains("longer than 4 MiB"),
+            "{answer}"
+        );
     }
 }
