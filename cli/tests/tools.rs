@@ -146,6 +146,13 @@ async fn a_client_names_only_the_operators_tools_and_defines_only_commands() {
         ),
         "{message}"
     );
+    // Nor an MCP server, which would run on the daemon's host.
+    let (status, message) = refused(json!({"task": "x", "tools": [
+        {"name": "host", "mcp": ["sh", "-c", "id"]}
+    ]}))
+    .await;
+    assert_eq!(status, 400);
+    assert!(message.contains("unknown field `mcp`"), "{message}");
     let (status, message) = refused(json!({"task": "x", "code_via": "sometimes"})).await;
     assert_eq!(status, 400, "{message}");
     assert!(message.contains("code_via"), "{message}");

@@ -75,13 +75,30 @@ pub struct ToolDef {
 
 /// A tool a task or a team's agent asks for: an operator's tool by name, or one it defines
 /// itself (a `command` run in its own sandbox).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum ToolRef {
     /// One of the operator's `[tools.NAME]`.
     Name(String),
     /// A tool defined here.
     Def(NamedTool),
+}
+
+impl<'de> Deserialize<'de> for ToolRef {
+    /// A name, or a definition whose mistakes are named (an untagged enum would only say that
+    /// nothing matched).
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        match serde_json::Value::deserialize(d)? {
+            serde_json::Value::String(name) => Ok(Self::Name(name)),
+            def @ serde_json::Value::Object(_) => serde_json::from_value(def)
+                .map(Self::Def)
+                .map_err(D::Error::custom),
+            other => Err(D::Error::custom(format!(
+                "a tool is an operator's tool's name or {{\"name\", \"command\", ...}}, not {other}"
+            ))),
+        }
+    }
 }
 
 impl ToolRef {
