@@ -705,9 +705,10 @@ mod tests {
     fn the_readme_example_config_parses() {
         let readme = include_str!("../../README.md");
         let blocks = tandem_agent::extract_code_blocks(readme);
+        // The example under "Configuration".
         let toml_block = blocks
             .iter()
-            .find(|b| b.language.as_deref() == Some("toml"))
+            .find(|b| b.language.as_deref() == Some("toml") && b.code.contains("[limits]"))
             .unwrap();
         let file: FileConfig = toml::from_str(&toml_block.code).unwrap();
         assert_eq!(file.model.model.as_deref(), Some("qwen2.5-coder:7b"));
@@ -719,10 +720,12 @@ mod tests {
         // valid too (unknown keys are errors), and its approval policy can be used.
         let security = tandem_agent::extract_code_blocks(include_str!("../../docs/security.md"));
         let approval = tandem_agent::extract_code_blocks(include_str!("../../docs/approval.md"));
+        let tools = tandem_agent::extract_code_blocks(include_str!("../../docs/tools.md"));
         for block in blocks
             .iter()
             .chain(&security)
             .chain(&approval)
+            .chain(&tools)
             .filter(|b| b.language.as_deref() == Some("toml"))
         {
             let file = toml::from_str::<FileConfig>(&block.code)
