@@ -391,10 +391,11 @@ fn launcher(argv: &[String], stdin: &str) -> String {
     let literal = |v: &str| serde_json::to_string(v).unwrap_or_else(|_| "\"\"".to_owned());
     let argv = serde_json::to_string(argv).unwrap_or_else(|_| "[]".to_owned());
     format!(
-        "import json, subprocess, sys\n\
+        "import json, sys\n\
          argv = json.loads({argv})\n\
-         try:\n    done = subprocess.run(argv, input=json.loads({stdin}).encode())\n\
+         try:\n    import subprocess\n    done = subprocess.run(argv, input=json.loads({stdin}).encode())\n\
          except OSError as e:\n    print('tandem: cannot start the tool %s: %s' % (argv[0], e), file=sys.stderr)\n    sys.exit(127)\n\
+         except Exception as e:\n    print('tandem: this sandbox cannot start programs (%s); a command tool needs the local or docker executor' % e, file=sys.stderr)\n    sys.exit(127)\n\
          sys.exit(done.returncode if done.returncode >= 0 else 128 - done.returncode)\n",
         argv = literal(&argv),
         stdin = literal(&literal(stdin)),

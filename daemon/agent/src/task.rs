@@ -100,7 +100,13 @@ pub async fn run_task(
     let slot =
         SessionSlot::new(executor, settings.session.clone()).only(settings.languages.clone());
     let system = system_prompt(&settings, slot.executor().languages());
-    let nudge = blocks::no_code_nudge(&settings.termination, slot.languages());
+    let nudge = match settings.code_via {
+        tandem_protocol::CodeVia::Tool => format!(
+            "No code to run was found in your reply. If the task is done, reply with {}. Otherwise, call the `execute_code` tool with the complete code.",
+            settings.termination
+        ),
+        _ => blocks::no_code_nudge(&settings.termination, slot.languages()),
+    };
     let toolbox =
         crate::tools::ToolBox::new(settings.tools.clone(), settings.code_via, slot.languages());
     let team = check(&pair(&system, &settings.termination, &nudge))
