@@ -176,6 +176,7 @@ pub async fn exec(args: ExecArgs, file: FileConfig) -> Result<u8> {
         events,
         // The person typing the code is the one who would approve it.
         approval: None,
+        code_tools: None,
     };
     let runs = blocks::run_blocks(&mut slot, &blocks, &opts).await;
     let closed = slot.close().await;

@@ -22,9 +22,7 @@ pub struct SessionSlot {
     /// The workspace's pictures after the last block, which are the next block's "before".
     pictures: Option<Pictures>,
     /// The latest tool calls run here (tool and arguments), newest last, to catch a loop.
-    recent: Vec<String>,
-    /// The tools the code of the blocks running now may call: their author's.
-    code_tools: Option<Arc<crate::tools::ToolBox>>,
+    pub(crate) recent: Vec<String>,
 }
 
 impl SessionSlot {
@@ -37,14 +35,7 @@ impl SessionSlot {
             session: None,
             pictures: None,
             recent: Vec::new(),
-            code_tools: None,
         }
-    }
-
-    /// Lets the code of the next blocks call `tools` (those of the agent that wrote them).
-    pub fn code_may_call(&mut self, tools: Option<Arc<crate::tools::ToolBox>>) {
-        self.code_tools =
-            tools.filter(|t| t.tools().iter().any(|t| t.runs != crate::tools::Runs::Code));
     }
 
     /// The session's block timeout.
@@ -55,32 +46,6 @@ impl SessionSlot {
     /// Bytes of each output stream kept.
     pub fn output_cap(&self) -> usize {
         self.spec.limits.output_bytes
-    }
-
-    /// Notes `call` with its checked `args`; an error for the model when the same call was
-    /// made [`REPEATS`](crate::dispatch::REPEATS) times in a row before it.
-    pub(crate) fn not_repeated(
-        &mut self,
-        call: &tandem_protocol::ToolCall,
-        args: &serde_json::Map<String, serde_json::Value>,
-    ) -> Result<(), String> {
-        let key = format!("{}\n{}", call.name, serde_json::Value::Object(args.clone()));
-        let n = crate::dispatch::REPEATS;
-        let repeated = self.recent.len() >= n
-            && self.recent[self.recent.len() - n..]
-                .iter()
-                .all(|k| *k == key);
-        if repeated {
-            return Err(format!(
-                "error: not run: `{}` was called with these same arguments {n} times in a row, and its answer will not change. Take another way, or give your answer.",
-                call.name
-            ));
-        }
-        self.recent.push(key);
-        if self.recent.len() > n {
-            self.recent.remove(0);
-        }
-        Ok(())
     }
 
     /// Runs only blocks in `languages` (`None`: every language the executor runs).
@@ -277,7 +242,22 @@ pub struct RunOptions {
     pub events: EventSink,
     /// Checks each block before it runs; `None` runs every block.
     pub approval: Option<std::sync::Arc<crate::approval::ApprovalGate>>,
+    /// Lets the blocks' code call tools, where the executor carries the calls: made for each
+    /// block, from its index, its executor and a session spec on its workspace.
+    pub code_tools: Option<CodeTools>,
 }
+
+/// Makes the tool handler of one block: `(index, executor, spec on its workspace, options)`.
+pub type CodeTools = Arc<
+    dyn Fn(
+            u32,
+            Arc<dyn Executor>,
+            SessionSpec,
+            &RunOptions,
+        ) -> tandem_executor::toolchannel::ToolHandler
+        + Send
+        + Sync,
+>;
 
 /// Runs `blocks` in order in one session; the first failure stops the rest, which are
 /// reported as not run. Blocks past the session's `blocks_per_reply` are left out, with no
@@ -488,7 +468,7 @@ pub(crate) async fn run_one(
     req.timeout = opts.timeout;
     let mut workspace = None;
     let mut before = slot.pictures.take();
-    let slot_tools = slot
+    let code_tools = opts
         .code_tools
         .clone()
         .filter(|_| slot.executor.carries_tool_calls() && !slot.spec.keep_state);
@@ -499,20 +479,14 @@ pub(crate) async fn run_one(
             if before.is_none() {
                 before = Some(pictures_in(workspace.clone()).await);
             }
-            if let (Some(tools), Some(dir)) = (&slot_tools, &workspace) {
+            if let (Some(make), Some(dir)) = (&code_tools, &workspace) {
                 let spec = SessionSpec {
                     workdir: Some(dir.clone()),
                     inputs: None,
                     keep_state: false,
                     ..slot_spec
                 };
-                ctx = ctx.with_tools(crate::dispatch::code_handler(
-                    tools.clone(),
-                    slot_executor,
-                    spec,
-                    index,
-                    opts.clone(),
-                ));
+                ctx = ctx.with_tools(make(index, slot_executor, spec, opts));
             }
             session.run(req, ctx).await
         }

@@ -19,6 +19,39 @@ pub const REPEATS: usize = 3;
 /// Most bytes of an HTTP tool's answer that are read.
 const HTTP_CAP: usize = 1 << 20;
 
+/// Notes `call` with its checked `args` in `recent`; an error for the model when the same
+/// call was made [`REPEATS`] times in a row before it.
+fn not_repeated(
+    recent: &mut Vec<String>,
+    call: &ToolCall,
+    args: &Map<String, Value>,
+) -> Result<(), String> {
+    let key = format!("{}\n{}", call.name, Value::Object(args.clone()));
+    let n = REPEATS;
+    if recent.len() >= n && recent[recent.len() - n..].iter().all(|k| *k == key) {
+        return Err(format!(
+            "error: not run: `{}` was called with these same arguments {n} times in a row, and its answer will not change. Take another way, or give your answer.",
+            call.name
+        ));
+    }
+    recent.push(key);
+    if recent.len() > n {
+        recent.remove(0);
+    }
+    Ok(())
+}
+
+/// What lets the code of an agent's blocks call `tools` (its tools), or `None` when there
+/// is nothing code could call (`execute_code` alone).
+pub fn code_tools(tools: Option<std::sync::Arc<ToolBox>>) -> Option<blocks::CodeTools> {
+    let tools = tools.filter(|t| t.tools().iter().any(|t| t.runs != Runs::Code))?;
+    Some(std::sync::Arc::new(
+        move |index, executor, spec, opts: &RunOptions| {
+            code_handler(tools.clone(), executor, spec, index, opts.clone())
+        },
+    ))
+}
+
 /// One answered call.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Answered {
@@ -49,9 +82,9 @@ pub async fn run_calls(
                 "error: not run: at most {cap} calls and blocks are run from one reply; call again with fewer."
             ))
         } else {
-            tools
-                .check(call)
-                .and_then(|(tool, args)| slot.not_repeated(call, &args).map(|()| (tool, args)))
+            tools.check(call).and_then(|(tool, args)| {
+                not_repeated(&mut slot.recent, call, &args).map(|()| (tool, args))
+            })
         };
         match refused {
             Err(text) => {
@@ -293,7 +326,7 @@ fn command_answer(name: &str, outcome: tandem_executor::ExecOutcome) -> (String,
 /// a second session on the same workspace (the block's own is busy running the block), an
 /// HTTP tool from here; `execute_code` is refused, since code can run code itself. Every call
 /// is told as a block's are, and passes the same approval.
-pub(crate) fn code_handler(
+fn code_handler(
     tools: std::sync::Arc<ToolBox>,
     executor: std::sync::Arc<dyn tandem_executor::Executor>,
     spec: tandem_executor::SessionSpec,

@@ -161,6 +161,7 @@ mod tests {
             cancel: CancellationToken::new(),
             events: Arc::new(|_| {}),
             approval: None,
+            code_tools: None,
         };
         let runs = run_blocks(&mut slot, &blocks, &opts).await.unwrap();
         slot.close().await.unwrap();

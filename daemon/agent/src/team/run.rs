@@ -851,6 +851,7 @@ impl Ctx<'_> {
             cancel: self.cancel.clone(),
             events: self.events.clone(),
             approval: self.team.approval.clone(),
+            code_tools: crate::dispatch::code_tools(self.team.tools.get(&caller).cloned()),
         };
         let broke = |e: tandem_executor::ExecError, slot: &blocks::SessionSlot| ErrorInfo {
             code: ErrorCode::Executor,
@@ -860,7 +861,6 @@ impl Ctx<'_> {
                 slot.executor().name()
             ),
         };
-        slot.code_may_call(self.team.tools.get(&caller).cloned());
         let runs = match blocks::run_blocks(&mut slot, &code, &opts).await {
             Ok(runs) => runs,
             Err(e) => return Err(broke(e, &slot)),
