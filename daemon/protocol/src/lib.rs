@@ -316,7 +316,8 @@ pub enum EventMsg {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         href: Option<String>,
     },
-    /// A tool call starts to run (after its approval, when it needed one).
+    /// A tool call is taken up: a command, HTTP or MCP call after its approval; an
+    /// `execute_code` call before its block's events, approval included.
     ToolCall {
         /// Turn number.
         turn: u32,
