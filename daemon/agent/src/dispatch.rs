@@ -62,8 +62,8 @@ pub struct Answered {
 }
 
 /// Runs `calls` with `tools`, numbered from `first` in the reply's events. Calls that run in
-/// the session run one after another, in order; HTTP calls run beside them. `Err` means the
-/// sandbox broke.
+/// the session run one after another, in order; HTTP and MCP calls run beside them. `Err`
+/// means the sandbox broke.
 pub async fn run_calls(
     slot: &mut SessionSlot,
     tools: &ToolBox,
@@ -79,7 +79,7 @@ pub async fn run_calls(
         let index = first + u32::try_from(i).unwrap_or(u32::MAX);
         let refused = if i >= cap {
             Err(format!(
-                "error: not run: at most {cap} calls and blocks are run from one reply; call again with fewer."
+                "error: not run: at most {cap} calls are run from one reply; call again with fewer."
             ))
         } else {
             tools.check(call).and_then(|(tool, args)| {
