@@ -16,7 +16,7 @@ use crate::tools::{Runs, Tool, ToolBox};
 /// is refused as a loop.
 pub const REPEATS: usize = 3;
 
-/// Most bytes of an HTTP tool's answer that are read.
+/// Most bytes of an HTTP or MCP tool's answer that are kept.
 const HTTP_CAP: usize = 1 << 20;
 
 /// Notes `call` with its checked `args` in `recent`; an error for the model when the same
@@ -479,6 +479,12 @@ async fn run_beside(
         },
         () = opts.cancel.cancelled() => ("error: the task stopped during the call".to_owned(), true),
     };
+    // An MCP server's answer is as long as it likes; what the model reads is not.
+    let mut content = content;
+    if content.len() > HTTP_CAP {
+        content.truncate(content.floor_char_boundary(HTTP_CAP));
+        content.push_str(&format!("\n[cut at {} KiB]", HTTP_CAP / 1024));
+    }
     answer(call, index, content, is_error, started, opts)
 }
 
