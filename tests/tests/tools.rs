@@ -920,3 +920,88 @@ async fn an_mcp_servers_tools_are_offered_called_by_the_model_and_from_code() {
         json!({"role": "user", "name": "executor", "content": "exitcode: 0 (execution succeeded)\nCode output: 42\n"})
     );
 }
+
+#[tokio::test]
+async fn code_in_a_kept_interpreter_calls_tools_block_after_block() {
+    let task = "tools: kept";
+    let first =
+        "import tandem_tools\ncounts = [tandem_tools.call('wc', text='a b')]\nprint(counts)\n";
+    let second = "counts.append(tandem_tools.wc(text='x y z'))\nprint(counts)\n";
+    let ran = run(
+        task,
+        vec![
+            Reply::from(format!("```python\n{first}```").as_str()),
+            Reply::from(format!("```python\n{second}```").as_str()),
+            Reply::from("TERMINATE"),
+        ],
+        |s| {
+            s.code_via = CodeVia::Blocks;
+            s.session.keep_state = true;
+            s.tools = resolve(None, &catalog(&[("wc", wc_tool())])).unwrap();
+        },
+    )
+    .await;
+    assert_eq!(
+        ran.outcome.stop_reason,
+        StopReason::Terminated,
+        "{:?}",
+        ran.outcome.error
+    );
+    // The interpreter kept its variables, and each block's calls were its own.
+    let last = said(&ran.requests[2]);
+    assert_eq!(
+        last[3]["content"],
+        "exitcode: 0 (execution succeeded)\nCode output: ['2\\n', '3\\n']\n"
+    );
+    let turns: Vec<u32> = ran
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            EventMsg::ToolResult { turn, .. } => Some(*turn),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(turns, [1, 2]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn code_in_a_kept_docker_interpreter_calls_tools_through_the_runner() {
+    let docker =
+        tandem_executor_docker::DockerExecutor::connect(tandem_executor_docker::DockerConfig {
+            image: std::env::var("TANDEM_DOCKER_IMAGE")
+                .unwrap_or_else(|_| "tandem-sandbox:latest".to_owned()),
+            pull: false,
+            pool_size: 0,
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("this test needs the Docker engine: {e}"));
+    let first = "import tandem_tools\nkept = tandem_tools.call('wc', text='a b')\n";
+    let second = "print(kept, tandem_tools.call('wc', text='x y z'))\n";
+    let ran = run_with(
+        "tools: kept docker",
+        vec![
+            Reply::from(format!("```python\n{first}```").as_str()),
+            Reply::from(format!("```python\n{second}```").as_str()),
+            Reply::from("TERMINATE"),
+        ],
+        true,
+        Arc::new(docker),
+        |s| {
+            s.code_via = CodeVia::Blocks;
+            s.session.keep_state = true;
+            s.tools = resolve(None, &catalog(&[("wc", wc_tool())])).unwrap();
+        },
+    )
+    .await;
+    assert_eq!(
+        ran.outcome.stop_reason,
+        StopReason::Terminated,
+        "{:?}",
+        ran.outcome.error
+    );
+    assert_eq!(
+        said(&ran.requests[2])[3]["content"],
+        "exitcode: 0 (execution succeeded)\nCode output: 2\n 3\n\n"
+    );
+}

@@ -471,7 +471,7 @@ pub(crate) async fn run_one(
     let code_tools = opts
         .code_tools
         .clone()
-        .filter(|_| slot.executor.carries_tool_calls() && !slot.spec.keep_state);
+        .filter(|_| slot.executor.carries_tool_calls());
     let (slot_executor, slot_spec) = (slot.executor.clone(), slot.spec.clone());
     let outcome = match slot.session(&ctx.cancel).await? {
         Some(session) => {

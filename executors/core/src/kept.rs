@@ -34,6 +34,9 @@ pub struct KeptSession {
     executor: Arc<dyn Executor>,
     spec: SessionSpec,
     kernel: Option<Kernel>,
+    /// Answers the tool calls of the block running now. The interpreter outlives its blocks,
+    /// so its one channel is lent to each block's handler in turn.
+    tools: Arc<std::sync::Mutex<Option<crate::toolchannel::ToolHandler>>>,
 }
 
 /// A running interpreter.
@@ -55,6 +58,7 @@ impl KeptSession {
             executor,
             spec,
             kernel: None,
+            tools: Arc::default(),
         }
     }
 
@@ -103,10 +107,23 @@ impl KeptSession {
         let mut session = self.executor.open(spec).await?;
         let stop = CancellationToken::new();
         let token = stop.clone();
+        let mut ctx = ExecContext::new(token);
+        if self.executor.carries_tool_calls() {
+            let current = self.tools.clone();
+            ctx = ctx.with_tools(Arc::new(move |name, arguments| {
+                let handler = current.lock().ok().and_then(|h| h.clone());
+                match handler {
+                    Some(handler) => handler(name, arguments),
+                    None => Box::pin(async {
+                        Err("this block may call no tools: its task offers none".to_owned())
+                    }),
+                }
+            }));
+        }
         let run = tokio::spawn(async move {
             let mut req = ExecRequest::new(Language::python(), KERNEL);
             req.timeout = Some(Duration::from_secs(u64::from(u32::MAX)));
-            let ran = session.run(req, ExecContext::new(token)).await;
+            let ran = session.run(req, ctx).await;
             (session, ran)
         });
         // Until the interpreter is handed over, any way out of here ends it.
@@ -366,7 +383,14 @@ impl Session for KeptSession {
     ) -> BoxFuture<'_, Result<ExecOutcome, ExecError>> {
         Box::pin(async move {
             if req.language == Language::python() {
-                self.run_python(req, ctx).await
+                if let Ok(mut current) = self.tools.lock() {
+                    current.clone_from(&ctx.tools);
+                }
+                let ran = self.run_python(req, ctx).await;
+                if let Ok(mut current) = self.tools.lock() {
+                    *current = None;
+                }
+                ran
             } else {
                 self.inner.run(req, ctx).await
             }
