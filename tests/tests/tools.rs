@@ -1005,3 +1005,43 @@ async fn code_in_a_kept_docker_interpreter_calls_tools_through_the_runner() {
         "exitcode: 0 (execution succeeded)\nCode output: 2\n 3\n\n"
     );
 }
+
+#[tokio::test]
+async fn a_400_for_something_else_does_not_teach_that_parallel_calls_are_refused() {
+    let server = ScriptedOpenAi::start(script([
+        (
+            "tools: a 400",
+            vec![Reply::Error(400, "the prompt is too long".to_owned())],
+        ),
+        ("tools: after it", vec![Reply::from("TERMINATE")]),
+    ]))
+    .await
+    .unwrap();
+    // One model for both tasks, as a daemon keeps one per server and model.
+    let model = model(&server, true);
+    let executor: Arc<dyn tandem_executor::Executor> =
+        Arc::new(LocalExecutor::new(LocalConfig::default()));
+    for task in ["tools: a 400", "tools: after it"] {
+        let mut s = TaskSettings::new(task);
+        s.code_via = CodeVia::Tool;
+        s.tools = resolve(None, &catalog(&[("wc", wc_tool())])).unwrap();
+        run_task(
+            s,
+            &model,
+            executor.clone(),
+            Arc::new(|_| {}),
+            CancellationToken::new(),
+        )
+        .await;
+    }
+    let sent = |task: &str| -> Vec<bool> {
+        server
+            .requests_for(task)
+            .iter()
+            .map(|r| r.body.get("parallel_tool_calls").is_some())
+            .collect()
+    };
+    // Asked once with it and once without; both failed, so nothing was learnt.
+    assert_eq!(sent("tools: a 400"), [true, false]);
+    assert_eq!(sent("tools: after it"), [true]);
+}

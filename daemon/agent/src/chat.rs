@@ -308,6 +308,9 @@ impl ChatModel {
             }
         };
         let mut attempt = 0;
+        // What this call learnt a server refuses; unlearnt if asking without it fails alike
+        // (the 400 was for something else).
+        let mut learnt: Vec<&std::sync::atomic::AtomicBool> = Vec::new();
         loop {
             let body = self.request(messages, tools, self.config.stream);
             let result = if self.config.stream {
@@ -316,22 +319,30 @@ impl ChatModel {
             } else {
                 self.complete_once(client, body.clone()).await
             };
+            if let Err(e) = &result
+                && e.code == ErrorCode::ModelRequest
+            {
+                let refused = if body.get("parallel_tool_calls").is_some() {
+                    Some((&self.quirks.no_parallel_calls, "parallel_tool_calls"))
+                } else if body.get("tools").is_some() && tools.is_some_and(|t| t.optional) {
+                    Some((
+                        &self.quirks.no_tools,
+                        "tools (code_via auto: fenced blocks)",
+                    ))
+                } else {
+                    None
+                };
+                if let Some((quirk, what)) = refused {
+                    tracing::info!(error = %e.message, "the model server refused the request; asking again without {what}");
+                    quirk.store(true, Ordering::Relaxed);
+                    learnt.push(quirk);
+                    continue;
+                }
+                for quirk in learnt.drain(..) {
+                    quirk.store(false, Ordering::Relaxed);
+                }
+            }
             match result {
-                Err(e)
-                    if e.code == ErrorCode::ModelRequest
-                        && body.get("parallel_tool_calls").is_some() =>
-                {
-                    tracing::info!(error = %e.message, "the model server refused parallel_tool_calls; asking without it");
-                    self.quirks.no_parallel_calls.store(true, Ordering::Relaxed);
-                }
-                Err(e)
-                    if e.code == ErrorCode::ModelRequest
-                        && body.get("tools").is_some()
-                        && tools.is_some_and(|t| t.optional) =>
-                {
-                    tracing::info!(error = %e.message, "the model server refused tools; asking without them (code_via auto: fenced blocks)");
-                    self.quirks.no_tools.store(true, Ordering::Relaxed);
-                }
                 Err(e) if e.retryable && attempt < self.config.max_retries => {
                     attempt += 1;
                     let delay = self.config.retry_base * 2u32.saturating_pow(attempt - 1);
