@@ -304,10 +304,43 @@ async fn doctor(
         }
         Err(e) => println!("model:     none: {e:#}"),
     }
+    println!(
+        "code via:  {}",
+        file.model.code_via.unwrap_or_default().as_str()
+    );
+    println!("tools:     {}", tools_report(file).await);
     for line in executors::report(file, image.as_deref(), precompile).await? {
         println!("{line}");
     }
     Ok(exit::DONE)
+}
+
+/// The configured tools, each with what runs it; MCP servers are started and list theirs.
+async fn tools_report(file: &config::FileConfig) -> String {
+    use tandem_agent::tools::{Offered, Runs, resolve};
+    if file.tools.is_empty() {
+        return "none ([tools.NAME] in tandem.toml, docs/tools.md)".to_owned();
+    }
+    let offered = match Offered::start(file.tools.clone()).await {
+        Ok(offered) => offered,
+        Err(e) => return format!("error: {e}"),
+    };
+    match resolve(None, &offered) {
+        Ok(tools) => tools
+            .iter()
+            .map(|t| {
+                let runs = match &t.runs {
+                    Runs::Command(_) => "a command in the sandbox".to_owned(),
+                    Runs::Http(url) => format!("HTTP {url}"),
+                    Runs::Mcp(..) => "an MCP server's tool".to_owned(),
+                    Runs::Code => "the executor".to_owned(),
+                };
+                format!("{} ({runs})", t.name)
+            })
+            .collect::<Vec<_>>()
+            .join(", "),
+        Err(e) => format!("error: {e}"),
+    }
 }
 
 #[cfg(test)]

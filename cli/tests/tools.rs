@@ -397,3 +397,33 @@ async fn a_teams_agents_hold_different_tools_and_each_calls_only_its_own() {
         "{last:#?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn doctor_lists_the_tools_and_names_a_broken_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tandem.toml");
+    std::fs::write(
+        &config,
+        format!("{CONFIG}\n[model]\ncode_via = \"auto\"\n\n[tools.weather]\nurl = \"http://127.0.0.1:9/weather\"\n"),
+    )
+    .unwrap();
+    let out = tandem(&["doctor", "--config", config.to_str().unwrap()], &[], None).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stdout.contains("code via:  auto\n"), "{}", out.stdout);
+    assert!(
+        out.stdout.contains(
+            "tools:     wc (a command in the sandbox), weather (HTTP http://127.0.0.1:9/weather)\n"
+        ),
+        "{}",
+        out.stdout
+    );
+    std::fs::write(&config, "[tools.gone]\nmcp = [\"/nonexistent/server\"]\n").unwrap();
+    let out = tandem(&["doctor", "--config", config.to_str().unwrap()], &[], None).await;
+    assert!(
+        out.stdout.contains(
+            "tools:     error: tool `gone`: cannot start the MCP server `/nonexistent/server`:"
+        ),
+        "{}",
+        out.stdout
+    );
+}
