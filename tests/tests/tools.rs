@@ -1045,3 +1045,29 @@ async fn a_400_for_something_else_does_not_teach_that_parallel_calls_are_refused
     assert_eq!(sent("tools: a 400"), [true, false]);
     assert_eq!(sent("tools: after it"), [true]);
 }
+
+#[tokio::test]
+async fn calls_a_real_small_model_wrote_are_run_as_calls() {
+    // Qwen2.5-Coder-1.5B under llama.cpp's server, asked to use a tool and then Python, wrote
+    // both calls as JSON objects one after the other in a `python` fence, and named the
+    // language instead of `execute_code`.
+    let reply = "```python\n{\n    \"name\": \"wc\",\n    \"arguments\": {\n        \"text\": \"the quick brown fox jumps\"\n    }\n}\n{\n    \"name\": \"python\",\n    \"arguments\": {\n        \"code\": \"print(17*23)\"\n    }\n}\n```";
+    let ran = run(
+        "tools: a small model's calls",
+        vec![Reply::from(reply), Reply::from("5 and 391. TERMINATE")],
+        |s| s.tools = resolve(None, &catalog(&[("wc", wc_tool())])).unwrap(),
+    )
+    .await;
+    assert_eq!(ran.outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(
+        said(&ran.requests[1])[1]["content"],
+        "Result of tool `wc`:\n5\n\n\nResult of tool `execute_code`:\nexitcode: 0 (execution succeeded)\nCode output: 391\n"
+    );
+    // The fenced JSON itself was not run as a Python block.
+    let blocks = ran
+        .events
+        .iter()
+        .filter(|e| matches!(e, EventMsg::CodeBlock { .. }))
+        .count();
+    assert_eq!(blocks, 1, "only the call's own block");
+}

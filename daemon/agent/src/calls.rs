@@ -220,7 +220,7 @@ pub fn calls_in_text(text: &str, known: &dyn Fn(&str) -> bool) -> Vec<ToolCall> 
                 // A reply cut off (or a model that forgot to close) still meant the call.
                 None => (after, ""),
             };
-            if let Ok(value) = serde_json::from_str::<serde_json::Value>(inner.trim()) {
+            for value in json_values(inner).into_iter().flatten() {
                 collect(&value, &mut found, &|_| true);
             }
             rest = next;
@@ -228,12 +228,16 @@ pub fn calls_in_text(text: &str, known: &dyn Fn(&str) -> bool) -> Vec<ToolCall> 
     }
     if found.is_empty() {
         let bare = text.trim();
+        // One fenced block, whatever its info string says (small models fence a call as
+        // `python` as often as `json`).
         let bare = bare
-            .strip_prefix("```json")
-            .or_else(|| bare.strip_prefix("```"))
-            .and_then(|b| b.trim_end().strip_suffix("```"))
+            .strip_prefix("```")
+            .and_then(|b| b.split_once('\n'))
+            .and_then(|(_, b)| b.trim_end().strip_suffix("```"))
             .unwrap_or(bare);
-        if let Ok(value) = serde_json::from_str::<serde_json::Value>(bare.trim()) {
+        // One value, or several one after another (a model that makes two calls may write
+        // two objects): all of the text must be JSON.
+        for value in json_values(bare).into_iter().flatten() {
             collect(&value, &mut found, known);
         }
     }
@@ -246,6 +250,21 @@ pub fn calls_in_text(text: &str, known: &dyn Fn(&str) -> bool) -> Vec<ToolCall> 
             arguments,
         })
         .collect()
+}
+
+/// The JSON values `text` is made of, one or several one after another; `None` when any of
+/// it is not JSON.
+fn json_values(text: &str) -> Option<Vec<serde_json::Value>> {
+    serde_json::Deserializer::from_str(text.trim())
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()
+        .ok()
+        .filter(|v| !v.is_empty())
+}
+
+/// Whether `code` is nothing but JSON (a call written as a fenced block, not code to run).
+pub fn is_json(code: &str) -> bool {
+    json_values(code).is_some()
 }
 
 /// Calls in `value`: an object with a `name` and `arguments` (or `parameters`), or a list of
@@ -269,7 +288,13 @@ fn collect(
             let Some(name) = call.get("name").and_then(|n| n.as_str()) else {
                 return;
             };
-            if !known(name) {
+            // An unknown name still makes a call of an object shaped as nothing but one:
+            // the model is then told which tools there are.
+            let shaped = call.contains_key("arguments") || call.contains_key("parameters");
+            let only_a_call = call
+                .keys()
+                .all(|k| ["name", "arguments", "parameters", "id", "type"].contains(&k.as_str()));
+            if !(known(name) || shaped && only_a_call) {
                 return;
             }
             let arguments = match call.get("arguments").or_else(|| call.get("parameters")) {
@@ -353,10 +378,32 @@ mod tests {
         assert_eq!(calls.len(), 2);
         assert_eq!(calls[0].arguments, r#"{"code": "1"}"#);
         assert_eq!(calls[1].name, "nope");
+        // Objects one after another in the element, not a list.
+        let listed = "<tools>\n  {\"name\": \"execute_code\", \"arguments\": {}}\n  {\"name\": \"wc\", \"arguments\": {}}\n</tools>";
+        assert_eq!(calls_in_text(listed, &known).len(), 2);
         let bare = "```json\n{\"name\": \"execute_code\", \"arguments\": {\"code\": \"2\"}}\n```";
         assert_eq!(calls_in_text(bare, &known).len(), 1);
-        // A bare object counts only when it names a tool the model has.
-        assert!(calls_in_text(r#"{"name": "Bob", "arguments": {}}"#, &known).is_empty());
+        // Fenced as Python, as a real 1.5B model wrote it.
+        let fenced = "```python\n{\n  \"name\": \"execute_code\",\n  \"arguments\": {\"code\": \"3\"}\n}\n```";
+        assert_eq!(calls_in_text(fenced, &known).len(), 1);
+        // Two objects one after the other, in one fence.
+        let two = "```python\n{\"name\": \"execute_code\", \"arguments\": {\"code\": \"1\"}}\n{\"name\": \"execute_code\", \"arguments\": {\"code\": \"2\"}}\n```";
+        assert_eq!(calls_in_text(two, &known).len(), 2);
+        assert!(
+            calls_in_text(
+                "{\"name\": \"execute_code\", \"arguments\": {}} and prose",
+                &known
+            )
+            .is_empty()
+        );
+        // A bare object counts when it names a tool the model has, or is shaped as nothing
+        // but a call (then the model is told its tool is unknown); other JSON is not a call.
+        assert_eq!(
+            calls_in_text(r#"{"name": "python", "arguments": {}}"#, &known).len(),
+            1
+        );
+        assert!(calls_in_text(r#"{"name": "Bob", "age": 7, "arguments": {}}"#, &known).is_empty());
+        assert!(calls_in_text(r#"{"name": "Bob"}"#, &known).is_empty());
         assert!(calls_in_text("Just prose with {braces}.", &known).is_empty());
     }
 }

@@ -75,6 +75,20 @@ pub async fn run_calls(
     let mut answers: Vec<Option<Answered>> = vec![None; calls.len()];
     let mut in_session = Vec::new();
     let mut beside = Vec::new();
+    // A call the tools took under another name (`python` for `execute_code`) is told and
+    // answered under the tool's.
+    let named: Vec<ToolCall> = calls
+        .iter()
+        .map(|c| match tools.check(c) {
+            Ok((tool, args)) if tool.name != c.name => ToolCall {
+                name: tool.name.clone(),
+                arguments: Value::Object(args).to_string(),
+                ..c.clone()
+            },
+            _ => c.clone(),
+        })
+        .collect();
+    let calls = named.as_slice();
     for (i, call) in calls.iter().enumerate() {
         let index = first + u32::try_from(i).unwrap_or(u32::MAX);
         let refused = if i >= cap {

@@ -367,6 +367,24 @@ impl ToolBox {
     /// The tool `call` names and its arguments, checked against its parameters; else what
     /// the model is told, naming the problem and quoting the arguments.
     pub fn check(&self, call: &ToolCall) -> Result<(&Tool, Map<String, Value>), String> {
+        // Small models call the language (`python`) for `execute_code` in it.
+        if self.get(&call.name).is_none()
+            && let Some(code) = self.get(EXECUTE_CODE)
+            && let Some(languages) = code.parameters["properties"]["language"]["enum"].as_array()
+            && languages
+                .iter()
+                .any(|l| *l == Language::new(&call.name).as_str())
+            && let Ok(Value::Object(mut args)) = serde_json::from_str::<Value>(&call.arguments)
+        {
+            args.entry("language")
+                .or_insert_with(|| Value::String(Language::new(&call.name).to_string()));
+            let as_code = ToolCall {
+                name: EXECUTE_CODE.to_owned(),
+                arguments: Value::Object(args).to_string(),
+                ..call.clone()
+            };
+            return self.check(&as_code);
+        }
         let Some(tool) = self.get(&call.name) else {
             let names: Vec<&str> = self.tools.iter().map(|t| t.name.as_str()).collect();
             return Err(format!(
@@ -629,6 +647,14 @@ mod tests {
         let long = format!("{{\"text\": \"{}\"", "x".repeat(500));
         assert!(err("wc", &long).ends_with(&format!("…` ({} bytes)", long.len())));
         assert!(b.check(&call("wc", r#"{"text": "a b"}"#)).is_ok());
+        // A call of the language itself is `execute_code` in it.
+        let (tool, args) = b
+            .check(&call("py", r#"{"code": "print(1)"}"#))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            (tool.name.as_str(), args["language"].as_str()),
+            ("execute_code", Some("python"))
+        );
         // No arguments at all is an empty object.
         assert!(
             b.check(&call("wc", ""))

@@ -548,8 +548,8 @@ impl Ctx<'_> {
         };
         let calls = crate::calls::calls_in_text(&said.text, &|name| tools.get(name).is_some());
         if !calls.is_empty() {
-            // A call written as a JSON block is the call, not data to show.
-            blocks.retain(|b| b.language.as_deref() != Some("json"));
+            // A call written as a fenced block of JSON is the call, not code to run.
+            blocks.retain(|b| !crate::calls::is_json(&b.code));
         }
         (calls, blocks)
     }
