@@ -359,10 +359,9 @@ impl Planner {
                 // A kept interpreter does not outlive the daemon that ran it: the model is
                 // told, with the report it reads next, that its variables are gone.
                 if spec.keep_state
-                    && let Some(last) = settings
-                        .history
-                        .last_mut()
-                        .filter(|m| m.role == Role::User && !start.events.is_empty())
+                    && let Some(last) = settings.history.last_mut().filter(|m| {
+                        matches!(m.role, Role::User | Role::Tool) && !start.events.is_empty()
+                    })
                 {
                     last.content.push_str(RESUMED_FRESH);
                 }
