@@ -1071,3 +1071,33 @@ async fn calls_a_real_small_model_wrote_are_run_as_calls() {
         .count();
     assert_eq!(blocks, 1, "only the call's own block");
 }
+
+#[tokio::test]
+async fn the_commands_one_block_calls_share_one_second_session() {
+    let tmpdir = ToolDef {
+        command: Some(vec![
+            "python3".to_owned(),
+            "-c".to_owned(),
+            "import os; print(os.environ['TMPDIR'])".to_owned(),
+        ]),
+        ..ToolDef::default()
+    };
+    let code = "import os, tandem_tools\nseen = {tandem_tools.call('tmpdir') for _ in range(3)}\nprint(len(seen), os.environ['TMPDIR'] + '\\n' in seen)\n";
+    let ran = run(
+        "tools: one second session",
+        vec![
+            Reply::from(format!("```python\n{code}```").as_str()),
+            Reply::from("TERMINATE"),
+        ],
+        |s| {
+            s.code_via = CodeVia::Blocks;
+            s.tools = resolve(None, &catalog(&[("tmpdir", tmpdir)])).unwrap();
+        },
+    )
+    .await;
+    // Three calls, one session beside the block's own (whose scratch is another).
+    assert_eq!(
+        said(&ran.requests[1])[1]["content"],
+        "exitcode: 0 (execution succeeded)\nCode output: 1 False\n"
+    );
+}

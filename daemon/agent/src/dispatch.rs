@@ -348,9 +348,14 @@ fn code_handler(
     opts: RunOptions,
 ) -> tandem_executor::toolchannel::ToolHandler {
     let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    // Opened at the first command the block's code calls, and kept for the rest of the block.
+    let beside = std::sync::Arc::new(Beside {
+        executor,
+        spec,
+        session: tokio::sync::Mutex::new(None),
+    });
     std::sync::Arc::new(move |name: String, arguments: String| {
-        let (tools, executor, spec, opts) =
-            (tools.clone(), executor.clone(), spec.clone(), opts.clone());
+        let (tools, beside, opts) = (tools.clone(), beside.clone(), opts.clone());
         let n = calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
         Box::pin(async move {
             let started = Instant::now();
@@ -383,16 +388,9 @@ fn code_handler(
                         Err(text) => return refuse(text),
                     };
                     told_call(&call, index, &opts);
-                    let (content, is_error) = command_beside(
-                        &tool.name,
-                        argv,
-                        &arguments,
-                        tool.timeout,
-                        executor,
-                        spec,
-                        &opts,
-                    )
-                    .await;
+                    let (content, is_error) = beside
+                        .command(&tool.name, argv, &arguments, tool.timeout, &opts)
+                        .await;
                     answer(&call, index, content, is_error, started, &opts)
                 }
             };
@@ -405,30 +403,67 @@ fn code_handler(
     })
 }
 
-/// Runs a command tool in a second session on `spec`'s workspace, closed after.
-async fn command_beside(
-    name: &str,
-    argv: &[String],
-    arguments: &str,
-    timeout: Option<Duration>,
+/// A second session on a block's workspace, for the commands its code calls: the block's
+/// own session is busy running the block. Closed when the block's handler goes.
+struct Beside {
     executor: std::sync::Arc<dyn tandem_executor::Executor>,
     spec: tandem_executor::SessionSpec,
-    opts: &RunOptions,
-) -> (String, bool) {
-    let mut session = match executor.open(spec).await {
-        Ok(s) => s,
-        Err(e) => return (format!("error: tool `{name}` could not start: {e}"), true),
-    };
-    let mut req = tandem_executor::ExecRequest::new(Language::python(), launcher(argv, arguments));
-    req.timeout = timeout;
-    let ctx = tandem_executor::ExecContext::new(opts.cancel.child_token());
-    let ran = session.run(req, ctx).await;
-    if let Err(e) = session.close().await {
-        tracing::warn!(error = %e, "closing a tool's session failed");
+    session: tokio::sync::Mutex<Option<Box<dyn tandem_executor::Session>>>,
+}
+
+impl Beside {
+    /// Runs command tool `name` (`argv`) with `arguments` on its stdin.
+    async fn command(
+        &self,
+        name: &str,
+        argv: &[String],
+        arguments: &str,
+        timeout: Option<Duration>,
+        opts: &RunOptions,
+    ) -> (String, bool) {
+        let mut slot = self.session.lock().await;
+        if slot.is_none() {
+            match self.executor.open(self.spec.clone()).await {
+                Ok(s) => *slot = Some(s),
+                Err(e) => return (format!("error: tool `{name}` could not start: {e}"), true),
+            }
+        }
+        let Some(session) = slot.as_mut() else {
+            return (format!("error: tool `{name}` has no session"), true);
+        };
+        let mut req =
+            tandem_executor::ExecRequest::new(Language::python(), launcher(argv, arguments));
+        req.timeout = timeout;
+        let ctx = tandem_executor::ExecContext::new(opts.cancel.child_token());
+        match session.run(req, ctx).await {
+            Ok(outcome) => command_answer(name, outcome),
+            Err(e) => {
+                // A broken session is not used again.
+                if let Some(broken) = slot.take() {
+                    let _ = broken.close().await;
+                }
+                (format!("error: tool `{name}` could not run: {e}"), true)
+            }
+        }
     }
-    match ran {
-        Ok(outcome) => command_answer(name, outcome),
-        Err(e) => (format!("error: tool `{name}` could not run: {e}"), true),
+}
+
+impl Drop for Beside {
+    fn drop(&mut self) {
+        let Some(session) = self.session.get_mut().take() else {
+            return;
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    if let Err(e) = session.close().await {
+                        tracing::warn!(error = %e, "closing a tool's session failed");
+                    }
+                });
+            }
+            // No runtime to close it on: dropped, each executor's own drop cleans up.
+            Err(_) => drop(session),
+        }
     }
 }
 
