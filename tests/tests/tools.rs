@@ -1101,3 +1101,66 @@ async fn the_commands_one_block_calls_share_one_second_session() {
         "exitcode: 0 (execution succeeded)\nCode output: 1 False\n"
     );
 }
+
+/// Approves every call with an edit: the arguments it is given, in turn.
+struct Editor(Mutex<Vec<&'static str>>);
+
+impl Approver for Editor {
+    fn decide<'a>(
+        &'a self,
+        _ask: Ask,
+        _timeout: Duration,
+        _cancel: &'a CancellationToken,
+    ) -> BoxFuture<'a, Option<Ruling>> {
+        let edit = self.0.lock().unwrap().remove(0);
+        Box::pin(async move {
+            Some(Ruling {
+                decision: Decision::Approve,
+                code: Some(edit.to_owned()),
+                reason: None,
+                by: "user".to_owned(),
+            })
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_persons_edit_of_a_calls_arguments_is_checked_like_the_models() {
+    let editor = Arc::new(Editor(Mutex::new(vec![
+        r#"{"text": 7}"#,
+        r#"{"text": "a b c d"}"#,
+    ])));
+    let policy = ApprovalPolicy {
+        ask_tools: vec!["wc".to_owned()],
+        ..ApprovalPolicy::default()
+    };
+    let gate = ApprovalGate::new(&policy, None).unwrap().with_approver(editor);
+    let ran = run(
+        "tools: edited",
+        vec![
+            Reply::Calls(
+                String::new(),
+                vec![
+                    call("e1", "wc", r#"{"text": "x"}"#),
+                    call("e2", "wc", r#"{"text": "y"}"#),
+                ],
+            ),
+            Reply::from("TERMINATE"),
+        ],
+        |s| {
+            s.approval = Some(Arc::new(gate));
+            s.tools = resolve(None, &catalog(&[("wc", wc_tool())])).unwrap();
+        },
+    )
+    .await;
+    assert_eq!(
+        said(&ran.requests[1])[1..],
+        [
+            tool_message(
+                "e1",
+                "error: the arguments of `wc` do not match its parameters: `arguments.text` must be string, not an integer. They were: `{\"text\": 7}`"
+            ),
+            tool_message("e2", "4\n"),
+        ]
+    );
+}

@@ -76,41 +76,41 @@ pub async fn run_calls(
     let mut in_session = Vec::new();
     let mut beside = Vec::new();
     // A call the tools took under another name (`python` for `execute_code`) is told and
-    // answered under the tool's.
-    let named: Vec<ToolCall> = calls
-        .iter()
-        .map(|c| match tools.check(c) {
-            Ok((tool, args)) if tool.name != c.name => ToolCall {
-                name: tool.name.clone(),
-                arguments: Value::Object(args).to_string(),
-                ..c.clone()
-            },
-            _ => c.clone(),
-        })
-        .collect();
-    let calls = named.as_slice();
+    // answered under the tool's, with the arguments it was taken with.
+    let mut named: Vec<ToolCall> = Vec::with_capacity(calls.len());
     for (i, call) in calls.iter().enumerate() {
         let index = first + u32::try_from(i).unwrap_or(u32::MAX);
-        let refused = if i >= cap {
+        let checked = if i >= cap {
             Err(format!(
                 "error: not run: at most {cap} calls are run from one reply; call again with fewer."
             ))
         } else {
-            tools.check(call).and_then(|(tool, args)| {
-                not_repeated(&mut slot.recent, call, &args).map(|()| (tool, args))
-            })
+            tools.check(call)
         };
+        let call = match &checked {
+            Ok((tool, args)) if tool.name != call.name => ToolCall {
+                name: tool.name.clone(),
+                arguments: Value::Object(args.clone()).to_string(),
+                ..call.clone()
+            },
+            _ => call.clone(),
+        };
+        let refused = checked.and_then(|(tool, args)| {
+            not_repeated(&mut slot.recent, &call, &args).map(|()| (tool, args))
+        });
         match refused {
             Err(text) => {
-                told_call(call, index, opts);
-                answers[i] = Some(answer(call, index, text, true, Instant::now(), opts));
+                told_call(&call, index, opts);
+                answers[i] = Some(answer(&call, index, text, true, Instant::now(), opts));
             }
             Ok((tool, args)) => match &tool.runs {
                 Runs::Http(_) | Runs::Mcp(..) => beside.push((i, index, tool, args)),
                 _ => in_session.push((i, index, tool, args)),
             },
         }
+        named.push(call);
     }
+    let calls = named.as_slice();
     let session = async {
         let mut done = Vec::new();
         for (i, index, tool, args) in in_session {
@@ -226,32 +226,42 @@ async fn run_code(
     Ok(answer(call, index, content, is_error, started, opts))
 }
 
-/// The arguments once a person (or a rule) has let the call run: `Err` is the answer.
-async fn approved(
-    name: &str,
-    arguments: String,
+/// Takes up a call of `tool` (not `execute_code`, whose block is asked about as a block):
+/// asks about it where the policy says, and tells it. The arguments it runs with (a person's
+/// edit, checked against the tool's parameters like the model's), or the answer that ends it.
+async fn take_up(
+    tool: &Tool,
+    call: &ToolCall,
+    args: &Map<String, Value>,
     index: u32,
+    started: Instant,
     opts: &RunOptions,
-) -> Result<String, String> {
-    let Some(gate) = &opts.approval else {
-        return Ok(arguments);
-    };
-    let at = crate::approval::BlockAt {
-        turn: opts.turn,
-        index,
-        events: &opts.events,
-        cancel: &opts.cancel,
-    };
-    match gate.decide_tool(name, &arguments, &at).await {
-        None => {
-            Err("error: not run: the task stopped while the call waited for approval".to_owned())
+) -> Result<Map<String, Value>, Answered> {
+    let decided = match &opts.approval {
+        None => Ok(args.clone()),
+        Some(gate) => {
+            let at = crate::approval::BlockAt {
+                turn: opts.turn,
+                index,
+                events: &opts.events,
+                cancel: &opts.cancel,
+            };
+            let arguments = Value::Object(args.clone()).to_string();
+            match gate.decide_tool(&tool.name, &arguments, &at).await {
+                None => Err(
+                    "error: not run: the task stopped while the call waited for approval"
+                        .to_owned(),
+                ),
+                Some(Err(why)) => Err(format!(
+                    "error: not run: {why}. Do not call it again unchanged."
+                )),
+                Some(Ok(edited)) if edited == arguments => Ok(args.clone()),
+                Some(Ok(edited)) => tool.arguments(&edited),
+            }
         }
-        Some(Err(why)) => Err(format!(
-            "error: not run: {why}. Do not call it again unchanged."
-        )),
-        Some(Ok(edited)) if edited == arguments => Ok(arguments),
-        Some(Ok(edited)) => Ok(edited),
-    }
+    };
+    told_call(call, index, opts);
+    decided.map_err(|text| answer(call, index, text, true, started, opts))
 }
 
 /// A command tool runs as a program in the session, started by a small Python launcher
@@ -275,21 +285,10 @@ async fn run_command(
             opts,
         ));
     };
-    let arguments = match approved(
-        &tool.name,
-        Value::Object(args.clone()).to_string(),
-        index,
-        opts,
-    )
-    .await
-    {
-        Ok(a) => a,
-        Err(text) => {
-            told_call(call, index, opts);
-            return Ok(answer(call, index, text, true, started, opts));
-        }
+    let arguments = match take_up(tool, call, args, index, started, opts).await {
+        Ok(args) => Value::Object(args).to_string(),
+        Err(answered) => return Ok(answered),
     };
-    told_call(call, index, opts);
     if let Some(why) = slot.refusal(&Language::python()) {
         let text = format!(
             "error: tool `{}` is a command, which needs an executor that runs python to start it: {why}",
@@ -373,7 +372,6 @@ fn code_handler(
                 Ok(found) => found,
                 Err(text) => return refuse(text),
             };
-            let arguments = Value::Object(args.clone()).to_string();
             let done = match &tool.runs {
                 Runs::Code => {
                     return refuse(format!(
@@ -383,15 +381,16 @@ fn code_handler(
                 }
                 Runs::Http(_) | Runs::Mcp(..) => run_beside(tool, &call, &args, index, &opts).await,
                 Runs::Command(argv) => {
-                    let arguments = match approved(&tool.name, arguments, index, &opts).await {
-                        Ok(a) => a,
-                        Err(text) => return refuse(text),
-                    };
-                    told_call(&call, index, &opts);
-                    let (content, is_error) = beside
-                        .command(&tool.name, argv, &arguments, tool.timeout, &opts)
-                        .await;
-                    answer(&call, index, content, is_error, started, &opts)
+                    match take_up(tool, &call, &args, index, started, &opts).await {
+                        Ok(args) => {
+                            let arguments = Value::Object(args).to_string();
+                            let (content, is_error) = beside
+                                .command(&tool.name, argv, &arguments, tool.timeout, &opts)
+                                .await;
+                            answer(&call, index, content, is_error, started, &opts)
+                        }
+                        Err(answered) => answered,
+                    }
                 }
             };
             if done.is_error {
@@ -494,30 +493,15 @@ async fn run_beside(
     opts: &RunOptions,
 ) -> Answered {
     let started = Instant::now();
-    let arguments = match approved(
-        &tool.name,
-        Value::Object(args.clone()).to_string(),
-        index,
-        opts,
-    )
-    .await
-    {
-        Ok(a) => a,
-        Err(text) => {
-            told_call(call, index, opts);
-            return answer(call, index, text, true, started, opts);
-        }
+    let args = match take_up(tool, call, args, index, started, opts).await {
+        Ok(args) => args,
+        Err(answered) => return answered,
     };
-    told_call(call, index, opts);
     let timeout = tool.timeout.unwrap_or(Duration::from_secs(60));
     let ran = async {
         match &tool.runs {
-            Runs::Http(url) => post(url, arguments, timeout).await,
-            Runs::Mcp(source, name) => {
-                let args = serde_json::from_str::<Map<String, Value>>(&arguments)
-                    .map_err(|e| format!("the arguments are not an object ({e})"))?;
-                source.call(name, args, timeout).await
-            }
+            Runs::Http(url) => post(url, Value::Object(args).to_string(), timeout).await,
+            Runs::Mcp(source, name) => source.call(name, args, timeout).await,
             _ => Err("not a tool that runs beside the sandbox".to_owned()),
         }
     };

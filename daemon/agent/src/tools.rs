@@ -397,36 +397,38 @@ impl ToolBox {
                 }
             ));
         };
-        let quoted = quote(&call.arguments);
-        let text = if call.arguments.trim().is_empty() {
-            "{}"
-        } else {
-            &call.arguments
-        };
-        let value: Value = serde_json::from_str(text).map_err(|e| {
+        Ok((tool, tool.arguments(&call.arguments)?))
+    }
+}
+
+impl Tool {
+    /// `text` as this tool's arguments: a JSON object that meets its parameters; else what
+    /// the model is told, naming the problem and quoting the arguments.
+    pub fn arguments(&self, text: &str) -> Result<Map<String, Value>, String> {
+        let quoted = quote(text);
+        let name = &self.name;
+        let json = if text.trim().is_empty() { "{}" } else { text };
+        let value: Value = serde_json::from_str(json).map_err(|e| {
             format!(
-                "error: the arguments of `{}` are not valid JSON ({e}); send a JSON object. They were: {quoted}",
-                call.name
+                "error: the arguments of `{name}` are not valid JSON ({e}); send a JSON object. They were: {quoted}"
             )
         })?;
-        let Value::Object(args) = value else {
+        if !value.is_object() {
             return Err(format!(
-                "error: the arguments of `{}` must be a JSON object, not {}. They were: {quoted}",
-                call.name,
+                "error: the arguments of `{name}` must be a JSON object, not {}. They were: {quoted}",
                 kind(&value)
             ));
-        };
-        let whole = Value::Object(args);
-        if let Err(why) = conforms(&whole, &tool.parameters, "arguments") {
+        }
+        if let Err(why) = conforms(&value, &self.parameters, "arguments") {
             return Err(format!(
-                "error: the arguments of `{}` do not match its parameters: {why}. They were: {quoted}",
-                call.name
+                "error: the arguments of `{name}` do not match its parameters: {why}. They were: {quoted}"
             ));
         }
-        let Value::Object(args) = whole else {
-            return Err(String::new());
-        };
-        Ok((tool, args))
+        // An object, as checked above.
+        Ok(match value {
+            Value::Object(args) => args,
+            _ => Map::new(),
+        })
     }
 }
 
@@ -582,9 +584,6 @@ pub fn conforms(value: &Value, schema: &Value, at: &str) -> Result<(), String> {
     }
     Ok(())
 }
-
-/// A tool box shared by the assistant that is offered it and the executor that runs it.
-pub type SharedToolBox = Arc<ToolBox>;
 
 #[cfg(test)]
 mod tests {

@@ -101,16 +101,6 @@ impl<'de> Deserialize<'de> for ToolRef {
     }
 }
 
-impl ToolRef {
-    /// The tool's name.
-    pub fn name(&self) -> &str {
-        match self {
-            Self::Name(name) => name,
-            Self::Def(def) => &def.name,
-        }
-    }
-}
-
 /// A tool defined in a task or a team file.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
