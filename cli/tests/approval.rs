@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use tandem_tests::{DaemonHarness as Daemon, Reply, Script, ScriptedOpenAi, script, texts};
 
+use crate::e2e::settings;
+
 async fn start(server: &ScriptedOpenAi, args: &[&str], config: &str) -> Daemon {
     Daemon::start(
         Path::new(env!("CARGO_BIN_EXE_tandem")),
@@ -52,17 +54,6 @@ async fn decide(d: &Daemon, id: &str, n: u64, body: Value) -> (u16, Value) {
         Some(body.to_string()),
     )
     .await
-}
-
-/// Snapshots without what changes from run to run (ports, times, token counts).
-fn settings() -> insta::Settings {
-    let mut s = insta::Settings::clone_current();
-    s.add_filter(r"\d+ ms", "[N] ms");
-    s.add_filter(r"\d+\.\d s", "[N] s");
-    s.add_filter(r"\d+ in / \d+ out tokens", "[N] in / [N] out tokens");
-    s.add_filter(r"127\.0\.0\.1:\d+", "127.0.0.1:[PORT]");
-    s.set_prepend_module_to_snapshot(false);
-    s
 }
 
 fn of_type<'a>(events: &'a [Value], kind: &str) -> Vec<&'a Value> {

@@ -34,6 +34,18 @@ impl Output {
 }
 
 /// Runs the binary with a clean environment (no user config, no inherited model settings).
+/// Snapshot settings for transcripts: times, token counts and ports, which change run to run,
+/// are masked.
+pub(crate) fn settings() -> insta::Settings {
+    let mut s = insta::Settings::clone_current();
+    s.add_filter(r"\d+ ms", "[N] ms");
+    s.add_filter(r"\d+\.\d s", "[N] s");
+    s.add_filter(r"\d+ in / \d+ out tokens", "[N] in / [N] out tokens");
+    s.add_filter(r"127\.0\.0\.1:\d+", "127.0.0.1:[PORT]");
+    s.set_prepend_module_to_snapshot(false);
+    s
+}
+
 pub(crate) async fn tandem(args: &[&str], env: &[(&str, &str)], stdin: Option<&str>) -> Output {
     let config_home = tempfile::tempdir().unwrap();
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"));

@@ -4,19 +4,8 @@
 
 use std::path::Path;
 
-use crate::e2e::{fence, tandem};
+use crate::e2e::{fence, settings, tandem};
 use tandem_tests::{Reply, ScriptedOpenAi, script};
-
-/// Masks what changes from run to run: durations, token counts, ports.
-fn settings() -> insta::Settings {
-    let mut s = insta::Settings::clone_current();
-    s.add_filter(r"\d+ ms", "[N] ms");
-    s.add_filter(r"\d+\.\d s", "[N] s");
-    s.add_filter(r"\d+ in / \d+ out tokens", "[N] in / [N] out tokens");
-    s.add_filter(r"127\.0\.0\.1:\d+", "127.0.0.1:[PORT]");
-    s.set_prepend_module_to_snapshot(false);
-    s
-}
 
 /// A config whose output cap is small enough to read a cut output whole.
 fn small_output_config(dir: &Path) -> String {

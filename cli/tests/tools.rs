@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use tandem_tests::{DaemonHarness as Daemon, Reply, ScriptedOpenAi, call, script};
 
-use crate::e2e::tandem;
+use crate::e2e::{settings, tandem};
 
 /// An operator's `tandem.toml` with one command tool, `wc`, which counts words.
 const CONFIG: &str = r#"
@@ -17,16 +17,6 @@ description = "Count the words of a text."
 parameters = { type = "object", properties = { text = { type = "string" } }, required = ["text"] }
 command = ["python3", "-c", "import json, sys; print(len(json.load(sys.stdin)['text'].split()))"]
 "#;
-
-fn settings() -> insta::Settings {
-    let mut s = insta::Settings::clone_current();
-    s.add_filter(r"\d+ ms", "[N] ms");
-    s.add_filter(r"\d+\.\d s", "[N] s");
-    s.add_filter(r"\d+ in / \d+ out tokens", "[N] in / [N] out tokens");
-    s.add_filter(r"127\.0\.0\.1:\d+", "127.0.0.1:[PORT]");
-    s.set_prepend_module_to_snapshot(false);
-    s
-}
 
 fn execute(id: &str, code: &str) -> (String, String, String) {
     call(
@@ -57,41 +47,24 @@ async fn run_with_code_via_tool_shows_each_call_and_its_answer() {
     )]))
     .await
     .unwrap();
-    let out = tandem(
-        &[
+    let base_url = server.base_url();
+    let run = |extra: &'static [&'static str]| {
+        let mut args = vec![
             "run",
             "--config",
             config.to_str().unwrap(),
             "--base-url",
-            &server.base_url(),
-            "--code-via",
-            "tool",
-            "--tool",
-            "wc",
-            task,
-        ],
-        &[],
-        None,
-    )
-    .await;
+            &base_url,
+        ];
+        args.extend(extra);
+        args.push(task);
+        async move { tandem(&args, &[], None).await }
+    };
+    let out = run(&["--code-via", "tool", "--tool", "wc"]).await;
     assert_eq!(out.code, 0, "{}", out.stderr);
     settings().bind(|| insta::assert_snapshot!("run_code_via_tool_transcript", out.stdout));
     // --tool names one of the configured tools; any other is refused by name.
-    let out = tandem(
-        &[
-            "run",
-            "--config",
-            config.to_str().unwrap(),
-            "--base-url",
-            &server.base_url(),
-            "--tool",
-            "shell",
-            task,
-        ],
-        &[],
-        None,
-    )
-    .await;
+    let out = run(&["--tool", "shell"]).await;
     assert_eq!(out.code, 2);
     assert!(
         out.stderr

@@ -619,13 +619,13 @@ async fn code_in_a_confined_local_block_calls_the_tasks_tools_over_its_own_chann
 
 #[tokio::test]
 async fn a_block_cannot_reach_another_sessions_tools() {
-    // Task A holds a tool only it has, and a block that waits while B's block looks for
-    // A's channel: in its own environment, in every process's descriptors and environment.
+    // Task A holds a tool only it has, in a block that waits while B's block looks for A's
+    // channel: in its own environment, in every process's descriptors and environment. B
+    // starts only once A's block has its channel (it printed), and A is stopped after B.
     let holder =
-        "import os, time\nprint(os.environ['TANDEM_TOOLS_FD'], flush=True)\ntime.sleep(4)\n";
-    let thief = r#"import json, os, socket, time
+        "import os, time\nprint(os.environ['TANDEM_TOOLS_FD'], flush=True)\ntime.sleep(600)\n";
+    let thief = r#"import os
 import tandem_tools
-time.sleep(1)
 found = []
 for pid in os.listdir('/proc'):
     if not pid.isdigit() or int(pid) == os.getpid():
@@ -656,17 +656,30 @@ print('reached:', found)
         command: Some(vec!["echo".to_owned(), "the secret".to_owned()]),
         ..ToolDef::default()
     };
-    let a = run(
+    let server = ScriptedOpenAi::start(script([(
         "tools: holder",
-        vec![
-            Reply::from(format!("```python\n{holder}```").as_str()),
-            Reply::from("TERMINATE"),
-        ],
-        |s| {
-            s.code_via = CodeVia::Blocks;
-            s.tools = resolve(None, &catalog(&[("secret_of_a", secret)])).unwrap();
-        },
-    );
+        vec![Reply::from(format!("```python\n{holder}```").as_str())],
+    )]))
+    .await
+    .unwrap();
+    let mut settings = TaskSettings::new("tools: holder");
+    settings.tools = resolve(None, &catalog(&[("secret_of_a", secret)])).unwrap();
+    let (holding, mut held) = tokio::sync::watch::channel(false);
+    let a_events = Arc::new(Mutex::new(Vec::new()));
+    let into = a_events.clone();
+    let sink: EventSink = Arc::new(move |e| {
+        if matches!(e, EventMsg::ExecOutput { .. }) {
+            let _ = holding.send(true);
+        }
+        into.lock().unwrap().push(e);
+    });
+    let stop = CancellationToken::new();
+    let (holder_model, holder_stop) = (model(&server, true), stop.clone());
+    let a = tokio::spawn(async move {
+        let executor = Arc::new(LocalExecutor::new(LocalConfig::default()));
+        run_task(settings, &holder_model, executor, sink, holder_stop).await
+    });
+    held.wait_for(|printed| *printed).await.unwrap();
     let b = run(
         "tools: thief",
         vec![
@@ -677,8 +690,11 @@ print('reached:', found)
             s.code_via = CodeVia::Blocks;
             s.tools = resolve(None, &catalog(&[("wc", wc_tool())])).unwrap();
         },
-    );
-    let (a, b) = tokio::join!(a, b);
+    )
+    .await;
+    stop.cancel();
+    let a = a.await.unwrap();
+    assert_eq!(a.stop_reason, StopReason::Cancelled);
     let report = said(&b.requests[1])[1]["content"]
         .as_str()
         .unwrap()
@@ -688,27 +704,31 @@ print('reached:', found)
         "exitcode: 0 (execution succeeded)\nCode output: refused: error: there is no tool `secret_of_a`; the tools are: wc.\nreached: []\n"
     );
     // A's tool was never called, by anyone.
+    let a_events = a_events.lock().unwrap();
     assert!(
-        !a.events
+        !a_events
             .iter()
             .any(|e| matches!(e, EventMsg::ToolCall { .. })),
-        "{:?}",
-        a.events
+        "{a_events:?}"
     );
+}
+
+/// The Docker executor on the system engine with the test image, no warm pool.
+async fn docker() -> tandem_executor_docker::DockerExecutor {
+    tandem_executor_docker::DockerExecutor::connect(tandem_executor_docker::DockerConfig {
+        image: std::env::var("TANDEM_DOCKER_IMAGE")
+            .unwrap_or_else(|_| "tandem-sandbox:latest".to_owned()),
+        pull: false,
+        pool_size: 0,
+        ..Default::default()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("this test needs the Docker engine: {e}"))
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn code_in_a_docker_block_with_the_network_off_calls_tools_through_the_runner() {
-    let docker =
-        tandem_executor_docker::DockerExecutor::connect(tandem_executor_docker::DockerConfig {
-            image: std::env::var("TANDEM_DOCKER_IMAGE")
-                .unwrap_or_else(|_| "tandem-sandbox:latest".to_owned()),
-            pull: false,
-            pool_size: 0,
-            ..Default::default()
-        })
-        .await
-        .unwrap_or_else(|e| panic!("this test needs the Docker engine: {e}"));
+    let docker = docker().await;
     let python = "import socket, tandem_tools\ntry:\n    socket.create_connection(('1.1.1.1', 53), timeout=2)\n    print('network: on')\nexcept OSError:\n    print('network: off')\nprint(tandem_tools.call('wc', text='one two three'))\n";
     // The module is the runner's: a block cannot change what later blocks import.
     let sh = "tandem-tool wc '{\"text\": \"a b\"}'\n(echo x > /run/tandem/tools/tandem_tools.py) 2>/dev/null || echo 'tools: read-only'";
@@ -966,16 +986,7 @@ async fn code_in_a_kept_interpreter_calls_tools_block_after_block() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn code_in_a_kept_docker_interpreter_calls_tools_through_the_runner() {
-    let docker =
-        tandem_executor_docker::DockerExecutor::connect(tandem_executor_docker::DockerConfig {
-            image: std::env::var("TANDEM_DOCKER_IMAGE")
-                .unwrap_or_else(|_| "tandem-sandbox:latest".to_owned()),
-            pull: false,
-            pool_size: 0,
-            ..Default::default()
-        })
-        .await
-        .unwrap_or_else(|e| panic!("this test needs the Docker engine: {e}"));
+    let docker = docker().await;
     let first = "import tandem_tools\nkept = tandem_tools.call('wc', text='a b')\n";
     let second = "print(kept, tandem_tools.call('wc', text='x y z'))\n";
     let ran = run_with(
@@ -1134,7 +1145,9 @@ async fn a_persons_edit_of_a_calls_arguments_is_checked_like_the_models() {
         ask_tools: vec!["wc".to_owned()],
         ..ApprovalPolicy::default()
     };
-    let gate = ApprovalGate::new(&policy, None).unwrap().with_approver(editor);
+    let gate = ApprovalGate::new(&policy, None)
+        .unwrap()
+        .with_approver(editor);
     let ran = run(
         "tools: edited",
         vec![

@@ -158,8 +158,12 @@ mod tests {
             let _ = theirs.read_to_string(&mut answer).await;
             answer
         });
-        // The channel ends (the answer that says why may be lost with the unread bytes).
-        served.await.unwrap();
+        // The channel ends (the answer that says why may be lost with the unread bytes); a
+        // server that read on for ever would fail this, not hang it.
+        tokio::time::timeout(std::time::Duration::from_secs(60), served)
+            .await
+            .expect("the channel did not end at the cap")
+            .unwrap();
         let answer = writer.await.unwrap();
         assert!(
             answer.is_empty() || answer.contains("longer than 4 MiB"),

@@ -375,20 +375,23 @@ pub fn render_jinja(
 /// `value` with the separators Python's `json.dumps` writes by default: `, ` and `: `.
 fn python_json(value: &serde_json::Value) -> String {
     struct Spaced;
+    fn between<W: ?Sized + std::io::Write>(w: &mut W, first: bool) -> std::io::Result<()> {
+        if first { Ok(()) } else { w.write_all(b", ") }
+    }
     impl serde_json::ser::Formatter for Spaced {
         fn begin_array_value<W: ?Sized + std::io::Write>(
             &mut self,
             w: &mut W,
             first: bool,
         ) -> std::io::Result<()> {
-            if first { Ok(()) } else { w.write_all(b", ") }
+            between(w, first)
         }
         fn begin_object_key<W: ?Sized + std::io::Write>(
             &mut self,
             w: &mut W,
             first: bool,
         ) -> std::io::Result<()> {
-            if first { Ok(()) } else { w.write_all(b", ") }
+            between(w, first)
         }
         fn begin_object_value<W: ?Sized + std::io::Write>(
             &mut self,
