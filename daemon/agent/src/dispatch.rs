@@ -14,7 +14,7 @@ use crate::tools::{Runs, Tool, ToolBox};
 
 /// How many times in a row one call (same tool, same arguments) is run before the next one
 /// is refused as a loop.
-pub const REPEATS: usize = 3;
+const REPEATS: usize = 3;
 
 /// Most bytes of an HTTP or MCP tool's answer that are kept.
 const HTTP_CAP: usize = 1 << 20;

@@ -47,6 +47,8 @@ pub struct ToolBox {
     tools: Vec<Tool>,
     /// How code is run: blocks, the `execute_code` tool, or either.
     pub code_via: CodeVia,
+    /// What the model is offered with each request, made once.
+    offer: Option<ToolOffer>,
 }
 
 /// Why a tool list cannot be used.
@@ -320,7 +322,28 @@ impl ToolBox {
                 },
             );
         }
-        Self { tools, code_via }
+        let offer = (!tools.is_empty()).then(|| ToolOffer {
+            tools: tools
+                .iter()
+                .map(|t| {
+                    json!({
+                        "type": "function",
+                        "function": {
+                            "name": t.name,
+                            "description": t.description,
+                            "parameters": t.parameters,
+                        }
+                    })
+                })
+                .collect(),
+            required: false,
+            optional: code_via == CodeVia::Auto,
+        });
+        Self {
+            tools,
+            code_via,
+            offer,
+        }
     }
 
     /// Whether it holds no tool.
@@ -339,29 +362,8 @@ impl ToolBox {
     }
 
     /// What the model is offered with each request; `None` when there is nothing.
-    pub fn offer(&self) -> Option<ToolOffer> {
-        if self.tools.is_empty() {
-            return None;
-        }
-        let tools = self
-            .tools
-            .iter()
-            .map(|t| {
-                json!({
-                    "type": "function",
-                    "function": {
-                        "name": t.name,
-                        "description": t.description,
-                        "parameters": t.parameters,
-                    }
-                })
-            })
-            .collect();
-        Some(ToolOffer {
-            tools,
-            required: false,
-            optional: self.code_via == CodeVia::Auto,
-        })
+    pub fn offer(&self) -> Option<&ToolOffer> {
+        self.offer.as_ref()
     }
 
     /// The tool `call` names and its arguments, checked against its parameters; else what

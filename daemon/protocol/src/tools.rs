@@ -101,7 +101,8 @@ impl<'de> Deserialize<'de> for ToolRef {
     }
 }
 
-/// A tool defined in a task or a team file.
+/// A tool defined in a task or a team file. Its fields are its own, not a flattened
+/// [`ToolDef`]: a task may not name `mcp`, and an unknown field must be refused by name.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NamedTool {

@@ -714,10 +714,7 @@ impl Ctx<'_> {
             return Ok(Ended::Done);
         }
         let offer = self.team.tools.get(&node.name).and_then(|t| t.offer());
-        match self
-            .call(model.as_ref(), &view, turn, offer.as_ref())
-            .await?
-        {
+        match self.call(model.as_ref(), &view, turn, offer).await? {
             Some(reply) => Ok(self.said(node, history, reply.text, reply.calls)),
             None => Ok(Ended::Stopped(StopReason::Cancelled)),
         }
