@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use tandem_executor::{ExitStatus, Limits, SessionSpec};
-use tandem_executor_docker::{DockerConfig, DockerExecutor};
+use tandem_executor_docker::{DockerConfig, DockerExecutor, WorkspaceMode};
 use tandem_tests::conformance::{self, run};
 
 fn image() -> String {
@@ -90,6 +90,19 @@ async fn open_in(
 #[tokio::test(flavor = "multi_thread")]
 async fn docker_executor_passes_the_conformance_suite() {
     conformance::all(docker().await, &[]).await;
+}
+
+/// The same suite with each session's workspace in a volume of its own, copied in and out
+/// as tar through the engine's API: what a remote engine gets.
+#[tokio::test(flavor = "multi_thread")]
+async fn docker_executor_with_volume_workspaces_passes_the_conformance_suite() {
+    let docker = docker_with(DockerConfig {
+        pool_size: 0,
+        workspace: WorkspaceMode::Volume,
+        ..DockerConfig::default()
+    })
+    .await;
+    conformance::all(docker, &[]).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -431,4 +444,156 @@ async fn a_kept_workdir_keeps_the_hosts_files_and_gets_its_mode_back() {
     );
     let mode = std::fs::metadata(dir.path()).unwrap().permissions().mode() & 0o7777;
     assert_eq!(mode, 0o755, "the workdir was left {mode:o}");
+}
+
+/// The names of the volumes labelled `label`.
+fn volumes_labelled(label: &str) -> Vec<String> {
+    docker_cli(&["volume", "ls", "-q", "--filter", &format!("label={label}")])
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The regular files under `dir`, relative, sorted.
+fn files_under(dir: &std::path::Path) -> Vec<String> {
+    let mut found: Vec<String> = tandem_executor::archive::list(dir, 10_000)
+        .unwrap()
+        .into_iter()
+        .map(|f| f.path.display().to_string())
+        .collect();
+    found.sort();
+    found
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_volume_workspace_is_seeded_from_the_host_and_its_mirror_follows_every_block() {
+    let docker = docker_with(DockerConfig {
+        pool_size: 0,
+        workspace: WorkspaceMode::Volume,
+        ..DockerConfig::default()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("seed.txt"), "from the host").unwrap();
+    let task = format!("volume-{}", std::process::id());
+    let mut s = tandem_executor::Executor::open(
+        &*docker,
+        SessionSpec {
+            workdir: Some(dir.path().to_owned()),
+            labels: vec![("tandem.task".to_owned(), task.clone())],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let label = format!("tandem.task={task}");
+    let [container] = containers_labelled(&label).try_into().unwrap();
+    let mounts: Value = serde_json::from_str(&docker_cli(&[
+        "inspect",
+        "-f",
+        "{{json .Mounts}}",
+        &container,
+    ]))
+    .unwrap();
+    assert_eq!(mounts[0]["Type"], "volume", "{mounts}");
+    assert_eq!(
+        mounts.as_array().map(Vec::len),
+        Some(1),
+        "no bind mount: {mounts}"
+    );
+    assert_eq!(volumes_labelled(&label).len(), 1);
+
+    // Seeded, and the blocks' user owns what was put there.
+    let out = run(
+        &mut *s,
+        "python",
+        "print(open('seed.txt').read())\nopen('seed.txt', 'a').write(' and back')",
+    )
+    .await;
+    assert_eq!(
+        out.stdout.to_text(),
+        "from the host\n",
+        "{}",
+        out.stderr.to_text()
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("seed.txt")).unwrap(),
+        "from the host and back"
+    );
+
+    // Few changes go file by file; a private directory, a link to the host's /etc and a
+    // FIFO are there too.
+    let out = run(
+        &mut *s,
+        "sh",
+        "mkdir -p a/b private && echo one > a/b/one.txt && echo gone > gone.txt && echo s > private/secret.txt && chmod 700 private && ln -s /etc etc-link && mkfifo pipe",
+    )
+    .await;
+    assert_eq!(
+        out.status,
+        ExitStatus::Exited(0),
+        "{}",
+        out.stderr.to_text()
+    );
+    assert_eq!(
+        files_under(dir.path()),
+        ["a/b/one.txt", "gone.txt", "private/secret.txt", "seed.txt"]
+    );
+    assert!(std::fs::symlink_metadata(dir.path().join("etc-link")).is_err());
+
+    // Many changes come out as one archive of the whole workspace; a removal, a rename and
+    // a directory that became a file are followed.
+    let out = run(
+        &mut *s,
+        "sh",
+        "rm gone.txt && mv a/b/one.txt a/uno.txt && rm -r a/b && echo file > a/b && for i in $(seq 1 30); do echo $i > many-$i.txt; done",
+    )
+    .await;
+    assert_eq!(
+        out.status,
+        ExitStatus::Exited(0),
+        "{}",
+        out.stderr.to_text()
+    );
+    let files = files_under(dir.path());
+    assert!(files.contains(&"a/uno.txt".to_owned()), "{files:?}");
+    assert!(files.contains(&"a/b".to_owned()), "{files:?}");
+    assert!(!files.contains(&"gone.txt".to_owned()), "{files:?}");
+    assert_eq!(files.iter().filter(|f| f.starts_with("many-")).count(), 30);
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("many-7.txt")).unwrap(),
+        "7\n"
+    );
+
+    // A file put in while the session runs reaches the sandbox.
+    let archive = dir.path().join("../put.tar");
+    {
+        let mut b = tar::Builder::new(std::fs::File::create(&archive).unwrap());
+        let mut h = tar::Header::new_gnu();
+        h.set_size(3);
+        h.set_mode(0o600);
+        h.set_uid(0);
+        b.append_data(&mut h, "later.txt", &b"new"[..]).unwrap();
+        b.finish().unwrap();
+    }
+    s.put_archive(&archive, Default::default()).await.unwrap();
+    let _ = std::fs::remove_file(&archive);
+    let out = run(
+        &mut *s,
+        "python",
+        "print(open('later.txt').read())\nopen('later.txt', 'w').write('mine')",
+    )
+    .await;
+    assert_eq!(out.stdout.to_text(), "new\n", "{}", out.stderr.to_text());
+
+    s.close().await.unwrap();
+    assert!(containers_labelled(&label).is_empty());
+    assert!(
+        volumes_labelled(&label).is_empty(),
+        "the volume goes with the session"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("later.txt")).unwrap(),
+        "mine"
+    );
 }

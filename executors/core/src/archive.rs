@@ -96,7 +96,92 @@ pub fn unpack_into(
     archive: impl Read,
     caps: ArchiveCaps,
 ) -> Result<Vec<ArchivedFile>, ArchiveError> {
-    let dir = open(workspace)?;
+    unpack_dir(&open(workspace)?, None, false, archive, caps)
+}
+
+/// Like [`unpack_into`], into the directory `sub` of `workspace` (made when missing, never
+/// through a link), each entry's path first losing the leading component `strip` when given
+/// (an entry that is only that component is skipped: it is `sub` itself). This is how an
+/// engine's archive of one path comes back: named from that path's last component. It is a
+/// copy of a sandbox's files, so links and special entries are left out rather than refused.
+/// The files placed are returned relative to `workspace`.
+pub fn unpack_beneath(
+    workspace: &Path,
+    sub: &Path,
+    strip: Option<&str>,
+    archive: impl Read,
+    caps: ArchiveCaps,
+) -> Result<Vec<ArchivedFile>, ArchiveError> {
+    let mut dir = open(workspace)?;
+    let shown = sub.display().to_string();
+    let sub = match shown.as_str() {
+        "" | "." => PathBuf::new(),
+        other => inside(other)?,
+    };
+    for part in sub.components() {
+        let io = |source| ArchiveError::Io {
+            path: shown.clone(),
+            source,
+        };
+        match dir.symlink_metadata(part) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => dir.remove_file(part).map_err(io)?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(e)),
+        }
+        if dir.symlink_metadata(part).is_err() {
+            dir.create_dir(part).map_err(io)?;
+        }
+        dir = dir.open_dir_nofollow(part).map_err(io)?;
+    }
+    let placed = unpack_dir(&dir, strip, true, archive, caps)?;
+    Ok(placed
+        .into_iter()
+        .map(|f| ArchivedFile {
+            path: sub.join(f.path),
+            bytes: f.bytes,
+        })
+        .collect())
+}
+
+/// Removes the file or directory tree at `rel` in `workspace`, never following a link on
+/// the way (a link itself is removed, not what it leads to); one already gone is no error.
+pub fn remove_beneath(workspace: &Path, rel: &str) -> Result<(), ArchiveError> {
+    let path = inside(rel)?;
+    let io = |source| ArchiveError::Io {
+        path: rel.to_owned(),
+        source,
+    };
+    let mut dir = open(workspace)?;
+    let mut parts = path.components().peekable();
+    while let Some(part) = parts.next() {
+        let meta = match dir.symlink_metadata(part) {
+            Ok(meta) => meta,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(io(e)),
+        };
+        if parts.peek().is_none() {
+            return if meta.is_dir() {
+                dir.remove_dir_all(part).map_err(io)
+            } else {
+                dir.remove_file(part).map_err(io)
+            };
+        }
+        if !meta.is_dir() {
+            return Ok(());
+        }
+        dir = dir.open_dir_nofollow(part).map_err(io)?;
+    }
+    Ok(())
+}
+
+fn unpack_dir(
+    dir: &Dir,
+    strip: Option<&str>,
+    lenient: bool,
+    archive: impl Read,
+    caps: ArchiveCaps,
+) -> Result<Vec<ArchivedFile>, ArchiveError> {
     let mut archive = tar::Archive::new(archive);
     let mut placed = Vec::new();
     let (mut entries, mut bytes) = (0usize, 0u64);
@@ -106,11 +191,19 @@ pub fn unpack_into(
         if entries > caps.max_entries {
             return Err(ArchiveError::TooMany(caps.max_entries));
         }
-        let Admitted {
+        let admitted = match admit_stripped(&entry, strip) {
+            // A sandbox's copy: its links and devices are not files to bring out.
+            Err(ArchiveError::Kind { .. }) if lenient => continue,
+            other => other?,
+        };
+        let Some(Admitted {
             rel,
             shown,
             dir: is_dir,
-        } = admit(&entry)?;
+        }) = admitted
+        else {
+            continue;
+        };
         let io = |source| ArchiveError::Io {
             path: shown.clone(),
             source,
@@ -130,12 +223,12 @@ pub fn unpack_into(
         if let Some(parent) = rel.parent().filter(|p| !p.as_os_str().is_empty()) {
             dir.create_dir_all(parent).map_err(io)?;
         }
-        // A link (or anything else) at the file's own name is replaced, not written through.
-        if dir
-            .symlink_metadata(&rel)
-            .is_ok_and(|m| !m.file_type().is_file())
-        {
-            dir.remove_file(&rel).map_err(io)?;
+        // A link (or anything else) at the file's own name is replaced, not written through;
+        // in a sandbox's copy a directory there was replaced by this file.
+        match dir.symlink_metadata(&rel) {
+            Ok(m) if lenient && m.is_dir() => dir.remove_dir_all(&rel).map_err(io)?,
+            Ok(m) if !m.file_type().is_file() => dir.remove_file(&rel).map_err(io)?,
+            _ => {}
         }
         let mut file = dir.create(&rel).map_err(io)?;
         let copied =
@@ -215,6 +308,39 @@ struct Admitted {
     dir: bool,
 }
 
+/// [`admit`], after taking `strip` off the front of the entry's path; `None` for the entry
+/// that is `strip` itself.
+fn admit_stripped<R: Read>(
+    entry: &tar::Entry<'_, R>,
+    strip: Option<&str>,
+) -> Result<Option<Admitted>, ArchiveError> {
+    let Some(strip) = strip else {
+        return admit(entry).map(Some);
+    };
+    let shown = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
+    let full = Path::new(&shown);
+    let rest = match full.strip_prefix(strip) {
+        Ok(rest) => rest,
+        Err(_) => return Err(ArchiveError::Outside(shown)),
+    };
+    if rest.as_os_str().is_empty() {
+        return Ok(None);
+    }
+    let rel = inside(&rest.to_string_lossy())?;
+    let kind = entry.header().entry_type();
+    if !kind.is_dir() && !kind.is_file() {
+        return Err(ArchiveError::Kind {
+            path: shown,
+            kind: kind_name(kind),
+        });
+    }
+    Ok(Some(Admitted {
+        rel,
+        shown,
+        dir: kind.is_dir(),
+    }))
+}
+
 /// `entry` when it is a regular file or a directory under a path inside the workspace.
 fn admit<R: Read>(entry: &tar::Entry<'_, R>) -> Result<Admitted, ArchiveError> {
     let shown = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
@@ -249,6 +375,18 @@ pub fn pack(
     out: impl Write,
     caps: ArchiveCaps,
 ) -> Result<Vec<ArchivedFile>, ArchiveError> {
+    pack_owned(workspace, rel, out, caps, None)
+}
+
+/// [`pack`], with each entry owned by `owner` (`uid`, `gid`) instead of root: an archive
+/// for a sandbox whose code runs as that user and must be able to change the files.
+pub fn pack_owned(
+    workspace: &Path,
+    rel: &str,
+    out: impl Write,
+    caps: ArchiveCaps,
+    owner: Option<(u64, u64)>,
+) -> Result<Vec<ArchivedFile>, ArchiveError> {
     let mut builder = tar::Builder::new(out);
     builder.follow_symlinks(false);
     let mut packed = Vec::new();
@@ -261,6 +399,10 @@ pub fn pack(
         };
         let mut header = tar::Header::new_gnu();
         header.set_mtime(0);
+        if let Some((uid, gid)) = owner {
+            header.set_uid(uid);
+            header.set_gid(gid);
+        }
         match found {
             Found::Dir => {
                 header.set_entry_type(tar::EntryType::Directory);
@@ -270,7 +412,15 @@ pub fn pack(
                     .append_data(&mut header, path, std::io::empty())
                     .map_err(io)
             }
-            Found::File { bytes: size, .. } => {
+            Found::File {
+                bytes: size,
+                modified_ms,
+            } => {
+                if owner.is_some() {
+                    // A sandbox's copy keeps its files' times (make, caches); a download
+                    // does not say when the files were written.
+                    header.set_mtime(modified_ms / 1000);
+                }
                 if size > caps.max_bytes.saturating_sub(bytes) {
                     return Err(ArchiveError::TooLarge {
                         path: shown.clone(),

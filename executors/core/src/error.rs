@@ -69,6 +69,16 @@ pub enum ExecError {
         /// How long the open waited.
         waited: std::time::Duration,
     },
+    /// The machine the sandbox ran on stopped answering (its engine died, its network went):
+    /// the session is gone, and a new one, placed elsewhere, may carry the task on from its
+    /// last mirrored files.
+    #[error("the sandbox on {host} was lost: {reason}")]
+    Lost {
+        /// The host (engine) it ran on, by the operator's name for it.
+        host: String,
+        /// What was seen.
+        reason: String,
+    },
     /// The backend failed in its own way (engine errors and the like).
     #[error("{0}")]
     Backend(String),

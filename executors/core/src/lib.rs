@@ -118,25 +118,32 @@ pub trait Session: Send {
         caps: archive::ArchiveCaps,
     ) -> BoxFuture<'_, Result<Vec<archive::ArchivedFile>, ExecError>> {
         let workspace = self.workspace().map(Path::to_owned);
-        let archive = archive.to_owned();
-        Box::pin(async move {
-            let workspace = workspace.ok_or_else(|| ExecError::Unavailable {
-                what: "placing files in this executor's sessions".to_owned(),
-                hint: "it has no workspace Tandem can reach; run the task on local, docker or wasm"
-                    .to_owned(),
-            })?;
-            tokio::task::spawn_blocking(move || {
-                let file = std::fs::File::open(&archive).map_err(|source| ExecError::Io {
-                    context: format!("reading the files to place ({})", archive.display()),
-                    source,
-                })?;
-                archive::unpack_into(&workspace, std::io::BufReader::new(file), caps)
-                    .map_err(ExecError::Files)
-            })
-            .await
-            .map_err(|e| ExecError::Backend(format!("placing files stopped: {e}")))?
-        })
+        Box::pin(place_archive(workspace, archive.to_owned(), caps))
     }
+}
+
+/// Unpacks the tar archive at `archive` into the host directory `workspace` within `caps`:
+/// what [`Session::put_archive`] does for a session whose workspace is that directory.
+pub async fn place_archive(
+    workspace: Option<PathBuf>,
+    archive: PathBuf,
+    caps: archive::ArchiveCaps,
+) -> Result<Vec<archive::ArchivedFile>, ExecError> {
+    let workspace = workspace.ok_or_else(|| ExecError::Unavailable {
+        what: "placing files in this executor's sessions".to_owned(),
+        hint: "it has no workspace Tandem can reach; run the task on local, docker or wasm"
+            .to_owned(),
+    })?;
+    tokio::task::spawn_blocking(move || {
+        let file = std::fs::File::open(&archive).map_err(|source| ExecError::Io {
+            context: format!("reading the files to place ({})", archive.display()),
+            source,
+        })?;
+        archive::unpack_into(&workspace, std::io::BufReader::new(file), caps)
+            .map_err(ExecError::Files)
+    })
+    .await
+    .map_err(|e| ExecError::Backend(format!("placing files stopped: {e}")))?
 }
 
 /// How to open a session.

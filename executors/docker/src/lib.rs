@@ -39,6 +39,43 @@ pub mod labels {
     pub const TASK: &str = "tandem.task";
     /// Host path of a temporary workspace to remove along with the container.
     pub const WORKSPACE: &str = "tandem.workspace";
+    /// The volume that holds the session's workspace, when it is the container's own.
+    pub const VOLUME: &str = "tandem.volume";
+}
+
+/// Where a session's workspace lives.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WorkspaceMode {
+    /// A host directory bind-mounted at `/workspace`: only for an engine on this machine.
+    /// What a kept interpreter needs (it talks to Python over FIFOs in that directory).
+    #[default]
+    Bind,
+    /// A volume of the session's own on the engine's machine; files go in and come out as
+    /// tar archives through the engine's API, and a host copy (the mirror) is brought up to
+    /// date after every block. Works with any engine, near or remote.
+    Volume,
+}
+
+impl WorkspaceMode {
+    /// Bind for a local socket, a volume for an engine reached over the network.
+    pub fn for_host(host: &str) -> Self {
+        if host.starts_with("unix://") || host.starts_with('/') {
+            Self::Bind
+        } else {
+            Self::Volume
+        }
+    }
+}
+
+/// The client certificate and the authority that signed the engine's, for `tcp://` with TLS.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// The certificate authority's certificate (PEM).
+    pub ca: PathBuf,
+    /// This client's certificate (PEM).
+    pub cert: PathBuf,
+    /// This client's private key (PEM).
+    pub key: PathBuf,
 }
 
 /// Temporary workspaces live in `<workspace_dir>/tandem-docker-<pid>-<start-time>/`.
@@ -53,6 +90,13 @@ pub const DEFAULT_IMAGE: &str = "python:3.12-slim";
 /// Settings for the Docker executor; the defaults are the hardened ones.
 #[derive(Clone, Debug)]
 pub struct DockerConfig {
+    /// The operator's name for this engine, in messages, events and `doctor` (default: its
+    /// address).
+    pub name: String,
+    /// Client certificates for a `tcp://` engine that checks them.
+    pub tls: Option<TlsFiles>,
+    /// Where sessions' workspaces live.
+    pub workspace: WorkspaceMode,
     /// The engine's address (`unix://`, `tcp://`, `http(s)://` or `ssh://`), as `DOCKER_HOST`
     /// gives it to the docker CLI; default [`DEFAULT_HOST`].
     pub host: String,
@@ -98,9 +142,23 @@ pub const LOCAL_IMAGE: &str = "tandem-sandbox:latest";
 /// The engine's default address: its local socket.
 pub const DEFAULT_HOST: &str = "unix:///var/run/docker.sock";
 
+impl DockerConfig {
+    /// The engine's name in messages: the operator's, else its address.
+    pub fn label(&self) -> &str {
+        if self.name.is_empty() {
+            &self.host
+        } else {
+            &self.name
+        }
+    }
+}
+
 impl Default for DockerConfig {
     fn default() -> Self {
         Self {
+            name: String::new(),
+            tls: None,
+            workspace: WorkspaceMode::Bind,
             host: DEFAULT_HOST.to_owned(),
             image: DEFAULT_IMAGE.to_owned(),
             pull: true,
@@ -126,7 +184,7 @@ impl Default for DockerConfig {
 pub enum DockerError {
     /// The engine did not answer.
     #[error(
-        "cannot reach the Docker engine at {host}: {reason}; start Docker (`sudo systemctl start docker`) or point DOCKER_HOST at a running engine"
+        "cannot reach the Docker engine {host}: {reason}; start Docker (`sudo systemctl start docker`) or point DOCKER_HOST (or the host's url) at a running engine, with its TLS files when it asks for them"
     )]
     Unreachable {
         /// Where Tandem looked.
@@ -193,6 +251,10 @@ pub(crate) struct Inner {
     pub(crate) root: PathBuf,
     image_ready: OnceCell<()>,
     pool: Pool,
+    /// The session ids of this executor's containers that are in use or in the pool: any
+    /// other container with this process's owner tag was lost (its engine went away while it
+    /// ran) and is removed when the engine answers again.
+    pub(crate) live: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 /// Longest shutdown waits for warm-pool containers that are still starting.
@@ -212,20 +274,24 @@ impl DockerExecutor {
     /// Connects to the engine at `config.host`, negotiates the API version, and reaps
     /// containers whose owner died.
     pub async fn connect(mut config: DockerConfig) -> Result<Self, DockerError> {
-        let host = config.host.clone();
+        let host = if config.name.is_empty() || config.name == config.host {
+            format!("at {}", config.host)
+        } else {
+            format!("`{}` at {}", config.name, config.host)
+        };
         let unreachable = |reason: String| DockerError::Unreachable {
             host: host.clone(),
             reason,
         };
-        let docker = Docker::connect_with_host(&host).map_err(|e| unreachable(e.to_string()))?;
+        let docker = client(&config).map_err(|e| unreachable(error_chain(&e)))?;
         let docker = tokio::time::timeout(Duration::from_secs(5), docker.negotiate_version())
             .await
             .map_err(|_| unreachable("no answer within 5 s".to_owned()))?
-            .map_err(|e| unreachable(e.to_string()))?;
+            .map_err(|e| unreachable(error_chain(&e)))?;
         tokio::time::timeout(Duration::from_secs(5), docker.ping())
             .await
             .map_err(|_| unreachable("no answer within 5 s".to_owned()))?
-            .map_err(|e| unreachable(e.to_string()))?;
+            .map_err(|e| unreachable(error_chain(&e)))?;
         if let Some(fallback) = config.fallback_image.take() {
             // Only an image that is there: a fallback never triggers a pull.
             if !image_present(&docker, &config.image).await?
@@ -251,6 +317,7 @@ impl DockerExecutor {
                 owner: owner_tag(),
                 image_ready: OnceCell::new(),
                 pool: Pool::default(),
+                live: Default::default(),
             }),
         };
         let roots = scratch::reap_dead_roots_in(&base, ROOT_PREFIX);
@@ -338,6 +405,71 @@ impl DockerExecutor {
                 let _ = std::fs::remove_dir_all(ws);
             }
             reaped += 1;
+        }
+        reaped += self.reap_volumes(|owner, _| !owner_alive(owner)).await?;
+        Ok(reaped)
+    }
+
+    /// Removes this process's containers and volumes that no session holds any more: what a
+    /// session on an engine that went away left behind, once the engine answers again.
+    /// Returns how many.
+    pub async fn reap_lost(&self) -> Result<usize, DockerError> {
+        let docker = &self.inner.docker;
+        let owner = format!("{}={}", labels::OWNER, self.inner.owner);
+        let filters: HashMap<&str, Vec<&str>> = HashMap::from([("label", vec![owner.as_str()])]);
+        let list = docker
+            .list_containers(Some(
+                ListContainersOptionsBuilder::default()
+                    .all(true)
+                    .filters(&filters)
+                    .build(),
+            ))
+            .await
+            .map_err(engine("listing Tandem's containers"))?;
+        let mut reaped = 0;
+        for c in list {
+            let (Some(id), Some(labels)) = (c.id, c.labels) else {
+                continue;
+            };
+            if labels.get(labels::SESSION).is_some_and(|s| self.is_live(s)) {
+                continue;
+            }
+            remove_container(docker, &id).await;
+            reaped += 1;
+        }
+        let ours = self.inner.owner.clone();
+        reaped += self
+            .reap_volumes(|owner, session| owner == ours && !self.is_live(session))
+            .await?;
+        Ok(reaped)
+    }
+
+    fn is_live(&self, session: &str) -> bool {
+        self.inner
+            .live
+            .lock()
+            .map_or(true, |live| live.contains(session))
+    }
+
+    /// Removes the workspace volumes whose (owner, session) labels `dead` picks.
+    async fn reap_volumes(&self, dead: impl Fn(&str, &str) -> bool) -> Result<usize, DockerError> {
+        let docker = &self.inner.docker;
+        let filters: HashMap<String, Vec<String>> =
+            HashMap::from([("label".to_owned(), vec![labels::OWNER.to_owned()])]);
+        let list = docker
+            .list_volumes(Some(bollard::query_parameters::ListVolumesOptions {
+                filters: Some(filters),
+            }))
+            .await
+            .map_err(engine("listing Tandem's volumes"))?;
+        let mut reaped = 0;
+        for v in list.volumes.unwrap_or_default() {
+            let owner = v.labels.get(labels::OWNER).map_or("", String::as_str);
+            let session = v.labels.get(labels::SESSION).map_or("", String::as_str);
+            if dead(owner, session) {
+                remove_volume(docker, &v.name).await;
+                reaped += 1;
+            }
         }
         Ok(reaped)
     }
@@ -433,7 +565,7 @@ impl DockerExecutor {
     /// The container body for a session: the hardened defaults plus the session's mounts.
     pub(crate) fn container_body(
         &self,
-        workspace: &std::path::Path,
+        workspace: &session::Place,
         labels: HashMap<String, String>,
         limits: &tandem_executor::Limits,
     ) -> ContainerCreateBody {
@@ -453,7 +585,10 @@ impl DockerExecutor {
                 RUNNER.clone(),
             ]),
             // The runner is root with three capabilities and runs every block as `c.user`.
-            cmd: Some(vec![c.user.clone()]),
+            cmd: Some(match workspace {
+                session::Place::Host(_) => vec![c.user.clone()],
+                session::Place::Volume(_) => vec![c.user.clone(), "volume".to_owned()],
+            }),
             env: Some(env),
             user: Some("0:0".to_owned()),
             working_dir: Some("/workspace".to_owned()),
@@ -466,7 +601,22 @@ impl DockerExecutor {
             tty: Some(false),
             network_disabled: Some(!c.network),
             host_config: Some(HostConfig {
-                binds: Some(vec![format!("{}:/workspace:rw", workspace.display())]),
+                binds: match workspace {
+                    session::Place::Host(dir) => {
+                        Some(vec![format!("{}:/workspace:rw", dir.display())])
+                    }
+                    session::Place::Volume(_) => None,
+                },
+                mounts: match workspace {
+                    session::Place::Host(_) => None,
+                    session::Place::Volume(name) => Some(vec![bollard::models::Mount {
+                        target: Some("/workspace".to_owned()),
+                        source: Some(name.clone()),
+                        typ: Some(bollard::models::MountType::VOLUME),
+                        read_only: Some(false),
+                        ..Default::default()
+                    }]),
+                },
                 network_mode: Some(if c.network { "bridge" } else { "none" }.to_owned()),
                 cap_drop: Some(vec!["ALL".to_owned()]),
                 // What the runner needs to become the blocks' user and to kill their
@@ -505,7 +655,8 @@ impl Executor for DockerExecutor {
     }
 
     fn keeps_state(&self) -> bool {
-        true
+        // The kept interpreter's FIFOs live in a host directory the container shares.
+        self.inner.config.workspace == WorkspaceMode::Bind
     }
 
     fn carries_tool_calls(&self) -> bool {
@@ -554,6 +705,32 @@ impl Executor for DockerExecutor {
 impl DockerExecutor {
     pub(crate) fn inner(&self) -> &Inner {
         &self.inner
+    }
+
+    /// Drops `session` from the live set: its container and volume are gone, or going.
+    pub(crate) fn forget(&self, session: &str) {
+        if let Ok(mut live) = self.inner.live.lock() {
+            live.remove(session);
+        }
+    }
+
+    /// Whether the engine answers a ping within 5 s; if not, why.
+    pub async fn answers(&self) -> Result<(), String> {
+        match tokio::time::timeout(Duration::from_secs(5), self.inner.docker.ping()).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(error_chain(&e)),
+            Err(_) => Err("no answer within 5 s".to_owned()),
+        }
+    }
+
+    /// The operator's name for this engine (its address when none was given).
+    pub fn label(&self) -> &str {
+        self.inner.config.label()
+    }
+
+    /// How many sessions hold a container of this engine now, warm-pool ones included.
+    pub fn live_sessions(&self) -> usize {
+        self.inner.live.lock().map_or(0, |l| l.len())
     }
 }
 
@@ -623,6 +800,52 @@ fn split_tag(image: &str) -> (&str, &str) {
     match image.rsplit_once(':') {
         Some((name, tag)) if !tag.contains('/') => (name, tag),
         _ => (image, "latest"),
+    }
+}
+
+/// The client for `config`'s engine: TLS with its files when it names them, else by the
+/// address's scheme (and `DOCKER_TLS_VERIFY`/`DOCKER_CERT_PATH` for `tcp://`, as the docker
+/// CLI reads them).
+fn client(config: &DockerConfig) -> Result<Docker, bollard::errors::Error> {
+    match &config.tls {
+        Some(tls) => Docker::connect_with_ssl(
+            &config.host,
+            &tls.key,
+            &tls.cert,
+            &tls.ca,
+            120,
+            bollard::API_DEFAULT_VERSION,
+        ),
+        None => Docker::connect_with_host(&config.host),
+    }
+}
+
+/// An error with its causes, which is where a TLS failure says what was wrong.
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let more = c.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        cause = c.source();
+    }
+    text
+}
+
+/// Removes a volume, ignoring one already gone.
+pub(crate) async fn remove_volume(docker: &Docker, name: &str) {
+    let opts = bollard::query_parameters::RemoveVolumeOptionsBuilder::default()
+        .force(true)
+        .build();
+    match docker.remove_volume(name, Some(opts)).await {
+        Ok(()) => {}
+        Err(bollard::errors::Error::DockerResponseServerError {
+            status_code: 404, ..
+        }) => {}
+        Err(e) => tracing::warn!(volume = name, error = %e, "removing a volume failed"),
     }
 }
 

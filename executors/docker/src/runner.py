@@ -4,8 +4,11 @@
 #   R ready            o/e stdout/stderr bytes       O/E bytes dropped (8 bytes), tail follows
 #   x block ended (JSON: code, signal, oom)          d request done    ! runner error (text)
 #   t bytes the block wrote on its tools channel
+#   c what a block changed in the workspace (JSON: changed [[path, kind]], removed, all),
+#     before its x, when the workspace is the container's own (argv[2] == "volume")
 # Requests: {"op": "run", ...}, {"op": "kill"} and {"op": "tool", "data": ...} (the answer
-# to a call, while a block runs), {"op": "wipe"}, {"op": "release"}. The whole container is the session, so after a block ends every
+# to a call, while a block runs), {"op": "wipe"}, {"op": "release"}, {"op": "rescan"} (take
+# the workspace as it is now as seen, after Tandem put files in it). The whole container is the session, so after a block ends every
 # process but init and this runner is killed: nothing a block starts outlives it.
 #
 # The runner runs as root with only CAP_SETUID, CAP_SETGID and CAP_KILL; every block, and
@@ -17,7 +20,7 @@
 # the container's pid namespace (kill(-1) ends a block's every process), where the fork
 # server's is Landlock, seccomp and a subreaper per block. What a block sees is the same in
 # both, and the shared conformance suite holds both to it.
-import json, os, resource, select, shutil, signal, struct, sys
+import json, os, resource, select, shutil, signal, stat, struct, sys
 
 ME = os.getpid()
 WORKSPACE = "/workspace"
@@ -41,6 +44,9 @@ def parse_user(spec):
 
 
 UID, GID = parse_user(sys.argv[1] if len(sys.argv) > 1 else "65534:65534")
+# A workspace that is a volume of the container's own, which Tandem copies out through the
+# engine's archive calls after each block: the runner tells it what changed.
+SYNC = len(sys.argv) > 2 and sys.argv[2] == "volume"
 
 
 def drop_privileges():
@@ -378,6 +384,8 @@ def run(req, stdin_buf):
         except OSError:
             pass
     oom = oom_kills() > ooms
+    if SYNC:
+        report_changes()
     result = {"code": None, "signal": None, "oom": oom}
     if os.WIFEXITED(status):
         result["code"] = os.WEXITSTATUS(status)
@@ -385,6 +393,100 @@ def run(req, stdin_buf):
         result["signal"] = os.WTERMSIG(status)
     send(b"x", json.dumps(result).encode())
     return stdin_buf
+
+
+# The workspace as Tandem last saw it: path -> [kind, size, mtime_ns], kind f (regular file),
+# d (directory) or o (anything else: links, FIFOs).
+MANIFEST = {}
+# More entries than this are not listed one by one: Tandem copies the whole workspace.
+MAX_LISTED = 100000
+# A change list longer than this goes as "all" (a frame holds at most 1 MiB).
+MAX_REPORT = 512 * 1024
+
+
+def scan_as_user(previous):
+    """The workspace's entries that differ from `previous`, read as the blocks' user (the
+    runner has no right to read what they made private); all of them, and all=True, when
+    some could not be read or named."""
+    found, complete = {}, True
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        try:
+            with os.scandir(os.path.join(WORKSPACE, rel) if rel else WORKSPACE) as it:
+                for e in it:
+                    r = rel + "/" + e.name if rel else e.name
+                    st = e.stat(follow_symlinks=False)
+                    if stat.S_ISDIR(st.st_mode):
+                        found[r] = ["d", 0, 0]
+                        stack.append(r)
+                    elif stat.S_ISREG(st.st_mode):
+                        found[r] = ["f", st.st_size, st.st_mtime_ns]
+                    else:
+                        found[r] = ["o", 0, 0]
+                    if len(found) > MAX_LISTED:
+                        return {"all": True, "set": {}, "removed": []}
+        except OSError:
+            complete = False
+    try:
+        json.dumps(list(found)).encode("utf-8")
+    except UnicodeEncodeError:  # a name that is not UTF-8
+        complete = False
+    if not complete:
+        return {"all": True, "set": found, "removed": []}
+    changed = {r: v for r, v in found.items() if previous.get(r) != v}
+    removed = [r for r in previous if r not in found]
+    return {"all": False, "set": changed, "removed": removed}
+
+
+def changes():
+    """What the last block changed, from a child that is the blocks' user; the runner's
+    MANIFEST is brought up to date."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            drop_privileges()
+            data = json.dumps(scan_as_user(MANIFEST)).encode("utf-8", "surrogateescape")
+            while data:
+                data = data[os.write(w, data):]
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks = []
+    while True:
+        chunk = os.read(r, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(r)
+    wait_block(pid, 0)
+    try:
+        diff = json.loads(b"".join(chunks))
+    except ValueError:
+        diff = {"all": True, "set": {}, "removed": []}
+    if diff["all"]:
+        MANIFEST.clear()
+    for path in diff["removed"]:
+        MANIFEST.pop(path, None)
+    MANIFEST.update(diff["set"])
+    return diff
+
+
+def report_changes():
+    diff = changes()
+    if not diff["all"] and not diff["set"] and not diff["removed"]:
+        return
+    report = {
+        "all": diff["all"],
+        "changed": [[p, v[0]] for p, v in diff["set"].items()],
+        "removed": diff["removed"],
+    }
+    payload = json.dumps(report).encode()
+    if diff["all"] or len(payload) > MAX_REPORT:
+        payload = json.dumps({"all": True, "changed": [], "removed": []}).encode()
+    send(b"c", payload)
 
 
 def wipe(release_only):
@@ -429,6 +531,13 @@ os.set_blocking(WAKE_W, False)
 signal.set_wakeup_fd(WAKE_W)
 signal.signal(signal.SIGCHLD, lambda *_: None)
 signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+if SYNC:
+    # A new volume is root's; the blocks' user must be able to write it, and the runner,
+    # its owner, may open it up without any capability.
+    try:
+        os.chmod(WORKSPACE, 0o777)
+    except OSError as e:
+        send(b"!", ("cannot open the workspace to the blocks' user: %s" % e).encode())
 send(b"R", json.dumps({"python": sys.version.split()[0]}).encode())
 buf = b""
 while True:
@@ -446,6 +555,9 @@ while True:
         op = req.get("op")
         if op == "run":
             buf = run(req, buf)
+        elif op == "rescan":
+            changes()
+            send(b"d")
         elif op in ("wipe", "release"):
             kill_all()
             wipe(op == "release")

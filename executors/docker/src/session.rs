@@ -24,7 +24,9 @@ use tokio::sync::mpsc;
 use tokio_util::bytes::BytesMut;
 use tokio_util::codec::{Decoder, LengthDelimitedCodec};
 
-use crate::{DockerError, DockerExecutor, engine, labels, remove_container};
+use crate::{
+    DockerError, DockerExecutor, WorkspaceMode, engine, labels, remove_container, remove_volume,
+};
 
 /// The in-container runner's source, run as `python3 -I -c RUNNER`: `runner.py`, after the
 /// figures code as the string `FIGURES` its blocks' boot starts with.
@@ -50,8 +52,21 @@ enum Frame {
     Exit(ExitFrame),
     /// Bytes the block wrote on its tools channel.
     Tool(Vec<u8>),
+    /// What the block changed in a workspace that is the container's own.
+    Changes(Changes),
     Done,
     Error(String),
+}
+
+/// The runner's report of what a block changed in the workspace (`c` frame).
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct Changes {
+    /// Too much, or something unreadable: copy the whole workspace.
+    all: bool,
+    /// Entries new or changed: path and kind (`f` file, `d` directory, `o` anything else).
+    changed: Vec<(String, String)>,
+    /// Entries gone.
+    removed: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -124,6 +139,10 @@ fn frame_of(kind: u8, payload: &[u8]) -> Frame {
         },
         b'd' => Frame::Done,
         b't' => Frame::Tool(payload.to_vec()),
+        b'c' => match serde_json::from_slice(payload) {
+            Ok(changes) => Frame::Changes(changes),
+            Err(e) => Frame::Error(format!("bad changes frame: {e}")),
+        },
         _ => Frame::Error(String::from_utf8_lossy(payload).into_owned()),
     }
 }
@@ -189,11 +208,35 @@ impl Drop for Relay {
     }
 }
 
+/// Where a session container's `/workspace` comes from.
+pub(crate) enum Place {
+    /// A host directory, bind-mounted.
+    Host(PathBuf),
+    /// A volume of the session's own, by name.
+    Volume(String),
+}
+
+/// Copying the workspace out after a block: more changed files than this are fetched as one
+/// archive of the whole workspace instead of one request each.
+const WHOLE_AFTER: usize = 16;
+
+/// How much of a workspace is copied out to the mirror.
+const MIRROR_CAPS: tandem_executor::archive::ArchiveCaps = tandem_executor::archive::ArchiveCaps {
+    max_bytes: 16 << 30,
+    max_entries: 200_000,
+};
+
 pub(crate) struct DockerSession {
     executor: DockerExecutor,
     id: String,
     session_id: String,
+    /// The workspace on this machine: the bind-mounted directory, or the mirror of the
+    /// session's volume.
     workspace: PathBuf,
+    /// The session's workspace volume, when its workspace is the container's own.
+    volume: Option<String>,
+    /// The mirror missed a block's changes: the next copy takes the whole workspace.
+    resync: bool,
     owned_workspace: Option<TempDir>,
     /// A kept workspace's mode before the session opened it to the block's user.
     restore_mode: Option<u32>,
@@ -217,11 +260,13 @@ impl DockerSession {
         };
         let (workspace, owned_workspace) =
             scratch::open_workspace(spec.workdir, &inner.root, "ws-")?;
+        let by_volume = inner.config.workspace == WorkspaceMode::Volume;
         // Code runs as an unprivileged user that must be able to write the workspace. A kept
         // one (--workdir) holds the host user's files: the sticky bit keeps the block from
         // renaming over or removing what it does not own, and its mode is given back when
-        // the session ends.
+        // the session ends. A mirror is only ever written by Tandem.
         let restore_mode = match &owned_workspace {
+            _ if by_volume => None,
             Some(_) => {
                 set_mode(&workspace, 0o777).map_err(ws_err(&workspace))?;
                 None
@@ -249,26 +294,65 @@ impl DockerSession {
                 workspace.display().to_string(),
             );
         }
-        let body = executor.container_body(&workspace, labels, &spec.limits);
+        if let Ok(mut live) = inner.live.lock() {
+            live.insert(session_id.clone());
+        }
+        let place = if by_volume {
+            let name = format!("tandem-ws-{session_id}");
+            let volume_labels = [labels::DAEMON, labels::OWNER, labels::SESSION, labels::TASK]
+                .into_iter()
+                .filter_map(|k| Some((k.to_owned(), labels.get(k)?.clone())))
+                .collect();
+            inner
+                .docker
+                .create_volume(bollard::models::VolumeCreateRequest {
+                    name: Some(name.clone()),
+                    labels: Some(volume_labels),
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| {
+                    executor.forget(&session_id);
+                    ExecError::from(engine("creating the session's workspace volume")(e))
+                })?;
+            labels.insert(labels::VOLUME.to_owned(), name.clone());
+            Place::Volume(name)
+        } else {
+            Place::Host(workspace.clone())
+        };
+        let volume = match &place {
+            Place::Volume(name) => Some(name.clone()),
+            Place::Host(_) => None,
+        };
+        let body = executor.container_body(&place, labels, &spec.limits);
         let name = format!("tandem-{}", &session_id[..12]);
-        let created = inner
+        let created = match inner
             .docker
             .create_container(
                 Some(CreateContainerOptionsBuilder::default().name(&name).build()),
                 body,
             )
             .await
-            .map_err(|e| {
-                ExecError::from(DockerError::Engine {
+        {
+            Ok(created) => created,
+            Err(e) => {
+                if let Some(volume) = &volume {
+                    remove_volume(&inner.docker, volume).await;
+                }
+                executor.forget(&session_id);
+                return Err(ExecError::from(DockerError::Engine {
                     what: format!("creating a container from `{}`", inner.config.image),
                     source: e,
-                })
-            })?;
+                }));
+            }
+        };
         let mut session = Self {
             executor,
             id: created.id,
             session_id,
             workspace,
+            volume,
+            resync: false,
             owned_workspace,
             restore_mode,
             limits: spec.limits,
@@ -278,7 +362,152 @@ impl DockerSession {
         };
         // On failure the session is dropped, which removes the container.
         session.conn = Some(start(&session.executor, &session.id).await?);
+        if session.volume.is_some() && has_entries(&session.workspace) {
+            session.upload_mirror().await?;
+        }
         Ok(session)
+    }
+
+    /// Copies the mirror into the session's volume, owned by the blocks' user, and has the
+    /// runner take it as seen (those files are no block's changes).
+    async fn upload_mirror(&mut self) -> Result<(), ExecError> {
+        let inner = self.executor.inner();
+        let owner = block_owner(&inner.config.user);
+        let mirror = self.workspace.clone();
+        let packed = tokio::task::spawn_blocking(move || {
+            let mut out = tempfile::tempfile()
+                .map_err(|e| ExecError::io("making room to pack the workspace", e))?;
+            let caps = tandem_executor::archive::ArchiveCaps {
+                max_bytes: u64::MAX,
+                max_entries: usize::MAX,
+            };
+            tandem_executor::archive::pack_owned(&mirror, "", &mut out, caps, Some(owner))?;
+            use std::io::Seek;
+            out.rewind()
+                .map_err(|e| ExecError::io("packing the workspace", e))?;
+            Ok::<_, ExecError>(out)
+        })
+        .await
+        .map_err(|e| ExecError::Backend(format!("packing the workspace stopped: {e}")))??;
+        let body = tokio_util::io::ReaderStream::new(tokio::fs::File::from_std(packed));
+        inner
+            .docker
+            .upload_to_container(
+                &self.id,
+                Some(
+                    bollard::query_parameters::UploadToContainerOptionsBuilder::default()
+                        .path("/workspace")
+                        .build(),
+                ),
+                bollard::body_try_stream(body),
+            )
+            .await
+            .map_err(engine("copying files into the session's volume"))?;
+        self.request_done(&Request::Rescan).await
+    }
+
+    /// Sends `op` to the runner and waits for its `d`.
+    async fn request_done(&mut self, op: &Request<'_>) -> Result<(), ExecError> {
+        let Some(conn) = self.conn.as_mut() else {
+            return Err(ExecError::Backend(
+                "the session container is not running".to_owned(),
+            ));
+        };
+        conn.send(op)
+            .await
+            .map_err(|e| ExecError::io("talking to the session container's runner", e))?;
+        let waited = tokio::time::timeout(READY_LIMIT, async {
+            while let Some(frame) = conn.frames.recv().await {
+                match frame {
+                    Frame::Done => return Ok(()),
+                    Frame::Error(e) => return Err(e),
+                    _ => {}
+                }
+            }
+            Err("the runner went away".to_owned())
+        })
+        .await;
+        match waited {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(ExecError::Backend(format!("Tandem's runner failed: {e}"))),
+            Err(_) => Err(ExecError::Backend(format!(
+                "Tandem's runner did not answer within {READY_LIMIT:?}"
+            ))),
+        }
+    }
+
+    /// Brings the mirror up to date with what a block changed in the volume, through the
+    /// engine's archive calls.
+    async fn sync(&mut self, changes: Changes) -> Result<(), ExecError> {
+        let whole = changes.all
+            || self.resync
+            || changes.changed.iter().filter(|(_, k)| k == "f").count() > WHOLE_AFTER;
+        let mirror = self.workspace.clone();
+        let docker = self.executor.inner().docker.clone();
+        if whole {
+            let archive = fetch(&docker, &self.id, "/workspace").await?;
+            let Some(archive) = archive else {
+                return Ok(());
+            };
+            blocking(move || {
+                let placed = tandem_executor::archive::unpack_beneath(
+                    &mirror,
+                    Path::new(""),
+                    Some("workspace"),
+                    std::io::BufReader::new(archive),
+                    MIRROR_CAPS,
+                )?;
+                let kept: std::collections::HashSet<_> =
+                    placed.into_iter().map(|f| f.path).collect();
+                for f in tandem_executor::archive::list(&mirror, MIRROR_CAPS.max_entries)? {
+                    if !kept.contains(&f.path) {
+                        tandem_executor::archive::remove_beneath(
+                            &mirror,
+                            &f.path.to_string_lossy(),
+                        )?;
+                    }
+                }
+                Ok(())
+            })
+            .await?;
+            self.resync = false;
+            return Ok(());
+        }
+        for path in changes.removed {
+            let mirror = mirror.clone();
+            blocking(move || tandem_executor::archive::remove_beneath(&mirror, &path)).await?;
+        }
+        for (path, kind) in changes.changed {
+            let rel = PathBuf::from(&path);
+            let parent = rel.parent().map(Path::to_owned).unwrap_or_default();
+            let archive = match kind.as_str() {
+                "f" => match fetch(&docker, &self.id, &format!("/workspace/{path}")).await? {
+                    Some(archive) => archive,
+                    None => continue,
+                },
+                "d" => empty_archive()?,
+                // Links and the like are not copied: what was there before goes.
+                _ => {
+                    let mirror = mirror.clone();
+                    blocking(move || tandem_executor::archive::remove_beneath(&mirror, &path))
+                        .await?;
+                    continue;
+                }
+            };
+            let (mirror, sub) = (mirror.clone(), if kind == "d" { rel } else { parent });
+            blocking(move || {
+                tandem_executor::archive::unpack_beneath(
+                    &mirror,
+                    &sub,
+                    None,
+                    std::io::BufReader::new(archive),
+                    MIRROR_CAPS,
+                )
+                .map(drop)
+            })
+            .await?;
+        }
+        Ok(())
     }
 
     /// Starts a container for the warm pool: a temporary workspace, no task yet.
@@ -287,10 +516,11 @@ impl DockerSession {
         // The pool owns the container now; this session must not remove it.
         session.closed = true;
         Ok(Warm {
-            docker: executor.inner().docker.clone(),
+            executor: executor.clone(),
             id: std::mem::take(&mut session.id),
             session_id: std::mem::take(&mut session.session_id),
             workspace: session.owned_workspace.take(),
+            volume: session.volume.take(),
             conn: session.conn.take(),
         })
     }
@@ -317,6 +547,8 @@ impl DockerSession {
             executor,
             id,
             session_id: std::mem::take(&mut warm.session_id),
+            volume: warm.volume.take(),
+            resync: false,
             owned_workspace: workspace,
             // Pooled containers have temporary workspaces only.
             restore_mode: None,
@@ -354,11 +586,16 @@ impl DockerSession {
         let _ = docker.kill_container(&self.id, Some(kill)).await;
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let state = docker
+            let state = match docker
                 .inspect_container(&self.id, None::<InspectContainerOptions>)
                 .await
-                .map_err(engine("inspecting the session container"))?
-                .state;
+            {
+                Ok(found) => found.state,
+                Err(e) => {
+                    let e = engine("inspecting the session container")(e).into();
+                    return Err(lost_or(&self.executor, e).await);
+                }
+            };
             if !state.and_then(|s| s.running).unwrap_or(false) {
                 break;
             }
@@ -369,7 +606,15 @@ impl DockerSession {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        self.conn = Some(start(&self.executor, &self.id).await?);
+        self.conn = match start(&self.executor, &self.id).await {
+            Ok(conn) => Some(conn),
+            Err(e) => return Err(lost_or(&self.executor, e).await),
+        };
+        if self.volume.is_some() {
+            // The new runner has seen nothing: it takes the volume as it is, which the last
+            // copy out already holds.
+            self.request_done(&Request::Rescan).await?;
+        }
         Ok(())
     }
 
@@ -442,14 +687,17 @@ impl DockerSession {
                 "the session container is not running".to_owned(),
             ));
         };
-        conn.send(&request)
-            .await
-            .map_err(|e| ExecError::io("sending a block to the session container", e))?;
+        if let Err(e) = conn.send(&request).await {
+            self.conn = None;
+            let e = ExecError::io("sending a block to the session container", e);
+            return Err(lost_or(&self.executor, e).await);
+        }
 
         let mut streams = Streams {
             out: CaptureBuffer::new(cap),
             err: CaptureBuffer::new(cap),
             runner_error: None,
+            changes: None,
         };
         let (stopped, exit) = match bounded(
             streams.until_exit(conn, &ctx, relay.as_mut()),
@@ -480,6 +728,7 @@ impl DockerSession {
             out,
             err,
             runner_error,
+            changes,
         } = streams;
         let duration = started.elapsed();
         let answered = exit.is_some();
@@ -504,9 +753,31 @@ impl DockerSession {
                 .signal("KILL")
                 .build();
             let _ = inner.docker.kill_container(&self.id, Some(kill)).await;
+            if let Err(reason) = self.executor.answers().await {
+                return Err(ExecError::Lost {
+                    host: inner.config.label().to_owned(),
+                    reason,
+                });
+            }
         }
         if let Some(e) = runner_error {
             return Err(ExecError::Backend(format!("Tandem's runner failed: {e}")));
+        }
+        if self.volume.is_some() {
+            // Copied out after every block: the host copy is what the task's files API shows
+            // and what carries the task on if this engine goes away.
+            let changes = if answered {
+                changes.unwrap_or_default()
+            } else {
+                Changes {
+                    all: true,
+                    ..Changes::default()
+                }
+            };
+            if let Err(e) = self.sync(changes).await {
+                tracing::warn!(container = %self.id, error = %e, "copying the workspace out failed; the next block copies all of it");
+                self.resync = true;
+            }
         }
         Ok(ExecOutcome {
             status,
@@ -525,6 +796,10 @@ impl DockerSession {
         } else {
             Request::Release
         };
+        if self.volume.is_some() {
+            // The volume goes with the session; the mirror is Tandem's own.
+            self.conn = None;
+        }
         if let Some(mut conn) = self.conn.take()
             && conn.send(&op).await.is_ok()
         {
@@ -538,6 +813,10 @@ impl DockerSession {
             .await;
         }
         remove_container(&self.executor.inner().docker, &self.id).await;
+        if let Some(volume) = self.volume.take() {
+            remove_volume(&self.executor.inner().docker, &volume).await;
+        }
+        self.executor.forget(&self.session_id);
         self.restore_workdir();
         if let Some(ws) = self.owned_workspace.take() {
             scratch::remove_dirs(vec![ws], self.executor.inner().root.clone()).await?;
@@ -568,6 +847,24 @@ impl Session for DockerSession {
         Some(&self.workspace)
     }
 
+    fn put_archive(
+        &mut self,
+        archive: &Path,
+        caps: tandem_executor::archive::ArchiveCaps,
+    ) -> BoxFuture<'_, Result<Vec<tandem_executor::archive::ArchivedFile>, ExecError>> {
+        let archive = archive.to_owned();
+        Box::pin(async move {
+            let placed =
+                tandem_executor::place_archive(Some(self.workspace.clone()), archive, caps).await?;
+            if self.volume.is_some() {
+                // Checked and placed on this machine first; the volume then gets the mirror,
+                // which held everything else already.
+                self.upload_mirror().await?;
+            }
+            Ok(placed)
+        })
+    }
+
     fn close(mut self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
         Box::pin(async move { self.shutdown().await })
     }
@@ -580,13 +877,19 @@ impl Drop for DockerSession {
         }
         // Dropped without close (a cancelled task, a failed open): remove the container in
         // the background; if the process exits first, the next Tandem reaps it.
-        let docker = self.executor.inner().docker.clone();
-        let id = self.id.clone();
+        let executor = self.executor.clone();
+        let (id, session_id) = (self.id.clone(), self.session_id.clone());
         let ws = self.owned_workspace.take();
+        let volume = self.volume.take();
         let (workdir, mode) = (self.workspace.clone(), self.restore_mode.take());
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                remove_container(&docker, &id).await;
+                let docker = &executor.inner().docker;
+                remove_container(docker, &id).await;
+                if let Some(volume) = volume {
+                    remove_volume(docker, &volume).await;
+                }
+                executor.forget(&session_id);
                 drop(ws);
                 if let Some(mode) = mode {
                     let _ = set_mode(&workdir, mode);
@@ -646,10 +949,11 @@ async fn start(executor: &DockerExecutor, id: &str) -> Result<Conn, ExecError> {
 /// A started container waiting in the pool, with its runner attached. Dropping it removes
 /// the container and its workspace.
 pub(crate) struct Warm {
-    docker: bollard::Docker,
+    executor: DockerExecutor,
     id: String,
     session_id: String,
     workspace: Option<TempDir>,
+    volume: Option<String>,
     conn: Option<Conn>,
 }
 
@@ -669,7 +973,12 @@ impl Warm {
     /// Removes the container and its workspace now.
     pub(crate) async fn remove(mut self) {
         let id = std::mem::take(&mut self.id);
-        remove_container(&self.docker, &id).await;
+        let docker = &self.executor.inner().docker;
+        remove_container(docker, &id).await;
+        if let Some(volume) = self.volume.take() {
+            remove_volume(docker, &volume).await;
+        }
+        self.executor.forget(&self.session_id);
         if let Some(ws) = self.workspace.take() {
             let _ = tokio::task::spawn_blocking(move || ws.close()).await;
         }
@@ -681,14 +990,21 @@ impl Drop for Warm {
         if self.id.is_empty() {
             return;
         }
-        let (docker, id, ws) = (
-            self.docker.clone(),
+        let (executor, id, ws, volume) = (
+            self.executor.clone(),
             std::mem::take(&mut self.id),
             self.workspace.take(),
+            self.volume.take(),
         );
+        let session_id = self.session_id.clone();
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                remove_container(&docker, &id).await;
+                let docker = &executor.inner().docker;
+                remove_container(docker, &id).await;
+                if let Some(volume) = volume {
+                    remove_volume(docker, &volume).await;
+                }
+                executor.forget(&session_id);
                 drop(ws);
             });
         }
@@ -738,6 +1054,8 @@ pub(crate) enum Request<'a> {
     Wipe,
     /// Give a kept workspace's files back to the host user.
     Release,
+    /// Take the workspace as it is now as what Tandem has seen.
+    Rescan,
 }
 
 /// A block's two output streams as the runner reports them.
@@ -745,6 +1063,7 @@ struct Streams {
     out: CaptureBuffer,
     err: CaptureBuffer,
     runner_error: Option<String>,
+    changes: Option<Changes>,
 }
 
 impl Streams {
@@ -792,6 +1111,7 @@ impl Streams {
                 }
                 Frame::Dropped(Stream::Stdout, n) => self.out.skip(n),
                 Frame::Dropped(Stream::Stderr, n) => self.err.skip(n),
+                Frame::Changes(changes) => self.changes = Some(changes),
                 Frame::Exit(exit) => return Some(exit),
                 Frame::Error(e) => {
                     self.runner_error = Some(e);
@@ -836,6 +1156,88 @@ async fn read_frames(
             }
         }
     }
+}
+
+/// `error`, or that the session was lost when its engine no longer answers.
+async fn lost_or(executor: &DockerExecutor, error: ExecError) -> ExecError {
+    match executor.answers().await {
+        Ok(()) => error,
+        Err(reason) => ExecError::Lost {
+            host: executor.label().to_owned(),
+            reason,
+        },
+    }
+}
+
+/// Whether the directory at `path` holds anything.
+fn has_entries(path: &Path) -> bool {
+    std::fs::read_dir(path).is_ok_and(|mut d| d.next().is_some())
+}
+
+/// The numeric `uid`, `gid` of a `uid:gid` user, for files put in a volume; a name (which
+/// only the image can resolve) falls back to nobody's.
+fn block_owner(user: &str) -> (u64, u64) {
+    let (u, g) = user.split_once(':').unwrap_or((user, user));
+    let uid = u.parse().unwrap_or(65534);
+    (uid, g.parse().unwrap_or(uid))
+}
+
+/// The engine's archive of `path` in container `id`, spooled to a temporary file; `None`
+/// when the path is gone.
+async fn fetch(
+    docker: &bollard::Docker,
+    id: &str,
+    path: &str,
+) -> Result<Option<std::fs::File>, ExecError> {
+    use tokio::io::AsyncSeekExt;
+    let io = |e| ExecError::io("copying the workspace out", e);
+    let mut out = tokio::fs::File::from_std(tempfile::tempfile().map_err(io)?);
+    let mut stream = docker.download_from_container(
+        id,
+        Some(
+            bollard::query_parameters::DownloadFromContainerOptionsBuilder::default()
+                .path(path)
+                .build(),
+        ),
+    );
+    while let Some(chunk) = stream.next().await {
+        match chunk {
+            Ok(bytes) => out.write_all(&bytes).await.map_err(io)?,
+            Err(bollard::errors::Error::DockerResponseServerError {
+                status_code: 404, ..
+            }) => return Ok(None),
+            Err(e) => {
+                return Err(DockerError::Engine {
+                    what: format!("copying `{path}` out of the session container"),
+                    source: e,
+                }
+                .into());
+            }
+        }
+    }
+    out.flush().await.map_err(io)?;
+    out.rewind().await.map_err(io)?;
+    Ok(Some(out.into_std().await))
+}
+
+/// An archive with nothing in it.
+fn empty_archive() -> Result<std::fs::File, ExecError> {
+    use std::io::{Seek, Write};
+    let io = |e| ExecError::io("copying the workspace out", e);
+    let mut file = tempfile::tempfile().map_err(io)?;
+    file.write_all(&[0u8; 1024]).map_err(io)?;
+    file.rewind().map_err(io)?;
+    Ok(file)
+}
+
+/// Runs archive work off the async threads.
+async fn blocking(
+    work: impl FnOnce() -> Result<(), tandem_executor::archive::ArchiveError> + Send + 'static,
+) -> Result<(), ExecError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ExecError::Backend(format!("copying the workspace out stopped: {e}")))?
+        .map_err(ExecError::Files)
 }
 
 fn set_mode(path: &Path, mode: u32) -> std::io::Result<()> {
