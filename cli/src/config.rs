@@ -225,6 +225,40 @@ pub struct DockerSection {
     /// Extra variables passed to code; nothing from the daemon's environment is.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// The engine's address (default: `DOCKER_HOST`, then the docker CLI's current context,
+    /// then the local socket).
+    pub host: Option<String>,
+    /// TLS client files for a `tcp://` engine.
+    pub ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    /// `bind` (a host directory; local socket only) or `volume` (default for a remote one).
+    pub workspace: Option<String>,
+    /// Several engines: each session goes to one of them (docs/docker-hosts.md).
+    #[serde(default)]
+    pub hosts: Vec<DockerHostSection>,
+    /// How often the hosts are probed, in seconds (default 2).
+    pub probe_secs: Option<f64>,
+}
+
+/// `[[executors.docker.hosts]]`: one engine of several.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DockerHostSection {
+    /// The name it goes by in events, `doctor` and metrics (default: its url).
+    pub name: Option<String>,
+    /// `unix://...`, `tcp://HOST:PORT` (with `ca`, `cert` and `key` for TLS) or `ssh://...`.
+    pub url: String,
+    pub ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    /// Most sessions it runs at once (default 8).
+    pub capacity: Option<usize>,
+    /// What it offers; a task's `placement` labels must all be among them.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// `bind` or `volume` (default: bind for a local socket, volume otherwise).
+    pub workspace: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -654,6 +688,97 @@ pub fn executor_name(flag: Option<&str>, file: &FileConfig) -> String {
         .unwrap_or_else(|| "auto".to_owned())
 }
 
+/// `ca`, `cert` and `key` together, or none of them.
+fn tls_files(
+    section: &str,
+    ca: &Option<PathBuf>,
+    cert: &Option<PathBuf>,
+    key: &Option<PathBuf>,
+) -> Result<Option<tandem_executor_docker::TlsFiles>> {
+    match (ca, cert, key) {
+        (None, None, None) => Ok(None),
+        (Some(ca), Some(cert), Some(key)) => Ok(Some(tandem_executor_docker::TlsFiles {
+            ca: ca.clone(),
+            cert: cert.clone(),
+            key: key.clone(),
+        })),
+        _ => bail!("{section} needs all of ca, cert and key for TLS, or none of them"),
+    }
+}
+
+/// `bind` or `volume`, else the default for `host`; bind only for a local socket.
+fn workspace_mode(
+    section: &str,
+    asked: Option<&str>,
+    host: &str,
+) -> Result<tandem_executor_docker::WorkspaceMode> {
+    use tandem_executor_docker::WorkspaceMode;
+    let local = WorkspaceMode::for_host(host) == WorkspaceMode::Bind;
+    match asked {
+        None => Ok(WorkspaceMode::for_host(host)),
+        Some("volume") => Ok(WorkspaceMode::Volume),
+        Some("bind") if local => Ok(WorkspaceMode::Bind),
+        Some("bind") => bail!(
+            "{section} workspace = \"bind\" needs an engine on this machine (a unix:// socket); {host} is another machine's, so use \"volume\""
+        ),
+        Some(other) => bail!("{section} workspace must be \"bind\" or \"volume\", not {other:?}"),
+    }
+}
+
+/// The engines of `[[executors.docker.hosts]]`, each with the shared settings of
+/// `[executors.docker]`; empty when there are none.
+pub fn docker_hosts(
+    file: &FileConfig,
+    image: Option<&str>,
+) -> Result<Vec<tandem_executor_docker::HostSpec>> {
+    let d = &file.executors.docker;
+    if d.hosts.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut base = docker_config(file, image)?;
+    // One name for the image on every host: a fallback could resolve differently on each.
+    base.fallback_image = None;
+    if d.image.is_none() && image.is_none() && env("TANDEM_DOCKER_IMAGE").is_none() {
+        base.image = tandem_executor_docker::LOCAL_IMAGE.to_owned();
+    }
+    base.pool_size = d.pool_size.unwrap_or(2);
+    let mut names = std::collections::BTreeSet::new();
+    d.hosts
+        .iter()
+        .enumerate()
+        .map(|(i, h)| {
+            let section = format!("[[executors.docker.hosts]] #{}", i + 1);
+            let name = h.name.clone().unwrap_or_else(|| h.url.clone());
+            if !names.insert(name.clone()) {
+                bail!("{section}: two hosts are named `{name}`; give each its own name");
+            }
+            if h.capacity == Some(0) {
+                bail!("{section} ({name}): capacity must be at least 1");
+            }
+            Ok(tandem_executor_docker::HostSpec {
+                config: DockerConfig {
+                    name,
+                    host: h.url.clone(),
+                    tls: tls_files(&section, &h.ca, &h.cert, &h.key)?,
+                    workspace: workspace_mode(&section, h.workspace.as_deref(), &h.url)?,
+                    ..base.clone()
+                },
+                capacity: h.capacity.unwrap_or(8),
+                labels: h.labels.clone(),
+            })
+        })
+        .collect()
+}
+
+/// How often a fleet probes its hosts.
+pub fn docker_probe(file: &FileConfig) -> Result<std::time::Duration> {
+    match file.executors.docker.probe_secs {
+        None => Ok(std::time::Duration::from_secs(2)),
+        Some(s) if s > 0.0 && s <= 3600.0 => Ok(std::time::Duration::from_secs_f64(s)),
+        Some(s) => bail!("[executors.docker] probe_secs must be between 0 and 3600, got {s}"),
+    }
+}
+
 /// Settings for the Docker executor: the image from `--image`, then `TANDEM_DOCKER_IMAGE`,
 /// then the file; the rest from the file over the hardened defaults.
 pub fn docker_config(file: &FileConfig, image: Option<&str>) -> Result<DockerConfig> {
@@ -669,8 +794,25 @@ pub fn docker_config(file: &FileConfig, image: Option<&str>) -> Result<DockerCon
         .map(str::to_owned)
         .or_else(|| env("TANDEM_DOCKER_IMAGE"))
         .or_else(|| d.image.clone());
+    let (host, tls) = match (&d.host, env("DOCKER_HOST")) {
+        (Some(host), _) => (host.clone(), None),
+        (None, Some(host)) => (host, None),
+        (None, None) => tandem_executor_docker::context::config_dir()
+            .and_then(|dir| {
+                tandem_executor_docker::context::current_context(
+                    &dir,
+                    env("DOCKER_CONTEXT").as_deref(),
+                )
+            })
+            .unwrap_or((defaults.host, None)),
+    };
+    let tls = tls_files("[executors.docker]", &d.ca, &d.cert, &d.key)?.or(tls);
+    let workspace = workspace_mode("[executors.docker]", d.workspace.as_deref(), &host)?;
     Ok(DockerConfig {
-        host: env("DOCKER_HOST").unwrap_or(defaults.host),
+        name: String::new(),
+        tls,
+        workspace,
+        host,
         // Nobody chose an image: the offline build stands in when the default is absent.
         fallback_image: chosen
             .is_none()

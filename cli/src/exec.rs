@@ -153,6 +153,7 @@ pub async fn exec(args: ExecArgs, file: FileConfig) -> Result<u8> {
             labels: Vec::new(),
             inputs: None,
             keep_state: false,
+            placement: Vec::new(),
         },
     );
     let cancel = CancellationToken::new();

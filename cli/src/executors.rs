@@ -5,12 +5,72 @@ use std::sync::Arc;
 
 use anyhow::{Result, bail};
 use tandem_executor::{Executor, Language};
-use tandem_executor_docker::{DockerError, DockerExecutor};
+use tandem_executor_docker::{DockerError, DockerExecutor, DockerFleet};
 use tandem_executor_local::LocalExecutor;
 use tandem_executor_plugin::PluginExecutor;
 use tandem_executor_wasm::{FETCH_SCRIPT, ModuleSource, Runtime, WasmExecutor};
 
 use crate::config::{self, FileConfig};
+
+/// The Docker executor as configured: one engine, or several (`[[executors.docker.hosts]]`).
+#[derive(Clone)]
+pub enum Docker {
+    /// One engine.
+    One(DockerExecutor),
+    /// Several, each session placed on one.
+    Fleet(DockerFleet),
+}
+
+impl Docker {
+    /// Connects as the file says; `pool` overrides the warm pool's size (one-shot commands
+    /// keep none). The outer error is a configuration mistake, the inner one an engine that
+    /// does not answer.
+    pub async fn connect(
+        file: &FileConfig,
+        image: Option<&str>,
+        pool: Option<usize>,
+    ) -> Result<Result<Self, DockerError>> {
+        let mut hosts = config::docker_hosts(file, image)?;
+        if hosts.is_empty() {
+            let mut one = config::docker_config(file, image)?;
+            if let Some(pool) = pool {
+                one.pool_size = pool;
+            }
+            return Ok(DockerExecutor::connect(one).await.map(Self::One));
+        }
+        if let Some(pool) = pool {
+            for h in &mut hosts {
+                h.config.pool_size = pool;
+            }
+        }
+        let probe = config::docker_probe(file)?;
+        Ok(DockerFleet::connect(hosts, probe).await.map(Self::Fleet))
+    }
+
+    /// It, as an executor.
+    pub fn executor(&self) -> Arc<dyn Executor> {
+        match self {
+            Self::One(d) => Arc::new(d.clone()),
+            Self::Fleet(f) => Arc::new(f.clone()),
+        }
+    }
+
+    /// Starts filling the warm pools.
+    pub fn warm_up(&self) {
+        if let Self::One(d) = self {
+            d.warm_up();
+        }
+        // A fleet fills each host's pool as the host comes up.
+    }
+
+    /// Empties the warm pools (and stops probing hosts).
+    pub async fn shutdown(&self) {
+        match self {
+            Self::One(d) => d.shutdown().await,
+            Self::Fleet(f) => f.shutdown().await,
+        }
+    }
+}
 
 /// Every name `--executor` accepts here: the built-ins and the configured plugins.
 pub fn names(file: &FileConfig) -> String {
@@ -51,13 +111,20 @@ pub async fn resolve(
             }
             Ok(Arc::new(wasm))
         }
-        "docker" => {
-            let docker = DockerExecutor::connect(config::docker_config(file, image)?).await?;
-            docker
-                .ensure_image(&|line| eprintln!("tandem: {line}"))
-                .await?;
-            Ok(Arc::new(docker))
-        }
+        "docker" => match Docker::connect(file, image, None).await?? {
+            Docker::One(docker) => {
+                docker
+                    .ensure_image(&|line| eprintln!("tandem: {line}"))
+                    .await?;
+                Ok(Arc::new(docker))
+            }
+            fleet @ Docker::Fleet(_) => {
+                if let Some(why) = why_not_docker(Ok(&fleet)).await {
+                    bail!("{why}");
+                }
+                Ok(fleet.executor())
+            }
+        },
         "auto" => {
             let (executor, why) = auto(file, image).await?;
             if executor.name() == "local" {
@@ -103,12 +170,12 @@ pub fn executors_for(language: &Language, file: &FileConfig) -> Vec<String> {
 
 /// What `auto` picks, and why.
 pub async fn auto(file: &FileConfig, image: Option<&str>) -> Result<(Arc<dyn Executor>, String)> {
-    let connected = DockerExecutor::connect(config::docker_config(file, image)?).await;
+    let connected = Docker::connect(file, image, None).await?;
     let why_not = why_not_docker(connected.as_ref()).await;
     Ok(match (connected, why_not) {
         (Ok(docker), None) => {
             let why = docker_why(&docker);
-            (Arc::new(docker), why)
+            (docker.executor(), why)
         }
         (_, why_not) => {
             let wasm = wasm(file);
@@ -150,7 +217,19 @@ pub fn wasm(file: &FileConfig) -> Result<WasmExecutor> {
 }
 
 /// Why `auto` picks docker.
-pub fn docker_why(docker: &DockerExecutor) -> String {
+pub fn docker_why(docker: &Docker) -> String {
+    let docker = match docker {
+        Docker::One(d) => d,
+        Docker::Fleet(f) => {
+            let hosts = Executor::hosts(f);
+            let up = hosts.iter().filter(|h| h.up).count();
+            return format!(
+                "{up} of {} Docker hosts answer, with image `{}`",
+                hosts.len(),
+                f.image()
+            );
+        }
+    };
     let image = docker.image();
     match docker.replaced_image() {
         None => format!("the Docker engine answers and image `{image}` is present"),
@@ -161,9 +240,10 @@ pub fn docker_why(docker: &DockerExecutor) -> String {
 }
 
 /// Why `auto` cannot pick docker, given a connection the caller made; `None` when it can.
-pub async fn why_not_docker(connected: Result<&DockerExecutor, &DockerError>) -> Option<String> {
+pub async fn why_not_docker(connected: Result<&Docker, &DockerError>) -> Option<String> {
     match connected {
-        Ok(docker) => match docker.image_present().await {
+        Ok(Docker::Fleet(fleet)) => fleet.health().await.err().map(|e| format!("docker: {e}")),
+        Ok(Docker::One(docker)) => match docker.image_present().await {
             Ok(true) => None,
             Ok(false) => Some(format!(
                 "docker: image `{}` is not present; pull it, or build one offline with scripts/build-sandbox-image.sh (used when the default image is absent)",
@@ -207,9 +287,18 @@ pub async fn report(
             Err(unconfined) => format!("{unconfined}; not a security boundary"),
         }
     ));
-    let connected = DockerExecutor::connect(config::docker_config(file, image)?).await;
+    let connected = Docker::connect(file, image, Some(0)).await?;
     match &connected {
-        Ok(docker) => {
+        Ok(Docker::Fleet(fleet)) => {
+            lines.push(format!(
+                "executor:  docker ({}) - {} hosts, image `{}`",
+                langs(fleet.languages()),
+                Executor::hosts(fleet).len(),
+                fleet.image()
+            ));
+            lines.extend(host_lines(&Executor::hosts(fleet)));
+        }
+        Ok(Docker::One(docker)) => {
             let version = docker
                 .engine_version()
                 .await
@@ -287,6 +376,31 @@ pub async fn report(
     };
     lines.push(format!("auto:      {auto}"));
     Ok(lines)
+}
+
+/// `tandem doctor`'s lines for a fleet's hosts: each one's health, load, labels and where its
+/// workspaces live.
+pub fn host_lines(hosts: &[tandem_executor::HostStatus]) -> Vec<String> {
+    hosts
+        .iter()
+        .map(|h| {
+            let labels = if h.labels.is_empty() {
+                String::new()
+            } else {
+                let l: Vec<String> = h.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                format!(", labels {}", l.join(","))
+            };
+            let state = if h.up {
+                "up".to_owned()
+            } else {
+                format!("down: {}", h.reason.clone().unwrap_or_default())
+            };
+            format!(
+                "           host {} ({}) - {state}; {} of {} sessions, {} workspaces{labels}",
+                h.name, h.url, h.sessions, h.capacity, h.workspace
+            )
+        })
+        .collect()
 }
 
 /// `tandem doctor`'s line for a plugin: it is started, asked about itself, and shut down.

@@ -224,6 +224,9 @@ impl<W: Write> Renderer<W> {
                 self.streamed = true;
                 self.text(text)
             }
+            EventMsg::SandboxLost { host, reason, .. } => self.rule(&format!(
+                "the sandbox on {host} was lost ({reason}); running the block again on another host"
+            )),
             EventMsg::ModelRetry {
                 attempt,
                 delay_ms,

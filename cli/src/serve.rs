@@ -7,7 +7,6 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use tandem_daemon::{Listeners, PlannerConfig, Store, Supervisor, SupervisorConfig, TaskDefaults};
 use tandem_executor::{CancellationToken, Registry};
-use tandem_executor_docker::DockerExecutor;
 use tandem_executor_local::LocalExecutor;
 
 use crate::config::{self, FileConfig, ModelFlags};
@@ -198,7 +197,7 @@ struct Started {
     state_dir: PathBuf,
     /// Held until the daemon exits: one daemon per state dir.
     _lock: nix::fcntl::Flock<std::fs::File>,
-    docker: Option<DockerExecutor>,
+    docker: Option<crate::executors::Docker>,
     default_executor: String,
     max_concurrent: usize,
     grace: Duration,
@@ -378,9 +377,9 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
     // Every executor the daemon can offer; `auto` decides the default once, at start.
     let mut executors = Registry::new();
     executors.register(Arc::new(LocalExecutor::new(config::local_config(file)?)));
-    let mut docker_config = config::docker_config(file, args.image.as_deref())?;
-    docker_config.pool_size = file.executors.docker.pool_size.unwrap_or(2);
-    let connected = DockerExecutor::connect(docker_config).await;
+    let pool = file.executors.docker.pool_size.unwrap_or(2);
+    let connected =
+        crate::executors::Docker::connect(file, args.image.as_deref(), Some(pool)).await?;
     // A bad `[executors.wasm]` is a configuration error, not an executor that is missing.
     let wasm = tandem_executor_wasm::WasmExecutor::new(config::wasm_config(file)?)
         .map_err(anyhow::Error::from);
@@ -425,7 +424,7 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
     }
     let docker = match connected {
         Ok(d) => {
-            executors.register(Arc::new(d.clone()));
+            executors.register(d.executor());
             Some(d)
         }
         Err(e) => {

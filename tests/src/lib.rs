@@ -9,6 +9,7 @@
 pub mod conformance;
 pub mod daemon;
 pub mod mcp;
+pub mod second_engine;
 pub mod webdriver;
 
 pub use daemon::DaemonHarness;

@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod docker_executor;
+mod docker_hosts;
 mod hostile;
 mod local_executor;
 mod plugin_executor;

@@ -22,6 +22,8 @@ use tandem_tests::conformance::{self, run};
 enum Kind {
     Local,
     Docker,
+    /// Docker on a second engine reached over TLS, with volume workspaces: a remote host.
+    DockerTls,
     Wasm,
 }
 
@@ -74,7 +76,7 @@ impl Host {
         std::fs::write(host.secrets.path().join("secret.txt"), &host.secret).unwrap();
         std::fs::create_dir_all(home.join(".ssh")).unwrap();
         std::fs::write(&host.ssh_key, &host.secret).unwrap();
-        for kind in [Kind::Local, Kind::Docker, Kind::Wasm] {
+        for kind in [Kind::Local, Kind::Docker, Kind::DockerTls, Kind::Wasm] {
             std::fs::create_dir(host.outside.path().join(format!("{kind:?}"))).unwrap();
         }
         host
@@ -258,7 +260,7 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
             Kind::Wasm => Verdict::NotApplicable,
             // No process limit applies to the daemon's user (and none at all to root).
             Kind::Local => Verdict::NotRun,
-            Kind::Docker => {
+            Kind::Docker | Kind::DockerTls => {
                 let mut s = conformance::open(executor, short()).await;
                 run(&mut *s, "sh", "b() { b | b & }; b").await;
                 let ps = run(&mut *s, "sh", "ls -d /proc/[0-9]* | wc -l").await;
@@ -360,7 +362,7 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
             Verdict::Contained
         }
         12 => {
-            if kind != Kind::Docker {
+            if !matches!(kind, Kind::Docker | Kind::DockerTls) {
                 return Verdict::NotApplicable;
             }
             let mut s = conformance::open(executor, short()).await;
@@ -483,6 +485,10 @@ async fn executors() -> Vec<(Kind, Arc<dyn Executor>)> {
     .await
     .unwrap_or_else(|e| panic!("the hostile suite needs the Docker engine: {e}"));
     docker.ensure_image(&|_| {}).await.unwrap();
+    let second = tandem_tests::second_engine::shared().await;
+    let remote = DockerExecutor::connect(second.config("b"))
+        .await
+        .unwrap_or_else(|e| panic!("the hostile suite needs the second engine: {e}"));
     let wasm = WasmExecutor::new(WasmConfig::from_env(&|k| std::env::var_os(k))).unwrap();
     for (runtime, result) in wasm.warm().await {
         result.unwrap_or_else(|e| panic!("{}: {e}", runtime.file_name()));
@@ -493,6 +499,7 @@ async fn executors() -> Vec<(Kind, Arc<dyn Executor>)> {
             Arc::new(LocalExecutor::new(LocalConfig::default())) as Arc<dyn Executor>,
         ),
         (Kind::Docker, Arc::new(docker)),
+        (Kind::DockerTls, Arc::new(remote)),
         (Kind::Wasm, Arc::new(wasm)),
     ]
 }
@@ -500,6 +507,7 @@ async fn executors() -> Vec<(Kind, Arc<dyn Executor>)> {
 #[tokio::test(flavor = "multi_thread")]
 async fn every_case_against_every_executor_matches_the_security_table() {
     let host = Host::new();
+    let _engine = tandem_tests::second_engine::EXCLUSIVE.read().await;
     let executors = executors().await;
     // Executors side by side, cases one after another within each; a case that breaks is
     // reported with every other one, not instead of them.
@@ -532,7 +540,8 @@ async fn every_case_against_every_executor_matches_the_security_table() {
         .into_iter()
         .map(|c| c.into_iter().flatten().collect())
         .collect();
-    let mut table = "| case | local | docker | wasm |\n|---|---|---|---|\n".to_owned();
+    let mut table =
+        "| case | local | docker | docker, TLS host | wasm |\n|---|---|---|---|---|\n".to_owned();
     for (i, name) in CASES.iter().enumerate() {
         let cells: Vec<&str> = columns.iter().map(|c| c[i].cell()).collect();
         table.push_str(&format!("| {name} | {} |\n", cells.join(" | ")));

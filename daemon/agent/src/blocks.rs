@@ -23,7 +23,13 @@ pub struct SessionSlot {
     pictures: Option<Pictures>,
     /// The latest tool calls run here (tool and arguments), newest last, to catch a loop.
     pub(crate) recent: Vec<String>,
+    /// Sessions whose machine was lost. Each is kept until the slot closes: its workspace
+    /// on this machine (its mirror) is where the session that carries on was opened.
+    lost: Vec<Box<dyn Session>>,
 }
+
+/// Most times one block moves to another machine after losing its sandbox.
+const MOST_MOVES: u32 = 3;
 
 impl SessionSlot {
     /// A slot that will open a session of `executor` with `spec` on first use.
@@ -35,6 +41,19 @@ impl SessionSlot {
             session: None,
             pictures: None,
             recent: Vec::new(),
+            lost: Vec::new(),
+        }
+    }
+
+    /// Sets the session that was lost aside and has the next one opened on its workspace,
+    /// which holds what the last finished block left (its task's files are in it already).
+    fn carry_on(&mut self) {
+        if let Some(lost) = self.session.take() {
+            if let Some(dir) = lost.workspace() {
+                self.spec.workdir = Some(dir.to_owned());
+                self.spec.inputs = None;
+            }
+            self.lost.push(lost);
         }
     }
 
@@ -125,10 +144,14 @@ impl SessionSlot {
 
     /// Closes the session if one was opened.
     pub async fn close(mut self) -> Result<(), ExecError> {
-        match self.session.take() {
+        let closed = match self.session.take() {
             Some(s) => s.close().await,
             None => Ok(()),
-        }
+        };
+        // After the session that used their workspaces: dropping them removes what is left
+        // of them, wherever their engines now answer.
+        self.lost.clear();
+        closed
     }
 }
 
@@ -463,7 +486,7 @@ pub(crate) async fn run_one(
             emit(stream, bytes, false);
         }
     };
-    let mut ctx = ExecContext::new(opts.cancel.child_token()).with_sink(Arc::new(sink));
+    let base = ExecContext::new(opts.cancel.child_token()).with_sink(Arc::new(sink));
     let mut req = ExecRequest::new(language.clone(), code.to_owned());
     req.timeout = opts.timeout;
     let mut workspace = None;
@@ -472,30 +495,48 @@ pub(crate) async fn run_one(
         .code_tools
         .clone()
         .filter(|_| slot.executor.carries_tool_calls());
-    let (slot_executor, slot_spec) = (slot.executor.clone(), slot.spec.clone());
-    let outcome = match slot.session(&ctx.cancel).await? {
-        Some(session) => {
-            workspace = session.workspace().map(std::path::Path::to_owned);
-            if before.is_none() {
-                before = Some(pictures_in(workspace.clone()).await);
+    let mut moves = 0;
+    let outcome = loop {
+        let (slot_executor, slot_spec) = (slot.executor.clone(), slot.spec.clone());
+        let mut ctx = base.clone();
+        let ran = match slot.session(&ctx.cancel).await? {
+            Some(session) => {
+                workspace = session.workspace().map(std::path::Path::to_owned);
+                if before.is_none() {
+                    before = Some(pictures_in(workspace.clone()).await);
+                }
+                if let (Some(make), Some(dir)) = (&code_tools, &workspace) {
+                    let spec = SessionSpec {
+                        workdir: Some(dir.clone()),
+                        inputs: None,
+                        keep_state: false,
+                        ..slot_spec
+                    };
+                    ctx = ctx.with_tools(make(index, slot_executor, spec, opts));
+                }
+                session.run(req.clone(), ctx).await
             }
-            if let (Some(make), Some(dir)) = (&code_tools, &workspace) {
-                let spec = SessionSpec {
-                    workdir: Some(dir.clone()),
-                    inputs: None,
-                    keep_state: false,
-                    ..slot_spec
-                };
-                ctx = ctx.with_tools(make(index, slot_executor, spec, opts));
+            None => Ok(ExecOutcome {
+                status: ExitStatus::Cancelled,
+                stdout: Default::default(),
+                stderr: Default::default(),
+                duration: Duration::ZERO,
+            }),
+        };
+        match ran {
+            Err(ExecError::Lost { host, reason }) if moves < MOST_MOVES => {
+                moves += 1;
+                tracing::warn!(%host, %reason, "a block's sandbox was lost; running it again on another host");
+                (opts.events)(EventMsg::SandboxLost {
+                    turn,
+                    index,
+                    host,
+                    reason,
+                });
+                slot.carry_on();
             }
-            session.run(req, ctx).await
+            other => break other,
         }
-        None => Ok(ExecOutcome {
-            status: ExitStatus::Cancelled,
-            stdout: Default::default(),
-            stderr: Default::default(),
-            duration: Duration::ZERO,
-        }),
     };
     // One look at the workspace per block: what it holds now is the next block's before.
     let after = pictures_in(workspace).await;

@@ -73,6 +73,10 @@ pub struct TaskSpec {
     /// block to block (local and docker executors); by default each block is a fresh process.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub keep_state: bool,
+    /// Labels the machine that runs the task's sandbox must carry (`{"gpu": "yes"}`): with
+    /// several Docker hosts, the session goes to one whose labels include these.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub placement: std::collections::BTreeMap<String, String>,
     /// How the assistant's code reaches the executor: fenced blocks (the default), the
     /// `execute_code` tool, or the tool where the server takes tools (docs/tools.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -146,6 +150,7 @@ impl Speakers {
             EventMsg::TeamEnded { agent, .. } => return Some(agent.clone()),
             EventMsg::AssistantDelta { turn, .. }
             | EventMsg::ModelRetry { turn, .. }
+            | EventMsg::SandboxLost { turn, .. }
             | EventMsg::AssistantMessage { turn, .. }
             | EventMsg::CodeBlock { turn, .. }
             | EventMsg::ApprovalRequested { turn, .. }
@@ -203,6 +208,19 @@ pub enum EventMsg {
         turn: u32,
         /// The new text.
         text: String,
+    },
+    /// The machine a block's sandbox ran on stopped answering while the block ran: the
+    /// session is opened again on another (from the workspace as the last finished block
+    /// left it) and the block runs again there; its output so far is void.
+    SandboxLost {
+        /// Turn number.
+        turn: u32,
+        /// Block index within the turn.
+        index: u32,
+        /// The host that was lost, by the operator's name for it.
+        host: String,
+        /// What was seen.
+        reason: String,
     },
     /// The model call failed in a way worth retrying; streamed text of this turn is discarded.
     ModelRetry {

@@ -687,6 +687,10 @@ async fn executors(State(state): State<AppState>) -> Json<serde_json::Value> {
                 "health": if health.is_ok() { "ok" } else { "unavailable" },
                 "offered": offered,
             });
+            let hosts = e.hosts();
+            if !hosts.is_empty() {
+                entry["hosts"] = json!(hosts);
+            }
             if let Err(problem) = health {
                 entry["problem"] = json!(problem);
             } else if !offered {
@@ -716,7 +720,15 @@ async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
             .executors()
             .budget()
             .map_or(0, tandem_executor::Budget::in_use);
-        Ok(sup.metrics.render(&sup.store().counts()?, open))
+        let hosts: Vec<_> = sup
+            .executors()
+            .iter()
+            .flat_map(|e| {
+                let name = e.name().to_owned();
+                e.hosts().into_iter().map(move |h| (name.clone(), h))
+            })
+            .collect();
+        Ok(sup.metrics.render(&sup.store().counts()?, open, &hosts))
     })
     .await?;
     Ok(([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response())

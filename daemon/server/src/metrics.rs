@@ -36,6 +36,9 @@ pub struct Metrics {
     model_seconds: Histogram,
     tokens: Family<Labels, Counter>,
     sessions: Gauge,
+    host_up: Family<Labels, Gauge>,
+    host_sessions: Family<Labels, Gauge>,
+    host_capacity: Family<Labels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -48,6 +51,9 @@ impl Default for Metrics {
             model_seconds: latency(),
             tokens: Family::default(),
             sessions: Gauge::default(),
+            host_up: Family::default(),
+            host_sessions: Family::default(),
+            host_capacity: Family::default(),
         };
         let mut registry = Registry::default();
         registry.register("tandem_tasks", "Tasks by state", m.tasks.clone());
@@ -75,6 +81,21 @@ impl Default for Metrics {
             "tandem_sessions_open",
             "Sandbox sessions open now, every executor and road together",
             m.sessions.clone(),
+        );
+        registry.register(
+            "tandem_host_up",
+            "Whether an executor's host answered its last probe (1) or is down (0)",
+            m.host_up.clone(),
+        );
+        registry.register(
+            "tandem_host_sessions",
+            "Sessions open on an executor's host now",
+            m.host_sessions.clone(),
+        );
+        registry.register(
+            "tandem_host_capacity",
+            "Most sessions an executor's host takes",
+            m.host_capacity.clone(),
         );
         Self { registry, ..m }
     }
@@ -111,9 +132,25 @@ impl Metrics {
 
     /// The text exposition ([`CONTENT_TYPE`]), with task counts by state and the sandbox
     /// sessions open.
-    pub fn render(&self, tasks_by_state: &[(TaskState, u64)], sessions_open: usize) -> String {
+    pub fn render(
+        &self,
+        tasks_by_state: &[(TaskState, u64)],
+        sessions_open: usize,
+        hosts: &[(String, tandem_executor::HostStatus)],
+    ) -> String {
         self.sessions
             .set(i64::try_from(sessions_open).unwrap_or(i64::MAX));
+        for (executor, host) in hosts {
+            let labels = vec![("executor", executor.clone()), ("host", host.name.clone())];
+            let n = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
+            self.host_up.get_or_create(&labels).set(i64::from(host.up));
+            self.host_sessions
+                .get_or_create(&labels)
+                .set(n(host.sessions));
+            self.host_capacity
+                .get_or_create(&labels)
+                .set(n(host.capacity));
+        }
         for (state, n) in tasks_by_state {
             self.tasks
                 .get_or_create(&vec![("state", state.as_str().to_owned())])
@@ -138,7 +175,17 @@ mod tests {
             completion_tokens: 3,
         });
         m.model_latency(Duration::from_millis(20));
-        let text = m.render(&[(TaskState::Queued, 2)], 3);
+        let host = tandem_executor::HostStatus {
+            name: "b".to_owned(),
+            url: "tcp://10.0.0.2:2376".to_owned(),
+            up: false,
+            reason: Some("no answer".to_owned()),
+            sessions: 1,
+            capacity: 4,
+            labels: Default::default(),
+            workspace: "volume",
+        };
+        let text = m.render(&[(TaskState::Queued, 2)], 3, &[("docker".to_owned(), host)]);
         for line in [
             "# TYPE tandem_tasks gauge",
             "tandem_tasks{state=\"queued\"} 2",
@@ -147,6 +194,9 @@ mod tests {
             "tandem_model_seconds_bucket{le=\"0.025\"} 1",
             "tandem_model_seconds_count 1",
             "tandem_sessions_open 3",
+            "tandem_host_up{executor=\"docker\",host=\"b\"} 0",
+            "tandem_host_sessions{executor=\"docker\",host=\"b\"} 1",
+            "tandem_host_capacity{executor=\"docker\",host=\"b\"} 4",
             "# EOF",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} not in:\n{text}");

@@ -350,6 +350,11 @@ impl Planner {
             labels: start.labels,
             inputs: start.inputs.and_then(|i| i.archive),
             keep_state: spec.keep_state,
+            placement: spec
+                .placement
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
         };
         let gate = (!checked.gate.is_open()).then_some(checked.gate);
         let model = self.model(spec.model.as_deref(), spec.base_url.as_deref())?;

@@ -175,6 +175,10 @@ impl Executor for Budgeted {
     fn carries_tool_calls(&self) -> bool {
         self.inner.carries_tool_calls()
     }
+
+    fn hosts(&self) -> Vec<crate::HostStatus> {
+        self.inner.hosts()
+    }
 }
 
 /// A session and the permits it holds until it is closed (or dropped, when its own drop

@@ -95,6 +95,35 @@ pub trait Executor: Send + Sync + 'static {
     fn network(&self) -> bool {
         true
     }
+
+    /// The machines it places sessions on, with their health and load, when it has several
+    /// (empty for one that runs everything in one place).
+    fn hosts(&self) -> Vec<HostStatus> {
+        Vec::new()
+    }
+}
+
+/// One machine an executor places sessions on, as `doctor`, `/v1/executors`, `/metrics` and
+/// the web page show it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct HostStatus {
+    /// The operator's name for it.
+    pub name: String,
+    /// Its address.
+    pub url: String,
+    /// Whether it answered the last probe.
+    pub up: bool,
+    /// Why it is down, when it is.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Sessions open on it now.
+    pub sessions: usize,
+    /// Most sessions it takes.
+    pub capacity: usize,
+    /// Its labels, which a task's placement picks by.
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// Where its sessions' workspaces live (`bind` or `volume`).
+    pub workspace: &'static str,
 }
 
 /// One task's sandbox. Dropping it without [`Session::close`] must still clean up.
@@ -162,6 +191,9 @@ pub struct SessionSpec {
     /// Python blocks share one interpreter whose globals survive ([`kept::KeptSession`]);
     /// only for executors that [`Executor::keeps_state`].
     pub keep_state: bool,
+    /// Labels the machine that runs the session must carry (`gpu=yes`), for executors that
+    /// place sessions on one of several; the others ignore them.
+    pub placement: Vec<(String, String)>,
 }
 
 /// One code block to run.

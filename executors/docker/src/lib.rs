@@ -8,6 +8,8 @@
 //! round trip. Every container is labelled with its owner process, removed with kill +
 //! force-remove when its session ends, and reaped by the next Tandem if its owner died.
 
+pub mod context;
+mod fleet;
 mod session;
 
 use std::collections::HashMap;
@@ -25,6 +27,7 @@ use tandem_executor::owner::{owner_alive, owner_tag};
 use tandem_executor::{BoxFuture, ExecError, Executor, Language, Session, SessionSpec, scratch};
 use tokio::sync::OnceCell;
 
+pub use fleet::{DockerFleet, HostSpec};
 pub use session::RUNNER;
 
 /// Label keys on every container Tandem makes.

@@ -888,6 +888,14 @@
         t.text = null;
         t.body.append(note(`model call failed (${ev.reason}); retry ${ev.attempt} in ${duration(ev.delay_ms || 0)}`, 'retry'));
       },
+      sandbox_lost(ev) {
+        // The block runs again on another host: what it printed so far is void.
+        const b = blockOf(ev);
+        if (b.out) b.out.remove();
+        b.out = null;
+        b.lastNode = null;
+        b.el.append(note(`the sandbox on ${ev.host} was lost (${ev.reason}); running the block again on another host`, 'retry'));
+      },
       assistant_message(ev) {
         const t = turnOf(ev);
         textOf(t).data = ev.text;
