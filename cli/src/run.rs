@@ -61,6 +61,20 @@ pub struct TaskFlags {
     /// [default: every configured tool]
     #[arg(long = "tool", value_name = "NAME")]
     pub(crate) tools: Vec<String>,
+    /// Run the task's sandbox on a Docker host carrying this label (repeat for more):
+    /// [[executors.docker.hosts]] labels
+    #[arg(long = "placement", value_name = "KEY=VALUE", value_parser = placement_label)]
+    pub(crate) placement: Vec<(String, String)>,
+}
+
+/// `KEY=VALUE`, as `--placement` takes it.
+fn placement_label(text: &str) -> Result<(String, String), String> {
+    match text.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.trim().to_owned())),
+        _ => Err(format!(
+            "`{text}` is not KEY=VALUE (a host label, such as gpu=yes)"
+        )),
+    }
 }
 
 impl TaskFlags {
@@ -100,6 +114,7 @@ impl TaskFlags {
             approval: approve.then(always),
             keep_state: self.keep_state,
             code_via: self.code_via,
+            placement: self.placement.iter().cloned().collect(),
             tools: (!self.tools.is_empty()).then(|| {
                 self.tools
                     .iter()

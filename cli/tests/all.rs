@@ -4,6 +4,7 @@
 
 mod approval;
 mod daemon;
+mod docker_hosts;
 mod e2e;
 mod embedded;
 mod files;

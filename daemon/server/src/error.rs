@@ -69,6 +69,9 @@ pub enum Invalid {
         "keep_state: the {0} executor cannot keep a Python interpreter between blocks; use local or docker, or leave keep_state out"
     )]
     KeepState(String),
+    /// Placement labels no host of the executor carries.
+    #[error("placement: {0}")]
+    Placement(String),
     /// A tool that is not offered, or a definition that is not allowed.
     #[error("tools: {0}")]
     Tools(#[from] tandem_agent::tools::ToolError),

@@ -360,6 +360,7 @@ impl TandemMcp {
             executor: args.executor,
             max_turns: args.max_turns,
             keep_state: args.keep_state.unwrap_or(false),
+            placement: args.placement.unwrap_or_default(),
             code_via: args
                 .code_via
                 .as_deref()
@@ -752,6 +753,8 @@ struct RunTaskArgs {
     files: Option<Vec<FileArg>>,
     /// Python blocks share one interpreter whose variables survive (local and docker)
     keep_state: Option<bool>,
+    /// Labels the Docker host that runs the task's sandbox must carry ({"gpu": "yes"})
+    placement: Option<std::collections::BTreeMap<String, String>>,
     /// How the model's code reaches the sandbox: blocks, tool (the execute_code tool call) or auto
     #[schemars(extend("enum" = ["blocks", "tool", "auto"]))]
     code_via: Option<String>,

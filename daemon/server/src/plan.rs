@@ -225,6 +225,7 @@ impl Planner {
         if spec.keep_state && !executor.keeps_state() {
             return Err(Invalid::KeepState(executor.name().to_owned()).into());
         }
+        placement_fits(&spec.placement, executor)?;
         if spec.timeout_secs == Some(0) || spec.block_timeout_secs == Some(0) {
             return Err(Invalid::NoTime.into());
         }
@@ -658,6 +659,53 @@ pub(crate) fn waits_for_approval(events: &[Event]) -> bool {
                 )
             })
     })
+}
+
+/// Whether some host of `executor` carries every label of `placement` (none asked: yes). A
+/// host that is down or full now still counts: placement waits for nothing, but the task can
+/// run once it is back.
+fn placement_fits(
+    placement: &std::collections::BTreeMap<String, String>,
+    executor: &dyn tandem_executor::Executor,
+) -> Result<(), Invalid> {
+    if placement.is_empty() {
+        return Ok(());
+    }
+    let hosts = executor.hosts();
+    if hosts.is_empty() {
+        return Err(Invalid::Placement(format!(
+            "the {} executor runs every session in one place; placement picks among the hosts of a docker executor with [[executors.docker.hosts]]",
+            executor.name()
+        )));
+    }
+    if hosts
+        .iter()
+        .any(|h| placement.iter().all(|(k, v)| h.labels.get(k) == Some(v)))
+    {
+        return Ok(());
+    }
+    let offered: Vec<String> = hosts
+        .iter()
+        .map(|h| {
+            let labels: Vec<String> = h.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            format!(
+                "{} ({})",
+                h.name,
+                if labels.is_empty() {
+                    "no labels".to_owned()
+                } else {
+                    labels.join(", ")
+                }
+            )
+        })
+        .collect();
+    let asked: Vec<String> = placement.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    Err(Invalid::Placement(format!(
+        "no host of the {} executor carries {}; its hosts: {}",
+        executor.name(),
+        asked.join(", "),
+        offered.join("; ")
+    )))
 }
 
 #[cfg(test)]

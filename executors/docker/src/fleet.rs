@@ -171,7 +171,7 @@ impl DockerFleet {
                         None,
                         Health {
                             up: false,
-                            reason: Some(e.to_string()),
+                            reason: Some(e.cause()),
                             failures: 1,
                             retry_at: Instant::now() + Duration::from_secs(2),
                         },
@@ -348,7 +348,7 @@ async fn probe_all(weak: &Weak<Inner>) -> bool {
                     }
                     Ok(())
                 }
-                Err(e) => Err(e.to_string()),
+                Err(e) => Err(e.cause()),
             },
         };
         match answered {

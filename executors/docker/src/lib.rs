@@ -216,6 +216,16 @@ pub enum DockerError {
     },
 }
 
+impl DockerError {
+    /// What went wrong, without the advice on fixing it: a host's reason for being down.
+    pub fn cause(&self) -> String {
+        match self {
+            Self::Unreachable { reason, .. } => reason.clone(),
+            other => other.to_string(),
+        }
+    }
+}
+
 impl From<DockerError> for ExecError {
     fn from(e: DockerError) -> Self {
         match e {

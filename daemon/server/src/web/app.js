@@ -367,8 +367,17 @@
         const { executors } = await api('GET', '/v1/executors');
         const chosen = select.value;
         while (select.options.length > 1) select.remove(1);
+        const hosts = $('hosts');
+        hosts.replaceChildren();
         for (const ex of executors || []) {
           if (!ex.offered) continue;
+          // A fleet's hosts, each with its health and load.
+          for (const host of ex.hosts || []) {
+            const labels = Object.entries(host.labels || {}).map(([k, v]) => `${k}=${v}`).join(', ');
+            const state = host.up ? 'up' : `down: ${host.reason || ''}`;
+            hosts.append(h('li', { class: host.up ? 'host-up' : 'host-down' },
+              `${ex.name} host ${host.name} · ${state} · ${host.sessions} of ${host.capacity} sessions${labels ? ` · ${labels}` : ''}`));
+          }
           let label = ex.name;
           if (ex.languages && ex.languages.length) label += ` (${ex.languages.join(', ')})`;
           if (ex.health !== 'ok') label += ' · unavailable';
@@ -378,6 +387,8 @@
         }
         select.value = chosen;
         if (select.selectedIndex < 0) select.value = '';
+        hosts.hidden = !hosts.children.length;
+        $('placement-row').hidden = hosts.hidden;
       } catch (_) {
         // "default" stays usable; a 401 already asked for a token.
       }
@@ -397,6 +408,15 @@
         if (executor) body.executor = executor;
         if ($('keep-state').checked) body.keep_state = true;
         if ($('code-via').value) body.code_via = $('code-via').value;
+        const placement = $('placement').value.trim();
+        if (placement) {
+          body.placement = {};
+          for (const pair of placement.split(',')) {
+            const [k, ...v] = pair.split('=');
+            if (!k.trim() || !v.length) throw new Error(`Placement: \`${pair.trim()}\` is not key=value`);
+            body.placement[k.trim()] = v.join('=').trim();
+          }
+        }
         const file = $('team-file').files[0];
         if (file) {
           const parsed = await api('POST', '/v1/teams/parse', await file.text()).catch((err) => {
