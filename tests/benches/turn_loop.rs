@@ -23,6 +23,9 @@
 //! 11. Tools: a two-turn task whose `print(1)` comes as an `execute_code` tool call vs the
 //!     same block fenced, alternated; and a call of an HTTP tool from inside a local block vs
 //!     the same request made straight from this process.
+//! 12. Docker hosts: `print(1)` per block on the local socket (bind and volume workspaces)
+//!     and on a second engine over TLS, alternated; sessions opened and tasks run per second
+//!     by a fleet of one host against two (the system engine and the second one).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
@@ -1566,6 +1569,9 @@ fn main() {
         if run("tools") {
             tools_overhead(100, 2000).await;
         }
+        if run("hosts") {
+            docker_hosts(100, 24, 4).await;
+        }
     });
 }
 
@@ -1752,4 +1758,120 @@ async fn tools_overhead(tasks: usize, calls: usize) {
         per_call_us - direct_us,
         (per_call_us - direct_us) / 1000.0
     );
+}
+
+/// Docker hosts: the per-block cost of each way of reaching an engine, alternated block by
+/// block in one run; then a fleet of one host against two, by sessions opened (and closed)
+/// per second and by two-turn tasks per second, `concurrency` at a time. Both engines are on
+/// this machine, so two hosts share its two cores: this measures what placement and a
+/// second engine cost, not a second machine's worth of capacity.
+async fn docker_hosts(blocks: usize, sessions: usize, concurrency: usize) {
+    use tandem_executor_docker::{
+        DockerConfig, DockerExecutor, DockerFleet, HostSpec, WorkspaceMode,
+    };
+    use tandem_tests::second_engine;
+
+    let image = second_engine::image();
+    let engine = second_engine::shared().await;
+    let local = |workspace| DockerConfig {
+        name: "a".to_owned(),
+        image: image.clone(),
+        pull: false,
+        pool_size: 0,
+        workspace,
+        ..DockerConfig::default()
+    };
+    let paths = [
+        ("local socket, bind-mounted workspace", local(WorkspaceMode::Bind)),
+        ("local socket, volume workspace (tar out)", local(WorkspaceMode::Volume)),
+        ("second engine over TLS, volume workspace", engine.config("b")),
+    ];
+    let mut open = Vec::new();
+    for (label, config) in paths {
+        let executor = DockerExecutor::connect(config).await.unwrap();
+        let session = executor.open(SessionSpec::default()).await.unwrap();
+        open.push((label, session, Vec::new()));
+    }
+    for i in 0..=blocks {
+        for (_, session, samples) in &mut open {
+            let t = Instant::now();
+            let out = session
+                .run(
+                    ExecRequest::new(Language::python(), "print(1)"),
+                    ExecContext::new(CancellationToken::new()),
+                )
+                .await
+                .unwrap();
+            assert_eq!(out.stdout.to_text(), "1\n");
+            if i > 0 {
+                samples.push(t.elapsed());
+            }
+        }
+    }
+    println!("\n## Docker hosts: print(1) per block, {blocks} blocks each, alternated ({image})");
+    println!("| path | mean | median | ratio (mean) |");
+    println!("|---|---|---|---|");
+    let mut base = None;
+    for (label, session, samples) in open {
+        session.close().await.unwrap();
+        let (m, p) = stats(samples);
+        let b = *base.get_or_insert(m);
+        println!(
+            "| {label} | {} | {} | {:.2}x |",
+            ms(m),
+            ms(p),
+            m.as_secs_f64() / b.as_secs_f64()
+        );
+    }
+
+    let host = |config: DockerConfig| HostSpec {
+        config,
+        capacity: concurrency,
+        labels: Default::default(),
+    };
+    let (_server, model) = print_one_model(sessions).await;
+    let mut rows = Vec::new();
+    for (label, hosts) in [
+        ("one host (the system engine)", vec![host(local(WorkspaceMode::Volume))]),
+        (
+            "two hosts (the system engine and the TLS one)",
+            vec![host(local(WorkspaceMode::Volume)), host(engine.config("b"))],
+        ),
+    ] {
+        let fleet = DockerFleet::connect(hosts, Duration::from_secs(5))
+            .await
+            .unwrap();
+        let fleet: Arc<dyn Executor> = Arc::new(fleet);
+        let limit = Arc::new(tokio::sync::Semaphore::new(concurrency));
+        let started = Instant::now();
+        let mut set = tokio::task::JoinSet::new();
+        for _ in 0..sessions {
+            let (fleet, limit) = (fleet.clone(), limit.clone());
+            set.spawn(async move {
+                let _permit = limit.acquire_owned().await.unwrap();
+                let s = fleet.open(SessionSpec::default()).await.unwrap();
+                s.close().await.unwrap();
+            });
+        }
+        while let Some(r) = set.join_next().await {
+            r.unwrap();
+        }
+        let opened = started.elapsed();
+        let ran = tasks_at(&model, fleet.clone(), sessions, concurrency).await;
+        rows.push((label, opened, ran));
+    }
+    println!(
+        "\n## Docker hosts: a fleet of one host against two, {sessions} sessions and {sessions} two-turn tasks, {concurrency} at a time, capacity {concurrency} per host, no warm pool"
+    );
+    println!("| fleet | sessions opened and closed /s | tasks/s | tasks/s against one host |");
+    println!("|---|---|---|---|");
+    let one = rows[0].2;
+    for (label, opened, ran) in rows {
+        println!(
+            "| {label} | {:.1} | {:.1} | {:.2}x |",
+            sessions as f64 / opened.as_secs_f64(),
+            sessions as f64 / ran.as_secs_f64(),
+            one.as_secs_f64() / ran.as_secs_f64()
+        );
+    }
 }
