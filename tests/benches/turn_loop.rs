@@ -1782,46 +1782,67 @@ async fn docker_hosts(blocks: usize, sessions: usize, concurrency: usize) {
         ..DockerConfig::default()
     };
     let paths = [
-        ("local socket, bind-mounted workspace", local(WorkspaceMode::Bind)),
-        ("local socket, volume workspace (tar out)", local(WorkspaceMode::Volume)),
-        ("second engine over TLS, volume workspace", engine.config("b")),
+        (
+            "local socket, bind-mounted workspace",
+            local(WorkspaceMode::Bind),
+        ),
+        (
+            "local socket, volume workspace (tar out)",
+            local(WorkspaceMode::Volume),
+        ),
+        (
+            "second engine over TLS, volume workspace",
+            engine.config("b"),
+        ),
     ];
     let mut open = Vec::new();
     for (label, config) in paths {
         let executor = DockerExecutor::connect(config).await.unwrap();
         let session = executor.open(SessionSpec::default()).await.unwrap();
-        open.push((label, session, Vec::new()));
+        open.push((label, session, Vec::new(), Vec::new()));
     }
+    // A block that changes nothing, and one that writes a 1 KiB file (which the volume
+    // workspaces copy out after it).
+    let write = "open('out.txt', 'w').write('x' * 1024)\nprint(1)";
     for i in 0..=blocks {
-        for (_, session, samples) in &mut open {
-            let t = Instant::now();
-            let out = session
-                .run(
-                    ExecRequest::new(Language::python(), "print(1)"),
-                    ExecContext::new(CancellationToken::new()),
-                )
-                .await
-                .unwrap();
-            assert_eq!(out.stdout.to_text(), "1\n");
-            if i > 0 {
-                samples.push(t.elapsed());
+        for (_, session, quiet, wrote) in &mut open {
+            for (code, samples) in [("print(1)", &mut *quiet), (write, &mut *wrote)] {
+                let t = Instant::now();
+                let out = session
+                    .run(
+                        ExecRequest::new(Language::python(), code),
+                        ExecContext::new(CancellationToken::new()),
+                    )
+                    .await
+                    .unwrap();
+                assert_eq!(out.stdout.to_text(), "1\n");
+                if i > 0 {
+                    samples.push(t.elapsed());
+                }
             }
         }
     }
-    println!("\n## Docker hosts: print(1) per block, {blocks} blocks each, alternated ({image})");
-    println!("| path | mean | median | ratio (mean) |");
-    println!("|---|---|---|---|");
-    let mut base = None;
-    for (label, session, samples) in open {
+    println!(
+        "\n## Docker hosts: a Python block, {blocks} of each kind per path, alternated ({image})"
+    );
+    println!("| path | block | mean | median | ratio (mean) |");
+    println!("|---|---|---|---|---|");
+    let mut base = [None, None];
+    for (label, session, quiet, wrote) in open {
         session.close().await.unwrap();
-        let (m, p) = stats(samples);
-        let b = *base.get_or_insert(m);
-        println!(
-            "| {label} | {} | {} | {:.2}x |",
-            ms(m),
-            ms(p),
-            m.as_secs_f64() / b.as_secs_f64()
-        );
+        for (i, (kind, samples)) in [("print(1)", quiet), ("writes 1 KiB to a file", wrote)]
+            .into_iter()
+            .enumerate()
+        {
+            let (m, p) = stats(samples);
+            let b = *base[i].get_or_insert(m);
+            println!(
+                "| {label} | {kind} | {} | {} | {:.2}x |",
+                ms(m),
+                ms(p),
+                m.as_secs_f64() / b.as_secs_f64()
+            );
+        }
     }
 
     let host = |config: DockerConfig| HostSpec {
@@ -1832,7 +1853,10 @@ async fn docker_hosts(blocks: usize, sessions: usize, concurrency: usize) {
     let (_server, model) = print_one_model(sessions).await;
     let mut rows = Vec::new();
     for (label, hosts) in [
-        ("one host (the system engine)", vec![host(local(WorkspaceMode::Volume))]),
+        (
+            "one host (the system engine)",
+            vec![host(local(WorkspaceMode::Volume))],
+        ),
         (
             "two hosts (the system engine and the TLS one)",
             vec![host(local(WorkspaceMode::Volume)), host(engine.config("b"))],

@@ -38,7 +38,7 @@ async fn docker() -> Arc<DockerExecutor> {
     .await
 }
 
-fn docker_cli(args: &[&str]) -> String {
+pub(crate) fn docker_cli(args: &[&str]) -> String {
     let out = std::process::Command::new("docker")
         .args(args)
         .output()
@@ -92,16 +92,21 @@ async fn docker_executor_passes_the_conformance_suite() {
     conformance::all(docker().await, &[]).await;
 }
 
-/// The same suite with each session's workspace in a volume of its own, copied in and out
-/// as tar through the engine's API: what a remote engine gets.
-#[tokio::test(flavor = "multi_thread")]
-async fn docker_executor_with_volume_workspaces_passes_the_conformance_suite() {
-    let docker = docker_with(DockerConfig {
+/// An executor whose sessions' workspaces are volumes, without a warm pool.
+async fn docker_with_volumes() -> Arc<DockerExecutor> {
+    docker_with(DockerConfig {
         pool_size: 0,
         workspace: WorkspaceMode::Volume,
         ..DockerConfig::default()
     })
-    .await;
+    .await
+}
+
+/// The same suite with each session's workspace in a volume of its own, copied in and out
+/// as tar through the engine's API: what a remote engine gets.
+#[tokio::test(flavor = "multi_thread")]
+async fn docker_executor_with_volume_workspaces_passes_the_conformance_suite() {
+    let docker = docker_with_volumes().await;
     conformance::all(docker, &[]).await;
 }
 
@@ -467,12 +472,7 @@ fn files_under(dir: &std::path::Path) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_volume_workspace_is_seeded_from_the_host_and_its_mirror_follows_every_block() {
-    let docker = docker_with(DockerConfig {
-        pool_size: 0,
-        workspace: WorkspaceMode::Volume,
-        ..DockerConfig::default()
-    })
-    .await;
+    let docker = docker_with_volumes().await;
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("seed.txt"), "from the host").unwrap();
     let task = format!("volume-{}", std::process::id());

@@ -12,21 +12,10 @@ use tandem_executor::{CancellationToken, Executor, SessionSpec};
 use tandem_executor_docker::{DockerConfig, DockerExecutor, DockerFleet, HostSpec, WorkspaceMode};
 use tandem_protocol::{BlockStatus, EventMsg, StopReason};
 use tandem_tests::conformance;
+
+use crate::docker_executor::docker_cli;
 use tandem_tests::second_engine::{self, EXCLUSIVE, SecondEngine};
 use tandem_tests::{ScriptedOpenAi, script, texts};
-
-fn docker_cli(args: &[&str]) -> String {
-    let out = std::process::Command::new("docker")
-        .args(args)
-        .output()
-        .expect("the docker CLI");
-    assert!(
-        out.status.success(),
-        "docker {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
-}
 
 /// The system engine as host `a`, with volume workspaces like the remote one.
 fn system(name: &str) -> DockerConfig {

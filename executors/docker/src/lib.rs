@@ -392,21 +392,8 @@ impl DockerExecutor {
     /// this host is gone; returns how many.
     pub async fn reap_orphans(&self) -> Result<usize, DockerError> {
         let docker = &self.inner.docker;
-        let filters: HashMap<&str, Vec<&str>> = HashMap::from([("label", vec![labels::OWNER])]);
-        let list = docker
-            .list_containers(Some(
-                ListContainersOptionsBuilder::default()
-                    .all(true)
-                    .filters(&filters)
-                    .build(),
-            ))
-            .await
-            .map_err(engine("listing Tandem's containers"))?;
         let mut reaped = 0;
-        for c in list {
-            let (Some(id), Some(labels)) = (c.id, c.labels) else {
-                continue;
-            };
+        for (id, labels) in self.containers_labelled(labels::OWNER).await? {
             let Some(owner) = labels.get(labels::OWNER) else {
                 continue;
             };
@@ -429,21 +416,8 @@ impl DockerExecutor {
     pub async fn reap_lost(&self) -> Result<usize, DockerError> {
         let docker = &self.inner.docker;
         let owner = format!("{}={}", labels::OWNER, self.inner.owner);
-        let filters: HashMap<&str, Vec<&str>> = HashMap::from([("label", vec![owner.as_str()])]);
-        let list = docker
-            .list_containers(Some(
-                ListContainersOptionsBuilder::default()
-                    .all(true)
-                    .filters(&filters)
-                    .build(),
-            ))
-            .await
-            .map_err(engine("listing Tandem's containers"))?;
         let mut reaped = 0;
-        for c in list {
-            let (Some(id), Some(labels)) = (c.id, c.labels) else {
-                continue;
-            };
+        for (id, labels) in self.containers_labelled(&owner).await? {
             if labels.get(labels::SESSION).is_some_and(|s| self.is_live(s)) {
                 continue;
             }
@@ -455,6 +429,29 @@ impl DockerExecutor {
             .reap_volumes(|owner, session| owner == ours && !self.is_live(session))
             .await?;
         Ok(reaped)
+    }
+
+    /// Every container (running or not) with `label` (a key, or `key=value`): id and labels.
+    async fn containers_labelled(
+        &self,
+        label: &str,
+    ) -> Result<Vec<(String, HashMap<String, String>)>, DockerError> {
+        let filters: HashMap<&str, Vec<&str>> = HashMap::from([("label", vec![label])]);
+        let list = self
+            .inner
+            .docker
+            .list_containers(Some(
+                ListContainersOptionsBuilder::default()
+                    .all(true)
+                    .filters(&filters)
+                    .build(),
+            ))
+            .await
+            .map_err(engine("listing Tandem's containers"))?;
+        Ok(list
+            .into_iter()
+            .filter_map(|c| Some((c.id?, c.labels?)))
+            .collect())
     }
 
     fn is_live(&self, session: &str) -> bool {
