@@ -521,8 +521,8 @@ async fn a_volume_workspace_is_seeded_from_the_host_and_its_mirror_follows_every
         "from the host and back"
     );
 
-    // Few changes go file by file; a private directory, a link to the host's /etc and a
-    // FIFO are there too.
+    // Small changes come inline from the runner; a private directory, a link to the host's
+    // /etc and a FIFO are there too.
     let out = run(
         &mut *s,
         "sh",
@@ -539,14 +539,31 @@ async fn a_volume_workspace_is_seeded_from_the_host_and_its_mirror_follows_every
         files_under(dir.path()),
         ["a/b/one.txt", "gone.txt", "private/secret.txt", "seed.txt"]
     );
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("a/b/one.txt")).unwrap(),
+        "one\n"
+    );
     assert!(std::fs::symlink_metadata(dir.path().join("etc-link")).is_err());
 
-    // Many changes come out as one archive of the whole workspace; a removal, a rename and
-    // a directory that became a file are followed.
+    // A file too large to come inline is copied through the engine's archive call.
+    let out = run(
+        &mut *s,
+        "python",
+        "open('large.bin', 'wb').write(bytes(range(256)) * 1200)",
+    )
+    .await;
+    assert_eq!(out.status, ExitStatus::Exited(0), "{}", out.stderr.to_text());
+    assert_eq!(
+        std::fs::read(dir.path().join("large.bin")).unwrap(),
+        (0..=255u8).cycle().take(256 * 1200).collect::<Vec<u8>>()
+    );
+
+    // Too many changes come out as one archive of the whole workspace; a removal, a rename
+    // and a directory that became a file are followed.
     let out = run(
         &mut *s,
         "sh",
-        "rm gone.txt && mv a/b/one.txt a/uno.txt && rm -r a/b && echo file > a/b && for i in $(seq 1 30); do echo $i > many-$i.txt; done",
+        "rm gone.txt && mv a/b/one.txt a/uno.txt && rm -r a/b && echo file > a/b && for i in $(seq 1 70); do echo $i > many-$i.txt; done",
     )
     .await;
     assert_eq!(
@@ -559,7 +576,7 @@ async fn a_volume_workspace_is_seeded_from_the_host_and_its_mirror_follows_every
     assert!(files.contains(&"a/uno.txt".to_owned()), "{files:?}");
     assert!(files.contains(&"a/b".to_owned()), "{files:?}");
     assert!(!files.contains(&"gone.txt".to_owned()), "{files:?}");
-    assert_eq!(files.iter().filter(|f| f.starts_with("many-")).count(), 30);
+    assert_eq!(files.iter().filter(|f| f.starts_with("many-")).count(), 70);
     assert_eq!(
         std::fs::read_to_string(dir.path().join("many-7.txt")).unwrap(),
         "7\n"

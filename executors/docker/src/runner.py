@@ -4,8 +4,10 @@
 #   R ready            o/e stdout/stderr bytes       O/E bytes dropped (8 bytes), tail follows
 #   x block ended (JSON: code, signal, oom)          d request done    ! runner error (text)
 #   t bytes the block wrote on its tools channel
-#   c what a block changed in the workspace (JSON: changed [[path, kind]], removed, all),
-#     before its x, when the workspace is the container's own (argv[2] == "volume")
+#   c what a block changed in the workspace (JSON: changed [[path, kind]], removed, all,
+#     inline), before its x, when the workspace is the container's own (argv[2] == "volume")
+#   a a piece of a tar of the changed files, before their c (inline: small changes come
+#     this way; the rest Tandem copies through the engine's archive calls)
 # Requests: {"op": "run", ...}, {"op": "kill"} and {"op": "tool", "data": ...} (the answer
 # to a call, while a block runs), {"op": "wipe"}, {"op": "release"}, {"op": "rescan"} (take
 # the workspace as it is now as seen, after Tandem put files in it). The whole container is the session, so after a block ends every
@@ -402,6 +404,36 @@ MANIFEST = {}
 MAX_LISTED = 100000
 # A change list longer than this goes as "all" (a frame holds at most 1 MiB).
 MAX_REPORT = 512 * 1024
+# Changed files are sent inline, as a tar in `a` frames, when they come to no more than this
+# (and no more than INLINE_FILES of them): one engine round trip per file costs far more.
+INLINE_BYTES = 256 * 1024
+INLINE_FILES = 64
+
+
+def inline_tar(changed):
+    """A tar of the changed regular files, read as the blocks' user without following
+    links; None when they are too many or too large, or one cannot be read."""
+    import io, tarfile
+
+    files = [(p, v) for p, v in changed.items() if v[0] == "f"]
+    if len(files) > INLINE_FILES or sum(v[1] for _, v in files) > INLINE_BYTES:
+        return None
+    out = io.BytesIO()
+    try:
+        with tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT) as tar:
+            for path, _ in files:
+                fd = os.open(os.path.join(WORKSPACE, path), os.O_RDONLY | os.O_NOFOLLOW)
+                with os.fdopen(fd, "rb") as f:
+                    data = f.read(INLINE_BYTES + 1)
+                if len(data) > INLINE_BYTES:
+                    return None
+                info = tarfile.TarInfo(path)
+                info.size = len(data)
+                info.mode = 0o644
+                tar.addfile(info, io.BytesIO(data))
+    except (OSError, ValueError, UnicodeError):
+        return None
+    return out.getvalue()
 
 
 def scan_as_user(previous):
@@ -436,7 +468,7 @@ def scan_as_user(previous):
         return {"all": True, "set": found, "removed": []}
     changed = {r: v for r, v in found.items() if previous.get(r) != v}
     removed = [r for r in previous if r not in found]
-    return {"all": False, "set": changed, "removed": removed}
+    return {"all": False, "set": changed, "removed": removed, "inline": inline_tar(changed)}
 
 
 def changes():
@@ -448,7 +480,10 @@ def changes():
         try:
             os.close(r)
             drop_privileges()
-            data = json.dumps(scan_as_user(MANIFEST)).encode("utf-8", "surrogateescape")
+            diff = scan_as_user(MANIFEST)
+            tar = diff.pop("inline", None) or b""
+            head = json.dumps(diff).encode("utf-8", "surrogateescape")
+            data = struct.pack(">I", len(head)) + head + tar
             while data:
                 data = data[os.write(w, data):]
         finally:
@@ -462,10 +497,13 @@ def changes():
         chunks.append(chunk)
     os.close(r)
     wait_block(pid, 0)
+    data = b"".join(chunks)
     try:
-        diff = json.loads(b"".join(chunks))
-    except ValueError:
-        diff = {"all": True, "set": {}, "removed": []}
+        (size,) = struct.unpack(">I", data[:4])
+        diff = json.loads(data[4 : 4 + size])
+        diff["inline"] = data[4 + size :] or None
+    except (ValueError, struct.error):
+        diff = {"all": True, "set": {}, "removed": [], "inline": None}
     if diff["all"]:
         MANIFEST.clear()
     for path in diff["removed"]:
@@ -482,10 +520,15 @@ def report_changes():
         "all": diff["all"],
         "changed": [[p, v[0]] for p, v in diff["set"].items()],
         "removed": diff["removed"],
+        "inline": bool(diff["inline"]) and not diff["all"],
     }
     payload = json.dumps(report).encode()
     if diff["all"] or len(payload) > MAX_REPORT:
-        payload = json.dumps({"all": True, "changed": [], "removed": []}).encode()
+        payload = json.dumps({"all": True, "changed": [], "removed": [], "inline": False}).encode()
+    elif report["inline"]:
+        tar = diff["inline"]
+        for i in range(0, len(tar), 1 << 16):
+            send(b"a", tar[i : i + (1 << 16)])
     send(b"c", payload)
 
 

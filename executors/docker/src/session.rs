@@ -54,6 +54,8 @@ enum Frame {
     Tool(Vec<u8>),
     /// What the block changed in a workspace that is the container's own.
     Changes(Changes),
+    /// A piece of the tar of the files a block changed, sent inline.
+    Archive(Vec<u8>),
     Done,
     Error(String),
 }
@@ -67,7 +69,14 @@ pub(crate) struct Changes {
     changed: Vec<(String, String)>,
     /// Entries gone.
     removed: Vec<String>,
+    /// The changed files came before this report, as a tar in `a` frames.
+    #[serde(default)]
+    inline: bool,
 }
+
+/// Most bytes of changed files the runner sends inline (its `INLINE_BYTES`, and the tar's
+/// headers): more is not the runner's.
+const INLINE_MAX: usize = 512 * 1024;
 
 #[derive(Debug, Deserialize)]
 struct ExitFrame {
@@ -139,6 +148,7 @@ fn frame_of(kind: u8, payload: &[u8]) -> Frame {
         },
         b'd' => Frame::Done,
         b't' => Frame::Tool(payload.to_vec()),
+        b'a' => Frame::Archive(payload.to_vec()),
         b'c' => match serde_json::from_slice(payload) {
             Ok(changes) => Frame::Changes(changes),
             Err(e) => Frame::Error(format!("bad changes frame: {e}")),
@@ -438,10 +448,11 @@ impl DockerSession {
 
     /// Brings the mirror up to date with what a block changed in the volume, through the
     /// engine's archive calls.
-    async fn sync(&mut self, changes: Changes) -> Result<(), ExecError> {
+    async fn sync(&mut self, changes: Changes, inline: Vec<u8>) -> Result<(), ExecError> {
         let whole = changes.all
             || self.resync
-            || changes.changed.iter().filter(|(_, k)| k == "f").count() > WHOLE_AFTER;
+            || (!changes.inline
+                && changes.changed.iter().filter(|(_, k)| k == "f").count() > WHOLE_AFTER);
         let mirror = self.workspace.clone();
         let docker = self.executor.inner().docker.clone();
         if whole {
@@ -481,6 +492,8 @@ impl DockerSession {
             let rel = PathBuf::from(&path);
             let parent = rel.parent().map(Path::to_owned).unwrap_or_default();
             let archive = match kind.as_str() {
+                // Came inline, unpacked below.
+                "f" if changes.inline => continue,
                 "f" => match fetch(&docker, &self.id, &format!("/workspace/{path}")).await? {
                     Some(archive) => archive,
                     None => continue,
@@ -501,6 +514,19 @@ impl DockerSession {
                     &sub,
                     None,
                     std::io::BufReader::new(archive),
+                    MIRROR_CAPS,
+                )
+                .map(drop)
+            })
+            .await?;
+        }
+        if changes.inline {
+            blocking(move || {
+                tandem_executor::archive::unpack_beneath(
+                    &mirror,
+                    Path::new(""),
+                    None,
+                    std::io::Cursor::new(inline),
                     MIRROR_CAPS,
                 )
                 .map(drop)
@@ -698,6 +724,7 @@ impl DockerSession {
             err: CaptureBuffer::new(cap),
             runner_error: None,
             changes: None,
+            inline: Vec::new(),
         };
         let (stopped, exit) = match bounded(
             streams.until_exit(conn, &ctx, relay.as_mut()),
@@ -729,6 +756,7 @@ impl DockerSession {
             err,
             runner_error,
             changes,
+            inline,
         } = streams;
         let duration = started.elapsed();
         let answered = exit.is_some();
@@ -774,7 +802,7 @@ impl DockerSession {
                     ..Changes::default()
                 }
             };
-            if let Err(e) = self.sync(changes).await {
+            if let Err(e) = self.sync(changes, inline).await {
                 tracing::warn!(container = %self.id, error = %e, "copying the workspace out failed; the next block copies all of it");
                 self.resync = true;
             }
@@ -1064,6 +1092,8 @@ struct Streams {
     err: CaptureBuffer,
     runner_error: Option<String>,
     changes: Option<Changes>,
+    /// The tar of the changed files, as the runner sent it inline.
+    inline: Vec<u8>,
 }
 
 impl Streams {
@@ -1112,6 +1142,14 @@ impl Streams {
                 Frame::Dropped(Stream::Stdout, n) => self.out.skip(n),
                 Frame::Dropped(Stream::Stderr, n) => self.err.skip(n),
                 Frame::Changes(changes) => self.changes = Some(changes),
+                Frame::Archive(bytes) => {
+                    if self.inline.len() + bytes.len() > INLINE_MAX {
+                        self.runner_error =
+                            Some(format!("changed files inline over {INLINE_MAX} bytes"));
+                        return None;
+                    }
+                    self.inline.extend_from_slice(&bytes);
+                }
                 Frame::Exit(exit) => return Some(exit),
                 Frame::Error(e) => {
                     self.runner_error = Some(e);
