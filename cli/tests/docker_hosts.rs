@@ -181,3 +181,90 @@ async fn mistakes_in_the_hosts_are_told_by_name() {
         assert!(out.stderr.contains(says), "{}", out.stderr);
     }
 }
+
+/// Runs `print(...)` after a pause with `env`, and checks that a Tandem container showed up on
+/// the second engine meanwhile: the conventions led `tandem exec` there.
+async fn exec_lands_on_the_second_engine(env: &[(&str, &str)]) {
+    let engine = tandem_tests::second_engine::shared().await;
+    let _held = tandem_tests::second_engine::EXCLUSIVE.read().await;
+    let image = tandem_tests::second_engine::image();
+    let running = {
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .chain([("TANDEM_DOCKER_IMAGE".to_owned(), image)])
+            .collect();
+        tokio::spawn(async move {
+            let env: Vec<(&str, &str)> =
+                env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            tandem(
+                &["exec", "--executor", "docker", "--lang", "python", "-"],
+                &env,
+                Some("import time\ntime.sleep(4)\nprint('on b')"),
+            )
+            .await
+        })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while engine
+        .cli(&["ps", "-q", "--filter", "label=tandem.owner"])
+        .is_empty()
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no Tandem container appeared on the second engine"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let out = running.await.unwrap();
+    assert_eq!((out.code, out.stdout.trim()), (0, "on b"), "{}", out.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn docker_host_and_its_tls_variables_lead_to_a_remote_engine() {
+    let engine = tandem_tests::second_engine::shared().await;
+    // DOCKER_CERT_PATH holds the files under the docker CLI's names.
+    let certs = tempfile::tempdir().unwrap();
+    for (from, to) in [
+        (&engine.tls.ca, "ca.pem"),
+        (&engine.tls.cert, "cert.pem"),
+        (&engine.tls.key, "key.pem"),
+    ] {
+        std::fs::copy(from, certs.path().join(to)).unwrap();
+    }
+    exec_lands_on_the_second_engine(&[
+        ("DOCKER_HOST", &engine.url),
+        ("DOCKER_TLS_VERIFY", "1"),
+        ("DOCKER_CERT_PATH", certs.path().to_str().unwrap()),
+    ])
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_docker_clis_current_context_leads_to_a_remote_engine() {
+    use sha2::Digest;
+    let engine = tandem_tests::second_engine::shared().await;
+    let config = tempfile::tempdir().unwrap();
+    let d = config.path();
+    std::fs::write(d.join("config.json"), r#"{"currentContext": "engine-b"}"#).unwrap();
+    let id = hex::encode(sha2::Sha256::digest(b"engine-b"));
+    let meta = d.join("contexts/meta").join(&id);
+    std::fs::create_dir_all(&meta).unwrap();
+    std::fs::write(
+        meta.join("meta.json"),
+        json!({"Name": "engine-b", "Endpoints": {"docker": {"Host": engine.url, "SkipTLSVerify": false}}})
+            .to_string(),
+    )
+    .unwrap();
+    let tls = d.join("contexts/tls").join(&id).join("docker");
+    std::fs::create_dir_all(&tls).unwrap();
+    for (from, to) in [
+        (&engine.tls.ca, "ca.pem"),
+        (&engine.tls.cert, "cert.pem"),
+        (&engine.tls.key, "key.pem"),
+    ] {
+        std::fs::copy(from, tls.join(to)).unwrap();
+    }
+    exec_lands_on_the_second_engine(&[("DOCKER_HOST", ""), ("DOCKER_CONFIG", d.to_str().unwrap())])
+        .await;
+}

@@ -552,7 +552,12 @@ async fn a_volume_workspace_is_seeded_from_the_host_and_its_mirror_follows_every
         "open('large.bin', 'wb').write(bytes(range(256)) * 1200)",
     )
     .await;
-    assert_eq!(out.status, ExitStatus::Exited(0), "{}", out.stderr.to_text());
+    assert_eq!(
+        out.status,
+        ExitStatus::Exited(0),
+        "{}",
+        out.stderr.to_text()
+    );
     assert_eq!(
         std::fs::read(dir.path().join("large.bin")).unwrap(),
         (0..=255u8).cycle().take(256 * 1200).collect::<Vec<u8>>()
