@@ -49,6 +49,9 @@ UID, GID = parse_user(sys.argv[1] if len(sys.argv) > 1 else "65534:65534")
 # A workspace that is a volume of the container's own, which Tandem copies out through the
 # engine's archive calls after each block: the runner tells it what changed.
 SYNC = len(sys.argv) > 2 and sys.argv[2] == "volume"
+if SYNC:
+    # Loaded once here, not in each block's scan (a fork of this process has them).
+    import io, tarfile
 
 
 def drop_privileges():
@@ -413,9 +416,9 @@ INLINE_FILES = 64
 def inline_tar(changed):
     """A tar of the changed regular files, read as the blocks' user without following
     links; None when they are too many or too large, or one cannot be read."""
-    import io, tarfile
-
     files = [(p, v) for p, v in changed.items() if v[0] == "f"]
+    if not files:
+        return None
     if len(files) > INLINE_FILES or sum(v[1] for _, v in files) > INLINE_BYTES:
         return None
     out = io.BytesIO()
