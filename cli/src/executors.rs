@@ -252,7 +252,7 @@ pub async fn why_not_docker(connected: Result<&Docker, &DockerError>) -> Option<
             Err(e) => Some(format!("docker: {e}")),
         },
         Err(DockerError::Unreachable { host, .. }) => {
-            Some(format!("docker: no engine answers at {host}"))
+            Some(format!("docker: no engine answers {host}"))
         }
         Err(e) => Some(format!("docker: {e}")),
     }
