@@ -252,7 +252,7 @@ pub async fn why_not_docker(connected: Result<&Docker, &DockerError>) -> Option<
             Err(e) => Some(format!("docker: {e}")),
         },
         Err(DockerError::Unreachable { host, .. }) => {
-            Some(format!("docker: no engine answers {host}"))
+            Some(format!("docker: no answer from {host}"))
         }
         Err(e) => Some(format!("docker: {e}")),
     }

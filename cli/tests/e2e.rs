@@ -957,7 +957,7 @@ async fn docker_engine_down_or_image_missing_says_what_to_do() {
     assert_eq!((out.code, out.stdout.as_str()), (0, "ran\n"));
     assert_eq!(
         out.stderr,
-        "tandem: warning: running code with the local executor, which is not a security boundary (docker: no engine answers at unix:///nonexistent/docker.sock; wasm: no python.wasm in /nonexistent/wasm (run scripts/fetch-wasm-runtimes.sh))\n"
+        "tandem: warning: running code with the local executor, which is not a security boundary (docker: no answer from the Docker engine at unix:///nonexistent/docker.sock; wasm: no python.wasm in /nonexistent/wasm (run scripts/fetch-wasm-runtimes.sh))\n"
     );
     let out = tandem(
         &[

@@ -836,3 +836,68 @@ async fn the_page_asks_for_tool_calls_and_shows_each_call_with_its_answer() {
     assert_eq!(record["spec"]["code_via"], "tool", "{record}");
     b.quit().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_page_lists_the_docker_hosts_and_places_a_task_by_label() {
+    let task = "web: placed";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::from("```python\nprint('on a')\n```"),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let image =
+        std::env::var("TANDEM_DOCKER_IMAGE").unwrap_or_else(|_| "tandem-sandbox:latest".to_owned());
+    let config = format!(
+        "[executors.docker]\nimage = \"{image}\"\npull = false\npool_size = 0\n\n\
+         [[executors.docker.hosts]]\nname = \"a\"\nurl = \"unix:///var/run/docker.sock\"\ncapacity = 3\nlabels = {{ zone = \"a\" }}\n\n\
+         [[executors.docker.hosts]]\nname = \"b\"\nurl = \"tcp://127.0.0.1:1\"\nlabels = {{ zone = \"b\" }}\n"
+    );
+    let (d, addr, token) = start_tcp(&server, &config).await;
+    let b = Browser::start(1280, 1000).await;
+    sign_in(&b, &addr, &token).await;
+    let hosts = b
+        .wait(
+            "the hosts under the executor",
+            "const l = document.getElementById('hosts'); \
+             return !l.hidden && !document.getElementById('placement-row').hidden && \
+               [...l.children].map((li) => [li.className, li.textContent.split(' · ').slice(0, 2).join(' · ')])",
+            LIMIT,
+        )
+        .await;
+    assert_eq!(
+        hosts,
+        json!([
+            ["host-up", "docker host a · up"],
+            [
+                "host-down",
+                "docker host b · down: tcp connect error: Connection refused (os error 111)"
+            ]
+        ])
+    );
+    shot(&b, "docker-hosts.png").await;
+    b.run(
+        "document.querySelector('#executor').value = 'docker'; document.querySelector('#placement').value = 'zone=a'",
+        json!([]),
+    )
+    .await;
+    let id = submit(&b, task).await;
+    wait_complete(&b, "the placed task's end").await;
+    let record = d.get(&format!("/v1/tasks/{id}")).await;
+    assert_eq!(
+        record["spec"]["placement"],
+        json!({"zone": "a"}),
+        "{record}"
+    );
+    let out = b
+        .run(
+            "return document.querySelector('.code-block pre.output').textContent",
+            json!([]),
+        )
+        .await;
+    assert_eq!(out, json!("on a\n"));
+    b.quit().await;
+}

@@ -187,7 +187,7 @@ impl DockerFleet {
         }
         let Some(first) = built.iter().find_map(Host::executor) else {
             return Err(DockerError::Unreachable {
-                host: "of [[executors.docker.hosts]]".to_owned(),
+                host: "any engine of [[executors.docker.hosts]]".to_owned(),
                 reason: if reasons.is_empty() {
                     "none is configured".to_owned()
                 } else {

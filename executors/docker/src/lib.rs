@@ -186,9 +186,7 @@ impl Default for DockerConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum DockerError {
     /// The engine did not answer.
-    #[error(
-        "cannot reach the Docker engine {host}: {reason}; start Docker (`sudo systemctl start docker`) or point DOCKER_HOST (or the host's url) at a running engine, with its TLS files when it asks for them"
-    )]
+    #[error("cannot reach {host}: {reason}; {}", unreachable_advice(reason))]
     Unreachable {
         /// Where Tandem looked.
         host: String,
@@ -214,6 +212,15 @@ pub enum DockerError {
         #[source]
         source: bollard::errors::Error,
     },
+}
+
+/// What to do about an engine that did not answer, by what was seen.
+fn unreachable_advice(reason: &str) -> &'static str {
+    if reason.contains("certificate") || reason.contains("alert") {
+        "check the host's TLS files: its `ca` must have signed the engine's certificate, and the engine must trust `cert` (and `key`)"
+    } else {
+        "start Docker (`sudo systemctl start docker`) or point DOCKER_HOST (or the host's url) at a running engine"
+    }
 }
 
 impl DockerError {
@@ -288,9 +295,9 @@ impl DockerExecutor {
     /// containers whose owner died.
     pub async fn connect(mut config: DockerConfig) -> Result<Self, DockerError> {
         let host = if config.name.is_empty() || config.name == config.host {
-            format!("at {}", config.host)
+            format!("the Docker engine at {}", config.host)
         } else {
-            format!("`{}` at {}", config.name, config.host)
+            format!("the Docker engine `{}` at {}", config.name, config.host)
         };
         let unreachable = |reason: String| DockerError::Unreachable {
             host: host.clone(),
@@ -830,19 +837,24 @@ fn client(config: &DockerConfig) -> Result<Docker, bollard::errors::Error> {
     }
 }
 
-/// An error with its causes, which is where a TLS failure says what was wrong.
+/// An error's deepest cause, which is where a TLS or connection failure says what was wrong,
+/// after its parent when that is a short word on it (`tcp connect error`); the links above
+/// name the HTTP client's layers.
 pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
+    let mut links = vec![e.to_string()];
     let mut cause = e.source();
     while let Some(c) = cause {
-        let more = c.to_string();
-        if !text.contains(&more) {
-            text.push_str(": ");
-            text.push_str(&more);
+        let text = c.to_string();
+        if links.last().is_none_or(|l| !l.contains(&text)) {
+            links.push(text);
         }
         cause = c.source();
     }
-    text
+    let deepest = links.pop().unwrap_or_default();
+    match links.pop() {
+        Some(parent) if parent.len() <= 40 => format!("{parent}: {deepest}"),
+        _ => deepest,
+    }
 }
 
 /// Removes a volume, ignoring one already gone.
