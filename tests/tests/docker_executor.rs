@@ -596,6 +596,12 @@ async fn a_volume_workspace_is_seeded_from_the_host_and_its_mirror_follows_every
         h.set_mode(0o600);
         h.set_uid(0);
         b.append_data(&mut h, "later.txt", &b"new"[..]).unwrap();
+        let mut h = tar::Header::new_gnu();
+        h.set_size(2);
+        h.set_mode(0o600);
+        h.set_uid(0);
+        b.append_data(&mut h, "fresh/dir/in.txt", &b"in"[..])
+            .unwrap();
         b.finish().unwrap();
     }
     s.put_archive(&archive, Default::default()).await.unwrap();
@@ -603,10 +609,17 @@ async fn a_volume_workspace_is_seeded_from_the_host_and_its_mirror_follows_every
     let out = run(
         &mut *s,
         "python",
-        "print(open('later.txt').read())\nopen('later.txt', 'w').write('mine')",
+        "print(open('later.txt').read())\nopen('later.txt', 'w').write('mine')\nopen('fresh/dir/mine.txt', 'w').write(open('fresh/dir/in.txt').read())",
     )
     .await;
     assert_eq!(out.stdout.to_text(), "new\n", "{}", out.stderr.to_text());
+    // The directories the new files came in are the blocks' user's too.
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("fresh/dir/mine.txt")).unwrap(),
+        "in",
+        "{}",
+        out.stderr.to_text()
+    );
 
     s.close().await.unwrap();
     assert!(containers_labelled(&label).is_empty());

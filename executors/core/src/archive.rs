@@ -452,6 +452,69 @@ pub fn pack_owned(
     Ok(packed)
 }
 
+/// Writes the regular files `files` of `workspace` to `out` as a tar archive owned by `owner`
+/// (`uid`, `gid`), each read as [`read`] reads it (a link on the way is refused), keeping
+/// their times, with an entry for each directory they are in (else the sandbox would make
+/// those as root): the files just placed in a mirror, for the sandbox it mirrors.
+pub fn pack_files_owned(
+    workspace: &Path,
+    files: &[PathBuf],
+    out: impl Write,
+    owner: (u64, u64),
+) -> Result<(), ArchiveError> {
+    let mut builder = tar::Builder::new(out);
+    let mut dirs = std::collections::BTreeSet::new();
+    for path in files {
+        let shown = path.display().to_string();
+        let parents: Vec<&Path> = path
+            .ancestors()
+            .skip(1)
+            .filter(|p| !p.as_os_str().is_empty())
+            .collect();
+        for dir in parents.into_iter().rev() {
+            if dirs.insert(dir.to_owned()) {
+                let mut header = tar::Header::new_gnu();
+                header.set_entry_type(tar::EntryType::Directory);
+                header.set_mode(0o755);
+                header.set_size(0);
+                header.set_uid(owner.0);
+                header.set_gid(owner.1);
+                builder
+                    .append_data(&mut header, dir, std::io::empty())
+                    .map_err(|source| ArchiveError::Io {
+                        path: dir.display().to_string(),
+                        source,
+                    })?;
+            }
+        }
+        let (file, size) = read(workspace, &shown)?;
+        let io = |source| ArchiveError::Io {
+            path: shown.clone(),
+            source,
+        };
+        let modified = file
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_secs());
+        let mut header = tar::Header::new_gnu();
+        header.set_entry_type(tar::EntryType::Regular);
+        header.set_mode(0o644);
+        header.set_size(size);
+        header.set_mtime(modified);
+        header.set_uid(owner.0);
+        header.set_gid(owner.1);
+        builder
+            .append_data(&mut header, path, file.take(size))
+            .map_err(io)?;
+    }
+    builder.finish().map_err(|source| ArchiveError::Io {
+        path: String::new(),
+        source,
+    })
+}
+
 /// A regular file in a workspace, as [`list`] finds it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ListedFile {

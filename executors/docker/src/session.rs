@@ -373,14 +373,15 @@ impl DockerSession {
         // On failure the session is dropped, which removes the container.
         session.conn = Some(start(&session.executor, &session.id).await?);
         if session.volume.is_some() && has_entries(&session.workspace) {
-            session.upload_mirror().await?;
+            session.upload(None).await?;
         }
         Ok(session)
     }
 
-    /// Copies the mirror into the session's volume, owned by the blocks' user, and has the
-    /// runner take it as seen (those files are no block's changes).
-    async fn upload_mirror(&mut self) -> Result<(), ExecError> {
+    /// Copies the mirror (`None`), or these files of it, into the session's volume, owned by
+    /// the blocks' user, and has the runner take it as seen (those files are no block's
+    /// changes).
+    async fn upload(&mut self, files: Option<Vec<PathBuf>>) -> Result<(), ExecError> {
         let inner = self.executor.inner();
         let owner = block_owner(&inner.config.user);
         let mirror = self.workspace.clone();
@@ -391,7 +392,18 @@ impl DockerSession {
                 max_bytes: u64::MAX,
                 max_entries: usize::MAX,
             };
-            tandem_executor::archive::pack_owned(&mirror, "", &mut out, caps, Some(owner))?;
+            match files {
+                None => drop(tandem_executor::archive::pack_owned(
+                    &mirror,
+                    "",
+                    &mut out,
+                    caps,
+                    Some(owner),
+                )?),
+                Some(files) => {
+                    tandem_executor::archive::pack_files_owned(&mirror, &files, &mut out, owner)?
+                }
+            }
             use std::io::Seek;
             out.rewind()
                 .map_err(|e| ExecError::io("packing the workspace", e))?;
@@ -885,9 +897,10 @@ impl Session for DockerSession {
             let placed =
                 tandem_executor::place_archive(Some(self.workspace.clone()), archive, caps).await?;
             if self.volume.is_some() {
-                // Checked and placed on this machine first; the volume then gets the mirror,
-                // which held everything else already.
-                self.upload_mirror().await?;
+                // Checked and placed on this machine first; the volume then gets those files
+                // from the mirror, as the blocks' user's.
+                let paths: Vec<PathBuf> = placed.iter().map(|f| f.path.clone()).collect();
+                self.upload(Some(paths)).await?;
             }
             Ok(placed)
         })
