@@ -211,7 +211,7 @@ impl DockerFleet {
         };
         for i in 0..fleet.inner.hosts.len() {
             if fleet.inner.hosts[i].up() {
-                fleet.prepare(i).await;
+                prepare(&fleet.inner, i).await;
             }
         }
         let weak = Arc::downgrade(&fleet.inner);
@@ -269,12 +269,6 @@ impl DockerFleet {
                 e.shutdown().await;
             }
         }
-    }
-
-    /// Gets host `i` ready for sessions: the image (from another host when it lacks it),
-    /// nothing left from before, and its warm pool filling.
-    async fn prepare(&self, i: usize) {
-        prepare(&self.inner, i).await;
     }
 
     /// Host indexes to try for `spec`, best first; or why none fits.
@@ -363,7 +357,8 @@ async fn probe_all(weak: &Weak<Inner>) -> bool {
     true
 }
 
-/// See [`DockerFleet::prepare`].
+/// Gets host `i` ready for sessions: nothing left from before, the image (from another
+/// host when it lacks it), and its warm pool filling.
 async fn prepare(inner: &Inner, i: usize) {
     let host = &inner.hosts[i];
     let Some(executor) = host.executor() else {

@@ -744,11 +744,6 @@ impl DockerExecutor {
     pub fn label(&self) -> &str {
         self.inner.config.label()
     }
-
-    /// How many sessions hold a container of this engine now, warm-pool ones included.
-    pub fn live_sessions(&self) -> usize {
-        self.inner.live.lock().map_or(0, |l| l.len())
-    }
 }
 
 async fn image_present(docker: &Docker, image: &str) -> Result<bool, DockerError> {
