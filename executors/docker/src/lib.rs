@@ -28,7 +28,7 @@ use tandem_executor::{BoxFuture, ExecError, Executor, Language, Session, Session
 use tokio::sync::OnceCell;
 
 pub use fleet::{DockerFleet, HostSpec};
-pub use session::RUNNER;
+pub use tandem_executor_runner::RUNNER;
 
 /// Label keys on every container Tandem makes.
 pub mod labels {

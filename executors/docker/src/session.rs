@@ -2,7 +2,6 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use bollard::container::LogOutput;
@@ -11,212 +10,17 @@ use bollard::query_parameters::{
     KillContainerOptionsBuilder, RenameContainerOptionsBuilder,
 };
 use futures::StreamExt;
-use serde::Deserialize;
-use tandem_executor::process::{Bounded, bounded};
-use tandem_executor::workspace::block_script_path;
 use tandem_executor::{
-    BoxFuture, CaptureBuffer, ExecContext, ExecError, ExecOutcome, ExecRequest, ExitStatus, Limits,
-    Session, SessionSpec, Stream, scratch,
+    BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Limits, Session, SessionSpec,
+    scratch,
 };
+use tandem_executor_runner::{Changes, Conn, Frame, FrameReader, Prepared, READY_LIMIT, Request};
 use tempfile::TempDir;
-use tokio::io::{AsyncWrite, AsyncWriteExt};
-use tokio::sync::mpsc;
-use tokio_util::bytes::BytesMut;
-use tokio_util::codec::{Decoder, LengthDelimitedCodec};
+use tokio::io::AsyncWriteExt;
 
 use crate::{
     DockerError, DockerExecutor, WorkspaceMode, engine, labels, remove_container, remove_volume,
 };
-
-/// The in-container runner's source, run as `python3 -I -c RUNNER`: `runner.py`, after the
-/// figures code as the string `FIGURES` its blocks' boot starts with.
-pub static RUNNER: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-    format!(
-        "FIGURES = r\"\"\"{}\"\"\"\n{}",
-        tandem_executor::FIGURES_PY,
-        include_str!("runner.py")
-    )
-});
-
-/// How long a runner may take to start and say it is ready.
-const READY_LIMIT: Duration = Duration::from_secs(30);
-/// How long a killed block may take to be reported before the container is killed.
-const KILL_GRACE: Duration = Duration::from_secs(2);
-
-/// What the runner says, one frame at a time.
-#[derive(Debug)]
-enum Frame {
-    Ready,
-    Output(Stream, Vec<u8>),
-    Dropped(Stream, u64),
-    Exit(ExitFrame),
-    /// Bytes the block wrote on its tools channel.
-    Tool(Vec<u8>),
-    /// What the block changed in a workspace that is the container's own.
-    Changes(Changes),
-    /// A piece of the tar of the files a block changed, sent inline.
-    Archive(Vec<u8>),
-    Done,
-    Error(String),
-}
-
-/// The runner's report of what a block changed in the workspace (`c` frame).
-#[derive(Debug, Default, Deserialize)]
-pub(crate) struct Changes {
-    /// Too much, or something unreadable: copy the whole workspace.
-    all: bool,
-    /// Entries new or changed: path and kind (`f` file, `d` directory, `o` anything else).
-    changed: Vec<(String, String)>,
-    /// Entries gone.
-    removed: Vec<String>,
-    /// The changed files came before this report, as a tar in `a` frames.
-    #[serde(default)]
-    inline: bool,
-}
-
-/// Most bytes of changed files the runner sends inline (its `INLINE_BYTES`, and the tar's
-/// headers): more is not the runner's.
-const INLINE_MAX: usize = 512 * 1024;
-
-#[derive(Debug, Deserialize)]
-struct ExitFrame {
-    code: Option<i32>,
-    signal: Option<i32>,
-    oom: bool,
-}
-
-/// Largest frame the runner sends (its output chunks are 64 KiB); a bigger header is not the
-/// runner's, and is refused before anything is buffered for it.
-const MAX_FRAME: usize = 1 << 20;
-
-/// The runner's framing: a kind byte, a big-endian `u32` payload length, the payload; a
-/// length over [`MAX_FRAME`] is refused before anything is buffered for it.
-fn frame_codec() -> LengthDelimitedCodec {
-    LengthDelimitedCodec::builder()
-        .length_field_offset(1)
-        .length_field_type::<u32>()
-        // Yield the whole frame, kind and length included: the length counts the payload.
-        .length_adjustment(5)
-        .num_skip(0)
-        .max_frame_length(MAX_FRAME)
-        .new_codec()
-}
-
-/// Splits complete frames off the front of `buf`; a frame over [`MAX_FRAME`] ends the stream
-/// with an error (the rest of `buf` is dropped).
-fn parse_frames(codec: &mut LengthDelimitedCodec, buf: &mut BytesMut) -> Vec<Frame> {
-    let mut frames = Vec::new();
-    loop {
-        match codec.decode(buf) {
-            Ok(Some(frame)) => match (frame.first(), frame.get(5..)) {
-                (Some(&kind), Some(payload)) => frames.push(frame_of(kind, payload)),
-                _ => frames.push(Frame::Error("a frame shorter than its header".to_owned())),
-            },
-            Ok(None) => return frames,
-            Err(_) => {
-                let len = buf
-                    .get(1..5)
-                    .map_or(0, |b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]));
-                let kind = buf.first().map_or('?', |k| char::from(*k));
-                frames.push(Frame::Error(format!(
-                    "a frame of {len} bytes (kind {kind:?}) is over the {MAX_FRAME} byte limit"
-                )));
-                buf.clear();
-                return frames;
-            }
-        }
-    }
-}
-
-/// One frame, by its kind byte.
-fn frame_of(kind: u8, payload: &[u8]) -> Frame {
-    let stream = |k: u8| match k.to_ascii_lowercase() {
-        b'e' => Stream::Stderr,
-        _ => Stream::Stdout,
-    };
-    match kind {
-        b'R' => Frame::Ready,
-        k @ (b'o' | b'e') => Frame::Output(stream(k), payload.to_vec()),
-        k @ (b'O' | b'E') => {
-            let mut n = [0u8; 8];
-            n.copy_from_slice(payload.get(..8).unwrap_or(&[0; 8]));
-            Frame::Dropped(stream(k), u64::from_be_bytes(n))
-        }
-        b'x' => match serde_json::from_slice(payload) {
-            Ok(exit) => Frame::Exit(exit),
-            Err(e) => Frame::Error(format!("bad exit frame: {e}")),
-        },
-        b'd' => Frame::Done,
-        b't' => Frame::Tool(payload.to_vec()),
-        b'a' => Frame::Archive(payload.to_vec()),
-        b'c' => match serde_json::from_slice(payload) {
-            Ok(changes) => Frame::Changes(changes),
-            Err(e) => Frame::Error(format!("bad changes frame: {e}")),
-        },
-        _ => Frame::Error(String::from_utf8_lossy(payload).into_owned()),
-    }
-}
-
-/// A live attachment to the runner.
-struct Conn {
-    input: Pin<Box<dyn AsyncWrite + Send>>,
-    frames: mpsc::UnboundedReceiver<Frame>,
-}
-
-impl Conn {
-    async fn send(&mut self, request: &Request<'_>) -> std::io::Result<()> {
-        send_on(&mut self.input, request).await
-    }
-}
-
-async fn send_on(
-    input: &mut Pin<Box<dyn AsyncWrite + Send>>,
-    request: &Request<'_>,
-) -> std::io::Result<()> {
-    let mut line = serde_json::to_string(request).map_err(std::io::Error::other)?;
-    line.push('\n');
-    input.write_all(line.as_bytes()).await?;
-    input.flush().await
-}
-
-/// A block's tools channel, relayed through the runner: the bytes its code writes arrive as
-/// `t` frames and are answered here; the answers go back as `tool` requests.
-struct Relay {
-    to_serve: tokio::io::WriteHalf<tokio::io::DuplexStream>,
-    answers: mpsc::UnboundedReceiver<String>,
-    tasks: [tokio::task::JoinHandle<()>; 2],
-}
-
-impl Relay {
-    fn new(handler: tandem_executor::toolchannel::ToolHandler, token: String) -> Self {
-        use tokio::io::AsyncBufReadExt;
-        let (served, ours) = tokio::io::duplex(1 << 16);
-        let serve = tokio::spawn(tandem_executor::toolchannel::serve(served, token, handler));
-        let (read, to_serve) = tokio::io::split(ours);
-        let (tx, answers) = mpsc::unbounded_channel();
-        let pump = tokio::spawn(async move {
-            let mut lines = tokio::io::BufReader::new(read).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                if tx.send(line + "\n").is_err() {
-                    return;
-                }
-            }
-        });
-        Self {
-            to_serve,
-            answers,
-            tasks: [serve, pump],
-        }
-    }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        for task in &self.tasks {
-            task.abort();
-        }
-    }
-}
 
 /// Where a session container's `/workspace` comes from.
 pub(crate) enum Place {
@@ -430,31 +234,11 @@ impl DockerSession {
 
     /// Sends `op` to the runner and waits for its `d`.
     async fn request_done(&mut self, op: &Request<'_>) -> Result<(), ExecError> {
-        let Some(conn) = self.conn.as_mut() else {
-            return Err(ExecError::Backend(
+        match self.conn.as_mut() {
+            Some(conn) => conn.request_done(op, READY_LIMIT).await,
+            None => Err(ExecError::Backend(
                 "the session container is not running".to_owned(),
-            ));
-        };
-        conn.send(op)
-            .await
-            .map_err(|e| ExecError::io("talking to the session container's runner", e))?;
-        let waited = tokio::time::timeout(READY_LIMIT, async {
-            while let Some(frame) = conn.frames.recv().await {
-                match frame {
-                    Frame::Done => return Ok(()),
-                    Frame::Error(e) => return Err(e),
-                    _ => {}
-                }
-            }
-            Err("the runner went away".to_owned())
-        })
-        .await;
-        match waited {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(ExecError::Backend(format!("Tandem's runner failed: {e}"))),
-            Err(_) => Err(ExecError::Backend(format!(
-                "Tandem's runner did not answer within {READY_LIMIT:?}"
-            ))),
+            )),
         }
     }
 
@@ -663,128 +447,30 @@ impl DockerSession {
     ) -> Result<ExecOutcome, ExecError> {
         let executor = self.executor.clone();
         let inner = executor.inner();
-        let Some(argv0) = req
-            .language
-            .program()
-            .filter(|_| inner.config.languages.contains(&req.language))
-        else {
-            return Err(ExecError::unsupported(
-                &req.language,
-                "docker",
-                &inner.config.languages,
-            ));
-        };
-        self.blocks += 1;
-        // Unnamed blocks run from a hidden file in the workspace, removed afterwards, so
-        // that imports see the files earlier blocks saved.
-        let (rel, transient) =
-            match block_script_path(&req.code, self.blocks, req.language.extension()) {
-                Ok(named) => named,
-                Err(e) => return Ok(ExecOutcome::refused(&e.to_string())),
-            };
-        let path = format!("/workspace/{}", rel.display());
-        let limits = self.limits.clone();
-        // Memory is the container's cgroup limit, not an address-space rlimit.
-        let rlimits: Vec<(String, u64)> = tandem_executor::process::rlimits(&limits)
-            .into_iter()
-            .filter(|(r, _)| *r != nix::sys::resource::Resource::RLIMIT_AS)
-            .filter_map(|(r, limit)| limit.map(|l| (format!("{r:?}"), l)))
-            .collect();
-        let mut env: HashMap<&str, &str> = crate::base_env(&inner.config)
-            .chain([("PYTHONUNBUFFERED", "1"), ("PYTHONDONTWRITEBYTECODE", "1")])
-            .collect();
-        let token = tandem_executor::toolchannel::secret();
-        let mut relay = ctx.tools.clone().map(|handler| {
-            env.insert("TANDEM_TOOLS_TOKEN", &token);
-            Relay::new(handler, token.clone())
-        });
-        let tools = relay.as_ref().map(|_| {
-            HashMap::from([
-                ("tandem_tools.py", tandem_executor::toolchannel::MODULE_PY),
-                ("tandem-tool", tandem_executor::toolchannel::COMMAND),
-            ])
-        });
-        let request = Request::Run {
-            argv: [argv0, &path],
-            path: &path,
-            transient,
-            code: &req.code,
-            env,
-            rlimits,
-            cap: limits.output_bytes,
-            tools,
-        };
         if self.conn.is_none() {
             self.restart().await?;
         }
-        let timeout = req.timeout.unwrap_or(limits.wall);
-        let cap = limits.output_bytes;
-        let started = Instant::now();
+        self.blocks += 1;
+        let sandbox = tandem_executor_runner::Sandbox {
+            executor: "docker",
+            languages: &inner.config.languages,
+            env: crate::base_env(&inner.config).collect(),
+        };
         let Some(conn) = self.conn.as_mut() else {
             return Err(ExecError::Backend(
                 "the session container is not running".to_owned(),
             ));
         };
-        if let Err(e) = conn.send(&request).await {
-            self.conn = None;
-            let e = ExecError::io("sending a block to the session container", e);
-            return Err(lost_or(&self.executor, e).await);
-        }
-
-        let mut streams = Streams {
-            out: CaptureBuffer::new(cap),
-            err: CaptureBuffer::new(cap),
-            runner_error: None,
-            changes: None,
-            inline: Vec::new(),
-        };
-        let (stopped, exit) = match bounded(
-            streams.until_exit(conn, &ctx, relay.as_mut()),
-            timeout,
-            &ctx.cancel,
-        )
-        .await
-        {
-            Bounded::Finished(exit) => (None, exit),
-            stop => {
-                let stopped = match stop {
-                    Bounded::TimedOut => ExitStatus::TimedOut,
-                    _ => ExitStatus::Cancelled,
-                };
-                // The runner kills every process of the block and then reports it.
-                let _ = conn.send(&Request::Kill).await;
-                let exit = tokio::time::timeout(
-                    KILL_GRACE,
-                    streams.until_exit(conn, &ctx, relay.as_mut()),
-                )
+        let limits = self.limits.clone();
+        let block =
+            match tandem_executor_runner::run(conn, &sandbox, &req, &ctx, &limits, self.blocks)
                 .await
-                .ok()
-                .flatten();
-                (Some(stopped), exit)
-            }
-        };
-        let Streams {
-            out,
-            err,
-            runner_error,
-            changes,
-            inline,
-        } = streams;
-        let duration = started.elapsed();
-        let answered = exit.is_some();
-        let status = match (stopped, exit) {
-            (Some(stopped), _) => stopped,
-            (None, Some(ExitFrame { oom: true, .. })) => ExitStatus::OutOfMemory,
-            (
-                None,
-                Some(ExitFrame {
-                    code: Some(code), ..
-                }),
-            ) => ExitStatus::Exited(code),
-            (None, Some(ExitFrame { signal, .. })) => ExitStatus::Signaled(signal.unwrap_or(9)),
-            (None, None) => ExitStatus::Signaled(9),
-        };
-        if !answered {
+            {
+                Ok(Prepared::Ready(block)) => block,
+                Ok(Prepared::Refused(outcome)) => return Ok(outcome),
+                Err(e) => return Err(e),
+            };
+        if !block.answered {
             // No report: the runner is gone or stuck. Kill the container; the next block
             // starts it again.
             tracing::warn!(container = %self.id, "the runner stopped answering; restarting the container for the next block");
@@ -800,31 +486,28 @@ impl DockerSession {
                 });
             }
         }
-        if let Some(e) = runner_error {
+        if let Some(e) = &block.runner_error {
             return Err(ExecError::Backend(format!("Tandem's runner failed: {e}")));
         }
+        let mut block = *block;
         if self.volume.is_some() {
             // Copied out after every block: the host copy is what the task's files API shows
             // and what carries the task on if this engine goes away.
-            let changes = if answered {
-                changes.unwrap_or_default()
-            } else {
-                Changes {
+            let changes = match block.changes.take() {
+                Some(changes) if block.answered => changes,
+                _ if block.answered => Changes::default(),
+                _ => Changes {
                     all: true,
                     ..Changes::default()
-                }
+                },
             };
+            let inline = std::mem::take(&mut block.inline);
             if let Err(e) = self.sync(changes, inline).await {
                 tracing::warn!(container = %self.id, error = %e, "copying the workspace out failed; the next block copies all of it");
                 self.resync = true;
             }
         }
-        Ok(ExecOutcome {
-            status,
-            stdout: out.finish(),
-            stderr: err.finish(),
-            duration,
-        })
+        Ok(block.outcome())
     }
 
     async fn shutdown(&mut self) -> Result<(), ExecError> {
@@ -840,17 +523,8 @@ impl DockerSession {
             // The volume goes with the session; the mirror is Tandem's own.
             self.conn = None;
         }
-        if let Some(mut conn) = self.conn.take()
-            && conn.send(&op).await.is_ok()
-        {
-            let _ = tokio::time::timeout(Duration::from_secs(5), async {
-                while let Some(frame) = conn.frames.recv().await {
-                    if matches!(frame, Frame::Done) {
-                        break;
-                    }
-                }
-            })
-            .await;
+        if let Some(mut conn) = self.conn.take() {
+            let _ = conn.request_done(&op, Duration::from_secs(5)).await;
         }
         remove_container(&self.executor.inner().docker, &self.id).await;
         if let Some(volume) = self.volume.take() {
@@ -961,16 +635,12 @@ async fn start(executor: &DockerExecutor, id: &str) -> Result<Conn, ExecError> {
         .start_container(id, None)
         .await
         .map_err(engine("starting the session container"))?;
-    let (tx, frames) = mpsc::unbounded_channel();
-    tokio::spawn(read_frames(attach.output, tx));
-    let mut conn = Conn {
-        input: attach.input,
-        frames,
-    };
+    let (mut conn, reader) = Conn::new(attach.input);
+    tokio::spawn(read_frames(attach.output, reader));
     let image = &executor.inner().config.image;
-    match tokio::time::timeout(READY_LIMIT, conn.frames.recv()).await {
-        Ok(Some(Frame::Ready)) => Ok(conn),
-        Ok(other) => Err(ExecError::Unavailable {
+    match conn.ready().await {
+        Ok(Ok(())) => Ok(conn),
+        Ok(Err(other)) => Err(ExecError::Unavailable {
             what: format!("Tandem's runner in image `{image}`"),
             hint: format!(
                 "it did not start ({}); the image needs python3 on its PATH",
@@ -984,6 +654,29 @@ async fn start(executor: &DockerExecutor, id: &str) -> Result<Conn, ExecError> {
         Err(_) => Err(ExecError::Backend(format!(
             "the session container from `{image}` did not get ready within {READY_LIMIT:?}"
         ))),
+    }
+}
+
+/// Feeds what the attached runner writes to its connection.
+async fn read_frames(
+    mut output: std::pin::Pin<
+        Box<dyn futures::Stream<Item = Result<LogOutput, bollard::errors::Error>> + Send>,
+    >,
+    mut reader: FrameReader,
+) {
+    while let Some(item) = output.next().await {
+        let more = match item {
+            Ok(LogOutput::StdOut { message }) => reader.stdout(&message),
+            Ok(LogOutput::StdErr { message }) => reader.stderr(&message),
+            Ok(_) => true,
+            Err(e) => {
+                tracing::debug!(error = %e, "the runner's output stream ended");
+                false
+            }
+        };
+        if !more {
+            return;
+        }
     }
 }
 
@@ -1006,9 +699,7 @@ impl Warm {
 
     /// Whether its runner is still attached (a container that died in the pool is not).
     pub(crate) fn alive(&mut self) -> bool {
-        self.conn
-            .as_mut()
-            .is_some_and(|c| matches!(c.frames.try_recv(), Err(mpsc::error::TryRecvError::Empty)))
+        self.conn.as_mut().is_some_and(Conn::alive)
     }
 
     /// Removes the container and its workspace now.
@@ -1064,149 +755,6 @@ fn docker_name_part(text: &str) -> String {
             }
         })
         .collect()
-}
-
-/// A request to the in-container runner (`runner.py`), one JSON line each.
-#[derive(Debug, serde::Serialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
-pub(crate) enum Request<'a> {
-    /// Run a block: write `code` to `path` (removed afterwards when `transient`), run `argv`
-    /// as the block's user with `env` and `rlimits`, stream at most `cap` bytes per stream.
-    Run {
-        argv: [&'a str; 2],
-        path: &'a str,
-        transient: bool,
-        code: &'a str,
-        env: HashMap<&'a str, &'a str>,
-        rlimits: Vec<(String, u64)>,
-        cap: usize,
-        /// The tools module and command, by file name, when the block may call tools.
-        #[serde(skip_serializing_if = "Option::is_none")]
-        tools: Option<HashMap<&'a str, &'a str>>,
-    },
-    /// Kill every process of the running block; it is then reported as done.
-    Kill,
-    /// An answer on the running block's tools channel.
-    Tool {
-        /// The bytes to write to it.
-        data: &'a str,
-    },
-    /// Remove the files of a temporary workspace, which the block's user may own.
-    Wipe,
-    /// Give a kept workspace's files back to the host user.
-    Release,
-    /// Take the workspace as it is now as what Tandem has seen.
-    Rescan,
-}
-
-/// A block's two output streams as the runner reports them.
-struct Streams {
-    out: CaptureBuffer,
-    err: CaptureBuffer,
-    runner_error: Option<String>,
-    changes: Option<Changes>,
-    /// The tar of the changed files, as the runner sent it inline.
-    inline: Vec<u8>,
-}
-
-impl Streams {
-    /// Takes the runner's frames until the block's exit report (`None`: the runner is gone
-    /// or failed); stopping it between frames loses nothing, so it can be resumed.
-    async fn until_exit(
-        &mut self,
-        conn: &mut Conn,
-        ctx: &ExecContext,
-        mut relay: Option<&mut Relay>,
-    ) -> Option<ExitFrame> {
-        let Conn { input, frames } = conn;
-        loop {
-            let answer = async {
-                match relay.as_mut() {
-                    Some(r) => r.answers.recv().await,
-                    None => std::future::pending().await,
-                }
-            };
-            let frame = tokio::select! {
-                frame = frames.recv() => frame?,
-                Some(line) = answer => {
-                    if send_on(input, &Request::Tool { data: &line }).await.is_err() {
-                        return None;
-                    }
-                    continue;
-                }
-            };
-            match frame {
-                Frame::Tool(bytes) => {
-                    if let Some(r) = relay.as_mut() {
-                        // A channel that stopped being served (a wrong token) takes no more.
-                        let _ = r.to_serve.write_all(&bytes).await;
-                    }
-                }
-                Frame::Output(stream, data) => {
-                    let buf = match stream {
-                        Stream::Stdout => &mut self.out,
-                        Stream::Stderr => &mut self.err,
-                    };
-                    let live = buf.push(&data);
-                    if live > 0 {
-                        (ctx.sink)(stream, &data[..live]);
-                    }
-                }
-                Frame::Dropped(Stream::Stdout, n) => self.out.skip(n),
-                Frame::Dropped(Stream::Stderr, n) => self.err.skip(n),
-                Frame::Changes(changes) => self.changes = Some(changes),
-                Frame::Archive(bytes) => {
-                    if self.inline.len() + bytes.len() > INLINE_MAX {
-                        self.runner_error =
-                            Some(format!("changed files inline over {INLINE_MAX} bytes"));
-                        return None;
-                    }
-                    self.inline.extend_from_slice(&bytes);
-                }
-                Frame::Exit(exit) => return Some(exit),
-                Frame::Error(e) => {
-                    self.runner_error = Some(e);
-                    return None;
-                }
-                Frame::Ready | Frame::Done => {}
-            }
-        }
-    }
-}
-
-async fn read_frames(
-    mut output: Pin<
-        Box<dyn futures::Stream<Item = Result<LogOutput, bollard::errors::Error>> + Send>,
-    >,
-    tx: mpsc::UnboundedSender<Frame>,
-) {
-    let mut buf = BytesMut::new();
-    let mut codec = frame_codec();
-    while let Some(item) = output.next().await {
-        match item {
-            Ok(LogOutput::StdOut { message }) => {
-                buf.extend_from_slice(&message);
-                for frame in parse_frames(&mut codec, &mut buf) {
-                    // After an error the stream is out of step; the session restarts the
-                    // container rather than read on.
-                    let broken = matches!(frame, Frame::Error(_));
-                    if tx.send(frame).is_err() || broken {
-                        return;
-                    }
-                }
-            }
-            Ok(LogOutput::StdErr { message }) => {
-                let text = String::from_utf8_lossy(&message);
-                tracing::warn!(runner = %text.trim_end(), "the runner wrote to stderr");
-                let _ = tx.send(Frame::Error(text.trim_end().to_owned()));
-            }
-            Ok(_) => {}
-            Err(e) => {
-                tracing::debug!(error = %e, "the runner's output stream ended");
-                break;
-            }
-        }
-    }
 }
 
 /// `error`, or that the session was lost when its engine no longer answers.
@@ -1294,47 +842,4 @@ async fn blocking(
 fn set_mode(path: &Path, mode: u32) -> std::io::Result<()> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn frames_split_across_chunks() {
-        let mut wire = Vec::new();
-        for (k, p) in [
-            (b'R', b"{}".to_vec()),
-            (b'o', b"hi\n".to_vec()),
-            (b'E', 7u64.to_be_bytes().to_vec()),
-        ] {
-            wire.push(k);
-            wire.extend_from_slice(&(p.len() as u32).to_be_bytes());
-            wire.extend_from_slice(&p);
-        }
-        let mut codec = frame_codec();
-        let mut buf = BytesMut::from(&wire[..7]);
-        let first = parse_frames(&mut codec, &mut buf);
-        assert!(matches!(first.as_slice(), [Frame::Ready]));
-        buf.extend_from_slice(&wire[7..]);
-        let rest = parse_frames(&mut codec, &mut buf);
-        assert!(matches!(
-            rest.as_slice(),
-            [Frame::Output(Stream::Stdout, d), Frame::Dropped(Stream::Stderr, 7)] if d == b"hi\n"
-        ));
-        assert!(buf.is_empty());
-    }
-
-    #[test]
-    fn a_frame_claiming_gigabytes_is_refused_before_it_is_buffered() {
-        let mut buf = BytesMut::from(&b"o"[..]);
-        buf.extend_from_slice(&u32::MAX.to_be_bytes());
-        buf.extend_from_slice(b"the start of 4 GiB");
-        let frames = parse_frames(&mut frame_codec(), &mut buf);
-        assert!(
-            matches!(frames.as_slice(), [Frame::Error(e)] if e == "a frame of 4294967295 bytes (kind 'o') is over the 1048576 byte limit"),
-            "{frames:?}"
-        );
-        assert!(buf.is_empty());
-    }
 }

@@ -10,13 +10,18 @@
 #     this way; the rest Tandem copies through the engine's archive calls)
 # Requests: {"op": "run", ...}, {"op": "kill"} and {"op": "tool", "data": ...} (the answer
 # to a call, while a block runs), {"op": "wipe"}, {"op": "release"}, {"op": "rescan"} (take
-# the workspace as it is now as seen, after Tandem put files in it). The whole container is the session, so after a block ends every
-# process but init and this runner is killed: nothing a block starts outlives it.
+# the workspace as it is now as seen, after Tandem put files in it). The whole container is
+# the session, so after a block ends every process but init and this runner is killed:
+# nothing a block starts outlives it.
 #
 # The runner runs as root with only CAP_SETUID, CAP_SETGID and CAP_KILL; every block, and
 # everything that touches the workspace on a block's behalf, runs as the unprivileged user
 # named by argv[1]. Being another user is what keeps a block away from the runner: it cannot
 # open /proc/<runner>/fd/1 to forge frames, read the requests on fd 0, or signal the runner.
+# Where the sandbox forbids root (a Kubernetes pod with runAsNonRoot), the runner starts as
+# the blocks' user and makes itself undumpable instead, which keeps its /proc entries and
+# descriptors out of a block's reach; a block can still kill it, and the session then ends as
+# when a block kills the container, with a new runner in its place.
 #
 # It is not the local executor's fork server because its boundary is another: the uid and
 # the container's pid namespace (kill(-1) ends a block's every process), where the fork
@@ -577,7 +582,18 @@ os.set_blocking(WAKE_W, False)
 signal.set_wakeup_fd(WAKE_W)
 signal.signal(signal.SIGCHLD, lambda *_: None)
 signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-if SYNC:
+if os.getuid() != 0:
+    # Started as the blocks' own user (a pod that runs as non-root): what keeps a block from
+    # opening /proc/<runner>/fd/1 to forge frames, reading its requests on fd 0 or tracing it
+    # is that the runner is not dumpable, which makes its /proc entries root's. A block gets
+    # its own flag back when it execs.
+    import ctypes
+
+    PR_SET_DUMPABLE = 4
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        send(b"!", b"cannot make the runner undumpable")
+        os._exit(1)
+if SYNC and os.getuid() == 0:
     # A new volume is root's; the blocks' user must be able to write it, and the runner,
     # its owner, may open it up without any capability.
     try:
