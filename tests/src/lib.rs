@@ -8,6 +8,7 @@
 
 pub mod conformance;
 pub mod daemon;
+pub mod kubernetes;
 pub mod mcp;
 pub mod second_engine;
 pub mod webdriver;

@@ -1,10 +1,11 @@
-//! Library-level suites: executors (local, Docker, WASM, plugins) against the conformance kit, the
+//! Library-level suites: executors (local, Docker, Kubernetes, WASM, plugins) against the conformance kit, the
 //! turn loop in-process against the scripted server over real HTTP.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod docker_executor;
 mod docker_hosts;
 mod hostile;
+mod kubernetes;
 mod local_executor;
 mod plugin_executor;
 mod teams;

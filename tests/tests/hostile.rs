@@ -14,6 +14,7 @@ use tandem_executor::{
     Limits,
 };
 use tandem_executor_docker::{DockerConfig, DockerExecutor};
+use tandem_executor_kubernetes::{KubernetesConfig, KubernetesExecutor};
 use tandem_executor_local::{Confine, LocalConfig, LocalExecutor};
 use tandem_executor_wasm::{WasmConfig, WasmExecutor};
 use tandem_tests::conformance::{self, run};
@@ -24,6 +25,8 @@ enum Kind {
     Docker,
     /// Docker on a second engine reached over TLS, with volume workspaces: a remote host.
     DockerTls,
+    /// Kubernetes pods from docs/deploy/kubernetes/, through the stand-in API server.
+    Kubernetes,
     Wasm,
 }
 
@@ -76,7 +79,13 @@ impl Host {
         std::fs::write(host.secrets.path().join("secret.txt"), &host.secret).unwrap();
         std::fs::create_dir_all(home.join(".ssh")).unwrap();
         std::fs::write(&host.ssh_key, &host.secret).unwrap();
-        for kind in [Kind::Local, Kind::Docker, Kind::DockerTls, Kind::Wasm] {
+        for kind in [
+            Kind::Local,
+            Kind::Docker,
+            Kind::DockerTls,
+            Kind::Kubernetes,
+            Kind::Wasm,
+        ] {
             std::fs::create_dir(host.outside.path().join(format!("{kind:?}"))).unwrap();
         }
         host
@@ -260,7 +269,7 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
             Kind::Wasm => Verdict::NotApplicable,
             // No process limit applies to the daemon's user (and none at all to root).
             Kind::Local => Verdict::NotRun,
-            Kind::Docker | Kind::DockerTls => {
+            Kind::Docker | Kind::DockerTls | Kind::Kubernetes => {
                 let mut s = conformance::open(executor, short()).await;
                 run(&mut *s, "sh", "b() { b | b & }; b").await;
                 let ps = run(&mut *s, "sh", "ls -d /proc/[0-9]* | wc -l").await;
@@ -362,15 +371,21 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
             Verdict::Contained
         }
         12 => {
-            if !matches!(kind, Kind::Docker | Kind::DockerTls) {
+            if !matches!(kind, Kind::Docker | Kind::DockerTls | Kind::Kubernetes) {
                 return Verdict::NotApplicable;
             }
             let mut s = conformance::open(executor, short()).await;
             let forge = "import json, os, struct\ndef frame(k, p):\n    return k + struct.pack('>I', len(p)) + p\nexit = json.dumps({'code': 42, 'signal': None, 'oom': False}).encode()\nreached = []\nfor pid in os.listdir('/proc'):\n    if pid.isdigit() and int(pid) != os.getpid():\n        try:\n            fd = os.open('/proc/%s/fd/1' % pid, os.O_WRONLY)\n            os.write(fd, frame(b'o', b'FORGED\\n') + frame(b'x', exit) + b'o\\xff\\xff\\xff\\xff')\n            reached.append(pid)\n        except OSError:\n            pass\nprint('reached', reached)";
             let out = run(&mut *s, "python", forge).await;
+            // A pod's main process runs as the pod's user, as the blocks do: its stdout (the
+            // pod's log) can be written, and carries nothing to Tandem. The runner's cannot.
+            let expected = match kind {
+                Kind::Kubernetes => "reached ['1']\n",
+                _ => "reached []\n",
+            };
             assert_eq!(
                 (out.status, out.stdout.to_text()),
-                (ExitStatus::Exited(0), "reached []\n".to_owned()),
+                (ExitStatus::Exited(0), expected.to_owned()),
                 "{}",
                 status_text(&out)
             );
@@ -474,7 +489,10 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
     }
 }
 
-async fn executors() -> Vec<(Kind, Arc<dyn Executor>)> {
+async fn executors() -> (
+    Vec<(Kind, Arc<dyn Executor>)>,
+    tandem_tests::kubernetes::FakeCluster,
+) {
     let docker = DockerExecutor::connect(DockerConfig {
         image: std::env::var("TANDEM_DOCKER_IMAGE")
             .unwrap_or_else(|_| "tandem-sandbox:latest".to_owned()),
@@ -493,22 +511,33 @@ async fn executors() -> Vec<(Kind, Arc<dyn Executor>)> {
     for (runtime, result) in wasm.warm().await {
         result.unwrap_or_else(|e| panic!("{}: {e}", runtime.file_name()));
     }
-    vec![
+    let cluster = tandem_tests::kubernetes::FakeCluster::start().await;
+    cluster.apply_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/deploy/kubernetes"));
+    let kubernetes = KubernetesExecutor::connect(KubernetesConfig {
+        url: Some(cluster.url.clone()),
+        ..KubernetesConfig::default()
+    })
+    .await
+    .unwrap();
+    kubernetes.check().await.unwrap();
+    let executors = vec![
         (
             Kind::Local,
             Arc::new(LocalExecutor::new(LocalConfig::default())) as Arc<dyn Executor>,
         ),
         (Kind::Docker, Arc::new(docker)),
         (Kind::DockerTls, Arc::new(remote)),
+        (Kind::Kubernetes, Arc::new(kubernetes)),
         (Kind::Wasm, Arc::new(wasm)),
-    ]
+    ];
+    (executors, cluster)
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn every_case_against_every_executor_matches_the_security_table() {
     let host = Host::new();
     let _engine = tandem_tests::second_engine::EXCLUSIVE.read().await;
-    let executors = executors().await;
+    let (executors, cluster) = executors().await;
     // Executors side by side, cases one after another within each; a case that breaks is
     // reported with every other one, not instead of them.
     let columns = futures::future::join_all(executors.iter().map(|(kind, executor)| {
@@ -540,8 +569,14 @@ async fn every_case_against_every_executor_matches_the_security_table() {
         .into_iter()
         .map(|c| c.into_iter().flatten().collect())
         .collect();
-    let mut table =
-        "| case | local | docker | docker, TLS host | wasm |\n|---|---|---|---|---|\n".to_owned();
+    // Every session the cases opened deleted its claim, and with it its pod.
+    assert_eq!(
+        cluster.objects("sandboxclaims"),
+        Vec::<serde_json::Value>::new()
+    );
+    cluster.stop().await;
+    let mut table = "| case | local | docker | docker, TLS host | kubernetes | wasm |\n|---|---|---|---|---|---|\n"
+        .to_owned();
     for (i, name) in CASES.iter().enumerate() {
         let cells: Vec<&str> = columns.iter().map(|c| c[i].cell()).collect();
         table.push_str(&format!("| {name} | {} |\n", cells.join(" | ")));

@@ -30,16 +30,6 @@ pub(crate) enum Place {
     Volume(String),
 }
 
-/// Copying the workspace out after a block: more changed files than this are fetched as one
-/// archive of the whole workspace instead of one request each.
-const WHOLE_AFTER: usize = 16;
-
-/// How much of a workspace is copied out to the mirror.
-const MIRROR_CAPS: tandem_executor::archive::ArchiveCaps = tandem_executor::archive::ArchiveCaps {
-    max_bytes: 16 << 30,
-    max_entries: 200_000,
-};
-
 pub(crate) struct DockerSession {
     executor: DockerExecutor,
     id: String,
@@ -176,7 +166,9 @@ impl DockerSession {
         };
         // On failure the session is dropped, which removes the container.
         session.conn = Some(start(&session.executor, &session.id).await?);
-        if session.volume.is_some() && has_entries(&session.workspace) {
+        if session.volume.is_some()
+            && tandem_executor_runner::mirror::has_entries(&session.workspace)
+        {
             session.upload(None).await?;
         }
         Ok(session)
@@ -188,33 +180,7 @@ impl DockerSession {
     async fn upload(&mut self, files: Option<Vec<PathBuf>>) -> Result<(), ExecError> {
         let inner = self.executor.inner();
         let owner = block_owner(&inner.config.user);
-        let mirror = self.workspace.clone();
-        let packed = tokio::task::spawn_blocking(move || {
-            let mut out = tempfile::tempfile()
-                .map_err(|e| ExecError::io("making room to pack the workspace", e))?;
-            let caps = tandem_executor::archive::ArchiveCaps {
-                max_bytes: u64::MAX,
-                max_entries: usize::MAX,
-            };
-            match files {
-                None => drop(tandem_executor::archive::pack_owned(
-                    &mirror,
-                    "",
-                    &mut out,
-                    caps,
-                    Some(owner),
-                )?),
-                Some(files) => {
-                    tandem_executor::archive::pack_files_owned(&mirror, &files, &mut out, owner)?
-                }
-            }
-            use std::io::Seek;
-            out.rewind()
-                .map_err(|e| ExecError::io("packing the workspace", e))?;
-            Ok::<_, ExecError>(out)
-        })
-        .await
-        .map_err(|e| ExecError::Backend(format!("packing the workspace stopped: {e}")))??;
+        let packed = tandem_executor_runner::mirror::pack(&self.workspace, files, owner).await?;
         let body = tokio_util::io::ReaderStream::new(tokio::fs::File::from_std(packed));
         inner
             .docker
@@ -245,90 +211,19 @@ impl DockerSession {
     /// Brings the mirror up to date with what a block changed in the volume, through the
     /// engine's archive calls.
     async fn sync(&mut self, changes: Changes, inline: Vec<u8>) -> Result<(), ExecError> {
-        let whole = changes.all
-            || self.resync
-            || (!changes.inline
-                && changes.changed.iter().filter(|(_, k)| k == "f").count() > WHOLE_AFTER);
-        let mirror = self.workspace.clone();
-        let docker = self.executor.inner().docker.clone();
-        if whole {
-            let archive = fetch(&docker, &self.id, "/workspace").await?;
-            let Some(archive) = archive else {
-                return Ok(());
-            };
-            blocking(move || {
-                let placed = tandem_executor::archive::unpack_beneath(
-                    &mirror,
-                    Path::new(""),
-                    Some("workspace"),
-                    std::io::BufReader::new(archive),
-                    MIRROR_CAPS,
-                )?;
-                let kept: std::collections::HashSet<_> =
-                    placed.into_iter().map(|f| f.path).collect();
-                for f in tandem_executor::archive::list(&mirror, MIRROR_CAPS.max_entries)? {
-                    if !kept.contains(&f.path) {
-                        tandem_executor::archive::remove_beneath(
-                            &mirror,
-                            &f.path.to_string_lossy(),
-                        )?;
-                    }
-                }
-                Ok(())
-            })
-            .await?;
-            self.resync = false;
-            return Ok(());
-        }
-        for path in changes.removed {
-            let mirror = mirror.clone();
-            blocking(move || tandem_executor::archive::remove_beneath(&mirror, &path)).await?;
-        }
-        for (path, kind) in changes.changed {
-            let rel = PathBuf::from(&path);
-            let parent = rel.parent().map(Path::to_owned).unwrap_or_default();
-            let archive = match kind.as_str() {
-                // Came inline, unpacked below.
-                "f" if changes.inline => continue,
-                "f" => match fetch(&docker, &self.id, &format!("/workspace/{path}")).await? {
-                    Some(archive) => archive,
-                    None => continue,
-                },
-                "d" => empty_archive()?,
-                // Links and the like are not copied: what was there before goes.
-                _ => {
-                    let mirror = mirror.clone();
-                    blocking(move || tandem_executor::archive::remove_beneath(&mirror, &path))
-                        .await?;
-                    continue;
-                }
-            };
-            let (mirror, sub) = (mirror.clone(), if kind == "d" { rel } else { parent });
-            blocking(move || {
-                tandem_executor::archive::unpack_beneath(
-                    &mirror,
-                    &sub,
-                    None,
-                    std::io::BufReader::new(archive),
-                    MIRROR_CAPS,
-                )
-                .map(drop)
-            })
-            .await?;
-        }
-        if changes.inline {
-            blocking(move || {
-                tandem_executor::archive::unpack_beneath(
-                    &mirror,
-                    Path::new(""),
-                    None,
-                    std::io::Cursor::new(inline),
-                    MIRROR_CAPS,
-                )
-                .map(drop)
-            })
-            .await?;
-        }
+        let mut fetch = Archives {
+            docker: self.executor.inner().docker.clone(),
+            id: self.id.clone(),
+        };
+        tandem_executor_runner::mirror::sync(
+            &self.workspace,
+            changes,
+            inline,
+            self.resync,
+            &mut fetch,
+        )
+        .await?;
+        self.resync = false;
         Ok(())
     }
 
@@ -768,11 +663,6 @@ async fn lost_or(executor: &DockerExecutor, error: ExecError) -> ExecError {
     }
 }
 
-/// Whether the directory at `path` holds anything.
-fn has_entries(path: &Path) -> bool {
-    std::fs::read_dir(path).is_ok_and(|mut d| d.next().is_some())
-}
-
 /// The numeric `uid`, `gid` of a `uid:gid` user, for files put in a volume; a name (which
 /// only the image can resolve) falls back to nobody's.
 fn block_owner(user: &str) -> (u64, u64) {
@@ -781,62 +671,47 @@ fn block_owner(user: &str) -> (u64, u64) {
     (uid, g.parse().unwrap_or(uid))
 }
 
-/// The engine's archive of `path` in container `id`, spooled to a temporary file; `None`
-/// when the path is gone.
-async fn fetch(
-    docker: &bollard::Docker,
-    id: &str,
-    path: &str,
-) -> Result<Option<std::fs::File>, ExecError> {
-    use tokio::io::AsyncSeekExt;
-    let io = |e| ExecError::io("copying the workspace out", e);
-    let mut out = tokio::fs::File::from_std(tempfile::tempfile().map_err(io)?);
-    let mut stream = docker.download_from_container(
-        id,
-        Some(
-            bollard::query_parameters::DownloadFromContainerOptionsBuilder::default()
-                .path(path)
-                .build(),
-        ),
-    );
-    while let Some(chunk) = stream.next().await {
-        match chunk {
-            Ok(bytes) => out.write_all(&bytes).await.map_err(io)?,
-            Err(bollard::errors::Error::DockerResponseServerError {
-                status_code: 404, ..
-            }) => return Ok(None),
-            Err(e) => {
-                return Err(DockerError::Engine {
-                    what: format!("copying `{path}` out of the session container"),
-                    source: e,
+/// Copies paths out of a container through the engine's archive call.
+struct Archives {
+    docker: bollard::Docker,
+    id: String,
+}
+
+impl tandem_executor_runner::mirror::Fetch for Archives {
+    fn fetch(&mut self, path: String) -> BoxFuture<'_, Result<Option<std::fs::File>, ExecError>> {
+        Box::pin(async move {
+            use tokio::io::AsyncSeekExt;
+            let io = |e| ExecError::io("copying the workspace out", e);
+            let mut out = tokio::fs::File::from_std(tempfile::tempfile().map_err(io)?);
+            let mut stream = self.docker.download_from_container(
+                &self.id,
+                Some(
+                    bollard::query_parameters::DownloadFromContainerOptionsBuilder::default()
+                        .path(&path)
+                        .build(),
+                ),
+            );
+            while let Some(chunk) = stream.next().await {
+                match chunk {
+                    Ok(bytes) => out.write_all(&bytes).await.map_err(io)?,
+                    Err(bollard::errors::Error::DockerResponseServerError {
+                        status_code: 404,
+                        ..
+                    }) => return Ok(None),
+                    Err(e) => {
+                        return Err(DockerError::Engine {
+                            what: format!("copying `{path}` out of the session container"),
+                            source: e,
+                        }
+                        .into());
+                    }
                 }
-                .into());
             }
-        }
+            out.flush().await.map_err(io)?;
+            out.rewind().await.map_err(io)?;
+            Ok(Some(out.into_std().await))
+        })
     }
-    out.flush().await.map_err(io)?;
-    out.rewind().await.map_err(io)?;
-    Ok(Some(out.into_std().await))
-}
-
-/// An archive with nothing in it.
-fn empty_archive() -> Result<std::fs::File, ExecError> {
-    use std::io::{Seek, Write};
-    let io = |e| ExecError::io("copying the workspace out", e);
-    let mut file = tempfile::tempfile().map_err(io)?;
-    file.write_all(&[0u8; 1024]).map_err(io)?;
-    file.rewind().map_err(io)?;
-    Ok(file)
-}
-
-/// Runs archive work off the async threads.
-async fn blocking(
-    work: impl FnOnce() -> Result<(), tandem_executor::archive::ArchiveError> + Send + 'static,
-) -> Result<(), ExecError> {
-    tokio::task::spawn_blocking(work)
-        .await
-        .map_err(|e| ExecError::Backend(format!("copying the workspace out stopped: {e}")))?
-        .map_err(ExecError::Files)
 }
 
 fn set_mode(path: &Path, mode: u32) -> std::io::Result<()> {

@@ -2,6 +2,8 @@
 //! per line in, frames out. The container executors (Docker, Kubernetes) start the runner in
 //! their sandbox, by attach or by exec, and talk to it the same way through this crate.
 
+pub mod mirror;
+
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
@@ -27,6 +29,20 @@ pub static RUNNER: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
         include_str!("runner.py")
     )
 });
+
+/// A short program that reads the runner's source from stdin (its length in decimal on one
+/// line, then the source) and runs it, as `python3 -I -c BOOT USER [volume]`: for sandboxes
+/// entered by exec, where the whole runner would not fit a command line. Nothing else is
+/// sent before the runner says it is ready, so its buffered reads take nothing of the
+/// requests.
+pub const BOOT: &str = "import sys\nn = int(sys.stdin.buffer.readline())\nexec(compile(sys.stdin.buffer.read(n), 'tandem-runner', 'exec'))\n";
+
+/// What a runner started with [`BOOT`] must be sent first.
+pub fn boot_payload() -> Vec<u8> {
+    let mut payload = format!("{}\n", RUNNER.len()).into_bytes();
+    payload.extend_from_slice(RUNNER.as_bytes());
+    payload
+}
 
 /// How long a runner may take to start and say it is ready, or to finish a request.
 pub const READY_LIMIT: Duration = Duration::from_secs(30);

@@ -586,13 +586,16 @@ if os.getuid() != 0:
     # Started as the blocks' own user (a pod that runs as non-root): what keeps a block from
     # opening /proc/<runner>/fd/1 to forge frames, reading its requests on fd 0 or tracing it
     # is that the runner is not dumpable, which makes its /proc entries root's. A block gets
-    # its own flag back when it execs.
+    # its own flag back when it execs. Such a sandbox's init may reap nothing (`sleep` as a
+    # pod's main process), so the runner also takes in what a block's processes orphan.
     import ctypes
 
-    PR_SET_DUMPABLE = 4
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+    PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         send(b"!", b"cannot make the runner undumpable")
         os._exit(1)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 if SYNC and os.getuid() == 0:
     # A new volume is root's; the blocks' user must be able to write it, and the runner,
     # its owner, may open it up without any capability.
@@ -600,6 +603,9 @@ if SYNC and os.getuid() == 0:
         os.chmod(WORKSPACE, 0o777)
     except OSError as e:
         send(b"!", ("cannot open the workspace to the blocks' user: %s" % e).encode())
+# A runner started again in a sandbox whose last runner died (a pod is not restarted for it)
+# finds what that runner's last block left running.
+kill_all()
 send(b"R", json.dumps({"python": sys.version.split()[0]}).encode())
 buf = b""
 while True:

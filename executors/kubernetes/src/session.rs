@@ -1,0 +1,650 @@
+//! One session's claim: make it, wait for its sandbox, exec the runner in its pod, run
+//! blocks, delete it.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, AttachParams, AttachedProcess, DynamicObject, PostParams};
+use tandem_executor::{
+    BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Limits, Session, SessionSpec,
+    scratch,
+};
+use tandem_executor_runner::{Changes, Conn, Frame, FrameReader, Prepared, Request, mirror};
+use tempfile::TempDir;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::{KubernetesError, KubernetesExecutor, claims_resource, sandboxes_resource};
+
+/// The annotation on a `Sandbox` naming its pod when it is not the sandbox's own name (a pod
+/// adopted from a warm pool).
+const POD_NAME_ANNOTATION: &str = "agents.x-k8s.io/pod-name";
+
+/// How often a claim is looked at while it waits for its sandbox.
+const POLL: Duration = Duration::from_millis(200);
+
+/// Largest piece the exec stream buffers in each direction.
+const EXEC_BUFFER: usize = 1 << 16;
+
+pub(crate) struct KubeSession {
+    executor: KubernetesExecutor,
+    /// The claim's name, which is also how Tandem knows the session.
+    claim: String,
+    /// The pod the sandbox runs in, once bound.
+    pod: PodExec,
+    /// The mirror of the pod's workspace on this machine.
+    workspace: PathBuf,
+    owned_workspace: Option<TempDir>,
+    /// The mirror missed a block's changes: the next copy takes the whole workspace.
+    resync: bool,
+    limits: Limits,
+    /// `None` after the runner died; the next block starts another in the same pod.
+    runner: Option<Runner>,
+    blocks: u32,
+    closed: bool,
+}
+
+/// A runner exec'd in the pod: the connection, and the exec that carries it (dropping it
+/// ends the stream, and with it the runner).
+struct Runner {
+    conn: Conn,
+    _process: AttachedProcess,
+}
+
+impl KubeSession {
+    pub(crate) async fn open(
+        executor: KubernetesExecutor,
+        spec: SessionSpec,
+    ) -> Result<Self, ExecError> {
+        let session_id = uuid::Uuid::new_v4().simple().to_string();
+        let claim = format!("tandem-{}", &session_id[..12]);
+        let (workspace, owned_workspace) =
+            scratch::open_workspace(spec.workdir.clone(), &executor.inner.root, "ws-")?;
+        let (labels, annotations) = executor.claim_metadata(&session_id, &spec);
+        let mut object = DynamicObject::new(&claim, &claims_resource())
+            .within(&executor.inner.config.namespace)
+            .data(serde_json::json!({
+                "spec": { "warmPoolRef": { "name": executor.inner.config.warm_pool } }
+            }));
+        object.metadata.labels = Some(labels);
+        object.metadata.annotations = Some(annotations);
+        if let Ok(mut live) = executor.inner.live.lock() {
+            live.insert(claim.clone());
+        }
+        let created = executor
+            .request(
+                "creating a SandboxClaim",
+                executor.claims().create(&PostParams::default(), &object),
+            )
+            .await;
+        if let Err(e) = created {
+            executor.forget(&claim);
+            return Err(match e {
+                KubernetesError::Api { reason, .. } if reason.contains("404") => {
+                    KubernetesError::NoAgentSandbox {
+                        resource: "sandboxclaims",
+                        group: crate::EXTENSIONS_GROUP,
+                    }
+                    .into()
+                }
+                e => e.into(),
+            });
+        }
+        // From here on, dropping the session deletes the claim.
+        let mut session = Self {
+            pod: PodExec {
+                executor: executor.clone(),
+                name: String::new(),
+            },
+            executor,
+            claim,
+            workspace,
+            owned_workspace,
+            resync: false,
+            limits: spec.limits,
+            runner: None,
+            blocks: 0,
+            closed: false,
+        };
+        session.pod.name = wait_bound(&session.executor, &session.claim).await?;
+        session.runner = Some(session.pod.start().await?);
+        if mirror::has_entries(&session.workspace) {
+            session.upload(None).await?;
+        }
+        Ok(session)
+    }
+
+    /// Copies the mirror (`None`), or these files of it, into the pod's workspace, owned by
+    /// the blocks' user, and has the runner take it as seen.
+    async fn upload(&mut self, files: Option<Vec<PathBuf>>) -> Result<(), ExecError> {
+        let owner = block_owner(&self.executor.inner.config.user);
+        let packed = mirror::pack(&self.workspace, files, owner).await?;
+        let (code, errors) = self
+            .pod
+            .exec_io(
+                &["tar", "-x", "-f", "-", "-C", "/workspace"],
+                Some(packed),
+                None,
+            )
+            .await?;
+        if code != 0 {
+            return Err(ExecError::Backend(format!(
+                "copying files into pod `{}` failed (tar exited {code}): {errors}",
+                self.pod.name
+            )));
+        }
+        self.request_done(&Request::Rescan).await
+    }
+
+    /// Sends `op` to the runner and waits for its `d`.
+    async fn request_done(&mut self, op: &Request<'_>) -> Result<(), ExecError> {
+        match self.runner.as_mut() {
+            Some(runner) => {
+                runner
+                    .conn
+                    .request_done(op, tandem_executor_runner::READY_LIMIT)
+                    .await
+            }
+            None => Err(ExecError::Backend(
+                "the session's runner is not running".to_owned(),
+            )),
+        }
+    }
+
+    /// Starts a runner again after the last one died (files in the workspace survive).
+    async fn restart(&mut self) -> Result<(), ExecError> {
+        self.runner = Some(self.pod.start().await?);
+        // The new runner has seen nothing: it takes the workspace as it is, which the last
+        // copy out already holds.
+        self.request_done(&Request::Rescan).await
+    }
+
+    async fn run_block(
+        &mut self,
+        req: ExecRequest,
+        ctx: ExecContext,
+    ) -> Result<ExecOutcome, ExecError> {
+        if self.runner.is_none() {
+            self.restart().await?;
+        }
+        self.blocks += 1;
+        let executor = self.executor.clone();
+        let config = &executor.inner.config;
+        let sandbox = tandem_executor_runner::Sandbox {
+            executor: "kubernetes",
+            languages: &config.languages,
+            env: base_env(config).collect(),
+        };
+        let Some(runner) = self.runner.as_mut() else {
+            return Err(ExecError::Backend(
+                "the session's runner is not running".to_owned(),
+            ));
+        };
+        let limits = self.limits.clone();
+        let block = match tandem_executor_runner::run(
+            &mut runner.conn,
+            &sandbox,
+            &req,
+            &ctx,
+            &limits,
+            self.blocks,
+        )
+        .await?
+        {
+            Prepared::Ready(block) => block,
+            Prepared::Refused(outcome) => return Ok(outcome),
+        };
+        if !block.answered {
+            // The runner is gone or stuck: end its exec; the next block starts another.
+            tracing::warn!(pod = %self.pod.name, "the runner stopped answering; starting another for the next block");
+            self.runner = None;
+        }
+        if let Some(e) = &block.runner_error {
+            return Err(ExecError::Backend(format!("Tandem's runner failed: {e}")));
+        }
+        let mut block = *block;
+        // Copied out after every block: the mirror is what the task's files API shows and
+        // what carries the task on if the pod goes away.
+        let changes = match block.changes.take() {
+            Some(changes) if block.answered => changes,
+            _ if block.answered => Changes::default(),
+            _ => Changes {
+                all: true,
+                ..Changes::default()
+            },
+        };
+        let inline = std::mem::take(&mut block.inline);
+        let (mirror_dir, whole) = (self.workspace.clone(), self.resync);
+        let mut fetch = PodArchives(self.pod.clone());
+        let synced = mirror::sync(&mirror_dir, changes, inline, whole, &mut fetch).await;
+        match synced {
+            Ok(()) => self.resync = false,
+            Err(e) => {
+                tracing::warn!(pod = %self.pod.name, error = %e, "copying the workspace out failed; the next block copies all of it");
+                self.resync = true;
+            }
+        }
+        Ok(block.outcome())
+    }
+
+    async fn shutdown(&mut self) -> Result<(), ExecError> {
+        self.closed = true;
+        self.runner = None;
+        let deleted = self.executor.delete_claim(&self.claim).await;
+        self.executor.forget(&self.claim);
+        if let Some(ws) = self.owned_workspace.take() {
+            scratch::remove_dirs(vec![ws], self.executor.inner.root.clone()).await?;
+        }
+        deleted.map_err(ExecError::from)
+    }
+}
+
+/// Execs in the session's pod; owned, so that copies can run while the session is borrowed.
+#[derive(Clone)]
+struct PodExec {
+    executor: KubernetesExecutor,
+    name: String,
+}
+
+impl PodExec {
+    /// Execs the runner in the pod and waits for it to say it is ready.
+    async fn start(&self) -> Result<Runner, ExecError> {
+        let user = self.executor.inner.config.user.as_str();
+        let argv = [
+            "python3",
+            "-I",
+            "-c",
+            tandem_executor_runner::BOOT,
+            user,
+            "volume",
+        ];
+        let mut process = self
+            .executor
+            .request(
+                "starting Tandem's runner in the pod (exec)",
+                self.pods()
+                    .exec(&self.name, argv, &self.attach_params(true)),
+            )
+            .await
+            .map_err(|e| self.lost(e))?;
+        let (Some(mut stdin), Some(stdout), Some(stderr)) =
+            (process.stdin(), process.stdout(), process.stderr())
+        else {
+            return Err(ExecError::Backend(
+                "the pod exec gave no stdin, stdout or stderr".to_owned(),
+            ));
+        };
+        stdin
+            .write_all(&tandem_executor_runner::boot_payload())
+            .await
+            .map_err(|e| ExecError::io("sending the runner to the pod", e))?;
+        let (mut conn, reader) = Conn::new(Box::pin(stdin));
+        tokio::spawn(read_frames(stdout, stderr, reader));
+        match conn.ready().await {
+            Ok(Ok(())) => Ok(Runner {
+                conn,
+                _process: process,
+            }),
+            Ok(Err(other)) => Err(ExecError::Unavailable {
+                what: format!("Tandem's runner in pod `{}`", self.name),
+                hint: format!(
+                    "it did not start ({}); the sandbox template's image needs python3 on its PATH",
+                    match other {
+                        Some(Frame::Error(e)) => e,
+                        Some(f) => format!("unexpected {f:?}"),
+                        None => "the exec ended".to_owned(),
+                    }
+                ),
+            }),
+            Err(_) => Err(ExecError::Backend(format!(
+                "Tandem's runner in pod `{}` did not get ready within {:?}",
+                self.name,
+                tandem_executor_runner::READY_LIMIT
+            ))),
+        }
+    }
+
+    fn pods(&self) -> Api<Pod> {
+        Api::namespaced(
+            self.executor.inner.client.clone(),
+            &self.executor.inner.config.namespace,
+        )
+    }
+
+    fn attach_params(&self, stdin: bool) -> AttachParams {
+        let mut params = AttachParams::default()
+            .stdin(stdin)
+            .stdout(true)
+            .stderr(true);
+        if let Some(container) = &self.executor.inner.config.container {
+            params = params.container(container.as_str());
+        }
+        params.max_stdin_buf_size = Some(EXEC_BUFFER);
+        params.max_stdout_buf_size = Some(EXEC_BUFFER);
+        params.max_stderr_buf_size = Some(EXEC_BUFFER);
+        params
+    }
+
+    /// An API failure while the session runs: the pod is lost when the API server is gone
+    /// or the claim is; otherwise the failure as it is.
+    fn lost(&self, e: KubernetesError) -> ExecError {
+        match e {
+            KubernetesError::Unreachable { reason, .. } => ExecError::Lost {
+                host: self.executor.inner.config.label(),
+                reason,
+            },
+            KubernetesError::Api { reason, .. } if reason.contains("NotFound") => ExecError::Lost {
+                host: self.executor.inner.config.label(),
+                reason: format!("pod `{}` is gone: {reason}", self.name),
+            },
+            e => e.into(),
+        }
+    }
+
+    /// Runs `argv` in the pod with `input` on its stdin and its stdout into `output`;
+    /// returns its exit code and the start of its stderr.
+    async fn exec_io(
+        &self,
+        argv: &[&str],
+        input: Option<std::fs::File>,
+        output: Option<&mut tokio::fs::File>,
+    ) -> Result<(i32, String), ExecError> {
+        let mut process = self
+            .executor
+            .request(
+                "running a command in the pod (exec)",
+                self.pods().exec(
+                    &self.name,
+                    argv.to_vec(),
+                    &self.attach_params(input.is_some()),
+                ),
+            )
+            .await
+            .map_err(|e| self.lost(e))?;
+        let status = process.take_status();
+        let (stdin, stdout, stderr) = (process.stdin(), process.stdout(), process.stderr());
+        let io = |e| ExecError::io("copying files through the pod exec", e);
+        let feed = async {
+            if let (Some(mut stdin), Some(input)) = (stdin, input) {
+                let mut input = tokio::fs::File::from_std(input);
+                tokio::io::copy(&mut input, &mut stdin).await?;
+                stdin.shutdown().await?;
+            }
+            Ok::<_, std::io::Error>(())
+        };
+        let drain = async {
+            if let Some(mut stdout) = stdout {
+                match output {
+                    Some(out) => {
+                        tokio::io::copy(&mut stdout, out).await?;
+                    }
+                    None => {
+                        tokio::io::copy(&mut stdout, &mut tokio::io::sink()).await?;
+                    }
+                }
+            }
+            Ok::<_, std::io::Error>(())
+        };
+        let errors = async {
+            let mut text = Vec::new();
+            if let Some(stderr) = stderr {
+                stderr.take(4096).read_to_end(&mut text).await?;
+            }
+            Ok::<_, std::io::Error>(String::from_utf8_lossy(&text).trim().to_owned())
+        };
+        let (fed, drained, errors) = tokio::time::timeout(Duration::from_secs(300), async {
+            tokio::join!(feed, drain, errors)
+        })
+        .await
+        .map_err(|_| {
+            ExecError::Backend("a copy through the pod exec took over 300 s".to_owned())
+        })?;
+        fed.map_err(io)?;
+        drained.map_err(io)?;
+        let errors = errors.map_err(io)?;
+        let status = match status {
+            Some(status) => tokio::time::timeout(Duration::from_secs(30), status)
+                .await
+                .ok()
+                .flatten(),
+            None => None,
+        };
+        Ok((exit_code(status.as_ref()), errors))
+    }
+}
+
+/// Waits for the claim to be bound to a ready sandbox; returns the sandbox's pod.
+async fn wait_bound(executor: &KubernetesExecutor, claim_name: &str) -> Result<String, ExecError> {
+    let config = &executor.inner.config;
+    let claims = executor.claims();
+    let deadline = Instant::now() + config.ready_timeout;
+    let sandbox = loop {
+        let claim = executor
+            .request("reading the SandboxClaim", claims.get_opt(claim_name))
+            .await?;
+        let Some(claim) = claim else {
+            return Err(ExecError::Backend(format!(
+                "the SandboxClaim `{}` was deleted before it got a sandbox",
+                claim_name
+            )));
+        };
+        if let Some(name) = bound_sandbox(&claim) {
+            break name;
+        }
+        if Instant::now() > deadline {
+            // A pool that is not there is the likeliest reason; say so when it is.
+            executor.check().await?;
+            return Err(ExecError::Backend(format!(
+                "the SandboxClaim `{}` got no ready sandbox from warm pool `{}` within {:?}; see `kubectl describe sandboxclaim {} -n {}`",
+                claim_name, config.warm_pool, config.ready_timeout, claim_name, config.namespace
+            )));
+        }
+        tokio::time::sleep(POLL).await;
+    };
+    let sandboxes: Api<DynamicObject> = Api::namespaced_with(
+        executor.inner.client.clone(),
+        &config.namespace,
+        &sandboxes_resource(),
+    );
+    let found = executor
+        .request("reading the Sandbox", sandboxes.get_opt(&sandbox))
+        .await?;
+    let pod = found
+        .and_then(|s| s.metadata.annotations)
+        .and_then(|a| a.get(POD_NAME_ANNOTATION).cloned())
+        .unwrap_or(sandbox);
+    tracing::debug!(claim = %claim_name, %pod, "claim bound");
+    Ok(pod)
+}
+
+/// Copies paths out of the pod with `tar` over exec.
+struct PodArchives(PodExec);
+
+impl mirror::Fetch for PodArchives {
+    fn fetch(&mut self, path: String) -> BoxFuture<'_, Result<Option<std::fs::File>, ExecError>> {
+        Box::pin(async move {
+            use tokio::io::AsyncSeekExt;
+            let io = |e| ExecError::io("copying the workspace out", e);
+            let (dir, name) = match path.rsplit_once('/') {
+                Some(("", name)) => ("/", name),
+                Some((dir, name)) => (dir, name),
+                None => ("/", path.as_str()),
+            };
+            let mut out = tokio::fs::File::from_std(tempfile::tempfile().map_err(io)?);
+            // Exit 3: the path is gone, which is not a failure.
+            let script = "cd \"$1\" 2>/dev/null && [ -e \"$2\" -o -L \"$2\" ] || exit 3; exec tar -c -f - -- \"$2\"";
+            let (code, errors) = self
+                .0
+                .exec_io(&["sh", "-c", script, "sh", dir, name], None, Some(&mut out))
+                .await?;
+            match code {
+                0 => {}
+                3 => return Ok(None),
+                _ => {
+                    return Err(ExecError::Backend(format!(
+                        "copying `{path}` out of pod `{}` failed (tar exited {code}): {errors}",
+                        self.0.name
+                    )));
+                }
+            }
+            out.flush().await.map_err(io)?;
+            out.rewind().await.map_err(io)?;
+            Ok(Some(out.into_std().await))
+        })
+    }
+}
+
+impl Session for KubeSession {
+    fn run(
+        &mut self,
+        req: ExecRequest,
+        ctx: ExecContext,
+    ) -> BoxFuture<'_, Result<ExecOutcome, ExecError>> {
+        Box::pin(self.run_block(req, ctx))
+    }
+
+    fn workspace(&self) -> Option<&Path> {
+        Some(&self.workspace)
+    }
+
+    fn put_archive(
+        &mut self,
+        archive: &Path,
+        caps: tandem_executor::archive::ArchiveCaps,
+    ) -> BoxFuture<'_, Result<Vec<tandem_executor::archive::ArchivedFile>, ExecError>> {
+        let archive = archive.to_owned();
+        Box::pin(async move {
+            // Checked and placed on this machine first; the pod then gets those files from
+            // the mirror, as the blocks' user's.
+            let placed =
+                tandem_executor::place_archive(Some(self.workspace.clone()), archive, caps).await?;
+            let paths: Vec<PathBuf> = placed.iter().map(|f| f.path.clone()).collect();
+            self.upload(Some(paths)).await?;
+            Ok(placed)
+        })
+    }
+
+    fn close(mut self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
+        Box::pin(async move { self.shutdown().await })
+    }
+}
+
+impl Drop for KubeSession {
+    fn drop(&mut self) {
+        if self.closed {
+            return;
+        }
+        // Dropped without close (a cancelled task, a failed open): delete the claim in the
+        // background; if the process exits first, the next Tandem reaps it.
+        let executor = self.executor.clone();
+        let claim = self.claim.clone();
+        let ws = self.owned_workspace.take();
+        self.runner = None;
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let _ = executor.delete_claim(&claim).await;
+                executor.forget(&claim);
+                drop(ws);
+            });
+        }
+    }
+}
+
+/// The sandbox a claim is bound to, once the claim says it is ready.
+fn bound_sandbox(claim: &DynamicObject) -> Option<String> {
+    let status = claim.data.get("status")?;
+    let ready = status.get("conditions")?.as_array()?.iter().any(|c| {
+        c.get("type").and_then(|t| t.as_str()) == Some("Ready")
+            && c.get("status").and_then(|s| s.as_str()) == Some("True")
+    });
+    if !ready {
+        return None;
+    }
+    let name = status.get("sandbox")?.get("name")?.as_str()?;
+    (!name.is_empty()).then(|| name.to_owned())
+}
+
+/// The exit code an exec's status reports: 0 on success, the `ExitCode` cause on a non-zero
+/// exit, -1 when it says nothing usable.
+fn exit_code(status: Option<&k8s_openapi::apimachinery::pkg::apis::meta::v1::Status>) -> i32 {
+    let Some(status) = status else {
+        return -1;
+    };
+    if status.status.as_deref() == Some("Success") {
+        return 0;
+    }
+    status
+        .details
+        .as_ref()
+        .and_then(|d| d.causes.as_ref())
+        .and_then(|causes| {
+            causes
+                .iter()
+                .find(|c| c.reason.as_deref() == Some("ExitCode"))
+                .and_then(|c| c.message.as_deref()?.parse().ok())
+        })
+        .unwrap_or(-1)
+}
+
+/// Feeds what the exec'd runner writes to its connection.
+async fn read_frames(
+    mut stdout: impl tokio::io::AsyncRead + Unpin,
+    mut stderr: impl tokio::io::AsyncRead + Unpin,
+    mut reader: FrameReader,
+) {
+    let (mut out, mut err) = (vec![0u8; EXEC_BUFFER], vec![0u8; 4096]);
+    let mut err_open = true;
+    loop {
+        tokio::select! {
+            read = stdout.read(&mut out) => match read {
+                Ok(0) | Err(_) => return,
+                Ok(n) => if !reader.stdout(&out[..n]) { return },
+            },
+            read = stderr.read(&mut err), if err_open => match read {
+                Ok(0) | Err(_) => err_open = false,
+                Ok(n) => if !reader.stderr(&err[..n]) { return },
+            },
+        }
+    }
+}
+
+/// The numeric `uid`, `gid` of a `uid:gid` user, for files put in the workspace.
+fn block_owner(user: &str) -> (u64, u64) {
+    let (u, g) = user.split_once(':').unwrap_or((user, user));
+    let uid = u.parse().unwrap_or(65534);
+    (uid, g.parse().unwrap_or(uid))
+}
+
+/// The environment every block starts with.
+fn base_env(c: &crate::KubernetesConfig) -> impl Iterator<Item = (&str, &str)> {
+    [
+        (
+            "PATH",
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        ),
+        ("LANG", "C.UTF-8"),
+        ("HOME", "/workspace"),
+        ("TMPDIR", "/tmp"),
+        ("XDG_CACHE_HOME", "/tmp/.cache"),
+    ]
+    .into_iter()
+    .chain(c.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_claim_is_bound_when_ready_with_a_sandbox() {
+        let mut claim = DynamicObject::new("c", &claims_resource());
+        assert_eq!(bound_sandbox(&claim), None);
+        claim.data = serde_json::json!({"status": {
+            "sandbox": {"name": "sb"},
+            "conditions": [{"type": "Ready", "status": "False"}]
+        }});
+        assert_eq!(bound_sandbox(&claim), None);
+        claim.data["status"]["conditions"][0]["status"] = "True".into();
+        assert_eq!(bound_sandbox(&claim).as_deref(), Some("sb"));
+    }
+}

@@ -1,0 +1,238 @@
+//! The Kubernetes executor against a stand-in API server (`tandem_tests::kubernetes`) that
+//! answers kube-rs's real requests over HTTP and the exec WebSocket, with the resources of
+//! docs/deploy/kubernetes/ applied and each claimed pod a real hardened container.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tandem_executor::{Executor, ExitStatus, SessionSpec};
+use tandem_executor_kubernetes::{KubernetesConfig, KubernetesExecutor};
+use tandem_tests::conformance::{self, run};
+use tandem_tests::kubernetes::FakeCluster;
+
+/// A fake cluster with the operator's resources applied.
+pub async fn cluster() -> FakeCluster {
+    let cluster = FakeCluster::start().await;
+    cluster.apply_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/deploy/kubernetes"));
+    cluster
+}
+
+/// The executor on `cluster`'s warm pool.
+pub async fn executor(cluster: &FakeCluster) -> KubernetesExecutor {
+    executor_with(cluster, KubernetesConfig::default()).await
+}
+
+async fn executor_with(cluster: &FakeCluster, config: KubernetesConfig) -> KubernetesExecutor {
+    let executor = KubernetesExecutor::connect(KubernetesConfig {
+        url: Some(cluster.url.clone()),
+        ..config
+    })
+    .await
+    .unwrap();
+    executor.check().await.unwrap();
+    executor
+}
+
+/// Waits (generously) until `done` holds; panics with `what` otherwise.
+async fn eventually(what: &str, mut done: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !done().await {
+        assert!(Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kubernetes_executor_passes_the_conformance_suite() {
+    let cluster = cluster().await;
+    let executor = executor(&cluster).await;
+    conformance::all(Arc::new(executor.clone()), &[]).await;
+    // Every session's claim, and with it its pod, is gone.
+    eventually("claims or pods were left", async || {
+        cluster.objects("sandboxclaims").is_empty() && cluster.containers().await.is_empty()
+    })
+    .await;
+    assert!(executor.live_claims().is_empty());
+    // The runner went in over exec, not as a container of Tandem's own.
+    let requests = cluster.requests();
+    assert!(
+        requests.iter().any(|r| r.starts_with("GET exec ")),
+        "{requests:?}"
+    );
+    assert!(
+        requests.iter().any(|r| r.starts_with(
+            "POST /apis/extensions.agents.x-k8s.io/v1beta1/namespaces/tandem/sandboxclaims"
+        )),
+        "{requests:?}"
+    );
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_pod_runs_blocks_as_the_templates_hardened_user() {
+    let cluster = cluster().await;
+    let executor = executor(&cluster).await;
+    let mut s = conformance::open(&executor, Default::default()).await;
+    let code = "import errno, os\nprint(os.getuid(), os.getgid())\nprint(os.path.exists('/var/run/secrets/kubernetes.io/serviceaccount/token'))\ntry:\n    open('/etc/x', 'w')\n    print('root writable')\nexcept OSError as e:\n    print('read-only', errno.errorcode[e.errno])\nprint(open('/proc/1/cmdline').read().split(chr(0))[0])\nprint(open('/proc/self/status').read().split('CapEff:')[1].split()[0])\nprint(open('/proc/self/status').read().split('NoNewPrivs:')[1].split()[0])";
+    let out = run(&mut *s, "python", code).await;
+    assert_eq!(
+        out.stdout.to_text(),
+        "65534 65534\nFalse\nread-only EROFS\nsleep\n0000000000000000\n1\n",
+        "{}",
+        out.stderr.to_text()
+    );
+    // Files come back to the mirror on this machine after every block.
+    let ws = s.workspace().unwrap().to_owned();
+    run(&mut *s, "sh", "mkdir -p d && echo made > d/f.txt").await;
+    assert_eq!(
+        std::fs::read_to_string(ws.join("d/f.txt")).unwrap(),
+        "made\n"
+    );
+    s.close().await.unwrap();
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_template_without_the_token_opt_out_would_hand_blocks_the_clusters_credentials() {
+    // The pod spec decides; the fake kubelet mounts a token unless it says not to, so this
+    // shows the template's `automountServiceAccountToken: false` is what keeps it out.
+    let cluster = cluster().await;
+    let mut template = cluster.objects("sandboxtemplates").remove(0);
+    template["spec"]["podTemplate"]["spec"]
+        .as_object_mut()
+        .unwrap()
+        .remove("automountServiceAccountToken");
+    cluster.apply(template);
+    let executor = executor(&cluster).await;
+    let mut s = conformance::open(&executor, Default::default()).await;
+    let out = run(
+        &mut *s,
+        "sh",
+        "cat /var/run/secrets/kubernetes.io/serviceaccount/token",
+    )
+    .await;
+    assert_eq!(out.stdout.to_text(), "fake-service-account-token");
+    s.close().await.unwrap();
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn claims_go_on_close_on_drop_and_when_their_owner_died() {
+    let cluster = cluster().await;
+    let executor = executor(&cluster).await;
+    // Dropped without close, as a cancelled task's session is.
+    let s = conformance::open(&executor, Default::default()).await;
+    assert_eq!(cluster.objects("sandboxclaims").len(), 1);
+    assert_eq!(cluster.containers().await.len(), 1);
+    drop(s);
+    eventually("a dropped session's claim stayed", async || {
+        cluster.objects("sandboxclaims").is_empty() && cluster.containers().await.is_empty()
+    })
+    .await;
+    // A claim a dead Tandem on this machine left is reaped; a live one's (ours) is not.
+    let ours = executor
+        .open(SessionSpec::default())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let host = tandem_executor::owner::hostname();
+    cluster.apply(serde_json::json!({
+        "apiVersion": "extensions.agents.x-k8s.io/v1beta1", "kind": "SandboxClaim",
+        "metadata": {
+            "name": "left-behind", "namespace": "tandem",
+            "labels": {"app.kubernetes.io/managed-by": "tandem"},
+            "annotations": {"tandem.dev/owner": format!("{host}/999999999:1")},
+        },
+        "spec": {"warmPoolRef": {"name": "tandem"}},
+    }));
+    assert_eq!(executor.reap_orphans().await.unwrap(), 1);
+    let names: Vec<String> = cluster
+        .objects("sandboxclaims")
+        .iter()
+        .map(|c| c["metadata"]["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(names, executor.live_claims());
+    ours.close().await.unwrap();
+    assert!(cluster.objects("sandboxclaims").is_empty());
+    eventually("a closed session's pod stayed", async || {
+        cluster.containers().await.is_empty()
+    })
+    .await;
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_runner_that_dies_is_started_again_in_the_same_pod_with_the_files_kept() {
+    let cluster = cluster().await;
+    let executor = executor(&cluster).await;
+    let mut s = conformance::open(&executor, Default::default()).await;
+    run(&mut *s, "sh", "echo kept > kept.txt").await;
+    let out = run(&mut *s, "sh", "kill -9 $PPID; sleep 1; echo unreachable").await;
+    assert_ne!(out.status, ExitStatus::Exited(0));
+    let after = run(&mut *s, "sh", "cat kept.txt").await;
+    assert_eq!(
+        after.stdout.to_text(),
+        "kept\n",
+        "{}",
+        after.stderr.to_text()
+    );
+    // Still one pod: the runner came back, the sandbox was not replaced.
+    assert_eq!(cluster.containers().await.len(), 1);
+    s.close().await.unwrap();
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn errors_name_the_pool_the_server_and_what_to_do() {
+    let cluster = cluster().await;
+    // A pool that is not there: said at the check, and by an open that waited for it.
+    let missing = KubernetesExecutor::connect(KubernetesConfig {
+        url: Some(cluster.url.clone()),
+        warm_pool: "nope".to_owned(),
+        ready_timeout: Duration::from_secs(2),
+        ..KubernetesConfig::default()
+    })
+    .await
+    .unwrap();
+    let checked = missing.check().await.unwrap_err().to_string();
+    insta::assert_snapshot!("kubernetes_no_pool", checked);
+    let opened = missing
+        .open(SessionSpec::default())
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        opened.contains("SandboxWarmPool `nope` does not exist"),
+        "{opened}"
+    );
+    eventually("the failed open's claim stayed", async || {
+        cluster.objects("sandboxclaims").is_empty()
+    })
+    .await;
+    // No API server at all.
+    let url = cluster.url.clone();
+    cluster.stop().await;
+    let down = KubernetesExecutor::connect(KubernetesConfig {
+        url: Some(url.clone()),
+        ..KubernetesConfig::default()
+    })
+    .await
+    .unwrap();
+    let checked = down.check().await.unwrap_err().to_string();
+    assert!(
+        checked.starts_with(&format!("cannot reach the Kubernetes API at {url}/")),
+        "{checked}"
+    );
+    assert!(checked.contains("Connection refused"), "{checked}");
+    let opened = down
+        .open(SessionSpec::default())
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        opened.contains("cannot reach the Kubernetes API"),
+        "{opened}"
+    );
+}
