@@ -162,6 +162,8 @@ pub struct ExecutorsSection {
     pub local: LocalSection,
     #[serde(default)]
     pub docker: DockerSection,
+    /// Absent: the daemon offers no kubernetes executor.
+    pub kubernetes: Option<KubernetesSection>,
     #[serde(default)]
     pub wasm: WasmSection,
     /// Executor plugins by name (serde cannot deny unknown keys beside a flatten: a table
@@ -239,6 +241,34 @@ pub struct DockerSection {
     pub hosts: Vec<DockerHostSection>,
     /// How often the hosts are probed, in seconds (default 2).
     pub probe_secs: Option<f64>,
+}
+
+/// `[executors.kubernetes]`: sessions as agent-sandbox claims on a cluster
+/// (docs/kubernetes.md).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesSection {
+    /// The API server (default: the kubeconfig's, or the in-cluster service account).
+    pub url: Option<String>,
+    /// A kubeconfig file (default: `KUBECONFIG`, then `~/.kube/config`).
+    pub kubeconfig: Option<PathBuf>,
+    /// The kubeconfig context (default: its current one).
+    pub context: Option<String>,
+    /// Where the claims are made (default `tandem`).
+    pub namespace: Option<String>,
+    /// The `SandboxWarmPool` sessions are claimed from (default `tandem`).
+    pub warm_pool: Option<String>,
+    /// The pod's container the runner is exec'd in (default: its first).
+    pub container: Option<String>,
+    /// The `uid:gid` blocks run as when the pod runs as root (default 65534:65534).
+    pub user: Option<String>,
+    pub languages: Option<Vec<String>>,
+    /// Extra variables passed to code.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// How long a claim may wait for a ready sandbox, in seconds (default 120).
+    pub ready_timeout_secs: Option<f64>,
+    pub workspace_dir: Option<PathBuf>,
 }
 
 /// `[[executors.docker.hosts]]`: one engine of several.
@@ -649,7 +679,7 @@ pub fn wasm_config(file: &FileConfig) -> Result<WasmConfig> {
 }
 
 /// Names `--executor` takes besides the plugins.
-pub const BUILT_IN_EXECUTORS: [&str; 4] = ["auto", "docker", "local", "wasm"];
+pub const BUILT_IN_EXECUTORS: [&str; 5] = ["auto", "docker", "kubernetes", "local", "wasm"];
 
 /// How to start the plugin `[executors.NAME]`; its environment is Tandem's PATH, HOME,
 /// LANG, USER and TMPDIR (no keys or tokens) and its own `env`.
@@ -837,6 +867,44 @@ pub fn docker_config(file: &FileConfig, image: Option<&str>) -> Result<DockerCon
         daemon_id: defaults.daemon_id,
         workspace_dir: d.workspace_dir.clone(),
     })
+}
+
+/// Settings for the Kubernetes executor; `None` when `[executors.kubernetes]` is absent.
+pub fn kubernetes_config(
+    file: &FileConfig,
+) -> Result<Option<tandem_executor_kubernetes::KubernetesConfig>> {
+    let Some(k) = &file.executors.kubernetes else {
+        return Ok(None);
+    };
+    let defaults = tandem_executor_kubernetes::KubernetesConfig::default();
+    let nonempty = |value: &Option<String>, key: &str| -> Result<Option<String>> {
+        match value {
+            Some(v) if v.trim().is_empty() => {
+                bail!("[executors.kubernetes] {key} is empty; name one or leave it out")
+            }
+            other => Ok(other.clone()),
+        }
+    };
+    Ok(Some(tandem_executor_kubernetes::KubernetesConfig {
+        url: nonempty(&k.url, "url")?,
+        kubeconfig: k.kubeconfig.clone(),
+        context: nonempty(&k.context, "context")?,
+        namespace: nonempty(&k.namespace, "namespace")?.unwrap_or(defaults.namespace),
+        warm_pool: nonempty(&k.warm_pool, "warm_pool")?.unwrap_or(defaults.warm_pool),
+        container: nonempty(&k.container, "container")?,
+        user: nonempty(&k.user, "user")?.unwrap_or(defaults.user),
+        languages: match &k.languages {
+            Some(names) => names.iter().map(|n| Language::new(n)).collect(),
+            None => defaults.languages,
+        },
+        env: k.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        daemon_id: defaults.daemon_id,
+        ready_timeout: match k.ready_timeout_secs {
+            Some(secs) => secs_to_duration(secs, "[executors.kubernetes] ready_timeout_secs")?,
+            None => defaults.ready_timeout,
+        },
+        workspace_dir: k.workspace_dir.clone(),
+    }))
 }
 
 #[cfg(test)]

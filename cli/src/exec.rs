@@ -70,7 +70,7 @@ pub struct ExecArgs {
     /// A code file (its extension picks the language), a markdown file (all its blocks run in
     /// order), or `-`/nothing for stdin (markdown unless --lang is given)
     input: Option<PathBuf>,
-    /// Executor that runs the code: auto, docker, wasm, local or an [executors.NAME] plugin [env: TANDEM_EXECUTOR; default: auto]
+    /// Executor that runs the code: auto, docker, kubernetes, wasm, local or an [executors.NAME] plugin [env: TANDEM_EXECUTOR; default: auto]
     #[arg(long, short = 'e')]
     executor: Option<String>,
     /// Docker image for the docker executor [env: TANDEM_DOCKER_IMAGE; default: python:3.12-slim]

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use anyhow::{Result, bail};
 use tandem_executor::{Executor, Language};
 use tandem_executor_docker::{DockerError, DockerExecutor, DockerFleet};
+use tandem_executor_kubernetes::KubernetesExecutor;
 use tandem_executor_local::LocalExecutor;
 use tandem_executor_plugin::PluginExecutor;
 use tandem_executor_wasm::{FETCH_SCRIPT, ModuleSource, Runtime, WasmExecutor};
@@ -134,6 +135,7 @@ pub async fn resolve(
             }
             Ok(executor)
         }
+        "kubernetes" => Ok(Arc::new(kubernetes(file).await?)),
         other => match plugin(other, file).await? {
             Some(plugin) => Ok(Arc::new(plugin)),
             None => bail!(
@@ -142,6 +144,24 @@ pub async fn resolve(
             ),
         },
     }
+}
+
+/// The configured Kubernetes executor, its cluster checked and the claims of dead Tandems
+/// deleted.
+pub async fn kubernetes(file: &FileConfig) -> Result<KubernetesExecutor> {
+    let Some(config) = config::kubernetes_config(file)? else {
+        bail!(
+            "the kubernetes executor is not configured; add an [executors.kubernetes] section naming the cluster and warm pool (docs/kubernetes.md)"
+        );
+    };
+    let executor = KubernetesExecutor::connect(config).await?;
+    executor.check().await?;
+    match executor.reap_orphans().await {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(claims = n, "deleted claims that dead Tandems left"),
+        Err(e) => tracing::warn!(error = %e, "could not look for claims that dead Tandems left"),
+    }
+    Ok(executor)
 }
 
 /// The executors that run `language` on this machine's configuration, for a hint when the
@@ -160,12 +180,19 @@ pub fn executors_for(language: &Language, file: &FileConfig) -> Vec<String> {
             .any(|l| Language::new(l) == *language);
         (name.as_str(), runs)
     });
-    [("docker", docker), ("wasm", wasm), ("local", local)]
-        .into_iter()
-        .chain(plugins)
-        .filter(|(_, runs)| *runs)
-        .map(|(name, _)| name.to_owned())
-        .collect()
+    let kubernetes = config::kubernetes_config(file)
+        .is_ok_and(|c| c.is_some_and(|c| c.languages.contains(language)));
+    [
+        ("docker", docker),
+        ("kubernetes", kubernetes),
+        ("wasm", wasm),
+        ("local", local),
+    ]
+    .into_iter()
+    .chain(plugins)
+    .filter(|(_, runs)| *runs)
+    .map(|(name, _)| name.to_owned())
+    .collect()
 }
 
 /// What `auto` picks, and why.
@@ -262,6 +289,37 @@ fn local(file: &FileConfig) -> Result<Arc<dyn Executor>> {
     Ok(Arc::new(LocalExecutor::new(config::local_config(file)?)))
 }
 
+/// `doctor`'s line for the Kubernetes executor, when it is configured.
+async fn kubernetes_line(file: &FileConfig) -> Option<String> {
+    let config = match config::kubernetes_config(file) {
+        Ok(Some(config)) => config,
+        Ok(None) => return None,
+        Err(e) => return Some(format!("executor:  kubernetes - unavailable: {e:#}")),
+    };
+    let langs = config
+        .languages
+        .iter()
+        .map(Language::as_str)
+        .collect::<Vec<_>>()
+        .join(", ");
+    let place = format!(
+        "warm pool `{}` in namespace `{}` at {}",
+        config.warm_pool,
+        config.namespace,
+        config.label()
+    );
+    let state = match KubernetesExecutor::connect(config).await {
+        Ok(k) => match k.check().await {
+            Ok(()) => "ready".to_owned(),
+            Err(e) => format!("unavailable: {e}"),
+        },
+        Err(e) => format!("unavailable: {e}"),
+    };
+    Some(format!(
+        "executor:  kubernetes ({langs}) - {place}: {state}"
+    ))
+}
+
 /// `tandem doctor`'s executor lines; `precompile` loads the WASM runtimes (compiling and
 /// caching them if needed) and says how long that took.
 pub async fn report(
@@ -318,6 +376,9 @@ pub async fn report(
             ));
         }
         Err(e) => lines.push(format!("executor:  docker - unavailable: {e}")),
+    }
+    if let Some(line) = kubernetes_line(file).await {
+        lines.push(line);
     }
     let wasm = wasm(file);
     match &wasm {

@@ -20,7 +20,7 @@ use crate::render::{Mode, Renderer};
 pub struct TaskFlags {
     /// The task, in words
     pub(crate) task: String,
-    /// Executor that runs the code: auto, docker, wasm, local or an [executors.NAME] plugin [env: TANDEM_EXECUTOR; default: auto, or the daemon's]
+    /// Executor that runs the code: auto, docker, kubernetes, wasm, local or an [executors.NAME] plugin [env: TANDEM_EXECUTOR; default: auto, or the daemon's]
     #[arg(long, short = 'e')]
     pub(crate) executor: Option<String>,
     /// Most assistant turns [default: 10, 50 for a team]

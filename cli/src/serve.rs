@@ -28,7 +28,7 @@ pub struct ServeArgs {
     /// Seconds running tasks get to finish on SIGTERM before they are interrupted
     #[arg(long, default_value_t = 10.0)]
     grace: f64,
-    /// Default executor for tasks that name none: auto, docker, wasm, local or an [executors.NAME] plugin
+    /// Default executor for tasks that name none: auto, docker, kubernetes, wasm, local or an [executors.NAME] plugin
     #[arg(long, short = 'e', env = "TANDEM_EXECUTOR")]
     executor: Option<String>,
     /// Docker image for the docker executor
@@ -209,7 +209,7 @@ pub struct McpArgs {
     /// Where its tasks are kept [default: a temporary directory, removed on exit]
     #[arg(long)]
     state_dir: Option<PathBuf>,
-    /// Default executor for execute_code and run_task: auto, docker, wasm, local or a plugin
+    /// Default executor for execute_code and run_task: auto, docker, kubernetes, wasm, local or a plugin
     #[arg(long, short = 'e', env = "TANDEM_EXECUTOR")]
     executor: Option<String>,
     /// Docker image for the docker executor
@@ -432,6 +432,16 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
             None
         }
     };
+    // A configured cluster that does not answer is left out, as an unreachable Docker engine
+    // is, but said aloud: the operator asked for it.
+    if config::kubernetes_config(file)?.is_some() {
+        match crate::executors::kubernetes(file).await {
+            Ok(k) => {
+                executors.register(Arc::new(k));
+            }
+            Err(e) => say.warn(&format!("executor `kubernetes` is not available: {e:#}")),
+        }
+    }
     // A plugin that names no languages in the config is started now to ask for them; one
     // that cannot start is left out, as an unreachable Docker engine is.
     for name in file.executors.plugins.keys() {

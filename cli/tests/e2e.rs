@@ -614,7 +614,7 @@ async fn empty_task_and_unknown_executor_are_usage_errors() {
     assert_eq!(out.code, 2);
     assert_eq!(
         out.stderr.trim(),
-        "tandem: executor `dockr` is not registered; available: auto, docker, local, wasm"
+        "tandem: executor `dockr` is not registered; available: auto, docker, kubernetes, local, wasm"
     );
     let out = tandem(
         &["run", "--local", "-e", "local", "--language", "cobol", "x"],

@@ -75,7 +75,7 @@ async fn a_plugin_named_in_the_config_is_an_executor_everywhere() {
     assert_eq!(out.code, 2);
     assert_eq!(
         out.stderr,
-        "tandem: executor `nope` is not registered; available: auto, docker, local, wasm, liar, pyplug\n"
+        "tandem: executor `nope` is not registered; available: auto, docker, kubernetes, local, wasm, liar, pyplug\n"
     );
 
     let out = tandem(&["doctor", "--config", &config], &[], None).await;

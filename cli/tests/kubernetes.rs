@@ -1,0 +1,161 @@
+//! The Kubernetes executor through the binary, against the stand-in API server with
+//! docs/deploy/kubernetes/ applied: `exec` in-process, `doctor` (pinned), and a daemon task
+//! over the API; a missing section and a cluster that does not answer are told by name.
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::json;
+use tandem_tests::kubernetes::FakeCluster;
+use tandem_tests::{DaemonHarness as Daemon, ScriptedOpenAi, script, texts};
+
+use crate::e2e::tandem;
+
+async fn cluster() -> FakeCluster {
+    let cluster = FakeCluster::start().await;
+    cluster.apply_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/deploy/kubernetes"));
+    cluster
+}
+
+fn config(url: &str) -> String {
+    format!("[executors.kubernetes]\nurl = \"{url}\"\nready_timeout_secs = 60\n")
+}
+
+/// Waits (generously) for every claim on `cluster` to be deleted and its pod gone.
+async fn all_released(cluster: &FakeCluster) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !(cluster.objects("sandboxclaims").is_empty() && cluster.containers().await.is_empty()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "claims were left: {:?}",
+            cluster.objects("sandboxclaims")
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn exec_and_doctor_use_the_configured_cluster() {
+    let cluster = cluster().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tandem.toml");
+    std::fs::write(&path, config(&cluster.url)).unwrap();
+    let path = path.to_str().unwrap();
+    let out = tandem(
+        &[
+            "exec",
+            "--config",
+            path,
+            "--executor",
+            "kubernetes",
+            "--lang",
+            "python",
+            "-",
+        ],
+        &[],
+        Some("import os\nprint('uid', os.getuid())"),
+    )
+    .await;
+    assert_eq!(
+        (out.code, out.stdout.as_str()),
+        (0, "uid 65534\n"),
+        "{}",
+        out.stderr
+    );
+    all_released(&cluster).await;
+
+    let out = tandem(&["doctor", "--config", path], &[], None).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let line = out
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("executor:  kubernetes"))
+        .unwrap_or_else(|| panic!("no kubernetes line:\n{}", out.stdout))
+        .replace(&cluster.url, "http://API");
+    insta::assert_snapshot!("doctor_kubernetes", line);
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_daemon_offers_kubernetes_and_runs_a_task_in_a_pod() {
+    let cluster = cluster().await;
+    let task = "kubernetes: where am I";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        texts(&[
+            "```python\nprint(open('/proc/1/cmdline').read().split(chr(0))[0])\n```",
+            "TERMINATE",
+        ]),
+    )]))
+    .await
+    .unwrap();
+    let d = Daemon::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &["--executor", "local"],
+        Some(&config(&cluster.url)),
+    )
+    .await;
+    let executors = d.get("/v1/executors").await;
+    let kubernetes = executors["executors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "kubernetes")
+        .unwrap_or_else(|| panic!("no kubernetes executor: {executors}"))
+        .clone();
+    assert_eq!(kubernetes["health"], "ok", "{kubernetes}");
+    let id = d
+        .submit(json!({"task": task, "executor": "kubernetes"}))
+        .await;
+    let done = d.wait_finished(&id, Duration::from_secs(120)).await;
+    assert_eq!(done["stop_reason"], "terminated", "{done}");
+    let events = d.text(&format!("/v1/tasks/{id}/events?follow=false")).await;
+    // The pod's main process: the block ran in the claimed pod, not on this machine.
+    assert!(events.contains(r#""stdout":"sleep\n""#), "{events}");
+    all_released(&cluster).await;
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_missing_section_and_a_silent_cluster_are_told_by_name() {
+    let out = tandem(
+        &["exec", "--executor", "kubernetes", "--lang", "python", "-"],
+        &[],
+        Some("print(1)"),
+    )
+    .await;
+    assert_ne!(out.code, 0);
+    assert!(
+        out.stderr.contains(
+            "the kubernetes executor is not configured; add an [executors.kubernetes] section"
+        ),
+        "{}",
+        out.stderr
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tandem.toml");
+    std::fs::write(&path, config("http://127.0.0.1:1")).unwrap();
+    let out = tandem(
+        &[
+            "exec",
+            "--config",
+            path.to_str().unwrap(),
+            "--executor",
+            "kubernetes",
+            "--lang",
+            "python",
+            "-",
+        ],
+        &[],
+        Some("print(1)"),
+    )
+    .await;
+    assert_ne!(out.code, 0);
+    assert!(
+        out.stderr
+            .contains("cannot reach the Kubernetes API at http://127.0.0.1:1/"),
+        "{}",
+        out.stderr
+    );
+}
