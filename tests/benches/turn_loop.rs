@@ -26,6 +26,9 @@
 //! 12. Docker hosts: `print(1)` per block on the local socket (bind and volume workspaces)
 //!     and on a second engine over TLS, alternated; sessions opened and tasks run per second
 //!     by a fleet of one host against two (the system engine and the second one).
+//! 13. Kubernetes: a session's open (claim, pod, runner ready) and close, and `print(1)` and
+//!     a 1 KiB write per block, through the stand-in API server (exec over its WebSocket),
+//!     against the Docker executor with a volume workspace on the local socket, alternated.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
@@ -1572,6 +1575,9 @@ fn main() {
         if run("hosts") {
             docker_hosts(100, 24, 4).await;
         }
+        if run("kubernetes") {
+            kubernetes(10, 100).await;
+        }
     });
 }
 
@@ -1898,4 +1904,100 @@ async fn docker_hosts(blocks: usize, sessions: usize, concurrency: usize) {
             one.as_secs_f64() / ran.as_secs_f64()
         );
     }
+}
+
+/// Kubernetes through the stand-in API server against Docker on the local socket (both with
+/// the workspace in the sandbox, copied out after each block), alternated: what the claim,
+/// the exec WebSocket and tar over exec cost beyond an attached container. The stand-in's
+/// pods are containers on the same engine, so the difference is the path, not the sandbox.
+async fn kubernetes(opens: usize, blocks: usize) {
+    use tandem_executor_docker::{DockerConfig, DockerExecutor, WorkspaceMode};
+    use tandem_executor_kubernetes::{KubernetesConfig, KubernetesExecutor};
+
+    let image =
+        std::env::var("TANDEM_DOCKER_IMAGE").unwrap_or_else(|_| "tandem-sandbox:latest".to_owned());
+    let cluster = tandem_tests::kubernetes::FakeCluster::start().await;
+    cluster.apply_dir(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/deploy/kubernetes"),
+    );
+    let docker = DockerExecutor::connect(DockerConfig {
+        image: image.clone(),
+        pull: false,
+        pool_size: 0,
+        workspace: WorkspaceMode::Volume,
+        ..DockerConfig::default()
+    })
+    .await
+    .unwrap();
+    let kubernetes = KubernetesExecutor::connect(KubernetesConfig {
+        url: Some(cluster.url.clone()),
+        ..KubernetesConfig::default()
+    })
+    .await
+    .unwrap();
+    kubernetes.check().await.unwrap();
+    let executors: [(&str, &dyn Executor); 2] = [
+        ("docker, local socket, volume workspace", &docker),
+        ("kubernetes, stand-in API server", &kubernetes),
+    ];
+    let mut open_samples = [Vec::new(), Vec::new()];
+    for i in 0..=opens {
+        for (j, (_, executor)) in executors.iter().enumerate() {
+            let t = Instant::now();
+            let session = executor.open(SessionSpec::default()).await.unwrap();
+            session.close().await.unwrap();
+            if i > 0 {
+                open_samples[j].push(t.elapsed());
+            }
+        }
+    }
+    let mut sessions = Vec::new();
+    for (label, executor) in executors {
+        let session = executor.open(SessionSpec::default()).await.unwrap();
+        sessions.push((label, session, Vec::new(), Vec::new()));
+    }
+    let write = "open('out.txt', 'w').write('x' * 1024)\nprint(1)";
+    for i in 0..=blocks {
+        for (_, session, quiet, wrote) in &mut sessions {
+            for (code, samples) in [("print(1)", &mut *quiet), (write, &mut *wrote)] {
+                let t = Instant::now();
+                let out = session
+                    .run(
+                        ExecRequest::new(Language::python(), code),
+                        ExecContext::new(CancellationToken::new()),
+                    )
+                    .await
+                    .unwrap();
+                assert_eq!(out.stdout.to_text(), "1\n");
+                if i > 0 {
+                    samples.push(t.elapsed());
+                }
+            }
+        }
+    }
+    println!(
+        "\n## Kubernetes (stand-in API server) against Docker: {opens} opens and {blocks} blocks of each kind, alternated ({image})"
+    );
+    println!("| path | what | mean | median | ratio (mean) |");
+    println!("|---|---|---|---|---|");
+    let mut base = [None, None, None];
+    for (j, (label, session, quiet, wrote)) in sessions.into_iter().enumerate() {
+        session.close().await.unwrap();
+        let rows = [
+            ("session open + close", std::mem::take(&mut open_samples[j])),
+            ("`print(1)`", quiet),
+            ("writes 1 KiB", wrote),
+        ];
+        for (k, (what, samples)) in rows.into_iter().enumerate() {
+            let (m, p) = stats(samples);
+            let b = *base[k].get_or_insert(m);
+            println!(
+                "| {label} | {what} | {} | {} | {:.2}x |",
+                ms(m),
+                ms(p),
+                m.as_secs_f64() / b.as_secs_f64()
+            );
+        }
+    }
+    cluster.stop().await;
 }
