@@ -12,9 +12,7 @@ use tandem_tests::{DaemonHarness as Daemon, ScriptedOpenAi, script, texts};
 use crate::e2e::tandem;
 
 async fn cluster() -> FakeCluster {
-    let cluster = FakeCluster::start().await;
-    cluster.apply_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/deploy/kubernetes"));
-    cluster
+    FakeCluster::deployed().await
 }
 
 fn config(url: &str) -> String {

@@ -1766,6 +1766,40 @@ async fn tools_overhead(tasks: usize, calls: usize) {
     );
 }
 
+/// A session under test, by label, with its samples of a block that changes nothing and of
+/// one that writes a 1 KiB file.
+type Sampled = (
+    &'static str,
+    Box<dyn tandem_executor::Session>,
+    Vec<Duration>,
+    Vec<Duration>,
+);
+
+/// Runs both blocks `blocks` times in each session, session after session (after one round
+/// that is not counted), so that every path meets the same machine.
+async fn alternate_blocks(sessions: &mut [Sampled], blocks: usize) {
+    // The write is copied out after the block where the workspace is the sandbox's own.
+    let write = "open('out.txt', 'w').write('x' * 1024)\nprint(1)";
+    for i in 0..=blocks {
+        for (_, session, quiet, wrote) in sessions.iter_mut() {
+            for (code, samples) in [("print(1)", &mut *quiet), (write, &mut *wrote)] {
+                let t = Instant::now();
+                let out = session
+                    .run(
+                        ExecRequest::new(Language::python(), code),
+                        ExecContext::new(CancellationToken::new()),
+                    )
+                    .await
+                    .unwrap();
+                assert_eq!(out.stdout.to_text(), "1\n");
+                if i > 0 {
+                    samples.push(t.elapsed());
+                }
+            }
+        }
+    }
+}
+
 /// Docker hosts: the per-block cost of each way of reaching an engine, alternated block by
 /// block in one run; then a fleet of one host against two, by sessions opened (and closed)
 /// per second and by two-turn tasks per second, `concurrency` at a time. Both engines are on
@@ -1807,27 +1841,7 @@ async fn docker_hosts(blocks: usize, sessions: usize, concurrency: usize) {
         let session = executor.open(SessionSpec::default()).await.unwrap();
         open.push((label, session, Vec::new(), Vec::new()));
     }
-    // A block that changes nothing, and one that writes a 1 KiB file (which the volume
-    // workspaces copy out after it).
-    let write = "open('out.txt', 'w').write('x' * 1024)\nprint(1)";
-    for i in 0..=blocks {
-        for (_, session, quiet, wrote) in &mut open {
-            for (code, samples) in [("print(1)", &mut *quiet), (write, &mut *wrote)] {
-                let t = Instant::now();
-                let out = session
-                    .run(
-                        ExecRequest::new(Language::python(), code),
-                        ExecContext::new(CancellationToken::new()),
-                    )
-                    .await
-                    .unwrap();
-                assert_eq!(out.stdout.to_text(), "1\n");
-                if i > 0 {
-                    samples.push(t.elapsed());
-                }
-            }
-        }
-    }
+    alternate_blocks(&mut open, blocks).await;
     println!(
         "\n## Docker hosts: a Python block, {blocks} of each kind per path, alternated ({image})"
     );
@@ -1912,14 +1926,10 @@ async fn docker_hosts(blocks: usize, sessions: usize, concurrency: usize) {
 /// pods are containers on the same engine, so the difference is the path, not the sandbox.
 async fn kubernetes(opens: usize, blocks: usize) {
     use tandem_executor_docker::{DockerConfig, DockerExecutor, WorkspaceMode};
-    use tandem_executor_kubernetes::{KubernetesConfig, KubernetesExecutor};
 
     let image =
         std::env::var("TANDEM_DOCKER_IMAGE").unwrap_or_else(|_| "tandem-sandbox:latest".to_owned());
-    let cluster = tandem_tests::kubernetes::FakeCluster::start().await;
-    cluster.apply_dir(
-        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/deploy/kubernetes"),
-    );
+    let cluster = tandem_tests::kubernetes::FakeCluster::deployed().await;
     let docker = DockerExecutor::connect(DockerConfig {
         image: image.clone(),
         pull: false,
@@ -1929,13 +1939,7 @@ async fn kubernetes(opens: usize, blocks: usize) {
     })
     .await
     .unwrap();
-    let kubernetes = KubernetesExecutor::connect(KubernetesConfig {
-        url: Some(cluster.url.clone()),
-        ..KubernetesConfig::default()
-    })
-    .await
-    .unwrap();
-    kubernetes.check().await.unwrap();
+    let kubernetes = cluster.executor().await;
     let executors: [(&str, &dyn Executor); 2] = [
         ("docker, local socket, volume workspace", &docker),
         ("kubernetes, stand-in API server", &kubernetes),
@@ -1956,25 +1960,7 @@ async fn kubernetes(opens: usize, blocks: usize) {
         let session = executor.open(SessionSpec::default()).await.unwrap();
         sessions.push((label, session, Vec::new(), Vec::new()));
     }
-    let write = "open('out.txt', 'w').write('x' * 1024)\nprint(1)";
-    for i in 0..=blocks {
-        for (_, session, quiet, wrote) in &mut sessions {
-            for (code, samples) in [("print(1)", &mut *quiet), (write, &mut *wrote)] {
-                let t = Instant::now();
-                let out = session
-                    .run(
-                        ExecRequest::new(Language::python(), code),
-                        ExecContext::new(CancellationToken::new()),
-                    )
-                    .await
-                    .unwrap();
-                assert_eq!(out.stdout.to_text(), "1\n");
-                if i > 0 {
-                    samples.push(t.elapsed());
-                }
-            }
-        }
-    }
+    alternate_blocks(&mut sessions, blocks).await;
     println!(
         "\n## Kubernetes (stand-in API server) against Docker: {opens} opens and {blocks} blocks of each kind, alternated ({image})"
     );

@@ -91,6 +91,35 @@ impl FakeCluster {
         }
     }
 
+    /// One with the operator's resources of docs/deploy/kubernetes/ applied.
+    pub async fn deployed() -> Self {
+        let cluster = Self::start().await;
+        cluster.apply_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/deploy/kubernetes"));
+        cluster
+    }
+
+    /// The Kubernetes executor on this cluster with `config`'s other settings, checked.
+    pub async fn executor_with(
+        &self,
+        config: tandem_executor_kubernetes::KubernetesConfig,
+    ) -> tandem_executor_kubernetes::KubernetesExecutor {
+        let executor = tandem_executor_kubernetes::KubernetesExecutor::connect(
+            tandem_executor_kubernetes::KubernetesConfig {
+                url: Some(self.url.clone()),
+                ..config
+            },
+        )
+        .await
+        .unwrap();
+        executor.check().await.unwrap();
+        executor
+    }
+
+    /// The Kubernetes executor on this cluster's warm pool, checked.
+    pub async fn executor(&self) -> tandem_executor_kubernetes::KubernetesExecutor {
+        self.executor_with(Default::default()).await
+    }
+
     /// Applies every object of the YAML files in `dir` (as `kubectl apply -f DIR`).
     pub fn apply_dir(&self, dir: &Path) {
         let mut files: Vec<_> = std::fs::read_dir(dir)

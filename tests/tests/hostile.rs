@@ -14,7 +14,6 @@ use tandem_executor::{
     Limits,
 };
 use tandem_executor_docker::{DockerConfig, DockerExecutor};
-use tandem_executor_kubernetes::{KubernetesConfig, KubernetesExecutor};
 use tandem_executor_local::{Confine, LocalConfig, LocalExecutor};
 use tandem_executor_wasm::{WasmConfig, WasmExecutor};
 use tandem_tests::conformance::{self, run};
@@ -511,15 +510,8 @@ async fn executors() -> (
     for (runtime, result) in wasm.warm().await {
         result.unwrap_or_else(|e| panic!("{}: {e}", runtime.file_name()));
     }
-    let cluster = tandem_tests::kubernetes::FakeCluster::start().await;
-    cluster.apply_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/deploy/kubernetes"));
-    let kubernetes = KubernetesExecutor::connect(KubernetesConfig {
-        url: Some(cluster.url.clone()),
-        ..KubernetesConfig::default()
-    })
-    .await
-    .unwrap();
-    kubernetes.check().await.unwrap();
+    let cluster = tandem_tests::kubernetes::FakeCluster::deployed().await;
+    let kubernetes = cluster.executor().await;
     let executors = vec![
         (
             Kind::Local,

@@ -2,7 +2,6 @@
 //! answers kube-rs's real requests over HTTP and the exec WebSocket, with the resources of
 //! docs/deploy/kubernetes/ applied and each claimed pod a real hardened container.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -11,27 +10,12 @@ use tandem_executor_kubernetes::{KubernetesConfig, KubernetesExecutor};
 use tandem_tests::conformance::{self, run};
 use tandem_tests::kubernetes::FakeCluster;
 
-/// A fake cluster with the operator's resources applied.
-pub async fn cluster() -> FakeCluster {
-    let cluster = FakeCluster::start().await;
-    cluster.apply_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/deploy/kubernetes"));
-    cluster
+async fn cluster() -> FakeCluster {
+    FakeCluster::deployed().await
 }
 
-/// The executor on `cluster`'s warm pool.
-pub async fn executor(cluster: &FakeCluster) -> KubernetesExecutor {
-    executor_with(cluster, KubernetesConfig::default()).await
-}
-
-async fn executor_with(cluster: &FakeCluster, config: KubernetesConfig) -> KubernetesExecutor {
-    let executor = KubernetesExecutor::connect(KubernetesConfig {
-        url: Some(cluster.url.clone()),
-        ..config
-    })
-    .await
-    .unwrap();
-    executor.check().await.unwrap();
-    executor
+async fn executor(cluster: &FakeCluster) -> KubernetesExecutor {
+    cluster.executor().await
 }
 
 /// Waits (generously) until `done` holds; panics with `what` otherwise.

@@ -592,7 +592,9 @@ impl DockerExecutor {
             .memory_bytes
             .map_or(c.memory_bytes, |m| m.min(c.memory_bytes));
         let memory = i64::try_from(bytes).unwrap_or(i64::MAX);
-        let env = base_env(c).map(|(k, v)| format!("{k}={v}")).collect();
+        let env = tandem_executor_runner::base_env(&c.env)
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
         ContainerCreateBody {
             image: Some(c.image.clone()),
             entrypoint: Some(vec![
@@ -883,23 +885,6 @@ pub(crate) async fn remove_container(docker: &Docker, id: &str) {
 
 /// The environment code gets, and nothing else of the host's: the allowlist plus the
 /// configured extras. The container starts with it; each block gets it too.
-pub(crate) fn base_env(c: &DockerConfig) -> impl Iterator<Item = (&str, &str)> {
-    [
-        (
-            "PATH",
-            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-        ),
-        ("LANG", "C.UTF-8"),
-        ("HOME", "/workspace"),
-        ("TMPDIR", "/tmp"),
-        // Caches (matplotlib's font list, pip's) live and die with the container instead of
-        // showing up among the task's files.
-        ("XDG_CACHE_HOME", "/tmp/.cache"),
-    ]
-    .into_iter()
-    .chain(c.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -349,7 +349,7 @@ impl DockerSession {
         let sandbox = tandem_executor_runner::Sandbox {
             executor: "docker",
             languages: &inner.config.languages,
-            env: crate::base_env(&inner.config).collect(),
+            env: tandem_executor_runner::base_env(&inner.config.env).collect(),
         };
         let Some(conn) = self.conn.as_mut() else {
             return Err(ExecError::Backend(
@@ -388,15 +388,7 @@ impl DockerSession {
         if self.volume.is_some() {
             // Copied out after every block: the host copy is what the task's files API shows
             // and what carries the task on if this engine goes away.
-            let changes = match block.changes.take() {
-                Some(changes) if block.answered => changes,
-                _ if block.answered => Changes::default(),
-                _ => Changes {
-                    all: true,
-                    ..Changes::default()
-                },
-            };
-            let inline = std::mem::take(&mut block.inline);
+            let (changes, inline) = block.take_changes();
             if let Err(e) = self.sync(changes, inline).await {
                 tracing::warn!(container = %self.id, error = %e, "copying the workspace out failed; the next block copies all of it");
                 self.resync = true;

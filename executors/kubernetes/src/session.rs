@@ -10,7 +10,7 @@ use tandem_executor::{
     BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Limits, Session, SessionSpec,
     scratch,
 };
-use tandem_executor_runner::{Changes, Conn, Frame, FrameReader, Prepared, Request, mirror};
+use tandem_executor_runner::{Conn, Frame, FrameReader, Prepared, Request, mirror};
 use tempfile::TempDir;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -173,7 +173,7 @@ impl KubeSession {
         let sandbox = tandem_executor_runner::Sandbox {
             executor: "kubernetes",
             languages: &config.languages,
-            env: base_env(config).collect(),
+            env: tandem_executor_runner::base_env(&config.env).collect(),
         };
         let Some(runner) = self.runner.as_mut() else {
             return Err(ExecError::Backend(
@@ -205,15 +205,7 @@ impl KubeSession {
         let mut block = *block;
         // Copied out after every block: the mirror is what the task's files API shows and
         // what carries the task on if the pod goes away.
-        let changes = match block.changes.take() {
-            Some(changes) if block.answered => changes,
-            _ if block.answered => Changes::default(),
-            _ => Changes {
-                all: true,
-                ..Changes::default()
-            },
-        };
-        let inline = std::mem::take(&mut block.inline);
+        let (changes, inline) = block.take_changes();
         let (mirror_dir, whole) = (self.workspace.clone(), self.resync);
         let mut fetch = PodArchives(self.pod.clone());
         let synced = mirror::sync(&mirror_dir, changes, inline, whole, &mut fetch).await;
@@ -613,22 +605,6 @@ fn block_owner(user: &str) -> (u64, u64) {
     let (u, g) = user.split_once(':').unwrap_or((user, user));
     let uid = u.parse().unwrap_or(65534);
     (uid, g.parse().unwrap_or(uid))
-}
-
-/// The environment every block starts with.
-fn base_env(c: &crate::KubernetesConfig) -> impl Iterator<Item = (&str, &str)> {
-    [
-        (
-            "PATH",
-            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-        ),
-        ("LANG", "C.UTF-8"),
-        ("HOME", "/workspace"),
-        ("TMPDIR", "/tmp"),
-        ("XDG_CACHE_HOME", "/tmp/.cache"),
-    ]
-    .into_iter()
-    .chain(c.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
 }
 
 #[cfg(test)]

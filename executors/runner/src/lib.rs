@@ -369,6 +369,24 @@ pub enum Request<'a> {
     Rescan,
 }
 
+/// The environment every block in a container starts with, then `extra`.
+pub fn base_env(extra: &[(String, String)]) -> impl Iterator<Item = (&str, &str)> {
+    [
+        (
+            "PATH",
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        ),
+        ("LANG", "C.UTF-8"),
+        ("HOME", "/workspace"),
+        ("TMPDIR", "/tmp"),
+        // Caches (matplotlib's font list, pip's) live and die with the sandbox instead of
+        // showing up among the task's files.
+        ("XDG_CACHE_HOME", "/tmp/.cache"),
+    ]
+    .into_iter()
+    .chain(extra.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+}
+
 /// What a sandbox offers a block: its languages, and the environment every block starts with.
 pub struct Sandbox<'a> {
     /// The executor's name, for errors.
@@ -401,6 +419,20 @@ pub struct Block {
 }
 
 impl Block {
+    /// What the block changed and the tar that came inline, for the mirror: everything, when
+    /// the runner did not answer for the block (what it did is unknown).
+    pub fn take_changes(&mut self) -> (Changes, Vec<u8>) {
+        let changes = match self.changes.take() {
+            Some(changes) if self.answered => changes,
+            _ if self.answered => Changes::default(),
+            _ => Changes {
+                all: true,
+                ..Changes::default()
+            },
+        };
+        (changes, std::mem::take(&mut self.inline))
+    }
+
     /// The outcome of a block the runner answered for.
     pub fn outcome(self) -> ExecOutcome {
         ExecOutcome {
