@@ -81,6 +81,11 @@ impl FakeCluster {
             .with_state(cluster.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
+        // As a real API server does (Go sets it on every connection): without it, the
+        // runner's small frames after a large one wait on the client's delayed ACK.
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         let server = tokio::spawn(async move {
             axum::serve(listener, app).await.unwrap();
         });

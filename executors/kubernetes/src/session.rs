@@ -20,8 +20,10 @@ use crate::{KubernetesError, KubernetesExecutor, claims_resource, sandboxes_reso
 /// adopted from a warm pool).
 const POD_NAME_ANNOTATION: &str = "agents.x-k8s.io/pod-name";
 
-/// How often a claim is looked at while it waits for its sandbox.
-const POLL: Duration = Duration::from_millis(200);
+/// How often a claim is looked at while it waits for its sandbox: soon at first (a warm pod
+/// is bound at once), then less often, up to the second.
+const POLL_FIRST: Duration = Duration::from_millis(20);
+const POLL_MOST: Duration = Duration::from_millis(1000);
 
 /// Largest piece the exec stream buffers in each direction.
 const EXEC_BUFFER: usize = 1 << 16;
@@ -410,6 +412,7 @@ async fn wait_bound(executor: &KubernetesExecutor, claim_name: &str) -> Result<S
     let config = &executor.inner.config;
     let claims = executor.claims();
     let deadline = Instant::now() + config.ready_timeout;
+    let mut poll = POLL_FIRST;
     let sandbox = loop {
         let claim = executor
             .request("reading the SandboxClaim", claims.get_opt(claim_name))
@@ -431,7 +434,8 @@ async fn wait_bound(executor: &KubernetesExecutor, claim_name: &str) -> Result<S
                 claim_name, config.warm_pool, config.ready_timeout, claim_name, config.namespace
             )));
         }
-        tokio::time::sleep(POLL).await;
+        tokio::time::sleep(poll).await;
+        poll = (poll * 2).min(POLL_MOST);
     };
     let sandboxes: Api<DynamicObject> = Api::namespaced_with(
         executor.inner.client.clone(),
