@@ -239,6 +239,16 @@ async fn remove(docker: &Docker, id: &str) {
         .await;
 }
 
+/// The one version served of each group.
+static SERVED_VERSION: std::sync::LazyLock<HashMap<&'static str, &'static str>> =
+    std::sync::LazyLock::new(|| {
+        HashMap::from([
+            ("extensions.agents.x-k8s.io", "v1beta1"),
+            ("agents.x-k8s.io", "v1beta1"),
+            ("networking.k8s.io", "v1"),
+        ])
+    });
+
 fn status(code: u16, reason: &str, message: &str) -> Response {
     let body = json!({
         "kind": "Status", "apiVersion": "v1", "metadata": {},
@@ -265,9 +275,11 @@ async fn resource(
         .unwrap()
         .push(format!("{method} {}", uri.path()));
     let parts: Vec<&str> = uri.path().trim_matches('/').split('/').collect();
-    let rest = match parts.as_slice() {
-        ["api", "v1", rest @ ..] => rest,
-        ["apis", _group, _version, rest @ ..] => rest,
+    let (group, rest) = match parts.as_slice() {
+        ["api", "v1", rest @ ..] => ("", rest),
+        ["apis", group, version, rest @ ..] if SERVED_VERSION.get(group) == Some(version) => {
+            (*group, rest)
+        }
         _ => {
             return status(
                 404,
@@ -287,14 +299,14 @@ async fn resource(
             );
         }
     };
-    const SERVED: [&str; 5] = [
-        "sandboxclaims",
-        "sandboxwarmpools",
-        "sandboxtemplates",
-        "sandboxes",
-        "networkpolicies",
+    const SERVED: [(&str, &str); 5] = [
+        ("extensions.agents.x-k8s.io", "sandboxclaims"),
+        ("extensions.agents.x-k8s.io", "sandboxwarmpools"),
+        ("extensions.agents.x-k8s.io", "sandboxtemplates"),
+        ("agents.x-k8s.io", "sandboxes"),
+        ("networking.k8s.io", "networkpolicies"),
     ];
-    if !SERVED.contains(&plural) {
+    if !SERVED.contains(&(group, plural)) {
         return status(
             404,
             "NotFound",
@@ -791,12 +803,18 @@ async fn bridge(
         }
     }
     feeder.abort();
-    let code = docker
-        .inspect_exec(&exec_id)
-        .await
-        .ok()
-        .and_then(|i| i.exit_code)
-        .unwrap_or(-1);
+    // The engine may report the exec as running for a moment after its output ends.
+    let mut code = -1;
+    for _ in 0..500 {
+        match docker.inspect_exec(&exec_id).await {
+            Ok(i) if i.running != Some(true) => {
+                code = i.exit_code.unwrap_or(-1);
+                break;
+            }
+            Ok(_) => tokio::time::sleep(std::time::Duration::from_millis(10)).await,
+            Err(_) => break,
+        }
+    }
     let status = if code == 0 {
         json!({"metadata": {}, "status": "Success"})
     } else {

@@ -382,6 +382,8 @@ impl DockerSession {
             }
         }
         if let Some(e) = &block.runner_error {
+            // What the block changed was not reported: the next copy takes it all.
+            self.resync = true;
             return Err(ExecError::Backend(format!("Tandem's runner failed: {e}")));
         }
         let mut block = *block;

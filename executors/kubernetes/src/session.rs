@@ -80,6 +80,14 @@ impl KubeSession {
             )
             .await;
         if let Err(e) = created {
+            if matches!(e, KubernetesError::Unreachable { .. }) {
+                // The server may have made the claim and not said so: delete it on the
+                // chance, or it holds a pod until Tandem restarts.
+                let (executor, claim) = (executor.clone(), claim.clone());
+                tokio::spawn(async move {
+                    let _ = executor.delete_claim(&claim).await;
+                });
+            }
             executor.forget(&claim);
             return Err(match e {
                 KubernetesError::Api { reason, .. } if reason.contains("404") => {
@@ -166,6 +174,11 @@ impl KubeSession {
         req: ExecRequest,
         ctx: ExecContext,
     ) -> Result<ExecOutcome, ExecError> {
+        // A runner whose exec ended while it sat idle (the stream closed under it) is gone:
+        // writing a large block to it would wait forever.
+        if self.runner.as_mut().is_some_and(|r| !r.conn.alive()) {
+            self.runner = None;
+        }
         if self.runner.is_none() {
             self.restart().await?;
         }
@@ -202,6 +215,8 @@ impl KubeSession {
             self.runner = None;
         }
         if let Some(e) = &block.runner_error {
+            // What the block changed was not reported: the next copy takes it all.
+            self.resync = true;
             return Err(ExecError::Backend(format!("Tandem's runner failed: {e}")));
         }
         let mut block = *block;
@@ -222,9 +237,10 @@ impl KubeSession {
     }
 
     async fn shutdown(&mut self) -> Result<(), ExecError> {
-        self.closed = true;
         self.runner = None;
         let deleted = self.executor.delete_claim(&self.claim).await;
+        // Only now: a close dropped mid-delete leaves the drop to delete the claim.
+        self.closed = true;
         self.executor.forget(&self.claim);
         if let Some(ws) = self.owned_workspace.take() {
             scratch::remove_dirs(vec![ws], self.executor.inner.root.clone()).await?;
@@ -358,14 +374,16 @@ impl PodExec {
         let status = process.take_status();
         let (stdin, stdout, stderr) = (process.stdin(), process.stdout(), process.stderr());
         let io = |e| ExecError::io("copying files through the pod exec", e);
-        let feed = async {
+        // Fed on its own: a command that exits before reading all its input (a failing
+        // `tar -x`) must not leave the copy waiting on a stream nobody reads.
+        let feeder = tokio::spawn(async move {
             if let (Some(mut stdin), Some(input)) = (stdin, input) {
                 let mut input = tokio::fs::File::from_std(input);
                 tokio::io::copy(&mut input, &mut stdin).await?;
                 stdin.shutdown().await?;
             }
             Ok::<_, std::io::Error>(())
-        };
+        });
         let drain = async {
             if let Some(mut stdout) = stdout {
                 match output {
@@ -379,23 +397,43 @@ impl PodExec {
             }
             Ok::<_, std::io::Error>(())
         };
+        // The start is kept for the message; the rest is read and dropped, since a reader that
+        // stops would stall the exec's stdout with it.
         let errors = async {
             let mut text = Vec::new();
-            if let Some(stderr) = stderr {
-                stderr.take(4096).read_to_end(&mut text).await?;
+            if let Some(mut stderr) = stderr {
+                (&mut stderr).take(4096).read_to_end(&mut text).await?;
+                tokio::io::copy(&mut stderr, &mut tokio::io::sink()).await?;
             }
             Ok::<_, std::io::Error>(String::from_utf8_lossy(&text).trim().to_owned())
         };
-        let (fed, drained, errors) = tokio::time::timeout(Duration::from_secs(300), async {
-            tokio::join!(feed, drain, errors)
+        let waited = tokio::time::timeout(Duration::from_secs(300), async {
+            tokio::join!(drain, errors)
         })
-        .await
-        .map_err(|_| {
-            ExecError::Backend("a copy through the pod exec took over 300 s".to_owned())
-        })?;
-        fed.map_err(io)?;
+        .await;
+        let (drained, errors) = match waited {
+            Ok(done) => done,
+            Err(_) => {
+                feeder.abort();
+                return Err(ExecError::Backend(
+                    "a copy through the pod exec took over 300 s".to_owned(),
+                ));
+            }
+        };
+        let fed = if feeder.is_finished() {
+            feeder
+                .await
+                .map_err(|e| ExecError::Backend(format!("feeding the pod exec stopped: {e}")))?
+        } else {
+            // The command is over and never read the rest; its status says how it ended.
+            feeder.abort();
+            Ok(())
+        };
         drained.map_err(io)?;
         let errors = errors.map_err(io)?;
+        if let Err(e) = fed {
+            tracing::debug!(error = %e, "the pod exec stopped reading its input");
+        }
         let status = match status {
             Some(status) => tokio::time::timeout(Duration::from_secs(30), status)
                 .await
