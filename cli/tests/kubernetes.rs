@@ -19,19 +19,6 @@ fn config(url: &str) -> String {
     format!("[executors.kubernetes]\nurl = \"{url}\"\nready_timeout_secs = 60\n")
 }
 
-/// Waits (generously) for every claim on `cluster` to be deleted and its pod gone.
-async fn all_released(cluster: &FakeCluster) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while !(cluster.objects("sandboxclaims").is_empty() && cluster.containers().await.is_empty()) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "claims were left: {:?}",
-            cluster.objects("sandboxclaims")
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn exec_and_doctor_use_the_configured_cluster() {
     let cluster = cluster().await;
@@ -60,7 +47,7 @@ async fn exec_and_doctor_use_the_configured_cluster() {
         "{}",
         out.stderr
     );
-    all_released(&cluster).await;
+    cluster.wait_released().await;
 
     let out = tandem(&["doctor", "--config", path], &[], None).await;
     assert_eq!(out.code, 0, "{}", out.stderr);
@@ -111,7 +98,7 @@ async fn the_daemon_offers_kubernetes_and_runs_a_task_in_a_pod() {
     let events = d.text(&format!("/v1/tasks/{id}/events?follow=false")).await;
     // The pod's main process: the block ran in the claimed pod, not on this machine.
     assert!(events.contains(r#""stdout":"sleep\n""#), "{events}");
-    all_released(&cluster).await;
+    cluster.wait_released().await;
     cluster.stop().await;
 }
 

@@ -211,6 +211,24 @@ impl FakeCluster {
             .collect()
     }
 
+    /// Waits (a minute at most, for a loaded machine) until no claim is left and no pod's
+    /// container either; panics naming what stayed.
+    pub async fn wait_released(&self) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let claims = self.objects("sandboxclaims");
+            let containers = self.containers().await;
+            if claims.is_empty() && containers.is_empty() {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "left behind: claims {claims:?}, containers {containers:?}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+
     /// The container of pod `pod`, if it has one.
     pub fn container_of(&self, pod: &str) -> Option<String> {
         self.cluster.pods.lock().unwrap().get(pod).cloned()
@@ -805,7 +823,7 @@ async fn bridge(
     feeder.abort();
     // The engine may report the exec as running for a moment after its output ends.
     let mut code = -1;
-    for _ in 0..500 {
+    for _ in 0..3000 {
         match docker.inspect_exec(&exec_id).await {
             Ok(i) if i.running != Some(true) => {
                 code = i.exit_code.unwrap_or(-1);

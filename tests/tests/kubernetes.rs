@@ -3,7 +3,7 @@
 //! docs/deploy/kubernetes/ applied and each claimed pod a real hardened container.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tandem_executor::{Executor, ExitStatus, SessionSpec};
 use tandem_executor_kubernetes::{KubernetesConfig, KubernetesExecutor};
@@ -18,26 +18,13 @@ async fn executor(cluster: &FakeCluster) -> KubernetesExecutor {
     cluster.executor().await
 }
 
-/// Waits (generously) until `done` holds; panics with `what` otherwise.
-async fn eventually(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !done().await {
-        assert!(Instant::now() < deadline, "{what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn kubernetes_executor_passes_the_conformance_suite() {
     let cluster = cluster().await;
     let executor = executor(&cluster).await;
     conformance::all(Arc::new(executor.clone()), &[]).await;
     // Every session's claim, and with it its pod, is gone.
-    eventually("claims or pods were left", async || {
-        cluster.objects("sandboxclaims").is_empty() && cluster.containers().await.is_empty()
-    })
-    .await;
-    assert!(executor.live_claims().is_empty());
+    cluster.wait_released().await;
     // The runner went in over exec, not as a container of Tandem's own.
     let requests = cluster.requests();
     assert!(
@@ -110,10 +97,7 @@ async fn claims_go_on_close_on_drop_and_when_their_owner_died() {
     assert_eq!(cluster.objects("sandboxclaims").len(), 1);
     assert_eq!(cluster.containers().await.len(), 1);
     drop(s);
-    eventually("a dropped session's claim stayed", async || {
-        cluster.objects("sandboxclaims").is_empty() && cluster.containers().await.is_empty()
-    })
-    .await;
+    cluster.wait_released().await;
     // A claim a dead Tandem on this machine left is reaped; a live one's (ours) is not.
     let ours = executor
         .open(SessionSpec::default())
@@ -130,18 +114,16 @@ async fn claims_go_on_close_on_drop_and_when_their_owner_died() {
         "spec": {"warmPoolRef": {"name": "tandem"}},
     }));
     assert_eq!(executor.reap_orphans().await.unwrap(), 1);
-    let names: Vec<String> = cluster
+    let left: Vec<String> = cluster
         .objects("sandboxclaims")
         .iter()
         .map(|c| c["metadata"]["name"].as_str().unwrap().to_owned())
         .collect();
-    assert_eq!(names, executor.live_claims());
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert_ne!(left[0], "left-behind");
     ours.close().await.unwrap();
     assert!(cluster.objects("sandboxclaims").is_empty());
-    eventually("a closed session's pod stayed", async || {
-        cluster.containers().await.is_empty()
-    })
-    .await;
+    cluster.wait_released().await;
     cluster.stop().await;
 }
 
@@ -190,10 +172,7 @@ async fn errors_name_the_pool_the_server_and_what_to_do() {
         opened.contains("SandboxWarmPool `nope` does not exist"),
         "{opened}"
     );
-    eventually("the failed open's claim stayed", async || {
-        cluster.objects("sandboxclaims").is_empty()
-    })
-    .await;
+    cluster.wait_released().await;
     // No API server at all.
     let url = cluster.url.clone();
     cluster.stop().await;

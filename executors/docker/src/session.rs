@@ -179,7 +179,7 @@ impl DockerSession {
     /// changes).
     async fn upload(&mut self, files: Option<Vec<PathBuf>>) -> Result<(), ExecError> {
         let inner = self.executor.inner();
-        let owner = block_owner(&inner.config.user);
+        let owner = tandem_executor_runner::mirror::block_owner(&inner.config.user);
         let packed = tandem_executor_runner::mirror::pack(&self.workspace, files, owner).await?;
         let body = tokio_util::io::ReaderStream::new(tokio::fs::File::from_std(packed));
         inner
@@ -655,14 +655,6 @@ async fn lost_or(executor: &DockerExecutor, error: ExecError) -> ExecError {
             reason,
         },
     }
-}
-
-/// The numeric `uid`, `gid` of a `uid:gid` user, for files put in a volume; a name (which
-/// only the image can resolve) falls back to nobody's.
-fn block_owner(user: &str) -> (u64, u64) {
-    let (u, g) = user.split_once(':').unwrap_or((user, user));
-    let uid = u.parse().unwrap_or(65534);
-    (uid, g.parse().unwrap_or(uid))
 }
 
 /// Copies paths out of a container through the engine's archive call.

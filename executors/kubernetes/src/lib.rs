@@ -11,9 +11,9 @@
 
 mod session;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams};
@@ -122,7 +122,7 @@ pub enum KubernetesError {
     },
     /// The warm pool is not there.
     #[error(
-        "the SandboxWarmPool `{pool}` does not exist in namespace `{namespace}`; apply docs/deploy/kubernetes/ (kubectl apply -k) or set [executors.kubernetes] warm_pool"
+        "the SandboxWarmPool `{pool}` does not exist in namespace `{namespace}`; apply docs/deploy/kubernetes/ (kubectl apply -k, after the agent-sandbox controller) or set [executors.kubernetes] warm_pool"
     )]
     NoWarmPool {
         /// The pool asked for.
@@ -132,13 +132,15 @@ pub enum KubernetesError {
     },
     /// The cluster does not know the agent-sandbox resources.
     #[error(
-        "the cluster does not serve {resource} ({group}/{VERSION}); install the agent-sandbox controller and its extensions"
+        "the cluster does not serve {resource} ({group}/{VERSION}) in namespace `{namespace}`; install the agent-sandbox controller and its extensions, and create the namespace (docs/deploy/kubernetes/)"
     )]
     NoAgentSandbox {
         /// The resource's plural.
         resource: &'static str,
         /// Its group.
         group: &'static str,
+        /// The namespace asked for.
+        namespace: String,
     },
     /// The API server refused or failed a request.
     #[error("Kubernetes API: {what} failed: {reason}")]
@@ -181,8 +183,6 @@ struct Inner {
     owner: String,
     /// Where temporary mirrors go; a per-process directory, reaped by the next Tandem.
     root: PathBuf,
-    /// Claims of this executor's open sessions.
-    live: Mutex<HashSet<String>>,
 }
 
 /// The `kind`'s resource in the agent-sandbox groups.
@@ -252,7 +252,6 @@ impl KubernetesExecutor {
                 url,
                 owner: owner::owner_tag(),
                 root,
-                live: Mutex::new(HashSet::new()),
             }),
         })
     }
@@ -283,18 +282,12 @@ impl KubernetesExecutor {
             .await
         {
             Ok(Some(_)) => Ok(()),
+            // A cluster without the agent-sandbox resources answers 404 as well, which the
+            // client cannot tell from a missing pool; the advice covers both.
             Ok(None) => Err(KubernetesError::NoWarmPool {
                 pool: c.warm_pool.clone(),
                 namespace: c.namespace.clone(),
             }),
-            Err(KubernetesError::Api { reason, .. })
-                if reason.contains("404") || reason.contains("NotFound") =>
-            {
-                Err(KubernetesError::NoAgentSandbox {
-                    resource: "sandboxwarmpools",
-                    group: EXTENSIONS_GROUP,
-                })
-            }
             Err(e) => Err(e),
         }
     }
@@ -374,21 +367,6 @@ impl KubernetesExecutor {
                 tracing::warn!(claim = name, error = %e, "could not delete a claim; the next start reaps it");
                 Err(e)
             }
-        }
-    }
-
-    /// Claims of sessions open now.
-    pub fn live_claims(&self) -> Vec<String> {
-        self.inner
-            .live
-            .lock()
-            .map(|l| l.iter().cloned().collect())
-            .unwrap_or_default()
-    }
-
-    fn forget(&self, claim: &str) {
-        if let Ok(mut live) = self.inner.live.lock() {
-            live.remove(claim);
         }
     }
 

@@ -70,9 +70,6 @@ impl KubeSession {
             }));
         object.metadata.labels = Some(labels);
         object.metadata.annotations = Some(annotations);
-        if let Ok(mut live) = executor.inner.live.lock() {
-            live.insert(claim.clone());
-        }
         let created = executor
             .request(
                 "creating a SandboxClaim",
@@ -88,12 +85,12 @@ impl KubeSession {
                     let _ = executor.delete_claim(&claim).await;
                 });
             }
-            executor.forget(&claim);
             return Err(match e {
                 KubernetesError::Api { reason, .. } if reason.contains("404") => {
                     KubernetesError::NoAgentSandbox {
                         resource: "sandboxclaims",
                         group: crate::EXTENSIONS_GROUP,
+                        namespace: executor.inner.config.namespace.clone(),
                     }
                     .into()
                 }
@@ -127,7 +124,7 @@ impl KubeSession {
     /// Copies the mirror (`None`), or these files of it, into the pod's workspace, owned by
     /// the blocks' user, and has the runner take it as seen.
     async fn upload(&mut self, files: Option<Vec<PathBuf>>) -> Result<(), ExecError> {
-        let owner = block_owner(&self.executor.inner.config.user);
+        let owner = mirror::block_owner(&self.executor.inner.config.user);
         let packed = mirror::pack(&self.workspace, files, owner).await?;
         let (code, errors) = self
             .pod
@@ -241,7 +238,6 @@ impl KubeSession {
         let deleted = self.executor.delete_claim(&self.claim).await;
         // Only now: a close dropped mid-delete leaves the drop to delete the claim.
         self.closed = true;
-        self.executor.forget(&self.claim);
         if let Some(ws) = self.owned_workspace.take() {
             scratch::remove_dirs(vec![ws], self.executor.inner.root.clone()).await?;
         }
@@ -577,7 +573,6 @@ impl Drop for KubeSession {
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
                 let _ = executor.delete_claim(&claim).await;
-                executor.forget(&claim);
                 drop(ws);
             });
         }
@@ -640,13 +635,6 @@ async fn read_frames(
             },
         }
     }
-}
-
-/// The numeric `uid`, `gid` of a `uid:gid` user, for files put in the workspace.
-fn block_owner(user: &str) -> (u64, u64) {
-    let (u, g) = user.split_once(':').unwrap_or((user, user));
-    let uid = u.parse().unwrap_or(65534);
-    (uid, g.parse().unwrap_or(uid))
 }
 
 #[cfg(test)]

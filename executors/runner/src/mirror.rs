@@ -152,6 +152,14 @@ pub async fn pack(
     .map_err(|e| ExecError::Backend(format!("packing the workspace stopped: {e}")))?
 }
 
+/// The numeric `uid`, `gid` of a `uid:gid` user, whom files put in the sandbox's workspace
+/// belong to; a name (which only the image can resolve) falls back to nobody's.
+pub fn block_owner(user: &str) -> (u64, u64) {
+    let (u, g) = user.split_once(':').unwrap_or((user, user));
+    let uid = u.parse().unwrap_or(65534);
+    (uid, g.parse().unwrap_or(uid))
+}
+
 /// Whether the directory at `path` holds anything.
 pub fn has_entries(path: &Path) -> bool {
     std::fs::read_dir(path).is_ok_and(|mut d| d.next().is_some())
