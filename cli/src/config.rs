@@ -46,6 +46,24 @@ pub struct FileConfig {
     /// `[tools.NAME]`: the functions offered to the model (docs/tools.md).
     #[serde(default)]
     pub tools: tandem_agent::tools::Catalog,
+    /// `[store]`: where the daemon keeps its tasks (docs/store.md).
+    #[serde(default)]
+    pub store: StoreSection,
+}
+
+/// `[store]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreSection {
+    /// `postgres://USER:PASSWORD@HOST:PORT/DATABASE`: the queue several daemons share; leave
+    /// it out for the SQLite file in the state dir (one daemon).
+    pub url: Option<String>,
+    /// This daemon's name among those on one store (default: the host name and a hash of
+    /// the state dir, the same across its restarts).
+    pub daemon: Option<String>,
+    /// Seconds a lease on a running task lasts unless renewed (default 30): how long the
+    /// tasks of a daemon that died wait before another resumes them.
+    pub lease_secs: Option<f64>,
 }
 
 /// `[files]`.

@@ -16,6 +16,7 @@ mod provider;
 mod render;
 mod run;
 mod serve;
+mod store;
 mod tasks;
 mod team;
 
@@ -115,6 +116,11 @@ enum Command {
         #[command(subcommand)]
         action: kit::ExecutorAction,
     },
+    /// The daemon's task store: move a daemon's tasks from its SQLite file to PostgreSQL
+    Store {
+        #[command(subcommand)]
+        action: store::StoreAction,
+    },
     /// Work with team files (several agents): check one
     Team {
         #[command(subcommand)]
@@ -212,6 +218,7 @@ fn dispatch(cli: Cli) -> Result<u8> {
             precompile,
         } => runtime()?.block_on(doctor(&model, image, precompile, &file)),
         Command::Model { action } => runtime()?.block_on(model::model(action, &file)),
+        Command::Store { action } => store::store(action),
         Command::Executor { action } => runtime()?.block_on(kit::executor(action, &file)),
         Command::Run(args) => runtime()?.block_on(run::run(args, file)),
         Command::Exec(args) => runtime()?.block_on(exec::exec(args, file)),

@@ -300,7 +300,7 @@ async fn run_here(args: &RunArgs, file: FileConfig) -> Result<u8> {
     let approver: Option<Arc<dyn tandem_agent::Approver>> = (planned.may_ask()
         && crate::approve::need_terminal().is_ok())
     .then(|| Arc::new(crate::approve::TerminalApprover::new(events.clone())) as _);
-    let stop_reason = planned.run(approver, events, cancel).await;
+    let stop_reason = planned.run(approver, None, events, cancel).await;
     if renderer.lock().is_ok_and(|r| r.reader_gone()) {
         return Ok(exit::DONE);
     }

@@ -5,7 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use tandem_daemon::{Listeners, PlannerConfig, Store, Supervisor, SupervisorConfig, TaskDefaults};
+use tandem_daemon::store::PgStore;
+use tandem_daemon::{
+    Listeners, PlannerConfig, Store, Supervisor, SupervisorConfig, TaskDefaults, TaskStore,
+};
 use tandem_executor::{CancellationToken, Registry};
 use tandem_executor_local::LocalExecutor;
 
@@ -34,6 +37,10 @@ pub struct ServeArgs {
     /// Docker image for the docker executor
     #[arg(long, env = "TANDEM_DOCKER_IMAGE")]
     image: Option<String>,
+    /// The task store: postgres://USER:PASSWORD@HOST:PORT/DATABASE for a queue several
+    /// daemons share [default: [store] url, else the SQLite file in the state dir]
+    #[arg(long = "store", env = "TANDEM_STORE_URL", value_name = "URL")]
+    store: Option<String>,
     /// Log format on stderr: text or json
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
     log_format: String,
@@ -240,6 +247,8 @@ pub async fn mcp(args: McpArgs, file: FileConfig) -> Result<u8> {
         image: args.image,
         log_format: "text".to_owned(),
         model: args.model,
+        // As `serve`: TANDEM_STORE_URL, else `[store] url`.
+        store: std::env::var("TANDEM_STORE_URL").ok(),
     };
     let started = start(&serve_args, &file, Say { json: false }).await?;
     let served = tandem_daemon::mcp::serve_stdio(started.supervisor.clone()).await;
@@ -329,6 +338,67 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
     Ok(crate::exit::DONE)
 }
 
+/// The task store the settings name (`--store`, `TANDEM_STORE_URL`, `[store] url`, else the
+/// SQLite file in the state dir), this daemon's name on it, and its lease.
+fn open_store(
+    args: &ServeArgs,
+    file: &FileConfig,
+    state_dir: &Path,
+) -> Result<(Arc<dyn TaskStore>, String, Duration)> {
+    let lease = match file.store.lease_secs {
+        Some(secs) if !(1.0..=3600.0).contains(&secs) => {
+            bail!("[store] lease_secs must be between 1 and 3600 (it is {secs})")
+        }
+        Some(secs) => Duration::from_secs_f64(secs),
+        None => Duration::from_secs(30),
+    };
+    let daemon = match &file.store.daemon {
+        Some(name) if name.trim().is_empty() || name.contains(char::is_whitespace) => {
+            bail!("[store] daemon must be a name without spaces (it is {name:?})")
+        }
+        Some(name) => name.clone(),
+        None => default_daemon_name(state_dir),
+    };
+    // The flag, then the environment (clap reads both into `args.store`), then the file.
+    let from_env = std::env::var("TANDEM_STORE_URL").ok();
+    let (url, setting) = match (&args.store, &file.store.url) {
+        (Some(url), _) if from_env.as_deref() == Some(url.as_str()) => (Some(url), "TANDEM_STORE_URL"),
+        (Some(url), _) => (Some(url), "--store"),
+        (None, Some(url)) => (Some(url), "[store] url in tandem.toml"),
+        (None, None) => (None, ""),
+    };
+    let store: Arc<dyn TaskStore> = match url {
+        Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
+            let store = PgStore::open(url, setting).context("cannot open the task database")?;
+            tracing::info!(store = store.shown(), daemon = %daemon, "tasks are kept in PostgreSQL");
+            Arc::new(store)
+        }
+        Some(url) => bail!(
+            "{setting} is {url:?}, which is not a postgres:// URL; leave it out to keep tasks in the SQLite file in the state dir"
+        ),
+        None => Arc::new(
+            Store::open(&state_dir.join("tandem.db")).context("cannot open the task database")?,
+        ),
+    };
+    Ok((store, daemon, lease))
+}
+
+/// The host's name and a hash of the state dir: the same across a daemon's restarts, and
+/// different for two daemons on one host.
+fn default_daemon_name(state_dir: &Path) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "tandem".to_owned());
+    let dir = state_dir.canonicalize().unwrap_or_else(|_| state_dir.to_owned());
+    // FNV-1a: stable across builds, unlike the standard library's hasher.
+    let hash = dir.as_os_str().as_encoded_bytes().iter().fold(0xcbf29ce484222325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x100000001b3)
+    });
+    format!("{host}-{:08x}", hash as u32)
+}
+
 /// Everything up to listening: the state dir locked, the store open, the executors, policy,
 /// defaults and model resolved, what a dead daemon left reaped, and its tasks recovered.
 async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started> {
@@ -370,9 +440,7 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
             .with_context(|| format!("cannot make the files dir in {}", state_dir.display()))?,
     );
     config::conn_limits(file)?;
-    let store = Arc::new(
-        Store::open(&state_dir.join("tandem.db")).context("cannot open the task database")?,
-    );
+    let (store, daemon, lease) = open_store(args, file, &state_dir)?;
 
     // Every executor the daemon can offer; `auto` decides the default once, at start.
     let mut executors = Registry::new();
@@ -542,6 +610,8 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
             max_concurrent,
             sessions,
             files,
+            daemon,
+            lease,
         },
     );
 

@@ -14,6 +14,7 @@ mod limits;
 mod mcp;
 mod new_user;
 mod plugins;
+mod shared_store;
 mod teams;
 mod tools;
 mod web;

@@ -565,16 +565,30 @@ async fn kill_9_then_restart_keeps_every_task_and_resumes_the_interrupted() {
         let (code, _, err) = d.cli(&["resume", id]).await;
         assert_eq!(code, 0, "{err}");
     }
+    // A block the kill cut off is not run again (it may have done its work): the model is
+    // told so. One that had not started runs after the resume.
+    let mut cut_off = 0;
     for (i, id) in ids.iter().enumerate() {
         let t = d.wait_finished(id, Duration::from_secs(120)).await;
         assert_eq!(t["stop_reason"], "terminated", "{t}");
-        let out = block_output(&d.events(id, 0).await);
-        assert_eq!(
-            out.last().map(String::as_str),
-            Some(format!("slow {i} done\n").as_str()),
-            "{id}"
+        let events = d.events(id, 0).await;
+        let started = events.iter().filter(|e| e["type"] == "code_block").count();
+        assert_eq!(started, 1, "{id}: its block ran again after the resume");
+        let told = events.iter().any(|e| {
+            e["type"] == "executor_message"
+                && e["text"]
+                    .as_str()
+                    .unwrap()
+                    .contains("was cut off while the code of your last reply ran")
+        });
+        let out = block_output(&events);
+        assert!(
+            told || out.last().map(String::as_str) == Some(format!("slow {i} done\n").as_str()),
+            "{id}: {events:#?}"
         );
+        cut_off += usize::from(told);
     }
+    assert!(cut_off > 0, "the kill cut no block off");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -753,9 +767,10 @@ async fn logs_follow_reconnects_across_a_daemon_restart() {
     let types = |es: &[Value]| es.iter().map(|e| e["type"].clone()).collect::<Vec<_>>();
     assert_eq!(types(&events), types(&stored));
     assert_eq!(events.last().unwrap()["type"], "task_finished");
+    // The block the kill cut off was not run again.
     assert_eq!(
-        block_output(&stored).last().map(String::as_str),
-        Some("slow 0 done\n")
+        stored.iter().filter(|e| e["type"] == "code_block").count(),
+        1
     );
 }
 
@@ -875,11 +890,11 @@ async fn a_resumed_task_with_a_kept_interpreter_tells_the_model_its_variables_ar
                 Reply::from(fence("x = 41").as_str()),
                 // Asked again after the resume: the workspace remembers it slept once.
                 Reply::from(
-                    fence(
-                        "import os, time\nif not os.path.exists('slept'):\n    open('slept', 'w').close()\n    print('pid', os.getpid(), flush=True)\n    time.sleep(60)\nprint('x' in globals())",
-                    )
-                    .as_str(),
+                    fence("import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(60)")
+                        .as_str(),
                 ),
+                // Written after the resume, told that the block above was cut off.
+                Reply::from(fence("print('x' in globals())").as_str()),
                 Reply::from("TERMINATE"),
             ],
         )]
@@ -904,14 +919,15 @@ async fn a_resumed_task_with_a_kept_interpreter_tells_the_model_its_variables_ar
     // The block after the restart ran in a new interpreter...
     let out = block_output(&d.events(&id, 0).await);
     assert_eq!(out.last().map(String::as_str), Some("False\n"), "{out:?}");
-    // ...and the model was told so before it wrote it.
+    // ...and the model was told so before it wrote it, with the cut-off block not run again.
     let asked = &server.requests_for(task)[2];
     let last = asked.body["messages"].as_array().unwrap().last().unwrap()["content"]
         .as_str()
         .unwrap()
         .to_owned();
     assert!(
-        last.contains("its Python interpreter is new: variables, imports and open files of earlier blocks are gone"),
+        last.contains("its Python interpreter is new: variables, imports and open files of earlier blocks are gone")
+            && last.contains("That code is not run again"),
         "{last}"
     );
 }

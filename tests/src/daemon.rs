@@ -49,6 +49,20 @@ impl DaemonHarness {
             .unix_socket(socket_in(state.path()))
             .build()
             .unwrap();
+        let mut env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        // The daemon suite runs again with its tasks in PostgreSQL: a database of its own for
+        // each daemon, kept across its restarts.
+        if std::env::var("TANDEM_TEST_STORE").is_ok_and(|s| s == "postgres")
+            && !env.iter().any(|(k, _)| k == "TANDEM_STORE_URL")
+        {
+            let url = tokio::task::spawn_blocking(|| crate::Postgres::shared().new_database())
+                .await
+                .unwrap();
+            env.push(("TANDEM_STORE_URL".to_owned(), url));
+        }
         let mut d = Self {
             bin: bin.to_owned(),
             child: None,
@@ -56,10 +70,7 @@ impl DaemonHarness {
             state,
             base_url: base_url.to_owned(),
             args: args.iter().map(|s| s.to_string()).collect(),
-            env: env
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
+            env,
             client,
         };
         d.spawn().await;

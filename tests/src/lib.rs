@@ -10,11 +10,13 @@ pub mod conformance;
 pub mod daemon;
 pub mod kubernetes;
 pub mod mcp;
+pub mod postgres;
 pub mod second_engine;
 pub mod webdriver;
 
 pub use daemon::DaemonHarness;
 pub use mcp::McpHttp;
+pub use postgres::Postgres;
 pub use webdriver::Browser;
 
 use std::collections::HashMap;
@@ -82,6 +84,8 @@ pub struct Recorded {
     pub authorization: Option<String>,
     /// When it arrived.
     pub at: Instant,
+    /// Who sent it, when it came to [`ScriptedOpenAi::base_url_for`]'s URL.
+    pub caller: Option<String>,
 }
 
 impl Recorded {
@@ -112,6 +116,11 @@ fn messages(body: &Value) -> impl DoubleEndedIterator<Item = &Value> {
 struct Shared {
     script: Mutex<Script>,
     requests: Mutex<Vec<Recorded>>,
+    /// Callers whose requests wait (see [`ScriptedOpenAi::hold`]).
+    held: Mutex<std::collections::HashSet<String>>,
+    /// How many of each caller's requests wait now.
+    waiting: Mutex<HashMap<String, usize>>,
+    released: tokio::sync::Notify,
 }
 
 /// A scripted OpenAI-compatible chat server on 127.0.0.1.
@@ -130,6 +139,7 @@ impl ScriptedOpenAi {
         });
         let app = Router::new()
             .route("/v1/chat/completions", post(chat))
+            .route("/{caller}/v1/chat/completions", post(chat_as))
             .with_state(shared.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
@@ -153,6 +163,36 @@ impl ScriptedOpenAi {
     /// The base URL to give Tandem (`http://127.0.0.1:PORT/v1`).
     pub fn base_url(&self) -> String {
         format!("http://{}/v1", self.addr)
+    }
+
+    /// A base URL that names `caller` (a daemon among several), so its requests can be told
+    /// apart and held.
+    pub fn base_url_for(&self, caller: &str) -> String {
+        format!("http://{}/{caller}/v1", self.addr)
+    }
+
+    /// Holds `caller`'s requests, new and waiting, unanswered until [`ScriptedOpenAi::release`].
+    pub fn hold(&self, caller: &str) {
+        if let Ok(mut held) = self.shared.held.lock() {
+            held.insert(caller.to_owned());
+        }
+    }
+
+    /// Answers `caller`'s requests again, the held ones first.
+    pub fn release(&self, caller: &str) {
+        if let Ok(mut held) = self.shared.held.lock() {
+            held.remove(caller);
+        }
+        self.shared.released.notify_waiters();
+    }
+
+    /// How many of `caller`'s requests are held now.
+    pub fn held(&self, caller: &str) -> usize {
+        self.shared
+            .waiting
+            .lock()
+            .map(|w| w.get(caller).copied().unwrap_or(0))
+            .unwrap_or(0)
     }
 
     /// Every request so far.
@@ -186,7 +226,39 @@ fn error(status: u16, message: &str) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
+async fn chat_as(
+    State(shared): State<Arc<Shared>>,
+    axum::extract::Path(caller): axum::extract::Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    loop {
+        let released = shared.released.notified();
+        let held = shared.held.lock().is_ok_and(|h| h.contains(&caller));
+        if !held {
+            break;
+        }
+        if let Ok(mut w) = shared.waiting.lock() {
+            *w.entry(caller.clone()).or_default() += 1;
+        }
+        released.await;
+        if let Ok(mut w) = shared.waiting.lock() {
+            *w.entry(caller.clone()).or_default() -= 1;
+        }
+    }
+    answer_chat(shared, headers, body, Some(caller)).await
+}
+
 async fn chat(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    answer_chat(shared, headers, body, None).await
+}
+
+async fn answer_chat(
+    shared: Arc<Shared>,
+    headers: HeaderMap,
+    body: Bytes,
+    caller: Option<String>,
+) -> Response {
     let Ok(body) = serde_json::from_slice::<Value>(&body) else {
         return error(400, "body is not JSON");
     };
@@ -197,6 +269,7 @@ async fn chat(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes
             .map(str::to_owned),
         body: body.clone(),
         at: Instant::now(),
+        caller,
     };
     let task = recorded.task().unwrap_or("").to_owned();
     if let Ok(mut r) = shared.requests.lock() {

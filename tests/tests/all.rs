@@ -8,6 +8,7 @@ mod hostile;
 mod kubernetes;
 mod local_executor;
 mod plugin_executor;
+mod store;
 mod teams;
 mod tools;
 mod turn_loop;

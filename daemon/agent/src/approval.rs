@@ -266,7 +266,13 @@ pub struct ApprovalGate {
     policies: Vec<Compiled>,
     timeout: Duration,
     approver: Option<Arc<dyn Approver>>,
+    guard: Option<Guard>,
 }
+
+/// Asked after a block (or a tool call) is cleared to run and before it runs: `false` stops
+/// it, as a cancel does. A daemon confirms here that its lease on the task is still its own,
+/// so a daemon that lost the task runs nothing more of it.
+pub type Guard = Arc<dyn Fn() -> futures::future::BoxFuture<'static, bool> + Send + Sync>;
 
 impl std::fmt::Debug for ApprovalGate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -300,12 +306,19 @@ impl ApprovalGate {
             policies,
             timeout,
             approver: None,
+            guard: None,
         })
     }
 
     /// Asks `approver` when a policy says to ask.
     pub fn with_approver(mut self, approver: Arc<dyn Approver>) -> Self {
         self.approver = Some(approver);
+        self
+    }
+
+    /// Asks `guard` before anything it clears runs.
+    pub fn with_guard(mut self, guard: Guard) -> Self {
+        self.guard = Some(guard);
         self
     }
 
@@ -392,6 +405,24 @@ impl ApprovalGate {
     /// Carries out `verdict` on `code` (a block, or a tool call's arguments: `what`): runs
     /// it, tells a rule's denial, or asks; `recheck` judges a person's edit.
     async fn settle(
+        &self,
+        verdict: Verdict,
+        language: &Language,
+        code: &str,
+        what: &str,
+        at: &BlockAt<'_>,
+        recheck: &(dyn Fn(&str) -> Verdict + Sync),
+    ) -> Option<Result<String, String>> {
+        let settled = self.verdict_of(verdict, language, code, what, at, recheck).await;
+        if let (Some(Ok(_)), Some(guard)) = (&settled, &self.guard)
+            && !guard().await
+        {
+            return None;
+        }
+        settled
+    }
+
+    async fn verdict_of(
         &self,
         verdict: Verdict,
         language: &Language,

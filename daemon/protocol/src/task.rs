@@ -188,6 +188,8 @@ pub enum ApiErrorCode {
     TooMany,
     /// 503: the executor cannot run code now.
     ExecutorUnavailable,
+    /// The task database cannot be reached now; try again shortly.
+    StoreUnavailable,
     /// 503: the daemon is stopping.
     ShuttingDown,
     /// 500: the daemon failed.

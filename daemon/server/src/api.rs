@@ -82,6 +82,12 @@ impl From<TaskError> for ApiError {
             }
             TaskError::Conflict(_) => (StatusCode::CONFLICT, ApiErrorCode::Conflict),
             TaskError::NotAllowed(_) => (StatusCode::BAD_REQUEST, ApiErrorCode::NotAllowed),
+            TaskError::Unavailable(crate::error::Unavailable::Store) => {
+                (StatusCode::SERVICE_UNAVAILABLE, ApiErrorCode::StoreUnavailable)
+            }
+            TaskError::Store(e) if e.unreachable() => {
+                (StatusCode::SERVICE_UNAVAILABLE, ApiErrorCode::StoreUnavailable)
+            }
             TaskError::Unavailable(_) => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 ApiErrorCode::ExecutorUnavailable,
@@ -728,7 +734,9 @@ async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
                 e.hosts().into_iter().map(move |h| (name.clone(), h))
             })
             .collect();
-        Ok(sup.metrics.render(&sup.store().counts()?, open, &hosts))
+        Ok(sup
+            .metrics
+            .render(&sup.store().counts()?, open, &hosts, sup.running_here()))
     })
     .await?;
     Ok(([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response())

@@ -91,6 +91,8 @@ pub(crate) struct Approvals {
     slots: Mutex<HashMap<(String, u32), Slot>>,
     store: Arc<dyn TaskStore>,
     writer: Writes,
+    /// Live subscribers: a decision is stored here, not through the writer, and sent to them.
+    live: tokio::sync::broadcast::Sender<Arc<(String, Event)>>,
     /// The daemon's execution slots, which a waiting task gives back.
     execution: Arc<tokio::sync::Semaphore>,
 }
@@ -108,13 +110,56 @@ impl Approvals {
     pub(crate) fn new(
         store: Arc<dyn TaskStore>,
         writer: Writes,
+        live: tokio::sync::broadcast::Sender<Arc<(String, Event)>>,
         execution: Arc<tokio::sync::Semaphore>,
     ) -> Self {
         Self {
             slots: Mutex::default(),
             store,
             writer,
+            live,
             execution,
+        }
+    }
+
+    /// Stores decision `ruling` of approval `n` of task `id` unless one is stored already
+    /// (decided on another daemon, or by the timeout); whether this one was.
+    fn store_decision(&self, id: &str, n: u32, at: (u32, u32), ruling: &Ruling) -> Result<bool, TaskError> {
+        let msg = ruling.decided(at.0, at.1, n);
+        match self.store.decide(id, n, &msg, crate::writer::now_ms())? {
+            Some(event) => {
+                let _ = self.live.send(Arc::new((id.to_owned(), event)));
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// A decision another daemon stored for a task of this one's: handed to it if it waits.
+    pub(crate) fn heard(&self, id: &str, event: &Event) {
+        let EventMsg::ApprovalDecided {
+            n,
+            decision,
+            by,
+            code,
+            reason,
+            ..
+        } = &event.msg
+        else {
+            return;
+        };
+        let ruling = Ruling {
+            decision: *decision,
+            code: code.clone(),
+            reason: reason.clone(),
+            by: by.clone(),
+        };
+        if let Ok(mut slots) = self.slots.lock() {
+            let key = (id.to_owned(), *n);
+            if let Some(Slot::Waiting(tx)) = slots.remove(&key) {
+                let _ = tx.send(ruling.clone());
+            }
+            slots.insert(key, Slot::Decided(ruling));
         }
     }
 
@@ -130,6 +175,15 @@ impl Approvals {
                     .collect()
             },
         )
+    }
+
+    /// The stored decision of approval `n` of task `id`, if one is stored.
+    fn stored_ruling(&self, id: &str, n: u32) -> Option<Ruling> {
+        let events = self.store.events_after(id, 0).ok()?;
+        requested(&events)
+            .into_iter()
+            .find(|r| r.n == n)
+            .and_then(|r| r.ruling)
     }
 
     /// Forgets task `id`'s approvals once it has stopped.
@@ -217,14 +271,32 @@ impl Approvals {
                 Some(Slot::Waiting(tx)) => Some(tx),
                 None => None,
             };
-            self.writer
-                .record(id, ruling.decided(request.turn, request.index, request.n));
+            // Stored before the answer, and before a waiting task acts on it; only if no
+            // other decision (another daemon's, the timeout's) was stored first. A task that
+            // is not waiting finds it in `slots`, in the store after a restart, or hears of
+            // it from the store when it runs on another daemon.
+            match self.store_decision(id, n, (request.turn, request.index), &ruling) {
+                Ok(true) => {}
+                Ok(false) => {
+                    if let Some(tx) = waiting {
+                        slots.insert(key, Slot::Waiting(tx));
+                    }
+                    let stored = requested(&self.store.events_after(id, 0)?);
+                    return Err(match stored.iter().find(|r| r.n == n).and_then(|r| r.ruling.as_ref()) {
+                        Some(r) => already(r),
+                        None => Conflict::NothingToApprove(id.to_owned()).into(),
+                    });
+                }
+                Err(e) => {
+                    if let Some(tx) = waiting {
+                        slots.insert(key, Slot::Waiting(tx));
+                    }
+                    return Err(e);
+                }
+            }
             slots.insert(key, Slot::Decided(ruling.clone()));
             waiting
         };
-        // Durable before the answer, and before a waiting task acts on it. A task that is
-        // not waiting finds it in `slots` or, after a restart, in the store.
-        self.writer.flush();
         if let Some(tx) = waiting {
             // An error means the task stopped waiting (cancelled) meanwhile.
             let _ = tx.send(ruling);
@@ -309,6 +381,14 @@ impl TaskApprover {
             }
             slots.insert(key.clone(), Slot::Waiting(tx));
         }
+        // Decided on another daemon before this one waited for it (it resumed meanwhile).
+        self.approvals.writer.flush();
+        if let Some(ruling) = self.approvals.stored_ruling(&self.id, request.n) {
+            if let Ok(mut slots) = self.approvals.slots.lock() {
+                slots.insert(key, Slot::Decided(ruling.clone()));
+            }
+            return Some(ruling);
+        }
         self.approvals
             .writer
             .set_state(&self.id, TaskState::AwaitingApproval);
@@ -318,9 +398,21 @@ impl TaskApprover {
             () = tokio::time::sleep(timeout) => {
                 let timed_out = self.approvals.slots.lock().ok().and_then(|mut slots| {
                     match slots.remove(&key) {
-                        Some(Slot::Waiting(_)) => {
+                        Some(Slot::Waiting(tx)) => {
                             let ruling = Ruling::timed_out(timeout);
-                            self.approvals.writer.record(&self.id, ruling.decided(request.turn, request.index, request.n));
+                            let at = (request.turn, request.index);
+                            let ruling = match self.approvals.store_decision(&self.id, request.n, at, &ruling) {
+                                Ok(true) => ruling,
+                                // Decided elsewhere first (or the store is down): the stored
+                                // decision, when there is one, is the one that holds.
+                                _ => match self.approvals.stored_ruling(&self.id, request.n) {
+                                    Some(stored) => stored,
+                                    None => {
+                                        slots.insert(key.clone(), Slot::Waiting(tx));
+                                        return None;
+                                    }
+                                },
+                            };
                             slots.insert(key.clone(), Slot::Decided(ruling.clone()));
                             Some(ruling)
                         }

@@ -174,6 +174,11 @@ pub enum Unavailable {
         /// The daemon's slots.
         max: usize,
     },
+    /// The task database cannot be reached (the daemon keeps retrying).
+    #[error(
+        "the task database cannot be reached now, so no task can be stored; the daemon keeps retrying (running tasks keep their events), so try again shortly"
+    )]
+    Store,
     /// The store's writer thread is gone.
     #[error("the task store's writer is not running")]
     Writer,

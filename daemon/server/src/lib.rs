@@ -21,6 +21,6 @@ pub use error::TaskError;
 pub use plan::{Planner, PlannerConfig, TaskDefaults};
 pub use policy::{Endpoint, Policy};
 pub use serve::{ConnLimits, Listeners, bind_unix, serve};
-pub use store::{Store, StoreError, TaskRecord, TaskState, TaskStore};
+pub use store::{PgStore, Store, StoreError, TaskRecord, TaskState, TaskStore};
 pub use supervisor::{Supervisor, SupervisorConfig};
 pub use writer::now_ms;

@@ -39,6 +39,7 @@ pub struct Metrics {
     host_up: Family<Labels, Gauge>,
     host_sessions: Family<Labels, Gauge>,
     host_capacity: Family<Labels, Gauge>,
+    daemon_tasks: Family<Labels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -54,6 +55,7 @@ impl Default for Metrics {
             host_up: Family::default(),
             host_sessions: Family::default(),
             host_capacity: Family::default(),
+            daemon_tasks: Family::default(),
         };
         let mut registry = Registry::default();
         registry.register("tandem_tasks", "Tasks by state", m.tasks.clone());
@@ -97,6 +99,11 @@ impl Default for Metrics {
             "Most sessions an executor's host takes",
             m.host_capacity.clone(),
         );
+        registry.register(
+            "tandem_daemon_tasks",
+            "Tasks this daemon runs now (running or waiting for approval), by its name on the store",
+            m.daemon_tasks.clone(),
+        );
         Self { registry, ..m }
     }
 }
@@ -137,7 +144,11 @@ impl Metrics {
         tasks_by_state: &[(TaskState, u64)],
         sessions_open: usize,
         hosts: &[(String, tandem_executor::HostStatus)],
+        daemon: (&str, usize),
     ) -> String {
+        self.daemon_tasks
+            .get_or_create(&vec![("daemon", daemon.0.to_owned())])
+            .set(i64::try_from(daemon.1).unwrap_or(i64::MAX));
         self.sessions
             .set(i64::try_from(sessions_open).unwrap_or(i64::MAX));
         for (executor, host) in hosts {
@@ -185,7 +196,12 @@ mod tests {
             labels: Default::default(),
             workspace: "volume",
         };
-        let text = m.render(&[(TaskState::Queued, 2)], 3, &[("docker".to_owned(), host)]);
+        let text = m.render(
+            &[(TaskState::Queued, 2)],
+            3,
+            &[("docker".to_owned(), host)],
+            ("d1", 1),
+        );
         for line in [
             "# TYPE tandem_tasks gauge",
             "tandem_tasks{state=\"queued\"} 2",
@@ -197,6 +213,7 @@ mod tests {
             "tandem_host_up{executor=\"docker\",host=\"b\"} 0",
             "tandem_host_sessions{executor=\"docker\",host=\"b\"} 1",
             "tandem_host_capacity{executor=\"docker\",host=\"b\"} 4",
+            "tandem_daemon_tasks{daemon=\"d1\"} 1",
             "# EOF",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} not in:\n{text}");

@@ -122,6 +122,9 @@ pub struct Planned {
     gate: Option<ApprovalGate>,
     work: Work,
     executor: String,
+    /// What a resumed task tells the model of code its cut-off reply started: stored as the
+    /// executor's message before it goes on, so the transcript says what the model read.
+    told: Option<EventMsg>,
 }
 
 enum Work {
@@ -359,9 +362,12 @@ impl Planner {
         };
         let gate = (!checked.gate.is_open()).then_some(checked.gate);
         let model = self.model(spec.model.as_deref(), spec.base_url.as_deref())?;
+        let mut told = None;
         let work = match checked.team {
             None => {
-                settings.history = history(start.events);
+                let (history, report) = history(start.events);
+                settings.history = history;
+                told = report;
                 // A kept interpreter does not outlive the daemon that ran it: the model is
                 // told, with the report it reads next, that its variables are gone.
                 if spec.keep_state
@@ -383,6 +389,7 @@ impl Planner {
             gate,
             work,
             executor: name,
+            told,
         })
     }
 
@@ -529,6 +536,12 @@ impl Planner {
 }
 
 impl Planned {
+    /// The executor's message a resumed task stores before it goes on, when its last reply
+    /// was cut off after some of its code started.
+    pub fn take_told(&mut self) -> Option<EventMsg> {
+        self.told.take()
+    }
+
     /// Whether some block may need a verdict: the policy does not let every block through.
     pub fn gated(&self) -> bool {
         self.gate.is_some()
@@ -557,13 +570,23 @@ impl Planned {
     pub async fn run(
         self,
         approver: Option<Arc<dyn Approver>>,
+        guard: Option<tandem_agent::approval::Guard>,
         sink: EventSink,
         cancel: CancellationToken,
     ) -> StopReason {
         let mut settings = self.settings;
-        settings.approval = self.gate.map(|gate| {
-            Arc::new(match approver {
+        // A guard needs a gate to stand in: an open one lets every block through to it.
+        let gate = match (self.gate, &guard) {
+            (None, Some(_)) => ApprovalGate::new(&tandem_protocol::ApprovalPolicy::default(), None).ok(),
+            (gate, _) => gate,
+        };
+        settings.approval = gate.map(|gate| {
+            let gate = match approver {
                 Some(approver) => gate.with_approver(approver),
+                None => gate,
+            };
+            Arc::new(match guard {
+                Some(guard) => gate.with_guard(guard),
                 None => gate,
             })
         });
@@ -628,18 +651,116 @@ fn conversation(events: &[Event]) -> Vec<Message> {
         .collect()
 }
 
-/// The turns an interrupted task completed: a last reply that its report never answered
-/// (the interruption cut its code off) is asked for again, unless one of its blocks asked
-/// for approval: then its code runs again, and the approval is found where it was.
 /// Told to the model when a task with a kept interpreter resumes.
 const RESUMED_FRESH: &str = "\n\n(tandem: this task was interrupted and resumed. Its files are kept, but its Python interpreter is new: variables, imports and open files of earlier blocks are gone.)";
 
-fn history(events: &[Event]) -> Vec<Message> {
+/// The turns an interrupted task completed. A last reply that its report never answered is
+/// asked for again when none of its code started; when some did, the model is told what
+/// ([`cut_off`]); when one of its blocks waits for approval, its code runs again, and the
+/// approval is found where it was.
+fn history(events: &[Event]) -> (Vec<Message>, Option<EventMsg>) {
     let mut messages = conversation(events);
+    let mut told = None;
     if messages.last().is_some_and(|m| m.role == Role::Assistant) && !waits_for_approval(events) {
-        messages.pop();
+        match cut_off(events) {
+            Some(report) => {
+                told = Some(report.event);
+                messages.extend(report.messages);
+            }
+            None => {
+                messages.pop();
+            }
+        }
     }
-    messages
+    (messages, told)
+}
+
+/// What the model is told of a cut-off reply: the messages, and the event that stores them.
+struct CutOff {
+    messages: Vec<Message>,
+    event: EventMsg,
+}
+
+/// What the model is told of its last reply when the task was cut off (its daemon died, was
+/// stopped, or lost the task to another) after some of the reply's code started: that code
+/// is not run again, since it may have done its work already (at most once: a block appends
+/// to a file once, not twice). `None` when none of it started; the reply is asked for again.
+/// A block starts only after its `code_block` event is stored, so the events tell.
+fn cut_off(events: &[Event]) -> Option<CutOff> {
+    let at = events
+        .iter()
+        .rposition(|e| matches!(e.msg, EventMsg::AssistantMessage { .. }))?;
+    let EventMsg::AssistantMessage {
+        tool_calls, turn, ..
+    } = &events[at].msg
+    else {
+        return None;
+    };
+    let mut blocks: Vec<(u32, Option<&tandem_protocol::BlockResult>)> = Vec::new();
+    let mut answered: Vec<(&str, &str)> = Vec::new();
+    let mut called = false;
+    for e in &events[at..] {
+        match &e.msg {
+            EventMsg::CodeBlock { index, .. } => blocks.push((*index, None)),
+            EventMsg::ExecResult { index, result, .. } => {
+                if let Some(b) = blocks.iter_mut().find(|(i, _)| i == index) {
+                    b.1 = Some(result);
+                }
+            }
+            EventMsg::ToolCall { .. } => called = true,
+            EventMsg::ToolResult { id, result, .. } => answered.push((id, result)),
+            _ => {}
+        }
+    }
+    if blocks.is_empty() && !called {
+        return None;
+    }
+    let mut lines = Vec::new();
+    for (index, result) in &blocks {
+        lines.push(match result {
+            Some(r) => match r.exit_code {
+                Some(code) => format!("block {index} ended with exit code {code}"),
+                None => format!("block {index} ended: {}", r.status.as_str()),
+            },
+            None => format!(
+                "block {index} was running: it may have run in part or in full, and its output is lost"
+            ),
+        });
+    }
+    let report = format!(
+        "(tandem: this task was cut off while the code of your last reply ran, and has resumed. That code is not run again, since it may have done its work already{}{}. Check what it did (files, state) before you go on.)",
+        if lines.is_empty() { "" } else { ": " },
+        lines.join("; ")
+    );
+    if tool_calls.is_empty() {
+        return Some(CutOff {
+            messages: vec![Message::new(Role::User, report.clone())],
+            event: EventMsg::ExecutorMessage {
+                turn: *turn,
+                text: report,
+                tool_results: Vec::new(),
+            },
+        });
+    }
+    let replies: Vec<tandem_protocol::ToolReply> = tool_calls
+        .iter()
+        .map(|call| tandem_protocol::ToolReply {
+            id: call.id.clone(),
+            name: call.name.clone(),
+            content: answered
+                .iter()
+                .find(|(id, _)| *id == call.id)
+                .map_or_else(|| report.clone(), |(_, result)| (*result).to_owned()),
+        })
+        .collect();
+    Some(CutOff {
+        messages: replies.iter().map(Message::tool).collect(),
+        event: EventMsg::ExecutorMessage {
+            turn: *turn,
+            text: String::new(),
+            tool_results: replies,
+        },
+    })
 }
 
 /// Whether the task's last reply asked for an approval and was never answered by a report.

@@ -3,7 +3,7 @@
 //! through the writer before it is sent; it is cancelled, resumed after a restart, and
 //! stopped cleanly on shutdown.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -21,8 +21,8 @@ use crate::files::Files;
 use crate::metrics::Metrics;
 use crate::plan::{Planner, PlannerConfig, Start, TaskDefaults, waits_for_approval};
 use crate::policy::Policy;
-use crate::store::{StoreError, TaskRecord, TaskState, TaskStore};
-use crate::writer::{Write, Writes, now_ms, write_events};
+use crate::store::{Claimed, Notice, StoreError, TaskRecord, TaskState, TaskStore};
+use crate::writer::{Leases, Outlet, Write, Writes, now_ms, write_events};
 
 /// What the supervisor needs, resolved once by the binary.
 pub struct SupervisorConfig {
@@ -35,6 +35,12 @@ pub struct SupervisorConfig {
     pub sessions: tandem_executor::BudgetConfig,
     /// Tasks' files: uploads, workspaces and their retention.
     pub files: Arc<Files>,
+    /// This daemon's name in the store: the owner of the leases it holds. Stable across its
+    /// restarts on one state dir, so that a restart takes its own tasks back at once.
+    pub daemon: String,
+    /// How long a lease lasts unless renewed (it is renewed every third of it): how long the
+    /// tasks of a daemon that died wait before another daemon resumes them.
+    pub lease: Duration,
 }
 
 /// Runs tasks; one per daemon.
@@ -45,7 +51,20 @@ pub struct Supervisor {
     store_calls: Arc<Semaphore>,
     root: CancellationToken,
     tracker: TaskTracker,
-    active: Mutex<HashMap<String, CancellationToken>>,
+    /// The tasks this daemon runs, and what cancels each.
+    held: Arc<Mutex<HashMap<String, Running>>>,
+    /// Their lease epochs, which their writes carry.
+    leases: Leases,
+    /// Tasks whose lease another daemon took: they run nothing more here.
+    lost: Arc<Mutex<HashSet<String>>>,
+    /// Rung when there may be a task to claim.
+    wake: Arc<tokio::sync::Notify>,
+    /// Whether the store is unreachable now (the writer is retrying).
+    store_down: Arc<AtomicBool>,
+    daemon: String,
+    lease: Duration,
+    /// The daemon's runtime: notices arrive on the store's threads, and are acted on here.
+    runtime: tokio::runtime::Handle,
     live: broadcast::Sender<Arc<(String, Event)>>,
     writer: Writes,
     stopping: AtomicBool,
@@ -72,17 +91,30 @@ impl Supervisor {
             std::mem::take(executors).with_budget(tandem_executor::Budget::new(&config.sessions));
         let (live, _) = broadcast::channel(4096);
         let (queue, writes) = std::sync::mpsc::channel();
-        let writer = Writes::new(queue);
-        let (writer_store, writer_live) = (store.clone(), live.clone());
+        let leases = Leases::default();
+        let writer = Writes::new(queue, leases.clone());
+        let held: Arc<Mutex<HashMap<String, Running>>> = Arc::default();
+        let lost: Arc<Mutex<HashSet<String>>> = Arc::default();
+        let store_down: Arc<AtomicBool> = Arc::default();
+        let outlet = Outlet {
+            live: live.clone(),
+            fenced: Box::new({
+                let (held, lost) = (held.clone(), lost.clone());
+                move |ids: &[String]| lose(&held, &lost, ids)
+            }),
+            down: store_down.clone(),
+        };
+        let writer_store = store.clone();
         std::thread::Builder::new()
             .name("tandem-store-writer".to_owned())
-            .spawn(move || write_events(writer_store.as_ref(), &writes, &writer_live))
+            .spawn(move || write_events(writer_store.as_ref(), &writes, &outlet))
             .ok();
         let admission = Admission::new(config.max_concurrent, config.sessions.wait);
         Arc::new(Self {
             approvals: Arc::new(crate::approvals::Approvals::new(
                 store.clone(),
                 writer.clone(),
+                live.clone(),
                 admission.slots(),
             )),
             store,
@@ -92,7 +124,14 @@ impl Supervisor {
             planner,
             root: CancellationToken::new(),
             tracker: TaskTracker::new(),
-            active: Mutex::new(HashMap::new()),
+            held,
+            leases,
+            lost,
+            wake: Arc::new(tokio::sync::Notify::new()),
+            store_down,
+            daemon: config.daemon,
+            lease: config.lease,
+            runtime: tokio::runtime::Handle::current(),
             live,
             stopping: AtomicBool::new(false),
             files: config.files,
@@ -148,22 +187,23 @@ impl Supervisor {
         self.live.subscribe()
     }
 
+    /// This daemon's name on the store, and how many tasks it runs now.
+    pub fn running_here(&self) -> (&str, usize) {
+        (&self.daemon, self.held.lock().map_or(0, |h| h.len()))
+    }
+
     /// Whether the daemon is stopping.
     pub fn stopping(&self) -> bool {
         self.stopping.load(Ordering::SeqCst)
     }
 
-    /// At start-up: tasks the last daemon left running become interrupted (resumable), and
-    /// queued ones are queued again in their order. A task that was waiting for an approval
-    /// goes back to waiting for it (it costs nothing while it waits). Returns how many were
-    /// interrupted and stay so.
+    /// At start-up: tasks the last daemon left running become interrupted (resumable; in a
+    /// shared store its leases end instead and the tasks resume), and a task that was waiting
+    /// for an approval goes back to waiting for it (it costs nothing while it waits). Then
+    /// the daemon starts claiming queued tasks, renewing its leases, and hearing what other
+    /// daemons on the store do. Returns how many tasks were interrupted and stay so.
     pub fn recover(self: &Arc<Self>) -> Result<usize, TaskError> {
-        self.store.interrupt_running()?;
-        for task in self.store.list(Some(TaskState::Queued))? {
-            // One queued by a resume has a past to continue from.
-            let events = self.store.events_after(&task.id, 0)?;
-            self.enqueue(task.id, task.spec, events);
-        }
+        self.store.interrupt_running(&self.daemon)?;
         let mut interrupted = 0;
         for task in self.store.list(Some(TaskState::Interrupted))? {
             if !waits_for_approval(&self.store.events_after(&task.id, 0)?) {
@@ -174,7 +214,155 @@ impl Supervisor {
                 interrupted += 1;
             }
         }
+        let this = Arc::downgrade(self);
+        self.store.notices(
+            &self.daemon,
+            Box::new(move |notice| {
+                if let Some(sup) = this.upgrade() {
+                    sup.heard(notice);
+                }
+            }),
+        )?;
+        let (claims, renewals) = (self.clone(), self.clone());
+        // Not tracked: shutdown waits for the tasks, which need their leases renewed until
+        // they end; it stops both loops once they have.
+        tokio::spawn(async move { claims.claim_loop().await });
+        tokio::spawn(async move { renewals.renew_loop().await });
         Ok(interrupted)
+    }
+
+    /// Claims queued tasks while there are free slots, until shutdown: woken by a submit
+    /// here or a notice from another daemon, and looking anyway every second (a lease that
+    /// lapsed tells no one).
+    async fn claim_loop(self: Arc<Self>) {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let Some(permit) = self.admission.task_slot(&self.closing).await else {
+                return;
+            };
+            let (daemon, lease) = (self.daemon.clone(), self.lease);
+            let claimed = self
+                .off_thread(move |sup| {
+                    sup.store
+                        .claim(&daemon, lease.as_millis() as u64, now_ms())
+                })
+                .await;
+            let pause = match claimed {
+                Ok(Ok(Some(task))) => {
+                    backoff = Duration::from_millis(100);
+                    self.start(task, permit);
+                    continue;
+                }
+                Ok(Ok(None)) => CLAIM_POLL,
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, retry_in = ?backoff, "cannot claim a task");
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    backoff
+                }
+                Err(_) => backoff,
+            };
+            drop(permit);
+            tokio::select! {
+                () = self.closing.cancelled() => return,
+                () = self.wake.notified() => {}
+                () = tokio::time::sleep(pause) => {}
+            }
+        }
+    }
+
+    /// Renews the leases of the tasks running here every third of a lease, until shutdown;
+    /// a task whose lease was taken stops here, and one someone asked to cancel is cancelled.
+    async fn renew_loop(self: Arc<Self>) {
+        loop {
+            tokio::select! {
+                () = self.root.cancelled() => return,
+                () = tokio::time::sleep(self.lease / 3) => {}
+            }
+            let held: Vec<(String, u64)> = self
+                .leases
+                .lock()
+                .map(|l| l.iter().map(|(id, e)| (id.clone(), *e)).collect())
+                .unwrap_or_default();
+            if held.is_empty() {
+                continue;
+            }
+            let (daemon, lease) = (self.daemon.clone(), self.lease);
+            let renewed = self
+                .off_thread(move |sup| {
+                    sup.store
+                        .renew(&daemon, &held, lease.as_millis() as u64, now_ms())
+                })
+                .await;
+            match renewed {
+                Ok(Ok(renewed)) => {
+                    // A task that ended meanwhile is no longer leased: nothing is lost.
+                    let running: Vec<String> = self
+                        .leases
+                        .lock()
+                        .map(|l| {
+                            renewed
+                                .lost
+                                .iter()
+                                .filter(|id| l.contains_key(*id))
+                                .cloned()
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    if !running.is_empty() {
+                        tracing::warn!(tasks = ?running, "leases lost to another daemon; those tasks stop here");
+                        lose(&self.held, &self.lost, &running);
+                    }
+                    for id in renewed.cancel {
+                        self.cancel_here(&id);
+                    }
+                }
+                Ok(Err(e)) => tracing::warn!(error = %e, "cannot renew the leases of running tasks"),
+                Err(_) => {}
+            }
+        }
+    }
+
+    /// Acts on what another daemon did.
+    fn heard(self: &Arc<Self>, notice: Notice) {
+        match notice {
+            Notice::Queued | Notice::Reconnected => self.wake.notify_one(),
+            Notice::Cancel(id) => {
+                self.cancel_here(&id);
+            }
+            Notice::Events(_, id, first) => {
+                let mine = self.held.lock().is_ok_and(|h| h.contains_key(&id));
+                // Read only when someone here follows it, or it is this daemon's (an
+                // approval decided on another daemon).
+                if !mine && self.live.receiver_count() == 0 {
+                    return;
+                }
+                let this = self.clone();
+                self.runtime.spawn(async move {
+                    let read = this
+                        .off_thread(move |sup| sup.store.events_after(&id, first.saturating_sub(1)).map(|e| (id, e)))
+                        .await;
+                    if let Ok(Ok((id, events))) = read {
+                        for e in events {
+                            if mine {
+                                this.approvals.heard(&id, &e);
+                            }
+                            let _ = this.live.send(Arc::new((id.clone(), e)));
+                        }
+                    }
+                });
+            }
+        }
+    }
+
+    /// Cancels task `id` if it runs here; whether it did.
+    fn cancel_here(&self, id: &str) -> bool {
+        match self.held.lock().ok().and_then(|h| h.get(id).map(|r| r.token.clone())) {
+            Some(token) => {
+                token.cancel();
+                true
+            }
+            None => false,
+        }
     }
 
     /// A slot for an execution that is not a task (an MCP `execute_code` call).
@@ -208,6 +396,9 @@ impl Supervisor {
         if self.stopping() {
             return Err(TaskError::ShuttingDown);
         }
+        if self.store_down.load(Ordering::SeqCst) {
+            return Err(Unavailable::Store.into());
+        }
         self.admission.admit(&self.planner, &spec).await?;
         let id = uuid::Uuid::now_v7().simple().to_string();
         if let Some(upload) = &spec.files {
@@ -228,18 +419,19 @@ impl Supervisor {
         self.writer.send(create)?;
         // Queued once committed, even if this request is dropped or gives up waiting: a
         // stored task that never runs would be worse than a late one.
-        let (this, queued_id, queued_spec) = (self.clone(), id.clone(), spec.clone());
+        let wake = self.wake.clone();
         let queued = tokio::spawn(async move {
             match committed.await {
                 Ok(result) => {
                     result?;
-                    this.enqueue(queued_id, queued_spec, Vec::new());
+                    wake.notify_one();
                     Ok(())
                 }
                 Err(_) => Err(StoreError::Writer("has stopped")),
             }
         });
         match tokio::time::timeout(CREATE_TIMEOUT, queued).await {
+            Ok(Ok(Err(e))) if e.unreachable() => return Err(Unavailable::Store.into()),
             Ok(Ok(result)) => result?,
             Ok(Err(_)) => return Err(StoreError::Writer("has stopped").into()),
             Err(_) => {
@@ -252,7 +444,8 @@ impl Supervisor {
         Ok(TaskRecord::queued(&id, spec, now))
     }
 
-    /// Cancels a queued, running or interrupted task.
+    /// Cancels a queued, running or interrupted task, wherever it runs: one running on
+    /// another daemon is told through the store.
     pub fn cancel(&self, id: &str) -> Result<TaskRecord, TaskError> {
         let record = self
             .store
@@ -264,9 +457,9 @@ impl Supervisor {
                 reason: record.stop_reason.map_or("unknown", StopReason::as_str),
             }
             .into()),
-            // Only if no resume took it first; then it is queued and cancelled below.
-            TaskState::Interrupted
-                if self.transition(id, TaskState::Interrupted, TaskState::Finished)? =>
+            // Only if no resume or claim took it first; then it runs, and is cancelled below.
+            from @ (TaskState::Interrupted | TaskState::Queued)
+                if self.transition(id, from, TaskState::Finished)? =>
             {
                 self.record(id, finished(StopReason::Cancelled, record.turns, None));
                 self.flush();
@@ -276,9 +469,10 @@ impl Supervisor {
             | TaskState::Queued
             | TaskState::Running
             | TaskState::AwaitingApproval => {
-                if let Some(token) = self.active.lock().ok().and_then(|a| a.get(id).cloned()) {
-                    token.cancel();
-                }
+                // Stored first, so that it holds wherever the task runs, or resumes after
+                // its daemon died.
+                self.store.request_cancel(id)?;
+                self.cancel_here(id);
                 Ok(record)
             }
         }
@@ -302,13 +496,12 @@ impl Supervisor {
         if record.state != TaskState::Interrupted {
             return Err(conflict(record.state));
         }
-        let events = self.store.events_after(id, 0)?;
         // Two resumes can both pass the check above; only the one whose change finds the
-        // task still interrupted runs it.
+        // task still interrupted queues it.
         if !self.transition(id, TaskState::Interrupted, TaskState::Queued)? {
             return Err(conflict(TaskState::Queued));
         }
-        self.enqueue(id.to_owned(), record.spec.clone(), events);
+        self.wake.notify_one();
         Ok(TaskRecord {
             state: TaskState::Queued,
             ..record
@@ -371,11 +564,9 @@ impl Supervisor {
         // A task waiting for a person would only hold the grace period up: it is interrupted
         // now, and the next start has it wait again where it was.
         for id in self.approvals.waiting() {
-            if let Some(token) = self.active.lock().ok().and_then(|a| a.get(&id).cloned()) {
-                token.cancel();
-            }
+            self.cancel_here(&id);
         }
-        let running = self.active.lock().map_or(0, |a| a.len());
+        let running = self.held.lock().map_or(0, |a| a.len());
         if running > 0 {
             tracing::info!(tasks = running, ?grace, "waiting for running tasks");
         }
@@ -394,23 +585,74 @@ impl Supervisor {
             }
         }
         let _ = self.off_thread(|sup| sup.flush()).await;
+        self.root.cancel();
     }
 
-    /// Queues task `id` to run; `events` are what it stored before, when it resumes.
-    fn enqueue(self: &Arc<Self>, id: String, spec: TaskSpec, events: Vec<Event>) {
+    /// Runs a claimed task in its slot; its writes carry its lease's epoch until it ends.
+    fn start(self: &Arc<Self>, task: Claimed, permit: tokio::sync::OwnedSemaphorePermit) {
+        let Claimed {
+            record,
+            epoch,
+            events,
+            cancel,
+        } = task;
+        let id = record.id.clone();
         let token = self.root.child_token();
-        if let Ok(mut active) = self.active.lock() {
-            active.insert(id.clone(), token.clone());
+        let in_block = Arc::new(AtomicBool::new(false));
+        if let Ok(mut held) = self.held.lock() {
+            let running = Running {
+                token: token.clone(),
+                in_block: in_block.clone(),
+            };
+            held.insert(id.clone(), running);
+        }
+        if let Ok(mut leases) = self.leases.lock() {
+            leases.insert(id.clone(), epoch);
+        }
+        if let Ok(mut lost) = self.lost.lock() {
+            lost.remove(&id);
         }
         let this = self.clone();
         self.tracker.spawn(async move {
-            this.run_one(&id, spec, events, token).await;
-            if let Ok(mut active) = this.active.lock() {
-                active.remove(&id);
+            if cancel {
+                // Cancelled while no daemon ran it (queued, or its daemon died).
+                this.record(&id, finished(StopReason::Cancelled, record.turns, None));
+            } else {
+                this.run_one(&id, record.spec, events, token, permit, in_block)
+                    .await;
+            }
+            if let Ok(mut held) = this.held.lock() {
+                held.remove(&id);
+            }
+            if let Ok(mut leases) = this.leases.lock() {
+                leases.remove(&id);
             }
             this.finished.notify_one();
             this.approvals.forget(&id);
         });
+    }
+
+    /// What a block asks before it runs: that everything the task wrote so far is stored
+    /// under its lease, so a daemon that lost the task (paused, cut off) runs no more of it.
+    fn guard(self: &Arc<Self>, id: &str) -> tandem_agent::approval::Guard {
+        let (this, id) = (Arc::downgrade(self), id.to_owned());
+        Arc::new(move || {
+            let (this, id) = (this.clone(), id.clone());
+            Box::pin(async move {
+                let Some(sup) = this.upgrade() else {
+                    return false;
+                };
+                // While the database is away the writer keeps retrying: the block waits for
+                // it rather than run before its start is stored.
+                // Not through `off_thread`: a wait through an outage must not hold up the
+                // API's reads.
+                let writer = sup.writer.clone();
+                let stored = tokio::task::spawn_blocking(move || writer.flush_for(GUARD_WAIT))
+                    .await
+                    .unwrap_or(false);
+                stored && !sup.lost.lock().is_ok_and(|l| l.contains(&id))
+            })
+        })
     }
 
     async fn run_one(
@@ -419,21 +661,14 @@ impl Supervisor {
         spec: TaskSpec,
         events: Vec<Event>,
         token: CancellationToken,
+        permit: tokio::sync::OwnedSemaphorePermit,
+        in_block: Arc<AtomicBool>,
     ) {
-        let Some(permit) = self.admission.task_slot(&token).await else {
-            if token.is_cancelled() && !self.stopping() {
-                // Cancelled while queued: it ends without having run.
-                self.record(id, finished(StopReason::Cancelled, 0, None));
-            }
-            return;
-        };
         // Shared with the approver, which gives it up while a block waits for a person. This
         // handle keeps the slot for the whole run when there is no approver: dropping the
         // last one gives the slot back.
         let permit = Arc::new(tokio::sync::Mutex::new(Some(permit)));
         let _slot = permit.clone();
-        // Through the writer, in order with the task's events, so the turn loop starts at once.
-        self.set_state(id, TaskState::Running);
         let (workdir, inputs) = match self.task_files(id, !events.is_empty()) {
             Ok(found) => found,
             Err(e) => {
@@ -451,13 +686,16 @@ impl Supervisor {
             workdir: Some(workdir),
             inputs,
         };
-        let planned = match self.planner.plan(&spec, start) {
+        let mut planned = match self.planner.plan(&spec, start) {
             Ok(planned) => planned,
             Err(info) => {
                 self.record(id, finished(StopReason::Error, 0, Some(info)));
                 return;
             }
         };
+        if let Some(told) = planned.take_told() {
+            self.record(id, told);
+        }
         let approver: Option<Arc<dyn tandem_agent::Approver>> = planned.gated().then(|| {
             Arc::new(crate::approvals::TaskApprover::new(
                 self.approvals.clone(),
@@ -470,9 +708,22 @@ impl Supervisor {
         let task_id = id.to_owned();
         let executor_name = planned.executor().to_owned();
         let turn_started = Mutex::new(None::<Instant>);
+        let (lost, stop) = (self.lost.clone(), token.clone());
         let sink = Arc::new(move |mut msg: EventMsg| {
             if let EventMsg::Artifact { file, href, .. } = &mut msg {
                 *href = Some(file_href(&task_id, file));
+            }
+            // A task lost to another daemon while a block ran lets the block end (the new
+            // holder does not run it again), then stops.
+            match &msg {
+                EventMsg::CodeBlock { .. } => in_block.store(true, Ordering::SeqCst),
+                EventMsg::ExecResult { .. } => {
+                    in_block.store(false, Ordering::SeqCst);
+                    if lost.lock().is_ok_and(|l| l.contains(&task_id)) {
+                        stop.cancel();
+                    }
+                }
+                _ => {}
             }
             match &msg {
                 EventMsg::TurnStarted { .. } => {
@@ -504,18 +755,13 @@ impl Supervisor {
             }
             this.record(&task_id, msg);
         });
-        planned.run(approver, sink, token).await;
+        planned.run(approver, Some(self.guard(id)), sink, token).await;
     }
 
     /// Queues an event for the writer, which commits it and only then sends it to live
     /// subscribers. The turn loop never waits on the disk.
     pub(crate) fn record(&self, id: &str, msg: EventMsg) {
         self.writer.record(id, msg);
-    }
-
-    /// Moves task `id` to `state`, in order with its events.
-    pub(crate) fn set_state(&self, id: &str, state: TaskState) {
-        self.writer.set_state(id, state);
     }
 
     /// Moves task `id` from `from` to `to` through the writer, after everything queued before,
@@ -544,6 +790,39 @@ impl Supervisor {
 
 /// Store calls from the API running at once on the blocking pool.
 const STORE_CALLS: usize = 2;
+
+/// Longest a block waits for its start to be stored (the database away) before it is given
+/// up as cancelled.
+const GUARD_WAIT: Duration = Duration::from_secs(600);
+
+/// How often a daemon with free slots looks for work no one told it of (a lapsed lease).
+const CLAIM_POLL: Duration = Duration::from_secs(1);
+
+/// A task running here.
+struct Running {
+    /// Cancels it.
+    token: CancellationToken,
+    /// Whether one of its blocks runs now.
+    in_block: Arc<AtomicBool>,
+}
+
+/// Marks `ids` as taken by another daemon and stops them here: at once, or when the block
+/// running now ends (the daemon that took the task does not run it again, so it must not be
+/// cut short). Either way no further block starts: the guard sees them lost.
+fn lose(held: &Mutex<HashMap<String, Running>>, lost: &Mutex<HashSet<String>>, ids: &[String]) {
+    if let Ok(mut lost) = lost.lock() {
+        lost.extend(ids.iter().cloned());
+    }
+    if let Ok(held) = held.lock() {
+        for id in ids {
+            if let Some(r) = held.get(id)
+                && !r.in_block.load(Ordering::SeqCst)
+            {
+                r.token.cancel();
+            }
+        }
+    }
+}
 
 /// Longest a submit waits for its task to be committed.
 const CREATE_TIMEOUT: Duration = Duration::from_secs(30);

@@ -14,12 +14,14 @@ use tandem_protocol::EventMsg as Msg;
 
 #[cfg(test)]
 use crate::store::Store;
-use crate::store::{Change, StoreError, TaskState, TaskStore};
+use crate::store::{Applied, Change, Fences, StoreError, TaskState, TaskStore};
 
 /// Work for the store's writer thread, in order.
 pub(crate) enum Write {
-    Event(String, EventMsg, u64),
-    State(String, TaskState, u64),
+    /// An event of task `.0`, made at `.2` under lease epoch `.3` (when the daemon holds one).
+    Event(String, EventMsg, u64, Option<u64>),
+    /// Task `.0`'s new state, under lease epoch `.3`.
+    State(String, TaskState, u64, Option<u64>),
     /// A new task; the sender learns once it is committed.
     Create(String, Box<TaskSpec>, u64, Created),
     /// Task `id` moves from `from` to `to` only if it is still in `from` (two resumes, or a
@@ -62,6 +64,8 @@ struct Batch {
     transitions: Vec<Write>,
     /// Someone is waiting on this batch: commit without gathering more.
     urgent: bool,
+    /// The lease epochs the batch's writes were made under.
+    fences: Fences,
 }
 
 /// A streamed piece held back to be merged with the ones that follow it.
@@ -72,15 +76,37 @@ struct Held {
     since: Instant,
 }
 
+/// Where the writer tells what it stored and what it could not.
+pub(crate) struct Outlet {
+    /// Live subscribers, sent the events once stored.
+    pub(crate) live: broadcast::Sender<Arc<(String, Event)>>,
+    /// Told the tasks whose writes were fenced out: their lease is another daemon's.
+    pub(crate) fenced: Box<dyn Fn(&[String]) + Send>,
+    /// Whether the database is unreachable now (the writer is retrying).
+    pub(crate) down: Arc<std::sync::atomic::AtomicBool>,
+}
+
 impl Batch {
+    fn fence(&mut self, id: &str, fence: Option<u64>) {
+        if let Some(epoch) = fence {
+            let held = self.fences.entry(id.to_owned()).or_insert(epoch);
+            *held = (*held).max(epoch);
+        }
+    }
+
     fn take(&mut self, write: Write) {
         match write {
-            Write::Event(id, msg, at) if is_piece(&msg) => self.hold(id, msg, at),
-            Write::Event(id, msg, at) => {
+            Write::Event(id, msg, at, fence) if is_piece(&msg) => {
+                self.fence(&id, fence);
+                self.hold(id, msg, at);
+            }
+            Write::Event(id, msg, at, fence) => {
+                self.fence(&id, fence);
                 self.release(&id);
                 self.changes.push(Change::Event(id, msg, at));
             }
-            Write::State(id, state, at) => {
+            Write::State(id, state, at, fence) => {
+                self.fence(&id, fence);
                 self.release(&id);
                 self.changes.push(Change::State(id, state, at));
             }
@@ -175,29 +201,52 @@ impl Batch {
     }
 
     /// Commits the changes in one transaction, then tells the submitters and sends the events
-    /// to live subscribers.
-    fn commit(&mut self, store: &dyn TaskStore, live: &broadcast::Sender<Arc<(String, Event)>>) {
+    /// to live subscribers. While the database cannot be reached it keeps the changes, in
+    /// order, and tries again with backoff; new tasks are refused at once instead, so their
+    /// submitters hear of it (a 503) rather than wait.
+    fn commit(&mut self, store: &dyn TaskStore, out: &Outlet) {
         if self.changes.is_empty() {
             return;
         }
+        let mut backoff = Duration::from_millis(50);
+        let applied = loop {
+            match store.apply(&self.changes, &self.fences) {
+                Err(e) if e.unreachable() => {
+                    if !out.down.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                        tracing::warn!(error = %e, "the task database is unreachable; keeping the tasks' events and retrying");
+                    }
+                    self.refuse_creates(&e);
+                    if self.changes.is_empty() {
+                        return;
+                    }
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+                other => break other,
+            }
+        };
+        if out.down.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            tracing::info!("the task database is back");
+        }
         let mut created = std::mem::take(&mut self.created).into_iter().peekable();
-        let stored = match store.apply(&self.changes) {
-            Ok(stored) => {
+        let applied = match applied {
+            Ok(applied) => {
                 for (_, waiter) in created {
                     let _ = waiter.send(Ok(()));
                 }
-                stored
+                applied
             }
             // One bad change must not cost the others: apply them one by one.
             Err(e) => {
                 tracing::warn!(error = %e, changes = self.changes.len(), "a batch failed; storing its changes one by one");
-                let mut stored = Vec::new();
+                let mut all = Applied::default();
                 for (i, change) in self.changes.iter().enumerate() {
-                    let result = store.apply(std::slice::from_ref(change));
+                    let result = store.apply(std::slice::from_ref(change), &self.fences);
                     let waiter = created.next_if(|(at, _)| *at == i).map(|(_, w)| w);
                     match (result, waiter) {
-                        (Ok(events), waiter) => {
-                            stored.extend(events);
+                        (Ok(one), waiter) => {
+                            all.events.extend(one.events);
+                            all.fenced.extend(one.fenced);
                             if let Some(w) = waiter {
                                 let _ = w.send(Ok(()));
                             }
@@ -210,13 +259,42 @@ impl Batch {
                         }
                     }
                 }
-                stored
+                all.fenced.sort();
+                all.fenced.dedup();
+                all
             }
         };
-        for item in stored {
-            let _ = live.send(Arc::new(item));
+        if !applied.fenced.is_empty() {
+            tracing::warn!(tasks = ?applied.fenced, "another daemon holds these tasks now; their writes from here were refused");
+            (out.fenced)(&applied.fenced);
+        }
+        for item in applied.events {
+            let _ = out.live.send(Arc::new(item));
         }
         self.changes.clear();
+        self.fences.clear();
+    }
+
+    /// Takes the new tasks out of the batch, telling their submitters `e`.
+    fn refuse_creates(&mut self, e: &StoreError) {
+        if self.created.is_empty() {
+            return;
+        }
+        let mut waiters = std::mem::take(&mut self.created).into_iter().peekable();
+        let mut kept = Vec::with_capacity(self.changes.len());
+        for (i, change) in std::mem::take(&mut self.changes).into_iter().enumerate() {
+            match waiters.next_if(|(at, _)| *at == i) {
+                Some((_, waiter)) => {
+                    let _ = waiter.send(Err(StoreError::Postgres {
+                        url: String::new(),
+                        message: e.to_string(),
+                        unreachable: true,
+                    }));
+                }
+                None => kept.push(change),
+            }
+        }
+        self.changes = kept;
     }
 }
 
@@ -225,7 +303,7 @@ impl Batch {
 pub(crate) fn write_events(
     store: &dyn TaskStore,
     writes: &std::sync::mpsc::Receiver<Write>,
-    live: &broadcast::Sender<Arc<(String, Event)>>,
+    out: &Outlet,
 ) {
     use std::sync::mpsc::RecvTimeoutError;
     let mut batch = Batch::default();
@@ -252,7 +330,7 @@ pub(crate) fn write_events(
             Err(RecvTimeoutError::Disconnected) => break,
         }
         batch.release_due(Some(Instant::now()));
-        batch.commit(store, live);
+        batch.commit(store, out);
         batch.transition(store);
         for ack in batch.flushes.drain(..) {
             let _ = ack.send(());
@@ -260,7 +338,7 @@ pub(crate) fn write_events(
         batch.urgent = false;
     }
     batch.release_due(None);
-    batch.commit(store, live);
+    batch.commit(store, out);
     batch.transition(store);
 }
 
@@ -342,7 +420,7 @@ mod tests {
     fn events_of(items: Vec<(&str, EventMsg)>) -> BTreeMap<String, Vec<EventMsg>> {
         let mut batch = Batch::default();
         for (id, msg) in items {
-            batch.take(Write::Event(id.to_owned(), msg, 0));
+            batch.take(Write::Event(id.to_owned(), msg, 0, None));
         }
         batch.release_due(None);
         per_task(batch)
@@ -430,9 +508,9 @@ mod tests {
             ]
         );
         let mut batch = Batch::default();
-        batch.take(Write::Event("a".into(), delta(1, "one"), 0));
-        batch.take(Write::State("a".into(), TaskState::Interrupted, 0));
-        batch.take(Write::Event("a".into(), delta(1, "two"), 0));
+        batch.take(Write::Event("a".into(), delta(1, "one"), 0, None));
+        batch.take(Write::State("a".into(), TaskState::Interrupted, 0, None));
+        batch.take(Write::Event("a".into(), delta(1, "two"), 0, None));
         batch.release_due(None);
         assert_eq!(
             per_task(batch)["a"],
@@ -448,7 +526,7 @@ mod tests {
     fn a_streamed_piece_is_held_for_its_time_at_most() {
         let mut batch = Batch::default();
         let start = Instant::now();
-        batch.take(Write::Event("a".into(), delta(1, "tok"), 0));
+        batch.take(Write::Event("a".into(), delta(1, "tok"), 0, None));
         batch.release_due(Some(start));
         assert!(batch.changes.is_empty());
         let due = batch.next_due().unwrap();
@@ -459,6 +537,14 @@ mod tests {
             [Change::Event("a".into(), delta(1, "tok"), 0)]
         );
         assert!(batch.next_due().is_none());
+    }
+
+    fn outlet(live: broadcast::Sender<Arc<(String, Event)>>) -> Outlet {
+        Outlet {
+            live,
+            fenced: Box::new(|_| {}),
+            down: Arc::default(),
+        }
     }
 
     /// A store in a temporary directory (kept while the guard lives) holding queued task `a`.
@@ -476,11 +562,11 @@ mod tests {
         let (_dir, store) = store_with_task_a();
         let (tx, rx) = std::sync::mpsc::channel();
         let (live, mut seen) = broadcast::channel(16);
-        tx.send(Write::State("a".into(), TaskState::Running, 2))
+        tx.send(Write::State("a".into(), TaskState::Running, 2, None))
             .unwrap();
-        tx.send(Write::Event("a".into(), delta(1, "kept"), 3))
+        tx.send(Write::Event("a".into(), delta(1, "kept"), 3, None))
             .unwrap();
-        tx.send(Write::Event("ghost".into(), delta(1, "no such task"), 3))
+        tx.send(Write::Event("ghost".into(), delta(1, "no such task"), 3, None))
             .unwrap();
         tx.send(Write::Event(
             "a".into(),
@@ -489,6 +575,7 @@ mod tests {
                 agent: None,
             },
             4,
+            None,
         ))
         .unwrap();
         let (new_ok, new_told) = tokio::sync::oneshot::channel();
@@ -498,7 +585,7 @@ mod tests {
         tx.send(Write::Create("a".into(), Box::default(), 5, twice_ok))
             .unwrap();
         drop(tx);
-        write_events(&store, &rx, &live);
+        write_events(&store, &rx, &outlet(live));
         new_told.blocking_recv().unwrap().unwrap();
         let twice = twice_told.blocking_recv().unwrap().unwrap_err();
         assert!(
@@ -548,12 +635,12 @@ mod tests {
             answer
         };
         // Queued before it in the same batch: the task is interrupted by then.
-        tx.send(Write::State("a".into(), TaskState::Interrupted, 2))
+        tx.send(Write::State("a".into(), TaskState::Interrupted, 2, None))
             .unwrap();
         let first = transition(TaskState::Interrupted, TaskState::Queued);
         let second = transition(TaskState::Interrupted, TaskState::Queued);
         drop(tx);
-        write_events(&store, &rx, &live);
+        write_events(&store, &rx, &outlet(live));
         assert!(first.recv().unwrap().unwrap());
         assert!(
             !second.recv().unwrap().unwrap(),
@@ -573,25 +660,35 @@ pub fn now_ms() -> u64 {
 /// The road every state change takes to the store: writes queued for the writer thread, in
 /// order. Cloning shares the queue.
 #[derive(Clone)]
-pub(crate) struct Writes(std::sync::mpsc::Sender<Write>);
+pub(crate) struct Writes {
+    queue: std::sync::mpsc::Sender<Write>,
+    leases: Leases,
+}
+
+/// The lease epoch of each task this daemon runs: its writes carry it.
+pub(crate) type Leases = Arc<std::sync::Mutex<std::collections::HashMap<String, u64>>>;
 
 impl Writes {
-    /// A handle on the writer that reads `queue`.
-    pub(crate) fn new(queue: std::sync::mpsc::Sender<Write>) -> Self {
-        Self(queue)
+    /// A handle on the writer that reads `queue`; a task's writes carry its epoch in `leases`.
+    pub(crate) fn new(queue: std::sync::mpsc::Sender<Write>, leases: Leases) -> Self {
+        Self { queue, leases }
     }
 
     /// Queues `write`; `Err` when the writer has stopped.
     pub(crate) fn send(&self, write: Write) -> Result<(), StoreError> {
-        self.0
+        self.queue
             .send(write)
             .map_err(|_| StoreError::Writer("has stopped"))
+    }
+
+    fn fence(&self, id: &str) -> Option<u64> {
+        self.leases.lock().ok().and_then(|l| l.get(id).copied())
     }
 
     /// Queues event `msg` of task `id`, stamped now.
     pub(crate) fn record(&self, id: &str, msg: Msg) {
         if self
-            .send(Write::Event(id.to_owned(), msg, now_ms()))
+            .send(Write::Event(id.to_owned(), msg, now_ms(), self.fence(id)))
             .is_err()
         {
             tracing::error!(task = id, "the store writer is gone; an event was lost");
@@ -600,14 +697,17 @@ impl Writes {
 
     /// Moves task `id` to `state`, in order with its events.
     pub(crate) fn set_state(&self, id: &str, state: TaskState) {
-        let _ = self.send(Write::State(id.to_owned(), state, now_ms()));
+        let _ = self.send(Write::State(id.to_owned(), state, now_ms(), self.fence(id)));
     }
 
     /// Waits until every write queued so far is committed (at most 10 s).
     pub(crate) fn flush(&self) {
+        self.flush_for(Duration::from_secs(10));
+    }
+
+    /// Waits until every write queued so far is committed, at most `wait`; whether it was.
+    pub(crate) fn flush_for(&self, wait: Duration) -> bool {
         let (ack, done) = std::sync::mpsc::channel();
-        if self.send(Write::Flush(ack)).is_ok() {
-            let _ = done.recv_timeout(Duration::from_secs(10));
-        }
+        self.send(Write::Flush(ack)).is_ok() && done.recv_timeout(wait).is_ok()
     }
 }

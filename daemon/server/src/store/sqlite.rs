@@ -1,68 +1,16 @@
-//! The durable task store: one SQLite file (WAL) holding tasks and their append-only events.
-//!
-//! Every event is committed here before any client sees it, so what a client was shown is
-//! never lost in a crash, and `Last-Event-ID` resumes from exactly what was stored.
+//! The embedded task store: one SQLite file (WAL), used by one daemon (its state dir is
+//! locked), which is therefore the only one that can hold a lease.
 
 use std::path::Path;
 use std::sync::Mutex;
 
 use rusqlite::{Connection, OptionalExtension, params};
-use serde::Serialize;
 use tandem_protocol::{Event, EventMsg, TaskSpec, Usage};
 
-pub use tandem_protocol::task::{TaskRecord, TaskState};
-
-/// One write the store applies in order with others: an event, or a task's new state.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Change {
-    /// A new queued task `.0`, asked at `.2`.
-    Create(String, Box<TaskSpec>, u64),
-    /// An event of task `.0`, made at `.2` (ms since the epoch).
-    Event(String, EventMsg, u64),
-    /// Task `.0` is now in state `.1`, since `.2`.
-    State(String, TaskState, u64),
-}
-
-/// Store failures.
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    /// SQLite failed.
-    #[error("task store {path}: {source}")]
-    Sqlite {
-        /// The database file.
-        path: String,
-        /// What SQLite said.
-        #[source]
-        source: rusqlite::Error,
-    },
-    /// A stored value did not decode (a newer daemon's data, or corruption).
-    #[error("task store: a stored {what} does not decode: {source}")]
-    Decode {
-        /// Which value.
-        what: &'static str,
-        /// Why.
-        #[source]
-        source: serde_json::Error,
-    },
-    /// The database was written by a newer Tandem.
-    #[error(
-        "task store {path} has schema version {found}, newer than this Tandem knows ({known}); upgrade Tandem or use another --state-dir"
-    )]
-    TooNew {
-        /// The database file.
-        path: String,
-        /// Its version.
-        found: i64,
-        /// The newest this build knows.
-        known: i64,
-    },
-    /// A lock was poisoned by a panic elsewhere.
-    #[error("task store: lock poisoned")]
-    Poisoned,
-    /// The writer thread did not answer.
-    #[error("task store: the writer {0}; see the daemon's log")]
-    Writer(&'static str),
-}
+use super::{
+    Applied, Change, Claimed, Fences, NoticeSink, Renewed, Result, StoreError, TaskRecord,
+    TaskState, TaskStore, decided, parse, to_json,
+};
 
 /// Schema migrations, in order; `PRAGMA user_version` says how many have run.
 const MIGRATIONS: &[&str] = &[
@@ -98,48 +46,19 @@ const MIGRATIONS: &[&str] = &[
     -- When the operator's retention removed the task's workspace.
     ALTER TABLE tasks ADD COLUMN files_removed_ms INTEGER;
 ",
+    "
+    -- Leases: which daemon runs the task, under which fencing number, until when; and a
+    -- cancel asked of it.
+    ALTER TABLE tasks ADD COLUMN owner TEXT;
+    ALTER TABLE tasks ADD COLUMN epoch INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE tasks ADD COLUMN lease_until_ms INTEGER;
+    ALTER TABLE tasks ADD COLUMN cancel_requested INTEGER NOT NULL DEFAULT 0;
+",
 ];
 
-/// What the daemon needs of a task store. Everything above the store reaches it through this
-/// trait alone, so another engine is a second implementation with nothing above it changing;
-/// the SQLite file ([`Store`]) is the embedded one.
-pub trait TaskStore: Send + Sync {
-    /// Applies `changes` (of any tasks, in order) at once; the events as stored.
-    fn apply(&self, changes: &[Change]) -> Result<Vec<(String, Event)>>;
-    /// Moves a task from `from` to `to` only if it is still in `from`; whether it moved.
-    fn transition(&self, id: &str, from: TaskState, to: TaskState, now_ms: u64) -> Result<bool>;
-    /// One task, if it exists.
-    fn get(&self, id: &str) -> Result<Option<TaskRecord>>;
-    /// Every task in queue order, optionally only those in `state`.
-    fn list(&self, state: Option<TaskState>) -> Result<Vec<TaskRecord>>;
-    /// At most `limit` tasks, newest first, before task `before` when given; and the next
-    /// page's `before`.
-    fn page(
-        &self,
-        state: Option<TaskState>,
-        before: Option<&str>,
-        limit: usize,
-    ) -> Result<(Vec<TaskRecord>, Option<String>)>;
-    /// At most `limit` tasks in queue order, after task `after` when given.
-    fn list_after(
-        &self,
-        state: Option<TaskState>,
-        after: Option<&str>,
-        limit: usize,
-    ) -> Result<Vec<TaskRecord>>;
-    /// Events of a task with seq above `after`, in order.
-    fn events_after(&self, id: &str, after: u64) -> Result<Vec<Event>>;
-    /// Marks running tasks interrupted (at start-up); their ids.
-    fn interrupt_running(&self) -> Result<Vec<String>>;
-    /// How many tasks are in each state.
-    fn counts(&self) -> Result<Vec<(TaskState, u64)>>;
-    /// Notes that the task's workspace was removed at `at_ms`.
-    fn files_removed(&self, id: &str, at_ms: u64) -> Result<()>;
-}
-
 impl TaskStore for Store {
-    fn apply(&self, changes: &[Change]) -> Result<Vec<(String, Event)>> {
-        Store::apply(self, changes)
+    fn apply(&self, changes: &[Change], fences: &Fences) -> Result<Applied> {
+        self.apply_fenced(changes, fences)
     }
     fn transition(&self, id: &str, from: TaskState, to: TaskState, now_ms: u64) -> Result<bool> {
         Store::transition(self, id, from, to, now_ms)
@@ -169,7 +88,7 @@ impl TaskStore for Store {
     fn events_after(&self, id: &str, after: u64) -> Result<Vec<Event>> {
         Store::events_after(self, id, after)
     }
-    fn interrupt_running(&self) -> Result<Vec<String>> {
+    fn interrupt_running(&self, _daemon: &str) -> Result<Vec<String>> {
         Store::interrupt_running(self)
     }
     fn counts(&self) -> Result<Vec<(TaskState, u64)>> {
@@ -183,6 +102,127 @@ impl TaskStore for Store {
             )
             .map(drop)
         })
+    }
+    fn claim(&self, daemon: &str, lease_ms: u64, now_ms: u64) -> Result<Option<Claimed>> {
+        let claimed = self.with_db(|db| {
+            db.transaction(|db| {
+                let now = now_ms as i64;
+                // A lapsed lease first: its task has waited longest.
+                let next: Option<(String, String)> = db
+                    .conn
+                    .prepare_cached(
+                        "SELECT id, state FROM tasks
+                         WHERE (state IN ('running', 'awaiting_approval') AND lease_until_ms < ?1)
+                         ORDER BY queue_order LIMIT 1",
+                    )?
+                    .query_row([now], |r| Ok((r.get(0)?, r.get(1)?)))
+                    .optional()?;
+                let next = match next {
+                    Some(found) => Some(found),
+                    None => db
+                        .conn
+                        .prepare_cached(
+                            "SELECT id, state FROM tasks WHERE state = 'queued'
+                             ORDER BY queue_order LIMIT 1",
+                        )?
+                        .query_row([], |r| Ok((r.get(0)?, r.get(1)?)))
+                        .optional()?,
+                };
+                let Some((id, _)) = next else {
+                    return Ok(None);
+                };
+                db.count_move(&id, TaskState::Running)?;
+                let (epoch, cancel): (i64, bool) = db
+                    .conn
+                    .prepare_cached(
+                        "UPDATE tasks SET state = 'running', owner = ?2, epoch = epoch + 1,
+                            lease_until_ms = ?3 + ?4,
+                            started_ms = CASE WHEN state = 'queued' THEN ?3 ELSE started_ms END
+                         WHERE id = ?1 RETURNING epoch, cancel_requested",
+                    )?
+                    .query_row(params![id, daemon, now, lease_ms as i64], |r| {
+                        Ok((r.get(0)?, r.get(1)?))
+                    })?;
+                Ok(Some((id, epoch, cancel)))
+            })
+        })?;
+        let Some((id, epoch, cancel)) = claimed else {
+            return Ok(None);
+        };
+        let record = Store::get(self, &id)?.ok_or(StoreError::Writer("lost a claimed task"))?;
+        let events = Store::events_after(self, &id, 0)?;
+        Ok(Some(Claimed {
+            record,
+            epoch: epoch as u64,
+            events,
+            cancel,
+        }))
+    }
+    fn renew(
+        &self,
+        daemon: &str,
+        held: &[(String, u64)],
+        lease_ms: u64,
+        now_ms: u64,
+    ) -> Result<Renewed> {
+        self.with_db(|db| {
+            db.transaction(|db| {
+                let mut renewed = Renewed::default();
+                for (id, epoch) in held {
+                    let kept: Option<bool> = db
+                        .conn
+                        .prepare_cached(
+                            "UPDATE tasks SET lease_until_ms = ?4 + ?5
+                             WHERE id = ?1 AND owner = ?2 AND epoch = ?3
+                               AND state IN ('running', 'awaiting_approval')
+                             RETURNING cancel_requested",
+                        )?
+                        .query_row(
+                            params![id, daemon, *epoch as i64, now_ms as i64, lease_ms as i64],
+                            |r| r.get(0),
+                        )
+                        .optional()?;
+                    match kept {
+                        None => renewed.lost.push(id.clone()),
+                        Some(true) => renewed.cancel.push(id.clone()),
+                        Some(false) => {}
+                    }
+                }
+                Ok(renewed)
+            })
+        })
+    }
+    fn request_cancel(&self, id: &str) -> Result<()> {
+        self.with(|c| {
+            c.prepare_cached("UPDATE tasks SET cancel_requested = 1 WHERE id = ?1")?
+                .execute([id])
+                .map(drop)
+        })
+    }
+    fn owner(&self, id: &str, now_ms: u64) -> Result<Option<String>> {
+        self.with(|c| {
+            c.prepare_cached(
+                "SELECT owner FROM tasks WHERE id = ?1 AND lease_until_ms >= ?2
+                   AND state IN ('running', 'awaiting_approval')",
+            )?
+            .query_row(params![id, now_ms as i64], |r| r.get(0))
+            .optional()
+        })
+        .map(Option::flatten)
+    }
+    fn decide(&self, id: &str, n: u32, msg: &EventMsg, now_ms: u64) -> Result<Option<Event>> {
+        let events = Store::events_after(self, id, 0)?;
+        let finished = Store::get(self, id)?.is_none_or(|t| t.state == TaskState::Finished);
+        // This daemon is the database's only writer, and the caller holds the task's
+        // approvals: nothing can store a decision between the check and the write.
+        if finished || decided(&events, n) {
+            return Ok(None);
+        }
+        let stored = Store::apply(self, &[Change::Event(id.to_owned(), msg.clone(), now_ms)])?;
+        Ok(stored.into_iter().next().map(|(_, e)| e))
+    }
+    fn notices(&self, _daemon: &str, _sink: NoticeSink) -> Result<()> {
+        Ok(())
     }
 }
 
@@ -266,8 +306,6 @@ impl Db {
     }
 }
 
-type Result<T> = std::result::Result<T, StoreError>;
-
 impl Store {
     /// Opens (creating if needed) the database at `path` and runs pending migrations.
     pub fn open(path: &Path) -> Result<Self> {
@@ -331,10 +369,30 @@ impl Store {
     /// Applies changes (of any tasks, in order) in one transaction, so a burst costs one
     /// commit, one log sync. Returns the events as stored.
     pub fn apply(&self, changes: &[Change]) -> Result<Vec<(String, Event)>> {
+        Ok(self.apply_fenced(changes, &Fences::new())?.events)
+    }
+
+    /// [`Store::apply`], leaving out the changes of tasks whose lease epoch is no longer the
+    /// one in `fences`.
+    pub fn apply_fenced(&self, changes: &[Change], fences: &Fences) -> Result<Applied> {
         self.with_db(|db| {
             db.transaction(|db| {
+                let mut fenced = Vec::new();
+                for (id, epoch) in fences {
+                    let stored: Option<i64> = db
+                        .conn
+                        .prepare_cached("SELECT epoch FROM tasks WHERE id = ?1")?
+                        .query_row([id], |r| r.get(0))
+                        .optional()?;
+                    if stored.is_some_and(|e| e as u64 != *epoch) {
+                        fenced.push(id.clone());
+                    }
+                }
                 let mut stored = Vec::with_capacity(changes.len());
                 for change in changes {
+                    if fenced.iter().any(|id| id == change.task()) {
+                        continue;
+                    }
                     match change {
                         Change::Event(id, msg, now_ms) => {
                             stored.push((id.clone(), append_one(db, id, msg, *now_ms)?));
@@ -343,7 +401,10 @@ impl Store {
                         Change::Create(id, spec, now_ms) => create(db, id, spec, *now_ms)?,
                     }
                 }
-                Ok(stored)
+                Ok(Applied {
+                    events: stored,
+                    fenced,
+                })
             })
         })
     }
@@ -685,15 +746,6 @@ fn decode(row: RawRow) -> Result<TaskRecord> {
         finished_ms: finished.map(|v| v as u64),
         files_removed_ms: removed.map(|v| v as u64),
     })
-}
-
-fn parse<T: serde::de::DeserializeOwned>(what: &'static str, v: serde_json::Value) -> Result<T> {
-    serde_json::from_value(v).map_err(|source| StoreError::Decode { what, source })
-}
-
-fn to_json<T: Serialize>(value: &T) -> String {
-    // Our own plain data types always serialise.
-    serde_json::to_string(value).unwrap_or_default()
 }
 
 #[cfg(test)]

@@ -1,0 +1,422 @@
+//! Several daemons on one PostgreSQL store (a real server from the system packages): any
+//! daemon answers for any task, a task is run by one daemon at a time, a daemon that died or
+//! was paused loses its tasks to the others without a block running twice, and the database
+//! going away loses nothing.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tandem_tests::{DaemonHarness as Daemon, Postgres, Reply, Script, ScriptedOpenAi};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tandem");
+
+fn fence(code: &str) -> String {
+    format!("```python\n{code}\n```")
+}
+
+/// Daemon `name` on store `url`, its model requests sent as `name` (so they can be held).
+async fn daemon(server: &ScriptedOpenAi, name: &str, url: &str, lease: f64, extra: &str) -> Daemon {
+    let config = format!(
+        "[store]\ndaemon = \"{name}\"\nlease_secs = {lease}\n\n[executors.local]\nconfine = \"off\"\n{extra}"
+    );
+    Daemon::start_with_env(
+        BIN.as_ref(),
+        &server.base_url_for(name),
+        &["--max-concurrent", "4"],
+        Some(&config),
+        &[("TANDEM_STORE_URL", url)],
+    )
+    .await
+}
+
+/// The tasks daemon `d` runs now, as its `/metrics` says.
+async fn running_on(d: &Daemon, name: &str) -> u64 {
+    let text = d.text("/metrics").await;
+    let prefix = format!("tandem_daemon_tasks{{daemon=\"{name}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+async fn wait_for(what: &str, limit: Duration, mut done: impl AsyncFnMut() -> bool) {
+    let started = Instant::now();
+    while !done().await {
+        assert!(started.elapsed() < limit, "{what}: not within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Task `id`'s events from `d`'s SSE feed after `after`, live, until `stop` says so (or the
+/// task's end).
+async fn follow(d: &Daemon, id: &str, after: u64, stop: impl Fn(&Value) -> bool) -> Vec<Value> {
+    let mut resp = d
+        .http()
+        .get(format!("http://tandem/v1/tasks/{id}/events"))
+        .header("Last-Event-ID", after.to_string())
+        .send()
+        .await
+        .unwrap();
+    let (mut buf, mut out) = (String::new(), Vec::new());
+    loop {
+        let chunk = tokio::time::timeout(Duration::from_secs(60), resp.chunk())
+            .await
+            .expect("the feed went quiet")
+            .unwrap();
+        let Some(chunk) = chunk else { return out };
+        buf.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = buf.find("\n\n") {
+            let frame: String = buf.drain(..end + 2).collect();
+            if let Some(data) = frame.lines().find_map(|l| l.strip_prefix("data: ")) {
+                let event: Value = serde_json::from_str(data).unwrap();
+                let last = stop(&event) || event["type"] == "task_finished";
+                out.push(event);
+                if last {
+                    return out;
+                }
+            }
+        }
+    }
+}
+
+fn seqs(events: &[Value]) -> Vec<u64> {
+    events.iter().map(|e| e["seq"].as_u64().unwrap()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
+    let url = Postgres::shared().new_database();
+    let ticking = "import time\nfor i in range(4):\n    print('tick', i, flush=True)\n    time.sleep(0.5)";
+    let server = ScriptedOpenAi::start(
+        [
+            ("ticks", vec![Reply::from(fence(ticking).as_str()), Reply::from("TERMINATE")]),
+            (
+                "forever",
+                vec![Reply::from(fence("import time\ntime.sleep(600)").as_str())],
+            ),
+            (
+                "gated",
+                vec![Reply::from(fence("print('approved')").as_str()), Reply::from("TERMINATE")],
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect::<Script>(),
+    )
+    .await
+    .unwrap();
+    let policy = "\n[approval]\nmode = \"always\"\n";
+    // Only A runs at first, so the tasks are A's.
+    let a = daemon(&server, "a", &url, 30.0, policy).await;
+    let ticks = a.submit(json!({"task": "ticks"})).await;
+    let forever = a.submit(json!({"task": "forever"})).await;
+    let gated = a.submit(json!({"task": "gated"})).await;
+    wait_for("A holds all three", Duration::from_secs(30), async || {
+        running_on(&a, "a").await == 3
+    })
+    .await;
+    let b = daemon(&server, "b", &url, 30.0, policy).await;
+
+    // B follows the task A runs, live: the first tick reaches B while the task still runs.
+    let first = follow(&b, &ticks, 0, |e| e["type"] == "approval_requested").await;
+    assert_eq!(first.last().unwrap()["type"], "approval_requested", "{first:?}");
+    let (status, body) = b
+        .send(
+            reqwest::Method::POST,
+            &format!("/v1/tasks/{ticks}/approvals/1"),
+            Some(json!({"decision": "approve"}).to_string()),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let upto_tick = follow(&b, &ticks, seqs(&first).last().copied().unwrap(), |e| {
+        e["type"] == "exec_output"
+    })
+    .await;
+    assert_eq!(upto_tick.last().unwrap()["text"], "tick 0\n", "{upto_tick:?}");
+    assert_eq!(a.get(&format!("/v1/tasks/{ticks}")).await["state"], "running");
+    // Resumed on the other daemon from the last event seen: no gap, no repeat.
+    let seen = *seqs(&upto_tick).last().unwrap();
+    let rest = follow(&a, &ticks, seen, |_| false).await;
+    let mut all = seqs(&first);
+    all.extend(seqs(&upto_tick));
+    all.extend(seqs(&rest));
+    let stored = seqs(&b.events(&ticks, 0).await);
+    assert_eq!(all, stored);
+    assert_eq!(rest.last().unwrap()["stop_reason"], "terminated");
+
+    // A decision sent to B reaches the block waiting on A; a denial, its reason.
+    let asked = follow(&b, &gated, 0, |e| e["type"] == "approval_requested").await;
+    assert_eq!(asked.last().unwrap()["type"], "approval_requested");
+    let (status, body) = b
+        .send(
+            reqwest::Method::POST,
+            &format!("/v1/tasks/{gated}/approvals/1"),
+            Some(json!({"decision": "approve"}).to_string()),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let t = b.wait_finished(&gated, Duration::from_secs(60)).await;
+    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    let events = b.events(&gated, 0).await;
+    assert!(
+        events.iter().any(|e| e["type"] == "exec_output" && e["text"] == "approved\n"),
+        "{events:?}"
+    );
+    // Deciding it again, on either daemon, is a conflict.
+    let (status, body) = a
+        .send(
+            reqwest::Method::POST,
+            &format!("/v1/tasks/{gated}/approvals/1"),
+            Some(json!({"decision": "deny"}).to_string()),
+        )
+        .await;
+    assert_eq!(status, 409, "{body}");
+
+    // A cancel sent to B stops the block running on A.
+    let asked = follow(&b, &forever, 0, |e| e["type"] == "approval_requested").await;
+    assert_eq!(asked.last().unwrap()["type"], "approval_requested");
+    let (status, _) = b
+        .send(
+            reqwest::Method::POST,
+            &format!("/v1/tasks/{forever}/approvals/1"),
+            Some(json!({"decision": "approve"}).to_string()),
+        )
+        .await;
+    assert_eq!(status, 200);
+    follow(&b, &forever, 0, |e| e["type"] == "code_block").await;
+    let cancelled_at = Instant::now();
+    let (status, body) = b
+        .send(reqwest::Method::POST, &format!("/v1/tasks/{forever}/cancel"), None)
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let t = b.wait_finished(&forever, Duration::from_secs(30)).await;
+    assert_eq!(t["stop_reason"], "cancelled", "{t}");
+    assert!(cancelled_at.elapsed() < Duration::from_secs(30));
+    // Which daemon runs what: A ran them, B none.
+    assert_eq!(running_on(&a, "a").await, 0);
+    assert_eq!(running_on(&b, "b").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_paused_daemon_loses_its_task_and_runs_nothing_of_it_when_it_wakes() {
+    let url = Postgres::shared().new_database();
+    let dir = tempfile::tempdir().unwrap();
+    let lines = dir.path().join("lines");
+    let block = fence(&format!(
+        "with open({:?}, 'a') as f:\n    f.write('ran\\n')",
+        lines.display().to_string()
+    ));
+    let task = "paused mid-call";
+    let server = ScriptedOpenAi::start(
+        [(
+            task.to_owned(),
+            vec![
+                Reply::Delayed(Duration::from_secs(4), Box::new(Reply::from(block.as_str()))),
+                Reply::from("TERMINATE"),
+            ],
+        )]
+        .into_iter()
+        .collect(),
+    )
+    .await
+    .unwrap();
+    let a = daemon(&server, "a", &url, 2.0, "").await;
+    let id = a.submit(json!({"task": task})).await;
+    wait_for("A asks the model", Duration::from_secs(30), async || {
+        server.requests_for(task).len() == 1
+    })
+    .await;
+    // A stops while its model call is out; its lease lapses and B takes the task over.
+    let pid = nix::unistd::Pid::from_raw(a.pid() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let b = daemon(&server, "b", &url, 2.0, "").await;
+    let t = b.wait_finished(&id, Duration::from_secs(60)).await;
+    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    // A wakes with the reply its call was sent meanwhile, and is fenced out.
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT).unwrap();
+    wait_for("A sees it lost the task", Duration::from_secs(60), async || {
+        a.log().contains("another daemon holds these tasks now") && running_on(&a, "a").await == 0
+    })
+    .await;
+    let ran = std::fs::read_to_string(&lines).unwrap();
+    assert_eq!(ran, "ran\n", "the block ran more than once");
+    let events = b.events(&id, 0).await;
+    let finished = events.iter().filter(|e| e["type"] == "task_finished").count();
+    let results = events.iter().filter(|e| e["type"] == "exec_result").count();
+    assert_eq!((finished, results), (1, 1), "{events:#?}");
+    assert_eq!(b.get(&format!("/v1/tasks/{id}")).await["state"], "finished");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn three_daemons_run_every_block_once_through_a_kill_9_and_a_database_outage() {
+    const TASKS: usize = 1000;
+    // A server of its own: this test stops it.
+    let pg = Postgres::start(false);
+    let url = pg.new_database();
+    let dir = tempfile::tempdir().unwrap();
+    let lines = dir.path().join("lines");
+    let script: Script = (0..TASKS)
+        .map(|i| {
+            let block = fence(&format!(
+                "with open({:?}, 'a') as f:\n    f.write('{i}\\n')",
+                lines.display().to_string()
+            ));
+            (
+                format!("line {i}"),
+                vec![Reply::from(block.as_str()), Reply::from("TERMINATE")],
+            )
+        })
+        .collect();
+    let server = ScriptedOpenAi::start(script).await.unwrap();
+    let mut daemons = Vec::new();
+    for name in ["a", "b", "c"] {
+        daemons.push(daemon(&server, name, &url, 3.0, "").await);
+    }
+    let mut ids = Vec::with_capacity(TASKS);
+    for i in 0..TASKS {
+        ids.push(daemons[i % 3].submit(json!({"task": format!("line {i}")})).await);
+    }
+    let finished = async |d: &Daemon| d.count("finished").await;
+    wait_for("a fifth done", Duration::from_secs(120), async || {
+        finished(&daemons[1]).await >= (TASKS / 5) as u64
+    })
+    .await;
+    // kill -9 of A mid-load, while every task it holds waits on the model (a block cut
+    // off by a kill is not run again: `a_resumed_task_is_told_its_cut_off_block_is_not_run_again`).
+    server.hold("a");
+    wait_for("A's tasks wait on the model", Duration::from_secs(60), async || {
+        let held = server.held("a") as u64;
+        held > 0 && held == running_on(&daemons[0], "a").await
+    })
+    .await;
+    daemons[0].kill9();
+    server.release("a");
+    wait_for("half done", Duration::from_secs(120), async || {
+        finished(&daemons[1]).await >= (TASKS / 2) as u64
+    })
+    .await;
+    // The database stops for 10 s under load: a submit meanwhile is a clear 503.
+    tokio::task::block_in_place(|| pg.stop());
+    let stopped = Instant::now();
+    let (status, body) = daemons[1]
+        .send(
+            reqwest::Method::POST,
+            "/v1/tasks",
+            Some(json!({"task": "during the outage"}).to_string()),
+        )
+        .await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"]["code"], "store_unavailable", "{body}");
+    tokio::time::sleep(Duration::from_secs(10).saturating_sub(stopped.elapsed())).await;
+    tokio::task::block_in_place(|| pg.start_again(false));
+    wait_for("every task finished", Duration::from_secs(300), async || {
+        finished(&daemons[1]).await == TASKS as u64
+    })
+    .await;
+    for id in &ids {
+        let t = daemons[2].get(&format!("/v1/tasks/{id}")).await;
+        assert_eq!(t["stop_reason"], "terminated", "{t}");
+    }
+    let mut counts: BTreeMap<usize, usize> = BTreeMap::new();
+    for line in std::fs::read_to_string(&lines).unwrap().lines() {
+        *counts.entry(line.parse().unwrap()).or_default() += 1;
+    }
+    let missing: Vec<usize> = (0..TASKS).filter(|i| !counts.contains_key(i)).collect();
+    let twice: Vec<(&usize, &usize)> = counts.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(
+        missing.is_empty() && twice.is_empty(),
+        "blocks that never ran: {missing:?}; blocks that ran more than once: {twice:?}"
+    );
+    // The killed daemon's tasks were resumed by the others.
+    let log = daemons[1].log() + &daemons[2].log();
+    assert!(!log.contains("panicked"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn store_migrate_moves_a_daemons_tasks_into_postgres_where_another_daemon_serves_them() {
+    let server = ScriptedOpenAi::start(
+        (0..3)
+            .map(|i| (format!("old {i}"), vec![Reply::from(fence(&format!("print({i})")).as_str()), Reply::from("TERMINATE")]))
+            .collect(),
+    )
+    .await
+    .unwrap();
+    let mut old = Daemon::start(BIN.as_ref(), &server.base_url(), &[], None).await;
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let id = old.submit(json!({"task": format!("old {i}")})).await;
+        old.wait_finished(&id, Duration::from_secs(60)).await;
+        ids.push(id);
+    }
+    let db = old.state_dir().join("tandem.db");
+    let url = Postgres::shared().new_database();
+    // Refused while the daemon runs: it would go on writing the file.
+    let (code, _, err) = old
+        .cli(&["store", "migrate", "--from", db.to_str().unwrap(), "--to", &url])
+        .await;
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("stop it before moving its tasks"), "{err}");
+    old.terminate().await;
+    let (code, out, err) = old
+        .cli(&["store", "migrate", "--from", db.to_str().unwrap(), "--to", &url])
+        .await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("moved 3 tasks ("), "{out}");
+    assert!(!out.contains(tandem_tests::postgres::PASSWORD), "{out}");
+    // Again: nothing doubles.
+    let (code, out, _) = old
+        .cli(&["store", "migrate", "--from", db.to_str().unwrap(), "--to", &url])
+        .await;
+    assert_eq!(code, 0);
+    assert!(out.contains("moved 0 tasks") && out.contains("3 were there already"), "{out}");
+    let new = daemon(&server, "new", &url, 30.0, "").await;
+    for id in &ids {
+        let before = old_events(&db, id);
+        let after = new.events(id, 0).await;
+        assert_eq!(after.len(), before, "{id}");
+        assert_eq!(new.get(&format!("/v1/tasks/{id}")).await["stop_reason"], "terminated");
+    }
+}
+
+/// How many events task `id` has in the SQLite file.
+fn old_events(db: &std::path::Path, id: &str) -> usize {
+    use tandem_daemon::TaskStore;
+    let store = tandem_daemon::Store::open(db).unwrap();
+    store.events_after(id, 0).unwrap().len()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_wrong_store_url_or_password_stops_serve_naming_the_setting() {
+    let pg = Postgres::shared();
+    let wrong = pg
+        .new_database()
+        .replace(tandem_tests::postgres::PASSWORD, "wrong-password");
+    let state = tempfile::tempdir().unwrap();
+    for (how, env, args) in [
+        ("TANDEM_STORE_URL", Some(wrong.as_str()), vec![]),
+        ("--store", None, vec!["--store", wrong.as_str()]),
+    ] {
+        let mut cmd = tokio::process::Command::new(BIN);
+        cmd.args(["serve", "--executor", "local", "--state-dir"])
+            .arg(state.path())
+            .args(&args)
+            .env("XDG_CONFIG_HOME", state.path())
+            .env_remove("TANDEM_STORE_URL");
+        if let Some(url) = env {
+            cmd.env("TANDEM_STORE_URL", url);
+        }
+        let out = tokio::time::timeout(Duration::from_secs(60), cmd.output())
+            .await
+            .unwrap()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains("refused the login")
+                && err.contains(&format!("check {how}"))
+                && !err.contains("wrong-password"),
+            "{err}"
+        );
+    }
+}

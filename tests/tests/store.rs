@@ -1,0 +1,238 @@
+//! The task store's two engines held to one behaviour (claims, leases, fencing, decisions),
+//! and what only the shared one does: several daemons claiming from one queue, notices
+//! between them, and errors that name the setting. PostgreSQL is a real server from the
+//! system packages.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tandem_daemon::store::{Change, Fences, Notice, PgStore, Store, TaskStore};
+use tandem_protocol::{Decision, EventMsg, TaskSpec};
+use tandem_tests::Postgres;
+
+fn create(store: &dyn TaskStore, ids: &[String]) {
+    let changes: Vec<Change> = ids
+        .iter()
+        .map(|id| {
+            let spec = TaskSpec {
+                task: id.clone(),
+                ..TaskSpec::default()
+            };
+            Change::Create(id.clone(), Box::new(spec), 1)
+        })
+        .collect();
+    store.apply(&changes, &Fences::new()).unwrap();
+}
+
+fn turn(n: u32) -> EventMsg {
+    EventMsg::TurnStarted {
+        turn: n,
+        agent: None,
+    }
+}
+
+fn decided(by: &str) -> EventMsg {
+    EventMsg::ApprovalDecided {
+        turn: 1,
+        index: 1,
+        n: 1,
+        decision: Decision::Approve,
+        by: by.to_owned(),
+        code: None,
+        reason: None,
+        rule: None,
+    }
+}
+
+/// Both engines, each on an empty store; the guard keeps the SQLite file.
+fn engines() -> Vec<(&'static str, Arc<dyn TaskStore>, Option<tempfile::TempDir>)> {
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite = Store::open(&dir.path().join("tandem.db")).unwrap();
+    let url = Postgres::shared().new_database();
+    let pg = PgStore::open(&url, "the test's URL").unwrap();
+    vec![
+        ("sqlite", Arc::new(sqlite), Some(dir)),
+        ("postgres", Arc::new(pg), None),
+    ]
+}
+
+#[test]
+fn a_lapsed_lease_is_taken_over_and_the_old_holders_writes_are_fenced_out() {
+    for (engine, store, _dir) in engines() {
+        create(store.as_ref(), &["t".to_owned()]);
+        let a = store.claim("a", 60_000, 10).unwrap().unwrap();
+        assert_eq!((a.record.id.as_str(), a.epoch), ("t", 1), "{engine}");
+        // Held: nobody else gets it, and there is nothing else.
+        assert!(store.claim("b", 60_000, 20).unwrap().is_none(), "{engine}");
+        assert_eq!(store.owner("t", 20).unwrap().as_deref(), Some("a"), "{engine}");
+        // A's lease lapses (renewed for 1 ms), and B takes the task over.
+        assert_eq!(
+            store.renew("a", &[("t".into(), 1)], 1, 30).unwrap().lost,
+            Vec::<String>::new()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+        let b = store.claim("b", 60_000, 100).unwrap().unwrap();
+        assert_eq!((b.record.id.as_str(), b.epoch), ("t", 2), "{engine}");
+        // A wakes: its writes under epoch 1 are refused, B's under epoch 2 are stored.
+        let fence = |e| Fences::from([("t".to_owned(), e)]);
+        let refused = store
+            .apply(&[Change::Event("t".into(), turn(9), 101)], &fence(1))
+            .unwrap();
+        assert_eq!((refused.events.len(), refused.fenced), (0, vec!["t".to_owned()]), "{engine}");
+        let kept = store
+            .apply(&[Change::Event("t".into(), turn(2), 102)], &fence(2))
+            .unwrap();
+        assert!(kept.fenced.is_empty(), "{engine}");
+        let events = store.events_after("t", 0).unwrap();
+        assert_eq!(events.len(), 1, "{engine}: {events:?}");
+        assert_eq!(events[0].msg, turn(2), "{engine}");
+        // A learns it lost the task when it renews; B keeps it.
+        assert_eq!(store.renew("a", &[("t".into(), 1)], 60_000, 103).unwrap().lost, ["t"], "{engine}");
+        assert!(store.renew("b", &[("t".into(), 2)], 60_000, 103).unwrap().lost.is_empty(), "{engine}");
+        // A cancel asked anywhere reaches the holder at its next renewal.
+        store.request_cancel("t").unwrap();
+        assert_eq!(store.renew("b", &[("t".into(), 2)], 60_000, 104).unwrap().cancel, ["t"], "{engine}");
+    }
+}
+
+#[test]
+fn an_approval_is_decided_once_whoever_decides_first() {
+    for (engine, store, _dir) in engines() {
+        create(store.as_ref(), &["t".to_owned()]);
+        let first = store.decide("t", 1, &decided("user"), 5).unwrap();
+        assert!(first.is_some(), "{engine}");
+        // The timeout, or a person on another daemon, comes second: refused.
+        assert!(store.decide("t", 1, &decided("timeout"), 6).unwrap().is_none(), "{engine}");
+        let stored: Vec<_> = store.events_after("t", 0).unwrap();
+        assert_eq!(stored.len(), 1, "{engine}");
+        assert_eq!(stored[0].msg, decided("user"), "{engine}");
+        assert!(store.decide("nope", 1, &decided("user"), 6).unwrap().is_none(), "{engine}");
+    }
+}
+
+#[test]
+fn daemons_on_one_database_claim_each_queued_task_exactly_once() {
+    let url = Postgres::shared().new_database();
+    let ids: Vec<String> = (0..300).map(|i| format!("task{i:03}")).collect();
+    let daemons: Vec<Arc<PgStore>> = (0..3)
+        .map(|_| Arc::new(PgStore::open(&url, "the test's URL").unwrap()))
+        .collect();
+    create(daemons[0].as_ref(), &ids);
+    let claimed: Arc<Mutex<HashMap<String, Vec<String>>>> = Arc::default();
+    std::thread::scope(|s| {
+        for (d, store) in daemons.iter().enumerate() {
+            for worker in 0..3 {
+                let (store, claimed) = (store.clone(), claimed.clone());
+                s.spawn(move || {
+                    let me = format!("d{d}w{worker}");
+                    while let Some(task) = store.claim(&me, 60_000, 1).unwrap() {
+                        claimed
+                            .lock()
+                            .unwrap()
+                            .entry(task.record.id)
+                            .or_default()
+                            .push(me.clone());
+                    }
+                });
+            }
+        }
+    });
+    let claimed = claimed.lock().unwrap();
+    assert_eq!(claimed.len(), ids.len());
+    let twice: Vec<_> = claimed.iter().filter(|(_, by)| by.len() != 1).collect();
+    assert!(twice.is_empty(), "claimed more than once: {twice:?}");
+    // Every daemon got some: the queue is shared, not drained by the first.
+    for d in 0..3 {
+        assert!(
+            claimed.values().any(|by| by[0].starts_with(&format!("d{d}"))),
+            "daemon {d} claimed nothing"
+        );
+    }
+}
+
+#[test]
+fn another_daemon_hears_of_events_queued_tasks_and_cancels() {
+    let url = Postgres::shared().new_database();
+    let a = PgStore::open(&url, "the test's URL").unwrap();
+    let b = PgStore::open(&url, "the test's URL").unwrap();
+    let (told, heard) = std::sync::mpsc::channel();
+    let told = Mutex::new(told);
+    b.notices("b", Box::new(move |n| {
+        let _ = told.lock().unwrap().send(n);
+    }))
+    .unwrap();
+    a.notices("a", Box::new(|_| {})).unwrap();
+    // The listener connects in the background; a notice sent before it listens is missed.
+    std::thread::sleep(Duration::from_millis(500));
+    create(&a, &["t".to_owned()]);
+    a.apply(&[Change::Event("t".into(), turn(1), 2)], &Fences::new())
+        .unwrap();
+    a.request_cancel("t").unwrap();
+    let mut got = Vec::new();
+    while got.len() < 3 {
+        got.push(heard.recv_timeout(Duration::from_secs(30)).expect("a notice"));
+    }
+    assert_eq!(
+        got,
+        [
+            Notice::Queued,
+            Notice::Events("a".into(), "t".into(), 1),
+            Notice::Cancel("t".into())
+        ]
+    );
+}
+
+#[test]
+fn a_wrong_password_port_or_url_at_start_names_the_setting_and_the_fix() {
+    let pg = Postgres::shared();
+    let url = pg.new_database();
+    let wrong_password = url.replace(tandem_tests::postgres::PASSWORD, "not-the-password");
+    let err = PgStore::open(&wrong_password, "[store] url").err().unwrap().to_string();
+    assert!(
+        err.contains("refused the login")
+            && err.contains("check the user and password")
+            && err.contains("check [store] url")
+            && !err.contains("not-the-password"),
+        "{err}"
+    );
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let err = PgStore::open(
+        &format!("postgres://postgres:x@127.0.0.1:{port}/db"),
+        "TANDEM_STORE_URL",
+    )
+    .err()
+    .unwrap();
+    assert!(err.unreachable(), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("cannot reach the database") && text.contains("check TANDEM_STORE_URL"),
+        "{text}"
+    );
+    let err = PgStore::open("postgres://[bad", "--store").err().unwrap().to_string();
+    assert!(err.contains("--store is not a PostgreSQL URL"), "{err}");
+    let missing = format!("postgres://postgres:{}@127.0.0.1:{}/no_such_db", tandem_tests::postgres::PASSWORD, pg.port());
+    let err = PgStore::open(&missing, "--store").err().unwrap().to_string();
+    assert!(err.contains("does not exist") && err.contains("createdb"), "{err}");
+}
+
+#[test]
+fn daemons_starting_together_migrate_the_schema_once() {
+    let url = Postgres::shared().new_database();
+    let opened: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|_| s.spawn(|| PgStore::open(&url, "the test's URL").map(drop)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for o in opened {
+        o.unwrap();
+    }
+    let version = Postgres::shared().psql(
+        url.rsplit('/').next().unwrap(),
+        "SELECT version FROM tandem_schema",
+    );
+    assert_eq!(version, "1");
+}
