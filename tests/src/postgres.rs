@@ -51,16 +51,20 @@ fn as_owner(cmd: &mut Command, die_with_parent: bool) {
         .then(|| nix::unistd::User::from_name("postgres").ok().flatten())
         .flatten()
         .map(|u| (u.uid, u.gid));
+    // SAFETY: between fork and exec the closure only makes system calls (prctl, setgroups,
+    // setgid, setuid); it allocates nothing and takes no lock.
+    #[allow(unsafe_code)]
     unsafe {
         cmd.pre_exec(move || {
-            if die_with_parent {
-                nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGQUIT)
-                    .map_err(std::io::Error::from)?;
-            }
             if let Some((uid, gid)) = owner {
                 nix::unistd::setgroups(&[]).map_err(std::io::Error::from)?;
                 nix::unistd::setgid(gid).map_err(std::io::Error::from)?;
                 nix::unistd::setuid(uid).map_err(std::io::Error::from)?;
+            }
+            // After the change of user, which clears it.
+            if die_with_parent {
+                nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGQUIT)
+                    .map_err(std::io::Error::from)?;
             }
             Ok(())
         });
