@@ -70,6 +70,10 @@ pub struct StoreSection {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FilesSection {
+    /// Where uploads and workspaces live (default: `files` in the state dir). Daemons on one
+    /// PostgreSQL store share one directory on shared storage, so a task finds its files on
+    /// whichever daemon claims it.
+    pub dir: Option<PathBuf>,
     /// Most megabytes (MiB) of file content one upload may hold (default 256).
     pub max_upload_mb: Option<u64>,
     /// Most files and directories one upload may hold (default 10000).
@@ -513,7 +517,7 @@ pub fn files(file: &FileConfig, state_dir: &Path) -> Result<tandem_daemon::files
         None => tandem_executor::archive::ArchiveCaps::default().max_entries,
     };
     Ok(tandem_daemon::files::FilesConfig {
-        root: state_dir.join("files"),
+        root: f.dir.clone().unwrap_or_else(|| state_dir.join("files")),
         keep: Duration::from_secs(positive("keep_secs", f.keep_secs, 7 * 24 * 3600)?),
         max_total_bytes: mb(positive("max_total_mb", f.max_total_mb, 10240)?),
         upload: tandem_executor::archive::ArchiveCaps {

@@ -1578,6 +1578,9 @@ fn main() {
         if run("kubernetes") {
             kubernetes(10, 100).await;
         }
+        if run("stores") {
+            stores(600, 4).await;
+        }
     });
 }
 
@@ -1986,4 +1989,131 @@ async fn kubernetes(opens: usize, blocks: usize) {
         }
     }
     cluster.stop().await;
+}
+
+/// The task store: tasks/s of one, two and three daemons sharing a PostgreSQL database
+/// against one daemon on its SQLite file, the same scripted tasks (a `print(1)` block, then
+/// TERMINATE) on the local executor, each daemon with the same slots; and how long a queued
+/// task waits to be claimed: by its own idle daemon, and by another daemon (the one it was
+/// submitted to has no free slot, so the claim follows a NOTIFY).
+async fn stores(tasks: usize, slots: usize) {
+    let Some(bin) = tandem_binary() else {
+        println!(
+            "\n## Stores: not measured: build the binary first with `cargo build --release -p tandem-cli`"
+        );
+        return;
+    };
+    let code = "```python\nprint(1)\n```";
+    let mut script: Script = (0..tasks)
+        .map(|i| {
+            (
+                format!("store task {i}"),
+                vec![Reply::from(code), Reply::from("TERMINATE")],
+            )
+        })
+        .collect();
+    script.insert(
+        "hold the slot".to_owned(),
+        vec![Reply::from("```python\nimport time\ntime.sleep(600)\n```")],
+    );
+    let server = ScriptedOpenAi::start(script).await.unwrap();
+    // Durable, as the SQLite file is (synchronous = FULL): every commit is synced.
+    let pg = tokio::task::spawn_blocking(|| tandem_tests::Postgres::start(true))
+        .await
+        .unwrap();
+    let python =
+        bench_python().map(|p| format!("[executors.local]\npython = \"{}\"\n", p.display()));
+    let start = |name: String, url: Option<String>, slots: usize| {
+        let (bin, base_url) = (bin.clone(), server.base_url());
+        let config = format!("[store]\ndaemon = \"{name}\"\n{}", python.clone().unwrap_or_default());
+        async move {
+            let env: Vec<(&str, &str)> = url
+                .as_deref()
+                .map(|u| vec![("TANDEM_STORE_URL", u)])
+                .unwrap_or_default();
+            DaemonHarness::start_with_env(
+                &bin,
+                &base_url,
+                &["--max-concurrent", &slots.to_string()],
+                Some(&config),
+                &env,
+            )
+            .await
+        }
+    };
+    println!("\n## Stores: {tasks} tasks (`print(1)`, then TERMINATE), {slots} slots per daemon, local executor");
+    println!("\n| store | daemons | seconds | tasks/s | against one daemon on SQLite |");
+    println!("|---|---|---|---|---|");
+    let mut baseline = None;
+    for (store, daemons) in [("SQLite", 1), ("PostgreSQL", 1), ("PostgreSQL", 2), ("PostgreSQL", 3)] {
+        let url = (store == "PostgreSQL").then(|| pg.new_database());
+        let mut ds = Vec::new();
+        for n in 0..daemons {
+            ds.push(start(format!("d{n}"), url.clone(), slots).await);
+        }
+        let started = Instant::now();
+        futures::stream::iter((0..tasks).map(|i| submit(&ds[i % daemons], format!("store task {i}"))))
+            .buffer_unordered(SUBMITTERS)
+            .collect::<Vec<_>>()
+            .await;
+        while ds[0].count("finished").await < tasks as u64 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let took = started.elapsed().as_secs_f64();
+        let rate = tasks as f64 / took;
+        let base = *baseline.get_or_insert(rate);
+        println!(
+            "| {store} | {daemons} | {took:.2} | {rate:.1} | {:.2}x |",
+            rate / base
+        );
+    }
+    // Claim latency: created to started, as the task record says (one clock: one machine).
+    let latency = |d: &DaemonHarness, id: String| {
+        let d = d.http().clone();
+        async move {
+            let t: serde_json::Value = d
+                .get(format!("http://tandem/v1/tasks/{id}"))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            (t["started_ms"].as_u64().unwrap() - t["created_ms"].as_u64().unwrap()) as f64
+        }
+    };
+    const CLAIMS: usize = 50;
+    println!("\n| claim of a queued task (created to started) | median ms | p95 ms |");
+    println!("|---|---|---|");
+    for (label, store, cross) in [
+        ("SQLite, the daemon it was submitted to", "SQLite", false),
+        ("PostgreSQL, the daemon it was submitted to", "PostgreSQL", false),
+        ("PostgreSQL, another daemon (NOTIFY)", "PostgreSQL", true),
+    ] {
+        let url = (store == "PostgreSQL").then(|| pg.new_database());
+        let submit_to = start("front".to_owned(), url.clone(), 1).await;
+        let other = if cross {
+            // The daemon it is submitted to has its one slot taken.
+            submit(&submit_to, "hold the slot".to_owned()).await;
+            while submit_to.count("running").await < 1 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Some(start("back".to_owned(), url.clone(), slots).await)
+        } else {
+            None
+        };
+        let mut waits = Vec::new();
+        for i in 0..CLAIMS {
+            let id = submit(&submit_to, format!("store task {i}")).await;
+            let runner = other.as_ref().unwrap_or(&submit_to);
+            runner.wait_finished(&id, Duration::from_secs(60)).await;
+            waits.push(latency(runner, id).await);
+        }
+        waits.sort_by(f64::total_cmp);
+        println!(
+            "| {label} | {:.1} | {:.1} |",
+            median(waits.clone()),
+            waits[(waits.len() * 95 / 100).min(waits.len() - 1)]
+        );
+    }
 }
