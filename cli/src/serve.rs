@@ -362,7 +362,9 @@ fn open_store(
     // The flag, then the environment (clap reads both into `args.store`), then the file.
     let from_env = std::env::var("TANDEM_STORE_URL").ok();
     let (url, setting) = match (&args.store, &file.store.url) {
-        (Some(url), _) if from_env.as_deref() == Some(url.as_str()) => (Some(url), "TANDEM_STORE_URL"),
+        (Some(url), _) if from_env.as_deref() == Some(url.as_str()) => {
+            (Some(url), "TANDEM_STORE_URL")
+        }
         (Some(url), _) => (Some(url), "--store"),
         (None, Some(url)) => (Some(url), "[store] url in tandem.toml"),
         (None, None) => (None, ""),
@@ -391,11 +393,17 @@ fn default_daemon_name(state_dir: &Path) -> String {
         .map(|h| h.trim().to_owned())
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "tandem".to_owned());
-    let dir = state_dir.canonicalize().unwrap_or_else(|_| state_dir.to_owned());
+    let dir = state_dir
+        .canonicalize()
+        .unwrap_or_else(|_| state_dir.to_owned());
     // FNV-1a: stable across builds, unlike the standard library's hasher.
-    let hash = dir.as_os_str().as_encoded_bytes().iter().fold(0xcbf29ce484222325u64, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x100000001b3)
-    });
+    let hash = dir
+        .as_os_str()
+        .as_encoded_bytes()
+        .iter()
+        .fold(0xcbf29ce484222325u64, |h, b| {
+            (h ^ u64::from(*b)).wrapping_mul(0x100000001b3)
+        });
     format!("{host}-{:08x}", hash as u32)
 }
 

@@ -71,7 +71,10 @@ fn migrate(from: &std::path::Path, to: &str) -> Result<u8> {
         target.shown()
     );
     if done.present > 0 {
-        println!("{} were there already and were left as they are", done.present);
+        println!(
+            "{} were there already and were left as they are",
+            done.present
+        );
     }
     if running > 0 {
         println!(

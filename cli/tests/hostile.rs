@@ -289,6 +289,9 @@ async fn concurrent_resumes_run_an_interrupted_task_once() {
     const TURNS: usize = 40;
     let mut replies: Vec<Reply> = (0..TURNS).map(|i| python(&format!("print({i})"))).collect();
     replies.push(python("import time\ntime.sleep(60)"));
+    // After the resume: the block the kill cut off is not run again, so the model is asked
+    // for the next turn, which sleeps until the cancel below.
+    replies.push(python("import time\ntime.sleep(60)"));
     let tasks: Vec<String> = (0..8).map(|i| format!("resume me {i}")).collect();
     let server =
         ScriptedOpenAi::start(tasks.iter().map(|t| (t.clone(), replies.clone())).collect())

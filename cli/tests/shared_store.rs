@@ -87,17 +87,27 @@ fn seqs(events: &[Value]) -> Vec<u64> {
 #[tokio::test(flavor = "multi_thread")]
 async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
     let url = Postgres::shared().new_database();
-    let ticking = "import time\nfor i in range(4):\n    print('tick', i, flush=True)\n    time.sleep(0.5)";
+    let ticking =
+        "import time\nfor i in range(4):\n    print('tick', i, flush=True)\n    time.sleep(0.5)";
     let server = ScriptedOpenAi::start(
         [
-            ("ticks", vec![Reply::from(fence(ticking).as_str()), Reply::from("TERMINATE")]),
+            (
+                "ticks",
+                vec![
+                    Reply::from(fence(ticking).as_str()),
+                    Reply::from("TERMINATE"),
+                ],
+            ),
             (
                 "forever",
                 vec![Reply::from(fence("import time\ntime.sleep(600)").as_str())],
             ),
             (
                 "gated",
-                vec![Reply::from(fence("print('approved')").as_str()), Reply::from("TERMINATE")],
+                vec![
+                    Reply::from(fence("print('approved')").as_str()),
+                    Reply::from("TERMINATE"),
+                ],
             ),
         ]
         .into_iter()
@@ -120,7 +130,11 @@ async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
 
     // B follows the task A runs, live: the first tick reaches B while the task still runs.
     let first = follow(&b, &ticks, 0, |e| e["type"] == "approval_requested").await;
-    assert_eq!(first.last().unwrap()["type"], "approval_requested", "{first:?}");
+    assert_eq!(
+        first.last().unwrap()["type"],
+        "approval_requested",
+        "{first:?}"
+    );
     let (status, body) = b
         .send(
             reqwest::Method::POST,
@@ -133,8 +147,18 @@ async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
         e["type"] == "exec_output"
     })
     .await;
-    assert_eq!(upto_tick.last().unwrap()["text"], "tick 0\n", "{upto_tick:?}");
-    assert_eq!(a.get(&format!("/v1/tasks/{ticks}")).await["state"], "running");
+    assert_eq!(
+        upto_tick.last().unwrap()["text"],
+        "tick 0\n",
+        "{upto_tick:?}"
+    );
+    // Either daemon says which one runs it.
+    let t = b.get(&format!("/v1/tasks/{ticks}")).await;
+    assert_eq!(
+        (&t["state"], &t["daemon"]),
+        (&json!("running"), &json!("a")),
+        "{t}"
+    );
     // Resumed on the other daemon from the last event seen: no gap, no repeat.
     let seen = *seqs(&upto_tick).last().unwrap();
     let rest = follow(&a, &ticks, seen, |_| false).await;
@@ -160,7 +184,9 @@ async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
     assert_eq!(t["stop_reason"], "terminated", "{t}");
     let events = b.events(&gated, 0).await;
     assert!(
-        events.iter().any(|e| e["type"] == "exec_output" && e["text"] == "approved\n"),
+        events
+            .iter()
+            .any(|e| e["type"] == "exec_output" && e["text"] == "approved\n"),
         "{events:?}"
     );
     // Deciding it again, on either daemon, is a conflict.
@@ -187,7 +213,11 @@ async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
     follow(&b, &forever, 0, |e| e["type"] == "code_block").await;
     let cancelled_at = Instant::now();
     let (status, body) = b
-        .send(reqwest::Method::POST, &format!("/v1/tasks/{forever}/cancel"), None)
+        .send(
+            reqwest::Method::POST,
+            &format!("/v1/tasks/{forever}/cancel"),
+            None,
+        )
         .await;
     assert_eq!(status, 200, "{body}");
     let t = b.wait_finished(&forever, Duration::from_secs(30)).await;
@@ -212,7 +242,10 @@ async fn a_paused_daemon_loses_its_task_and_runs_nothing_of_it_when_it_wakes() {
         [(
             task.to_owned(),
             vec![
-                Reply::Delayed(Duration::from_secs(4), Box::new(Reply::from(block.as_str()))),
+                Reply::Delayed(
+                    Duration::from_secs(4),
+                    Box::new(Reply::from(block.as_str())),
+                ),
                 Reply::from("TERMINATE"),
             ],
         )]
@@ -235,14 +268,22 @@ async fn a_paused_daemon_loses_its_task_and_runs_nothing_of_it_when_it_wakes() {
     assert_eq!(t["stop_reason"], "terminated", "{t}");
     // A wakes with the reply its call was sent meanwhile, and is fenced out.
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT).unwrap();
-    wait_for("A sees it lost the task", Duration::from_secs(60), async || {
-        a.log().contains("another daemon holds these tasks now") && running_on(&a, "a").await == 0
-    })
+    wait_for(
+        "A sees it lost the task",
+        Duration::from_secs(60),
+        async || {
+            a.log().contains("another daemon holds these tasks now")
+                && running_on(&a, "a").await == 0
+        },
+    )
     .await;
     let ran = std::fs::read_to_string(&lines).unwrap();
     assert_eq!(ran, "ran\n", "the block ran more than once");
     let events = b.events(&id, 0).await;
-    let finished = events.iter().filter(|e| e["type"] == "task_finished").count();
+    let finished = events
+        .iter()
+        .filter(|e| e["type"] == "task_finished")
+        .count();
     let results = events.iter().filter(|e| e["type"] == "exec_result").count();
     assert_eq!((finished, results), (1, 1), "{events:#?}");
     assert_eq!(b.get(&format!("/v1/tasks/{id}")).await["state"], "finished");
@@ -275,7 +316,11 @@ async fn three_daemons_run_every_block_once_through_a_kill_9_and_a_database_outa
     }
     let mut ids = Vec::with_capacity(TASKS);
     for i in 0..TASKS {
-        ids.push(daemons[i % 3].submit(json!({"task": format!("line {i}")})).await);
+        ids.push(
+            daemons[i % 3]
+                .submit(json!({"task": format!("line {i}")}))
+                .await,
+        );
     }
     let finished = async |d: &Daemon| d.count("finished").await;
     wait_for("a fifth done", Duration::from_secs(120), async || {
@@ -285,10 +330,14 @@ async fn three_daemons_run_every_block_once_through_a_kill_9_and_a_database_outa
     // kill -9 of A mid-load, while every task it holds waits on the model (a block cut
     // off by a kill is not run again: `a_resumed_task_is_told_its_cut_off_block_is_not_run_again`).
     server.hold("a");
-    wait_for("A's tasks wait on the model", Duration::from_secs(60), async || {
-        let held = server.held("a") as u64;
-        held > 0 && held == running_on(&daemons[0], "a").await
-    })
+    wait_for(
+        "A's tasks wait on the model",
+        Duration::from_secs(60),
+        async || {
+            let held = server.held("a") as u64;
+            held > 0 && held == running_on(&daemons[0], "a").await
+        },
+    )
     .await;
     let held_by_a = server.held("a");
     daemons[0].kill9();
@@ -311,9 +360,11 @@ async fn three_daemons_run_every_block_once_through_a_kill_9_and_a_database_outa
     assert_eq!(body["error"]["code"], "store_unavailable", "{body}");
     tokio::time::sleep(Duration::from_secs(10).saturating_sub(stopped.elapsed())).await;
     tokio::task::block_in_place(|| pg.start_again(false));
-    wait_for("every task finished", Duration::from_secs(300), async || {
-        finished(&daemons[1]).await == TASKS as u64
-    })
+    wait_for(
+        "every task finished",
+        Duration::from_secs(300),
+        async || finished(&daemons[1]).await == TASKS as u64,
+    )
     .await;
     for id in &ids {
         let t = daemons[2].get(&format!("/v1/tasks/{id}")).await;
@@ -333,7 +384,8 @@ async fn three_daemons_run_every_block_once_through_a_kill_9_and_a_database_outa
     let log = daemons[1].log() + &daemons[2].log();
     assert!(!log.contains("panicked"), "{log}");
     assert!(
-        log.contains("the task database is unreachable") && log.contains("the task database is back"),
+        log.contains("the task database is unreachable")
+            && log.contains("the task database is back"),
         "{log}"
     );
     eprintln!(
@@ -346,7 +398,15 @@ async fn three_daemons_run_every_block_once_through_a_kill_9_and_a_database_outa
 async fn store_migrate_moves_a_daemons_tasks_into_postgres_where_another_daemon_serves_them() {
     let server = ScriptedOpenAi::start(
         (0..3)
-            .map(|i| (format!("old {i}"), vec![Reply::from(fence(&format!("print({i})")).as_str()), Reply::from("TERMINATE")]))
+            .map(|i| {
+                (
+                    format!("old {i}"),
+                    vec![
+                        Reply::from(fence(&format!("print({i})")).as_str()),
+                        Reply::from("TERMINATE"),
+                    ],
+                )
+            })
             .collect(),
     )
     .await
@@ -362,29 +422,56 @@ async fn store_migrate_moves_a_daemons_tasks_into_postgres_where_another_daemon_
     let url = Postgres::shared().new_database();
     // Refused while the daemon runs: it would go on writing the file.
     let (code, _, err) = old
-        .cli(&["store", "migrate", "--from", db.to_str().unwrap(), "--to", &url])
+        .cli(&[
+            "store",
+            "migrate",
+            "--from",
+            db.to_str().unwrap(),
+            "--to",
+            &url,
+        ])
         .await;
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("stop it before moving its tasks"), "{err}");
     old.terminate().await;
     let (code, out, err) = old
-        .cli(&["store", "migrate", "--from", db.to_str().unwrap(), "--to", &url])
+        .cli(&[
+            "store",
+            "migrate",
+            "--from",
+            db.to_str().unwrap(),
+            "--to",
+            &url,
+        ])
         .await;
     assert_eq!(code, 0, "{err}");
     assert!(out.starts_with("moved 3 tasks ("), "{out}");
     assert!(!out.contains(tandem_tests::postgres::PASSWORD), "{out}");
     // Again: nothing doubles.
     let (code, out, _) = old
-        .cli(&["store", "migrate", "--from", db.to_str().unwrap(), "--to", &url])
+        .cli(&[
+            "store",
+            "migrate",
+            "--from",
+            db.to_str().unwrap(),
+            "--to",
+            &url,
+        ])
         .await;
     assert_eq!(code, 0);
-    assert!(out.contains("moved 0 tasks") && out.contains("3 were there already"), "{out}");
+    assert!(
+        out.contains("moved 0 tasks") && out.contains("3 were there already"),
+        "{out}"
+    );
     let new = daemon(&server, "new", &url, 30.0, "").await;
     for id in &ids {
         let before = old_events(&db, id);
         let after = new.events(id, 0).await;
         assert_eq!(after.len(), before, "{id}");
-        assert_eq!(new.get(&format!("/v1/tasks/{id}")).await["stop_reason"], "terminated");
+        assert_eq!(
+            new.get(&format!("/v1/tasks/{id}")).await["stop_reason"],
+            "terminated"
+        );
     }
 }
 

@@ -2025,7 +2025,10 @@ async fn stores(tasks: usize, slots: usize) {
         bench_python().map(|p| format!("[executors.local]\npython = \"{}\"\n", p.display()));
     let start = |name: String, url: Option<String>, slots: usize| {
         let (bin, base_url) = (bin.clone(), server.base_url());
-        let config = format!("[store]\ndaemon = \"{name}\"\n{}", python.clone().unwrap_or_default());
+        let config = format!(
+            "[store]\ndaemon = \"{name}\"\n{}",
+            python.clone().unwrap_or_default()
+        );
         async move {
             let env: Vec<(&str, &str)> = url
                 .as_deref()
@@ -2041,21 +2044,30 @@ async fn stores(tasks: usize, slots: usize) {
             .await
         }
     };
-    println!("\n## Stores: {tasks} tasks (`print(1)`, then TERMINATE), {slots} slots per daemon, local executor");
+    println!(
+        "\n## Stores: {tasks} tasks (`print(1)`, then TERMINATE), {slots} slots per daemon, local executor"
+    );
     println!("\n| store | daemons | seconds | tasks/s | against one daemon on SQLite |");
     println!("|---|---|---|---|---|");
     let mut baseline = None;
-    for (store, daemons) in [("SQLite", 1), ("PostgreSQL", 1), ("PostgreSQL", 2), ("PostgreSQL", 3)] {
+    for (store, daemons) in [
+        ("SQLite", 1),
+        ("PostgreSQL", 1),
+        ("PostgreSQL", 2),
+        ("PostgreSQL", 3),
+    ] {
         let url = (store == "PostgreSQL").then(|| pg.new_database());
         let mut ds = Vec::new();
         for n in 0..daemons {
             ds.push(start(format!("d{n}"), url.clone(), slots).await);
         }
         let started = Instant::now();
-        futures::stream::iter((0..tasks).map(|i| submit(&ds[i % daemons], format!("store task {i}"))))
-            .buffer_unordered(SUBMITTERS)
-            .collect::<Vec<_>>()
-            .await;
+        futures::stream::iter(
+            (0..tasks).map(|i| submit(&ds[i % daemons], format!("store task {i}"))),
+        )
+        .buffer_unordered(SUBMITTERS)
+        .collect::<Vec<_>>()
+        .await;
         while ds[0].count("finished").await < tasks as u64 {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -2087,7 +2099,11 @@ async fn stores(tasks: usize, slots: usize) {
     println!("|---|---|---|");
     for (label, store, cross) in [
         ("SQLite, the daemon it was submitted to", "SQLite", false),
-        ("PostgreSQL, the daemon it was submitted to", "PostgreSQL", false),
+        (
+            "PostgreSQL, the daemon it was submitted to",
+            "PostgreSQL",
+            false,
+        ),
         ("PostgreSQL, another daemon (NOTIFY)", "PostgreSQL", true),
     ] {
         let url = (store == "PostgreSQL").then(|| pg.new_database());

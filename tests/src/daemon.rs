@@ -77,6 +77,22 @@ impl DaemonHarness {
         d
     }
 
+    /// Whether its tasks are in a shared store (PostgreSQL), where a restarted daemon resumes
+    /// the tasks it ran rather than leave them interrupted.
+    pub fn store_is_shared(&self) -> bool {
+        self.env.iter().any(|(k, _)| k == "TANDEM_STORE_URL")
+    }
+
+    /// After a restart: `tandem resume ID` when the task is interrupted (a daemon on its own
+    /// store leaves it so); on a shared store the daemon has resumed it itself.
+    pub async fn resume_after_restart(&self, id: &str) {
+        if self.store_is_shared() {
+            return;
+        }
+        let (code, _, err) = self.cli(&["resume", id]).await;
+        assert_eq!(code, 0, "{err}");
+    }
+
     /// The state dir (database, token, log).
     pub fn state_dir(&self) -> &Path {
         self.state.path()

@@ -91,7 +91,10 @@ impl Postgres {
     /// A new server of its own; `durable` keeps fsync on (benchmarks), else it is off.
     pub fn start(durable: bool) -> Self {
         let bin = bin_dir();
-        let dir = tempfile::Builder::new().prefix("tandem-pg").tempdir().unwrap();
+        let dir = tempfile::Builder::new()
+            .prefix("tandem-pg")
+            .tempdir()
+            .unwrap();
         chown_to_owner(dir.path());
         let pwfile = dir.path().join("pw");
         std::fs::write(&pwfile, PASSWORD).unwrap();
@@ -100,7 +103,12 @@ impl Postgres {
             let mut cmd = Command::new(bin.join("initdb"));
             cmd.arg("-D")
                 .arg(dir.path().join("data"))
-                .args(["-U", "postgres", "--auth-local=trust", "--auth-host=scram-sha-256"])
+                .args([
+                    "-U",
+                    "postgres",
+                    "--auth-local=trust",
+                    "--auth-host=scram-sha-256",
+                ])
                 .arg(format!("--pwfile={}", pwfile.display()))
                 .args(["-E", "UTF8", "--no-sync"])
                 .stdin(Stdio::null());
@@ -171,9 +179,21 @@ impl Postgres {
             .args(["-p", &self.port.to_string()])
             .arg("-k")
             .arg(self.dir.path())
-            .args(["-c", "listen_addresses=127.0.0.1", "-c", "max_connections=300"])
+            .args([
+                "-c",
+                "listen_addresses=127.0.0.1",
+                "-c",
+                "max_connections=300",
+            ])
             .args(["-c", if durable { "fsync=on" } else { "fsync=off" }])
-            .args(["-c", if durable { "synchronous_commit=on" } else { "synchronous_commit=off" }])
+            .args([
+                "-c",
+                if durable {
+                    "synchronous_commit=on"
+                } else {
+                    "synchronous_commit=off"
+                },
+            ])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log);
@@ -223,8 +243,25 @@ impl Postgres {
     /// Runs `sql` in database `db` with psql; its output.
     pub fn psql(&self, db: &str, sql: &str) -> String {
         let out = Command::new(self.bin.join("psql"))
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "postgres"])
-            .args(["-d", db, "-X", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-c", sql])
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                "postgres",
+            ])
+            .args([
+                "-d",
+                db,
+                "-X",
+                "-A",
+                "-t",
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-c",
+                sql,
+            ])
             .env("PGPASSWORD", PASSWORD)
             .output()
             .unwrap();

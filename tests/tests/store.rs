@@ -65,7 +65,11 @@ fn a_lapsed_lease_is_taken_over_and_the_old_holders_writes_are_fenced_out() {
         assert_eq!((a.record.id.as_str(), a.epoch), ("t", 1), "{engine}");
         // Held: nobody else gets it, and there is nothing else.
         assert!(store.claim("b", 60_000, 20).unwrap().is_none(), "{engine}");
-        assert_eq!(store.owner("t", 20).unwrap().as_deref(), Some("a"), "{engine}");
+        assert_eq!(
+            store.owner("t", 20).unwrap().as_deref(),
+            Some("a"),
+            "{engine}"
+        );
         // A's lease lapses (renewed for 1 ms), and B takes the task over.
         assert_eq!(
             store.renew("a", &[("t".into(), 1)], 1, 30).unwrap().lost,
@@ -79,7 +83,11 @@ fn a_lapsed_lease_is_taken_over_and_the_old_holders_writes_are_fenced_out() {
         let refused = store
             .apply(&[Change::Event("t".into(), turn(9), 101)], &fence(1))
             .unwrap();
-        assert_eq!((refused.events.len(), refused.fenced), (0, vec!["t".to_owned()]), "{engine}");
+        assert_eq!(
+            (refused.events.len(), refused.fenced),
+            (0, vec!["t".to_owned()]),
+            "{engine}"
+        );
         let kept = store
             .apply(&[Change::Event("t".into(), turn(2), 102)], &fence(2))
             .unwrap();
@@ -88,11 +96,32 @@ fn a_lapsed_lease_is_taken_over_and_the_old_holders_writes_are_fenced_out() {
         assert_eq!(events.len(), 1, "{engine}: {events:?}");
         assert_eq!(events[0].msg, turn(2), "{engine}");
         // A learns it lost the task when it renews; B keeps it.
-        assert_eq!(store.renew("a", &[("t".into(), 1)], 60_000, 103).unwrap().lost, ["t"], "{engine}");
-        assert!(store.renew("b", &[("t".into(), 2)], 60_000, 103).unwrap().lost.is_empty(), "{engine}");
+        assert_eq!(
+            store
+                .renew("a", &[("t".into(), 1)], 60_000, 103)
+                .unwrap()
+                .lost,
+            ["t"],
+            "{engine}"
+        );
+        assert!(
+            store
+                .renew("b", &[("t".into(), 2)], 60_000, 103)
+                .unwrap()
+                .lost
+                .is_empty(),
+            "{engine}"
+        );
         // A cancel asked anywhere reaches the holder at its next renewal.
         store.request_cancel("t").unwrap();
-        assert_eq!(store.renew("b", &[("t".into(), 2)], 60_000, 104).unwrap().cancel, ["t"], "{engine}");
+        assert_eq!(
+            store
+                .renew("b", &[("t".into(), 2)], 60_000, 104)
+                .unwrap()
+                .cancel,
+            ["t"],
+            "{engine}"
+        );
     }
 }
 
@@ -103,11 +132,23 @@ fn an_approval_is_decided_once_whoever_decides_first() {
         let first = store.decide("t", 1, &decided("user"), 5).unwrap();
         assert!(first.is_some(), "{engine}");
         // The timeout, or a person on another daemon, comes second: refused.
-        assert!(store.decide("t", 1, &decided("timeout"), 6).unwrap().is_none(), "{engine}");
+        assert!(
+            store
+                .decide("t", 1, &decided("timeout"), 6)
+                .unwrap()
+                .is_none(),
+            "{engine}"
+        );
         let stored: Vec<_> = store.events_after("t", 0).unwrap();
         assert_eq!(stored.len(), 1, "{engine}");
         assert_eq!(stored[0].msg, decided("user"), "{engine}");
-        assert!(store.decide("nope", 1, &decided("user"), 6).unwrap().is_none(), "{engine}");
+        assert!(
+            store
+                .decide("nope", 1, &decided("user"), 6)
+                .unwrap()
+                .is_none(),
+            "{engine}"
+        );
     }
 }
 
@@ -145,7 +186,9 @@ fn daemons_on_one_database_claim_each_queued_task_exactly_once() {
     // Every daemon got some: the queue is shared, not drained by the first.
     for d in 0..3 {
         assert!(
-            claimed.values().any(|by| by[0].starts_with(&format!("d{d}"))),
+            claimed
+                .values()
+                .any(|by| by[0].starts_with(&format!("d{d}"))),
             "daemon {d} claimed nothing"
         );
     }
@@ -158,9 +201,12 @@ fn another_daemon_hears_of_events_queued_tasks_and_cancels() {
     let b = PgStore::open(&url, "the test's URL").unwrap();
     let (told, heard) = std::sync::mpsc::channel();
     let told = Mutex::new(told);
-    b.notices("b", Box::new(move |n| {
-        let _ = told.lock().unwrap().send(n);
-    }))
+    b.notices(
+        "b",
+        Box::new(move |n| {
+            let _ = told.lock().unwrap().send(n);
+        }),
+    )
     .unwrap();
     a.notices("a", Box::new(|_| {})).unwrap();
     // The listener connects in the background; a notice sent before it listens is missed.
@@ -171,7 +217,11 @@ fn another_daemon_hears_of_events_queued_tasks_and_cancels() {
     a.request_cancel("t").unwrap();
     let mut got = Vec::new();
     while got.len() < 3 {
-        got.push(heard.recv_timeout(Duration::from_secs(30)).expect("a notice"));
+        got.push(
+            heard
+                .recv_timeout(Duration::from_secs(30))
+                .expect("a notice"),
+        );
     }
     assert_eq!(
         got,
@@ -188,7 +238,10 @@ fn a_wrong_password_port_or_url_at_start_names_the_setting_and_the_fix() {
     let pg = Postgres::shared();
     let url = pg.new_database();
     let wrong_password = url.replace(tandem_tests::postgres::PASSWORD, "not-the-password");
-    let err = PgStore::open(&wrong_password, "[store] url").err().unwrap().to_string();
+    let err = PgStore::open(&wrong_password, "[store] url")
+        .err()
+        .unwrap()
+        .to_string();
     assert!(
         err.contains("refused the login")
             && err.contains("check the user and password")
@@ -211,11 +264,24 @@ fn a_wrong_password_port_or_url_at_start_names_the_setting_and_the_fix() {
         text.contains("cannot reach the database") && text.contains("check TANDEM_STORE_URL"),
         "{text}"
     );
-    let err = PgStore::open("postgres://[bad", "--store").err().unwrap().to_string();
+    let err = PgStore::open("postgres://[bad", "--store")
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("--store is not a PostgreSQL URL"), "{err}");
-    let missing = format!("postgres://postgres:{}@127.0.0.1:{}/no_such_db", tandem_tests::postgres::PASSWORD, pg.port());
-    let err = PgStore::open(&missing, "--store").err().unwrap().to_string();
-    assert!(err.contains("does not exist") && err.contains("createdb"), "{err}");
+    let missing = format!(
+        "postgres://postgres:{}@127.0.0.1:{}/no_such_db",
+        tandem_tests::postgres::PASSWORD,
+        pg.port()
+    );
+    let err = PgStore::open(&missing, "--store")
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("does not exist") && err.contains("createdb"),
+        "{err}"
+    );
 }
 
 #[test]

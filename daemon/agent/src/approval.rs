@@ -413,7 +413,9 @@ impl ApprovalGate {
         at: &BlockAt<'_>,
         recheck: &(dyn Fn(&str) -> Verdict + Sync),
     ) -> Option<Result<String, String>> {
-        let settled = self.verdict_of(verdict, language, code, what, at, recheck).await;
+        let settled = self
+            .verdict_of(verdict, language, code, what, at, recheck)
+            .await;
         if let (Some(Ok(_)), Some(guard)) = (&settled, &self.guard)
             && !guard().await
         {

@@ -113,6 +113,10 @@ pub struct TaskView {
     /// The approval a block waits for, while the task is not finished.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending_approval: Option<ApprovalRequest>,
+    /// The daemon that runs it now, by its name on the task store (while it runs or waits
+    /// for an approval).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub daemon: Option<String>,
 }
 
 /// `GET /v1/tasks`: tasks, and with `limit`, where the next page starts.

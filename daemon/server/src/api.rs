@@ -82,12 +82,14 @@ impl From<TaskError> for ApiError {
             }
             TaskError::Conflict(_) => (StatusCode::CONFLICT, ApiErrorCode::Conflict),
             TaskError::NotAllowed(_) => (StatusCode::BAD_REQUEST, ApiErrorCode::NotAllowed),
-            TaskError::Unavailable(crate::error::Unavailable::Store) => {
-                (StatusCode::SERVICE_UNAVAILABLE, ApiErrorCode::StoreUnavailable)
-            }
-            TaskError::Store(e) if e.unreachable() => {
-                (StatusCode::SERVICE_UNAVAILABLE, ApiErrorCode::StoreUnavailable)
-            }
+            TaskError::Unavailable(crate::error::Unavailable::Store) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                ApiErrorCode::StoreUnavailable,
+            ),
+            TaskError::Store(e) if e.unreachable() => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                ApiErrorCode::StoreUnavailable,
+            ),
             TaskError::Unavailable(_) => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 ApiErrorCode::ExecutorUnavailable,
@@ -652,10 +654,18 @@ async fn get_task(
                     .map(|r| r.asked)
             })
             .flatten();
+        let daemon = matches!(
+            record.state,
+            TaskState::Running | TaskState::AwaitingApproval
+        )
+        .then(|| sup.store().owner(&record.id, crate::now_ms()))
+        .transpose()?
+        .flatten();
         Ok(Json(TaskView {
             transcript: sup.transcript(&record, &events),
             record,
             pending_approval,
+            daemon,
         }))
     })
     .await

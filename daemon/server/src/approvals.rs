@@ -124,7 +124,13 @@ impl Approvals {
 
     /// Stores decision `ruling` of approval `n` of task `id` unless one is stored already
     /// (decided on another daemon, or by the timeout); whether this one was.
-    fn store_decision(&self, id: &str, n: u32, at: (u32, u32), ruling: &Ruling) -> Result<bool, TaskError> {
+    fn store_decision(
+        &self,
+        id: &str,
+        n: u32,
+        at: (u32, u32),
+        ruling: &Ruling,
+    ) -> Result<bool, TaskError> {
         let msg = ruling.decided(at.0, at.1, n);
         match self.store.decide(id, n, &msg, crate::writer::now_ms())? {
             Some(event) => {
@@ -282,10 +288,16 @@ impl Approvals {
                         slots.insert(key, Slot::Waiting(tx));
                     }
                     let stored = requested(&self.store.events_after(id, 0)?);
-                    return Err(match stored.iter().find(|r| r.n == n).and_then(|r| r.ruling.as_ref()) {
-                        Some(r) => already(r),
-                        None => Conflict::NothingToApprove(id.to_owned()).into(),
-                    });
+                    return Err(
+                        match stored
+                            .iter()
+                            .find(|r| r.n == n)
+                            .and_then(|r| r.ruling.as_ref())
+                        {
+                            Some(r) => already(r),
+                            None => Conflict::NothingToApprove(id.to_owned()).into(),
+                        },
+                    );
                 }
                 Err(e) => {
                     if let Some(tx) = waiting {

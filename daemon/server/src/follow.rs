@@ -12,6 +12,9 @@ use tokio::sync::broadcast;
 use crate::store::TaskState;
 use crate::supervisor::Supervisor;
 
+/// How long a follower waits on a quiet live feed before it reads the store itself.
+const QUIET: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// The live feed of every task's events, as [`Supervisor::subscribe`] gives it.
 pub type Live = broadcast::Receiver<Arc<(String, Event)>>;
 
@@ -83,6 +86,18 @@ impl Follower {
                     // Every event is stored before the daemon closes: the rest is there.
                     self.live = None;
                     self.catch_up().await?;
+                    continue;
+                }
+                // Another daemon's events arrive through the store's notices, which a lost
+                // connection can miss: a quiet feed looks at the store now and then.
+                () = tokio::time::sleep(QUIET) => {
+                    self.catch_up().await?;
+                    if self.pending.is_empty() && self.is_finished().await {
+                        self.catch_up().await?;
+                        if self.pending.is_empty() {
+                            self.live = None;
+                        }
+                    }
                     continue;
                 }
             };

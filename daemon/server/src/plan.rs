@@ -577,7 +577,9 @@ impl Planned {
         let mut settings = self.settings;
         // A guard needs a gate to stand in: an open one lets every block through to it.
         let gate = match (self.gate, &guard) {
-            (None, Some(_)) => ApprovalGate::new(&tandem_protocol::ApprovalPolicy::default(), None).ok(),
+            (None, Some(_)) => {
+                ApprovalGate::new(&tandem_protocol::ApprovalPolicy::default(), None).ok()
+            }
             (gate, _) => gate,
         };
         settings.approval = gate.map(|gate| {

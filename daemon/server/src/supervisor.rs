@@ -242,10 +242,7 @@ impl Supervisor {
             };
             let (daemon, lease) = (self.daemon.clone(), self.lease);
             let claimed = self
-                .off_thread(move |sup| {
-                    sup.store
-                        .claim(&daemon, lease.as_millis() as u64, now_ms())
-                })
+                .off_thread(move |sup| sup.store.claim(&daemon, lease.as_millis() as u64, now_ms()))
                 .await;
             let pause = match claimed {
                 Ok(Ok(Some(task))) => {
@@ -316,7 +313,9 @@ impl Supervisor {
                         self.cancel_here(&id);
                     }
                 }
-                Ok(Err(e)) => tracing::warn!(error = %e, "cannot renew the leases of running tasks"),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "cannot renew the leases of running tasks")
+                }
                 Err(_) => {}
             }
         }
@@ -339,7 +338,11 @@ impl Supervisor {
                 let this = self.clone();
                 self.runtime.spawn(async move {
                     let read = this
-                        .off_thread(move |sup| sup.store.events_after(&id, first.saturating_sub(1)).map(|e| (id, e)))
+                        .off_thread(move |sup| {
+                            sup.store
+                                .events_after(&id, first.saturating_sub(1))
+                                .map(|e| (id, e))
+                        })
                         .await;
                     if let Ok(Ok((id, events))) = read {
                         for e in events {
@@ -356,7 +359,12 @@ impl Supervisor {
 
     /// Cancels task `id` if it runs here; whether it did.
     fn cancel_here(&self, id: &str) -> bool {
-        match self.held.lock().ok().and_then(|h| h.get(id).map(|r| r.token.clone())) {
+        match self
+            .held
+            .lock()
+            .ok()
+            .and_then(|h| h.get(id).map(|r| r.token.clone()))
+        {
             Some(token) => {
                 token.cancel();
                 true
@@ -755,7 +763,9 @@ impl Supervisor {
             }
             this.record(&task_id, msg);
         });
-        planned.run(approver, Some(self.guard(id)), sink, token).await;
+        planned
+            .run(approver, Some(self.guard(id)), sink, token)
+            .await;
     }
 
     /// Queues an event for the writer, which commits it and only then sends it to live

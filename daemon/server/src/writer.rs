@@ -566,8 +566,13 @@ mod tests {
             .unwrap();
         tx.send(Write::Event("a".into(), delta(1, "kept"), 3, None))
             .unwrap();
-        tx.send(Write::Event("ghost".into(), delta(1, "no such task"), 3, None))
-            .unwrap();
+        tx.send(Write::Event(
+            "ghost".into(),
+            delta(1, "no such task"),
+            3,
+            None,
+        ))
+        .unwrap();
         tx.send(Write::Event(
             "a".into(),
             EventMsg::TurnStarted {

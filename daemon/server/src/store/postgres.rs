@@ -140,7 +140,9 @@ impl PgStore {
             runtime: Some(runtime),
             daemon: std::sync::OnceLock::new(),
         };
-        store.block(store.migrate()).map_err(|e| store.at_start(e, setting))?;
+        store
+            .block(store.migrate())
+            .map_err(|e| store.at_start(e, setting))?;
         Ok(store)
     }
 
@@ -236,7 +238,11 @@ impl PgStore {
         tx.commit().await.map_err(|e| self.err(e))
     }
 
-    async fn records(&self, sql: &str, params: &[&(dyn tokio_postgres::types::ToSql + Sync)]) -> Result<Vec<TaskRecord>> {
+    async fn records(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<Vec<TaskRecord>> {
         let client = self.client().await?;
         let rows = client.query(sql, params).await.map_err(|e| self.err(e))?;
         rows.iter().map(decode).collect()
@@ -256,7 +262,12 @@ impl PgStore {
             .collect()
     }
 
-    async fn apply_async(&self, changes: &[Change], fences: &Fences, daemon: &str) -> Result<Applied> {
+    async fn apply_async(
+        &self,
+        changes: &[Change],
+        fences: &Fences,
+        daemon: &str,
+    ) -> Result<Applied> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(|e| self.err(e))?;
         let created: Vec<&str> = changes
@@ -311,7 +322,9 @@ impl PgStore {
             }
             match change {
                 Change::Create(id, spec, now_ms) => {
-                    create(&tx, id, spec, *now_ms).await.map_err(|e| self.err(e))?;
+                    create(&tx, id, spec, *now_ms)
+                        .await
+                        .map_err(|e| self.err(e))?;
                     last.insert(id.clone(), 0);
                     queued = true;
                 }
@@ -332,7 +345,9 @@ impl PgStore {
                     if !first.iter().any(|(t, _)| t == id) {
                         first.push((id.clone(), seq));
                     }
-                    task_update(&tx, id, msg, *now_ms).await.map_err(|e| self.err(e))?;
+                    task_update(&tx, id, msg, *now_ms)
+                        .await
+                        .map_err(|e| self.err(e))?;
                     ev_task.push(id.clone());
                     ev_seq.push(seq);
                     ev_at.push(*now_ms as i64);
@@ -368,7 +383,12 @@ impl PgStore {
         })
     }
 
-    async fn claim_async(&self, daemon: &str, lease_ms: u64, now_ms: u64) -> Result<Option<Claimed>> {
+    async fn claim_async(
+        &self,
+        daemon: &str,
+        lease_ms: u64,
+        now_ms: u64,
+    ) -> Result<Option<Claimed>> {
         let client = self.client().await?;
         // A lapsed lease first (its task has waited longest), then the oldest queued task;
         // each one statement, so a task is claimed whole or not at all, by one daemon.
@@ -424,7 +444,14 @@ impl PgStore {
         }))
     }
 
-    async fn decide_async(&self, id: &str, n: u32, msg: &EventMsg, now_ms: u64, daemon: &str) -> Result<Option<Event>> {
+    async fn decide_async(
+        &self,
+        id: &str,
+        n: u32,
+        msg: &EventMsg,
+        now_ms: u64,
+        daemon: &str,
+    ) -> Result<Option<Event>> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(|e| self.err(e))?;
         let state: Option<String> = tx
@@ -470,7 +497,12 @@ impl PgStore {
 
     /// Listens for the other daemons' notices until the store is dropped, reconnecting with
     /// backoff when the connection is lost.
-    async fn listen(config: tokio_postgres::Config, shown: String, daemon: String, sink: NoticeSink) {
+    async fn listen(
+        config: tokio_postgres::Config,
+        shown: String,
+        daemon: String,
+        sink: NoticeSink,
+    ) {
         let mut backoff = Duration::from_millis(100);
         let mut connected_before = false;
         loop {
@@ -478,7 +510,8 @@ impl PgStore {
                 Ok((client, mut connection)) => {
                     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
                     let driver = tokio::spawn(async move {
-                        let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+                        let mut messages =
+                            futures::stream::poll_fn(move |cx| connection.poll_message(cx));
                         while let Some(message) = messages.next().await {
                             match message {
                                 Ok(AsyncMessage::Notification(n)) => {
@@ -491,7 +524,11 @@ impl PgStore {
                             }
                         }
                     });
-                    if client.batch_execute(&format!("LISTEN {CHANNEL}")).await.is_ok() {
+                    if client
+                        .batch_execute(&format!("LISTEN {CHANNEL}"))
+                        .await
+                        .is_ok()
+                    {
                         backoff = Duration::from_millis(100);
                         if connected_before {
                             sink(Notice::Reconnected);
@@ -567,7 +604,8 @@ impl TaskStore for PgStore {
              ORDER BY queue_order DESC LIMIT $3"
         );
         let state = state.map(TaskState::as_str);
-        let mut tasks = self.block(self.records(&sql, &[&state, &before, &limit.saturating_add(1)]))?;
+        let mut tasks =
+            self.block(self.records(&sql, &[&state, &before, &limit.saturating_add(1)]))?;
         let more = tasks.len() as i64 > limit;
         tasks.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
         let next = more.then(|| tasks.last().map(|t| t.id.clone())).flatten();
@@ -676,10 +714,15 @@ impl TaskStore for PgStore {
         self.block(async {
             let mut client = self.client().await?;
             let tx = client.transaction().await.map_err(|e| self.err(e))?;
-            tx.execute("UPDATE tasks SET cancel_requested = TRUE WHERE id = $1", &[&id])
+            tx.execute(
+                "UPDATE tasks SET cancel_requested = TRUE WHERE id = $1",
+                &[&id],
+            )
+            .await
+            .map_err(|e| self.err(e))?;
+            notify(&tx, &format!("c {id}"))
                 .await
                 .map_err(|e| self.err(e))?;
-            notify(&tx, &format!("c {id}")).await.map_err(|e| self.err(e))?;
             tx.commit().await.map_err(|e| self.err(e))
         })
     }
@@ -897,7 +940,11 @@ fn parse_notice(payload: &str, me: &str) -> Vec<Notice> {
     let mut words = payload.split(' ');
     match words.next() {
         Some("q") => vec![Notice::Queued],
-        Some("c") => words.next().map(|id| Notice::Cancel(id.to_owned())).into_iter().collect(),
+        Some("c") => words
+            .next()
+            .map(|id| Notice::Cancel(id.to_owned()))
+            .into_iter()
+            .collect(),
         Some("e") => {
             let from = words.next().unwrap_or_default();
             if from == me && !me.is_empty() {
@@ -905,7 +952,13 @@ fn parse_notice(payload: &str, me: &str) -> Vec<Notice> {
             }
             words
                 .filter_map(|w| w.rsplit_once(':'))
-                .filter_map(|(id, seq)| Some(Notice::Events(from.to_owned(), id.to_owned(), seq.parse().ok()?)))
+                .filter_map(|(id, seq)| {
+                    Some(Notice::Events(
+                        from.to_owned(),
+                        id.to_owned(),
+                        seq.parse().ok()?,
+                    ))
+                })
                 .collect()
         }
         _ => Vec::new(),
@@ -954,7 +1007,10 @@ fn shown(config: &tokio_postgres::Config) -> String {
     format!(
         "postgres://{}@{host}:{port}/{}",
         config.get_user().unwrap_or("(user)"),
-        config.get_dbname().or(config.get_user()).unwrap_or("(database)")
+        config
+            .get_dbname()
+            .or(config.get_user())
+            .unwrap_or("(database)")
     )
 }
 
@@ -962,7 +1018,8 @@ fn shown(config: &tokio_postgres::Config) -> String {
 fn pg_error(shown: &str, e: &tokio_postgres::Error) -> StoreError {
     let Some(db) = e.as_db_error() else {
         // No answer from the server: it is down, restarting, or the network is cut.
-        let cause = std::error::Error::source(e).map_or_else(|| e.to_string(), |s| format!("{e}: {s}"));
+        let cause =
+            std::error::Error::source(e).map_or_else(|| e.to_string(), |s| format!("{e}: {s}"));
         return StoreError::Postgres {
             url: shown.to_owned(),
             message: format!("cannot reach the database ({cause})"),
@@ -975,7 +1032,10 @@ fn pg_error(shown: &str, e: &tokio_postgres::Error) -> StoreError {
             "the database refused the login ({}); check the user and password",
             db.message()
         ),
-        "3D000" => format!("{}; create it (createdb) or name another database", db.message()),
+        "3D000" => format!(
+            "{}; create it (createdb) or name another database",
+            db.message()
+        ),
         _ => db.message().to_owned(),
     };
     StoreError::Postgres {
@@ -1019,7 +1079,9 @@ mod tests {
 
     #[test]
     fn the_url_shown_hides_the_password() {
-        let config: tokio_postgres::Config = "postgres://tandem:s3cret@db.example:6543/tasks".parse().unwrap();
+        let config: tokio_postgres::Config = "postgres://tandem:s3cret@db.example:6543/tasks"
+            .parse()
+            .unwrap();
         let shown = shown(&config);
         assert_eq!(shown, "postgres://tandem@db.example:6543/tasks");
     }
