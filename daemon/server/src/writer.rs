@@ -76,12 +76,15 @@ struct Held {
     since: Instant,
 }
 
+/// Told the tasks whose writes were fenced out.
+pub(crate) type OnFenced = Box<dyn Fn(&[String]) + Send>;
+
 /// Where the writer tells what it stored and what it could not.
 pub(crate) struct Outlet {
     /// Live subscribers, sent the events once stored.
     pub(crate) live: broadcast::Sender<Arc<(String, Event)>>,
     /// Told the tasks whose writes were fenced out: their lease is another daemon's.
-    pub(crate) fenced: Box<dyn Fn(&[String]) + Send>,
+    pub(crate) fenced: OnFenced,
     /// Whether the database is unreachable now (the writer is retrying).
     pub(crate) down: Arc<std::sync::atomic::AtomicBool>,
 }
