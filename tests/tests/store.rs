@@ -61,10 +61,13 @@ fn engines() -> Vec<(&'static str, Arc<dyn TaskStore>, Option<tempfile::TempDir>
 fn a_lapsed_lease_is_taken_over_and_the_old_holders_writes_are_fenced_out() {
     for (engine, store, _dir) in engines() {
         create(store.as_ref(), &["t".to_owned()]);
-        let a = store.claim("a", 60_000, 10).unwrap().unwrap();
+        let a = store.claim("a", 60_000, 10, &[]).unwrap().unwrap();
         assert_eq!((a.record.id.as_str(), a.epoch), ("t", 1), "{engine}");
         // Held: nobody else gets it, and there is nothing else.
-        assert!(store.claim("b", 60_000, 20).unwrap().is_none(), "{engine}");
+        assert!(
+            store.claim("b", 60_000, 20, &[]).unwrap().is_none(),
+            "{engine}"
+        );
         assert_eq!(
             store.owner("t", 20).unwrap().as_deref(),
             Some("a"),
@@ -76,7 +79,10 @@ fn a_lapsed_lease_is_taken_over_and_the_old_holders_writes_are_fenced_out() {
             Vec::<String>::new()
         );
         std::thread::sleep(Duration::from_millis(20));
-        let b = store.claim("b", 60_000, 100).unwrap().unwrap();
+        // A still runs it: A does not claim it again (it renews), whoever else may.
+        let again = store.claim("a", 60_000, 100, &["t".to_owned()]).unwrap();
+        assert!(again.is_none(), "{engine}");
+        let b = store.claim("b", 60_000, 100, &[]).unwrap().unwrap();
         assert_eq!((b.record.id.as_str(), b.epoch), ("t", 2), "{engine}");
         // A wakes: its writes under epoch 1 are refused, B's under epoch 2 are stored.
         let fence = |e| Fences::from([("t".to_owned(), e)]);
@@ -167,7 +173,7 @@ fn daemons_on_one_database_claim_each_queued_task_exactly_once() {
                 let (store, claimed) = (store.clone(), claimed.clone());
                 s.spawn(move || {
                     let me = format!("d{d}w{worker}");
-                    while let Some(task) = store.claim(&me, 60_000, 1).unwrap() {
+                    while let Some(task) = store.claim(&me, 60_000, 1, &[]).unwrap() {
                         claimed
                             .lock()
                             .unwrap()

@@ -394,8 +394,15 @@ impl TaskApprover {
             slots.insert(key.clone(), Slot::Waiting(tx));
         }
         // Decided on another daemon before this one waited for it (it resumed meanwhile).
-        self.approvals.writer.flush();
-        if let Some(ruling) = self.approvals.stored_ruling(&self.id, request.n) {
+        let (approvals, id, n) = (self.approvals.clone(), self.id.clone(), request.n);
+        let stored = tokio::task::spawn_blocking(move || {
+            approvals.writer.flush();
+            approvals.stored_ruling(&id, n)
+        })
+        .await
+        .ok()
+        .flatten();
+        if let Some(ruling) = stored {
             if let Ok(mut slots) = self.approvals.slots.lock() {
                 slots.insert(key, Slot::Decided(ruling.clone()));
             }

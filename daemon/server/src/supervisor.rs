@@ -100,7 +100,9 @@ impl Supervisor {
             live: live.clone(),
             fenced: Box::new({
                 let (held, lost) = (held.clone(), lost.clone());
-                move |ids: &[String]| lose(&held, &lost, ids)
+                move |ids: &[(String, u64)]| {
+                    lose(&held, &lost, ids);
+                }
             }),
             down: store_down.clone(),
         };
@@ -241,8 +243,16 @@ impl Supervisor {
                 return;
             };
             let (daemon, lease) = (self.daemon.clone(), self.lease);
+            let running: Vec<String> = self
+                .held
+                .lock()
+                .map(|h| h.keys().cloned().collect())
+                .unwrap_or_default();
             let claimed = self
-                .off_thread(move |sup| sup.store.claim(&daemon, lease.as_millis() as u64, now_ms()))
+                .off_thread(move |sup| {
+                    let lease = lease.as_millis() as u64;
+                    sup.store.claim(&daemon, lease, now_ms(), &running)
+                })
                 .await;
             let pause = match claimed {
                 Ok(Ok(Some(task))) => {
@@ -283,7 +293,7 @@ impl Supervisor {
             if held.is_empty() {
                 continue;
             }
-            let (daemon, lease) = (self.daemon.clone(), self.lease);
+            let (daemon, lease, asked) = (self.daemon.clone(), self.lease, held.clone());
             let renewed = self
                 .off_thread(move |sup| {
                     sup.store
@@ -292,22 +302,13 @@ impl Supervisor {
                 .await;
             match renewed {
                 Ok(Ok(renewed)) => {
-                    // A task that ended meanwhile is no longer leased: nothing is lost.
-                    let running: Vec<String> = self
-                        .leases
-                        .lock()
-                        .map(|l| {
-                            renewed
-                                .lost
-                                .iter()
-                                .filter(|id| l.contains_key(*id))
-                                .cloned()
-                                .collect()
-                        })
-                        .unwrap_or_default();
-                    if !running.is_empty() {
-                        tracing::warn!(tasks = ?running, "leases lost to another daemon; those tasks stop here");
-                        lose(&self.held, &self.lost, &running);
+                    let lost: Vec<(String, u64)> = asked
+                        .into_iter()
+                        .filter(|(id, _)| renewed.lost.contains(id))
+                        .collect();
+                    // A task that ended meanwhile is no longer leased: `lose` passes it by.
+                    if lose(&self.held, &self.lost, &lost) {
+                        tracing::warn!(tasks = ?lost, "leases lost to another daemon; those tasks stop here");
                     }
                     for id in renewed.cancel {
                         self.cancel_here(&id);
@@ -611,6 +612,7 @@ impl Supervisor {
             let running = Running {
                 token: token.clone(),
                 in_block: in_block.clone(),
+                epoch,
             };
             held.insert(id.clone(), running);
         }
@@ -814,24 +816,35 @@ struct Running {
     token: CancellationToken,
     /// Whether one of its blocks runs now.
     in_block: Arc<AtomicBool>,
+    /// The epoch of the lease it runs under.
+    epoch: u64,
 }
 
-/// Marks `ids` as taken by another daemon and stops them here: at once, or when the block
-/// running now ends (the daemon that took the task does not run it again, so it must not be
-/// cut short). Either way no further block starts: the guard sees them lost.
-fn lose(held: &Mutex<HashMap<String, Running>>, lost: &Mutex<HashSet<String>>, ids: &[String]) {
-    if let Ok(mut lost) = lost.lock() {
-        lost.extend(ids.iter().cloned());
-    }
-    if let Ok(held) = held.lock() {
-        for id in ids {
-            if let Some(r) = held.get(id)
-                && !r.in_block.load(Ordering::SeqCst)
-            {
-                r.token.cancel();
-            }
+/// Marks the tasks of `ids` (each with the epoch its daemon lost) as taken by another daemon
+/// and stops them here: at once, or when the block running now ends (the daemon that took
+/// the task does not run it again, so it must not be cut short). Either way no further block
+/// starts: the guard sees them lost. A task this daemon has claimed again since, under a
+/// newer epoch, is left alone. Whether any was running here.
+fn lose(
+    held: &Mutex<HashMap<String, Running>>,
+    lost: &Mutex<HashSet<String>>,
+    ids: &[(String, u64)],
+) -> bool {
+    let (Ok(held), Ok(mut lost)) = (held.lock(), lost.lock()) else {
+        return false;
+    };
+    let mut any = false;
+    for (id, epoch) in ids {
+        let Some(r) = held.get(id).filter(|r| r.epoch == *epoch) else {
+            continue;
+        };
+        any = true;
+        lost.insert(id.clone());
+        if !r.in_block.load(Ordering::SeqCst) {
+            r.token.cancel();
         }
     }
+    any
 }
 
 /// Longest a submit waits for its task to be committed.

@@ -77,13 +77,14 @@ struct Held {
 }
 
 /// Told the tasks whose writes were fenced out.
-pub(crate) type OnFenced = Box<dyn Fn(&[String]) + Send>;
+pub(crate) type OnFenced = Box<dyn Fn(&[(String, u64)]) + Send>;
 
 /// Where the writer tells what it stored and what it could not.
 pub(crate) struct Outlet {
     /// Live subscribers, sent the events once stored.
     pub(crate) live: broadcast::Sender<Arc<(String, Event)>>,
-    /// Told the tasks whose writes were fenced out: their lease is another daemon's.
+    /// Told the tasks whose writes were fenced out, with the epoch they carried: their lease
+    /// is another daemon's.
     pub(crate) fenced: OnFenced,
     /// Whether the database is unreachable now (the writer is retrying).
     pub(crate) down: Arc<std::sync::atomic::AtomicBool>,
@@ -269,7 +270,12 @@ impl Batch {
         };
         if !applied.fenced.is_empty() {
             tracing::warn!(tasks = ?applied.fenced, "another daemon holds these tasks now; their writes from here were refused");
-            (out.fenced)(&applied.fenced);
+            let fenced: Vec<(String, u64)> = applied
+                .fenced
+                .iter()
+                .filter_map(|id| Some((id.clone(), *self.fences.get(id)?)))
+                .collect();
+            (out.fenced)(&fenced);
         }
         for item in applied.events {
             let _ = out.live.send(Arc::new(item));

@@ -194,7 +194,15 @@ pub trait TaskStore: Send + Sync {
     fn files_removed(&self, id: &str, at_ms: u64) -> Result<()>;
     /// Claims the next task for `daemon` for `lease_ms`: the oldest queued one, or one whose
     /// daemon's lease ran out (it died, or was cut off); it is running under a new epoch.
-    fn claim(&self, daemon: &str, lease_ms: u64, now_ms: u64) -> Result<Option<Claimed>>;
+    /// Tasks in `running` (the daemon's own, whose lease lapsed while it still runs them: it
+    /// renews them instead) are left out.
+    fn claim(
+        &self,
+        daemon: &str,
+        lease_ms: u64,
+        now_ms: u64,
+        running: &[String],
+    ) -> Result<Option<Claimed>>;
     /// Extends `daemon`'s leases of `held` (task, epoch) by `lease_ms`.
     fn renew(
         &self,

@@ -388,6 +388,7 @@ impl PgStore {
         daemon: &str,
         lease_ms: u64,
         now_ms: u64,
+        running: &[String],
     ) -> Result<Option<Claimed>> {
         let client = self.client().await?;
         // A lapsed lease first (its task has waited longest), then the oldest queued task;
@@ -396,6 +397,7 @@ impl PgStore {
             "WITH next AS (
                 SELECT id FROM tasks
                 WHERE state IN ('running', 'awaiting_approval') AND lease_until_ms < {NOW_MS}
+                  AND id <> ALL($3)
                 ORDER BY lease_until_ms LIMIT 1 FOR UPDATE SKIP LOCKED)
              UPDATE tasks t SET state = 'running', owner = $1, epoch = t.epoch + 1,
                 lease_until_ms = {NOW_MS} + $2
@@ -413,7 +415,7 @@ impl PgStore {
         );
         let lease = lease_ms as i64;
         let mut row = client
-            .query_opt(&lapsed, &[&daemon, &lease])
+            .query_opt(&lapsed, &[&daemon, &lease, &running])
             .await
             .map_err(|e| self.err(e))?;
         if row.is_none() {
@@ -674,8 +676,14 @@ impl TaskStore for PgStore {
             Ok(())
         })
     }
-    fn claim(&self, daemon: &str, lease_ms: u64, now_ms: u64) -> Result<Option<Claimed>> {
-        self.block(self.claim_async(daemon, lease_ms, now_ms))
+    fn claim(
+        &self,
+        daemon: &str,
+        lease_ms: u64,
+        now_ms: u64,
+        running: &[String],
+    ) -> Result<Option<Claimed>> {
+        self.block(self.claim_async(daemon, lease_ms, now_ms, running))
     }
     fn renew(
         &self,

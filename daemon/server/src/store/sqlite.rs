@@ -103,20 +103,27 @@ impl TaskStore for Store {
             .map(drop)
         })
     }
-    fn claim(&self, daemon: &str, lease_ms: u64, now_ms: u64) -> Result<Option<Claimed>> {
+    fn claim(
+        &self,
+        daemon: &str,
+        lease_ms: u64,
+        now_ms: u64,
+        running: &[String],
+    ) -> Result<Option<Claimed>> {
         let claimed = self.with_db(|db| {
             db.transaction(|db| {
                 let now = now_ms as i64;
                 // A lapsed lease first: its task has waited longest.
-                let next: Option<(String, String)> = db
-                    .conn
-                    .prepare_cached(
-                        "SELECT id, state FROM tasks
-                         WHERE (state IN ('running', 'awaiting_approval') AND lease_until_ms < ?1)
-                         ORDER BY queue_order LIMIT 1",
-                    )?
-                    .query_row([now], |r| Ok((r.get(0)?, r.get(1)?)))
-                    .optional()?;
+                let mut lapsed = db.conn.prepare_cached(
+                    "SELECT id, state FROM tasks
+                     WHERE (state IN ('running', 'awaiting_approval') AND lease_until_ms < ?1)
+                     ORDER BY queue_order",
+                )?;
+                let next: Option<(String, String)> = lapsed
+                    .query_map([now], |r| Ok((r.get(0)?, r.get(1)?)))?
+                    .filter_map(std::result::Result::ok)
+                    .find(|(id, _): &(String, String)| !running.contains(id));
+                drop(lapsed);
                 let next = match next {
                     Some(found) => Some(found),
                     None => db
