@@ -375,8 +375,9 @@ fn open_store(
             tracing::info!(store = store.shown(), daemon = %daemon, "tasks are kept in PostgreSQL");
             Arc::new(store)
         }
-        Some(url) => bail!(
-            "{setting} is {url:?}, which is not a postgres:// URL; leave it out to keep tasks in the SQLite file in the state dir"
+        // Not the text itself: it may carry a password.
+        Some(_) => bail!(
+            "{setting} is not a postgres:// URL; write it as postgres://USER:PASSWORD@HOST:PORT/DATABASE, or leave it out to keep tasks in the SQLite file in the state dir"
         ),
         None => Arc::new(
             Store::open(&state_dir.join("tandem.db")).context("cannot open the task database")?,

@@ -211,7 +211,6 @@ async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
         .await;
     assert_eq!(status, 200);
     follow(&b, &forever, 0, |e| e["type"] == "code_block").await;
-    let cancelled_at = Instant::now();
     let (status, body) = b
         .send(
             reqwest::Method::POST,
@@ -222,9 +221,11 @@ async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
     assert_eq!(status, 200, "{body}");
     let t = b.wait_finished(&forever, Duration::from_secs(30)).await;
     assert_eq!(t["stop_reason"], "cancelled", "{t}");
-    assert!(cancelled_at.elapsed() < Duration::from_secs(30));
-    // Which daemon runs what: A ran them, B none.
-    assert_eq!(running_on(&a, "a").await, 0);
+    // Which daemon runs what: A ran them (and lets go once their sandboxes are closed), B none.
+    wait_for("A lets its tasks go", Duration::from_secs(30), async || {
+        running_on(&a, "a").await == 0
+    })
+    .await;
     assert_eq!(running_on(&b, "b").await, 0);
 }
 

@@ -445,8 +445,13 @@ impl TaskApprover {
                 });
                 match timed_out {
                     Some(ruling) => Some(ruling),
-                    // A person's decision won the race; it is on its way.
-                    None => rx.await.ok(),
+                    // A person's decision won the race and is on its way, or the timeout's
+                    // could not be stored (the database away): the wait goes on, and a
+                    // cancel still ends it.
+                    None => tokio::select! {
+                        r = &mut rx => r.ok(),
+                        () = cancel.cancelled() => None,
+                    },
                 }
             }
             () = cancel.cancelled() => None,

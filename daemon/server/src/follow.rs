@@ -28,6 +28,8 @@ pub struct Follower {
     pending: VecDeque<Event>,
     started: bool,
     stopping: CancellationToken,
+    /// When the feed has been quiet for this task long enough to look at the store.
+    quiet_at: tokio::time::Instant,
 }
 
 impl Follower {
@@ -49,6 +51,7 @@ impl Follower {
             pending: VecDeque::new(),
             started: false,
             stopping,
+            quiet_at: tokio::time::Instant::now() + QUIET,
         }
     }
 
@@ -89,8 +92,10 @@ impl Follower {
                     continue;
                 }
                 // Another daemon's events arrive through the store's notices, which a lost
-                // connection can miss: a quiet feed looks at the store now and then.
-                () = tokio::time::sleep(QUIET) => {
+                // connection can miss: when this task's feed is quiet (other tasks' events do
+                // not count), the store is looked at now and then.
+                () = tokio::time::sleep_until(self.quiet_at) => {
+                    self.quiet_at = tokio::time::Instant::now() + QUIET;
                     self.catch_up().await?;
                     if self.pending.is_empty() && self.is_finished().await {
                         self.catch_up().await?;
@@ -103,6 +108,7 @@ impl Follower {
             };
             match received {
                 Ok(item) if item.0 == self.id && item.1.seq == self.last + 1 => {
+                    self.quiet_at = tokio::time::Instant::now() + QUIET;
                     self.last = item.1.seq;
                     self.pending.push_back(item.1.clone());
                 }

@@ -248,13 +248,23 @@ impl Supervisor {
                 .lock()
                 .map(|h| h.keys().cloned().collect())
                 .unwrap_or_default();
-            let claimed = self
-                .off_thread(move |sup| {
-                    let lease = lease.as_millis() as u64;
-                    sup.store.claim(&daemon, lease, now_ms(), &running)
-                })
-                .await;
+            // Not through `off_thread`: claims and renewals must not queue behind the API's
+            // reads, or a busy daemon's leases would lapse.
+            let store = self.store.clone();
+            let claimed = tokio::task::spawn_blocking(move || {
+                store.claim(&daemon, lease.as_millis() as u64, now_ms(), &running)
+            })
+            .await;
             let pause = match claimed {
+                Ok(Ok(Some(task))) if self.closing.is_cancelled() => {
+                    // Claimed as shutdown began: back to the queue, for any daemon.
+                    let (store, id) = (self.store.clone(), task.record.id.clone());
+                    let _ = tokio::task::spawn_blocking(move || {
+                        store.transition(&id, TaskState::Running, TaskState::Queued, now_ms())
+                    })
+                    .await;
+                    return;
+                }
                 Ok(Ok(Some(task))) => {
                     backoff = Duration::from_millis(100);
                     self.start(task, permit);
@@ -294,12 +304,11 @@ impl Supervisor {
                 continue;
             }
             let (daemon, lease, asked) = (self.daemon.clone(), self.lease, held.clone());
-            let renewed = self
-                .off_thread(move |sup| {
-                    sup.store
-                        .renew(&daemon, &held, lease.as_millis() as u64, now_ms())
-                })
-                .await;
+            let store = self.store.clone();
+            let renewed = tokio::task::spawn_blocking(move || {
+                store.renew(&daemon, &held, lease.as_millis() as u64, now_ms())
+            })
+            .await;
             match renewed {
                 Ok(Ok(renewed)) => {
                     let lost: Vec<(String, u64)> = asked
@@ -779,6 +788,11 @@ impl Supervisor {
     /// Moves task `id` from `from` to `to` through the writer, after everything queued before,
     /// only if it is still in `from`; whether it moved.
     fn transition(&self, id: &str, from: TaskState, to: TaskState) -> Result<bool, TaskError> {
+        // Queued behind a writer that retries, it would be made after its caller was told it
+        // failed.
+        if self.store_down.load(Ordering::SeqCst) {
+            return Err(Unavailable::Store.into());
+        }
         let (moved, answer) = std::sync::mpsc::channel();
         let write = Write::Transition {
             id: id.to_owned(),

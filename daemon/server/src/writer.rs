@@ -74,6 +74,9 @@ struct Held {
     msg: EventMsg,
     at: u64,
     since: Instant,
+    /// The epoch it was written under: it goes into the batch that stores it, which may
+    /// be a later one than the batch that took it.
+    fence: Option<u64>,
 }
 
 /// Told the tasks whose writes were fenced out.
@@ -100,10 +103,7 @@ impl Batch {
 
     fn take(&mut self, write: Write) {
         match write {
-            Write::Event(id, msg, at, fence) if is_piece(&msg) => {
-                self.fence(&id, fence);
-                self.hold(id, msg, at);
-            }
+            Write::Event(id, msg, at, fence) if is_piece(&msg) => self.hold(id, msg, at, fence),
             Write::Event(id, msg, at, fence) => {
                 self.fence(&id, fence);
                 self.release(&id);
@@ -153,7 +153,7 @@ impl Batch {
 
     /// Holds a streamed piece, appended to its task's held piece when both are of one stream.
     /// Any other change of the task releases the held piece first, so its order is kept.
-    fn hold(&mut self, id: String, msg: EventMsg, at: u64) {
+    fn hold(&mut self, id: String, msg: EventMsg, at: u64, fence: Option<u64>) {
         let held = self.held.iter().position(|h| h.id == id);
         let msg = match held {
             Some(i) => match merge(&mut self.held[i].msg, msg) {
@@ -170,12 +170,14 @@ impl Batch {
             msg,
             at,
             since: Instant::now(),
+            fence,
         });
     }
 
     /// Moves held piece `i` into the batch.
     fn unhold(&mut self, i: usize) {
         let h = self.held.swap_remove(i);
+        self.fence(&h.id, h.fence);
         self.changes.push(Change::Event(h.id, h.msg, h.at));
     }
 
@@ -216,9 +218,7 @@ impl Batch {
         let applied = loop {
             match store.apply(&self.changes, &self.fences) {
                 Err(e) if e.unreachable() => {
-                    if !out.down.swap(true, std::sync::atomic::Ordering::SeqCst) {
-                        tracing::warn!(error = %e, "the task database is unreachable; keeping the tasks' events and retrying");
-                    }
+                    went_down(out, &e);
                     self.refuse_creates(&e);
                     if self.changes.is_empty() {
                         return;
@@ -229,9 +229,7 @@ impl Batch {
                 other => break other,
             }
         };
-        if out.down.swap(false, std::sync::atomic::Ordering::SeqCst) {
-            tracing::info!("the task database is back");
-        }
+        came_back(out);
         let mut created = std::mem::take(&mut self.created).into_iter().peekable();
         let applied = match applied {
             Ok(applied) => {
@@ -245,7 +243,7 @@ impl Batch {
                 tracing::warn!(error = %e, changes = self.changes.len(), "a batch failed; storing its changes one by one");
                 let mut all = Applied::default();
                 for (i, change) in self.changes.iter().enumerate() {
-                    let result = store.apply(std::slice::from_ref(change), &self.fences);
+                    let result = apply_retrying(store, change, &self.fences, out);
                     let waiter = created.next_if(|(at, _)| *at == i).map(|(_, w)| w);
                     match (result, waiter) {
                         (Ok(one), waiter) => {
@@ -286,6 +284,18 @@ impl Batch {
 
     /// Takes the new tasks out of the batch, telling their submitters `e`.
     fn refuse_creates(&mut self, e: &StoreError) {
+        let refusal = || match e {
+            StoreError::Postgres { url, message, .. } => StoreError::Postgres {
+                url: url.clone(),
+                message: message.clone(),
+                unreachable: true,
+            },
+            other => StoreError::Postgres {
+                url: String::new(),
+                message: other.to_string(),
+                unreachable: true,
+            },
+        };
         if self.created.is_empty() {
             return;
         }
@@ -294,16 +304,50 @@ impl Batch {
         for (i, change) in std::mem::take(&mut self.changes).into_iter().enumerate() {
             match waiters.next_if(|(at, _)| *at == i) {
                 Some((_, waiter)) => {
-                    let _ = waiter.send(Err(StoreError::Postgres {
-                        url: String::new(),
-                        message: e.to_string(),
-                        unreachable: true,
-                    }));
+                    let _ = waiter.send(Err(refusal()));
                 }
                 None => kept.push(change),
             }
         }
         self.changes = kept;
+    }
+}
+
+/// Stores one change, retrying with backoff while the database cannot be reached: a change
+/// is dropped only when the store refuses it, never because the database was away.
+fn apply_retrying(
+    store: &dyn TaskStore,
+    change: &Change,
+    fences: &Fences,
+    out: &Outlet,
+) -> Result<Applied, StoreError> {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        match store.apply(std::slice::from_ref(change), fences) {
+            Err(e) if e.unreachable() && !matches!(change, Change::Create(..)) => {
+                went_down(out, &e);
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+            other => {
+                if other.is_ok() {
+                    came_back(out);
+                }
+                return other;
+            }
+        }
+    }
+}
+
+fn went_down(out: &Outlet, e: &StoreError) {
+    if !out.down.swap(true, std::sync::atomic::Ordering::SeqCst) {
+        tracing::warn!(error = %e, "the task database is unreachable; keeping the tasks' events and retrying");
+    }
+}
+
+fn came_back(out: &Outlet) {
+    if out.down.swap(false, std::sync::atomic::Ordering::SeqCst) {
+        tracing::info!("the task database is back");
     }
 }
 

@@ -55,6 +55,9 @@ const MIGRATIONS: &[&str] = &["
 /// The database's clock in ms: leases are timed by the one clock every daemon shares.
 const NOW_MS: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
 
+/// How a deadlock's victim's error begins.
+const DEADLOCK: &str = "a concurrent write collided";
+
 /// The channel every daemon listens on.
 const CHANNEL: &str = "tandem";
 
@@ -99,7 +102,12 @@ impl PgStore {
                 unreachable: false,
             })?;
         config.connect_timeout(CONNECT_TIMEOUT);
-        config.keepalives_idle(Duration::from_secs(30));
+        // A connection the network cut without a word is found out in about 20 s, not the
+        // system's two hours: the writer and the leases wait on it.
+        config.keepalives_idle(Duration::from_secs(10));
+        config.keepalives_interval(Duration::from_secs(3));
+        config.keepalives_retries(3);
+        config.tcp_user_timeout(Duration::from_secs(20));
         if config.get_application_name().is_none() {
             config.application_name("tandem");
         }
@@ -406,7 +414,7 @@ impl PgStore {
         );
         let queued = format!(
             "WITH next AS (
-                SELECT id FROM tasks WHERE state = 'queued'
+                SELECT id FROM tasks WHERE state = 'queued' AND id <> ALL($4)
                 ORDER BY queue_order LIMIT 1 FOR UPDATE SKIP LOCKED)
              UPDATE tasks t SET state = 'running', owner = $1, epoch = t.epoch + 1,
                 lease_until_ms = {NOW_MS} + $2, started_ms = $3
@@ -420,7 +428,7 @@ impl PgStore {
             .map_err(|e| self.err(e))?;
         if row.is_none() {
             row = client
-                .query_opt(&queued, &[&daemon, &lease, &(now_ms as i64)])
+                .query_opt(&queued, &[&daemon, &lease, &(now_ms as i64), &running])
                 .await
                 .map_err(|e| self.err(e))?;
         }
@@ -557,7 +565,18 @@ impl PgStore {
 
 impl TaskStore for PgStore {
     fn apply(&self, changes: &[Change], fences: &Fences) -> Result<Applied> {
-        self.block(self.apply_async(changes, fences, self.signer()))
+        let mut tries = 0;
+        loop {
+            match self.block(self.apply_async(changes, fences, self.signer())) {
+                // Chosen as a deadlock's victim: nothing was stored; the next try can be.
+                Err(StoreError::Postgres { message, .. })
+                    if tries < 3 && message.starts_with(DEADLOCK) =>
+                {
+                    tries += 1;
+                }
+                other => return other,
+            }
+        }
     }
     fn transition(&self, id: &str, from: TaskState, to: TaskState, now_ms: u64) -> Result<bool> {
         self.block(async {
@@ -694,11 +713,17 @@ impl TaskStore for PgStore {
     ) -> Result<Renewed> {
         let ids: Vec<&str> = held.iter().map(|(id, _)| id.as_str()).collect();
         let epochs: Vec<i64> = held.iter().map(|(_, e)| *e as i64).collect();
+        // The rows are locked in id order, as the writer locks them, so the two cannot
+        // deadlock.
         let sql = format!(
-            "UPDATE tasks t SET lease_until_ms = {NOW_MS} + $2
-             FROM unnest($3::text[], $4::bigint[]) AS h(id, epoch)
-             WHERE t.id = h.id AND t.epoch = h.epoch AND t.owner = $1
-               AND t.state IN ('running', 'awaiting_approval')
+            "WITH held AS (
+                SELECT t.id FROM tasks t
+                JOIN unnest($3::text[], $4::bigint[]) AS h(id, epoch)
+                  ON t.id = h.id AND t.epoch = h.epoch
+                WHERE t.owner = $1 AND t.state IN ('running', 'awaiting_approval')
+                ORDER BY t.id FOR UPDATE OF t)
+             UPDATE tasks t SET lease_until_ms = {NOW_MS} + $2
+             FROM held WHERE t.id = held.id
              RETURNING t.id, t.cancel_requested"
         );
         let rows = self.block(async {
@@ -1036,6 +1061,7 @@ fn pg_error(shown: &str, e: &tokio_postgres::Error) -> StoreError {
     };
     let code = db.code().code();
     let message = match code {
+        "40P01" | "40001" => format!("{DEADLOCK}: {}", db.message()),
         "28P01" | "28000" => format!(
             "the database refused the login ({}); check the user and password",
             db.message()

@@ -130,10 +130,11 @@ impl TaskStore for Store {
                         .conn
                         .prepare_cached(
                             "SELECT id, state FROM tasks WHERE state = 'queued'
-                             ORDER BY queue_order LIMIT 1",
+                             ORDER BY queue_order",
                         )?
-                        .query_row([], |r| Ok((r.get(0)?, r.get(1)?)))
-                        .optional()?,
+                        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+                        .filter_map(std::result::Result::ok)
+                        .find(|(id, _): &(String, String)| !running.contains(id)),
                 };
                 let Some((id, _)) = next else {
                     return Ok(None);
