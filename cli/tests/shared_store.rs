@@ -421,44 +421,22 @@ async fn store_migrate_moves_a_daemons_tasks_into_postgres_where_another_daemon_
     }
     let db = old.state_dir().join("tandem.db");
     let url = Postgres::shared().new_database();
+    let migrate = async |old: &Daemon| {
+        let from = db.to_str().unwrap();
+        old.cli(&["store", "migrate", "--from", from, "--to", &url])
+            .await
+    };
     // Refused while the daemon runs: it would go on writing the file.
-    let (code, _, err) = old
-        .cli(&[
-            "store",
-            "migrate",
-            "--from",
-            db.to_str().unwrap(),
-            "--to",
-            &url,
-        ])
-        .await;
+    let (code, _, err) = migrate(&old).await;
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("stop it before moving its tasks"), "{err}");
     old.terminate().await;
-    let (code, out, err) = old
-        .cli(&[
-            "store",
-            "migrate",
-            "--from",
-            db.to_str().unwrap(),
-            "--to",
-            &url,
-        ])
-        .await;
+    let (code, out, err) = migrate(&old).await;
     assert_eq!(code, 0, "{err}");
     assert!(out.starts_with("moved 3 tasks ("), "{out}");
     assert!(!out.contains(tandem_tests::postgres::PASSWORD), "{out}");
     // Again: nothing doubles.
-    let (code, out, _) = old
-        .cli(&[
-            "store",
-            "migrate",
-            "--from",
-            db.to_str().unwrap(),
-            "--to",
-            &url,
-        ])
-        .await;
+    let (code, out, _) = migrate(&old).await;
     assert_eq!(code, 0);
     assert!(
         out.contains("moved 0 tasks") && out.contains("3 were there already"),

@@ -258,6 +258,16 @@ impl PgStore {
 
     async fn events_after_async(&self, id: &str, after: u64) -> Result<Vec<Event>> {
         let client = self.client().await?;
+        self.read_events(&client, id, after).await
+    }
+
+    /// Task `id`'s events after seq `after`, through `client` (a connection or a transaction).
+    async fn read_events(
+        &self,
+        client: &impl deadpool_postgres::GenericClient,
+        id: &str,
+        after: u64,
+    ) -> Result<Vec<Event>> {
         let rows = client
             .query(
                 "SELECT seq, at_ms, body FROM events WHERE task_id = $1 AND seq > $2 ORDER BY seq",
@@ -472,17 +482,7 @@ impl PgStore {
         if state.is_none_or(|s| s == TaskState::Finished.as_str()) {
             return Ok(None);
         }
-        let rows = tx
-            .query(
-                "SELECT seq, at_ms, body FROM events WHERE task_id = $1 ORDER BY seq",
-                &[&id],
-            )
-            .await
-            .map_err(|e| self.err(e))?;
-        let events = rows
-            .iter()
-            .map(|r| event(r.get(0), r.get(1), r.get::<_, &str>(2)))
-            .collect::<Result<Vec<_>>>()?;
+        let events = self.read_events(&tx, id, 0).await?;
         if decided(&events, n) {
             return Ok(None);
         }
