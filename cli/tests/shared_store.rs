@@ -109,6 +109,13 @@ async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
                     Reply::from("TERMINATE"),
                 ],
             ),
+            (
+                "denied",
+                vec![
+                    Reply::from(fence("print('never')").as_str()),
+                    Reply::from("TERMINATE"),
+                ],
+            ),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
@@ -122,8 +129,9 @@ async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
     let ticks = a.submit(json!({"task": "ticks"})).await;
     let forever = a.submit(json!({"task": "forever"})).await;
     let gated = a.submit(json!({"task": "gated"})).await;
-    wait_for("A holds all three", Duration::from_secs(30), async || {
-        running_on(&a, "a").await == 3
+    let denied = a.submit(json!({"task": "denied"})).await;
+    wait_for("A holds all four", Duration::from_secs(30), async || {
+        running_on(&a, "a").await == 4
     })
     .await;
     let b = daemon(&server, "b", &url, 30.0, policy).await;
@@ -198,6 +206,23 @@ async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
         )
         .await;
     assert_eq!(status, 409, "{body}");
+
+    // A denial sent to B reaches A's task, and the model reads its reason.
+    follow(&b, &denied, 0, |e| e["type"] == "approval_requested").await;
+    let (status, body) = b
+        .send(
+            reqwest::Method::POST,
+            &format!("/v1/tasks/{denied}/approvals/1"),
+            Some(json!({"decision": "deny", "reason": "not on a shared box"}).to_string()),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let t = b.wait_finished(&denied, Duration::from_secs(60)).await;
+    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    let told = server.requests_for("denied")[1].last_message().unwrap().to_owned();
+    assert!(told.contains("not on a shared box"), "{told}");
+    let events = b.events(&denied, 0).await;
+    assert!(!events.iter().any(|e| e["type"] == "exec_output"), "{events:?}");
 
     // A cancel sent to B stops the block running on A.
     let asked = follow(&b, &forever, 0, |e| e["type"] == "approval_requested").await;
