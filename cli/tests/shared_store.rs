@@ -219,10 +219,16 @@ async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
     assert_eq!(status, 200, "{body}");
     let t = b.wait_finished(&denied, Duration::from_secs(60)).await;
     assert_eq!(t["stop_reason"], "terminated", "{t}");
-    let told = server.requests_for("denied")[1].last_message().unwrap().to_owned();
+    let told = server.requests_for("denied")[1]
+        .last_message()
+        .unwrap()
+        .to_owned();
     assert!(told.contains("not on a shared box"), "{told}");
     let events = b.events(&denied, 0).await;
-    assert!(!events.iter().any(|e| e["type"] == "exec_output"), "{events:?}");
+    assert!(
+        !events.iter().any(|e| e["type"] == "exec_output"),
+        "{events:?}"
+    );
 
     // A cancel sent to B stops the block running on A.
     let asked = follow(&b, &forever, 0, |e| e["type"] == "approval_requested").await;
@@ -337,8 +343,10 @@ async fn three_daemons_run_every_block_once_through_a_kill_9_and_a_database_outa
         .collect();
     let server = ScriptedOpenAi::start(script).await.unwrap();
     let mut daemons = Vec::new();
+    // Long enough that a loaded machine does not let a live daemon's leases lapse; the
+    // outage below outlasts it.
     for name in ["a", "b", "c"] {
-        daemons.push(daemon(&server, name, &url, 3.0, "").await);
+        daemons.push(daemon(&server, name, &url, 8.0, "").await);
     }
     let mut ids = Vec::with_capacity(TASKS);
     for i in 0..TASKS {

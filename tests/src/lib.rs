@@ -226,6 +226,29 @@ fn error(status: u16, message: &str) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
+/// One held request of a caller, counted while it lives.
+struct Waiting<'a> {
+    shared: &'a Shared,
+    caller: &'a str,
+}
+
+impl<'a> Waiting<'a> {
+    fn new(shared: &'a Shared, caller: &'a str) -> Self {
+        if let Ok(mut w) = shared.waiting.lock() {
+            *w.entry(caller.to_owned()).or_default() += 1;
+        }
+        Self { shared, caller }
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut w) = self.shared.waiting.lock() {
+            *w.entry(self.caller.to_owned()).or_default() -= 1;
+        }
+    }
+}
+
 async fn chat_as(
     State(shared): State<Arc<Shared>>,
     axum::extract::Path(caller): axum::extract::Path<String>,
@@ -238,13 +261,10 @@ async fn chat_as(
         if !held {
             break;
         }
-        if let Ok(mut w) = shared.waiting.lock() {
-            *w.entry(caller.clone()).or_default() += 1;
-        }
+        // Counted while it waits, and no longer once its client hangs up (the handler is
+        // dropped with the connection).
+        let _waiting = Waiting::new(&shared, &caller);
         released.await;
-        if let Ok(mut w) = shared.waiting.lock() {
-            *w.entry(caller.clone()).or_default() -= 1;
-        }
     }
     answer_chat(shared, headers, body, Some(caller)).await
 }

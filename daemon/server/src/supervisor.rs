@@ -666,7 +666,7 @@ impl Supervisor {
                 // Not through `off_thread`: a wait through an outage must not hold up the
                 // API's reads.
                 let writer = sup.writer.clone();
-                let stored = tokio::task::spawn_blocking(move || writer.flush_for(GUARD_WAIT))
+                let stored = tokio::task::spawn_blocking(move || writer.barrier_for(GUARD_WAIT))
                     .await
                     .unwrap_or(false);
                 stored && !sup.lost.lock().is_ok_and(|l| l.contains(&id))

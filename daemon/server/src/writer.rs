@@ -34,6 +34,9 @@ pub(crate) enum Write {
         moved: std::sync::mpsc::Sender<Result<bool, StoreError>>,
     },
     Flush(std::sync::mpsc::Sender<()>),
+    /// Acknowledged once what was queued before it is committed, by the next commit that
+    /// comes (not one of its own: blocks starting together share a commit and its sync).
+    Barrier(std::sync::mpsc::Sender<()>),
 }
 
 /// Where the writer says whether a new task was committed.
@@ -124,6 +127,7 @@ impl Batch {
                 self.flushes.push(ack);
                 self.urgent = true;
             }
+            Write::Barrier(ack) => self.flushes.push(ack),
             transition @ Write::Transition { .. } => {
                 if let Write::Transition { id, .. } = &transition {
                     self.release(id);
@@ -767,5 +771,12 @@ impl Writes {
     pub(crate) fn flush_for(&self, wait: Duration) -> bool {
         let (ack, done) = std::sync::mpsc::channel();
         self.send(Write::Flush(ack)).is_ok() && done.recv_timeout(wait).is_ok()
+    }
+
+    /// [`Writes::flush_for`] through the next commit the writer makes anyway, which the
+    /// writes of other tasks share (a flush commits at once, alone).
+    pub(crate) fn barrier_for(&self, wait: Duration) -> bool {
+        let (ack, done) = std::sync::mpsc::channel();
+        self.send(Write::Barrier(ack)).is_ok() && done.recv_timeout(wait).is_ok()
     }
 }

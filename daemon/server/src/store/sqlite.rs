@@ -111,7 +111,11 @@ impl TaskStore for Store {
         running: &[String],
     ) -> Result<Option<Claimed>> {
         let claimed = self.with_db(|db| {
-            db.transaction(|db| {
+            // Not synced on its own: the task's first event, committed in full, syncs the
+            // log with the claim in it; a claim lost with the power leaves the task queued,
+            // and it is claimed again and resumes from what was stored.
+            db.conn.pragma_update(None, "synchronous", "NORMAL")?;
+            let claimed = db.transaction(|db| {
                 let now = now_ms as i64;
                 // A lapsed lease first: its task has waited longest.
                 let mut lapsed = db.conn.prepare_cached(
@@ -152,7 +156,9 @@ impl TaskStore for Store {
                         Ok((r.get(0)?, r.get(1)?))
                     })?;
                 Ok(Some((id, epoch, cancel)))
-            })
+            });
+            db.conn.pragma_update(None, "synchronous", "FULL")?;
+            claimed
         })?;
         let Some((id, epoch, cancel)) = claimed else {
             return Ok(None);
