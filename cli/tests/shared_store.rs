@@ -322,6 +322,86 @@ async fn a_paused_daemon_loses_its_task_and_runs_nothing_of_it_when_it_wakes() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_follower_on_another_daemon_outlasts_a_database_restart_and_misses_nothing() {
+    // A server of its own: this test stops it.
+    let pg = Postgres::start(false);
+    let url = pg.new_database();
+    let ticking =
+        "import time\nfor i in range(12):\n    print('tick', i, flush=True)\n    time.sleep(0.5)";
+    let server = ScriptedOpenAi::start(
+        [(
+            "through it".to_owned(),
+            vec![
+                Reply::from(fence(ticking).as_str()),
+                Reply::from("TERMINATE"),
+            ],
+        )]
+        .into_iter()
+        .collect(),
+    )
+    .await
+    .unwrap();
+    let a = daemon(&server, "a", &url, 30.0, "").await;
+    let id = a.submit(json!({"task": "through it"})).await;
+    let b = daemon(&server, "b", &url, 30.0, "").await;
+    let follower = {
+        let (host, id) = (b.socket(), id.clone());
+        tokio::spawn(async move {
+            let client = reqwest::Client::builder()
+                .unix_socket(host)
+                .build()
+                .unwrap();
+            let mut resp = client
+                .get(format!("http://tandem/v1/tasks/{id}/events"))
+                .send()
+                .await
+                .unwrap();
+            let mut text = String::new();
+            while let Ok(Some(chunk)) = tokio::time::timeout(Duration::from_secs(90), resp.chunk())
+                .await
+                .expect("the feed went quiet")
+            {
+                text.push_str(&String::from_utf8_lossy(&chunk));
+                if text.contains("\"type\":\"task_finished\"") {
+                    break;
+                }
+            }
+            text
+        })
+    };
+    // Down for 5 s while the block ticks on A.
+    follow(&b, &id, 0, |e| e["type"] == "exec_output").await;
+    tokio::task::block_in_place(|| pg.stop());
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    tokio::task::block_in_place(|| pg.start_again(false));
+    let text = follower.await.unwrap();
+    assert!(
+        text.contains("\"type\":\"task_finished\""),
+        "the follower on B stopped before the task's end:\n{text}"
+    );
+    let seen: Vec<u64> = text
+        .split("\n\n")
+        .filter_map(|f| f.lines().find_map(|l| l.strip_prefix("data: ")))
+        .map(|d| {
+            serde_json::from_str::<Value>(d).unwrap()["seq"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    let stored = seqs(&a.events(&id, 0).await);
+    assert_eq!(seen, stored, "the follower on B missed or repeated events");
+    let out: String = a
+        .events(&id, 0)
+        .await
+        .iter()
+        .filter(|e| e["type"] == "exec_output")
+        .map(|e| e["text"].as_str().unwrap().to_owned())
+        .collect();
+    let want: String = (0..12).map(|i| format!("tick {i}\n")).collect();
+    assert_eq!(out, want, "A's events were not all kept, in order");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn three_daemons_run_every_block_once_through_a_kill_9_and_a_database_outage() {
     const TASKS: usize = 1000;
     // A server of its own: this test stops it.

@@ -123,15 +123,28 @@ impl Follower {
         }
     }
 
-    /// Queues the stored events after the last one seen.
+    /// Queues the stored events after the last one seen. While the database cannot be
+    /// reached it waits and reads again (the task's daemon keeps its events meanwhile), so a
+    /// follower outlasts an outage; any other failure ends the feed.
     async fn catch_up(&mut self) -> Option<()> {
-        let (id, after) = (self.id.clone(), self.last);
-        let events = self
-            .sup
-            .off_thread(move |sup| sup.store().events_after(&id, after))
-            .await
-            .ok()?
-            .ok()?;
+        let events = loop {
+            let (id, after) = (self.id.clone(), self.last);
+            match self
+                .sup
+                .off_thread(move |sup| sup.store().events_after(&id, after))
+                .await
+                .ok()?
+            {
+                Ok(events) => break events,
+                Err(e) if e.unreachable() => {
+                    tokio::select! {
+                        () = self.stopping.cancelled() => return None,
+                        () = tokio::time::sleep(QUIET) => {}
+                    }
+                }
+                Err(_) => return None,
+            }
+        };
         if let Some(e) = events.last() {
             self.last = e.seq;
         }
