@@ -48,6 +48,24 @@ async fn wait_for(what: &str, limit: Duration, mut done: impl AsyncFnMut() -> bo
     }
 }
 
+/// Whether every task daemon `name` runs waits on the model (its last stored event starts a
+/// turn), as daemon `d` reads the store: then none of them has a block that started or is
+/// about to (a block starts only once its `code_block` event is stored).
+async fn all_wait_on_the_model(d: &Daemon, name: &str) -> bool {
+    let running = d.get("/v1/tasks?state=running").await;
+    for t in running["tasks"].as_array().unwrap() {
+        let id = t["id"].as_str().unwrap();
+        if d.get(&format!("/v1/tasks/{id}")).await["daemon"] != name {
+            continue;
+        }
+        let events = d.events(id, 0).await;
+        if events.last().is_none_or(|e| e["type"] != "turn_started") {
+            return false;
+        }
+    }
+    true
+}
+
 /// Task `id`'s events from `d`'s SSE feed after `after`, live, until `stop` says so (or the
 /// task's end).
 async fn follow(d: &Daemon, id: &str, after: u64, stop: impl Fn(&Value) -> bool) -> Vec<Value> {
@@ -444,12 +462,16 @@ async fn three_daemons_run_every_block_once_through_a_kill_9_and_a_database_outa
     // kill -9 of A mid-load, while every task it holds waits on the model (a block cut
     // off by a kill is not run again: `a_resumed_task_is_told_its_cut_off_block_is_not_run_again`).
     server.hold("a");
+    // Twice, half a second apart: a reply that came just before the hold has had its block
+    // started, and stored, by the second look.
     wait_for(
-        "A's tasks wait on the model",
+        "A's tasks all wait on the model",
         Duration::from_secs(60),
         async || {
-            let held = server.held("a") as u64;
-            held > 0 && held == running_on(&daemons[0], "a").await
+            all_wait_on_the_model(&daemons[1], "a").await && {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                all_wait_on_the_model(&daemons[1], "a").await
+            }
         },
     )
     .await;
