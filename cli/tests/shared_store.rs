@@ -387,11 +387,28 @@ async fn a_follower_on_another_daemon_outlasts_a_database_restart_and_misses_not
             text
         })
     };
-    // Down for 5 s while the block ticks on A.
+    // Down for 5 s while the block ticks on A. B, which runs nothing, refuses a submit
+    // meanwhile, and takes them again once the database is back.
     follow(&b, &id, 0, |e| e["type"] == "exec_output").await;
     tokio::task::block_in_place(|| pg.stop());
+    let submit = async |d: &Daemon| {
+        let body = json!({"task": "later"}).to_string();
+        d.send(reqwest::Method::POST, "/v1/tasks", Some(body)).await
+    };
+    let (status, body) = submit(&b).await;
+    assert_eq!(
+        (status, &body["error"]["code"]),
+        (503, &json!("store_unavailable")),
+        "{body}"
+    );
     tokio::time::sleep(Duration::from_secs(5)).await;
     tokio::task::block_in_place(|| pg.start_again(false));
+    wait_for(
+        "B takes submits again",
+        Duration::from_secs(30),
+        async || submit(&b).await.0 == 201,
+    )
+    .await;
     let text = follower.await.unwrap();
     assert!(
         text.contains("\"type\":\"task_finished\""),

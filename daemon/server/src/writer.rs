@@ -45,6 +45,8 @@ pub(crate) type Created = tokio::sync::oneshot::Sender<Result<(), StoreError>>;
 /// How long the writer gathers events after the first before it commits: concurrent tasks
 /// share a commit, and a live client waits at most this long (next to a model call, nothing).
 const GATHER: Duration = Duration::from_millis(2);
+/// How often an idle writer looks whether the database is back.
+const PROBE: Duration = Duration::from_secs(1);
 /// Most changes in one commit.
 const MAX_BATCH: usize = 1024;
 /// Largest text that streamed pieces are merged into.
@@ -365,10 +367,17 @@ pub(crate) fn write_events(
     use std::sync::mpsc::RecvTimeoutError;
     let mut batch = Batch::default();
     loop {
-        let first = match batch.next_due() {
-            None => writes.recv().map_err(|_| RecvTimeoutError::Disconnected),
-            Some(due) => writes.recv_timeout(due.saturating_duration_since(Instant::now())),
+        // While the database is down and nothing is written, it is looked at every second:
+        // submits are refused until it is back, so no commit would tell.
+        let down = out.down.load(std::sync::atomic::Ordering::SeqCst);
+        let first = match (batch.next_due(), down) {
+            (None, false) => writes.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            (None, true) => writes.recv_timeout(PROBE),
+            (Some(due), _) => writes.recv_timeout(due.saturating_duration_since(Instant::now())),
         };
+        if down && matches!(first, Err(RecvTimeoutError::Timeout)) && store.counts().is_ok() {
+            came_back(out);
+        }
         match first {
             Ok(write) => {
                 batch.take(write);
