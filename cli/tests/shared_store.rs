@@ -446,8 +446,10 @@ async fn three_daemons_run_every_block_once_through_a_kill_9_and_a_database_outa
     let lines = dir.path().join("lines");
     let script: Script = (0..TASKS)
         .map(|i| {
+            // The line first, then a little work, so the load lasts through the kill and
+            // the outage.
             let block = fence(&format!(
-                "with open({:?}, 'a') as f:\n    f.write('{i}\\n')",
+                "import time\nwith open({:?}, 'a') as f:\n    f.write('{i}\\n')\ntime.sleep(0.05)",
                 lines.display().to_string()
             ));
             (
@@ -463,35 +465,41 @@ async fn three_daemons_run_every_block_once_through_a_kill_9_and_a_database_outa
     for name in ["a", "b", "c"] {
         daemons.push(daemon(&server, name, &url, 8.0, "").await);
     }
-    let mut ids = Vec::with_capacity(TASKS);
-    for i in 0..TASKS {
-        ids.push(
+    // Submitted side by side, so the queue is deep while the blocks run.
+    let ids: Vec<String> = {
+        use futures::StreamExt;
+        let daemons = &daemons;
+        futures::stream::iter((0..TASKS).map(|i| async move {
             daemons[i % 3]
                 .submit(json!({"task": format!("line {i}")}))
-                .await,
-        );
-    }
+                .await
+        }))
+        .buffered(16)
+        .collect()
+        .await
+    };
     let finished = async |d: &Daemon| d.count("finished").await;
     wait_for("a fifth done", Duration::from_secs(120), async || {
         finished(&daemons[1]).await >= (TASKS / 5) as u64
     })
     .await;
-    // kill -9 of A mid-load, while every task it holds waits on the model (a block cut
-    // off by a kill is not run again: `a_resumed_task_is_told_its_cut_off_block_is_not_run_again`).
+    // kill -9 of A mid-load, once every task it runs waits on the model, as the store says:
+    // twice, half a second apart, so that a reply that came just before the hold has had its
+    // block started and stored by the second look. (A block a kill cuts off is not run again:
+    // daemon::kill_9_then_restart_keeps_every_task_and_resumes_the_interrupted.)
     server.hold("a");
-    // Twice, half a second apart: a reply that came just before the hold has had its block
-    // started, and stored, by the second look.
     wait_for(
         "A's tasks all wait on the model",
         Duration::from_secs(60),
         async || {
-            all_wait_on_the_model(&daemons[1], "a").await && {
+            server.held("a") > 0 && all_wait_on_the_model(&daemons[1], "a").await && {
                 tokio::time::sleep(Duration::from_millis(500)).await;
                 all_wait_on_the_model(&daemons[1], "a").await
             }
         },
     )
     .await;
+    let done_at_kill = finished(&daemons[1]).await;
     let held_by_a = server.held("a");
     daemons[0].kill9();
     server.release("a");
@@ -500,6 +508,11 @@ async fn three_daemons_run_every_block_once_through_a_kill_9_and_a_database_outa
     })
     .await;
     // The database stops for 10 s under load: a submit meanwhile is a clear 503.
+    let done_at_outage = finished(&daemons[1]).await;
+    assert!(
+        done_at_outage < TASKS as u64,
+        "the load was over before the outage"
+    );
     tokio::task::block_in_place(|| pg.stop());
     let stopped = Instant::now();
     let (status, body) = daemons[1]
@@ -542,7 +555,7 @@ async fn three_daemons_run_every_block_once_through_a_kill_9_and_a_database_outa
         "{log}"
     );
     eprintln!(
-        "{TASKS} tasks: A held {held_by_a} when killed; {} leases were taken from a live daemon after the outage",
+        "{TASKS} tasks: A was killed with {held_by_a} tasks waiting on the model and {done_at_kill} done; the database stopped with {done_at_outage} done; {} leases were taken from a live daemon after the outage",
         log.matches("another daemon holds these tasks now").count()
     );
 }
