@@ -483,19 +483,20 @@ async fn three_daemons_run_every_block_once_through_a_kill_9_and_a_database_outa
         finished(&daemons[1]).await >= (TASKS / 5) as u64
     })
     .await;
-    // kill -9 of A mid-load, once every task it runs waits on the model, as the store says:
-    // twice, half a second apart, so that a reply that came just before the hold has had its
-    // block started and stored by the second look. (A block a kill cuts off is not run again:
-    // daemon::kill_9_then_restart_keeps_every_task_and_resumes_the_interrupted.)
+    // kill -9 of A mid-load, once every task it runs waits on the model: as many of A's
+    // requests are held as A runs tasks (so no reply is on its way to any of them, and no
+    // block can start), and the store agrees (each one's last event starts a turn). A block
+    // a kill cuts off is not run again:
+    // daemon::kill_9_then_restart_keeps_every_task_and_resumes_the_interrupted.
     server.hold("a");
     wait_for(
         "A's tasks all wait on the model",
         Duration::from_secs(60),
         async || {
-            server.held("a") > 0 && all_wait_on_the_model(&daemons[1], "a").await && {
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                all_wait_on_the_model(&daemons[1], "a").await
-            }
+            let held = server.held("a") as u64;
+            held > 0
+                && held == running_on(&daemons[0], "a").await
+                && all_wait_on_the_model(&daemons[1], "a").await
         },
     )
     .await;

@@ -234,7 +234,7 @@ fn another_daemon_hears_of_events_queued_tasks_and_cancels() {
         got,
         [
             Notice::Queued,
-            Notice::Events("a".into(), "t".into(), 1),
+            Notice::Events("t".into(), 1),
             Notice::Cancel("t".into())
         ]
     );

@@ -99,9 +99,9 @@ impl Supervisor {
         let outlet = Outlet {
             live: live.clone(),
             fenced: Box::new({
-                let (held, lost) = (held.clone(), lost.clone());
+                let (held, leases, lost) = (held.clone(), leases.clone(), lost.clone());
                 move |ids: &[(String, u64)]| {
-                    lose(&held, &lost, ids);
+                    lose(&held, &leases, &lost, ids);
                 }
             }),
             down: store_down.clone(),
@@ -316,7 +316,7 @@ impl Supervisor {
                         .filter(|(id, _)| renewed.lost.contains(id))
                         .collect();
                     // A task that ended meanwhile is no longer leased: `lose` passes it by.
-                    if lose(&self.held, &self.lost, &lost) {
+                    if lose(&self.held, &self.leases, &self.lost, &lost) {
                         tracing::warn!(tasks = ?lost, "leases lost to another daemon; those tasks stop here");
                     }
                     for id in renewed.cancel {
@@ -338,7 +338,7 @@ impl Supervisor {
             Notice::Cancel(id) => {
                 self.cancel_here(&id);
             }
-            Notice::Events(_, id, first) => {
+            Notice::Events(id, first) => {
                 let mine = self.held.lock().is_ok_and(|h| h.contains_key(&id));
                 // Read only when someone here follows it, or it is this daemon's (an
                 // approval decided on another daemon).
@@ -621,7 +621,6 @@ impl Supervisor {
             let running = Running {
                 token: token.clone(),
                 in_block: in_block.clone(),
-                epoch,
             };
             held.insert(id.clone(), running);
         }
@@ -830,8 +829,6 @@ struct Running {
     token: CancellationToken,
     /// Whether one of its blocks runs now.
     in_block: Arc<AtomicBool>,
-    /// The epoch of the lease it runs under.
-    epoch: u64,
 }
 
 /// Marks the tasks of `ids` (each with the epoch its daemon lost) as taken by another daemon
@@ -841,15 +838,19 @@ struct Running {
 /// newer epoch, is left alone. Whether any was running here.
 fn lose(
     held: &Mutex<HashMap<String, Running>>,
+    leases: &Leases,
     lost: &Mutex<HashSet<String>>,
     ids: &[(String, u64)],
 ) -> bool {
-    let (Ok(held), Ok(mut lost)) = (held.lock(), lost.lock()) else {
+    let (Ok(held), Ok(leases), Ok(mut lost)) = (held.lock(), leases.lock(), lost.lock()) else {
         return false;
     };
     let mut any = false;
     for (id, epoch) in ids {
-        let Some(r) = held.get(id).filter(|r| r.epoch == *epoch) else {
+        if leases.get(id) != Some(epoch) {
+            continue;
+        }
+        let Some(r) = held.get(id) else {
             continue;
         };
         any = true;

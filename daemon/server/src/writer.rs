@@ -624,6 +624,41 @@ mod tests {
     }
 
     #[test]
+    fn a_held_piece_keeps_the_fence_it_was_written_under() {
+        let (_dir, store) = store_with_task_a();
+        store
+            .apply(&[Change::Create("b".into(), Box::default(), 1)])
+            .unwrap();
+        // This daemon holds `a` under epoch 1, for a lease that has lapsed by 20.
+        assert_eq!(store.claim("d", 0, 10, &[]).unwrap().unwrap().epoch, 1);
+        let (live, _seen) = broadcast::channel(16);
+        let told: Arc<std::sync::Mutex<Vec<(String, u64)>>> = Arc::default();
+        let out = Outlet {
+            fenced: Box::new({
+                let told = told.clone();
+                move |ids| told.lock().unwrap().extend_from_slice(ids)
+            }),
+            ..outlet(live)
+        };
+        let mut batch = Batch::default();
+        // A's piece waits for more of its stream while B's event is committed alone.
+        batch.take(Write::Event("a".into(), delta(1, "late"), 0, Some(1)));
+        let turn = EventMsg::TurnStarted {
+            turn: 1,
+            agent: None,
+        };
+        batch.take(Write::Event("b".into(), turn, 0, None));
+        batch.commit(&store, &out);
+        // Another daemon takes `a` over before the piece is stored: the piece is refused.
+        assert_eq!(store.claim("e", 60_000, 20, &[]).unwrap().unwrap().epoch, 2);
+        batch.release_due(None);
+        batch.commit(&store, &out);
+        assert!(store.events_after("a", 0).unwrap().is_empty());
+        assert_eq!(store.events_after("b", 0).unwrap().len(), 1);
+        assert_eq!(*told.lock().unwrap(), [("a".to_owned(), 1)]);
+    }
+
+    #[test]
     fn a_bad_change_in_a_batch_costs_only_itself() {
         let (_dir, store) = store_with_task_a();
         let (tx, rx) = std::sync::mpsc::channel();

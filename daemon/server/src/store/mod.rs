@@ -74,8 +74,8 @@ pub struct Renewed {
 /// Something another daemon did that this one may need to act on.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Notice {
-    /// Daemon `.0` stored events of task `.1`, the first with seq `.2`.
-    Events(String, String, u64),
+    /// Another daemon stored events of task `.0`, the first with seq `.1`.
+    Events(String, u64),
     /// A task was queued (or requeued): there may be work to claim.
     Queued,
     /// Someone asked to cancel task `.0`.

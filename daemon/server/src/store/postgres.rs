@@ -985,13 +985,7 @@ fn parse_notice(payload: &str, me: &str) -> Vec<Notice> {
             }
             words
                 .filter_map(|w| w.rsplit_once(':'))
-                .filter_map(|(id, seq)| {
-                    Some(Notice::Events(
-                        from.to_owned(),
-                        id.to_owned(),
-                        seq.parse().ok()?,
-                    ))
-                })
+                .filter_map(|(id, seq)| Some(Notice::Events(id.to_owned(), seq.parse().ok()?)))
                 .collect()
         }
         _ => Vec::new(),
@@ -1091,10 +1085,7 @@ mod tests {
         assert_eq!(sent, ["e d1 a:3 b:1", "q"]);
         assert_eq!(
             parse_notice(&sent[0], "d2"),
-            [
-                Notice::Events("d1".into(), "a".into(), 3),
-                Notice::Events("d1".into(), "b".into(), 1)
-            ]
+            [Notice::Events("a".into(), 3), Notice::Events("b".into(), 1)]
         );
         assert!(parse_notice(&sent[0], "d1").is_empty());
         assert_eq!(parse_notice("c t1", "d1"), [Notice::Cancel("t1".into())]);

@@ -9,7 +9,7 @@ use tandem_protocol::{Event, EventMsg, TaskSpec, Usage};
 
 use super::{
     Applied, Change, Claimed, Fences, NoticeSink, Renewed, Result, StoreError, TaskRecord,
-    TaskState, TaskStore, decided, parse, to_json,
+    TaskState, TaskStore, decided, event, parse, to_json,
 };
 
 /// Schema migrations, in order; `PRAGMA user_version` says how many have run.
@@ -551,17 +551,7 @@ impl Store {
             Ok(rows)
         })?;
         rows.into_iter()
-            .map(|(seq, at, body)| {
-                Ok(Event {
-                    seq: seq as u64,
-                    at_ms: at as u64,
-                    path: None,
-                    msg: serde_json::from_str(&body).map_err(|source| StoreError::Decode {
-                        what: "event",
-                        source,
-                    })?,
-                })
-            })
+            .map(|(seq, at, body)| event(seq, at, &body))
             .collect()
     }
 
