@@ -64,6 +64,9 @@ pub struct StoreSection {
     /// Seconds a lease on a running task lasts unless renewed (default 30): how long the
     /// tasks of a daemon that died wait before another resumes them.
     pub lease_secs: Option<f64>,
+    /// A file holding the store's password, for a `url` without one (else `PGPASSWORD`,
+    /// else `~/.pgpass`): a password is never shown, and never in a command line.
+    pub password_file: Option<PathBuf>,
 }
 
 /// `[files]`.
@@ -83,6 +86,9 @@ pub struct FilesSection {
     /// Most megabytes (MiB) all tasks' workspaces may hold; the oldest finished go first
     /// (default 10240).
     pub max_total_mb: Option<u64>,
+    /// Most megabytes (MiB) one task's workspace counts for, on disk; a finished task over it
+    /// loses its files first, and a tar download of it writes no more (default 1024).
+    pub max_task_mb: Option<u64>,
 }
 
 /// `[sessions]`.
@@ -520,6 +526,7 @@ pub fn files(file: &FileConfig, state_dir: &Path) -> Result<tandem_daemon::files
         root: f.dir.clone().unwrap_or_else(|| state_dir.join("files")),
         keep: Duration::from_secs(positive("keep_secs", f.keep_secs, 7 * 24 * 3600)?),
         max_total_bytes: mb(positive("max_total_mb", f.max_total_mb, 10240)?),
+        max_task_bytes: mb(positive("max_task_mb", f.max_task_mb, 1024)?),
         upload: tandem_executor::archive::ArchiveCaps {
             max_bytes: mb(positive("max_upload_mb", f.max_upload_mb, 256)?),
             max_entries: entries,

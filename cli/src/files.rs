@@ -117,7 +117,8 @@ pub async fn files(args: FilesArgs) -> Result<u8> {
             // Said here: an HTTP client would fold `..` away and ask for something else.
             if path.starts_with('/') || path.split('/').any(|part| part == "..") {
                 bail!(
-                    "--get {path}: not a path inside the workspace; give it relative, without `..` (tandem files {id} lists them)"
+                    "--get {}: not a path inside the workspace; give it relative, without `..` (tandem files {id} lists them)",
+                    tandem_protocol::files::shown(path)
                 );
             }
             tandem_daemon::supervisor::file_href(id, path)
@@ -165,7 +166,36 @@ pub fn listing(list: &tandem_protocol::files::TaskFiles) -> String {
     }
     let mut text = String::new();
     for f in &list.files {
-        let _ = writeln!(text, "{:>10}  {}", crate::render::size(f.bytes), f.path);
+        let _ = writeln!(
+            text,
+            "{:>10}  {}",
+            crate::render::size(f.bytes),
+            tandem_protocol::files::shown(&f.path)
+        );
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use tandem_protocol::files::{FileInfo, TaskFiles};
+
+    #[test]
+    fn a_name_with_escapes_and_a_newline_is_one_inert_line_of_the_listing() {
+        let list = TaskFiles {
+            task: "t".to_owned(),
+            files: vec![FileInfo {
+                path: "esc\u{1b}]0;pwned\u{7}\u{1b}[2J\n   9 B  forged.txt".to_owned(),
+                bytes: 1,
+                modified_ms: None,
+            }],
+        };
+        let text = super::listing(&list);
+        assert_eq!(text.lines().count(), 1, "{text}");
+        assert!(
+            !text.contains('\u{1b}') && !text.contains('\u{7}'),
+            "{text}"
+        );
+        assert!(text.contains("esc\\u{1b}]0;pwned\\u{7}\\u{1b}[2J\\u{a}   9 B  forged.txt"));
+    }
 }

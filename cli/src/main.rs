@@ -177,8 +177,16 @@ fn init_logging(command: &Command) {
         Command::Serve(args) => ("info", args.json_logs()),
         _ => ("warn", false),
     };
-    let filter = tracing_subscriber::EnvFilter::try_from_env("RUST_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    // The database driver's debug lines carry every statement's parameters, tasks' events
+    // among them: whatever RUST_LOG asks, it speaks at info at most.
+    let quiet_driver = |f: tracing_subscriber::EnvFilter| match "tokio_postgres=info".parse() {
+        Ok(directive) => f.add_directive(directive),
+        Err(_) => f,
+    };
+    let filter = quiet_driver(
+        tracing_subscriber::EnvFilter::try_from_env("RUST_LOG")
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default)),
+    );
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         // Colour codes only for a person at a terminal, never into a file or a pipe.

@@ -314,7 +314,11 @@ impl<W: Write> Renderer<W> {
             }
             EventMsg::Artifact {
                 file, mime, bytes, ..
-            } => self.rule(&format!("picture {file} · {mime} · {}", size(*bytes))),
+            } => self.rule(&format!(
+                "picture {} · {mime} · {}",
+                tandem_protocol::files::shown(file),
+                size(*bytes)
+            )),
             EventMsg::ToolCall {
                 name, arguments, ..
             } => {

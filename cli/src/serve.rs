@@ -39,7 +39,12 @@ pub struct ServeArgs {
     image: Option<String>,
     /// The task store: postgres://USER:PASSWORD@HOST:PORT/DATABASE for a queue several
     /// daemons share [default: [store] url, else the SQLite file in the state dir]
-    #[arg(long = "store", env = "TANDEM_STORE_URL", value_name = "URL")]
+    #[arg(
+        long = "store",
+        env = "TANDEM_STORE_URL",
+        value_name = "URL",
+        hide_env_values = true
+    )]
     store: Option<String>,
     /// Log format on stderr: text or json
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
@@ -371,7 +376,14 @@ fn open_store(
     };
     let store: Arc<dyn TaskStore> = match url {
         Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
-            let store = PgStore::open(url, setting).context("cannot open the task database")?;
+            if setting == "--store" && crate::store::has_password(url) {
+                bail!(
+                    "--store carries a password, which every process on this host can read in the daemon's command line; give the URL without it and the password in [store] password_file, PGPASSWORD or ~/.pgpass, or the whole URL in TANDEM_STORE_URL"
+                );
+            }
+            let secrets = crate::store::secrets(file.store.password_file.as_deref())?;
+            let store =
+                PgStore::open(url, setting, &secrets).context("cannot open the task database")?;
             tracing::info!(store = store.shown(), daemon = %daemon, "tasks are kept in PostgreSQL");
             Arc::new(store)
         }

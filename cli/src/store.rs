@@ -16,8 +16,14 @@ pub enum StoreAction {
         /// The SQLite file: a state dir's tandem.db
         #[arg(long, value_name = "FILE")]
         from: PathBuf,
-        /// postgres://USER:PASSWORD@HOST:PORT/DATABASE
-        #[arg(long, value_name = "URL")]
+        /// postgres://USER@HOST:PORT/DATABASE; the password comes from PGPASSWORD or
+        /// ~/.pgpass (or TANDEM_STORE_URL holds the whole URL), never the command line
+        #[arg(
+            long,
+            value_name = "URL",
+            env = "TANDEM_STORE_URL",
+            hide_env_values = true
+        )]
         to: String,
     },
 }
@@ -52,7 +58,8 @@ fn migrate(from: &std::path::Path, to: &str) -> Result<u8> {
         }
     }
     let source = Store::open(from).with_context(|| format!("cannot open {}", from.display()))?;
-    let target = PgStore::open(to, "--to").context("cannot open the PostgreSQL store")?;
+    let target =
+        PgStore::open(to, "--to", &secrets(None)?).context("cannot open the PostgreSQL store")?;
     let mut tasks = Vec::new();
     for task in source.list(None)? {
         let events = source.events_after(&task.id, 0)?;
@@ -82,4 +89,36 @@ fn migrate(from: &std::path::Path, to: &str) -> Result<u8> {
         );
     }
     Ok(crate::exit::DONE)
+}
+
+/// Whether the PostgreSQL URL `url` carries a password (`postgres://user:password@...`).
+pub fn has_password(url: &str) -> bool {
+    url.parse::<tokio_postgres::Config>()
+        .is_ok_and(|c| c.get_password().is_some())
+}
+
+/// Where the store's password may come from when its URL has none: `password_file` (the
+/// `[store]` key), else `PGPASSWORD`; and the libpq password file (`PGPASSFILE`, else
+/// `~/.pgpass`). Read here, at the binary's edge, once.
+pub fn secrets(
+    password_file: Option<&std::path::Path>,
+) -> Result<tandem_daemon::store::StoreSecrets> {
+    let password = match password_file {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| {
+                    format!(
+                        "[store] password_file {}: cannot read it; make it a file holding the password alone, readable by this user",
+                        path.display()
+                    )
+                })?
+                .trim_end_matches(['\n', '\r'])
+                .to_owned(),
+        ),
+        None => std::env::var("PGPASSWORD").ok().filter(|p| !p.is_empty()),
+    };
+    let pgpass = std::env::var_os("PGPASSFILE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".pgpass")));
+    Ok(tandem_daemon::store::StoreSecrets { password, pgpass })
 }

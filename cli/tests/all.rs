@@ -18,3 +18,4 @@ mod shared_store;
 mod teams;
 mod tools;
 mod web;
+mod zoo;

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use tandem_tests::{DaemonHarness as Daemon, Postgres, Reply, Script, ScriptedOpenAi};
+use tokio::io::AsyncBufReadExt as _;
 
 const BIN: &str = env!("CARGO_BIN_EXE_tandem");
 
@@ -632,16 +633,19 @@ async fn a_wrong_store_url_or_password_stops_serve_naming_the_setting() {
     let wrong = pg
         .new_database()
         .replace(tandem_tests::postgres::PASSWORD, "wrong-password");
+    // The same URL with no password: it comes from PGPASSWORD, never the command line.
+    let bare = wrong.replace(":wrong-password@", "@");
     let state = tempfile::tempdir().unwrap();
     for (how, env, args) in [
         ("TANDEM_STORE_URL", Some(wrong.as_str()), vec![]),
-        ("--store", None, vec!["--store", wrong.as_str()]),
+        ("--store", None, vec!["--store", bare.as_str()]),
     ] {
         let mut cmd = tokio::process::Command::new(BIN);
         cmd.args(["serve", "--executor", "local", "--state-dir"])
             .arg(state.path())
             .args(&args)
             .env("XDG_CONFIG_HOME", state.path())
+            .env("PGPASSWORD", "wrong-password")
             .env_remove("TANDEM_STORE_URL");
         if let Some(url) = env {
             cmd.env("TANDEM_STORE_URL", url);
@@ -659,4 +663,107 @@ async fn a_wrong_store_url_or_password_stops_serve_naming_the_setting() {
             "{err}"
         );
     }
+}
+
+/// The store's password is in no command line and no help text: `--store` with one is
+/// refused before anything connects, `serve --help` does not print TANDEM_STORE_URL's value,
+/// and a password from `[store] password_file` opens the store.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_store_password_stays_out_of_argv_and_help() {
+    let pg = Postgres::shared();
+    let url = pg.new_database();
+    let password = tandem_tests::postgres::PASSWORD;
+    let state = tempfile::tempdir().unwrap();
+    let run = |args: Vec<String>, envs: Vec<(&'static str, String)>| {
+        let mut cmd = tokio::process::Command::new(BIN);
+        cmd.args(&args)
+            .env("XDG_CONFIG_HOME", state.path())
+            .env_remove("TANDEM_STORE_URL")
+            .env_remove("PGPASSWORD");
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        async move {
+            tokio::time::timeout(Duration::from_secs(60), cmd.output())
+                .await
+                .unwrap()
+                .unwrap()
+        }
+    };
+    let help = run(
+        vec!["serve".into(), "--help".into()],
+        vec![("TANDEM_STORE_URL", url.clone())],
+    )
+    .await;
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(text.contains("TANDEM_STORE_URL"), "{text}");
+    assert!(!text.contains(password), "{text}");
+    let state_dir = state.path().to_string_lossy().into_owned();
+    let refused = run(
+        vec![
+            "serve".into(),
+            "--executor".into(),
+            "local".into(),
+            "--state-dir".into(),
+            state_dir.clone(),
+            "--store".into(),
+            url.clone(),
+        ],
+        vec![],
+    )
+    .await;
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--store carries a password") && !err.contains(password),
+        "{err}"
+    );
+    // A password file: the daemon comes up on the store (then is stopped).
+    let secret = state.path().join("pg-password");
+    std::fs::write(&secret, format!("{password}\n")).unwrap();
+    let config_dir = state.path().join("tandem");
+    std::fs::create_dir_all(&config_dir).unwrap();
+    std::fs::write(
+        config_dir.join("tandem.toml"),
+        format!("[store]\npassword_file = \"{}\"\n", secret.display()),
+    )
+    .unwrap();
+    let bare = url.replace(&format!(":{password}@"), "@");
+    let mut daemon = tokio::process::Command::new(BIN)
+        .args([
+            "serve",
+            "--executor",
+            "local",
+            "--state-dir",
+            &state_dir,
+            "--store",
+            &bare,
+        ])
+        .env("XDG_CONFIG_HOME", state.path())
+        .env_remove("TANDEM_STORE_URL")
+        .env_remove("PGPASSWORD")
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let stderr = daemon.stderr.take().unwrap();
+    let mut lines = tokio::io::BufReader::new(stderr).lines();
+    let opened = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Ok(Some(line)) = lines.next_line().await {
+            if line.contains("tasks are kept in PostgreSQL") {
+                return Ok(line);
+            }
+            if line.contains("error") {
+                return Err(line);
+            }
+        }
+        Err("the daemon ended".to_owned())
+    })
+    .await
+    .unwrap();
+    let line = opened.unwrap();
+    assert!(!line.contains(password), "{line}");
+    let cmdline = std::fs::read(format!("/proc/{}/cmdline", daemon.id().unwrap())).unwrap();
+    assert!(!String::from_utf8_lossy(&cmdline).contains(password));
+    daemon.kill().await.unwrap();
 }

@@ -402,3 +402,103 @@ async fn doctor_lists_the_tools_and_names_a_broken_one() {
         out.stdout
     );
 }
+
+/// Calls from code are bounded as a block's output is: past `[limits] code_calls_per_block`
+/// each call fails at once with a message naming the limit, only the first refusal is
+/// stored, and a stored call's arguments are cut (marked) however large the code made them.
+#[tokio::test(flavor = "multi_thread")]
+async fn calls_from_code_stop_at_the_cap_and_their_stored_arguments_are_cut() {
+    let task = "tools: a flood of calls";
+    let code = "import tandem_tools\nbig = 'w ' * (1 << 19)\nok, refused, said = 0, 0, ''\nfor i in range(40):\n    try:\n        tandem_tools.call('wc', text=big)\n        ok += 1\n    except tandem_tools.ToolError as e:\n        refused += 1\n        said = str(e)\nprint(ok, refused)\nprint(said)\n";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::from(format!("```python\n{code}```").as_str()),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let d = Daemon::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &[],
+        Some(&format!("{CONFIG}\n[limits]\ncode_calls_per_block = 5\n")),
+    )
+    .await;
+    let id = d.submit(json!({"task": task, "tools": ["wc"]})).await;
+    let t = d.wait_finished(&id, Duration::from_secs(120)).await;
+    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    let events = d.events(&id, 0).await;
+    let result = events
+        .iter()
+        .find(|e| e["type"] == "exec_result")
+        .unwrap_or_else(|| panic!("{events:?}"));
+    let stdout = result["result"]["stdout"].as_str().unwrap();
+    assert!(stdout.starts_with("5 35\n"), "{stdout}");
+    assert!(stdout.contains("[limits] code_calls_per_block"), "{stdout}");
+    let calls: Vec<&Value> = events.iter().filter(|e| e["type"] == "tool_call").collect();
+    assert_eq!(calls.len(), 6, "five run and one refusal stored");
+    for call in calls {
+        let arguments = call["arguments"].as_str().unwrap();
+        assert!(
+            arguments.len() < 70 << 10,
+            "{} bytes stored",
+            arguments.len()
+        );
+        assert!(arguments.contains("bytes cut: Tandem keeps 65536 bytes of a call"));
+    }
+}
+
+/// The tools module of a local block is Tandem's, not the block's: a block that swaps its
+/// files (or its directory) for links to a private host file changes nothing Tandem writes,
+/// and the next block's calls still work; the host file keeps its bytes and mode.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_local_block_cannot_turn_the_tools_module_into_a_write_on_the_host() {
+    use std::os::unix::fs::PermissionsExt;
+    let outside = tempfile::tempdir().unwrap();
+    let host = outside.path().join("host-secret");
+    std::fs::write(&host, b"the host's own").unwrap();
+    std::fs::set_permissions(&host, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let task = "tools: plant links in the module";
+    let plant = format!(
+        "import os, tandem_tools\nHOST = {:?}\nd = os.path.dirname(tandem_tools.__file__)\nfor name in sorted(os.listdir(d)):\n    try:\n        os.unlink(os.path.join(d, name))\n        os.symlink(HOST, os.path.join(d, name))\n        print('planted', name)\n    except OSError as e:\n        print('refused', name)\ntry:\n    os.rename(d, d + '.old')\n    os.symlink(os.path.dirname(HOST), d)\n    print('planted the directory')\nexcept OSError:\n    print('refused the directory')\n",
+        host.display().to_string()
+    );
+    let call = "import tandem_tools\nprint(tandem_tools.call('wc', text='one two'))\n";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::from(format!("```python\n{plant}```").as_str()),
+            Reply::from(format!("```python\n{call}```").as_str()),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let d = Daemon::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &["--executor", "local"],
+        Some(CONFIG),
+    )
+    .await;
+    let id = d.submit(json!({"task": task, "tools": ["wc"]})).await;
+    let t = d.wait_finished(&id, Duration::from_secs(120)).await;
+    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    let outs: Vec<String> = d
+        .events(&id, 0)
+        .await
+        .iter()
+        .filter(|e| e["type"] == "exec_result")
+        .map(|e| e["result"]["stdout"].as_str().unwrap().to_owned())
+        .collect();
+    assert!(!outs[0].contains("planted"), "{}", outs[0]);
+    assert_eq!(outs[1].trim(), "2", "{outs:?}");
+    assert_eq!(std::fs::read(&host).unwrap(), b"the host's own");
+    assert_eq!(
+        std::fs::metadata(&host).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    assert_eq!(std::fs::read_dir(outside.path()).unwrap().count(), 1);
+}

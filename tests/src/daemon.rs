@@ -16,7 +16,9 @@ pub struct DaemonHarness {
     /// its pid and start time still name it, so no other daemon takes it for dead and reaps
     /// its sandboxes before this one restarts.
     killed: Option<tokio::process::Child>,
-    state: tempfile::TempDir,
+    /// Removed by the keeper, not `TempDir`'s recursive delete: a block may have left a tree
+    /// there deep enough to overflow the test's stack.
+    state: tandem_executor::scratch::TempTree,
     base_url: String,
     args: Vec<String>,
     env: Vec<(String, String)>,
@@ -39,7 +41,8 @@ impl DaemonHarness {
         config: Option<&str>,
         env: &[(&str, &str)],
     ) -> Self {
-        let state = tempfile::tempdir().unwrap();
+        let state =
+            tandem_executor::scratch::temp_in(&std::env::temp_dir(), "tandem-daemon-").unwrap();
         if let Some(config) = config {
             std::fs::create_dir_all(state.path().join("tandem")).unwrap();
             std::fs::write(state.path().join("tandem/tandem.toml"), config).unwrap();

@@ -50,7 +50,7 @@ fn engines() -> Vec<(&'static str, Arc<dyn TaskStore>, Option<tempfile::TempDir>
     let dir = tempfile::tempdir().unwrap();
     let sqlite = Store::open(&dir.path().join("tandem.db")).unwrap();
     let url = Postgres::shared().new_database();
-    let pg = PgStore::open(&url, "the test's URL").unwrap();
+    let pg = PgStore::open(&url, "the test's URL", &Default::default()).unwrap();
     vec![
         ("sqlite", Arc::new(sqlite), Some(dir)),
         ("postgres", Arc::new(pg), None),
@@ -163,7 +163,7 @@ fn daemons_on_one_database_claim_each_queued_task_exactly_once() {
     let url = Postgres::shared().new_database();
     let ids: Vec<String> = (0..300).map(|i| format!("task{i:03}")).collect();
     let daemons: Vec<Arc<PgStore>> = (0..3)
-        .map(|_| Arc::new(PgStore::open(&url, "the test's URL").unwrap()))
+        .map(|_| Arc::new(PgStore::open(&url, "the test's URL", &Default::default()).unwrap()))
         .collect();
     create(daemons[0].as_ref(), &ids);
     let claimed: Arc<Mutex<HashMap<String, Vec<String>>>> = Arc::default();
@@ -194,8 +194,8 @@ fn daemons_on_one_database_claim_each_queued_task_exactly_once() {
 #[test]
 fn another_daemon_hears_of_events_queued_tasks_and_cancels() {
     let url = Postgres::shared().new_database();
-    let a = PgStore::open(&url, "the test's URL").unwrap();
-    let b = PgStore::open(&url, "the test's URL").unwrap();
+    let a = PgStore::open(&url, "the test's URL", &Default::default()).unwrap();
+    let b = PgStore::open(&url, "the test's URL", &Default::default()).unwrap();
     let (told, heard) = std::sync::mpsc::channel();
     let told = Mutex::new(told);
     b.notices(
@@ -245,7 +245,7 @@ fn a_wrong_password_port_or_url_at_start_names_the_setting_and_the_fix() {
     let pg = Postgres::shared();
     let url = pg.new_database();
     let wrong_password = url.replace(tandem_tests::postgres::PASSWORD, "not-the-password");
-    let err = PgStore::open(&wrong_password, "[store] url")
+    let err = PgStore::open(&wrong_password, "[store] url", &Default::default())
         .err()
         .unwrap()
         .to_string();
@@ -262,6 +262,7 @@ fn a_wrong_password_port_or_url_at_start_names_the_setting_and_the_fix() {
     let err = PgStore::open(
         &format!("postgres://postgres:x@127.0.0.1:{port}/db"),
         "TANDEM_STORE_URL",
+        &Default::default(),
     )
     .err()
     .unwrap();
@@ -271,7 +272,7 @@ fn a_wrong_password_port_or_url_at_start_names_the_setting_and_the_fix() {
         text.contains("cannot reach the database") && text.contains("check TANDEM_STORE_URL"),
         "{text}"
     );
-    let err = PgStore::open("postgres://[bad", "--store")
+    let err = PgStore::open("postgres://[bad", "--store", &Default::default())
         .err()
         .unwrap()
         .to_string();
@@ -281,7 +282,7 @@ fn a_wrong_password_port_or_url_at_start_names_the_setting_and_the_fix() {
         tandem_tests::postgres::PASSWORD,
         pg.port()
     );
-    let err = PgStore::open(&missing, "--store")
+    let err = PgStore::open(&missing, "--store", &Default::default())
         .err()
         .unwrap()
         .to_string();
@@ -296,7 +297,9 @@ fn daemons_starting_together_migrate_the_schema_once() {
     let url = Postgres::shared().new_database();
     let opened: Vec<_> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..4)
-            .map(|_| s.spawn(|| PgStore::open(&url, "the test's URL").map(drop)))
+            .map(|_| {
+                s.spawn(|| PgStore::open(&url, "the test's URL", &Default::default()).map(drop))
+            })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });

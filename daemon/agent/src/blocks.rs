@@ -26,6 +26,9 @@ pub struct SessionSlot {
     /// Sessions whose machine was lost. Each is kept until the slot closes: its workspace
     /// on this machine (its mirror) is where the session that carries on was opened.
     lost: Vec<Box<dyn Session>>,
+    /// Tool calls the code of this slot's blocks made, in all (`[limits]
+    /// code_calls_per_task`).
+    code_calls: Arc<std::sync::atomic::AtomicU32>,
 }
 
 /// Most times one block moves to another machine after losing its sandbox.
@@ -42,6 +45,7 @@ impl SessionSlot {
             pictures: None,
             recent: Vec::new(),
             lost: Vec::new(),
+            code_calls: Arc::default(),
         }
     }
 
@@ -270,13 +274,15 @@ pub struct RunOptions {
     pub code_tools: Option<CodeTools>,
 }
 
-/// Makes the tool handler of one block: `(index, executor, spec on its workspace, options)`.
+/// Makes the tool handler of one block: `(index, executor, spec on its workspace, options,
+/// the task's count of calls from code)`.
 pub type CodeTools = Arc<
     dyn Fn(
             u32,
             Arc<dyn Executor>,
             SessionSpec,
             &RunOptions,
+            Arc<std::sync::atomic::AtomicU32>,
         ) -> tandem_executor::toolchannel::ToolHandler
         + Send
         + Sync,
@@ -498,6 +504,7 @@ pub(crate) async fn run_one(
     let mut moves = 0;
     let outcome = loop {
         let (slot_executor, slot_spec) = (slot.executor.clone(), slot.spec.clone());
+        let counted = slot.code_calls.clone();
         let mut ctx = base.clone();
         let ran = match slot.session(&ctx.cancel).await? {
             Some(session) => {
@@ -512,7 +519,7 @@ pub(crate) async fn run_one(
                         keep_state: false,
                         ..slot_spec
                     };
-                    ctx = ctx.with_tools(make(index, slot_executor, spec, opts));
+                    ctx = ctx.with_tools(make(index, slot_executor, spec, opts, counted));
                 }
                 session.run(req.clone(), ctx).await
             }

@@ -46,8 +46,15 @@ fn not_repeated(
 pub fn code_tools(tools: Option<std::sync::Arc<ToolBox>>) -> Option<blocks::CodeTools> {
     let tools = tools.filter(|t| t.tools().iter().any(|t| t.runs != Runs::Code))?;
     Some(std::sync::Arc::new(
-        move |index, executor, spec, opts: &RunOptions| {
-            code_handler(tools.clone(), executor, spec, index, opts.clone())
+        move |index, executor, spec, opts: &RunOptions, task_calls| {
+            code_handler(
+                tools.clone(),
+                executor,
+                spec,
+                index,
+                opts.clone(),
+                task_calls,
+            )
         },
     ))
 }
@@ -153,8 +160,34 @@ fn told_call(call: &ToolCall, index: u32, opts: &RunOptions) {
         index,
         id: call.id.clone(),
         name: call.name.clone(),
-        arguments: call.arguments.clone(),
+        arguments: stored(&call.arguments),
     });
+}
+
+/// Most bytes of a call's arguments or result kept in its event; the model and the code get
+/// theirs whole, within the channel's own bound.
+pub const STORED_BYTES: usize = 64 << 10;
+
+/// `text` as an event keeps it: whole up to [`STORED_BYTES`], else its head and tail with the
+/// cut marked, as a block's output is.
+fn stored(text: &str) -> String {
+    if text.len() <= STORED_BYTES {
+        return text.to_owned();
+    }
+    let half = STORED_BYTES / 2;
+    let head_end = (0..=half)
+        .rev()
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap_or(0);
+    let tail_start = (text.len() - half..=text.len())
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap_or(text.len());
+    format!(
+        "{}\n[... {} bytes cut: Tandem keeps {STORED_BYTES} bytes of a call ...]\n{}",
+        &text[..head_end],
+        tail_start - head_end,
+        &text[tail_start..]
+    )
 }
 
 /// The answer to `call`, told as its `tool_result`.
@@ -171,7 +204,7 @@ fn answer(
         index,
         id: call.id.clone(),
         name: call.name.clone(),
-        result: content.clone(),
+        result: stored(&content),
         is_error,
         duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
     });
@@ -345,8 +378,13 @@ fn code_handler(
     spec: tandem_executor::SessionSpec,
     index: u32,
     opts: RunOptions,
+    task_calls: std::sync::Arc<std::sync::atomic::AtomicU32>,
 ) -> tandem_executor::toolchannel::ToolHandler {
     let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let (per_block, per_task) = (
+        spec.limits.code_calls_per_block,
+        spec.limits.code_calls_per_task,
+    );
     // Opened at the first command the block's code calls, and kept for the rest of the block.
     let beside = std::sync::Arc::new(Beside {
         executor,
@@ -356,6 +394,7 @@ fn code_handler(
     std::sync::Arc::new(move |name: String, arguments: String| {
         let (tools, beside, opts) = (tools.clone(), beside.clone(), opts.clone());
         let n = calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        let t = task_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
         Box::pin(async move {
             let started = Instant::now();
             let call = ToolCall {
@@ -368,6 +407,28 @@ fn code_handler(
                 let a = answer(&call, index, text, true, started, &opts);
                 Err(a.reply.content)
             };
+            // Past a cap, a call costs nothing: refused at once, and only the first refusal
+            // is stored, so code in a loop cannot fill the store with them.
+            let over = if n > per_block {
+                Some((
+                    n == per_block + 1,
+                    format!(
+                        "error: not run: this block's code has made {per_block} tool calls, the most one block may make (the operator's [limits] code_calls_per_block); do the rest in a later block, or without the tool"
+                    ),
+                ))
+            } else if t > per_task {
+                Some((
+                    t == per_task + 1,
+                    format!(
+                        "error: not run: this task's code has made {per_task} tool calls, the most one task may make (the operator's [limits] code_calls_per_task)"
+                    ),
+                ))
+            } else {
+                None
+            };
+            if let Some((first, text)) = over {
+                return if first { refuse(text) } else { Err(text) };
+            }
             let (tool, args) = match tools.check(&call) {
                 Ok(found) => found,
                 Err(text) => return refuse(text),

@@ -36,3 +36,44 @@ pub struct TaskFiles {
     /// Its files, in path order; empty before its first session opens.
     pub files: Vec<FileInfo>,
 }
+
+/// `name` (a path code in a sandbox chose) as a person may safely read it on one line:
+/// control characters (C0, DEL, C1), line and paragraph separators and the bidirectional
+/// overrides that reorder text are written as `\u{..}` escapes, and a backslash as `\\`,
+/// so no name can move the cursor, retitle a terminal, or forge a line of a listing.
+pub fn shown(name: &str) -> std::borrow::Cow<'_, str> {
+    let unsafe_char = |c: char| {
+        c.is_control()
+            || c == '\\'
+            || matches!(c, '\u{2028}' | '\u{2029}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    };
+    if !name.chars().any(unsafe_char) {
+        return std::borrow::Cow::Borrowed(name);
+    }
+    let mut out = String::with_capacity(name.len() + 8);
+    for c in name.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            c if unsafe_char(c) => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shown;
+
+    #[test]
+    fn names_with_escapes_and_newlines_stay_on_one_inert_line() {
+        assert_eq!(shown("chart.png"), "chart.png");
+        assert_eq!(
+            shown("a\u{1b}]0;pwned\u{7}\u{1b}[2J\n   9 B  forged.txt"),
+            "a\\u{1b}]0;pwned\\u{7}\\u{1b}[2J\\u{a}   9 B  forged.txt"
+        );
+        assert_eq!(shown("r\u{202e}gnp.exe"), "r\\u{202e}gnp.exe");
+        assert_eq!(shown("back\\slash"), "back\\\\slash");
+        assert_eq!(shown("c1\u{9b}31m"), "c1\\u{9b}31m");
+    }
+}

@@ -39,6 +39,10 @@ pub struct FilesConfig {
     pub keep: Duration,
     /// Most bytes all tasks' workspaces may hold; the oldest finished ones go first.
     pub max_total_bytes: u64,
+    /// Most bytes one task's workspace counts for: a task over it cannot push others' files
+    /// out, and once finished it loses its own first. Also the most a `?format=tar` download
+    /// of it may write.
+    pub max_task_bytes: u64,
     /// What one upload may hold.
     pub upload: ArchiveCaps,
 }
@@ -304,13 +308,17 @@ impl Files {
     /// Opens the file at `path` in `task`'s workspace, with its size; links are refused.
     pub fn open(&self, task: &str, path: &str) -> Result<(std::fs::File, u64), FilesError> {
         let work = self.task_dir(task).join("work");
+        let shown = tandem_protocol::files::shown(path);
         archive::read(&work, path).map_err(|e| match e {
             ArchiveError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
                 FilesError::NotFound(format!(
-                    "task {task} has no file `{path}`; GET /v1/tasks/{task}/files lists its files"
+                    "task {task} has no file `{shown}`; GET /v1/tasks/{task}/files lists its files"
                 ))
             }
-            other => FilesError::NotFound(format!("`{path}` cannot be read: {other}")),
+            other => FilesError::NotFound(format!(
+                "`{shown}` cannot be read: {}",
+                tandem_protocol::files::shown(&other.to_string())
+            )),
         })
     }
 
@@ -321,8 +329,10 @@ impl Files {
         let mut out = tempfile::tempfile_in(&self.config.root)
             .map_err(FilesError::io("packing the workspace"))?;
         if work.is_dir() {
+            // Bounded as the workspace's share of the disk is: a sparse file cannot make a
+            // download write more than a task may hold.
             let caps = ArchiveCaps {
-                max_bytes: u64::MAX,
+                max_bytes: self.config.max_task_bytes,
                 max_entries: 100_000,
             };
             archive::pack(&work, "", &mut out, caps)
@@ -374,13 +384,17 @@ impl Files {
                 }
                 continue;
             };
-            let size = size_of(&dir.path());
+            let held = size_of(&dir.path(), self.config.max_task_bytes);
+            // A task counts for no more than its own cap: past it, it cannot push another
+            // task's files out, only lose its own.
+            let size = held.min(self.config.max_task_bytes);
             total = total.saturating_add(size);
             if let Some(done) = record
                 .finished_ms
                 .filter(|_| record.files_removed_ms.is_none())
             {
-                if ms(now).saturating_sub(done) > self.config.keep.as_millis() as u64 {
+                let expired = ms(now).saturating_sub(done) > self.config.keep.as_millis() as u64;
+                if expired || held > self.config.max_task_bytes {
                     if self.remove(&name, store, true) {
                         total = total.saturating_sub(size);
                         removed.push(name);
@@ -421,7 +435,7 @@ impl Files {
     }
 
     fn remove(&self, task: &str, store: &dyn TaskStore, note: bool) -> bool {
-        match std::fs::remove_dir_all(self.task_dir(task)) {
+        match tandem_executor::keeper::remove_tree(&self.task_dir(task)) {
             Ok(()) => {}
             Err(e) => {
                 tracing::warn!(task, error = %e, "retention could not remove the task's files");
@@ -456,26 +470,22 @@ fn ms(t: SystemTime) -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// Bytes of the regular files beneath `dir`, following no link.
-fn size_of(dir: &Path) -> u64 {
-    let mut total = 0;
-    let mut stack = vec![dir.to_owned()];
-    while let Some(dir) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        for entry in entries.filter_map(Result::ok) {
-            match entry.file_type() {
-                Ok(t) if t.is_dir() => stack.push(entry.path()),
-                Ok(t) if t.is_file() => {
-                    total += entry.metadata().map_or(0, |m| m.len());
-                }
-                _ => {}
-            }
+/// Bytes `dir` holds on disk (allocated blocks, so a sparse file weighs what it costs),
+/// following no link; a tree too wide or deep to measure within the entry bound counts as
+/// over `cap`.
+fn size_of(dir: &Path, cap: u64) -> u64 {
+    match tandem_executor::keeper::usage(dir, MEASURE_ENTRIES) {
+        Ok(usage) if usage.capped => usage.allocated.max(cap.saturating_add(1)),
+        Ok(usage) => usage.allocated,
+        Err(e) => {
+            tracing::warn!(dir = %dir.display(), error = %e, "retention could not measure a task's files");
+            0
         }
     }
-    total
 }
+
+/// Most entries of one task's files retention measures.
+const MEASURE_ENTRIES: u64 = 1_000_000;
 
 /// The media type a workspace file is served as, and whether a browser may show it.
 pub fn media_type(path: &str) -> (&'static str, bool) {

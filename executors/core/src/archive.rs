@@ -9,11 +9,14 @@
 //! directories there, never following a link.
 
 use std::io::{Read, Write};
+use std::os::fd::BorrowedFd;
 use std::path::{Component, Path, PathBuf};
 
 use cap_fs_ext::DirExt as _;
 use cap_std::ambient_authority;
 use cap_std::fs::Dir;
+
+use crate::keeper;
 
 /// How much one archive may bring in or take out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -146,33 +149,36 @@ pub fn unpack_beneath(
 
 /// Removes the file or directory tree at `rel` in `workspace`, never following a link on
 /// the way (a link itself is removed, not what it leads to); one already gone is no error.
+/// The tree is removed by the keeper, without recursion, however deep it is.
 pub fn remove_beneath(workspace: &Path, rel: &str) -> Result<(), ArchiveError> {
     let path = inside(rel)?;
-    let io = |source| ArchiveError::Io {
+    let dir = open(workspace)?;
+    remove_rel(&dir, &path).map_err(|source| ArchiveError::Io {
         path: rel.to_owned(),
         source,
+    })
+}
+
+/// Removes `rel` beneath `dir` (see [`remove_beneath`]); a parent that is not a directory
+/// (or is a link) means there is nothing there to remove.
+fn remove_rel(dir: &Dir, rel: &Path) -> std::io::Result<()> {
+    use std::os::fd::AsFd as _;
+    let (Some(parent), Some(name)) = (rel.parent(), rel.file_name()) else {
+        return Ok(());
     };
-    let mut dir = open(workspace)?;
-    let mut parts = path.components().peekable();
-    while let Some(part) = parts.next() {
-        let meta = match dir.symlink_metadata(part) {
-            Ok(meta) => meta,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(io(e)),
-        };
-        if parts.peek().is_none() {
-            return if meta.is_dir() {
-                dir.remove_dir_all(part).map_err(io)
-            } else {
-                dir.remove_file(part).map_err(io)
-            };
-        }
-        if !meta.is_dir() {
+    let parent = match keeper::open_dir_beneath(dir.as_fd(), parent) {
+        Ok(fd) => fd,
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(nix::libc::ENOENT | nix::libc::ENOTDIR | nix::libc::ELOOP)
+            ) =>
+        {
             return Ok(());
         }
-        dir = dir.open_dir_nofollow(part).map_err(io)?;
-    }
-    Ok(())
+        Err(e) => return Err(e),
+    };
+    keeper::remove_at(parent.as_fd(), name)
 }
 
 fn unpack_dir(
@@ -182,7 +188,7 @@ fn unpack_dir(
     archive: impl Read,
     caps: ArchiveCaps,
 ) -> Result<Vec<ArchivedFile>, ArchiveError> {
-    let mut archive = tar::Archive::new(archive);
+    let mut archive = tar::Archive::new(MetaGuard::new(archive));
     let mut placed = Vec::new();
     let (mut entries, mut bytes) = (0usize, 0u64);
     for entry in archive.entries().map_err(ArchiveError::Malformed)? {
@@ -226,7 +232,7 @@ fn unpack_dir(
         // A link (or anything else) at the file's own name is replaced, not written through;
         // in a sandbox's copy a directory there was replaced by this file.
         match dir.symlink_metadata(&rel) {
-            Ok(m) if lenient && m.is_dir() => dir.remove_dir_all(&rel).map_err(io)?,
+            Ok(m) if lenient && m.is_dir() => remove_rel(dir, &rel).map_err(io)?,
             Ok(m) if !m.file_type().is_file() => dir.remove_file(&rel).map_err(io)?,
             _ => {}
         }
@@ -254,7 +260,7 @@ pub fn inspect(
     archive: impl Read,
     caps: ArchiveCaps,
 ) -> Result<(Vec<ArchivedFile>, String), ArchiveError> {
-    let mut archive = tar::Archive::new(archive);
+    let mut archive = tar::Archive::new(MetaGuard::new(archive));
     let mut files = Vec::new();
     let mut listing = Listing::default();
     let (mut entries, mut bytes) = (0usize, 0u64);
@@ -359,6 +365,153 @@ fn admit<R: Read>(entry: &tar::Entry<'_, R>) -> Result<Admitted, ArchiveError> {
     })
 }
 
+/// Most bytes of one GNU long name or link, or pax header, an archive may carry: far over
+/// any path a file system holds, far under what the tar reader would otherwise buffer whole.
+pub const MAX_META_BYTES: u64 = 64 << 10;
+
+/// A tar stream passed through as it is read, with every header looked at before the tar
+/// reader sees it: an entry that only carries metadata (a GNU long name or link, a pax
+/// header) and claims more than [`MAX_META_BYTES`] is refused there, before a byte of it is
+/// buffered. Tracks entries' boundaries itself, GNU sparse headers' extensions included.
+struct MetaGuard<R> {
+    inner: R,
+    state: Guard,
+    /// A header read whole, and how much of it was handed on.
+    header: [u8; 512],
+    handed: usize,
+}
+
+#[derive(Clone, Copy)]
+enum Guard {
+    /// At the start of a header.
+    Header { sparse_ext: bool },
+    /// Passing a header on, then `data` bytes (padded) of its entry.
+    Passing { data: u64, sparse_ext: bool },
+    /// Inside an entry's data.
+    Data { left: u64 },
+}
+
+impl<R: Read> MetaGuard<R> {
+    fn new(inner: R) -> Self {
+        Self {
+            inner,
+            state: Guard::Header { sparse_ext: false },
+            header: [0; 512],
+            handed: 0,
+        }
+    }
+
+    /// Reads the next header whole; `false` at a clean end of the stream.
+    fn fill_header(&mut self) -> std::io::Result<bool> {
+        let mut got = 0;
+        while got < 512 {
+            match self.inner.read(&mut self.header[got..]) {
+                Ok(0) if got == 0 => return Ok(false),
+                Ok(0) => {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        "the archive ends inside a header",
+                    ));
+                }
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// The value of a tar numeric field: octal text, or base-256 when its top bit is set.
+fn tar_number(field: &[u8]) -> u64 {
+    if field.first().is_some_and(|b| b & 0x80 != 0) {
+        return field.iter().enumerate().fold(0u64, |n, (i, b)| {
+            let b = if i == 0 { b & 0x7f } else { *b };
+            n.checked_mul(256).map_or(u64::MAX, |n| n | u64::from(b))
+        });
+    }
+    field
+        .iter()
+        .skip_while(|b| **b == b' ' || **b == 0)
+        .take_while(|b| (b'0'..=b'7').contains(*b))
+        .fold(0u64, |n, b| {
+            n.saturating_mul(8).saturating_add(u64::from(b - b'0'))
+        })
+}
+
+impl<R: Read> Read for MetaGuard<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        loop {
+            match self.state {
+                Guard::Header { sparse_ext } => {
+                    if !self.fill_header()? {
+                        return Ok(0);
+                    }
+                    self.handed = 0;
+                    let h = &self.header;
+                    if sparse_ext {
+                        // A GNU sparse extension block: 512 bytes, another follows if flagged.
+                        self.state = Guard::Passing {
+                            data: 0,
+                            sparse_ext: h[504] != 0,
+                        };
+                        continue;
+                    }
+                    let kind = h[156];
+                    let size = tar_number(&h[124..136]);
+                    if matches!(kind, b'L' | b'K' | b'x' | b'g') && size > MAX_META_BYTES {
+                        return Err(std::io::Error::new(
+                            std::io::ErrorKind::InvalidData,
+                            format!(
+                                "an entry carries a {size} byte name or extended header; at most {MAX_META_BYTES} bytes are taken"
+                            ),
+                        ));
+                    }
+                    self.state = Guard::Passing {
+                        data: size.div_ceil(512).saturating_mul(512),
+                        sparse_ext: kind == b'S' && h[482] != 0,
+                    };
+                }
+                Guard::Passing { data, sparse_ext } => {
+                    if self.handed == 512 {
+                        self.state = if data > 0 {
+                            Guard::Data { left: data }
+                        } else {
+                            Guard::Header { sparse_ext }
+                        };
+                        if sparse_ext && data > 0 {
+                            // Extension blocks come before the data; rare enough to refuse.
+                            return Err(std::io::Error::new(
+                                std::io::ErrorKind::InvalidData,
+                                "a sparse entry's extension blocks are not taken",
+                            ));
+                        }
+                        continue;
+                    }
+                    let n = buf.len().min(512 - self.handed);
+                    buf[..n].copy_from_slice(&self.header[self.handed..self.handed + n]);
+                    self.handed += n;
+                    return Ok(n);
+                }
+                Guard::Data { left } => {
+                    let want = usize::try_from(left).unwrap_or(usize::MAX).min(buf.len());
+                    let n = self.inner.read(&mut buf[..want])?;
+                    if n == 0 {
+                        return Ok(0);
+                    }
+                    let left = left - n as u64;
+                    self.state = if left == 0 {
+                        Guard::Header { sparse_ext: false }
+                    } else {
+                        Guard::Data { left }
+                    };
+                    return Ok(n);
+                }
+            }
+        }
+    }
+}
+
 /// Whether `entry`'s header claims more than `left` bytes. Checked before anything is
 /// written, so a huge claim costs nothing; the bytes are counted again as they arrive, so a
 /// header that lies is no way round the cap.
@@ -427,7 +580,7 @@ pub fn pack_owned(
                         max: caps.max_bytes,
                     });
                 }
-                let file = open_file(dir, path).map_err(io)?;
+                let file = open_file(dir, path)?;
                 header.set_entry_type(tar::EntryType::Regular);
                 header.set_mode(0o644);
                 header.set_size(size);
@@ -545,41 +698,31 @@ pub fn list(workspace: &Path, max_entries: usize) -> Result<Vec<ListedFile>, Arc
 
 /// Opens the regular file `rel` of `workspace` for reading, with its size. A link anywhere
 /// on the way is refused rather than followed, so a link planted by code in the session
-/// leads nowhere, inside or out.
+/// leads nowhere, inside or out; a FIFO or device there is refused without waiting on it.
 pub fn read(workspace: &Path, rel: &str) -> Result<(std::fs::File, u64), ArchiveError> {
+    use std::os::fd::AsFd as _;
     let path = inside(rel)?;
-    let io = |source| ArchiveError::Io {
-        path: rel.to_owned(),
-        source,
-    };
-    let mut dir = open(workspace)?;
-    let mut parts = path.components().peekable();
-    while let Some(part) = parts.next() {
-        let meta = dir.symlink_metadata(part).map_err(io)?;
-        if meta.file_type().is_symlink() {
-            return Err(ArchiveError::NotRegular {
-                path: rel.to_owned(),
-                kind: "symbolic link",
-            });
-        }
-        if parts.peek().is_none() {
-            if !meta.is_file() {
-                return Err(ArchiveError::NotRegular {
-                    path: rel.to_owned(),
-                    kind: if meta.is_dir() {
-                        "directory"
-                    } else {
-                        "special entry"
-                    },
-                });
-            }
-            let file = open_file(&dir, Path::new(part.as_os_str())).map_err(io)?;
-            let len = file.metadata().map_err(io)?.len();
-            return Ok((file, len));
-        }
-        dir = dir.open_dir_nofollow(part).map_err(io)?;
-    }
-    Err(ArchiveError::Outside(rel.to_owned()))
+    let dir = open(workspace)?;
+    let (file, entry) = open_checked(dir.as_fd(), &path, rel)?;
+    Ok((file, entry.len))
+}
+
+/// [`keeper::open_regular`], its refusals as [`ArchiveError`]s naming `shown`.
+fn open_checked(
+    dir: std::os::fd::BorrowedFd<'_>,
+    path: &Path,
+    shown: &str,
+) -> Result<(std::fs::File, keeper::Entry), ArchiveError> {
+    keeper::open_regular(dir, path).map_err(|e| match e {
+        keeper::OpenError::NotRegular(kind) => ArchiveError::NotRegular {
+            path: shown.to_owned(),
+            kind,
+        },
+        keeper::OpenError::Io(source) => ArchiveError::Io {
+            path: shown.to_owned(),
+            source,
+        },
+    })
 }
 
 /// The media type of a picture file, by its name's extension; `None` for anything else.
@@ -604,77 +747,88 @@ enum Found {
 
 /// Visits the directories and regular files beneath `rel` in `workspace` (all of it when
 /// `rel` is empty or `.`), in path order, parents first; links and special files are
-/// skipped, never followed. `visit` gets the directory handle of the workspace.
+/// skipped, never followed. The keeper walks, iteratively, at most `max_entries` entries
+/// read in all and no path longer than [`keeper::MAX_PATH_BYTES`]; `visit` gets the handle
+/// of the directory the entry is in.
 fn walk(
     workspace: &Path,
     rel: &str,
     max_entries: usize,
-    mut visit: impl FnMut(&Dir, &Path, Found) -> Result<(), ArchiveError>,
+    mut visit: impl FnMut(BorrowedFd<'_>, &Path, Found) -> Result<(), ArchiveError>,
 ) -> Result<(), ArchiveError> {
+    use std::os::fd::AsFd as _;
     let dir = open(workspace)?;
     let start = match rel.trim() {
         "" | "." => PathBuf::new(),
         other => inside(other)?,
     };
-    let mut entries = 0usize;
-    let mut stack = vec![start];
-    while let Some(path) = stack.pop() {
+    let found = |entry: keeper::Entry| match entry.kind {
+        keeper::Kind::Dir => Some(Found::Dir),
+        keeper::Kind::File => Some(Found::File {
+            bytes: entry.len,
+            modified_ms: entry.modified_ms,
+        }),
+        // Links, sockets, FIFOs and devices stay where they are.
+        keeper::Kind::Link | keeper::Kind::Special => None,
+    };
+    if !start.as_os_str().is_empty() {
+        // The start itself: a file is the whole walk; a directory is visited, then entered.
+        let parent = start.parent().unwrap_or(Path::new(""));
         let io = |source| ArchiveError::Io {
-            path: path.display().to_string(),
+            path: start.display().to_string(),
             source,
         };
-        let top = path.as_os_str().is_empty();
-        let meta = if top {
-            dir.dir_metadata().map_err(io)?
-        } else {
-            dir.symlink_metadata(&path).map_err(io)?
-        };
-        entries += 1;
-        if entries > max_entries {
-            return Err(ArchiveError::TooMany(max_entries));
+        let parent_fd = keeper::open_dir_beneath(dir.as_fd(), parent).map_err(io)?;
+        let name = start.file_name().unwrap_or_default();
+        let stat =
+            nix::sys::stat::fstatat(&parent_fd, name, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW)
+                .map_err(|e| io(e.into()))?;
+        let entry = keeper::Entry::from_stat(&stat);
+        match found(entry) {
+            Some(Found::Dir) => visit(parent_fd.as_fd(), &start, Found::Dir)?,
+            Some(file) => return visit(parent_fd.as_fd(), &start, file),
+            None => return Ok(()),
         }
-        if meta.is_dir() {
-            let sub = if top {
-                dir.try_clone().map_err(io)?
-            } else {
-                visit(&dir, &path, Found::Dir)?;
-                dir.open_dir_nofollow(&path).map_err(io)?
-            };
-            let mut names: Vec<PathBuf> = sub
-                .entries()
-                .map_err(io)?
-                .filter_map(Result::ok)
-                .map(|e| path.join(e.file_name()))
-                .collect();
-            names.sort();
-            stack.extend(names.into_iter().rev());
-        } else if meta.is_file() {
-            let modified_ms = meta
-                .modified()
-                .ok()
-                .and_then(|t| t.into_std().duration_since(std::time::UNIX_EPOCH).ok())
-                .map_or(0, |d| d.as_millis() as u64);
-            visit(
-                &dir,
-                &path,
-                Found::File {
-                    bytes: meta.len(),
-                    modified_ms,
-                },
-            )?;
-        }
-        // Links, sockets, FIFOs and devices stay where they are.
     }
-    Ok(())
+    let caps = keeper::WalkCaps {
+        max_entries,
+        sorted: true,
+        max_path: Some(keeper::MAX_PATH_BYTES),
+    };
+    let mut failed = None;
+    let walked = keeper::walk(dir.as_fd(), &start, caps, |parent, path, entry| {
+        let Some(found) = found(entry) else {
+            return Ok(keeper::Step::Skip);
+        };
+        match visit(parent, path, found) {
+            Ok(()) => Ok(keeper::Step::Enter),
+            Err(e) => {
+                failed = Some(e);
+                Err(std::io::Error::other("stopped"))
+            }
+        }
+    });
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    walked.map_err(|e| match e {
+        keeper::WalkError::TooMany(max) => ArchiveError::TooMany(max),
+        keeper::WalkError::Io { path, source } => ArchiveError::Io {
+            path: path.display().to_string(),
+            source,
+        },
+        other => ArchiveError::Io {
+            path: rel.to_owned(),
+            source: std::io::Error::other(other.to_string()),
+        },
+    })
 }
 
-/// Opens `path` beneath `dir` for reading without following a link at its last part (the
-/// parts before it were checked or are opened beneath the handle).
-fn open_file(dir: &Dir, path: &Path) -> std::io::Result<std::fs::File> {
-    use cap_fs_ext::{FollowSymlinks, OpenOptionsFollowExt as _};
-    let mut options = cap_std::fs::OpenOptions::new();
-    options.read(true).follow(FollowSymlinks::No);
-    Ok(dir.open_with(path, &options)?.into_std())
+/// Opens the regular file `path` (its last component, beneath `dir`, the handle of the
+/// directory it is in) for reading, through the keeper: no link, no FIFO.
+fn open_file(dir: BorrowedFd<'_>, path: &Path) -> Result<std::fs::File, ArchiveError> {
+    let name = Path::new(path.file_name().unwrap_or_default());
+    open_checked(dir, name, &path.display().to_string()).map(|(file, _)| file)
 }
 
 /// Most lines of a text file [`inspect`] shows.
@@ -896,6 +1050,63 @@ mod tests {
         // Nothing landed beside the workspace or in it.
         assert!(!base.path().join("escaped.txt").exists());
         assert_eq!(std::fs::read_dir(&ws).unwrap().count(), 0);
+    }
+
+    /// A reader that gives `n` zero bytes and counts how many were taken.
+    struct Zeros {
+        left: u64,
+        taken: std::rc::Rc<std::cell::Cell<u64>>,
+    }
+
+    impl Read for Zeros {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = usize::try_from(self.left)
+                .unwrap_or(usize::MAX)
+                .min(buf.len());
+            buf[..n].fill(b'a');
+            self.left -= n as u64;
+            self.taken.set(self.taken.get() + n as u64);
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn a_long_name_entry_is_refused_before_it_is_buffered() {
+        // A GNU long name of 200 MiB, as the upload that grew the daemon to 3 GiB sent it.
+        for kind in [b'L', b'x', b'K', b'g'] {
+            let mut header = tar::Header::new_gnu();
+            header.as_old_mut().name[..13].copy_from_slice(b"././@LongLink");
+            header.set_size(200 << 20);
+            header.set_entry_type(tar::EntryType::new(kind));
+            header.set_cksum();
+            let taken = std::rc::Rc::new(std::cell::Cell::new(0));
+            let body = Zeros {
+                left: 200 << 20,
+                taken: taken.clone(),
+            };
+            let stream = std::io::Read::chain(&header.as_bytes()[..], body);
+            let err = inspect(stream, ArchiveCaps::default())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("209715200 byte name or extended header"),
+                "{err}"
+            );
+            assert_eq!(taken.get(), 0, "not a byte of the name was read");
+        }
+        // A long name within the bound still works.
+        let long = "d/".repeat(200) + "f.txt";
+        let mut out = Vec::new();
+        let mut builder = tar::Builder::new(&mut out);
+        let mut header = tar::Header::new_gnu();
+        header.set_size(2);
+        header.set_mode(0o644);
+        builder.append_data(&mut header, &long, &b"ok"[..]).unwrap();
+        builder.finish().unwrap();
+        drop(builder);
+        let (_base, ws) = workspace();
+        let placed = unpack_into(&ws, &out[..], ArchiveCaps::default()).unwrap();
+        assert_eq!(placed[0].path, PathBuf::from(&long));
     }
 
     #[test]

@@ -82,24 +82,10 @@ impl KeptSession {
                 source,
             }
         };
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir(&dir).map_err(io("making .tandem"))?;
-        {
-            use std::os::unix::fs::PermissionsExt;
-            // The block may run as another user (Docker): the FIFOs are the session's own.
-            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777))
-                .map_err(io("opening .tandem"))?;
-        }
-        for name in ["in", "out", "ctl"] {
-            nix::unistd::mkfifo(
-                &dir.join(name),
-                nix::sys::stat::Mode::from_bits_truncate(0o666),
-            )
-            .map_err(|e| io("making a FIFO")(std::io::Error::from(e)))?;
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(dir.join(name), std::fs::Permissions::from_mode(0o666))
-                .map_err(io("opening a FIFO"))?;
-        }
+        let fifos = tokio::task::spawn_blocking(move || make_fifos(&dir))
+            .await
+            .map_err(|e| ExecError::Backend(format!("making the kept interpreter's FIFOs: {e}")))?
+            .map_err(io("making .tandem"))?;
         let mut spec = self.spec.clone();
         spec.workdir = workspace;
         spec.inputs = None;
@@ -130,7 +116,7 @@ impl KeptSession {
         let guard = stop.clone().drop_guard();
         let started = Instant::now();
         let input = loop {
-            match pipe::OpenOptions::new().open_sender(dir.join("in")) {
+            match fifos.open("in", true).and_then(Fifo::sender) {
                 Ok(sender) => break sender,
                 // No reader yet: the interpreter is still starting.
                 Err(e) if e.raw_os_error() == Some(nix::libc::ENXIO) => {}
@@ -158,11 +144,12 @@ impl KeptSession {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         };
-        let output = pipe::OpenOptions::new()
-            .open_receiver(dir.join("out"))
+        let output = fifos
+            .open("out", false)
+            .and_then(Fifo::receiver)
             .map_err(io("opening the output"))?;
         let control = loop {
-            match pipe::OpenOptions::new().open_sender(dir.join("ctl")) {
+            match fifos.open("ctl", true).and_then(Fifo::sender) {
                 Ok(sender) => break sender,
                 Err(e) if e.raw_os_error() == Some(nix::libc::ENXIO) => {}
                 Err(e) => return Err(io("opening the control")(e)),
@@ -415,6 +402,95 @@ impl Session for KeptSession {
     ) -> BoxFuture<'_, Result<Vec<crate::archive::ArchivedFile>, ExecError>> {
         self.inner.put_archive(archive, caps)
     }
+}
+
+/// `.tandem/` of a workspace, held open: the kept interpreter's FIFOs are made and opened
+/// beneath this handle, never by a path a block could have turned into a link.
+struct Fifos(std::os::fd::OwnedFd);
+
+/// One of the FIFOs, opened without blocking and checked to be one.
+struct Fifo(std::os::fd::OwnedFd);
+
+impl Fifos {
+    fn open(&self, name: &str, write: bool) -> std::io::Result<Fifo> {
+        use nix::fcntl::OFlag;
+        let access = if write {
+            OFlag::O_WRONLY
+        } else {
+            OFlag::O_RDONLY
+        };
+        let fd = nix::fcntl::openat(
+            &self.0,
+            name,
+            access | OFlag::O_NONBLOCK | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )?;
+        let stat = nix::sys::stat::fstat(&fd)?;
+        if stat.st_mode & nix::libc::S_IFMT != nix::libc::S_IFIFO {
+            return Err(std::io::Error::other(format!(
+                ".tandem/{name} is no longer the interpreter's FIFO"
+            )));
+        }
+        Ok(Fifo(fd))
+    }
+}
+
+impl Fifo {
+    fn sender(self) -> std::io::Result<pipe::Sender> {
+        pipe::Sender::from_owned_fd(self.0)
+    }
+
+    fn receiver(self) -> std::io::Result<pipe::Receiver> {
+        pipe::Receiver::from_owned_fd(self.0)
+    }
+}
+
+/// Makes `dir` afresh (whatever a block left there is removed by the keeper, however deep)
+/// with the FIFOs `in`, `out` and `ctl`, every step beneath a handle: the directory is made,
+/// then opened without following a link and checked to be the one made; each FIFO's mode is
+/// set through a descriptor of it. The directory is world-writable with the sticky bit, as
+/// `/tmp` is: a block that runs as another user (Docker) can open the FIFOs, and none but
+/// their owner can rename or replace them.
+fn make_fifos(dir: &Path) -> std::io::Result<Fifos> {
+    use nix::fcntl::OFlag;
+    use nix::sys::stat::Mode;
+    use std::os::fd::AsFd as _;
+    let (Some(parent), Some(name)) = (dir.parent(), dir.file_name()) else {
+        return Err(std::io::Error::other("no directory for the FIFOs"));
+    };
+    let parent = crate::keeper::open_root(parent)?;
+    crate::keeper::remove_at(parent.as_fd(), name)?;
+    nix::sys::stat::mkdirat(&parent, name, Mode::from_bits_truncate(0o700))?;
+    let fd = nix::fcntl::openat(
+        &parent,
+        name,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )?;
+    nix::sys::stat::fchmod(&fd, Mode::from_bits_truncate(0o1777))?;
+    for fifo in ["in", "out", "ctl"] {
+        nix::unistd::mkfifoat(&fd, fifo, Mode::from_bits_truncate(0o600))?;
+        let opened = nix::fcntl::openat(
+            &fd,
+            fifo,
+            OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )?;
+        let stat = nix::sys::stat::fstat(&opened)?;
+        if stat.st_mode & nix::libc::S_IFMT != nix::libc::S_IFIFO {
+            return Err(std::io::Error::other(format!(
+                ".tandem/{fifo} was replaced while it was made"
+            )));
+        }
+        // An O_PATH descriptor takes no fchmod; its magic link names exactly this FIFO.
+        use std::os::fd::AsRawFd as _;
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(
+            format!("/proc/self/fd/{}", opened.as_raw_fd()),
+            std::fs::Permissions::from_mode(0o666),
+        )?;
+    }
+    Ok(Fifos(fd))
 }
 
 #[cfg(test)]

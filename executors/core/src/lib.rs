@@ -25,6 +25,7 @@ pub mod archive;
 pub mod budget;
 mod capture;
 mod error;
+pub mod keeper;
 pub mod kept;
 mod language;
 mod limits;

@@ -22,6 +22,10 @@ pub struct Limits {
     pub output_bytes: usize,
     /// Most code blocks of one reply that run; the model is told the rest were not run.
     pub blocks_per_reply: usize,
+    /// Most tool calls one block's code may make; past it each call fails at once, told.
+    pub code_calls_per_block: u32,
+    /// Most tool calls all the blocks of one task may make together.
+    pub code_calls_per_task: u32,
 }
 
 /// Code blocks of one reply that run unless the operator says otherwise: more than a model
@@ -38,6 +42,8 @@ impl Default for Limits {
             open_files: Some(1024),
             output_bytes: 64 << 10,
             blocks_per_reply: DEFAULT_BLOCKS_PER_REPLY,
+            code_calls_per_block: 100,
+            code_calls_per_task: 1000,
         }
     }
 }

@@ -6,9 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use tempfile::TempDir;
-
-use crate::{ExecError, owner};
+use crate::{ExecError, keeper, owner};
 
 /// This process's root for `prefix`: `$TMPDIR/<prefix><pid>-<start-time>`.
 pub fn process_root(prefix: &str) -> PathBuf {
@@ -24,15 +22,53 @@ pub fn process_root_in(base: &Path, prefix: &str) -> PathBuf {
     ))
 }
 
+/// A temporary directory that code in a sandbox may have shaped: removed, when closed or
+/// dropped, by the keeper (iteratively, no link followed), never by a recursive delete that
+/// a deep tree would overflow.
+#[derive(Debug)]
+pub struct TempTree {
+    path: PathBuf,
+    removed: bool,
+}
+
+impl TempTree {
+    /// Where it is.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Removes it now, saying whether that worked.
+    pub fn close(mut self) -> std::io::Result<()> {
+        self.removed = true;
+        keeper::remove_tree(&self.path)
+    }
+}
+
+impl Drop for TempTree {
+    fn drop(&mut self) {
+        if !self.removed {
+            let _ = keeper::remove_tree(&self.path);
+        }
+    }
+}
+
 /// A temporary directory inside `root`, which is made (owner-only) when missing: the last
 /// session to close removes `root` again, so a one-shot command leaves nothing in `$TMPDIR`.
-pub fn temp_in(root: &Path, prefix: &str) -> std::io::Result<TempDir> {
+pub fn temp_in(root: &Path, prefix: &str) -> std::io::Result<TempTree> {
     use std::os::unix::fs::DirBuilderExt;
     let make = || match std::fs::DirBuilder::new().mode(0o700).create(root) {
         Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => Err(e),
         _ => Ok(()),
     };
-    let temp = || tempfile::Builder::new().prefix(prefix).tempdir_in(root);
+    let temp = || {
+        tempfile::Builder::new()
+            .prefix(prefix)
+            .tempdir_in(root)
+            .map(|dir| TempTree {
+                path: dir.keep(),
+                removed: false,
+            })
+    };
     make()?;
     match temp() {
         // Another session's close removed the root in between.
@@ -50,7 +86,7 @@ pub fn open_workspace(
     workdir: Option<PathBuf>,
     root: &Path,
     prefix: &str,
-) -> Result<(PathBuf, Option<TempDir>), ExecError> {
+) -> Result<(PathBuf, Option<TempTree>), ExecError> {
     match workdir {
         Some(dir) => {
             let ws_err = |source| ExecError::Workspace {
@@ -76,11 +112,11 @@ pub fn open_workspace(
 
 /// Removes a closing session's temporary directories, then `root` if that left it empty; off
 /// the async workers, since a big workspace takes a while to delete.
-pub async fn remove_dirs(dirs: Vec<TempDir>, root: PathBuf) -> Result<(), ExecError> {
+pub async fn remove_dirs(dirs: Vec<TempTree>, root: PathBuf) -> Result<(), ExecError> {
     tokio::task::spawn_blocking(move || {
         let result = dirs
             .into_iter()
-            .map(TempDir::close)
+            .map(TempTree::close)
             .fold(Ok(()), Result::and);
         remove_root_if_empty(&root);
         result
@@ -115,7 +151,7 @@ pub fn reap_dead_roots_in(base: &Path, prefix: &str) -> usize {
             continue;
         };
         let tag = format!("{}/{pid}:{start}", owner::hostname());
-        if !owner::owner_alive(&tag) && std::fs::remove_dir_all(entry.path()).is_ok() {
+        if !owner::owner_alive(&tag) && keeper::remove_tree(&entry.path()).is_ok() {
             reaped += 1;
         }
     }

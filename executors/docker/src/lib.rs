@@ -409,7 +409,7 @@ impl DockerExecutor {
             }
             remove_container(docker, &id).await;
             if let Some(ws) = labels.get(labels::WORKSPACE) {
-                let _ = std::fs::remove_dir_all(ws);
+                let _ = tandem_executor::keeper::remove_tree(std::path::Path::new(ws));
             }
             reaped += 1;
         }

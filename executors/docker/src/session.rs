@@ -10,12 +10,12 @@ use bollard::query_parameters::{
     KillContainerOptionsBuilder, RenameContainerOptionsBuilder,
 };
 use futures::StreamExt;
+use tandem_executor::scratch::TempTree;
 use tandem_executor::{
     BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Limits, Session, SessionSpec,
     scratch,
 };
 use tandem_executor_runner::{Changes, Conn, Frame, FrameReader, Prepared, READY_LIMIT, Request};
-use tempfile::TempDir;
 use tokio::io::AsyncWriteExt;
 
 use crate::{
@@ -41,7 +41,7 @@ pub(crate) struct DockerSession {
     volume: Option<String>,
     /// The mirror missed a block's changes: the next copy takes the whole workspace.
     resync: bool,
-    owned_workspace: Option<TempDir>,
+    owned_workspace: Option<TempTree>,
     /// A kept workspace's mode before the session opened it to the block's user.
     restore_mode: Option<u32>,
     limits: Limits,
@@ -575,7 +575,7 @@ pub(crate) struct Warm {
     executor: DockerExecutor,
     id: String,
     session_id: String,
-    workspace: Option<TempDir>,
+    workspace: Option<TempTree>,
     volume: Option<String>,
     conn: Option<Conn>,
 }

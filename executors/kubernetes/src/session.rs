@@ -6,12 +6,12 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, AttachParams, AttachedProcess, DynamicObject, PostParams};
+use tandem_executor::scratch::TempTree;
 use tandem_executor::{
     BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Limits, Session, SessionSpec,
     scratch,
 };
 use tandem_executor_runner::{Conn, Frame, FrameReader, Prepared, Request, mirror};
-use tempfile::TempDir;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::{KubernetesError, KubernetesExecutor, claims_resource, sandboxes_resource};
@@ -36,7 +36,7 @@ pub(crate) struct KubeSession {
     pod: PodExec,
     /// The mirror of the pod's workspace on this machine.
     workspace: PathBuf,
-    owned_workspace: Option<TempDir>,
+    owned_workspace: Option<TempTree>,
     /// The mirror missed a block's changes: the next copy takes the whole workspace.
     resync: bool,
     limits: Limits,

@@ -14,12 +14,12 @@ mod run;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
+use tandem_executor::scratch::TempTree;
 use tandem_executor::{
     BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Executor, Language, Limits,
     Session, SessionSpec,
 };
 use tandem_executor::{owner, scratch};
-use tempfile::TempDir;
 
 pub use confine::{Confine, Support};
 use forkserver::ForkServer;
@@ -122,14 +122,25 @@ struct Inner {
 impl Inner {
     /// The confinement policy of a session with `workspace` and `tmp`; an error when it is
     /// required and the kernel cannot apply it.
-    fn policy(&self, workspace: &Path, tmp: &Path) -> Result<Option<confine::Policy>, ExecError> {
+    fn policy(
+        &self,
+        workspace: &Path,
+        tmp: &Path,
+        tools: &Path,
+    ) -> Result<Option<confine::Policy>, ExecError> {
         match (unconfined_because(&self.config), self.config.confine) {
             (None, _) => confine::policy(
                 workspace,
                 tmp,
-                self.readable.get_or_init(|| {
-                    confine::readable(&self.interpreters().prefixes(), &self.config.read_paths)
-                }),
+                &self
+                    .readable
+                    .get_or_init(|| {
+                        confine::readable(&self.interpreters().prefixes(), &self.config.read_paths)
+                    })
+                    .iter()
+                    .cloned()
+                    .chain([tools.to_owned()])
+                    .collect::<Vec<_>>(),
                 self.config.network,
             )
             .map(Some)
@@ -270,13 +281,16 @@ impl Executor for LocalExecutor {
     }
 }
 
+/// Where a session's tools module is, in its scratch directory.
+pub(crate) const TOOLS_DIR: &str = "tools";
+
 /// A workspace directory plus a private scratch directory for TMPDIR.
 struct LocalSession {
     inner: Arc<Inner>,
     workspace: PathBuf,
     /// Owns the workspace when Tandem made it, so it is removed with the session.
-    owned_workspace: Option<TempDir>,
-    scratch: TempDir,
+    owned_workspace: Option<TempTree>,
+    scratch: TempTree,
     limits: Limits,
     blocks: u32,
     /// What confines its blocks; `None` when they run unconfined.
@@ -292,9 +306,15 @@ impl LocalSession {
             path: scratch.path().to_owned(),
             source,
         })?;
+        // The tools module lives beside the block's tmp, not in it: readable by the block,
+        // written once here before any block runs, and never again, so nothing a block
+        // plants can turn a write of Tandem's into one elsewhere on the host.
+        let tools = scratch.path().join(TOOLS_DIR);
+        tandem_executor::toolchannel::install(&tools)
+            .map_err(|e| ExecError::io("installing the tools module", e))?;
         let (workspace, owned_workspace) =
             scratch::open_workspace(spec.workdir, &inner.root, "tandem-workspace-")?;
-        let policy = inner.policy(&workspace, &scratch.path().join("tmp"))?;
+        let policy = inner.policy(&workspace, &scratch.path().join("tmp"), &tools)?;
         Ok(Self {
             inner,
             workspace,

@@ -201,10 +201,7 @@ fn tools_channel(
 ) -> Result<Channel, ExecError> {
     use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
     use tandem_executor::toolchannel;
-    let dir = session.scratch.path().join("tmp/.tandem-tools");
-    if !dir.join("tandem_tools.py").exists() {
-        toolchannel::install(&dir).map_err(|e| ExecError::io("installing the tools module", e))?;
-    }
+    let dir = session.scratch.path().join(crate::TOOLS_DIR);
     let (ours, theirs) = socketpair(
         AddressFamily::Unix,
         SockType::Stream,

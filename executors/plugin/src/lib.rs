@@ -26,11 +26,11 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use tandem_executor::process::{Bounded, bounded};
+use tandem_executor::scratch::TempTree;
 use tandem_executor::{
     BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Executor, ExitStatus, Language,
     Limits, Session, SessionSpec, scratch,
 };
-use tempfile::TempDir;
 
 use rpc::{CallError, Connection, RunOutput};
 pub use wire::PROTOCOL_VERSION;
@@ -406,7 +406,7 @@ struct PluginSession {
     id: String,
     workspace: PathBuf,
     /// Owns the workspace when Tandem made it.
-    owned: Option<TempDir>,
+    owned: Option<TempTree>,
     limits: Limits,
     closed: bool,
 }

@@ -20,6 +20,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tandem_executor::scratch::TempTree;
 use tandem_executor::{
     BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Executor, Language, Limits,
     Session, SessionSpec, scratch,
@@ -562,7 +563,7 @@ struct WasmSession {
     inner: Arc<Inner>,
     workspace: PathBuf,
     /// Owns the workspace when Tandem made it, so it is removed with the session.
-    owned_workspace: Option<TempDir>,
+    owned_workspace: Option<TempTree>,
     limits: Limits,
     blocks: u32,
 }

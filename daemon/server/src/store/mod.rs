@@ -14,7 +14,7 @@ pub use tandem_protocol::task::{TaskRecord, TaskState};
 mod postgres;
 mod sqlite;
 
-pub use postgres::{Imported, PgStore};
+pub use postgres::{Imported, PgStore, StoreSecrets};
 pub use sqlite::Store;
 
 /// One write the store applies in order with others: an event, or a task's new state.

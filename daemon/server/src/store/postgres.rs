@@ -92,7 +92,7 @@ impl Drop for PgStore {
 impl PgStore {
     /// Connects to `url` (`postgres://user:password@host/db`, or key=value pairs) and runs
     /// pending migrations. `setting` names where the URL came from, for the error.
-    pub fn open(url: &str, setting: &str) -> Result<Self> {
+    pub fn open(url: &str, setting: &str, secrets: &StoreSecrets) -> Result<Self> {
         let mut config: tokio_postgres::Config =
             url.parse().map_err(|e| StoreError::Postgres {
                 url: "(unparsed)".to_owned(),
@@ -101,6 +101,17 @@ impl PgStore {
                 ),
                 unreachable: false,
             })?;
+        if config.get_password().is_none() {
+            let found = secrets.password.clone().or_else(|| {
+                secrets
+                    .pgpass
+                    .as_deref()
+                    .and_then(|f| from_pgpass(f, &config))
+            });
+            if let Some(password) = found {
+                config.password(password);
+            }
+        }
         config.connect_timeout(CONNECT_TIMEOUT);
         // A connection the network cut without a word is found out in about 20 s, not the
         // system's two hours: the writer and the leases wait on it.
@@ -1039,6 +1050,73 @@ fn shown(config: &tokio_postgres::Config) -> String {
             .or(config.get_user())
             .unwrap_or("(database)")
     )
+}
+
+/// Where the store's password comes from when its URL has none: never the command line.
+#[derive(Clone, Debug, Default)]
+pub struct StoreSecrets {
+    /// The password itself (from `[store] password_file` or `PGPASSWORD`).
+    pub password: Option<String>,
+    /// A libpq password file (`PGPASSFILE`, else `~/.pgpass`), looked up as libpq does.
+    pub pgpass: Option<std::path::PathBuf>,
+}
+
+/// The password `pgpass` (lines of `host:port:database:user:password`, `*` matching any,
+/// `\:` and `\\` escaped) holds for `config`'s first host, port, database and user. As
+/// libpq, a file others may read is ignored.
+fn from_pgpass(pgpass: &std::path::Path, config: &tokio_postgres::Config) -> Option<String> {
+    use std::os::unix::fs::MetadataExt as _;
+    let meta = std::fs::metadata(pgpass).ok()?;
+    if meta.mode() & 0o077 != 0 {
+        tracing::warn!(file = %pgpass.display(), "the password file is readable by others; it is ignored (chmod 600 it)");
+        return None;
+    }
+    let text = std::fs::read_to_string(pgpass).ok()?;
+    let host = match config.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        _ => "localhost".to_owned(),
+    };
+    let port = config
+        .get_ports()
+        .first()
+        .copied()
+        .unwrap_or(5432)
+        .to_string();
+    let user = config.get_user().unwrap_or_default().to_owned();
+    let db = config.get_dbname().unwrap_or(&user).to_owned();
+    let wanted = [host, port, db, user];
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .find_map(|line| {
+            let fields = pgpass_fields(line);
+            let [h, p, d, u, pw] = <[String; 5]>::try_from(fields).ok()?;
+            [h, p, d, u]
+                .iter()
+                .zip(&wanted)
+                .all(|(field, want)| field == "*" || field == want)
+                .then_some(pw)
+        })
+}
+
+fn pgpass_fields(line: &str) -> Vec<String> {
+    let mut fields = vec![String::new()];
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => {
+                if let (Some(next), Some(field)) = (chars.next(), fields.last_mut()) {
+                    field.push(next);
+                }
+            }
+            ':' if fields.len() < 5 => fields.push(String::new()),
+            c => {
+                if let Some(field) = fields.last_mut() {
+                    field.push(c);
+                }
+            }
+        }
+    }
+    fields
 }
 
 /// A PostgreSQL error as the daemon reports it: what went wrong and what to do.

@@ -1,0 +1,310 @@
+//! The hostile-tree kit: one fixture plants the whole zoo (a tree 100,000 deep, 100,000
+//! entries in one directory, links to `/` and to a host file, FIFOs, sparse files, names with
+//! terminal escapes and newlines, a mode-000 directory) where a block can write, and each road
+//! that touches a workspace is run over it. After each: the daemon answers, the host file is
+//! untouched, and the tree is gone where Tandem removes it. A new road gets the same kit.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tandem_tests::{DaemonHarness as Daemon, Reply, ScriptedOpenAi, script};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tandem");
+
+/// The zoo, as a Python block: planted in the working directory and in `$TMPDIR`, sized by
+/// `DEPTH` and `WIDTH`; `HOST` is a file outside every sandbox the links point at. It prints
+/// `TMPDIR=<path>` so the test can look there after the session closed.
+const ZOO: &str = r#"
+import os, stat
+DEPTH, WIDTH, HOST, TMP_TOO = {depth}, {width}, {host!r}, {tmp_too}
+
+def plant(base):
+    top = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    # Chains of 1000 made side by side, then each moved into the bottom of the one before:
+    # Landlock checks every step of a path, so a chain made in place would cost depth squared.
+    os.mkdir("deep", dir_fd=top)
+    deep = os.open("deep", os.O_RDONLY | os.O_DIRECTORY, dir_fd=top)
+    chains, bottoms = DEPTH // 1000, []
+    for c in range(chains):
+        os.mkdir("c%d" % c, dir_fd=deep)
+        d = os.open("c%d" % c, os.O_RDONLY | os.O_DIRECTORY, dir_fd=deep)
+        for _ in range(999):
+            os.mkdir("d", dir_fd=d)
+            n = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=d)
+            os.close(d)
+            d = n
+        bottoms.append(d)
+    for c in range(chains - 1, 0, -1):
+        os.rename("c%d" % c, "d", src_dir_fd=deep, dst_dir_fd=bottoms[c - 1])
+    for d in bottoms:
+        os.close(d)
+    os.close(deep)
+    os.mkdir("wide", dir_fd=top)
+    w = os.open("wide", os.O_RDONLY | os.O_DIRECTORY, dir_fd=top)
+    for i in range(WIDTH):
+        os.close(os.open(str(i), os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=w))
+    os.close(w)
+    os.symlink("/", "root-link", dir_fd=top)
+    os.symlink(HOST, "host-link", dir_fd=top)
+    os.mkdir("linkdir-parent", dir_fd=top)
+    os.symlink(os.path.dirname(HOST), os.path.join(base, "linkdir-parent", "inner"))
+    os.mkfifo("fifo", dir_fd=top)
+    for i in range(11):
+        with open(os.path.join(base, "sparse-%d" % i), "wb") as f:
+            f.truncate((1 << 30) - 4096)
+    with open(os.path.join(base, "esc\x1b]0;pwned\x07\x1b[2J\n   9 B  forged.txt"), "w") as f:
+        f.write("x")
+    os.mkdir("locked", dir_fd=top)
+    with open(os.path.join(base, "locked", "f"), "w") as f:
+        f.write("x")
+    os.chmod(os.path.join(base, "locked"), 0)
+    os.close(top)
+
+plant(os.getcwd())
+tmp = os.environ.get("TMPDIR", "/tmp")
+if TMP_TOO:
+    os.mkdir(os.path.join(tmp, "zoo"))
+    plant(os.path.join(tmp, "zoo"))
+print("TMPDIR=" + tmp)
+"#;
+
+fn zoo(depth: usize, width: usize, host: &Path, tmp_too: bool) -> Reply {
+    let code = ZOO
+        .replace("{tmp_too}", if tmp_too { "True" } else { "False" })
+        .replace("{depth}", &depth.to_string())
+        .replace("{width}", &width.to_string())
+        .replace("{host!r}", &format!("{:?}", host.display().to_string()));
+    Reply::from(format!("```python\n{code}\n```").as_str())
+}
+
+/// A file outside every sandbox, root-owned and private as the one the attack overwrote.
+fn host_file(dir: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let file = dir.join("host-secret");
+    std::fs::write(&file, b"the host's own").unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    file
+}
+
+fn host_untouched(file: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::read(file).unwrap(), b"the host's own");
+    let mode = std::fs::metadata(file).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let siblings: Vec<_> = std::fs::read_dir(file.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        siblings,
+        [file.file_name().unwrap()],
+        "nothing was made beside it"
+    );
+}
+
+async fn answers(d: &Daemon) {
+    let listed = tokio::time::timeout(Duration::from_secs(30), d.try_get("/v1/tasks")).await;
+    assert!(
+        matches!(listed, Ok(Ok(_))),
+        "the daemon no longer answers: {listed:?}\n{}",
+        d.log()
+    );
+}
+
+async fn status_of(d: &Daemon, path: &str) -> (u16, Vec<u8>) {
+    let resp = tokio::time::timeout(
+        Duration::from_secs(30),
+        d.http().get(format!("http://tandem{path}")).send(),
+    )
+    .await
+    .expect("the request hung")
+    .unwrap();
+    let status = resp.status().as_u16();
+    let body = tokio::time::timeout(Duration::from_secs(60), resp.bytes())
+        .await
+        .expect("the body hung")
+        .unwrap();
+    (status, body.to_vec())
+}
+
+/// The whole zoo on the local executor, through every road the daemon walks: the session's
+/// close (its `$TMPDIR`), the file list (CLI and API), downloads of each kind of entry, the
+/// tar download, and retention. The tree is 100,000 deep and 100,000 wide.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_zoo_through_every_road_of_a_local_task() {
+    let outside = tempfile::tempdir().unwrap();
+    let host = host_file(outside.path());
+    let server = ScriptedOpenAi::start(script([
+        (
+            "plant the zoo",
+            vec![zoo(100_000, 100_000, &host, true), Reply::from("TERMINATE")],
+        ),
+        (
+            "a small task",
+            vec![
+                Reply::from("```sh\nhead -c 300000 /dev/urandom > kept.bin\n```"),
+                Reply::from("TERMINATE"),
+            ],
+        ),
+    ]))
+    .await
+    .unwrap();
+    // Eleven sparse files of 1 GiB claim 11 GiB: over the total cap, were apparent sizes
+    // counted; `max_task_mb` bounds a tar download.
+    let d = Daemon::start(
+        Path::new(BIN),
+        &server.base_url(),
+        &["--executor", "local"],
+        Some("[files]\nmax_total_mb = 4096\nmax_task_mb = 64\nkeep_secs = 3600\n[limits]\nwall = 600\ncpu_secs = 600\n[executors.local]\nconfine = \"off\"\n"),
+    )
+    .await;
+    let small = d.submit(json!({"task": "a small task"})).await;
+    let t = d.wait_finished(&small, Duration::from_secs(120)).await;
+    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    let id = d.submit(json!({"task": "plant the zoo"})).await;
+    let t = d.wait_finished(&id, Duration::from_secs(600)).await;
+    assert_eq!(t["stop_reason"], "terminated", "{t}\n{}", d.log());
+    answers(&d).await;
+    host_untouched(&host);
+
+    // Session close: the block's $TMPDIR, zoo and all, is gone.
+    let events = d.events(&id, 0).await;
+    let tmp = events
+        .iter()
+        .filter_map(|e| e["result"]["stdout"].as_str().or(e["text"].as_str()))
+        .find_map(|s| s.lines().find_map(|l| l.strip_prefix("TMPDIR=")))
+        .map(PathBuf::from)
+        .unwrap_or_else(|| panic!("no TMPDIR line in {events:?}"));
+    assert!(!tmp.exists(), "{} outlived its session", tmp.display());
+
+    // Listing: bounded (the zoo is over the entry cap), answered, and the daemon serves on.
+    let (status, body) = status_of(&d, &format!("/v1/tasks/{id}/files")).await;
+    assert!(status >= 400, "{status}");
+    let text = String::from_utf8_lossy(&body);
+    assert!(text.contains("more than"), "{text}");
+    answers(&d).await;
+
+    // Downloads of what is not a regular file are refused at once, whatever it is.
+    for (path, kind) in [
+        ("fifo", "special entry"),
+        ("host-link", "symbolic link"),
+        ("root-link/etc/passwd", "symbolic link"),
+        ("linkdir-parent/inner/host-secret", "symbolic link"),
+        ("locked", "directory"),
+    ] {
+        let href = tandem_daemon::supervisor::file_href(&id, path);
+        let (status, body) = status_of(&d, &href).await;
+        let text = String::from_utf8_lossy(&body);
+        assert!((400..500).contains(&status), "{path}: {status} {text}");
+        assert!(text.contains(kind), "{path}: {text}");
+    }
+    // A sparse file is read as what it is, and the tar download stops at the task's cap
+    // instead of writing gigabytes.
+    let (status, body) = status_of(&d, &format!("/v1/tasks/{id}/files?format=tar")).await;
+    assert!(
+        status >= 400 || body.len() < 70 << 20,
+        "{status} {}",
+        body.len()
+    );
+    answers(&d).await;
+
+    // Retention: the sparse files weigh their blocks, so the small task keeps its files.
+    let (status, body) = status_of(
+        &d,
+        &tandem_daemon::supervisor::file_href(&small, "kept.bin"),
+    )
+    .await;
+    assert_eq!((status, body.len()), (200, 300_000));
+    host_untouched(&host);
+}
+
+/// Retention removes a finished task's 100,000-deep workspace (and its mode-000 directory)
+/// without recursion; the daemon serves on, and the host file is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_removes_a_deep_workspace_and_the_daemon_serves_on() {
+    let outside = tempfile::tempdir().unwrap();
+    let host = host_file(outside.path());
+    let server = ScriptedOpenAi::start(script([(
+        "plant the zoo",
+        vec![zoo(100_000, 1_000, &host, false), Reply::from("TERMINATE")],
+    )]))
+    .await
+    .unwrap();
+    let d = Daemon::start(
+        Path::new(BIN),
+        &server.base_url(),
+        &["--executor", "local"],
+        Some("[files]\nkeep_secs = 1\n[limits]\nwall = 600\ncpu_secs = 600\n[executors.local]\nconfine = \"off\"\n"),
+    )
+    .await;
+    let id = d.submit(json!({"task": "plant the zoo"})).await;
+    let t = d.wait_finished(&id, Duration::from_secs(600)).await;
+    assert_eq!(t["stop_reason"], "terminated", "{t}\n{}", d.log());
+    let started = Instant::now();
+    while d.get(&format!("/v1/tasks/{id}")).await["files_removed_ms"].is_null() {
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "never removed\n{}",
+            d.log()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let dir = d.state_dir().join("files/tasks").join(&id);
+    assert!(!dir.exists(), "{}", dir.display());
+    answers(&d).await;
+    host_untouched(&host);
+}
+
+/// A block swaps `x.txt` between a regular file and a FIFO as fast as it can while downloads
+/// of it run: each answers (the file's bytes or a refusal), none hangs, and the task list
+/// still answers after, so no store slot was held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fifo_swapped_in_during_downloads_hangs_nothing() {
+    let server = ScriptedOpenAi::start(script([(
+        "swap",
+        vec![
+            Reply::from(
+                "```python\nimport os, time\nend = time.time() + 12\nwhile time.time() < end:\n    with open('x.txt.tmp', 'w') as f:\n        f.write('regular')\n    os.replace('x.txt.tmp', 'x.txt')\n    os.mkfifo('x.fifo')\n    os.replace('x.fifo', 'x.txt')\n```",
+            ),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let d = Daemon::start(
+        Path::new(BIN),
+        &server.base_url(),
+        &["--executor", "local"],
+        None,
+    )
+    .await;
+    let id = d.submit(json!({"task": "swap"})).await;
+    let x = d
+        .state_dir()
+        .join("files/tasks")
+        .join(&id)
+        .join("work/x.txt");
+    let started = Instant::now();
+    while std::fs::symlink_metadata(&x).is_err() {
+        assert!(started.elapsed() < Duration::from_secs(60), "never swapped");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let href = tandem_daemon::supervisor::file_href(&id, "x.txt");
+    let (mut served, mut refused) = (0, 0);
+    for _ in 0..200 {
+        let (status, body) = status_of(&d, &href).await;
+        match status {
+            200 => {
+                assert_eq!(body, b"regular");
+                served += 1;
+            }
+            s if (400..500).contains(&s) => refused += 1,
+            s => panic!("{s}: {}", String::from_utf8_lossy(&body)),
+        }
+    }
+    assert!(refused > 0, "the FIFO was never met ({served} served)");
+    answers(&d).await;
+    d.wait_finished(&id, Duration::from_secs(120)).await;
+    answers(&d).await;
+}
