@@ -308,3 +308,48 @@ async fn a_fifo_swapped_in_during_downloads_hangs_nothing() {
     d.wait_finished(&id, Duration::from_secs(120)).await;
     answers(&d).await;
 }
+
+/// Docker, kept state: a block makes a tree 100,000 deep inside the kept interpreter's
+/// `.tandem/` and kills the interpreter; at the next Python block the daemon makes `.tandem/`
+/// afresh, removing that tree without recursion, and the block runs in a fresh interpreter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deep_tree_in_a_docker_kept_interpreters_dir_is_removed_when_it_restarts() {
+    let plant = "import os\ntop = os.open('.tandem', os.O_RDONLY | os.O_DIRECTORY)\nos.mkdir('deep', dir_fd=top)\nd = os.open('deep', os.O_RDONLY | os.O_DIRECTORY, dir_fd=top)\nfor _ in range(100000):\n    os.mkdir('d', dir_fd=d)\n    n = os.open('d', os.O_RDONLY | os.O_DIRECTORY, dir_fd=d)\n    os.close(d)\n    d = n\nx = 'kept'\nos._exit(9)\n";
+    let server = ScriptedOpenAi::start(script([(
+        "kept and deep",
+        vec![
+            Reply::from(format!("```python\n{plant}```").as_str()),
+            Reply::from("```python\nprint('alive', globals().get('x', 'fresh'))\n```"),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let d = Daemon::start(
+        Path::new(BIN),
+        &server.base_url(),
+        &["--executor", "docker"],
+        Some("[limits]\nwall = 300\ncpu_secs = 300\n"),
+    )
+    .await;
+    let id = d
+        .submit(json!({"task": "kept and deep", "keep_state": true}))
+        .await;
+    let t = d.wait_finished(&id, Duration::from_secs(600)).await;
+    assert_eq!(t["stop_reason"], "terminated", "{t}\n{}", d.log());
+    let outs: Vec<String> = d
+        .events(&id, 0)
+        .await
+        .iter()
+        .filter(|e| e["type"] == "exec_result")
+        .map(|e| {
+            e["result"]["stdout"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(outs.len(), 2, "{outs:?}");
+    assert_eq!(outs[1].trim(), "alive fresh", "{outs:?}\n{}", d.log());
+    answers(&d).await;
+}
