@@ -135,45 +135,76 @@ fn main() {
     }
 
     // Depth and width walked in bounded memory: a chain 100,000 deep and a directory of
-    // 100,000 entries, measured (every entry) and removed, with peak memory before and after.
+    // 100,000 entries, measured (every entry) and removed by the keeper, then made again and
+    // removed by GNU `rm -rf` (fts, which keeps a descriptor or a path per level) as the
+    // baseline; peak memory before and after.
     let before = peak_mib();
     let deep = tmp.path().join("deep");
-    std::fs::create_dir(&deep).unwrap();
-    {
-        use std::os::unix::fs::DirBuilderExt as _;
-        // Each level made beneath the last one's descriptor: no path ever grows past PATH_MAX.
-        let mut dir = std::fs::File::open(&deep).unwrap();
-        for _ in 0..100_000 {
-            use std::os::fd::AsRawFd as _;
-            let here = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
-            std::fs::DirBuilder::new()
-                .mode(0o755)
-                .create(here.join("d"))
-                .unwrap();
-            dir = std::fs::File::open(here.join("d")).unwrap();
-        }
-    }
     let wide = tmp.path().join("wide");
-    std::fs::create_dir(&wide).unwrap();
-    for i in 0..100_000 {
-        std::fs::File::create(wide.join(i.to_string())).unwrap();
+    let mut rows = Vec::new();
+    for (what, make) in [
+        ("100,000 deep", make_deep as fn(&Path)),
+        ("100,000 wide", make_wide as fn(&Path)),
+    ] {
+        let tree = if what.ends_with("deep") { &deep } else { &wide };
+        make(tree);
+        let start = Instant::now();
+        let usage = keeper::usage(tree, 10_000_000).unwrap();
+        let measured = start.elapsed();
+        assert_eq!(usage.entries, 100_001);
+        let start = Instant::now();
+        keeper::remove_tree(tree).unwrap();
+        let kept = start.elapsed();
+        make(tree);
+        let start = Instant::now();
+        let rm = std::process::Command::new("rm")
+            .arg("-rf")
+            .arg(tree)
+            .status()
+            .unwrap();
+        let plain = start.elapsed();
+        assert!(rm.success() && !tree.exists());
+        rows.push((what, measured, kept, plain));
     }
-    let start = Instant::now();
-    let d = keeper::usage(&deep, 10_000_000).unwrap();
-    let w = keeper::usage(&wide, 10_000_000).unwrap();
-    let measured = start.elapsed();
-    let start = Instant::now();
-    keeper::remove_tree(&deep).unwrap();
-    keeper::remove_tree(&wide).unwrap();
-    let removed = start.elapsed();
     println!();
+    println!("| tree | measured (keeper) | removed: rm -rf | keeper | keeper / rm -rf |");
+    println!("|---|---|---|---|---|");
+    for (what, measured, kept, plain) in rows {
+        println!(
+            "| {what} | {:.0} ms | {:.0} ms | {:.0} ms | {:.2} |",
+            measured.as_secs_f64() * 1e3,
+            plain.as_secs_f64() * 1e3,
+            kept.as_secs_f64() * 1e3,
+            kept.as_secs_f64() / plain.as_secs_f64()
+        );
+    }
     println!(
-        "deep (100,000 levels): {} entries measured; wide (100,000 entries): {} measured; both in {:.0} ms, removed in {:.0} ms; peak RSS {:.0} MiB before, {:.0} MiB after",
-        d.entries,
-        w.entries,
-        measured.as_secs_f64() * 1e3,
-        removed.as_secs_f64() * 1e3,
-        before,
+        "peak RSS {before:.0} MiB before the trees, {:.0} MiB after",
         peak_mib()
     );
+}
+
+/// A chain of 100,000 directories, each made beneath the last one's descriptor, so no path
+/// ever grows past PATH_MAX.
+fn make_deep(root: &Path) {
+    use std::os::fd::AsRawFd as _;
+    use std::os::unix::fs::DirBuilderExt as _;
+    std::fs::create_dir(root).unwrap();
+    let mut dir = std::fs::File::open(root).unwrap();
+    for _ in 0..100_000 {
+        let here = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
+        std::fs::DirBuilder::new()
+            .mode(0o755)
+            .create(here.join("d"))
+            .unwrap();
+        dir = std::fs::File::open(here.join("d")).unwrap();
+    }
+}
+
+/// A directory of 100,000 empty files.
+fn make_wide(root: &Path) {
+    std::fs::create_dir(root).unwrap();
+    for i in 0..100_000 {
+        std::fs::File::create(root.join(i.to_string())).unwrap();
+    }
 }

@@ -7,8 +7,9 @@
 //!   handle with `O_NOFOLLOW`, so a link planted anywhere leads nowhere;
 //! - a file is opened with `O_NONBLOCK` and its descriptor checked (`fstat`) before a byte is
 //!   read, so a FIFO or device swapped in for a file cannot stall the reader;
-//! - walks are iterative: no recursion, at most two descriptors open, memory bounded by the
-//!   entries a caller lets it look at (removal by a fixed batch, whatever the depth or width);
+//! - walks are iterative: no recursion, at most two descriptors open (three while removing),
+//!   memory bounded by the entries a caller lets it look at (removal holds no names at all),
+//!   whatever the depth or width;
 //! - sizes are allocated blocks (`st_blocks`), not the sizes files claim, so sparse files
 //!   weigh what they cost on disk.
 
@@ -24,8 +25,6 @@ use nix::fcntl::{OFlag, RenameFlags, openat, renameat2};
 use nix::sys::stat::{FileStat, Mode, SFlag, fstat};
 use nix::unistd::{UnlinkatFlags, unlinkat};
 
-/// Names read from a directory at a time while removing it.
-const BATCH: usize = 256;
 /// Longest relative path a walk descends to; deeper entries are no path a client could
 /// name (Linux's `PATH_MAX`).
 pub const MAX_PATH_BYTES: usize = 4096;
@@ -233,7 +232,7 @@ fn open_up(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
 }
 
 /// Removes the tree at `path` (a link there is removed, not followed); one already gone is
-/// no error. Iterative with two descriptors and one batch of names, whatever its depth or
+/// no error. Iterative, with three descriptors and no list of names, whatever its depth or
 /// width: each directory's subdirectories are moved up to the top of the tree (a rename is
 /// O(1)), emptied there and removed, so no walk ever goes deeper than one level.
 pub fn remove_tree(path: &Path) -> io::Result<()> {
@@ -268,9 +267,14 @@ pub fn remove_at(parent: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
         Err(Errno::ENOENT) => return Ok(()),
         Err(e) => return Err(errno(e)),
     };
-    // The top itself may be read-only: its entries cannot be unlinked until it is not.
-    let _ = open_up(parent, name);
-    empty(top.as_fd())?;
+    match empty(top.as_fd()) {
+        // The top itself is read-only: its entries cannot be unlinked until it is not.
+        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
+            open_up(parent, name)?;
+            empty(top.as_fd())?;
+        }
+        other => other?,
+    }
     match unlinkat(parent, name, UnlinkatFlags::RemoveDir) {
         Ok(()) | Err(Errno::ENOENT) => Ok(()),
         Err(e) => Err(errno(e)),
@@ -281,26 +285,45 @@ pub fn remove_at(parent: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
 pub fn empty(top: BorrowedFd<'_>) -> io::Result<()> {
     let mut fresh = 0u64;
     loop {
-        let batch = names(top, BATCH)?;
-        if batch.is_empty() {
-            return Ok(());
-        }
         let mut progress = false;
         let mut last_error = None;
-        for name in &batch {
-            match drain_one(top, name, &mut fresh) {
-                Ok(()) => progress = true,
-                Err(e) => last_error = Some((name.clone(), e)),
-            }
+        let seen = each_name(top, |name| match drain_one(top, name, &mut fresh) {
+            Ok(()) => progress = true,
+            Err(e) => last_error = Some((name.to_owned(), e)),
+        })?;
+        if !seen {
+            return Ok(());
         }
         if !progress && let Some((name, e)) = last_error {
-            // Nothing in a whole batch could go: stop rather than read it again forever.
+            // Nothing in a whole pass could go: stop rather than read it again forever. (A
+            // read-only top is the caller's to open up: its error kind says so.)
             return Err(io::Error::new(
                 e.kind(),
                 format!("cannot remove `{}`: {e}", Path::new(&name).display()),
             ));
         }
     }
+}
+
+/// Calls `f` with each name in the directory `dir` (not `.` or `..`), read in one pass
+/// through a fresh handle while `f` may remove or add entries (one removed is not read
+/// again; one added may or may not be, so callers pass again until a pass sees nothing).
+/// Whether it saw any. Reading from the start again after each batch would rescan the
+/// holes deletions leave: quadratic in a wide directory.
+fn each_name(dir: BorrowedFd<'_>, mut f: impl FnMut(&OsStr)) -> io::Result<bool> {
+    let fresh = openat(dir, ".", DIR_FLAGS, Mode::empty()).map_err(errno)?;
+    let mut stream = nix::dir::Dir::from_fd(fresh).map_err(errno)?;
+    let mut seen = false;
+    for entry in stream.iter() {
+        let entry = entry.map_err(errno)?;
+        let name = entry.file_name().to_bytes();
+        if name == b"." || name == b".." {
+            continue;
+        }
+        seen = true;
+        f(OsStr::from_bytes(name));
+    }
+    Ok(seen)
 }
 
 /// Removes the top-level entry `name` of `top`: a non-directory at once, a directory after
@@ -325,34 +348,45 @@ fn drain_one(top: BorrowedFd<'_>, name: &OsStr, fresh: &mut u64) -> io::Result<(
         }
         Err(e) => return Err(errno(e)),
     };
-    // Its entries are unlinked and moved out of it: it must be writable.
-    let _ = open_up(top, name);
+    // Its entries are unlinked and moved out of it: a read-only one is opened up (once) when
+    // the first of them is refused, not before, which would cost a chmod per directory.
+    let mut opened = false;
     loop {
-        let batch = names(dir.as_fd(), BATCH)?;
-        if batch.is_empty() {
-            break;
-        }
         let mut progress = false;
+        let mut denied = false;
         let mut last_error = None;
-        for child in &batch {
-            match unlinkat(&dir, child.as_os_str(), UnlinkatFlags::NoRemoveDir) {
+        let seen = each_name(dir.as_fd(), |child| {
+            match unlinkat(&dir, child, UnlinkatFlags::NoRemoveDir) {
                 Ok(()) | Err(Errno::ENOENT) => {
                     progress = true;
-                    continue;
+                    return;
                 }
                 Err(Errno::EISDIR) | Err(Errno::EPERM) => {}
+                Err(Errno::EACCES) => {
+                    denied = true;
+                    return;
+                }
                 Err(e) => {
                     last_error = Some(errno(e));
-                    continue;
+                    return;
                 }
             }
             match move_up(dir.as_fd(), child, top, fresh) {
                 Ok(()) => progress = true,
+                Err(e) if e.kind() == io::ErrorKind::PermissionDenied => denied = true,
                 Err(e) => last_error = Some(e),
             }
+        })?;
+        if !seen {
+            break;
         }
-        if !progress && let Some(e) = last_error {
-            return Err(e);
+        if denied && !opened {
+            opened = true;
+            open_up(top, name)?;
+            continue;
+        }
+        if !progress {
+            return Err(last_error.unwrap_or_else(|| errno(Errno::EACCES)));
         }
     }
     drop(dir);
