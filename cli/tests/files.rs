@@ -233,7 +233,17 @@ async fn hostile_uploads_are_refused_by_name_and_write_nothing() {
     )
     .await;
     let big = vec![b'x'; (1 << 20) + 1];
+    let long_name = vec![b'a'; 900 << 10];
     let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
+        (
+            "a GNU long name of 900 KiB (read whole by a tar reader, before its entry)",
+            archive(&[
+                ("././@LongLink", T::GNULongName, &long_name, None),
+                ("short", T::Regular, b"x", None),
+            ]),
+            400,
+            "a 921600 byte name or extended header; at most 65536 bytes are taken",
+        ),
         (
             "a path up and out",
             archive(&[("../escaped", T::Regular, b"x", None)]),
