@@ -697,7 +697,8 @@ async fn the_page_uploads_a_file_and_shows_the_chart_the_task_drew() {
     );
     let code = "import pandas as pd\nimport matplotlib.pyplot as plt\n\
                 df = pd.read_csv('sales.csv')\ndf.plot(x='month', y='revenue')\n\
-                plt.savefig('chart.png')\nprint(len(df))";
+                plt.savefig('chart.png')\nprint(len(df))\n\
+                open('bad\\x1b[2J\\nname.txt', 'w').write('x')";
     let server = ScriptedOpenAi::start(script([(
         told.as_str(),
         vec![
@@ -743,11 +744,15 @@ async fn the_page_uploads_a_file_and_shows_the_chart_the_task_drew() {
         .wait(
             "the file list",
             "const items = [...document.querySelectorAll('#file-list a')].map((a) => a.textContent); \
-             return items.length >= 2 && items",
+             return items.length >= 3 && items",
             LIMIT,
         )
         .await;
-    assert_eq!(files, json!(["chart.png", "sales.csv"]));
+    // A name the code chose shows escaped, on one line, as the CLI shows it.
+    assert_eq!(
+        files,
+        json!(["bad\\u{1b}[2J\\u{a}name.txt", "chart.png", "sales.csv"])
+    );
     b.run(
         "document.querySelector('figure.artifact').scrollIntoView()",
         json!([]),

@@ -32,6 +32,12 @@
 
   const plural = (n, word) => `${n} ${word}${n === 1 ? '' : 's'}`;
   const lastPart = (path) => path.slice(path.lastIndexOf('/') + 1);
+  // A name code chose, on one inert line: control characters, line separators and bidi
+  // overrides as \u{..} escapes, and a backslash doubled, as the CLI shows it.
+  const shownName = (name) => name.replace(
+    /[\u0000-\u001f\u007f-\u009f\u2028\u2029\u202a-\u202e\u2066-\u2069\\]/g,
+    (c) => (c === '\\' ? '\\\\' : `\\u{${c.codePointAt(0).toString(16)}}`),
+  );
   const taskHref = (id) => '/tasks/' + enc(id);
 
   function duration(ms) {
@@ -573,7 +579,7 @@
       try {
         const { files } = await api('GET', `${apiPath}/files`);
         list.replaceChildren(...(files || []).map((f) => {
-          const link = h('a', { href: `${apiPath}/files/${f.path.split('/').map(enc).join('/')}` }, f.path);
+          const link = h('a', { href: `${apiPath}/files/${f.path.split('/').map(enc).join('/')}` }, shownName(f.path));
           link.addEventListener('click', async (e) => {
             e.preventDefault();
             try { saveBlob(await fetchBlob(link.getAttribute('href')), f.path.split('/').pop()); } catch (err) { setError(err.message); }
