@@ -75,11 +75,16 @@ async fn run_with_code_via_tool_shows_each_call_and_its_answer() {
 }
 
 async fn daemon(server: &ScriptedOpenAi) -> Daemon {
+    daemon_with(server, &[], "").await
+}
+
+/// A daemon with the `wc` tool, `args` and `more` config after it.
+async fn daemon_with(server: &ScriptedOpenAi, args: &[&str], more: &str) -> Daemon {
     Daemon::start(
         Path::new(env!("CARGO_BIN_EXE_tandem")),
         &server.base_url(),
-        &[],
-        Some(CONFIG),
+        args,
+        Some(&format!("{CONFIG}{more}")),
     )
     .await
 }
@@ -404,41 +409,52 @@ async fn doctor_lists_the_tools_and_names_a_broken_one() {
 }
 
 /// Calls from code are bounded as a block's output is: past `[limits] code_calls_per_block`
-/// each call fails at once with a message naming the limit, only the first refusal is
-/// stored, and a stored call's arguments are cut (marked) however large the code made them.
+/// or `code_calls_per_task` each call fails at once with a message naming the limit, only
+/// the first refusal of each is stored, and a stored call's arguments are cut (marked)
+/// however large the code made them.
 #[tokio::test(flavor = "multi_thread")]
 async fn calls_from_code_stop_at_the_cap_and_their_stored_arguments_are_cut() {
     let task = "tools: a flood of calls";
-    let code = "import tandem_tools\nbig = 'w ' * (1 << 19)\nok, refused, said = 0, 0, ''\nfor i in range(40):\n    try:\n        tandem_tools.call('wc', text=big)\n        ok += 1\n    except tandem_tools.ToolError as e:\n        refused += 1\n        said = str(e)\nprint(ok, refused)\nprint(said)\n";
+    let flood = |calls: u32| {
+        format!(
+            "```python\nimport tandem_tools\nbig = 'w ' * (1 << 19)\nok, refused, said = 0, 0, ''\nfor i in range({calls}):\n    try:\n        tandem_tools.call('wc', text=big)\n        ok += 1\n    except tandem_tools.ToolError as e:\n        refused += 1\n        said = str(e)\nprint(ok, refused)\nprint(said)\n```"
+        )
+    };
     let server = ScriptedOpenAi::start(script([(
         task,
         vec![
-            Reply::from(format!("```python\n{code}```").as_str()),
+            Reply::from(flood(40).as_str()),
+            Reply::from(flood(5).as_str()),
             Reply::from("TERMINATE"),
         ],
     )]))
     .await
     .unwrap();
-    let d = Daemon::start(
-        Path::new(env!("CARGO_BIN_EXE_tandem")),
-        &server.base_url(),
+    let d = daemon_with(
+        &server,
         &[],
-        Some(&format!("{CONFIG}\n[limits]\ncode_calls_per_block = 5\n")),
+        "\n[limits]\ncode_calls_per_block = 5\ncode_calls_per_task = 7\n",
     )
     .await;
     let id = d.submit(json!({"task": task, "tools": ["wc"]})).await;
     let t = d.wait_finished(&id, Duration::from_secs(120)).await;
     assert_eq!(t["stop_reason"], "terminated", "{t}");
+    let outs = d.block_stdouts(&id).await;
+    assert!(outs[0].starts_with("5 35\n"), "{outs:?}");
+    assert!(
+        outs[0].contains("[limits] code_calls_per_block"),
+        "{outs:?}"
+    );
+    // The second block may make the two calls the task has left.
+    assert!(outs[1].starts_with("2 3\n"), "{outs:?}");
+    assert!(outs[1].contains("[limits] code_calls_per_task"), "{outs:?}");
     let events = d.events(&id, 0).await;
-    let result = events
-        .iter()
-        .find(|e| e["type"] == "exec_result")
-        .unwrap_or_else(|| panic!("{events:?}"));
-    let stdout = result["result"]["stdout"].as_str().unwrap();
-    assert!(stdout.starts_with("5 35\n"), "{stdout}");
-    assert!(stdout.contains("[limits] code_calls_per_block"), "{stdout}");
     let calls: Vec<&Value> = events.iter().filter(|e| e["type"] == "tool_call").collect();
-    assert_eq!(calls.len(), 6, "five run and one refusal stored");
+    assert_eq!(
+        calls.len(),
+        9,
+        "5 + 2 run, and one refusal of each cap stored"
+    );
     for call in calls {
         let arguments = call["arguments"].as_str().unwrap();
         assert!(
@@ -446,7 +462,10 @@ async fn calls_from_code_stop_at_the_cap_and_their_stored_arguments_are_cut() {
             "{} bytes stored",
             arguments.len()
         );
-        assert!(arguments.contains("bytes cut: Tandem keeps 65536 bytes of a call"));
+        assert!(
+            arguments.contains(" bytes truncated ...]"),
+            "{arguments:.200}"
+        );
     }
 }
 
@@ -476,23 +495,11 @@ async fn a_local_block_cannot_turn_the_tools_module_into_a_write_on_the_host() {
     )]))
     .await
     .unwrap();
-    let d = Daemon::start(
-        Path::new(env!("CARGO_BIN_EXE_tandem")),
-        &server.base_url(),
-        &["--executor", "local"],
-        Some(CONFIG),
-    )
-    .await;
+    let d = daemon_with(&server, &["--executor", "local"], "").await;
     let id = d.submit(json!({"task": task, "tools": ["wc"]})).await;
     let t = d.wait_finished(&id, Duration::from_secs(120)).await;
     assert_eq!(t["stop_reason"], "terminated", "{t}");
-    let outs: Vec<String> = d
-        .events(&id, 0)
-        .await
-        .iter()
-        .filter(|e| e["type"] == "exec_result")
-        .map(|e| e["result"]["stdout"].as_str().unwrap().to_owned())
-        .collect();
+    let outs = d.block_stdouts(&id).await;
     assert!(!outs[0].contains("planted"), "{}", outs[0]);
     assert_eq!(outs[1].trim(), "2", "{outs:?}");
     assert_eq!(std::fs::read(&host).unwrap(), b"the host's own");

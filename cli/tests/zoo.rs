@@ -130,7 +130,7 @@ async fn status_of(d: &Daemon, path: &str) -> (u16, Vec<u8>) {
 
 /// The whole zoo on the local executor, through every road the daemon walks: the session's
 /// close (its `$TMPDIR`), the file list (CLI and API), downloads of each kind of entry, the
-/// tar download, and retention. The tree is 100,000 deep and 100,000 wide.
+/// tar download, and retention (per-task caps, blocks on disk). The tree is 100,000 deep and 100,000 wide.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_zoo_through_every_road_of_a_local_task() {
     let outside = tempfile::tempdir().unwrap();
@@ -144,6 +144,13 @@ async fn the_zoo_through_every_road_of_a_local_task() {
             "a small task",
             vec![
                 Reply::from("```sh\nhead -c 300000 /dev/urandom > kept.bin\n```"),
+                Reply::from("TERMINATE"),
+            ],
+        ),
+        (
+            "a task over its own cap",
+            vec![
+                Reply::from("```sh\nhead -c 70000000 /dev/urandom > big.bin\n```"),
                 Reply::from("TERMINATE"),
             ],
         ),
@@ -169,13 +176,12 @@ async fn the_zoo_through_every_road_of_a_local_task() {
     host_untouched(&host);
 
     // Session close: the block's $TMPDIR, zoo and all, is gone.
-    let events = d.events(&id, 0).await;
-    let tmp = events
+    let outs = d.block_stdouts(&id).await;
+    let tmp = outs
         .iter()
-        .filter_map(|e| e["result"]["stdout"].as_str().or(e["text"].as_str()))
         .find_map(|s| s.lines().find_map(|l| l.strip_prefix("TMPDIR=")))
         .map(PathBuf::from)
-        .unwrap_or_else(|| panic!("no TMPDIR line in {events:?}"));
+        .unwrap_or_else(|| panic!("no TMPDIR line in {outs:?}"));
     assert!(!tmp.exists(), "{} outlived its session", tmp.display());
 
     // Listing: bounded (the zoo is over the entry cap), answered, and the daemon serves on.
@@ -183,6 +189,8 @@ async fn the_zoo_through_every_road_of_a_local_task() {
     assert!(status >= 400, "{status}");
     let text = String::from_utf8_lossy(&body);
     assert!(text.contains("more than"), "{text}");
+    let (code, _, stderr) = d.cli(&["files", &id]).await;
+    assert!(code != 0 && stderr.contains("more than"), "{code} {stderr}");
     answers(&d).await;
 
     // Downloads of what is not a regular file are refused at once, whatever it is.
@@ -202,14 +210,28 @@ async fn the_zoo_through_every_road_of_a_local_task() {
     // A sparse file is read as what it is, and the tar download stops at the task's cap
     // instead of writing gigabytes.
     let (status, body) = status_of(&d, &format!("/v1/tasks/{id}/files?format=tar")).await;
+    let text = String::from_utf8_lossy(&body[..body.len().min(4096)]);
     assert!(
-        status >= 400 || body.len() < 70 << 20,
-        "{status} {}",
+        (400..500).contains(&status) && text.contains("over the 67108864 byte limit"),
+        "{status} {} bytes: {text}",
         body.len()
     );
     answers(&d).await;
 
-    // Retention: the sparse files weigh their blocks, so the small task keeps its files.
+    // Retention: the sparse files weigh their blocks, so they push no other task's files out;
+    // a task over its own cap loses its files first. Its removal (a sweep follows each task's
+    // end) shows a sweep ran after the zoo's files were there.
+    let big = d.submit(json!({"task": "a task over its own cap"})).await;
+    d.wait_finished(&big, Duration::from_secs(120)).await;
+    let started = Instant::now();
+    while d.get(&format!("/v1/tasks/{big}")).await["files_removed_ms"].is_null() {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "the task over its cap kept its files\n{}",
+            d.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let (status, body) = status_of(
         &d,
         &tandem_daemon::supervisor::file_href(&small, "kept.bin"),
@@ -337,18 +359,7 @@ async fn a_deep_tree_in_a_docker_kept_interpreters_dir_is_removed_when_it_restar
         .await;
     let t = d.wait_finished(&id, Duration::from_secs(600)).await;
     assert_eq!(t["stop_reason"], "terminated", "{t}\n{}", d.log());
-    let outs: Vec<String> = d
-        .events(&id, 0)
-        .await
-        .iter()
-        .filter(|e| e["type"] == "exec_result")
-        .map(|e| {
-            e["result"]["stdout"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned()
-        })
-        .collect();
+    let outs = d.block_stdouts(&id).await;
     assert_eq!(outs.len(), 2, "{outs:?}");
     assert_eq!(outs[1].trim(), "alive fresh", "{outs:?}\n{}", d.log());
     answers(&d).await;

@@ -266,6 +266,21 @@ impl DaemonHarness {
             .collect()
     }
 
+    /// The standard output of each block task `id` ran, in order.
+    pub async fn block_stdouts(&self, id: &str) -> Vec<String> {
+        self.events(id, 0)
+            .await
+            .iter()
+            .filter(|e| e["type"] == "exec_result")
+            .map(|e| {
+                e["result"]["stdout"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned()
+            })
+            .collect()
+    }
+
     /// `GET path` as text.
     pub async fn text(&self, path: &str) -> String {
         self.http()

@@ -168,26 +168,12 @@ fn told_call(call: &ToolCall, index: u32, opts: &RunOptions) {
 /// theirs whole, within the channel's own bound.
 pub const STORED_BYTES: usize = 64 << 10;
 
-/// `text` as an event keeps it: whole up to [`STORED_BYTES`], else its head and tail with the
-/// cut marked, as a block's output is.
+/// `text` as an event keeps it: cut as a block's output is (head and tail, the cut marked),
+/// by the one capture buffer outputs go through.
 fn stored(text: &str) -> String {
-    if text.len() <= STORED_BYTES {
-        return text.to_owned();
-    }
-    let half = STORED_BYTES / 2;
-    let head_end = (0..=half)
-        .rev()
-        .find(|&i| text.is_char_boundary(i))
-        .unwrap_or(0);
-    let tail_start = (text.len() - half..=text.len())
-        .find(|&i| text.is_char_boundary(i))
-        .unwrap_or(text.len());
-    format!(
-        "{}\n[... {} bytes cut: Tandem keeps {STORED_BYTES} bytes of a call ...]\n{}",
-        &text[..head_end],
-        tail_start - head_end,
-        &text[tail_start..]
-    )
+    let mut kept = tandem_executor::CaptureBuffer::new(STORED_BYTES);
+    kept.push(text.as_bytes());
+    kept.finish().to_text()
 }
 
 /// The answer to `call`, told as its `tool_result`.
@@ -394,7 +380,13 @@ fn code_handler(
     std::sync::Arc::new(move |name: String, arguments: String| {
         let (tools, beside, opts) = (tools.clone(), beside.clone(), opts.clone());
         let n = calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-        let t = task_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        // The task counts the calls its blocks were let make, not those each block's own cap
+        // already refused: so the first call past the task's cap is the one told.
+        let t = if n <= per_block {
+            task_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
+        } else {
+            0
+        };
         Box::pin(async move {
             let started = Instant::now();
             let call = ToolCall {

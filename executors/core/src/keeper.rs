@@ -209,26 +209,37 @@ fn names(dir: BorrowedFd<'_>, max: usize) -> io::Result<Vec<OsString>> {
     Ok(out)
 }
 
-/// Makes the directory `name` beneath `dir` searchable and writable by its owner, never
-/// following a link: it is reached through an `O_PATH` descriptor checked to be a directory.
-/// What a removal does when code left a mode-000 or read-only directory behind.
+/// Makes the directory `name` beneath `dir` searchable and writable by its owner: what a
+/// removal does when code left a mode-000 or read-only directory behind.
 fn open_up(dir: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+    set_mode(dir, name, SFlag::S_IFDIR, 0o700)
+}
+
+/// Sets the mode of the entry `name` beneath `dir`, which must be of type `kind` (`S_IFDIR`,
+/// `S_IFIFO`, ...), never following a link: it is reached through an `O_PATH` descriptor
+/// checked to be that kind, and changed through that descriptor's magic link, which names
+/// exactly the inode opened whatever a sandbox renames meanwhile.
+pub fn set_mode(dir: BorrowedFd<'_>, name: &OsStr, kind: SFlag, mode: u32) -> io::Result<()> {
     let fd = openat(
         dir,
         name,
-        OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
         Mode::empty(),
     )
     .map_err(errno)?;
-    if kind_of(&fstat(&fd).map_err(errno)?) != Kind::Dir {
-        return Err(invalid("not a directory"));
+    let stat = fstat(&fd).map_err(errno)?;
+    if stat.st_mode & SFlag::S_IFMT.bits() != kind.bits() {
+        return Err(io::Error::other(format!(
+            "`{}` was replaced by something else",
+            Path::new(name).display()
+        )));
     }
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::PermissionsExt;
-    // The magic link names exactly the inode opened above; nothing a sandbox renames
-    // meanwhile changes which one.
-    let magic = format!("/proc/self/fd/{}", fd.as_raw_fd());
-    std::fs::set_permissions(magic, std::fs::Permissions::from_mode(0o700))
+    std::fs::set_permissions(
+        format!("/proc/self/fd/{}", fd.as_raw_fd()),
+        std::fs::Permissions::from_mode(mode),
+    )
 }
 
 /// Removes the tree at `path` (a link there is removed, not followed); one already gone is

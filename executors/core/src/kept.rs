@@ -452,7 +452,6 @@ impl Fifo {
 /// `/tmp` is: a block that runs as another user (Docker) can open the FIFOs, and none but
 /// their owner can rename or replace them.
 fn make_fifos(dir: &Path) -> std::io::Result<Fifos> {
-    use nix::fcntl::OFlag;
     use nix::sys::stat::Mode;
     use std::os::fd::AsFd as _;
     let (Some(parent), Some(name)) = (dir.parent(), dir.file_name()) else {
@@ -461,33 +460,15 @@ fn make_fifos(dir: &Path) -> std::io::Result<Fifos> {
     let parent = crate::keeper::open_root(parent)?;
     crate::keeper::remove_at(parent.as_fd(), name)?;
     nix::sys::stat::mkdirat(&parent, name, Mode::from_bits_truncate(0o700))?;
-    let fd = nix::fcntl::openat(
-        &parent,
-        name,
-        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
-        Mode::empty(),
-    )?;
+    let fd = crate::keeper::open_dir_beneath(parent.as_fd(), Path::new(name))?;
     nix::sys::stat::fchmod(&fd, Mode::from_bits_truncate(0o1777))?;
     for fifo in ["in", "out", "ctl"] {
         nix::unistd::mkfifoat(&fd, fifo, Mode::from_bits_truncate(0o600))?;
-        let opened = nix::fcntl::openat(
-            &fd,
-            fifo,
-            OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
-            Mode::empty(),
-        )?;
-        let stat = nix::sys::stat::fstat(&opened)?;
-        if stat.st_mode & nix::libc::S_IFMT != nix::libc::S_IFIFO {
-            return Err(std::io::Error::other(format!(
-                ".tandem/{fifo} was replaced while it was made"
-            )));
-        }
-        // An O_PATH descriptor takes no fchmod; its magic link names exactly this FIFO.
-        use std::os::fd::AsRawFd as _;
-        use std::os::unix::fs::PermissionsExt as _;
-        std::fs::set_permissions(
-            format!("/proc/self/fd/{}", opened.as_raw_fd()),
-            std::fs::Permissions::from_mode(0o666),
+        crate::keeper::set_mode(
+            fd.as_fd(),
+            std::ffi::OsStr::new(fifo),
+            nix::sys::stat::SFlag::S_IFIFO,
+            0o666,
         )?;
     }
     Ok(Fifos(fd))
