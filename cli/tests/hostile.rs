@@ -168,6 +168,75 @@ async fn a_block_never_reads_the_daemons_key_token_or_store() {
     }
 }
 
+/// A confined local block has a PID namespace and a `/proc` of its own: the daemon (whose
+/// argv may carry a store URL) and every other process on the host are not there to read,
+/// shell and sh blocks alike; its own children are; and the `/proc` it was given never shows
+/// up among the host's mounts.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_confined_local_block_sees_no_process_but_its_own() {
+    let server = ScriptedOpenAi::start(Default::default()).await.unwrap();
+    let d = daemon(&server, &[], None).await;
+    let proc_mounts = || {
+        std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains(" - proc "))
+            .count()
+    };
+    let before = proc_mounts();
+    let py = format!(
+        "import os, subprocess\n\
+         child = subprocess.Popen(['sleep', '30'])\n\
+         pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())\n\
+         names = [open('/proc/%d/cmdline' % p, 'rb').read().split(b'\\0')[0].decode() for p in pids]\n\
+         print('seen', len(pids), 'init', 1 in pids, 'sleep', any(n == 'sleep' for n in names))\n\
+         try:\n    print('daemon', open('/proc/{pid}/cmdline', 'rb').read())\n\
+         except OSError as e:\n    print('daemon hidden', type(e).__name__)\n\
+         child.kill()",
+        pid = d.pid()
+    );
+    let sh = format!(
+        "ls /proc | grep -c '^[0-9]' | sed 's/^/sh seen /'\n\
+         cat /proc/{pid}/cmdline 2>/dev/null && echo 'sh read the daemon' || echo 'sh daemon hidden'",
+        pid = d.pid()
+    );
+    let task = "look at the host's processes";
+    server.set(
+        task,
+        vec![
+            Reply::from(format!("```python\n{py}\n```\n```sh\n{sh}\n```").as_str()),
+            Reply::from("TERMINATE"),
+        ],
+    );
+    let id = d.submit(json!({"task": task, "executor": "local"})).await;
+    let t = d.wait_finished(&id, Duration::from_secs(60)).await;
+    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    let output = d.block_stdouts(&id).await.concat();
+    // Its init (pid 1), the fork server's fork that runs it, its own sleep: a handful, not
+    // the host's hundreds.
+    let seen: usize = output
+        .split_whitespace()
+        .skip_while(|w| *w != "seen")
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(usize::MAX);
+    assert!(seen <= 5, "{output}");
+    assert!(output.contains("init True sleep True"), "{output}");
+    assert!(
+        output.contains("daemon hidden FileNotFoundError"),
+        "{output}"
+    );
+    assert!(output.contains("sh daemon hidden"), "{output}");
+    let sh_seen: usize = output
+        .split("sh seen ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(usize::MAX);
+    assert!(sh_seen <= 5, "{output}");
+    assert_eq!(proc_mounts(), before, "a block's /proc reached the host");
+}
+
 /// The daemon is non-dumpable, so a process of its own user (which a local block is) cannot
 /// read its environment, where the API key is. As root (CI), the daemon and the reader both
 /// run as another user, since root reads every process's environment.

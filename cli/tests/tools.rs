@@ -509,3 +509,64 @@ async fn a_local_block_cannot_turn_the_tools_module_into_a_write_on_the_host() {
     );
     assert_eq!(std::fs::read_dir(outside.path()).unwrap().count(), 1);
 }
+
+/// The flood that once grew a daemon to 2.7 GiB and outlived its grace: Docker blocks that
+/// call a tool as fast as they can with 4 MiB of arguments each, then print without end.
+/// Calls stop at the caps, stored arguments are cut, the writer's backlog is bounded, and
+/// SIGTERM ends it all within the grace and the cancel that follows it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_flood_of_calls_and_output_keeps_the_daemon_small_and_sigterm_prompt() {
+    let flood = "```python\nimport tandem_tools\nbig = 'w ' * (1 << 21)\nfor i in range(300):\n    try:\n        tandem_tools.call('wc', text=big)\n    except tandem_tools.ToolError:\n        break\nprint('calls done', i, flush=True)\nline = 'x' * 65536\nwhile True:\n    print(line, flush=True)\n```";
+    let tasks: Vec<String> = (0..3).map(|i| format!("tools: flood {i}")).collect();
+    let server = ScriptedOpenAi::start(script([
+        (tasks[0].as_str(), vec![Reply::from(flood)]),
+        (tasks[1].as_str(), vec![Reply::from(flood)]),
+        (tasks[2].as_str(), vec![Reply::from(flood)]),
+    ]))
+    .await
+    .unwrap();
+    let mut d = daemon_with(&server, &["--grace", "2"], "").await;
+    let ids: Vec<String> = futures::future::join_all(tasks.iter().map(|t| {
+        d.submit(json!({"task": t, "tools": ["wc"], "executor": "docker", "block_timeout_secs": 600}))
+    }))
+    .await;
+    // Every block is through its calls and printing.
+    let started = Instant::now();
+    for id in &ids {
+        loop {
+            if d.block_stdouts(id).await.concat().contains("calls done") {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(300),
+                "{id} never finished its calls"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let status = std::fs::read_to_string(format!("/proc/{}/status", d.pid())).unwrap();
+    let peak_kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap();
+    let stopping = Instant::now();
+    assert_eq!(d.terminate().await, Some(0), "{}", d.log());
+    let took = stopping.elapsed();
+    assert!(
+        took < Duration::from_secs(20),
+        "SIGTERM took {took:?}:\n{}",
+        d.log()
+    );
+    assert!(peak_kib < 768 << 10, "the daemon peaked at {peak_kib} KiB");
+    // Each block made as many calls as the per-block cap let it, and they were stored cut.
+    d.spawn().await;
+    for id in &ids {
+        let events = d.events(id, 0).await;
+        let calls = events.iter().filter(|e| e["type"] == "tool_call").count();
+        assert_eq!(calls, 101, "{id}: 100 run and one refusal");
+        let t = d.get(&format!("/v1/tasks/{id}")).await;
+        assert_eq!(t["state"], "interrupted", "{t}");
+    }
+}

@@ -364,3 +364,66 @@ async fn a_deep_tree_in_a_docker_kept_interpreters_dir_is_removed_when_it_restar
     assert_eq!(outs[1].trim(), "alive fresh", "{outs:?}\n{}", d.log());
     answers(&d).await;
 }
+
+/// The zoo where a workspace lives in the sandbox and a mirror of it on this machine is kept
+/// up to date after each block: its archive (gigabytes of headers and sparse zeros) is
+/// refused at the mirror's bound rather than written out, the task goes on, the file list and
+/// tar answer from the mirror, the daemon serves on, and the host file is untouched.
+async fn the_zoo_through_a_mirrored_road(executor: &str, config: &str) {
+    let outside = tempfile::tempdir().unwrap();
+    let host = host_file(outside.path());
+    let task = format!("plant the zoo in {executor}");
+    let server = ScriptedOpenAi::start(script([(
+        task.as_str(),
+        vec![
+            // Its tmp is the container's own, gone with it.
+            zoo(100_000, 100_000, &host, false),
+            Reply::from("```python\nimport os\nprint('after', len(os.listdir('wide')))\n```"),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let d = Daemon::start(
+        Path::new(BIN),
+        &server.base_url(),
+        &["--executor", executor],
+        Some(&format!("[limits]\nwall = 600\ncpu_secs = 600\n{config}")),
+    )
+    .await;
+    let id = d.submit(json!({"task": task})).await;
+    let t = d.wait_finished(&id, Duration::from_secs(900)).await;
+    assert_eq!(t["stop_reason"], "terminated", "{t}\n{}", d.log());
+    let outs = d.block_stdouts(&id).await;
+    assert_eq!(outs.get(1).map(|s| s.trim()), Some("after 100000"), "{outs:?}");
+    let log = d.log();
+    assert!(
+        log.contains("out of the sandbox stopped at 2048 MiB"),
+        "the mirror took the zoo's archive whole:\n{log}"
+    );
+    answers(&d).await;
+    let (status, _) = status_of(&d, &format!("/v1/tasks/{id}/files")).await;
+    assert!(status < 500, "{status}");
+    let (status, _) = status_of(&d, &format!("/v1/tasks/{id}/files?format=tar")).await;
+    assert!(status < 500, "{status}");
+    answers(&d).await;
+    host_untouched(&host);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_zoo_through_the_mirror_of_a_docker_volume() {
+    the_zoo_through_a_mirrored_road("docker", "[executors.docker]\nworkspace = \"volume\"\n")
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_zoo_through_a_kubernetes_pod_and_its_mirror() {
+    let cluster = tandem_tests::kubernetes::FakeCluster::deployed().await;
+    let config = format!(
+        "[executors.kubernetes]\nurl = \"{}\"\nready_timeout_secs = 60\n",
+        cluster.url
+    );
+    the_zoo_through_a_mirrored_road("kubernetes", &config).await;
+    cluster.wait_released().await;
+    cluster.stop().await;
+}

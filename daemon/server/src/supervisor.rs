@@ -92,10 +92,16 @@ impl Supervisor {
         let (live, _) = broadcast::channel(4096);
         let (queue, writes) = std::sync::mpsc::channel();
         let leases = Leases::default();
-        let writer = Writes::new(queue, leases.clone());
+        let store_down: Arc<AtomicBool> = Arc::default();
+        let backlog: Arc<crate::writer::Backlog> = Arc::default();
+        let writer = Writes::new(
+            queue,
+            leases.clone(),
+            backlog.clone(),
+            store_down.clone(),
+        );
         let held: Arc<Mutex<HashMap<String, Running>>> = Arc::default();
         let lost: Arc<Mutex<HashSet<String>>> = Arc::default();
-        let store_down: Arc<AtomicBool> = Arc::default();
         let outlet = Outlet {
             live: live.clone(),
             fenced: Box::new({
@@ -105,6 +111,7 @@ impl Supervisor {
                 }
             }),
             down: store_down.clone(),
+            backlog,
         };
         let writer_store = store.clone();
         std::thread::Builder::new()

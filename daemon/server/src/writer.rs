@@ -49,6 +49,13 @@ const GATHER: Duration = Duration::from_millis(2);
 const PROBE: Duration = Duration::from_secs(1);
 /// Most changes in one commit.
 const MAX_BATCH: usize = 1024;
+/// Most bytes of events that tasks may have queued for the writer before a task that records
+/// another waits for the writer to catch up: a task that makes events faster than the store
+/// takes them is slowed down, rather than the daemon's memory growing with it.
+pub(crate) const MAX_BACKLOG: usize = 32 << 20;
+/// Longest a task waits for room in the backlog before it queues anyway (the writer is then
+/// stuck on something this bound cannot help with).
+const BACKLOG_WAIT: Duration = Duration::from_secs(60);
 /// Largest text that streamed pieces are merged into.
 const MAX_MERGED: usize = 64 << 10;
 /// Longest a streamed piece (a model token, a chunk of output) waits for the next piece of
@@ -71,6 +78,8 @@ struct Batch {
     urgent: bool,
     /// The lease epochs the batch's writes were made under.
     fences: Fences,
+    /// The backlog's bytes of the events taken since the last commit.
+    weight: usize,
 }
 
 /// A streamed piece held back to be merged with the ones that follow it.
@@ -96,6 +105,84 @@ pub(crate) struct Outlet {
     pub(crate) fenced: OnFenced,
     /// Whether the database is unreachable now (the writer is retrying).
     pub(crate) down: Arc<std::sync::atomic::AtomicBool>,
+    /// The bytes of events queued and not yet committed.
+    pub(crate) backlog: Arc<Backlog>,
+}
+
+/// The bytes of events queued for the writer and not yet committed, which tasks wait on.
+#[derive(Default)]
+pub(crate) struct Backlog {
+    bytes: std::sync::Mutex<usize>,
+    drained: std::sync::Condvar,
+}
+
+impl Backlog {
+    /// Waits (at most [`BACKLOG_WAIT`]) while more than `limit` bytes are queued, then counts
+    /// `weight` more; not while `down` (a writer that retries a database that is away drains
+    /// nothing; the events are kept in order meanwhile).
+    fn admit(&self, weight: usize, limit: usize, down: &std::sync::atomic::AtomicBool) {
+        let Ok(mut bytes) = self.bytes.lock() else {
+            return;
+        };
+        let deadline = Instant::now() + BACKLOG_WAIT;
+        while *bytes > limit && !down.load(std::sync::atomic::Ordering::SeqCst) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                tracing::warn!(
+                    queued = *bytes,
+                    "the store writer has not caught up in {BACKLOG_WAIT:?}; queueing anyway"
+                );
+                break;
+            }
+            // Woken by each commit; the slice keeps a change of `down` from being missed.
+            match self
+                .drained
+                .wait_timeout(bytes, left.min(Duration::from_millis(200)))
+            {
+                Ok((b, _)) => bytes = b,
+                Err(_) => return,
+            }
+        }
+        *bytes += weight;
+    }
+
+    /// Counts `weight` bytes as committed and wakes the tasks waiting for room.
+    fn drained(&self, weight: usize) {
+        if weight == 0 {
+            return;
+        }
+        if let Ok(mut bytes) = self.bytes.lock() {
+            *bytes = bytes.saturating_sub(weight);
+        }
+        self.drained.notify_all();
+    }
+
+    /// The bytes queued now.
+    fn queued(&self) -> usize {
+        self.bytes.lock().map_or(0, |b| *b)
+    }
+
+    /// Whether more than `limit` bytes are queued (so that a record would wait).
+    fn queued_over(&self, limit: usize) -> bool {
+        self.queued() > limit
+    }
+}
+
+/// What an event weighs in the backlog: the length of its JSON, counted without making it.
+fn weight(msg: &EventMsg) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    let _ = serde_json::to_writer(&mut count, msg);
+    count.0
 }
 
 impl Batch {
@@ -107,6 +194,9 @@ impl Batch {
     }
 
     fn take(&mut self, write: Write) {
+        if let Write::Event(_, msg, ..) = &write {
+            self.weight += weight(msg);
+        }
         match write {
             Write::Event(id, msg, at, fence) if is_piece(&msg) => self.hold(id, msg, at, fence),
             Write::Event(id, msg, at, fence) => {
@@ -397,6 +487,8 @@ pub(crate) fn write_events(
         }
         batch.release_due(Some(Instant::now()));
         batch.commit(store, out);
+        // Pieces still held count as drained: they are at most one merged piece per task.
+        out.backlog.drained(std::mem::take(&mut batch.weight));
         batch.transition(store);
         for ack in batch.flushes.drain(..) {
             let _ = ack.send(());
@@ -610,6 +702,7 @@ mod tests {
             live,
             fenced: Box::new(|_| {}),
             down: Arc::default(),
+            backlog: Arc::default(),
         }
     }
 
@@ -656,6 +749,70 @@ mod tests {
         assert!(store.events_after("a", 0).unwrap().is_empty());
         assert_eq!(store.events_after("b", 0).unwrap().len(), 1);
         assert_eq!(*told.lock().unwrap(), [("a".to_owned(), 1)]);
+    }
+
+    #[test]
+    fn a_task_that_outruns_the_writer_waits_and_one_whose_database_is_away_does_not() {
+        let backlog = Arc::new(Backlog::default());
+        let down = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let limit = 1000;
+        let peak = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        // Four producers of 100-byte events against a writer that drains 100 bytes a
+        // millisecond: the backlog never holds more than the limit and one event each.
+        let producers: Vec<_> = (0..4)
+            .map(|_| {
+                let (backlog, down, peak) = (backlog.clone(), down.clone(), peak.clone());
+                std::thread::spawn(move || {
+                    for _ in 0..200 {
+                        backlog.admit(100, limit, &down);
+                        peak.fetch_max(backlog.queued(), std::sync::atomic::Ordering::SeqCst);
+                    }
+                })
+            })
+            .collect();
+        let drained = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let writer = {
+            let (backlog, drained) = (backlog.clone(), drained.clone());
+            std::thread::spawn(move || {
+                while !drained.load(std::sync::atomic::Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(1));
+                    backlog.drained(100);
+                }
+            })
+        };
+        for p in producers {
+            p.join().unwrap();
+        }
+        drained.store(true, std::sync::atomic::Ordering::SeqCst);
+        writer.join().unwrap();
+        let peak = peak.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(peak <= limit + 4 * 100, "the backlog reached {peak} bytes");
+        // Nothing drains while the database is away, and nobody waits for it.
+        let stuck = Backlog::default();
+        down.store(true, std::sync::atomic::Ordering::SeqCst);
+        for _ in 0..100 {
+            stuck.admit(100, limit, &down);
+        }
+        assert_eq!(stuck.queued(), 100 * 100);
+    }
+
+    #[test]
+    fn a_committed_event_leaves_the_backlog() {
+        let (_dir, store) = store_with_task_a();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (live, _seen) = broadcast::channel(16);
+        let out = outlet(live);
+        let msg = EventMsg::TurnStarted {
+            turn: 1,
+            agent: None,
+        };
+        let w = weight(&msg);
+        assert_eq!(w, serde_json::to_vec(&msg).unwrap().len());
+        out.backlog.admit(w, MAX_BACKLOG, &out.down);
+        tx.send(Write::Event("a".into(), msg, 1, None)).unwrap();
+        drop(tx);
+        write_events(&store, &rx, &out);
+        assert_eq!(out.backlog.queued(), 0);
     }
 
     #[test]
@@ -769,15 +926,29 @@ pub fn now_ms() -> u64 {
 pub(crate) struct Writes {
     queue: std::sync::mpsc::Sender<Write>,
     leases: Leases,
+    backlog: Arc<Backlog>,
+    /// Whether the database is away (then nothing waits on the backlog).
+    down: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The lease epoch of each task this daemon runs: its writes carry it.
 pub(crate) type Leases = Arc<std::sync::Mutex<std::collections::HashMap<String, u64>>>;
 
 impl Writes {
-    /// A handle on the writer that reads `queue`; a task's writes carry its epoch in `leases`.
-    pub(crate) fn new(queue: std::sync::mpsc::Sender<Write>, leases: Leases) -> Self {
-        Self { queue, leases }
+    /// A handle on the writer that reads `queue` (and drains `backlog` as it commits); a
+    /// task's writes carry its epoch in `leases`.
+    pub(crate) fn new(
+        queue: std::sync::mpsc::Sender<Write>,
+        leases: Leases,
+        backlog: Arc<Backlog>,
+        down: Arc<std::sync::atomic::AtomicBool>,
+    ) -> Self {
+        Self {
+            queue,
+            leases,
+            backlog,
+            down,
+        }
     }
 
     /// Queues `write`; `Err` when the writer has stopped.
@@ -791,8 +962,19 @@ impl Writes {
         self.leases.lock().ok().and_then(|l| l.get(id).copied())
     }
 
-    /// Queues event `msg` of task `id`, stamped now.
+    /// Queues event `msg` of task `id`, stamped now. While the writer is more than
+    /// [`MAX_BACKLOG`] behind, the caller (a task's turn loop or block) waits for it here: on
+    /// a runtime's worker, that worker is handed off first, so the rest of the daemon goes on.
     pub(crate) fn record(&self, id: &str, msg: Msg) {
+        let weight = weight(&msg);
+        let admit = || self.backlog.admit(weight, MAX_BACKLOG, &self.down);
+        let multi_thread = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if multi_thread && self.backlog.queued_over(MAX_BACKLOG) {
+            tokio::task::block_in_place(admit);
+        } else {
+            admit();
+        }
         if self
             .send(Write::Event(id.to_owned(), msg, now_ms(), self.fence(id)))
             .is_err()

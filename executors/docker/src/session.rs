@@ -664,10 +664,15 @@ struct Archives {
 }
 
 impl tandem_executor_runner::mirror::Fetch for Archives {
-    fn fetch(&mut self, path: String) -> BoxFuture<'_, Result<Option<std::fs::File>, ExecError>> {
+    fn fetch(
+        &mut self,
+        path: String,
+        max_bytes: u64,
+    ) -> BoxFuture<'_, Result<Option<std::fs::File>, ExecError>> {
         Box::pin(async move {
             use tokio::io::AsyncSeekExt;
             let io = |e| ExecError::io("copying the workspace out", e);
+            let mut written: u64 = 0;
             let mut out = tokio::fs::File::from_std(tempfile::tempfile().map_err(io)?);
             let mut stream = self.docker.download_from_container(
                 &self.id,
@@ -679,7 +684,15 @@ impl tandem_executor_runner::mirror::Fetch for Archives {
             );
             while let Some(chunk) = stream.next().await {
                 match chunk {
-                    Ok(bytes) => out.write_all(&bytes).await.map_err(io)?,
+                    Ok(bytes) => {
+                        written = written.saturating_add(bytes.len() as u64);
+                        if written > max_bytes {
+                            return Err(tandem_executor_runner::mirror::over_max(
+                                &path, max_bytes,
+                            ));
+                        }
+                        out.write_all(&bytes).await.map_err(io)?;
+                    }
                     Err(bollard::errors::Error::DockerResponseServerError {
                         status_code: 404,
                         ..

@@ -353,7 +353,7 @@ impl PodExec {
         &self,
         argv: &[&str],
         input: Option<std::fs::File>,
-        output: Option<&mut tokio::fs::File>,
+        output: Option<(&mut tokio::fs::File, u64)>,
     ) -> Result<(i32, String), ExecError> {
         let mut process = self
             .executor
@@ -383,8 +383,16 @@ impl PodExec {
         let drain = async {
             if let Some(mut stdout) = stdout {
                 match output {
-                    Some(out) => {
-                        tokio::io::copy(&mut stdout, out).await?;
+                    Some((out, max)) => {
+                        let copied =
+                            tokio::io::copy(&mut (&mut stdout).take(max.saturating_add(1)), out)
+                                .await?;
+                        if copied > max {
+                            return Err(std::io::Error::new(
+                                std::io::ErrorKind::FileTooLarge,
+                                format!("over {max} bytes"),
+                            ));
+                        }
                     }
                     None => {
                         tokio::io::copy(&mut stdout, &mut tokio::io::sink()).await?;
@@ -403,12 +411,15 @@ impl PodExec {
             }
             Ok::<_, std::io::Error>(String::from_utf8_lossy(&text).trim().to_owned())
         };
+        // Whichever fails first ends the copy: an output over its bound is not read further
+        // (dropping the exec stops the command that writes it).
         let waited = tokio::time::timeout(Duration::from_secs(300), async {
-            tokio::join!(drain, errors)
+            tokio::try_join!(drain, errors)
         })
         .await;
         let (drained, errors) = match waited {
-            Ok(done) => done,
+            Ok(Ok(((), errors))) => (Ok(()), Ok(errors)),
+            Ok(Err(e)) => (Err(e), Ok(String::new())),
             Err(_) => {
                 feeder.abort();
                 return Err(ExecError::Backend(
@@ -491,7 +502,11 @@ async fn wait_bound(executor: &KubernetesExecutor, claim_name: &str) -> Result<S
 struct PodArchives(PodExec);
 
 impl mirror::Fetch for PodArchives {
-    fn fetch(&mut self, path: String) -> BoxFuture<'_, Result<Option<std::fs::File>, ExecError>> {
+    fn fetch(
+        &mut self,
+        path: String,
+        max_bytes: u64,
+    ) -> BoxFuture<'_, Result<Option<std::fs::File>, ExecError>> {
         Box::pin(async move {
             use tokio::io::AsyncSeekExt;
             let io = |e| ExecError::io("copying the workspace out", e);
@@ -503,10 +518,22 @@ impl mirror::Fetch for PodArchives {
             let mut out = tokio::fs::File::from_std(tempfile::tempfile().map_err(io)?);
             // Exit 3: the path is gone, which is not a failure.
             let script = "cd \"$1\" 2>/dev/null && [ -e \"$2\" -o -L \"$2\" ] || exit 3; exec tar -c -f - -- \"$2\"";
-            let (code, errors) = self
+            let copied = self
                 .0
-                .exec_io(&["sh", "-c", script, "sh", dir, name], None, Some(&mut out))
-                .await?;
+                .exec_io(
+                    &["sh", "-c", script, "sh", dir, name],
+                    None,
+                    Some((&mut out, max_bytes)),
+                )
+                .await;
+            let (code, errors) = match copied {
+                Err(ExecError::Io { source, .. })
+                    if source.kind() == std::io::ErrorKind::FileTooLarge =>
+                {
+                    return Err(mirror::over_max(&path, max_bytes));
+                }
+                other => other?,
+            };
             match code {
                 0 => {}
                 3 => return Ok(None),

@@ -99,6 +99,12 @@ impl Support {
         self.landlock_abi >= 1 && self.seccomp && (self.user_namespaces || self.landlock_abi >= 4)
     }
 
+    /// Whether a block can have a PID namespace of its own: root may always make one, anyone
+    /// else inside a user namespace of their own.
+    pub fn pid_namespaces(&self) -> bool {
+        self.user_namespaces || nix::unistd::geteuid().is_root()
+    }
+
     /// One line for `tandem doctor`.
     pub fn describe(&self) -> String {
         format!(
@@ -114,13 +120,17 @@ impl Support {
     }
 }
 
-/// What the waiter is told to apply (forkserver.py's `confine`); the Landlock ruleset goes
+/// What the waiter is told to apply (forkserver.py's `confine`); a Landlock ruleset goes
 /// beside the request as a file descriptor.
 #[derive(Clone, Debug, serde::Serialize)]
 pub(crate) struct Policy {
-    /// The session's Landlock ruleset, made once and applied by each of its blocks.
+    /// What each block's Landlock ruleset allows (see [`Policy::ruleset`]).
     #[serde(skip)]
-    pub ruleset: Arc<OwnedFd>,
+    paths: Arc<Paths>,
+    /// Whether the block gets a PID and mount namespace of its own, with a `/proc` that shows
+    /// only its own processes (the waiter adds that `/proc` to the block's ruleset): `None`
+    /// where the kernel cannot make one, `"try"` (run without where it refuses), `"required"`.
+    pub pid_namespace: Option<&'static str>,
     /// Whether blocks may use the network.
     pub network: bool,
     /// Whether the ruleset denies TCP (Landlock ABI 4), for when no network namespace can be
@@ -186,26 +196,57 @@ pub(crate) fn readable(prefixes: &[PathBuf], extra: &[PathBuf]) -> Vec<PathBuf> 
     read
 }
 
-/// The policy for a session: `workspace` and `tmp` writable, `read` ([`readable`]) readable.
+/// The policy for a session: `workspace` and `tmp` writable, `read` ([`readable`]) readable;
+/// with `required`, a block that cannot have its own PID namespace does not run.
 pub(crate) fn policy(
     workspace: &Path,
     tmp: &Path,
     read: &[PathBuf],
     network: bool,
+    required: bool,
 ) -> std::io::Result<Policy> {
     let write = [
         workspace.to_owned(),
         tmp.to_owned(),
         PathBuf::from("/dev/null"),
     ];
-    let abi = Support::probe().landlock_abi;
-    let tcp = !network && abi >= 4;
+    let support = Support::probe();
+    let tcp = !network && support.landlock_abi >= 4;
+    let paths = Paths {
+        abi: support.landlock_abi,
+        read: read.to_vec(),
+        write: write.to_vec(),
+    };
+    // Made once here so that a session that cannot be confined fails at its start.
+    drop(ruleset(paths.abi, &paths.read, &paths.write, tcp)?);
     Ok(Policy {
-        ruleset: Arc::new(ruleset(abi, read, &write, tcp)?),
+        paths: Arc::new(paths),
+        pid_namespace: match (support.pid_namespaces(), required) {
+            (false, _) => None,
+            (true, false) => Some("try"),
+            (true, true) => Some("required"),
+        },
         network,
         tcp,
         seccomp: seccomp_hex().to_owned(),
     })
+}
+
+/// The paths a session's rulesets name.
+#[derive(Debug)]
+struct Paths {
+    abi: i64,
+    read: Vec<PathBuf>,
+    write: Vec<PathBuf>,
+}
+
+impl Policy {
+    /// A fresh Landlock ruleset for one block. Each block gets its own because its waiter adds
+    /// a rule for the block's own `/proc` (a new procfs each time): on a ruleset shared by the
+    /// session, those rules would pile up, one per block, in every later domain.
+    pub(crate) fn ruleset(&self) -> std::io::Result<OwnedFd> {
+        ruleset(self.paths.abi, &self.paths.read, &self.paths.write, self.tcp)
+    }
 }
 
 /// Landlock's filesystem rights that ABI `abi` handles (linux/landlock.h).

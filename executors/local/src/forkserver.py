@@ -27,7 +27,7 @@ def block(req, out, err, status):
         os.setsid()
         if req.get("confine"):
             scope_away_from_waiter()
-        os.write(status, b"%d\n" % os.getpid())
+        report_pid(status, os.getpid())
         os.close(status)
         fd = os.open(os.devnull, os.O_RDONLY)
         os.dup2(fd, 0)
@@ -231,17 +231,30 @@ def spawn_plain(req, out, err, status, gate=None):
         pid = os.fork()
         if pid == 0:
             os.setsid()
-            os.write(status, b"%d\n" % os.getpid())
+            report_pid(status, os.getpid())
             os.write(err, ("tandem: cannot start %s: %s\n" % (argv[0], e)).encode())
             os._exit(127)
         return pid
     # It already leads its own session: a kill from now on cannot miss it.
-    os.write(status, b"%d\n" % pid)
+    report_pid(status, pid)
     os.close(null)
     return pid
 
 
-CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID = 0x10000000, 0x40000000, 0x20000, 0x20000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
+
+# Set in the init of a block's own PID namespace: the pid that the Rust side kills is then
+# that init's (reported from outside, where pids mean something to it), not the block's.
+IN_PID_NAMESPACE = False
+
+
+def report_pid(status, pid):
+    """Tells the Rust side which pid leads the block's process group, unless the block has a
+    PID namespace of its own (then its init, whose death takes every process in it, was
+    reported already)."""
+    if not IN_PID_NAMESPACE:
+        os.write(status, b"%d\n" % pid)
 
 
 class Refused(Exception):
@@ -262,15 +275,19 @@ if _prctl is not None:
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
+def write_id_maps(uid, gid):
+    for name, text in (("uid_map", "%d %d 1" % (uid, uid)), ("setgroups", "deny"), ("gid_map", "%d %d 1" % (gid, gid))):
+        with open("/proc/self/" + name, "w") as f:
+            f.write(text)
+
+
 def isolate_network():
     """A new user and network namespace with nothing in it, keeping this user's ids; True
     when the kernel allowed it."""
     uid, gid = os.getuid(), os.getgid()
     if _prctl is None or _libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
         return False
-    for name, text in (("uid_map", "%d %d 1" % (uid, uid)), ("setgroups", "deny"), ("gid_map", "%d %d 1" % (gid, gid))):
-        with open("/proc/self/" + name, "w") as f:
-            f.write(text)
+    write_id_maps(uid, gid)
     return True
 
 
@@ -309,6 +326,79 @@ def confine(c, fd):
         check(_libc.prctl(22, 2, ctypes.byref(fprog), 0, 0), "seccomp")  # PR_SET_SECCOMP, FILTER
 
 
+def enter_pid_namespace():
+    """Makes the next fork the init of a new PID namespace, in a mount namespace of its own
+    whose mounts do not propagate back (and, for a user other than root not yet in a user
+    namespace, a user namespace keeping its ids)."""
+    if _prctl is None:
+        raise Refused("this Python has no ctypes")
+    flags = CLONE_NEWPID | CLONE_NEWNS
+    user = os.geteuid() != 0 and not ISOLATED
+    if user:
+        flags |= CLONE_NEWUSER
+    uid, gid = os.getuid(), os.getgid()
+    check(_libc.unshare(flags), "a PID namespace")
+    if user:
+        write_id_maps(uid, gid)
+    check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "private mounts")
+
+
+def own_proc(rules):
+    """In the init of the block's PID namespace: a `/proc` that shows this namespace only,
+    over the host's, readable under the block's Landlock ruleset `rules` (its rule for the
+    host's `/proc` does not reach a new mount)."""
+    check(_libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "a /proc of its own")
+    fd = os.open("/proc", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        rule = struct.pack("=Qi", 1 | 4 | 8, fd)  # execute, read a file, read a directory
+        check(_libc.syscall(445, rules, 1, rule, 0), "a Landlock rule for the new /proc")
+    finally:
+        os.close(fd)
+
+
+def pid_namespace(req, out, err, status, rules):
+    """Runs the rest of this waiter as the init of the block's own PID namespace (returns
+    there); this process waits for that init and exits. Where the kernel refuses and the
+    namespace is not required, returns here and the block runs without one."""
+    global IN_PID_NAMESPACE
+    required = req["confine"].get("pid_namespace") == "required"
+    try:
+        enter_pid_namespace()
+    except Refused:
+        if required:
+            raise
+        return
+    init = os.fork()
+    if init == 0:
+        IN_PID_NAMESPACE = True
+        try:
+            os.setpgid(0, 0)
+        except OSError:
+            pass
+        try:
+            own_proc(rules)
+        except (Refused, OSError) as e:
+            if required:
+                raise Refused(str(e))
+        return
+    # Whichever of the two setpgid calls comes first, the init leads its own group before
+    # its pid is reported, so a kill from then on cannot miss it (and its death ends every
+    # process in its namespace).
+    try:
+        os.setpgid(init, init)
+    except OSError:
+        pass
+    os.write(status, b"%d\n" % init)
+    for fd in (out, err, status, rules):
+        if fd is not None:
+            os.close(fd)
+    try:
+        os.waitpid(init, 0)
+    except ChildProcessError:
+        pass
+    os._exit(0)
+
+
 # Landlock scopes signals from ABI 6 on.
 SIGNAL_SCOPE = _prctl is not None and _libc.syscall(444, None, 0, 1) >= 6
 
@@ -335,10 +425,12 @@ def waiter(req, out, err, status, rules=None):
             resource.setrlimit(getattr(resource, name), (limit, limit))
         if req.get("confine"):
             try:
+                if req["confine"].get("pid_namespace"):
+                    pid_namespace(req, out, err, status, rules)
                 confine(req["confine"], rules)
             except Exception as e:
                 # Nothing runs unconfined that was asked to be confined: the block fails.
-                os.write(status, b"%d\n" % os.getpid())
+                report_pid(status, os.getpid())
                 os.write(err, ("tandem: cannot confine the block: %s\n" % e).encode())
                 os.write(status, b"%d\n" % (127 << 8))
                 return

@@ -142,6 +142,7 @@ impl Inner {
                     .chain([tools.to_owned()])
                     .collect::<Vec<_>>(),
                 self.config.network,
+                self.config.confine == Confine::Required,
             )
             .map(Some)
             .map_err(|e| ExecError::io("making the session's Landlock ruleset", e)),

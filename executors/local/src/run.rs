@@ -14,7 +14,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::net::unix::pipe;
 use tokio::process::{Child, Command};
 
-use crate::LocalSession;
+use crate::{LocalSession, confine};
 use crate::forkserver::{ForkServer, decode_wait_status};
 use crate::kill::{MARKER_VAR, TreeKiller};
 
@@ -147,10 +147,14 @@ async fn supervise(
                 confine,
                 tools: channel.is_some(),
             };
+            let ruleset = confine
+                .map(confine::Policy::ruleset)
+                .transpose()
+                .map_err(|e| ExecError::io("making the block's Landlock ruleset", e))?;
             fork(
                 &server,
                 &request,
-                confine.map(|c| c.ruleset.clone()),
+                ruleset,
                 channel.as_ref().map(|c| c.theirs.clone()),
             )
             .await?
@@ -274,14 +278,14 @@ struct ForkRequest<'a> {
 async fn fork(
     server: &Arc<ForkServer>,
     request: &ForkRequest<'_>,
-    ruleset: Option<Arc<std::os::fd::OwnedFd>>,
+    ruleset: Option<std::os::fd::OwnedFd>,
     tools: Option<Arc<std::os::fd::OwnedFd>>,
 ) -> Result<Started<Running>, ExecError> {
     let request = serde_json::to_string(request)
         .map_err(|e| ExecError::Backend(format!("encoding a fork server request failed: {e}")))?;
     let server = server.clone();
     let launched = tokio::task::spawn_blocking(move || {
-        server.launch(request.as_bytes(), ruleset.as_deref(), tools.as_deref())
+        server.launch(request.as_bytes(), ruleset.as_ref(), tools.as_deref())
     })
     .await
     .map_err(|e| ExecError::Backend(format!("the Python fork server failed: {e}")))?

@@ -13,9 +13,15 @@ use crate::Changes;
 /// one request each.
 const WHOLE_AFTER: usize = 16;
 
+/// Most bytes of one archive copied out of a sandbox: what a block shapes (a tree 100,000
+/// deep is gigabytes of tar headers; a sparse file is all its zeros in a tar) must not fill
+/// this machine's disk. A workspace over it is not mirrored (the copy says so, and the next
+/// block tries again).
+pub const FETCH_MAX: u64 = 2 << 30;
+
 /// How much of a workspace is copied out to the mirror.
 const MIRROR_CAPS: ArchiveCaps = ArchiveCaps {
-    max_bytes: 16 << 30,
+    max_bytes: FETCH_MAX,
     max_entries: 200_000,
 };
 
@@ -23,8 +29,21 @@ const MIRROR_CAPS: ArchiveCaps = ArchiveCaps {
 /// component at the archive's top (as `tar -C DIR -c NAME` makes it, and Docker's archive
 /// call), or `None` when the path is gone.
 pub trait Fetch: Send {
-    /// The archive of `path` (absolute, under `/workspace`).
-    fn fetch(&mut self, path: String) -> BoxFuture<'_, Result<Option<std::fs::File>, ExecError>>;
+    /// The archive of `path` (absolute, under `/workspace`); an error, and nothing more
+    /// written, once it is over `max_bytes`.
+    fn fetch(
+        &mut self,
+        path: String,
+        max_bytes: u64,
+    ) -> BoxFuture<'_, Result<Option<std::fs::File>, ExecError>>;
+}
+
+/// The error of a copy out of a sandbox that went over `max` bytes.
+pub fn over_max(path: &str, max: u64) -> ExecError {
+    ExecError::Backend(format!(
+        "copying `{path}` out of the sandbox stopped at {} MiB: the workspace is not mirrored while it is that large",
+        max >> 20
+    ))
 }
 
 /// Brings `mirror` up to date with what a block changed, as `changes` and the `inline` tar
@@ -41,7 +60,7 @@ pub async fn sync(
         || (!changes.inline
             && changes.changed.iter().filter(|(_, k)| k == "f").count() > WHOLE_AFTER);
     if whole {
-        let Some(archive) = fetch.fetch("/workspace".to_owned()).await? else {
+        let Some(archive) = fetch.fetch("/workspace".to_owned(), FETCH_MAX).await? else {
             return Ok(());
         };
         let mirror = mirror.to_owned();
@@ -57,7 +76,7 @@ pub async fn sync(
         let archive = match kind.as_str() {
             // Came inline, unpacked below.
             "f" if changes.inline => continue,
-            "f" => match fetch.fetch(format!("/workspace/{path}")).await? {
+            "f" => match fetch.fetch(format!("/workspace/{path}"), FETCH_MAX).await? {
                 Some(archive) => archive,
                 None => continue,
             },
