@@ -516,7 +516,7 @@ async fn a_local_block_cannot_turn_the_tools_module_into_a_write_on_the_host() {
 /// SIGTERM ends it all within the grace and the cancel that follows it.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_flood_of_calls_and_output_keeps_the_daemon_small_and_sigterm_prompt() {
-    let flood = "```python\nimport tandem_tools\nbig = 'w ' * (1 << 21)\nfor i in range(300):\n    try:\n        tandem_tools.call('wc', text=big)\n    except tandem_tools.ToolError:\n        break\nprint('calls done', i, flush=True)\nline = 'x' * 65536\nwhile True:\n    print(line, flush=True)\n```";
+    let flood = "```python\nimport tandem_tools\nbig = 'w ' * 2000000\nfor i in range(300):\n    try:\n        tandem_tools.call('wc', text=big)\n    except tandem_tools.ToolError as e:\n        print('refused:', e, flush=True)\n        break\nprint('calls done', i, flush=True)\nline = 'x' * 65536\nwhile True:\n    print(line, flush=True)\n```";
     let tasks: Vec<String> = (0..3).map(|i| format!("tools: flood {i}")).collect();
     let server = ScriptedOpenAi::start(script([
         (tasks[0].as_str(), vec![Reply::from(flood)]),
@@ -534,7 +534,13 @@ async fn a_flood_of_calls_and_output_keeps_the_daemon_small_and_sigterm_prompt()
     let started = Instant::now();
     for id in &ids {
         loop {
-            if d.block_stdouts(id).await.concat().contains("calls done") {
+            let events = d.events(id, 0).await;
+            let printed: String = events
+                .iter()
+                .filter(|e| e["type"] == "exec_output")
+                .filter_map(|e| e["text"].as_str())
+                .collect();
+            if printed.contains("calls done") {
                 break;
             }
             assert!(
@@ -559,13 +565,20 @@ async fn a_flood_of_calls_and_output_keeps_the_daemon_small_and_sigterm_prompt()
         "SIGTERM took {took:?}:\n{}",
         d.log()
     );
+    eprintln!("flood: the daemon peaked at {peak_kib} KiB; SIGTERM took {took:?}");
     assert!(peak_kib < 768 << 10, "the daemon peaked at {peak_kib} KiB");
     // Each block made as many calls as the per-block cap let it, and they were stored cut.
     d.spawn().await;
     for id in &ids {
         let events = d.events(id, 0).await;
         let calls = events.iter().filter(|e| e["type"] == "tool_call").count();
-        assert_eq!(calls, 101, "{id}: 100 run and one refusal");
+        let printed: String = events
+            .iter()
+            .filter(|e| e["type"] == "exec_output")
+            .filter_map(|e| e["text"].as_str())
+            .take(3)
+            .collect();
+        assert_eq!(calls, 101, "{id}: 100 run and one refusal: {printed:.2000}");
         let t = d.get(&format!("/v1/tasks/{id}")).await;
         assert_eq!(t["state"], "interrupted", "{t}");
     }
