@@ -44,7 +44,7 @@ async fn model() -> ScriptedOpenAi {
 }
 
 /// Runs the client script and returns what it saw.
-async fn drive(args: &[&str], env: &[(&str, &str)]) -> Value {
+pub(crate) async fn drive(args: &[&str], env: &[(&str, &str)]) -> Value {
     let out = tokio::time::timeout(
         Duration::from_secs(180),
         tokio::process::Command::new(client_python())

@@ -159,11 +159,17 @@ async fn the_zoo_through_every_road_of_a_local_task() {
     .unwrap();
     // Eleven sparse files of 1 GiB claim 11 GiB: over the total cap, were apparent sizes
     // counted; `max_task_mb` bounds a tar download.
-    let d = Daemon::start(
+    let listen = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("127.0.0.1:{}", l.local_addr().unwrap().port())
+    };
+    let token = "zoo-mcp-token-0123456789";
+    let d = Daemon::start_with_env(
         Path::new(BIN),
         &server.base_url(),
-        &["--executor", "local"],
+        &["--executor", "local", "--listen", &listen],
         Some("[files]\nmax_total_mb = 4096\nmax_task_mb = 64\nkeep_secs = 3600\n[limits]\nwall = 600\ncpu_secs = 600\n[executors.local]\nconfine = \"off\"\n"),
+        &[("TANDEM_TOKEN", token)],
     )
     .await;
     let small = d.submit(json!({"task": "a small task"})).await;
@@ -207,6 +213,34 @@ async fn the_zoo_through_every_road_of_a_local_task() {
         assert!((400..500).contains(&status), "{path}: {status} {text}");
         assert!(text.contains(kind), "{path}: {text}");
     }
+    // The same entries as MCP resources: each refused by its kind, none hangs; a regular
+    // file of another task reads.
+    let refused = [
+        ("fifo", "special entry"),
+        ("host-link", "symbolic link"),
+        ("root-link/etc/passwd", "symbolic link"),
+        ("linkdir-parent/inner/host-secret", "symbolic link"),
+        ("locked", "directory"),
+    ];
+    let mut uris: Vec<String> = refused
+        .iter()
+        .map(|(path, _)| format!("tandem://tasks/{id}/files/{path}"))
+        .collect();
+    let kept = format!("tandem://tasks/{small}/files/kept.bin");
+    uris.push(kept.clone());
+    let mut args = vec!["read".to_owned(), format!("http://{listen}/mcp"), token.to_owned()];
+    args.extend(uris.iter().cloned());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let seen = crate::mcp::drive(&args, &[]).await;
+    for ((_, kind), uri) in refused.iter().zip(&uris) {
+        let said = seen[uri].as_str().unwrap_or_default();
+        assert!(said.starts_with("error: ") && said.contains(kind), "{uri}: {said}");
+    }
+    assert!(
+        seen[&kept].as_str().is_some_and(|s| s.starts_with("read ")),
+        "{seen}"
+    );
+    answers(&d).await;
     // A sparse file is read as what it is, and the tar download stops at the task's cap
     // instead of writing gigabytes.
     let (status, body) = status_of(&d, &format!("/v1/tasks/{id}/files?format=tar")).await;

@@ -69,8 +69,33 @@ async def scenario(session):
     return seen
 
 
+async def read_each(session, uris):
+    """Reads each resource; what came back, an error's text, or that it hung."""
+    await session.initialize()
+    seen = {}
+    for uri in uris:
+        try:
+            r = await asyncio.wait_for(session.read_resource(uri), 60)
+            body = getattr(r.contents[0], "text", None) or getattr(r.contents[0], "blob", "")
+            seen[uri] = "read %d" % len(body)
+        except MCPError as e:
+            seen[uri] = "error: " + str(e)
+        except asyncio.TimeoutError:
+            seen[uri] = "hung"
+    return seen
+
+
 async def main():
     mode = sys.argv[1]
+    if mode == "read":
+        # read URL TOKEN URI...: reads resources over the daemon's endpoint.
+        url, token, uris = sys.argv[2], sys.argv[3], sys.argv[4:]
+        async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=120) as http:
+            async with streamable_http_client(url, http_client=http) as (read, write):
+                async with ClientSession(read, write) as session:
+                    seen = await read_each(session, uris)
+        print(json.dumps(seen))
+        return
     if mode == "stdio":
         # The SDK passes only a few variables to a server unless told; this test's are its
         # configuration (model server, executor).
