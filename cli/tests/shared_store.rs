@@ -767,3 +767,131 @@ async fn the_store_password_stays_out_of_argv_and_help() {
     assert!(!String::from_utf8_lossy(&cmdline).contains(password));
     daemon.kill().await.unwrap();
 }
+
+/// Two daemons on one store, and a client that races them: every interrupted task is resumed
+/// sixteen times at once, half through each daemon, then cancelled through both. One resume
+/// of each wins, the task's next turn is asked of the model once (by one daemon), and it ends
+/// cancelled once.
+#[tokio::test(flavor = "multi_thread")]
+async fn racing_resumes_and_cancels_through_two_daemons_run_each_task_once() {
+    let pg = Postgres::shared();
+    let url = pg.new_database();
+    let sleeper = || Reply::from(fence("import time\ntime.sleep(60)").as_str());
+    let tasks: Vec<String> = (0..4).map(|i| format!("raced {i}")).collect();
+    let script: Script = tasks
+        .iter()
+        .map(|t| (t.clone(), vec![sleeper(), sleeper(), sleeper()]))
+        .collect();
+    let server = ScriptedOpenAi::start(script).await.unwrap();
+    let start = |name: &'static str| {
+        let config = format!(
+            "[store]\ndaemon = \"{name}\"\nlease_secs = 4\n\n[executors.local]\nconfine = \"off\"\n"
+        );
+        let (server, url) = (&server, url.clone());
+        async move {
+            Daemon::start_with_env(
+                BIN.as_ref(),
+                &server.base_url_for(name),
+                &["--max-concurrent", "4", "--grace", "0.5"],
+                Some(&config),
+                &[("TANDEM_STORE_URL", url.as_str())],
+            )
+            .await
+        }
+    };
+    let mut a = start("a").await;
+    let mut b = start("b").await;
+    let mut ids = Vec::new();
+    for (i, task) in tasks.iter().enumerate() {
+        let d = if i % 2 == 0 { &a } else { &b };
+        ids.push(d.submit(json!({"task": task, "max_turns": 10})).await);
+    }
+    // Each is in its first block when both daemons stop: interrupted, resumable.
+    for task in &tasks {
+        wait_for(
+            "every task in its block",
+            Duration::from_secs(60),
+            async || !server.requests_for(task).is_empty(),
+        )
+        .await;
+    }
+    for id in &ids {
+        wait_for("every block started", Duration::from_secs(60), async || {
+            a.events(id, 0)
+                .await
+                .iter()
+                .any(|e| e["type"] == "code_block")
+        })
+        .await;
+    }
+    assert_eq!(a.terminate().await, Some(0), "{}", a.log());
+    assert_eq!(b.terminate().await, Some(0), "{}", b.log());
+    a.spawn().await;
+    b.spawn().await;
+    for id in &ids {
+        let t = a.get(&format!("/v1/tasks/{id}")).await;
+        assert_eq!(t["state"], "interrupted", "{t}");
+    }
+    let asked: BTreeMap<&String, usize> = tasks
+        .iter()
+        .map(|t| (t, server.requests_for(t).len()))
+        .collect();
+    let sockets = [a.socket(), b.socket()];
+    let answers = futures::future::join_all(ids.iter().flat_map(|id| {
+        let sockets = sockets.clone();
+        (0..16).map(move |n| {
+            let client = reqwest::Client::builder()
+                .unix_socket(sockets[n % 2].clone())
+                .build()
+                .unwrap();
+            let (url, id) = (format!("http://tandem/v1/tasks/{id}/resume"), id.clone());
+            async move { (id, client.post(url).send().await.unwrap().status().as_u16()) }
+        })
+    }))
+    .await;
+    for id in &ids {
+        let mut codes: Vec<u16> = answers
+            .iter()
+            .filter(|(of, _)| of == id)
+            .map(|(_, status)| *status)
+            .collect();
+        codes.sort_unstable();
+        assert_eq!(codes, [[200].as_slice(), &[409; 15]].concat(), "{id}");
+    }
+    // The resumed task asks for its next turn, once, of one daemon.
+    for task in &tasks {
+        wait_for(
+            "the next turn asked for",
+            Duration::from_secs(60),
+            async || server.requests_for(task).len() > asked[task],
+        )
+        .await;
+    }
+    // Cancels through both daemons at once: each task ends once, cancelled.
+    let paths: Vec<String> = ids
+        .iter()
+        .map(|id| format!("/v1/tasks/{id}/cancel"))
+        .collect();
+    let cancels = paths
+        .iter()
+        .flat_map(|path| [&a, &b].map(|d| d.send(reqwest::Method::POST, path, None)));
+    futures::future::join_all(cancels).await;
+    for id in &ids {
+        let t = b.wait_finished(id, Duration::from_secs(60)).await;
+        assert_eq!(t["stop_reason"], "cancelled", "{t}");
+        let finished = b
+            .events(id, 0)
+            .await
+            .iter()
+            .filter(|e| e["type"] == "task_finished")
+            .count();
+        assert_eq!(finished, 1, "{id} ended {finished} times");
+    }
+    for task in &tasks {
+        assert_eq!(
+            server.requests_for(task).len(),
+            asked[task] + 1,
+            "{task} was run on after its resume more than once"
+        );
+    }
+}

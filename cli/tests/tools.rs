@@ -527,7 +527,9 @@ async fn a_flood_of_calls_and_output_keeps_the_daemon_small_and_sigterm_prompt()
     .unwrap();
     let mut d = daemon_with(&server, &["--grace", "2"], "").await;
     let ids: Vec<String> = futures::future::join_all(tasks.iter().map(|t| {
-        d.submit(json!({"task": t, "tools": ["wc"], "executor": "docker", "block_timeout_secs": 600}))
+        d.submit(
+            json!({"task": t, "tools": ["wc"], "executor": "docker", "block_timeout_secs": 600}),
+        )
     }))
     .await;
     // Every block is through its calls and printing.

@@ -228,13 +228,20 @@ async fn the_zoo_through_every_road_of_a_local_task() {
         .collect();
     let kept = format!("tandem://tasks/{small}/files/kept.bin");
     uris.push(kept.clone());
-    let mut args = vec!["read".to_owned(), format!("http://{listen}/mcp"), token.to_owned()];
+    let mut args = vec![
+        "read".to_owned(),
+        format!("http://{listen}/mcp"),
+        token.to_owned(),
+    ];
     args.extend(uris.iter().cloned());
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let seen = crate::mcp::drive(&args, &[]).await;
     for ((_, kind), uri) in refused.iter().zip(&uris) {
         let said = seen[uri].as_str().unwrap_or_default();
-        assert!(said.starts_with("error: ") && said.contains(kind), "{uri}: {said}");
+        assert!(
+            said.starts_with("error: ") && said.contains(kind),
+            "{uri}: {said}"
+        );
     }
     assert!(
         seen[&kept].as_str().is_some_and(|s| s.starts_with("read ")),
@@ -429,7 +436,11 @@ async fn the_zoo_through_a_mirrored_road(executor: &str, config: &str) {
     let t = d.wait_finished(&id, Duration::from_secs(900)).await;
     assert_eq!(t["stop_reason"], "terminated", "{t}\n{}", d.log());
     let outs = d.block_stdouts(&id).await;
-    assert_eq!(outs.get(1).map(|s| s.trim()), Some("after 100000"), "{outs:?}");
+    assert_eq!(
+        outs.get(1).map(|s| s.trim()),
+        Some("after 100000"),
+        "{outs:?}"
+    );
     let log = d.log();
     assert!(
         log.contains("out of the sandbox stopped at 2048 MiB"),
@@ -446,8 +457,7 @@ async fn the_zoo_through_a_mirrored_road(executor: &str, config: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_zoo_through_the_mirror_of_a_docker_volume() {
-    the_zoo_through_a_mirrored_road("docker", "[executors.docker]\nworkspace = \"volume\"\n")
-        .await;
+    the_zoo_through_a_mirrored_road("docker", "[executors.docker]\nworkspace = \"volume\"\n").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -94,12 +94,7 @@ impl Supervisor {
         let leases = Leases::default();
         let store_down: Arc<AtomicBool> = Arc::default();
         let backlog: Arc<crate::writer::Backlog> = Arc::default();
-        let writer = Writes::new(
-            queue,
-            leases.clone(),
-            backlog.clone(),
-            store_down.clone(),
-        );
+        let writer = Writes::new(queue, leases.clone(), backlog.clone(), store_down.clone());
         let held: Arc<Mutex<HashMap<String, Running>>> = Arc::default();
         let lost: Arc<Mutex<HashSet<String>>> = Arc::default();
         let outlet = Outlet {

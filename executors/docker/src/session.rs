@@ -687,9 +687,7 @@ impl tandem_executor_runner::mirror::Fetch for Archives {
                     Ok(bytes) => {
                         written = written.saturating_add(bytes.len() as u64);
                         if written > max_bytes {
-                            return Err(tandem_executor_runner::mirror::over_max(
-                                &path, max_bytes,
-                            ));
+                            return Err(tandem_executor_runner::mirror::over_max(&path, max_bytes));
                         }
                         out.write_all(&bytes).await.map_err(io)?;
                     }

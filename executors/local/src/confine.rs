@@ -245,7 +245,12 @@ impl Policy {
     /// a rule for the block's own `/proc` (a new procfs each time): on a ruleset shared by the
     /// session, those rules would pile up, one per block, in every later domain.
     pub(crate) fn ruleset(&self) -> std::io::Result<OwnedFd> {
-        ruleset(self.paths.abi, &self.paths.read, &self.paths.write, self.tcp)
+        ruleset(
+            self.paths.abi,
+            &self.paths.read,
+            &self.paths.write,
+            self.tcp,
+        )
     }
 }
 

@@ -14,9 +14,9 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::net::unix::pipe;
 use tokio::process::{Child, Command};
 
-use crate::{LocalSession, confine};
 use crate::forkserver::{ForkServer, decode_wait_status};
 use crate::kill::{MARKER_VAR, TreeKiller};
+use crate::{LocalSession, confine};
 
 /// How long a forked block may take to report that it started.
 const FORK_START_LIMIT: Duration = Duration::from_secs(10);
