@@ -40,15 +40,33 @@ fn two_turns(tasks: impl IntoIterator<Item = (String, String)>) -> Script {
 
 /// The pid a running block printed first (`pid N`), from its live output. Confined blocks
 /// cannot write outside their workspace, so they say it rather than leave a file.
+/// The host's pid of the block that [`sleeper`]`(tag)` runs, once it prints that it started: a
+/// confined block has a PID namespace of its own, so the pid it would print is not the host's.
 fn printed_pid(events: &[Value]) -> Option<u32> {
     let text: String = events
         .iter()
         .filter(|e| e["type"] == "exec_output")
         .filter_map(|e| e["text"].as_str())
         .collect();
-    text.lines()
-        .find_map(|l| l.strip_prefix("pid "))
-        .and_then(|p| p.trim().parse().ok())
+    let tag = text
+        .lines()
+        .find_map(|l| l.strip_prefix("sleeping "))?
+        .trim();
+    let wanted = format!("sleep\0{tag}\0");
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+        (cmdline == wanted.as_bytes()).then_some(pid)
+    })
+}
+
+/// A block that sleeps a minute in a `sleep` whose argument is unique to it (`60.<digits>`),
+/// telling when it started.
+fn sleeper() -> String {
+    let tag = format!("60.{}", uuid::Uuid::new_v4().as_u128() % 1_000_000_000);
+    format!(
+        "import subprocess\nprint('sleeping {tag}', flush=True)\nsubprocess.run(['sleep', '{tag}'])"
+    )
 }
 
 pub(crate) fn block_output(events: &[Value]) -> Vec<String> {
@@ -599,10 +617,7 @@ async fn kill_9_then_restart_keeps_every_task_and_resumes_the_interrupted() {
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_lets_short_tasks_finish_and_interrupts_long_ones() {
     let mut script = two_turns([("quick".to_owned(), "print('quick done')".to_owned())]);
-    script.extend(two_turns([(
-        "long".to_owned(),
-        "import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(60)".to_owned(),
-    )]));
+    script.extend(two_turns([("long".to_owned(), sleeper())]));
     let server = ScriptedOpenAi::start(script).await.unwrap();
     let mut d = start(&server, &["--grace", "1"]).await;
     let quick = d.submit(json!({"task": "quick"})).await;
@@ -670,7 +685,7 @@ async fn sigterm_does_not_wait_for_the_first_wasm_compile() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_restart_reaps_the_sandboxes_a_killed_daemon_left() {
-    let code = "import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(60)".to_owned();
+    let code = sleeper();
     let server = ScriptedOpenAi::start(two_turns([("orphan".to_owned(), code)]))
         .await
         .unwrap();
@@ -893,10 +908,7 @@ async fn a_resumed_task_with_a_kept_interpreter_tells_the_model_its_variables_ar
             vec![
                 Reply::from(fence("x = 41").as_str()),
                 // Asked again after the resume: the workspace remembers it slept once.
-                Reply::from(
-                    fence("import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(60)")
-                        .as_str(),
-                ),
+                Reply::from(fence(&sleeper()).as_str()),
                 // Written after the resume, told that the block above was cut off.
                 Reply::from(fence("print('x' in globals())").as_str()),
                 Reply::from("TERMINATE"),

@@ -362,12 +362,11 @@ def pid_namespace(req, out, err, status, rules):
     namespace is not required, returns here and the block runs without one."""
     global IN_PID_NAMESPACE
     required = req["confine"].get("pid_namespace") == "required"
-    try:
-        enter_pid_namespace()
-    except Refused:
+    if not PID_NAMESPACES:
         if required:
-            raise
+            raise Refused("this kernel does not let Tandem make a PID namespace with its own /proc")
         return
+    enter_pid_namespace()
     init = os.fork()
     if init == 0:
         IN_PID_NAMESPACE = True
@@ -378,8 +377,9 @@ def pid_namespace(req, out, err, status, rules):
         try:
             own_proc(rules)
         except (Refused, OSError) as e:
-            if required:
-                raise Refused(str(e))
+            # Never run on in a namespace whose /proc is the host's: pids read there would
+            # name the host's processes. (The start-up probe makes this rare.)
+            raise Refused(str(e))
         return
     # Whichever of the two setpgid calls comes first, the init leads its own group before
     # its pid is reported, so a kill from then on cannot miss it (and its death ends every
@@ -397,6 +397,28 @@ def pid_namespace(req, out, err, status, rules):
     except ChildProcessError:
         pass
     os._exit(0)
+
+
+def probe_pid_namespaces():
+    """Whether a waiter here can make a PID namespace whose init mounts its own /proc: tried
+    once, in a throwaway child, at start."""
+    if _prctl is None:
+        return False
+    pid = os.fork()
+    if pid == 0:
+        try:
+            enter_pid_namespace()
+            init = os.fork()
+            if init == 0:
+                ok = _libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) == 0
+                os._exit(0 if ok and os.getpid() == 1 else 1)
+            os._exit(os.waitstatus_to_exitcode(os.waitpid(init, 0)[1]))
+        except BaseException:
+            os._exit(1)
+    try:
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    except ChildProcessError:
+        return False
 
 
 # Landlock scopes signals from ABI 6 on.
@@ -443,11 +465,19 @@ def waiter(req, out, err, status, rules=None):
         os.close(out)
         os.close(err)
         _, wstatus = os.waitpid(pid, 0)
-        kill_descendants()
+        # In its own PID namespace the block's leftovers die with this init, which exits
+        # next; outside one, this waiter, their subreaper, kills them.
+        if not IN_PID_NAMESPACE:
+            kill_descendants()
         os.write(status, b"%d\n" % wstatus)
     finally:
         os._exit(0)
 
+
+# Asked before SIGCHLD is ignored below would matter: the probe waits for its child.
+signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+PID_NAMESPACES = probe_pid_namespaces()
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
 
 while True:
     msg, fds, _, _ = socket.recv_fds(ctl, 1 << 20, 5)
