@@ -187,6 +187,7 @@ async fn a_confined_local_block_sees_no_process_but_its_own() {
     let py = format!(
         "import os, subprocess\n\
          child = subprocess.Popen(['sleep', '30'])\n\
+         while not open('/proc/%d/cmdline' % child.pid, 'rb').read().startswith(b'sleep'):\n    pass\n\
          pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())\n\
          names = [open('/proc/%d/cmdline' % p, 'rb').read().split(b'\\0')[0].decode() for p in pids]\n\
          print('seen', len(pids), 'init', 1 in pids, 'sleep', any(n == 'sleep' for n in names))\n\

@@ -367,8 +367,15 @@ def pid_namespace(req, out, err, status, rules):
             raise Refused("this kernel does not let Tandem make a PID namespace with its own /proc")
         return
     enter_pid_namespace()
+    # The init's pid must be the first line on the status pipe: the init holds still until
+    # it is written (a fast block would otherwise end first, and its wait status be taken
+    # for the pid to kill).
+    hold_r, hold_w = os.pipe()
     init = os.fork()
     if init == 0:
+        os.close(hold_w)
+        os.read(hold_r, 1)
+        os.close(hold_r)
         IN_PID_NAMESPACE = True
         try:
             os.setpgid(0, 0)
@@ -389,6 +396,8 @@ def pid_namespace(req, out, err, status, rules):
     except OSError:
         pass
     os.write(status, b"%d\n" % init)
+    os.close(hold_r)
+    os.close(hold_w)
     for fd in (out, err, status, rules):
         if fd is not None:
             os.close(fd)

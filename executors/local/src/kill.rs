@@ -20,7 +20,11 @@ impl TreeKiller {
     /// `marker_only`: the block has no subreaper waiter, so the marker scan must not miss.
     pub(crate) fn new(pgid: Option<u32>, exec_id: &str, marker_only: bool) -> Self {
         Self {
-            pgid: pgid.and_then(|p| i32::try_from(p).ok()).map(Pid::from_raw),
+            // 0 and 1 are never a block's group: `killpg(0)` would kill Tandem's own group.
+            pgid: pgid
+                .filter(|p| *p > 1)
+                .and_then(|p| i32::try_from(p).ok())
+                .map(Pid::from_raw),
             marker: format!("{MARKER_VAR}={exec_id}"),
             marker_only,
         }

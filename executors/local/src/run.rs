@@ -302,7 +302,8 @@ async fn fork(
     let mut line = String::new();
     let read = tokio::time::timeout(FORK_START_LIMIT, status.read_line(&mut line)).await;
     let pid = match read {
-        Ok(Ok(_)) => line.trim().parse::<u32>().ok(),
+        // 0 and 1 are no block's pid (a status line taken for one would kill Tandem's group).
+        Ok(Ok(_)) => line.trim().parse::<u32>().ok().filter(|p| *p > 1),
         _ => None,
     }
     .ok_or_else(|| {
