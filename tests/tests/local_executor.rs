@@ -254,3 +254,27 @@ async fn sh_blocks_start_with_default_signal_dispositions() {
     );
     s.close().await.unwrap();
 }
+
+/// Blocks that end at once, as fast as they come: the init of each block's PID namespace is
+/// what the status pipe names first, before the block can end (a wait status of 0 read as
+/// the pid once made Tandem kill its own process group).
+#[tokio::test(flavor = "multi_thread")]
+async fn instant_blocks_each_report_their_init_before_they_end() {
+    let executor = local();
+    let mut s = conformance::open(&*executor, Limits::default()).await;
+    for i in 0..150 {
+        let (lang, code) = if i % 2 == 0 {
+            ("sh", "true")
+        } else {
+            ("python", "pass")
+        };
+        let out = conformance::run(&mut *s, lang, code).await;
+        assert_eq!(
+            out.status,
+            ExitStatus::Exited(0),
+            "block {i}: {:?}",
+            out.stderr.to_text()
+        );
+    }
+    s.close().await.unwrap();
+}
