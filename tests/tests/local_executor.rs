@@ -255,26 +255,44 @@ async fn sh_blocks_start_with_default_signal_dispositions() {
     s.close().await.unwrap();
 }
 
-/// Blocks that end at once, as fast as they come: the init of each block's PID namespace is
-/// what the status pipe names first, before the block can end (a wait status of 0 read as
-/// the pid once made Tandem kill its own process group).
+/// Blocks that end at once, as fast as they come, on a machine kept busy: the init of each
+/// block's PID namespace is what the status pipe names first, before the block can end (a
+/// wait status of 0 read as the pid once made Tandem kill its own process group).
 #[tokio::test(flavor = "multi_thread")]
 async fn instant_blocks_each_report_their_init_before_they_end() {
-    let executor = local();
-    let mut s = conformance::open(&*executor, Limits::default()).await;
-    for i in 0..150 {
-        let (lang, code) = if i % 2 == 0 {
-            ("sh", "true")
-        } else {
-            ("python", "pass")
-        };
-        let out = conformance::run(&mut *s, lang, code).await;
-        assert_eq!(
-            out.status,
-            ExitStatus::Exited(0),
-            "block {i}: {:?}",
-            out.stderr.to_text()
-        );
+    let busy = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let burners: Vec<_> = (0..4)
+        .map(|_| {
+            let busy = busy.clone();
+            std::thread::spawn(move || {
+                while busy.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        })
+        .collect();
+    let sessions = (0..3).map(|_| async {
+        let executor = local();
+        let mut s = conformance::open(&*executor, Limits::default()).await;
+        for i in 0..100 {
+            let (lang, code) = if i % 2 == 0 {
+                ("sh", "true")
+            } else {
+                ("python", "pass")
+            };
+            let out = conformance::run(&mut *s, lang, code).await;
+            assert_eq!(
+                out.status,
+                ExitStatus::Exited(0),
+                "block {i}: {:?}",
+                out.stderr.to_text()
+            );
+        }
+        s.close().await.unwrap();
+    });
+    futures::future::join_all(sessions).await;
+    busy.store(false, std::sync::atomic::Ordering::Relaxed);
+    for b in burners {
+        b.join().unwrap();
     }
-    s.close().await.unwrap();
 }
