@@ -87,9 +87,14 @@ fn unconfined_because(config: &LocalConfig) -> Option<String> {
 pub fn confinement(config: &LocalConfig) -> Result<String, String> {
     match unconfined_because(config) {
         None => Ok(format!(
-            "confined ({}; network {})",
+            "confined ({}; network {}; {})",
             Support::probe().describe(),
-            if config.network { "on" } else { "off" }
+            if config.network { "on" } else { "off" },
+            if Support::probe().pid_namespaces() {
+                "a PID namespace per block"
+            } else {
+                "processes visible"
+            }
         )),
         Some(why) => Err(format!("unconfined: {why}")),
     }
