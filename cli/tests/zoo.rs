@@ -266,8 +266,10 @@ async fn the_zoo_through_every_road_of_a_local_task() {
     d.wait_finished(&big, Duration::from_secs(120)).await;
     let started = Instant::now();
     while d.get(&format!("/v1/tasks/{big}")).await["files_removed_ms"].is_null() {
+        // A sweep measures every workspace, the zoo's 200,000 entries among them: slow on
+        // a loaded machine.
         assert!(
-            started.elapsed() < Duration::from_secs(120),
+            started.elapsed() < Duration::from_secs(600),
             "the task over its cap kept its files\n{}",
             d.log()
         );
