@@ -69,6 +69,15 @@ if TMP_TOO:
 print("TMPDIR=" + tmp)
 "#;
 
+/// The zoo's entries that are not regular files, and the kind a read of each is refused as.
+const NOT_FILES: [(&str, &str); 5] = [
+    ("fifo", "special entry"),
+    ("host-link", "symbolic link"),
+    ("root-link/etc/passwd", "symbolic link"),
+    ("linkdir-parent/inner/host-secret", "symbolic link"),
+    ("locked", "directory"),
+];
+
 fn zoo(depth: usize, width: usize, host: &Path, tmp_too: bool) -> Reply {
     let code = ZOO
         .replace("{tmp_too}", if tmp_too { "True" } else { "False" })
@@ -200,13 +209,7 @@ async fn the_zoo_through_every_road_of_a_local_task() {
     answers(&d).await;
 
     // Downloads of what is not a regular file are refused at once, whatever it is.
-    for (path, kind) in [
-        ("fifo", "special entry"),
-        ("host-link", "symbolic link"),
-        ("root-link/etc/passwd", "symbolic link"),
-        ("linkdir-parent/inner/host-secret", "symbolic link"),
-        ("locked", "directory"),
-    ] {
+    for (path, kind) in NOT_FILES {
         let href = tandem_daemon::supervisor::file_href(&id, path);
         let (status, body) = status_of(&d, &href).await;
         let text = String::from_utf8_lossy(&body);
@@ -215,13 +218,7 @@ async fn the_zoo_through_every_road_of_a_local_task() {
     }
     // The same entries as MCP resources: each refused by its kind, none hangs; a regular
     // file of another task reads.
-    let refused = [
-        ("fifo", "special entry"),
-        ("host-link", "symbolic link"),
-        ("root-link/etc/passwd", "symbolic link"),
-        ("linkdir-parent/inner/host-secret", "symbolic link"),
-        ("locked", "directory"),
-    ];
+    let refused = NOT_FILES;
     let mut uris: Vec<String> = refused
         .iter()
         .map(|(path, _)| format!("tandem://tasks/{id}/files/{path}"))
