@@ -18,8 +18,9 @@ use crate::store::{Applied, Change, Fences, StoreError, TaskState, TaskStore};
 
 /// Work for the store's writer thread, in order.
 pub(crate) enum Write {
-    /// An event of task `.0`, made at `.2` under lease epoch `.3` (when the daemon holds one).
-    Event(String, EventMsg, u64, Option<u64>),
+    /// An event of task `.0`, made at `.2` under lease epoch `.3` (when the daemon holds one),
+    /// weighing `.4` bytes in the backlog.
+    Event(String, EventMsg, u64, Option<u64>, usize),
     /// Task `.0`'s new state, under lease epoch `.3`.
     State(String, TaskState, u64, Option<u64>),
     /// A new task; the sender learns once it is committed.
@@ -194,12 +195,12 @@ impl Batch {
     }
 
     fn take(&mut self, write: Write) {
-        if let Write::Event(_, msg, ..) = &write {
-            self.weight += weight(msg);
+        if let Write::Event(.., weight) = &write {
+            self.weight += weight;
         }
         match write {
-            Write::Event(id, msg, at, fence) if is_piece(&msg) => self.hold(id, msg, at, fence),
-            Write::Event(id, msg, at, fence) => {
+            Write::Event(id, msg, at, fence, _) if is_piece(&msg) => self.hold(id, msg, at, fence),
+            Write::Event(id, msg, at, fence, _) => {
                 self.fence(&id, fence);
                 self.release(&id);
                 self.changes.push(Change::Event(id, msg, at));
@@ -578,7 +579,7 @@ mod tests {
     fn events_of(items: Vec<(&str, EventMsg)>) -> BTreeMap<String, Vec<EventMsg>> {
         let mut batch = Batch::default();
         for (id, msg) in items {
-            batch.take(Write::Event(id.to_owned(), msg, 0, None));
+            batch.take(Write::Event(id.to_owned(), msg, 0, None, 0));
         }
         batch.release_due(None);
         per_task(batch)
@@ -666,9 +667,9 @@ mod tests {
             ]
         );
         let mut batch = Batch::default();
-        batch.take(Write::Event("a".into(), delta(1, "one"), 0, None));
+        batch.take(Write::Event("a".into(), delta(1, "one"), 0, None, 0));
         batch.take(Write::State("a".into(), TaskState::Interrupted, 0, None));
-        batch.take(Write::Event("a".into(), delta(1, "two"), 0, None));
+        batch.take(Write::Event("a".into(), delta(1, "two"), 0, None, 0));
         batch.release_due(None);
         assert_eq!(
             per_task(batch)["a"],
@@ -684,7 +685,7 @@ mod tests {
     fn a_streamed_piece_is_held_for_its_time_at_most() {
         let mut batch = Batch::default();
         let start = Instant::now();
-        batch.take(Write::Event("a".into(), delta(1, "tok"), 0, None));
+        batch.take(Write::Event("a".into(), delta(1, "tok"), 0, None, 0));
         batch.release_due(Some(start));
         assert!(batch.changes.is_empty());
         let due = batch.next_due().unwrap();
@@ -735,12 +736,12 @@ mod tests {
         };
         let mut batch = Batch::default();
         // A's piece waits for more of its stream while B's event is committed alone.
-        batch.take(Write::Event("a".into(), delta(1, "late"), 0, Some(1)));
+        batch.take(Write::Event("a".into(), delta(1, "late"), 0, Some(1), 0));
         let turn = EventMsg::TurnStarted {
             turn: 1,
             agent: None,
         };
-        batch.take(Write::Event("b".into(), turn, 0, None));
+        batch.take(Write::Event("b".into(), turn, 0, None, 0));
         batch.commit(&store, &out);
         // Another daemon takes `a` over before the piece is stored: the piece is refused.
         assert_eq!(store.claim("e", 60_000, 20, &[]).unwrap().unwrap().epoch, 2);
@@ -809,7 +810,7 @@ mod tests {
         let w = weight(&msg);
         assert_eq!(w, serde_json::to_vec(&msg).unwrap().len());
         out.backlog.admit(w, MAX_BACKLOG, &out.down);
-        tx.send(Write::Event("a".into(), msg, 1, None)).unwrap();
+        tx.send(Write::Event("a".into(), msg, 1, None, w)).unwrap();
         drop(tx);
         write_events(&store, &rx, &out);
         assert_eq!(out.backlog.queued(), 0);
@@ -822,13 +823,14 @@ mod tests {
         let (live, mut seen) = broadcast::channel(16);
         tx.send(Write::State("a".into(), TaskState::Running, 2, None))
             .unwrap();
-        tx.send(Write::Event("a".into(), delta(1, "kept"), 3, None))
+        tx.send(Write::Event("a".into(), delta(1, "kept"), 3, None, 0))
             .unwrap();
         tx.send(Write::Event(
             "ghost".into(),
             delta(1, "no such task"),
             3,
             None,
+            0,
         ))
         .unwrap();
         tx.send(Write::Event(
@@ -839,6 +841,7 @@ mod tests {
             },
             4,
             None,
+            0,
         ))
         .unwrap();
         let (new_ok, new_told) = tokio::sync::oneshot::channel();
@@ -976,7 +979,13 @@ impl Writes {
             admit();
         }
         if self
-            .send(Write::Event(id.to_owned(), msg, now_ms(), self.fence(id)))
+            .send(Write::Event(
+                id.to_owned(),
+                msg,
+                now_ms(),
+                self.fence(id),
+                weight,
+            ))
             .is_err()
         {
             tracing::error!(task = id, "the store writer is gone; an event was lost");
