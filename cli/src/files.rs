@@ -188,6 +188,7 @@ mod tests {
                 path: "esc\u{1b}]0;pwned\u{7}\u{1b}[2J\n   9 B  forged.txt".to_owned(),
                 bytes: 1,
                 modified_ms: None,
+                given: false,
             }],
         };
         let text = super::listing(&list);

@@ -13,16 +13,30 @@ use crate::render::{Mode, Renderer};
 
 /// Follows a task to its end, rendering its events; Ctrl-C cancels it on the daemon.
 pub async fn follow(client: &Client, id: &str, mode: Mode) -> Result<u8> {
-    follow_approving(client, id, mode, false).await
+    let renderer = Arc::new(Mutex::new(Renderer::stdout(mode)));
+    Ok(follow_approving(client, id, &renderer, false).await?.code)
 }
 
-/// [`follow`], answering the task's approvals at this terminal when `approve`; otherwise
-/// a block that waits says how to decide it.
-pub async fn follow_approving(client: &Client, id: &str, mode: Mode, approve: bool) -> Result<u8> {
+/// How following a task ended.
+pub struct Followed {
+    /// The exit code for it.
+    pub code: u8,
+    /// Whether the task finished (rather than the stream breaking off, or its reader going).
+    pub finished: bool,
+}
+
+/// [`follow`] into `renderer`, answering the task's approvals at this terminal when
+/// `approve`; otherwise a block that waits says how to decide it.
+pub async fn follow_approving(
+    client: &Client,
+    id: &str,
+    renderer: &Arc<Mutex<Renderer<std::io::Stdout>>>,
+    approve: bool,
+) -> Result<Followed> {
     let answer = approve.then(|| answer_on_daemon(client, id));
-    let renderer = Arc::new(Mutex::new(
-        Renderer::stdout(mode).place(format!("on the daemon at {}", client.host)),
-    ));
+    if let Ok(mut r) = renderer.lock() {
+        r.set_place(format!("on the daemon at {}", client.host));
+    }
     let cancel_client_id = id.to_owned();
     let canceller = client.clone();
     let ctrl_c = tokio::spawn(async move {
@@ -63,16 +77,25 @@ pub async fn follow_approving(client: &Client, id: &str, mode: Mode, approve: bo
         .await;
     ctrl_c.abort();
     if renderer.lock().is_ok_and(|r| r.reader_gone()) {
-        return Ok(exit::DONE);
+        return Ok(Followed {
+            code: exit::DONE,
+            finished: false,
+        });
     }
     match last?.map(|e| e.msg) {
-        Some(EventMsg::TaskFinished { stop_reason, .. }) => Ok(exit::for_stop(stop_reason)),
+        Some(EventMsg::TaskFinished { stop_reason, .. }) => Ok(Followed {
+            code: exit::for_stop(stop_reason),
+            finished: true,
+        }),
         _ => {
             // Never silent: the user is told where the task is and how to see the rest.
             eprintln!(
                 "tandem: the event stream of task {id} ended before the task did; `tandem logs -f {id}` follows it again"
             );
-            Ok(exit::FAILED)
+            Ok(Followed {
+                code: exit::FAILED,
+                finished: false,
+            })
         }
     }
 }

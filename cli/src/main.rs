@@ -10,8 +10,10 @@ mod exec;
 mod executors;
 mod files;
 mod follow;
+mod keep;
 mod kit;
 mod model;
+mod picture;
 mod provider;
 mod render;
 mod run;
@@ -39,6 +41,8 @@ pub mod exit {
     pub const MAX_TURNS: u8 = 3;
     /// The task timeout was reached.
     pub const TIMEOUT: u8 = 4;
+    /// The task was done, but a file it made could not be kept (`tandem run --out`).
+    pub const NOT_KEPT: u8 = 5;
     /// Cancelled (Ctrl-C).
     pub const CANCELLED: u8 = 130;
 

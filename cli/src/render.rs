@@ -73,7 +73,35 @@ pub struct Renderer<W: Write> {
     /// Where a failed task's reason is said as well: the transcript may be going to a file or
     /// a pipe that no one reads now.
     failures: Option<Box<dyn Write + Send>>,
+    /// How pictures are shown inline, when they are.
+    pictures: Option<Pictures>,
     pub error: Option<io::Error>,
+}
+
+/// Reads a picture a task drew: its path in the workspace and, on a daemon, where to
+/// download it; `None` when it cannot be had (gone, too large).
+pub type PictureSource = Box<dyn FnMut(&str, Option<&str>) -> Option<Vec<u8>> + Send>;
+
+/// Pictures shown inline: the terminal's protocol and where their bytes come from.
+pub struct Pictures {
+    protocol: crate::picture::Protocol,
+    tmux: bool,
+    source: PictureSource,
+}
+
+impl Pictures {
+    /// Pictures on standard output, when it is a terminal that speaks an image protocol and
+    /// the user did not say `--no-pictures`.
+    pub fn for_stdout(no_pictures: bool, mode: Mode, source: PictureSource) -> Option<Self> {
+        if no_pictures || mode != Mode::Human || !io::stdout().is_terminal() {
+            return None;
+        }
+        Some(Self {
+            protocol: crate::picture::Protocol::detect()?,
+            tmux: crate::picture::in_tmux(),
+            source,
+        })
+    }
 }
 
 impl Renderer<io::Stdout> {
@@ -99,6 +127,7 @@ impl<W: Write> Renderer<W> {
             place: None,
             speakers: tandem_protocol::Speakers::default(),
             failures: None,
+            pictures: None,
             error: None,
         }
     }
@@ -107,6 +136,63 @@ impl<W: Write> Renderer<W> {
     pub fn place(mut self, place: impl Into<String>) -> Self {
         self.place = Some(place.into());
         self
+    }
+
+    /// Names where the task runs, after the renderer was made.
+    pub fn set_place(&mut self, place: impl Into<String>) {
+        self.place = Some(place.into());
+    }
+
+    /// Shows pictures inline as they are drawn.
+    pub fn pictures(mut self, pictures: Option<Pictures>) -> Self {
+        self.pictures = pictures;
+        self
+    }
+
+    /// [`Renderer::pictures`], after the renderer was made.
+    pub fn set_pictures(&mut self, pictures: Option<Pictures>) {
+        self.pictures = pictures;
+    }
+
+    /// Says what was kept of the task's files: a rule naming the directory and a line per
+    /// file (as JSON, a `file_saved` event per file), then what the size cap left out and
+    /// how to get it; nothing when the task made nothing.
+    pub fn kept(&mut self, kept: &crate::keep::Kept, max_mb: u64, how: &str) {
+        let human = self.mode == Mode::Human;
+        if let (true, Some(dir), false) = (human, &kept.dir, kept.saved.is_empty()) {
+            let label = format!(
+                "files kept in {}",
+                tandem_protocol::files::shown(&dir.display().to_string())
+            );
+            self.say(|r| r.rule(&label));
+        }
+        for s in &kept.saved {
+            self.event(&EventMsg::FileSaved {
+                file: s.file.rel.to_string_lossy().into_owned(),
+                bytes: s.file.bytes,
+                to: s.to.display().to_string(),
+            });
+        }
+        if human && !kept.over.is_empty() {
+            let bytes: u64 = kept.over.iter().map(|f| f.bytes).sum();
+            let n = kept.over.len();
+            let label = format!(
+                "{n} file{} ({}) not kept, over --out-max-mb {max_mb}: {how}",
+                if n == 1 { "" } else { "s" },
+                size(bytes)
+            );
+            self.say(|r| r.rule(&label));
+        }
+    }
+
+    /// Writes with `f` unless an earlier write failed; keeps the first failure.
+    fn say(&mut self, f: impl FnOnce(&mut Self) -> io::Result<()>) {
+        if self.error.is_some() {
+            return;
+        }
+        if let Err(e) = f(self).and_then(|()| self.out.flush()) {
+            self.error = Some(e);
+        }
     }
 
     /// Whether the reader went away (`| head`), which ends the output but is no failure.
@@ -313,11 +399,31 @@ impl<W: Write> Renderer<W> {
                 self.rule(&result_line(result))
             }
             EventMsg::Artifact {
-                file, mime, bytes, ..
-            } => self.rule(&format!(
-                "picture {} · {mime} · {}",
-                tandem_protocol::files::shown(file),
-                size(*bytes)
+                file,
+                mime,
+                bytes,
+                href,
+                ..
+            } => {
+                self.rule(&format!(
+                    "picture {} · {mime} · {}",
+                    tandem_protocol::files::shown(file),
+                    size(*bytes)
+                ))?;
+                let shown = self.pictures.as_mut().and_then(|p| {
+                    let data = (p.source)(file, href.as_deref())?;
+                    p.protocol.encode(&data, mime, p.tmux)
+                });
+                if let Some(escapes) = shown {
+                    self.out.write_all(&escapes)?;
+                    self.at_line_start = true;
+                }
+                Ok(())
+            }
+            EventMsg::FileSaved { file, bytes, .. } => self.text(&format!(
+                "{:>10}  {}\n",
+                size(*bytes),
+                tandem_protocol::files::shown(file)
             )),
             EventMsg::ToolCall {
                 name, arguments, ..
@@ -428,5 +534,35 @@ pub fn size(bytes: u64) -> String {
         0..1024 => format!("{bytes} B"),
         1024..1_048_576 => format!("{:.1} KiB", bytes as f64 / 1024.0),
         _ => format!("{:.1} MiB", bytes as f64 / 1_048_576.0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keep::{Kept, Made, Saved};
+
+    #[test]
+    fn kept_files_are_one_inert_line_each_and_nothing_made_says_nothing() {
+        let mut r = Renderer::new(Vec::new(), Mode::Human, false);
+        r.kept(&Kept::default(), 256, "");
+        assert!(r.out.is_empty());
+        let kept = Kept {
+            dir: Some("tandem-out/t".into()),
+            saved: vec![Saved {
+                file: Made {
+                    rel: "a\u{1b}[2J\n   9 B  forged".into(),
+                    bytes: 2048,
+                },
+                to: "tandem-out/t/x".into(),
+            }],
+            ..Kept::default()
+        };
+        r.kept(&kept, 256, "");
+        let text = String::from_utf8(r.out).unwrap_or_default();
+        assert_eq!(
+            text,
+            "── files kept in tandem-out/t ──\n   2.0 KiB  a\\u{1b}[2J\\u{a}   9 B  forged\n"
+        );
     }
 }

@@ -160,9 +160,11 @@ pub struct RunArgs {
     pub(crate) image: Option<String>,
     #[command(flatten)]
     pub(crate) model: ModelFlags,
-    /// Use this directory as the workspace and keep it
+    /// Use this directory as the workspace and keep it (then nothing is copied to --out)
     #[arg(long)]
     pub(crate) workdir: Option<PathBuf>,
+    #[command(flatten)]
+    pub(crate) out: crate::keep::OutFlags,
     /// Print one JSON event per line
     #[arg(long)]
     pub(crate) json: bool,
@@ -280,8 +282,17 @@ async fn run_here(args: &RunArgs, file: FileConfig) -> Result<u8> {
     let inputs = (!args.flags.files.is_empty())
         .then(|| crate::files::pack(&args.flags.files, packed.path()))
         .transpose()?;
+    // The task's workspace is this process's own directory, so that what the task made can
+    // be copied out once it ends (a session removes a workspace it made itself at close).
+    let id = uuid::Uuid::now_v7().simple().to_string();
+    let keep_in = args.out.dir().filter(|_| args.workdir.is_none());
+    let own = keep_in.as_ref().map(|_| OwnWorkspace::new()).transpose()?;
+    let workspace = args
+        .workdir
+        .clone()
+        .or_else(|| own.as_ref().map(|w| w.path.clone()));
     let start = Start {
-        workdir: args.workdir.clone(),
+        workdir: workspace.clone(),
         inputs,
         ..Start::default()
     };
@@ -294,17 +305,188 @@ async fn run_here(args: &RunArgs, file: FileConfig) -> Result<u8> {
 
     let cancel = CancellationToken::new();
     spawn_ctrl_c(cancel.clone());
+    let mode = Mode::json(args.json);
+    let pictures = workspace.and_then(|ws| {
+        crate::render::Pictures::for_stdout(args.out.no_pictures, mode, workspace_pictures(ws))
+    });
     let (renderer, events) = transcript(args.json, &cancel);
+    if let Ok(mut r) = renderer.lock() {
+        r.set_pictures(pictures);
+    }
     // Asked at this terminal when there is one; else a block that needs asking is declined,
     // and the model told why.
     let approver: Option<Arc<dyn tandem_agent::Approver>> = (planned.may_ask()
         && crate::approve::need_terminal().is_ok())
     .then(|| Arc::new(crate::approve::TerminalApprover::new(events.clone())) as _);
     let stop_reason = planned.run(approver, None, events, cancel).await;
+    let code = exit::for_stop(stop_reason);
+    let (Some(out), Some(own)) = (keep_in, own) else {
+        return Ok(if renderer.lock().is_ok_and(|r| r.reader_gone()) {
+            exit::DONE
+        } else {
+            code
+        });
+    };
+    let inputs = packed.path().join("files.tar");
+    let max = args.out.max_bytes();
+    let (ws, task) = (own.path.clone(), id.clone());
+    let kept = tokio::task::spawn_blocking(move || {
+        let given = std::fs::File::open(&inputs)
+            .ok()
+            .map(|f| tandem_executor::made::Given::of_archive(std::io::BufReader::new(f)))
+            .transpose()
+            .map_err(|e| format!("cannot read back the files the task was given: {e}"))?
+            .unwrap_or_default();
+        let made = tandem_executor::made::made(&ws, &given, crate::keep::MADE_SCAN)
+            .map_err(|e| format!("cannot list what the task made: {e}"))?;
+        let made = made.into_iter().map(crate::keep::Made::from).collect();
+        Ok::<_, String>(crate::keep::from_workspace(&ws, made, &out, &task, max))
+    })
+    .await
+    .map_err(|e| format!("keeping the task's files stopped: {e}"))
+    .and_then(|k| k)
+    .unwrap_or_else(|e| crate::keep::Kept {
+        not_kept: Some(e),
+        ..Default::default()
+    });
+    let left = if kept.whole() {
+        own.remove();
+        None
+    } else {
+        Some(own.keep(&id))
+    };
+    let how = match &left {
+        Some(dir) => format!(
+            "raise it to keep them; the whole workspace stays in {}",
+            dir.display()
+        ),
+        None => "raise it to keep them".to_owned(),
+    };
+    let code = report_kept(&renderer, &kept, args.out.out_max_mb, &how, code);
+    if kept.lost_any()
+        && let Some(dir) = &left
+    {
+        eprintln!(
+            "tandem: nothing is lost: the task's whole workspace stays in {}",
+            dir.display()
+        );
+    }
     if renderer.lock().is_ok_and(|r| r.reader_gone()) {
         return Ok(exit::DONE);
     }
-    Ok(exit::for_stop(stop_reason))
+    Ok(code)
+}
+
+/// Says what was kept of a task's files and what could not be, and gives the run's exit
+/// code: the task's own, or [`exit::NOT_KEPT`] when it was done but a file it made was not
+/// kept.
+fn report_kept(
+    renderer: &Mutex<Renderer<std::io::Stdout>>,
+    kept: &crate::keep::Kept,
+    max_mb: u64,
+    how: &str,
+    code: u8,
+) -> u8 {
+    if let Ok(mut r) = renderer.lock() {
+        r.kept(kept, max_mb, how);
+    }
+    if let Some(why) = &kept.not_kept {
+        eprintln!("tandem: {why}");
+    }
+    for (file, why) in &kept.failed {
+        eprintln!("tandem: could not keep {}: {why}", file.shown());
+    }
+    if kept.lost_any() && code == exit::DONE {
+        exit::NOT_KEPT
+    } else {
+        code
+    }
+}
+
+/// The workspace of a task run in this process, which this process makes and removes (when
+/// dropped too): in a root named for this process, so a later Tandem removes it if this one
+/// is killed.
+struct OwnWorkspace {
+    temp: tandem_executor::scratch::TempTree,
+    path: PathBuf,
+    root: PathBuf,
+}
+
+/// Prefix of the roots of [`OwnWorkspace`]s in `$TMPDIR`.
+const RUN_ROOT: &str = "tandem-run-";
+
+impl OwnWorkspace {
+    fn new() -> Result<Self> {
+        tandem_executor::scratch::reap_dead_roots(RUN_ROOT);
+        let root = tandem_executor::scratch::process_root(RUN_ROOT);
+        let temp = tandem_executor::scratch::temp_in(&root, "ws-")
+            .context("cannot make a workspace for the task")?;
+        // Canonical, as a session makes a workdir, so paths resolved inside compare equal.
+        let path = temp
+            .path()
+            .canonicalize()
+            .context("cannot make a workspace for the task")?;
+        Ok(Self { temp, path, root })
+    }
+
+    /// Removes it.
+    fn remove(self) {
+        if let Err(e) = self.temp.close() {
+            tracing::warn!(workspace = %self.path.display(), error = %e, "could not remove the task's workspace");
+        }
+        tandem_executor::scratch::remove_root_if_empty(&self.root);
+    }
+
+    /// Moves it where no later Tandem removes it, and says where it is.
+    fn keep(self, id: &str) -> PathBuf {
+        let to = std::env::temp_dir().join(format!("tandem-workspace-{id}"));
+        if std::fs::rename(&self.path, &to).is_err() {
+            // Left where it is, and not removed by this process.
+            std::mem::forget(self.temp);
+            return self.path;
+        }
+        // What the temporary directory's drop removes is gone already.
+        drop(self.temp);
+        tandem_executor::scratch::remove_root_if_empty(&self.root);
+        to
+    }
+}
+
+/// Pictures read from `workspace`, a host directory, as a download reads them.
+fn workspace_pictures(workspace: PathBuf) -> crate::render::PictureSource {
+    Box::new(move |file, _| {
+        use std::io::Read as _;
+        let (f, size) = tandem_executor::archive::read(&workspace, file).ok()?;
+        if size > crate::picture::MAX_BYTES {
+            return None;
+        }
+        let mut data = Vec::new();
+        f.take(size).read_to_end(&mut data).ok()?;
+        Some(data)
+    })
+}
+
+/// Pictures downloaded from the daemon, as the transcript comes to them.
+fn daemon_pictures(client: crate::client::Client) -> crate::render::PictureSource {
+    Box::new(move |_, href| {
+        let href = href?.to_owned();
+        let client = client.clone();
+        // The transcript is written from a synchronous callback; the download waits there,
+        // on this worker only.
+        tokio::task::block_in_place(|| {
+            tokio::runtime::Handle::current().block_on(async move {
+                let mut resp = client.download(&href).await.ok()?;
+                let mut data = Vec::new();
+                while let Some(chunk) = resp.chunk().await.ok()? {
+                    data.extend_from_slice(&chunk);
+                    if data.len() as u64 > crate::picture::MAX_BYTES {
+                        return None;
+                    }
+                }
+                Some(data)
+            })
+        })
+    })
 }
 
 /// Starts every executor `spec` names (its own and its team's executor agents'), each once,
@@ -368,7 +550,26 @@ async fn through_daemon(
     let mut spec = args.flags.daemon_spec(&args.model, args.approve, file)?;
     spec.files = crate::files::upload(client, &args.flags.files).await?;
     let id = client.submit(&spec).await?;
-    crate::follow::follow_approving(client, &id, Mode::json(args.json), args.approve).await
+    let mode = Mode::json(args.json);
+    let pictures = crate::render::Pictures::for_stdout(
+        args.out.no_pictures,
+        mode,
+        daemon_pictures(client.clone()),
+    );
+    let renderer = Arc::new(Mutex::new(Renderer::stdout(mode).pictures(pictures)));
+    let followed = crate::follow::follow_approving(client, &id, &renderer, args.approve).await?;
+    let (true, Some(out)) = (followed.finished, args.out.dir()) else {
+        return Ok(followed.code);
+    };
+    let kept = crate::keep::from_daemon(client, &id, &out, args.out.max_bytes()).await;
+    let how = format!("`tandem files {id} --tar -o files.tar` fetches them all");
+    Ok(report_kept(
+        &renderer,
+        &kept,
+        args.out.out_max_mb,
+        &how,
+        followed.code,
+    ))
 }
 
 /// `--approve`: every block is asked about.

@@ -9,6 +9,7 @@ mod e2e;
 mod embedded;
 mod files;
 mod hostile;
+mod kept;
 mod kubernetes;
 mod limits;
 mod mcp;

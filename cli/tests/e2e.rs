@@ -49,7 +49,9 @@ pub(crate) fn settings() -> insta::Settings {
 pub(crate) async fn tandem(args: &[&str], env: &[(&str, &str)], stdin: Option<&str>) -> Output {
     let config_home = tempfile::tempdir().unwrap();
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"));
+    // What a run keeps goes to ./tandem-out: here, not into the source tree.
     cmd.args(args)
+        .current_dir(config_home.path())
         .env_remove("OPENAI_API_KEY")
         .env_remove("OPENAI_BASE_URL")
         .env_remove("TANDEM_MODEL")
@@ -745,7 +747,7 @@ async fn ctrl_c_cancels_cleanly_and_kills_the_block() {
     // The local executor, whatever `auto` would pick here: the marker check reads host
     // processes, and the 3 s bound is Tandem's, not a container engine's removal time.
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["run", "--json", "--base-url", &url, task])
+        .args(["run", "--json", "--out", "-", "--base-url", &url, task])
         .env("TANDEM_EXECUTOR", "local")
         .env_remove("OPENAI_API_KEY")
         .stdout(Stdio::piped())

@@ -109,6 +109,7 @@ async fn local_is_offered_to_clients_only_when_the_operator_lists_it() {
     // On the user's own machine the CLI runs it itself, and says so.
     let out = tokio::process::Command::new(BIN)
         .args(["run", "--executor", "local", "run here"])
+        .current_dir(d.state_dir())
         .env("TANDEM_HOST", d.host())
         .env("XDG_CONFIG_HOME", d.state_dir())
         .env("OPENAI_BASE_URL", server.base_url())

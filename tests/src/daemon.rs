@@ -176,6 +176,8 @@ impl DaemonHarness {
     pub async fn cli(&self, args: &[&str]) -> (i32, String, String) {
         let out = tokio::process::Command::new(&self.bin)
             .args(args)
+            // What `tandem run` keeps goes to ./tandem-out: the state dir, not the source tree.
+            .current_dir(self.state_dir())
             .env("TANDEM_HOST", self.host())
             .env("XDG_CONFIG_HOME", self.state_dir())
             .stdin(Stdio::null())

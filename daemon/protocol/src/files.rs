@@ -12,6 +12,10 @@ pub struct FileInfo {
     /// When it was last written, in milliseconds since the Unix epoch (workspaces only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub modified_ms: Option<u64>,
+    /// Whether it is one of the files the task was given, its bytes unchanged (workspaces
+    /// only): what `tandem run` leaves out when it keeps what the task made.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub given: bool,
 }
 
 /// Files received by `POST /v1/uploads`, for a task to name in `files`.

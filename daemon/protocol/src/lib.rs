@@ -334,6 +334,16 @@ pub enum EventMsg {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         href: Option<String>,
     },
+    /// `tandem run` kept a file the task made, on the machine it ran from (said by the
+    /// command after the task ends; a daemon never stores it).
+    FileSaved {
+        /// Its path in the workspace.
+        file: String,
+        /// Its size in bytes.
+        bytes: u64,
+        /// Where it was written.
+        to: String,
+    },
     /// A tool call is taken up: a command, HTTP or MCP call after its approval; an
     /// `execute_code` call before its block's events, approval included.
     ToolCall {

@@ -16,6 +16,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Body;
 use tandem_executor::archive::{self, ArchiveCaps, ArchiveError};
+use tandem_executor::made;
 use tandem_protocol::files::{FileInfo, TaskFiles, Upload};
 use tokio::io::AsyncWriteExt;
 
@@ -276,6 +277,7 @@ impl Files {
                     path: slashed(&f.path),
                     bytes: f.bytes,
                     modified_ms: None,
+                    given: false,
                 })
                 .collect(),
             bytes,
@@ -292,6 +294,12 @@ impl Files {
         } else {
             Vec::new()
         };
+        // The daemon wrote and checked this archive; one that no longer reads marks nothing
+        // as given, so a client keeps every file rather than lose one.
+        let given = std::fs::File::open(self.task_dir(task).join("inputs.tar"))
+            .ok()
+            .and_then(|f| made::Given::of_archive(std::io::BufReader::new(f)).ok())
+            .unwrap_or_default();
         Ok(TaskFiles {
             task: task.to_owned(),
             files: files
@@ -300,6 +308,7 @@ impl Files {
                     path: slashed(&f.path),
                     bytes: f.bytes,
                     modified_ms: Some(f.modified_ms),
+                    given: given.unchanged(&work, &f),
                 })
                 .collect(),
         })

@@ -99,7 +99,61 @@ pub fn unpack_into(
     archive: impl Read,
     caps: ArchiveCaps,
 ) -> Result<Vec<ArchivedFile>, ArchiveError> {
-    unpack_dir(&open(workspace)?, None, false, archive, caps)
+    unpack_dir(&open(workspace)?, None, false, archive, caps, None)
+}
+
+/// [`unpack_into`], each file and directory placed given to `owner` (`uid`, `gid`): files
+/// for a sandbox whose code runs as that user and must be able to change them. Where this
+/// process may not give files away (not root), they are made writable by all instead, as the
+/// workspace itself is.
+pub fn unpack_owned(
+    workspace: &Path,
+    archive: impl Read,
+    caps: ArchiveCaps,
+    owner: (u32, u32),
+) -> Result<Vec<ArchivedFile>, ArchiveError> {
+    unpack_dir(&open(workspace)?, None, false, archive, caps, Some(owner))
+}
+
+/// Gives what `fd` is (opened by this process, so no link can stand in for it) to `owner`;
+/// where that is not allowed, opens it to all with `mode`.
+fn give(fd: std::os::fd::BorrowedFd<'_>, owner: (u32, u32), mode: u32) -> std::io::Result<()> {
+    use nix::sys::stat::{Mode, fchmod};
+    use nix::unistd::{Gid, Uid, fchown};
+    match fchown(
+        fd,
+        Some(Uid::from_raw(owner.0)),
+        Some(Gid::from_raw(owner.1)),
+    ) {
+        Err(nix::errno::Errno::EPERM) => {
+            fchmod(fd, Mode::from_bits_truncate(mode)).map_err(std::io::Error::from)
+        }
+        other => other.map_err(std::io::Error::from),
+    }
+}
+
+/// Gives `rel` in `dir` and every directory on the way to it to `owner` ([`give`]), each
+/// opened beneath `dir` without following a link.
+fn give_path(dir: &Dir, rel: &Path, owner: (u32, u32)) -> std::io::Result<()> {
+    use nix::fcntl::{OFlag, openat};
+    use std::os::fd::AsFd as _;
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let mut at: Option<std::os::fd::OwnedFd> = None;
+    for part in rel.components() {
+        let parent = match &at {
+            Some(fd) => fd.as_fd(),
+            None => dir.as_fd(),
+        };
+        let sub = openat(
+            parent,
+            part.as_os_str(),
+            flags,
+            nix::sys::stat::Mode::empty(),
+        )?;
+        give(sub.as_fd(), owner, 0o777)?;
+        at = Some(sub);
+    }
+    Ok(())
 }
 
 /// Like [`unpack_into`], into the directory `sub` of `workspace` (made when missing, never
@@ -137,7 +191,7 @@ pub fn unpack_beneath(
         }
         dir = dir.open_dir_nofollow(part).map_err(io)?;
     }
-    let placed = unpack_dir(&dir, strip, true, archive, caps)?;
+    let placed = unpack_dir(&dir, strip, true, archive, caps, None)?;
     Ok(placed
         .into_iter()
         .map(|f| ArchivedFile {
@@ -187,7 +241,9 @@ fn unpack_dir(
     lenient: bool,
     archive: impl Read,
     caps: ArchiveCaps,
+    owner: Option<(u32, u32)>,
 ) -> Result<Vec<ArchivedFile>, ArchiveError> {
+    use std::os::fd::AsFd as _;
     let mut archive = tar::Archive::new(MetaGuard::new(archive));
     let mut placed = Vec::new();
     let (mut entries, mut bytes) = (0usize, 0u64);
@@ -216,6 +272,9 @@ fn unpack_dir(
         };
         if is_dir {
             dir.create_dir_all(&rel).map_err(io)?;
+            if let Some(owner) = owner {
+                give_path(dir, &rel, owner).map_err(io)?;
+            }
             continue;
         }
         let left = caps.max_bytes.saturating_sub(bytes);
@@ -228,6 +287,9 @@ fn unpack_dir(
         }
         if let Some(parent) = rel.parent().filter(|p| !p.as_os_str().is_empty()) {
             dir.create_dir_all(parent).map_err(io)?;
+            if let Some(owner) = owner {
+                give_path(dir, parent, owner).map_err(io)?;
+            }
         }
         // A link (or anything else) at the file's own name is replaced, not written through;
         // in a sandbox's copy a directory there was replaced by this file.
@@ -237,6 +299,9 @@ fn unpack_dir(
             _ => {}
         }
         let mut file = dir.create(&rel).map_err(io)?;
+        if let Some(owner) = owner {
+            give(file.as_fd(), owner, 0o666).map_err(io)?;
+        }
         let copied =
             std::io::copy(&mut (&mut entry).take(left.saturating_add(1)), &mut file).map_err(io)?;
         if copied > left {
@@ -308,10 +373,10 @@ pub fn inspect(
 
 /// An entry that may go into a workspace: its clean path, as sent, and whether it is a
 /// directory.
-struct Admitted {
-    rel: PathBuf,
-    shown: String,
-    dir: bool,
+pub(crate) struct Admitted {
+    pub(crate) rel: PathBuf,
+    pub(crate) shown: String,
+    pub(crate) dir: bool,
 }
 
 /// [`admit`], after taking `strip` off the front of the entry's path; `None` for the entry
@@ -348,7 +413,7 @@ fn admit_stripped<R: Read>(
 }
 
 /// `entry` when it is a regular file or a directory under a path inside the workspace.
-fn admit<R: Read>(entry: &tar::Entry<'_, R>) -> Result<Admitted, ArchiveError> {
+pub(crate) fn admit<R: Read>(entry: &tar::Entry<'_, R>) -> Result<Admitted, ArchiveError> {
     let shown = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
     let rel = inside(&shown)?;
     let kind = entry.header().entry_type();
@@ -700,10 +765,19 @@ pub fn list(workspace: &Path, max_entries: usize) -> Result<Vec<ListedFile>, Arc
 /// on the way is refused rather than followed, so a link planted by code in the session
 /// leads nowhere, inside or out; a FIFO or device there is refused without waiting on it.
 pub fn read(workspace: &Path, rel: &str) -> Result<(std::fs::File, u64), ArchiveError> {
+    read_path(workspace, &inside(rel)?)
+}
+
+/// [`read`] for a path as [`list`] gives it (its names need not be UTF-8); one that is not
+/// plain names is refused.
+pub fn read_path(workspace: &Path, rel: &Path) -> Result<(std::fs::File, u64), ArchiveError> {
     use std::os::fd::AsFd as _;
-    let path = inside(rel)?;
+    let shown = rel.display().to_string();
+    if rel.as_os_str().is_empty() || !rel.components().all(|c| matches!(c, Component::Normal(_))) {
+        return Err(ArchiveError::Outside(shown));
+    }
     let dir = open(workspace)?;
-    let (file, entry) = open_checked(dir.as_fd(), &path, rel)?;
+    let (file, entry) = open_checked(dir.as_fd(), rel, &shown)?;
     Ok((file, entry.len))
 }
 
@@ -977,6 +1051,32 @@ mod tests {
         let ws = base.path().join("ws");
         std::fs::create_dir(&ws).unwrap();
         (base, ws)
+    }
+
+    #[test]
+    fn files_placed_for_a_sandbox_user_are_theirs_to_change() {
+        use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+        let (_base, ws) = workspace();
+        let placed = unpack_owned(
+            &ws,
+            &archive(&[file("d/e/notes.txt", b"alpha\n"), file("top.csv", b"a\n")])[..],
+            ArchiveCaps::default(),
+            (65534, 65534),
+        )
+        .unwrap();
+        assert_eq!(placed.len(), 2);
+        let root = nix::unistd::geteuid().is_root();
+        for path in ["d", "d/e", "d/e/notes.txt", "top.csv"] {
+            let m = std::fs::symlink_metadata(ws.join(path)).unwrap();
+            if root {
+                assert_eq!((m.uid(), m.gid()), (65534, 65534), "{path}");
+            } else {
+                let want = if m.is_dir() { 0o777 } else { 0o666 };
+                assert_eq!(m.permissions().mode() & 0o777, want, "{path}");
+            }
+        }
+        // The workspace itself stays as it was.
+        assert_ne!(std::fs::metadata(&ws).unwrap().uid(), 65534);
     }
 
     #[test]

@@ -201,6 +201,16 @@ impl Session for Held {
         self.session.workspace()
     }
 
+    // Forwarded, not left to the default: a session places files its own way (owned by its
+    // blocks' user, or copied into a volume).
+    fn put_archive(
+        &mut self,
+        archive: &Path,
+        caps: crate::archive::ArchiveCaps,
+    ) -> BoxFuture<'_, Result<Vec<crate::archive::ArchivedFile>, ExecError>> {
+        self.session.put_archive(archive, caps)
+    }
+
     fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
         let Held {
             session,

@@ -29,6 +29,7 @@ pub mod keeper;
 pub mod kept;
 mod language;
 mod limits;
+pub mod made;
 pub mod owner;
 pub mod process;
 mod registry;
@@ -159,6 +160,17 @@ pub async fn place_archive(
     archive: PathBuf,
     caps: archive::ArchiveCaps,
 ) -> Result<Vec<archive::ArchivedFile>, ExecError> {
+    place_archive_for(workspace, archive, caps, None).await
+}
+
+/// [`place_archive`], the files given to `owner` (`uid`, `gid`) when named: for a session
+/// whose code runs as another user on this host's files, and must be able to change them.
+pub async fn place_archive_for(
+    workspace: Option<PathBuf>,
+    archive: PathBuf,
+    caps: archive::ArchiveCaps,
+    owner: Option<(u32, u32)>,
+) -> Result<Vec<archive::ArchivedFile>, ExecError> {
     let workspace = workspace.ok_or_else(|| ExecError::Unavailable {
         what: "placing files in this executor's sessions".to_owned(),
         hint: "it has no workspace Tandem can reach; run the task on local, docker or wasm"
@@ -169,8 +181,12 @@ pub async fn place_archive(
             context: format!("reading the files to place ({})", archive.display()),
             source,
         })?;
-        archive::unpack_into(&workspace, std::io::BufReader::new(file), caps)
-            .map_err(ExecError::Files)
+        let read = std::io::BufReader::new(file);
+        match owner {
+            Some(owner) => archive::unpack_owned(&workspace, read, caps, owner),
+            None => archive::unpack_into(&workspace, read, caps),
+        }
+        .map_err(ExecError::Files)
     })
     .await
     .map_err(|e| ExecError::Backend(format!("placing files stopped: {e}")))?

@@ -457,8 +457,23 @@ impl Session for DockerSession {
     ) -> BoxFuture<'_, Result<Vec<tandem_executor::archive::ArchivedFile>, ExecError>> {
         let archive = archive.to_owned();
         Box::pin(async move {
-            let placed =
-                tandem_executor::place_archive(Some(self.workspace.clone()), archive, caps).await?;
+            // Bound into the container, the files must be the blocks' user's to change (a
+            // mirror is copied to the volume as theirs below).
+            let owner = self.volume.is_none().then(|| {
+                let (uid, gid) =
+                    tandem_executor_runner::mirror::block_owner(&self.executor.inner().config.user);
+                (
+                    u32::try_from(uid).unwrap_or(65534),
+                    u32::try_from(gid).unwrap_or(65534),
+                )
+            });
+            let placed = tandem_executor::place_archive_for(
+                Some(self.workspace.clone()),
+                archive,
+                caps,
+                owner,
+            )
+            .await?;
             if self.volume.is_some() {
                 // Checked and placed on this machine first; the volume then gets those files
                 // from the mirror, as the blocks' user's.
