@@ -17,7 +17,7 @@ pub const MADE_SCAN: usize = 100_000;
 /// Where `tandem run` keeps what a task made.
 #[derive(Clone, Debug, clap::Args)]
 pub struct OutFlags {
-    /// Keep the files the task made or changed in DIR/<task id>/ when it ends; `-` keeps
+    /// Keep the files the task made or changed in DIR/TASK-ID/ when it ends; `-` keeps
     /// nothing [default: ./tandem-out]
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
@@ -171,12 +171,21 @@ impl Target {
         Ok(self.dir.open_with(rel, &options)?.into_std())
     }
 
-    /// Writes `from` (at most `bytes` of it) to a new file at `rel`.
+    /// Writes `from` (at most `bytes` of it) to a new file at `rel`; one that could not be
+    /// written whole is removed, so that no part of a file passes for the file.
     pub fn write(&self, rel: &Path, from: impl Read, bytes: u64) -> std::io::Result<u64> {
         let mut out = std::io::BufWriter::with_capacity(1 << 20, self.file(rel)?);
-        let n = std::io::copy(&mut from.take(bytes), &mut out)?;
-        out.flush()?;
-        Ok(n)
+        let written =
+            std::io::copy(&mut from.take(bytes), &mut out).and_then(|n| out.flush().map(|()| n));
+        if written.is_err() {
+            self.discard(rel);
+        }
+        written
+    }
+
+    /// Removes what was written of `rel`.
+    pub fn discard(&self, rel: &Path) {
+        let _ = self.dir.remove_file(rel);
     }
 }
 
@@ -287,7 +296,11 @@ pub async fn from_daemon(
         }
     };
     for file in taken {
-        match fetch(client, id, &file, &target).await {
+        let fetched = fetch(client, id, &file, &target).await;
+        if fetched.is_err() {
+            target.discard(&file.rel);
+        }
+        match fetched {
             Ok(bytes) => kept.saved.push(Saved {
                 to: target.path().join(&file.rel),
                 file: Made { bytes, ..file },

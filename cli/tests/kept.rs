@@ -620,3 +620,70 @@ async fn a_picture_is_shown_inline_on_a_terminal_that_speaks_kitty() {
     assert!(run.stdout.contains("picture chart.png"), "{}", run.stdout);
     assert!(!run.stdout.contains('\x1b'), "{:?}", run.stdout);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_the_out_cannot_hold_is_named_and_the_others_are_kept() {
+    let server = ScriptedOpenAi::start(script([(TOLD, replies())]))
+        .await
+        .unwrap();
+    let given = inputs();
+    let cwd = tempfile::tempdir().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    // A file system of 16 KiB: the 39 KiB chart cannot be held, the two small files can.
+    let out = cwd.path().join("small");
+    std::fs::create_dir(&out).unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=16k", "tmpfs"])
+        .arg(&out)
+        .status()
+        .unwrap();
+    assert!(mounted.success(), "this test mounts a tmpfs, as root");
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(self.0).status();
+        }
+    }
+    let _unmount = Unmount(&out);
+    let mut args = vec![
+        "--base-url".to_owned(),
+        server.base_url(),
+        "--out".to_owned(),
+        out.display().to_string(),
+    ];
+    args.extend(file_args(given.path()));
+    args.push(TASK.to_owned());
+    let run = run_in(
+        cwd.path(),
+        tmp.path(),
+        &args,
+        &[("TANDEM_EXECUTOR", "local")],
+    )
+    .await;
+    assert_eq!(run.code, 5, "{}\n{}", run.stdout, run.stderr);
+    let task_dir = only_task_dir(&out);
+    // What could be held is kept, and no part of the chart passes for it.
+    assert_eq!(files_under(&task_dir), ["notes.txt", "out/summary.txt"]);
+    assert!(
+        run.stderr
+            .contains("tandem: could not keep chart.png: No space left on device"),
+        "{}",
+        run.stderr
+    );
+    // The transcript lists what was kept; the whole workspace is left and named.
+    assert!(
+        run.stdout
+            .ends_with("      14 B  notes.txt\n      14 B  out/summary.txt\n"),
+        "{}",
+        run.stdout
+    );
+    let kept = run
+        .stderr
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("tandem: nothing is lost: the task's whole workspace stays in ")
+        })
+        .unwrap_or_else(|| panic!("{}", run.stderr));
+    let chart = std::fs::read(Path::new(kept).join("chart.png")).unwrap();
+    assert_eq!(chart.len(), 40_000);
+}
