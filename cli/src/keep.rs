@@ -25,7 +25,7 @@ pub struct OutFlags {
     #[arg(long, value_name = "MB", default_value_t = 256)]
     pub out_max_mb: u64,
     /// Show pictures by their path only, never inline (they are shown inline only on a
-    /// terminal that speaks the kitty or iTerm2 image protocol)
+    /// terminal that speaks the kitty, iTerm2 or sixel image protocol)
     #[arg(long)]
     pub no_pictures: bool,
 }
@@ -356,10 +356,12 @@ mod tests {
 
     #[test]
     fn the_cap_takes_files_in_order_and_leaves_the_rest() {
-        let (taken, over) = within(vec![made("a", 4), made("b", 4), made("c", 1)], 9);
-        assert_eq!(taken, vec![made("a", 4), made("b", 4)]);
+        let (taken, over) = within(vec![made("a", 4), made("b", 5), made("c", 1)], 8);
+        assert_eq!(taken, vec![made("a", 4)]);
         // Not c, though it would fit: what is kept is a prefix of the listing.
-        assert_eq!(over, vec![made("c", 1)]);
+        assert_eq!(over, vec![made("b", 5), made("c", 1)]);
+        let (taken, over) = within(vec![made("a", 4), made("b", 4)], 8);
+        assert_eq!((taken.len(), over.len()), (2, 0));
     }
 
     #[test]

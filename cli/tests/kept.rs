@@ -543,7 +543,7 @@ fn kitty_picture(raw: &[u8]) -> Option<Vec<u8>> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_picture_is_shown_inline_on_a_terminal_that_speaks_kitty() {
+async fn a_picture_is_shown_inline_on_a_terminal_that_speaks_kitty_or_sixel() {
     // A real 2x2 PNG, written by the block; the terminal must be sent these bytes.
     let png: &[u8] = &[
         0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a, 0x00, 0x00, 0x00, 0x0d, 0x49, 0x48, 0x44,
@@ -575,6 +575,7 @@ async fn a_picture_is_shown_inline_on_a_terminal_that_speaks_kitty() {
     };
     for (flags, asked, shown) in [
         ("", "kitty", true),
+        ("", "sixel", true),
         ("--no-pictures", "kitty", false),
         ("", "none", false),
     ] {
@@ -588,15 +589,25 @@ async fn a_picture_is_shown_inline_on_a_terminal_that_speaks_kitty() {
             "{text}"
         );
         let picture = kitty_picture(&raw);
-        if shown {
+        if shown && asked == "kitty" {
             // Inside tmux, wrapped to pass through to the terminal.
             assert!(
                 text.contains("\x1bPtmux;\x1b\x1b_Gf=100,a=T,q=2,c=40,"),
                 "{text:?}"
             );
             assert_eq!(picture.as_deref(), Some(png), "{flags} {asked}");
+        } else if shown {
+            // The two columns, red then blue, as sixels two pixels high.
+            assert!(
+                text.contains("\x1bPtmux;\x1b\x1bP0;1q\"1;1;2;2#0;2;0;0;0")
+                    && text.contains("#180B?$#5?B-\x1b\x1b\\\x1b\\"),
+                "{text:?}"
+            );
         } else {
-            assert!(!text.contains("_G"), "{flags} {asked}: {text:?}");
+            assert!(
+                !text.contains("_G") && !text.contains("\x1bP"),
+                "{flags} {asked}: {text:?}"
+            );
         }
         // Kept, as everywhere.
         let kept = only_task_dir(&dir.path().join("tandem-out"));
