@@ -25,9 +25,15 @@ impl Output {
             .collect()
     }
 
+    /// The task's last event, `task_finished`; only the files kept after it may follow.
     pub(crate) fn finished(&self) -> Value {
         let events = self.events();
-        let last = events.last().expect("no events").clone();
+        let last = events
+            .iter()
+            .rev()
+            .find(|e| e["type"] != "file_saved")
+            .expect("no events")
+            .clone();
         assert_eq!(last["type"], "task_finished", "last event: {last}");
         last
     }

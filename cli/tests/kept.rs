@@ -613,6 +613,26 @@ async fn a_picture_is_shown_inline_on_a_terminal_that_speaks_kitty_or_sixel() {
         let kept = only_task_dir(&dir.path().join("tandem-out"));
         assert_eq!(std::fs::read(kept.join("chart.png")).unwrap(), png);
     }
+    // Through a daemon, the picture is fetched from it as the transcript comes to it.
+    let d = Daemon::start(
+        Path::new(BIN),
+        &server.base_url(),
+        &["--executor", "local"],
+        None,
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut on_daemon = env("kitty");
+    on_daemon.retain(|(k, _)| *k != "TANDEM_HOST");
+    on_daemon.push(("TANDEM_HOST", d.host()));
+    let pane = Pane::start(dir.path(), &format!("{BIN} run draw"), &on_daemon);
+    let (code, raw) = pane.finish();
+    let text = String::from_utf8_lossy(&raw);
+    assert_eq!(code, "0", "{text}");
+    assert!(text.contains("on the daemon at"), "{text}");
+    assert_eq!(kitty_picture(&raw).as_deref(), Some(png), "{text:?}");
+    let kept = only_task_dir(&dir.path().join("tandem-out"));
+    assert_eq!(std::fs::read(kept.join("chart.png")).unwrap(), png);
     // Not a terminal: the path only, whatever is asked.
     let cwd = tempfile::tempdir().unwrap();
     let args = vec![
