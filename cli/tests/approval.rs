@@ -647,8 +647,20 @@ async fn run_approve_through_the_daemon_answers_at_the_terminal() {
         ],
     );
     term.wait_for("Run this block? [y]es / [n]o / [e]dit / [a]lways for python:");
-    let waiting = d.get("/v1/tasks?state=awaiting_approval").await;
-    assert_eq!(waiting["tasks"].as_array().unwrap().len(), 1, "{waiting}");
+    // The event reaches the terminal as it is made; the task's row says so once the store's
+    // writer has written it (PostgreSQL takes longer).
+    let started = Instant::now();
+    let id = loop {
+        if let Some(id) = d.get("/v1/tasks").await["tasks"][0]["id"].as_str() {
+            break id.to_owned();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "no task listed"
+        );
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    };
+    wait_state(&d, &id, "awaiting_approval").await;
     // [a]lways: this block and every later python block run without asking.
     term.answer("a");
     let out = term.finish();

@@ -653,6 +653,19 @@ async fn mcp_gives_files_to_code_and_tasks_and_returns_their_pictures() {
     let id = structured["task_id"].as_str().unwrap();
     let uri = format!("tandem://tasks/{id}/files/out.png");
     assert_eq!(structured["pictures"][0]["uri"], uri.as_str());
+    // What the task made (not the files it was given and left alone) is named, as resources.
+    assert_eq!(
+        structured["files"],
+        json!([{"path": "out.png", "bytes": 69, "uri": uri}]),
+        "{result}"
+    );
+    assert!(
+        result["content"][0]["text"]
+            .as_str()
+            .unwrap()
+            .ends_with(&format!("(the task made 1 file: {uri})")),
+        "{result}"
+    );
     let image = result["content"]
         .as_array()
         .unwrap()

@@ -478,6 +478,24 @@ impl TandemMcp {
                 json!({"path": path, "mime": mime, "bytes": bytes, "uri": file_uri(&id, path)})
             })
             .collect();
+        // What the task made stays in its workspace, as resources: the files it was not given
+        // (or changed), named so the agent can read them.
+        let files_of = self.supervisor.files().clone();
+        let task = id.clone();
+        let made: Vec<Value> = tokio::task::spawn_blocking(move || files_of.list(&task))
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .map(|list| {
+                list.files
+                    .into_iter()
+                    .filter(|f| {
+                        !f.given && !tandem_executor::made::is_tandems(std::path::Path::new(&f.path))
+                    })
+                    .map(|f| json!({"path": f.path, "bytes": f.bytes, "uri": file_uri(&id, &f.path)}))
+                    .collect()
+            })
+            .unwrap_or_default();
         let structured = json!({
             "task_id": id,
             "stop_reason": stop_reason,
@@ -486,6 +504,7 @@ impl TandemMcp {
             "error": error,
             "transcript": uri,
             "pictures": pictures,
+            "files": made,
             "tool_calls": called,
         });
         let text = match (&summary, &error) {
@@ -496,6 +515,19 @@ impl TandemMcp {
             (None, None) => {
                 format!("task {id} ended: {stop_reason:?} after {turns} turns (transcript: {uri})")
             }
+        };
+        let text = match made.len() {
+            0 => text,
+            n => format!(
+                "{text}\n(the task made {n} file{}: {})",
+                if n == 1 { "" } else { "s" },
+                made.iter()
+                    .take(MADE_NAMED)
+                    .filter_map(|f| f["uri"].as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+                    + if n > MADE_NAMED { ", ..." } else { "" }
+            ),
         };
         let mut content = vec![ContentBlock::text(text)];
         // The last version of each picture, as the task left it.
@@ -519,6 +551,9 @@ impl TandemMcp {
         Ok(result)
     }
 }
+
+/// Most files a task made that `run_task`'s text names; `files` lists them all.
+const MADE_NAMED: usize = 20;
 
 /// Most pictures one tool result carries as images; the rest are named by their URIs.
 const MAX_PICTURES: usize = 8;
