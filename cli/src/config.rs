@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 use tandem_agent::ModelConfig;
+use tandem_daemon::TaskDefaults;
 use tandem_executor::{Language, Limits};
 use tandem_executor_docker::DockerConfig;
 use tandem_executor_local::LocalConfig;
@@ -644,12 +645,66 @@ pub fn policy(file: &FileConfig) -> Result<tandem_daemon::Policy> {
 }
 
 /// Limits from the file, with a block timeout from flags on top.
-pub fn limits(file: &FileConfig, block_timeout: Option<f64>) -> Result<Limits> {
+pub fn limits(file: &FileConfig, wall: Option<f64>, flag: &str) -> Result<Limits> {
     let mut limits = file.limits.clone().unwrap_or_default();
-    if let Some(secs) = block_timeout {
-        limits.wall = secs_to_duration(secs, "--timeout")?;
+    if let Some(secs) = wall {
+        limits.wall = secs_to_duration(secs, flag)?;
     }
     Ok(limits)
+}
+
+/// A daemon task's wall-clock limit when neither it nor `[task] timeout_secs` sets one.
+pub const DAEMON_TASK_TIMEOUT: Duration = Duration::from_secs(1800);
+
+/// The road a task takes, for what it gets when it does not say.
+pub enum Road {
+    /// `tandem run` in this process, with its `--timeout` and `--block-timeout`.
+    InProcess {
+        /// `--timeout`, in seconds.
+        timeout: Option<f64>,
+        /// `--block-timeout`, in seconds.
+        block_timeout: Option<f64>,
+    },
+    /// A daemon's task, which carries its own limits in its spec.
+    Daemon,
+}
+
+/// What a task that does not say gets, on either road, its executor being `executor`. The
+/// roads differ in one thing, here: a daemon's task gets [`DAEMON_TASK_TIMEOUT`] when neither
+/// it nor `[task] timeout_secs` sets a limit, since nothing a client forgets may run forever
+/// on a shared daemon; in process, the person at the terminal stops it.
+pub fn task_defaults(file: &FileConfig, executor: String, road: Road) -> Result<TaskDefaults> {
+    let from_file = file.task.timeout_secs.map(Duration::from_secs);
+    let (timeout, block_timeout) = match road {
+        Road::InProcess {
+            timeout,
+            block_timeout,
+        } => (
+            match timeout {
+                Some(secs) => Some(secs_to_duration(secs, "--timeout")?),
+                None => from_file,
+            },
+            block_timeout,
+        ),
+        Road::Daemon => (Some(from_file.unwrap_or(DAEMON_TASK_TIMEOUT)), None),
+    };
+    Ok(TaskDefaults {
+        executor,
+        max_turns: file.task.max_turns,
+        timeout,
+        termination: file
+            .task
+            .termination
+            .clone()
+            .unwrap_or_else(|| tandem_agent::DEFAULT_TERMINATION.to_owned()),
+        system_prompt: match &file.task.system_prompt_file {
+            Some(p) => std::fs::read_to_string(p)
+                .with_context(|| format!("cannot read the system prompt file {}", p.display()))?,
+            None => tandem_agent::DEFAULT_SYSTEM_PROMPT.to_owned(),
+        },
+        limits: limits(file, block_timeout, "--block-timeout")?,
+        code_via: file.model.code_via.unwrap_or_default(),
+    })
 }
 
 /// Seconds from a flag, refusing negative, zero and absurd values.
@@ -939,6 +994,62 @@ pub fn kubernetes_config(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn both_roads_get_the_same_defaults_but_the_daemons_timeout() -> Result<()> {
+        let here = || Road::InProcess {
+            timeout: None,
+            block_timeout: None,
+        };
+        let mut file = FileConfig::default();
+        let (ran, served) = (
+            task_defaults(&file, "local".into(), here())?,
+            task_defaults(&file, "local".into(), Road::Daemon)?,
+        );
+        assert_eq!(ran.timeout, None);
+        assert_eq!(served.timeout, Some(DAEMON_TASK_TIMEOUT));
+        assert_eq!(
+            (
+                ran.max_turns,
+                &ran.termination,
+                &ran.system_prompt,
+                ran.limits.wall,
+                ran.code_via
+            ),
+            (
+                served.max_turns,
+                &served.termination,
+                &served.system_prompt,
+                served.limits.wall,
+                served.code_via
+            )
+        );
+        // The file's limit is both roads' own.
+        file.task.timeout_secs = Some(60);
+        for road in [here(), Road::Daemon] {
+            let d = task_defaults(&file, "local".into(), road)?;
+            assert_eq!(d.timeout, Some(Duration::from_secs(60)));
+        }
+        // The flags, in process, over the file; a bad one is named by its flag.
+        let flags = |timeout, block_timeout| Road::InProcess {
+            timeout,
+            block_timeout,
+        };
+        let d = task_defaults(&file, "local".into(), flags(Some(1.5), Some(3.0)))?;
+        assert_eq!(
+            (d.timeout, d.limits.wall),
+            (Some(Duration::from_millis(1500)), Duration::from_secs(3))
+        );
+        let bad = task_defaults(&file, "local".into(), flags(None, Some(-1.0)))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            bad.starts_with("--block-timeout must be a positive"),
+            "{bad}"
+        );
+        Ok(())
+    }
 
     #[test]
     fn the_readme_example_config_parses() {

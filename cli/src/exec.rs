@@ -144,7 +144,7 @@ pub async fn exec(args: ExecArgs, file: FileConfig) -> Result<u8> {
     {
         eprintln!("tandem: local blocks run {unconfined}");
     }
-    let limits = config::limits(&file, args.timeout)?;
+    let limits = config::limits(&file, args.timeout, "--timeout")?;
     let mut slot = SessionSlot::new(
         executor,
         SessionSpec {

@@ -2,11 +2,10 @@
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use anyhow::{Context, Result};
 use tandem_daemon::plan::Start;
-use tandem_daemon::{Planner, PlannerConfig, Policy, TaskDefaults};
+use tandem_daemon::{Planner, PlannerConfig, Policy};
 use tandem_executor::{CancellationToken, Registry};
 use tandem_protocol::team::{Kind, TeamBounds};
 use tandem_protocol::{ApprovalMode, ApprovalPolicy, EventMsg, TaskSpec};
@@ -243,19 +242,14 @@ async fn run_here(args: &RunArgs, file: FileConfig) -> Result<u8> {
     spec.max_turns = args.flags.max_turns;
     let executors = resolve_executors(&mut spec, args, &file).await?;
     let names = executors.names().into_iter().map(str::to_owned).collect();
-    let defaults = TaskDefaults {
-        executor: config::executor_name(args.flags.executor.as_deref(), &file),
-        max_turns: file.task.max_turns,
-        timeout: task_timeout(args, &file)?,
-        termination: file
-            .task
-            .termination
-            .clone()
-            .unwrap_or_else(|| tandem_agent::DEFAULT_TERMINATION.to_owned()),
-        system_prompt: tandem_agent::DEFAULT_SYSTEM_PROMPT.to_owned(),
-        limits: config::limits(&file, args.flags.block_timeout)?,
-        code_via: file.model.code_via.unwrap_or_default(),
-    };
+    let defaults = config::task_defaults(
+        &file,
+        config::executor_name(args.flags.executor.as_deref(), &file),
+        config::Road::InProcess {
+            timeout: args.flags.timeout,
+            block_timeout: args.flags.block_timeout,
+        },
+    )?;
     let planner = Planner::new(PlannerConfig {
         model: config::model_config(&args.model, &file)?,
         local_model: None,
@@ -578,15 +572,6 @@ fn always() -> ApprovalPolicy {
         mode: ApprovalMode::Always,
         ..ApprovalPolicy::default()
     }
-}
-
-/// The whole-task wall-clock limit: `--timeout`, else `[task] timeout_secs`.
-pub(crate) fn task_timeout(args: &RunArgs, file: &FileConfig) -> Result<Option<Duration>> {
-    Ok(match (args.flags.timeout, file.task.timeout_secs) {
-        (Some(secs), _) => Some(config::secs_to_duration(secs, "--timeout")?),
-        (None, Some(secs)) => Some(Duration::from_secs(secs)),
-        (None, None) => None,
-    })
 }
 
 /// The transcript of a task run in this process, and the event sink that writes it; when

@@ -6,9 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use tandem_daemon::store::PgStore;
-use tandem_daemon::{
-    Listeners, PlannerConfig, Store, Supervisor, SupervisorConfig, TaskDefaults, TaskStore,
-};
+use tandem_daemon::{Listeners, PlannerConfig, Store, Supervisor, SupervisorConfig, TaskStore};
 use tandem_executor::{CancellationToken, Registry};
 use tandem_executor_local::LocalExecutor;
 
@@ -199,9 +197,6 @@ fn lock_state_dir(state_dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>> 
             .with_context(|| format!("cannot lock the state dir {}", state_dir.display())),
     }
 }
-
-/// A daemon task's wall-clock limit when neither it nor `[task] timeout_secs` sets one.
-const DEFAULT_TASK_TIMEOUT_SECS: u64 = 1800;
 
 /// A daemon's parts, ready for tasks, before it listens.
 struct Started {
@@ -573,26 +568,7 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
     {
         d.warm_up();
     }
-    let defaults = TaskDefaults {
-        executor: default_executor.clone(),
-        max_turns: file.task.max_turns,
-        // A task that names no timeout gets this one: nothing a client forgets runs forever.
-        timeout: Some(Duration::from_secs(
-            file.task.timeout_secs.unwrap_or(DEFAULT_TASK_TIMEOUT_SECS),
-        )),
-        termination: file
-            .task
-            .termination
-            .clone()
-            .unwrap_or_else(|| tandem_agent::DEFAULT_TERMINATION.to_owned()),
-        system_prompt: match &file.task.system_prompt_file {
-            Some(p) => std::fs::read_to_string(p)
-                .with_context(|| format!("cannot read the system prompt file {}", p.display()))?,
-            None => tandem_agent::DEFAULT_SYSTEM_PROMPT.to_owned(),
-        },
-        limits: config::limits(file, None)?,
-        code_via: file.model.code_via.unwrap_or_default(),
-    };
+    let defaults = config::task_defaults(file, default_executor.clone(), config::Road::Daemon)?;
     let mut model = config::model_config(&args.model, file)?;
     // Loaded once and shared by every task that names no model server.
     let local_model = match crate::provider::choose(&args.model, file) {
