@@ -407,6 +407,25 @@ pub(crate) fn no_color() -> bool {
     std::env::var_os("NO_COLOR").is_some()
 }
 
+/// What the terminal says of itself (`TERM`, `TERM_PROGRAM`, `LC_TERMINAL`,
+/// `KITTY_WINDOW_ID`, `TMUX`) and `TANDEM_PICTURES`, for pictures shown inline.
+pub(crate) fn terminal() -> crate::picture::Terminal {
+    crate::picture::Terminal {
+        asked: env("TANDEM_PICTURES").unwrap_or_default(),
+        term: env("TERM").unwrap_or_default(),
+        program: env("TERM_PROGRAM").unwrap_or_default(),
+        lc_terminal: env("LC_TERMINAL").unwrap_or_default(),
+        kitty: env("KITTY_WINDOW_ID").is_some(),
+        tmux: env("TMUX").is_some(),
+    }
+}
+
+/// `TANDEM_STORE_URL`, which `serve` also takes as `--store` through clap; read here to say
+/// which of the two named the store, and for `tandem mcp`, which has no flag for it.
+pub(crate) fn store_url_env() -> Option<String> {
+    env("TANDEM_STORE_URL")
+}
+
 /// A variable's value; unset and empty are the same.
 fn env(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())

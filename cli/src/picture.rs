@@ -25,16 +25,15 @@ pub enum Protocol {
 }
 
 impl Protocol {
-    /// What this terminal speaks: `TANDEM_PICTURES` (`kitty`, `iterm`, `sixel`, `none`) when set,
-    /// else what the terminal says of itself in the environment.
-    pub fn detect() -> Option<Self> {
-        let var = |name: &str| std::env::var(name).unwrap_or_default();
+    /// What `terminal` speaks: what `TANDEM_PICTURES` says (`kitty`, `iterm`, `sixel`,
+    /// `none`) when set, else what the terminal says of itself.
+    pub fn detect(terminal: &Terminal) -> Option<Self> {
         Self::from_env(
-            &var("TANDEM_PICTURES"),
-            &var("TERM"),
-            &var("TERM_PROGRAM"),
-            &var("LC_TERMINAL"),
-            std::env::var_os("KITTY_WINDOW_ID").is_some(),
+            &terminal.asked,
+            &terminal.term,
+            &terminal.program,
+            &terminal.lc_terminal,
+            terminal.kitty,
         )
     }
 
@@ -229,9 +228,23 @@ fn decode_png(data: &[u8]) -> Option<(u32, u32, Vec<u8>)> {
     Some((width, height, rgba))
 }
 
-/// Whether output goes through tmux, which passes an escape on only when it is wrapped.
-pub fn in_tmux() -> bool {
-    std::env::var_os("TMUX").is_some_and(|v| !v.is_empty())
+/// What the terminal says of itself in the environment, and what the user asked for
+/// (`config::terminal` reads it).
+#[derive(Debug, Default)]
+pub struct Terminal {
+    /// `TANDEM_PICTURES`.
+    pub asked: String,
+    /// `TERM`.
+    pub term: String,
+    /// `TERM_PROGRAM`.
+    pub program: String,
+    /// `LC_TERMINAL` (iTerm2 sets it, and ssh passes it on).
+    pub lc_terminal: String,
+    /// Whether `KITTY_WINDOW_ID` is set.
+    pub kitty: bool,
+    /// Whether output goes through tmux (`TMUX`), which passes an escape on only when it is
+    /// wrapped.
+    pub tmux: bool,
 }
 
 #[cfg(test)]

@@ -96,9 +96,10 @@ impl Pictures {
         if no_pictures || mode != Mode::Human || !io::stdout().is_terminal() {
             return None;
         }
+        let terminal = crate::config::terminal();
         Some(Self {
-            protocol: crate::picture::Protocol::detect()?,
-            tmux: crate::picture::in_tmux(),
+            protocol: crate::picture::Protocol::detect(&terminal)?,
+            tmux: terminal.tmux,
             source,
         })
     }

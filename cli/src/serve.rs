@@ -248,7 +248,7 @@ pub async fn mcp(args: McpArgs, file: FileConfig) -> Result<u8> {
         log_format: "text".to_owned(),
         model: args.model,
         // As `serve`: TANDEM_STORE_URL, else `[store] url`.
-        store: std::env::var("TANDEM_STORE_URL").ok(),
+        store: config::store_url_env(),
     };
     let started = start(&serve_args, &file, Say { json: false }).await?;
     let served = tandem_daemon::mcp::serve_stdio(started.supervisor.clone()).await;
@@ -360,7 +360,7 @@ fn open_store(
         None => default_daemon_name(state_dir),
     };
     // The flag, then the environment (clap reads both into `args.store`), then the file.
-    let from_env = std::env::var("TANDEM_STORE_URL").ok();
+    let from_env = config::store_url_env();
     let (url, setting) = match (&args.store, &file.store.url) {
         (Some(url), _) if from_env.as_deref() == Some(url.as_str()) => {
             (Some(url), "TANDEM_STORE_URL")
