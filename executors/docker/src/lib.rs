@@ -214,6 +214,27 @@ pub enum DockerError {
     },
 }
 
+/// `reason`, over TLS: an engine that refuses this client's certificate says so after a TLS
+/// 1.3 handshake, and what reaches the client is often only a connection closed or cancelled,
+/// which is said to be that.
+fn tls_reason(reason: String) -> String {
+    const CLOSED: [&str; 6] = [
+        "connection was not ready",
+        "operation was canceled",
+        "connection closed",
+        "reset by peer",
+        "unexpected EOF",
+        "Broken pipe",
+    ];
+    if CLOSED.iter().any(|c| reason.contains(c)) {
+        format!(
+            "{reason} (the engine closed the TLS connection: it may not trust this client's certificate)"
+        )
+    } else {
+        reason
+    }
+}
+
 /// What to do about an engine that did not answer, by what was seen.
 fn unreachable_advice(reason: &str) -> &'static str {
     if reason.contains("certificate") || reason.contains("alert") {
@@ -299,9 +320,10 @@ impl DockerExecutor {
         } else {
             format!("the Docker engine `{}` at {}", config.name, config.host)
         };
+        let tls = config.tls.is_some();
         let unreachable = |reason: String| DockerError::Unreachable {
             host: host.clone(),
-            reason,
+            reason: if tls { tls_reason(reason) } else { reason },
         };
         let docker = client(&config).map_err(|e| unreachable(error_chain(&e)))?;
         let docker = tokio::time::timeout(Duration::from_secs(5), docker.negotiate_version())
@@ -888,6 +910,25 @@ pub(crate) async fn remove_container(docker: &Docker, id: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tls_connection_the_engine_closes_is_told_as_its_certificate() {
+        let e = |reason: String| DockerError::Unreachable {
+            host: "the Docker engine `b` at tcp://127.0.0.1:1".to_owned(),
+            reason,
+        };
+        let closed = e(tls_reason(
+            "operation was canceled: connection was not ready".to_owned(),
+        ))
+        .to_string();
+        assert!(
+            closed.ends_with("check the host's TLS files: its `ca` must have signed the engine's certificate, and the engine must trust `cert` (and `key`)"),
+            "{closed}"
+        );
+        // Refused outright is an engine that is not there, TLS or not.
+        let refused = e(tls_reason("Connection refused (os error 111)".to_owned())).to_string();
+        assert!(refused.contains("start Docker"), "{refused}");
+    }
 
     #[test]
     fn image_tags() {
