@@ -508,8 +508,18 @@ impl Pane {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        // What the pane wrote last reaches the pipe a moment after.
-        std::thread::sleep(Duration::from_millis(500));
+        // What the pane wrote last reaches the pipe after the command ends: wait for the
+        // transcript's last rule there, not for a fixed time.
+        let started = Instant::now();
+        while !String::from_utf8_lossy(&std::fs::read(&self.raw).unwrap_or_default())
+            .contains("── done")
+        {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "the pane's output never reached the pipe"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
         let code = std::fs::read_to_string(&self.done)
             .unwrap()
             .trim()
