@@ -9,6 +9,7 @@ mod kubernetes;
 mod local_executor;
 mod plugin_executor;
 mod store;
+mod store_kit;
 mod teams;
 mod tools;
 mod turn_loop;

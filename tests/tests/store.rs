@@ -1,14 +1,13 @@
-//! The task store's two engines held to one behaviour (claims, leases, fencing, decisions),
-//! and what only the shared one does: several daemons claiming from one queue, notices
-//! between them, and errors that name the setting. PostgreSQL is a real server from the
-//! system packages.
+//! What only the shared task store does: several daemons claiming from one queue, notices
+//! between them, and errors that name the setting (the store kit, `store_kit.rs`, holds both
+//! engines to what every store does). PostgreSQL is a real server from the system packages.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tandem_daemon::store::{Change, Fences, Notice, PgStore, Store, TaskStore};
-use tandem_protocol::{Decision, EventMsg, TaskSpec};
+use tandem_daemon::store::{Change, Fences, Notice, PgStore, TaskStore};
+use tandem_protocol::{EventMsg, TaskSpec};
 use tandem_tests::Postgres;
 
 fn create(store: &dyn TaskStore, ids: &[String]) {
@@ -29,132 +28,6 @@ fn turn(n: u32) -> EventMsg {
     EventMsg::TurnStarted {
         turn: n,
         agent: None,
-    }
-}
-
-fn decided(by: &str) -> EventMsg {
-    EventMsg::ApprovalDecided {
-        turn: 1,
-        index: 1,
-        n: 1,
-        decision: Decision::Approve,
-        by: by.to_owned(),
-        code: None,
-        reason: None,
-        rule: None,
-    }
-}
-
-/// Both engines, each on an empty store; the guard keeps the SQLite file.
-fn engines() -> Vec<(&'static str, Arc<dyn TaskStore>, Option<tempfile::TempDir>)> {
-    let dir = tempfile::tempdir().unwrap();
-    let sqlite = Store::open(&dir.path().join("tandem.db")).unwrap();
-    let url = Postgres::shared().new_database();
-    let pg = PgStore::open(&url, "the test's URL", &Default::default()).unwrap();
-    vec![
-        ("sqlite", Arc::new(sqlite), Some(dir)),
-        ("postgres", Arc::new(pg), None),
-    ]
-}
-
-#[test]
-fn a_lapsed_lease_is_taken_over_and_the_old_holders_writes_are_fenced_out() {
-    for (engine, store, _dir) in engines() {
-        create(store.as_ref(), &["t".to_owned()]);
-        let a = store.claim("a", 60_000, 10, &[]).unwrap().unwrap();
-        assert_eq!((a.record.id.as_str(), a.epoch), ("t", 1), "{engine}");
-        // Held: nobody else gets it, and there is nothing else.
-        assert!(
-            store.claim("b", 60_000, 20, &[]).unwrap().is_none(),
-            "{engine}"
-        );
-        assert_eq!(
-            store.owner("t", 20).unwrap().as_deref(),
-            Some("a"),
-            "{engine}"
-        );
-        // A's lease lapses (renewed for 1 ms), and B takes the task over.
-        assert_eq!(
-            store.renew("a", &[("t".into(), 1)], 1, 30).unwrap().lost,
-            Vec::<String>::new()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-        // A still runs it: A does not claim it again (it renews), whoever else may.
-        let again = store.claim("a", 60_000, 100, &["t".to_owned()]).unwrap();
-        assert!(again.is_none(), "{engine}");
-        let b = store.claim("b", 60_000, 100, &[]).unwrap().unwrap();
-        assert_eq!((b.record.id.as_str(), b.epoch), ("t", 2), "{engine}");
-        // A wakes: its writes under epoch 1 are refused, B's under epoch 2 are stored.
-        let fence = |e| Fences::from([("t".to_owned(), e)]);
-        let refused = store
-            .apply(&[Change::Event("t".into(), turn(9), 101)], &fence(1))
-            .unwrap();
-        assert_eq!(
-            (refused.events.len(), refused.fenced),
-            (0, vec!["t".to_owned()]),
-            "{engine}"
-        );
-        let kept = store
-            .apply(&[Change::Event("t".into(), turn(2), 102)], &fence(2))
-            .unwrap();
-        assert!(kept.fenced.is_empty(), "{engine}");
-        let events = store.events_after("t", 0).unwrap();
-        assert_eq!(events.len(), 1, "{engine}: {events:?}");
-        assert_eq!(events[0].msg, turn(2), "{engine}");
-        // A learns it lost the task when it renews; B keeps it.
-        assert_eq!(
-            store
-                .renew("a", &[("t".into(), 1)], 60_000, 103)
-                .unwrap()
-                .lost,
-            ["t"],
-            "{engine}"
-        );
-        assert!(
-            store
-                .renew("b", &[("t".into(), 2)], 60_000, 103)
-                .unwrap()
-                .lost
-                .is_empty(),
-            "{engine}"
-        );
-        // A cancel asked anywhere reaches the holder at its next renewal.
-        store.request_cancel("t").unwrap();
-        assert_eq!(
-            store
-                .renew("b", &[("t".into(), 2)], 60_000, 104)
-                .unwrap()
-                .cancel,
-            ["t"],
-            "{engine}"
-        );
-    }
-}
-
-#[test]
-fn an_approval_is_decided_once_whoever_decides_first() {
-    for (engine, store, _dir) in engines() {
-        create(store.as_ref(), &["t".to_owned()]);
-        let first = store.decide("t", 1, &decided("user"), 5).unwrap();
-        assert!(first.is_some(), "{engine}");
-        // The timeout, or a person on another daemon, comes second: refused.
-        assert!(
-            store
-                .decide("t", 1, &decided("timeout"), 6)
-                .unwrap()
-                .is_none(),
-            "{engine}"
-        );
-        let stored: Vec<_> = store.events_after("t", 0).unwrap();
-        assert_eq!(stored.len(), 1, "{engine}");
-        assert_eq!(stored[0].msg, decided("user"), "{engine}");
-        assert!(
-            store
-                .decide("nope", 1, &decided("user"), 6)
-                .unwrap()
-                .is_none(),
-            "{engine}"
-        );
     }
 }
 

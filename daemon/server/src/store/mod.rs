@@ -12,6 +12,7 @@ use tandem_protocol::{Event, EventMsg, TaskSpec};
 pub use tandem_protocol::task::{TaskRecord, TaskState};
 
 mod postgres;
+mod rules;
 mod sqlite;
 
 pub use postgres::{Imported, PgStore, StoreSecrets};

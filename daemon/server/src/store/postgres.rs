@@ -10,12 +10,13 @@ use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use futures::StreamExt;
-use tandem_protocol::{Event, EventMsg, TaskSpec, Usage};
+use tandem_protocol::{Event, EventMsg, TaskSpec};
 use tokio_postgres::{AsyncMessage, NoTls, Row};
 
+use super::rules::{self, RowChange, pg};
 use super::{
     Applied, Change, Claimed, Fences, Notice, NoticeSink, Renewed, Result, StoreError, TaskRecord,
-    TaskState, TaskStore, decided, event, parse, to_json,
+    TaskState, TaskStore, decided, event, to_json,
 };
 
 /// Schema migrations, in order; `tandem_schema.version` says how many have run.
@@ -65,8 +66,9 @@ const CHANNEL: &str = "tandem";
 /// database is an error the caller can act on (a 503, a retry), not a hang.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-const COLUMNS: &str = "id, state, spec, stop_reason, error, prompt_tokens, completion_tokens, \
-     turns, created_ms, started_ms, finished_ms, files_removed_ms";
+fn columns() -> String {
+    rules::columns("prompt_tokens, completion_tokens")
+}
 
 /// Tasks and events in PostgreSQL.
 pub struct PgStore {
@@ -264,7 +266,7 @@ impl PgStore {
     ) -> Result<Vec<TaskRecord>> {
         let client = self.client().await?;
         let rows = client.query(sql, params).await.map_err(|e| self.err(e))?;
-        rows.iter().map(decode).collect()
+        rows.iter().map(|r| rules::decode(row(r))).collect()
     }
 
     async fn events_after_async(&self, id: &str, after: u64) -> Result<Vec<Event>> {
@@ -280,10 +282,7 @@ impl PgStore {
         after: u64,
     ) -> Result<Vec<Event>> {
         let rows = client
-            .query(
-                "SELECT seq, at_ms, body FROM events WHERE task_id = $1 AND seq > $2 ORDER BY seq",
-                &[&id, &(after as i64)],
-            )
+            .query(&pg(rules::EVENTS_AFTER), &[&id, &(after as i64)])
             .await
             .map_err(|e| self.err(e))?;
         rows.iter()
@@ -299,47 +298,7 @@ impl PgStore {
     ) -> Result<Applied> {
         let mut client = self.client().await?;
         let tx = client.transaction().await.map_err(|e| self.err(e))?;
-        let created: Vec<&str> = changes
-            .iter()
-            .filter_map(|c| match c {
-                Change::Create(id, ..) => Some(id.as_str()),
-                _ => None,
-            })
-            .collect();
-        let mut touched: Vec<&str> = changes
-            .iter()
-            .map(Change::task)
-            .filter(|id| !created.contains(id))
-            .collect();
-        touched.sort_unstable();
-        touched.dedup();
-        // The rows of the tasks written, locked in one order (so two writers cannot deadlock):
-        // their epochs hold still until the commit, and their events' seqs are this writer's.
-        let locked = tx
-            .query(
-                "SELECT id, epoch FROM tasks WHERE id = ANY($1) ORDER BY id FOR UPDATE",
-                &[&touched],
-            )
-            .await
-            .map_err(|e| self.err(e))?;
-        let mut fenced = Vec::new();
-        for row in &locked {
-            let id: &str = row.get(0);
-            let epoch: i64 = row.get(1);
-            if fences.get(id).is_some_and(|f| *f != epoch as u64) {
-                fenced.push(id.to_owned());
-            }
-        }
-        let mut last: std::collections::HashMap<String, i64> = tx
-            .query(
-                "SELECT task_id, MAX(seq) FROM events WHERE task_id = ANY($1) GROUP BY task_id",
-                &[&touched],
-            )
-            .await
-            .map_err(|e| self.err(e))?
-            .iter()
-            .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
-            .collect();
+        let (fenced, mut last) = self.lock(&tx, changes, fences).await?;
         let (mut ev_task, mut ev_seq, mut ev_at, mut ev_body) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut stored = Vec::new();
@@ -359,9 +318,7 @@ impl PgStore {
                 }
                 Change::State(id, state, now_ms) => {
                     tx.execute(
-                        "UPDATE tasks SET state = $2,
-                            started_ms = CASE WHEN $2 = 'running' THEN $3 ELSE started_ms END
-                         WHERE id = $1",
+                        &pg(rules::SET_STATE),
                         &[id, &state.as_str(), &(*now_ms as i64)],
                     )
                     .await
@@ -412,6 +369,58 @@ impl PgStore {
         })
     }
 
+    /// Locks the rows of the tasks `changes` write (but create) in one order, so two writers
+    /// cannot deadlock: their epochs hold still until the commit, and their events' seqs are
+    /// this writer's. The tasks whose lease is no longer the one in `fences`, and each
+    /// task's last event seq.
+    async fn lock(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        changes: &[Change],
+        fences: &Fences,
+    ) -> Result<(Vec<String>, std::collections::HashMap<String, i64>)> {
+        let created: Vec<&str> = changes
+            .iter()
+            .filter_map(|c| match c {
+                Change::Create(id, ..) => Some(id.as_str()),
+                _ => None,
+            })
+            .collect();
+        let mut touched: Vec<&str> = changes
+            .iter()
+            .map(Change::task)
+            .filter(|id| !created.contains(id))
+            .collect();
+        touched.sort_unstable();
+        touched.dedup();
+        let locked = tx
+            .query(
+                "SELECT id, epoch FROM tasks WHERE id = ANY($1) ORDER BY id FOR UPDATE",
+                &[&touched],
+            )
+            .await
+            .map_err(|e| self.err(e))?;
+        let fenced = locked
+            .iter()
+            .filter(|row| {
+                let (id, epoch): (&str, i64) = (row.get(0), row.get(1));
+                fences.get(id).is_some_and(|f| *f != epoch as u64)
+            })
+            .map(|row| row.get::<_, String>(0))
+            .collect();
+        let last = tx
+            .query(
+                "SELECT task_id, MAX(seq) FROM events WHERE task_id = ANY($1) GROUP BY task_id",
+                &[&touched],
+            )
+            .await
+            .map_err(|e| self.err(e))?
+            .iter()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
+            .collect();
+        Ok((fenced, last))
+    }
+
     async fn claim_async(
         &self,
         daemon: &str,
@@ -420,14 +429,15 @@ impl PgStore {
         running: &[String],
     ) -> Result<Option<Claimed>> {
         let client = self.client().await?;
-        // A lapsed lease first (its task has waited longest), then the oldest queued task;
-        // each one statement, so a task is claimed whole or not at all, by one daemon.
+        // In the rules' order, each one statement, so a task is claimed whole or not at all,
+        // by one daemon.
+        let (leased, lapsed_first, queue_order) =
+            (rules::LEASED, rules::LAPSED_FIRST, rules::QUEUE_ORDER);
         let lapsed = format!(
             "WITH next AS (
                 SELECT id FROM tasks
-                WHERE state IN ('running', 'awaiting_approval') AND lease_until_ms < {NOW_MS}
-                  AND id <> ALL($3)
-                ORDER BY lease_until_ms LIMIT 1 FOR UPDATE SKIP LOCKED)
+                WHERE {leased} AND lease_until_ms < {NOW_MS} AND id <> ALL($3)
+                {lapsed_first} LIMIT 1 FOR UPDATE SKIP LOCKED)
              UPDATE tasks t SET state = 'running', owner = $1, epoch = t.epoch + 1,
                 lease_until_ms = {NOW_MS} + $2
              FROM next WHERE t.id = next.id
@@ -436,7 +446,7 @@ impl PgStore {
         let queued = format!(
             "WITH next AS (
                 SELECT id FROM tasks WHERE state = 'queued' AND id <> ALL($4)
-                ORDER BY queue_order LIMIT 1 FOR UPDATE SKIP LOCKED)
+                {queue_order} LIMIT 1 FOR UPDATE SKIP LOCKED)
              UPDATE tasks t SET state = 'running', owner = $1, epoch = t.epoch + 1,
                 lease_until_ms = {NOW_MS} + $2, started_ms = $3
              FROM next WHERE t.id = next.id
@@ -460,7 +470,7 @@ impl PgStore {
         let id: String = row.get(0);
         let epoch: i64 = row.get(1);
         let cancel: bool = row.get(2);
-        let sql = format!("SELECT {COLUMNS} FROM tasks WHERE id = $1");
+        let sql = format!("SELECT {} FROM tasks WHERE id = $1", columns());
         let record = self
             .records(&sql, &[&id])
             .await?
@@ -595,9 +605,7 @@ impl TaskStore for PgStore {
             let tx = client.transaction().await.map_err(|e| self.err(e))?;
             let moved = tx
                 .execute(
-                    "UPDATE tasks SET state = $3,
-                        started_ms = CASE WHEN $3 = 'running' THEN $4 ELSE started_ms END
-                     WHERE id = $1 AND state = $2",
+                    &pg(rules::TRANSITION),
                     &[&id, &from.as_str(), &to.as_str(), &(now_ms as i64)],
                 )
                 .await
@@ -611,13 +619,11 @@ impl TaskStore for PgStore {
         })
     }
     fn get(&self, id: &str) -> Result<Option<TaskRecord>> {
-        let sql = format!("SELECT {COLUMNS} FROM tasks WHERE id = $1");
+        let sql = format!("SELECT {} FROM tasks WHERE id = $1", columns());
         self.block(async { Ok(self.records(&sql, &[&id]).await?.pop()) })
     }
     fn list(&self, state: Option<TaskState>) -> Result<Vec<TaskRecord>> {
-        let sql = format!(
-            "SELECT {COLUMNS} FROM tasks WHERE $1::text IS NULL OR state = $1 ORDER BY queue_order"
-        );
+        let sql = pg(&rules::list_sql(&columns()));
         let state = state.map(TaskState::as_str);
         self.block(self.records(&sql, &[&state]))
     }
@@ -627,21 +633,11 @@ impl TaskStore for PgStore {
         before: Option<&str>,
         limit: usize,
     ) -> Result<(Vec<TaskRecord>, Option<String>)> {
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        // An unknown `before` matches no row, so the page is empty, not the first one.
-        let sql = format!(
-            "SELECT {COLUMNS} FROM tasks
-             WHERE ($1::text IS NULL OR state = $1)
-               AND ($2::text IS NULL OR queue_order < (SELECT queue_order FROM tasks WHERE id = $2))
-             ORDER BY queue_order DESC LIMIT $3"
-        );
+        let sql = pg(&rules::page_sql(&columns()));
         let state = state.map(TaskState::as_str);
-        let mut tasks =
-            self.block(self.records(&sql, &[&state, &before, &limit.saturating_add(1)]))?;
-        let more = tasks.len() as i64 > limit;
-        tasks.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
-        let next = more.then(|| tasks.last().map(|t| t.id.clone())).flatten();
-        Ok((tasks, next))
+        let tasks =
+            self.block(self.records(&sql, &[&state, &before, &rules::page_limit(limit)]))?;
+        Ok(rules::page_of(tasks, limit))
     }
     fn list_after(
         &self,
@@ -650,12 +646,7 @@ impl TaskStore for PgStore {
         limit: usize,
     ) -> Result<Vec<TaskRecord>> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let sql = format!(
-            "SELECT {COLUMNS} FROM tasks
-             WHERE ($1::text IS NULL OR state = $1)
-               AND ($2::text IS NULL OR queue_order > (SELECT queue_order FROM tasks WHERE id = $2))
-             ORDER BY queue_order LIMIT $3"
-        );
+        let sql = pg(&rules::after_sql(&columns()));
         let state = state.map(TaskState::as_str);
         self.block(self.records(&sql, &[&state, &after, &limit]))
     }
@@ -669,8 +660,10 @@ impl TaskStore for PgStore {
             let client = self.client().await?;
             client
                 .execute(
-                    "UPDATE tasks SET lease_until_ms = 0
-                     WHERE owner = $1 AND state IN ('running', 'awaiting_approval')",
+                    &format!(
+                        "UPDATE tasks SET lease_until_ms = 0 WHERE owner = $1 AND {}",
+                        rules::LEASED
+                    ),
                     &[&daemon],
                 )
                 .await
@@ -682,25 +675,20 @@ impl TaskStore for PgStore {
         self.block(async {
             let client = self.client().await?;
             let rows = client
-                .query("SELECT state, COUNT(*) FROM tasks GROUP BY state", &[])
+                .query(rules::COUNTS, &[])
                 .await
                 .map_err(|e| self.err(e))?;
-            let mut counts = [0u64; TaskState::ALL.len()];
-            for row in rows {
-                let state = TaskState::parse(row.get(0)).unwrap_or(TaskState::Interrupted);
-                counts[state as usize] += u64::try_from(row.get::<_, i64>(1)).unwrap_or(0);
-            }
-            Ok(TaskState::ALL.map(|s| (s, counts[s as usize])).to_vec())
+            Ok(rules::counts(
+                rows.iter()
+                    .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1))),
+            ))
         })
     }
     fn files_removed(&self, id: &str, at_ms: u64) -> Result<()> {
         self.block(async {
             let client = self.client().await?;
             client
-                .execute(
-                    "UPDATE tasks SET files_removed_ms = $2 WHERE id = $1",
-                    &[&id, &(at_ms as i64)],
-                )
+                .execute(&pg(rules::FILES_REMOVED), &[&id, &(at_ms as i64)])
                 .await
                 .map_err(|e| self.err(e))?;
             Ok(())
@@ -726,12 +714,13 @@ impl TaskStore for PgStore {
         let epochs: Vec<i64> = held.iter().map(|(_, e)| *e as i64).collect();
         // The rows are locked in id order, as the writer locks them, so the two cannot
         // deadlock.
+        let leased = rules::LEASED;
         let sql = format!(
             "WITH held AS (
                 SELECT t.id FROM tasks t
                 JOIN unnest($3::text[], $4::bigint[]) AS h(id, epoch)
                   ON t.id = h.id AND t.epoch = h.epoch
-                WHERE t.owner = $1 AND t.state IN ('running', 'awaiting_approval')
+                WHERE t.owner = $1 AND t.{leased}
                 ORDER BY t.id FOR UPDATE OF t)
              UPDATE tasks t SET lease_until_ms = {NOW_MS} + $2
              FROM held WHERE t.id = held.id
@@ -772,8 +761,8 @@ impl TaskStore for PgStore {
     }
     fn owner(&self, id: &str, _now_ms: u64) -> Result<Option<String>> {
         let sql = format!(
-            "SELECT owner FROM tasks WHERE id = $1 AND lease_until_ms >= {NOW_MS}
-               AND state IN ('running', 'awaiting_approval')"
+            "SELECT owner FROM tasks WHERE id = $1 AND lease_until_ms >= {NOW_MS} AND {}",
+            rules::LEASED
         );
         self.block(async {
             let client = self.client().await?;
@@ -900,46 +889,40 @@ async fn task_update(
     msg: &EventMsg,
     now_ms: u64,
 ) -> std::result::Result<(), tokio_postgres::Error> {
-    match msg {
-        EventMsg::AssistantMessage {
-            turn,
-            usage: Some(u),
-            ..
-        } => {
+    match rules::row_change(msg, now_ms) {
+        Some(RowChange::Turn { turn, usage }) => {
             tx.execute(
                 "UPDATE tasks SET turns = $2, prompt_tokens = prompt_tokens + $3,
                     completion_tokens = completion_tokens + $4 WHERE id = $1",
                 &[
                     &id,
-                    &i64::from(*turn),
-                    &(u.prompt_tokens as i64),
-                    &(u.completion_tokens as i64),
+                    &i64::from(turn),
+                    &(usage.prompt_tokens as i64),
+                    &(usage.completion_tokens as i64),
                 ],
             )
             .await?;
         }
-        // Usage is the sum of the assistant messages' (a resumed task's run only knows its
-        // own part), so the end does not overwrite it.
-        EventMsg::TaskFinished {
+        Some(RowChange::Finished {
             stop_reason,
-            turns,
             error,
-            ..
-        } => {
+            turns,
+            at_ms,
+        }) => {
             tx.execute(
                 "UPDATE tasks SET state = 'finished', stop_reason = $2, error = $3, turns = $4,
                     finished_ms = $5, lease_until_ms = NULL WHERE id = $1",
                 &[
                     &id,
                     &stop_reason.as_str(),
-                    &error.as_ref().map(to_json),
-                    &i64::from(*turns),
-                    &(now_ms as i64),
+                    &error,
+                    &i64::from(turns),
+                    &(at_ms as i64),
                 ],
             )
             .await?;
         }
-        _ => {}
+        None => {}
     }
     Ok(())
 }
@@ -1003,32 +986,23 @@ fn parse_notice(payload: &str, me: &str) -> Vec<Notice> {
     }
 }
 
-fn decode(row: &Row) -> Result<TaskRecord> {
-    let json = |what: &'static str, text: &str| -> Result<serde_json::Value> {
-        serde_json::from_str(text).map_err(|source| StoreError::Decode { what, source })
-    };
-    let stop_reason: Option<String> = row.get(3);
-    let error: Option<String> = row.get(4);
-    Ok(TaskRecord {
-        id: row.get(0),
-        state: TaskState::parse(row.get(1)).unwrap_or(TaskState::Interrupted),
-        spec: parse("task spec", json("task spec", row.get(2))?)?,
-        stop_reason: stop_reason
-            .map(|s| parse("stop reason", serde_json::Value::String(s)))
-            .transpose()?,
-        error: error
-            .map(|e| json("error", &e).and_then(|v| parse("error", v)))
-            .transpose()?,
-        usage: Usage {
-            prompt_tokens: u64::try_from(row.get::<_, i64>(5)).unwrap_or(0),
-            completion_tokens: u64::try_from(row.get::<_, i64>(6)).unwrap_or(0),
+fn row(r: &Row) -> rules::Row {
+    rules::Row {
+        id: r.get(0),
+        state: r.get(1),
+        spec: r.get(2),
+        stop_reason: r.get(3),
+        error: r.get(4),
+        prompt_tokens: r.get(5),
+        completion_tokens: r.get(6),
+        turns: r.get(7),
+        times: rules::Times {
+            created_ms: r.get(8),
+            started_ms: r.get(9),
+            finished_ms: r.get(10),
+            files_removed_ms: r.get(11),
         },
-        turns: u32::try_from(row.get::<_, i64>(7)).unwrap_or(0),
-        created_ms: row.get::<_, i64>(8) as u64,
-        started_ms: row.get::<_, Option<i64>>(9).map(|v| v as u64),
-        finished_ms: row.get::<_, Option<i64>>(10).map(|v| v as u64),
-        files_removed_ms: row.get::<_, Option<i64>>(11).map(|v| v as u64),
-    })
+    }
 }
 
 /// The database as `user@host:port/db`: what errors and logs show, never the password.

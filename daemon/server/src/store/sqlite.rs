@@ -7,9 +7,10 @@ use std::sync::Mutex;
 use rusqlite::{Connection, OptionalExtension, params};
 use tandem_protocol::{Event, EventMsg, TaskSpec, Usage};
 
+use super::rules::{self, RowChange};
 use super::{
     Applied, Change, Claimed, Fences, NoticeSink, Renewed, Result, StoreError, TaskRecord,
-    TaskState, TaskStore, decided, event, parse, to_json,
+    TaskState, TaskStore, decided, event, to_json,
 };
 
 /// Schema migrations, in order; `PRAGMA user_version` says how many have run.
@@ -96,11 +97,8 @@ impl TaskStore for Store {
     }
     fn files_removed(&self, id: &str, at_ms: u64) -> Result<()> {
         self.with(|c| {
-            c.execute(
-                "UPDATE tasks SET files_removed_ms = ?2 WHERE id = ?1",
-                rusqlite::params![id, at_ms as i64],
-            )
-            .map(drop)
+            c.execute(rules::FILES_REMOVED, rusqlite::params![id, at_ms as i64])
+                .map(drop)
         })
     }
     fn claim(
@@ -117,12 +115,14 @@ impl TaskStore for Store {
             db.conn.pragma_update(None, "synchronous", "NORMAL")?;
             let claimed = db.transaction(|db| {
                 let now = now_ms as i64;
-                // A lapsed lease first: its task has waited longest.
-                let mut lapsed = db.conn.prepare_cached(
+                // The order is the rules'; the daemon's own tasks are skipped here, not in
+                // SQL, as SQLite binds no arrays.
+                let mut lapsed = db.conn.prepare_cached(&format!(
                     "SELECT id, state FROM tasks
-                     WHERE (state IN ('running', 'awaiting_approval') AND lease_until_ms < ?1)
-                     ORDER BY queue_order",
-                )?;
+                     WHERE {} AND lease_until_ms < ?1 {}",
+                    rules::LEASED,
+                    rules::LAPSED_FIRST
+                ))?;
                 let next: Option<(String, String)> = lapsed
                     .query_map([now], |r| Ok((r.get(0)?, r.get(1)?)))?
                     .filter_map(std::result::Result::ok)
@@ -132,10 +132,10 @@ impl TaskStore for Store {
                     Some(found) => Some(found),
                     None => db
                         .conn
-                        .prepare_cached(
-                            "SELECT id, state FROM tasks WHERE state = 'queued'
-                             ORDER BY queue_order",
-                        )?
+                        .prepare_cached(&format!(
+                            "SELECT id, state FROM tasks WHERE state = 'queued' {}",
+                            rules::QUEUE_ORDER
+                        ))?
                         .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
                         .filter_map(std::result::Result::ok)
                         .find(|(id, _): &(String, String)| !running.contains(id)),
@@ -185,12 +185,12 @@ impl TaskStore for Store {
                 for (id, epoch) in held {
                     let kept: Option<bool> = db
                         .conn
-                        .prepare_cached(
+                        .prepare_cached(&format!(
                             "UPDATE tasks SET lease_until_ms = ?4 + ?5
-                             WHERE id = ?1 AND owner = ?2 AND epoch = ?3
-                               AND state IN ('running', 'awaiting_approval')
+                             WHERE id = ?1 AND owner = ?2 AND epoch = ?3 AND {}
                              RETURNING cancel_requested",
-                        )?
+                            rules::LEASED
+                        ))?
                         .query_row(
                             params![id, daemon, *epoch as i64, now_ms as i64, lease_ms as i64],
                             |r| r.get(0),
@@ -215,10 +215,10 @@ impl TaskStore for Store {
     }
     fn owner(&self, id: &str, now_ms: u64) -> Result<Option<String>> {
         self.with(|c| {
-            c.prepare_cached(
-                "SELECT owner FROM tasks WHERE id = ?1 AND lease_until_ms >= ?2
-                   AND state IN ('running', 'awaiting_approval')",
-            )?
+            c.prepare_cached(&format!(
+                "SELECT owner FROM tasks WHERE id = ?1 AND lease_until_ms >= ?2 AND {}",
+                rules::LEASED
+            ))?
             .query_row(params![id, now_ms as i64], |r| r.get(0))
             .optional()
         })
@@ -266,9 +266,7 @@ impl Db {
             .prepare_cached("SELECT COALESCE(MAX(queue_order), 0) + 1 FROM tasks")?
             .query_row([], |r| r.get(0))?;
         self.counts = [0; TaskState::ALL.len()];
-        let mut stmt = self
-            .conn
-            .prepare_cached("SELECT state, COUNT(*) FROM tasks GROUP BY state")?;
+        let mut stmt = self.conn.prepare_cached(rules::COUNTS)?;
         let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?;
         for row in rows {
             let (state, n) = row?;
@@ -433,14 +431,12 @@ impl Store {
         now_ms: u64,
     ) -> Result<bool> {
         self.with_db(|db| {
-            let changed = db
-                .conn
-                .prepare_cached(
-                    "UPDATE tasks SET state = ?3,
-                        started_ms = CASE WHEN ?3 = 'running' THEN ?4 ELSE started_ms END
-                     WHERE id = ?1 AND state = ?2",
-                )?
-                .execute(params![id, from.as_str(), to.as_str(), now_ms as i64])?;
+            let changed = db.conn.prepare_cached(rules::TRANSITION)?.execute(params![
+                id,
+                from.as_str(),
+                to.as_str(),
+                now_ms as i64
+            ])?;
             if changed == 1 {
                 db.counts[from as usize] = db.counts[from as usize].saturating_sub(1);
                 db.counts[to as usize] += 1;
@@ -452,25 +448,23 @@ impl Store {
     /// One task, if it exists.
     pub fn get(&self, id: &str) -> Result<Option<TaskRecord>> {
         let row = self.with(|c| {
-            c.prepare_cached(&format!("SELECT {COLUMNS} FROM tasks WHERE id = ?1"))?
+            c.prepare_cached(&format!("SELECT {} FROM tasks WHERE id = ?1", columns()))?
                 .query_row([id], raw_row)
                 .optional()
         })?;
-        row.map(decode).transpose()
+        row.map(rules::decode).transpose()
     }
 
     /// Tasks, oldest first, optionally only those in `state`.
     pub fn list(&self, state: Option<TaskState>) -> Result<Vec<TaskRecord>> {
         let rows = self.with(|c| {
-            let mut stmt = c.prepare_cached(&format!(
-                "SELECT {COLUMNS} FROM tasks WHERE ?1 IS NULL OR state = ?1 ORDER BY queue_order"
-            ))?;
+            let mut stmt = c.prepare_cached(&rules::list_sql(&columns()))?;
             let rows = stmt
                 .query_map([state.map(TaskState::as_str)], raw_row)?
                 .collect::<rusqlite::Result<Vec<_>>>()?;
             Ok(rows)
         })?;
-        rows.into_iter().map(decode).collect()
+        rows.into_iter().map(rules::decode).collect()
     }
 
     /// At most `limit` tasks, newest first, queued before task `before` when given,
@@ -481,32 +475,25 @@ impl Store {
         before: Option<&str>,
         limit: usize,
     ) -> Result<(Vec<TaskRecord>, Option<String>)> {
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let rows = self.with(|c| {
-            // An unknown `before` matches no row, so the page is empty, not the first one.
-            let mut stmt = c.prepare_cached(&format!(
-                "SELECT {COLUMNS} FROM tasks
-                 WHERE (?1 IS NULL OR state = ?1)
-                   AND (?2 IS NULL OR queue_order < (SELECT queue_order FROM tasks WHERE id = ?2))
-                 ORDER BY queue_order DESC LIMIT ?3"
-            ))?;
+            let mut stmt = c.prepare_cached(&rules::page_sql(&columns()))?;
             let rows = stmt
                 .query_map(
                     params![
                         state.map(TaskState::as_str),
                         before,
-                        limit.saturating_add(1)
+                        rules::page_limit(limit)
                     ],
                     raw_row,
                 )?
                 .collect::<rusqlite::Result<Vec<_>>>()?;
             Ok(rows)
         })?;
-        let mut tasks = rows.into_iter().map(decode).collect::<Result<Vec<_>>>()?;
-        let more = tasks.len() as i64 > limit;
-        tasks.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
-        let next = more.then(|| tasks.last().map(|t| t.id.clone())).flatten();
-        Ok((tasks, next))
+        let tasks = rows
+            .into_iter()
+            .map(rules::decode)
+            .collect::<Result<Vec<_>>>()?;
+        Ok(rules::page_of(tasks, limit))
     }
 
     /// At most `limit` tasks in queue order, after task `after` when given, optionally only
@@ -519,26 +506,19 @@ impl Store {
     ) -> Result<Vec<TaskRecord>> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let rows = self.with(|c| {
-            let mut stmt = c.prepare_cached(&format!(
-                "SELECT {COLUMNS} FROM tasks
-                 WHERE (?1 IS NULL OR state = ?1)
-                   AND (?2 IS NULL OR queue_order > (SELECT queue_order FROM tasks WHERE id = ?2))
-                 ORDER BY queue_order LIMIT ?3"
-            ))?;
+            let mut stmt = c.prepare_cached(&rules::after_sql(&columns()))?;
             let rows = stmt
                 .query_map(params![state.map(TaskState::as_str), after, limit], raw_row)?
                 .collect::<rusqlite::Result<Vec<_>>>()?;
             Ok(rows)
         })?;
-        rows.into_iter().map(decode).collect()
+        rows.into_iter().map(rules::decode).collect()
     }
 
     /// Events of a task with seq above `after`, in order.
     pub fn events_after(&self, id: &str, after: u64) -> Result<Vec<Event>> {
         let rows = self.with(|c| {
-            let mut stmt = c.prepare_cached(
-                "SELECT seq, at_ms, body FROM events WHERE task_id = ?1 AND seq > ?2 ORDER BY seq",
-            )?;
+            let mut stmt = c.prepare_cached(rules::EVENTS_AFTER)?;
             let rows = stmt
                 .query_map(params![id, after as i64], |r| {
                     Ok((
@@ -562,14 +542,17 @@ impl Store {
             db.transaction(|db| {
                 let rows = db
                     .conn
-                    .prepare(
-                        "SELECT id, state FROM tasks WHERE state IN ('running', 'awaiting_approval')",
-                    )?
+                    .prepare(&format!(
+                        "SELECT id, state FROM tasks WHERE {}",
+                        rules::LEASED
+                    ))?
                     .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?
                     .collect::<rusqlite::Result<Vec<_>>>()?;
                 db.conn.execute(
-                    "UPDATE tasks SET state = 'interrupted'
-                     WHERE state IN ('running', 'awaiting_approval')",
+                    &format!(
+                        "UPDATE tasks SET state = 'interrupted' WHERE {}",
+                        rules::LEASED
+                    ),
                     [],
                 )?;
                 let mut ids = Vec::with_capacity(rows.len());
@@ -616,11 +599,7 @@ fn create(db: &mut Db, id: &str, spec: &TaskSpec, now_ms: u64) -> rusqlite::Resu
 fn set_state(db: &mut Db, id: &str, state: TaskState, now_ms: u64) -> rusqlite::Result<()> {
     db.count_move(id, state)?;
     db.conn
-        .prepare_cached(
-            "UPDATE tasks SET state = ?2,
-                started_ms = CASE WHEN ?2 = 'running' THEN ?3 ELSE started_ms END
-             WHERE id = ?1",
-        )?
+        .prepare_cached(rules::SET_STATE)?
         .execute(params![id, state.as_str(), now_ms as i64])
         .map(|_| ())
 }
@@ -642,12 +621,8 @@ fn append_one(db: &mut Db, task_id: &str, msg: &EventMsg, now_ms: u64) -> rusqli
     let conn = &db.conn;
     conn.prepare_cached("INSERT INTO events (task_id, seq, at_ms, body) VALUES (?1, ?2, ?3, ?4)")?
         .execute(params![task_id, seq, now_ms as i64, to_json(msg)])?;
-    match msg {
-        EventMsg::AssistantMessage {
-            turn,
-            usage: Some(u),
-            ..
-        } => {
+    match rules::row_change(msg, now_ms) {
+        Some(RowChange::Turn { turn, usage }) => {
             conn.prepare_cached(
                 "UPDATE tasks SET turns = ?2, usage = json_object(
                         'prompt_tokens', json_extract(usage, '$.prompt_tokens') + ?3,
@@ -657,33 +632,31 @@ fn append_one(db: &mut Db, task_id: &str, msg: &EventMsg, now_ms: u64) -> rusqli
             .execute(params![
                 task_id,
                 turn,
-                u.prompt_tokens as i64,
-                u.completion_tokens as i64
+                usage.prompt_tokens as i64,
+                usage.completion_tokens as i64
             ])?;
         }
-        // Usage is the sum of the assistant messages' (a resumed task's run only
-        // knows its own part), so the end does not overwrite it.
-        EventMsg::TaskFinished {
+        Some(RowChange::Finished {
             stop_reason,
-            turns,
             error,
-            ..
-        } => {
+            turns,
+            at_ms,
+        }) => {
             db.count_move(task_id, TaskState::Finished)?;
             db.conn
                 .prepare_cached(
                     "UPDATE tasks SET state = 'finished', stop_reason = ?2, error = ?3,
-                        turns = ?4, finished_ms = ?5 WHERE id = ?1",
+                        turns = ?4, finished_ms = ?5, lease_until_ms = NULL WHERE id = ?1",
                 )?
                 .execute(params![
                     task_id,
                     stop_reason.as_str(),
-                    error.as_ref().map(to_json),
+                    error,
                     turns,
-                    now_ms as i64
+                    at_ms as i64
                 ])?;
         }
-        _ => {}
+        None => {}
     }
     if matches!(msg, EventMsg::TaskFinished { .. }) {
         // A finished task gets no more events until (and unless) it is resumed.
@@ -694,61 +667,30 @@ fn append_one(db: &mut Db, task_id: &str, msg: &EventMsg, now_ms: u64) -> rusqli
     Ok(event)
 }
 
-const COLUMNS: &str = "id, state, spec, stop_reason, error, usage, turns, created_ms, started_ms, \
-     finished_ms, files_removed_ms";
+/// SQLite keeps a task's usage as one JSON value.
+const USAGE: &str =
+    "json_extract(usage, '$.prompt_tokens'), json_extract(usage, '$.completion_tokens')";
 
-type RawRow = (
-    String,
-    String,
-    String,
-    Option<String>,
-    Option<String>,
-    String,
-    i64,
-    i64,
-    Option<i64>,
-    Option<i64>,
-    Option<i64>,
-);
-
-fn raw_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawRow> {
-    Ok((
-        r.get(0)?,
-        r.get(1)?,
-        r.get(2)?,
-        r.get(3)?,
-        r.get(4)?,
-        r.get(5)?,
-        r.get(6)?,
-        r.get(7)?,
-        r.get(8)?,
-        r.get(9)?,
-        r.get(10)?,
-    ))
+fn columns() -> String {
+    rules::columns(USAGE)
 }
 
-fn decode(row: RawRow) -> Result<TaskRecord> {
-    let (id, state, spec, stop_reason, error, usage, turns, created, started, finished, removed) =
-        row;
-    let json = |what: &'static str, text: &str| -> Result<serde_json::Value> {
-        serde_json::from_str(text).map_err(|source| StoreError::Decode { what, source })
-    };
-    Ok(TaskRecord {
-        id,
-        state: TaskState::parse(&state).unwrap_or(TaskState::Interrupted),
-        spec: parse("task spec", json("task spec", &spec)?)?,
-        stop_reason: stop_reason
-            .map(|s| parse("stop reason", serde_json::Value::String(s)))
-            .transpose()?,
-        error: error
-            .map(|e| json("error", &e).and_then(|v| parse("error", v)))
-            .transpose()?,
-        usage: parse("usage", json("usage", &usage)?)?,
-        turns: u32::try_from(turns).unwrap_or(0),
-        created_ms: created as u64,
-        started_ms: started.map(|v| v as u64),
-        finished_ms: finished.map(|v| v as u64),
-        files_removed_ms: removed.map(|v| v as u64),
+fn raw_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<rules::Row> {
+    Ok(rules::Row {
+        id: r.get(0)?,
+        state: r.get(1)?,
+        spec: r.get(2)?,
+        stop_reason: r.get(3)?,
+        error: r.get(4)?,
+        prompt_tokens: r.get(5)?,
+        completion_tokens: r.get(6)?,
+        turns: r.get(7)?,
+        times: rules::Times {
+            created_ms: r.get(8)?,
+            started_ms: r.get(9)?,
+            finished_ms: r.get(10)?,
+            files_removed_ms: r.get(11)?,
+        },
     })
 }
 
