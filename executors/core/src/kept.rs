@@ -22,7 +22,7 @@ use crate::{
 };
 
 /// The interpreter's program.
-const KERNEL: &str = concat!(include_str!("figures.py"), include_str!("kernel.py"));
+const KERNEL: &str = concat!(include_str!("prelude.py"), include_str!("kernel.py"));
 /// How long an interrupted block has to stop before the interpreter is killed.
 pub const GRACE: Duration = Duration::from_secs(3);
 /// How long a new interpreter has to open its FIFOs.
@@ -479,7 +479,7 @@ mod tests {
     /// The Docker runner carries the figures code in a raw triple-quoted string.
     #[test]
     fn the_figures_code_can_be_carried_in_a_python_string() {
-        assert!(!crate::FIGURES_PY.contains("\"\"\""));
-        assert!(!crate::FIGURES_PY.trim_end().ends_with('\\'));
+        assert!(!crate::PYTHON_PRELUDE.contains("\"\"\""));
+        assert!(!crate::PYTHON_PRELUDE.trim_end().ends_with('\\'));
     }
 }

@@ -51,10 +51,11 @@ pub use limits::Limits;
 pub use registry::Registry;
 pub use tokio_util::sync::CancellationToken;
 
-/// Python that keeps the figures a block shows (`plt.show()`) as `figure-N.png`: defines
-/// `ShowWatch` (an import hook) and `save_figures()`, for each program that runs Python blocks
-/// to put before its own code. It holds no triple quotes, so it can be carried in a string.
-pub const FIGURES_PY: &str = include_str!("figures.py");
+/// Python that every program running Python blocks puts before its own code:
+/// `run_as_main(script)` (a script run as `python3 script` runs it) and what keeps the figures a
+/// block shows (`plt.show()`) as `figure-N.png`. It holds no triple quotes, so it can be
+/// carried in a string.
+pub const PYTHON_PRELUDE: &str = include_str!("prelude.py");
 
 /// A boxed, sendable future, as the object-safe traits here return.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

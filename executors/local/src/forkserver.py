@@ -6,7 +6,7 @@
 # confined, and last the block's end of its tools channel when it has one; the reply is the pid of the block's waiter. On the status pipe the block
 # writes its own pid once it leads its own session, then the waiter writes the block's raw
 # wait status; EOF follows once every process the block started is dead.
-import _thread, builtins, fcntl, io, json, os, resource, signal, socket, struct, sys, types
+import _thread, fcntl, io, json, os, resource, signal, socket, struct, sys
 
 ctl = socket.socket(fileno=3)
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the waiters are reaped by the kernel
@@ -22,7 +22,6 @@ PR_SET_CHILD_SUBREAPER = 36
 
 def block(req, out, err, status):
     """The block's own process: set up like a fresh `python3 script` and run it."""
-    code = 1
     try:
         os.setsid()
         if req.get("confine"):
@@ -44,54 +43,14 @@ def block(req, out, err, status):
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
-        script = req["script"]
-        sys.argv = [script]
-        sys.path[0] = os.path.dirname(script)
-        # Read once at start-up by a fresh interpreter; this one started before the block.
-        for extra in reversed([p for p in req["env"].get("PYTHONPATH", "").split(":") if p]):
-            sys.path.insert(1, extra)
-        sys.meta_path.insert(0, ShowWatch())
-        main = types.ModuleType("__main__")
-        main.__file__ = script
-        main.__builtins__ = builtins
-        sys.modules["__main__"] = main
-        with open(script, "rb") as f:
-            source = f.read()
-        exec(compile(source, script, "exec"), main.__dict__)
-        code = 0
-    except SystemExit as e:
-        if e.code is None:
-            code = 0
-        elif isinstance(e.code, int):
-            code = e.code
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
     except BaseException:
-        etype, value, tb = sys.exc_info()
-        # Drop this function's frame so the traceback starts in the user's code, as it does
-        # when python3 runs the script itself.
-        tb = tb.tb_next if tb is not None else None
-        sys.excepthook(etype, value.with_traceback(tb), tb)
-        code = 1
-    finally:
-        try:
-            save_figures()
-        except BaseException:
-            import traceback
+        import traceback
 
-            traceback.print_exc()
-        try:
-            if "threading" in sys.modules:
-                sys.modules["threading"]._shutdown()
-            import atexit
-
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except BaseException:
-            pass
-        os._exit(code & 0xFF)
+        traceback.print_exc()
+        os._exit(1)
+    # PYTHONPATH is read once at start-up by a fresh interpreter; this one started before
+    # the block.
+    run_as_main(req["script"], [p for p in req["env"].get("PYTHONPATH", "").split(":") if p])
 
 
 def children(me):

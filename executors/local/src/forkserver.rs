@@ -48,10 +48,10 @@ impl ForkServer {
         )?;
         let theirs_raw = theirs.as_raw_fd();
         let mut cmd = Command::new(python);
-        // Named first, as `ps` shows it; the figures code is defined before the server runs.
+        // Named first, as `ps` shows it; the prelude is defined before the server runs.
         let program = format!(
-            "# Tandem's Python fork server: the figures code, then forkserver.py\n{}\n{SERVER}",
-            tandem_executor::FIGURES_PY
+            "# Tandem's Python fork server: the prelude, then forkserver.py\n{}\n{SERVER}",
+            tandem_executor::PYTHON_PRELUDE
         );
         cmd.args(["-c", &program]);
         if no_network {

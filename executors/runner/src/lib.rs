@@ -21,11 +21,11 @@ use tokio_util::bytes::BytesMut;
 use tokio_util::codec::{Decoder, LengthDelimitedCodec};
 
 /// The runner's source, run as `python3 -I -c RUNNER USER [volume]`: `runner.py`, after the
-/// figures code as the string `FIGURES` its blocks' boot starts with.
+/// shared Python prelude as the string `PRELUDE` its blocks' boot starts with.
 pub static RUNNER: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
-        "FIGURES = r\"\"\"{}\"\"\"\n{}",
-        tandem_executor::FIGURES_PY,
+        "PRELUDE = r\"\"\"{}\"\"\"\n{}",
+        tandem_executor::PYTHON_PRELUDE,
         include_str!("runner.py")
     )
 });

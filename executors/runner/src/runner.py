@@ -169,58 +169,10 @@ class Capture:
 
 
 # A Python block runs as `python3 -c BOOT script`: BOOT runs the script as `python3 script`
-# would (the same __main__, argv, path, traceback and exit code), and then saves the figures
-# it showed (`plt.show()` draws nothing without a screen) as figure-N.png, as the local
-# executor's fork server does.
-# FIGURES (executors/core/src/figures.py) is set above this file by the Docker executor.
-BOOT = FIGURES + r"""
-import builtins, os, sys, types
-
-
-sys.meta_path.insert(0, ShowWatch())
-script = sys.argv[1]
-sys.argv = [script]
-sys.path[0] = os.path.dirname(script)
-main = types.ModuleType("__main__")
-main.__file__ = script
-main.__builtins__ = builtins
-sys.modules["__main__"] = main
-code = 1
-try:
-    with open(script, "rb") as f:
-        source = f.read()
-    exec(compile(source, script, "exec"), main.__dict__)
-    code = 0
-except SystemExit as e:
-    if e.code is None:
-        code = 0
-    elif isinstance(e.code, int):
-        code = e.code
-    else:
-        print(e.code, file=sys.stderr)
-        code = 1
-except BaseException:
-    etype, value, tb = sys.exc_info()
-    tb = tb.tb_next if tb is not None else None
-    sys.excepthook(etype, value.with_traceback(tb), tb)
-    code = 1
-finally:
-    try:
-        save_figures()
-    except BaseException:
-        import traceback
-        traceback.print_exc()
-    try:
-        if "threading" in sys.modules:
-            sys.modules["threading"]._shutdown()
-        import atexit
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BaseException:
-        pass
-    os._exit(code & 0xFF)
-"""
+# would, and then saves the figures it showed (`plt.show()` draws nothing without a screen)
+# as figure-N.png, as the local executor's fork server does.
+# PRELUDE (executors/core/src/prelude.py) is set above this file by the runner's crate.
+BOOT = PRELUDE + "\nrun_as_main(sys.argv[1])\n"
 
 
 # Where the tools module and command are put: a tmpfs of the runner's own that blocks can
