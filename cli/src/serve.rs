@@ -418,28 +418,8 @@ fn default_daemon_name(state_dir: &Path) -> String {
 /// Everything up to listening: the state dir locked, the store open, the executors, policy,
 /// defaults and model resolved, what a dead daemon left reaped, and its tasks recovered.
 async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started> {
-    // The daemon holds the model's API key (in its environment) and the token: code running
-    // as the same user (the local executor) must not read them from /proc/<daemon>/environ,
-    // mem or fd. A non-dumpable process's /proc entries belong to root.
-    nix::sys::prctl::set_dumpable(false).context("cannot make the daemon non-dumpable")?;
-    // TCP connections are capped well below the hard limit ([server] max_connections), so
-    // with the soft limit raised to it the Unix socket, the store and sandboxes keep
-    // descriptors whatever a TCP peer holds.
-    {
-        use nix::sys::resource::{Resource, getrlimit, setrlimit};
-        if let Ok((_, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
-            let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
-        }
-    }
-    let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
-    std::fs::create_dir_all(&state_dir)
-        .with_context(|| format!("cannot create the state dir {}", state_dir.display()))?;
-    // Transcripts, the token and the socket are the user's alone.
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&state_dir, std::fs::Permissions::from_mode(0o700))
-            .with_context(|| format!("cannot restrict the state dir {}", state_dir.display()))?;
-    }
+    harden()?;
+    let state_dir = state_dir(args)?;
     // One daemon per state dir: a second one would mark the first one's tasks interrupted.
     let _lock = lock_state_dir(&state_dir)?;
     let grace = config::secs_to_duration(args.grace, "--grace")?;
@@ -457,18 +437,106 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
     );
     config::conn_limits(file)?;
     let (store, daemon, lease) = open_store(args, file, &state_dir)?;
+    let offered = executors(args, file, say).await?;
+    // A cap for an executor the daemon does not have is a typo that would cap nothing.
+    for name in sessions.per_executor.keys() {
+        offered.registry.get(name).with_context(|| {
+            format!("[sessions.executors] names `{name}`, which this daemon does not have")
+        })?;
+    }
+    let policy = policy(file, &offered, say)?;
+    if let Some(d) = &offered.docker
+        && offered.default == "docker"
+    {
+        d.warm_up();
+    }
+    let defaults = config::task_defaults(file, offered.default.clone(), config::Road::Daemon)?;
+    let (model, local_model) = model(args, file, say).await?;
+    let supervisor = Supervisor::new(
+        store,
+        SupervisorConfig {
+            planner: PlannerConfig {
+                model,
+                local_model,
+                executors: offered.registry,
+                defaults,
+                policy,
+                approval: file.approval.clone(),
+                teams,
+                tools: tandem_agent::tools::Offered::start(file.tools.clone())
+                    .await
+                    .context("in [tools] of tandem.toml")?,
+            },
+            max_concurrent,
+            sessions,
+            files,
+            daemon,
+            lease,
+        },
+    );
+    recover(&supervisor).await?;
+    Ok(Started {
+        supervisor,
+        state_dir,
+        _lock,
+        docker: offered.docker,
+        default_executor: offered.default,
+        max_concurrent,
+        grace,
+    })
+}
 
-    // Every executor the daemon can offer; `auto` decides the default once, at start.
-    let mut executors = Registry::new();
-    executors.register(Arc::new(LocalExecutor::new(config::local_config(file)?)));
+/// Keeps what the daemon holds from code that runs as its user, and its descriptors from
+/// running out.
+fn harden() -> Result<()> {
+    // The daemon holds the model's API key (in its environment) and the token: code running
+    // as the same user (the local executor) must not read them from /proc/<daemon>/environ,
+    // mem or fd. A non-dumpable process's /proc entries belong to root.
+    nix::sys::prctl::set_dumpable(false).context("cannot make the daemon non-dumpable")?;
+    // TCP connections are capped well below the hard limit ([server] max_connections), so
+    // with the soft limit raised to it the Unix socket, the store and sandboxes keep
+    // descriptors whatever a TCP peer holds.
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    if let Ok((_, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
+    }
+    Ok(())
+}
+
+/// The state dir, made and kept to the user alone: transcripts, the token and the socket
+/// live there.
+fn state_dir(args: &ServeArgs) -> Result<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
+    std::fs::create_dir_all(&state_dir)
+        .with_context(|| format!("cannot create the state dir {}", state_dir.display()))?;
+    std::fs::set_permissions(&state_dir, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("cannot restrict the state dir {}", state_dir.display()))?;
+    Ok(state_dir)
+}
+
+/// The executors a daemon has, and which one tasks get when they name none.
+struct Offered {
+    registry: Registry,
+    /// The executor tasks get by default (`auto` decided).
+    default: String,
+    /// What the operator named (`auto`, or an executor).
+    named: String,
+    docker: Option<crate::executors::Docker>,
+}
+
+/// Every executor the daemon can offer; `auto` decides the default once, at start.
+async fn executors(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Offered> {
+    let mut registry = Registry::new();
+    registry.register(Arc::new(LocalExecutor::new(config::local_config(file)?)));
     let pool = file.executors.docker.pool_size.unwrap_or(2);
     let connected =
         crate::executors::Docker::connect(file, args.image.as_deref(), Some(pool)).await?;
     // A bad `[executors.wasm]` is a configuration error, not an executor that is missing.
     let wasm = tandem_executor_wasm::WasmExecutor::new(config::wasm_config(file)?)
         .map_err(anyhow::Error::from);
-    let name = config::executor_name(args.executor.as_deref(), file);
-    let default_executor = match name.as_str() {
+    let named = config::executor_name(args.executor.as_deref(), file);
+    let default = match named.as_str() {
         "auto" => match crate::executors::why_not_docker(connected.as_ref()).await {
             None => "docker".to_owned(),
             Some(why) => {
@@ -487,28 +555,14 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
     };
     match wasm {
         Ok(wasm) => {
-            executors.register(Arc::new(wasm.clone()));
-            // Compiling the runtimes (once per machine) now keeps it off every task's path;
-            // they are kept loaded only when tasks default to wasm, since that costs memory.
-            let load = default_executor == "wasm";
-            tokio::spawn(async move {
-                let results = if load {
-                    wasm.warm().await
-                } else {
-                    wasm.precompile().await
-                };
-                for (runtime, result) in results {
-                    if let Err(e) = result {
-                        tracing::warn!(runtime = runtime.file_name(), error = %e, "a WASM runtime cannot be loaded");
-                    }
-                }
-            });
+            registry.register(Arc::new(wasm.clone()));
+            warm_wasm(wasm, default == "wasm");
         }
         Err(e) => tracing::warn!(error = %e, "the wasm executor is not available"),
     }
     let docker = match connected {
         Ok(d) => {
-            executors.register(d.executor());
+            registry.register(d.executor());
             Some(d)
         }
         Err(e) => {
@@ -516,12 +570,41 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
             None
         }
     };
+    others(&mut registry, file, say).await?;
+    registry.get(&default)?;
+    Ok(Offered {
+        registry,
+        default,
+        named,
+        docker,
+    })
+}
+
+/// Compiles the WASM runtimes (once per machine) now, which keeps it off every task's path;
+/// they are kept loaded (`load`) only when tasks default to wasm, since that costs memory.
+fn warm_wasm(wasm: tandem_executor_wasm::WasmExecutor, load: bool) {
+    tokio::spawn(async move {
+        let results = if load {
+            wasm.warm().await
+        } else {
+            wasm.precompile().await
+        };
+        for (runtime, result) in results {
+            if let Err(e) = result {
+                tracing::warn!(runtime = runtime.file_name(), error = %e, "a WASM runtime cannot be loaded");
+            }
+        }
+    });
+}
+
+/// The Kubernetes executor and the plugins the operator configured.
+async fn others(registry: &mut Registry, file: &FileConfig, say: Say) -> Result<()> {
     // A configured cluster that does not answer is left out, as an unreachable Docker engine
     // is, but said aloud: the operator asked for it.
     if config::kubernetes_config(file)?.is_some() {
         match crate::executors::kubernetes(file).await {
             Ok(k) => {
-                executors.register(Arc::new(k));
+                registry.register(Arc::new(k));
             }
             Err(e) => say.warn(&format!("executor `kubernetes` is not available: {e:#}")),
         }
@@ -531,46 +614,58 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
     for name in file.executors.plugins.keys() {
         match crate::executors::plugin(name, file).await {
             Ok(Some(plugin)) => {
-                executors.register(Arc::new(plugin));
+                registry.register(Arc::new(plugin));
             }
             Ok(None) => {}
             Err(e) => say.warn(&format!("executor `{name}` is not available: {e:#}")),
         }
     }
-    executors.get(&default_executor)?;
-    // A cap for an executor the daemon does not have is a typo that would cap nothing.
-    for name in sessions.per_executor.keys() {
-        executors.get(name).with_context(|| {
-            format!("[sessions.executors] names `{name}`, which this daemon does not have")
-        })?;
-    }
+    Ok(())
+}
+
+/// What API clients may ask for, checked against the executors the daemon has; what is
+/// risky or odd in it said aloud.
+fn policy(file: &FileConfig, offered: &Offered, say: Say) -> Result<tandem_daemon::policy::Policy> {
     let mut policy = config::policy(file)?;
     for name in policy.executors.iter().flatten() {
-        executors.get(name).with_context(|| {
+        offered.registry.get(name).with_context(|| {
             format!("[policy] executors names `{name}`, which this daemon does not have")
         })?;
     }
     // Naming `local` as the tasks' executor (not `auto` landing on it) is the operator's
     // choice to offer it.
-    if policy.executors.is_none() && name == tandem_daemon::policy::LOCAL {
-        policy.executors = Some(executors.names().into_iter().map(str::to_owned).collect());
+    if policy.executors.is_none() && offered.named == tandem_daemon::policy::LOCAL {
+        policy.executors = Some(
+            offered
+                .registry
+                .names()
+                .into_iter()
+                .map(str::to_owned)
+                .collect(),
+        );
     }
     if policy.offers(tandem_daemon::policy::LOCAL) {
         say.warn(
             "API clients may use the local executor, which is not a security boundary: its code runs as this daemon's user and can read the daemon's files (its store and token among them)",
         );
     }
-    if !policy.offers(&default_executor) {
-        say.warn(&policy.not_offered(&default_executor, &executors));
+    if !policy.offers(&offered.default) {
+        say.warn(&policy.not_offered(&offered.default, &offered.registry));
     }
-    if let Some(d) = &docker
-        && default_executor == "docker"
-    {
-        d.warm_up();
-    }
-    let defaults = config::task_defaults(file, default_executor.clone(), config::Road::Daemon)?;
+    Ok(policy)
+}
+
+/// The model tasks get when they name no model server; an embedded one is loaded once here
+/// and shared by every task.
+async fn model(
+    args: &ServeArgs,
+    file: &FileConfig,
+    say: Say,
+) -> Result<(
+    tandem_agent::ModelConfig,
+    Option<Arc<dyn tandem_agent::chat::LocalModel>>,
+)> {
     let mut model = config::model_config(&args.model, file)?;
-    // Loaded once and shared by every task that names no model server.
     let local_model = match crate::provider::choose(&args.model, file) {
         Ok(crate::provider::Provider::Embedded { name, path }) => {
             let loaded = crate::provider::load(&name, path.clone(), file).await?;
@@ -589,31 +684,13 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
             None
         }
     };
-    let supervisor = Supervisor::new(
-        store,
-        SupervisorConfig {
-            planner: PlannerConfig {
-                model,
-                local_model,
-                executors,
-                defaults,
-                policy,
-                approval: file.approval.clone(),
-                teams,
-                tools: tandem_agent::tools::Offered::start(file.tools.clone())
-                    .await
-                    .context("in [tools] of tandem.toml")?,
-            },
-            max_concurrent,
-            sessions,
-            files,
-            daemon,
-            lease,
-        },
-    );
+    Ok((model, local_model))
+}
 
-    // Sandboxes a crashed daemon left: local blocks, local, WASM and plugin workspaces
-    // (docker containers were reaped when the docker executor connected).
+/// Removes the sandboxes a crashed daemon left (local blocks, local, WASM and plugin
+/// workspaces; docker containers were reaped when the docker executor connected), takes its
+/// tasks back, and starts the retention.
+async fn recover(supervisor: &Arc<Supervisor>) -> Result<()> {
     let reaped = tokio::task::spawn_blocking(|| {
         LocalExecutor::reap_orphans()
             + tandem_executor_wasm::WasmExecutor::reap_orphans()
@@ -627,7 +704,7 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
             "removed local processes and workspaces left by a Tandem that died"
         );
     }
-    let interrupted = supervisor.recover()?;
+    let interrupted = supervisor.recover().await?;
     supervisor.keep_files_tidy();
     if interrupted > 0 {
         tracing::info!(
@@ -635,15 +712,7 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
             "tasks the last daemon left running are interrupted"
         );
     }
-    Ok(Started {
-        supervisor,
-        state_dir,
-        _lock,
-        docker,
-        default_executor,
-        max_concurrent,
-        grace,
-    })
+    Ok(())
 }
 
 /// SIGTERM or SIGINT starts a graceful shutdown; a second one exits at once.

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod approval;
 pub mod files;
+pub mod mcp;
 pub mod task;
 pub mod team;
 pub mod tools;

@@ -675,7 +675,7 @@ async fn cancel_task(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<TaskRecord>, ApiError> {
-    let record = blocking(&state.supervisor, move |sup| Ok(sup.cancel(&id)?)).await?;
+    let record = state.supervisor.cancel(&id).await?;
     Ok(Json(record))
 }
 
@@ -683,7 +683,7 @@ async fn resume_task(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<TaskRecord>, ApiError> {
-    let record = blocking(&state.supervisor, move |sup| Ok(sup.resume(&id)?)).await?;
+    let record = state.supervisor.resume(&id).await?;
     Ok(Json(record))
 }
 

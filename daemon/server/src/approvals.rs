@@ -201,14 +201,9 @@ impl Approvals {
 }
 
 impl Approvals {
-    /// Decides approval `n` of task `id`: the decision is stored before this returns, then
-    /// handed to the task if it is waiting.
-    pub(crate) fn decide(
-        &self,
-        id: &str,
-        n: u32,
-        body: DecisionBody,
-    ) -> Result<ApprovalRequest, TaskError> {
+    /// Whether `body` can decide an approval of task `id`: the task exists and has not
+    /// finished, and the body says one thing.
+    fn decidable(&self, id: &str, body: &DecisionBody) -> Result<(), TaskError> {
         let record = self
             .store
             .get(id)?
@@ -228,6 +223,18 @@ impl Approvals {
             )
             .into());
         }
+        Ok(())
+    }
+
+    /// Decides approval `n` of task `id`: the decision is stored before this returns, then
+    /// handed to the task if it is waiting.
+    pub(crate) fn decide(
+        &self,
+        id: &str,
+        n: u32,
+        body: DecisionBody,
+    ) -> Result<ApprovalRequest, TaskError> {
+        self.decidable(id, &body)?;
         self.writer.flush();
         let asked = requested(&self.store.events_after(id, 0)?);
         let Some(request) = asked.iter().find(|r| r.n == n).cloned() else {
@@ -347,42 +354,46 @@ impl TaskApprover {
         }
     }
 
+    /// The request `ask` is: the same block asked before a restart keeps its number, and
+    /// its decision if made (`Err`); a new one is numbered and stored.
+    fn request_for(&self, ask: &Ask) -> Result<Requested, Ruling> {
+        let before = self
+            .stored
+            .iter()
+            .find(|r| r.turn == ask.turn && r.index == ask.index && r.code == ask.code);
+        if let Some(r) = before {
+            return match &r.ruling {
+                Some(ruling) => Err(ruling.clone()),
+                None => Ok(r.clone()),
+            };
+        }
+        let request = Requested {
+            asked: ApprovalRequest {
+                n: self.next.fetch_add(1, Ordering::SeqCst),
+                turn: ask.turn,
+                index: ask.index,
+                language: ask.language.to_string(),
+                code: ask.code.clone(),
+                rule: ask.rule.clone(),
+                reason: ask.reason.clone(),
+            },
+            ruling: None,
+        };
+        self.approvals
+            .writer
+            .record(&self.id, ask.requested(request.n));
+        Ok(request)
+    }
+
     async fn wait(
         &self,
         ask: Ask,
         timeout: Duration,
         cancel: &CancellationToken,
     ) -> Option<Ruling> {
-        // The same block asked before a restart keeps its number, and its decision if made.
-        let before = self
-            .stored
-            .iter()
-            .find(|r| r.turn == ask.turn && r.index == ask.index && r.code == ask.code);
-        let request = match before {
-            Some(r) => {
-                if let Some(ruling) = &r.ruling {
-                    return Some(ruling.clone());
-                }
-                r.clone()
-            }
-            None => {
-                let request = Requested {
-                    asked: ApprovalRequest {
-                        n: self.next.fetch_add(1, Ordering::SeqCst),
-                        turn: ask.turn,
-                        index: ask.index,
-                        language: ask.language.to_string(),
-                        code: ask.code.clone(),
-                        rule: ask.rule.clone(),
-                        reason: ask.reason.clone(),
-                    },
-                    ruling: None,
-                };
-                self.approvals
-                    .writer
-                    .record(&self.id, ask.requested(request.n));
-                request
-            }
+        let request = match self.request_for(&ask) {
+            Ok(request) => request,
+            Err(ruling) => return Some(ruling),
         };
         let key = (self.id.clone(), request.n);
         let (tx, mut rx) = oneshot::channel();

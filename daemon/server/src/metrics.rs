@@ -36,10 +36,16 @@ pub struct Metrics {
     model_seconds: Histogram,
     tokens: Family<Labels, Counter>,
     sessions: Gauge,
-    host_up: Family<Labels, Gauge>,
-    host_sessions: Family<Labels, Gauge>,
-    host_capacity: Family<Labels, Gauge>,
+    hosts: Hosts,
     daemon_tasks: Family<Labels, Gauge>,
+}
+
+/// What each executor's hosts say, by executor and host.
+#[derive(Default)]
+struct Hosts {
+    up: Family<Labels, Gauge>,
+    sessions: Family<Labels, Gauge>,
+    capacity: Family<Labels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -52,9 +58,7 @@ impl Default for Metrics {
             model_seconds: latency(),
             tokens: Family::default(),
             sessions: Gauge::default(),
-            host_up: Family::default(),
-            host_sessions: Family::default(),
-            host_capacity: Family::default(),
+            hosts: Hosts::default(),
             daemon_tasks: Family::default(),
         };
         let mut registry = Registry::default();
@@ -87,17 +91,17 @@ impl Default for Metrics {
         registry.register(
             "tandem_host_up",
             "Whether an executor's host answered its last probe (1) or is down (0)",
-            m.host_up.clone(),
+            m.hosts.up.clone(),
         );
         registry.register(
             "tandem_host_sessions",
             "Sessions open on an executor's host now",
-            m.host_sessions.clone(),
+            m.hosts.sessions.clone(),
         );
         registry.register(
             "tandem_host_capacity",
             "Most sessions an executor's host takes",
-            m.host_capacity.clone(),
+            m.hosts.capacity.clone(),
         );
         registry.register(
             "tandem_daemon_tasks",
@@ -154,11 +158,13 @@ impl Metrics {
         for (executor, host) in hosts {
             let labels = vec![("executor", executor.clone()), ("host", host.name.clone())];
             let n = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
-            self.host_up.get_or_create(&labels).set(i64::from(host.up));
-            self.host_sessions
+            self.hosts.up.get_or_create(&labels).set(i64::from(host.up));
+            self.hosts
+                .sessions
                 .get_or_create(&labels)
                 .set(n(host.sessions));
-            self.host_capacity
+            self.hosts
+                .capacity
                 .get_or_create(&labels)
                 .set(n(host.capacity));
         }

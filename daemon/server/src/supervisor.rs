@@ -3,10 +3,9 @@
 //! through the writer before it is sent; it is cancelled, resumed after a restart, and
 //! stopped cleanly on shutdown.
 
-use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tandem_executor::{CancellationToken, Executor, Registry};
 use tandem_protocol::team::TeamSpec;
@@ -18,11 +17,13 @@ use crate::admission::Admission;
 pub use crate::error::TaskError;
 use crate::error::{Conflict, Unavailable};
 use crate::files::Files;
+use crate::held::Held;
 use crate::metrics::Metrics;
 use crate::plan::{Planner, PlannerConfig, Start, TaskDefaults, waits_for_approval};
 use crate::policy::Policy;
+use crate::sink::{TaskSink, Then};
 use crate::store::{Claimed, Notice, StoreError, TaskRecord, TaskState, TaskStore};
-use crate::writer::{Leases, Outlet, Write, Writes, now_ms, write_events};
+use crate::writer::{Outlet, Write, Writes, now_ms, write_events};
 
 /// What the supervisor needs, resolved once by the binary.
 pub struct SupervisorConfig {
@@ -45,39 +46,53 @@ pub struct SupervisorConfig {
 
 /// Runs tasks; one per daemon.
 pub struct Supervisor {
-    store: Arc<dyn TaskStore>,
+    store: Stored,
     planner: Planner,
     admission: Admission,
-    store_calls: Arc<Semaphore>,
-    root: CancellationToken,
-    tracker: TaskTracker,
-    /// The tasks this daemon runs, and what cancels each.
-    held: Arc<Mutex<HashMap<String, Running>>>,
-    /// Their lease epochs, which their writes carry.
-    leases: Leases,
-    /// Tasks whose lease another daemon took: they run nothing more here.
-    lost: Arc<Mutex<HashSet<String>>>,
-    /// Rung when there may be a task to claim.
-    wake: Arc<tokio::sync::Notify>,
-    /// Whether the store is unreachable now (the writer is retrying).
-    store_down: Arc<AtomicBool>,
-    daemon: String,
-    lease: Duration,
-    /// The daemon's runtime: notices arrive on the store's threads, and are acted on here.
-    runtime: tokio::runtime::Handle,
-    live: broadcast::Sender<Arc<(String, Event)>>,
+    life: Life,
+    /// The tasks this daemon runs: what cancels each, its lease, whether it was lost.
+    held: Held,
+    leasing: Leasing,
+    /// Every write to the store, in order; stored events go out live from it.
     writer: Writes,
-    stopping: AtomicBool,
     files: Arc<Files>,
-    /// Rung when a task ends, so the retention looks at once (the space cap).
-    finished: tokio::sync::Notify,
-    /// Cancelled when shutdown begins: the retention stops, rather than hold up the grace
-    /// period that running tasks have.
-    closing: CancellationToken,
     /// Counters and histograms for `/metrics`.
     pub metrics: Metrics,
     /// Who waits for which approval, and deciding them.
     pub(crate) approvals: Arc<crate::approvals::Approvals>,
+}
+
+/// The store, and the calls the API may make of it at once.
+struct Stored {
+    tasks: Arc<dyn TaskStore>,
+    calls: Arc<Semaphore>,
+}
+
+/// Where the daemon is in its own life: running, closing, stopping.
+struct Life {
+    /// Cancels every task (the end of shutdown's grace).
+    root: CancellationToken,
+    /// The tasks and background work shutdown waits for.
+    tracker: TaskTracker,
+    /// Set when shutdown begins: no new work.
+    stopping: AtomicBool,
+    /// Cancelled when shutdown begins: claims and the retention stop, rather than hold up
+    /// the grace period that running tasks have.
+    closing: CancellationToken,
+    /// Rung when a task ends, so the retention looks at once (the space cap).
+    finished: tokio::sync::Notify,
+}
+
+/// How this daemon takes part in the store's queue.
+struct Leasing {
+    /// Its name in the store: the owner of its leases.
+    daemon: String,
+    /// How long a lease lasts unless renewed.
+    lease: Duration,
+    /// Rung when there may be a task to claim.
+    wake: Arc<tokio::sync::Notify>,
+    /// The daemon's runtime: notices arrive on the store's threads, and are acted on here.
+    runtime: tokio::runtime::Handle,
 }
 
 impl Supervisor {
@@ -91,21 +106,25 @@ impl Supervisor {
             std::mem::take(executors).with_budget(tandem_executor::Budget::new(&config.sessions));
         let (live, _) = broadcast::channel(4096);
         let (queue, writes) = std::sync::mpsc::channel();
-        let leases = Leases::default();
+        let held = Held::default();
         let store_down: Arc<AtomicBool> = Arc::default();
         let backlog: Arc<crate::writer::Backlog> = Arc::default();
-        let writer = Writes::new(queue, leases.clone(), backlog.clone(), store_down.clone());
-        let held: Arc<Mutex<HashMap<String, Running>>> = Arc::default();
-        let lost: Arc<Mutex<HashSet<String>>> = Arc::default();
+        let writer = Writes::new(
+            queue,
+            held.clone(),
+            backlog.clone(),
+            store_down.clone(),
+            live.clone(),
+        );
         let outlet = Outlet {
             live: live.clone(),
             fenced: Box::new({
-                let (held, leases, lost) = (held.clone(), leases.clone(), lost.clone());
+                let held = held.clone();
                 move |ids: &[(String, u64)]| {
-                    lose(&held, &leases, &lost, ids);
+                    held.lose(ids);
                 }
             }),
-            down: store_down.clone(),
+            down: store_down,
             backlog,
         };
         let writer_store = store.clone();
@@ -118,29 +137,31 @@ impl Supervisor {
             approvals: Arc::new(crate::approvals::Approvals::new(
                 store.clone(),
                 writer.clone(),
-                live.clone(),
+                live,
                 admission.slots(),
             )),
-            store,
+            store: Stored {
+                tasks: store,
+                calls: Arc::new(Semaphore::new(STORE_CALLS)),
+            },
             writer,
             admission,
-            store_calls: Arc::new(Semaphore::new(STORE_CALLS)),
             planner,
-            root: CancellationToken::new(),
-            tracker: TaskTracker::new(),
+            life: Life {
+                root: CancellationToken::new(),
+                tracker: TaskTracker::new(),
+                stopping: AtomicBool::new(false),
+                closing: CancellationToken::new(),
+                finished: tokio::sync::Notify::new(),
+            },
             held,
-            leases,
-            lost,
-            wake: Arc::new(tokio::sync::Notify::new()),
-            store_down,
-            daemon: config.daemon,
-            lease: config.lease,
-            runtime: tokio::runtime::Handle::current(),
-            live,
-            stopping: AtomicBool::new(false),
+            leasing: Leasing {
+                daemon: config.daemon,
+                lease: config.lease,
+                wake: Arc::new(tokio::sync::Notify::new()),
+                runtime: tokio::runtime::Handle::current(),
+            },
             files: config.files,
-            finished: tokio::sync::Notify::new(),
-            closing: CancellationToken::new(),
             metrics: Metrics::default(),
         })
     }
@@ -152,7 +173,7 @@ impl Supervisor {
         self: &Arc<Self>,
         f: impl FnOnce(&Arc<Supervisor>) -> T + Send + 'static,
     ) -> Result<T, tokio::task::JoinError> {
-        let permit = self.store_calls.clone().acquire_owned().await;
+        let permit = self.store.calls.clone().acquire_owned().await;
         let this = self.clone();
         tokio::task::spawn_blocking(move || {
             let _permit = permit;
@@ -163,7 +184,7 @@ impl Supervisor {
 
     /// The store, for reads.
     pub fn store(&self) -> &dyn TaskStore {
-        self.store.as_ref()
+        self.store.tasks.as_ref()
     }
 
     /// Tasks' files.
@@ -188,17 +209,17 @@ impl Supervisor {
 
     /// Live events of every task, after they are stored.
     pub fn subscribe(&self) -> broadcast::Receiver<Arc<(String, Event)>> {
-        self.live.subscribe()
+        self.writer.live().subscribe()
     }
 
     /// This daemon's name on the store, and how many tasks it runs now.
     pub fn running_here(&self) -> (&str, usize) {
-        (&self.daemon, self.held.lock().map_or(0, |h| h.len()))
+        (&self.leasing.daemon, self.held.len())
     }
 
     /// Whether the daemon is stopping.
     pub fn stopping(&self) -> bool {
-        self.stopping.load(Ordering::SeqCst)
+        self.life.stopping.load(Ordering::SeqCst)
     }
 
     /// At start-up: tasks the last daemon left running become interrupted (resumable; in a
@@ -206,21 +227,33 @@ impl Supervisor {
     /// for an approval goes back to waiting for it (it costs nothing while it waits). Then
     /// the daemon starts claiming queued tasks, renewing its leases, and hearing what other
     /// daemons on the store do. Returns how many tasks were interrupted and stay so.
-    pub fn recover(self: &Arc<Self>) -> Result<usize, TaskError> {
-        self.store.interrupt_running(&self.daemon)?;
-        let mut interrupted = 0;
-        for task in self.store.list(Some(TaskState::Interrupted))? {
-            if !waits_for_approval(&self.store.events_after(&task.id, 0)?) {
-                interrupted += 1;
-            } else if let Err(e) = self.resume(&task.id) {
+    pub async fn recover(self: &Arc<Self>) -> Result<usize, TaskError> {
+        let (mut interrupted, waiting) = self
+            .off_thread(|sup| -> Result<(usize, Vec<String>), StoreError> {
+                let store = sup.store.tasks.as_ref();
+                store.interrupt_running(&sup.leasing.daemon)?;
+                let (mut interrupted, mut waiting) = (0, Vec::new());
+                for task in store.list(Some(TaskState::Interrupted))? {
+                    if waits_for_approval(&store.events_after(&task.id, 0)?) {
+                        waiting.push(task.id);
+                    } else {
+                        interrupted += 1;
+                    }
+                }
+                Ok((interrupted, waiting))
+            })
+            .await
+            .map_err(|_| TaskError::from(Unavailable::Writer))??;
+        for id in waiting {
+            if let Err(e) = self.resume(&id).await {
                 // It stays interrupted, for `tandem resume` to try again.
-                tracing::warn!(task = %task.id, error = %e, "a task waiting for approval could not wait again");
+                tracing::warn!(task = %id, error = %e, "a task waiting for approval could not wait again");
                 interrupted += 1;
             }
         }
         let this = Arc::downgrade(self);
-        self.store.notices(
-            &self.daemon,
+        self.store.tasks.notices(
+            &self.leasing.daemon,
             Box::new(move |notice| {
                 if let Some(sup) = this.upgrade() {
                     sup.heard(notice);
@@ -241,26 +274,22 @@ impl Supervisor {
     async fn claim_loop(self: Arc<Self>) {
         let mut backoff = Duration::from_millis(100);
         loop {
-            let Some(permit) = self.admission.task_slot(&self.closing).await else {
+            let Some(permit) = self.admission.task_slot(&self.life.closing).await else {
                 return;
             };
-            let (daemon, lease) = (self.daemon.clone(), self.lease);
-            let running: Vec<String> = self
-                .held
-                .lock()
-                .map(|h| h.keys().cloned().collect())
-                .unwrap_or_default();
+            let (daemon, lease) = (self.leasing.daemon.clone(), self.leasing.lease);
+            let running = self.held.ids();
             // Not through `off_thread`: claims and renewals must not queue behind the API's
             // reads, or a busy daemon's leases would lapse.
-            let store = self.store.clone();
+            let store = self.store.tasks.clone();
             let claimed = tokio::task::spawn_blocking(move || {
                 store.claim(&daemon, lease.as_millis() as u64, now_ms(), &running)
             })
             .await;
             let pause = match claimed {
-                Ok(Ok(Some(task))) if self.closing.is_cancelled() => {
+                Ok(Ok(Some(task))) if self.life.closing.is_cancelled() => {
                     // Claimed as shutdown began: back to the queue, for any daemon.
-                    let (store, id) = (self.store.clone(), task.record.id.clone());
+                    let (store, id) = (self.store.tasks.clone(), task.record.id.clone());
                     let _ = tokio::task::spawn_blocking(move || {
                         store.transition(&id, TaskState::Running, TaskState::Queued, now_ms())
                     })
@@ -282,8 +311,8 @@ impl Supervisor {
             };
             drop(permit);
             tokio::select! {
-                () = self.closing.cancelled() => return,
-                () = self.wake.notified() => {}
+                () = self.life.closing.cancelled() => return,
+                () = self.leasing.wake.notified() => {}
                 () = tokio::time::sleep(pause) => {}
             }
         }
@@ -294,19 +323,19 @@ impl Supervisor {
     async fn renew_loop(self: Arc<Self>) {
         loop {
             tokio::select! {
-                () = self.root.cancelled() => return,
-                () = tokio::time::sleep(self.lease / 3) => {}
+                () = self.life.root.cancelled() => return,
+                () = tokio::time::sleep(self.leasing.lease / 3) => {}
             }
-            let held: Vec<(String, u64)> = self
-                .leases
-                .lock()
-                .map(|l| l.iter().map(|(id, e)| (id.clone(), *e)).collect())
-                .unwrap_or_default();
+            let held = self.held.leases();
             if held.is_empty() {
                 continue;
             }
-            let (daemon, lease, asked) = (self.daemon.clone(), self.lease, held.clone());
-            let store = self.store.clone();
+            let (daemon, lease, asked) = (
+                self.leasing.daemon.clone(),
+                self.leasing.lease,
+                held.clone(),
+            );
+            let store = self.store.tasks.clone();
             let renewed = tokio::task::spawn_blocking(move || {
                 store.renew(&daemon, &held, lease.as_millis() as u64, now_ms())
             })
@@ -318,11 +347,11 @@ impl Supervisor {
                         .filter(|(id, _)| renewed.lost.contains(id))
                         .collect();
                     // A task that ended meanwhile is no longer leased: `lose` passes it by.
-                    if lose(&self.held, &self.leases, &self.lost, &lost) {
+                    if self.held.lose(&lost) {
                         tracing::warn!(tasks = ?lost, "leases lost to another daemon; those tasks stop here");
                     }
                     for id in renewed.cancel {
-                        self.cancel_here(&id);
+                        self.held.cancel(&id);
                     }
                 }
                 Ok(Err(e)) => {
@@ -336,22 +365,23 @@ impl Supervisor {
     /// Acts on what another daemon did.
     fn heard(self: &Arc<Self>, notice: Notice) {
         match notice {
-            Notice::Queued | Notice::Reconnected => self.wake.notify_one(),
+            Notice::Queued | Notice::Reconnected => self.leasing.wake.notify_one(),
             Notice::Cancel(id) => {
-                self.cancel_here(&id);
+                self.held.cancel(&id);
             }
             Notice::Events(id, first) => {
-                let mine = self.held.lock().is_ok_and(|h| h.contains_key(&id));
+                let mine = self.held.holds(&id);
                 // Read only when someone here follows it, or it is this daemon's (an
                 // approval decided on another daemon).
-                if !mine && self.live.receiver_count() == 0 {
+                if !mine && self.writer.live().receiver_count() == 0 {
                     return;
                 }
                 let this = self.clone();
-                self.runtime.spawn(async move {
+                self.leasing.runtime.spawn(async move {
                     let read = this
                         .off_thread(move |sup| {
                             sup.store
+                                .tasks
                                 .events_after(&id, first.saturating_sub(1))
                                 .map(|e| (id, e))
                         })
@@ -361,27 +391,11 @@ impl Supervisor {
                             if mine {
                                 this.approvals.heard(&id, &e);
                             }
-                            let _ = this.live.send(Arc::new((id.clone(), e)));
+                            let _ = this.writer.live().send(Arc::new((id.clone(), e)));
                         }
                     }
                 });
             }
-        }
-    }
-
-    /// Cancels task `id` if it runs here; whether it did.
-    fn cancel_here(&self, id: &str) -> bool {
-        match self
-            .held
-            .lock()
-            .ok()
-            .and_then(|h| h.get(id).map(|r| r.token.clone()))
-        {
-            Some(token) => {
-                token.cancel();
-                true
-            }
-            None => false,
         }
     }
 
@@ -416,7 +430,7 @@ impl Supervisor {
         if self.stopping() {
             return Err(TaskError::ShuttingDown);
         }
-        if self.store_down.load(Ordering::SeqCst) {
+        if self.writer.store_down() {
             return Err(Unavailable::Store.into());
         }
         self.admission.admit(&self.planner, &spec).await?;
@@ -439,7 +453,7 @@ impl Supervisor {
         self.writer.send(create)?;
         // Queued once committed, even if this request is dropped or gives up waiting: a
         // stored task that never runs would be worse than a late one.
-        let wake = self.wake.clone();
+        let wake = self.leasing.wake.clone();
         let queued = tokio::spawn(async move {
             match committed.await {
                 Ok(result) => {
@@ -466,11 +480,8 @@ impl Supervisor {
 
     /// Cancels a queued, running or interrupted task, wherever it runs: one running on
     /// another daemon is told through the store.
-    pub fn cancel(&self, id: &str) -> Result<TaskRecord, TaskError> {
-        let record = self
-            .store
-            .get(id)?
-            .ok_or_else(|| TaskError::NotFound(id.to_owned()))?;
+    pub async fn cancel(self: &Arc<Self>, id: &str) -> Result<TaskRecord, TaskError> {
+        let record = self.stored(id).await?;
         match record.state {
             TaskState::Finished => Err(Conflict::Finished {
                 id: id.to_owned(),
@@ -479,11 +490,18 @@ impl Supervisor {
             .into()),
             // Only if no resume or claim took it first; then it runs, and is cancelled below.
             from @ (TaskState::Interrupted | TaskState::Queued)
-                if self.transition(id, from, TaskState::Finished)? =>
+                if self.transition(id, from, TaskState::Finished).await? =>
             {
                 self.record(id, finished(StopReason::Cancelled, record.turns, None));
-                self.flush();
-                Ok(self.store.get(id)?.unwrap_or(record))
+                let id = id.to_owned();
+                let after = self
+                    .off_thread(move |sup| {
+                        sup.flush();
+                        sup.store.tasks.get(&id)
+                    })
+                    .await
+                    .map_err(|_| TaskError::from(Unavailable::Writer))??;
+                Ok(after.unwrap_or(record))
             }
             TaskState::Interrupted
             | TaskState::Queued
@@ -491,22 +509,22 @@ impl Supervisor {
             | TaskState::AwaitingApproval => {
                 // Stored first, so that it holds wherever the task runs, or resumes after
                 // its daemon died.
-                self.store.request_cancel(id)?;
-                self.cancel_here(id);
+                let asked = id.to_owned();
+                self.off_thread(move |sup| sup.store.tasks.request_cancel(&asked))
+                    .await
+                    .map_err(|_| TaskError::from(Unavailable::Writer))??;
+                self.held.cancel(id);
                 Ok(record)
             }
         }
     }
 
     /// Continues an interrupted task from its stored transcript.
-    pub fn resume(self: &Arc<Self>, id: &str) -> Result<TaskRecord, TaskError> {
+    pub async fn resume(self: &Arc<Self>, id: &str) -> Result<TaskRecord, TaskError> {
         if self.stopping() {
             return Err(TaskError::ShuttingDown);
         }
-        let record = self
-            .store
-            .get(id)?
-            .ok_or_else(|| TaskError::NotFound(id.to_owned()))?;
+        let record = self.stored(id).await?;
         let conflict = |state: TaskState| {
             TaskError::from(Conflict::NotInterrupted {
                 id: id.to_owned(),
@@ -518,14 +536,26 @@ impl Supervisor {
         }
         // Two resumes can both pass the check above; only the one whose change finds the
         // task still interrupted queues it.
-        if !self.transition(id, TaskState::Interrupted, TaskState::Queued)? {
+        if !self
+            .transition(id, TaskState::Interrupted, TaskState::Queued)
+            .await?
+        {
             return Err(conflict(TaskState::Queued));
         }
-        self.wake.notify_one();
+        self.leasing.wake.notify_one();
         Ok(TaskRecord {
             state: TaskState::Queued,
             ..record
         })
+    }
+
+    /// Task `id` as stored, read off the runtime's workers.
+    async fn stored(self: &Arc<Self>, id: &str) -> Result<TaskRecord, TaskError> {
+        let asked = id.to_owned();
+        self.off_thread(move |sup| sup.store.tasks.get(&asked))
+            .await
+            .map_err(|_| TaskError::from(Unavailable::Writer))??
+            .ok_or_else(|| TaskError::NotFound(id.to_owned()))
     }
 
     /// The workspace of task `id` and the files it was given; a task that resumes finds
@@ -548,12 +578,12 @@ impl Supervisor {
 
     /// Removes tasks' files as the retention says, now and then until shutdown.
     pub fn keep_files_tidy(self: &Arc<Self>) {
-        let (this, stop) = (self.clone(), self.closing.clone());
-        self.tracker.spawn(async move {
+        let (this, stop) = (self.clone(), self.life.closing.clone());
+        self.life.tracker.spawn(async move {
             let every = this.files.sweep_every();
             loop {
                 let swept = this
-                    .off_thread(|sup| sup.files.sweep(sup.store.as_ref()))
+                    .off_thread(|sup| sup.files.sweep(sup.store.tasks.as_ref()))
                     .await;
                 if let Ok(removed) = swept
                     && !removed.is_empty()
@@ -563,7 +593,7 @@ impl Supervisor {
                 tokio::select! {
                     () = stop.cancelled() => return,
                     () = tokio::time::sleep(every) => {}
-                    () = this.finished.notified() => {}
+                    () = this.life.finished.notified() => {}
                 }
             }
         });
@@ -578,26 +608,26 @@ impl Supervisor {
     /// marked interrupted (queued ones stay queued for the next start); every sandbox is
     /// closed before this returns.
     pub async fn shutdown(self: &Arc<Self>, grace: Duration) {
-        self.stopping.store(true, Ordering::SeqCst);
-        self.closing.cancel();
-        self.tracker.close();
+        self.life.stopping.store(true, Ordering::SeqCst);
+        self.life.closing.cancel();
+        self.life.tracker.close();
         // A task waiting for a person would only hold the grace period up: it is interrupted
         // now, and the next start has it wait again where it was.
         for id in self.approvals.waiting() {
-            self.cancel_here(&id);
+            self.held.cancel(&id);
         }
-        let running = self.held.lock().map_or(0, |a| a.len());
+        let running = self.held.len();
         if running > 0 {
             tracing::info!(tasks = running, ?grace, "waiting for running tasks");
         }
-        if tokio::time::timeout(grace, self.tracker.wait())
+        if tokio::time::timeout(grace, self.life.tracker.wait())
             .await
             .is_err()
         {
             tracing::info!("grace period over; interrupting the remaining tasks");
-            self.root.cancel();
+            self.life.root.cancel();
             // Cancellation reaches sandboxes at once; closing them is bounded by the executors.
-            if tokio::time::timeout(Duration::from_secs(30), self.tracker.wait())
+            if tokio::time::timeout(Duration::from_secs(30), self.life.tracker.wait())
                 .await
                 .is_err()
             {
@@ -605,7 +635,7 @@ impl Supervisor {
             }
         }
         let _ = self.off_thread(|sup| sup.flush()).await;
-        self.root.cancel();
+        self.life.root.cancel();
     }
 
     /// Runs a claimed task in its slot; its writes carry its lease's epoch until it ends.
@@ -617,37 +647,18 @@ impl Supervisor {
             cancel,
         } = task;
         let id = record.id.clone();
-        let token = self.root.child_token();
-        let in_block = Arc::new(AtomicBool::new(false));
-        if let Ok(mut held) = self.held.lock() {
-            let running = Running {
-                token: token.clone(),
-                in_block: in_block.clone(),
-            };
-            held.insert(id.clone(), running);
-        }
-        if let Ok(mut leases) = self.leases.lock() {
-            leases.insert(id.clone(), epoch);
-        }
-        if let Ok(mut lost) = self.lost.lock() {
-            lost.remove(&id);
-        }
+        let token = self.life.root.child_token();
+        self.held.take(&id, epoch, token.clone());
         let this = self.clone();
-        self.tracker.spawn(async move {
+        self.life.tracker.spawn(async move {
             if cancel {
                 // Cancelled while no daemon ran it (queued, or its daemon died).
                 this.record(&id, finished(StopReason::Cancelled, record.turns, None));
             } else {
-                this.run_one(&id, record.spec, events, token, permit, in_block)
-                    .await;
+                this.run_one(&id, record.spec, events, token, permit).await;
             }
-            if let Ok(mut held) = this.held.lock() {
-                held.remove(&id);
-            }
-            if let Ok(mut leases) = this.leases.lock() {
-                leases.remove(&id);
-            }
-            this.finished.notify_one();
+            this.held.release(&id);
+            this.life.finished.notify_one();
             this.approvals.forget(&id);
         });
     }
@@ -670,7 +681,7 @@ impl Supervisor {
                 let stored = tokio::task::spawn_blocking(move || writer.barrier_for(GUARD_WAIT))
                     .await
                     .unwrap_or(false);
-                stored && !sup.lost.lock().is_ok_and(|l| l.contains(&id))
+                stored && !sup.held.is_lost(&id)
             })
         })
     }
@@ -682,7 +693,6 @@ impl Supervisor {
         events: Vec<Event>,
         token: CancellationToken,
         permit: tokio::sync::OwnedSemaphorePermit,
-        in_block: Arc<AtomicBool>,
     ) {
         // Shared with the approver, which gives it up while a block waits for a person. This
         // handle keeps the slot for the whole run when there is no approver: dropping the
@@ -726,54 +736,13 @@ impl Supervisor {
         });
         let this = self.clone();
         let task_id = id.to_owned();
-        let executor_name = planned.executor().to_owned();
-        let turn_started = Mutex::new(None::<Instant>);
-        let (lost, stop) = (self.lost.clone(), token.clone());
-        let sink = Arc::new(move |mut msg: EventMsg| {
-            if let EventMsg::Artifact { file, href, .. } = &mut msg {
-                *href = Some(file_href(&task_id, file));
+        let rules = TaskSink::new(id, planned.executor(), self.held.clone());
+        let sink = Arc::new(move |msg: EventMsg| {
+            match rules.take(msg, &this.metrics, this.stopping()) {
+                Then::Record(msg) => this.record(&task_id, msg),
+                // In order with the task's events, like every other write.
+                Then::Interrupt => this.writer.set_state(&task_id, TaskState::Interrupted),
             }
-            // A task lost to another daemon while a block ran lets the block end (the new
-            // holder does not run it again), then stops.
-            match &msg {
-                EventMsg::CodeBlock { .. } => in_block.store(true, Ordering::SeqCst),
-                EventMsg::ExecResult { .. } => {
-                    in_block.store(false, Ordering::SeqCst);
-                    if lost.lock().is_ok_and(|l| l.contains(&task_id)) {
-                        stop.cancel();
-                    }
-                }
-                _ => {}
-            }
-            match &msg {
-                EventMsg::TurnStarted { .. } => {
-                    if let Ok(mut t) = turn_started.lock() {
-                        *t = Some(Instant::now());
-                    }
-                }
-                EventMsg::AssistantMessage { usage, .. } => {
-                    if let Some(started) = turn_started.lock().ok().and_then(|mut t| t.take()) {
-                        this.metrics.model_latency(started.elapsed());
-                    }
-                    if let Some(u) = usage {
-                        this.metrics.tokens(*u);
-                    }
-                }
-                EventMsg::ExecResult { result, .. } => {
-                    this.metrics.execution(&executor_name, result);
-                }
-                // A shutdown interrupts the task rather than ending it: it can resume.
-                EventMsg::TaskFinished {
-                    stop_reason: StopReason::Cancelled,
-                    ..
-                } if this.stopping() => {
-                    // In order with the task's events, like every other write.
-                    this.writer.set_state(&task_id, TaskState::Interrupted);
-                    return;
-                }
-                _ => {}
-            }
-            this.record(&task_id, msg);
         });
         planned
             .run(approver, Some(self.guard(id)), sink, token)
@@ -788,13 +757,18 @@ impl Supervisor {
 
     /// Moves task `id` from `from` to `to` through the writer, after everything queued before,
     /// only if it is still in `from`; whether it moved.
-    fn transition(&self, id: &str, from: TaskState, to: TaskState) -> Result<bool, TaskError> {
+    async fn transition(
+        &self,
+        id: &str,
+        from: TaskState,
+        to: TaskState,
+    ) -> Result<bool, TaskError> {
         // Queued behind a writer that retries, it would be made after its caller was told it
         // failed.
-        if self.store_down.load(Ordering::SeqCst) {
+        if self.writer.store_down() {
             return Err(Unavailable::Store.into());
         }
-        let (moved, answer) = std::sync::mpsc::channel();
+        let (moved, answer) = tokio::sync::oneshot::channel();
         let write = Write::Transition {
             id: id.to_owned(),
             from,
@@ -804,9 +778,10 @@ impl Supervisor {
         };
         let gone = || TaskError::from(Unavailable::Writer);
         self.writer.send(write).map_err(|_| gone())?;
-        Ok(answer
-            .recv_timeout(Duration::from_secs(10))
-            .map_err(|_| gone())??)
+        match tokio::time::timeout(TRANSITION_WAIT, answer).await {
+            Ok(Ok(moved)) => Ok(moved?),
+            _ => Err(gone()),
+        }
     }
 
     /// Waits until every event queued so far is committed.
@@ -825,44 +800,8 @@ const GUARD_WAIT: Duration = Duration::from_secs(600);
 /// How often a daemon with free slots looks for work no one told it of (a lapsed lease).
 const CLAIM_POLL: Duration = Duration::from_secs(1);
 
-/// A task running here.
-struct Running {
-    /// Cancels it.
-    token: CancellationToken,
-    /// Whether one of its blocks runs now.
-    in_block: Arc<AtomicBool>,
-}
-
-/// Marks the tasks of `ids` (each with the epoch its daemon lost) as taken by another daemon
-/// and stops them here: at once, or when the block running now ends (the daemon that took
-/// the task does not run it again, so it must not be cut short). Either way no further block
-/// starts: the guard sees them lost. A task this daemon has claimed again since, under a
-/// newer epoch, is left alone. Whether any was running here.
-fn lose(
-    held: &Mutex<HashMap<String, Running>>,
-    leases: &Leases,
-    lost: &Mutex<HashSet<String>>,
-    ids: &[(String, u64)],
-) -> bool {
-    let (Ok(held), Ok(leases), Ok(mut lost)) = (held.lock(), leases.lock(), lost.lock()) else {
-        return false;
-    };
-    let mut any = false;
-    for (id, epoch) in ids {
-        if leases.get(id) != Some(epoch) {
-            continue;
-        }
-        let Some(r) = held.get(id) else {
-            continue;
-        };
-        any = true;
-        lost.insert(id.clone());
-        if !r.in_block.load(Ordering::SeqCst) {
-            r.token.cancel();
-        }
-    }
-    any
-}
+/// Longest a cancel or resume waits for the writer to say whether the task moved.
+const TRANSITION_WAIT: Duration = Duration::from_secs(10);
 
 /// Longest a submit waits for its task to be committed.
 const CREATE_TIMEOUT: Duration = Duration::from_secs(30);

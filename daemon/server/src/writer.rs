@@ -12,6 +12,7 @@ use tokio::sync::broadcast;
 
 use tandem_protocol::EventMsg as Msg;
 
+use crate::held::Held as Running;
 #[cfg(test)]
 use crate::store::Store;
 use crate::store::{Applied, Change, Fences, StoreError, TaskState, TaskStore};
@@ -32,7 +33,7 @@ pub(crate) enum Write {
         from: TaskState,
         to: TaskState,
         at: u64,
-        moved: std::sync::mpsc::Sender<Result<bool, StoreError>>,
+        moved: tokio::sync::oneshot::Sender<Result<bool, StoreError>>,
     },
     Flush(std::sync::mpsc::Sender<()>),
     /// Acknowledged once what was queued before it is committed, by the next commit that
@@ -889,7 +890,7 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         let (live, _seen) = broadcast::channel(16);
         let transition = |from, to| {
-            let (moved, answer) = std::sync::mpsc::channel();
+            let (moved, answer) = tokio::sync::oneshot::channel();
             tx.send(Write::Transition {
                 id: "a".into(),
                 from,
@@ -907,9 +908,9 @@ mod tests {
         let second = transition(TaskState::Interrupted, TaskState::Queued);
         drop(tx);
         write_events(&store, &rx, &outlet(live));
-        assert!(first.recv().unwrap().unwrap());
+        assert!(first.blocking_recv().unwrap().unwrap());
         assert!(
-            !second.recv().unwrap().unwrap(),
+            !second.blocking_recv().unwrap().unwrap(),
             "two resumes both moved it"
         );
         assert_eq!(store.get("a").unwrap().unwrap().state, TaskState::Queued);
@@ -928,30 +929,42 @@ pub fn now_ms() -> u64 {
 #[derive(Clone)]
 pub(crate) struct Writes {
     queue: std::sync::mpsc::Sender<Write>,
-    leases: Leases,
+    /// The tasks running here: their writes carry their lease's epoch.
+    held: Running,
     backlog: Arc<Backlog>,
     /// Whether the database is away (then nothing waits on the backlog).
     down: Arc<std::sync::atomic::AtomicBool>,
+    /// Where stored events go out to live subscribers (the writer sends them once stored).
+    live: broadcast::Sender<Arc<(String, Event)>>,
 }
 
-/// The lease epoch of each task this daemon runs: its writes carry it.
-pub(crate) type Leases = Arc<std::sync::Mutex<std::collections::HashMap<String, u64>>>;
-
 impl Writes {
-    /// A handle on the writer that reads `queue` (and drains `backlog` as it commits); a
-    /// task's writes carry its epoch in `leases`.
+    /// A handle on the writer that reads `queue` (and drains `backlog` as it commits, and
+    /// sends what it stored on `live`); a task's writes carry its epoch in `held`.
     pub(crate) fn new(
         queue: std::sync::mpsc::Sender<Write>,
-        leases: Leases,
+        held: Running,
         backlog: Arc<Backlog>,
         down: Arc<std::sync::atomic::AtomicBool>,
+        live: broadcast::Sender<Arc<(String, Event)>>,
     ) -> Self {
         Self {
             queue,
-            leases,
+            held,
             backlog,
             down,
+            live,
         }
+    }
+
+    /// Whether the database cannot be reached now (the writer is retrying).
+    pub(crate) fn store_down(&self) -> bool {
+        self.down.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Where stored events go out; also what a read of another daemon's events sends on.
+    pub(crate) fn live(&self) -> &broadcast::Sender<Arc<(String, Event)>> {
+        &self.live
     }
 
     /// Queues `write`; `Err` when the writer has stopped.
@@ -962,7 +975,7 @@ impl Writes {
     }
 
     fn fence(&self, id: &str) -> Option<u64> {
-        self.leases.lock().ok().and_then(|l| l.get(id).copied())
+        self.held.epoch(id)
     }
 
     /// Queues event `msg` of task `id`, stamped now. While the writer is more than

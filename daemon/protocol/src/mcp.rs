@@ -1,0 +1,94 @@
+//! What Tandem's MCP tools return as structured content (`structuredContent`), typed once for
+//! the server that fills it and any client that reads it.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{ErrorInfo, StopReason};
+
+/// `execute_code`'s result when the block ran.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ExecuteCodeResult {
+    /// The exit code, when the block exited.
+    pub exit_code: Option<i32>,
+    /// How it ended: `exited`, `timed out`, `out of memory`, `cancelled`, `killed by signal N`.
+    pub status: String,
+    /// What it printed (capped, lossily decoded).
+    pub stdout: String,
+    /// What it printed on stderr (capped, lossily decoded).
+    pub stderr: String,
+    /// Whether stdout was cut to the cap.
+    pub stdout_truncated: bool,
+    /// Whether stderr was cut to the cap.
+    pub stderr_truncated: bool,
+    /// Wall time, in milliseconds.
+    pub duration_ms: f64,
+    /// The session it ran in, when the call named one.
+    pub session_id: Option<String>,
+}
+
+/// `execute_code`'s result when the block was not run (a person or a rule declined it).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Declined {
+    /// Always `declined`.
+    pub status: String,
+    /// Why, for the client's model.
+    pub reason: String,
+}
+
+/// `run_task`'s result.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunTaskResult {
+    /// The task's id on the daemon.
+    pub task_id: String,
+    /// Why it ended.
+    pub stop_reason: StopReason,
+    /// Assistant turns taken.
+    pub turns: u32,
+    /// The final answer, when there is one.
+    pub answer: Option<String>,
+    /// What failed, when it ended in an error.
+    pub error: Option<ErrorInfo>,
+    /// The transcript's resource URI.
+    pub transcript: String,
+    /// Every picture its blocks drew, in order.
+    pub pictures: Vec<PictureRef>,
+    /// The files it made (or changed), as resources.
+    pub files: Vec<FileRef>,
+    /// The tools it called, in order.
+    pub tool_calls: Vec<ToolCallRef>,
+}
+
+/// A picture a task drew.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PictureRef {
+    /// Its path in the workspace.
+    pub path: String,
+    /// Its media type.
+    pub mime: String,
+    /// Its size.
+    pub bytes: u64,
+    /// Its resource URI.
+    pub uri: String,
+}
+
+/// A file a task made.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FileRef {
+    /// Its path in the workspace.
+    pub path: String,
+    /// Its size.
+    pub bytes: u64,
+    /// Its resource URI.
+    pub uri: String,
+}
+
+/// A tool a task called.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ToolCallRef {
+    /// The tool.
+    pub name: String,
+    /// Whether it failed.
+    pub is_error: bool,
+    /// How long it took.
+    pub duration_ms: u64,
+}
