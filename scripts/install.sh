@@ -29,4 +29,13 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 cargo install --locked --path cli
-"${CARGO_HOME:-$HOME/.cargo}/bin/tandem" model pull "$@"
+bin="${CARGO_HOME:-$HOME/.cargo}/bin"
+# The binary keeps its code and nothing else: its line tables and symbols go to
+# .debug/tandem.debug beside it, which a backtrace finds by the link left in the binary, so
+# a panic still names functions, files and lines. Without objcopy (binutils) it stays whole.
+if command -v objcopy >/dev/null; then
+  mkdir -p "$bin/.debug"
+  objcopy --only-keep-debug "$bin/tandem" "$bin/.debug/tandem.debug"
+  objcopy --strip-all --add-gnu-debuglink="$bin/.debug/tandem.debug" "$bin/tandem"
+fi
+"$bin/tandem" model pull "$@"
