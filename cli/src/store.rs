@@ -99,7 +99,7 @@ pub fn has_password(url: &str) -> bool {
 
 /// Where the store's password may come from when its URL has none: `password_file` (the
 /// `[store]` key), else `PGPASSWORD`; and the libpq password file (`PGPASSFILE`, else
-/// `~/.pgpass`). Read here, at the binary's edge, once.
+/// `~/.pgpass`). Read at the binary's edge, once.
 pub fn secrets(
     password_file: Option<&std::path::Path>,
 ) -> Result<tandem_daemon::store::StoreSecrets> {
@@ -115,10 +115,8 @@ pub fn secrets(
                 .trim_end_matches(['\n', '\r'])
                 .to_owned(),
         ),
-        None => std::env::var("PGPASSWORD").ok().filter(|p| !p.is_empty()),
+        None => crate::config::pg_password_env(),
     };
-    let pgpass = std::env::var_os("PGPASSFILE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".pgpass")));
+    let pgpass = crate::config::pg_pass_file();
     Ok(tandem_daemon::store::StoreSecrets { password, pgpass })
 }

@@ -81,6 +81,20 @@ pub(crate) fn store_url_env() -> Option<String> {
     env("TANDEM_STORE_URL")
 }
 
+/// `PGPASSWORD`, libpq's password for the store when neither its URL nor `[store]
+/// password_file` gives one.
+pub(crate) fn pg_password_env() -> Option<String> {
+    env("PGPASSWORD")
+}
+
+/// libpq's password file: `PGPASSFILE`, else `~/.pgpass`.
+pub(crate) fn pg_pass_file() -> Option<PathBuf> {
+    std::env::var_os("PGPASSFILE")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".pgpass")))
+}
+
 /// A variable's value; unset and empty are the same.
 fn env(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())

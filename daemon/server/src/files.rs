@@ -512,3 +512,21 @@ pub fn media_type(path: &str) -> (&'static str, bool) {
         _ => ("application/octet-stream", false),
     }
 }
+
+/// Where the API serves file `path` of task `task`, its parts percent-encoded.
+pub fn file_href(task: &str, path: &str) -> String {
+    let mut href = format!("/v1/tasks/{task}/files/");
+    for (i, part) in path.split('/').enumerate() {
+        if i > 0 {
+            href.push('/');
+        }
+        for b in part.bytes() {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                href.push(b as char);
+            } else {
+                href.push_str(&format!("%{b:02X}"));
+            }
+        }
+    }
+    href
+}

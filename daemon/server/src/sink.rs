@@ -9,9 +9,9 @@ use std::time::Instant;
 
 use tandem_protocol::{EventMsg, StopReason};
 
+use crate::files::file_href;
 use crate::held::Held;
 use crate::metrics::Metrics;
-use crate::supervisor::file_href;
 
 /// What becomes of an event.
 #[derive(Debug, PartialEq)]

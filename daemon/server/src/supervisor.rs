@@ -17,6 +17,7 @@ use crate::admission::Admission;
 pub use crate::error::TaskError;
 use crate::error::{Conflict, Unavailable};
 use crate::files::Files;
+pub use crate::files::file_href;
 use crate::held::Held;
 use crate::metrics::Metrics;
 use crate::plan::{Planner, PlannerConfig, Start, TaskDefaults, waits_for_approval};
@@ -815,22 +816,4 @@ fn finished(stop_reason: StopReason, turns: u32, error: Option<ErrorInfo>) -> Ev
         error,
         summary: None,
     }
-}
-
-/// Where the API serves file `path` of task `task`, its parts percent-encoded.
-pub fn file_href(task: &str, path: &str) -> String {
-    let mut href = format!("/v1/tasks/{task}/files/");
-    for (i, part) in path.split('/').enumerate() {
-        if i > 0 {
-            href.push('/');
-        }
-        for b in part.bytes() {
-            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-                href.push(b as char);
-            } else {
-                href.push_str(&format!("%{b:02X}"));
-            }
-        }
-    }
-    href
 }
