@@ -66,9 +66,8 @@ const CHANNEL: &str = "tandem";
 /// database is an error the caller can act on (a 503, a retry), not a hang.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-fn columns() -> String {
-    rules::columns("prompt_tokens, completion_tokens")
-}
+static READS: std::sync::LazyLock<rules::Reads> =
+    std::sync::LazyLock::new(|| rules::Reads::new("prompt_tokens, completion_tokens", true));
 
 /// Tasks and events in PostgreSQL.
 pub struct PgStore {
@@ -470,9 +469,9 @@ impl PgStore {
         let id: String = row.get(0);
         let epoch: i64 = row.get(1);
         let cancel: bool = row.get(2);
-        let sql = format!("SELECT {} FROM tasks WHERE id = $1", columns());
+        let sql = &READS.get;
         let record = self
-            .records(&sql, &[&id])
+            .records(sql, &[&id])
             .await?
             .pop()
             .ok_or(StoreError::Writer("lost a claimed task"))?;
@@ -619,13 +618,13 @@ impl TaskStore for PgStore {
         })
     }
     fn get(&self, id: &str) -> Result<Option<TaskRecord>> {
-        let sql = format!("SELECT {} FROM tasks WHERE id = $1", columns());
-        self.block(async { Ok(self.records(&sql, &[&id]).await?.pop()) })
+        let sql = &READS.get;
+        self.block(async { Ok(self.records(sql, &[&id]).await?.pop()) })
     }
     fn list(&self, state: Option<TaskState>) -> Result<Vec<TaskRecord>> {
-        let sql = pg(&rules::list_sql(&columns()));
+        let sql = &READS.list;
         let state = state.map(TaskState::as_str);
-        self.block(self.records(&sql, &[&state]))
+        self.block(self.records(sql, &[&state]))
     }
     fn page(
         &self,
@@ -633,10 +632,9 @@ impl TaskStore for PgStore {
         before: Option<&str>,
         limit: usize,
     ) -> Result<(Vec<TaskRecord>, Option<String>)> {
-        let sql = pg(&rules::page_sql(&columns()));
+        let sql = &READS.page;
         let state = state.map(TaskState::as_str);
-        let tasks =
-            self.block(self.records(&sql, &[&state, &before, &rules::page_limit(limit)]))?;
+        let tasks = self.block(self.records(sql, &[&state, &before, &rules::page_limit(limit)]))?;
         Ok(rules::page_of(tasks, limit))
     }
     fn list_after(
@@ -646,9 +644,9 @@ impl TaskStore for PgStore {
         limit: usize,
     ) -> Result<Vec<TaskRecord>> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let sql = pg(&rules::after_sql(&columns()));
+        let sql = &READS.after;
         let state = state.map(TaskState::as_str);
-        self.block(self.records(&sql, &[&state, &after, &limit]))
+        self.block(self.records(sql, &[&state, &after, &limit]))
     }
     fn events_after(&self, id: &str, after: u64) -> Result<Vec<Event>> {
         self.block(self.events_after_async(id, after))

@@ -205,6 +205,33 @@ pub(crate) const EVENTS_AFTER: &str =
 /// How many tasks are in each state.
 pub(crate) const COUNTS: &str = "SELECT state, COUNT(*) FROM tasks GROUP BY state";
 
+/// The reads of task rows, their text built once per engine rather than at every call.
+pub(crate) struct Reads {
+    /// One task by id (`?1`).
+    pub get: String,
+    /// [`list_sql`].
+    pub list: String,
+    /// [`page_sql`].
+    pub page: String,
+    /// [`after_sql`].
+    pub after: String,
+}
+
+impl Reads {
+    /// The reads of an engine whose usage columns are spelled `usage`, in PostgreSQL's
+    /// spelling when `postgres`.
+    pub(crate) fn new(usage: &str, postgres: bool) -> Self {
+        let columns = columns(usage);
+        let spell = |sql: String| if postgres { pg(&sql) } else { sql };
+        Self {
+            get: spell(format!("SELECT {columns} FROM tasks WHERE id = ?1")),
+            list: spell(list_sql(&columns)),
+            page: spell(page_sql(&columns)),
+            after: spell(after_sql(&columns)),
+        }
+    }
+}
+
 /// `sql` with PostgreSQL's placeholders (`$N` for `?N`). The statements here hold no `?`
 /// but placeholders.
 pub(crate) fn pg(sql: &str) -> String {

@@ -448,7 +448,7 @@ impl Store {
     /// One task, if it exists.
     pub fn get(&self, id: &str) -> Result<Option<TaskRecord>> {
         let row = self.with(|c| {
-            c.prepare_cached(&format!("SELECT {} FROM tasks WHERE id = ?1", columns()))?
+            c.prepare_cached(&READS.get)?
                 .query_row([id], raw_row)
                 .optional()
         })?;
@@ -458,7 +458,7 @@ impl Store {
     /// Tasks, oldest first, optionally only those in `state`.
     pub fn list(&self, state: Option<TaskState>) -> Result<Vec<TaskRecord>> {
         let rows = self.with(|c| {
-            let mut stmt = c.prepare_cached(&rules::list_sql(&columns()))?;
+            let mut stmt = c.prepare_cached(&READS.list)?;
             let rows = stmt
                 .query_map([state.map(TaskState::as_str)], raw_row)?
                 .collect::<rusqlite::Result<Vec<_>>>()?;
@@ -476,7 +476,7 @@ impl Store {
         limit: usize,
     ) -> Result<(Vec<TaskRecord>, Option<String>)> {
         let rows = self.with(|c| {
-            let mut stmt = c.prepare_cached(&rules::page_sql(&columns()))?;
+            let mut stmt = c.prepare_cached(&READS.page)?;
             let rows = stmt
                 .query_map(
                     params![
@@ -506,7 +506,7 @@ impl Store {
     ) -> Result<Vec<TaskRecord>> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let rows = self.with(|c| {
-            let mut stmt = c.prepare_cached(&rules::after_sql(&columns()))?;
+            let mut stmt = c.prepare_cached(&READS.after)?;
             let rows = stmt
                 .query_map(params![state.map(TaskState::as_str), after, limit], raw_row)?
                 .collect::<rusqlite::Result<Vec<_>>>()?;
@@ -671,9 +671,8 @@ fn append_one(db: &mut Db, task_id: &str, msg: &EventMsg, now_ms: u64) -> rusqli
 const USAGE: &str =
     "json_extract(usage, '$.prompt_tokens'), json_extract(usage, '$.completion_tokens')";
 
-fn columns() -> String {
-    rules::columns(USAGE)
-}
+static READS: std::sync::LazyLock<rules::Reads> =
+    std::sync::LazyLock::new(|| rules::Reads::new(USAGE, false));
 
 fn raw_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<rules::Row> {
     Ok(rules::Row {
