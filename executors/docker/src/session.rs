@@ -12,10 +12,10 @@ use bollard::query_parameters::{
 use futures::StreamExt;
 use tandem_executor::scratch::TempTree;
 use tandem_executor::{
-    BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Limits, Session, SessionSpec,
-    scratch,
+    BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Session, SessionSpec, scratch,
 };
-use tandem_executor_runner::{Changes, Conn, Frame, FrameReader, Prepared, READY_LIMIT, Request};
+use tandem_executor_runner::session::{Offer, RunnerSession, Transport};
+use tandem_executor_runner::{Conn, Frame, FrameReader, READY_LIMIT, Request};
 use tokio::io::AsyncWriteExt;
 
 use crate::{
@@ -31,24 +31,34 @@ pub(crate) enum Place {
 }
 
 pub(crate) struct DockerSession {
-    executor: DockerExecutor,
-    id: String,
-    session_id: String,
-    /// The workspace on this machine: the bind-mounted directory, or the mirror of the
+    container: Container,
+    /// Its workspace on this machine is the bind-mounted directory, or the mirror of the
     /// session's volume.
-    workspace: PathBuf,
+    runner: RunnerSession,
+    session_id: String,
     /// The session's workspace volume, when its workspace is the container's own.
     volume: Option<String>,
-    /// The mirror missed a block's changes: the next copy takes the whole workspace.
-    resync: bool,
     owned_workspace: Option<TempTree>,
     /// A kept workspace's mode before the session opened it to the block's user.
     restore_mode: Option<u32>,
-    limits: Limits,
-    /// `None` after the runner died; the next block restarts the container.
-    conn: Option<Conn>,
-    blocks: u32,
     closed: bool,
+}
+
+/// A session's container, as its runner is reached and files cross into it.
+struct Container {
+    executor: DockerExecutor,
+    id: String,
+}
+
+/// What the executor's sandboxes run, and as whom.
+fn offer(executor: &DockerExecutor) -> Offer {
+    let config = &executor.inner().config;
+    Offer {
+        executor: "docker",
+        languages: config.languages.clone(),
+        env: config.env.clone(),
+        user: config.user.clone(),
+    }
 }
 
 impl DockerSession {
@@ -151,80 +161,20 @@ impl DockerSession {
             }
         };
         let mut session = Self {
-            executor,
-            id: created.id,
+            runner: RunnerSession::new(workspace, volume.is_some(), offer(&executor), spec.limits),
+            container: Container {
+                executor,
+                id: created.id,
+            },
             session_id,
-            workspace,
             volume,
-            resync: false,
             owned_workspace,
             restore_mode,
-            limits: spec.limits,
-            conn: None,
-            blocks: 0,
             closed: false,
         };
         // On failure the session is dropped, which removes the container.
-        session.conn = Some(start(&session.executor, &session.id).await?);
-        if session.volume.is_some()
-            && tandem_executor_runner::mirror::has_entries(&session.workspace)
-        {
-            session.upload(None).await?;
-        }
+        session.runner.start(&mut session.container).await?;
         Ok(session)
-    }
-
-    /// Copies the mirror (`None`), or these files of it, into the session's volume, owned by
-    /// the blocks' user, and has the runner take it as seen (those files are no block's
-    /// changes).
-    async fn upload(&mut self, files: Option<Vec<PathBuf>>) -> Result<(), ExecError> {
-        let inner = self.executor.inner();
-        let owner = tandem_executor_runner::mirror::block_owner(&inner.config.user);
-        let packed = tandem_executor_runner::mirror::pack(&self.workspace, files, owner).await?;
-        let body = tokio_util::io::ReaderStream::new(tokio::fs::File::from_std(packed));
-        inner
-            .docker
-            .upload_to_container(
-                &self.id,
-                Some(
-                    bollard::query_parameters::UploadToContainerOptionsBuilder::default()
-                        .path("/workspace")
-                        .build(),
-                ),
-                bollard::body_try_stream(body),
-            )
-            .await
-            .map_err(engine("copying files into the session's volume"))?;
-        self.request_done(&Request::Rescan).await
-    }
-
-    /// Sends `op` to the runner and waits for its `d`.
-    async fn request_done(&mut self, op: &Request<'_>) -> Result<(), ExecError> {
-        match self.conn.as_mut() {
-            Some(conn) => conn.request_done(op, READY_LIMIT).await,
-            None => Err(ExecError::Backend(
-                "the session container is not running".to_owned(),
-            )),
-        }
-    }
-
-    /// Brings the mirror up to date with what a block changed in the volume, through the
-    /// engine's archive calls.
-    async fn sync(&mut self, changes: Changes, inline: Vec<u8>) -> Result<(), ExecError> {
-        let mut fetch = Archives {
-            docker: self.executor.inner().docker.clone(),
-            id: self.id.clone(),
-        };
-        tandem_executor_runner::mirror::sync(
-            &self.workspace,
-            changes,
-            inline,
-            self.resync,
-            &mut fetch,
-        )
-        .await?;
-        self.resync = false;
-        Ok(())
     }
 
     /// Starts a container for the warm pool: a temporary workspace, no task yet.
@@ -234,11 +184,11 @@ impl DockerSession {
         session.closed = true;
         Ok(Warm {
             executor: executor.clone(),
-            id: std::mem::take(&mut session.id),
+            id: std::mem::take(&mut session.container.id),
             session_id: std::mem::take(&mut session.session_id),
             workspace: session.owned_workspace.take(),
             volume: session.volume.take(),
-            conn: session.conn.take(),
+            conn: session.runner.take_conn(),
         })
     }
 
@@ -256,22 +206,25 @@ impl DockerSession {
             .map(|(_, v)| v.as_str());
         let id = std::mem::take(&mut warm.id);
         let workspace = warm.workspace.take();
-        let session = Self {
-            workspace: workspace
+        let volume = warm.volume.take();
+        let runner = RunnerSession::new(
+            workspace
                 .as_ref()
                 .map(|w| w.path().to_owned())
                 .unwrap_or_default(),
-            executor,
-            id,
+            volume.is_some(),
+            offer(&executor),
+            spec.limits,
+        )
+        .with_conn(warm.conn.take());
+        let session = Self {
+            container: Container { executor, id },
+            runner,
             session_id: std::mem::take(&mut warm.session_id),
-            volume: warm.volume.take(),
-            resync: false,
+            volume,
             owned_workspace: workspace,
             // Pooled containers have temporary workspaces only.
             restore_mode: None,
-            limits: spec.limits,
-            conn: warm.conn.take(),
-            blocks: 0,
             closed: false,
         };
         if let Some(task) = task.filter(|t| !t.is_empty()) {
@@ -281,122 +234,18 @@ impl DockerSession {
                 &session.session_id[..12.min(session.session_id.len())]
             );
             session
+                .container
                 .executor
                 .inner()
                 .docker
                 .rename_container(
-                    &session.id,
+                    &session.container.id,
                     RenameContainerOptionsBuilder::default().name(&name).build(),
                 )
                 .await
                 .map_err(engine("naming the session container after its task"))?;
         }
         Ok(session)
-    }
-
-    /// Brings a container whose runner died back up (files in the workspace survive).
-    async fn restart(&mut self) -> Result<(), ExecError> {
-        let docker = &self.executor.inner().docker;
-        let kill = KillContainerOptionsBuilder::default()
-            .signal("KILL")
-            .build();
-        let _ = docker.kill_container(&self.id, Some(kill)).await;
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let state = match docker
-                .inspect_container(&self.id, None::<InspectContainerOptions>)
-                .await
-            {
-                Ok(found) => found.state,
-                Err(e) => {
-                    let e = engine("inspecting the session container")(e).into();
-                    return Err(lost_or(&self.executor, e).await);
-                }
-            };
-            if !state.and_then(|s| s.running).unwrap_or(false) {
-                break;
-            }
-            if Instant::now() > deadline {
-                return Err(ExecError::Backend(
-                    "the session container did not stop within 10 s".to_owned(),
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        self.conn = match start(&self.executor, &self.id).await {
-            Ok(conn) => Some(conn),
-            Err(e) => return Err(lost_or(&self.executor, e).await),
-        };
-        if self.volume.is_some() {
-            // The new runner has seen nothing: it takes the volume as it is, which the last
-            // copy out already holds.
-            self.request_done(&Request::Rescan).await?;
-        }
-        Ok(())
-    }
-
-    async fn run_block(
-        &mut self,
-        req: ExecRequest,
-        ctx: ExecContext,
-    ) -> Result<ExecOutcome, ExecError> {
-        let executor = self.executor.clone();
-        let inner = executor.inner();
-        if self.conn.is_none() {
-            self.restart().await?;
-        }
-        self.blocks += 1;
-        let sandbox = tandem_executor_runner::Sandbox {
-            executor: "docker",
-            languages: &inner.config.languages,
-            env: tandem_executor_runner::base_env(&inner.config.env).collect(),
-        };
-        let Some(conn) = self.conn.as_mut() else {
-            return Err(ExecError::Backend(
-                "the session container is not running".to_owned(),
-            ));
-        };
-        let limits = self.limits.clone();
-        let block =
-            match tandem_executor_runner::run(conn, &sandbox, &req, &ctx, &limits, self.blocks)
-                .await
-            {
-                Ok(Prepared::Ready(block)) => block,
-                Ok(Prepared::Refused(outcome)) => return Ok(outcome),
-                Err(e) => return Err(e),
-            };
-        if !block.answered {
-            // No report: the runner is gone or stuck. Kill the container; the next block
-            // starts it again.
-            tracing::warn!(container = %self.id, "the runner stopped answering; restarting the container for the next block");
-            self.conn = None;
-            let kill = KillContainerOptionsBuilder::default()
-                .signal("KILL")
-                .build();
-            let _ = inner.docker.kill_container(&self.id, Some(kill)).await;
-            if let Err(reason) = self.executor.answers().await {
-                return Err(ExecError::Lost {
-                    host: inner.config.label().to_owned(),
-                    reason,
-                });
-            }
-        }
-        if let Some(e) = &block.runner_error {
-            // What the block changed was not reported: the next copy takes it all.
-            self.resync = true;
-            return Err(ExecError::Backend(format!("Tandem's runner failed: {e}")));
-        }
-        let mut block = *block;
-        if self.volume.is_some() {
-            // Copied out after every block: the host copy is what the task's files API shows
-            // and what carries the task on if this engine goes away.
-            let (changes, inline) = block.take_changes();
-            if let Err(e) = self.sync(changes, inline).await {
-                tracing::warn!(container = %self.id, error = %e, "copying the workspace out failed; the next block copies all of it");
-                self.resync = true;
-            }
-        }
-        Ok(block.outcome())
     }
 
     async fn shutdown(&mut self) -> Result<(), ExecError> {
@@ -408,32 +257,128 @@ impl DockerSession {
         } else {
             Request::Release
         };
-        if self.volume.is_some() {
-            // The volume goes with the session; the mirror is Tandem's own.
-            self.conn = None;
-        }
-        if let Some(mut conn) = self.conn.take() {
+        let conn = self.runner.take_conn();
+        // The volume goes with the session; the mirror is Tandem's own.
+        if let (Some(mut conn), None) = (conn, &self.volume) {
             let _ = conn.request_done(&op, Duration::from_secs(5)).await;
         }
-        remove_container(&self.executor.inner().docker, &self.id).await;
-        if let Some(volume) = self.volume.take() {
-            remove_volume(&self.executor.inner().docker, &volume).await;
-        }
-        self.executor.forget(&self.session_id);
+        let executor = self.container.executor.clone();
+        remove(
+            &executor,
+            &self.container.id,
+            self.volume.take(),
+            &self.session_id,
+        )
+        .await;
         self.restore_workdir();
         if let Some(ws) = self.owned_workspace.take() {
-            scratch::remove_dirs(vec![ws], self.executor.inner().root.clone()).await?;
+            scratch::remove_dirs(vec![ws], executor.inner().root.clone()).await?;
         }
         Ok(())
     }
 
     /// Gives a kept workspace its mode back, once no block can reach it.
     fn restore_workdir(&mut self) {
+        let workspace = &self.runner.workspace;
         if let Some(mode) = self.restore_mode.take()
-            && let Err(e) = set_mode(&self.workspace, mode)
+            && let Err(e) = set_mode(workspace, mode)
         {
-            tracing::warn!(workdir = %self.workspace.display(), error = %e, "could not give the workdir its mode back");
+            tracing::warn!(workdir = %workspace.display(), error = %e, "could not give the workdir its mode back");
         }
+    }
+}
+
+impl Transport for Container {
+    fn name(&self) -> &str {
+        &self.id
+    }
+
+    fn start(&mut self) -> BoxFuture<'_, Result<Conn, ExecError>> {
+        Box::pin(start(&self.executor, &self.id))
+    }
+
+    /// Kills the container and starts it again: its runner is its first process.
+    fn restart(&mut self) -> BoxFuture<'_, Result<Conn, ExecError>> {
+        Box::pin(async move {
+            let docker = &self.executor.inner().docker;
+            let kill = KillContainerOptionsBuilder::default()
+                .signal("KILL")
+                .build();
+            let _ = docker.kill_container(&self.id, Some(kill)).await;
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let state = match docker
+                    .inspect_container(&self.id, None::<InspectContainerOptions>)
+                    .await
+                {
+                    Ok(found) => found.state,
+                    Err(e) => {
+                        let e = engine("inspecting the session container")(e).into();
+                        return Err(lost_or(&self.executor, e).await);
+                    }
+                };
+                if !state.and_then(|s| s.running).unwrap_or(false) {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    return Err(ExecError::Backend(
+                        "the session container did not stop within 10 s".to_owned(),
+                    ));
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            match start(&self.executor, &self.id).await {
+                Ok(conn) => Ok(conn),
+                Err(e) => Err(lost_or(&self.executor, e).await),
+            }
+        })
+    }
+
+    /// Kills the container (the next block starts it again); the session is lost when its
+    /// engine no longer answers.
+    fn stop(&mut self) -> BoxFuture<'_, Result<(), ExecError>> {
+        Box::pin(async move {
+            let inner = self.executor.inner();
+            let kill = KillContainerOptionsBuilder::default()
+                .signal("KILL")
+                .build();
+            let _ = inner.docker.kill_container(&self.id, Some(kill)).await;
+            self.executor
+                .answers()
+                .await
+                .map_err(|reason| ExecError::Lost {
+                    host: inner.config.label().to_owned(),
+                    reason,
+                })
+        })
+    }
+
+    fn unpack(&mut self, archive: std::fs::File) -> BoxFuture<'_, Result<(), ExecError>> {
+        Box::pin(async move {
+            let body = tokio_util::io::ReaderStream::new(tokio::fs::File::from_std(archive));
+            self.executor
+                .inner()
+                .docker
+                .upload_to_container(
+                    &self.id,
+                    Some(
+                        bollard::query_parameters::UploadToContainerOptionsBuilder::default()
+                            .path("/workspace")
+                            .build(),
+                    ),
+                    bollard::body_try_stream(body),
+                )
+                .await
+                .map_err(engine("copying files into the session's volume"))?;
+            Ok(())
+        })
+    }
+
+    fn fetcher(&self) -> Box<dyn tandem_executor_runner::mirror::Fetch> {
+        Box::new(Archives {
+            docker: self.executor.inner().docker.clone(),
+            id: self.id.clone(),
+        })
     }
 }
 
@@ -443,11 +388,11 @@ impl Session for DockerSession {
         req: ExecRequest,
         ctx: ExecContext,
     ) -> BoxFuture<'_, Result<ExecOutcome, ExecError>> {
-        Box::pin(self.run_block(req, ctx))
+        Box::pin(self.runner.run(&mut self.container, req, ctx))
     }
 
     fn workspace(&self) -> Option<&Path> {
-        Some(&self.workspace)
+        Some(&self.runner.workspace)
     }
 
     fn put_archive(
@@ -455,33 +400,10 @@ impl Session for DockerSession {
         archive: &Path,
         caps: tandem_executor::archive::ArchiveCaps,
     ) -> BoxFuture<'_, Result<Vec<tandem_executor::archive::ArchivedFile>, ExecError>> {
-        let archive = archive.to_owned();
-        Box::pin(async move {
-            // Bound into the container, the files must be the blocks' user's to change (a
-            // mirror is copied to the volume as theirs below).
-            let owner = self.volume.is_none().then(|| {
-                let (uid, gid) =
-                    tandem_executor_runner::mirror::block_owner(&self.executor.inner().config.user);
-                (
-                    u32::try_from(uid).unwrap_or(65534),
-                    u32::try_from(gid).unwrap_or(65534),
-                )
-            });
-            let placed = tandem_executor::place_archive_for(
-                Some(self.workspace.clone()),
-                archive,
-                caps,
-                owner,
-            )
-            .await?;
-            if self.volume.is_some() {
-                // Checked and placed on this machine first; the volume then gets those files
-                // from the mirror, as the blocks' user's.
-                let paths: Vec<PathBuf> = placed.iter().map(|f| f.path.clone()).collect();
-                self.upload(Some(paths)).await?;
-            }
-            Ok(placed)
-        })
+        Box::pin(
+            self.runner
+                .put_archive(&mut self.container, archive.to_owned(), caps),
+        )
     }
 
     fn close(mut self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
@@ -496,19 +418,14 @@ impl Drop for DockerSession {
         }
         // Dropped without close (a cancelled task, a failed open): remove the container in
         // the background; if the process exits first, the next Tandem reaps it.
-        let executor = self.executor.clone();
-        let (id, session_id) = (self.id.clone(), self.session_id.clone());
+        let executor = self.container.executor.clone();
+        let (id, session_id) = (self.container.id.clone(), self.session_id.clone());
         let ws = self.owned_workspace.take();
         let volume = self.volume.take();
-        let (workdir, mode) = (self.workspace.clone(), self.restore_mode.take());
+        let (workdir, mode) = (self.runner.workspace.clone(), self.restore_mode.take());
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                let docker = &executor.inner().docker;
-                remove_container(docker, &id).await;
-                if let Some(volume) = volume {
-                    remove_volume(docker, &volume).await;
-                }
-                executor.forget(&session_id);
+                remove(&executor, &id, volume, &session_id).await;
                 drop(ws);
                 if let Some(mode) = mode {
                     let _ = set_mode(&workdir, mode);
@@ -609,12 +526,7 @@ impl Warm {
     /// Removes the container and its workspace now.
     pub(crate) async fn remove(mut self) {
         let id = std::mem::take(&mut self.id);
-        let docker = &self.executor.inner().docker;
-        remove_container(docker, &id).await;
-        if let Some(volume) = self.volume.take() {
-            remove_volume(docker, &volume).await;
-        }
-        self.executor.forget(&self.session_id);
+        remove(&self.executor, &id, self.volume.take(), &self.session_id).await;
         if let Some(ws) = self.workspace.take() {
             let _ = tokio::task::spawn_blocking(move || ws.close()).await;
         }
@@ -635,16 +547,21 @@ impl Drop for Warm {
         let session_id = self.session_id.clone();
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                let docker = &executor.inner().docker;
-                remove_container(docker, &id).await;
-                if let Some(volume) = volume {
-                    remove_volume(docker, &volume).await;
-                }
-                executor.forget(&session_id);
+                remove(&executor, &id, volume, &session_id).await;
                 drop(ws);
             });
         }
     }
+}
+
+/// Removes a session's container and its volume, and forgets the session.
+async fn remove(executor: &DockerExecutor, id: &str, volume: Option<String>, session: &str) {
+    let docker = &executor.inner().docker;
+    remove_container(docker, id).await;
+    if let Some(volume) = volume {
+        remove_volume(docker, &volume).await;
+    }
+    executor.forget(session);
 }
 
 /// `text` as a container-name fragment: `[A-Za-z0-9_.-]`, at most 64 characters.

@@ -1,17 +1,17 @@
 //! One session's claim: make it, wait for its sandbox, exec the runner in its pod, run
 //! blocks, delete it.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, AttachParams, AttachedProcess, DynamicObject, PostParams};
 use tandem_executor::scratch::TempTree;
 use tandem_executor::{
-    BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Limits, Session, SessionSpec,
-    scratch,
+    BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Session, SessionSpec, scratch,
 };
-use tandem_executor_runner::{Conn, Frame, FrameReader, Prepared, Request, mirror};
+use tandem_executor_runner::session::{Offer, RunnerSession, Transport};
+use tandem_executor_runner::{Conn, Frame, FrameReader, mirror};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::{KubernetesError, KubernetesExecutor, claims_resource, sandboxes_resource};
@@ -32,25 +32,19 @@ pub(crate) struct KubeSession {
     executor: KubernetesExecutor,
     /// The claim's name, which is also how Tandem knows the session.
     claim: String,
-    /// The pod the sandbox runs in, once bound.
-    pod: PodExec,
-    /// The mirror of the pod's workspace on this machine.
-    workspace: PathBuf,
+    /// The pod the sandbox runs in, once bound, and the exec that carries its runner.
+    pod: PodRunner,
+    /// Its workspace on this machine is the mirror of the pod's.
+    runner: RunnerSession,
     owned_workspace: Option<TempTree>,
-    /// The mirror missed a block's changes: the next copy takes the whole workspace.
-    resync: bool,
-    limits: Limits,
-    /// `None` after the runner died; the next block starts another in the same pod.
-    runner: Option<Runner>,
-    blocks: u32,
     closed: bool,
 }
 
-/// A runner exec'd in the pod: the connection, and the exec that carries it (dropping it
-/// ends the stream, and with it the runner).
-struct Runner {
-    conn: Conn,
-    _process: AttachedProcess,
+/// The pod as the runner session reaches it: the runner is exec'd in it, and the exec that
+/// carries it is kept (dropping it ends the stream, and with it the runner).
+struct PodRunner {
+    exec: PodExec,
+    process: Option<AttachedProcess>,
 }
 
 impl KubeSession {
@@ -97,144 +91,36 @@ impl KubeSession {
                 e => e.into(),
             });
         }
+        let config = &executor.inner.config;
+        let offer = Offer {
+            executor: "kubernetes",
+            languages: config.languages.clone(),
+            env: config.env.clone(),
+            user: config.user.clone(),
+        };
         // From here on, dropping the session deletes the claim.
         let mut session = Self {
-            pod: PodExec {
-                executor: executor.clone(),
-                name: String::new(),
+            pod: PodRunner {
+                exec: PodExec {
+                    executor: executor.clone(),
+                    name: String::new(),
+                },
+                process: None,
             },
+            runner: RunnerSession::new(workspace, true, offer, spec.limits),
             executor,
             claim,
-            workspace,
             owned_workspace,
-            resync: false,
-            limits: spec.limits,
-            runner: None,
-            blocks: 0,
             closed: false,
         };
-        session.pod.name = wait_bound(&session.executor, &session.claim).await?;
-        session.runner = Some(session.pod.start().await?);
-        if mirror::has_entries(&session.workspace) {
-            session.upload(None).await?;
-        }
+        session.pod.exec.name = wait_bound(&session.executor, &session.claim).await?;
+        session.runner.start(&mut session.pod).await?;
         Ok(session)
     }
 
-    /// Copies the mirror (`None`), or these files of it, into the pod's workspace, owned by
-    /// the blocks' user, and has the runner take it as seen.
-    async fn upload(&mut self, files: Option<Vec<PathBuf>>) -> Result<(), ExecError> {
-        let owner = mirror::block_owner(&self.executor.inner.config.user);
-        let packed = mirror::pack(&self.workspace, files, owner).await?;
-        let (code, errors) = self
-            .pod
-            .exec_io(
-                &["tar", "-x", "-f", "-", "-C", "/workspace"],
-                Some(packed),
-                None,
-            )
-            .await?;
-        if code != 0 {
-            return Err(ExecError::Backend(format!(
-                "copying files into pod `{}` failed (tar exited {code}): {errors}",
-                self.pod.name
-            )));
-        }
-        self.request_done(&Request::Rescan).await
-    }
-
-    /// Sends `op` to the runner and waits for its `d`.
-    async fn request_done(&mut self, op: &Request<'_>) -> Result<(), ExecError> {
-        match self.runner.as_mut() {
-            Some(runner) => {
-                runner
-                    .conn
-                    .request_done(op, tandem_executor_runner::READY_LIMIT)
-                    .await
-            }
-            None => Err(ExecError::Backend(
-                "the session's runner is not running".to_owned(),
-            )),
-        }
-    }
-
-    /// Starts a runner again after the last one died (files in the workspace survive).
-    async fn restart(&mut self) -> Result<(), ExecError> {
-        self.runner = Some(self.pod.start().await?);
-        // The new runner has seen nothing: it takes the workspace as it is, which the last
-        // copy out already holds.
-        self.request_done(&Request::Rescan).await
-    }
-
-    async fn run_block(
-        &mut self,
-        req: ExecRequest,
-        ctx: ExecContext,
-    ) -> Result<ExecOutcome, ExecError> {
-        // A runner whose exec ended while it sat idle (the stream closed under it) is gone:
-        // writing a large block to it would wait forever.
-        if self.runner.as_mut().is_some_and(|r| !r.conn.alive()) {
-            self.runner = None;
-        }
-        if self.runner.is_none() {
-            self.restart().await?;
-        }
-        self.blocks += 1;
-        let executor = self.executor.clone();
-        let config = &executor.inner.config;
-        let sandbox = tandem_executor_runner::Sandbox {
-            executor: "kubernetes",
-            languages: &config.languages,
-            env: tandem_executor_runner::base_env(&config.env).collect(),
-        };
-        let Some(runner) = self.runner.as_mut() else {
-            return Err(ExecError::Backend(
-                "the session's runner is not running".to_owned(),
-            ));
-        };
-        let limits = self.limits.clone();
-        let block = match tandem_executor_runner::run(
-            &mut runner.conn,
-            &sandbox,
-            &req,
-            &ctx,
-            &limits,
-            self.blocks,
-        )
-        .await?
-        {
-            Prepared::Ready(block) => block,
-            Prepared::Refused(outcome) => return Ok(outcome),
-        };
-        if !block.answered {
-            // The runner is gone or stuck: end its exec; the next block starts another.
-            tracing::warn!(pod = %self.pod.name, "the runner stopped answering; starting another for the next block");
-            self.runner = None;
-        }
-        if let Some(e) = &block.runner_error {
-            // What the block changed was not reported: the next copy takes it all.
-            self.resync = true;
-            return Err(ExecError::Backend(format!("Tandem's runner failed: {e}")));
-        }
-        let mut block = *block;
-        // Copied out after every block: the mirror is what the task's files API shows and
-        // what carries the task on if the pod goes away.
-        let (changes, inline) = block.take_changes();
-        let (mirror_dir, whole) = (self.workspace.clone(), self.resync);
-        let mut fetch = PodArchives(self.pod.clone());
-        let synced = mirror::sync(&mirror_dir, changes, inline, whole, &mut fetch).await;
-        match synced {
-            Ok(()) => self.resync = false,
-            Err(e) => {
-                tracing::warn!(pod = %self.pod.name, error = %e, "copying the workspace out failed; the next block copies all of it");
-                self.resync = true;
-            }
-        }
-        Ok(block.outcome())
-    }
-
     async fn shutdown(&mut self) -> Result<(), ExecError> {
-        self.runner = None;
+        self.runner.take_conn();
+        self.pod.process = None;
         let deleted = self.executor.delete_claim(&self.claim).await;
         // Only now: a close dropped mid-delete leaves the drop to delete the claim.
         self.closed = true;
@@ -252,9 +138,54 @@ struct PodExec {
     name: String,
 }
 
+impl Transport for PodRunner {
+    fn name(&self) -> &str {
+        &self.exec.name
+    }
+
+    fn start(&mut self) -> BoxFuture<'_, Result<Conn, ExecError>> {
+        Box::pin(async move {
+            let (conn, process) = self.exec.start().await?;
+            self.process = Some(process);
+            Ok(conn)
+        })
+    }
+
+    /// Ends the runner's exec; the next block starts another in the same pod.
+    fn stop(&mut self) -> BoxFuture<'_, Result<(), ExecError>> {
+        self.process = None;
+        Box::pin(async { Ok(()) })
+    }
+
+    fn unpack(&mut self, archive: std::fs::File) -> BoxFuture<'_, Result<(), ExecError>> {
+        Box::pin(async move {
+            let (code, errors) = self
+                .exec
+                .exec_io(
+                    &["tar", "-x", "-f", "-", "-C", "/workspace"],
+                    Some(archive),
+                    None,
+                )
+                .await?;
+            if code != 0 {
+                return Err(ExecError::Backend(format!(
+                    "copying files into pod `{}` failed (tar exited {code}): {errors}",
+                    self.exec.name
+                )));
+            }
+            Ok(())
+        })
+    }
+
+    fn fetcher(&self) -> Box<dyn mirror::Fetch> {
+        Box::new(PodArchives(self.exec.clone()))
+    }
+}
+
 impl PodExec {
-    /// Execs the runner in the pod and waits for it to say it is ready.
-    async fn start(&self) -> Result<Runner, ExecError> {
+    /// Execs the runner in the pod and waits for it to say it is ready: its connection,
+    /// and the exec that carries it.
+    async fn start(&self) -> Result<(Conn, AttachedProcess), ExecError> {
         let user = self.executor.inner.config.user.as_str();
         let argv = [
             "python3",
@@ -287,10 +218,7 @@ impl PodExec {
         let (mut conn, reader) = Conn::new(Box::pin(stdin));
         tokio::spawn(read_frames(stdout, stderr, reader));
         match conn.ready().await {
-            Ok(Ok(())) => Ok(Runner {
-                conn,
-                _process: process,
-            }),
+            Ok(Ok(())) => Ok((conn, process)),
             Ok(Err(other)) => Err(ExecError::Unavailable {
                 what: format!("Tandem's runner in pod `{}`", self.name),
                 hint: format!(
@@ -557,11 +485,11 @@ impl Session for KubeSession {
         req: ExecRequest,
         ctx: ExecContext,
     ) -> BoxFuture<'_, Result<ExecOutcome, ExecError>> {
-        Box::pin(self.run_block(req, ctx))
+        Box::pin(self.runner.run(&mut self.pod, req, ctx))
     }
 
     fn workspace(&self) -> Option<&Path> {
-        Some(&self.workspace)
+        Some(&self.runner.workspace)
     }
 
     fn put_archive(
@@ -569,16 +497,10 @@ impl Session for KubeSession {
         archive: &Path,
         caps: tandem_executor::archive::ArchiveCaps,
     ) -> BoxFuture<'_, Result<Vec<tandem_executor::archive::ArchivedFile>, ExecError>> {
-        let archive = archive.to_owned();
-        Box::pin(async move {
-            // Checked and placed on this machine first; the pod then gets those files from
-            // the mirror, as the blocks' user's.
-            let placed =
-                tandem_executor::place_archive(Some(self.workspace.clone()), archive, caps).await?;
-            let paths: Vec<PathBuf> = placed.iter().map(|f| f.path.clone()).collect();
-            self.upload(Some(paths)).await?;
-            Ok(placed)
-        })
+        Box::pin(
+            self.runner
+                .put_archive(&mut self.pod, archive.to_owned(), caps),
+        )
     }
 
     fn close(mut self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
@@ -596,7 +518,8 @@ impl Drop for KubeSession {
         let executor = self.executor.clone();
         let claim = self.claim.clone();
         let ws = self.owned_workspace.take();
-        self.runner = None;
+        self.runner.take_conn();
+        self.pod.process = None;
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
                 let _ = executor.delete_claim(&claim).await;
