@@ -136,11 +136,13 @@ fn blocks_of(args: &ExecArgs, source: String) -> Result<Vec<CodeBlock>> {
 pub async fn exec(args: ExecArgs, file: FileConfig) -> Result<u8> {
     let source = crate::read_input(args.input.as_ref())?;
     let blocks = blocks_of(&args, source)?;
-    let name = config::executor_name(args.executor.as_deref(), &file);
-    let executor = crate::executors::resolve(&name, &file, args.image.as_deref()).await?;
+    let executors =
+        config::ExecutorSettings::resolve(&file, args.executor.as_deref(), args.image.as_deref());
+    let name = &executors.default;
+    let executor = crate::executors::resolve(name, &executors).await?;
     let executor_name = executor.name().to_owned();
     if executor_name == "local"
-        && let Err(unconfined) = tandem_executor_local::confinement(&config::local_config(&file)?)
+        && let Err(unconfined) = tandem_executor_local::confinement(executors.local.get()?)
     {
         eprintln!("tandem: local blocks run {unconfined}");
     }
@@ -202,7 +204,7 @@ pub async fn exec(args: ExecArgs, file: FileConfig) -> Result<u8> {
             .filter_map(|r| r.result.language.as_deref());
         for language in unsupported {
             let others: Vec<String> =
-                crate::executors::executors_for(&Language::new(language), &file)
+                crate::executors::executors_for(&Language::new(language), &executors)
                     .into_iter()
                     .filter(|e| *e != executor_name)
                     .collect();

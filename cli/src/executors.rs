@@ -11,7 +11,7 @@ use tandem_executor_local::LocalExecutor;
 use tandem_executor_plugin::PluginExecutor;
 use tandem_executor_wasm::{FETCH_SCRIPT, ModuleSource, Runtime, WasmExecutor};
 
-use crate::config::{self, FileConfig};
+use crate::config::{self, DockerSettings, ExecutorSettings, Settings};
 
 /// The Docker executor as configured: one engine, or several (`[[executors.docker.hosts]]`).
 #[derive(Clone)]
@@ -23,29 +23,28 @@ pub enum Docker {
 }
 
 impl Docker {
-    /// Connects as the file says; `pool` overrides the warm pool's size (one-shot commands
-    /// keep none). The outer error is a configuration mistake, the inner one an engine that
-    /// does not answer.
+    /// Connects as the settings say; `pool` overrides the warm pool's size (one-shot
+    /// commands keep none).
     pub async fn connect(
-        file: &FileConfig,
-        image: Option<&str>,
+        settings: &DockerSettings,
         pool: Option<usize>,
-    ) -> Result<Result<Self, DockerError>> {
-        let mut hosts = config::docker_hosts(file, image)?;
+    ) -> Result<Self, DockerError> {
+        let mut hosts = settings.hosts.clone();
         if hosts.is_empty() {
-            let mut one = config::docker_config(file, image)?;
+            let mut one = settings.one.clone();
             if let Some(pool) = pool {
                 one.pool_size = pool;
             }
-            return Ok(DockerExecutor::connect(one).await.map(Self::One));
+            return DockerExecutor::connect(one).await.map(Self::One);
         }
         if let Some(pool) = pool {
             for h in &mut hosts {
                 h.config.pool_size = pool;
             }
         }
-        let probe = config::docker_probe(file)?;
-        Ok(DockerFleet::connect(hosts, probe).await.map(Self::Fleet))
+        DockerFleet::connect(hosts, settings.probe)
+            .await
+            .map(Self::Fleet)
     }
 
     /// It, as an executor.
@@ -74,35 +73,29 @@ impl Docker {
 }
 
 /// Every name `--executor` accepts here: the built-ins and the configured plugins.
-pub fn names(file: &FileConfig) -> String {
+pub fn names(settings: &ExecutorSettings) -> String {
     config::BUILT_IN_EXECUTORS
         .iter()
         .map(|n| (*n).to_owned())
-        .chain(file.executors.plugins.keys().cloned())
+        .chain(settings.plugins.keys().cloned())
         .collect::<Vec<_>>()
         .join(", ")
 }
 
 /// The plugin `[executors.NAME]`, started if it must be asked for its languages.
-pub async fn plugin(name: &str, file: &FileConfig) -> Result<Option<PluginExecutor>> {
-    let Some(section) = file.executors.plugins.get(name) else {
+pub async fn plugin(name: &str, settings: &ExecutorSettings) -> Result<Option<PluginExecutor>> {
+    let Some(section) = settings.plugins.get(name) else {
         return Ok(None);
     };
-    Ok(Some(
-        PluginExecutor::new(config::plugin_config(name, section)?).await?,
-    ))
+    Ok(Some(PluginExecutor::new(section.get()?.clone()).await?))
 }
 
 /// The executor called `name` (or the one `auto` picks), ready to open sessions.
-pub async fn resolve(
-    name: &str,
-    file: &FileConfig,
-    image: Option<&str>,
-) -> Result<Arc<dyn Executor>> {
+pub async fn resolve(name: &str, settings: &ExecutorSettings) -> Result<Arc<dyn Executor>> {
     match name {
-        "local" => Ok(local(file)?),
+        "local" => Ok(local(settings)?),
         "wasm" => {
-            let wasm = wasm(file)?;
+            let wasm = wasm(settings)?;
             if !wasm.runtimes().iter().any(|r| r.present) {
                 bail!(
                     "the wasm executor has no runtimes in {}; run {FETCH_SCRIPT} (or set {})",
@@ -112,7 +105,7 @@ pub async fn resolve(
             }
             Ok(Arc::new(wasm))
         }
-        "docker" => match Docker::connect(file, image, None).await?? {
+        "docker" => match Docker::connect(settings.docker.get()?, None).await? {
             Docker::One(docker) => {
                 docker
                     .ensure_image(&|line| eprintln!("tandem: {line}"))
@@ -127,7 +120,7 @@ pub async fn resolve(
             }
         },
         "auto" => {
-            let (executor, why) = auto(file, image).await?;
+            let (executor, why) = auto(settings).await?;
             if executor.name() == "local" {
                 eprintln!(
                     "tandem: warning: running code with the local executor, which is not a security boundary ({why})"
@@ -135,12 +128,12 @@ pub async fn resolve(
             }
             Ok(executor)
         }
-        "kubernetes" => Ok(Arc::new(kubernetes(file).await?)),
-        other => match plugin(other, file).await? {
+        "kubernetes" => Ok(Arc::new(kubernetes(settings).await?)),
+        other => match plugin(other, settings).await? {
             Some(plugin) => Ok(Arc::new(plugin)),
             None => bail!(
                 "executor `{other}` is not registered; available: {}",
-                names(file)
+                names(settings)
             ),
         },
     }
@@ -148,8 +141,8 @@ pub async fn resolve(
 
 /// The configured Kubernetes executor, its cluster checked and the claims of dead Tandems
 /// deleted.
-pub async fn kubernetes(file: &FileConfig) -> Result<KubernetesExecutor> {
-    let Some(config) = config::kubernetes_config(file)? else {
+pub async fn kubernetes(settings: &ExecutorSettings) -> Result<KubernetesExecutor> {
+    let Some(config) = settings.kubernetes.get()?.clone() else {
         bail!(
             "the kubernetes executor is not configured; add an [executors.kubernetes] section naming the cluster and warm pool (docs/kubernetes.md)"
         );
@@ -167,21 +160,27 @@ pub async fn kubernetes(file: &FileConfig) -> Result<KubernetesExecutor> {
 /// The executors that run `language` on this machine's configuration, for a hint when the
 /// chosen one cannot.
 /// Plugins count when their configuration names the language (they are not started).
-pub fn executors_for(language: &Language, file: &FileConfig) -> Vec<String> {
-    let docker = config::docker_config(file, None).is_ok_and(|c| c.languages.contains(language));
+pub fn executors_for(language: &Language, settings: &ExecutorSettings) -> Vec<String> {
+    let docker = settings
+        .docker
+        .ok()
+        .is_some_and(|d| d.one.languages.contains(language));
     let wasm = [Language::python(), Language::javascript()].contains(language);
-    let local = config::local_config(file)
-        .is_ok_and(|c| LocalExecutor::new(c).languages().contains(language));
-    let plugins = file.executors.plugins.iter().map(|(name, p)| {
+    let local = settings
+        .local
+        .ok()
+        .is_some_and(|c| LocalExecutor::new(c.clone()).languages().contains(language));
+    let plugins = settings.plugins.iter().map(|(name, p)| {
         let runs = p
-            .languages
-            .iter()
-            .flatten()
-            .any(|l| Language::new(l) == *language);
+            .ok()
+            .and_then(|p| p.languages.as_ref())
+            .is_some_and(|l| l.contains(language));
         (name.as_str(), runs)
     });
-    let kubernetes = config::kubernetes_config(file)
-        .is_ok_and(|c| c.is_some_and(|c| c.languages.contains(language)));
+    let kubernetes = settings
+        .kubernetes
+        .ok()
+        .is_some_and(|c| c.as_ref().is_some_and(|c| c.languages.contains(language)));
     [
         ("docker", docker),
         ("kubernetes", kubernetes),
@@ -196,8 +195,8 @@ pub fn executors_for(language: &Language, file: &FileConfig) -> Vec<String> {
 }
 
 /// What `auto` picks, and why.
-pub async fn auto(file: &FileConfig, image: Option<&str>) -> Result<(Arc<dyn Executor>, String)> {
-    let connected = Docker::connect(file, image, None).await?;
+pub async fn auto(settings: &ExecutorSettings) -> Result<(Arc<dyn Executor>, String)> {
+    let connected = Docker::connect(settings.docker.get()?, None).await;
     let why_not = why_not_docker(connected.as_ref()).await;
     Ok(match (connected, why_not) {
         (Ok(docker), None) => {
@@ -205,11 +204,11 @@ pub async fn auto(file: &FileConfig, image: Option<&str>) -> Result<(Arc<dyn Exe
             (docker.executor(), why)
         }
         (_, why_not) => {
-            let wasm = wasm(file);
+            let wasm = wasm(settings);
             let (name, why) = without_docker(why_not.unwrap_or_default(), wasm.as_ref());
             match (name, wasm) {
                 ("wasm", Ok(wasm)) => (Arc::new(wasm), why),
-                _ => (local(file)?, why),
+                _ => (local(settings)?, why),
             }
         }
     })
@@ -239,8 +238,8 @@ pub fn without_docker(
 }
 
 /// The WASM executor with the configured runtimes (which may be missing).
-pub fn wasm(file: &FileConfig) -> Result<WasmExecutor> {
-    Ok(WasmExecutor::new(config::wasm_config(file)?)?)
+pub fn wasm(settings: &ExecutorSettings) -> Result<WasmExecutor> {
+    Ok(WasmExecutor::new(settings.wasm.get()?.clone())?)
 }
 
 /// Why `auto` picks docker.
@@ -285,14 +284,14 @@ pub async fn why_not_docker(connected: Result<&Docker, &DockerError>) -> Option<
     }
 }
 
-fn local(file: &FileConfig) -> Result<Arc<dyn Executor>> {
-    Ok(Arc::new(LocalExecutor::new(config::local_config(file)?)))
+fn local(settings: &ExecutorSettings) -> Result<Arc<dyn Executor>> {
+    Ok(Arc::new(LocalExecutor::new(settings.local.get()?.clone())))
 }
 
 /// `doctor`'s line for the Kubernetes executor, when it is configured.
-async fn kubernetes_line(file: &FileConfig) -> Option<String> {
-    let config = match config::kubernetes_config(file) {
-        Ok(Some(config)) => config,
+async fn kubernetes_line(settings: &ExecutorSettings) -> Option<String> {
+    let config = match settings.kubernetes.get() {
+        Ok(Some(config)) => config.clone(),
         Ok(None) => return None,
         Err(e) => return Some(format!("executor:  kubernetes - unavailable: {e:#}")),
     };
@@ -322,11 +321,8 @@ async fn kubernetes_line(file: &FileConfig) -> Option<String> {
 
 /// `tandem doctor`'s executor lines; `precompile` loads the WASM runtimes (compiling and
 /// caching them if needed) and says how long that took.
-pub async fn report(
-    file: &FileConfig,
-    image: Option<&str>,
-    precompile: bool,
-) -> Result<Vec<String>> {
+pub async fn report(settings: &Settings, precompile: bool) -> Result<Vec<String>> {
+    let executors = &settings.executors;
     let langs = |l: &[Language]| {
         l.iter()
             .map(Language::as_str)
@@ -334,7 +330,7 @@ pub async fn report(
             .join(", ")
     };
     let mut lines = Vec::new();
-    let local_config = config::local_config(file)?;
+    let local_config = executors.local.get()?.clone();
     let confinement = tandem_executor_local::confinement(&local_config);
     let local = LocalExecutor::new(local_config);
     lines.push(format!(
@@ -345,7 +341,7 @@ pub async fn report(
             Err(unconfined) => format!("{unconfined}; not a security boundary"),
         }
     ));
-    let connected = Docker::connect(file, image, Some(0)).await?;
+    let connected = Docker::connect(executors.docker.get()?, Some(0)).await;
     match &connected {
         Ok(Docker::Fleet(fleet)) => {
             lines.push(format!(
@@ -377,10 +373,10 @@ pub async fn report(
         }
         Err(e) => lines.push(format!("executor:  docker - unavailable: {e}")),
     }
-    if let Some(line) = kubernetes_line(file).await {
+    if let Some(line) = kubernetes_line(executors).await {
         lines.push(line);
     }
-    let wasm = wasm(file);
+    let wasm = wasm(executors);
     match &wasm {
         Ok(w) => {
             let statuses = w.runtimes();
@@ -422,8 +418,8 @@ pub async fn report(
         }
         Err(e) => lines.push(format!("executor:  wasm - unavailable: {e}")),
     }
-    for name in file.executors.plugins.keys() {
-        lines.push(plugin_line(name, file).await);
+    for name in executors.plugins.keys() {
+        lines.push(plugin_line(name, settings).await);
     }
     let auto = match why_not_docker(connected.as_ref()).await {
         None => format!(
@@ -465,13 +461,14 @@ pub fn host_lines(hosts: &[tandem_executor::HostStatus]) -> Vec<String> {
 }
 
 /// `tandem doctor`'s line for a plugin: it is started, asked about itself, and shut down.
-async fn plugin_line(name: &str, file: &FileConfig) -> String {
-    let command = file
+async fn plugin_line(name: &str, settings: &Settings) -> String {
+    let command = settings
+        .file
         .executors
         .plugins
         .get(name)
         .map_or(String::new(), |p| p.command.join(" "));
-    let plugin = match plugin(name, file).await {
+    let plugin = match plugin(name, &settings.executors).await {
         Ok(Some(p)) => p,
         Ok(None) => return format!("executor:  {name} - not configured"),
         Err(e) => return format!("executor:  {name} (plugin `{command}`) - unavailable: {e:#}"),

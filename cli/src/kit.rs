@@ -33,7 +33,8 @@ pub struct TestArgs {
 /// Runs the kit; exits 1 when a case fails.
 pub async fn executor(action: ExecutorAction, file: &FileConfig) -> Result<u8> {
     let ExecutorAction::Test(args) = action;
-    let executor = crate::executors::resolve(&args.name, file, args.image.as_deref()).await?;
+    let executors = crate::config::ExecutorSettings::resolve(file, None, args.image.as_deref());
+    let executor = crate::executors::resolve(&args.name, &executors).await?;
     let reports = tandem_executor_conformance::run(executor.clone(), args.case.as_deref()).await;
     let failed = reports
         .iter()

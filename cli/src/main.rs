@@ -14,6 +14,7 @@ mod keep;
 mod kit;
 mod model;
 mod picture;
+mod planner;
 mod provider;
 mod render;
 mod run;
@@ -228,7 +229,7 @@ fn dispatch(cli: Cli) -> Result<u8> {
             model,
             image,
             precompile,
-        } => runtime()?.block_on(doctor(&model, image, precompile, &file)),
+        } => runtime()?.block_on(doctor(&model, image, precompile, file)),
         Command::Model { action } => runtime()?.block_on(model::model(action, &file)),
         Command::Store { action } => store::store(action),
         Command::Executor { action } => runtime()?.block_on(kit::executor(action, &file)),
@@ -298,10 +299,22 @@ async fn doctor(
     flags: &config::ModelFlags,
     image: Option<String>,
     precompile: bool,
-    file: &config::FileConfig,
+    file: config::FileConfig,
 ) -> Result<u8> {
-    let model = config::model_config(flags, file)?;
-    match provider::choose(flags, file) {
+    let settings = config::Settings::resolve(
+        file,
+        &config::Overrides {
+            executor: None,
+            image: image.as_deref(),
+            model: flags,
+            road: config::Road::InProcess {
+                timeout: None,
+                block_timeout: None,
+            },
+        },
+    )?;
+    let (model, file) = (&settings.model, &settings.file);
+    match provider::choose(&settings.provider) {
         Ok(provider::Provider::Embedded { name, path }) => {
             let size = std::fs::metadata(&path).map_or(0, |m| m.len());
             println!(
@@ -328,7 +341,7 @@ async fn doctor(
         file.model.code_via.unwrap_or_default().as_str()
     );
     println!("tools:     {}", tools_report(file).await);
-    for line in executors::report(file, image.as_deref(), precompile).await? {
+    for line in executors::report(&settings, precompile).await? {
         println!("{line}");
     }
     Ok(exit::DONE)

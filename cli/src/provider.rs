@@ -11,7 +11,7 @@ use tandem_agent::chat::LocalModel;
 use tandem_model_embedded::{Embedded, EmbeddedChat, EmbeddedConfig};
 use tandem_model_files::ModelDir;
 
-use crate::config::{self, FileConfig, ModelFlags};
+use crate::config::{ProviderSettings, Settings};
 
 /// The choice, before anything is loaded.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,20 +30,20 @@ pub enum Provider {
 /// What to say when there is no model at all.
 pub const NO_MODEL: &str = "no model to talk to: set OPENAI_API_KEY (for OpenAI) or OPENAI_BASE_URL (for any OpenAI-compatible server), or run `tandem model pull` once for a model that runs inside Tandem with no key and no network";
 
-/// Decides the provider from the flags, the environment and the file.
-pub fn choose(flags: &ModelFlags, file: &FileConfig) -> Result<Provider> {
-    let named = config::model_named(flags, file);
-    match file.model.provider.as_deref() {
+/// Decides the provider from the settings.
+pub fn choose(settings: &ProviderSettings) -> Result<Provider> {
+    let named = settings.named.as_deref();
+    match settings.asked.as_deref() {
         Some("openai") => Ok(Provider::Server),
-        Some("embedded") => embedded(named.as_deref(), file)?.context(
+        Some("embedded") => embedded(named, settings)?.context(
             "[model] provider is embedded but no model file is there: run `tandem model pull`",
         ),
         Some(other) => bail!("[model] provider must be embedded or openai, got `{other}`"),
         None => {
-            if config::server_named(flags, file) {
+            if settings.server_named {
                 return Ok(Provider::Server);
             }
-            match embedded(named.as_deref(), file)? {
+            match embedded(named, settings)? {
                 Some(found) => Ok(found),
                 None => bail!("{NO_MODEL}"),
             }
@@ -53,8 +53,8 @@ pub fn choose(flags: &ModelFlags, file: &FileConfig) -> Result<Provider> {
 
 /// The embedded model `name` names (a catalog name or a `.gguf` path), or the first pulled
 /// one; `None` when there is none.
-fn embedded(name: Option<&str>, file: &FileConfig) -> Result<Option<Provider>> {
-    let dir = ModelDir::new(config::models_dir(file)?);
+fn embedded(name: Option<&str>, settings: &ProviderSettings) -> Result<Option<Provider>> {
+    let dir = ModelDir::new(settings.models_dir.get()?.clone());
     if let Some(name) = name {
         if name.ends_with(".gguf") {
             let path = PathBuf::from(name);
@@ -82,11 +82,15 @@ fn embedded(name: Option<&str>, file: &FileConfig) -> Result<Option<Provider>> {
 }
 
 /// Loads the embedded model off the async runtime.
-pub async fn load(name: &str, path: PathBuf, file: &FileConfig) -> Result<Arc<dyn LocalModel>> {
+pub async fn load(
+    name: &str,
+    path: PathBuf,
+    settings: &ProviderSettings,
+) -> Result<Arc<dyn LocalModel>> {
     let mut config = EmbeddedConfig::for_cores(
         std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get),
     );
-    if let Some(n) = file.model.context_tokens {
+    if let Some(n) = settings.context_tokens {
         config.context_tokens = n;
     }
     let engine = tokio::task::spawn_blocking(move || Embedded::load(&path, config))
@@ -103,15 +107,14 @@ pub async fn load(name: &str, path: PathBuf, file: &FileConfig) -> Result<Arc<dy
 /// The embedded model of a command run in this process, loaded, with its name, when that is
 /// the one that answers; `None` when a server does (checked now, so a bad setting is told
 /// before any sandbox starts).
-pub async fn local_model(
-    flags: &ModelFlags,
-    file: &FileConfig,
-) -> Result<Option<(Arc<dyn LocalModel>, String)>> {
-    match choose(flags, file)? {
+pub async fn local_model(settings: &Settings) -> Result<Option<(Arc<dyn LocalModel>, String)>> {
+    match choose(&settings.provider)? {
         Provider::Server => {
-            ChatModel::check(&config::model_config(flags, file)?)?;
+            ChatModel::check(&settings.model)?;
             Ok(None)
         }
-        Provider::Embedded { name, path } => Ok(Some((load(&name, path, file).await?, name))),
+        Provider::Embedded { name, path } => {
+            Ok(Some((load(&name, path, &settings.provider).await?, name)))
+        }
     }
 }

@@ -5,12 +5,12 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result};
 use tandem_daemon::plan::Start;
-use tandem_daemon::{Planner, PlannerConfig, Policy};
+use tandem_daemon::{Planner, Policy};
 use tandem_executor::{CancellationToken, Registry};
 use tandem_protocol::team::{Kind, TeamBounds};
 use tandem_protocol::{ApprovalMode, ApprovalPolicy, EventMsg, TaskSpec};
 
-use crate::config::{self, FileConfig, ModelFlags};
+use crate::config::{FileConfig, ModelFlags, Overrides, Road, Settings};
 use crate::exit;
 use crate::render::{Mode, Renderer};
 
@@ -26,10 +26,10 @@ pub struct TaskFlags {
     #[arg(long)]
     pub(crate) max_turns: Option<u32>,
     /// Wall-clock limit for the whole task, in seconds (a daemon takes whole seconds)
-    #[arg(long)]
+    #[arg(long, value_parser = seconds)]
     pub(crate) timeout: Option<f64>,
     /// Wall-clock limit per code block, in seconds [default: 60]
-    #[arg(long)]
+    #[arg(long, value_parser = seconds)]
     pub(crate) block_timeout: Option<f64>,
     /// File whose text replaces the default system prompt
     #[arg(long)]
@@ -64,6 +64,19 @@ pub struct TaskFlags {
     /// [[executors.docker.hosts]] labels
     #[arg(long = "placement", value_name = "KEY=VALUE", value_parser = placement_label)]
     pub(crate) placement: Vec<(String, String)>,
+}
+
+/// A positive number of seconds that a [`std::time::Duration`] holds.
+fn seconds(text: &str) -> Result<f64, String> {
+    let secs: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{text}` is not a number of seconds"))?;
+    if secs.is_nan() || secs <= 0.0 {
+        return Err(format!("must be a positive number of seconds, got {secs}"));
+    }
+    std::time::Duration::try_from_secs_f64(secs).map_err(|_| format!("{secs} is too large"))?;
+    Ok(secs)
 }
 
 /// `KEY=VALUE`, as `--placement` takes it.
@@ -132,20 +145,12 @@ impl TaskFlags {
         approve: bool,
         file: &FileConfig,
     ) -> Result<TaskSpec> {
-        let whole_secs = |secs: f64, flag: &str| -> Result<u64> {
-            let d = config::secs_to_duration(secs, flag)?;
-            Ok(d.as_secs().max(1))
-        };
+        // Checked by clap as positive and within a Duration.
+        let whole_secs = |secs: f64| (secs as u64).max(1);
         let mut spec = self.spec(model, approve, file, &TeamBounds::CEILINGS)?;
         spec.max_turns = self.max_turns;
-        spec.timeout_secs = self
-            .timeout
-            .map(|s| whole_secs(s, "--timeout"))
-            .transpose()?;
-        spec.block_timeout_secs = self
-            .block_timeout
-            .map(|s| whole_secs(s, "--block-timeout"))
-            .transpose()?;
+        spec.timeout_secs = self.timeout.map(whole_secs);
+        spec.block_timeout_secs = self.block_timeout.map(whole_secs);
         Ok(spec)
     }
 }
@@ -178,6 +183,18 @@ pub struct RunArgs {
 }
 
 pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
+    let settings = Settings::resolve(
+        file,
+        &Overrides {
+            executor: args.flags.executor.as_deref(),
+            image: args.image.as_deref(),
+            model: &args.model,
+            road: Road::InProcess {
+                timeout: args.flags.timeout,
+                block_timeout: args.flags.block_timeout,
+            },
+        },
+    )?;
     if args.flags.task.trim().is_empty() {
         anyhow::bail!(
             "the task is empty; say what to do, for example: tandem run \"print the 10th prime\""
@@ -207,8 +224,8 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
                 );
             }
         } else if client.reachable().await {
-            match through_daemon(&client, &args, &file).await {
-                Err(e) if local_refused(&e, &args, &file) => {
+            match through_daemon(&client, &args, &settings.file).await {
+                Err(e) if local_refused(&e, &settings) => {
                     eprintln!(
                         "tandem: the daemon does not offer the local executor to clients; running the task in this process instead"
                     );
@@ -217,19 +234,20 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
             }
         }
     }
-    run_here(&args, file).await
+    run_here(&args, &settings).await
 }
 
 /// The task in this process, planned as the daemon plans one: the user's flags and file are
 /// the operator's settings, and every executor the task names is offered.
-async fn run_here(args: &RunArgs, file: FileConfig) -> Result<u8> {
-    let teams = config::teams(&file)?;
-    let mut spec = args.flags.spec(&args.model, args.approve, &file, &teams)?;
+async fn run_here(args: &RunArgs, settings: &Settings) -> Result<u8> {
+    let mut spec = args
+        .flags
+        .spec(&args.model, args.approve, &settings.file, &settings.teams)?;
     if let Some(word) = args
         .flags
         .termination
         .as_ref()
-        .or(file.task.termination.as_ref())
+        .or(settings.file.task.termination.as_ref())
     {
         anyhow::ensure!(
             !word.trim().is_empty(),
@@ -240,31 +258,21 @@ async fn run_here(args: &RunArgs, file: FileConfig) -> Result<u8> {
         anyhow::bail!("--max-turns must be at least 1");
     }
     spec.max_turns = args.flags.max_turns;
-    let executors = resolve_executors(&mut spec, args, &file).await?;
+    let executors = resolve_executors(&mut spec, settings).await?;
     let names = executors.names().into_iter().map(str::to_owned).collect();
-    let defaults = config::task_defaults(
-        &file,
-        config::executor_name(args.flags.executor.as_deref(), &file),
-        config::Road::InProcess {
-            timeout: args.flags.timeout,
-            block_timeout: args.flags.block_timeout,
-        },
-    )?;
-    let planner = Planner::new(PlannerConfig {
-        model: config::model_config(&args.model, &file)?,
-        local_model: None,
-        executors,
-        defaults,
-        policy: Policy::own(names),
-        approval: file.approval.clone(),
-        teams,
-        tools: tandem_agent::tools::Offered::start(file.tools.clone())
-            .await
-            .context("in [tools] of tandem.toml")?,
-    });
+    let planner = Planner::new(
+        crate::planner::config(
+            settings,
+            executors,
+            settings.executors.default.clone(),
+            Policy::own(names),
+            None,
+        )
+        .await?,
+    );
     planner.check(&spec)?;
     // Last of the checks: loading the embedded model takes a moment.
-    let planner = match crate::provider::local_model(&args.model, &file).await? {
+    let planner = match crate::provider::local_model(settings).await? {
         Some((local, name)) => planner.with_local_model(local, name),
         None => planner,
     };
@@ -485,12 +493,8 @@ fn daemon_pictures(client: crate::client::Client) -> crate::render::PictureSourc
 
 /// Starts every executor `spec` names (its own and its team's executor agents'), each once,
 /// and names them in `spec` as started (`auto` becomes what it chose).
-async fn resolve_executors(
-    spec: &mut TaskSpec,
-    args: &RunArgs,
-    file: &FileConfig,
-) -> Result<Registry> {
-    let default = config::executor_name(args.flags.executor.as_deref(), file);
+async fn resolve_executors(spec: &mut TaskSpec, settings: &Settings) -> Result<Registry> {
+    let default = settings.executors.default.clone();
     let mut asked = Vec::new();
     if let Some(team) = &spec.team {
         for agent in std::iter::once(&team.team).chain(team.agents.values()) {
@@ -509,7 +513,7 @@ async fn resolve_executors(
     let mut registry = Registry::new();
     let mut chosen = std::collections::HashMap::new();
     for name in &asked {
-        let executor = crate::executors::resolve(name, file, args.image.as_deref()).await?;
+        let executor = crate::executors::resolve(name, &settings.executors).await?;
         chosen.insert(name.clone(), executor.name().to_owned());
         registry.register(executor);
     }
@@ -600,8 +604,8 @@ pub(crate) fn transcript(
 
 /// Whether the daemon refused a task only because it does not offer `local`, which this
 /// process can run on the user's own behalf.
-fn local_refused(e: &anyhow::Error, args: &RunArgs, file: &FileConfig) -> bool {
-    config::executor_name(args.flags.executor.as_deref(), file) == "local"
+fn local_refused(e: &anyhow::Error, settings: &Settings) -> bool {
+    settings.executors.default == "local"
         && e.downcast_ref::<crate::client::Refused>()
             .is_some_and(|r| r.code == tandem_protocol::ApiErrorCode::NotAllowed)
 }

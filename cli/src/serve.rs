@@ -6,11 +6,11 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use tandem_daemon::store::PgStore;
-use tandem_daemon::{Listeners, PlannerConfig, Store, Supervisor, SupervisorConfig, TaskStore};
+use tandem_daemon::{Listeners, Store, Supervisor, SupervisorConfig, TaskStore};
 use tandem_executor::{CancellationToken, Registry};
 use tandem_executor_local::LocalExecutor;
 
-use crate::config::{self, FileConfig, ModelFlags};
+use crate::config::{self, ExecutorSettings, FileConfig, ModelFlags, Overrides, Road, Settings};
 
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
@@ -208,6 +208,8 @@ struct Started {
     default_executor: String,
     max_concurrent: usize,
     grace: Duration,
+    /// The TCP listener's bounds.
+    limits: tandem_daemon::ConnLimits,
 }
 
 /// Arguments of `tandem mcp`.
@@ -250,7 +252,7 @@ pub async fn mcp(args: McpArgs, file: FileConfig) -> Result<u8> {
         // As `serve`: TANDEM_STORE_URL, else `[store] url`.
         store: config::store_url_env(),
     };
-    let started = start(&serve_args, &file, Say { json: false }).await?;
+    let started = start(&serve_args, file, Say { json: false }).await?;
     let served = tandem_daemon::mcp::serve_stdio(started.supervisor.clone()).await;
     started.supervisor.shutdown(started.grace).await;
     if let Some(d) = started.docker {
@@ -272,7 +274,8 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
         default_executor,
         max_concurrent,
         grace,
-    } = start(&args, &file, say).await?;
+        limits,
+    } = start(&args, file, say).await?;
     let socket = args
         .socket
         .clone()
@@ -322,7 +325,7 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
         Listeners {
             unix: Some(unix),
             tcp,
-            limits: config::conn_limits(&file)?,
+            limits,
         },
         tandem_daemon::api::DEFAULT_BODY_LIMIT,
         grace,
@@ -417,7 +420,17 @@ fn default_daemon_name(state_dir: &Path) -> String {
 
 /// Everything up to listening: the state dir locked, the store open, the executors, policy,
 /// defaults and model resolved, what a dead daemon left reaped, and its tasks recovered.
-async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started> {
+async fn start(args: &ServeArgs, file: FileConfig, say: Say) -> Result<Started> {
+    let settings = Settings::resolve(
+        file,
+        &Overrides {
+            executor: args.executor.as_deref(),
+            image: args.image.as_deref(),
+            model: &args.model,
+            road: Road::Daemon,
+        },
+    )?;
+    let file = &settings.file;
     harden()?;
     let state_dir = state_dir(args)?;
     // One daemon per state dir: a second one would mark the first one's tasks interrupted.
@@ -430,14 +443,13 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
     };
     // Read before anything slow starts, so a mistake in them is told at once.
     let sessions = config::sessions(file, max_concurrent)?;
-    let teams = config::teams(file)?;
     let files = std::sync::Arc::new(
         tandem_daemon::files::Files::new(config::files(file, &state_dir)?)
             .with_context(|| format!("cannot make the files dir in {}", state_dir.display()))?,
     );
-    config::conn_limits(file)?;
+    let limits = config::conn_limits(file)?;
     let (store, daemon, lease) = open_store(args, file, &state_dir)?;
-    let offered = executors(args, file, say).await?;
+    let offered = executors(&settings.executors, say).await?;
     // A cap for an executor the daemon does not have is a typo that would cap nothing.
     for name in sessions.per_executor.keys() {
         offered.registry.get(name).with_context(|| {
@@ -450,23 +462,18 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
     {
         d.warm_up();
     }
-    let defaults = config::task_defaults(file, offered.default.clone(), config::Road::Daemon)?;
-    let (model, local_model) = model(args, file, say).await?;
+    let local = model(&settings, say).await?;
     let supervisor = Supervisor::new(
         store,
         SupervisorConfig {
-            planner: PlannerConfig {
-                model,
-                local_model,
-                executors: offered.registry,
-                defaults,
+            planner: crate::planner::config(
+                &settings,
+                offered.registry,
+                offered.default.clone(),
                 policy,
-                approval: file.approval.clone(),
-                teams,
-                tools: tandem_agent::tools::Offered::start(file.tools.clone())
-                    .await
-                    .context("in [tools] of tandem.toml")?,
-            },
+                local,
+            )
+            .await?,
             max_concurrent,
             sessions,
             files,
@@ -483,6 +490,7 @@ async fn start(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Started>
         default_executor: offered.default,
         max_concurrent,
         grace,
+        limits,
     })
 }
 
@@ -526,16 +534,15 @@ struct Offered {
 }
 
 /// Every executor the daemon can offer; `auto` decides the default once, at start.
-async fn executors(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Offered> {
+async fn executors(settings: &ExecutorSettings, say: Say) -> Result<Offered> {
     let mut registry = Registry::new();
-    registry.register(Arc::new(LocalExecutor::new(config::local_config(file)?)));
-    let pool = file.executors.docker.pool_size.unwrap_or(2);
-    let connected =
-        crate::executors::Docker::connect(file, args.image.as_deref(), Some(pool)).await?;
+    registry.register(Arc::new(LocalExecutor::new(settings.local.get()?.clone())));
+    let docker = settings.docker.get()?;
+    let connected = crate::executors::Docker::connect(docker, Some(docker.pool_size)).await;
     // A bad `[executors.wasm]` is a configuration error, not an executor that is missing.
-    let wasm = tandem_executor_wasm::WasmExecutor::new(config::wasm_config(file)?)
+    let wasm = tandem_executor_wasm::WasmExecutor::new(settings.wasm.get()?.clone())
         .map_err(anyhow::Error::from);
-    let named = config::executor_name(args.executor.as_deref(), file);
+    let named = settings.default.clone();
     let default = match named.as_str() {
         "auto" => match crate::executors::why_not_docker(connected.as_ref()).await {
             None => "docker".to_owned(),
@@ -570,7 +577,7 @@ async fn executors(args: &ServeArgs, file: &FileConfig, say: Say) -> Result<Offe
             None
         }
     };
-    others(&mut registry, file, say).await?;
+    others(&mut registry, settings, say).await?;
     registry.get(&default)?;
     Ok(Offered {
         registry,
@@ -598,11 +605,11 @@ fn warm_wasm(wasm: tandem_executor_wasm::WasmExecutor, load: bool) {
 }
 
 /// The Kubernetes executor and the plugins the operator configured.
-async fn others(registry: &mut Registry, file: &FileConfig, say: Say) -> Result<()> {
+async fn others(registry: &mut Registry, settings: &ExecutorSettings, say: Say) -> Result<()> {
     // A configured cluster that does not answer is left out, as an unreachable Docker engine
     // is, but said aloud: the operator asked for it.
-    if config::kubernetes_config(file)?.is_some() {
-        match crate::executors::kubernetes(file).await {
+    if settings.kubernetes.get()?.is_some() {
+        match crate::executors::kubernetes(settings).await {
             Ok(k) => {
                 registry.register(Arc::new(k));
             }
@@ -611,8 +618,8 @@ async fn others(registry: &mut Registry, file: &FileConfig, say: Say) -> Result<
     }
     // A plugin that names no languages in the config is started now to ask for them; one
     // that cannot start is left out, as an unreachable Docker engine is.
-    for name in file.executors.plugins.keys() {
-        match crate::executors::plugin(name, file).await {
+    for name in settings.plugins.keys() {
+        match crate::executors::plugin(name, settings).await {
             Ok(Some(plugin)) => {
                 registry.register(Arc::new(plugin));
             }
@@ -658,23 +665,17 @@ fn policy(file: &FileConfig, offered: &Offered, say: Say) -> Result<tandem_daemo
 /// The model tasks get when they name no model server; an embedded one is loaded once here
 /// and shared by every task.
 async fn model(
-    args: &ServeArgs,
-    file: &FileConfig,
+    settings: &Settings,
     say: Say,
-) -> Result<(
-    tandem_agent::ModelConfig,
-    Option<Arc<dyn tandem_agent::chat::LocalModel>>,
-)> {
-    let mut model = config::model_config(&args.model, file)?;
-    let local_model = match crate::provider::choose(&args.model, file) {
+) -> Result<Option<(Arc<dyn tandem_agent::chat::LocalModel>, String)>> {
+    let local_model = match crate::provider::choose(&settings.provider) {
         Ok(crate::provider::Provider::Embedded { name, path }) => {
-            let loaded = crate::provider::load(&name, path.clone(), file).await?;
+            let loaded = crate::provider::load(&name, path.clone(), &settings.provider).await?;
             say.note(&format!(
                 "model: {name}, embedded ({}); tasks that name no model server use it",
                 path.display()
             ));
-            model.model = name;
-            Some(loaded)
+            Some((loaded, name))
         }
         Ok(crate::provider::Provider::Server) => None,
         Err(e) => {
@@ -684,7 +685,7 @@ async fn model(
             None
         }
     };
-    Ok((model, local_model))
+    Ok(local_model)
 }
 
 /// Removes the sandboxes a crashed daemon left (local blocks, local, WASM and plugin

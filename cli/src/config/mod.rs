@@ -1,5 +1,7 @@
-//! Settings resolved once, in this order: flags, then environment, then `tandem.toml`, then
-//! defaults. Nothing reads the environment after this.
+//! Settings resolved once per command, in this order: flags, then environment, then
+//! `tandem.toml`, then defaults, into one [`Settings`] (or, for a command that runs code but
+//! no task, [`ExecutorSettings`]). Every environment variable Tandem reads is read here;
+//! commands read the resolved fields and resolve nothing themselves.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -14,8 +16,10 @@ use tandem_executor_plugin::PluginConfig;
 use tandem_executor_wasm::{PythonProfile, WasmConfig};
 
 mod file;
+mod settings;
 
 pub use file::*;
+pub use settings::*;
 
 /// Tandem's directory under the XDG base directory `var`, else under `~/{under_home}`.
 pub(crate) fn xdg_dir(var: &str, under_home: &str) -> Option<PathBuf> {
@@ -101,7 +105,7 @@ fn env(name: &str) -> Option<String> {
 }
 
 /// The model settings: flags, then `TANDEM_MODEL`/`OPENAI_BASE_URL`/`OPENAI_API_KEY`, then the file.
-pub fn model_config(flags: &ModelFlags, file: &FileConfig) -> Result<ModelConfig> {
+fn model_config(flags: &ModelFlags, file: &FileConfig) -> Result<ModelConfig> {
     let defaults = ModelConfig::default();
     let m = &file.model;
     let max_retries = match env("TANDEM_MAX_RETRIES") {
@@ -140,7 +144,7 @@ pub fn model_config(flags: &ModelFlags, file: &FileConfig) -> Result<ModelConfig
 }
 
 /// The model named by the flags, `TANDEM_MODEL` or the file, if any.
-pub fn model_named(flags: &ModelFlags, file: &FileConfig) -> Option<String> {
+fn model_named(flags: &ModelFlags, file: &FileConfig) -> Option<String> {
     flags
         .model
         .clone()
@@ -150,7 +154,7 @@ pub fn model_named(flags: &ModelFlags, file: &FileConfig) -> Option<String> {
 
 /// Whether a model server is named anywhere: a base URL or an API key, in the flags, the
 /// environment or the file.
-pub fn server_named(flags: &ModelFlags, file: &FileConfig) -> bool {
+fn server_named(flags: &ModelFlags, file: &FileConfig) -> bool {
     let m = &file.model;
     flags.base_url.is_some()
         || env("OPENAI_BASE_URL").is_some()
@@ -345,6 +349,7 @@ pub fn limits(file: &FileConfig, wall: Option<f64>, flag: &str) -> Result<Limits
 pub const DAEMON_TASK_TIMEOUT: Duration = Duration::from_secs(1800);
 
 /// The road a task takes, for what it gets when it does not say.
+#[derive(Debug, Clone, Copy)]
 pub enum Road {
     /// `tandem run` in this process, with its `--timeout` and `--block-timeout`.
     InProcess {
@@ -361,7 +366,7 @@ pub enum Road {
 /// roads differ in one thing, here: a daemon's task gets [`DAEMON_TASK_TIMEOUT`] when neither
 /// it nor `[task] timeout_secs` sets a limit, since nothing a client forgets may run forever
 /// on a shared daemon; in process, the person at the terminal stops it.
-pub fn task_defaults(file: &FileConfig, executor: String, road: Road) -> Result<TaskDefaults> {
+fn task_defaults(file: &FileConfig, executor: String, road: Road) -> Result<TaskDefaults> {
     let from_file = file.task.timeout_secs.map(Duration::from_secs);
     let (timeout, block_timeout) = match road {
         Road::InProcess {
@@ -404,7 +409,7 @@ pub fn secs_to_duration(secs: f64, flag: &str) -> Result<Duration> {
 }
 
 /// Settings for the local executor.
-pub fn local_config(file: &FileConfig) -> Result<LocalConfig> {
+fn local_config(file: &FileConfig) -> Result<LocalConfig> {
     let l = &file.executors.local;
     let confine = match l.confine.as_deref() {
         None => tandem_executor_local::Confine::Auto,
@@ -427,7 +432,7 @@ pub fn local_config(file: &FileConfig) -> Result<LocalConfig> {
 
 /// Settings for the WASM executor: the runtimes from `TANDEM_WASM_DIR`, then the file; the
 /// rest from the file over the defaults.
-pub fn wasm_config(file: &FileConfig) -> Result<WasmConfig> {
+fn wasm_config(file: &FileConfig) -> Result<WasmConfig> {
     let w = &file.executors.wasm;
     let defaults = WasmConfig::from_env(&|k| std::env::var_os(k));
     let python = match w.python.as_deref() {
@@ -455,7 +460,7 @@ pub const BUILT_IN_EXECUTORS: [&str; 5] = ["auto", "docker", "kubernetes", "loca
 
 /// How to start the plugin `[executors.NAME]`; its environment is Tandem's PATH, HOME,
 /// LANG, USER and TMPDIR (no keys or tokens) and its own `env`.
-pub fn plugin_config(name: &str, section: &PluginSection) -> Result<PluginConfig> {
+fn plugin_config(name: &str, section: &PluginSection) -> Result<PluginConfig> {
     if BUILT_IN_EXECUTORS.contains(&name) {
         bail!("[executors.{name}] names a built-in executor; a plugin needs a name of its own");
     }
@@ -481,7 +486,7 @@ pub fn plugin_config(name: &str, section: &PluginSection) -> Result<PluginConfig
 }
 
 /// The executor name: the flag, then `TANDEM_EXECUTOR`, then `[task] executor`, then `auto`.
-pub fn executor_name(flag: Option<&str>, file: &FileConfig) -> String {
+fn executor_name(flag: Option<&str>, file: &FileConfig) -> String {
     // A flag filled from an empty variable by clap counts as unset, as the variable does.
     flag.filter(|f| !f.is_empty())
         .map(str::to_owned)
@@ -529,7 +534,7 @@ fn workspace_mode(
 
 /// The engines of `[[executors.docker.hosts]]`, each with the shared settings of
 /// `[executors.docker]`; empty when there are none.
-pub fn docker_hosts(
+fn docker_hosts(
     file: &FileConfig,
     image: Option<&str>,
 ) -> Result<Vec<tandem_executor_docker::HostSpec>> {
@@ -573,7 +578,7 @@ pub fn docker_hosts(
 }
 
 /// How often a fleet probes its hosts.
-pub fn docker_probe(file: &FileConfig) -> Result<std::time::Duration> {
+fn docker_probe(file: &FileConfig) -> Result<std::time::Duration> {
     match file.executors.docker.probe_secs {
         None => Ok(std::time::Duration::from_secs(2)),
         Some(s) if s > 0.0 && s <= 3600.0 => Ok(std::time::Duration::from_secs_f64(s)),
@@ -583,7 +588,7 @@ pub fn docker_probe(file: &FileConfig) -> Result<std::time::Duration> {
 
 /// Settings for the Docker executor: the image from `--image`, then `TANDEM_DOCKER_IMAGE`,
 /// then the file; the rest from the file over the hardened defaults.
-pub fn docker_config(file: &FileConfig, image: Option<&str>) -> Result<DockerConfig> {
+fn docker_config(file: &FileConfig, image: Option<&str>) -> Result<DockerConfig> {
     let d = &file.executors.docker;
     let defaults = DockerConfig::default();
     if let Some(cpus) = d.cpus
@@ -642,7 +647,7 @@ pub fn docker_config(file: &FileConfig, image: Option<&str>) -> Result<DockerCon
 }
 
 /// Settings for the Kubernetes executor; `None` when `[executors.kubernetes]` is absent.
-pub fn kubernetes_config(
+fn kubernetes_config(
     file: &FileConfig,
 ) -> Result<Option<tandem_executor_kubernetes::KubernetesConfig>> {
     let Some(k) = &file.executors.kubernetes else {
