@@ -888,7 +888,7 @@ mod tests {
     }
 
     fn team() -> TeamSpec {
-        let text = include_str!("../../../examples/teams/review.toml");
+        let text = include_str!("../../examples/teams/review.toml");
         toml::from_str(text).unwrap()
     }
 
