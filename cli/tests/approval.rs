@@ -7,6 +7,10 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+use tandem_protocol::{
+    ApprovalRequest, BlockStatus, Decision, Event, EventMsg, StopReason, TaskState, TaskView,
+};
+use tandem_tests::daemon::block_results;
 use tandem_tests::{DaemonHarness as Daemon, Reply, Script, ScriptedOpenAi, script, texts};
 
 use crate::e2e::settings;
@@ -31,16 +35,17 @@ fn block_then(code: &str, last: &str) -> Vec<Reply> {
 }
 
 /// Polls until task `id` is in `state`; returns its record.
-async fn wait_state(d: &Daemon, id: &str, state: &str) -> Value {
+async fn wait_state(d: &Daemon, id: &str, state: TaskState) -> TaskView {
     let started = Instant::now();
     loop {
-        let t = d.get(&format!("/v1/tasks/{id}")).await;
-        if t["state"] == state {
+        let t = d.task(id).await;
+        if t.record.state == state {
             return t;
         }
         assert!(
             started.elapsed() < Duration::from_secs(30),
-            "task {id} never reached {state}: {t}\n{}",
+            "task {id} never reached {}: {t:?}\n{}",
+            state.as_str(),
             d.log()
         );
         tokio::time::sleep(Duration::from_millis(30)).await;
@@ -56,8 +61,42 @@ async fn decide(d: &Daemon, id: &str, n: u64, body: Value) -> (u16, Value) {
     .await
 }
 
-fn of_type<'a>(events: &'a [Value], kind: &str) -> Vec<&'a Value> {
-    events.iter().filter(|e| e["type"] == kind).collect()
+/// How many approvals `events` asked for (`approval_requested`).
+fn requested(events: &[Event]) -> usize {
+    events
+        .iter()
+        .filter(|e| matches!(e.msg, EventMsg::ApprovalRequested { .. }))
+        .count()
+}
+
+/// What an `approval_decided` event says.
+struct Decided<'a> {
+    decision: Decision,
+    by: &'a str,
+    code: Option<&'a str>,
+    rule: Option<&'a str>,
+}
+
+/// Every approval decision in `events` (`approval_decided`), in order.
+fn decisions(events: &[Event]) -> Vec<Decided<'_>> {
+    events
+        .iter()
+        .filter_map(|e| match &e.msg {
+            EventMsg::ApprovalDecided {
+                decision,
+                by,
+                code,
+                rule,
+                ..
+            } => Some(Decided {
+                decision: *decision,
+                by,
+                code: code.as_deref(),
+                rule: rule.as_deref(),
+            }),
+            _ => None,
+        })
+        .collect()
 }
 
 /// What the model was sent as the executor's report in its second request.
@@ -84,11 +123,18 @@ async fn a_block_waits_and_runs_as_the_person_edited_it() {
     .unwrap();
     let d = start(&server, &[], ALWAYS).await;
     let id = d.submit(json!({ "task": task })).await;
-    let waiting = wait_state(&d, &id, "awaiting_approval").await;
+    let waiting = wait_state(&d, &id, TaskState::AwaitingApproval).await;
     assert_eq!(
-        waiting["pending_approval"],
-        json!({"n": 1, "turn": 1, "index": 1, "language": "python", "code": "print(41)\n",
-               "reason": "every block is asked about (mode = \"always\")"})
+        waiting.pending_approval,
+        Some(ApprovalRequest {
+            n: 1,
+            turn: 1,
+            index: 1,
+            language: "python".to_owned(),
+            code: "print(41)\n".to_owned(),
+            rule: None,
+            reason: "every block is asked about (mode = \"always\")".to_owned(),
+        })
     );
     let (_, shown, _) = d.cli(&["show", &id]).await;
     assert!(
@@ -99,8 +145,8 @@ async fn a_block_waits_and_runs_as_the_person_edited_it() {
     );
     // Nothing ran yet.
     let events = d.events(&id, 0).await;
-    assert!(of_type(&events, "exec_result").is_empty(), "{events:?}");
-    assert_eq!(of_type(&events, "approval_requested").len(), 1);
+    assert!(block_results(&events).is_empty(), "{events:?}");
+    assert_eq!(requested(&events), 1);
 
     let (status, body) = decide(
         &d,
@@ -112,13 +158,13 @@ async fn a_block_waits_and_runs_as_the_person_edited_it() {
     assert_eq!(status, 200, "{body}");
     d.wait_finished(&id, Duration::from_secs(30)).await;
     let events = d.events(&id, 0).await;
-    let decided = of_type(&events, "approval_decided");
+    let decided = decisions(&events);
     assert_eq!(decided.len(), 1);
-    assert_eq!(decided[0]["by"], "user");
-    assert_eq!(decided[0]["code"], "print(42)");
-    let result = &of_type(&events, "exec_result")[0]["result"];
+    assert_eq!(decided[0].by, "user");
+    assert_eq!(decided[0].code, Some("print(42)"));
+    let result = block_results(&events)[0];
     assert_eq!(
-        result["stdout"], "42\n",
+        result.stdout, "42\n",
         "the edited code ran, not the model's"
     );
     assert!(report_seen(&server, task).contains("42"));
@@ -148,7 +194,7 @@ async fn a_denial_reaches_the_model_with_the_reason_typed() {
     .unwrap();
     let d = start(&server, &[], ALWAYS).await;
     let id = d.submit(json!({ "task": task })).await;
-    wait_state(&d, &id, "awaiting_approval").await;
+    wait_state(&d, &id, TaskState::AwaitingApproval).await;
     // Bad bodies are refused with what to send, and decide nothing.
     for bad in [
         json!({"decision": "maybe"}),
@@ -175,14 +221,11 @@ async fn a_denial_reaches_the_model_with_the_reason_typed() {
     .await;
     assert_eq!(status, 200, "{body}");
     let done = d.wait_finished(&id, Duration::from_secs(30)).await;
-    assert_eq!(done["stop_reason"], "terminated");
+    assert_eq!(done.record.stop_reason, Some(StopReason::Terminated));
     let events = d.events(&id, 0).await;
-    let result = &of_type(&events, "exec_result")[0]["result"];
-    assert_eq!(result["status"], "declined");
-    assert!(
-        result["stdout"].as_str().unwrap().is_empty(),
-        "it never ran"
-    );
+    let result = block_results(&events)[0];
+    assert_eq!(result.status, BlockStatus::Declined);
+    assert!(result.stdout.is_empty(), "it never ran");
     let report = report_seen(&server, task);
     assert!(
         report.contains("the user declined to run this block: do not touch files"),
@@ -228,28 +271,28 @@ pattern = 'rm\s+-rf\s+/'
     let id = d.submit(json!({ "task": free })).await;
     d.wait_finished(&id, Duration::from_secs(30)).await;
     let events = d.events(&id, 0).await;
-    assert!(of_type(&events, "approval_requested").is_empty());
-    assert_eq!(
-        of_type(&events, "exec_result")[0]["result"]["stdout"],
-        "ok\n"
-    );
+    assert_eq!(requested(&events), 0);
+    assert_eq!(block_results(&events)[0].stdout, "ok\n");
 
     let id = d.submit(json!({ "task": denied })).await;
     d.wait_finished(&id, Duration::from_secs(30)).await;
     let events = d.events(&id, 0).await;
-    let decided = of_type(&events, "approval_decided");
+    let decided = decisions(&events);
     assert_eq!(decided.len(), 1);
-    assert_eq!(decided[0]["rule"], "rm at the root");
-    assert_eq!(decided[0]["decision"], "deny");
-    assert_eq!(
-        of_type(&events, "exec_result")[0]["result"]["status"],
-        "declined"
-    );
+    assert_eq!(decided[0].rule, Some("rm at the root"));
+    assert_eq!(decided[0].decision, Decision::Deny);
+    assert_eq!(block_results(&events)[0].status, BlockStatus::Declined);
     assert!(report_seen(&server, denied).contains("deny rule `rm at the root`"));
 
     let id = d.submit(json!({ "task": asked })).await;
-    let waiting = wait_state(&d, &id, "awaiting_approval").await;
-    assert_eq!(waiting["pending_approval"]["rule"], "pip install");
+    let waiting = wait_state(&d, &id, TaskState::AwaitingApproval).await;
+    assert_eq!(
+        waiting
+            .pending_approval
+            .as_ref()
+            .and_then(|a| a.rule.as_deref()),
+        Some("pip install")
+    );
     let (status, _) = decide(&d, &id, 1, json!({"decision": "approve"})).await;
     assert_eq!(status, 200);
     d.wait_finished(&id, Duration::from_secs(30)).await;
@@ -267,14 +310,11 @@ pattern = 'rm\s+-rf\s+/'
     let loosen = body["id"].as_str().unwrap().to_owned();
     d.wait_finished(&loosen, Duration::from_secs(30)).await;
     let events = d.events(&loosen, 0).await;
-    assert_eq!(
-        of_type(&events, "approval_decided")[0]["rule"],
-        "rm at the root"
-    );
+    assert_eq!(decisions(&events)[0].rule, Some("rm at the root"));
     let id = d
         .submit(json!({"task": tightened, "approval": {"mode": "always"}}))
         .await;
-    wait_state(&d, &id, "awaiting_approval").await;
+    wait_state(&d, &id, TaskState::AwaitingApproval).await;
     let (status, _) = decide(&d, &id, 1, json!({"decision": "approve"})).await;
     assert_eq!(status, 200);
     d.wait_finished(&id, Duration::from_secs(30)).await;
@@ -311,19 +351,19 @@ async fn a_waiting_task_holds_no_slot_and_an_unanswered_one_is_denied_in_time() 
     // One slot: the second task can only run if the waiting one gave its slot up.
     let d = start(&server, &["--max-concurrent", "1"], config).await;
     let first = d.submit(json!({ "task": waits })).await;
-    wait_state(&d, &first, "awaiting_approval").await;
+    wait_state(&d, &first, TaskState::AwaitingApproval).await;
     let second = d.submit(json!({ "task": passes })).await;
     let done = d.wait_finished(&second, Duration::from_secs(10)).await;
-    assert_eq!(done["stop_reason"], "terminated");
+    assert_eq!(done.record.stop_reason, Some(StopReason::Terminated));
     assert_eq!(
-        d.get(&format!("/v1/tasks/{first}")).await["state"],
-        "awaiting_approval"
+        d.task(&first).await.record.state,
+        TaskState::AwaitingApproval
     );
     // No one answers: the timeout denies it, and the model is told.
     d.wait_finished(&first, Duration::from_secs(30)).await;
     let events = d.events(&first, 0).await;
-    let decided = of_type(&events, "approval_decided");
-    assert_eq!(decided[0]["by"], "timeout");
+    let decided = decisions(&events);
+    assert_eq!(decided[0].by, "timeout");
     assert!(report_seen(&server, waits).contains("no one approved it within 2 s"));
 }
 
@@ -338,16 +378,16 @@ async fn a_waiting_block_survives_a_crash_and_is_decided_after_it() {
     .unwrap();
     let mut d = start(&server, &[], ALWAYS).await;
     let id = d.submit(json!({ "task": task })).await;
-    wait_state(&d, &id, "awaiting_approval").await;
+    wait_state(&d, &id, TaskState::AwaitingApproval).await;
     d.kill9();
     d.spawn().await;
     // Back to waiting for the same block, under the same number, without asking the model
     // again.
-    let waiting = wait_state(&d, &id, "awaiting_approval").await;
-    assert_eq!(waiting["pending_approval"]["n"], 1);
+    let waiting = wait_state(&d, &id, TaskState::AwaitingApproval).await;
+    assert_eq!(waiting.pending_approval.as_ref().map(|a| a.n), Some(1));
     assert_eq!(
-        waiting["pending_approval"]["code"],
-        "print('after restart')\n"
+        waiting.pending_approval.as_ref().map(|a| a.code.as_str()),
+        Some("print('after restart')\n")
     );
     assert_eq!(server.requests_for(task).len(), 1);
     // Decided over the CLI, which finds the waiting approval itself.
@@ -356,19 +396,16 @@ async fn a_waiting_block_survives_a_crash_and_is_decided_after_it() {
     assert_eq!(out, format!("{id} approval 1 approved\n"));
     d.wait_finished(&id, Duration::from_secs(30)).await;
     let events = d.events(&id, 0).await;
-    assert_eq!(of_type(&events, "approval_requested").len(), 1);
-    let results = of_type(&events, "exec_result");
-    assert_eq!(
-        results.last().unwrap()["result"]["stdout"],
-        "after restart\n"
-    );
+    assert_eq!(requested(&events), 1);
+    let results = block_results(&events);
+    assert_eq!(results.last().unwrap().stdout, "after restart\n");
 
     // A decision made while the daemon is down is made after it is up again: SIGTERM
     // interrupts the waiting task, and the next start waits again.
     let task2 = "approval: deny after shutdown";
     server.set(task2, block_then("print(3)", "TERMINATE"));
     let id = d.submit(json!({ "task": task2 })).await;
-    wait_state(&d, &id, "awaiting_approval").await;
+    wait_state(&d, &id, TaskState::AwaitingApproval).await;
     // A task waiting for a person does not hold the shutdown for its grace (10 s).
     let stopping = Instant::now();
     d.terminate().await;
@@ -378,7 +415,7 @@ async fn a_waiting_block_survives_a_crash_and_is_decided_after_it() {
         stopping.elapsed()
     );
     d.spawn().await;
-    wait_state(&d, &id, "awaiting_approval").await;
+    wait_state(&d, &id, TaskState::AwaitingApproval).await;
     let (code, _, err) = d.cli(&["deny", &id, "--reason", "not today"]).await;
     assert_eq!(code, 0, "{err}");
     d.wait_finished(&id, Duration::from_secs(30)).await;
@@ -402,7 +439,7 @@ async fn a_decision_made_before_a_crash_is_acted_on_after_it() {
     .unwrap();
     let mut d = start(&server, &["--max-concurrent", "1"], config).await;
     let id = d.submit(json!({ "task": waits })).await;
-    wait_state(&d, &id, "awaiting_approval").await;
+    wait_state(&d, &id, TaskState::AwaitingApproval).await;
     // The other task takes the only slot while this one waits...
     let holder = d.submit(json!({ "task": holds })).await;
     let started = Instant::now();
@@ -410,7 +447,7 @@ async fn a_decision_made_before_a_crash_is_acted_on_after_it() {
         .events(&holder, 0)
         .await
         .iter()
-        .any(|e| e["type"] == "code_block")
+        .any(|e| matches!(e.msg, EventMsg::CodeBlock { .. }))
     {
         assert!(
             started.elapsed() < Duration::from_secs(30),
@@ -422,20 +459,16 @@ async fn a_decision_made_before_a_crash_is_acted_on_after_it() {
     let (status, body) = decide(&d, &id, 1, json!({"decision": "approve"})).await;
     assert_eq!(status, 200, "{body}");
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(of_type(&d.events(&id, 0).await, "exec_result").is_empty());
+    assert!(block_results(&d.events(&id, 0).await).is_empty());
     d.kill9();
     d.spawn().await;
     let done = d.wait_finished(&id, Duration::from_secs(30)).await;
-    assert_eq!(done["stop_reason"], "terminated");
+    assert_eq!(done.record.stop_reason, Some(StopReason::Terminated));
     let events = d.events(&id, 0).await;
+    assert_eq!(requested(&events), 1, "asked again");
+    assert_eq!(decisions(&events).len(), 1);
     assert_eq!(
-        of_type(&events, "approval_requested").len(),
-        1,
-        "asked again"
-    );
-    assert_eq!(of_type(&events, "approval_decided").len(), 1);
-    assert_eq!(
-        of_type(&events, "exec_result").last().unwrap()["result"]["stdout"],
+        block_results(&events).last().unwrap().stdout,
         "GATED, then run\n"
     );
     assert_eq!(
@@ -651,8 +684,8 @@ async fn run_approve_through_the_daemon_answers_at_the_terminal() {
     // writer has written it (PostgreSQL takes longer).
     let started = Instant::now();
     let id = loop {
-        if let Some(id) = d.get("/v1/tasks").await["tasks"][0]["id"].as_str() {
-            break id.to_owned();
+        if let Some(first) = d.tasks("/v1/tasks").await.tasks.first() {
+            break first.id.clone();
         }
         assert!(
             started.elapsed() < Duration::from_secs(30),
@@ -660,7 +693,7 @@ async fn run_approve_through_the_daemon_answers_at_the_terminal() {
         );
         tokio::time::sleep(Duration::from_millis(30)).await;
     };
-    wait_state(&d, &id, "awaiting_approval").await;
+    wait_state(&d, &id, TaskState::AwaitingApproval).await;
     // [a]lways: this block and every later python block run without asking.
     term.answer("a");
     let out = term.finish();
@@ -670,17 +703,10 @@ async fn run_approve_through_the_daemon_answers_at_the_terminal() {
         out.contains("via the daemon\n") && out.contains("again\n"),
         "{out}"
     );
-    let id = d.get("/v1/tasks").await["tasks"][0]["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let id = d.tasks("/v1/tasks").await.tasks[0].id.clone();
     let events = d.events(&id, 0).await;
-    assert_eq!(of_type(&events, "approval_decided").len(), 2);
-    assert!(
-        of_type(&events, "approval_decided")
-            .iter()
-            .all(|e| e["by"] == "user")
-    );
+    assert_eq!(decisions(&events).len(), 2);
+    assert!(decisions(&events).iter().all(|e| e.by == "user"));
 }
 
 #[tokio::test]
@@ -699,12 +725,11 @@ async fn the_task_list_pages_newest_first() {
             None => "/v1/tasks?limit=2".to_owned(),
             Some(b) => format!("/v1/tasks?limit=2&before={b}"),
         };
-        let page = d.get(&path).await;
-        let tasks = page["tasks"].as_array().unwrap();
-        assert!(tasks.len() <= 2);
-        seen.extend(tasks.iter().map(|t| t["id"].as_str().unwrap().to_owned()));
-        match page["next"].as_str() {
-            Some(next) => before = Some(next.to_owned()),
+        let page = d.tasks(&path).await;
+        assert!(page.tasks.len() <= 2);
+        seen.extend(page.tasks.into_iter().map(|t| t.id));
+        match page.next {
+            Some(next) => before = Some(next),
             None => break,
         }
     }

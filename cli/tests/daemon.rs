@@ -7,6 +7,8 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+use tandem_protocol::{ApprovalMode, BlockStatus, Event, EventMsg, StopReason, TaskState};
+use tandem_tests::daemon::{block_results, kinds};
 use tandem_tests::{DaemonHarness as Daemon, Reply, Script, ScriptedOpenAi};
 
 async fn start(server: &ScriptedOpenAi, args: &[&str]) -> Daemon {
@@ -42,12 +44,8 @@ fn two_turns(tasks: impl IntoIterator<Item = (String, String)>) -> Script {
 /// cannot write outside their workspace, so they say it rather than leave a file.
 /// The host's pid of the block that [`sleeper`]`(tag)` runs, once it prints that it started: a
 /// confined block has a PID namespace of its own, so the pid it would print is not the host's.
-fn printed_pid(events: &[Value]) -> Option<u32> {
-    let text: String = events
-        .iter()
-        .filter(|e| e["type"] == "exec_output")
-        .filter_map(|e| e["text"].as_str())
-        .collect();
+fn printed_pid(events: &[Event]) -> Option<u32> {
+    let text: String = tandem_tests::daemon::block_output(events).concat();
     let tag = text
         .lines()
         .find_map(|l| l.strip_prefix("sleeping "))?
@@ -69,16 +67,11 @@ fn sleeper() -> String {
     )
 }
 
-pub(crate) fn block_output(events: &[Value]) -> Vec<String> {
-    events
-        .iter()
-        .filter(|e| e["type"] == "exec_result")
-        .map(|e| {
-            e["result"]["stdout"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned()
-        })
+/// The standard output of every block in `events` (`exec_result`), in order.
+pub(crate) fn block_output(events: &[Event]) -> Vec<String> {
+    block_results(events)
+        .into_iter()
+        .map(|r| r.stdout.clone())
         .collect()
 }
 
@@ -106,7 +99,7 @@ async fn cli_commands_go_through_the_daemon() {
         .unwrap()
         .to_owned();
     let task = d.wait_finished(&id, Duration::from_secs(30)).await;
-    assert_eq!(task["stop_reason"], "terminated");
+    assert_eq!(task.record.stop_reason, Some(StopReason::Terminated));
     assert_eq!(
         block_output(&d.events(&id, 0).await),
         ["hello from the daemon\n"]
@@ -134,13 +127,13 @@ async fn cli_commands_go_through_the_daemon() {
     // `tandem run` uses the daemon when one answers; the task shows up in its list.
     let (code, out, err) = d.cli(&["run", "--json", "daemon run"]).await;
     assert_eq!(code, 0, "{err}");
-    let events: Vec<Value> = out
+    let events: Vec<Event> = out
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(block_output(&events), ["42\n"]);
-    let listed = d.get("/v1/tasks").await;
-    assert_eq!(listed["tasks"].as_array().unwrap().len(), 2);
+    let listed = d.tasks("/v1/tasks").await;
+    assert_eq!(listed.tasks.len(), 2);
 
     // Cancelling a finished task is a conflict, said plainly.
     let (code, _, err) = d.cli(&["cancel", &id]).await;
@@ -167,7 +160,7 @@ async fn a_hundred_tasks_at_once() {
     }
     for (i, id) in ids.iter().enumerate() {
         let t = d.wait_finished(id, Duration::from_secs(120)).await;
-        assert_eq!(t["stop_reason"], "terminated", "{t}");
+        assert_eq!(t.record.stop_reason, Some(StopReason::Terminated), "{t:?}");
         assert_eq!(
             block_output(&d.events(id, 0).await),
             [format!("{}\n", i * 2)]
@@ -310,24 +303,27 @@ async fn a_task_runs_only_its_languages_within_its_own_tighter_limits() {
         .submit(json!({"task": "langs", "languages": ["py"], "limits": {"output_bytes": 1000}}))
         .await;
     let task = d.wait_finished(&id, Duration::from_secs(30)).await;
-    assert_eq!(task["stop_reason"], "terminated", "{task}");
-    assert_eq!(task["spec"]["languages"], json!(["py"]), "{task}");
-    let results: Vec<Value> = d
-        .events(&id, 0)
-        .await
-        .into_iter()
-        .filter(|e| e["type"] == "exec_result")
-        .map(|e| e["result"].clone())
-        .collect();
-    assert_eq!(results.len(), 2, "{results:?}");
-    assert_eq!(results[0]["status"], "unsupported");
     assert_eq!(
-        results[0]["stderr"],
+        task.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{task:?}"
+    );
+    assert_eq!(
+        task.record.spec.languages,
+        Some(vec!["py".to_owned()]),
+        "{task:?}"
+    );
+    let events = d.events(&id, 0).await;
+    let results = block_results(&events);
+    assert_eq!(results.len(), 2, "{results:?}");
+    assert_eq!(results[0].status, BlockStatus::Unsupported);
+    assert_eq!(
+        results[0].stderr,
         "language `sh` is not allowed in this task; allowed: python"
     );
-    assert_eq!(results[1]["status"], "exited");
-    assert_eq!(results[1]["truncated"], true, "{}", results[1]);
-    let kept = results[1]["stdout"].as_str().unwrap().matches('x').count();
+    assert_eq!(results[1].status, BlockStatus::Exited);
+    assert!(results[1].truncated, "{:?}", results[1]);
+    let kept = results[1].stdout.matches('x').count();
     assert!((500..=1000).contains(&kept), "{kept} of 5000 bytes kept");
     let asked = server.requests_for("langs");
     let system = asked[0].body["messages"][0]["content"].as_str().unwrap();
@@ -383,18 +379,23 @@ async fn submit_sends_what_run_sends_a_daemon() {
     let (code, out, err) = d.cli(&[&["submit"][..], &flags].concat()).await;
     assert_eq!(code, 0, "{err}");
     let id = out.trim();
-    let task = d.get(&format!("/v1/tasks/{id}")).await;
-    let spec = &task["spec"];
-    assert_eq!(spec["max_turns"], 3, "{spec}");
-    assert_eq!(spec["timeout_secs"], 90, "{spec}");
-    assert_eq!(spec["block_timeout_secs"], 7, "{spec}");
-    assert_eq!(spec["termination"], "FIN", "{spec}");
+    let task = d.task(id).await;
+    let spec = &task.record.spec;
+    assert_eq!(spec.max_turns, Some(3), "{spec:?}");
+    assert_eq!(spec.timeout_secs, Some(90), "{spec:?}");
+    assert_eq!(spec.block_timeout_secs, Some(7), "{spec:?}");
+    assert_eq!(spec.termination.as_deref(), Some("FIN"), "{spec:?}");
     assert_eq!(
-        spec["system_prompt"], "You are terse. Languages: {languages}",
-        "{spec}"
+        spec.system_prompt.as_deref(),
+        Some("You are terse. Languages: {languages}"),
+        "{spec:?}"
     );
-    assert_eq!(spec["languages"], json!(["python"]), "{spec}");
-    assert_eq!(spec["approval"]["mode"], "always", "{spec}");
+    assert_eq!(spec.languages, Some(vec!["python".to_owned()]), "{spec:?}");
+    assert_eq!(
+        spec.approval.as_ref().map(|a| a.mode),
+        Some(ApprovalMode::Always),
+        "{spec:?}"
+    );
     let (code, _, err) = d.cli(&["cancel", id]).await;
     assert_eq!(code, 0, "{err}");
 }
@@ -416,12 +417,18 @@ async fn a_streamed_reply_is_stored_in_a_few_rows_not_one_per_piece() {
     let d = start(&server, &[]).await;
     let id = d.submit(json!({"task": "stream"})).await;
     let task = d.wait_finished(&id, Duration::from_secs(30)).await;
-    assert_eq!(task["stop_reason"], "terminated", "{task}");
+    assert_eq!(
+        task.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{task:?}"
+    );
     let events = d.events(&id, 0).await;
     let deltas: Vec<&str> = events
         .iter()
-        .filter(|e| e["type"] == "assistant_delta")
-        .map(|e| e["text"].as_str().unwrap())
+        .filter_map(|e| match &e.msg {
+            EventMsg::AssistantDelta { text, .. } => Some(text.as_str()),
+            _ => None,
+        })
         .collect();
     assert_eq!(deltas.concat(), text);
     // Each piece in its own row would be 13.
@@ -430,7 +437,7 @@ async fn a_streamed_reply_is_stored_in_a_few_rows_not_one_per_piece() {
         "{} rows: {deltas:?}",
         deltas.len()
     );
-    let seqs: Vec<u64> = events.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
+    let seqs: Vec<u64> = events.iter().map(|e| e.seq).collect();
     assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>());
 }
 
@@ -443,7 +450,7 @@ async fn events_resume_after_last_event_id_with_no_gap_or_duplicate() {
     let id = d.submit(json!({"task": "sse"})).await;
     d.wait_finished(&id, Duration::from_secs(30)).await;
     let all = d.events(&id, 0).await;
-    let seqs: Vec<u64> = all.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
+    let seqs: Vec<u64> = all.iter().map(|e| e.seq).collect();
     assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>());
     for cut in 1..seqs.len() as u64 {
         let rest = d.events(&id, cut).await;
@@ -558,25 +565,21 @@ async fn kill_9_then_restart_keeps_every_task_and_resumes_the_interrupted() {
     }
     // Wait until some run, then kill the daemon mid-flight.
     let started = Instant::now();
-    while d.get("/v1/tasks?state=running").await["tasks"]
-        .as_array()
-        .unwrap()
-        .len()
-        < 6
-    {
+    while d.tasks("/v1/tasks?state=running").await.tasks.len() < 6 {
         assert!(started.elapsed() < Duration::from_secs(30));
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     d.kill9();
     d.spawn().await;
-    let listed = d.get("/v1/tasks").await;
-    assert_eq!(listed["tasks"].as_array().unwrap().len(), 30);
-    let interrupted: Vec<String> = d.get("/v1/tasks?state=interrupted").await["tasks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t["id"].as_str().unwrap().to_owned())
+    let listed = d.tasks("/v1/tasks").await;
+    assert_eq!(listed.tasks.len(), 30);
+    let interrupted: Vec<String> = d
+        .tasks("/v1/tasks?state=interrupted")
+        .await
+        .tasks
+        .into_iter()
+        .map(|t| t.id)
         .collect();
     // On its own store the restart leaves them interrupted for `tandem resume`; on a shared
     // one the daemon ends its old leases and resumes them itself.
@@ -593,16 +596,16 @@ async fn kill_9_then_restart_keeps_every_task_and_resumes_the_interrupted() {
     let mut cut_off = 0;
     for (i, id) in ids.iter().enumerate() {
         let t = d.wait_finished(id, Duration::from_secs(120)).await;
-        assert_eq!(t["stop_reason"], "terminated", "{t}");
+        assert_eq!(t.record.stop_reason, Some(StopReason::Terminated), "{t:?}");
         let events = d.events(id, 0).await;
-        let started = events.iter().filter(|e| e["type"] == "code_block").count();
+        let started = events
+            .iter()
+            .filter(|e| matches!(e.msg, EventMsg::CodeBlock { .. }))
+            .count();
         assert_eq!(started, 1, "{id}: its block ran again after the resume");
         let told = events.iter().any(|e| {
-            e["type"] == "executor_message"
-                && e["text"]
-                    .as_str()
-                    .unwrap()
-                    .contains("was cut off while the code of your last reply ran")
+            matches!(&e.msg, EventMsg::ExecutorMessage { text, .. }
+                if text.contains("was cut off while the code of your last reply ran"))
         });
         let out = block_output(&events);
         assert!(
@@ -650,10 +653,10 @@ async fn sigterm_lets_short_tasks_finish_and_interrupts_long_ones() {
         "the long block (pid {pid}) outlived the daemon"
     );
     d.spawn().await;
-    let t = d.get(&format!("/v1/tasks/{long}")).await;
-    assert_eq!(t["state"], "interrupted", "{t}");
-    let q = d.get(&format!("/v1/tasks/{quick}")).await;
-    assert_eq!(q["stop_reason"], "terminated");
+    let t = d.task(&long).await;
+    assert_eq!(t.record.state, TaskState::Interrupted, "{t:?}");
+    let q = d.task(&quick).await;
+    assert_eq!(q.record.stop_reason, Some(StopReason::Terminated));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -759,7 +762,7 @@ async fn logs_follow_reconnects_across_a_daemon_restart() {
         .spawn()
         .unwrap();
     let started = Instant::now();
-    while d.get(&format!("/v1/tasks/{id}")).await["state"] != "running" {
+    while d.task(&id).await.record.state != TaskState::Running {
         assert!(started.elapsed() < Duration::from_secs(30));
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -777,18 +780,24 @@ async fn logs_follow_reconnects_across_a_daemon_restart() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let events: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+    let events: Vec<Event> = String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     // Every stored event exactly once, in order, through the restart, ending with the end.
     let stored = d.events(&id, 0).await;
-    let types = |es: &[Value]| es.iter().map(|e| e["type"].clone()).collect::<Vec<_>>();
-    assert_eq!(types(&events), types(&stored));
-    assert_eq!(events.last().unwrap()["type"], "task_finished");
+    assert_eq!(kinds(&events), kinds(&stored));
+    assert!(
+        matches!(events.last().unwrap().msg, EventMsg::TaskFinished { .. }),
+        "{:?}",
+        events.last()
+    );
     // The block the kill cut off was not run again.
     assert_eq!(
-        stored.iter().filter(|e| e["type"] == "code_block").count(),
+        stored
+            .iter()
+            .filter(|e| matches!(e.msg, EventMsg::CodeBlock { .. }))
+            .count(),
         1
     );
 }
@@ -816,7 +825,7 @@ async fn tasks_can_run_in_the_wasm_sandbox() {
         .submit(json!({"task": "wasm task", "executor": "wasm"}))
         .await;
     let task = d.wait_finished(&id, Duration::from_secs(60)).await;
-    assert_eq!(task["state"], "finished", "{task}");
+    assert_eq!(task.record.state, TaskState::Finished, "{task:?}");
     let events = d.events(&id, 0).await;
     assert_eq!(block_output(&events), ["/workspace 0\n"]);
     let metrics = d.text("/metrics").await;
@@ -850,7 +859,11 @@ async fn sigterm_removes_the_warm_docker_pool() {
         .submit(json!({"task": "docker task", "executor": "docker"}))
         .await;
     let task = d.wait_finished(&id, Duration::from_secs(120)).await;
-    assert_eq!(task["stop_reason"], "terminated", "{task}");
+    assert_eq!(
+        task.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{task:?}"
+    );
     assert_eq!(block_output(&d.events(&id, 0).await), ["in a container\n"]);
     // The session refills the warm pool (2 by default) in the background.
     let pid = d.pid();
@@ -930,7 +943,7 @@ async fn a_resumed_task_with_a_kept_interpreter_tells_the_model_its_variables_ar
     d.spawn().await;
     d.resume_after_restart(&id).await;
     let t = d.wait_finished(&id, Duration::from_secs(60)).await;
-    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    assert_eq!(t.record.stop_reason, Some(StopReason::Terminated), "{t:?}");
     // The block after the restart ran in a new interpreter...
     let out = block_output(&d.events(&id, 0).await);
     assert_eq!(out.last().map(String::as_str), Some("False\n"), "{out:?}");

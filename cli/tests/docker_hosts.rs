@@ -7,6 +7,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use serde_json::{Value, json};
+use tandem_protocol::StopReason;
 use tandem_tests::{DaemonHarness as Daemon, ScriptedOpenAi, script, texts};
 
 use crate::e2e::tandem;
@@ -138,7 +139,11 @@ async fn the_api_shows_each_host_and_places_a_task_by_label() {
         .submit(json!({"task": task, "placement": {"zone": "a"}}))
         .await;
     let done = d.wait_finished(&id, Duration::from_secs(120)).await;
-    assert_eq!(done["stop_reason"], "terminated", "{done}");
+    assert_eq!(
+        done.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{done:?}"
+    );
     let events = d.text(&format!("/v1/tasks/{id}/events?follow=false")).await;
     assert!(events.contains(r#""stdout":"placed\n""#), "{events}");
 }

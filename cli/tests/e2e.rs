@@ -2,6 +2,10 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use tandem_protocol::{
+    BlockResult, BlockStatus, ErrorCode, ErrorInfo, Event, EventMsg, StopReason, Usage,
+};
+use tandem_tests::daemon::{block_output, block_results, kinds};
 use tandem_tests::{Reply, ScriptedOpenAi, script, texts};
 
 pub(crate) struct Output {
@@ -10,32 +14,93 @@ pub(crate) struct Output {
     pub(crate) stderr: String,
 }
 
+/// What a task's `task_finished` event says.
+#[derive(Debug)]
+pub(crate) struct Finished {
+    pub(crate) stop_reason: StopReason,
+    pub(crate) turns: u32,
+    pub(crate) usage: Usage,
+    pub(crate) error: Option<ErrorInfo>,
+    pub(crate) summary: Option<String>,
+}
+
 impl Output {
-    fn events(&self) -> Vec<Value> {
+    /// The events of a `--json` transcript (`tandem run`, `submit --wait`, `logs`): one per line.
+    pub(crate) fn events(&self) -> Vec<Event> {
         self.stdout
             .lines()
-            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not an Event ({e}): {l}")))
             .collect()
     }
 
-    pub(crate) fn of_type(&self, kind: &str) -> Vec<Value> {
+    /// What `tandem exec --json` printed: one block's result per line (not events).
+    fn exec_results(&self) -> Vec<BlockResult> {
+        self.stdout
+            .lines()
+            .map(|l| {
+                serde_json::from_str(l).unwrap_or_else(|e| panic!("not a BlockResult ({e}): {l}"))
+            })
+            .collect()
+    }
+
+    /// The events whose wire `type` is `kind`.
+    pub(crate) fn of_type(&self, kind: &str) -> Vec<EventMsg> {
+        let events = self.events();
+        let names = kinds(&events);
+        events
+            .into_iter()
+            .zip(names)
+            .filter(|(_, k)| k == kind)
+            .map(|(e, _)| e.msg)
+            .collect()
+    }
+
+    /// The result of every block (`exec_result`), in order.
+    pub(crate) fn results(&self) -> Vec<BlockResult> {
+        block_results(&self.events()).into_iter().cloned().collect()
+    }
+
+    /// The total length of the blocks' live output (`exec_output`).
+    fn live_bytes(&self) -> usize {
+        block_output(&self.events()).iter().map(|t| t.len()).sum()
+    }
+
+    /// The executor's reports to the model (`executor_message`), in order.
+    fn reports(&self) -> Vec<String> {
         self.events()
             .into_iter()
-            .filter(|e| e["type"] == kind)
+            .filter_map(|e| match e.msg {
+                EventMsg::ExecutorMessage { text, .. } => Some(text),
+                _ => None,
+            })
             .collect()
     }
 
     /// The task's last event, `task_finished`; only the files kept after it may follow.
-    pub(crate) fn finished(&self) -> Value {
+    pub(crate) fn finished(&self) -> Finished {
         let events = self.events();
         let last = events
             .iter()
             .rev()
-            .find(|e| e["type"] != "file_saved")
-            .expect("no events")
-            .clone();
-        assert_eq!(last["type"], "task_finished", "last event: {last}");
-        last
+            .find(|e| !matches!(e.msg, EventMsg::FileSaved { .. }))
+            .expect("no events");
+        match &last.msg {
+            EventMsg::TaskFinished {
+                stop_reason,
+                turns,
+                usage,
+                error,
+                summary,
+                ..
+            } => Finished {
+                stop_reason: *stop_reason,
+                turns: *turns,
+                usage: *usage,
+                error: error.clone(),
+                summary: summary.clone(),
+            },
+            _ => panic!("the last event is not task_finished; last event: {last:?}"),
+        }
     }
 }
 
@@ -134,15 +199,15 @@ async fn happy_path_runs_code_and_terminates() {
     let out = run_task(&server, task, &[]).await;
     assert_eq!(out.code, 0, "stderr: {}", out.stderr);
     let finished = out.finished();
-    assert_eq!(finished["stop_reason"], "terminated");
-    assert_eq!(finished["turns"], 2);
-    assert_eq!(finished["summary"], "The answer is 42.");
-    assert!(finished["usage"]["completion_tokens"].as_u64().unwrap() > 0);
-    let results = out.of_type("exec_result");
+    assert_eq!(finished.stop_reason, StopReason::Terminated);
+    assert_eq!(finished.turns, 2);
+    assert_eq!(finished.summary.as_deref(), Some("The answer is 42."));
+    assert!(finished.usage.completion_tokens > 0);
+    let results = out.results();
     assert_eq!(results.len(), 1);
-    assert_eq!(results[0]["result"]["stdout"], "42\n");
-    assert_eq!(results[0]["result"]["status"], "exited");
-    assert_eq!(results[0]["result"]["exit_code"], 0);
+    assert_eq!(results[0].stdout, "42\n");
+    assert_eq!(results[0].status, BlockStatus::Exited);
+    assert_eq!(results[0].exit_code, Some(0));
     // Streaming was used and the text arrived in pieces.
     assert!(out.of_type("assistant_delta").len() > 1);
     let reqs = server.requests_for(task);
@@ -171,7 +236,7 @@ async fn non_streaming_mode_works_too() {
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert_eq!(out.of_type("assistant_delta").len(), 0);
     assert_eq!(server.requests_for(task)[0].body["stream"], false);
-    assert_eq!(out.of_type("exec_result")[0]["result"]["stdout"], "hi\n");
+    assert_eq!(out.results()[0].stdout, "hi\n");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -203,7 +268,7 @@ async fn failing_block_then_fixed_one() {
         reqs[2].last_message(),
         Some("exitcode: 0 (execution succeeded)\nCode output: 1.0\n")
     );
-    assert_eq!(out.finished()["turns"], 3);
+    assert_eq!(out.finished().turns, 3);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -216,10 +281,10 @@ async fn max_turns_stops_with_its_own_exit_code() {
     let out = run_task(&server, task, &["--max-turns", "2"]).await;
     assert_eq!(out.code, 3, "{}", out.stderr);
     let finished = out.finished();
-    assert_eq!(finished["stop_reason"], "max_turns");
-    assert_eq!(finished["turns"], 2);
+    assert_eq!(finished.stop_reason, StopReason::MaxTurns);
+    assert_eq!(finished.turns, 2);
     assert_eq!(server.requests_for(task).len(), 2);
-    assert_eq!(out.of_type("exec_result").len(), 2);
+    assert_eq!(out.results().len(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -256,8 +321,8 @@ async fn unknown_language_is_reported_to_the_model() {
     .unwrap();
     let out = run_task(&server, task, &[]).await;
     assert_eq!(out.code, 0, "{}", out.stderr);
-    let result = &out.of_type("exec_result")[0]["result"];
-    assert_eq!(result["status"], "unsupported");
+    let result = &out.results()[0];
+    assert_eq!(result.status, BlockStatus::Unsupported);
     let report = server.requests_for(task)[1]
         .last_message()
         .unwrap()
@@ -338,17 +403,14 @@ async fn unknown_model_and_bad_key_are_not_retried() {
     .unwrap();
     let out = run_task(&server, "model: missing", &[]).await;
     assert_eq!(out.code, 1);
-    let err = &out.finished()["error"];
-    assert_eq!(err["code"], "model_not_found");
-    assert!(
-        err["message"]
-            .as_str()
-            .unwrap()
-            .contains("model `scripted-model`"),
-        "{err}"
-    );
+    let err = out.finished().error.expect("task_finished has no error");
+    assert_eq!(err.code, ErrorCode::ModelNotFound);
+    assert!(err.message.contains("model `scripted-model`"), "{err:?}");
     let out = run_task(&server, "key: bad", &[]).await;
-    assert_eq!(out.finished()["error"]["code"], "model_auth");
+    assert_eq!(
+        out.finished().error.map(|e| e.code),
+        Some(ErrorCode::ModelAuth)
+    );
     assert_eq!(
         server.requests().len(),
         2,
@@ -380,7 +442,10 @@ async fn server_errors_are_retried() {
         "one call and two retries"
     );
     assert_eq!(out.of_type("model_retry").len(), 2);
-    assert_eq!(out.finished()["error"]["code"], "model_unavailable");
+    assert_eq!(
+        out.finished().error.map(|e| e.code),
+        Some(ErrorCode::ModelUnavailable)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -407,9 +472,9 @@ async fn grandchild_that_outlives_its_timeout_is_killed() {
         started.elapsed()
     );
     assert_eq!(out.code, 0, "{}", out.stderr);
-    let result = &out.of_type("exec_result")[0]["result"];
-    assert_eq!(result["status"], "timed_out");
-    assert_eq!(result["stdout"], "started\n");
+    let result = &out.results()[0];
+    assert_eq!(result.status, BlockStatus::TimedOut);
+    assert_eq!(result.stdout, "started\n");
     let report = server.requests_for(task)[1]
         .last_message()
         .unwrap()
@@ -454,10 +519,7 @@ async fn daemon_api_key_is_invisible_to_code() {
     )
     .await;
     assert_eq!(out.code, 0, "{}", out.stderr);
-    let stdout = out.of_type("exec_result")[0]["result"]["stdout"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let stdout = out.results()[0].stdout.clone();
     assert_eq!(
         stdout,
         "['HOME', 'LANG', 'PATH', 'PYTHONDONTWRITEBYTECODE', 'PYTHONUNBUFFERED', 'TANDEM_EXEC_ID', 'TANDEM_OWNER', 'TMPDIR', 'XDG_CACHE_HOME']\n0\n"
@@ -481,9 +543,9 @@ async fn ten_megabytes_of_output_is_capped() {
     .unwrap();
     let out = run_task(&server, task, &[]).await;
     assert_eq!(out.code, 0, "{}", out.stderr);
-    let result = &out.of_type("exec_result")[0]["result"];
-    assert_eq!(result["truncated"], true);
-    let stdout = result["stdout"].as_str().unwrap();
+    let result = &out.results()[0];
+    assert!(result.truncated);
+    let stdout = result.stdout.as_str();
     assert!(stdout.len() < 70_000, "{}", stdout.len());
     assert!(stdout.ends_with("\nEND\n"));
     let report = server.requests_for(task)[1]
@@ -497,11 +559,7 @@ async fn ten_megabytes_of_output_is_capped() {
     );
     assert!(report.contains("Note: the output of block 1 was longer than 64 KiB per stream"));
     // Live output is the kept head: the cap's first half.
-    let live: usize = out
-        .of_type("exec_output")
-        .iter()
-        .map(|e| e["text"].as_str().unwrap().len())
-        .sum();
+    let live = out.live_bytes();
     assert_eq!(live, 32768);
 }
 
@@ -517,9 +575,9 @@ async fn invalid_utf8_and_stdin_reads() {
     .unwrap();
     let out = run_task(&server, task, &["--block-timeout", "20"]).await;
     assert_eq!(out.code, 0, "{}", out.stderr);
-    let result = &out.of_type("exec_result")[0]["result"];
-    assert_eq!(result["stdout"], "ok \u{fffd}\u{fffd}\nstdin is closed\n");
-    assert!(result["duration_ms"].as_u64().unwrap() < 5000);
+    let result = &out.results()[0];
+    assert_eq!(result.stdout, "ok \u{fffd}\u{fffd}\nstdin is closed\n");
+    assert!(result.duration_ms < 5000);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -536,7 +594,7 @@ async fn terminate_printed_by_code_does_not_stop() {
     .unwrap();
     let out = run_task(&server, task, &[]).await;
     assert_eq!(out.code, 0, "{}", out.stderr);
-    assert_eq!(out.finished()["turns"], 2);
+    assert_eq!(out.finished().turns, 2);
     assert_eq!(server.requests_for(task).len(), 2);
 }
 
@@ -557,14 +615,11 @@ async fn code_and_terminate_in_one_reply_runs_the_code_first() {
     let out = run_task(&server, task, &["--workdir", work.path().to_str().unwrap()]).await;
     assert_eq!(out.code, 0, "{}", out.stderr);
     let finished = out.finished();
-    assert_eq!(finished["stop_reason"], "terminated");
-    assert_eq!(finished["turns"], 1);
+    assert_eq!(finished.stop_reason, StopReason::Terminated);
+    assert_eq!(finished.turns, 1);
+    assert_eq!(out.results()[0].stdout, "written\n");
     assert_eq!(
-        out.of_type("exec_result")[0]["result"]["stdout"],
-        "written\n"
-    );
-    assert_eq!(
-        out.of_type("executor_message")[0]["text"],
+        out.reports()[0],
         "exitcode: 0 (execution succeeded)\nCode output: written\n"
     );
     assert_eq!(
@@ -663,13 +718,13 @@ async fn exec_runs_markdown_blocks_in_one_session() {
     let dir = work.path().to_str().unwrap();
     let out = tandem(&["exec", "--json", "--workdir", dir], &[], Some(md)).await;
     assert_eq!(out.code, 5, "{}", out.stderr);
-    let results: Vec<Value> = out.events();
+    let results: Vec<BlockResult> = out.exec_results();
     assert_eq!(results.len(), 3, "the block after the failure is not run");
-    assert_eq!(results[0]["stdout"], "saved\n");
+    assert_eq!(results[0].stdout, "saved\n");
     // Importing the saved module runs it again.
-    assert_eq!(results[1]["stdout"], "saved\n42\n");
-    assert_eq!(results[1]["language"], "sh");
-    assert_eq!(results[2]["exit_code"], 5);
+    assert_eq!(results[1].stdout, "saved\n42\n");
+    assert_eq!(results[1].language.as_deref(), Some("sh"));
+    assert_eq!(results[2].exit_code, Some(5));
     assert!(work.path().join("pkg/data.py").exists());
     // A one-shot leaves nothing behind in $TMPDIR (scratch dirs, transient workspaces).
     let tmp = tempfile::tempdir().unwrap();
@@ -703,10 +758,10 @@ async fn exec_refuses_paths_outside_the_workspace_and_times_out_with_124() {
     )
     .await;
     assert_eq!(out.code, 1);
-    let r = &out.events()[0];
-    assert_eq!(r["status"], "exited");
+    let r = &out.exec_results()[0];
+    assert_eq!(r.status, BlockStatus::Exited);
     assert_eq!(
-        r["stderr"],
+        r.stderr,
         "refused to write `../escape.py`: the path must stay inside the workspace (a relative path without `..` above it)"
     );
     let out = tandem(
@@ -800,9 +855,11 @@ async fn ctrl_c_cancels_cleanly_and_kills_the_block() {
     );
     assert_eq!(status.code(), Some(130));
     seen.push_str(&String::from_utf8_lossy(&rest));
-    let last: Value = serde_json::from_str(seen.lines().last().unwrap()).unwrap();
-    assert_eq!(last["type"], "task_finished");
-    assert_eq!(last["stop_reason"], "cancelled");
+    let last: Event = serde_json::from_str(seen.lines().last().unwrap()).unwrap();
+    let EventMsg::TaskFinished { stop_reason, .. } = &last.msg else {
+        panic!("the last event is not task_finished: {last:?}")
+    };
+    assert_eq!(*stop_reason, StopReason::Cancelled);
     let ps = std::process::Command::new("ps")
         .args(["-eo", "args"])
         .output()
@@ -1168,8 +1225,8 @@ async fn files_given_to_a_task_are_in_its_workspace_and_the_model_is_told_of_the
         )
         .await;
         assert_eq!(out.code, 0, "{executor}: {}\n{}", out.stdout, out.stderr);
-        let result = &out.of_type("exec_result")[0]["result"];
-        assert_eq!(result["stdout"], "42 alpha\n", "{executor}: {}", out.stdout);
+        let result = &out.results()[0];
+        assert_eq!(result.stdout, "42 alpha\n", "{executor}: {}", out.stdout);
     }
     // The user's own files are where they were.
     assert_eq!(
@@ -1232,15 +1289,8 @@ async fn a_kept_interpreter_keeps_variables_survives_an_interrupt_and_says_when_
         )
         .await;
         assert_eq!(out.code, 0, "{executor}: {}\n{}", out.stdout, out.stderr);
-        let results: Vec<Value> = out
-            .of_type("exec_result")
-            .into_iter()
-            .map(|e| e["result"].clone())
-            .collect();
-        let stdout: Vec<&str> = results
-            .iter()
-            .map(|r| r["stdout"].as_str().unwrap())
-            .collect();
+        let results: Vec<BlockResult> = out.results();
+        let stdout: Vec<&str> = results.iter().map(|r| r.stdout.as_str()).collect();
         assert_eq!(
             stdout,
             vec![
@@ -1256,29 +1306,31 @@ async fn a_kept_interpreter_keeps_variables_survives_an_interrupt_and_says_when_
         );
         // The interrupted block: timed out, told that the interpreter lives on.
         assert_eq!(
-            results[3]["status"], "timed_out",
+            results[3].status,
+            BlockStatus::TimedOut,
             "{executor}: {:#?}",
             results[3]
         );
-        let told = results[3]["stderr"].as_str().unwrap();
+        let told = results[3].stderr.as_str();
         assert!(told.contains("KeyboardInterrupt"), "{executor}: {told}");
         assert!(
             told.contains("the interpreter and its variables live on"),
             "{executor}: {told}"
         );
         // The block that ended the interpreter: its code, and that the state is gone.
-        assert_eq!(results[5]["exit_code"], 3, "{executor}: {:#?}", results[5]);
-        let told = results[5]["stderr"].as_str().unwrap();
+        assert_eq!(
+            results[5].exit_code,
+            Some(3),
+            "{executor}: {:#?}",
+            results[5]
+        );
+        let told = results[5].stderr.as_str();
         assert!(
             told.contains("the interpreter exited with code 3 during this block; the variables of earlier blocks are gone"),
             "{executor}: {told}"
         );
         // The model read it too.
-        let reports: Vec<String> = out
-            .of_type("executor_message")
-            .iter()
-            .map(|e| e["text"].as_str().unwrap().to_owned())
-            .collect();
+        let reports: Vec<String> = out.reports();
         assert!(
             reports
                 .iter()
@@ -1311,13 +1363,9 @@ async fn a_kept_interpreter_streams_only_the_head_of_a_huge_output() {
     .unwrap();
     let out = run_task(&server, "flood", &["-e", "local", "--keep-state"]).await;
     assert_eq!(out.code, 0, "{}", out.stderr);
-    let live: usize = out
-        .of_type("exec_output")
-        .iter()
-        .map(|e| e["text"].as_str().unwrap().len())
-        .sum();
+    let live = out.live_bytes();
     // Half of the 64 KiB kept per stream goes live, as with a fresh process.
     assert!(live <= 32 << 10, "{live} bytes streamed live");
-    let result = &out.of_type("exec_result")[0]["result"];
-    assert_eq!(result["truncated"], true, "{result}");
+    let result = &out.results()[0];
+    assert!(result.truncated, "{result:?}");
 }

@@ -4,6 +4,8 @@
 
 use std::path::PathBuf;
 
+use tandem_protocol::{BlockStatus, EventMsg, StopReason};
+
 use crate::e2e::tandem;
 
 /// The directory holding the pulled test model.
@@ -47,25 +49,29 @@ async fn a_task_is_solved_by_the_embedded_model_with_no_server_and_no_key() {
     )
     .await;
     let started = out.of_type("task_started");
-    assert_eq!(started[0]["model"], "qwen2.5-coder-0.5b", "{}", out.stderr);
+    let EventMsg::TaskStarted {
+        model, base_url, ..
+    } = &started[0]
+    else {
+        unreachable!("of_type(\"task_started\") gave {:?}", started[0])
+    };
+    assert_eq!(model, "qwen2.5-coder-0.5b", "{}", out.stderr);
     assert!(
-        started[0]["base_url"]
-            .as_str()
-            .unwrap()
-            .starts_with("the embedded engine ("),
-        "{}",
+        base_url.starts_with("the embedded engine ("),
+        "{:?}",
         started[0]
     );
-    let ran = out.of_type("exec_result");
+    let ran = out.results();
     assert!(
-        ran.iter().any(|r| r.to_string().contains("5\\n")),
+        ran.iter()
+            .any(|r| r.stdout.contains("5\n") || r.stderr.contains("5\n")),
         "no block printed 5: {}\n{}",
         out.stdout,
         out.stderr
     );
     assert_eq!(
-        out.finished()["stop_reason"],
-        "terminated",
+        out.finished().stop_reason,
+        StopReason::Terminated,
         "{}",
         out.stdout
     );
@@ -151,7 +157,12 @@ async fn the_daemon_loads_the_model_once_and_tasks_share_it() {
         let task = d
             .wait_finished(id, std::time::Duration::from_secs(180))
             .await;
-        assert_eq!(task["stop_reason"], "terminated", "{task}\n{}", d.log());
+        assert_eq!(
+            task.record.stop_reason,
+            Some(StopReason::Terminated),
+            "{task:?}\n{}",
+            d.log()
+        );
     }
     let log = d.log();
     assert_eq!(log.matches("embedded model loaded").count(), 1, "{log}");
@@ -185,15 +196,31 @@ async fn asked_with_the_tool_required_the_embedded_model_calls_execute_code_and_
     // Every reply must be a call: the one turn is one, constrained by the tool's grammar.
     let calls = out.of_type("tool_call");
     assert_eq!(calls.len(), 1, "{}\n{}", out.stdout, out.stderr);
-    assert_eq!(calls[0]["name"], "execute_code");
-    let arguments: serde_json::Value =
-        serde_json::from_str(calls[0]["arguments"].as_str().unwrap()).unwrap();
+    let EventMsg::ToolCall {
+        id: call_id,
+        name,
+        arguments,
+        ..
+    } = &calls[0]
+    else {
+        unreachable!("of_type(\"tool_call\") gave {:?}", calls[0])
+    };
+    assert_eq!(name, "execute_code");
+    let arguments: serde_json::Value = serde_json::from_str(arguments).unwrap();
     assert!(arguments["code"].is_string(), "{arguments}");
     // It ran as a block, and its answer went back as the call's.
-    let ran = out.of_type("exec_result");
+    let ran = out.results();
     assert_eq!(ran.len(), 1, "{}", out.stdout);
-    assert_eq!(ran[0]["result"]["status"], "exited", "{}", ran[0]);
+    assert_eq!(ran[0].status, BlockStatus::Exited, "{:?}", ran[0]);
     let answered = out.of_type("tool_result");
-    assert_eq!(answered[0]["id"], calls[0]["id"]);
-    assert_eq!(out.finished()["stop_reason"], "max_turns", "{}", out.stdout);
+    let EventMsg::ToolResult { id: answer_id, .. } = &answered[0] else {
+        unreachable!("of_type(\"tool_result\") gave {:?}", answered[0])
+    };
+    assert_eq!(answer_id, call_id);
+    assert_eq!(
+        out.finished().stop_reason,
+        StopReason::MaxTurns,
+        "{}",
+        out.stdout
+    );
 }

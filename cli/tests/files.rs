@@ -6,6 +6,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+use tandem_protocol::{Event, EventMsg, StopReason, TaskRecord};
+use tandem_tests::daemon::block_results;
 use tandem_tests::{DaemonHarness as Daemon, Reply, ScriptedOpenAi, script};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tandem");
@@ -78,8 +80,43 @@ async fn fetch(d: &Daemon, path: &str) -> (u16, reqwest::header::HeaderMap, Vec<
     (status, headers, resp.bytes().await.unwrap().to_vec())
 }
 
-fn of_type<'a>(events: &'a [Value], kind: &str) -> Vec<&'a Value> {
-    events.iter().filter(|e| e["type"] == kind).collect()
+/// What an `artifact` event says.
+#[derive(Clone, Copy, Debug)]
+struct Artifact<'a> {
+    turn: u32,
+    file: &'a str,
+    mime: &'a str,
+    bytes: u64,
+    href: Option<&'a str>,
+}
+
+/// Every picture in `events` (`artifact`), in order.
+fn artifacts(events: &[Event]) -> Vec<Artifact<'_>> {
+    events
+        .iter()
+        .filter_map(|e| match &e.msg {
+            EventMsg::Artifact {
+                turn,
+                file,
+                mime,
+                bytes,
+                href,
+                ..
+            } => Some(Artifact {
+                turn: *turn,
+                file,
+                mime,
+                bytes: *bytes,
+                href: href.as_deref(),
+            }),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The daemon's tasks (`GET /v1/tasks`).
+async fn tasks(d: &Daemon) -> Vec<TaskRecord> {
+    d.tasks("/v1/tasks").await.tasks
 }
 
 /// Every file beneath `dir`, as paths relative to it (links included, not followed).
@@ -141,24 +178,28 @@ async fn a_csv_uploaded_over_the_api_is_analysed_and_its_chart_comes_back_byte_i
         .await;
     let record = d.wait_finished(&id, Duration::from_secs(120)).await;
     let events = d.events(&id, 0).await;
-    assert_eq!(record["stop_reason"], "terminated", "{record}\n{events:#?}");
+    assert_eq!(
+        record.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{record:?}\n{events:#?}"
+    );
     // The block read the file it was given.
-    let result = &of_type(&events, "exec_result")[0]["result"];
-    assert_eq!(result["stdout"], "60\n", "{result}");
+    let result = block_results(&events)[0];
+    assert_eq!(result.stdout, "60\n", "{result:?}");
     // The chart it saved is an artifact with a link, after the block's result.
-    let artifacts = of_type(&events, "artifact");
+    let artifacts = artifacts(&events);
     assert_eq!(artifacts.len(), 1, "{events:#?}");
     let chart = artifacts[0];
-    assert_eq!(chart["file"], "chart.png");
-    assert_eq!(chart["mime"], "image/png");
-    let href = chart["href"].as_str().unwrap();
+    assert_eq!(chart.file, "chart.png");
+    assert_eq!(chart.mime, "image/png");
+    let href = chart.href.unwrap();
     assert_eq!(href, format!("/v1/tasks/{id}/files/chart.png"));
     let (status, headers, png) = fetch(&d, href).await;
     assert_eq!(status, 200);
     assert_eq!(headers["content-type"], "image/png");
     assert_eq!(headers["x-content-type-options"], "nosniff");
     assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
-    assert_eq!(png.len() as u64, chart["bytes"].as_u64().unwrap());
+    assert_eq!(png.len() as u64, chart.bytes);
     // Byte for byte what the block wrote, and what the tar of the workspace holds.
     let on_disk = d
         .state_dir()
@@ -356,7 +397,7 @@ async fn hostile_uploads_are_refused_by_name_and_write_nothing() {
             "{message}"
         );
     }
-    assert_eq!(d.get("/v1/tasks").await["tasks"], json!([]));
+    assert_eq!(tasks(&d).await, Vec::<TaskRecord>::new());
     // Within the caps, the same daemon takes an upload.
     let (status, up) = upload(&d, archive(&[("ok.txt", T::Regular, b"fine", None)])).await;
     assert_eq!(status, 201, "{up}");
@@ -381,7 +422,11 @@ async fn reading_a_workspace_follows_no_link_the_code_planted() {
     d.wait_finished(&other, Duration::from_secs(60)).await;
     let id = d.submit(json!({"task": "plant"})).await;
     let record = d.wait_finished(&id, Duration::from_secs(60)).await;
-    assert_eq!(record["stop_reason"], "terminated", "{record}");
+    assert_eq!(
+        record.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{record:?}"
+    );
     let list = d.get(&format!("/v1/tasks/{id}/files")).await;
     assert_eq!(
         list["files"].as_array().unwrap().len(),
@@ -478,9 +523,9 @@ async fn a_workspace_served_as_html_or_svg_is_not_run_by_the_browser() {
     );
     // And the SVG the block wrote was told as a picture.
     let events = d.events(&id, 0).await;
-    let pictures: Vec<_> = of_type(&events, "artifact")
+    let pictures: Vec<_> = artifacts(&events)
         .iter()
-        .map(|a| a["file"].as_str().unwrap().to_owned())
+        .map(|a| a.file.to_owned())
         .collect();
     assert_eq!(pictures, vec!["pic.svg"]);
 }
@@ -510,8 +555,8 @@ async fn finished_tasks_files_are_removed_after_their_time_and_the_store_says_so
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert!(!dir.exists(), "{}", dir.display());
-    let record = d.get(&format!("/v1/tasks/{id}")).await;
-    assert!(record["files_removed_ms"].as_u64().is_some(), "{record}");
+    let record = d.task(&id).await;
+    assert!(record.record.files_removed_ms.is_some(), "{record:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -540,7 +585,7 @@ async fn past_the_space_cap_the_oldest_finished_workspace_goes_first() {
     let second = d.submit(json!({"task": "second"})).await;
     d.wait_finished(&second, Duration::from_secs(60)).await;
     let started = Instant::now();
-    while d.get(&format!("/v1/tasks/{first}")).await["files_removed_ms"].is_null() {
+    while d.task(&first).await.record.files_removed_ms.is_none() {
         assert!(started.elapsed() < Duration::from_secs(60), "never removed");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -548,7 +593,7 @@ async fn past_the_space_cap_the_oldest_finished_workspace_goes_first() {
     let (status, _, body) = fetch(&d, &format!("/v1/tasks/{second}/files/b.bin")).await;
     assert_eq!(status, 200);
     assert_eq!(body.len(), 700_000);
-    assert!(d.get(&format!("/v1/tasks/{second}")).await["files_removed_ms"].is_null());
+    assert!(d.task(&second).await.record.files_removed_ms.is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -585,10 +630,7 @@ async fn tandem_submit_and_run_send_their_files_to_the_daemon() {
         assert!(out.contains(r#""stdout":"42\n""#), "{command}: {out}");
     }
     // Both ran on the daemon.
-    assert_eq!(
-        d.get("/v1/tasks").await["tasks"].as_array().unwrap().len(),
-        2
-    );
+    assert_eq!(tasks(&d).await.len(), 2);
     // A link in a directory given is sent as a link, and the daemon refuses it by name.
     let linked = dir.path().join("linked");
     std::fs::create_dir(&linked).unwrap();
@@ -601,10 +643,7 @@ async fn tandem_submit_and_run_send_their_files_to_the_daemon() {
         err.contains("--file: the upload was refused: `linked/root` is a symbolic link"),
         "{err}"
     );
-    assert_eq!(
-        d.get("/v1/tasks").await["tasks"].as_array().unwrap().len(),
-        2
-    );
+    assert_eq!(tasks(&d).await.len(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -755,10 +794,14 @@ async fn a_figure_shown_in_a_kept_interpreter_comes_back_as_a_picture() {
         .await;
     let record = d.wait_finished(&id, Duration::from_secs(120)).await;
     let events = d.events(&id, 0).await;
-    assert_eq!(record["stop_reason"], "terminated", "{record}\n{events:#?}");
-    let shown: Vec<(u64, &str)> = of_type(&events, "artifact")
-        .iter()
-        .map(|a| (a["turn"].as_u64().unwrap(), a["file"].as_str().unwrap()))
+    assert_eq!(
+        record.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{record:?}\n{events:#?}"
+    );
+    let shown: Vec<(u32, &str)> = artifacts(&events)
+        .into_iter()
+        .map(|a| (a.turn, a.file))
         .collect();
     // One figure a turn, each under a name of its own.
     assert_eq!(
@@ -793,8 +836,7 @@ async fn what_a_person_sees_of_files_and_pictures() {
         .cli(&["submit", "draw it", "--file", n.to_str().unwrap(), "--wait"])
         .await;
     assert_eq!(code, 0, "{err}");
-    let list = d.get("/v1/tasks").await;
-    let id = list["tasks"][0]["id"].as_str().unwrap().to_owned();
+    let id = tasks(&d).await[0].id.clone();
     let (code, files, err) = d.cli(&["files", &id]).await;
     assert_eq!(code, 0, "{err}");
     let (code, _, refused) = d
@@ -836,10 +878,14 @@ async fn a_figure_shown_by_a_fresh_docker_block_comes_back_as_a_picture() {
     let id = d.submit(json!({"task": "show it fresh"})).await;
     let record = d.wait_finished(&id, Duration::from_secs(120)).await;
     let events = d.events(&id, 0).await;
-    assert_eq!(record["stop_reason"], "terminated", "{record}\n{events:#?}");
-    let shown: Vec<(u64, &str)> = of_type(&events, "artifact")
-        .iter()
-        .map(|a| (a["turn"].as_u64().unwrap(), a["file"].as_str().unwrap()))
+    assert_eq!(
+        record.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{record:?}\n{events:#?}"
+    );
+    let shown: Vec<(u32, &str)> = artifacts(&events)
+        .into_iter()
+        .map(|a| (a.turn, a.file))
         .collect();
     assert_eq!(
         shown,
@@ -851,18 +897,13 @@ async fn a_figure_shown_by_a_fresh_docker_block_comes_back_as_a_picture() {
         "{events:#?}"
     );
     // The block's own output and exit code are as `python3 script` gives them.
-    let results: Vec<(String, Value)> = of_type(&events, "exec_result")
-        .iter()
-        .map(|e| {
-            (
-                e["result"]["stdout"].as_str().unwrap().to_owned(),
-                e["result"]["exit_code"].clone(),
-            )
-        })
+    let results: Vec<(String, Option<i32>)> = block_results(&events)
+        .into_iter()
+        .map(|r| (r.stdout.clone(), r.exit_code))
         .collect();
     assert_eq!(
         results,
-        vec![("drawn\n".to_owned(), json!(0)), (String::new(), json!(3))]
+        vec![("drawn\n".to_owned(), Some(0)), (String::new(), Some(3))]
     );
 }
 
@@ -893,9 +934,9 @@ async fn mcp_run_task_keeps_state_when_asked_and_is_refused_where_it_cannot() {
         .unwrap()
         .to_owned();
     let events = d.events(&id, 0).await;
-    let printed: Vec<&str> = of_type(&events, "exec_result")
-        .iter()
-        .map(|e| e["result"]["stdout"].as_str().unwrap())
+    let printed: Vec<&str> = block_results(&events)
+        .into_iter()
+        .map(|r| r.stdout.as_str())
         .collect();
     assert_eq!(printed, vec!["", "42\n"], "{events:#?}");
     let refused = mcp
@@ -969,13 +1010,14 @@ async fn a_figure_shown_by_a_local_block_fresh_or_kept_comes_back_as_a_picture()
         let record = d.wait_finished(&id, Duration::from_secs(60)).await;
         let events = d.events(&id, 0).await;
         assert_eq!(
-            record["stop_reason"], "terminated",
-            "{task}: {record}\n{events:#?}"
+            record.record.stop_reason,
+            Some(StopReason::Terminated),
+            "{task}: {record:?}\n{events:#?}"
         );
         // Shown: a picture; drawn and left unshown: none.
-        let shown: Vec<(u64, &str)> = of_type(&events, "artifact")
-            .iter()
-            .map(|a| (a["turn"].as_u64().unwrap(), a["file"].as_str().unwrap()))
+        let shown: Vec<(u32, &str)> = artifacts(&events)
+            .into_iter()
+            .map(|a| (a.turn, a.file))
             .collect();
         assert_eq!(shown, vec![(1, "figure-1.png")], "{task}: {events:#?}");
     }

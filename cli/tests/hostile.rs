@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 use serde_json::{Value, json};
+use tandem_protocol::{EventMsg, StopReason, TaskState};
+use tandem_tests::daemon::block_results;
 use tandem_tests::{DaemonHarness as Daemon, Reply, ScriptedOpenAi, script, texts};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tandem");
@@ -70,7 +72,7 @@ async fn a_task_never_sends_the_daemons_key_where_a_client_says() {
         .submit(json!({"task": "elsewhere", "base_url": format!("{}/", elsewhere.base_url())}))
         .await;
     let t = d.wait_finished(&id, Duration::from_secs(30)).await;
-    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    assert_eq!(t.record.stop_reason, Some(StopReason::Terminated), "{t:?}");
     let seen: Vec<Option<String>> = elsewhere
         .requests()
         .into_iter()
@@ -160,8 +162,8 @@ async fn a_block_never_reads_the_daemons_key_token_or_store() {
         server.set(&task, vec![python(&code), Reply::from("TERMINATE")]);
         let id = d.submit(json!({"task": task, "executor": executor})).await;
         let t = d.wait_finished(&id, Duration::from_secs(60)).await;
-        assert_eq!(t["stop_reason"], "terminated", "{t}");
-        let output = crate::daemon::block_output(&d.events(&id, 0).await).concat();
+        assert_eq!(t.record.stop_reason, Some(StopReason::Terminated), "{t:?}");
+        let output = d.block_stdouts(&id).await.concat();
         let token = std::fs::read_to_string(state.join("token")).unwrap();
         assert_eq!(output.matches("denied").count(), 3, "{executor}: {output}");
         assert!(!output.contains(&secret), "{executor} read the key");
@@ -212,7 +214,7 @@ async fn a_confined_local_block_sees_no_process_but_its_own() {
     );
     let id = d.submit(json!({"task": task, "executor": "local"})).await;
     let t = d.wait_finished(&id, Duration::from_secs(60)).await;
-    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    assert_eq!(t.record.stop_reason, Some(StopReason::Terminated), "{t:?}");
     let output = d.block_stdouts(&id).await.concat();
     // Its init (pid 1), the fork server's fork that runs it, its own sleep: a handful, not
     // the host's hundreds.
@@ -318,12 +320,14 @@ async fn a_model_that_never_stops_streaming_is_cut_off() {
     let started = Instant::now();
     let id = d.submit(json!({"task": "endless", "max_turns": 1})).await;
     let t = d.wait_finished(&id, Duration::from_secs(60)).await;
-    assert_eq!(t["stop_reason"], "max_turns", "{t}");
+    assert_eq!(t.record.stop_reason, Some(StopReason::MaxTurns), "{t:?}");
     let events = d.events(&id, 0).await;
     let reply = events
         .iter()
-        .find(|e| e["type"] == "assistant_message")
-        .and_then(|e| e["text"].as_str())
+        .find_map(|e| match &e.msg {
+            EventMsg::AssistantMessage { text, .. } => Some(text.as_str()),
+            _ => None,
+        })
         .unwrap();
     // Cut at the default max_reply_bytes, 1 MiB (the server would send 20 MiB).
     assert!(
@@ -350,7 +354,7 @@ async fn a_task_that_names_no_timeout_gets_the_operators() {
     let d = daemon(&server, &[], Some("[task]\ntimeout_secs = 1\n")).await;
     let id = d.submit(json!({"task": "never answers"})).await;
     let t = d.wait_finished(&id, Duration::from_secs(30)).await;
-    assert_eq!(t["stop_reason"], "timeout", "{t}");
+    assert_eq!(t.record.stop_reason, Some(StopReason::Timeout), "{t:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -375,7 +379,7 @@ async fn concurrent_resumes_run_an_interrupted_task_once() {
     }
     let started = Instant::now();
     for id in &ids {
-        while d.get(&format!("/v1/tasks/{id}")).await["turns"].as_u64() < Some(TURNS as u64 + 1) {
+        while u64::from(d.task(id).await.record.turns) < TURNS as u64 + 1 {
             assert!(started.elapsed() < Duration::from_secs(60));
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -420,7 +424,7 @@ async fn concurrent_resumes_run_an_interrupted_task_once() {
     }
     for id in &ids {
         let t = d.wait_finished(id, Duration::from_secs(30)).await;
-        assert_eq!(t["stop_reason"], "cancelled", "{t}");
+        assert_eq!(t.record.stop_reason, Some(StopReason::Cancelled), "{t:?}");
     }
 }
 
@@ -521,7 +525,7 @@ async fn bad_bytes_long_strings_and_huge_numbers_get_a_4xx_and_the_daemon_serves
     }
     let id = d.submit(json!({"task": "after"})).await;
     let t = d.wait_finished(&id, Duration::from_secs(30)).await;
-    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    assert_eq!(t.record.stop_reason, Some(StopReason::Terminated), "{t:?}");
 }
 
 /// Values a daemon accepts, or none.
@@ -609,7 +613,7 @@ fn every_accepted_spec_runs_to_an_end_and_every_other_is_refused() {
                     accepted.set(accepted.get() + 1);
                     let id = body["id"].as_str().unwrap();
                     let t = d.wait_finished(id, Duration::from_secs(120)).await;
-                    prop_assert_eq!(&t["state"], "finished");
+                    prop_assert_eq!(t.record.state, TaskState::Finished);
                 }
                 400 => {
                     refused.set(refused.get() + 1);
@@ -727,32 +731,27 @@ async fn a_local_block_cannot_reach_the_daemons_socket_to_approve_a_waiting_bloc
         );
         let gated_id = d.submit(json!({ "task": gated })).await;
         let started = Instant::now();
-        while d.get(&format!("/v1/tasks/{gated_id}")).await["state"] != "awaiting_approval" {
+        while d.task(&gated_id).await.record.state != TaskState::AwaitingApproval {
             assert!(started.elapsed() < Duration::from_secs(30), "never waited");
             tokio::time::sleep(Duration::from_millis(30)).await;
         }
         let forger = d.submit(json!({ "task": attacker })).await;
         d.wait_finished(&forger, Duration::from_secs(30)).await;
         let events = d.events(&forger, 0).await;
-        let out = events
-            .iter()
-            .find(|e| e["type"] == "exec_result")
-            .map(|e| {
-                e["result"]["stdout"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_owned()
-            })
+        let out = block_results(&events)
+            .first()
+            .map(|r| r.stdout.clone())
             .unwrap_or_default();
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let state = d.get(&format!("/v1/tasks/{gated_id}")).await["state"].clone();
+        let state = d.task(&gated_id).await.record.state;
         if confine == "auto" {
             assert!(
                 out.starts_with("denied"),
                 "the block reached the daemon: {out}"
             );
             assert_eq!(
-                state, "awaiting_approval",
+                state,
+                TaskState::AwaitingApproval,
                 "a block approved another's code"
             );
         } else {
@@ -760,7 +759,7 @@ async fn a_local_block_cannot_reach_the_daemons_socket_to_approve_a_waiting_bloc
                 out.contains("forged"),
                 "the control did not reach the daemon: {out}"
             );
-            assert_ne!(state, "awaiting_approval");
+            assert_ne!(state, TaskState::AwaitingApproval);
         }
     }
 }

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
 use sha2::Digest as _;
+use tandem_protocol::{Event, EventMsg};
 use tandem_tests::{DaemonHarness as Daemon, Reply, ScriptedOpenAi, script};
 
 use crate::e2e::{fence, settings};
@@ -147,11 +147,15 @@ fn check_kept(dir: &Path, stdout: &str, road: &str) {
     );
 }
 
-fn of_type(stdout: &str, kind: &str) -> Vec<Value> {
+/// What `run --json` says it kept (`file_saved`): each file, its size, where it went.
+fn saved(stdout: &str) -> Vec<(String, u64, String)> {
     stdout
         .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|v| v["type"] == kind)
+        .filter_map(|l| serde_json::from_str::<Event>(l).ok())
+        .filter_map(|e| match e.msg {
+            EventMsg::FileSaved { file, bytes, to } => Some((file, bytes, to)),
+            _ => None,
+        })
         .collect()
 }
 
@@ -219,16 +223,7 @@ async fn what_a_run_made_is_kept_in_process_on_local_and_docker() {
     .await;
     assert_eq!(run.code, 0, "{}", run.stderr);
     let task_dir = only_task_dir(&out);
-    let saved: Vec<(String, u64, String)> = of_type(&run.stdout, "file_saved")
-        .iter()
-        .map(|e| {
-            (
-                e["file"].as_str().unwrap().to_owned(),
-                e["bytes"].as_u64().unwrap(),
-                e["to"].as_str().unwrap().to_owned(),
-            )
-        })
-        .collect();
+    let saved = saved(&run.stdout);
     let want: Vec<(String, u64, String)> = KEPT
         .iter()
         .map(|f| {

@@ -6,6 +6,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use serde_json::json;
+use tandem_protocol::StopReason;
 use tandem_tests::kubernetes::FakeCluster;
 use tandem_tests::{DaemonHarness as Daemon, ScriptedOpenAi, script, texts};
 
@@ -94,7 +95,11 @@ async fn the_daemon_offers_kubernetes_and_runs_a_task_in_a_pod() {
         .submit(json!({"task": task, "executor": "kubernetes"}))
         .await;
     let done = d.wait_finished(&id, Duration::from_secs(120)).await;
-    assert_eq!(done["stop_reason"], "terminated", "{done}");
+    assert_eq!(
+        done.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{done:?}"
+    );
     let events = d.text(&format!("/v1/tasks/{id}/events?follow=false")).await;
     // The pod's main process: the block ran in the claimed pod, not on this machine.
     assert!(events.contains(r#""stdout":"sleep\n""#), "{events}");

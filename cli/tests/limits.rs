@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+use tandem_protocol::{EventMsg, StopReason, TaskState};
 use tandem_tests::{DaemonHarness as Daemon, McpHttp as Mcp, Reply, ScriptedOpenAi, script, texts};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 
@@ -169,7 +170,11 @@ async fn a_team_nested_by_names_past_the_bound_is_refused_and_the_daemon_lives()
     assert!(answer.to_string().contains("max_depth"), "{answer}");
     assert!(alive(d.pid()), "the daemon died:\n{}", d.log());
     let done = d.wait_finished(&running, Duration::from_secs(60)).await;
-    assert_eq!(done["stop_reason"], "terminated", "{done}");
+    assert_eq!(
+        done.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{done:?}"
+    );
     // The control: the deepest team the bound allows runs.
     let (within, within_file) = chain(8);
     assert_eq!(parse_team(&d, within_file).await.0, 200);
@@ -177,8 +182,8 @@ async fn a_team_nested_by_names_past_the_bound_is_refused_and_the_daemon_lives()
         .submit(json!({"task": "within the bound", "team": within}))
         .await;
     let done = d.wait_finished(&id, Duration::from_secs(60)).await;
-    assert!(done["error"].is_null(), "{done}");
-    assert_eq!(done["turns"], 1, "{done}");
+    assert!(done.record.error.is_none(), "{done:?}");
+    assert_eq!(done.record.turns, 1, "{done:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -202,7 +207,7 @@ async fn a_team_at_the_highest_depth_an_operator_may_set_runs_without_overflowin
     let (team, file) = chain(64);
     let id = d.submit(json!({"task": "deepest", "team": team})).await;
     let done = d.wait_finished(&id, Duration::from_secs(60)).await;
-    assert!(done["error"].is_null(), "{done}");
+    assert!(done.record.error.is_none(), "{done:?}");
     assert!(alive(d.pid()));
     // `tandem run --team` leaves the bounds to the daemon: past the defaults, within its own.
     let path = file_dir(&file);
@@ -279,7 +284,7 @@ async fn a_parallel_wider_than_the_bound_is_refused_and_one_within_it_runs() {
     .await;
     let id = d.submit(json!({"task": "wide", "team": wide(8)})).await;
     let done = d.wait_finished(&id, Duration::from_secs(60)).await;
-    assert!(done["error"].is_null(), "{done}");
+    assert!(done.record.error.is_none(), "{done:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -311,10 +316,14 @@ async fn max_concurrent_holds_with_no_approval_policy() {
     let mut spans = Vec::new();
     for id in &ids {
         let done = d.wait_finished(id, Duration::from_secs(60)).await;
-        assert_eq!(done["stop_reason"], "terminated", "{done}");
+        assert_eq!(
+            done.record.stop_reason,
+            Some(StopReason::Terminated),
+            "{done:?}"
+        );
         spans.push((
-            done["started_ms"].as_u64().unwrap(),
-            done["finished_ms"].as_u64().unwrap(),
+            done.record.started_ms.unwrap(),
+            done.record.finished_ms.unwrap(),
         ));
     }
     spans.sort_unstable();
@@ -770,7 +779,7 @@ async fn a_model_servers_error_never_puts_a_key_into_the_store() {
     .await;
     let id = d.submit(json!({"task": "echoing server"})).await;
     let done = d.wait_finished(&id, Duration::from_secs(30)).await;
-    let message = done["error"]["message"].as_str().unwrap();
+    let message = done.record.error.as_ref().unwrap().message.as_str();
     assert!(message.contains("[redacted]"), "{message}");
     assert!(message.contains("bad request"), "{message}");
     // On the host: the store's files hold none of it.
@@ -806,9 +815,16 @@ async fn a_reply_with_thousands_of_blocks_runs_the_first_sixteen_and_says_so() {
     let d = daemon(&server, &[], None).await;
     let id = d.submit(json!({"task": "many blocks"})).await;
     let done = d.wait_finished(&id, Duration::from_secs(120)).await;
-    assert_eq!(done["stop_reason"], "terminated", "{done}");
+    assert_eq!(
+        done.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{done:?}"
+    );
     let events = d.events(&id, 0).await;
-    let ran = events.iter().filter(|e| e["type"] == "exec_result").count();
+    let ran = events
+        .iter()
+        .filter(|e| matches!(e.msg, EventMsg::ExecResult { .. }))
+        .count();
     assert_eq!(ran, 16);
     let told = server.requests_for("many blocks")[1]
         .last_message()
@@ -852,7 +868,7 @@ async fn an_approvers_edit_is_checked_against_the_deny_rules() {
     ] {
         let id = d.submit(json!({ "task": task })).await;
         let started = Instant::now();
-        while d.get(&format!("/v1/tasks/{id}")).await["state"] != "awaiting_approval" {
+        while d.task(&id).await.record.state != TaskState::AwaitingApproval {
             assert!(started.elapsed() < Duration::from_secs(30));
             tokio::time::sleep(Duration::from_millis(30)).await;
         }

@@ -5,6 +5,7 @@
 use std::path::Path;
 
 use crate::e2e::{fence, settings, tandem};
+use tandem_protocol::{EventMsg, TaskState};
 use tandem_tests::{Reply, ScriptedOpenAi, script};
 
 /// A config whose output cap is small enough to read a cut output whole.
@@ -89,7 +90,7 @@ async fn a_second_daemon_on_the_same_state_dir_is_refused_and_names_the_first() 
     .await;
     let id = d.submit(serde_json::json!({"task": task})).await;
     let started = std::time::Instant::now();
-    while d.get(&format!("/v1/tasks/{id}")).await["state"] != "running" {
+    while d.task(&id).await.record.state != TaskState::Running {
         assert!(started.elapsed() < std::time::Duration::from_secs(30));
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
@@ -110,7 +111,7 @@ async fn a_second_daemon_on_the_same_state_dir_is_refused_and_names_the_first() 
             d.pid()
         )
     );
-    assert_eq!(d.get(&format!("/v1/tasks/{id}")).await["state"], "running");
+    assert_eq!(d.task(&id).await.record.state, TaskState::Running);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -262,7 +263,7 @@ async fn during_the_grace_reads_and_streams_go_on_and_new_work_is_refused() {
         .events(&id, 0)
         .await
         .iter()
-        .any(|e| e["type"] == "exec_output")
+        .any(|e| matches!(e.msg, EventMsg::ExecOutput { .. }))
     {
         assert!(started.elapsed() < std::time::Duration::from_secs(30));
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;

@@ -4,6 +4,8 @@
 use std::path::Path;
 
 use serde_json::Value;
+use tandem_protocol::StopReason;
+use tandem_tests::daemon::block_results;
 
 use crate::e2e::tandem;
 
@@ -189,13 +191,17 @@ async fn the_daemon_offers_a_configured_plugin_and_runs_tasks_on_it() {
     let task = d
         .wait_finished(&id, std::time::Duration::from_secs(60))
         .await;
-    assert_eq!(task["stop_reason"], "terminated", "{task}");
+    assert_eq!(
+        task.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{task:?}"
+    );
     let events = d.events(&id, 0).await;
-    let result = events
-        .iter()
-        .find(|e| e["type"] == "exec_result")
+    let result = block_results(&events)
+        .into_iter()
+        .next()
         .unwrap_or_else(|| panic!("no block ran: {events:?}"));
-    assert_eq!(result["result"]["stdout"], "42\n", "{result}");
+    assert_eq!(result.stdout, "42\n", "{result:?}");
     d.terminate().await;
 }
 

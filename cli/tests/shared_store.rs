@@ -7,6 +7,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+use tandem_protocol::{Event, EventMsg, StopReason, TaskState};
+use tandem_tests::daemon::block_output;
 use tandem_tests::{DaemonHarness as Daemon, Postgres, Reply, Script, ScriptedOpenAi};
 use tokio::io::AsyncBufReadExt as _;
 
@@ -56,11 +58,14 @@ async fn all_wait_on_the_model(d: &Daemon, name: &str) -> bool {
     let running = d.get("/v1/tasks?state=running").await;
     for t in running["tasks"].as_array().unwrap() {
         let id = t["id"].as_str().unwrap();
-        if d.get(&format!("/v1/tasks/{id}")).await["daemon"] != name {
+        if d.task(id).await.daemon.as_deref() != Some(name) {
             continue;
         }
         let events = d.events(id, 0).await;
-        if events.last().is_none_or(|e| e["type"] != "turn_started") {
+        if events
+            .last()
+            .is_none_or(|e| !matches!(e.msg, EventMsg::TurnStarted { .. }))
+        {
             return false;
         }
     }
@@ -69,7 +74,7 @@ async fn all_wait_on_the_model(d: &Daemon, name: &str) -> bool {
 
 /// Task `id`'s events from `d`'s SSE feed after `after`, live, until `stop` says so (or the
 /// task's end).
-async fn follow(d: &Daemon, id: &str, after: u64, stop: impl Fn(&Value) -> bool) -> Vec<Value> {
+async fn follow(d: &Daemon, id: &str, after: u64, stop: impl Fn(&Event) -> bool) -> Vec<Event> {
     let mut resp = d
         .http()
         .get(format!("http://tandem/v1/tasks/{id}/events"))
@@ -88,8 +93,8 @@ async fn follow(d: &Daemon, id: &str, after: u64, stop: impl Fn(&Value) -> bool)
         while let Some(end) = buf.find("\n\n") {
             let frame: String = buf.drain(..end + 2).collect();
             if let Some(data) = frame.lines().find_map(|l| l.strip_prefix("data: ")) {
-                let event: Value = serde_json::from_str(data).unwrap();
-                let last = stop(&event) || event["type"] == "task_finished";
+                let event: Event = serde_json::from_str(data).unwrap();
+                let last = stop(&event) || matches!(event.msg, EventMsg::TaskFinished { .. });
                 out.push(event);
                 if last {
                     return out;
@@ -99,8 +104,12 @@ async fn follow(d: &Daemon, id: &str, after: u64, stop: impl Fn(&Value) -> bool)
     }
 }
 
-fn seqs(events: &[Value]) -> Vec<u64> {
-    events.iter().map(|e| e["seq"].as_u64().unwrap()).collect()
+fn seqs(events: &[Event]) -> Vec<u64> {
+    events.iter().map(|e| e.seq).collect()
+}
+
+fn approval_requested(e: &Event) -> bool {
+    matches!(e.msg, EventMsg::ApprovalRequested { .. })
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -156,12 +165,8 @@ async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
     let b = daemon(&server, "b", &url, 30.0, policy).await;
 
     // B follows the task A runs, live: the first tick reaches B while the task still runs.
-    let first = follow(&b, &ticks, 0, |e| e["type"] == "approval_requested").await;
-    assert_eq!(
-        first.last().unwrap()["type"],
-        "approval_requested",
-        "{first:?}"
-    );
+    let first = follow(&b, &ticks, 0, approval_requested).await;
+    assert!(approval_requested(first.last().unwrap()), "{first:?}");
     let (status, body) = b
         .send(
             reqwest::Method::POST,
@@ -171,20 +176,22 @@ async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
         .await;
     assert_eq!(status, 200, "{body}");
     let upto_tick = follow(&b, &ticks, seqs(&first).last().copied().unwrap(), |e| {
-        e["type"] == "exec_output"
+        matches!(e.msg, EventMsg::ExecOutput { .. })
     })
     .await;
-    assert_eq!(
-        upto_tick.last().unwrap()["text"],
-        "tick 0\n",
+    assert!(
+        matches!(
+            &upto_tick.last().unwrap().msg,
+            EventMsg::ExecOutput { text, .. } if text == "tick 0\n"
+        ),
         "{upto_tick:?}"
     );
     // Either daemon says which one runs it.
-    let t = b.get(&format!("/v1/tasks/{ticks}")).await;
+    let t = b.task(&ticks).await;
     assert_eq!(
-        (&t["state"], &t["daemon"]),
-        (&json!("running"), &json!("a")),
-        "{t}"
+        (t.record.state, t.daemon.as_deref()),
+        (TaskState::Running, Some("a")),
+        "{t:?}"
     );
     // Resumed on the other daemon from the last event seen: no gap, no repeat.
     let seen = *seqs(&upto_tick).last().unwrap();
@@ -194,11 +201,20 @@ async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
     all.extend(seqs(&rest));
     let stored = seqs(&b.events(&ticks, 0).await);
     assert_eq!(all, stored);
-    assert_eq!(rest.last().unwrap()["stop_reason"], "terminated");
+    assert!(
+        matches!(
+            rest.last().unwrap().msg,
+            EventMsg::TaskFinished {
+                stop_reason: StopReason::Terminated,
+                ..
+            }
+        ),
+        "{rest:?}"
+    );
 
     // A decision sent to B reaches the block waiting on A; a denial, its reason.
-    let asked = follow(&b, &gated, 0, |e| e["type"] == "approval_requested").await;
-    assert_eq!(asked.last().unwrap()["type"], "approval_requested");
+    let asked = follow(&b, &gated, 0, approval_requested).await;
+    assert!(approval_requested(asked.last().unwrap()), "{asked:?}");
     let (status, body) = b
         .send(
             reqwest::Method::POST,
@@ -208,12 +224,12 @@ async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
         .await;
     assert_eq!(status, 200, "{body}");
     let t = b.wait_finished(&gated, Duration::from_secs(60)).await;
-    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    assert_eq!(t.record.stop_reason, Some(StopReason::Terminated), "{t:?}");
     let events = b.events(&gated, 0).await;
     assert!(
         events
             .iter()
-            .any(|e| e["type"] == "exec_output" && e["text"] == "approved\n"),
+            .any(|e| matches!(&e.msg, EventMsg::ExecOutput { text, .. } if text == "approved\n")),
         "{events:?}"
     );
     // Deciding it again, on either daemon, is a conflict.
@@ -227,7 +243,7 @@ async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
     assert_eq!(status, 409, "{body}");
 
     // A denial sent to B reaches A's task, and the model reads its reason.
-    follow(&b, &denied, 0, |e| e["type"] == "approval_requested").await;
+    follow(&b, &denied, 0, approval_requested).await;
     let (status, body) = b
         .send(
             reqwest::Method::POST,
@@ -237,7 +253,7 @@ async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
         .await;
     assert_eq!(status, 200, "{body}");
     let t = b.wait_finished(&denied, Duration::from_secs(60)).await;
-    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    assert_eq!(t.record.stop_reason, Some(StopReason::Terminated), "{t:?}");
     let told = server.requests_for("denied")[1]
         .last_message()
         .unwrap()
@@ -245,13 +261,15 @@ async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
     assert!(told.contains("not on a shared box"), "{told}");
     let events = b.events(&denied, 0).await;
     assert!(
-        !events.iter().any(|e| e["type"] == "exec_output"),
+        !events
+            .iter()
+            .any(|e| matches!(e.msg, EventMsg::ExecOutput { .. })),
         "{events:?}"
     );
 
     // A cancel sent to B stops the block running on A.
-    let asked = follow(&b, &forever, 0, |e| e["type"] == "approval_requested").await;
-    assert_eq!(asked.last().unwrap()["type"], "approval_requested");
+    let asked = follow(&b, &forever, 0, approval_requested).await;
+    assert!(approval_requested(asked.last().unwrap()), "{asked:?}");
     let (status, _) = b
         .send(
             reqwest::Method::POST,
@@ -260,7 +278,10 @@ async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
         )
         .await;
     assert_eq!(status, 200);
-    follow(&b, &forever, 0, |e| e["type"] == "code_block").await;
+    follow(&b, &forever, 0, |e| {
+        matches!(e.msg, EventMsg::CodeBlock { .. })
+    })
+    .await;
     let (status, body) = b
         .send(
             reqwest::Method::POST,
@@ -270,7 +291,7 @@ async fn any_daemon_follows_cancels_and_decides_for_a_task_another_runs() {
         .await;
     assert_eq!(status, 200, "{body}");
     let t = b.wait_finished(&forever, Duration::from_secs(30)).await;
-    assert_eq!(t["stop_reason"], "cancelled", "{t}");
+    assert_eq!(t.record.stop_reason, Some(StopReason::Cancelled), "{t:?}");
     // Which daemon runs what: A ran them (and lets go once their sandboxes are closed), B none.
     wait_for("A lets its tasks go", Duration::from_secs(30), async || {
         running_on(&a, "a").await == 0
@@ -316,7 +337,7 @@ async fn a_paused_daemon_loses_its_task_and_runs_nothing_of_it_when_it_wakes() {
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
     let b = daemon(&server, "b", &url, 2.0, "").await;
     let t = b.wait_finished(&id, Duration::from_secs(60)).await;
-    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    assert_eq!(t.record.stop_reason, Some(StopReason::Terminated), "{t:?}");
     // A wakes with the reply its call was sent meanwhile, and is fenced out.
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT).unwrap();
     wait_for(
@@ -333,11 +354,14 @@ async fn a_paused_daemon_loses_its_task_and_runs_nothing_of_it_when_it_wakes() {
     let events = b.events(&id, 0).await;
     let finished = events
         .iter()
-        .filter(|e| e["type"] == "task_finished")
+        .filter(|e| matches!(e.msg, EventMsg::TaskFinished { .. }))
         .count();
-    let results = events.iter().filter(|e| e["type"] == "exec_result").count();
+    let results = events
+        .iter()
+        .filter(|e| matches!(e.msg, EventMsg::ExecResult { .. }))
+        .count();
     assert_eq!((finished, results), (1, 1), "{events:#?}");
-    assert_eq!(b.get(&format!("/v1/tasks/{id}")).await["state"], "finished");
+    assert_eq!(b.task(&id).await.record.state, TaskState::Finished);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -390,7 +414,7 @@ async fn a_follower_on_another_daemon_outlasts_a_database_restart_and_misses_not
     };
     // Down for 5 s while the block ticks on A. B, which runs nothing, refuses a submit
     // meanwhile, and takes them again once the database is back.
-    follow(&b, &id, 0, |e| e["type"] == "exec_output").await;
+    follow(&b, &id, 0, |e| matches!(e.msg, EventMsg::ExecOutput { .. })).await;
     tokio::task::block_in_place(|| pg.stop());
     let submit = async |d: &Daemon| {
         let body = json!({"task": "later"}).to_string();
@@ -426,13 +450,8 @@ async fn a_follower_on_another_daemon_outlasts_a_database_restart_and_misses_not
         .collect();
     let stored = seqs(&a.events(&id, 0).await);
     assert_eq!(seen, stored, "the follower on B missed or repeated events");
-    let out: String = a
-        .events(&id, 0)
-        .await
-        .iter()
-        .filter(|e| e["type"] == "exec_output")
-        .map(|e| e["text"].as_str().unwrap().to_owned())
-        .collect();
+    let events = a.events(&id, 0).await;
+    let out: String = block_output(&events).concat();
     let want: String = (0..12).map(|i| format!("tick {i}\n")).collect();
     assert_eq!(out, want, "A's events were not all kept, in order");
 }
@@ -535,8 +554,8 @@ async fn three_daemons_run_every_block_once_through_a_kill_9_and_a_database_outa
     )
     .await;
     for id in &ids {
-        let t = daemons[2].get(&format!("/v1/tasks/{id}")).await;
-        assert_eq!(t["stop_reason"], "terminated", "{t}");
+        let t = daemons[2].task(id).await;
+        assert_eq!(t.record.stop_reason, Some(StopReason::Terminated), "{t:?}");
     }
     let mut counts: BTreeMap<usize, usize> = BTreeMap::new();
     for line in std::fs::read_to_string(&lines).unwrap().lines() {
@@ -615,8 +634,8 @@ async fn store_migrate_moves_a_daemons_tasks_into_postgres_where_another_daemon_
         let after = new.events(id, 0).await;
         assert_eq!(after.len(), before, "{id}");
         assert_eq!(
-            new.get(&format!("/v1/tasks/{id}")).await["stop_reason"],
-            "terminated"
+            new.task(id).await.record.stop_reason,
+            Some(StopReason::Terminated)
         );
     }
 }
@@ -820,7 +839,7 @@ async fn racing_resumes_and_cancels_through_two_daemons_run_each_task_once() {
             a.events(id, 0)
                 .await
                 .iter()
-                .any(|e| e["type"] == "code_block")
+                .any(|e| matches!(e.msg, EventMsg::CodeBlock { .. }))
         })
         .await;
     }
@@ -829,8 +848,8 @@ async fn racing_resumes_and_cancels_through_two_daemons_run_each_task_once() {
     a.spawn().await;
     b.spawn().await;
     for id in &ids {
-        let t = a.get(&format!("/v1/tasks/{id}")).await;
-        assert_eq!(t["state"], "interrupted", "{t}");
+        let t = a.task(id).await;
+        assert_eq!(t.record.state, TaskState::Interrupted, "{t:?}");
     }
     let asked: BTreeMap<&String, usize> = tasks
         .iter()
@@ -878,12 +897,12 @@ async fn racing_resumes_and_cancels_through_two_daemons_run_each_task_once() {
     futures::future::join_all(cancels).await;
     for id in &ids {
         let t = b.wait_finished(id, Duration::from_secs(60)).await;
-        assert_eq!(t["stop_reason"], "cancelled", "{t}");
+        assert_eq!(t.record.stop_reason, Some(StopReason::Cancelled), "{t:?}");
         let finished = b
             .events(id, 0)
             .await
             .iter()
-            .filter(|e| e["type"] == "task_finished")
+            .filter(|e| matches!(e.msg, EventMsg::TaskFinished { .. }))
             .count();
         assert_eq!(finished, 1, "{id} ended {finished} times");
     }

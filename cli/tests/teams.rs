@@ -65,6 +65,7 @@ async fn every_team_in_the_docs_checks() {
 
 use std::time::{Duration, Instant};
 
+use tandem_protocol::{Event, EventMsg, StopReason};
 use tandem_tests::{Reply, Script, ScriptedOpenAi};
 
 /// The requests of `task` made for the agent whose instructions are `agent`.
@@ -90,11 +91,14 @@ async fn scripted(task: &str, agents: Vec<(&str, Vec<Reply>)>) -> ScriptedOpenAi
         .unwrap()
 }
 
-/// The JSON events of a `--json` run's output.
-fn events_of(out: &crate::e2e::Output) -> Vec<serde_json::Value> {
+/// The events of a `--json` run's output (lines that are not JSON are passed over).
+fn events_of(out: &crate::e2e::Output) -> Vec<Event> {
     out.stdout
         .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .map(|v| {
+            serde_json::from_value(v.clone()).unwrap_or_else(|e| panic!("not an Event ({e}): {v}"))
+        })
         .collect()
 }
 
@@ -237,8 +241,10 @@ async fn an_escalation_ends_only_the_innermost_loop() {
     let events = events_of(&out);
     let speakers: Vec<String> = events
         .iter()
-        .filter(|e| e["type"] == "turn_started")
-        .map(|e| e["agent"].as_str().unwrap().to_owned())
+        .filter_map(|e| match &e.msg {
+            EventMsg::TurnStarted { agent, .. } => Some(agent.clone().unwrap()),
+            _ => None,
+        })
         .collect();
     // The loop ended at the critic's STOP; the sequence went on to the summariser.
     assert_eq!(
@@ -260,10 +266,12 @@ async fn an_escalation_ends_only_the_innermost_loop() {
     // Every event of an agent's turn names the agent by its path.
     let said: Vec<(String, String)> = events
         .iter()
-        .filter(|e| e["type"] == "assistant_message")
-        .map(|e| {
-            let path = e["path"].as_str().unwrap_or("none").to_owned();
-            (path, e["text"].as_str().unwrap().to_owned())
+        .filter_map(|e| match &e.msg {
+            EventMsg::AssistantMessage { text, .. } => {
+                let path = e.path.as_deref().unwrap_or("none").to_owned();
+                Some((path, text.clone()))
+            }
+            _ => None,
         })
         .collect();
     assert_eq!(
@@ -597,7 +605,7 @@ async fn a_team_on_the_daemon_resumes_after_kill_9_where_it_was() {
         .await;
     assert_eq!(status, 200, "{body}");
     let t = d.wait_finished(&id, Duration::from_secs(60)).await;
-    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    assert_eq!(t.record.stop_reason, Some(StopReason::Terminated), "{t:?}");
     let asked = |agent: &str| asked(&server, task, agent).len();
     // The loop went on at the critic's second turn: no draft was asked for again.
     assert_eq!(
@@ -606,7 +614,11 @@ async fn a_team_on_the_daemon_resumes_after_kill_9_where_it_was() {
     );
     let events = d.events(&id, 0).await;
     let last = events.last().unwrap();
-    assert_eq!(last["summary"], "Final", "{last}");
+    let summary = match &last.msg {
+        EventMsg::TaskFinished { summary, .. } => summary.as_deref(),
+        _ => None,
+    };
+    assert_eq!(summary, Some("Final"), "{last:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -832,15 +844,28 @@ async fn ends_with_runs_the_last_code_first_and_a_fenced_word_is_said_not_run() 
     let events = events_of(&out);
     let reports: Vec<&str> = events
         .iter()
-        .filter(|e| e["type"] == "executor_message")
-        .map(|e| e["text"].as_str().unwrap())
+        .filter_map(|e| match &e.msg {
+            EventMsg::ExecutorMessage { text, .. } => Some(text.as_str()),
+            _ => None,
+        })
         .collect();
     assert_eq!(reports.len(), 2, "{}", out.stdout);
     assert_eq!(reports[0], "Send code, or say DONE.");
     assert!(reports[1].contains("42"), "{}", reports[1]);
-    let ended = events.iter().find(|e| e["type"] == "team_ended").unwrap();
-    assert_eq!(ended["by"], "ends_with DONE by coder");
-    assert_eq!(events.last().unwrap()["stop_reason"], "terminated");
+    let ended = events
+        .iter()
+        .find_map(|e| match &e.msg {
+            EventMsg::TeamEnded { by, .. } => Some(by.as_str()),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(ended, "ends_with DONE by coder");
+    let last = events.last().unwrap();
+    let stop_reason = match &last.msg {
+        EventMsg::TaskFinished { stop_reason, .. } => Some(*stop_reason),
+        _ => None,
+    };
+    assert_eq!(stop_reason, Some(StopReason::Terminated), "{last:?}");
 
     // A block that holds only the word says it: the chat ends and nothing runs.
     let task = "team: fenced word";

@@ -6,6 +6,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+use tandem_protocol::{EventMsg, StopReason, TaskState};
+use tandem_tests::daemon::block_output;
 use tandem_tests::{DaemonHarness as Daemon, Reply, ScriptedOpenAi, call, script};
 
 use crate::e2e::{settings, tandem};
@@ -169,7 +171,7 @@ async fn a_task_with_tool_calls_resumes_after_kill_9_with_its_calls_answered() {
         let events = d.events(&id, 0).await;
         if events
             .iter()
-            .any(|e| e["type"] == "exec_output" && e["text"] == "sleeping\n")
+            .any(|e| matches!(&e.msg, EventMsg::ExecOutput { text, .. } if text == "sleeping\n"))
         {
             break;
         }
@@ -181,7 +183,7 @@ async fn a_task_with_tool_calls_resumes_after_kill_9_with_its_calls_answered() {
     let (code, _, err) = d.cli(&["resume", &id]).await;
     assert_eq!(code, 0, "{err}");
     let t = d.wait_finished(&id, Duration::from_secs(60)).await;
-    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    assert_eq!(t.record.stop_reason, Some(StopReason::Terminated), "{t:?}");
     // After the resume each call was answered once, in order: the one that ended with what
     // it said, the one the crash cut off with why it is not run again.
     let asked = server.requests_for(task);
@@ -207,19 +209,26 @@ async fn a_task_with_tool_calls_resumes_after_kill_9_with_its_calls_answered() {
     let events = d.events(&id, 0).await;
     let answered: Vec<(&str, &str)> = events
         .iter()
-        .filter(|e| e["type"] == "tool_result")
-        .map(|e| (e["id"].as_str().unwrap(), e["name"].as_str().unwrap()))
+        .filter_map(|e| match &e.msg {
+            EventMsg::ToolResult { id, name, .. } => Some((id.as_str(), name.as_str())),
+            _ => None,
+        })
         .collect();
     // The crash cut the reply's second call off; nothing ran twice.
     assert_eq!(answered, [("w", "wc")]);
-    let message = events
+    let (text, tool_results) = events
         .iter()
         .rev()
-        .find(|e| e["type"] == "executor_message")
+        .find_map(|e| match &e.msg {
+            EventMsg::ExecutorMessage {
+                text, tool_results, ..
+            } => Some((text, tool_results)),
+            _ => None,
+        })
         .unwrap();
-    assert_eq!(message["tool_results"][0]["id"], "w");
-    assert_eq!(message["tool_results"][1]["id"], "s");
-    assert_eq!(message["text"], "");
+    assert_eq!(tool_results.first().map(|r| r.id.as_str()), Some("w"));
+    assert_eq!(tool_results.get(1).map(|r| r.id.as_str()), Some("s"));
+    assert_eq!(text, "");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -323,7 +332,7 @@ async fn a_teams_agents_hold_different_tools_and_each_calls_only_its_own() {
     });
     let id = d.submit(json!({"task": task, "team": team})).await;
     let t = d.wait_finished(&id, Duration::from_secs(60)).await;
-    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    assert_eq!(t.record.stop_reason, Some(StopReason::Terminated), "{t:?}");
     let offered = |agent: &str| -> Vec<String> {
         let asked = server.requests_for(task);
         let request = asked
@@ -438,7 +447,7 @@ async fn calls_from_code_stop_at_the_cap_and_their_stored_arguments_are_cut() {
     .await;
     let id = d.submit(json!({"task": task, "tools": ["wc"]})).await;
     let t = d.wait_finished(&id, Duration::from_secs(120)).await;
-    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    assert_eq!(t.record.stop_reason, Some(StopReason::Terminated), "{t:?}");
     let outs = d.block_stdouts(&id).await;
     assert!(outs[0].starts_with("5 35\n"), "{outs:?}");
     assert!(
@@ -449,14 +458,19 @@ async fn calls_from_code_stop_at_the_cap_and_their_stored_arguments_are_cut() {
     assert!(outs[1].starts_with("2 3\n"), "{outs:?}");
     assert!(outs[1].contains("[limits] code_calls_per_task"), "{outs:?}");
     let events = d.events(&id, 0).await;
-    let calls: Vec<&Value> = events.iter().filter(|e| e["type"] == "tool_call").collect();
+    let calls: Vec<&str> = events
+        .iter()
+        .filter_map(|e| match &e.msg {
+            EventMsg::ToolCall { arguments, .. } => Some(arguments.as_str()),
+            _ => None,
+        })
+        .collect();
     assert_eq!(
         calls.len(),
         9,
         "5 + 2 run, and one refusal of each cap stored"
     );
-    for call in calls {
-        let arguments = call["arguments"].as_str().unwrap();
+    for arguments in calls {
         assert!(
             arguments.len() < 70 << 10,
             "{} bytes stored",
@@ -498,7 +512,7 @@ async fn a_local_block_cannot_turn_the_tools_module_into_a_write_on_the_host() {
     let d = daemon_with(&server, &["--executor", "local"], "").await;
     let id = d.submit(json!({"task": task, "tools": ["wc"]})).await;
     let t = d.wait_finished(&id, Duration::from_secs(120)).await;
-    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    assert_eq!(t.record.stop_reason, Some(StopReason::Terminated), "{t:?}");
     let outs = d.block_stdouts(&id).await;
     assert!(!outs[0].contains("planted"), "{}", outs[0]);
     assert_eq!(outs[1].trim(), "2", "{outs:?}");
@@ -537,11 +551,7 @@ async fn a_flood_of_calls_and_output_keeps_the_daemon_small_and_sigterm_prompt()
     for id in &ids {
         loop {
             let events = d.events(id, 0).await;
-            let printed: String = events
-                .iter()
-                .filter(|e| e["type"] == "exec_output")
-                .filter_map(|e| e["text"].as_str())
-                .collect();
+            let printed: String = block_output(&events).concat();
             if printed.contains("calls done") {
                 break;
             }
@@ -573,15 +583,13 @@ async fn a_flood_of_calls_and_output_keeps_the_daemon_small_and_sigterm_prompt()
     d.spawn().await;
     for id in &ids {
         let events = d.events(id, 0).await;
-        let calls = events.iter().filter(|e| e["type"] == "tool_call").count();
-        let printed: String = events
+        let calls = events
             .iter()
-            .filter(|e| e["type"] == "exec_output")
-            .filter_map(|e| e["text"].as_str())
-            .take(3)
-            .collect();
+            .filter(|e| matches!(e.msg, EventMsg::ToolCall { .. }))
+            .count();
+        let printed: String = block_output(&events).into_iter().take(3).collect();
         assert_eq!(calls, 101, "{id}: 100 run and one refusal: {printed:.2000}");
-        let t = d.get(&format!("/v1/tasks/{id}")).await;
-        assert_eq!(t["state"], "interrupted", "{t}");
+        let t = d.task(id).await;
+        assert_eq!(t.record.state, TaskState::Interrupted, "{t:?}");
     }
 }

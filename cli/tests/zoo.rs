@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
+use tandem_protocol::StopReason;
 use tandem_tests::{DaemonHarness as Daemon, Reply, ScriptedOpenAi, script};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tandem");
@@ -183,10 +184,15 @@ async fn the_zoo_through_every_road_of_a_local_task() {
     .await;
     let small = d.submit(json!({"task": "a small task"})).await;
     let t = d.wait_finished(&small, Duration::from_secs(120)).await;
-    assert_eq!(t["stop_reason"], "terminated", "{t}");
+    assert_eq!(t.record.stop_reason, Some(StopReason::Terminated), "{t:?}");
     let id = d.submit(json!({"task": "plant the zoo"})).await;
     let t = d.wait_finished(&id, Duration::from_secs(600)).await;
-    assert_eq!(t["stop_reason"], "terminated", "{t}\n{}", d.log());
+    assert_eq!(
+        t.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{t:?}\n{}",
+        d.log()
+    );
     answers(&d).await;
     host_untouched(&host);
 
@@ -262,7 +268,7 @@ async fn the_zoo_through_every_road_of_a_local_task() {
     let big = d.submit(json!({"task": "a task over its own cap"})).await;
     d.wait_finished(&big, Duration::from_secs(120)).await;
     let started = Instant::now();
-    while d.get(&format!("/v1/tasks/{big}")).await["files_removed_ms"].is_null() {
+    while d.task(&big).await.record.files_removed_ms.is_none() {
         // A sweep measures every workspace, the zoo's 200,000 entries among them: slow on
         // a loaded machine.
         assert!(
@@ -302,9 +308,14 @@ async fn retention_removes_a_deep_workspace_and_the_daemon_serves_on() {
     .await;
     let id = d.submit(json!({"task": "plant the zoo"})).await;
     let t = d.wait_finished(&id, Duration::from_secs(600)).await;
-    assert_eq!(t["stop_reason"], "terminated", "{t}\n{}", d.log());
+    assert_eq!(
+        t.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{t:?}\n{}",
+        d.log()
+    );
     let started = Instant::now();
-    while d.get(&format!("/v1/tasks/{id}")).await["files_removed_ms"].is_null() {
+    while d.task(&id).await.record.files_removed_ms.is_none() {
         assert!(
             started.elapsed() < Duration::from_secs(300),
             "never removed\n{}",
@@ -398,7 +409,12 @@ async fn a_deep_tree_in_a_docker_kept_interpreters_dir_is_removed_when_it_restar
         .submit(json!({"task": "kept and deep", "keep_state": true}))
         .await;
     let t = d.wait_finished(&id, Duration::from_secs(600)).await;
-    assert_eq!(t["stop_reason"], "terminated", "{t}\n{}", d.log());
+    assert_eq!(
+        t.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{t:?}\n{}",
+        d.log()
+    );
     let outs = d.block_stdouts(&id).await;
     assert_eq!(outs.len(), 2, "{outs:?}");
     assert_eq!(outs[1].trim(), "alive fresh", "{outs:?}\n{}", d.log());
@@ -433,7 +449,12 @@ async fn the_zoo_through_a_mirrored_road(executor: &str, config: &str) {
     .await;
     let id = d.submit(json!({"task": task})).await;
     let t = d.wait_finished(&id, Duration::from_secs(900)).await;
-    assert_eq!(t["stop_reason"], "terminated", "{t}\n{}", d.log());
+    assert_eq!(
+        t.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{t:?}\n{}",
+        d.log()
+    );
     let outs = d.block_stdouts(&id).await;
     assert_eq!(
         outs.get(1).map(|s| s.trim()),

@@ -7,6 +7,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use tandem_protocol::{BlockResult, Event, EventMsg, TaskList, TaskView};
 
 /// A daemon process that can be killed and started again on the same state.
 pub struct DaemonHarness {
@@ -236,21 +237,47 @@ impl DaemonHarness {
         body["id"].as_str().unwrap().to_owned()
     }
 
-    /// Polls until the task is finished; returns its record.
-    pub async fn wait_finished(&self, id: &str, limit: Duration) -> Value {
+    /// `GET /v1/tasks/{id}`, as the protocol's type.
+    pub async fn task(&self, id: &str) -> TaskView {
+        let raw = self.get(&format!("/v1/tasks/{id}")).await;
+        serde_json::from_value(raw.clone())
+            .unwrap_or_else(|e| panic!("task {id} is not a TaskView ({e}): {raw}"))
+    }
+
+    /// `GET path`, a listing of tasks (`/v1/tasks?...`), as the protocol's type.
+    pub async fn tasks(&self, path: &str) -> TaskList {
+        let raw = self.get(path).await;
+        serde_json::from_value(raw.clone())
+            .unwrap_or_else(|e| panic!("{path} is not a TaskList ({e}): {raw}"))
+    }
+
+    /// Polls until the task is finished; returns it.
+    pub async fn wait_finished(&self, id: &str, limit: Duration) -> TaskView {
         let started = Instant::now();
         loop {
-            let t = self.get(&format!("/v1/tasks/{id}")).await;
-            if t["state"] == "finished" {
+            let t = self.task(id).await;
+            if t.record.state == tandem_protocol::TaskState::Finished {
                 return t;
             }
-            assert!(started.elapsed() < limit, "task {id} did not finish: {t}");
+            assert!(started.elapsed() < limit, "task {id} did not finish: {t:?}");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
-    /// The task's stored events after seq `after`.
-    pub async fn events(&self, id: &str, after: u64) -> Vec<Value> {
+    /// The task's stored events after seq `after`, as the protocol's type.
+    pub async fn events(&self, id: &str, after: u64) -> Vec<Event> {
+        self.raw_events(id, after)
+            .await
+            .into_iter()
+            .map(|raw| {
+                serde_json::from_value(raw.clone())
+                    .unwrap_or_else(|e| panic!("not an Event ({e}): {raw}"))
+            })
+            .collect()
+    }
+
+    /// The task's stored events after seq `after`, as the JSON on the wire.
+    pub async fn raw_events(&self, id: &str, after: u64) -> Vec<Value> {
         // The header, as browsers and `tandem logs -f` resume.
         let text = self
             .http()
@@ -270,16 +297,9 @@ impl DaemonHarness {
 
     /// The standard output of each block task `id` ran, in order.
     pub async fn block_stdouts(&self, id: &str) -> Vec<String> {
-        self.events(id, 0)
-            .await
-            .iter()
-            .filter(|e| e["type"] == "exec_result")
-            .map(|e| {
-                e["result"]["stdout"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_owned()
-            })
+        block_results(&self.events(id, 0).await)
+            .into_iter()
+            .map(|r| r.stdout.clone())
             .collect()
     }
 
@@ -355,4 +375,39 @@ impl DaemonHarness {
 
 fn socket_in(state: &Path) -> PathBuf {
     state.join("run").join("tandem.sock")
+}
+
+/// The result of every block in `events`, in order.
+pub fn block_results(events: &[Event]) -> Vec<&BlockResult> {
+    events
+        .iter()
+        .filter_map(|e| match &e.msg {
+            EventMsg::ExecResult { result, .. } => Some(result),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The live output text of every block in `events` (`exec_output`), in order.
+pub fn block_output(events: &[Event]) -> Vec<&str> {
+    events
+        .iter()
+        .filter_map(|e| match &e.msg {
+            EventMsg::ExecOutput { text, .. } => Some(text.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The wire name (`type`) of every event in `events`, in order.
+pub fn kinds(events: &[Event]) -> Vec<String> {
+    events
+        .iter()
+        .map(|e| {
+            serde_json::to_value(&e.msg)
+                .ok()
+                .and_then(|v| v["type"].as_str().map(str::to_owned))
+                .unwrap_or_default()
+        })
+        .collect()
 }
