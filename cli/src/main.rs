@@ -312,8 +312,8 @@ async fn doctor(
                 block_timeout: None,
             },
         },
-    )?;
-    let (model, file) = (&settings.model, &settings.file);
+    );
+    let (model, file) = (settings.model.get()?, &settings.file);
     match provider::choose(&settings.provider) {
         Ok(provider::Provider::Embedded { name, path }) => {
             let size = std::fs::metadata(&path).map_or(0, |m| m.len());

@@ -23,7 +23,7 @@ pub async fn config(
     policy: Policy,
     local: Option<(Arc<dyn LocalModel>, String)>,
 ) -> Result<PlannerConfig> {
-    let mut model = settings.model.clone();
+    let mut model = settings.model.get()?.clone();
     let local_model = local.map(|(loaded, name)| {
         model.model = name;
         loaded
@@ -34,11 +34,11 @@ pub async fn config(
         executors,
         defaults: tandem_daemon::TaskDefaults {
             executor: default,
-            ..settings.defaults.clone()
+            ..settings.defaults.get()?.clone()
         },
         policy,
         approval: settings.file.approval.clone(),
-        teams: settings.teams,
+        teams: *settings.teams.get()?,
         tools: tandem_agent::tools::Offered::start(settings.file.tools.clone())
             .await
             .context("in [tools] of tandem.toml")?,

@@ -110,7 +110,7 @@ pub async fn load(
 pub async fn local_model(settings: &Settings) -> Result<Option<(Arc<dyn LocalModel>, String)>> {
     match choose(&settings.provider)? {
         Provider::Server => {
-            ChatModel::check(&settings.model)?;
+            ChatModel::check(settings.model.get()?)?;
             Ok(None)
         }
         Provider::Embedded { name, path } => {

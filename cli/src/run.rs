@@ -72,11 +72,7 @@ fn seconds(text: &str) -> Result<f64, String> {
         .trim()
         .parse()
         .map_err(|_| format!("`{text}` is not a number of seconds"))?;
-    if secs.is_nan() || secs <= 0.0 {
-        return Err(format!("must be a positive number of seconds, got {secs}"));
-    }
-    std::time::Duration::try_from_secs_f64(secs).map_err(|_| format!("{secs} is too large"))?;
-    Ok(secs)
+    crate::config::positive_secs(secs).map(|_| secs)
 }
 
 /// `KEY=VALUE`, as `--placement` takes it.
@@ -194,7 +190,7 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
                 block_timeout: args.flags.block_timeout,
             },
         },
-    )?;
+    );
     if args.flags.task.trim().is_empty() {
         anyhow::bail!(
             "the task is empty; say what to do, for example: tandem run \"print the 10th prime\""
@@ -240,9 +236,12 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
 /// The task in this process, planned as the daemon plans one: the user's flags and file are
 /// the operator's settings, and every executor the task names is offered.
 async fn run_here(args: &RunArgs, settings: &Settings) -> Result<u8> {
-    let mut spec = args
-        .flags
-        .spec(&args.model, args.approve, &settings.file, &settings.teams)?;
+    let mut spec = args.flags.spec(
+        &args.model,
+        args.approve,
+        &settings.file,
+        settings.teams.get()?,
+    )?;
     if let Some(word) = args
         .flags
         .termination

@@ -429,7 +429,11 @@ async fn start(args: &ServeArgs, file: FileConfig, say: Say) -> Result<Started> 
             model: &args.model,
             road: Road::Daemon,
         },
-    )?;
+    );
+    // A daemon uses every part: a mistake in one is told now, before anything slow starts.
+    settings.model.get()?;
+    settings.teams.get()?;
+    settings.defaults.get()?;
     let file = &settings.file;
     harden()?;
     let state_dir = state_dir(args)?;

@@ -141,6 +141,42 @@ async fn cli_commands_go_through_the_daemon() {
     assert!(err.contains("already finished (terminated)"), "{err}");
 }
 
+/// The client's own model settings, broken, stop only a task run in its own process: a task
+/// the daemon runs takes the daemon's.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_broken_model_setting_of_the_client_stops_only_a_task_run_here() {
+    let server = ScriptedOpenAi::start(two_turns([(
+        "broken here".to_owned(),
+        "print(7)".to_owned(),
+    )]))
+    .await
+    .unwrap();
+    let d = start(&server, &[]).await;
+    // The client's tandem.toml (the daemon read its own at start, and not this).
+    let dir = d.state_dir().join("tandem");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("tandem.toml"),
+        "[model]\ntool_choice = \"sometimes\"\n",
+    )
+    .unwrap();
+    let (code, out, err) = d.cli(&["run", "--json", "broken here"]).await;
+    assert_eq!(code, 0, "{err}");
+    let events: Vec<Event> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(block_output(&events), ["7\n"]);
+    let (code, _, err) = d
+        .cli(&["run", "--local", "-e", "local", "broken here"])
+        .await;
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("[model] tool_choice must be auto or required, got `sometimes`"),
+        "{err}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hundred_tasks_at_once() {
     let tasks: Vec<(String, String)> = (0..100)

@@ -402,10 +402,15 @@ fn task_defaults(file: &FileConfig, executor: String, road: Road) -> Result<Task
 
 /// Seconds from a flag, refusing negative, zero and absurd values.
 pub fn secs_to_duration(secs: f64, flag: &str) -> Result<Duration> {
+    positive_secs(secs).map_err(|e| anyhow::anyhow!("{flag} {e}"))
+}
+
+/// `secs` as a duration, when it is a positive number a duration holds; else why not.
+pub fn positive_secs(secs: f64) -> std::result::Result<Duration, String> {
     if secs.is_nan() || secs <= 0.0 {
-        bail!("{flag} must be a positive number of seconds, got {secs}");
+        return Err(format!("must be a positive number of seconds, got {secs}"));
     }
-    Duration::try_from_secs_f64(secs).with_context(|| format!("{flag} {secs} is too large"))
+    Duration::try_from_secs_f64(secs).map_err(|_| format!("{secs} is too large"))
 }
 
 /// Settings for the local executor.

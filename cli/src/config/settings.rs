@@ -29,18 +29,19 @@ pub struct Overrides<'a> {
     pub road: Road,
 }
 
-/// Every setting of a command.
+/// Every setting of a command. A mistake in a part is told when the command uses that part,
+/// so a setting one road does not read (the model's, on the way to a daemon) stops nothing.
 pub struct Settings {
     /// The file as read, for the sections passed on whole (`[tools]`, `[approval]`).
     pub file: FileConfig,
     /// The model server's settings.
-    pub model: ModelConfig,
+    pub model: Section<ModelConfig>,
     /// What decides between a model server and the embedded model.
     pub provider: ProviderSettings,
     /// How large a team may be.
-    pub teams: TeamBounds,
+    pub teams: Section<TeamBounds>,
     /// What a task that does not say gets, on this command's road.
-    pub defaults: TaskDefaults,
+    pub defaults: Section<TaskDefaults>,
     /// Each executor's settings.
     pub executors: ExecutorSettings,
 }
@@ -112,11 +113,15 @@ impl<T> Section<T> {
 
 impl Settings {
     /// Resolves every setting: flags, then environment, then `file`, then defaults.
-    pub fn resolve(file: FileConfig, over: &Overrides<'_>) -> Result<Self> {
+    pub fn resolve(file: FileConfig, over: &Overrides<'_>) -> Self {
         let executors = ExecutorSettings::resolve(&file, over.executor, over.image);
-        let model = super::model_config(over.model, &file)?;
-        let teams = super::teams(&file)?;
-        let defaults = super::task_defaults(&file, executors.default.clone(), over.road)?;
+        let model = Section::of(super::model_config(over.model, &file));
+        let teams = Section::of(super::teams(&file));
+        let defaults = Section::of(super::task_defaults(
+            &file,
+            executors.default.clone(),
+            over.road,
+        ));
         let provider = ProviderSettings {
             asked: file.model.provider.clone(),
             named: super::model_named(over.model, &file),
@@ -124,14 +129,14 @@ impl Settings {
             models_dir: Section::of(super::models_dir(&file)),
             context_tokens: file.model.context_tokens,
         };
-        Ok(Self {
+        Self {
             file,
             model,
             provider,
             teams,
             defaults,
             executors,
-        })
+        }
     }
 }
 
