@@ -160,6 +160,11 @@ pub trait LocalModel: Send + Sync {
 
     /// What to call it in the transcript header and `tandem doctor`.
     fn describe(&self) -> String;
+
+    /// What its engine is doing, when it has one that says.
+    fn stats(&self) -> Option<tandem_protocol::engine::EngineStats> {
+        None
+    }
 }
 
 /// How a [`ChatModel`] reaches its model.

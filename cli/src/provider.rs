@@ -93,6 +93,14 @@ pub async fn load(
     if let Some(n) = settings.context_tokens {
         config.context_tokens = n;
     }
+    if let Some(n) = settings.cache_tokens {
+        config.cache_tokens = n;
+    }
+    if let Some(n) = settings.parallel {
+        config.parallel = n;
+    }
+    // The cache holds at least one whole conversation.
+    config.cache_tokens = config.cache_tokens.max(config.context_tokens);
     let engine = tokio::task::spawn_blocking(move || Embedded::load(&path, config))
         .await
         .context("loading the embedded model stopped")??;

@@ -8,6 +8,7 @@
 use serde::{Deserialize, Serialize};
 
 pub mod approval;
+pub mod engine;
 pub mod files;
 pub mod mcp;
 pub mod task;

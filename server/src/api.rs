@@ -191,6 +191,7 @@ pub fn router(
         .route("/v1/uploads", post(upload))
         .route("/v1/teams/parse", post(parse_team))
         .route("/v1/executors", get(executors))
+        .route("/v1/engine", get(engine))
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
         .fallback(not_found)
@@ -687,6 +688,11 @@ async fn resume_task(
     Ok(Json(record))
 }
 
+/// What the embedded model's engine is doing; `null` when this daemon's tasks use a server.
+async fn engine(State(state): State<AppState>) -> Json<serde_json::Value> {
+    Json(json!({ "engine": state.supervisor.engine_stats() }))
+}
+
 async fn executors(State(state): State<AppState>) -> Json<serde_json::Value> {
     let executors = state.supervisor.executors();
     let policy = state.supervisor.policy();
@@ -744,9 +750,13 @@ async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
                 e.hosts().into_iter().map(move |h| (name.clone(), h))
             })
             .collect();
-        Ok(sup
-            .metrics
-            .render(&sup.store().counts()?, open, &hosts, sup.running_here()))
+        Ok(sup.metrics.render(
+            &sup.store().counts()?,
+            open,
+            &hosts,
+            sup.running_here(),
+            sup.engine_stats().as_ref(),
+        ))
     })
     .await?;
     Ok(([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response())

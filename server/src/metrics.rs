@@ -9,6 +9,10 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::sync::Mutex;
+use std::sync::atomic::AtomicU64;
+
+use tandem_protocol::engine::EngineStats;
 use tandem_protocol::{BlockResult, Usage};
 
 use crate::store::TaskState;
@@ -38,6 +42,21 @@ pub struct Metrics {
     sessions: Gauge,
     hosts: Hosts,
     daemon_tasks: Family<Labels, Gauge>,
+    engine: Engine,
+}
+
+/// What the embedded model's engine says, when the daemon serves one.
+#[derive(Default)]
+struct Engine {
+    sequences: Family<Labels, Gauge>,
+    batch: Family<Labels, Gauge>,
+    tokens: Family<Labels, Counter>,
+    rate: Family<Labels, Gauge<f64, AtomicU64>>,
+    cache: Family<Labels, Gauge>,
+    evictions: Counter,
+    pauses: Counter,
+    /// The totals last seen, so the counters grow by what is new.
+    seen: Mutex<EngineStats>,
 }
 
 /// What each executor's hosts say, by executor and host.
@@ -60,6 +79,7 @@ impl Default for Metrics {
             sessions: Gauge::default(),
             hosts: Hosts::default(),
             daemon_tasks: Family::default(),
+            engine: Engine::default(),
         };
         let mut registry = Registry::default();
         registry.register("tandem_tasks", "Tasks by state", m.tasks.clone());
@@ -108,7 +128,89 @@ impl Default for Metrics {
             "Tasks this daemon runs now (running or waiting for approval), by its name on the store",
             m.daemon_tasks.clone(),
         );
+        let e = &m.engine;
+        registry.register(
+            "tandem_engine_sequences",
+            "The embedded model's requests by state: live (read or generated now), waiting, kept (idle conversations in its cache)",
+            e.sequences.clone(),
+        );
+        registry.register(
+            "tandem_engine_batch",
+            "The embedded model's last batch: sequences and tokens in it",
+            e.batch.clone(),
+        );
+        registry.register(
+            "tandem_engine_tokens",
+            "The embedded model's tokens: prompt read, prompt reused from its cache, generated",
+            e.tokens.clone(),
+        );
+        registry.register(
+            "tandem_engine_tokens_per_second",
+            "The embedded model's tokens per second over the last seconds, read and generated",
+            e.rate.clone(),
+        );
+        registry.register(
+            "tandem_engine_cache_tokens",
+            "The embedded model's KV cache: cells used and cells in all",
+            e.cache.clone(),
+        );
+        registry.register(
+            "tandem_engine_evictions",
+            "Idle conversations the embedded model dropped from its cache for room",
+            e.evictions.clone(),
+        );
+        registry.register(
+            "tandem_engine_pauses",
+            "Replies the embedded model paused for room, to read again later",
+            e.pauses.clone(),
+        );
         Self { registry, ..m }
+    }
+}
+
+impl Engine {
+    fn set(&self, now: &EngineStats) {
+        let gauge =
+            |family: &Family<Labels, Gauge>, label: &'static str, value: &'static str, n: u64| {
+                family
+                    .get_or_create(&vec![(label, value.to_owned())])
+                    .set(i64::try_from(n).unwrap_or(i64::MAX));
+            };
+        gauge(&self.sequences, "state", "live", now.sequences_live);
+        gauge(&self.sequences, "state", "waiting", now.sequences_waiting);
+        gauge(&self.sequences, "state", "kept", now.sequences_kept);
+        gauge(&self.batch, "of", "sequences", now.batch_sequences);
+        gauge(&self.batch, "of", "tokens", now.batch_tokens);
+        gauge(&self.cache, "state", "used", now.cache_tokens_used);
+        gauge(&self.cache, "state", "total", now.cache_tokens);
+        for (kind, n) in [
+            ("read", now.read_per_second),
+            ("generated", now.generated_per_second),
+        ] {
+            self.rate
+                .get_or_create(&vec![("kind", kind.to_owned())])
+                .set(n);
+        }
+        let Ok(mut seen) = self.seen.lock() else {
+            return;
+        };
+        let grow = |n: u64, before: u64| n.saturating_sub(before);
+        for (kind, n, before) in [
+            ("read", now.prompt_tokens_read, seen.prompt_tokens_read),
+            (
+                "reused",
+                now.prompt_tokens_reused,
+                seen.prompt_tokens_reused,
+            ),
+            ("generated", now.tokens_generated, seen.tokens_generated),
+        ] {
+            self.tokens
+                .get_or_create(&vec![("kind", kind.to_owned())])
+                .inc_by(grow(n, before));
+        }
+        self.evictions.inc_by(grow(now.evictions, seen.evictions));
+        self.pauses.inc_by(grow(now.pauses, seen.pauses));
+        *seen = now.clone();
     }
 }
 
@@ -149,7 +251,11 @@ impl Metrics {
         sessions_open: usize,
         hosts: &[(String, tandem_executor::HostStatus)],
         daemon: (&str, usize),
+        engine: Option<&EngineStats>,
     ) -> String {
+        if let Some(stats) = engine {
+            self.engine.set(stats);
+        }
         self.daemon_tasks
             .get_or_create(&vec![("daemon", daemon.0.to_owned())])
             .set(i64::try_from(daemon.1).unwrap_or(i64::MAX));
@@ -207,6 +313,15 @@ mod tests {
             3,
             &[("docker".to_owned(), host)],
             ("d1", 1),
+            Some(&EngineStats {
+                sequences_live: 2,
+                tokens_generated: 40,
+                cache_tokens_used: 900,
+                cache_tokens: 16384,
+                generated_per_second: 12.5,
+                evictions: 1,
+                ..EngineStats::default()
+            }),
         );
         for line in [
             "# TYPE tandem_tasks gauge",
@@ -220,6 +335,12 @@ mod tests {
             "tandem_host_sessions{executor=\"docker\",host=\"b\"} 1",
             "tandem_host_capacity{executor=\"docker\",host=\"b\"} 4",
             "tandem_daemon_tasks{daemon=\"d1\"} 1",
+            "tandem_engine_sequences{state=\"live\"} 2",
+            "tandem_engine_tokens_total{kind=\"generated\"} 40",
+            "tandem_engine_cache_tokens{state=\"used\"} 900",
+            "tandem_engine_cache_tokens{state=\"total\"} 16384",
+            "tandem_engine_tokens_per_second{kind=\"generated\"} 12.5",
+            "tandem_engine_evictions_total 1",
             "# EOF",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} not in:\n{text}");

@@ -128,7 +128,7 @@ mod tests {
 
     fn metric(metrics: &Metrics, line_start: &str) -> Option<String> {
         metrics
-            .render(&[], 0, &[], ("d", 0))
+            .render(&[], 0, &[], ("d", 0), None)
             .lines()
             .find(|l| l.starts_with(line_start))
             .map(str::to_owned)

@@ -198,6 +198,11 @@ impl Supervisor {
         &self.planner.config().executors
     }
 
+    /// What the embedded model's engine is doing, when this daemon serves one.
+    pub fn engine_stats(&self) -> Option<tandem_protocol::engine::EngineStats> {
+        self.planner.config().local_model.as_ref()?.stats()
+    }
+
     /// What a task that leaves a setting out gets.
     pub fn defaults(&self) -> &TaskDefaults {
         &self.planner.config().defaults

@@ -163,6 +163,10 @@ pub struct ModelSection {
     pub stop: Option<Vec<String>>,
     /// The embedded model's context window in tokens.
     pub context_tokens: Option<u32>,
+    /// Tokens the embedded model's cache holds over every conversation.
+    pub cache_tokens: Option<u32>,
+    /// Most replies the embedded model generates at once.
+    pub parallel: Option<u32>,
     /// How the model's code reaches the executor: `blocks`, `tool` or `auto`.
     pub code_via: Option<tandem_protocol::CodeVia>,
     /// `auto` (the model may call a tool) or `required` (every reply is a call).

@@ -59,6 +59,10 @@ pub struct ProviderSettings {
     pub models_dir: Section<PathBuf>,
     /// `[model] context_tokens`.
     pub context_tokens: Option<u32>,
+    /// `[model] cache_tokens`.
+    pub cache_tokens: Option<u32>,
+    /// `[model] parallel`.
+    pub parallel: Option<u32>,
 }
 
 /// Each executor's settings; a mistake in one section is told when that executor is asked
@@ -128,6 +132,8 @@ impl Settings {
             server_named: super::server_named(over.model, &file),
             models_dir: Section::of(super::models_dir(&file)),
             context_tokens: file.model.context_tokens,
+            cache_tokens: file.model.cache_tokens,
+            parallel: file.model.parallel,
         };
         Self {
             file,

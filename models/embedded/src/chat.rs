@@ -117,6 +117,10 @@ impl LocalModel for EmbeddedChat {
     fn describe(&self) -> String {
         format!("the embedded engine ({})", self.engine.path().display())
     }
+
+    fn stats(&self) -> Option<tandem_protocol::engine::EngineStats> {
+        Some(self.engine.stats())
+    }
 }
 
 /// A message as the chat template reads it: the OpenAI shape, a call's arguments as an

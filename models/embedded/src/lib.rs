@@ -1,29 +1,28 @@
 //! The embedded model: a GGUF file loaded once (memory-mapped) and run by llama.cpp on a
-//! worker thread of its own, which serves one request at a time in arrival order. Each
-//! request is the chat rendered with the model's own template; the reply streams back as
-//! text. The worker keeps the last prompt's KV cache, so a conversation that grows by a turn
-//! only pays for the new tokens.
+//! worker thread of its own, which serves every request at once. Each request is the chat
+//! rendered with the model's own template; the reply streams back as text. Each
+//! conversation keeps its own sequence in one shared KV cache, so a turn reads only its new
+//! tokens whatever else runs, and the replies being generated advance together, one batch
+//! per step (see `engine`).
 
 mod chat;
+mod engine;
+mod reply;
 
 pub use chat::{DEFAULT_MAX_TOKENS, DEFAULT_SEED, EmbeddedChat};
+pub use tandem_protocol::engine::EngineStats;
 
 use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock, mpsc};
+use std::sync::{Arc, Mutex, OnceLock, mpsc};
 use std::time::{Duration, Instant};
 
-use llama_cpp_2::context::LlamaContext;
 use llama_cpp_2::context::params::LlamaContextParams;
 use llama_cpp_2::llama_backend::LlamaBackend;
-use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::{LlamaChatMessage, LlamaModel};
-use llama_cpp_2::sampling::LlamaSampler;
 use llama_cpp_2::token::LlamaToken;
-use llama_cpp_2::token::data::LlamaTokenData;
-use llama_cpp_2::token::data_array::LlamaTokenDataArray;
 use tokio::sync::mpsc as async_mpsc;
 
 /// How the model runs.
@@ -31,10 +30,17 @@ use tokio::sync::mpsc as async_mpsc;
 pub struct EmbeddedConfig {
     /// CPU threads for prompt processing and generation.
     pub threads: i32,
-    /// Context window in tokens (prompt and reply together).
+    /// Context window in tokens: the most one conversation holds, prompt and reply together.
     pub context_tokens: u32,
-    /// Tokens decoded per batch while reading a prompt.
+    /// Tokens the KV cache holds over every conversation (at least `context_tokens`); its
+    /// memory is set aside at load.
+    pub cache_tokens: u32,
+    /// Tokens decoded per batch.
     pub batch_tokens: u32,
+    /// Most replies generated at once; more wait their turn, first come first served.
+    pub parallel: u32,
+    /// Conversations the cache keeps, live or idle.
+    pub sequences: u32,
 }
 
 impl EmbeddedConfig {
@@ -43,7 +49,10 @@ impl EmbeddedConfig {
         Self {
             threads: i32::try_from(cores.clamp(1, 8)).unwrap_or(1),
             context_tokens: 8192,
+            cache_tokens: 16384,
             batch_tokens: 512,
+            parallel: 8,
+            sequences: 32,
         }
     }
 }
@@ -90,7 +99,8 @@ pub enum Event {
         finish: Finish,
         /// Tokens in the prompt.
         prompt_tokens: u32,
-        /// Tokens of the prompt read from the cache of the previous request.
+        /// Tokens of the prompt found in the cache (of an earlier turn, or a prefix another
+        /// conversation shares).
         cached_tokens: u32,
         /// Tokens generated.
         completion_tokens: u32,
@@ -133,7 +143,9 @@ fn backend() -> Result<&'static LlamaBackend, String> {
         .map_err(Clone::clone)
 }
 
+/// A request with its prompt's tokens, as the worker takes it.
 struct Job {
+    tokens: Vec<LlamaToken>,
     request: Generate,
     events: async_mpsc::UnboundedSender<Event>,
     cancel: Arc<AtomicBool>,
@@ -145,6 +157,8 @@ pub struct Embedded {
     path: PathBuf,
     jobs: mpsc::Sender<Job>,
     load_time: Duration,
+    window: usize,
+    stats: Arc<Mutex<EngineStats>>,
 }
 
 impl std::fmt::Debug for Embedded {
@@ -189,9 +203,15 @@ impl Embedded {
         let shared = model.clone();
         let (jobs, rx) = mpsc::channel::<Job>();
         let (ready_tx, ready_rx) = mpsc::channel();
+        let window = config.context_tokens.max(256);
+        let stats = Arc::new(Mutex::new(EngineStats {
+            cache_tokens: config.cache_tokens.max(window).into(),
+            ..EngineStats::default()
+        }));
+        let engine_stats = stats.clone();
         std::thread::Builder::new()
             .name("tandem-model".to_owned())
-            .spawn(move || worker(backend, &shared, config, rx, ready_tx))
+            .spawn(move || worker(backend, &shared, &config, &rx, &ready_tx, engine_stats))
             .map_err(|e| fail(format!("cannot start its thread: {e}")))?;
         match ready_rx.recv() {
             Ok(Ok(())) => {}
@@ -203,7 +223,14 @@ impl Embedded {
             path: path.to_owned(),
             jobs,
             load_time: started.elapsed(),
+            window: window as usize,
+            stats,
         }))
+    }
+
+    /// What the engine is doing now.
+    pub fn stats(&self) -> EngineStats {
+        self.stats.lock().map(|s| s.clone()).unwrap_or_default()
     }
 
     /// The model file.
@@ -226,32 +253,68 @@ impl Embedded {
         render(&self.model, messages, tools)
     }
 
-    /// Queues a request; its events arrive on the reply, which cancels it when dropped.
+    /// Queues a request; its events arrive on the reply, which cancels it when dropped. A
+    /// chat that cannot be rendered, or is longer than the window, fails at once.
     pub fn generate(&self, request: Generate) -> Result<Reply, EmbeddedError> {
         let (events, rx) = async_mpsc::unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
+        let reply = Reply {
+            events: rx,
+            cancel: cancel.clone(),
+        };
+        let tokens = match self.tokens(&request) {
+            Ok(tokens) => tokens,
+            Err(reason) => {
+                let _ = events.send(Event::Failed(reason));
+                return Ok(reply);
+            }
+        };
         self.jobs
             .send(Job {
+                tokens,
                 request,
                 events,
-                cancel: cancel.clone(),
+                cancel,
             })
             .map_err(|_| EmbeddedError::Stopped)?;
-        Ok(Reply { events: rx, cancel })
+        Ok(reply)
+    }
+
+    /// The prompt's tokens, when it fits the window with room for a reply.
+    fn tokens(&self, request: &Generate) -> Result<Vec<LlamaToken>, String> {
+        let text = render(&self.model, &request.messages, &request.tools)?;
+        let tokens = self.model.vocab().tokenize(text.as_bytes(), true, true);
+        if tokens.is_empty() || tokens.len() + 1 >= self.window {
+            return Err(format!(
+                "the conversation is {} tokens, over the model's context window of {}; start a new task or raise [model] context_tokens",
+                tokens.len(),
+                self.window
+            ));
+        }
+        Ok(tokens)
     }
 }
 
 fn worker(
     backend: &'static LlamaBackend,
     model: &LlamaModel,
-    config: EmbeddedConfig,
-    jobs: mpsc::Receiver<Job>,
-    ready: mpsc::Sender<Result<(), String>>,
+    config: &EmbeddedConfig,
+    jobs: &mpsc::Receiver<Job>,
+    ready: &mpsc::Sender<Result<(), String>>,
+    stats: Arc<Mutex<EngineStats>>,
 ) {
+    let window = config.context_tokens.max(256);
+    let cache = config.cache_tokens.max(window);
+    let batch = config.batch_tokens.max(32);
+    let sequences = config.sequences.clamp(1, 256);
+    // One cache for every sequence (unified), so a conversation may grow to the whole
+    // window whatever the others hold, and a shared prefix is held once.
     let params = LlamaContextParams::default()
-        .with_n_ctx(NonZeroU32::new(config.context_tokens.max(256)))
-        .with_n_batch(config.batch_tokens.max(32))
-        .with_n_ubatch(config.batch_tokens.max(32))
+        .with_n_ctx(NonZeroU32::new(cache))
+        .with_n_batch(batch)
+        .with_n_ubatch(batch)
+        .with_n_seq_max(sequences)
+        .with_kv_unified(true)
         .with_n_threads(config.threads)
         .with_n_threads_batch(config.threads);
     let ctx = match model.new_context(backend, params) {
@@ -262,22 +325,14 @@ fn worker(
         }
     };
     let _ = ready.send(Ok(()));
-    let mut state = Worker {
-        model,
-        ctx,
-        cached: Vec::new(),
-        batch_tokens: config.batch_tokens.max(32) as usize,
+    let sizes = engine::Sizes {
+        sequences: sequences as usize,
+        parallel: config.parallel.max(1) as usize,
+        batch_tokens: batch as usize,
+        window: window as usize,
+        cache_tokens: cache as usize,
     };
-    while let Ok(job) = jobs.recv() {
-        if job.cancel.load(Ordering::Relaxed) {
-            continue;
-        }
-        let done = state.run(&job);
-        let _ = job.events.send(match done {
-            Ok(done) => done,
-            Err(reason) => Event::Failed(reason),
-        });
-    }
+    engine::Engine::new(model, ctx, &sizes, stats).run(jobs);
 }
 
 /// The chat rendered as the model was trained to read it: the GGUF's own Jinja template,
@@ -447,173 +502,4 @@ pub fn tool_grammar(tools: &[serde_json::Value]) -> Result<String, String> {
         "root ::= \"<tool_call>\\n\" tool-call-json \"\\n</tool_call>\"\n{}\n",
         renamed.join("\n")
     ))
-}
-
-struct Worker<'m> {
-    model: &'m LlamaModel,
-    ctx: LlamaContext<'m>,
-    /// The tokens whose keys and values are in the context's cache, in order.
-    cached: Vec<LlamaToken>,
-    batch_tokens: usize,
-}
-
-impl Worker<'_> {
-    fn run(&mut self, job: &Job) -> Result<Event, String> {
-        let r = &job.request;
-        let text = render(self.model, &r.messages, &r.tools)?;
-        let vocab = self.model.vocab();
-        let tokens = vocab.tokenize(text.as_bytes(), true, true);
-        let window = self.ctx.n_ctx() as usize;
-        if tokens.is_empty() || tokens.len() + 1 >= window {
-            return Err(format!(
-                "the conversation is {} tokens, over the model's context window of {window}; start a new task or raise [model] context_tokens",
-                tokens.len()
-            ));
-        }
-        // Reuse the cache for the prefix this prompt shares with the last one; at least the
-        // last token is decoded again, for its logits.
-        let mut keep = self
-            .cached
-            .iter()
-            .zip(&tokens)
-            .take_while(|(a, b)| a == b)
-            .count()
-            .min(tokens.len() - 1);
-        if !self
-            .ctx
-            .clear_kv_cache_seq(Some(0), u32::try_from(keep).ok(), None)
-            .unwrap_or(false)
-        {
-            self.ctx.clear_kv_cache();
-            keep = 0;
-        }
-        self.cached.truncate(keep);
-        let mut batch = LlamaBatch::new(self.batch_tokens, 1);
-        let mut pos = keep;
-        for chunk in tokens[keep..].chunks(self.batch_tokens) {
-            if job.cancel.load(Ordering::Relaxed) {
-                return Err("cancelled".to_owned());
-            }
-            batch.clear();
-            for (i, t) in chunk.iter().enumerate() {
-                let last = pos + i == tokens.len() - 1;
-                batch
-                    .add(*t, (pos + i) as i32, &[0], last)
-                    .map_err(|e| e.to_string())?;
-            }
-            self.ctx
-                .decode(&mut batch)
-                .map_err(|e| format!("llama.cpp failed reading the prompt: {e}"))?;
-            self.cached.extend_from_slice(chunk);
-            pos += chunk.len();
-        }
-        let mut grammar = match &r.grammar {
-            Some((gbnf, true)) => Some(LlamaSampler::grammar(self.model, gbnf, "root")),
-            Some((gbnf, false)) => Some(LlamaSampler::grammar_lazy(
-                self.model,
-                gbnf,
-                "root",
-                ["<tool_call>"],
-                &[],
-            )),
-            None => None,
-        }
-        .transpose()
-        .map_err(|e| format!("the tool call grammar does not load: {e}"))?;
-        let mut chain = Vec::new();
-        if r.temperature > 0.0 {
-            chain.extend([
-                LlamaSampler::top_k(40),
-                LlamaSampler::top_p(0.95, 1),
-                LlamaSampler::temp(r.temperature),
-                LlamaSampler::dist(r.seed),
-            ]);
-        } else {
-            chain.push(LlamaSampler::greedy());
-        }
-        let mut sampler = LlamaSampler::chain_simple(chain);
-        let mut decoder = encoding_rs::UTF_8.new_decoder();
-        let mut reply = String::new();
-        let mut sent = 0;
-        let mut piece = Vec::new();
-        let mut generated = 0u32;
-        let longest_stop = r.stop.iter().map(String::len).max().unwrap_or(0);
-        let finish = loop {
-            if job.cancel.load(Ordering::Relaxed) || job.events.is_closed() {
-                return Err("cancelled".to_owned());
-            }
-            if generated >= r.max_tokens || pos + 1 >= window {
-                break Finish::Length;
-            }
-            let at = batch.n_tokens() - 1;
-            let mut token = sampler.sample(&self.ctx, at);
-            if let Some(grammar) = grammar.as_mut() {
-                // As llama.cpp's own sampler does: the grammar judges the token chosen, and
-                // only when it refuses is the whole vocabulary (150k tokens) put through it.
-                let mut one =
-                    LlamaTokenDataArray::new(vec![LlamaTokenData::new(token, 0.0, 0.0)], false);
-                grammar.apply(&mut one);
-                if one
-                    .data
-                    .first()
-                    .is_none_or(|d| d.logit() == f32::NEG_INFINITY)
-                {
-                    let mut all = self.ctx.token_data_array_ith(at);
-                    grammar.apply(&mut all);
-                    all.apply_sampler(&mut sampler);
-                    token = all.selected_token().unwrap_or(token);
-                }
-                grammar.accept(token);
-            }
-            if vocab.is_eog(token) {
-                break Finish::Stop;
-            }
-            generated += 1;
-            piece.clear();
-            vocab.token_to_piece_into(token, &mut piece, false, None);
-            // encoding_rs writes only into spare capacity; a split character waits in it.
-            reply.reserve(
-                decoder
-                    .max_utf8_buffer_length(piece.len())
-                    .unwrap_or(piece.len() * 3 + 4),
-            );
-            let before = reply.len();
-            let _ = decoder.decode_to_string(&piece, &mut reply, false);
-            // A stop string that is new ends in this piece: only the tail is searched.
-            let tail = reply.floor_char_boundary(before.saturating_sub(longest_stop));
-            if let Some(at) = r
-                .stop
-                .iter()
-                .filter_map(|s| reply[tail..].find(s.as_str()))
-                .min()
-            {
-                reply.truncate(tail + at);
-                break Finish::Stop;
-            }
-            // Hold back what could still become a stop string.
-            let safe = reply.floor_char_boundary(reply.len().saturating_sub(longest_stop));
-            if safe > sent {
-                let _ = job.events.send(Event::Text(reply[sent..safe].to_owned()));
-                sent = safe;
-            }
-            batch.clear();
-            batch
-                .add(token, pos as i32, &[0], true)
-                .map_err(|e| e.to_string())?;
-            self.ctx
-                .decode(&mut batch)
-                .map_err(|e| format!("llama.cpp failed generating: {e}"))?;
-            self.cached.push(token);
-            pos += 1;
-        };
-        if reply.len() > sent {
-            let _ = job.events.send(Event::Text(reply[sent..].to_owned()));
-        }
-        Ok(Event::Done {
-            finish,
-            prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
-            cached_tokens: u32::try_from(keep).unwrap_or(u32::MAX),
-            completion_tokens: generated,
-        })
-    }
 }

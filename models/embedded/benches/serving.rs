@@ -1,0 +1,499 @@
+//! The embedded engine serving several tasks at once, beside llama.cpp's own server on the
+//! same GGUF, the same chats and the same threads, in one run. Each scenario runs in a
+//! process of its own, so its peak memory is its own.
+//!
+//!   cargo bench -p tandem-model-embedded --bench serving -- MODEL.gguf PYTHON
+//!
+//! PYTHON is a Python with `xllamacpp` installed (llama.cpp's server as a library). A task is
+//! three turns of Tandem's default system prompt, a coding question, and two outcomes of a
+//! run fed back; replies are greedy and at most `TURN_TOKENS` tokens.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tandem_model_embedded::{Embedded, EmbeddedConfig, Event, Generate};
+
+const THREADS: i32 = 2;
+const WINDOW: u32 = 8192;
+const CACHE: u32 = 16384;
+const TURN_TOKENS: u32 = 96;
+
+const TASKS: [&str; 4] = [
+    "Write a Python function that returns the n-th prime number and print the 100th prime.",
+    "Read the CSV text 'a,b\\n1,2\\n3,4' with the csv module and print the sum of column b.",
+    "Write a shell command that counts the lines of every .txt file in the current directory.",
+    "Write a Python function that checks whether a string is a palindrome, ignoring case and spaces, and test it on three examples.",
+];
+
+const OUTCOMES: [&str; 2] = [
+    "exitcode: 0 (execution succeeded)\nCode output:\n541\n",
+    "exitcode: 1 (execution failed)\nCode output:\nTraceback (most recent call last):\n  File \"main.py\", line 3, in <module>\nNameError: name 'result' is not defined\n",
+];
+
+/// The chat of `task` after `replies` (one per turn before this one).
+fn chat(task: usize, replies: &[String]) -> Vec<Value> {
+    let mut messages = vec![
+        json!({"role": "system", "content": tandem_agent::DEFAULT_SYSTEM_PROMPT}),
+        json!({"role": "user", "content": TASKS[task]}),
+    ];
+    for (turn, reply) in replies.iter().enumerate() {
+        messages.push(json!({"role": "assistant", "content": reply}));
+        messages.push(json!({"role": "user", "content": OUTCOMES[turn % OUTCOMES.len()]}));
+    }
+    messages
+}
+
+/// What one scenario measured.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize, serde::Deserialize)]
+struct Figures {
+    tokens: u64,
+    seconds: f64,
+    ttft_ms: f64,
+    peak_mb: f64,
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
+    if let [flag, scenario, model, rest @ ..] = args.as_slice()
+        && flag == "--child"
+    {
+        let figures = child(scenario, model, rest.first().map(String::as_str));
+        match figures {
+            Ok(f) => println!("{}", serde_json::to_string(&f).unwrap_or_default()),
+            Err(e) => {
+                eprintln!("{scenario}: {e}");
+                std::process::exit(1);
+            }
+        }
+        return;
+    }
+    let [model, python, ..] = args.as_slice() else {
+        eprintln!("usage: serving MODEL.gguf PYTHON  (a Python with xllamacpp installed)");
+        std::process::exit(2);
+    };
+    let run = |scenario: &str| -> Figures {
+        let exe = std::env::current_exe().unwrap_or_default();
+        let out = Command::new(exe)
+            .args(["--child", scenario, model, python])
+            .stderr(Stdio::inherit())
+            .output();
+        match out {
+            Ok(out) if out.status.success() => {
+                serde_json::from_slice(&out.stdout).unwrap_or_default()
+            }
+            _ => {
+                eprintln!("{scenario} failed");
+                Figures::default()
+            }
+        }
+    };
+    let rows = [
+        ("engine: one task alone", "alone"),
+        ("engine: four tasks at once", "four"),
+        ("server, 4 slots: one task alone", "server-alone"),
+        ("server, 4 slots: four tasks at once", "server-four"),
+        ("engine: turn 2 alone", "ttft-alone"),
+        ("engine: turn 2 beside three replies", "ttft-busy"),
+        ("server, 4 slots: turn 2 alone", "server-ttft-alone"),
+        (
+            "server, 4 slots: turn 2 beside three replies",
+            "server-ttft-busy",
+        ),
+        ("engine: forty one-turn tasks queued", "forty"),
+    ];
+    let mut figures = std::collections::BTreeMap::new();
+    println!(
+        "{:<46} {:>7} {:>8} {:>8} {:>9} {:>8}",
+        "scenario", "tokens", "seconds", "tok/s", "TTFT ms", "peak MB"
+    );
+    for (label, scenario) in rows {
+        let f = run(scenario);
+        println!(
+            "{label:<46} {:>7} {:>8.1} {:>8.2} {:>9.0} {:>8.0}",
+            f.tokens,
+            f.seconds,
+            rate(f),
+            f.ttft_ms,
+            f.peak_mb
+        );
+        figures.insert(scenario, f);
+    }
+    let ratio = |a: &str, b: &str, f: fn(Figures) -> f64| {
+        let (x, y) = (f(figures[a]), f(figures[b]));
+        if y > 0.0 { x / y } else { f64::NAN }
+    };
+    println!();
+    println!(
+        "four at once / one alone, tokens per second (goal >= 1.6): {:.2}",
+        ratio("four", "alone", rate)
+    );
+    println!(
+        "four at once, engine / server (goal >= 1.0): {:.2}",
+        ratio("four", "server-four", rate)
+    );
+    println!(
+        "turn 2 TTFT, beside three / alone (goal <= 1.2): {:.2}  (server: {:.2})",
+        ratio("ttft-busy", "ttft-alone", |f| f.ttft_ms),
+        ratio("server-ttft-busy", "server-ttft-alone", |f| f.ttft_ms)
+    );
+}
+
+fn rate(f: Figures) -> f64 {
+    if f.seconds > 0.0 {
+        f.tokens as f64 / f.seconds
+    } else {
+        0.0
+    }
+}
+
+/// Peak resident memory of process `pid`, in MB.
+fn peak_mb(pid: &str) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+type Result<T> = std::result::Result<T, String>;
+
+fn child(scenario: &str, model: &str, python: Option<&str>) -> Result<Figures> {
+    if let Some(server) = scenario.strip_prefix("server-") {
+        let python = python.ok_or("no PYTHON given")?;
+        return with_server(model, python, server);
+    }
+    let engine = Embedded::load(
+        std::path::Path::new(model),
+        EmbeddedConfig {
+            threads: THREADS,
+            context_tokens: WINDOW,
+            cache_tokens: CACHE,
+            ..EmbeddedConfig::for_cores(2)
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let mut f = rt.block_on(engine_scenario(&engine, scenario))?;
+    f.peak_mb = peak_mb("self");
+    Ok(f)
+}
+
+/// One reply from the engine: its text, tokens and time to its first text.
+async fn ask(
+    engine: &Embedded,
+    messages: Vec<Value>,
+    max_tokens: u32,
+) -> Result<(String, u64, f64)> {
+    let started = Instant::now();
+    let mut reply = engine
+        .generate(Generate {
+            messages,
+            tools: Vec::new(),
+            grammar: None,
+            max_tokens,
+            temperature: 0.0,
+            seed: 1,
+            stop: Vec::new(),
+        })
+        .map_err(|e| e.to_string())?;
+    let mut text = String::new();
+    let mut first = None;
+    while let Some(event) = reply.events.recv().await {
+        match event {
+            Event::Text(t) => {
+                first.get_or_insert_with(|| started.elapsed().as_secs_f64() * 1e3);
+                text.push_str(&t);
+            }
+            Event::Done {
+                completion_tokens, ..
+            } => {
+                return Ok((text, completion_tokens.into(), first.unwrap_or_default()));
+            }
+            Event::Failed(why) => return Err(why),
+        }
+    }
+    Err("the reply ended without Done".to_owned())
+}
+
+/// A three-turn task; its generated tokens.
+async fn task(engine: &Embedded, n: usize) -> Result<u64> {
+    let mut replies = Vec::new();
+    let mut tokens = 0;
+    for _ in 0..3 {
+        let (text, t, _) = ask(engine, chat(n, &replies), TURN_TOKENS).await?;
+        tokens += t;
+        replies.push(text);
+    }
+    Ok(tokens)
+}
+
+async fn engine_scenario(engine: &Embedded, scenario: &str) -> Result<Figures> {
+    let started = Instant::now();
+    let mut f = Figures::default();
+    match scenario {
+        "alone" => f.tokens = task(engine, 0).await?,
+        "four" => {
+            let all = futures::future::join_all((0..4).map(|n| task(engine, n))).await;
+            for t in all {
+                f.tokens += t?;
+            }
+        }
+        "ttft-alone" | "ttft-busy" => {
+            let (reply, _, _) = ask(engine, chat(0, &[]), TURN_TOKENS).await?;
+            let mut others = Vec::new();
+            if scenario == "ttft-busy" {
+                for n in 1..4 {
+                    let mut r = engine
+                        .generate(Generate {
+                            messages: chat(n, &[]),
+                            tools: Vec::new(),
+                            grammar: None,
+                            max_tokens: 400,
+                            temperature: 0.0,
+                            seed: 1,
+                            stop: Vec::new(),
+                        })
+                        .map_err(|e| e.to_string())?;
+                    // Wait until it generates: its prompt is read.
+                    r.events.recv().await;
+                    others.push(r);
+                }
+            }
+            let turn = Instant::now();
+            let (_, t, ttft) = ask(engine, chat(0, &[reply]), TURN_TOKENS).await?;
+            f.tokens = t;
+            f.ttft_ms = ttft;
+            f.seconds = turn.elapsed().as_secs_f64();
+            return Ok(f);
+        }
+        "forty" => {
+            let all = futures::future::join_all((0..40).map(|n| {
+                let mut messages = chat(n % 4, &[]);
+                messages[1]["content"] = json!(format!("{} (variant {n})", TASKS[n % 4]));
+                ask(engine, messages, 16)
+            }))
+            .await;
+            for r in all {
+                f.tokens += r?.1;
+            }
+        }
+        other => return Err(format!("no scenario {other}")),
+    }
+    f.seconds = started.elapsed().as_secs_f64();
+    Ok(f)
+}
+
+const SERVER: &str = r#"
+import signal, sys, threading
+import xllamacpp as xlc
+p = xlc.CommonParams()
+p.model.path = sys.argv[1]
+p.hostnames = ["127.0.0.1"]
+p.port = int(sys.argv[2])
+p.n_ctx = int(sys.argv[3])
+p.n_parallel = 4
+p.kv_unified = True
+p.n_batch = 512
+p.n_ubatch = 512
+p.cpuparams.n_threads = int(sys.argv[4])
+p.cpuparams_batch.n_threads = int(sys.argv[4])
+p.cache_prompt = True
+p.ui = False
+p.offline = True
+server = xlc.Server(p)
+print("ready", flush=True)
+done = threading.Event()
+signal.signal(signal.SIGTERM, lambda *_: done.set())
+done.wait()
+"#;
+
+/// Runs `scenario` against llama.cpp's server, started here with four slots and one unified
+/// cache of `CACHE` tokens.
+fn with_server(model: &str, python: &str, scenario: &str) -> Result<Figures> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| e.to_string())?
+        .port();
+    let mut server = Command::new(python)
+        .args([
+            "-c",
+            SERVER,
+            model,
+            &port.to_string(),
+            &CACHE.to_string(),
+            &THREADS.to_string(),
+        ])
+        .env("OMP_WAIT_POLICY", "PASSIVE")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot start {python}: {e}"))?;
+    let pid = server.id().to_string();
+    let result = (|| {
+        let started = Instant::now();
+        while !health(port) {
+            if started.elapsed() > Duration::from_secs(180) {
+                return Err("the server did not answer in 180 s".to_owned());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let mut f = server_scenario(port, scenario)?;
+        f.peak_mb = peak_mb(&pid);
+        Ok(f)
+    })();
+    let _ = server.kill();
+    let _ = server.wait();
+    result
+}
+
+fn health(port: u16) -> bool {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    if s.write_all(b"GET /health HTTP/1.0\r\n\r\n").is_err() {
+        return false;
+    }
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line).is_ok() && line.contains(" 200")
+}
+
+/// One streamed chat completion: its text, tokens and time to its first text.
+fn server_ask(port: u16, messages: Vec<Value>, max_tokens: u32) -> Result<(String, u64, f64)> {
+    let body = json!({
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "cache_prompt": true,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    })
+    .to_string();
+    let started = Instant::now();
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
+    write!(
+        stream,
+        "POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .map_err(|e| e.to_string())?;
+    let mut text = String::new();
+    let mut first = None;
+    let mut tokens = 0;
+    for line in BufReader::new(stream).lines() {
+        let line = line.map_err(|e| e.to_string())?;
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
+        if let Some(piece) = v["choices"][0]["delta"]["content"].as_str()
+            && !piece.is_empty()
+        {
+            first.get_or_insert_with(|| started.elapsed().as_secs_f64() * 1e3);
+            text.push_str(piece);
+        }
+        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+            tokens = n;
+        }
+    }
+    Ok((text, tokens, first.unwrap_or_default()))
+}
+
+fn server_task(port: u16, n: usize) -> Result<u64> {
+    let mut replies = Vec::new();
+    let mut tokens = 0;
+    for _ in 0..3 {
+        let (text, t, _) = server_ask(port, chat(n, &replies), TURN_TOKENS)?;
+        tokens += t;
+        replies.push(text);
+    }
+    Ok(tokens)
+}
+
+fn server_scenario(port: u16, scenario: &str) -> Result<Figures> {
+    let started = Instant::now();
+    let mut f = Figures::default();
+    match scenario {
+        "alone" => f.tokens = server_task(port, 0)?,
+        "four" => {
+            let handles: Vec<_> = (0..4)
+                .map(|n| std::thread::spawn(move || server_task(port, n)))
+                .collect();
+            for h in handles {
+                f.tokens += h.join().map_err(|_| "a task panicked")??;
+            }
+        }
+        "ttft-alone" | "ttft-busy" => {
+            let (reply, _, _) = server_ask(port, chat(0, &[]), TURN_TOKENS)?;
+            let mut others = Vec::new();
+            if scenario == "ttft-busy" {
+                let (tx, rx) = std::sync::mpsc::channel();
+                for n in 1..4 {
+                    let tx = tx.clone();
+                    others.push(std::thread::spawn(move || {
+                        let _ = tx.send(());
+                        server_ask(port, chat(n, &[]), 400)
+                    }));
+                }
+                for _ in 1..4 {
+                    let _ = rx.recv();
+                }
+                // The three have been sent; give the server time to read their prompts.
+                wait_generating(port, 3)?;
+            }
+            let turn = Instant::now();
+            let (_, t, ttft) = server_ask(port, chat(0, &[reply]), TURN_TOKENS)?;
+            f.tokens = t;
+            f.ttft_ms = ttft;
+            f.seconds = turn.elapsed().as_secs_f64();
+            for h in others {
+                let _ = h.join();
+            }
+            return Ok(f);
+        }
+        other => return Err(format!("no server scenario {other}")),
+    }
+    f.seconds = started.elapsed().as_secs_f64();
+    Ok(f)
+}
+
+/// Waits until `n` of the server's slots are generating (its `/slots` says so).
+fn wait_generating(port: u16, n: usize) -> Result<()> {
+    let started = Instant::now();
+    loop {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
+        s.write_all(b"GET /slots HTTP/1.0\r\n\r\n")
+            .map_err(|e| e.to_string())?;
+        let mut body = String::new();
+        std::io::Read::read_to_string(&mut s, &mut body).map_err(|e| e.to_string())?;
+        let json = body.split("\r\n\r\n").nth(1).unwrap_or("[]");
+        let slots: Value = serde_json::from_str(json).unwrap_or(Value::Null);
+        let generating = slots.as_array().map_or(0, |a| {
+            a.iter()
+                .filter(|s| s["next_token"][0]["n_decoded"].as_u64().unwrap_or(0) > 0)
+                .count()
+        });
+        if generating >= n {
+            return Ok(());
+        }
+        if started.elapsed() > Duration::from_secs(300) {
+            return Err(format!("only {generating} slots generate after 300 s"));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
