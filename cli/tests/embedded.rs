@@ -224,3 +224,226 @@ async fn asked_with_the_tool_required_the_embedded_model_calls_execute_code_and_
         out.stdout
     );
 }
+
+/// A daemon with the embedded model that also listens on a free loopback port: it, the
+/// address and its token.
+async fn tcp_daemon_with_model(models: &str) -> (tandem_tests::DaemonHarness, String, String) {
+    let port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let addr = format!("127.0.0.1:{port}");
+    let config = "[model]\nprovider = \"embedded\"\nmodel = \"qwen2.5-coder-0.5b\"\ntemperature = 0.0\nseed = 1\ncontext_tokens = 2048\n\n[policy]\nexecutors = [\"local\"]\n";
+    let d = tandem_tests::DaemonHarness::start_with_env(
+        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
+        "http://127.0.0.1:9/v1",
+        &["--listen", &addr],
+        Some(config),
+        &[("TANDEM_MODELS_DIR", models)],
+    )
+    .await;
+    let token = std::fs::read_to_string(d.state_dir().join("token")).unwrap();
+    (d, addr, token.trim().to_owned())
+}
+
+fn execute_code_tool() -> serde_json::Value {
+    serde_json::json!({"type": "function", "function": {
+        "name": "execute_code",
+        "description": "Run code and get its output.",
+        "parameters": {"type": "object", "properties": {
+            "language": {"type": "string", "enum": ["python", "sh"]},
+            "code": {"type": "string"}
+        }, "required": ["language", "code"], "additionalProperties": false}
+    }})
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_daemon_serves_its_model_to_openai_clients_under_its_token() {
+    let models = models_dir();
+    let (mut a, addr, token) = tcp_daemon_with_model(&models).await;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::new();
+    let url = format!("http://{addr}/v1/chat/completions");
+    let hello = serde_json::json!({
+        "model": "anything",
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 8,
+    });
+    // The same token as the rest of the API.
+    let resp = http.post(&url).json(&hello).send().await.unwrap();
+    assert_eq!(resp.status().as_u16(), 401);
+
+    // A plain reply, its usage, the served model's name.
+    let resp = http
+        .post(&url)
+        .bearer_auth(&token)
+        .json(&hello)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(body["object"], "chat.completion", "{body}");
+    assert_eq!(body["model"], "qwen2.5-coder-0.5b", "{body}");
+    assert!(
+        !body["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .is_empty(),
+        "{body}"
+    );
+    assert!(
+        body["usage"]["prompt_tokens"].as_u64().unwrap() > 5,
+        "{body}"
+    );
+    assert!(
+        body["usage"]["completion_tokens"].as_u64().unwrap() <= 8,
+        "{body}"
+    );
+
+    // A call, constrained by the tool's grammar, as tool_calls and never as text.
+    let resp = http
+        .post(&url)
+        .bearer_auth(&token)
+        .json(&serde_json::json!({
+            "messages": [{"role": "user", "content": "Print the sum of 2 and 3."}],
+            "tools": [execute_code_tool()],
+            "tool_choice": "required",
+            "max_tokens": 120,
+        }))
+        .send()
+        .await
+        .unwrap();
+    let body: serde_json::Value = resp.json().await.unwrap();
+    let choice = &body["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{body}");
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "execute_code", "{body}");
+    let arguments: serde_json::Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(arguments["code"].is_string(), "{body}");
+    assert!(
+        !choice["message"]["content"]
+            .as_str()
+            .unwrap_or("")
+            .contains("<tool_call>"),
+        "{body}"
+    );
+
+    // Streamed: chunks of text, the finish, the usage, then [DONE].
+    let resp = http
+        .post(&url)
+        .bearer_auth(&token)
+        .json(&serde_json::json!({
+            "messages": [{"role": "user", "content": "Count from 1 to 5."}],
+            "max_tokens": 16,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let text = resp.text().await.unwrap();
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(data.last(), Some(&"[DONE]"), "{text}");
+    let chunks: Vec<serde_json::Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert!(streamed.contains('1'), "{text}");
+    assert!(
+        chunks
+            .iter()
+            .any(|c| c["choices"][0]["finish_reason"].is_string()),
+        "{text}"
+    );
+    assert!(
+        chunks.iter().any(|c| c["usage"]["completion_tokens"]
+            .as_u64()
+            .is_some_and(|n| n > 0)),
+        "{text}"
+    );
+
+    // Bad input: a body that is not a request, a prompt over the window.
+    let resp = http
+        .post(&url)
+        .bearer_auth(&token)
+        .json(&serde_json::json!({"messages": "hi"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 400);
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("not a chat completion request"),
+        "{body}"
+    );
+    let resp = http
+        .post(&url)
+        .bearer_auth(&token)
+        .json(&serde_json::json!({
+            "messages": [{"role": "user", "content": "word ".repeat(3000)}],
+        }))
+        .send()
+        .await
+        .unwrap();
+    let body: serde_json::Value = resp.json().await.unwrap();
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("over the model's context window of 2048"),
+        "{body}"
+    );
+
+    // A second daemon with no model of its own runs a task on this one's, through its
+    // OpenAI client.
+    let config = format!(
+        "[model]\nprovider = \"openai\"\nbase_url = \"http://{addr}/v1\"\napi_key = \"{token}\"\nmodel = \"qwen2.5-coder-0.5b\"\ntemperature = 0.0\nseed = 1\n\n[policy]\nexecutors = [\"local\"]\n"
+    );
+    let mut b = tandem_tests::DaemonHarness::start_with_env(
+        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &format!("http://{addr}/v1"),
+        &[],
+        Some(&config),
+        &[("TANDEM_MODELS_DIR", "/nonexistent")],
+    )
+    .await;
+    let before = a.get("/v1/engine").await["engine"]["tokens_generated"]
+        .as_u64()
+        .unwrap();
+    let id = b
+        .submit(serde_json::json!({
+            "task": "Print the sum of 2 and 3 with python.",
+            "executor": "local",
+            "max_turns": 4,
+        }))
+        .await;
+    let task = b
+        .wait_finished(&id, std::time::Duration::from_secs(180))
+        .await;
+    assert_eq!(
+        task.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{task:?}\n{}",
+        b.log()
+    );
+    let engine = a.get("/v1/engine").await["engine"].clone();
+    assert!(
+        engine["tokens_generated"].as_u64().unwrap() > before,
+        "{engine}"
+    );
+    assert!(!b.log().contains("embedded model loaded"), "{}", b.log());
+    assert_eq!(a.log().matches("embedded model loaded").count(), 1);
+    b.terminate().await;
+    a.terminate().await;
+}

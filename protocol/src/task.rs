@@ -196,6 +196,8 @@ pub enum ApiErrorCode {
     StoreUnavailable,
     /// 503: the daemon is stopping.
     ShuttingDown,
+    /// 503: the daemon serves no embedded model (`/v1/chat/completions`), or it failed.
+    ModelUnavailable,
     /// 500: the daemon failed.
     Internal,
     /// A code this client does not know (a newer daemon's).

@@ -192,6 +192,7 @@ pub fn router(
         .route("/v1/teams/parse", post(parse_team))
         .route("/v1/executors", get(executors))
         .route("/v1/engine", get(engine))
+        .route("/v1/chat/completions", post(chat_completions))
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics))
         .fallback(not_found)
@@ -686,6 +687,42 @@ async fn resume_task(
 ) -> Result<Json<TaskRecord>, ApiError> {
     let record = state.supervisor.resume(&id).await?;
     Ok(Json(record))
+}
+
+/// The embedded model as an OpenAI-compatible chat API.
+async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let unavailable = |message: String| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ApiErrorCode::ModelUnavailable,
+            message,
+        )
+    };
+    let (local, name) = {
+        let planner = state.supervisor.planner_config();
+        (planner.local_model.clone(), planner.model.model.clone())
+    };
+    let Some(model) = local else {
+        return Err(unavailable(
+            "this daemon serves no embedded model: its tasks use a model server; ask that server, or start the daemon with [model] provider = \"embedded\"".to_owned(),
+        ));
+    };
+    let body = read_limited(&headers, body, state.body_limit).await?;
+    let request: crate::openai::ChatRequest =
+        serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_slice(&body))
+            .map_err(|e| {
+                ApiError::invalid(format!(
+                    "the body is not a chat completion request: {e}; send JSON like {{\"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}"
+                ))
+            })?;
+    let asked = request.asked().map_err(ApiError::invalid)?;
+    crate::openai::answer(model, name, asked)
+        .await
+        .map_err(unavailable)
 }
 
 /// What the embedded model's engine is doing; `null` when this daemon's tasks use a server.

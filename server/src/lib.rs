@@ -10,6 +10,7 @@ pub mod follow;
 mod held;
 pub mod mcp;
 pub mod metrics;
+mod openai;
 pub mod plan;
 pub mod policy;
 pub mod serve;

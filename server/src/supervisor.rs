@@ -198,6 +198,11 @@ impl Supervisor {
         &self.planner.config().executors
     }
 
+    /// What tasks are planned with: the model, the embedded one, executors and defaults.
+    pub fn planner_config(&self) -> &crate::plan::PlannerConfig {
+        self.planner.config()
+    }
+
     /// What the embedded model's engine is doing, when this daemon serves one.
     pub fn engine_stats(&self) -> Option<tandem_protocol::engine::EngineStats> {
         self.planner.config().local_model.as_ref()?.stats()

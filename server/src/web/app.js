@@ -472,10 +472,27 @@
     });
     moreBtn.addEventListener('click', loadMore);
 
-    onAuth = () => { loadExecutors(); refresh(true); };
+    // What the embedded model's engine is doing, when the daemon serves one.
+    async function loadEngine() {
+      const line = $('engine');
+      if (!line) return;
+      let engine = null;
+      try { ({ engine } = await api('GET', '/v1/engine')); } catch (_) { /* shown by the list */ }
+      line.hidden = !engine;
+      if (!engine) return;
+      const rate = (n) => n.toFixed(1);
+      line.textContent = `Model engine: ${engine.sequences_live} live, ${engine.sequences_waiting} waiting, `
+        + `${engine.sequences_kept} kept · batch of ${engine.batch_sequences} (${engine.batch_tokens} tokens) · `
+        + `${rate(engine.generated_per_second)} tokens/s generated, ${rate(engine.read_per_second)} read · `
+        + `cache ${engine.cache_tokens_used} of ${engine.cache_tokens} tokens · `
+        + `${plural(engine.evictions, 'eviction')}, ${plural(engine.pauses, 'pause')}`;
+    }
+
+    onAuth = () => { loadExecutors(); refresh(true); loadEngine(); };
     loadExecutors();
     refresh(true);
-    setInterval(() => { if (!document.hidden) refresh(false); }, 2000);
+    loadEngine();
+    setInterval(() => { if (!document.hidden) { refresh(false); loadEngine(); } }, 2000);
     document.addEventListener('visibilitychange', () => { if (!document.hidden) refresh(false); });
   }
 
