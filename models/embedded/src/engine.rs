@@ -28,6 +28,9 @@ use llama_cpp_2::token::LlamaToken;
 use crate::reply::{Next, ReplyState};
 use crate::{EngineStats, Event, Job};
 
+/// Fewest shared tokens worth waiting for another request to read.
+const BORROW_MIN: usize = 32;
+
 /// A sequence of the cache.
 #[derive(Default)]
 struct Slot {
@@ -57,6 +60,9 @@ struct Active {
     reused: usize,
     /// Its cells were dropped for room; it reads again once there is room.
     paused: bool,
+    /// Another request, arrived with it, reads the start they share: this one waits for
+    /// that sequence (by its id) to hold so many tokens, then borrows them.
+    borrow: Option<(usize, usize)>,
     prompt_len: usize,
 }
 
@@ -178,12 +184,24 @@ impl<'m> Engine<'m> {
             };
             self.slots[seq].busy = true;
             let want = job.tokens.clone();
+            // A start it shares with a prompt still being read is read once, by that one.
+            let shared = self
+                .active
+                .iter()
+                .filter(|a| !a.paused && a.fed < a.want.len())
+                .map(|a| {
+                    let n = a.want.iter().zip(&want).take_while(|(x, y)| x == y).count();
+                    (a.seq, n.min(want.len() - 1))
+                })
+                .max_by_key(|&(_, n)| n)
+                .filter(|&(_, n)| n >= reused + BORROW_MIN);
             self.active.push(Active {
                 prompt_len: want.len(),
                 want,
                 fed: reused,
                 next: None,
                 paused: false,
+                borrow: shared,
                 reply,
                 reused,
                 seq,
@@ -388,6 +406,7 @@ impl<'m> Engine<'m> {
     /// Fills the batch: each reply's next token, then prompt chunks in arrival order.
     fn fill(&mut self) -> Vec<Part> {
         self.resume();
+        self.borrow();
         self.batch.clear();
         let mut parts = Vec::new();
         for (i, a) in self.active.iter().enumerate() {
@@ -416,7 +435,7 @@ impl<'m> Engine<'m> {
             if budget == 0 {
                 break;
             }
-            if a.fed >= a.want.len() || a.paused {
+            if a.fed >= a.want.len() || a.paused || a.borrow.is_some() {
                 continue;
             }
             let take = (a.want.len() - a.fed).min(budget);
@@ -445,6 +464,42 @@ impl<'m> Engine<'m> {
             });
         }
         parts
+    }
+
+    /// Gives each waiting request the shared start its lender now holds; a lender that
+    /// went away or was paused leaves it to read for itself.
+    fn borrow(&mut self) {
+        for i in 0..self.active.len() {
+            let Some((lender, n)) = self.active[i].borrow else {
+                continue;
+            };
+            let ready = self
+                .active
+                .iter()
+                .find(|a| a.seq == lender)
+                .filter(|a| !a.paused)
+                .map(|a| a.fed >= n);
+            match ready {
+                Some(false) => continue,
+                Some(true) => {
+                    let seq = self.active[i].seq;
+                    let _ = self.ctx.clear_kv_cache_seq(Some(seq as u32), None, None);
+                    // In a unified cache this shares the cells; nothing is copied.
+                    let _ = self.ctx.kv_cache_seq_cp(
+                        seq_id(lender),
+                        seq_id(seq),
+                        Some(0),
+                        u32::try_from(n).ok(),
+                    );
+                    let a = &mut self.active[i];
+                    self.slots[seq].tokens = a.want[..n].to_vec();
+                    a.fed = n;
+                    a.reused = n;
+                }
+                None => {}
+            }
+            self.active[i].borrow = None;
+        }
     }
 
     /// Lets the oldest paused request read again when the busy sequences leave room for it

@@ -446,6 +446,25 @@ async fn a_shared_system_prompt_is_read_once() {
     assert!(c2 > 150 && c2 < p1, "{c2} of {p1}");
     // Both conversations are kept.
     assert_eq!(engine.stats().sequences_kept, 2, "{:?}", engine.stats());
+
+    // Arriving together, the shared start is read by the first and borrowed by the others,
+    // and each reply is what it is alone.
+    let questions = ["Say one.", "Name a colour.", "Name a fruit."];
+    let mut alone = Vec::new();
+    for q in questions {
+        alone.push(collect(&engine, ask(q)).await.0);
+    }
+    let fresh = Embedded::load(&model_path(), config()).unwrap();
+    let at_once = together(&fresh, questions.iter().map(|q| ask(q)).collect()).await;
+    for (i, (text, done)) in at_once.iter().enumerate() {
+        assert_eq!(text, &alone[i], "request {i}");
+        let Event::Done { cached_tokens, .. } = done else {
+            panic!("{done:?}");
+        };
+        if i > 0 {
+            assert!(*cached_tokens > 150, "request {i}: {done:?}");
+        }
+    }
 }
 
 #[tokio::test]
