@@ -106,13 +106,25 @@ fn main() {
             "server-ttft-busy",
         ),
         ("engine: forty one-turn tasks queued", "forty"),
+        ("engine: one long count alone", "count-1"),
+        ("engine: four long counts at once", "count-4"),
+        ("server, 4 slots: one long count alone", "server-count-1"),
+        ("server, 4 slots: four long counts at once", "server-count-4"),
     ];
     let mut figures = std::collections::BTreeMap::new();
     println!(
         "{:<46} {:>7} {:>8} {:>8} {:>9} {:>8}",
         "scenario", "tokens", "seconds", "tok/s", "TTFT ms", "peak MB"
     );
+    // `SERVING_ONLY=count-1,count-4` runs those alone.
+    let only = std::env::var("SERVING_ONLY").ok();
     for (label, scenario) in rows {
+        if only
+            .as_deref()
+            .is_some_and(|o| !o.split(',').any(|s| s == scenario))
+        {
+            continue;
+        }
         let f = run(scenario);
         println!(
             "{label:<46} {:>7} {:>8.1} {:>8.2} {:>9.0} {:>8.0}",
@@ -125,7 +137,8 @@ fn main() {
         figures.insert(scenario, f);
     }
     let ratio = |a: &str, b: &str, f: fn(Figures) -> f64| {
-        let (x, y) = (f(figures[a]), f(figures[b]));
+        let get = |k: &str| figures.get(k).copied().unwrap_or_default();
+        let (x, y) = (f(get(a)), f(get(b)));
         if y > 0.0 { x / y } else { f64::NAN }
     };
     println!();
@@ -136,6 +149,11 @@ fn main() {
     println!(
         "four at once, engine / server (goal >= 1.0): {:.2}",
         ratio("four", "server-four", rate)
+    );
+    println!(
+        "four long counts / one, tokens per second (decoding alone): {:.2}  (server: {:.2})",
+        ratio("count-4", "count-1", rate),
+        ratio("server-count-4", "server-count-1", rate)
     );
     println!(
         "turn 2 TTFT, beside three / alone (goal <= 1.2): {:.2}  (server: {:.2})",
@@ -228,6 +246,14 @@ async fn ask(
     Err("the reply ended without Done".to_owned())
 }
 
+/// A short question whose reply is all generation: counting on from `n`.
+fn count(n: usize) -> Vec<Value> {
+    vec![json!({"role": "user", "content": format!("Count from {} to 100000, one number per line, with nothing else.", n * 1000 + 1)})]
+}
+
+/// Replies of `COUNT_TOKENS` tokens each, so the figure is decoding's.
+const COUNT_TOKENS: u32 = 128;
+
 /// A three-turn task; its generated tokens.
 async fn task(engine: &Embedded, n: usize) -> Result<u64> {
     let mut replies = Vec::new();
@@ -278,6 +304,15 @@ async fn engine_scenario(engine: &Embedded, scenario: &str) -> Result<Figures> {
             f.ttft_ms = ttft;
             f.seconds = turn.elapsed().as_secs_f64();
             return Ok(f);
+        }
+        "count-1" | "count-4" => {
+            let n = if scenario == "count-1" { 1 } else { 4 };
+            let all =
+                futures::future::join_all((0..n).map(|i| ask(engine, count(i), COUNT_TOKENS)))
+                    .await;
+            for r in all {
+                f.tokens += r?.1;
+            }
         }
         "forty" => {
             let all = futures::future::join_all((0..40).map(|n| {
@@ -465,6 +500,15 @@ fn server_scenario(port: u16, scenario: &str) -> Result<Figures> {
                 let _ = h.join();
             }
             return Ok(f);
+        }
+        "count-1" | "count-4" => {
+            let n = if scenario == "count-1" { 1 } else { 4 };
+            let handles: Vec<_> = (0..n)
+                .map(|i| std::thread::spawn(move || server_ask(port, count(i), COUNT_TOKENS)))
+                .collect();
+            for h in handles {
+                f.tokens += h.join().map_err(|_| "a request panicked")??.1;
+            }
         }
         other => return Err(format!("no server scenario {other}")),
     }
