@@ -322,6 +322,14 @@ async fn doctor(
                 path.display(),
                 tandem_model_files::megabytes(size)
             );
+            match provider::draft(&settings.provider) {
+                Ok(Some(draft)) => println!(
+                    "draft:     {}: guesses tokens that {name} checks (speculative decoding)",
+                    draft.display()
+                ),
+                Ok(None) => {}
+                Err(e) => println!("draft:     none: {e:#}"),
+            }
         }
         Ok(provider::Provider::Server) => {
             println!("model:     {} at {}", model.model, model.base_url);

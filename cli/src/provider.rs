@@ -13,6 +13,24 @@ use tandem_model_files::ModelDir;
 
 use crate::config::{ProviderSettings, Settings};
 
+/// The file of `[model] draft`, when one is set: a `.gguf` path, or a pulled catalog model.
+pub fn draft(settings: &ProviderSettings) -> Result<Option<PathBuf>> {
+    let Some(name) = settings.draft.as_deref() else {
+        return Ok(None);
+    };
+    if name.ends_with(".gguf") {
+        let path = PathBuf::from(name);
+        anyhow::ensure!(path.is_file(), "[model] draft: no model file at {name}");
+        return Ok(Some(path));
+    }
+    let spec = tandem_model_files::find(name).map_err(|e| anyhow::anyhow!("[model] draft: {e}"))?;
+    let dir = ModelDir::new(settings.models_dir.get()?.clone());
+    match dir.installed(&spec) {
+        Some(path) => Ok(Some(path)),
+        None => bail!("[model] draft `{name}` is not pulled: run `tandem model pull {name}`"),
+    }
+}
+
 /// The choice, before anything is loaded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Provider {
@@ -101,6 +119,7 @@ pub async fn load(
     }
     // The cache holds at least one whole conversation.
     config.cache_tokens = config.cache_tokens.max(config.context_tokens);
+    config.draft = draft(settings)?;
     let engine = tokio::task::spawn_blocking(move || Embedded::load(&path, config))
         .await
         .context("loading the embedded model stopped")??;

@@ -675,8 +675,11 @@ async fn model(
     let local_model = match crate::provider::choose(&settings.provider) {
         Ok(crate::provider::Provider::Embedded { name, path }) => {
             let loaded = crate::provider::load(&name, path.clone(), &settings.provider).await?;
+            let draft = crate::provider::draft(&settings.provider)?
+                .map(|d| format!(", drafting with {}", d.display()))
+                .unwrap_or_default();
             say.note(&format!(
-                "model: {name}, embedded ({}); tasks that name no model server use it",
+                "model: {name}, embedded ({}{draft}); tasks that name no model server use it",
                 path.display()
             ));
             Some((loaded, name))

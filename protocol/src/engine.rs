@@ -37,4 +37,10 @@ pub struct EngineStats {
     pub pauses: u64,
     /// Seconds spent decoding.
     pub busy_seconds: f64,
+    /// Whether a draft model guesses tokens for the main one to check.
+    pub draft: bool,
+    /// Tokens the draft guessed, since load.
+    pub draft_proposed: u64,
+    /// Guessed tokens the main model kept, since load.
+    pub draft_accepted: u64,
 }

@@ -80,10 +80,10 @@ impl ChatRequest {
             .map(|(i, m)| message(m).map_err(|e| format!("messages[{i}]: {e}")))
             .collect::<Result<Vec<_>, _>>()?;
         let offer = offer(self.tools, self.tool_choice)?;
-        let seed = match self.seed {
-            Some(s) => Some(u32::try_from(s.rem_euclid(1 << 32)).unwrap_or(0)),
-            None => None,
-        };
+        // Any integer is a seed, as OpenAI takes it; the engine's is 32 bits.
+        let seed = self
+            .seed
+            .map(|s| u32::try_from(s.rem_euclid(1 << 32)).unwrap_or(0));
         let config = ModelConfig {
             temperature: self.temperature,
             max_tokens: self.max_completion_tokens.or(self.max_tokens),
@@ -315,7 +315,6 @@ pub(crate) async fn answer(
             r = generation => r,
             () = tx.closed() => return,
         };
-        drop(progress);
         match result {
             Ok(completion) => {
                 if completion.tool_calls.is_empty() {

@@ -167,6 +167,9 @@ pub struct ModelSection {
     pub cache_tokens: Option<u32>,
     /// Most replies the embedded model generates at once.
     pub parallel: Option<u32>,
+    /// A smaller pulled model of the same family that guesses tokens for the embedded one
+    /// (a catalog name or a `.gguf` path).
+    pub draft: Option<String>,
     /// How the model's code reaches the executor: `blocks`, `tool` or `auto`.
     pub code_via: Option<tandem_protocol::CodeVia>,
     /// `auto` (the model may call a tool) or `required` (every reply is a call).

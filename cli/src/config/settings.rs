@@ -63,6 +63,8 @@ pub struct ProviderSettings {
     pub cache_tokens: Option<u32>,
     /// `[model] parallel`.
     pub parallel: Option<u32>,
+    /// `[model] draft`.
+    pub draft: Option<String>,
 }
 
 /// Each executor's settings; a mistake in one section is told when that executor is asked
@@ -134,6 +136,7 @@ impl Settings {
             context_tokens: file.model.context_tokens,
             cache_tokens: file.model.cache_tokens,
             parallel: file.model.parallel,
+            draft: file.model.draft.clone(),
         };
         Self {
             file,

@@ -2,9 +2,10 @@
 //! same GGUF, the same chats and the same threads, in one run. Each scenario runs in a
 //! process of its own, so its peak memory is its own.
 //!
-//!   cargo bench -p tandem-model-embedded --bench serving -- MODEL.gguf PYTHON
+//!   cargo bench -p tandem-model-embedded --bench serving -- MODEL.gguf PYTHON [DRAFT.gguf]
 //!
-//! PYTHON is a Python with `xllamacpp` installed (llama.cpp's server as a library). A task is
+//! PYTHON is a Python with `xllamacpp` installed (llama.cpp's server as a library). With
+//! DRAFT, the scenarios with a draft model run too, on both engines (4 tokens a step). A task is
 //! three turns of Tandem's default system prompt, a coding question, and two outcomes of a
 //! run fed back; replies are greedy and at most `TURN_TOKENS` tokens.
 
@@ -20,6 +21,8 @@ const THREADS: i32 = 2;
 const WINDOW: u32 = 8192;
 const CACHE: u32 = 16384;
 const TURN_TOKENS: u32 = 96;
+/// Tokens a draft guesses per step, on both engines.
+const DRAFT_TOKENS: u32 = 4;
 
 const TASKS: [&str; 4] = [
     "Write a Python function that returns the n-th prime number and print the 100th prime.",
@@ -63,7 +66,12 @@ fn main() {
     if let [flag, scenario, model, rest @ ..] = args.as_slice()
         && flag == "--child"
     {
-        let figures = child(scenario, model, rest.first().map(String::as_str));
+        let figures = child(
+            scenario,
+            model,
+            rest.first().map(String::as_str),
+            rest.get(1).map(String::as_str).filter(|d| !d.is_empty()),
+        );
         match figures {
             Ok(f) => println!("{}", serde_json::to_string(&f).unwrap_or_default()),
             Err(e) => {
@@ -73,14 +81,19 @@ fn main() {
         }
         return;
     }
-    let [model, python, ..] = args.as_slice() else {
+    let [model, python, more @ ..] = args.as_slice() else {
         eprintln!("usage: serving MODEL.gguf PYTHON  (a Python with xllamacpp installed)");
         std::process::exit(2);
     };
     let run = |scenario: &str| -> Figures {
         let exe = std::env::current_exe().unwrap_or_default();
+        let draft = if scenario.contains("draft") {
+            more.first().map_or("", String::as_str)
+        } else {
+            ""
+        };
         let out = Command::new(exe)
-            .args(["--child", scenario, model, python])
+            .args(["--child", scenario, model, python, draft])
             .stderr(Stdio::inherit())
             .output();
         match out {
@@ -109,7 +122,17 @@ fn main() {
         ("engine: one long count alone", "count-1"),
         ("engine: four long counts at once", "count-4"),
         ("server, 4 slots: one long count alone", "server-count-1"),
-        ("server, 4 slots: four long counts at once", "server-count-4"),
+        (
+            "server, 4 slots: four long counts at once",
+            "server-count-4",
+        ),
+        ("engine with draft: one task alone", "draft-alone"),
+        ("server with draft: one task alone", "server-draft-alone"),
+        ("engine with draft: one long count alone", "draft-count-1"),
+        (
+            "server with draft: one long count alone",
+            "server-draft-count-1",
+        ),
     ];
     let mut figures = std::collections::BTreeMap::new();
     println!(
@@ -122,6 +145,7 @@ fn main() {
         if only
             .as_deref()
             .is_some_and(|o| !o.split(',').any(|s| s == scenario))
+            || (scenario.contains("draft") && more.is_empty())
         {
             continue;
         }
@@ -156,6 +180,17 @@ fn main() {
         ratio("server-count-4", "server-count-1", rate)
     );
     println!(
+        "one task, with draft / without (goal >= 1.3): {:.2}  (long count: {:.2}; server: {:.2})",
+        ratio("draft-alone", "alone", rate),
+        ratio("draft-count-1", "count-1", rate),
+        ratio("server-draft-alone", "server-alone", rate)
+    );
+    println!(
+        "one task with draft, engine / server with draft (goal >= 1.0): {:.2}  (long count: {:.2})",
+        ratio("draft-alone", "server-draft-alone", rate),
+        ratio("draft-count-1", "server-draft-count-1", rate)
+    );
+    println!(
         "turn 2 TTFT, beside three / alone (goal <= 1.2): {:.2}  (server: {:.2})",
         ratio("ttft-busy", "ttft-alone", |f| f.ttft_ms),
         ratio("server-ttft-busy", "server-ttft-alone", |f| f.ttft_ms)
@@ -184,17 +219,25 @@ fn peak_mb(pid: &str) -> f64 {
 
 type Result<T> = std::result::Result<T, String>;
 
-fn child(scenario: &str, model: &str, python: Option<&str>) -> Result<Figures> {
+fn child(
+    scenario: &str,
+    model: &str,
+    python: Option<&str>,
+    draft: Option<&str>,
+) -> Result<Figures> {
     if let Some(server) = scenario.strip_prefix("server-") {
         let python = python.ok_or("no PYTHON given")?;
-        return with_server(model, python, server);
+        return with_server(model, python, server.trim_start_matches("draft-"), draft);
     }
+    let scenario = scenario.trim_start_matches("draft-");
     let engine = Embedded::load(
         std::path::Path::new(model),
         EmbeddedConfig {
             threads: THREADS,
             context_tokens: WINDOW,
             cache_tokens: CACHE,
+            draft: draft.map(std::path::PathBuf::from),
+            draft_tokens: DRAFT_TOKENS,
             ..EmbeddedConfig::for_cores(2)
         },
     )
@@ -248,7 +291,9 @@ async fn ask(
 
 /// A short question whose reply is all generation: counting on from `n`.
 fn count(n: usize) -> Vec<Value> {
-    vec![json!({"role": "user", "content": format!("Count from {} to 100000, one number per line, with nothing else.", n * 1000 + 1)})]
+    vec![
+        json!({"role": "user", "content": format!("Count from {} to 100000, one number per line, with nothing else.", n * 1000 + 1)}),
+    ]
 }
 
 /// Replies of `COUNT_TOKENS` tokens each, so the figure is decoding's.
@@ -348,6 +393,13 @@ p.cpuparams_batch.n_threads = int(sys.argv[4])
 p.cache_prompt = True
 p.ui = False
 p.offline = True
+if len(sys.argv) > 5 and sys.argv[5]:
+    p.speculative.types = [xlc.common_speculative_type.COMMON_SPECULATIVE_TYPE_DRAFT_SIMPLE]
+    p.speculative.draft.mparams.path = sys.argv[5]
+    p.speculative.draft.n_max = int(sys.argv[6])
+    p.speculative.draft.n_min = 0
+    p.speculative.draft.cpuparams.n_threads = int(sys.argv[4])
+    p.speculative.draft.cpuparams_batch.n_threads = int(sys.argv[4])
 server = xlc.Server(p)
 print("ready", flush=True)
 done = threading.Event()
@@ -357,7 +409,7 @@ done.wait()
 
 /// Runs `scenario` against llama.cpp's server, started here with four slots and one unified
 /// cache of `CACHE` tokens.
-fn with_server(model: &str, python: &str, scenario: &str) -> Result<Figures> {
+fn with_server(model: &str, python: &str, scenario: &str, draft: Option<&str>) -> Result<Figures> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map_err(|e| e.to_string())?
@@ -370,6 +422,8 @@ fn with_server(model: &str, python: &str, scenario: &str) -> Result<Figures> {
             &port.to_string(),
             &CACHE.to_string(),
             &THREADS.to_string(),
+            draft.unwrap_or(""),
+            &DRAFT_TOKENS.to_string(),
         ])
         .env("OMP_WAIT_POLICY", "PASSIVE")
         .stdout(Stdio::null())

@@ -115,7 +115,14 @@ impl LocalModel for EmbeddedChat {
     }
 
     fn describe(&self) -> String {
-        format!("the embedded engine ({})", self.engine.path().display())
+        match self.engine.draft() {
+            Some(draft) => format!(
+                "the embedded engine ({}, drafting with {})",
+                self.engine.path().display(),
+                draft.display()
+            ),
+            None => format!("the embedded engine ({})", self.engine.path().display()),
+        }
     }
 
     fn stats(&self) -> Option<tandem_protocol::engine::EngineStats> {

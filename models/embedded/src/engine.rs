@@ -25,8 +25,12 @@ use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::token::LlamaToken;
 
+use crate::draft::{Ask, Drafter};
 use crate::reply::{Next, ReplyState};
 use crate::{EngineStats, Event, Job};
+
+/// Most replies generated at once for which the draft still guesses.
+const DRAFT_UP_TO: usize = 2;
 
 /// Fewest shared tokens worth waiting for another request to read.
 const BORROW_MIN: usize = 32;
@@ -55,6 +59,8 @@ struct Active {
     fed: usize,
     /// The sampled token that is decoded next, once `want` is all held.
     next: Option<LlamaToken>,
+    /// The draft's guesses of the tokens after `next`, checked with it in this step.
+    drafts: Vec<LlamaToken>,
     reply: ReplyState,
     /// Prompt tokens found in the cache when it was placed.
     reused: usize,
@@ -91,6 +97,9 @@ pub(crate) struct Engine<'m> {
     step: u64,
     stats: Arc<Mutex<EngineStats>>,
     rates: Rates,
+    drafter: Option<Drafter<'m>>,
+    /// Most tokens drafted for a reply in one step.
+    draft_tokens: usize,
 }
 
 /// Sizes the engine is built with.
@@ -100,6 +109,7 @@ pub(crate) struct Sizes {
     pub(crate) batch_tokens: usize,
     pub(crate) window: usize,
     pub(crate) cache_tokens: usize,
+    pub(crate) draft_tokens: usize,
 }
 
 impl<'m> Engine<'m> {
@@ -108,6 +118,7 @@ impl<'m> Engine<'m> {
         ctx: LlamaContext<'m>,
         sizes: &Sizes,
         stats: Arc<Mutex<EngineStats>>,
+        drafter: Option<Drafter<'m>>,
     ) -> Self {
         Self {
             model,
@@ -124,6 +135,8 @@ impl<'m> Engine<'m> {
             step: 0,
             stats,
             rates: Rates::new(),
+            drafter,
+            draft_tokens: sizes.draft_tokens,
         }
     }
 
@@ -200,6 +213,7 @@ impl<'m> Engine<'m> {
                 want,
                 fed: reused,
                 next: None,
+                drafts: Vec::new(),
                 paused: false,
                 borrow: shared,
                 reply,
@@ -294,11 +308,15 @@ impl<'m> Engine<'m> {
         slot.tokens.clear();
         slot.prompt = 0;
         slot.busy = false;
+        if let Some(d) = self.drafter.as_mut() {
+            d.forget(seq);
+        }
     }
 
     /// Decodes one batch: the next token of every reply and chunks of prompts, then samples.
     fn step(&mut self) {
         self.step += 1;
+        self.propose();
         let parts = loop {
             let parts = self.fill();
             if parts.is_empty() {
@@ -335,7 +353,7 @@ impl<'m> Engine<'m> {
             }
         }
         let elapsed = started.elapsed();
-        let (mut read, mut generated) = (0u64, 0u64);
+        let (mut read, mut generated, mut proposed, mut accepted) = (0u64, 0u64, 0u64, 0u64);
         let mut finished = Vec::new();
         for part in &parts {
             let a = &mut self.active[part.active];
@@ -346,11 +364,53 @@ impl<'m> Engine<'m> {
                     .extend_from_slice(&a.want[a.fed..a.fed + part.tokens]);
                 a.fed += part.tokens;
                 read += part.tokens as u64;
-            } else if let Some(token) = a.next.take() {
-                slot.tokens.push(token);
-                a.want.push(token);
-                a.fed += 1;
-                generated += 1;
+            } else if let (Some(token), Some(at)) = (a.next.take(), part.logits) {
+                // The sampled token and the draft's guesses were decoded; each guess the
+                // model itself samples is kept, and the first it does not ends the check.
+                // Sampling goes token by token as without a draft, so the reply is the same.
+                let drafts = std::mem::take(&mut a.drafts);
+                let mut kept = 1;
+                let mut outcome = Next::Done(crate::Finish::Length);
+                for j in 0..=drafts.len() {
+                    let room = a.fed + j + 2 < self.window;
+                    match a.reply.next(
+                        self.model,
+                        &self.ctx,
+                        at + j as i32,
+                        &a.job.request,
+                        &a.job.events,
+                        room,
+                    ) {
+                        Next::Token(t) if drafts.get(j) == Some(&t) => kept += 1,
+                        other => {
+                            outcome = other;
+                            break;
+                        }
+                    }
+                }
+                let held: Vec<LlamaToken> = std::iter::once(token)
+                    .chain(drafts[..kept - 1].iter().copied())
+                    .collect();
+                slot.tokens.extend_from_slice(&held);
+                a.want.extend_from_slice(&held);
+                a.fed += kept;
+                generated += kept as u64;
+                if kept <= drafts.len() {
+                    // The refused guesses' cells.
+                    let _ = self.ctx.clear_kv_cache_seq(
+                        Some(a.seq as u32),
+                        u32::try_from(a.fed).ok(),
+                        None,
+                    );
+                }
+                proposed += drafts.len() as u64;
+                accepted += (kept - 1) as u64;
+                slot.used_at = self.step;
+                match outcome {
+                    Next::Token(t) => a.next = Some(t),
+                    Next::Done(finish) => finished.push((part.active, finish)),
+                }
+                continue;
             }
             slot.used_at = self.step;
             let Some(at) = part.logits else { continue };
@@ -375,6 +435,8 @@ impl<'m> Engine<'m> {
             s.batch_tokens = tokens;
             s.prompt_tokens_read += read;
             s.tokens_generated += generated;
+            s.draft_proposed += proposed;
+            s.draft_accepted += accepted;
             s.busy_seconds += elapsed.as_secs_f64();
         });
         // Highest index first, so the others keep theirs.
@@ -403,6 +465,45 @@ impl<'m> Engine<'m> {
         }
     }
 
+    /// Has the draft guess the next tokens of each reply being generated, while few are: a
+    /// batch of several replies already keeps the CPU busy, and guesses would only add to it.
+    fn propose(&mut self) {
+        let Some(drafter) = self.drafter.as_mut() else {
+            return;
+        };
+        let generating: Vec<usize> = (0..self.active.len())
+            .filter(|&i| {
+                let a = &self.active[i];
+                a.next.is_some() && a.fed == a.want.len() && !a.paused
+            })
+            .collect();
+        if generating.is_empty() || generating.len() > DRAFT_UP_TO {
+            return;
+        }
+        let asks: Vec<Ask<'_>> = generating
+            .iter()
+            .map(|&i| {
+                let a = &self.active[i];
+                let left = a.job.request.max_tokens.saturating_sub(a.reply.generated) as usize;
+                Ask {
+                    seq: a.seq,
+                    held: &a.want,
+                    next: a.next.unwrap_or(LlamaToken(0)),
+                    // Within the window, and no more than the reply may still grow.
+                    most: self
+                        .draft_tokens
+                        .min(self.window.saturating_sub(a.fed + 3))
+                        .min(left.saturating_sub(1)),
+                }
+            })
+            .collect();
+        let drafts = drafter.propose(&asks);
+        drop(asks);
+        for (i, d) in generating.into_iter().zip(drafts) {
+            self.active[i].drafts = d;
+        }
+    }
+
     /// Fills the batch: each reply's next token, then prompt chunks in arrival order.
     fn fill(&mut self) -> Vec<Part> {
         self.resume();
@@ -412,14 +513,19 @@ impl<'m> Engine<'m> {
         for (i, a) in self.active.iter().enumerate() {
             if let (Some(token), true) = (a.next, a.fed == a.want.len()) {
                 let at = self.batch.n_tokens();
-                if self
-                    .batch
-                    .add(token, a.fed as i32, &[seq_id(a.seq)], true)
-                    .is_ok()
-                {
+                // The sampled token, then the draft's guesses after it, each with logits.
+                let tokens: Vec<LlamaToken> = std::iter::once(token)
+                    .chain(a.drafts.iter().copied())
+                    .collect();
+                let added = tokens.iter().enumerate().all(|(k, &t)| {
+                    self.batch
+                        .add(t, (a.fed + k) as i32, &[seq_id(a.seq)], true)
+                        .is_ok()
+                });
+                if added {
                     parts.push(Part {
                         active: i,
-                        tokens: 1,
+                        tokens: tokens.len(),
                         logits: Some(at),
                     });
                 }
@@ -430,7 +536,10 @@ impl<'m> Engine<'m> {
         } else {
             self.ride_along
         }
-        .min(self.batch_tokens.saturating_sub(parts.len()));
+        .min(
+            self.batch_tokens
+                .saturating_sub(self.batch.n_tokens() as usize),
+        );
         for (i, a) in self.active.iter().enumerate() {
             if budget == 0 {
                 break;
@@ -530,9 +639,13 @@ impl<'m> Engine<'m> {
             // It reads its conversation (and its reply so far) again when there is room.
             a.fed = 0;
             a.paused = true;
+            a.drafts.clear();
             let seq = a.seq;
             let _ = self.ctx.clear_kv_cache_seq(Some(seq as u32), None, None);
             self.slots[seq].tokens.clear();
+            if let Some(d) = self.drafter.as_mut() {
+                d.forget(seq);
+            }
             self.stat(|s| s.pauses += 1);
             return true;
         }

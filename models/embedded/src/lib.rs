@@ -6,6 +6,7 @@
 //! per step (see `engine`).
 
 mod chat;
+mod draft;
 mod engine;
 mod reply;
 
@@ -41,6 +42,11 @@ pub struct EmbeddedConfig {
     pub parallel: u32,
     /// Conversations the cache keeps, live or idle.
     pub sequences: u32,
+    /// A smaller model of the same vocabulary that guesses tokens for this one to check
+    /// (speculative decoding); the replies are the same with it or without.
+    pub draft: Option<PathBuf>,
+    /// Most tokens the draft guesses for a reply in one step.
+    pub draft_tokens: u32,
 }
 
 impl EmbeddedConfig {
@@ -53,6 +59,8 @@ impl EmbeddedConfig {
             batch_tokens: 512,
             parallel: 8,
             sequences: 32,
+            draft: None,
+            draft_tokens: 4,
         }
     }
 }
@@ -159,6 +167,7 @@ pub struct Embedded {
     load_time: Duration,
     window: usize,
     stats: Arc<Mutex<EngineStats>>,
+    draft: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for Embedded {
@@ -200,18 +209,28 @@ impl Embedded {
             LlamaModel::load_from_file(backend, path, &LlamaModelParams::default())
                 .map_err(|e| fail(e.to_string()))?,
         );
+        let draft = match &config.draft {
+            None => None,
+            Some(draft_path) => Some(Arc::new(load_draft(backend, &model, draft_path)?)),
+        };
         let shared = model.clone();
+        let shared_draft = draft.clone();
+        let draft_path = config.draft.clone();
         let (jobs, rx) = mpsc::channel::<Job>();
         let (ready_tx, ready_rx) = mpsc::channel();
         let window = config.context_tokens.max(256);
         let stats = Arc::new(Mutex::new(EngineStats {
             cache_tokens: config.cache_tokens.max(window).into(),
+            draft: draft.is_some(),
             ..EngineStats::default()
         }));
         let engine_stats = stats.clone();
         std::thread::Builder::new()
             .name("tandem-model".to_owned())
-            .spawn(move || worker(backend, &shared, &config, &rx, &ready_tx, engine_stats))
+            .spawn(move || {
+                let models = (shared.as_ref(), shared_draft.as_deref());
+                worker(backend, models, &config, &rx, &ready_tx, engine_stats);
+            })
             .map_err(|e| fail(format!("cannot start its thread: {e}")))?;
         match ready_rx.recv() {
             Ok(Ok(())) => {}
@@ -225,6 +244,7 @@ impl Embedded {
             load_time: started.elapsed(),
             window: window as usize,
             stats,
+            draft: draft_path,
         }))
     }
 
@@ -236,6 +256,11 @@ impl Embedded {
     /// The model file.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The draft model's file, when one guesses tokens for this one.
+    pub fn draft(&self) -> Option<&Path> {
+        self.draft.as_deref()
     }
 
     /// How long loading took.
@@ -295,9 +320,35 @@ impl Embedded {
     }
 }
 
+/// The draft model at `path`, when its vocabulary is the main model's.
+fn load_draft(
+    backend: &'static LlamaBackend,
+    main: &LlamaModel,
+    path: &Path,
+) -> Result<LlamaModel, EmbeddedError> {
+    if !path.is_file() {
+        return Err(EmbeddedError::Missing(path.to_owned()));
+    }
+    let fail = |reason: String| EmbeddedError::Load {
+        path: path.to_owned(),
+        reason,
+    };
+    let draft = LlamaModel::load_from_file(backend, path, &LlamaModelParams::default())
+        .map_err(|e| fail(e.to_string()))?;
+    let (a, b) = (main.vocab(), draft.vocab());
+    if main.n_vocab() != draft.n_vocab() || a.eos() != b.eos() || a.bos() != b.bos() {
+        return Err(fail(format!(
+            "as a draft it must have the main model's vocabulary ({} tokens), and it has {}; pull a smaller model of the same family",
+            main.n_vocab(),
+            draft.n_vocab()
+        )));
+    }
+    Ok(draft)
+}
+
 fn worker(
     backend: &'static LlamaBackend,
-    model: &LlamaModel,
+    (model, draft): (&LlamaModel, Option<&LlamaModel>),
     config: &EmbeddedConfig,
     jobs: &mpsc::Receiver<Job>,
     ready: &mpsc::Sender<Result<(), String>>,
@@ -307,21 +358,28 @@ fn worker(
     let cache = config.cache_tokens.max(window);
     let batch = config.batch_tokens.max(32);
     let sequences = config.sequences.clamp(1, 256);
-    // One cache for every sequence (unified), so a conversation may grow to the whole
-    // window whatever the others hold, and a shared prefix is held once.
-    let params = LlamaContextParams::default()
-        .with_n_ctx(NonZeroU32::new(cache))
-        .with_n_batch(batch)
-        .with_n_ubatch(batch)
-        .with_n_seq_max(sequences)
-        .with_kv_unified(true)
-        .with_n_threads(config.threads)
-        .with_n_threads_batch(config.threads);
-    let ctx = match model.new_context(backend, params) {
+    let ctx = match model.new_context(backend, params_for(config, cache, batch, sequences)) {
         Ok(ctx) => ctx,
         Err(e) => {
             let _ = ready.send(Err(format!("cannot make a context: {e}")));
             return;
+        }
+    };
+    let drafter = match draft {
+        None => None,
+        Some(draft) => {
+            match draft.new_context(backend, params_for(config, cache, batch, sequences)) {
+                Ok(dctx) => Some(draft::Drafter::new(
+                    draft,
+                    dctx,
+                    sequences as usize,
+                    batch as usize,
+                )),
+                Err(e) => {
+                    let _ = ready.send(Err(format!("cannot make the draft model's context: {e}")));
+                    return;
+                }
+            }
         }
     };
     let _ = ready.send(Ok(()));
@@ -331,8 +389,27 @@ fn worker(
         batch_tokens: batch as usize,
         window: window as usize,
         cache_tokens: cache as usize,
+        draft_tokens: config.draft_tokens as usize,
     };
-    engine::Engine::new(model, ctx, &sizes, stats).run(jobs);
+    engine::Engine::new(model, ctx, &sizes, stats, drafter).run(jobs);
+}
+
+/// One cache for every sequence (unified), so a conversation may grow to the whole window
+/// whatever the others hold, and a shared prefix is held once.
+fn params_for(
+    config: &EmbeddedConfig,
+    cache: u32,
+    batch: u32,
+    sequences: u32,
+) -> LlamaContextParams {
+    LlamaContextParams::default()
+        .with_n_ctx(NonZeroU32::new(cache))
+        .with_n_batch(batch)
+        .with_n_ubatch(batch)
+        .with_n_seq_max(sequences)
+        .with_kv_unified(true)
+        .with_n_threads(config.threads)
+        .with_n_threads_batch(config.threads)
 }
 
 /// The chat rendered as the model was trained to read it: the GGUF's own Jinja template,

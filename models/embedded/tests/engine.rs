@@ -547,3 +547,60 @@ async fn forty_requests_at_once_are_served_first_come_first_served() {
     }
     assert_eq!(engine.stats().sequences_live, 0);
 }
+
+#[tokio::test]
+async fn a_draft_changes_nothing_but_how_the_tokens_are_found() {
+    // The test model drafts for itself: its greedy guesses are the main model's greedy
+    // choices, and under sampling many are refused, so both ways through the check run.
+    let drafted = Embedded::load(
+        &model_path(),
+        EmbeddedConfig {
+            draft: Some(model_path()),
+            ..config()
+        },
+    )
+    .unwrap();
+    let plain = Embedded::load(&model_path(), config()).unwrap();
+    let tools = [execute_code()];
+    let requests = [
+        Generate {
+            max_tokens: 48,
+            ..counting(7)
+        },
+        Generate {
+            max_tokens: 48,
+            ..sampled("Write a Python function that reverses a string.", 3)
+        },
+        Generate {
+            tools: tools.to_vec(),
+            grammar: Some((tandem_model_embedded::tool_grammar(&tools).unwrap(), true)),
+            max_tokens: 80,
+            ..request("Print the sum of 2 and 3.")
+        },
+    ];
+    for (i, r) in requests.into_iter().enumerate() {
+        let (without, done) = collect(&plain, r.clone()).await;
+        let (with, done_drafted) = collect(&drafted, r).await;
+        assert_eq!(with, without, "request {i}");
+        assert_eq!(done_drafted, done, "request {i}");
+    }
+    let stats = drafted.stats();
+    assert!(stats.draft, "{stats:?}");
+    assert!(
+        stats.draft_accepted > 0 && stats.draft_accepted < stats.draft_proposed,
+        "{stats:?}"
+    );
+    assert_eq!(plain.stats().draft_proposed, 0);
+    let missing = Embedded::load(
+        &model_path(),
+        EmbeddedConfig {
+            draft: Some("/nonexistent/draft.gguf".into()),
+            ..config()
+        },
+    )
+    .unwrap_err();
+    assert_eq!(
+        missing.to_string(),
+        "no model file at /nonexistent/draft.gguf; `tandem model pull` downloads one"
+    );
+}
