@@ -112,6 +112,37 @@ async fn doctor_and_model_list_show_the_pulled_model() {
         ) && first.ends_with("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf, 491 MB)"),
         "{first}"
     );
+    // A draft named in [model]: said when it is there, and how to get it when it is not.
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tandem.toml");
+    for (draft, line) in [
+        (
+            "qwen2.5-coder-0.5b",
+            "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf: guesses tokens that qwen2.5-coder-0.5b checks (speculative decoding)",
+        ),
+        (
+            "qwen2.5-coder-1.5b",
+            "draft:     none: [model] draft `qwen2.5-coder-1.5b` is not pulled: run `tandem model pull qwen2.5-coder-1.5b`",
+        ),
+    ] {
+        std::fs::write(
+            &config,
+            format!("[model]\nprovider = \"embedded\"\nmodel = \"qwen2.5-coder-0.5b\"\ndraft = \"{draft}\"\n"),
+        )
+        .unwrap();
+        let out = tandem(
+            &["doctor", "--config", config.to_str().unwrap()],
+            &[("TANDEM_MODELS_DIR", models.as_str())],
+            None,
+        )
+        .await;
+        let second = out.stdout.lines().nth(1).unwrap_or_default();
+        assert!(
+            second.starts_with("draft:     ") && second.ends_with(line),
+            "{}",
+            out.stdout
+        );
+    }
     let empty = tempfile::tempdir().unwrap();
     let list = tandem(
         &["model", "list"],
