@@ -31,6 +31,45 @@ pub fn draft(settings: &ProviderSettings) -> Result<Option<PathBuf>> {
     }
 }
 
+/// The embedded model that could not be loaded: every request fails with the reason.
+pub struct Unloadable {
+    reason: String,
+}
+
+impl Unloadable {
+    /// Stands for the model `name`, which failed to load because of `reason`.
+    pub fn new(name: &str, reason: &str) -> Self {
+        Self {
+            reason: format!(
+                "the embedded model {name} could not be loaded when the daemon started: {reason}"
+            ),
+        }
+    }
+}
+
+impl LocalModel for Unloadable {
+    fn complete<'a>(
+        &'a self,
+        _: &'a [tandem_protocol::Message],
+        _: Option<&'a tandem_agent::chat::ToolOffer>,
+        _: &'a tandem_agent::ModelConfig,
+        _: &'a mut (dyn FnMut(tandem_agent::chat::ModelProgress<'_>) + Send),
+    ) -> futures::future::BoxFuture<
+        'a,
+        Result<tandem_agent::chat::Completion, tandem_agent::chat::ModelError>,
+    > {
+        let error = tandem_agent::chat::ModelError::new(
+            tandem_protocol::ErrorCode::ModelUnavailable,
+            self.reason.clone(),
+        );
+        Box::pin(async move { Err(error) })
+    }
+
+    fn describe(&self) -> String {
+        "the embedded engine (not loaded)".to_owned()
+    }
+}
+
 /// The choice, before anything is loaded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Provider {

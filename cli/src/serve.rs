@@ -674,7 +674,19 @@ async fn model(
 ) -> Result<Option<(Arc<dyn tandem_agent::chat::LocalModel>, String)>> {
     let local_model = match crate::provider::choose(&settings.provider) {
         Ok(crate::provider::Provider::Embedded { name, path }) => {
-            let loaded = crate::provider::load(&name, path.clone(), &settings.provider).await?;
+            let loaded = match crate::provider::load(&name, path.clone(), &settings.provider).await
+            {
+                Ok(loaded) => loaded,
+                Err(e) => {
+                    // The daemon stays up for what does not need the model (tasks that name
+                    // a server, reads, files); the tasks that do fail with this reason.
+                    say.warn(&format!(
+                        "{e:#}; tasks that name no model server fail until the model is fixed and the daemon restarted"
+                    ));
+                    let broken = crate::provider::Unloadable::new(&name, &format!("{e:#}"));
+                    return Ok(Some((Arc::new(broken), name)));
+                }
+            };
             let draft = crate::provider::draft(&settings.provider)?
                 .map(|d| format!(", drafting with {}", d.display()))
                 .unwrap_or_default();

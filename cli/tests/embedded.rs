@@ -478,3 +478,44 @@ async fn the_daemon_serves_its_model_to_openai_clients_under_its_token() {
     b.terminate().await;
     a.terminate().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_corrupt_model_file_fails_its_tasks_with_the_reason_and_the_daemon_stays_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("broken.gguf");
+    std::fs::write(&model, b"GGUF but not really a model").unwrap();
+    let config = format!(
+        "[model]\nprovider = \"embedded\"\nmodel = \"{}\"\n\n[policy]\nexecutors = [\"local\"]\n",
+        model.display()
+    );
+    let mut d = tandem_tests::DaemonHarness::start(
+        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
+        "http://127.0.0.1:9/v1",
+        &[],
+        Some(&config),
+    )
+    .await;
+    let id = d
+        .submit(serde_json::json!({"task": "Print 1.", "executor": "local"}))
+        .await;
+    let task = d
+        .wait_finished(&id, std::time::Duration::from_secs(60))
+        .await;
+    assert_eq!(task.record.stop_reason, Some(StopReason::Error), "{task:?}");
+    let error = task.record.error.clone().expect("an error");
+    assert!(
+        error
+            .message
+            .contains("the embedded model broken could not be loaded")
+            && error.message.contains("broken.gguf"),
+        "{error:?}"
+    );
+    // Still up: it answers, and says so in its log.
+    assert_eq!(d.get("/healthz").await["status"], "ok");
+    assert!(
+        d.log().contains("fail until the model is fixed"),
+        "{}",
+        d.log()
+    );
+    d.terminate().await;
+}
