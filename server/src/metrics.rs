@@ -55,6 +55,7 @@ struct Engine {
     cache: Family<Labels, Gauge>,
     evictions: Counter,
     pauses: Counter,
+    draft: Family<Labels, Counter>,
     /// The totals last seen, so the counters grow by what is new.
     seen: Mutex<EngineStats>,
 }
@@ -164,6 +165,11 @@ impl Default for Metrics {
             "Replies the embedded model paused for room, to read again later",
             e.pauses.clone(),
         );
+        registry.register(
+            "tandem_engine_draft_tokens",
+            "Tokens the embedded model's draft guessed (proposed) and the model kept (accepted)",
+            e.draft.clone(),
+        );
         Self { registry, ..m }
     }
 }
@@ -205,6 +211,14 @@ impl Engine {
             ("generated", now.tokens_generated, seen.tokens_generated),
         ] {
             self.tokens
+                .get_or_create(&vec![("kind", kind.to_owned())])
+                .inc_by(grow(n, before));
+        }
+        for (kind, n, before) in [
+            ("proposed", now.draft_proposed, seen.draft_proposed),
+            ("accepted", now.draft_accepted, seen.draft_accepted),
+        ] {
+            self.draft
                 .get_or_create(&vec![("kind", kind.to_owned())])
                 .inc_by(grow(n, before));
         }
@@ -320,6 +334,9 @@ mod tests {
                 cache_tokens: 16384,
                 generated_per_second: 12.5,
                 evictions: 1,
+                draft: true,
+                draft_proposed: 8,
+                draft_accepted: 5,
                 ..EngineStats::default()
             }),
         );
@@ -341,6 +358,7 @@ mod tests {
             "tandem_engine_cache_tokens{state=\"total\"} 16384",
             "tandem_engine_tokens_per_second{kind=\"generated\"} 12.5",
             "tandem_engine_evictions_total 1",
+            "tandem_engine_draft_tokens_total{kind=\"accepted\"} 5",
             "# EOF",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} not in:\n{text}");

@@ -485,7 +485,8 @@
         + `${engine.sequences_kept} kept · batch of ${engine.batch_sequences} (${engine.batch_tokens} tokens) · `
         + `${rate(engine.generated_per_second)} tokens/s generated, ${rate(engine.read_per_second)} read · `
         + `cache ${engine.cache_tokens_used} of ${engine.cache_tokens} tokens · `
-        + `${plural(engine.evictions, 'eviction')}, ${plural(engine.pauses, 'pause')}`;
+        + `${plural(engine.evictions, 'eviction')}, ${plural(engine.pauses, 'pause')}`
+        + (engine.draft ? ` · draft: ${engine.draft_accepted} of ${engine.draft_proposed} guesses kept` : '');
     }
 
     onAuth = () => { loadExecutors(); refresh(true); loadEngine(); };
