@@ -228,6 +228,13 @@ async fn a_dropped_reply_stops_and_the_next_request_is_served() {
     let (text, done) = collect(&engine, request("Say OK.")).await;
     assert_eq!(finish(&done), Some(Finish::Stop), "{done:?}");
     assert!(!text.is_empty());
+    // The cancelled reply's sequence was freed, not kept: only the second conversation is.
+    let stats = engine.stats();
+    assert_eq!(
+        (stats.sequences_live, stats.sequences_kept),
+        (0, 1),
+        "{stats:?}"
+    );
 }
 
 #[tokio::test]
