@@ -697,6 +697,23 @@ async fn model(
             Some((loaded, name))
         }
         Ok(crate::provider::Provider::Server) => None,
+        Err(e) if settings.provider.asked.as_deref() == Some("embedded") => {
+            // The embedded model was asked for and its file is not there: its tasks fail
+            // with that reason, not with a server's that nobody named.
+            say.warn(&format!(
+                "{e:#}; tasks that name no model server fail until the model is fixed and the daemon restarted"
+            ));
+            let name = settings
+                .provider
+                .named
+                .clone()
+                .unwrap_or_else(|| "(none pulled)".to_owned());
+            let broken = crate::provider::Unloadable::new(&name, &format!("{e:#}"));
+            Some((
+                Arc::new(broken) as Arc<dyn tandem_agent::chat::LocalModel>,
+                name,
+            ))
+        }
         Err(e) => {
             say.warn(&format!(
                 "{e:#}; tasks fail until a client names a model server"

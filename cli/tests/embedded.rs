@@ -518,4 +518,34 @@ async fn a_corrupt_model_file_fails_its_tasks_with_the_reason_and_the_daemon_sta
         d.log()
     );
     d.terminate().await;
+
+    // A file that is not there at all: the same, with that reason.
+    let gone = dir.path().join("gone.gguf");
+    let config = format!(
+        "[model]\nprovider = \"embedded\"\nmodel = \"{}\"\n\n[policy]\nexecutors = [\"local\"]\n",
+        gone.display()
+    );
+    let mut d = tandem_tests::DaemonHarness::start(
+        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
+        "http://127.0.0.1:9/v1",
+        &[],
+        Some(&config),
+    )
+    .await;
+    let id = d
+        .submit(serde_json::json!({"task": "Print 1.", "executor": "local"}))
+        .await;
+    let task = d
+        .wait_finished(&id, std::time::Duration::from_secs(60))
+        .await;
+    let error = task.record.error.clone().expect("an error");
+    assert!(
+        error.message.contains("could not be loaded")
+            && error
+                .message
+                .contains(&format!("no model file at {}", gone.display())),
+        "{error:?}"
+    );
+    assert_eq!(d.get("/healthz").await["status"], "ok");
+    d.terminate().await;
 }
