@@ -2,12 +2,15 @@
 //! same GGUF, the same chats and the same threads, in one run. Each scenario runs in a
 //! process of its own, so its peak memory is its own.
 //!
+//!   cargo build --release -p tandem-cli   # for the daemon scenarios (or set SERVING_TANDEM)
 //!   cargo bench -p tandem-model-embedded --bench serving -- MODEL.gguf PYTHON [DRAFT.gguf]
 //!
 //! PYTHON is a Python with `xllamacpp` installed (llama.cpp's server as a library). With
 //! DRAFT, the scenarios with a draft model run too, on both engines (4 tokens a step). A task is
 //! three turns of Tandem's default system prompt, a coding question, and two outcomes of a
-//! run fed back; replies are greedy and at most `TURN_TOKENS` tokens.
+//! run fed back; replies are greedy and at most `TURN_TOKENS` tokens. The daemon scenarios run
+//! the same four questions as real tasks on a `tandem serve` (three turns at most, the local
+//! executor running what the model writes), its model embedded or the server.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
@@ -126,6 +129,16 @@ fn main() {
             "server, 4 slots: four long counts at once",
             "server-count-4",
         ),
+        ("daemon, embedded: one task alone", "daemon-alone"),
+        ("daemon, embedded: four tasks at once", "daemon-four"),
+        (
+            "daemon on the server: one task alone",
+            "server-daemon-alone",
+        ),
+        (
+            "daemon on the server: four tasks at once",
+            "server-daemon-four",
+        ),
         ("engine with draft: one task alone", "draft-alone"),
         ("server with draft: one task alone", "server-draft-alone"),
         ("engine with draft: one long count alone", "draft-count-1"),
@@ -180,6 +193,15 @@ fn main() {
         ratio("server-count-4", "server-count-1", rate)
     );
     println!(
+        "through the daemon, four at once / one alone (goal >= 1.6): {:.2}  (on the server: {:.2})",
+        ratio("daemon-four", "daemon-alone", rate),
+        ratio("server-daemon-four", "server-daemon-alone", rate)
+    );
+    println!(
+        "through the daemon, four at once, embedded / on the server (goal >= 1.0): {:.2}",
+        ratio("daemon-four", "server-daemon-four", rate)
+    );
+    println!(
         "one task, with draft / without (goal >= 1.3): {:.2}  (long count: {:.2}; server: {:.2})",
         ratio("draft-alone", "alone", rate),
         ratio("draft-count-1", "count-1", rate),
@@ -230,6 +252,14 @@ fn child(
         return with_server(model, python, server.trim_start_matches("draft-"), draft);
     }
     let scenario = scenario.trim_start_matches("draft-");
+    if let Some(n) = daemon_tasks_of(scenario) {
+        return daemon_tasks(
+            &format!(
+                "provider = \"embedded\"\nmodel = \"{model}\"\ncontext_tokens = {WINDOW}\ncache_tokens = {CACHE}\n"
+            ),
+            n,
+        );
+    }
     let engine = Embedded::load(
         std::path::Path::new(model),
         EmbeddedConfig {
@@ -514,7 +544,24 @@ fn server_task(port: u16, n: usize) -> Result<u64> {
     Ok(tokens)
 }
 
+/// How many tasks a daemon scenario runs.
+fn daemon_tasks_of(scenario: &str) -> Option<usize> {
+    match scenario {
+        "daemon-alone" => Some(1),
+        "daemon-four" => Some(4),
+        _ => None,
+    }
+}
+
 fn server_scenario(port: u16, scenario: &str) -> Result<Figures> {
+    if let Some(n) = daemon_tasks_of(scenario) {
+        return daemon_tasks(
+            &format!(
+                "provider = \"openai\"\nbase_url = \"http://127.0.0.1:{port}/v1\"\nmodel = \"served\"\n"
+            ),
+            n,
+        );
+    }
     let started = Instant::now();
     let mut f = Figures::default();
     match scenario {
@@ -594,4 +641,120 @@ fn wait_generating(port: u16, n: usize) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// The `tandem` binary for the daemon scenarios: `SERVING_TANDEM`, else a release build
+/// beside this bench.
+fn tandem_bin() -> Option<std::path::PathBuf> {
+    if let Some(p) = std::env::var_os("SERVING_TANDEM") {
+        return Some(p.into());
+    }
+    let exe = std::env::current_exe().ok()?;
+    let release = exe.parent()?.parent()?.join("tandem");
+    release.is_file().then_some(release)
+}
+
+/// `n` three-turn tasks at once through a `tandem serve` whose model is `model_toml` (a
+/// `[model]` table's lines): generated tokens from the tasks' records, wall time from the
+/// first submit to the last finish, and the daemon's peak memory.
+fn daemon_tasks(model_toml: &str, n: usize) -> Result<Figures> {
+    let bin = tandem_bin().ok_or("no tandem binary: build it with `cargo build --release -p tandem-cli` or set SERVING_TANDEM")?;
+    let state = std::env::temp_dir().join(format!("serving-daemon-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&state);
+    std::fs::create_dir_all(state.join("tandem")).map_err(|e| e.to_string())?;
+    std::fs::write(
+        state.join("tandem/tandem.toml"),
+        format!("[model]\n{model_toml}temperature = 0.0\nseed = 1\nmax_tokens = {TURN_TOKENS}\n\n[policy]\nexecutors = [\"local\"]\n"),
+    )
+    .map_err(|e| e.to_string())?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| e.to_string())?
+        .port();
+    let mut daemon = Command::new(&bin)
+        .args(["serve", "--executor", "local", "--listen"])
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--state-dir")
+        .arg(&state)
+        .arg("--socket")
+        .arg(state.join("sock"))
+        .env("XDG_CONFIG_HOME", &state)
+        .env_remove("OPENAI_API_KEY")
+        .env_remove("OPENAI_BASE_URL")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
+    let pid = daemon.id().to_string();
+    let result = (|| {
+        let started = Instant::now();
+        let token = loop {
+            if let Ok(t) = std::fs::read_to_string(state.join("token"))
+                && request(port, t.trim(), "GET", "/healthz", "").is_ok_and(|(code, _)| code == 200)
+            {
+                break t.trim().to_owned();
+            }
+            if started.elapsed() > Duration::from_secs(120) {
+                return Err("the daemon did not answer in 120 s".to_owned());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let begun = Instant::now();
+        let mut ids = Vec::new();
+        for task in TASKS.iter().take(n) {
+            let body = json!({"task": task, "executor": "local", "max_turns": 3}).to_string();
+            let (_, reply) = request(port, &token, "POST", "/v1/tasks", &body)?;
+            let v: Value = serde_json::from_str(&reply).map_err(|e| format!("{e}: {reply}"))?;
+            ids.push(
+                v["id"]
+                    .as_str()
+                    .ok_or(format!("no id in {reply}"))?
+                    .to_owned(),
+            );
+        }
+        let mut f = Figures::default();
+        for id in ids {
+            loop {
+                let (_, reply) = request(port, &token, "GET", &format!("/v1/tasks/{id}"), "")?;
+                let v: Value = serde_json::from_str(&reply).map_err(|e| format!("{e}: {reply}"))?;
+                if v["state"] == "finished" {
+                    f.tokens += v["usage"]["completion_tokens"]
+                        .as_u64()
+                        .unwrap_or(0);
+                    break;
+                }
+                if begun.elapsed() > Duration::from_secs(900) {
+                    return Err(format!("task {id} did not finish in 900 s"));
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        f.seconds = begun.elapsed().as_secs_f64();
+        f.peak_mb = peak_mb(&pid);
+        Ok(f)
+    })();
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+    let _ = std::fs::remove_dir_all(&state);
+    result
+}
+
+/// One HTTP/1.0 request with the daemon's token: the status and the body.
+fn request(port: u16, token: &str, method: &str, path: &str, body: &str) -> Result<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.0\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .map_err(|e| e.to_string())?;
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut s, &mut text).map_err(|e| e.to_string())?;
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text.split("\r\n\r\n").nth(1).unwrap_or("").to_owned();
+    Ok((status, body))
 }
