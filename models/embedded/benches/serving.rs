@@ -718,9 +718,7 @@ fn daemon_tasks(model_toml: &str, n: usize) -> Result<Figures> {
                 let (_, reply) = request(port, &token, "GET", &format!("/v1/tasks/{id}"), "")?;
                 let v: Value = serde_json::from_str(&reply).map_err(|e| format!("{e}: {reply}"))?;
                 if v["state"] == "finished" {
-                    f.tokens += v["usage"]["completion_tokens"]
-                        .as_u64()
-                        .unwrap_or(0);
+                    f.tokens += v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
                     break;
                 }
                 if begun.elapsed() > Duration::from_secs(900) {
