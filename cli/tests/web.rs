@@ -914,3 +914,65 @@ async fn the_page_lists_the_docker_hosts_and_places_a_task_by_label() {
     assert_eq!(out, json!("on a\n"));
     b.quit().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_page_shows_what_the_embedded_models_engine_does() {
+    let models = std::env::var("TANDEM_MODELS_DIR").unwrap_or_else(|_| {
+        format!(
+            "{}/.cache/tandem/models",
+            std::env::var("HOME").expect("HOME")
+        )
+    });
+    assert!(
+        Path::new(&models)
+            .join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+            .is_file(),
+        "the test model is not in {models}: run scripts/fetch-test-model.sh"
+    );
+    let addr = free_addr();
+    let d = Daemon::start_with_env(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        "http://127.0.0.1:9/v1",
+        &["--listen", &addr],
+        Some("[model]\nprovider = \"embedded\"\nmodel = \"qwen2.5-coder-0.5b\"\ncontext_tokens = 2048\ncache_tokens = 4096\n"),
+        &[("TANDEM_MODELS_DIR", models.as_str())],
+    )
+    .await;
+    let token = std::fs::read_to_string(d.state_dir().join("token"))
+        .unwrap()
+        .trim()
+        .to_owned();
+    let b = Browser::start(1280, 900).await;
+    sign_in(&b, &addr, &token).await;
+    let line = "const l = document.getElementById('engine'); return !l.hidden && l.textContent";
+    let idle = b.wait("the engine's line", line, LIMIT).await;
+    assert_eq!(
+        idle,
+        json!(
+            "Model engine: 0 live, 0 waiting, 0 kept · batch of 0 (0 tokens) · 0.0 tokens/s generated, 0.0 read · cache 0 of 4096 tokens · 0 evictions, 0 pauses"
+        )
+    );
+    // A conversation the model answers is then kept in its cache, and the line says so.
+    let resp = reqwest::Client::new()
+        .post(format!("http://{addr}/v1/chat/completions"))
+        .bearer_auth(&token)
+        .json(&json!({"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let kept = b
+        .wait(
+            "the kept conversation on the line",
+            "const t = document.getElementById('engine').textContent; return t.includes(', 1 kept') && t",
+            LIMIT,
+        )
+        .await;
+    let kept = kept.as_str().unwrap();
+    assert!(
+        kept.starts_with("Model engine: 0 live, 0 waiting, 1 kept"),
+        "{kept}"
+    );
+    assert!(!kept.contains("cache 0 of"), "{kept}");
+    shot(&b, "engine.png").await;
+}

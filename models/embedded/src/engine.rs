@@ -96,7 +96,6 @@ pub(crate) struct Engine<'m> {
     cache_tokens: usize,
     step: u64,
     stats: Arc<Mutex<EngineStats>>,
-    rates: Rates,
     drafter: Option<Drafter<'m>>,
     /// Most tokens drafted for a reply in one step.
     draft_tokens: usize,
@@ -134,7 +133,6 @@ impl<'m> Engine<'m> {
             cache_tokens: sizes.cache_tokens,
             step: 0,
             stats,
-            rates: Rates::new(),
             drafter,
             draft_tokens: sizes.draft_tokens,
         }
@@ -702,9 +700,6 @@ impl<'m> Engine<'m> {
             s.batch_sequences = 0;
             s.batch_tokens = 0;
         }
-        let (read, generated) = self.rates.update(s.prompt_tokens_read, s.tokens_generated);
-        s.read_per_second = read;
-        s.generated_per_second = generated;
     }
 }
 
@@ -717,43 +712,4 @@ impl Job {
 
 fn seq_id(seq: usize) -> i32 {
     i32::try_from(seq).unwrap_or(i32::MAX)
-}
-
-/// Tokens per second over the last few seconds, from the running totals.
-struct Rates {
-    marks: VecDeque<(Instant, u64, u64)>,
-}
-
-impl Rates {
-    const WINDOW_SECS: f64 = 10.0;
-
-    fn new() -> Self {
-        Self {
-            marks: VecDeque::new(),
-        }
-    }
-
-    fn update(&mut self, read: u64, generated: u64) -> (f64, f64) {
-        let now = Instant::now();
-        if self
-            .marks
-            .back()
-            .is_none_or(|m| now.duration_since(m.0).as_secs_f64() >= 0.5)
-        {
-            self.marks.push_back((now, read, generated));
-        }
-        while self.marks.len() > 2
-            && now.duration_since(self.marks[0].0).as_secs_f64() > Self::WINDOW_SECS
-        {
-            self.marks.pop_front();
-        }
-        let Some(&(then, r0, g0)) = self.marks.front() else {
-            return (0.0, 0.0);
-        };
-        let secs = now.duration_since(then).as_secs_f64();
-        if secs <= 0.0 {
-            return (0.0, 0.0);
-        }
-        ((read - r0) as f64 / secs, (generated - g0) as f64 / secs)
-    }
 }

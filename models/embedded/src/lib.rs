@@ -13,6 +13,7 @@ mod reply;
 pub use chat::{DEFAULT_MAX_TOKENS, DEFAULT_SEED, EmbeddedChat};
 pub use tandem_protocol::engine::EngineStats;
 
+use std::collections::VecDeque;
 use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -167,6 +168,8 @@ pub struct Embedded {
     load_time: Duration,
     window: usize,
     stats: Arc<Mutex<EngineStats>>,
+    /// Read when the figures are: an idle engine's rates fall to zero.
+    rates: Mutex<Rates>,
     draft: Option<PathBuf>,
 }
 
@@ -244,13 +247,19 @@ impl Embedded {
             load_time: started.elapsed(),
             window: window as usize,
             stats,
+            rates: Mutex::new(Rates::new()),
             draft: draft_path,
         }))
     }
 
     /// What the engine is doing now.
     pub fn stats(&self) -> EngineStats {
-        self.stats.lock().map(|s| s.clone()).unwrap_or_default()
+        let mut s = self.stats.lock().map(|s| s.clone()).unwrap_or_default();
+        if let Ok(mut rates) = self.rates.lock() {
+            (s.read_per_second, s.generated_per_second) =
+                rates.update(s.prompt_tokens_read, s.tokens_generated);
+        }
+        s
     }
 
     /// The model file.
@@ -579,4 +588,43 @@ pub fn tool_grammar(tools: &[serde_json::Value]) -> Result<String, String> {
         "root ::= \"<tool_call>\\n\" tool-call-json \"\\n</tool_call>\"\n{}\n",
         renamed.join("\n")
     ))
+}
+
+/// Tokens per second over the last few seconds, from the running totals.
+pub(crate) struct Rates {
+    marks: VecDeque<(Instant, u64, u64)>,
+}
+
+impl Rates {
+    const WINDOW_SECS: f64 = 10.0;
+
+    pub(crate) fn new() -> Self {
+        Self {
+            marks: VecDeque::new(),
+        }
+    }
+
+    pub(crate) fn update(&mut self, read: u64, generated: u64) -> (f64, f64) {
+        let now = Instant::now();
+        if self
+            .marks
+            .back()
+            .is_none_or(|m| now.duration_since(m.0).as_secs_f64() >= 0.5)
+        {
+            self.marks.push_back((now, read, generated));
+        }
+        while self.marks.len() > 2
+            && now.duration_since(self.marks[0].0).as_secs_f64() > Self::WINDOW_SECS
+        {
+            self.marks.pop_front();
+        }
+        let Some(&(then, r0, g0)) = self.marks.front() else {
+            return (0.0, 0.0);
+        };
+        let secs = now.duration_since(then).as_secs_f64();
+        if secs <= 0.0 {
+            return (0.0, 0.0);
+        }
+        ((read - r0) as f64 / secs, (generated - g0) as f64 / secs)
+    }
 }
