@@ -549,3 +549,37 @@ async fn a_corrupt_model_file_fails_its_tasks_with_the_reason_and_the_daemon_sta
     assert_eq!(d.get("/healthz").await["status"], "ok");
     d.terminate().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_transcripts_first_line_says_when_a_draft_is_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tandem.toml");
+    std::fs::write(
+        &config,
+        "[model]\nprovider = \"embedded\"\nmodel = \"qwen2.5-coder-0.5b\"\ndraft = \"qwen2.5-coder-0.5b\"\ntemperature = 0.0\nseed = 1\ncontext_tokens = 2048\nmax_tokens = 32\n",
+    )
+    .unwrap();
+    let models = models_dir();
+    let out = tandem(
+        &[
+            "run",
+            "--config",
+            config.to_str().unwrap(),
+            "--max-turns",
+            "1",
+            "Say hi.",
+        ],
+        &[("TANDEM_MODELS_DIR", models.as_str())],
+        None,
+    )
+    .await;
+    let first = out.stdout.lines().next().unwrap_or_default();
+    assert!(
+        first.contains("tandem · model qwen2.5-coder-0.5b at the embedded engine (")
+            && first.contains(", drafting with ")
+            && first.contains("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf)"),
+        "{}\n{}",
+        out.stdout,
+        out.stderr
+    );
+}
