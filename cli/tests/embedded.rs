@@ -436,6 +436,56 @@ async fn the_daemon_serves_its_model_to_openai_clients_under_its_token() {
         "{body}"
     );
 
+    // Eight streams held open are all it serves at once: a ninth request is refused, not
+    // queued in front of the daemon's tasks; once they go, it is served again.
+    let long = serde_json::json!({
+        "messages": [{"role": "user", "content": "Count from 1 to 1000."}],
+        "max_tokens": 1000,
+        "stream": true,
+    });
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        let resp = http
+            .post(&url)
+            .bearer_auth(&token)
+            .json(&long)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        held.push(resp);
+    }
+    let resp = http
+        .post(&url)
+        .bearer_auth(&token)
+        .json(&hello)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 429);
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "too_many", "{body}");
+    drop(held);
+    let started = std::time::Instant::now();
+    loop {
+        let resp = http
+            .post(&url)
+            .bearer_auth(&token)
+            .json(&hello)
+            .send()
+            .await
+            .unwrap();
+        if resp.status().as_u16() == 200 {
+            break;
+        }
+        assert_eq!(resp.status().as_u16(), 429);
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(60),
+            "the dropped streams were never let go"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+
     // A second daemon with no model of its own runs a task on this one's, through its
     // OpenAI client.
     let config = format!(

@@ -722,7 +722,14 @@ async fn chat_completions(
     let asked = request.asked().map_err(ApiError::invalid)?;
     crate::openai::answer(model, name, asked)
         .await
-        .map_err(unavailable)
+        .map_err(|refusal| match refusal {
+            crate::openai::Refusal::Busy(message) => ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                ApiErrorCode::TooMany,
+                message,
+            ),
+            crate::openai::Refusal::Failed(message) => unavailable(message),
+        })
 }
 
 /// What the embedded model's engine is doing; `null` when this daemon's tasks use a server.

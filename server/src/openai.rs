@@ -14,7 +14,21 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tandem_agent::chat::{Completion, LocalModel, ModelConfig, ModelProgress, ToolOffer};
 use tandem_protocol::{Message, ToolCall};
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
+
+/// Most chat completions served at once. More are refused (429) rather than queued in front
+/// of the daemon's own tasks, which share the engine and its first-come order.
+pub(crate) const MOST_AT_ONCE: usize = 8;
+
+static AT_ONCE: Semaphore = Semaphore::const_new(MOST_AT_ONCE);
+
+/// Why a request was not answered.
+pub(crate) enum Refusal {
+    /// `MOST_AT_ONCE` are being served.
+    Busy(String),
+    /// The model failed.
+    Failed(String),
+}
 
 /// Where a call starts in the model's text; nothing from it on is sent as content.
 const CALL_TAG: &str = "<tool_call>";
@@ -245,7 +259,12 @@ pub(crate) async fn answer(
     model: Arc<dyn LocalModel>,
     name: String,
     asked: Asked,
-) -> Result<Response, String> {
+) -> Result<Response, Refusal> {
+    let Ok(permit) = AT_ONCE.try_acquire() else {
+        return Err(Refusal::Busy(format!(
+            "{MOST_AT_ONCE} chat completions are being served already; try again when one ends"
+        )));
+    };
     let id = completion_id();
     let created = now();
     if !asked.stream {
@@ -257,7 +276,8 @@ pub(crate) async fn answer(
                 &mut |_| {},
             )
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| Refusal::Failed(e.to_string()))?;
+        drop(permit);
         let mut message = json!({"role": "assistant", "content": completion.text});
         if !completion.tool_calls.is_empty() {
             message["tool_calls"] = wire_calls(&completion.tool_calls);
@@ -286,6 +306,8 @@ pub(crate) async fn answer(
         None,
     ));
     tokio::spawn(async move {
+        // Held until the stream ends or its client goes.
+        let _permit = permit;
         let offered = asked.offer.is_some();
         let mut held = Held::default();
         let mut progress = |p: ModelProgress<'_>| {
