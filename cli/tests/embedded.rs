@@ -9,7 +9,7 @@ use tandem_protocol::{BlockStatus, EventMsg, StopReason};
 use crate::e2e::tandem;
 
 /// The directory holding the pulled test model.
-fn models_dir() -> String {
+pub(crate) fn models_dir() -> String {
     let dir = std::env::var_os("TANDEM_MODELS_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
@@ -532,72 +532,53 @@ async fn the_daemon_serves_its_model_to_openai_clients_under_its_token() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_corrupt_model_file_fails_its_tasks_with_the_reason_and_the_daemon_stays_up() {
     let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("broken.gguf");
-    std::fs::write(&model, b"GGUF but not really a model").unwrap();
-    let config = format!(
-        "[model]\nprovider = \"embedded\"\nmodel = \"{}\"\n\n[policy]\nexecutors = [\"local\"]\n",
-        model.display()
-    );
-    let mut d = tandem_tests::DaemonHarness::start(
-        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
-        "http://127.0.0.1:9/v1",
-        &[],
-        Some(&config),
-    )
-    .await;
-    let id = d
-        .submit(serde_json::json!({"task": "Print 1.", "executor": "local"}))
-        .await;
-    let task = d
-        .wait_finished(&id, std::time::Duration::from_secs(60))
-        .await;
-    assert_eq!(task.record.stop_reason, Some(StopReason::Error), "{task:?}");
-    let error = task.record.error.clone().expect("an error");
-    assert!(
-        error
-            .message
-            .contains("the embedded model broken could not be loaded")
-            && error.message.contains("broken.gguf"),
-        "{error:?}"
-    );
-    // Still up: it answers, and says so in its log.
-    assert_eq!(d.get("/healthz").await["status"], "ok");
-    assert!(
-        d.log().contains("fail until the model is fixed"),
-        "{}",
-        d.log()
-    );
-    d.terminate().await;
-
-    // A file that is not there at all: the same, with that reason.
+    let broken = dir.path().join("broken.gguf");
+    std::fs::write(&broken, b"GGUF but not really a model").unwrap();
     let gone = dir.path().join("gone.gguf");
-    let config = format!(
-        "[model]\nprovider = \"embedded\"\nmodel = \"{}\"\n\n[policy]\nexecutors = [\"local\"]\n",
-        gone.display()
-    );
-    let mut d = tandem_tests::DaemonHarness::start(
-        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
-        "http://127.0.0.1:9/v1",
-        &[],
-        Some(&config),
-    )
-    .await;
-    let id = d
-        .submit(serde_json::json!({"task": "Print 1.", "executor": "local"}))
+    // A file that is not a model, and one that is not there at all.
+    for (model, why) in [
+        (&broken, "cannot load the model".to_owned()),
+        (&gone, format!("no model file at {}", gone.display())),
+    ] {
+        let config = format!(
+            "[model]\nprovider = \"embedded\"\nmodel = \"{}\"\n\n[policy]\nexecutors = [\"local\"]\n",
+            model.display()
+        );
+        let mut d = tandem_tests::DaemonHarness::start(
+            std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
+            "http://127.0.0.1:9/v1",
+            &[],
+            Some(&config),
+        )
         .await;
-    let task = d
-        .wait_finished(&id, std::time::Duration::from_secs(60))
-        .await;
-    let error = task.record.error.clone().expect("an error");
-    assert!(
-        error.message.contains("could not be loaded")
-            && error
-                .message
-                .contains(&format!("no model file at {}", gone.display())),
-        "{error:?}"
-    );
-    assert_eq!(d.get("/healthz").await["status"], "ok");
-    d.terminate().await;
+        let id = d
+            .submit(serde_json::json!({"task": "Print 1.", "executor": "local"}))
+            .await;
+        let task = d
+            .wait_finished(&id, std::time::Duration::from_secs(60))
+            .await;
+        assert_eq!(task.record.stop_reason, Some(StopReason::Error), "{task:?}");
+        let error = task.record.error.clone().expect("an error");
+        assert!(
+            error.message.contains(&format!(
+                "the embedded model {} could not be loaded",
+                if model == &broken {
+                    "broken".to_owned()
+                } else {
+                    gone.display().to_string()
+                }
+            )) && error.message.contains(&why),
+            "{error:?}"
+        );
+        // Still up: it answers, and says so in its log.
+        assert_eq!(d.get("/healthz").await["status"], "ok");
+        assert!(
+            d.log().contains("fail until the model is fixed"),
+            "{}",
+            d.log()
+        );
+        d.terminate().await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -917,18 +917,7 @@ async fn the_page_lists_the_docker_hosts_and_places_a_task_by_label() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_page_shows_what_the_embedded_models_engine_does() {
-    let models = std::env::var("TANDEM_MODELS_DIR").unwrap_or_else(|_| {
-        format!(
-            "{}/.cache/tandem/models",
-            std::env::var("HOME").expect("HOME")
-        )
-    });
-    assert!(
-        Path::new(&models)
-            .join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
-            .is_file(),
-        "the test model is not in {models}: run scripts/fetch-test-model.sh"
-    );
+    let models = crate::embedded::models_dir();
     let addr = free_addr();
     let d = Daemon::start_with_env(
         Path::new(env!("CARGO_BIN_EXE_tandem")),

@@ -12,6 +12,8 @@ use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::token::LlamaToken;
 
+use crate::engine::{common_prefix, seq_id};
+
 /// Fewest tokens worth borrowing from another sequence instead of reading.
 const BORROW_MIN: usize = 32;
 
@@ -113,7 +115,7 @@ impl<'m> Drafter<'m> {
     /// Brings the draft's cache for `seq` to `held`: what differs is dropped, a long start
     /// another sequence holds is borrowed, the rest read. False when it cannot be read.
     fn catch_up(&mut self, seq: usize, held: &[LlamaToken]) -> bool {
-        let common = |t: &[LlamaToken]| t.iter().zip(held).take_while(|(a, b)| a == b).count();
+        let common = |t: &[LlamaToken]| common_prefix(t, held);
         let mut have = common(&self.tokens[seq]);
         if have < self.tokens[seq].len() {
             let cut = self
@@ -181,8 +183,4 @@ fn argmax(logits: &[f32]) -> LlamaToken {
         })
         .0;
     LlamaToken(i32::try_from(best).unwrap_or(0))
-}
-
-fn seq_id(seq: usize) -> i32 {
-    i32::try_from(seq).unwrap_or(i32::MAX)
 }

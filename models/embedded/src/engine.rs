@@ -201,7 +201,7 @@ impl<'m> Engine<'m> {
                 .iter()
                 .filter(|a| !a.paused && a.fed < a.want.len())
                 .map(|a| {
-                    let n = a.want.iter().zip(&want).take_while(|(x, y)| x == y).count();
+                    let n = common_prefix(&a.want, &want);
                     (a.seq, n.min(want.len() - 1))
                 })
                 .max_by_key(|&(_, n)| n)
@@ -225,13 +225,7 @@ impl<'m> Engine<'m> {
     /// A sequence for `prompt` and how many of its tokens it already holds; `None` when
     /// every sequence is busy.
     fn place(&mut self, prompt: &[LlamaToken]) -> Option<(usize, usize)> {
-        let common = |s: &Slot| {
-            s.tokens
-                .iter()
-                .zip(prompt)
-                .take_while(|(a, b)| a == b)
-                .count()
-        };
+        let common = |s: &Slot| common_prefix(&s.tokens, prompt);
         // Its own conversation: an idle sequence whose last prompt this one begins with. Only
         // the reply may differ (trimmed by the caller, or cut at a stop string); it is cut
         // back in place.
@@ -668,7 +662,7 @@ impl<'m> Engine<'m> {
         let mut used = 0;
         let mut previous: &[LlamaToken] = &[];
         for t in held {
-            let shared = t.iter().zip(previous).take_while(|(a, b)| a == b).count();
+            let shared = common_prefix(t, previous);
             used += t.len() - shared;
             previous = t;
         }
@@ -710,6 +704,12 @@ impl Job {
     }
 }
 
-fn seq_id(seq: usize) -> i32 {
+/// A sequence's id as llama.cpp takes it.
+pub(crate) fn seq_id(seq: usize) -> i32 {
     i32::try_from(seq).unwrap_or(i32::MAX)
+}
+
+/// How many tokens `a` and `b` begin with alike.
+pub(crate) fn common_prefix(a: &[LlamaToken], b: &[LlamaToken]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
