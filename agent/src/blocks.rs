@@ -146,6 +146,24 @@ impl SessionSlot {
         Ok(self.session.as_mut())
     }
 
+    /// Runs `code` in the session with its limits, telling no one: a task's check. `None`
+    /// when `cancel` fired.
+    pub async fn run_quiet(
+        &mut self,
+        language: &Language,
+        code: &str,
+        cancel: &CancellationToken,
+    ) -> Result<Option<ExecOutcome>, ExecError> {
+        let ctx = ExecContext::new(cancel.child_token());
+        let Some(session) = self.session(cancel).await? else {
+            return Ok(None);
+        };
+        let ran = session
+            .run(ExecRequest::new(language.clone(), code.to_owned()), ctx)
+            .await?;
+        Ok((ran.status != ExitStatus::Cancelled).then_some(ran))
+    }
+
     /// Closes the session if one was opened.
     pub async fn close(mut self) -> Result<(), ExecError> {
         let closed = match self.session.take() {
@@ -637,6 +655,24 @@ pub fn exit_code_of(result: &BlockResult) -> i32 {
     }
 }
 
+/// What a report's output follows.
+const OUTPUT_HEAD: &str = "Code output: ";
+/// How a report of blocks that all succeeded begins.
+const CLEAN_HEAD: &str = "exitcode: 0 (execution succeeded)\n";
+
+/// The note on blocks that all ran cleanly and printed nothing.
+const PRINTED_NOTHING: &str =
+    "The code ran without error but printed nothing: print() the results you need to see.";
+
+/// Whether `report` tells of blocks that all ran cleanly and printed something.
+pub fn clean_report(report: &str) -> bool {
+    !report.contains(PRINTED_NOTHING)
+        && report
+            .strip_prefix(CLEAN_HEAD)
+            .and_then(|rest| rest.strip_prefix(OUTPUT_HEAD))
+            .is_some_and(|output| !output.trim().is_empty())
+}
+
 /// What the executor agent tells the model after running a reply's blocks, in AutoGen's
 /// `exitcode: N (execution succeeded|failed)\nCode output: ...` shape plus notes; `no_code`
 /// when none of them was a program.
@@ -657,7 +693,7 @@ pub fn report(
         let res = &r.result;
         output.push_str(&res.stdout);
         output.push_str(sep(&output));
-        output.push_str(&res.stderr);
+        output.push_str(&crate::traceback::trim(&res.stderr));
         output.push_str(sep(&output));
         let i = r.index;
         match res.status {
@@ -711,6 +747,10 @@ pub fn report(
         .rev()
         .find(|r| !r.result.succeeded())
         .or(ran.last());
+    // A clean run that printed nothing leaves a small model guessing what happened.
+    if ran.iter().all(|r| r.result.succeeded()) && !ran.is_empty() && output.trim().is_empty() {
+        notes.push(PRINTED_NOTHING.to_owned());
+    }
     let mut text = match last {
         Some(r) => {
             let code = exit_code_of(&r.result);
@@ -719,7 +759,7 @@ pub fn report(
             } else {
                 "execution failed"
             };
-            format!("exitcode: {code} ({verdict})\nCode output: {output}")
+            format!("exitcode: {code} ({verdict})\n{OUTPUT_HEAD}{output}")
         }
         None => no_code.to_owned(),
     };

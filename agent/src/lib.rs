@@ -11,6 +11,7 @@ pub mod approval;
 pub mod blocks;
 pub mod calls;
 pub mod chat;
+pub mod check;
 pub mod dispatch;
 pub mod events;
 pub mod extract;
@@ -19,6 +20,7 @@ pub mod task;
 pub mod team;
 pub mod termination;
 pub mod tools;
+pub mod traceback;
 
 pub use approval::{ApprovalError, ApprovalGate, Approver, Ask, Ruling};
 pub use blocks::{LanguageListError, SessionSlot, allowed_languages};

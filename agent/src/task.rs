@@ -41,6 +41,8 @@ pub struct TaskSettings {
     pub code_via: tandem_protocol::CodeVia,
     /// The tools offered to the assistant besides `execute_code`.
     pub tools: Vec<crate::tools::Tool>,
+    /// Run in the task's session once it ends, never shown to the model (`tandem eval`).
+    pub check: Option<tandem_protocol::Check>,
 }
 
 impl TaskSettings {
@@ -58,6 +60,7 @@ impl TaskSettings {
             approval: None,
             code_via: tandem_protocol::CodeVia::Blocks,
             tools: Vec::new(),
+            check: None,
         }
     }
 }
@@ -77,6 +80,8 @@ pub struct TaskOutcome {
     pub transcript: Vec<Message>,
     /// The final answer (last reply without the termination string), when terminated.
     pub summary: Option<String>,
+    /// The verdict of the task's check, when it had one and was not cancelled.
+    pub check: Option<tandem_protocol::CheckOutcome>,
     /// Wall time.
     pub elapsed: Duration,
 }
@@ -152,6 +157,10 @@ pub async fn run_task(
         cancel,
         settings.timeout,
         replay,
+        settings
+            .check
+            .clone()
+            .map(|c| (format!("{}/{EXECUTOR}", crate::team::check::TOP), c)),
         |reason, history| {
             let last = history.iter().rev().find(|s| s.speaker == ASSISTANT)?;
             (reason == StopReason::Terminated).then(|| strip_termination(&last.text, &word))
@@ -175,6 +184,7 @@ pub async fn run_task(
         error: ran.error,
         transcript,
         summary: ran.summary,
+        check: ran.check,
         elapsed: ran.elapsed,
     }
 }
@@ -186,16 +196,28 @@ const EXECUTOR: &str = "executor";
 
 /// The two-agent chat as a team: the assistant (with `system` as its instructions) and an
 /// executor that runs its code or, when there is none, answers `nudge`, taking turns until
-/// the assistant ends its prose with `word`.
+/// the assistant ends its prose with `word`, or answers in words after a clean run.
 pub fn pair(system: &str, word: &str, nudge: &str) -> TeamSpec {
     let names = |names: &[&str]| Some(names.iter().map(|n| (*n).to_owned()).collect());
     TeamSpec {
         team: AgentSpec {
             kind: Kind::Chat,
             agents: names(&[ASSISTANT, EXECUTOR]),
+            // The word ends the task; so does an answer in words right after code that ran
+            // cleanly, which small models give without the word.
             termination: Some(Termination {
-                ends_with: Some(word.to_owned()),
-                agents: names(&[ASSISTANT]),
+                any: Some(vec![
+                    Termination {
+                        ends_with: Some(word.to_owned()),
+                        agents: names(&[ASSISTANT]),
+                        ..Termination::default()
+                    },
+                    Termination {
+                        answered: Some(true),
+                        agents: names(&[ASSISTANT]),
+                        ..Termination::default()
+                    },
+                ]),
                 ..Termination::default()
             }),
             ..AgentSpec::default()

@@ -6,6 +6,7 @@
 mod approve;
 mod client;
 mod config;
+mod eval;
 mod exec;
 mod executors;
 mod files;
@@ -89,6 +90,8 @@ enum Command {
     Run(run::RunArgs),
     /// Run code directly in an executor, with no model
     Exec(exec::ExecArgs),
+    /// Run a suite of tasks, each decided by its own check: solve rate, turns, tokens, time
+    Eval(eval::EvalArgs),
     /// Run the daemon in the foreground: tasks from many clients, stored durably
     Serve(serve::ServeArgs),
     /// Serve Tandem's executors and tasks to an agent over MCP on stdin and stdout
@@ -235,6 +238,7 @@ fn dispatch(cli: Cli) -> Result<u8> {
         Command::Executor { action } => runtime()?.block_on(kit::executor(action, &file)),
         Command::Run(args) => runtime()?.block_on(run::run(args, file)),
         Command::Exec(args) => runtime()?.block_on(exec::exec(args, file)),
+        Command::Eval(args) => runtime()?.block_on(eval::eval(args, file)),
         Command::Serve(args) => {
             let rt = runtime()?;
             let result = rt.block_on(serve::serve(args, file));

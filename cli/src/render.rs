@@ -475,6 +475,8 @@ impl<W: Write> Renderer<W> {
                 usage,
                 elapsed_ms,
                 error,
+                summary,
+                check,
                 ..
             } => {
                 if let Some(e) = error {
@@ -487,7 +489,17 @@ impl<W: Write> Renderer<W> {
                     usage.prompt_tokens,
                     usage.completion_tokens,
                     *elapsed_ms as f64 / 1000.0
-                ))
+                ))?;
+                if let Some(check) = check {
+                    let detail = check.detail.lines().next().unwrap_or_default();
+                    let sep = if detail.is_empty() { "" } else { ": " };
+                    self.rule(&format!("check {}{sep}{detail}", check.verdict.as_str()))?;
+                }
+                // The answer last, where `| tail` and a person's eye find it.
+                match summary.as_deref().map(str::trim) {
+                    Some(answer) if !answer.is_empty() => self.text(&format!("{answer}\n")),
+                    _ => Ok(()),
+                }
             }
         }
     }

@@ -7,6 +7,7 @@ mod daemon;
 mod docker_hosts;
 mod e2e;
 mod embedded;
+mod eval;
 mod files;
 mod hostile;
 mod kept;

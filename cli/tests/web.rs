@@ -391,6 +391,7 @@ fn fill_store(path: &Path, tasks: usize, events: usize) -> String {
         elapsed_ms: 1000,
         error: None,
         summary: Some("42".to_owned()),
+        check: None,
     };
     let spec = |task: String| {
         Box::new(TaskSpec {

@@ -8,6 +8,7 @@
 use serde::{Deserialize, Serialize};
 
 pub mod approval;
+pub mod check;
 pub mod engine;
 pub mod files;
 pub mod mcp;
@@ -16,6 +17,7 @@ pub mod team;
 pub mod tools;
 
 pub use approval::{ApprovalMode, ApprovalPolicy, ApprovalRule, AutoApprove, Decision};
+pub use check::{Check, CheckOutcome, Verdict};
 pub use task::{
     ApiErrorBody, ApiErrorCode, ApiErrorDetail, ApprovalRequest, DecisionBody, TaskList,
     TaskRecord, TaskState, TaskView,
@@ -87,6 +89,10 @@ pub struct TaskSpec {
     /// here, which run in the task's sandbox; `None` offers every tool the operator has.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tools: Option<Vec<ToolRef>>,
+    /// How `tandem eval` decides the task was solved: run in the task's sandbox after it
+    /// ends, never shown to the model; the verdict is the record's `check`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub check: Option<Check>,
 }
 
 /// Per-block limits a task asks for; each one left out keeps the daemon's. Only limits the
@@ -404,6 +410,9 @@ pub enum EventMsg {
         /// The assistant's last reply with the termination string removed, if any.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         summary: Option<String>,
+        /// The task's check's verdict, when it has a check and ran to an end.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        check: Option<CheckOutcome>,
     },
 }
 

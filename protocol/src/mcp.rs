@@ -46,6 +46,9 @@ pub struct RunTaskResult {
     pub turns: u32,
     /// The final answer, when there is one.
     pub answer: Option<String>,
+    /// The verdict of the task's check, when it had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub check: Option<crate::CheckOutcome>,
     /// What failed, when it ended in an error.
     pub error: Option<ErrorInfo>,
     /// The transcript's resource URI.

@@ -80,6 +80,13 @@ pub struct TaskRecord {
     /// longer be read.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub files_removed_ms: Option<u64>,
+    /// The task's final answer, once it ended with one: the assistant's last reply without
+    /// the termination string.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<serde_json::Value>,
+    /// The verdict of the task's `check`, once it ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub check: Option<crate::CheckOutcome>,
 }
 
 impl TaskRecord {
@@ -97,6 +104,8 @@ impl TaskRecord {
             started_ms: None,
             finished_ms: None,
             files_removed_ms: None,
+            result: None,
+            check: None,
         }
     }
 }

@@ -202,8 +202,12 @@ pub struct Termination {
     /// Done when a message matches this regular expression.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub regex: Option<String>,
-    /// `mention`, `ends_with` and `regex`: only these members' messages count (default: any
-    /// member's).
+    /// Done when a message with no code follows a report of code that ran cleanly and
+    /// printed something: the message gives the answer, so nothing is left to run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answered: Option<bool>,
+    /// `mention`, `ends_with`, `regex` and `answered`: only these members' messages count
+    /// (default: any member's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agents: Option<Vec<String>>,
     /// Done after this many messages of the chat.

@@ -89,6 +89,9 @@ pub enum Invalid {
         /// What is wrong there.
         source: Box<Invalid>,
     },
+    /// The task's check is incomplete, or set on a team's task.
+    #[error("{0}")]
+    Check(&'static str),
     /// A decision that does not go together (`code` with a denial, an empty `code`).
     #[error("{0}")]
     Decision(&'static str),

@@ -225,6 +225,17 @@ impl Planner {
         if spec.max_turns == Some(0) {
             return Err(Invalid::NoTurns.into());
         }
+        if let Some(check) = &spec.check {
+            if let Some(problem) = check.problem() {
+                return Err(Invalid::Check(problem).into());
+            }
+            if spec.team.is_some() {
+                return Err(Invalid::Check(
+                    "check: runs in the assistant and executor pair's session; a team's task cannot have one",
+                )
+                .into());
+            }
+        }
         if spec.keep_state && !executor.keeps_state() {
             return Err(Invalid::KeepState(executor.name().to_owned()).into());
         }
@@ -345,6 +356,7 @@ impl Planner {
         settings.languages = checked.languages;
         settings.code_via = spec.code_via.unwrap_or(d.code_via);
         settings.tools = checked.tools;
+        settings.check = spec.check.clone();
         if let Some(inputs) = &start.inputs {
             settings.task = format!("{}\n\n{}", spec.task, inputs.listing);
         }

@@ -123,6 +123,7 @@ mod tests {
             elapsed_ms: 1,
             error: None,
             summary: None,
+            check: None,
         }
     }
 

@@ -825,5 +825,6 @@ fn finished(stop_reason: StopReason, turns: u32, error: Option<ErrorInfo>) -> Ev
         elapsed_ms: 0,
         error,
         summary: None,
+        check: None,
     }
 }

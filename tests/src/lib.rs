@@ -307,6 +307,8 @@ async fn answer_chat(
         agent
             .and_then(|key| s.get(&key))
             .or_else(|| s.get(&task))
+            // `*` scripts every task no other entry names.
+            .or_else(|| s.get("*"))
             .and_then(|r| r.get(turn).cloned())
     });
     let Some(mut reply) = reply else {

@@ -188,6 +188,7 @@ fn finished(turns: u32) -> EventMsg {
             message: "the model server is down".into(),
         }),
         summary: None,
+        check: None,
     }
 }
 

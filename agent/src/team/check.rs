@@ -335,13 +335,14 @@ fn check_agent(name: &str, a: &AgentSpec, spec: &TeamSpec, errors: &mut Vec<Stri
 }
 
 const TERMINATION_KINDS: &str =
-    "mention, ends_with, regex, max_turns, timeout, token_budget, llm, any, all";
+    "mention, ends_with, regex, answered, max_turns, timeout, token_budget, llm, any, all";
 
 fn check_termination(at: &str, t: &Termination, members: &[String], errors: &mut Vec<String>) {
     let set = [
         t.mention.is_some(),
         t.ends_with.is_some(),
         t.regex.is_some(),
+        t.answered.is_some(),
         t.max_turns.is_some(),
         t.timeout.is_some(),
         t.token_budget.is_some(),
@@ -358,9 +359,19 @@ fn check_termination(at: &str, t: &Termination, members: &[String], errors: &mut
         ));
         return;
     }
-    if t.agents.is_some() && t.mention.is_none() && t.ends_with.is_none() && t.regex.is_none() {
+    if t.agents.is_some()
+        && t.mention.is_none()
+        && t.ends_with.is_none()
+        && t.regex.is_none()
+        && t.answered.is_none()
+    {
         errors.push(format!(
-            "{at}.agents: only `mention`, `ends_with` and `regex` are limited to some agents"
+            "{at}.agents: only `mention`, `ends_with`, `regex` and `answered` are limited to some agents"
+        ));
+    }
+    if t.answered == Some(false) {
+        errors.push(format!(
+            "{at}.answered: true is the only value; leave the condition out to not end on an answer"
         ));
     }
     for agent in t.agents.iter().flatten() {
@@ -557,6 +568,8 @@ pub fn describe(t: &Termination) -> String {
         format!("ends_with {w}{}", by(&t.agents))
     } else if let Some(r) = &t.regex {
         format!("regex /{r}/{}", by(&t.agents))
+    } else if t.answered.is_some() {
+        format!("an answer after a clean run{}", by(&t.agents))
     } else if let Some(n) = t.max_turns {
         format!("max_turns {n}")
     } else if let Some(n) = t.timeout {

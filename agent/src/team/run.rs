@@ -335,6 +335,25 @@ impl Team {
         }
     }
 
+    /// Runs a task's `check` in the session of the executor at `path`, after the run.
+    pub(crate) async fn check(
+        &self,
+        path: &str,
+        check: &tandem_protocol::Check,
+        answer: Option<&str>,
+        outputs: &[&str],
+        cancel: &CancellationToken,
+    ) -> Option<tandem_protocol::CheckOutcome> {
+        let Some(slot) = self.slots.get(path) else {
+            return Some(tandem_protocol::CheckOutcome {
+                verdict: tandem_protocol::Verdict::Error,
+                detail: format!("{path}: no executor session to run the check in"),
+            });
+        };
+        let mut slot = slot.lock().await;
+        crate::check::run_check(&mut slot, check, answer, outputs, cancel).await
+    }
+
     /// Closes every executor session.
     pub async fn close(self) {
         for (path, slot) in self.slots {

@@ -43,6 +43,7 @@ pub async fn run_team_task(
         cancel,
         timeout,
         replay,
+        None,
         |_, history| {
             history
                 .iter()
@@ -65,6 +66,7 @@ pub(crate) struct TeamRun {
     pub usage: Usage,
     pub turns: u32,
     pub summary: Option<String>,
+    pub check: Option<tandem_protocol::CheckOutcome>,
     pub elapsed: Duration,
 }
 
@@ -79,6 +81,7 @@ pub(crate) async fn run_team(
     cancel: CancellationToken,
     timeout: Option<Duration>,
     replay: super::history::Replay,
+    check: Option<(String, tandem_protocol::Check)>,
     summary: impl FnOnce(StopReason, &[Said]) -> Option<String>,
 ) -> TeamRun {
     let started = Instant::now();
@@ -99,37 +102,52 @@ pub(crate) async fn run_team(
             stop.cancel();
         })
     });
+    let (ran, checked) = match team {
+        Ok(team) => {
+            let ran = team.run(task, events.clone(), stop, replay).await;
+            if let Some(timer) = &timer {
+                timer.abort();
+            }
+            let (stop_reason, _) = stop_of(&ran.ended, &timed_out);
+            let answer = summary(stop_reason, &ran.history);
+            // A task stopped from outside is not judged; one that ran out of turns or time is.
+            let checked = match &check {
+                Some((path, check)) if stop_reason != StopReason::Cancelled => {
+                    let outputs: Vec<&str> = ran
+                        .history
+                        .iter()
+                        .filter(|s| s.output)
+                        .map(|s| s.text.as_str())
+                        .collect();
+                    team.check(path, check, answer.as_deref(), &outputs, &cancel)
+                        .await
+                }
+                _ => None,
+            };
+            team.close().await;
+            (ran, (answer, checked))
+        }
+        Err(e) => (
+            Run {
+                ended: Err(e),
+                history: Vec::new(),
+                usage: Usage::default(),
+                turns: 0,
+            },
+            (None, None),
+        ),
+    };
+    if let Some(timer) = timer {
+        timer.abort();
+    }
     let Run {
         ended,
         history,
         usage,
         turns,
-    } = match team {
-        Ok(team) => {
-            let ran = team.run(task, events.clone(), stop, replay).await;
-            team.close().await;
-            ran
-        }
-        Err(e) => Run {
-            ended: Err(e),
-            history: Vec::new(),
-            usage: Usage::default(),
-            turns: 0,
-        },
-    };
-    if let Some(timer) = timer {
-        timer.abort();
-    }
-    let (stop_reason, error) = match ended {
-        Ok(Ended::Done | Ended::Escalated) => (StopReason::Terminated, None),
-        Ok(Ended::Finished { reason, .. }) => (reason, None),
-        Ok(Ended::Stopped(StopReason::Cancelled)) if timed_out.load(Ordering::SeqCst) => {
-            (StopReason::Timeout, None)
-        }
-        Ok(Ended::Stopped(reason)) => (reason, None),
-        Err(info) => (StopReason::Error, Some(info)),
-    };
-    let summary = summary(stop_reason, &history);
+    } = ran;
+    let (stop_reason, error) = stop_of(&ended, &timed_out);
+    let (summary, check) = checked;
     let elapsed = started.elapsed();
     events(EventMsg::TaskFinished {
         stop_reason,
@@ -138,6 +156,7 @@ pub(crate) async fn run_team(
         elapsed_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
         error: error.clone(),
         summary: summary.clone(),
+        check: check.clone(),
     });
     TeamRun {
         stop_reason,
@@ -146,6 +165,24 @@ pub(crate) async fn run_team(
         usage,
         turns,
         summary,
+        check,
         elapsed,
+    }
+}
+
+/// Why a run ended, and its error: a team that finished its work is `terminated`, and a stop
+/// from outside after the timer fired is a timeout.
+fn stop_of(
+    ended: &Result<Ended, ErrorInfo>,
+    timed_out: &std::sync::atomic::AtomicBool,
+) -> (StopReason, Option<ErrorInfo>) {
+    match ended {
+        Ok(Ended::Done | Ended::Escalated) => (StopReason::Terminated, None),
+        Ok(Ended::Finished { reason, .. }) => (*reason, None),
+        Ok(Ended::Stopped(StopReason::Cancelled)) if timed_out.load(Ordering::SeqCst) => {
+            (StopReason::Timeout, None)
+        }
+        Ok(Ended::Stopped(reason)) => (*reason, None),
+        Err(info) => (StopReason::Error, Some(info.clone())),
     }
 }

@@ -30,6 +30,8 @@ pub(crate) enum Test {
     EndsWith(String, Option<Vec<String>>),
     /// A message by one of `agents` matches.
     Regex(Regex, Option<Vec<String>>),
+    /// A message by one of `agents` with no code follows a clean run's report.
+    Answered(Option<Vec<String>>),
     /// The chat has this many messages.
     MaxTurns(u32),
     /// The chat has run this long.
@@ -70,6 +72,8 @@ impl Condition {
             let re = Regex::new(pattern)
                 .map_err(|e| format!("termination.regex: not a regular expression: {e}"))?;
             Test::Regex(re, t.agents.clone())
+        } else if t.answered.is_some() {
+            Test::Answered(t.agents.clone())
         } else if let Some(n) = t.max_turns {
             Test::MaxTurns(n)
         } else if let Some(secs) = t.timeout {
@@ -127,12 +131,30 @@ impl Condition {
                 said(agents, &|m| re.is_match(&m.text)),
                 StopReason::Terminated,
             ),
+            Test::Answered(agents) => {
+                let first = s.history.len().saturating_sub(s.new.len());
+                let answered = s.new.iter().enumerate().any(|(i, m)| {
+                    let before = (first + i).checked_sub(1).and_then(|at| s.history.get(at));
+                    !m.output
+                        && by(agents, m)
+                        && before.is_some_and(|b| b.output && crate::blocks::clean_report(&b.text))
+                        && is_answer(m)
+                });
+                hit(answered, StopReason::Terminated)
+            }
             Test::MaxTurns(n) => hit(s.messages >= *n, StopReason::MaxTurns),
             Test::Timeout(limit) => hit(s.elapsed >= *limit, StopReason::Timeout),
             Test::TokenBudget(budget) => hit(s.tokens >= *budget, StopReason::MaxTurns),
             Test::Llm(_) | Test::Any(_) | Test::All(_) => None,
         }
     }
+}
+
+/// Whether `said` is words only: something said, no code and no calls.
+fn is_answer(said: &Said) -> bool {
+    said.calls.is_empty()
+        && !said.text.trim().is_empty()
+        && extract_code_blocks(&said.text).is_empty()
 }
 
 /// Whether `said` has a block that holds only `word`: small models fence their last word.
@@ -172,5 +194,72 @@ mod tests {
         assert_eq!(check("DONE here"), Some(Some(StopReason::Terminated)));
         assert_eq!(check("not DONE"), Some(None));
         assert!(Condition::compile(&t("(")).is_err());
+    }
+
+    #[test]
+    fn an_answer_in_words_after_a_clean_run_ends_the_chat() {
+        let condition = Condition::compile(&Termination {
+            answered: Some(true),
+            agents: Some(vec!["assistant".to_owned()]),
+            ..Termination::default()
+        })
+        .unwrap();
+        let said = |speaker: &str, text: &str, output: bool| Said {
+            speaker: speaker.to_owned(),
+            text: text.to_owned(),
+            output,
+            ..Said::default()
+        };
+        let clean = "exitcode: 0 (execution succeeded)\nCode output: 42\n";
+        let failed = "exitcode: 1 (execution failed)\nCode output: Traceback\n";
+        let silent = crate::blocks::report(
+            &[crate::blocks::BlockRun {
+                index: 1,
+                language: tandem_executor::Language::python(),
+                result: tandem_protocol::BlockResult {
+                    language: Some("python".into()),
+                    status: tandem_protocol::BlockStatus::Exited,
+                    exit_code: Some(0),
+                    stdout: String::new(),
+                    stderr: String::new(),
+                    truncated: false,
+                    duration_ms: 1,
+                },
+            }],
+            0,
+            Duration::from_secs(1),
+            1024,
+            "",
+        );
+        let check = |report: &str, reply: &str, by: &str| {
+            let history = vec![
+                said("user", "task", false),
+                said("assistant", "```python\nprint(6*7)\n```", false),
+                said("executor", report, true),
+                said(by, reply, false),
+            ];
+            condition.holds(&ChatState {
+                path: "team",
+                new: &history[3..],
+                history: &history,
+                messages: 4,
+                elapsed: Duration::ZERO,
+                tokens: 0,
+            })
+        };
+        let done = Some(Some(StopReason::Terminated));
+        assert_eq!(check(clean, "The answer is 42.", "assistant"), done);
+        assert_eq!(check(failed, "The answer is 42.", "assistant"), Some(None));
+        assert_eq!(check(&silent, "The answer is 42.", "assistant"), Some(None));
+        assert_eq!(
+            check(
+                clean,
+                "Let me check:\n```python\nprint(1)\n```",
+                "assistant"
+            ),
+            Some(None)
+        );
+        assert_eq!(check(clean, "The answer is 42.", "critic"), Some(None));
+        assert_eq!(check(clean, "  ", "assistant"), Some(None));
     }
 }

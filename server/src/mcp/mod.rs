@@ -122,6 +122,10 @@ struct RunTaskArgs {
     /// Tools offered to the model: names of the operator's tools, or command tools defined
     /// here ({name, description, parameters, command}), which run in the task's sandbox
     tools: Option<Vec<Value>>,
+    /// How to decide the task was solved, run in its sandbox after it ends and never shown
+    /// to its model: {expect, file, contents, program, language} (docs/eval.md)
+    #[schemars(extend("type" = "object"))]
+    check: Option<Value>,
 }
 
 /// A tool's arguments as `T`; what does not fit says which argument and why.

@@ -73,6 +73,11 @@ impl TandemMcp {
                 .map_err(|e| ErrorData::invalid_params(format!("files: {e}"), None))?;
             spec.files = Some(upload.id);
         }
+        if let Some(check) = args.check {
+            spec.check = Some(serde_json::from_value(check).map_err(|e| {
+                ErrorData::invalid_params(format!("check is not a check (docs/eval.md): {e}"), None)
+            })?);
+        }
         if let Some(team) = args.team {
             spec.team = Some(serde_json::from_value(team).map_err(|e| {
                 ErrorData::invalid_params(format!("team is not a team (docs/teams.md): {e}"), None)
@@ -160,6 +165,7 @@ impl TandemMcp {
                     turns,
                     error,
                     summary,
+                    check,
                     ..
                 },
             drawn,
@@ -176,6 +182,7 @@ impl TandemMcp {
             stop_reason,
             turns,
             answer: summary,
+            check,
             error,
             transcript: transcript_uri(id),
             pictures: drawn

@@ -20,7 +20,8 @@ use super::{
 };
 
 /// Schema migrations, in order; `tandem_schema.version` says how many have run.
-const MIGRATIONS: &[&str] = &["
+const MIGRATIONS: &[&str] = &[
+    "
     CREATE TABLE tasks (
         id TEXT PRIMARY KEY,
         queue_order BIGSERIAL NOT NULL,
@@ -51,7 +52,12 @@ const MIGRATIONS: &[&str] = &["
         body TEXT NOT NULL,
         PRIMARY KEY (task_id, seq)
     );
-"];
+",
+    "
+    -- A finished task's final answer and its check's verdict, as JSON.
+    ALTER TABLE tasks ADD COLUMN outcome TEXT;
+",
+];
 
 /// The database's clock in ms: leases are timed by the one clock every daemon shares.
 const NOW_MS: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
@@ -818,8 +824,8 @@ impl PgStore {
                     .execute(
                         "INSERT INTO tasks (id, state, spec, stop_reason, error, prompt_tokens,
                             completion_tokens, turns, created_ms, started_ms, finished_ms,
-                            files_removed_ms)
-                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+                            files_removed_ms, outcome)
+                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
                          ON CONFLICT (id) DO NOTHING",
                         &[
                             &task.id,
@@ -834,6 +840,7 @@ impl PgStore {
                             &task.started_ms.map(|v| v as i64),
                             &task.finished_ms.map(|v| v as i64),
                             &task.files_removed_ms.map(|v| v as i64),
+                            &outcome_json(&task),
                         ],
                     )
                     .await
@@ -906,16 +913,18 @@ async fn task_update(
             error,
             turns,
             at_ms,
+            outcome,
         }) => {
             tx.execute(
                 "UPDATE tasks SET state = 'finished', stop_reason = $2, error = $3, turns = $4,
-                    finished_ms = $5, lease_until_ms = NULL WHERE id = $1",
+                    finished_ms = $5, lease_until_ms = NULL, outcome = $6 WHERE id = $1",
                 &[
                     &id,
                     &stop_reason.as_str(),
                     &error,
                     &i64::from(turns),
                     &(at_ms as i64),
+                    &outcome,
                 ],
             )
             .await?;
@@ -1000,7 +1009,13 @@ fn row(r: &Row) -> rules::Row {
             finished_ms: r.get(10),
             files_removed_ms: r.get(11),
         },
+        outcome: r.get(12),
     }
+}
+
+/// A copied task's final answer and check, as the `outcome` column holds them.
+fn outcome_json(task: &TaskRecord) -> Option<String> {
+    rules::outcome_of(task)
 }
 
 /// The database as `user@host:port/db`: what errors and logs show, never the password.

@@ -33,7 +33,18 @@ pub(crate) enum RowChange {
         turns: u32,
         /// When it ended.
         at_ms: u64,
+        /// Its final answer and its check's verdict, as stored JSON ([`Outcome`]).
+        outcome: Option<String>,
     },
+}
+
+/// What a finished task left beside its stop reason, stored as one JSON column.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Outcome {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    result: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    check: Option<tandem_protocol::CheckOutcome>,
 }
 
 /// What `msg`, stored at `now_ms`, changes in its task's row; `None` for the events that are
@@ -52,15 +63,33 @@ pub(crate) fn row_change(msg: &EventMsg, now_ms: u64) -> Option<RowChange> {
             stop_reason,
             turns,
             error,
+            summary,
+            check,
             ..
         } => Some(RowChange::Finished {
             stop_reason: *stop_reason,
             error: error.as_ref().map(super::to_json),
             turns: *turns,
             at_ms: now_ms,
+            outcome: (summary.is_some() || check.is_some()).then(|| {
+                super::to_json(&Outcome {
+                    result: summary.clone().map(serde_json::Value::String),
+                    check: check.clone(),
+                })
+            }),
         }),
         _ => None,
     }
+}
+
+/// The `outcome` column of `task`, when it has a final answer or a check.
+pub(crate) fn outcome_of(task: &TaskRecord) -> Option<String> {
+    (task.result.is_some() || task.check.is_some()).then(|| {
+        super::to_json(&Outcome {
+            result: task.result.clone(),
+            check: task.check.clone(),
+        })
+    })
 }
 
 /// A task's row as either engine reads it, before decoding: text where the engine keeps text.
@@ -84,6 +113,8 @@ pub(crate) struct Row {
     pub turns: i64,
     /// When things happened to it.
     pub times: Times,
+    /// Its final answer and check, as JSON ([`Outcome`]).
+    pub outcome: Option<String>,
 }
 
 /// When things happened to a task, in ms since the epoch.
@@ -105,6 +136,11 @@ pub(crate) fn decode(row: Row) -> Result<TaskRecord> {
     let json = |what: &'static str, text: &str| -> Result<serde_json::Value> {
         serde_json::from_str(text).map_err(|source| StoreError::Decode { what, source })
     };
+    let outcome: Outcome = row
+        .outcome
+        .map(|o| json("outcome", &o).and_then(|v| parse("outcome", v)))
+        .transpose()?
+        .unwrap_or_default();
     Ok(TaskRecord {
         id: row.id,
         state: TaskState::parse(&row.state).unwrap_or(TaskState::Interrupted),
@@ -126,6 +162,8 @@ pub(crate) fn decode(row: Row) -> Result<TaskRecord> {
         started_ms: row.times.started_ms.map(millis),
         finished_ms: row.times.finished_ms.map(millis),
         files_removed_ms: row.times.files_removed_ms.map(millis),
+        result: outcome.result,
+        check: outcome.check,
     })
 }
 
@@ -139,7 +177,7 @@ fn millis(v: i64) -> u64 {
 pub(crate) fn columns(usage: &str) -> String {
     format!(
         "id, state, spec, stop_reason, error, {usage}, turns, created_ms, started_ms, \
-         finished_ms, files_removed_ms"
+         finished_ms, files_removed_ms, outcome"
     )
 }
 
@@ -308,12 +346,14 @@ mod tests {
                 message: "down".into(),
             }),
             summary: None,
+            check: None,
         };
         let Some(RowChange::Finished {
             stop_reason,
             error: Some(error),
             turns: 3,
             at_ms: 9,
+            outcome: None,
         }) = row_change(&end, 9)
         else {
             panic!("not an end: {:?}", row_change(&end, 9));

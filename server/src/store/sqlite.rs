@@ -55,6 +55,10 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE tasks ADD COLUMN lease_until_ms INTEGER;
     ALTER TABLE tasks ADD COLUMN cancel_requested INTEGER NOT NULL DEFAULT 0;
 ",
+    "
+    -- A finished task's final answer and its check's verdict, as JSON.
+    ALTER TABLE tasks ADD COLUMN outcome TEXT;
+",
 ];
 
 impl TaskStore for Store {
@@ -641,19 +645,22 @@ fn append_one(db: &mut Db, task_id: &str, msg: &EventMsg, now_ms: u64) -> rusqli
             error,
             turns,
             at_ms,
+            outcome,
         }) => {
             db.count_move(task_id, TaskState::Finished)?;
             db.conn
                 .prepare_cached(
                     "UPDATE tasks SET state = 'finished', stop_reason = ?2, error = ?3,
-                        turns = ?4, finished_ms = ?5, lease_until_ms = NULL WHERE id = ?1",
+                        turns = ?4, finished_ms = ?5, lease_until_ms = NULL, outcome = ?6
+                     WHERE id = ?1",
                 )?
                 .execute(params![
                     task_id,
                     stop_reason.as_str(),
                     error,
                     turns,
-                    at_ms as i64
+                    at_ms as i64,
+                    outcome
                 ])?;
         }
         None => {}
@@ -690,6 +697,7 @@ fn raw_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<rules::Row> {
             finished_ms: r.get(10)?,
             files_removed_ms: r.get(11)?,
         },
+        outcome: r.get(12)?,
     })
 }
 
@@ -809,6 +817,7 @@ mod tests {
                     elapsed_ms: 9,
                     error: None,
                     summary: None,
+                    check: None,
                 },
                 7,
             )])
@@ -850,6 +859,7 @@ mod tests {
             elapsed_ms: 1,
             error: None,
             summary: None,
+            check: None,
         };
         {
             let store = Store::open(&path).unwrap();

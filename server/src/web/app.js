@@ -912,6 +912,10 @@
         h('p', { class: 'muted' }, [plural(ev.turns || 0, 'turn'), tokens(ev.usage), duration(ev.elapsed_ms || 0)].filter(Boolean).join(' · ')));
       if (ev.error && ev.error.message) s.append(h('p', { class: 'error' }, ev.error.message));
       if (ev.summary) s.append(h('pre', { class: 'summary-text' }, ev.summary));
+      if (ev.check) {
+        const detail = ev.check.detail ? `: ${ev.check.detail.split('\n')[0]}` : '';
+        s.append(h('p', { class: `check check-${ev.check.verdict}` }, `check ${ev.check.verdict}${detail}`));
+      }
       s.className = `card summary stop-${ev.stop_reason}`;
       s.hidden = false;
     }

@@ -1,0 +1,383 @@
+//! `tandem eval`: a suite's tasks decided by their checks, in process and on the daemon, and
+//! the repository's own suite held to checks that cannot pass by accident.
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::Value;
+use tandem_tests::{Reply, Script, ScriptedOpenAi};
+
+use crate::e2e::{fence, settings, tandem};
+
+/// A suite of five tasks, one of each outcome, and the model's script for it.
+fn suite(dir: &Path) -> (std::path::PathBuf, Script) {
+    std::fs::write(dir.join("data.csv"), "a\nb\nc\n").unwrap();
+    let tasks = [
+        serde_json::json!({"id": "answer-in-words", "task": "What is six times seven?",
+            "check": {"expect": "42"}}),
+        serde_json::json!({"id": "file-made", "task": "Write hello to out.txt",
+            "check": {"file": "out.txt", "contents": "hello",
+                      "program": "assert open('out.txt').read().strip() == 'hello'"}}),
+        serde_json::json!({"id": "given-file", "task": "Count the lines of data.csv",
+            "files": ["data.csv"],
+            "check": {"expect": "3", "program": "assert open('data.csv').read() == 'a\\nb\\nc\\n'"}}),
+        serde_json::json!({"id": "gave-up", "task": "Find the secret number",
+            "check": {"expect": "check-secret-7731"}}),
+        serde_json::json!({"id": "broken-check", "task": "Do nothing",
+            "check": {"program": "assert undefined_name == 1"}}),
+    ];
+    let path = dir.join("suite.jsonl");
+    let lines: Vec<String> = tasks.iter().map(Value::to_string).collect();
+    std::fs::write(&path, lines.join("\n")).unwrap();
+    let script: Script = [
+        (
+            "What is six times seven?",
+            // No termination word: an answer in words after a clean run ends the task.
+            vec![
+                Reply::Text(fence("python", "print(6 * 7)")),
+                Reply::from("The answer is 42."),
+            ],
+        ),
+        (
+            "Write hello to out.txt",
+            vec![
+                Reply::Text(fence("sh", "echo hello > out.txt")),
+                Reply::from("Done.\n\nTERMINATE"),
+            ],
+        ),
+        (
+            "Count the lines of data.csv",
+            vec![
+                Reply::Text(fence("python", "print(len(open('data.csv').readlines()))")),
+                Reply::from("It has 3 lines. TERMINATE"),
+            ],
+        ),
+        (
+            "Find the secret number",
+            vec![Reply::from("I cannot. TERMINATE")],
+        ),
+        ("Do nothing", vec![Reply::from("TERMINATE")]),
+    ]
+    .into_iter()
+    .map(|(task, replies)| (task.to_owned(), replies))
+    .collect();
+    (path, script)
+}
+
+/// The task lines and the totals line of `tandem eval --json`.
+fn lines(stdout: &str) -> (Vec<Value>, Value) {
+    let all: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let (totals, tasks): (Vec<Value>, Vec<Value>) =
+        all.into_iter().partition(|v| v.get("totals").is_some());
+    assert_eq!(totals.len(), 1, "{stdout}");
+    (tasks, totals[0]["totals"].clone())
+}
+
+fn verdicts(tasks: &[Value]) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = tasks
+        .iter()
+        .map(|t| {
+            (
+                t["id"].as_str().unwrap().to_owned(),
+                t["verdict"].as_str().unwrap_or("none").to_owned(),
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+fn expected() -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = [
+        ("answer-in-words", "solved"),
+        ("broken-check", "error"),
+        ("file-made", "solved"),
+        ("gave-up", "unsolved"),
+        ("given-file", "solved"),
+    ]
+    .iter()
+    .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
+    .collect();
+    v.sort();
+    v
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn each_task_is_decided_by_its_check_in_process_and_on_the_daemon() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, script) = suite(dir.path());
+    let server = ScriptedOpenAi::start(script).await.unwrap();
+    let url = server.base_url();
+    let path = path.to_str().unwrap();
+    let model = ["--base-url", &url, "--model", "scripted-model"];
+
+    let mut args = vec!["eval", path, "--json", "--local", "--parallel", "3"];
+    args.extend(model);
+    let out = tandem(&args, &[("TANDEM_MAX_RETRIES", "0")], None).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let (tasks, totals) = lines(&out.stdout);
+    assert_eq!(verdicts(&tasks), expected(), "{}", out.stdout);
+    let broken = tasks.iter().find(|t| t["id"] == "broken-check").unwrap();
+    let detail = broken["detail"].as_str().unwrap();
+    assert!(detail.contains("NameError"), "{detail}");
+    let words = tasks.iter().find(|t| t["id"] == "answer-in-words").unwrap();
+    assert_eq!(words["turns"], 2, "{words}");
+    assert_eq!(words["stop_reason"], "terminated", "{words}");
+    assert_eq!(
+        (
+            totals["judged"].as_u64(),
+            totals["solved"].as_u64(),
+            totals["check_errors"].as_u64()
+        ),
+        (Some(4), Some(3), Some(1)),
+        "{totals}"
+    );
+    // The model never reads a check.
+    for r in server.requests() {
+        let body = r.body.to_string();
+        assert!(!body.contains("check-secret-7731"), "{body}");
+        assert!(!body.contains("undefined_name"), "{body}");
+    }
+
+    // The same suite on a daemon: the same verdicts, each in its task's record with the
+    // final answer.
+    let d = tandem_tests::DaemonHarness::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &url,
+        &[],
+        None,
+    )
+    .await;
+    let mut args = vec!["eval", path, "--json"];
+    args.extend(model);
+    let (code, stdout, stderr) = d.cli(&args).await;
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stderr.contains("on the daemon"), "{stderr}");
+    let (tasks, _) = lines(&stdout);
+    assert_eq!(verdicts(&tasks), expected(), "{stdout}");
+    let list = d.get("/v1/tasks").await;
+    let records = list["tasks"].as_array().unwrap();
+    let words = records
+        .iter()
+        .find(|t| t["spec"]["task"] == "What is six times seven?")
+        .unwrap();
+    assert_eq!(words["check"]["verdict"], "solved", "{words}");
+    assert_eq!(words["result"], "The answer is 42.", "{words}");
+    let gave_up = records
+        .iter()
+        .find(|t| t["spec"]["task"] == "Find the secret number")
+        .unwrap();
+    assert_eq!(gave_up["check"]["verdict"], "unsolved", "{gave_up}");
+    assert_eq!(gave_up["result"], "I cannot.", "{gave_up}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn people_read_a_table_and_two_runs_side_by_side() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, script) = suite(dir.path());
+    let server = ScriptedOpenAi::start(script).await.unwrap();
+    let url = server.base_url();
+    let path = path.to_str().unwrap();
+    let out = tandem(
+        &[
+            "eval",
+            path,
+            "--local",
+            "--parallel",
+            "1",
+            "--base-url",
+            &url,
+            "--model",
+            "m",
+        ],
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let mut s = settings();
+    s.add_filter(r" +\d+\.\d  ", " [S]  ");
+    s.add_filter(r"\d+\.\d s", "[N] s");
+    s.add_filter(r" \d+/\d+ ", " [T] ");
+    s.add_filter(r"\d+ in / \d+ out", "[N] in / [N] out");
+    s.bind(|| insta::assert_snapshot!("eval_table", out.stdout));
+
+    // Two saved runs: what changed, task by task.
+    let run = |verdicts: [&str; 2]| {
+        let [a, b] = verdicts;
+        format!(
+            "{}\n{}\n",
+            serde_json::json!({"id": "x", "verdict": a, "stop_reason": "terminated", "turns": 1,
+                "input_tokens": 10, "output_tokens": 2, "seconds": 1.0}),
+            serde_json::json!({"id": "y", "verdict": b, "stop_reason": "max_turns", "turns": 6,
+                "input_tokens": 60, "output_tokens": 12, "seconds": 9.0}),
+        )
+    };
+    std::fs::write(dir.path().join("a.json"), run(["solved", "unsolved"])).unwrap();
+    std::fs::write(dir.path().join("b.json"), run(["unsolved", "solved"])).unwrap();
+    let (a, b) = (dir.path().join("a.json"), dir.path().join("b.json"));
+    let out = tandem(
+        &[
+            "eval",
+            "--compare",
+            a.to_str().unwrap(),
+            b.to_str().unwrap(),
+        ],
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let mut s = settings();
+    s.add_filter(r"\(/[^)]*/(a|b)\.json\)", "($1.json)");
+    s.bind(|| insta::assert_snapshot!("eval_compare", out.stdout));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bad_suite_is_named_by_line_and_an_interrupted_run_keeps_what_finished() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(
+        &bad,
+        "{\"id\": \"a\", \"task\": \"x\", \"check\": {\"expect\": \"1\"}}\n{\"id\": \"b\", \"task\": \n",
+    )
+    .unwrap();
+    let out = tandem(&["eval", bad.to_str().unwrap(), "--local"], &[], None).await;
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("bad.jsonl line 2: not a suite task"),
+        "{}",
+        out.stderr
+    );
+
+    // The second task never ends; Ctrl-C leaves the first one's line and the totals.
+    let suite = dir.path().join("slow.jsonl");
+    std::fs::write(
+        &suite,
+        "{\"id\": \"quick\", \"task\": \"quick\", \"check\": {\"expect\": \"7\"}}\n{\"id\": \"slow\", \"task\": \"slow\", \"check\": {\"expect\": \"7\"}}\n",
+    )
+    .unwrap();
+    let script: Script = [
+        ("quick".to_owned(), vec![Reply::from("7. TERMINATE")]),
+        (
+            "slow".to_owned(),
+            vec![Reply::Delayed(
+                Duration::from_secs(600),
+                Box::new(Reply::from("TERMINATE")),
+            )],
+        ),
+    ]
+    .into_iter()
+    .collect();
+    let server = ScriptedOpenAi::start(script).await.unwrap();
+    let url = server.base_url();
+    let config = tempfile::tempdir().unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args([
+            "eval",
+            suite.to_str().unwrap(),
+            "--json",
+            "--local",
+            "--parallel",
+            "1",
+            "--base-url",
+            &url,
+            "--model",
+            "m",
+        ])
+        .env("XDG_CONFIG_HOME", config.path())
+        .env("TANDEM_MODELS_DIR", config.path().join("none"))
+        .env("TANDEM_EXECUTOR", "local")
+        .env("TANDEM_HOST", "unix:///nonexistent/tandem.sock")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut reader = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
+    let first = tokio::time::timeout(Duration::from_secs(60), reader.next_line())
+        .await
+        .expect("no task ended within 60 s")
+        .unwrap()
+        .unwrap();
+    assert!(first.contains("\"quick\""), "{first}");
+    // The slow task is asking the model now.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !server.requests().iter().any(|r| r.task() == Some("slow")) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the slow task never asked"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(child.id().unwrap()).unwrap()),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    let mut rest = Vec::new();
+    while let Some(line) = tokio::time::timeout(Duration::from_secs(60), reader.next_line())
+        .await
+        .expect("eval did not end within 60 s of Ctrl-C")
+        .unwrap()
+    {
+        rest.push(line);
+    }
+    let status = child.wait().await.unwrap();
+    assert_eq!(status.code(), Some(130));
+    let totals = rest.last().expect("no totals line");
+    assert!(totals.contains("\"solved\":1"), "{rest:?}");
+    assert!(
+        !rest
+            .iter()
+            .any(|l| l.contains("\"slow\"") && l.contains("\"solved\"")),
+        "{rest:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn no_check_of_the_repositorys_suite_passes_by_accident_or_crashes() {
+    // A model that does nothing: every task ends at once, so every check judges a workspace
+    // holding only the task's own files and an empty answer.
+    let script: Script = [("*".to_owned(), vec![Reply::from("TERMINATE")])]
+        .into_iter()
+        .collect();
+    let server = ScriptedOpenAi::start(script).await.unwrap();
+    let url = server.base_url();
+    let suite = Path::new(env!("CARGO_MANIFEST_DIR")).join("../evals/suite.toml");
+    let out = tandem(
+        &[
+            "eval",
+            suite.to_str().unwrap(),
+            "--json",
+            "--local",
+            "--parallel",
+            "4",
+            "-e",
+            "local",
+            "--base-url",
+            &url,
+            "--model",
+            "m",
+        ],
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let (tasks, totals) = lines(&out.stdout);
+    assert!(tasks.len() >= 60, "only {} tasks", tasks.len());
+    let wrong: Vec<&Value> = tasks
+        .iter()
+        .filter(|t| t["verdict"] != "unsolved")
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "checks that did not say unsolved: {wrong:#?}"
+    );
+    assert_eq!(totals["solved"], 0, "{totals}");
+}
