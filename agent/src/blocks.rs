@@ -819,4 +819,48 @@ mod tests {
         assert_eq!(complete_utf8(b"ab\x80"), 3);
         assert_eq!(complete_utf8(b"ab\xff"), 3);
     }
+
+    fn ran(exit_code: i32, stdout: &str, stderr: &str) -> BlockRun {
+        BlockRun {
+            index: 1,
+            language: Language::python(),
+            result: BlockResult {
+                language: Some("python".into()),
+                status: BlockStatus::Exited,
+                exit_code: Some(exit_code),
+                stdout: stdout.into(),
+                stderr: stderr.into(),
+                truncated: false,
+                duration_ms: 1,
+            },
+        }
+    }
+
+    #[test]
+    fn the_report_says_when_a_clean_run_printed_nothing_and_cuts_library_frames() {
+        let said = |runs: &[BlockRun]| report(runs, 0, Duration::from_secs(1), 1024, "none");
+        let silent = said(&[ran(0, "", "")]);
+        assert!(silent.contains("printed nothing"), "{silent}");
+        assert!(!clean_report(&silent), "{silent}");
+        let spoke = said(&[ran(0, "42\n", "")]);
+        assert!(
+            !spoke.contains("printed nothing") && clean_report(&spoke),
+            "{spoke}"
+        );
+        let failed = said(&[ran(
+            1,
+            "",
+            "Traceback (most recent call last):\n  File \"/w/.tandem-block-1.py\", line 2, in <module>\n    json.loads(x)\n  File \"/usr/lib/python3.11/json/__init__.py\", line 346, in loads\n    return _default_decoder.decode(s)\njson.decoder.JSONDecodeError: Expecting value\n",
+        )]);
+        assert!(!clean_report(&failed), "{failed}");
+        assert!(!failed.contains("_default_decoder"), "{failed}");
+        assert!(
+            failed.contains("1 frame inside libraries left out"),
+            "{failed}"
+        );
+        assert!(
+            failed.contains("JSONDecodeError: Expecting value"),
+            "{failed}"
+        );
+    }
 }

@@ -72,8 +72,15 @@ async fn run(
             detail: cap(detail.trim()),
         })
     };
-    if let Some(why) = slot.refusal(language) {
-        return outcome(Verdict::Error, format!("the check cannot run: {why}"));
+    // The task's own list of languages binds the model's blocks, not its check.
+    if !slot.executor().supports(language) {
+        return outcome(
+            Verdict::Error,
+            format!(
+                "the check cannot run: the {} executor does not run {language}",
+                slot.executor().name()
+            ),
+        );
     }
     let ran = match slot.run_quiet(language, code, cancel).await {
         Ok(Some(ran)) => ran,
@@ -150,8 +157,9 @@ if want is not None and got.strip() != want.strip():
 }
 
 /// The check's Python program inside a frame that tells its verdict apart from its crash: a
-/// failed assert, or an exception raised by what the task left, is unsolved (1); a check that
-/// does not compile, or names something it never defined, is a check error (3).
+/// failed assert, or an exception raised by what the task left (a module of its that does not
+/// compile among them), is unsolved (1); a check that does not compile, or names something it
+/// never defined, is a check error (3).
 fn python_check(program: &str) -> String {
     format!(
         r#"import os, sys, traceback
@@ -173,7 +181,9 @@ except BaseException as e:
         print(f"assertion failed{{where}}: {{e}}" if str(e) else f"assertion failed{{where}}")
         sys.exit(1)
     traceback.print_exc()
-    sys.exit(3 if own and isinstance(e, (NameError, SyntaxError)) else 1)
+    # A module of the task's that does not compile is the task's fault, not the check's.
+    broken = isinstance(e, SyntaxError) and e.filename == "<check>"
+    sys.exit(3 if broken or (own and isinstance(e, NameError)) else 1)
 "#,
         source = literal(program),
     )

@@ -491,7 +491,7 @@ impl<W: Write> Renderer<W> {
                     *elapsed_ms as f64 / 1000.0
                 ))?;
                 if let Some(check) = check {
-                    let detail = check.detail.lines().next().unwrap_or_default();
+                    let detail = check.gist();
                     let sep = if detail.is_empty() { "" } else { ": " };
                     self.rule(&format!("check {}{sep}{detail}", check.verdict.as_str()))?;
                 }

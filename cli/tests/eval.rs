@@ -46,7 +46,9 @@ fn suite(dir: &Path) -> (std::path::PathBuf, Script) {
             ],
         ),
         (
-            "Count the lines of data.csv",
+            // The task the model reads has the listing of its files after it; `*` scripts
+            // every task not named here.
+            "*",
             vec![
                 Reply::Text(fence("python", "print(len(open('data.csv').readlines()))")),
                 Reply::from("It has 3 lines. TERMINATE"),
@@ -172,6 +174,34 @@ async fn each_task_is_decided_by_its_check_in_process_and_on_the_daemon() {
         .unwrap();
     assert_eq!(gave_up["check"]["verdict"], "unsolved", "{gave_up}");
     assert_eq!(gave_up["result"], "I cannot.", "{gave_up}");
+
+    // A check that cannot decide, or one on a team's task, is refused before anything runs.
+    for (body, says) in [
+        (
+            serde_json::json!({"task": "x", "check": {"expect": "2", "contents": "1"}}),
+            "check.contents: needs check.file",
+        ),
+        (
+            serde_json::json!({"task": "x", "check": {}}),
+            "check: give at least one of expect, file or program",
+        ),
+        (
+            serde_json::json!({"task": "x", "check": {"expect": "1"}, "team": {
+                "team": {"kind": "chat", "agents": ["a", "e"], "termination": {"max_turns": 4}},
+                "agents": {"a": {"kind": "assistant"}, "e": {"kind": "executor"}}}}),
+            "a team's task cannot have one",
+        ),
+        (
+            serde_json::json!({"task": "x", "check": {"expect": "1", "nope": 2}}),
+            "nope",
+        ),
+    ] {
+        let (status, answer) = d
+            .send(reqwest::Method::POST, "/v1/tasks", Some(body.to_string()))
+            .await;
+        assert_eq!(status, 400, "{answer}");
+        assert!(answer.to_string().contains(says), "{answer}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -199,9 +229,8 @@ async fn people_read_a_table_and_two_runs_side_by_side() {
     .await;
     assert_eq!(out.code, 0, "{}", out.stderr);
     let mut s = settings();
-    s.add_filter(r" +\d+\.\d  ", " [S]  ");
+    s.add_filter(r" +\d+/\d+ +\d+\.\d  ", "  [tokens] [seconds]  ");
     s.add_filter(r"\d+\.\d s", "[N] s");
-    s.add_filter(r" \d+/\d+ ", " [T] ");
     s.add_filter(r"\d+ in / \d+ out", "[N] in / [N] out");
     s.bind(|| insta::assert_snapshot!("eval_table", out.stdout));
 

@@ -112,6 +112,8 @@ fn check(seen: &Value) {
     let task = &seen["task"]["structured"];
     assert_eq!(task["stop_reason"], "terminated", "{seen}");
     assert_eq!(task["answer"], "The answer is 42.", "{seen}");
+    // The check ran in the task's sandbox after it ended.
+    assert_eq!(task["check"]["verdict"], "solved", "{seen}");
     let progress: Vec<&str> = seen["progress"]
         .as_array()
         .unwrap()

@@ -77,3 +77,20 @@ pub struct CheckOutcome {
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub detail: String,
 }
+
+impl CheckOutcome {
+    /// The detail in one line: a traceback's last line (the exception), else the first line.
+    pub fn gist(&self) -> &str {
+        gist(&self.detail)
+    }
+}
+
+/// `detail` in one line: a traceback's last line (the exception), else its first line.
+pub fn gist(detail: &str) -> &str {
+    let mut lines = detail.lines().map(str::trim).filter(|l| !l.is_empty());
+    if detail.contains("Traceback (most recent call last):") {
+        lines.next_back().unwrap_or_default()
+    } else {
+        lines.next().unwrap_or_default()
+    }
+}

@@ -52,7 +52,8 @@ async def scenario(session):
     async def on_progress(value, total, message):
         progress.append(message)
 
-    seen["task"] = await call(session, "run_task", {"task": "mcp task: print 6 * 7"},
+    seen["task"] = await call(session, "run_task", {"task": "mcp task: print 6 * 7",
+                                                    "check": {"expect": "42"}},
                               progress_callback=on_progress)
     seen["progress"] = [json.loads(m)["type"] for m in progress if m]
     resources = await session.list_resources()

@@ -125,7 +125,8 @@ impl Totals {
             self.solve_rate * 100.0
         );
         if self.check_errors > 0 {
-            line.push_str(&format!(" · {} check errors", self.check_errors));
+            let s = if self.check_errors == 1 { "" } else { "s" };
+            line.push_str(&format!(" · {} check error{s}", self.check_errors));
         }
         if self.not_finished > 0 {
             line.push_str(&format!(" · {} not finished", self.not_finished));
@@ -162,11 +163,7 @@ pub fn row(r: &TaskResult) -> String {
         r.seconds
     );
     if !r.solved() && !r.detail.is_empty() {
-        let detail: String = r
-            .detail
-            .lines()
-            .next()
-            .unwrap_or_default()
+        let detail: String = tandem_protocol::check::gist(&r.detail)
             .chars()
             .take(110)
             .collect();

@@ -186,7 +186,7 @@ mod tests {
     fn a_suite_that_cannot_decide_is_refused_naming_the_task() {
         let e = error(
             "s.jsonl",
-            r#"{"id": "a", "task": "x", "check": {"contents": "1"}}"#,
+            r#"{"id": "a", "task": "x", "check": {"expect": "1", "contents": "1"}}"#,
         );
         assert!(e.contains("task 1 (`a`): check.contents"), "{e}");
         let e = error(

@@ -400,8 +400,14 @@ mod tests {
                 finished_ms: None,
                 files_removed_ms: None,
             },
+            outcome: Some("{\"result\":\"42\",\"check\":{\"verdict\":\"solved\"}}".into()),
         };
         let record = decode(row).unwrap();
+        assert_eq!(record.result, Some(serde_json::json!("42")));
+        assert_eq!(
+            record.check.map(|c| c.verdict),
+            Some(tandem_protocol::Verdict::Solved)
+        );
         assert_eq!((record.state, record.turns), (TaskState::Interrupted, 0));
         assert_eq!(
             (record.usage.prompt_tokens, record.usage.completion_tokens),
