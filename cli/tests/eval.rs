@@ -385,7 +385,7 @@ async fn no_check_of_the_repositorys_suite_passes_by_accident_or_crashes() {
             "--json",
             "--local",
             "--parallel",
-            "4",
+            "2",
             "-e",
             "local",
             "--base-url",

@@ -556,7 +556,9 @@ async fn a_flood_of_calls_and_output_keeps_the_daemon_small_and_sigterm_prompt()
                 break;
             }
             assert!(
-                started.elapsed() < Duration::from_secs(300),
+                // Generous: three Docker blocks pushing 4 MiB calls share two cores with
+                // the rest of the suite.
+                started.elapsed() < Duration::from_secs(900),
                 "{id} never finished its calls"
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
