@@ -302,8 +302,9 @@ async fn custom_termination_word_and_data_blocks() {
     let h = Harness::new(
         task,
         vec![
-            Reply::from("```json\n{\"a\": 1}\n```\n```python\nprint('x')\n```"),
+            // Before any code ran, so no answer after a clean run ends it either.
             Reply::from("All set. TERMINATE"),
+            Reply::from("```json\n{\"a\": 1}\n```\n```python\nprint('x')\n```"),
             Reply::from("Now: DONE"),
         ],
     )
@@ -313,11 +314,11 @@ async fn custom_termination_word_and_data_blocks() {
     let (outcome, _) = h.run(settings, CancellationToken::new()).await;
     assert_eq!(outcome.stop_reason, StopReason::Terminated);
     assert_eq!(outcome.turns, 3, "TERMINATE is not the word here");
+    assert!(outcome.transcript[3].content.contains("reply with DONE"));
     assert_eq!(
-        outcome.transcript[3].content,
+        outcome.transcript[5].content,
         "exitcode: 0 (execution succeeded)\nCode output: x\nBlock 1 (`json`) was not run: it is data or prose, not a program."
     );
-    assert!(outcome.transcript[5].content.contains("reply with DONE"));
     assert_eq!(outcome.summary.as_deref(), Some("Now:"));
 }
 
