@@ -195,6 +195,11 @@ async fn each_task_is_decided_by_its_check_in_process_and_on_the_daemon() {
             serde_json::json!({"task": "x", "check": {"expect": "1", "nope": 2}}),
             "nope",
         ),
+        (
+            serde_json::json!({"task": "x", "approval": {"mode": "always"},
+                "check": {"program": "assert True"}}),
+            "blocks wait for approval",
+        ),
     ] {
         let (status, answer) = d
             .send(reqwest::Method::POST, "/v1/tasks", Some(body.to_string()))

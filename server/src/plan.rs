@@ -235,6 +235,14 @@ impl Planner {
                 )
                 .into());
             }
+            // A check's program (and a file check's) runs in the sandbox with no person asked:
+            // where blocks wait for approval, only `expect`, which runs nothing, is taken.
+            if (check.program.is_some() || check.file.is_some()) && !gate.is_open() {
+                return Err(Invalid::Check(
+                    "check: a program or file check runs code unasked, and this task's blocks wait for approval; use expect, or a task without approval",
+                )
+                .into());
+            }
         }
         if spec.keep_state && !executor.keeps_state() {
             return Err(Invalid::KeepState(executor.name().to_owned()).into());
