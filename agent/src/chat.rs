@@ -270,6 +270,22 @@ impl ChatModel {
         &self.config
     }
 
+    /// Whether the model runs in this process (and so costs nothing per token).
+    pub fn is_embedded(&self) -> bool {
+        matches!(self.transport, Transport::Local(_))
+    }
+
+    /// This model with replies cut at `max_tokens`, or sooner where its own cap is lower.
+    pub fn capped(&self, max_tokens: u32) -> Self {
+        let mut capped = self.clone();
+        capped.config.max_tokens = Some(
+            self.config
+                .max_tokens
+                .map_or(max_tokens, |own| own.min(max_tokens)),
+        );
+        capped
+    }
+
     /// Sends the conversation and returns the reply, retrying transient failures.
     pub async fn complete(
         &self,

@@ -9,6 +9,7 @@
 
 pub mod approval;
 pub mod blocks;
+pub mod budget;
 pub mod calls;
 pub mod chat;
 pub mod check;
@@ -16,6 +17,7 @@ pub mod dispatch;
 pub mod events;
 pub mod extract;
 pub mod mcp_tools;
+pub mod schema;
 pub mod task;
 pub mod team;
 pub mod termination;

@@ -43,6 +43,14 @@ pub struct TaskSettings {
     pub tools: Vec<crate::tools::Tool>,
     /// Run in the task's session once it ends, never shown to the model (`tandem eval`).
     pub check: Option<tandem_protocol::Check>,
+    /// What the task may spend on model calls.
+    pub budget: crate::budget::Budget,
+    /// Models' prices by name, for the task's cost and `max_cost`.
+    pub prices: std::collections::BTreeMap<String, crate::budget::Price>,
+    /// The usage of each model call an interrupted run of the task made, in order.
+    pub spent: Vec<Usage>,
+    /// What the final answer must end with a value of.
+    pub output_schema: Option<Arc<crate::schema::OutputSchema>>,
 }
 
 impl TaskSettings {
@@ -61,6 +69,10 @@ impl TaskSettings {
             code_via: tandem_protocol::CodeVia::Blocks,
             tools: Vec::new(),
             check: None,
+            budget: crate::budget::Budget::default(),
+            prices: std::collections::BTreeMap::new(),
+            spent: Vec::new(),
+            output_schema: None,
         }
     }
 }
@@ -82,6 +94,12 @@ pub struct TaskOutcome {
     pub summary: Option<String>,
     /// The verdict of the task's check, when it had one and was not cancelled.
     pub check: Option<tandem_protocol::CheckOutcome>,
+    /// What the model calls cost, when the model has a price.
+    pub cost: Option<f64>,
+    /// The budget the task stopped at, if it did.
+    pub budget: Option<tandem_protocol::BudgetReached>,
+    /// The value the final answer ended with, when the task has an output schema.
+    pub result: Option<serde_json::Value>,
     /// Wall time.
     pub elapsed: Duration,
 }
@@ -137,6 +155,15 @@ pub async fn run_task(
         })
         .and_then(|team| {
             team.exchange_turns()
+                .with_budget(settings.budget, &settings.prices)
+                .with_output_schema(settings.output_schema.clone())
+                .with_spent(
+                    &settings
+                        .spent
+                        .iter()
+                        .map(|u| (format!("{}/{ASSISTANT}", crate::team::check::TOP), *u))
+                        .collect::<Vec<_>>(),
+                )
                 .with_approval(settings.approval.clone())
                 .with_tools(&format!("{}/{ASSISTANT}", crate::team::check::TOP), toolbox)
         });
@@ -185,6 +212,9 @@ pub async fn run_task(
         transcript,
         summary: ran.summary,
         check: ran.check,
+        cost: ran.cost,
+        budget: ran.budget,
+        result: ran.result,
         elapsed: ran.elapsed,
     }
 }

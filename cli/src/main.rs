@@ -45,6 +45,8 @@ pub mod exit {
     pub const TIMEOUT: u8 = 4;
     /// The task was done, but a file it made could not be kept (`tandem run --out`).
     pub const NOT_KEPT: u8 = 5;
+    /// A budget of the task was reached (`--max-input-tokens`, ...).
+    pub const BUDGET: u8 = 6;
     /// Cancelled (Ctrl-C).
     pub const CANCELLED: u8 = 130;
 
@@ -55,6 +57,7 @@ pub mod exit {
             StopReason::Terminated => DONE,
             StopReason::MaxTurns => MAX_TURNS,
             StopReason::Timeout => TIMEOUT,
+            StopReason::Budget => BUDGET,
             StopReason::Cancelled => CANCELLED,
             StopReason::Error => FAILED,
         }

@@ -28,6 +28,10 @@ pub async fn config(
         model.model = name;
         loaded
     });
+    let prices = crate::config::prices(&settings.file)?;
+    if !prices.is_empty() && local_model.is_none() {
+        check_prices(&prices, &model).await?;
+    }
     Ok(PlannerConfig {
         model,
         local_model,
@@ -42,5 +46,62 @@ pub async fn config(
         tools: tandem_agent::tools::Offered::start(settings.file.tools.clone())
             .await
             .context("in [tools] of tandem.toml")?,
+        prices,
     })
+}
+
+/// A price for a model the server does not serve is a mistake (a typo, a renamed model) that
+/// would leave `max_cost` uncounted: refused at start, naming it. The configured model is
+/// always known; others must be in the server's `GET /models` list. A server that cannot be
+/// asked cannot refuse a name: that is logged, not fatal, since tasks may run without it.
+async fn check_prices(
+    prices: &std::collections::BTreeMap<String, tandem_agent::budget::Price>,
+    model: &tandem_agent::ModelConfig,
+) -> Result<()> {
+    let others: Vec<&String> = prices.keys().filter(|n| **n != model.model).collect();
+    if others.is_empty() {
+        return Ok(());
+    }
+    let url = format!("{}/models", model.base_url.trim_end_matches('/'));
+    let listed = match list_models(&url, model.api_key.as_deref()).await {
+        Ok(listed) => listed,
+        Err(e) => {
+            tracing::warn!(%url, error = %e, "could not list the model server's models to check [model.prices]");
+            return Ok(());
+        }
+    };
+    if let Some(unknown) = others.iter().find(|n| !listed.contains(**n)) {
+        let served = if listed.is_empty() {
+            "none".to_owned()
+        } else {
+            listed.join(", ")
+        };
+        anyhow::bail!(
+            "[model.prices.\"{unknown}\"]: the model server at {} serves no model of that name (it serves: {served}); correct the name or remove its price",
+            model.base_url
+        );
+    }
+    Ok(())
+}
+
+/// The ids an OpenAI-compatible `GET /models` lists.
+async fn list_models(url: &str, key: Option<&str>) -> Result<Vec<String>> {
+    #[derive(serde::Deserialize)]
+    struct Listed {
+        data: Vec<Entry>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Entry {
+        id: String,
+    }
+    let client = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(5))
+        .build()?;
+    let mut request = client.get(url);
+    if let Some(key) = key {
+        request = request.bearer_auth(key);
+    }
+    let body = request.send().await?.error_for_status()?.bytes().await?;
+    let listed: Listed = serde_json::from_slice(&body)?;
+    Ok(listed.data.into_iter().map(|e| e.id).collect())
 }

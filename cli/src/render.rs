@@ -477,17 +477,25 @@ impl<W: Write> Renderer<W> {
                 error,
                 summary,
                 check,
+                cost,
+                budget,
                 ..
             } => {
                 if let Some(e) = error {
                     self.rule(&format!("error: {}", e.message))?;
                 }
+                if let Some(b) = budget {
+                    self.rule(&format!("budget: {}", b.message()))?;
+                }
                 self.rule(&format!(
-                    "{} · {turns} turn{} · {} in / {} out tokens · {:.1} s",
+                    "{} · {turns} turn{} · {} in / {} out tokens{} · {:.1} s",
                     stop_label(*stop_reason),
                     if *turns == 1 { "" } else { "s" },
                     usage.prompt_tokens,
                     usage.completion_tokens,
+                    cost.filter(|c| *c > 0.0)
+                        .map(|c| format!(" · cost {c:.4}"))
+                        .unwrap_or_default(),
                     *elapsed_ms as f64 / 1000.0
                 ))?;
                 if let Some(check) = check {
@@ -518,6 +526,7 @@ fn stop_label(reason: StopReason) -> &'static str {
         StopReason::Terminated => "done",
         StopReason::MaxTurns => "stopped: turn limit reached",
         StopReason::Timeout => "stopped: task timeout",
+        StopReason::Budget => "stopped: budget reached",
         StopReason::Cancelled => "cancelled",
         StopReason::Error => "failed",
     }

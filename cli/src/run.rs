@@ -25,6 +25,23 @@ pub struct TaskFlags {
     /// Most assistant turns [default: 10, 50 for a team]
     #[arg(long)]
     pub(crate) max_turns: Option<u32>,
+    /// Most prompt tokens the task's model calls may send, all together; reached, the task
+    /// stops with stop reason `budget`, its work kept [default: [task] max_input_tokens]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) max_input_tokens: Option<u64>,
+    /// Most tokens the task's model may write, all together [default: [task]
+    /// max_output_tokens]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) max_output_tokens: Option<u64>,
+    /// Most the task's model calls may cost, at the [model.prices] of its model [default:
+    /// [task] max_cost]
+    #[arg(long, value_parser = cost)]
+    pub(crate) max_cost: Option<f64>,
+    /// A JSON Schema file: the task's final answer must end with a JSON value matching it,
+    /// asked again when it does not; the value is the record's `result` (`--json`: in the
+    /// last event)
+    #[arg(long, value_name = "FILE")]
+    pub(crate) output_schema: Option<PathBuf>,
     /// Wall-clock limit for the whole task, in seconds (a daemon takes whole seconds)
     #[arg(long, value_parser = seconds)]
     pub(crate) timeout: Option<f64>,
@@ -75,6 +92,28 @@ fn seconds(text: &str) -> Result<f64, String> {
     crate::config::positive_secs(secs).map(|_| secs)
 }
 
+/// The JSON in `--output-schema FILE`; whether it is a schema is the planner's to say.
+fn read_schema(path: &std::path::Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the output schema file {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| {
+        format!(
+            "--output-schema {}: not JSON (a JSON Schema is a JSON object)",
+            path.display()
+        )
+    })
+}
+
+/// A cost above 0, as `--max-cost` takes it.
+fn cost(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(c) if c.is_finite() && c > 0.0 => Ok(c),
+        _ => Err(format!(
+            "`{text}` is not a cost above 0 (in the currency of [model.prices], such as 0.50)"
+        )),
+    }
+}
+
 /// `KEY=VALUE`, as `--placement` takes it.
 fn placement_label(text: &str) -> Result<(String, String), String> {
     match text.split_once('=') {
@@ -123,6 +162,10 @@ impl TaskFlags {
             keep_state: self.keep_state,
             code_via: self.code_via,
             placement: self.placement.iter().cloned().collect(),
+            max_input_tokens: self.max_input_tokens,
+            max_output_tokens: self.max_output_tokens,
+            max_cost: self.max_cost,
+            output_schema: self.output_schema.as_deref().map(read_schema).transpose()?,
             tools: (!self.tools.is_empty()).then(|| {
                 self.tools
                     .iter()
@@ -269,7 +312,12 @@ async fn run_here(args: &RunArgs, settings: &Settings) -> Result<u8> {
         )
         .await?,
     );
-    planner.check(&spec)?;
+    // Whether the model has a price is known once it is known whether the embedded model
+    // runs: `plan` checks `max_cost` below, after loading it.
+    planner.check(&TaskSpec {
+        max_cost: None,
+        ..spec.clone()
+    })?;
     // Last of the checks: loading the embedded model takes a moment.
     let planner = match crate::provider::local_model(settings).await? {
         Some((local, name)) => planner.with_local_model(local, name),

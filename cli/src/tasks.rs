@@ -118,7 +118,7 @@ pub async fn show(args: IdArgs) -> Result<u8> {
     let task = &view.record;
     let turns = task.turns;
     println!(
-        "task {} · {}{} · {turns} turn{} · {} in / {} out tokens",
+        "task {} · {}{} · {turns} turn{} · {} in / {} out tokens{}",
         task.id,
         task.state.as_str(),
         task.stop_reason
@@ -127,9 +127,16 @@ pub async fn show(args: IdArgs) -> Result<u8> {
         if turns == 1 { "" } else { "s" },
         task.usage.prompt_tokens,
         task.usage.completion_tokens,
+        task.cost
+            .filter(|c| *c > 0.0)
+            .map(|c| format!(" · cost {c:.4}"))
+            .unwrap_or_default(),
     );
     if let Some(error) = &task.error {
         println!("error: {}", error.message);
+    }
+    if let Some(budget) = &task.budget {
+        println!("budget: {}", budget.message());
     }
     if let Some(waiting) = &view.pending_approval {
         let (id, n) = (&task.id, waiting.n);

@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod approval;
+mod budgets;
 mod daemon;
 mod docker_hosts;
 mod e2e;

@@ -392,6 +392,9 @@ fn fill_store(path: &Path, tasks: usize, events: usize) -> String {
         error: None,
         summary: Some("42".to_owned()),
         check: None,
+        cost: None,
+        budget: None,
+        result: None,
     };
     let spec = |task: String| {
         Box::new(TaskSpec {

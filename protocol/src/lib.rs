@@ -42,6 +42,16 @@ pub struct TaskSpec {
     /// Most assistant turns before the task stops with [`StopReason::MaxTurns`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_turns: Option<u32>,
+    /// Most prompt tokens the task's model calls may send, all together; reached, the task
+    /// stops with [`StopReason::Budget`] before its next call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_input_tokens: Option<u64>,
+    /// Most tokens the task's models may write, all together: no reply is let run past it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_output_tokens: Option<u64>,
+    /// Most the task's model calls may cost, priced by the operator's `[model.prices]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_cost: Option<f64>,
     /// Wall-clock limit for the whole task, in seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_secs: Option<u64>,
@@ -89,6 +99,10 @@ pub struct TaskSpec {
     /// here, which run in the task's sandbox; `None` offers every tool the operator has.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tools: Option<Vec<ToolRef>>,
+    /// A JSON Schema the final answer must end with a value of: the value is the record's
+    /// `result`, and an answer without a matching one is asked again (docs/budgets.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_schema: Option<serde_json::Value>,
     /// How `tandem eval` decides the task was solved: run in the task's sandbox after it
     /// ends, never shown to the model; the verdict is the record's `check`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -413,7 +427,43 @@ pub enum EventMsg {
         /// The task's check's verdict, when it has a check and ran to an end.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         check: Option<CheckOutcome>,
+        /// What the task's model calls cost, when every model it called has a price.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cost: Option<f64>,
+        /// Set when `stop_reason` is `budget`: which budget, and how much was spent.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        budget: Option<Box<BudgetReached>>,
+        /// The JSON value the final answer ended with, checked against the task's
+        /// `output_schema` (without one, the record's `result` is the answer's text).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        result: Option<serde_json::Value>,
     },
+}
+
+/// The budget a task reached.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BudgetReached {
+    /// Its name in the task: `max_input_tokens`, `max_output_tokens` or `max_cost`.
+    pub budget: String,
+    /// The task's limit.
+    pub limit: f64,
+    /// What the task had spent when it stopped.
+    pub spent: f64,
+}
+
+impl BudgetReached {
+    /// One line for people: which budget, the limit and what was spent.
+    pub fn message(&self) -> String {
+        let (limit, spent) = if self.budget == "max_cost" {
+            (format!("{:.4}", self.limit), format!("{:.4}", self.spent))
+        } else {
+            (format!("{}", self.limit), format!("{}", self.spent))
+        };
+        format!(
+            "the task reached its {} of {limit} ({spent} spent); raise it to let the task go on",
+            self.budget
+        )
+    }
 }
 
 /// Which output stream a piece of text came from.
@@ -527,6 +577,8 @@ pub enum StopReason {
     MaxTurns,
     /// The task's wall-clock limit was reached.
     Timeout,
+    /// A budget of the task (`max_input_tokens`, `max_output_tokens`, `max_cost`) was reached.
+    Budget,
     /// Someone cancelled the task.
     Cancelled,
     /// Tandem, the model server or the sandbox failed; see the `error` field.
@@ -540,6 +592,7 @@ impl StopReason {
             Self::Terminated => "terminated",
             Self::MaxTurns => "max_turns",
             Self::Timeout => "timeout",
+            Self::Budget => "budget",
             Self::Cancelled => "cancelled",
             Self::Error => "error",
         }

@@ -49,6 +49,15 @@ pub struct RunTaskResult {
     /// The verdict of the task's check, when it had one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub check: Option<crate::CheckOutcome>,
+    /// What its model calls cost, when its model has a price.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<f64>,
+    /// The budget it stopped at, when it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<crate::BudgetReached>,
+    /// The value its answer ended with, checked against its `output_schema`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<serde_json::Value>,
     /// What failed, when it ended in an error.
     pub error: Option<ErrorInfo>,
     /// The transcript's resource URI.

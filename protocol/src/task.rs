@@ -87,6 +87,12 @@ pub struct TaskRecord {
     /// The verdict of the task's `check`, once it ran.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub check: Option<crate::CheckOutcome>,
+    /// What its model calls cost, once it ended, when every model it called has a price.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<f64>,
+    /// The budget it stopped at, when `stop_reason` is `budget`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<crate::BudgetReached>,
 }
 
 impl TaskRecord {
@@ -106,6 +112,8 @@ impl TaskRecord {
             files_removed_ms: None,
             result: None,
             check: None,
+            cost: None,
+            budget: None,
         }
     }
 }

@@ -61,6 +61,13 @@ pub enum Invalid {
     /// `max_turns` is zero.
     #[error("max_turns must be at least 1")]
     NoTurns,
+    /// A budget that is zero, negative or not a number, or a cost budget for a model with no
+    /// price.
+    #[error("{0}")]
+    Budget(String),
+    /// `output_schema` is not a JSON Schema, or is asked of a team.
+    #[error("{0}")]
+    OutputSchema(String),
     /// A timeout is zero.
     #[error("timeout_secs and block_timeout_secs must be at least 1")]
     NoTime,

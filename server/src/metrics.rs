@@ -39,6 +39,8 @@ pub struct Metrics {
     execution_seconds: Family<Labels, Histogram, fn() -> Histogram>,
     model_seconds: Histogram,
     tokens: Family<Labels, Counter>,
+    cost: Family<Labels, Counter<f64, AtomicU64>>,
+    budget_stops: Family<Labels, Counter>,
     sessions: Gauge,
     hosts: Hosts,
     daemon_tasks: Family<Labels, Gauge>,
@@ -77,6 +79,8 @@ impl Default for Metrics {
             execution_seconds: Family::new_with_constructor(latency),
             model_seconds: latency(),
             tokens: Family::default(),
+            cost: Family::default(),
+            budget_stops: Family::default(),
             sessions: Gauge::default(),
             hosts: Hosts::default(),
             daemon_tasks: Family::default(),
@@ -101,8 +105,18 @@ impl Default for Metrics {
         );
         registry.register(
             "tandem_tokens",
-            "Tokens used, by direction",
+            "Tokens used, by direction, model and executor",
             m.tokens.clone(),
+        );
+        registry.register(
+            "tandem_cost",
+            "What finished tasks' model calls cost at [model.prices], by model and executor",
+            m.cost.clone(),
+        );
+        registry.register(
+            "tandem_budget_stops",
+            "Tasks stopped by a budget, by the budget",
+            m.budget_stops.clone(),
         );
         registry.register(
             "tandem_sessions_open",
@@ -245,15 +259,36 @@ impl Metrics {
         self.model_seconds.observe(took.as_secs_f64());
     }
 
-    /// Adds a model call's tokens.
-    pub fn tokens(&self, usage: Usage) {
+    /// Adds a model call's tokens, by the task's model and executor.
+    pub fn tokens(&self, usage: Usage, model: &str, executor: &str) {
         for (kind, n) in [
             ("prompt", usage.prompt_tokens),
             ("completion", usage.completion_tokens),
         ] {
             self.tokens
-                .get_or_create(&vec![("kind", kind.to_owned())])
+                .get_or_create(&vec![
+                    ("kind", kind.to_owned()),
+                    ("model", model.to_owned()),
+                    ("executor", executor.to_owned()),
+                ])
                 .inc_by(n);
+        }
+    }
+
+    /// Adds what a finished task cost, and the budget that stopped it.
+    pub fn finished(&self, cost: Option<f64>, budget: Option<&str>, model: &str, executor: &str) {
+        if let Some(cost) = cost.filter(|c| c.is_finite() && *c > 0.0) {
+            self.cost
+                .get_or_create(&vec![
+                    ("model", model.to_owned()),
+                    ("executor", executor.to_owned()),
+                ])
+                .inc_by(cost);
+        }
+        if let Some(budget) = budget {
+            self.budget_stops
+                .get_or_create(&vec![("budget", budget.to_owned())])
+                .inc();
         }
     }
 
@@ -307,10 +342,17 @@ mod tests {
     #[test]
     fn the_text_has_every_family_with_its_labels() {
         let m = Metrics::default();
-        m.tokens(Usage {
-            prompt_tokens: 7,
-            completion_tokens: 3,
-        });
+        m.tokens(
+            Usage {
+                prompt_tokens: 7,
+                completion_tokens: 3,
+            },
+            "m",
+            "docker",
+        );
+        m.finished(Some(0.25), Some("max_cost"), "m", "docker");
+        m.finished(Some(0.5), None, "m", "docker");
+        m.finished(None, None, "m", "docker");
         m.model_latency(Duration::from_millis(20));
         let host = tandem_executor::HostStatus {
             name: "b".to_owned(),
@@ -343,8 +385,10 @@ mod tests {
         for line in [
             "# TYPE tandem_tasks gauge",
             "tandem_tasks{state=\"queued\"} 2",
-            "tandem_tokens_total{kind=\"prompt\"} 7",
-            "tandem_tokens_total{kind=\"completion\"} 3",
+            "tandem_tokens_total{kind=\"prompt\",model=\"m\",executor=\"docker\"} 7",
+            "tandem_tokens_total{kind=\"completion\",model=\"m\",executor=\"docker\"} 3",
+            "tandem_cost_total{model=\"m\",executor=\"docker\"} 0.75",
+            "tandem_budget_stops_total{budget=\"max_cost\"} 1",
             "tandem_model_seconds_bucket{le=\"0.025\"} 1",
             "tandem_model_seconds_count 1",
             "tandem_sessions_open 3",

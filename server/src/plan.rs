@@ -41,6 +41,8 @@ pub struct TaskDefaults {
     pub limits: Limits,
     /// How the assistant's code reaches the executor unless a task says.
     pub code_via: tandem_protocol::CodeVia,
+    /// Budgets for a task that sets none of its own.
+    pub budget: tandem_agent::budget::Budget,
 }
 
 impl Default for TaskDefaults {
@@ -53,6 +55,7 @@ impl Default for TaskDefaults {
             system_prompt: tandem_agent::DEFAULT_SYSTEM_PROMPT.to_owned(),
             limits: Limits::default(),
             code_via: tandem_protocol::CodeVia::Blocks,
+            budget: tandem_agent::budget::Budget::default(),
         }
     }
 }
@@ -76,6 +79,8 @@ pub struct PlannerConfig {
     /// The operator's tools (`[tools.NAME]`, MCP servers started), the only ones a task can
     /// name.
     pub tools: tandem_agent::tools::Offered,
+    /// What a million tokens of each model cost (`[model.prices]`), by model name.
+    pub prices: std::collections::BTreeMap<String, tandem_agent::budget::Price>,
 }
 
 /// Turns task specs into runnable tasks; one per daemon, or per `tandem run`.
@@ -109,6 +114,7 @@ pub struct Inputs {
 
 /// What checking a task works out, so that planning it works out none of it again.
 struct Checked {
+    output_schema: Option<Arc<tandem_agent::schema::OutputSchema>>,
     languages: Option<Vec<Language>>,
     team: Option<Node>,
     limits: Limits,
@@ -122,6 +128,8 @@ pub struct Planned {
     gate: Option<ApprovalGate>,
     work: Work,
     executor: String,
+    /// The task's model, by name (a team's default).
+    model: String,
     /// What a resumed task tells the model of code its cut-off reply started: stored as the
     /// executor's message before it goes on, so the transcript says what the model read.
     told: Option<EventMsg>,
@@ -225,6 +233,19 @@ impl Planner {
         if spec.max_turns == Some(0) {
             return Err(Invalid::NoTurns.into());
         }
+        self.check_budget(spec)?;
+        let output_schema = match &spec.output_schema {
+            Some(_) if spec.team.is_some() => {
+                return Err(Invalid::OutputSchema(
+                    "output_schema: a team's task cannot have one yet; ask the assistant and executor pair, or leave it out".to_owned(),
+                )
+                .into());
+            }
+            Some(schema) => Some(Arc::new(
+                tandem_agent::schema::OutputSchema::new(schema).map_err(Invalid::OutputSchema)?,
+            )),
+            None => None,
+        };
         if let Some(check) = &spec.check {
             if let Some(problem) = check.problem() {
                 return Err(Invalid::Check(problem).into());
@@ -259,12 +280,58 @@ impl Planner {
             return Err(Invalid::EmptyTermination.into());
         }
         Ok(Checked {
+            output_schema,
             languages,
             team,
             limits,
             gate,
             tools,
         })
+    }
+
+    /// Budgets that can be reached: token budgets of at least 1, a cost budget above 0, and
+    /// a price for every model a cost budget counts.
+    fn check_budget(&self, spec: &TaskSpec) -> Result<(), TaskError> {
+        for (key, asked) in [
+            ("max_input_tokens", spec.max_input_tokens),
+            ("max_output_tokens", spec.max_output_tokens),
+        ] {
+            if asked == Some(0) {
+                return Err(Invalid::Budget(format!("{key} must be at least 1")).into());
+            }
+        }
+        let Some(cost) = spec.max_cost else {
+            return Ok(());
+        };
+        if !(cost.is_finite() && cost > 0.0) {
+            return Err(
+                Invalid::Budget(format!("max_cost must be a number above 0, not {cost}")).into(),
+            );
+        }
+        let mut named = vec![(spec.model.as_deref(), spec.base_url.as_deref())];
+        if let Some(team) = &spec.team {
+            for agent in std::iter::once(&team.team).chain(team.agents.values()) {
+                if agent.model.is_some() || agent.base_url.is_some() {
+                    named.push((
+                        agent.model.as_deref().or(spec.model.as_deref()),
+                        agent.base_url.as_deref().or(spec.base_url.as_deref()),
+                    ));
+                }
+            }
+        }
+        for (model, base_url) in named {
+            let Ok(made) = self.model(model, base_url) else {
+                continue;
+            };
+            let name = &made.config().model;
+            if !made.is_embedded() && !self.config.prices.contains_key(name) {
+                return Err(Invalid::Budget(format!(
+                    "max_cost: model `{name}` has no price, so its cost cannot be counted; leave max_cost out, or have the operator set [model.prices.\"{name}\"] input and output (per million tokens)"
+                ))
+                .into());
+            }
+        }
+        Ok(())
     }
 
     /// A team must check, and each of its agents stay within the policy: an executor that is
@@ -365,9 +432,31 @@ impl Planner {
         settings.code_via = spec.code_via.unwrap_or(d.code_via);
         settings.tools = checked.tools;
         settings.check = spec.check.clone();
+        let caps = &self.config.policy.budget;
+        settings.budget = tandem_agent::budget::Budget {
+            max_input_tokens: spec
+                .max_input_tokens
+                .or(d.budget.max_input_tokens)
+                .or(caps.max_input_tokens),
+            max_output_tokens: spec
+                .max_output_tokens
+                .or(d.budget.max_output_tokens)
+                .or(caps.max_output_tokens),
+            max_cost: spec.max_cost.or(d.budget.max_cost).or(caps.max_cost),
+        };
+        settings.prices = self.config.prices.clone();
         if let Some(inputs) = &start.inputs {
             settings.task = format!("{}\n\n{}", spec.task, inputs.listing);
         }
+        // An instruction of the system prompt: the task stays the user's words.
+        if let Some(schema) = &checked.output_schema {
+            settings.system_prompt = format!(
+                "{}\n\n{}",
+                settings.system_prompt.trim_end(),
+                schema.instructions()
+            );
+        }
+        settings.output_schema = checked.output_schema;
         settings.session = SessionSpec {
             workdir: start.workdir,
             limits,
@@ -382,11 +471,20 @@ impl Planner {
         };
         let gate = (!checked.gate.is_open()).then_some(checked.gate);
         let model = self.model(spec.model.as_deref(), spec.base_url.as_deref())?;
+        let model_name = model.config().model.clone();
         let mut told = None;
         let work = match checked.team {
             None => {
                 let (history, report) = history(start.events);
                 settings.history = history;
+                settings.spent = start
+                    .events
+                    .iter()
+                    .filter_map(|e| match &e.msg {
+                        EventMsg::AssistantMessage { usage: Some(u), .. } => Some(*u),
+                        _ => None,
+                    })
+                    .collect();
                 told = report;
                 // A kept interpreter does not outlive the daemon that ran it: the model is
                 // told, with the report it reads next, that its variables are gone.
@@ -409,6 +507,7 @@ impl Planner {
             gate,
             work,
             executor: name,
+            model: model_name,
             told,
         })
     }
@@ -457,6 +556,19 @@ impl Planner {
             settings.max_turns,
             &settings.session.limits,
         )?;
+        // A team's events name the agent that made each call.
+        let spent: Vec<(String, tandem_protocol::Usage)> = events
+            .iter()
+            .filter_map(|e| match (&e.path, &e.msg) {
+                (Some(path), EventMsg::AssistantMessage { usage: Some(u), .. }) => {
+                    Some((path.clone(), *u))
+                }
+                _ => None,
+            })
+            .collect();
+        team = team
+            .with_budget(settings.budget, &settings.prices)
+            .with_spent(&spent);
         // Each assistant's tools: its own list, else the task's; its code goes to the
         // task's executor's languages.
         let mut stack = vec![&root];
@@ -570,6 +682,11 @@ impl Planned {
     /// Whether the policy may want a person asked about a block.
     pub fn may_ask(&self) -> bool {
         self.gate.as_ref().is_some_and(ApprovalGate::may_ask)
+    }
+
+    /// Its model's name (a team's default model).
+    pub fn model(&self) -> &str {
+        &self.model
     }
 
     /// The executor it runs on (a team's default executor).
@@ -897,6 +1014,7 @@ mod tests {
             approval: ApprovalPolicy::default(),
             teams: TeamBounds::default(),
             tools: Default::default(),
+            prices: Default::default(),
         })
     }
 

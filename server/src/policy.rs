@@ -35,6 +35,9 @@ pub struct Policy {
     /// Whether a task may name any model server (a run in the user's own process); one that
     /// is neither the configured server nor listed gets no key.
     pub any_endpoint: bool,
+    /// Most `max_input_tokens`, `max_output_tokens` and `max_cost` a task may ask for; a task
+    /// that asks for none gets the cap as its budget.
+    pub budget: tandem_agent::budget::Budget,
 }
 
 /// Defaults for a daemon whose operator set nothing.
@@ -53,6 +56,7 @@ impl Default for Policy {
             max_block_timeout: DEFAULT_MAX_BLOCK_TIMEOUT,
             max_turns: DEFAULT_MAX_TURNS,
             any_endpoint: false,
+            budget: tandem_agent::budget::Budget::default(),
         }
     }
 }
@@ -73,6 +77,7 @@ impl Policy {
             max_block_timeout: Duration::MAX,
             max_turns: u32::MAX,
             any_endpoint: true,
+            budget: tandem_agent::budget::Budget::default(),
         }
     }
 
@@ -147,6 +152,32 @@ impl Policy {
                 self.max_turns.into(),
                 "max_turns",
             ));
+        }
+        let caps = &self.budget;
+        for (key, asked, cap) in [
+            (
+                "max_input_tokens",
+                spec.max_input_tokens,
+                caps.max_input_tokens,
+            ),
+            (
+                "max_output_tokens",
+                spec.max_output_tokens,
+                caps.max_output_tokens,
+            ),
+        ] {
+            if let (Some(asked), Some(cap)) = (asked, cap)
+                && asked > cap
+            {
+                return Err(over(key, asked, cap, key));
+            }
+        }
+        if let (Some(asked), Some(cap)) = (spec.max_cost, caps.max_cost)
+            && asked > cap
+        {
+            return Err(Refused(format!(
+                "max_cost {asked} is above this daemon's cap of {cap}; ask for less, or raise max_cost under [policy] in the daemon's config"
+            )));
         }
         if let Some(url) = &spec.base_url {
             self.endpoint(url, configured)?;

@@ -26,6 +26,7 @@ pub(crate) enum Then {
 pub(crate) struct TaskSink {
     task: String,
     executor: String,
+    model: String,
     held: Held,
     /// When the model call under way started.
     turn_started: Mutex<Option<Instant>>,
@@ -33,10 +34,11 @@ pub(crate) struct TaskSink {
 
 impl TaskSink {
     /// The sink of task `task`, whose blocks run in `executor`.
-    pub(crate) fn new(task: &str, executor: &str, held: Held) -> Self {
+    pub(crate) fn new(task: &str, executor: &str, model: &str, held: Held) -> Self {
         Self {
             task: task.to_owned(),
             executor: executor.to_owned(),
+            model: model.to_owned(),
             held,
             turn_started: Mutex::new(None),
         }
@@ -63,13 +65,19 @@ impl TaskSink {
                     metrics.model_latency(started.elapsed());
                 }
                 if let Some(u) = usage {
-                    metrics.tokens(*u);
+                    metrics.tokens(*u, &self.model, &self.executor);
                 }
             }
             EventMsg::TaskFinished {
                 stop_reason: StopReason::Cancelled,
                 ..
             } if stopping => return Then::Interrupt,
+            EventMsg::TaskFinished { cost, budget, .. } => metrics.finished(
+                *cost,
+                budget.as_ref().map(|b| b.budget.as_str()),
+                &self.model,
+                &self.executor,
+            ),
             _ => {}
         }
         Then::Record(msg)
@@ -87,7 +95,7 @@ mod tests {
         let held = Held::default();
         let token = CancellationToken::new();
         held.take("t1", 1, token.clone());
-        (TaskSink::new("t1", "local", held.clone()), held, token)
+        (TaskSink::new("t1", "local", "m", held.clone()), held, token)
     }
 
     fn block() -> EventMsg {
@@ -124,6 +132,9 @@ mod tests {
             error: None,
             summary: None,
             check: None,
+            cost: None,
+            budget: None,
+            result: None,
         }
     }
 
@@ -213,7 +224,11 @@ mod tests {
             executions.contains("executor=\"local\"") && executions.ends_with(" 1"),
             "{executions}"
         );
-        let prompt = metric(&metrics, "tandem_tokens_total{kind=\"prompt\"}").unwrap_or_default();
+        let prompt = metric(
+            &metrics,
+            "tandem_tokens_total{kind=\"prompt\",model=\"m\",executor=\"local\"}",
+        )
+        .unwrap_or_default();
         assert!(prompt.ends_with(" 7"), "{prompt}");
         let calls = metric(&metrics, "tandem_model_seconds_count").unwrap_or_default();
         assert!(calls.ends_with(" 1"), "{calls}");

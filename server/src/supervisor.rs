@@ -747,7 +747,7 @@ impl Supervisor {
         });
         let this = self.clone();
         let task_id = id.to_owned();
-        let rules = TaskSink::new(id, planned.executor(), self.held.clone());
+        let rules = TaskSink::new(id, planned.executor(), planned.model(), self.held.clone());
         let sink = Arc::new(move |msg: EventMsg| {
             match rules.take(msg, &this.metrics, this.stopping()) {
                 Then::Record(msg) => this.record(&task_id, msg),
@@ -826,5 +826,8 @@ fn finished(stop_reason: StopReason, turns: u32, error: Option<ErrorInfo>) -> Ev
         error,
         summary: None,
         check: None,
+        cost: None,
+        budget: None,
+        result: None,
     }
 }

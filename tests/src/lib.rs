@@ -1,6 +1,7 @@
 //! Test harness for Tandem: a scripted OpenAI-compatible server over real HTTP.
 //!
-//! [`ScriptedOpenAi`] answers `POST /v1/chat/completions` with
+//! [`ScriptedOpenAi`] lists [`LISTED_MODELS`] at `GET /v1/models` and answers
+//! `POST /v1/chat/completions` with
 //! `script[first user message][number of assistant messages so far]`, streamed (SSE) or
 //! not, as the request asks; `script["TASK#AGENT"]` scripts, within a team, the agent whose
 //! system prompt starts with the line AGENT. Parallel tests use different task texts, so they never share
@@ -139,6 +140,7 @@ impl ScriptedOpenAi {
         });
         let app = Router::new()
             .route("/v1/chat/completions", post(chat))
+            .route("/v1/models", axum::routing::get(models))
             .route("/{caller}/v1/chat/completions", post(chat_as))
             .with_state(shared.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -337,6 +339,17 @@ async fn answer_chat(
             Reply::Endless(piece) => return endless(&piece),
         }
     }
+}
+
+/// The models it lists: the one every test names by default, and one more.
+pub const LISTED_MODELS: [&str; 2] = ["gpt-4o-mini", "scripted-large"];
+
+async fn models() -> Response {
+    let data: Vec<Value> = LISTED_MODELS
+        .iter()
+        .map(|id| json!({"id": id, "object": "model", "owned_by": "scripted"}))
+        .collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
 fn answer(request: &Value, text: &str, gap: Option<Duration>) -> Response {

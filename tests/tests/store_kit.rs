@@ -189,6 +189,9 @@ fn finished(turns: u32) -> EventMsg {
         }),
         summary: None,
         check: None,
+        cost: None,
+        budget: None,
+        result: None,
     }
 }
 

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use regex::Regex;
-use tandem_executor::CancellationToken;
+use tandem_executor::{CancellationToken, Language};
 use tandem_protocol::team::{Aggregate, Kind, SelectionKind};
 use tandem_protocol::{
     ErrorCode, ErrorInfo, EventMsg, Message, Role, StopReason, ToolCall, ToolReply, Usage,
@@ -85,6 +85,8 @@ pub struct Turn<'a> {
     pub cancel: &'a CancellationToken,
     /// The tools offered, if any.
     pub tools: Option<&'a ToolOffer>,
+    /// Most tokens the reply may have: what is left of the task's `max_output_tokens`.
+    pub max_tokens: Option<u32>,
 }
 
 /// Something that replies to what it sees: the one thing every agent that speaks does. A
@@ -109,8 +111,10 @@ impl Agent for ChatModel {
     ) -> BoxFuture<'a, Result<Option<AgentReply>, ErrorInfo>> {
         Box::pin(async move {
             let mut progress = progress(turn.events, turn.number);
+            let capped = turn.max_tokens.map(|n| self.capped(n));
+            let model = capped.as_ref().unwrap_or(self);
             tokio::select! {
-                reply = self.complete_with(messages, turn.tools, &mut progress) => {
+                reply = model.complete_with(messages, turn.tools, &mut progress) => {
                     let reply = reply.map_err(ErrorInfo::from)?;
                     Ok(Some(AgentReply { text: reply.text, usage: reply.usage, calls: reply.tool_calls }))
                 }
@@ -142,6 +146,19 @@ pub struct Team {
     /// Turns are the assistants' alone, told as `turn_started`: an executor's reply belongs
     /// to the turn whose code it answers (the two-agent pair's shape).
     exchange_turns: bool,
+    /// What the task may spend on model calls.
+    budget: crate::budget::Budget,
+    /// Each model's name and whether it runs in this process, by the path of its agent.
+    model_names: HashMap<String, (String, bool)>,
+    /// Each model's price, by the path of its agent; one without a price makes the task's
+    /// cost unknown.
+    prices: HashMap<String, crate::budget::Price>,
+    /// What an interrupted run of the task already spent: its tokens, and their cost when
+    /// every model it called has a price.
+    spent_before: (Usage, Option<f64>),
+    /// The JSON Schema the task's final answer ends with a value of, checked when the top
+    /// chat would end; a task's result.
+    output_schema: Option<Arc<crate::schema::OutputSchema>>,
     /// Each assistant's tools, by its name (what its messages' `speaker` is): offered to its
     /// model, and run by the executor that answers it.
     tools: HashMap<String, Arc<ToolBox>>,
@@ -158,6 +175,12 @@ pub struct Run {
     pub usage: Usage,
     /// Turns taken.
     pub turns: u32,
+    /// What the model calls cost, when every model called has a price.
+    pub cost: Option<f64>,
+    /// The budget the run stopped at, if it did.
+    pub budget: Option<tandem_protocol::BudgetReached>,
+    /// The value its final answer ended with, when the task has an output schema.
+    pub result: Option<serde_json::Value>,
 }
 
 impl std::fmt::Debug for Team {
@@ -179,6 +202,11 @@ impl Team {
         max_turns: u32,
         limits: &tandem_executor::Limits,
     ) -> Result<Self, ErrorInfo> {
+        let mut model_names = HashMap::new();
+        model_names.insert(
+            SELECTOR.to_owned(),
+            (selector.config().model.clone(), selector.is_embedded()),
+        );
         let mut team = Self {
             models: HashMap::new(),
             selector: Arc::new(selector),
@@ -191,6 +219,11 @@ impl Team {
             output_cap: limits.output_bytes,
             words: Vec::new(),
             exchange_turns: false,
+            budget: crate::budget::Budget::default(),
+            model_names,
+            prices: HashMap::new(),
+            spent_before: (Usage::default(), Some(0.0)),
+            output_schema: None,
             conditions: HashMap::new(),
             tools: HashMap::new(),
             root: root.clone(),
@@ -199,8 +232,12 @@ impl Team {
         while let Some(node) = stack.pop() {
             match node.spec.kind {
                 Kind::Assistant => {
-                    team.models
-                        .insert(node.path.clone(), Arc::new(model(node)?));
+                    let made = model(node)?;
+                    team.model_names.insert(
+                        node.path.clone(),
+                        (made.config().model.clone(), made.is_embedded()),
+                    );
+                    team.models.insert(node.path.clone(), Arc::new(made));
                 }
                 Kind::Executor => {
                     team.slots
@@ -223,10 +260,13 @@ impl Team {
                         let mut selector = node.clone();
                         selector.spec.model = Some(m.clone());
                         selector.spec.base_url = None;
-                        team.models.insert(
-                            format!("{}/selector", node.path),
-                            Arc::new(model(&selector)?),
+                        let made = model(&selector)?;
+                        let path = format!("{}/selector", node.path);
+                        team.model_names.insert(
+                            path.clone(),
+                            (made.config().model.clone(), made.is_embedded()),
                         );
+                        team.models.insert(path, Arc::new(made));
                     }
                 }
                 _ => {}
@@ -293,6 +333,52 @@ impl Team {
         self
     }
 
+    /// Holds the task's model calls to `budget`, pricing each model by its name in `prices`
+    /// (a model run in this process costs nothing).
+    pub fn with_budget(
+        mut self,
+        budget: crate::budget::Budget,
+        prices: &std::collections::BTreeMap<String, crate::budget::Price>,
+    ) -> Self {
+        self.budget = budget;
+        self.prices = self
+            .model_names
+            .iter()
+            .filter_map(|(path, (name, embedded))| {
+                let price = if *embedded {
+                    Some(crate::budget::Price::default())
+                } else {
+                    prices.get(name).copied()
+                };
+                price.map(|p| (path.clone(), p))
+            })
+            .collect();
+        self
+    }
+
+    /// Counts what an interrupted run of the task already spent, a model call's usage by the
+    /// path of the agent that made it, so that a resumed task's budgets hold across its runs.
+    /// Call after [`Team::with_budget`], whose prices it counts the cost at.
+    pub fn with_spent(mut self, calls: &[(String, Usage)]) -> Self {
+        let (mut usage, mut cost) = (Usage::default(), Some(0.0));
+        for (path, used) in calls {
+            usage.add(*used);
+            cost = match (cost, self.prices.get(path)) {
+                (Some(so_far), Some(price)) => Some(so_far + price.cost(*used)),
+                _ => None,
+            };
+        }
+        self.spent_before = (usage, cost);
+        self
+    }
+
+    /// Has the task's final answer end with a value matching `schema`: a chat at the top that
+    /// would end without one goes on, the model told what is wrong (a turn like any other).
+    pub fn with_output_schema(mut self, schema: Option<Arc<crate::schema::OutputSchema>>) -> Self {
+        self.output_schema = schema;
+        self
+    }
+
     /// Adds a hook that every agent's turn passes through, in the order added.
     pub fn with_hook(mut self, hook: std::sync::Arc<dyn Hook>) -> Self {
         self.hooks.push(hook);
@@ -312,8 +398,11 @@ impl Team {
     ) -> Run {
         let shared = Shared {
             turns: AtomicU32::new(0),
-            usage: Mutex::new(Usage::default()),
+            usage: Mutex::new(self.spent_before.0),
             replay: Mutex::new(replay.into()),
+            cost: Mutex::new(self.spent_before.1),
+            reached: Mutex::new(None),
+            result: Mutex::new(None),
         };
         let ctx = Ctx {
             team: self,
@@ -332,6 +421,9 @@ impl Team {
             history,
             usage: shared.usage.lock().map(|u| *u).unwrap_or_default(),
             turns: shared.turns.load(Ordering::SeqCst),
+            cost: shared.cost.lock().ok().and_then(|c| *c),
+            budget: shared.reached.lock().ok().and_then(|mut r| r.take()),
+            result: shared.result.lock().ok().and_then(|mut r| r.take()),
         }
     }
 
@@ -364,11 +456,21 @@ impl Team {
     }
 }
 
+/// The key of the team's own model (selection and `llm` terminations of chats that name no
+/// model of their own) among the agents' paths, which are never empty.
+const SELECTOR: &str = "";
+
 /// What every part of one run shares, parallel branches included.
 struct Shared {
     turns: AtomicU32,
     usage: Mutex<Usage>,
     replay: Mutex<std::collections::VecDeque<(String, Said)>>,
+    /// What the calls cost so far; `None` once a model without a price was called.
+    cost: Mutex<Option<f64>>,
+    /// The budget that stopped the run.
+    reached: Mutex<Option<tandem_protocol::BudgetReached>>,
+    /// The value the final answer ended with, checked against the output schema.
+    result: Mutex<Option<serde_json::Value>>,
 }
 
 /// A run, as one branch of it sees it: a parallel branch has its own event sink.
@@ -723,6 +825,9 @@ impl Ctx<'_> {
         let Some(model) = self.team.models.get(&node.path) else {
             return Err(internal(&node.path, "has no model"));
         };
+        if let Some(reason) = self.over_budget() {
+            return Ok(Ended::Stopped(reason));
+        }
         let turn = match self.start_turn(node) {
             Ok(turn) => turn,
             Err(reason) => return Ok(Ended::Stopped(reason)),
@@ -733,7 +838,10 @@ impl Ctx<'_> {
             return Ok(Ended::Done);
         }
         let offer = self.team.tools.get(&node.name).and_then(|t| t.offer());
-        match self.call(model.as_ref(), &view, turn, offer).await? {
+        match self
+            .call(&node.path, model.as_ref(), &view, turn, offer)
+            .await?
+        {
             Some(reply) => Ok(self.said(node, history, reply.text, reply.calls)),
             None => Ok(Ended::Stopped(StopReason::Cancelled)),
         }
@@ -743,6 +851,7 @@ impl Ctx<'_> {
     /// told as an `assistant_message`; `None` when the run was cancelled meanwhile.
     async fn call(
         &self,
+        path: &str,
         agent: &dyn Agent,
         messages: &[Message],
         turn: u32,
@@ -753,12 +862,25 @@ impl Ctx<'_> {
             events: &self.events,
             cancel: &self.cancel,
             tools,
+            max_tokens: self
+                .team
+                .budget
+                .output_left(self.spent())
+                .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
         };
         let Some(reply) = agent.reply(messages, asked).await? else {
             return Ok(None);
         };
         if let (Some(u), Ok(mut usage)) = (reply.usage, self.shared.usage.lock()) {
             usage.add(u);
+        }
+        if let Ok(mut cost) = self.shared.cost.lock() {
+            *cost = match (*cost, self.team.prices.get(path)) {
+                (Some(so_far), Some(price)) => {
+                    Some(so_far + price.cost(reply.usage.unwrap_or_default()))
+                }
+                _ => None,
+            };
         }
         (self.events)(EventMsg::AssistantMessage {
             turn,
@@ -1038,6 +1160,32 @@ impl Ctx<'_> {
             let new: Vec<Said> = history.get(before..).unwrap_or_default().to_vec();
             messages += u32::try_from(new.len()).unwrap_or(u32::MAX);
             silent = if new.is_empty() { silent + 1 } else { 0 };
+            // With an output schema, an answer without a program that ends with a matching
+            // value is the task's end, whether or not it says the word.
+            if let Some(schema) = self.schema_at(node)
+                && let Some(said) = new.iter().rev().find(|s| !s.output && !self.programs(s))
+            {
+                match schema.take(&self.without_words(&said.text)) {
+                    Ok(value) => {
+                        self.keep_result(value);
+                        let by = "the answer matches the output schema".to_owned();
+                        self.ended(node, by.clone());
+                        return Ok(Ended::Finished {
+                            by,
+                            reason: StopReason::Terminated,
+                        });
+                    }
+                    // A block of data that is not the value is an answer to correct now.
+                    Err(why) if !extract_code_blocks(&said.text).is_empty() => {
+                        if let Some(speaker) = self.ask_again(node, &executors, history, why) {
+                            messages += 1;
+                            next = speaker;
+                            continue;
+                        }
+                    }
+                    Err(_) => {}
+                }
+            }
             if let Some(condition) = self.team.conditions.get(&node.path) {
                 let state = ChatState {
                     path: &node.path,
@@ -1057,6 +1205,22 @@ impl Ctx<'_> {
                     {
                         return Ok(Ended::Stopped(r));
                     }
+                    if reason == StopReason::Terminated
+                        && let Some(schema) = self.schema_at(node)
+                    {
+                        match self.final_value(schema, history) {
+                            Ok(value) => self.keep_result(value),
+                            Err(why) => {
+                                if let Some(speaker) =
+                                    self.ask_again(node, &executors, history, why)
+                                {
+                                    messages += 1;
+                                    next = speaker;
+                                    continue;
+                                }
+                            }
+                        }
+                    }
                     self.ended(node, by.clone());
                     return Ok(Ended::Finished { by, reason });
                 }
@@ -1074,6 +1238,85 @@ impl Ctx<'_> {
                 (_, _, SelectionKind::RoundRobin) => (next + 1) % members.len(),
                 (_, _, SelectionKind::Llm) => self.select(node, history, initial).await?,
             };
+        }
+    }
+
+    /// The output schema, when `node` is the chat whose end is the task's.
+    fn schema_at(&self, node: &Node) -> Option<&crate::schema::OutputSchema> {
+        (node.path == self.team.root.path)
+            .then_some(self.team.output_schema.as_deref())
+            .flatten()
+    }
+
+    /// Whether `said` has a program for an executor: a call, or a block that is not data
+    /// (the ```json block of an answer is data).
+    fn programs(&self, said: &Said) -> bool {
+        !said.calls.is_empty()
+            || self.runnable(&said.text).iter().any(|b| {
+                !b.language
+                    .as_deref()
+                    .map_or_else(|| crate::blocks::guess_language(&b.code), Language::new)
+                    .is_data()
+            })
+    }
+
+    /// `text` with every termination word taken out.
+    fn without_words(&self, text: &str) -> String {
+        self.team.words.iter().fold(text.to_owned(), |t, w| {
+            crate::termination::strip_termination(&t, w)
+        })
+    }
+
+    /// The value the task's final answer ends with: in the last message that is not output,
+    /// else in the output of its code (small models print the answer, then say the word).
+    fn final_value(
+        &self,
+        schema: &crate::schema::OutputSchema,
+        history: &[Said],
+    ) -> Result<serde_json::Value, String> {
+        let answer = history
+            .iter()
+            .rev()
+            .find(|s| !s.output && s.speaker != "user");
+        let said = answer.map(|s| schema.take(&self.without_words(&s.text)));
+        match said {
+            Some(Ok(value)) => Ok(value),
+            other => {
+                let output = history
+                    .iter()
+                    .rev()
+                    .take_while(|s| s.output)
+                    .find_map(|s| schema.take(&s.text).ok());
+                output.ok_or_else(|| {
+                    other
+                        .and_then(Result::err)
+                        .unwrap_or_else(|| schema.take("").err().unwrap_or_default())
+                })
+            }
+        }
+    }
+
+    /// Tells the member who answered last `why` its answer is not the task's result, as the
+    /// chat's executor's reply, so that it answers next; its index, or `None` when the chat
+    /// has no executor to say it.
+    fn ask_again(
+        &self,
+        node: &Node,
+        executors: &[usize],
+        history: &mut Vec<Said>,
+        why: String,
+    ) -> Option<usize> {
+        let last = history.iter().rev().find(|s| !s.output)?.speaker.clone();
+        let speaker = node.members.iter().position(|m| m.name == last)?;
+        let executor = &node.members[*executors.first()?];
+        let turn = self.shared.turns.load(Ordering::SeqCst);
+        self.reported(executor, history, turn, why, Vec::new());
+        Some(speaker)
+    }
+
+    fn keep_result(&self, value: serde_json::Value) {
+        if let Ok(mut r) = self.shared.result.lock() {
+            *r = Some(value);
         }
     }
 
@@ -1102,6 +1345,24 @@ impl Ctx<'_> {
             agent: node.path.clone(),
             by,
         });
+    }
+
+    fn spent(&self) -> Usage {
+        self.shared.usage.lock().map(|u| *u).unwrap_or_default()
+    }
+
+    /// Whether the task has reached a budget: then no further model call is made, and the
+    /// budget is kept for the run's end.
+    fn over_budget(&self) -> Option<StopReason> {
+        let cost = self.shared.cost.lock().ok().and_then(|c| *c).unwrap_or(0.0);
+        let reached = self.team.budget.reached(self.spent(), cost)?;
+        tracing::info!(budget = %reached.budget, limit = reached.limit, spent = reached.spent, "the task reached a budget");
+        if let Ok(mut r) = self.shared.reached.lock()
+            && r.is_none()
+        {
+            *r = Some(reached);
+        }
+        Some(StopReason::Budget)
     }
 
     fn tokens(&self) -> u64 {
@@ -1183,9 +1444,16 @@ impl Ctx<'_> {
             Message::new(Role::User, task),
             Message::new(Role::User, question),
         ];
-        let model = self.team.models.get(path).unwrap_or(&self.team.selector);
+        // A task out of budget asks no model: the next turn stops it.
+        if self.over_budget().is_some() {
+            return Ok(String::new());
+        }
+        let (priced, model) = match self.team.models.get(path) {
+            Some(model) => (path, model),
+            None => (SELECTOR, &self.team.selector),
+        };
         Ok(self
-            .call(model.as_ref(), &messages, turn, None)
+            .call(priced, model.as_ref(), &messages, turn, None)
             .await?
             .map(|r| r.text)
             .unwrap_or_default())

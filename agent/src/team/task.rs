@@ -67,6 +67,9 @@ pub(crate) struct TeamRun {
     pub turns: u32,
     pub summary: Option<String>,
     pub check: Option<tandem_protocol::CheckOutcome>,
+    pub cost: Option<f64>,
+    pub budget: Option<tandem_protocol::BudgetReached>,
+    pub result: Option<serde_json::Value>,
     pub elapsed: Duration,
 }
 
@@ -133,6 +136,9 @@ pub(crate) async fn run_team(
                 history: Vec::new(),
                 usage: Usage::default(),
                 turns: 0,
+                cost: None,
+                budget: None,
+                result: None,
             },
             (None, None),
         ),
@@ -145,6 +151,9 @@ pub(crate) async fn run_team(
         history,
         usage,
         turns,
+        cost,
+        budget,
+        result,
     } = ran;
     let (stop_reason, error) = stop_of(&ended, &timed_out);
     let (summary, check) = checked;
@@ -157,6 +166,9 @@ pub(crate) async fn run_team(
         error: error.clone(),
         summary: summary.clone(),
         check: check.clone(),
+        cost,
+        budget: budget.clone().map(Box::new),
+        result: result.clone(),
     });
     TeamRun {
         stop_reason,
@@ -166,6 +178,9 @@ pub(crate) async fn run_team(
         turns,
         summary,
         check,
+        cost,
+        budget,
+        result,
         elapsed,
     }
 }

@@ -125,6 +125,10 @@ pub struct PolicySection {
     pub max_block_timeout_secs: Option<u64>,
     /// Most turns a client may ask for.
     pub max_turns: Option<u32>,
+    /// Most of each budget a client may ask for; a task that asks for none gets the cap.
+    pub max_input_tokens: Option<u64>,
+    pub max_output_tokens: Option<u64>,
+    pub max_cost: Option<f64>,
     /// Model servers a task may name besides the configured one.
     #[serde(default)]
     pub model_endpoints: Vec<EndpointSection>,
@@ -174,6 +178,10 @@ pub struct ModelSection {
     pub code_via: Option<tandem_protocol::CodeVia>,
     /// `auto` (the model may call a tool) or `required` (every reply is a call).
     pub tool_choice: Option<String>,
+    /// `[model.prices."NAME"]`: what a million input and output tokens of a model cost, for
+    /// tasks' cost and `max_cost`.
+    #[serde(default)]
+    pub prices: BTreeMap<String, tandem_agent::budget::Price>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -181,6 +189,10 @@ pub struct ModelSection {
 pub struct TaskSection {
     pub executor: Option<String>,
     pub max_turns: Option<u32>,
+    /// Budgets for a task that sets none (`max_input_tokens`, ...).
+    pub max_input_tokens: Option<u64>,
+    pub max_output_tokens: Option<u64>,
+    pub max_cost: Option<f64>,
     pub timeout_secs: Option<u64>,
     pub termination: Option<String>,
     pub system_prompt_file: Option<PathBuf>,

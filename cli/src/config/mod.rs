@@ -333,7 +333,54 @@ pub fn policy(file: &FileConfig) -> Result<tandem_daemon::Policy> {
             None => policy::DEFAULT_MAX_TURNS,
         },
         any_endpoint: false,
+        budget: budget(
+            "[policy]",
+            p.max_input_tokens,
+            p.max_output_tokens,
+            p.max_cost,
+        )?,
     })
+}
+
+/// Budgets from a section of the file, refusing ones no task could stay within.
+fn budget(
+    section: &str,
+    max_input_tokens: Option<u64>,
+    max_output_tokens: Option<u64>,
+    max_cost: Option<f64>,
+) -> Result<tandem_agent::budget::Budget> {
+    for (key, n) in [
+        ("max_input_tokens", max_input_tokens),
+        ("max_output_tokens", max_output_tokens),
+    ] {
+        if n == Some(0) {
+            bail!("{section} {key} must be at least 1");
+        }
+    }
+    if let Some(cost) = max_cost
+        && !(cost.is_finite() && cost > 0.0)
+    {
+        bail!("{section} max_cost must be a number above 0, not {cost}");
+    }
+    Ok(tandem_agent::budget::Budget {
+        max_input_tokens,
+        max_output_tokens,
+        max_cost,
+    })
+}
+
+/// `[model.prices]`, each a price a cost can be counted with.
+pub fn prices(
+    file: &FileConfig,
+) -> Result<std::collections::BTreeMap<String, tandem_agent::budget::Price>> {
+    for (name, price) in &file.model.prices {
+        if !price.is_valid() {
+            bail!(
+                "[model.prices.\"{name}\"]: input and output must be numbers of at least 0 (the price of a million tokens)"
+            );
+        }
+    }
+    Ok(file.model.prices.clone())
 }
 
 /// Limits from the file, with a block timeout from flags on top.
@@ -397,6 +444,12 @@ fn task_defaults(file: &FileConfig, executor: String, road: Road) -> Result<Task
         },
         limits: limits(file, block_timeout, "--block-timeout")?,
         code_via: file.model.code_via.unwrap_or_default(),
+        budget: budget(
+            "[task]",
+            file.task.max_input_tokens,
+            file.task.max_output_tokens,
+            file.task.max_cost,
+        )?,
     })
 }
 

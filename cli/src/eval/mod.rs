@@ -33,7 +33,7 @@ pub struct EvalArgs {
     /// Show two saved runs (`--json` output) side by side, task by task, instead of running
     #[arg(long, num_args = 2, value_names = ["A", "B"], conflicts_with = "suite")]
     compare: Vec<PathBuf>,
-    /// Tasks run at once [default: 2]
+    /// Tasks run at once
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
     parallel: u32,
     /// Run only the task with this id (repeat for more)
@@ -371,6 +371,9 @@ async fn in_process(
                 error: Some(info),
                 summary: None,
                 check: None,
+                cost: None,
+                budget: None,
+                result: None,
             }),
         };
         Ok(Some(result_of(

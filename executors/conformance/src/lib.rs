@@ -569,12 +569,24 @@ async fn python_daemons_do_not_outlive_their_block(executor: Arc<dyn Executor>) 
 async fn cancel_stops_a_block_at_once(executor: Arc<dyn Executor>) -> Checked {
     let mut s = open(&*executor, Limits::default()).await?;
     let cancel = CancellationToken::new();
-    let trigger = cancel.clone();
-    tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        trigger.cancel();
+    // Cancel once the block is seen running (its first line arrives), not after a fixed delay:
+    // on a loaded machine an interpreter can take longer than any fixed delay to start.
+    let cancelled_at = Arc::new(Mutex::new(None::<Instant>));
+    let (trigger, at) = (cancel.clone(), cancelled_at.clone());
+    let ctx = ExecContext::new(cancel.clone()).with_sink(Arc::new(move |stream, _bytes| {
+        if stream == Stream::Stdout && !trigger.is_cancelled() {
+            if let Ok(mut at) = at.lock() {
+                *at = Some(Instant::now());
+            }
+            trigger.cancel();
+        }
+    }));
+    // Should the first line never come, the block is still cancelled, late, and fails below.
+    let late = cancel.clone();
+    let backstop = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        late.cancel();
     });
-    let started = Instant::now();
     // A busy loop: a sandbox must stop code that never waits on anything.
     let out = s
         .run(
@@ -582,18 +594,24 @@ async fn cancel_stops_a_block_at_once(executor: Arc<dyn Executor>) -> Checked {
                 Language::python(),
                 "print('going', flush=True)\nwhile True:\n    pass",
             ),
-            ExecContext::new(cancel),
+            ctx,
         )
         .await
         .map_err(|e| Stop::Fail(format!("the cancelled block failed: {e}")))?;
+    backstop.abort();
+    let after = cancelled_at
+        .lock()
+        .ok()
+        .and_then(|at| *at)
+        .map(|at| at.elapsed());
     check!(
         out.status == ExitStatus::Cancelled
             && out.stdout.to_text() == "going\n"
-            && started.elapsed() < Duration::from_secs(2),
-        "cancelling after 300 ms gave {:?} with stdout {:?} after {:?}",
+            && after.is_some_and(|after| after < Duration::from_secs(5)),
+        "cancelling once the block printed gave {:?} with stdout {:?}, {:?} after the cancel",
         out.status,
         out.stdout.to_text(),
-        started.elapsed()
+        after
     );
     close(s).await
 }

@@ -110,6 +110,19 @@ struct RunTaskArgs {
     /// Most turns.
     #[schemars(range(min = 1))]
     max_turns: Option<u32>,
+    /// Most prompt tokens the task's model calls may send, all together
+    #[schemars(range(min = 1))]
+    max_input_tokens: Option<u64>,
+    /// Most tokens the task's model may write, all together
+    #[schemars(range(min = 1))]
+    max_output_tokens: Option<u64>,
+    /// Most the task's model calls may cost, at the operator's prices
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    max_cost: Option<f64>,
+    /// A JSON Schema the final answer must end with a value of; the value is the result's
+    /// `result`
+    #[schemars(extend("type" = "object"))]
+    output_schema: Option<Value>,
     /// Files to place in the task's workspace; the model is told what they are
     files: Option<Vec<FileArg>>,
     /// Python blocks share one interpreter whose variables survive (local and docker)

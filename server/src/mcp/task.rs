@@ -39,6 +39,10 @@ impl TandemMcp {
             task: args.task,
             executor: args.executor,
             max_turns: args.max_turns,
+            max_input_tokens: args.max_input_tokens,
+            max_output_tokens: args.max_output_tokens,
+            max_cost: args.max_cost,
+            output_schema: args.output_schema,
             keep_state: args.keep_state.unwrap_or(false),
             placement: args.placement.unwrap_or_default(),
             code_via: args
@@ -166,6 +170,9 @@ impl TandemMcp {
                     error,
                     summary,
                     check,
+                    cost,
+                    budget,
+                    result,
                     ..
                 },
             drawn,
@@ -183,6 +190,9 @@ impl TandemMcp {
             turns,
             answer: summary,
             check,
+            cost,
+            budget: budget.map(|b| *b),
+            result,
             error,
             transcript: transcript_uri(id),
             pictures: drawn
@@ -256,6 +266,10 @@ fn told(r: &RunTaskResult) -> String {
         (None, None) => {
             format!("task {id} ended: {stop_reason:?} after {turns} turns (transcript: {uri})")
         }
+    };
+    let text = match &r.budget {
+        Some(b) => format!("{text}\n({})", b.message()),
+        None => text,
     };
     match r.files.len() {
         0 => text,

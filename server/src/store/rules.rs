@@ -45,6 +45,20 @@ pub(crate) struct Outcome {
     result: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     check: Option<tandem_protocol::CheckOutcome>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    cost: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    budget: Option<tandem_protocol::BudgetReached>,
+}
+
+impl Outcome {
+    /// Whether there is nothing to store.
+    fn is_empty(&self) -> bool {
+        self.result.is_none()
+            && self.check.is_none()
+            && self.cost.is_none()
+            && self.budget.is_none()
+    }
 }
 
 /// What `msg`, stored at `now_ms`, changes in its task's row; `None` for the events that are
@@ -65,18 +79,26 @@ pub(crate) fn row_change(msg: &EventMsg, now_ms: u64) -> Option<RowChange> {
             error,
             summary,
             check,
+            cost,
+            budget,
+            result,
             ..
         } => Some(RowChange::Finished {
             stop_reason: *stop_reason,
             error: error.as_ref().map(super::to_json),
             turns: *turns,
             at_ms: now_ms,
-            outcome: (summary.is_some() || check.is_some()).then(|| {
-                super::to_json(&Outcome {
-                    result: summary.clone().map(serde_json::Value::String),
-                    check: check.clone(),
-                })
-            }),
+            outcome: Some(Outcome {
+                // A value checked against the task's schema, else the answer's words.
+                result: result
+                    .clone()
+                    .or_else(|| summary.clone().map(serde_json::Value::String)),
+                check: check.clone(),
+                cost: *cost,
+                budget: budget.as_deref().cloned(),
+            })
+            .filter(|o| !o.is_empty())
+            .map(|o| super::to_json(&o)),
         }),
         _ => None,
     }
@@ -84,12 +106,14 @@ pub(crate) fn row_change(msg: &EventMsg, now_ms: u64) -> Option<RowChange> {
 
 /// The `outcome` column of `task`, when it has a final answer or a check.
 pub(crate) fn outcome_of(task: &TaskRecord) -> Option<String> {
-    (task.result.is_some() || task.check.is_some()).then(|| {
-        super::to_json(&Outcome {
-            result: task.result.clone(),
-            check: task.check.clone(),
-        })
+    Some(Outcome {
+        result: task.result.clone(),
+        check: task.check.clone(),
+        cost: task.cost,
+        budget: task.budget.clone(),
     })
+    .filter(|o| !o.is_empty())
+    .map(|o| super::to_json(&o))
 }
 
 /// A task's row as either engine reads it, before decoding: text where the engine keeps text.
@@ -164,6 +188,8 @@ pub(crate) fn decode(row: Row) -> Result<TaskRecord> {
         files_removed_ms: row.times.files_removed_ms.map(millis),
         result: outcome.result,
         check: outcome.check,
+        cost: outcome.cost,
+        budget: outcome.budget,
     })
 }
 
@@ -347,6 +373,9 @@ mod tests {
             }),
             summary: None,
             check: None,
+            cost: None,
+            budget: None,
+            result: None,
         };
         let Some(RowChange::Finished {
             stop_reason,

@@ -818,6 +818,9 @@ mod tests {
                     error: None,
                     summary: None,
                     check: None,
+                    cost: None,
+                    budget: None,
+                    result: None,
                 },
                 7,
             )])
@@ -860,6 +863,9 @@ mod tests {
             error: None,
             summary: None,
             check: None,
+            cost: None,
+            budget: None,
+            result: None,
         };
         {
             let store = Store::open(&path).unwrap();

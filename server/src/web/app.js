@@ -8,7 +8,15 @@
   const ACTIVE = new Set(['queued', 'running', 'awaiting_approval', 'interrupted']);
   const STOP = {
     terminated: 'done', max_turns: 'turn limit reached', timeout: 'timed out',
-    cancelled: 'cancelled', error: 'failed',
+    cancelled: 'cancelled', error: 'failed', budget: 'budget reached',
+  };
+  // A cost as people read one: four places, since a task's calls cost cents or less.
+  const cost = (c) => (typeof c === 'number' && c > 0 ? `cost ${c.toFixed(4)}` : null);
+  // What a budget stop says: which budget, its limit and what was spent.
+  const budgetText = (b) => {
+    const money = b.budget === 'max_cost';
+    const show = (n) => (money ? Number(n).toFixed(4) : String(n));
+    return `the task reached its ${b.budget} of ${show(b.limit)} (${show(b.spent)} spent)`;
   };
   const enc = encodeURIComponent;
   const $ = (id) => document.getElementById(id);
@@ -579,6 +587,7 @@
         r.created_ms ? `created ${dateFmt.format(r.created_ms)}` : null,
         plural(r.turns || 0, 'turn'),
         tokens(r.usage),
+        cost(r.cost),
         r.started_ms && r.finished_ms ? duration(r.finished_ms - r.started_ms) : null,
       ].filter(Boolean).join(' · ');
       if (r.error && r.error.message) setError(r.error.message);
@@ -909,8 +918,9 @@
       const s = $('summary');
       s.replaceChildren(
         h('h3', null, STOP[ev.stop_reason] || ev.stop_reason || 'finished'),
-        h('p', { class: 'muted' }, [plural(ev.turns || 0, 'turn'), tokens(ev.usage), duration(ev.elapsed_ms || 0)].filter(Boolean).join(' · ')));
+        h('p', { class: 'muted' }, [plural(ev.turns || 0, 'turn'), tokens(ev.usage), cost(ev.cost), duration(ev.elapsed_ms || 0)].filter(Boolean).join(' · ')));
       if (ev.error && ev.error.message) s.append(h('p', { class: 'error' }, ev.error.message));
+      if (ev.budget) s.append(h('p', { class: 'budget' }, budgetText(ev.budget)));
       if (ev.summary) s.append(h('pre', { class: 'summary-text' }, ev.summary));
       if (ev.check) {
         const detail = ev.check.detail ? `: ${ev.check.detail.split('\n')[0]}` : '';
