@@ -29,6 +29,11 @@ impl Price {
     }
 }
 
+/// `so_far` with a call's `usage` at `price` added; unknown once a call has no price.
+pub fn add_cost(so_far: Option<f64>, price: Option<&Price>, usage: Usage) -> Option<f64> {
+    Some(so_far? + price?.cost(usage))
+}
+
 /// A task's budgets; each one left out is no limit.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Budget {

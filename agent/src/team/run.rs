@@ -363,10 +363,7 @@ impl Team {
         let (mut usage, mut cost) = (Usage::default(), Some(0.0));
         for (path, used) in calls {
             usage.add(*used);
-            cost = match (cost, self.prices.get(path)) {
-                (Some(so_far), Some(price)) => Some(so_far + price.cost(*used)),
-                _ => None,
-            };
+            cost = crate::budget::add_cost(cost, self.prices.get(path), *used);
         }
         self.spent_before = (usage, cost);
         self
@@ -875,12 +872,11 @@ impl Ctx<'_> {
             usage.add(u);
         }
         if let Ok(mut cost) = self.shared.cost.lock() {
-            *cost = match (*cost, self.team.prices.get(path)) {
-                (Some(so_far), Some(price)) => {
-                    Some(so_far + price.cost(reply.usage.unwrap_or_default()))
-                }
-                _ => None,
-            };
+            *cost = crate::budget::add_cost(
+                *cost,
+                self.team.prices.get(path),
+                reply.usage.unwrap_or_default(),
+            );
         }
         (self.events)(EventMsg::AssistantMessage {
             turn,
@@ -1366,11 +1362,8 @@ impl Ctx<'_> {
     }
 
     fn tokens(&self) -> u64 {
-        self.shared
-            .usage
-            .lock()
-            .map(|u| u.prompt_tokens + u.completion_tokens)
-            .unwrap_or(0)
+        let spent = self.spent();
+        spent.prompt_tokens + spent.completion_tokens
     }
 
     /// The member a model names to speak next; `fallback` when it names none.
