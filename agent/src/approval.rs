@@ -8,6 +8,7 @@ use futures::future::BoxFuture;
 use regex::Regex;
 use tandem_executor::{CancellationToken, Executor, Language};
 use tandem_protocol::{ApprovalMode, ApprovalPolicy, Decision, EventMsg};
+use tracing::Instrument;
 
 use crate::events::EventSink;
 
@@ -442,6 +443,7 @@ impl ApprovalGate {
                 let Some(approver) = &self.approver else {
                     return Some(Err(no_one_to_ask(&reason)));
                 };
+                let span = crate::trace::approval(what, rule.as_deref().unwrap_or("policy"));
                 let ask = Ask {
                     turn,
                     index,
@@ -450,7 +452,23 @@ impl ApprovalGate {
                     rule,
                     reason,
                 };
-                let ruling = approver.decide(ask, self.timeout, cancel).await?;
+                let ruling = approver
+                    .decide(ask, self.timeout, cancel)
+                    .instrument(span.clone())
+                    .await;
+                let Some(ruling) = ruling else {
+                    crate::trace::set(&span, "tandem.approval.decision", "cancelled");
+                    return None;
+                };
+                crate::trace::set(
+                    &span,
+                    "tandem.approval.decision",
+                    match ruling.decision {
+                        Decision::Approve => "approve",
+                        Decision::Deny => "deny",
+                    },
+                );
+                crate::trace::set(&span, "tandem.approval.by", ruling.by.clone());
                 Some(match ruling.decision {
                     // An approver's edit is new code: the deny rules hold for it as for the
                     // model's, so an approval cannot carry what a rule refuses.

@@ -4,6 +4,8 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tracing::Instrument;
+
 use tandem_executor::{
     CancellationToken, ExecContext, ExecError, ExecOutcome, ExecRequest, Executor, ExitStatus,
     Language, Session, SessionSpec, Stream, complete_utf8,
@@ -109,6 +111,13 @@ impl SessionSlot {
     /// Most blocks of one reply that run in this session.
     pub fn blocks_per_reply(&self) -> usize {
         self.spec.limits.blocks_per_reply.max(1)
+    }
+
+    /// The machine the session was placed on, when its executor has several.
+    pub fn host(&self) -> Option<String> {
+        self.session
+            .as_ref()
+            .and_then(|s| s.host().map(str::to_owned))
     }
 
     /// The session, opened on first use; `None` when `cancel` fired while it waited for a
@@ -336,11 +345,67 @@ pub async fn run_block(
     after_failure: bool,
     opts: &RunOptions,
 ) -> Result<BlockRun, ExecError> {
-    let mut pictures = Vec::new();
     let language = block
         .language
         .as_deref()
         .map_or_else(|| guess_language(&block.code), Language::new);
+    let span = crate::trace::block(slot.executor().name(), language.as_str(), opts.turn, index);
+    let ran = run_block_traced(slot, block, language, index, after_failure, opts)
+        .instrument(span.clone())
+        .await;
+    if !span.is_disabled() {
+        trace_block(&span, slot, block, &ran);
+    }
+    ran
+}
+
+/// What a block's run says about it, on its span.
+fn trace_block(
+    span: &tracing::Span,
+    slot: &SessionSlot,
+    block: &CodeBlock,
+    ran: &Result<BlockRun, ExecError>,
+) {
+    use crate::trace::set;
+    let run = match ran {
+        Ok(run) => run,
+        Err(e) => return crate::trace::fail(span, "sandbox", &e.to_string()),
+    };
+    let r = &run.result;
+    set(span, "tandem.block.status", r.status.as_str());
+    if let Some(code) = r.exit_code {
+        set(span, "process.exit.code", i64::from(code));
+    }
+    let bytes = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+    set(span, "tandem.block.stdout_bytes", bytes(r.stdout.len()));
+    set(span, "tandem.block.stderr_bytes", bytes(r.stderr.len()));
+    set(
+        span,
+        "tandem.block.duration_ms",
+        i64::try_from(r.duration_ms).unwrap_or(i64::MAX),
+    );
+    if let Some(host) = slot.host() {
+        set(span, "tandem.sandbox.host", host);
+    }
+    if crate::trace::capture_content() {
+        set(span, "tandem.block.code", block.code.clone());
+        set(span, "tandem.block.stdout", r.stdout.clone());
+        set(span, "tandem.block.stderr", r.stderr.clone());
+    }
+    if !r.succeeded() && r.status != BlockStatus::Skipped {
+        crate::trace::fail(span, r.status.as_str(), "the block did not exit cleanly");
+    }
+}
+
+async fn run_block_traced(
+    slot: &mut SessionSlot,
+    block: &CodeBlock,
+    language: Language,
+    index: u32,
+    after_failure: bool,
+    opts: &RunOptions,
+) -> Result<BlockRun, ExecError> {
+    let mut pictures = Vec::new();
     (opts.events)(EventMsg::CodeBlock {
         turn: opts.turn,
         index,

@@ -11,6 +11,7 @@ use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::json;
 use tandem_protocol::{ErrorCode, ErrorInfo, Message, ToolCall, Usage};
+use tracing::Instrument;
 
 use crate::calls::Assembler;
 
@@ -132,6 +133,10 @@ pub struct Completion {
     pub finish_reason: Option<String>,
     /// The tools it called natively, in order.
     pub tool_calls: Vec<ToolCall>,
+    /// The model that answered, as the server named it.
+    pub model: Option<String>,
+    /// The server's id for the reply.
+    pub id: Option<String>,
 }
 
 /// The tools offered to the model with a request.
@@ -309,6 +314,107 @@ impl ChatModel {
         tools: Option<&ToolOffer>,
         progress: &mut (dyn FnMut(ModelProgress<'_>) + Send),
     ) -> Result<Completion, ModelError> {
+        let span = self.span(messages);
+        let started = std::time::Instant::now();
+        let mut first = None;
+        let result = {
+            let mut timed = |p: ModelProgress<'_>| {
+                match &p {
+                    ModelProgress::Delta(_) if first.is_none() => {
+                        first = Some(started.elapsed());
+                    }
+                    ModelProgress::Retry { .. } => first = None,
+                    ModelProgress::Delta(_) => {}
+                }
+                progress(p);
+            };
+            self.complete_traced(messages, tools, &mut timed)
+                .instrument(span.clone())
+                .await
+        };
+        match &result {
+            Ok(done) => {
+                if let Some(ttft) = first {
+                    crate::trace::set(&span, "tandem.time_to_first_token", ttft.as_secs_f64());
+                }
+                self.record(&span, done);
+            }
+            Err(e) => crate::trace::fail(&span, e.code.as_str(), &e.message),
+        }
+        result
+    }
+
+    /// The span of one call, with what is known before it is made.
+    fn span(&self, messages: &[Message]) -> tracing::Span {
+        let provider = if self.is_embedded() {
+            crate::trace::EMBEDDED
+        } else {
+            "openai"
+        };
+        let url = (!self.is_embedded())
+            .then(|| reqwest::Url::parse(&self.config.base_url).ok())
+            .flatten();
+        let server = url
+            .as_ref()
+            .and_then(|u| Some((u.host_str()?, u.port_or_known_default()?)));
+        let span = crate::trace::chat(&self.config.model, provider, server);
+        if let Some(n) = self.config.max_tokens {
+            crate::trace::set(&span, "gen_ai.request.max_tokens", i64::from(n));
+        }
+        if let Some(t) = self.config.temperature {
+            crate::trace::set(&span, "gen_ai.request.temperature", f64::from(t));
+        }
+        if crate::trace::capture_content() && !span.is_disabled() {
+            crate::trace::set(&span, "gen_ai.input.messages", content_of(messages));
+        }
+        span
+    }
+
+    /// What the reply says about itself, on its span.
+    fn record(&self, span: &tracing::Span, done: &Completion) {
+        if span.is_disabled() {
+            return;
+        }
+        let usage = done.usage.unwrap_or_default();
+        let tokens = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        crate::trace::set(
+            span,
+            "gen_ai.usage.input_tokens",
+            tokens(usage.prompt_tokens),
+        );
+        crate::trace::set(
+            span,
+            "gen_ai.usage.output_tokens",
+            tokens(usage.completion_tokens),
+        );
+        crate::trace::set(
+            span,
+            "gen_ai.response.model",
+            done.model
+                .clone()
+                .unwrap_or_else(|| self.config.model.clone()),
+        );
+        if let Some(id) = &done.id {
+            crate::trace::set(span, "gen_ai.response.id", id.clone());
+        }
+        if let Some(reason) = &done.finish_reason {
+            crate::trace::set_strings(span, "gen_ai.response.finish_reasons", vec![reason.clone()]);
+        }
+        if crate::trace::capture_content() {
+            let reply = [Message::new(
+                tandem_protocol::Role::Assistant,
+                done.text.clone(),
+            )];
+            crate::trace::set(span, "gen_ai.output.messages", content_of(&reply));
+        }
+    }
+
+    async fn complete_traced(
+        &self,
+        messages: &[Message],
+        tools: Option<&ToolOffer>,
+        progress: &mut (dyn FnMut(ModelProgress<'_>) + Send),
+    ) -> Result<Completion, ModelError> {
         let forced;
         let tools = match tools {
             Some(offer) if self.config.tool_required && !offer.required => {
@@ -438,6 +544,12 @@ impl ChatModel {
             if let Some(u) = chunk.usage {
                 done.usage = Some(u.into());
             }
+            if done.model.is_none() {
+                done.model = chunk.model;
+            }
+            if done.id.is_none() {
+                done.id = chunk.id;
+            }
             for choice in chunk.choices {
                 let (content, pieces) = choice
                     .delta
@@ -497,6 +609,8 @@ impl ChatModel {
             usage: reply.usage.map(Into::into),
             finish_reason: choice.and_then(|c| c.finish_reason),
             tool_calls,
+            model: reply.model,
+            id: reply.id,
         })
     }
 
@@ -730,6 +844,10 @@ struct Chunk {
     choices: Vec<ChunkChoice>,
     #[serde(default)]
     usage: Option<WireUsage>,
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    id: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -754,6 +872,10 @@ struct Reply {
     choices: Vec<ReplyChoice>,
     #[serde(default)]
     usage: Option<WireUsage>,
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    id: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -786,4 +908,13 @@ impl From<WireUsage> for Usage {
             completion_tokens: u.completion_tokens,
         }
     }
+}
+
+/// Messages in the conventions' shape (`role` and text `parts`), as one JSON string.
+fn content_of(messages: &[Message]) -> String {
+    let shaped: Vec<serde_json::Value> = messages
+        .iter()
+        .map(|m| json!({"role": m.role, "parts": [{"type": "text", "content": m.content}]}))
+        .collect();
+    serde_json::Value::Array(shaped).to_string()
 }

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Map, Value};
 use tandem_executor::{ExecError, Language};
 use tandem_protocol::{EventMsg, ToolCall, ToolReply};
+use tracing::Instrument;
 
 use crate::blocks::{self, RunOptions, SessionSlot};
 use crate::extract::CodeBlock;
@@ -108,6 +109,8 @@ pub async fn run_calls(
         match refused {
             Err(text) => {
                 told_call(&call, index, opts);
+                let span = crate::trace::tool(&call.name, &call.id);
+                crate::trace::fail(&span, "refused", &text);
                 answers[i] = Some(answer(&call, index, text, true, Instant::now(), opts));
             }
             Ok((tool, args)) => match &tool.runs {
@@ -122,17 +125,28 @@ pub async fn run_calls(
         let mut done = Vec::new();
         for (i, index, tool, args) in in_session {
             let call = &calls[i];
-            let answered = match &tool.runs {
-                Runs::Code => run_code(slot, call, &args, index, opts).await?,
-                _ => run_command(slot, tool, call, &args, index, opts).await?,
-            };
+            let span = crate::trace::tool(&call.name, &call.id);
+            let answered = async {
+                match &tool.runs {
+                    Runs::Code => run_code(slot, call, &args, index, opts).await,
+                    _ => run_command(slot, tool, call, &args, index, opts).await,
+                }
+            }
+            .instrument(span.clone())
+            .await?;
+            traced(&span, &answered);
             done.push((i, answered));
         }
         Ok::<_, ExecError>(done)
     };
     let http =
         futures::future::join_all(beside.into_iter().map(|(i, index, tool, args)| async move {
-            (i, run_beside(tool, &calls[i], &args, index, opts).await)
+            let span = crate::trace::tool(&calls[i].name, &calls[i].id);
+            let answered = run_beside(tool, &calls[i], &args, index, opts)
+                .instrument(span.clone())
+                .await;
+            traced(&span, &answered);
+            (i, answered)
         }));
     let (session, http) = futures::join!(session, http);
     for (i, answered) in session?.into_iter().chain(http) {
@@ -152,6 +166,20 @@ pub async fn run_calls(
             })
         })
         .collect())
+}
+
+/// A call's answer, on its span: failed when the model is told of an error.
+fn traced(span: &tracing::Span, answered: &Answered) {
+    if answered.is_error {
+        crate::trace::fail(span, "tool_error", "the call was answered with an error");
+    }
+    if crate::trace::capture_content() {
+        crate::trace::set(
+            span,
+            "gen_ai.tool.call.result",
+            answered.reply.content.clone(),
+        );
+    }
 }
 
 fn told_call(call: &ToolCall, index: u32, opts: &RunOptions) {

@@ -22,6 +22,7 @@ pub mod task;
 pub mod team;
 pub mod termination;
 pub mod tools;
+pub mod trace;
 pub mod traceback;
 
 pub use approval::{ApprovalError, ApprovalGate, Approver, Ask, Ruling};

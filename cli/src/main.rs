@@ -170,8 +170,26 @@ fn main() -> ExitCode {
     // the CA bundle); every client in the process shares ring. Installing twice is a no-op.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
-    init_logging(&cli.command);
-    match dispatch(cli) {
+    let file = config::load(cli.config.as_deref());
+    // Only the commands that run tasks export their spans.
+    let traced = matches!(
+        cli.command,
+        Command::Run(_) | Command::Serve(_) | Command::Mcp(_) | Command::Eval(_)
+    );
+    let telemetry = match &file {
+        Ok(file) if traced => tandem_telemetry::Telemetry::start(&file.telemetry),
+        _ => Ok(None),
+    };
+    let exported = telemetry.as_ref().ok().and_then(Option::as_ref);
+    init_logging(&cli.command, exported);
+    let ran = file.and_then(|file| {
+        telemetry.as_ref().map_err(|e| anyhow::anyhow!("{e}"))?;
+        dispatch(cli, file)
+    });
+    if let Some(telemetry) = exported {
+        telemetry.shutdown();
+    }
+    match ran {
         Ok(code) => ExitCode::from(code),
         Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
@@ -182,8 +200,12 @@ fn main() -> ExitCode {
 }
 
 /// Logs go to stderr; the daemon logs at info (JSON with `--log-format json`), commands at
-/// warn. `RUST_LOG` overrides both.
-fn init_logging(command: &Command) {
+/// warn. `RUST_LOG` overrides both. Tandem's spans stay out of the logs: they go to the
+/// trace exporter, when there is one.
+fn init_logging(command: &Command, telemetry: Option<&tandem_telemetry::Telemetry>) {
+    use tracing_subscriber::Layer as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
     let (default, json) = match command {
         Command::Serve(args) => ("info", args.json_logs()),
         _ => ("warn", false),
@@ -194,22 +216,33 @@ fn init_logging(command: &Command) {
         Ok(directive) => f.add_directive(directive),
         Err(_) => f,
     };
-    let filter = quiet_driver(
+    let no_spans =
+        |f: tracing_subscriber::EnvFilter| match format!("{}=off", tandem_agent::trace::TARGET)
+            .parse()
+        {
+            Ok(directive) => f.add_directive(directive),
+            Err(_) => f,
+        };
+    let filter = no_spans(quiet_driver(
         tracing_subscriber::EnvFilter::try_from_env("RUST_LOG")
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default)),
-    );
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    ));
+    let logs = tracing_subscriber::fmt::layer()
         // Colour codes only for a person at a terminal, never into a file or a pipe.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         // A log line that cannot be written (stderr closed) is dropped: reporting it would
         // panic, and in a daemon that leaves SIGTERM unanswered.
         .log_internal_errors(false)
         .with_writer(std::io::stderr);
-    if json {
-        builder.json().init();
+    let logs = if json {
+        logs.json().with_filter(filter).boxed()
     } else {
-        builder.init();
+        logs.with_filter(filter).boxed()
+    };
+    let registry = tracing_subscriber::registry().with(logs);
+    match telemetry {
+        Some(t) => registry.with(t.layer()).init(),
+        None => registry.init(),
     }
 }
 
@@ -220,8 +253,7 @@ fn is_broken_pipe(e: &anyhow::Error) -> bool {
     })
 }
 
-fn dispatch(cli: Cli) -> Result<u8> {
-    let file = config::load(cli.config.as_deref())?;
+fn dispatch(cli: Cli, file: config::FileConfig) -> Result<u8> {
     match cli.command {
         Command::Extract { file: path } => extract(path),
         Command::Team {

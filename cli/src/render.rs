@@ -281,14 +281,19 @@ impl<W: Write> Renderer<W> {
                 model,
                 base_url,
                 executor,
+                trace,
                 ..
             } => {
                 let place = self
                     .place
                     .as_deref()
                     .map_or(String::new(), |p| format!(" · {p}"));
+                let trace = trace
+                    .as_deref()
+                    .and_then(|t| t.split('-').nth(1))
+                    .map_or(String::new(), |id| format!(" · trace {id}"));
                 self.rule(&format!(
-                    "tandem · model {model} at {base_url} · executor {executor}{place}"
+                    "tandem · model {model} at {base_url} · executor {executor}{place}{trace}"
                 ))
             }
             EventMsg::TurnStarted { turn, agent: None } => {

@@ -9,6 +9,7 @@ use tandem_daemon::{Planner, Policy};
 use tandem_executor::{CancellationToken, Registry};
 use tandem_protocol::team::{Kind, TeamBounds};
 use tandem_protocol::{ApprovalMode, ApprovalPolicy, EventMsg, TaskSpec};
+use tracing::Instrument;
 
 use crate::config::{FileConfig, ModelFlags, Overrides, Road, Settings};
 use crate::exit;
@@ -367,7 +368,22 @@ async fn run_here(args: &RunArgs, settings: &Settings) -> Result<u8> {
     let approver: Option<Arc<dyn tandem_agent::Approver>> = (planned.may_ask()
         && crate::approve::need_terminal().is_ok())
     .then(|| Arc::new(crate::approve::TerminalApprover::new(events.clone())) as _);
-    let stop_reason = planned.run(approver, None, events, cancel).await;
+    // The task's span; `TRACEPARENT` in the environment makes it a child of the caller's.
+    let span = tandem_agent::trace::task(
+        &id,
+        if spec.team.is_some() {
+            "team"
+        } else {
+            "tandem"
+        },
+    );
+    if let Ok(parent) = std::env::var("TRACEPARENT") {
+        tandem_agent::trace::set_parent(&span, &parent);
+    }
+    let stop_reason = planned
+        .run(approver, None, events, cancel)
+        .instrument(span)
+        .await;
     let code = exit::for_stop(stop_reason);
     let (Some(out), Some(own)) = (keep_in, own) else {
         return Ok(if renderer.lock().is_ok_and(|r| r.reader_gone()) {

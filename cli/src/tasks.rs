@@ -138,6 +138,9 @@ pub async fn show(args: IdArgs) -> Result<u8> {
     if let Some(budget) = &task.budget {
         println!("budget: {}", budget.message());
     }
+    if let Some(trace) = &task.trace_id {
+        println!("trace {trace}");
+    }
     if let Some(waiting) = &view.pending_approval {
         let (id, n) = (&task.id, waiting.n);
         println!(

@@ -20,5 +20,6 @@ mod plugins;
 mod shared_store;
 mod teams;
 mod tools;
+mod traces;
 mod web;
 mod zoo;

@@ -427,6 +427,7 @@ fn fill_store(path: &Path, tasks: usize, events: usize) -> String {
         model: "m".to_owned(),
         base_url: "http://127.0.0.1:1/v1".to_owned(),
         executor: "local".to_owned(),
+        trace: None,
     }];
     let mut turn = 0;
     // Ten events a turn, as a real one: streamed text, the reply, a block, its output.
@@ -520,6 +521,7 @@ fn fill_store(path: &Path, tasks: usize, events: usize) -> String {
         model: "m".to_owned(),
         base_url: "http://127.0.0.1:1/v1".to_owned(),
         executor: "team".to_owned(),
+        trace: None,
     }];
     team_msgs.extend(said(1, "team/writer", "a draft"));
     team_msgs.extend(said(2, "team/refine/critic", "too long"));
@@ -802,7 +804,7 @@ async fn the_page_asks_for_tool_calls_and_shows_each_call_with_its_answer() {
     .await
     .unwrap();
     let addr = free_addr();
-    let config = "[tools.wc]\ncommand = [\"python3\", \"-c\", \"import json, sys; print(len(json.load(sys.stdin)['text'].split()))\"]\n";
+    let config = "[model.prices.\"gpt-4o-mini\"]\ninput = 1.0\noutput = 1.0\n\n[tools.wc]\ncommand = [\"python3\", \"-c\", \"import json, sys; print(len(json.load(sys.stdin)['text'].split()))\"]\n";
     let d = Daemon::start(
         Path::new(env!("CARGO_BIN_EXE_tandem")),
         &server.base_url(),
@@ -821,6 +823,31 @@ async fn the_page_asks_for_tool_calls_and_shows_each_call_with_its_answer() {
         json!([]),
     )
     .await;
+    // A schema that is not JSON is named before anything is sent.
+    b.type_into("#output-schema", "{not json").await;
+    b.type_into("#task-text", task).await;
+    b.click("#submit").await;
+    let error = b
+        .wait(
+            "the schema's error",
+            "const e = document.querySelector('#submit-error').textContent; return e && e",
+            LIMIT,
+        )
+        .await;
+    assert!(
+        error
+            .as_str()
+            .is_some_and(|e| e.starts_with("Output schema is not JSON")),
+        "{error}"
+    );
+    b.run(
+        "document.querySelector('#output-schema').value = ''; document.querySelector('#task-text').value = ''",
+        json!([]),
+    )
+    .await;
+    b.type_into("#max-input-tokens", "100000").await;
+    b.type_into("#max-output-tokens", "5000").await;
+    b.type_into("#max-cost", "0.5").await;
     let id = submit(&b, task).await;
     wait_complete(&b, "the task's end").await;
     let calls = b
@@ -851,6 +878,13 @@ async fn the_page_asks_for_tool_calls_and_shows_each_call_with_its_answer() {
     assert_eq!(block, json!(["print(6 * 7)", "42\n"]));
     let t = d.task(&id).await;
     assert_eq!(t.record.spec.code_via, Some(CodeVia::Tool), "{t:?}");
+    // The budgets the form was given are the task's.
+    let spec = &t.record.spec;
+    assert_eq!(
+        (spec.max_input_tokens, spec.max_output_tokens, spec.max_cost),
+        (Some(100_000), Some(5000), Some(0.5)),
+        "{t:?}"
+    );
     b.quit().await;
 }
 

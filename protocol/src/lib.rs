@@ -107,6 +107,10 @@ pub struct TaskSpec {
     /// ends, never shown to the model; the verdict is the record's `check`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub check: Option<Check>,
+    /// The caller's span, as a W3C `traceparent`: the task's spans join its trace. The API's
+    /// `traceparent` header sets it; a malformed one is ignored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
 }
 
 /// Per-block limits a task asks for; each one left out keeps the daemon's. Only limits the
@@ -203,6 +207,9 @@ pub enum EventMsg {
         base_url: String,
         /// Executor name used.
         executor: String,
+        /// The task span's W3C `traceparent`, when traces are exported.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        trace: Option<String>,
     },
     /// Turn `turn` starts: the assistant of a pair is asked for its reply, or, in a team,
     /// `agent` takes the turn (the team's running count), and the events that follow, up to
@@ -630,6 +637,23 @@ pub enum ErrorCode {
     InvalidRequest,
     /// A bug in Tandem.
     Internal,
+}
+
+impl ErrorCode {
+    /// The snake_case name used on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::ModelUnreachable => "model_unreachable",
+            Self::ModelAuth => "model_auth",
+            Self::ModelNotFound => "model_not_found",
+            Self::ModelRequest => "model_request",
+            Self::ModelUnavailable => "model_unavailable",
+            Self::ModelProtocol => "model_protocol",
+            Self::Executor => "executor",
+            Self::InvalidRequest => "invalid_request",
+            Self::Internal => "internal",
+        }
+    }
 }
 
 /// One message of a conversation, as sent to the model.

@@ -93,6 +93,9 @@ pub struct TaskRecord {
     /// The budget it stopped at, when `stop_reason` is `budget`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget: Option<crate::BudgetReached>,
+    /// The id of the trace its spans are in, once it started with traces exported.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<String>,
 }
 
 impl TaskRecord {
@@ -114,6 +117,7 @@ impl TaskRecord {
             check: None,
             cost: None,
             budget: None,
+            trace_id: None,
         }
     }
 }

@@ -247,7 +247,7 @@ async fn create_task(
 ) -> Result<(StatusCode, Json<TaskRecord>), ApiError> {
     let body = read_limited(&headers, body, state.body_limit).await?;
     // With the path of a bad field (`team.agents.critic.escalte: unknown field ...`).
-    let spec: TaskSpec =
+    let mut spec: TaskSpec =
         serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_slice(&body))
             .map_err(|e| {
                 ApiError::invalid(format!(
@@ -256,8 +256,19 @@ async fn create_task(
                     ),
                 )
             })?;
+    if let Some(parent) = traceparent(&headers) {
+        spec.traceparent = Some(parent);
+    }
     let record = state.supervisor.submit(spec).await?;
     Ok((StatusCode::CREATED, Json(record)))
+}
+
+/// The caller's W3C `traceparent` header, when it sent one that could be one; what it holds
+/// is checked where the task's span is made, and a malformed one ignored there.
+pub(crate) fn traceparent(headers: &HeaderMap) -> Option<String> {
+    let value = headers.get("traceparent")?.to_str().ok()?.trim();
+    // The header is 55 characters; a longer one is not kept with the task.
+    (value.len() <= 128).then(|| value.to_owned())
 }
 
 /// The body, or 413 when it is over `limit`. An oversized body up to [`OVERSIZE_DRAIN`] is

@@ -45,6 +45,7 @@ pub struct Metrics {
     hosts: Hosts,
     daemon_tasks: Family<Labels, Gauge>,
     engine: Engine,
+    spans_dropped: Counter,
 }
 
 /// What the embedded model's engine says, when the daemon serves one.
@@ -85,9 +86,15 @@ impl Default for Metrics {
             hosts: Hosts::default(),
             daemon_tasks: Family::default(),
             engine: Engine::default(),
+            spans_dropped: Counter::default(),
         };
         let mut registry = Registry::default();
         registry.register("tandem_tasks", "Tasks by state", m.tasks.clone());
+        registry.register(
+            "tandem_trace_spans_dropped",
+            "Finished spans never exported: the export queue was full or the collector did not take them",
+            m.spans_dropped.clone(),
+        );
         registry.register(
             "tandem_executions",
             "Code blocks run, by executor and outcome",
@@ -310,6 +317,10 @@ impl Metrics {
             .set(i64::try_from(daemon.1).unwrap_or(i64::MAX));
         self.sessions
             .set(i64::try_from(sessions_open).unwrap_or(i64::MAX));
+        let dropped = tandem_agent::trace::dropped_spans();
+        if let Some(new) = dropped.checked_sub(self.spans_dropped.get()) {
+            self.spans_dropped.inc_by(new);
+        }
         for (executor, host) in hosts {
             let labels = vec![("executor", executor.clone()), ("host", host.name.clone())];
             let n = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);

@@ -12,6 +12,7 @@ use tandem_protocol::team::TeamSpec;
 use tandem_protocol::{ErrorInfo, Event, EventMsg, Message, StopReason, TaskSpec, Usage};
 use tokio::sync::{Semaphore, broadcast};
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
 use crate::admission::Admission;
 pub use crate::error::TaskError;
@@ -666,7 +667,10 @@ impl Supervisor {
                 // Cancelled while no daemon ran it (queued, or its daemon died).
                 this.record(&id, finished(StopReason::Cancelled, record.turns, None));
             } else {
-                this.run_one(&id, record.spec, events, token, permit).await;
+                let span = task_span(&id, &record, &events);
+                this.run_one(&id, record.spec, events, token, permit)
+                    .instrument(span)
+                    .await;
             }
             this.held.release(&id);
             this.life.finished.notify_one();
@@ -816,6 +820,43 @@ const TRANSITION_WAIT: Duration = Duration::from_secs(10);
 
 /// Longest a submit waits for its task to be committed.
 const CREATE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A run's span: a child of the task's first run when it is resumed (and linked to it), so
+/// that every run of a task is in one trace; else of the caller's span, when it sent one.
+/// A first run also shows the time it waited in the queue.
+fn task_span(id: &str, record: &TaskRecord, events: &[Event]) -> tracing::Span {
+    use tandem_agent::trace;
+    let agent = if record.spec.team.is_some() {
+        "team"
+    } else {
+        "tandem"
+    };
+    let span = trace::task(id, agent);
+    if span.is_disabled() {
+        return span;
+    }
+    let first = events.iter().find_map(|e| match &e.msg {
+        EventMsg::TaskStarted {
+            trace: Some(first), ..
+        } => Some(first.as_str()),
+        _ => None,
+    });
+    match (first, record.spec.traceparent.as_deref()) {
+        (Some(first), _) => {
+            trace::set_parent(&span, first);
+            trace::link(&span, first);
+        }
+        (None, Some(caller)) => {
+            trace::set_parent(&span, caller);
+        }
+        (None, None) => {}
+    }
+    if events.is_empty() {
+        let asked = std::time::UNIX_EPOCH + Duration::from_millis(record.created_ms);
+        trace::queued(&span, asked);
+    }
+    span
+}
 
 fn finished(stop_reason: StopReason, turns: u32, error: Option<ErrorInfo>) -> EventMsg {
     EventMsg::TaskFinished {

@@ -26,6 +26,9 @@
 //! 12. Docker hosts: `print(1)` per block on the local socket (bind and volume workspaces)
 //!     and on a second engine over TLS, alternated; sessions opened and tasks run per second
 //!     by a fleet of one host against two (the system engine and the second one).
+//! 14. Traces: the turn loop's tasks with the task's spans exported over OTLP/HTTP to a
+//!     collector on loopback vs the same tasks with export off (alternated rounds); and a
+//!     daemon's tasks per second with `[telemetry]` against one without, alternated.
 //! 13. Kubernetes: a session's open (claim, pod, runner ready) and close, and `print(1)` and
 //!     a 1 KiB write per block, through the stand-in API server (exec over its WebSocket),
 //!     against the Docker executor with a volume workspace on the local socket, alternated.
@@ -1581,6 +1584,9 @@ fn main() {
         if run("stores") {
             stores(600, 4).await;
         }
+        if run("traces") {
+            traces_overhead(400, 8).await;
+        }
     });
 }
 
@@ -2132,4 +2138,188 @@ async fn stores(tasks: usize, slots: usize) {
             waits[(waits.len() * 95 / 100).min(waits.len() - 1)]
         );
     }
+}
+
+/// What exporting traces costs: the turn loop's tasks with every span made and exported over
+/// OTLP/HTTP to a real collector on loopback, against export off (the daemon's logging, with
+/// Tandem's spans filtered out), alternated rounds; then a daemon's tasks per second with
+/// `[telemetry]` against one without, alternated.
+async fn traces_overhead(tasks: usize, concurrency: usize) {
+    use tracing::instrument::WithSubscriber as _;
+    use tracing_subscriber::Layer as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+
+    const ROUNDS: usize = 7;
+    let collector = tandem_tests::otlp::Collector::start().await;
+    let logs = || {
+        tracing_subscriber::fmt::layer()
+            .with_writer(std::io::sink)
+            .with_filter(tracing_subscriber::EnvFilter::new("info,tandem_trace=off"))
+    };
+    let off = tracing::Dispatch::new(tracing_subscriber::registry().with(logs()));
+    let telemetry = tandem_telemetry::Telemetry::start(&tandem_telemetry::TelemetryConfig {
+        endpoint: Some(collector.http_endpoint()),
+        ..Default::default()
+    })
+    .unwrap()
+    .expect("traces on");
+    let on = tracing::Dispatch::new(
+        tracing_subscriber::registry()
+            .with(logs())
+            .with(telemetry.layer()),
+    );
+    let (_server, model) = print_one_model(tasks * ROUNDS * 2).await;
+    let executor: Arc<dyn Executor> = Arc::new(local_executor(true));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let round = |dispatch: tracing::Dispatch| {
+        let (model, executor) = (model.clone(), executor.clone());
+        let first = next.fetch_add(tasks, std::sync::atomic::Ordering::SeqCst);
+        async move {
+            let limit = Arc::new(tokio::sync::Semaphore::new(concurrency));
+            let started = Instant::now();
+            let mut set = tokio::task::JoinSet::new();
+            for i in first..first + tasks {
+                let (model, executor, limit) = (model.clone(), executor.clone(), limit.clone());
+                let task = async move {
+                    let _permit = limit.acquire_owned().await.unwrap();
+                    let span = tandem_agent::trace::task(&i.to_string(), "tandem");
+                    let outcome = tracing::Instrument::instrument(
+                        run_task(
+                            TaskSettings::new(format!("bench task {i}")),
+                            &model,
+                            executor,
+                            Arc::new(|_| {}),
+                            CancellationToken::new(),
+                        ),
+                        span,
+                    )
+                    .await;
+                    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+                };
+                set.spawn(task.with_subscriber(dispatch.clone()));
+            }
+            while let Some(r) = set.join_next().await {
+                r.unwrap();
+            }
+            started.elapsed()
+        }
+    };
+    let (mut without, mut with, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for r in 0..ROUNDS {
+        let (a, b) = if r % 2 == 0 {
+            let a = round(off.clone()).await;
+            (a, round(on.clone()).await)
+        } else {
+            let b = round(on.clone()).await;
+            (round(off.clone()).await, b)
+        };
+        ratios.push(b.as_secs_f64() / a.as_secs_f64());
+        without.push(a);
+        with.push(b);
+    }
+    // Every task's spans reached the collector: what was measured was made and sent.
+    let expected = tasks * ROUNDS * 7;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while collector.spans().len() < expected && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let received = collector.spans().len();
+    let dropped = tandem_agent::trace::dropped_spans();
+    ratios.sort_by(f64::total_cmp);
+    let rate = |d: Duration| tasks as f64 / d.as_secs_f64();
+    let (a, b) = (stats(without).1, stats(with).1);
+    println!(
+        "\n## Traces, turn loop: {tasks} two-turn tasks (python print(1)), concurrency {concurrency}, {ROUNDS} alternated rounds (medians)"
+    );
+    println!("| run | wall | tasks/s | ratio |");
+    println!("|---|---|---|---|");
+    println!(
+        "| export off (logs only, Tandem's spans filtered out) | {:.2} s | {:.1} | 1.00x |",
+        a.as_secs_f64(),
+        rate(a)
+    );
+    println!(
+        "| every span exported over OTLP/HTTP to a collector on loopback ({received} spans received, {dropped} dropped) | {:.2} s | {:.1} | {:.3}x (median of per-round ratios; range {:.3}x to {:.3}x) |",
+        b.as_secs_f64(),
+        rate(b),
+        ratios[ROUNDS / 2],
+        ratios[0],
+        ratios[ROUNDS - 1]
+    );
+
+    let Some(bin) = tandem_binary() else {
+        println!("\n## Traces, daemon: not measured: build the `tandem` binary first");
+        return;
+    };
+    let code = "```python\nprint(1)\n```";
+    let per = tasks / 2;
+    let script: Script = (0..per * ROUNDS * 2)
+        .map(|i| {
+            (
+                format!("daemon bench task {i}"),
+                vec![Reply::from(code), Reply::from("Done.\nTERMINATE")],
+            )
+        })
+        .collect();
+    let server = ScriptedOpenAi::start(script).await.unwrap();
+    let python =
+        bench_python().map(|p| format!("[executors.local]\npython = \"{}\"\n", p.display()));
+    let plain = python.clone().unwrap_or_default();
+    let traced = format!(
+        "{plain}\n[telemetry]\nendpoint = \"{}\"\n",
+        collector.http_endpoint()
+    );
+    let n = concurrency.to_string();
+    let args = ["--max-concurrent", n.as_str()];
+    let d_off = DaemonHarness::start(&bin, &server.base_url(), &args, Some(&plain)).await;
+    let d_on = DaemonHarness::start(&bin, &server.base_url(), &args, Some(&traced)).await;
+    async fn burst(d: &DaemonHarness, first: usize, per: usize) -> Duration {
+        let started = Instant::now();
+        let ids = futures::future::join_all(
+            (first..first + per).map(|i| submit(d, format!("daemon bench task {i}"))),
+        )
+        .await;
+        for id in ids {
+            let done = d.wait_finished(&id, Duration::from_secs(600)).await;
+            assert_eq!(done.record.stop_reason, Some(StopReason::Terminated));
+        }
+        started.elapsed()
+    }
+    let (mut without, mut with, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for r in 0..ROUNDS {
+        let (one, two) = (2 * r * per, (2 * r + 1) * per);
+        let (a, b) = if r % 2 == 0 {
+            let a = burst(&d_off, one, per).await;
+            (a, burst(&d_on, two, per).await)
+        } else {
+            let b = burst(&d_on, one, per).await;
+            (burst(&d_off, two, per).await, b)
+        };
+        ratios.push(b.as_secs_f64() / a.as_secs_f64());
+        without.push(a);
+        with.push(b);
+    }
+    ratios.sort_by(f64::total_cmp);
+    let rate = |d: Duration| per as f64 / d.as_secs_f64();
+    let (a, b) = (stats(without).1, stats(with).1);
+    println!(
+        "\n## Traces, daemon: {per} two-turn tasks submitted at once over HTTP, --max-concurrent {concurrency}, {ROUNDS} alternated rounds (medians), {}",
+        bin.display()
+    );
+    println!("| daemon | wall | tasks/s | ratio |");
+    println!("|---|---|---|---|");
+    println!(
+        "| no [telemetry] | {:.2} s | {:.1} | 1.00x |",
+        a.as_secs_f64(),
+        rate(a)
+    );
+    println!(
+        "| [telemetry] to a collector on loopback | {:.2} s | {:.1} | {:.3}x (median of per-round ratios; range {:.3}x to {:.3}x) |",
+        b.as_secs_f64(),
+        rate(b),
+        ratios[ROUNDS / 2],
+        ratios[0],
+        ratios[ROUNDS - 1]
+    );
+    telemetry.shutdown();
 }

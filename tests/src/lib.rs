@@ -11,6 +11,7 @@ pub mod conformance;
 pub mod daemon;
 pub mod kubernetes;
 pub mod mcp;
+pub mod otlp;
 pub mod postgres;
 pub mod second_engine;
 pub mod webdriver;

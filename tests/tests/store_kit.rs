@@ -95,6 +95,11 @@ const CASES: &[Case] = &[
         "asking for notices returns at once",
         notices_return,
     ),
+    (
+        "first_trace_kept",
+        "a task's trace is its first traced run's, whatever later runs or hostile values say",
+        first_trace_kept,
+    ),
 ];
 
 /// Runs every case on a store `open` makes for it; panics naming each case that failed.
@@ -637,4 +642,48 @@ fn notices_return(store: &dyn TaskStore) {
     store.notices("d", Box::new(|_| {})).unwrap();
     create(store, &["t"]);
     assert!(store.get("t").unwrap().is_some());
+}
+
+fn started(trace: Option<&str>) -> EventMsg {
+    EventMsg::TaskStarted {
+        task: "t".to_owned(),
+        model: "m".to_owned(),
+        base_url: "http://127.0.0.1:1/v1".to_owned(),
+        executor: "local".to_owned(),
+        trace: trace.map(str::to_owned),
+    }
+}
+
+fn first_trace_kept(store: &dyn TaskStore) {
+    create(store, &["t"]);
+    // Untraced, and values that are not a traceparent, leave no trace id.
+    for trace in [
+        None,
+        Some("garbage"),
+        Some("00-xyz-00f067aa0ba902b7-01"),
+        Some("00-4bf92f3577b34da6a3ce929d0e0e4736'; DROP TABLE tasks; --"),
+    ] {
+        event(store, "t", started(trace));
+    }
+    assert_eq!(store.get("t").unwrap().unwrap().trace_id, None);
+    let first = "4bf92f3577b34da6a3ce929d0e0e4736";
+    event(
+        store,
+        "t",
+        started(Some(&format!("00-{first}-00f067aa0ba902b7-01"))),
+    );
+    // A resumed run's start names its own span: the task's trace stays the first's.
+    event(
+        store,
+        "t",
+        started(Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")),
+    );
+    assert_eq!(
+        store.get("t").unwrap().unwrap().trace_id.as_deref(),
+        Some(first)
+    );
+    assert_eq!(
+        store.list(None).unwrap()[0].trace_id.as_deref(),
+        Some(first)
+    );
 }

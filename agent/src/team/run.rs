@@ -17,6 +17,7 @@ use tandem_protocol::team::{Aggregate, Kind, SelectionKind};
 use tandem_protocol::{
     ErrorCode, ErrorInfo, EventMsg, Message, Role, StopReason, ToolCall, ToolReply, Usage,
 };
+use tracing::Instrument;
 
 pub use super::history::{Replay, Said};
 use super::termination::{ChatState, Condition, Test};
@@ -835,8 +836,10 @@ impl Ctx<'_> {
             return Ok(Ended::Done);
         }
         let offer = self.team.tools.get(&node.name).and_then(|t| t.offer());
+        let span = crate::trace::agent(&node.name, &node.path, turn);
         match self
             .call(&node.path, model.as_ref(), &view, turn, offer)
+            .instrument(span)
             .await?
         {
             Some(reply) => Ok(self.said(node, history, reply.text, reply.calls)),
@@ -948,6 +951,7 @@ impl Ctx<'_> {
             Err(reason) => return Ok(Ended::Stopped(reason)),
         };
         let no_code = node.spec.no_code_reply.clone().unwrap_or_default();
+        let span = crate::trace::agent(&node.name, &node.path, turn);
         if !has_code {
             return Ok(self.reported(node, history, turn, no_code, Vec::new()));
         }
@@ -995,17 +999,22 @@ impl Ctx<'_> {
                 slot.executor().name()
             ),
         };
-        let runs = match blocks::run_blocks(&mut slot, &code, &opts).await {
+        let runs = match blocks::run_blocks(&mut slot, &code, &opts)
+            .instrument(span.clone())
+            .await
+        {
             Ok(runs) => runs,
             Err(e) => return Err(broke(e, &slot)),
         };
         let tools = self.team.tools.get(&caller).cloned().unwrap_or_default();
         let first = u32::try_from(code.len() + 1).unwrap_or(u32::MAX);
-        let answered =
-            match crate::dispatch::run_calls(&mut slot, &tools, &calls, first, &opts).await {
-                Ok(answered) => answered,
-                Err(e) => return Err(broke(e, &slot)),
-            };
+        let answered = match crate::dispatch::run_calls(&mut slot, &tools, &calls, first, &opts)
+            .instrument(span)
+            .await
+        {
+            Ok(answered) => answered,
+            Err(e) => return Err(broke(e, &slot)),
+        };
         if self.cancel.is_cancelled() {
             return Ok(Ended::Stopped(StopReason::Cancelled));
         }

@@ -88,11 +88,15 @@ pub(crate) async fn run_team(
     summary: impl FnOnce(StopReason, &[Said]) -> Option<String>,
 ) -> TeamRun {
     let started = Instant::now();
+    // The caller's task span, when it made one: its context is kept with the task, so that a
+    // later run of it (resumed, on this daemon or another) joins the same trace.
+    let span = tracing::Span::current();
     events(EventMsg::TaskStarted {
         task: task.to_owned(),
         model: label.model,
         base_url: label.base_url,
         executor: label.executor,
+        trace: crate::trace::traceparent(&span),
     });
     // One token for both ways a task is stopped from outside; the flag tells them apart.
     let stop = cancel.child_token();
@@ -158,6 +162,9 @@ pub(crate) async fn run_team(
     let (stop_reason, error) = stop_of(&ended, &timed_out);
     let (summary, check) = checked;
     let elapsed = started.elapsed();
+    if !span.is_disabled() {
+        trace_task(&span, stop_reason, error.as_ref(), usage, turns, cost);
+    }
     events(EventMsg::TaskFinished {
         stop_reason,
         turns,
@@ -182,6 +189,37 @@ pub(crate) async fn run_team(
         budget,
         result,
         elapsed,
+    }
+}
+
+/// How the task ended, on its span.
+fn trace_task(
+    span: &tracing::Span,
+    stop_reason: StopReason,
+    error: Option<&ErrorInfo>,
+    usage: Usage,
+    turns: u32,
+    cost: Option<f64>,
+) {
+    use crate::trace::set;
+    let tokens = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+    set(
+        span,
+        "gen_ai.usage.input_tokens",
+        tokens(usage.prompt_tokens),
+    );
+    set(
+        span,
+        "gen_ai.usage.output_tokens",
+        tokens(usage.completion_tokens),
+    );
+    set(span, "tandem.stop_reason", stop_reason.as_str());
+    set(span, "tandem.turns", i64::from(turns));
+    if let Some(cost) = cost {
+        set(span, "tandem.cost", cost);
+    }
+    if let Some(e) = error {
+        crate::trace::fail(span, e.code.as_str(), &e.message);
     }
 }
 

@@ -45,6 +45,9 @@ pub struct FileConfig {
     /// `[store]`: where the daemon keeps its tasks (docs/store.md).
     #[serde(default)]
     pub store: StoreSection,
+    /// `[telemetry]`: where traces are exported (docs/telemetry.md).
+    #[serde(default)]
+    pub telemetry: tandem_telemetry::TelemetryConfig,
 }
 
 /// `[store]`.

@@ -15,6 +15,7 @@ use tandem_daemon::plan::Start;
 use tandem_daemon::{Planner, Policy};
 use tandem_executor::CancellationToken;
 use tandem_protocol::{EventMsg, StopReason, TaskSpec};
+use tracing::Instrument as _;
 
 use crate::config::{FileConfig, ModelFlags, Overrides, Road, Settings};
 use crate::exit;
@@ -360,7 +361,11 @@ async fn in_process(
         );
         let last = match planned {
             Ok(planned) => {
-                planned.run(None, None, events, cancel.child_token()).await;
+                let span = tandem_agent::trace::task(&t.id, "tandem");
+                planned
+                    .run(None, None, events, cancel.child_token())
+                    .instrument(span)
+                    .await;
                 finished.lock().ok().and_then(|mut f| f.take())
             }
             Err(info) => Some(EventMsg::TaskFinished {

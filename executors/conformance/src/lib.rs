@@ -573,8 +573,10 @@ async fn cancel_stops_a_block_at_once(executor: Arc<dyn Executor>) -> Checked {
     // on a loaded machine an interpreter can take longer than any fixed delay to start.
     let cancelled_at = Arc::new(Mutex::new(None::<Instant>));
     let (trigger, at) = (cancel.clone(), cancelled_at.clone());
-    let ctx = ExecContext::new(cancel.clone()).with_sink(Arc::new(move |stream, _bytes| {
-        if stream == Stream::Stdout && !trigger.is_cancelled() {
+    // The whole line, not its first piece: an unbuffered interpreter writes `going` and its
+    // newline apart, and a cancel between the two would cut the line.
+    let ctx = ExecContext::new(cancel.clone()).with_sink(Arc::new(move |stream, bytes| {
+        if stream == Stream::Stdout && bytes.contains(&b'\n') && !trigger.is_cancelled() {
             if let Ok(mut at) = at.lock() {
                 *at = Some(Instant::now());
             }

@@ -388,6 +388,10 @@ impl Session for KeptSession {
         self.inner.workspace()
     }
 
+    fn host(&self) -> Option<&str> {
+        self.inner.host()
+    }
+
     fn close(mut self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
         Box::pin(async move {
             self.stop_kernel().await;

@@ -139,6 +139,10 @@ pub trait Session: Send {
     ) -> BoxFuture<'_, Result<ExecOutcome, ExecError>>;
     /// The host directory that holds the session's files, if it has one.
     fn workspace(&self) -> Option<&Path>;
+    /// The name of the machine it was placed on, for an executor with several.
+    fn host(&self) -> Option<&str> {
+        None
+    }
     /// Releases the sandbox (processes, containers, temporary files).
     fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>>;
     /// Places the regular files and directories of the tar archive at `archive` (on the

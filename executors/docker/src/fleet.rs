@@ -534,6 +534,10 @@ impl Session for Placed {
         self.inner.as_ref().and_then(|s| s.workspace())
     }
 
+    fn host(&self) -> Option<&str> {
+        Some(self.fleet.hosts[self.host].spec.config.label())
+    }
+
     fn put_archive(
         &mut self,
         archive: &Path,

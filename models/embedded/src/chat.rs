@@ -97,6 +97,7 @@ impl LocalModel for EmbeddedChat {
                                 .to_owned(),
                             ),
                             tool_calls,
+                            ..Completion::default()
                         });
                     }
                     Event::Failed(reason) => {

@@ -20,7 +20,19 @@ impl TandemMcp {
         args: RunTaskArgs,
         context: &RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        let spec = self.spec_of(args).await?;
+        let mut spec = self.spec_of(args).await?;
+        // The caller's span: the request's `_meta.traceparent` (SEP-414), else the HTTP
+        // request's header.
+        let from_meta = context.meta.get_traceparent().map(str::to_owned);
+        let from_header = || {
+            context
+                .extensions
+                .get::<axum::http::request::Parts>()
+                .and_then(|parts| crate::api::traceparent(&parts.headers))
+        };
+        if let Some(parent) = from_meta.filter(|t| t.len() <= 128).or_else(from_header) {
+            spec.traceparent = Some(parent);
+        }
         // Subscribed before the task exists, so that none of its events is missed.
         let live = self.supervisor.subscribe();
         let record = self.supervisor.submit(spec).await.map_err(|e| match e {

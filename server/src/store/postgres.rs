@@ -57,6 +57,10 @@ const MIGRATIONS: &[&str] = &[
     -- A finished task's final answer and its check's verdict, as JSON.
     ALTER TABLE tasks ADD COLUMN outcome TEXT;
 ",
+    "
+    -- The trace a task's spans are in, when its daemon exports traces.
+    ALTER TABLE tasks ADD COLUMN trace_id TEXT;
+",
 ];
 
 /// The database's clock in ms: leases are timed by the one clock every daemon shares.
@@ -824,8 +828,8 @@ impl PgStore {
                     .execute(
                         "INSERT INTO tasks (id, state, spec, stop_reason, error, prompt_tokens,
                             completion_tokens, turns, created_ms, started_ms, finished_ms,
-                            files_removed_ms, outcome)
-                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+                            files_removed_ms, outcome, trace_id)
+                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
                          ON CONFLICT (id) DO NOTHING",
                         &[
                             &task.id,
@@ -841,6 +845,7 @@ impl PgStore {
                             &task.finished_ms.map(|v| v as i64),
                             &task.files_removed_ms.map(|v| v as i64),
                             &outcome_json(&task),
+                            &task.trace_id,
                         ],
                     )
                     .await
@@ -895,6 +900,9 @@ async fn task_update(
     now_ms: u64,
 ) -> std::result::Result<(), tokio_postgres::Error> {
     match rules::row_change(msg, now_ms) {
+        Some(RowChange::Traced { trace_id }) => {
+            tx.execute(&pg(rules::TRACED), &[&id, &trace_id]).await?;
+        }
         Some(RowChange::Turn { turn, usage }) => {
             tx.execute(
                 "UPDATE tasks SET turns = $2, prompt_tokens = prompt_tokens + $3,
@@ -1010,6 +1018,7 @@ fn row(r: &Row) -> rules::Row {
             files_removed_ms: r.get(11),
         },
         outcome: r.get(12),
+        trace_id: r.get(13),
     }
 }
 

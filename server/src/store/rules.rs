@@ -14,6 +14,11 @@ use super::{Result, StoreError, parse};
 /// What one event changes in its task's row, beside the event itself.
 #[derive(Debug, PartialEq)]
 pub(crate) enum RowChange {
+    /// The task started with its spans exported: the first run's trace is the task's.
+    Traced {
+        /// The trace's id.
+        trace_id: String,
+    },
     /// An assistant message with usage: the task is at `turn`, and `usage` adds to the task's.
     /// Usage is the sum of the messages' (a resumed task's run knows only its own part).
     Turn {
@@ -65,6 +70,18 @@ impl Outcome {
 /// only events.
 pub(crate) fn row_change(msg: &EventMsg, now_ms: u64) -> Option<RowChange> {
     match msg {
+        EventMsg::TaskStarted {
+            trace: Some(traceparent),
+            ..
+        } => {
+            // `version-traceid-spanid-flags`, made by this daemon's propagator.
+            let trace_id = traceparent.split('-').nth(1)?;
+            (trace_id.len() == 32 && trace_id.bytes().all(|b| b.is_ascii_hexdigit())).then(|| {
+                RowChange::Traced {
+                    trace_id: trace_id.to_owned(),
+                }
+            })
+        }
         EventMsg::AssistantMessage {
             turn,
             usage: Some(usage),
@@ -139,6 +156,8 @@ pub(crate) struct Row {
     pub times: Times,
     /// Its final answer and check, as JSON ([`Outcome`]).
     pub outcome: Option<String>,
+    /// The id of the trace of its first run.
+    pub trace_id: Option<String>,
 }
 
 /// When things happened to a task, in ms since the epoch.
@@ -190,6 +209,7 @@ pub(crate) fn decode(row: Row) -> Result<TaskRecord> {
         check: outcome.check,
         cost: outcome.cost,
         budget: outcome.budget,
+        trace_id: row.trace_id,
     })
 }
 
@@ -203,7 +223,7 @@ fn millis(v: i64) -> u64 {
 pub(crate) fn columns(usage: &str) -> String {
     format!(
         "id, state, spec, stop_reason, error, {usage}, turns, created_ms, started_ms, \
-         finished_ms, files_removed_ms, outcome"
+         finished_ms, files_removed_ms, outcome, trace_id"
     )
 }
 
@@ -258,6 +278,9 @@ pub(crate) const TRANSITION: &str = "UPDATE tasks SET state = ?3,
 pub(crate) const SET_STATE: &str = "UPDATE tasks SET state = ?2,
         started_ms = CASE WHEN ?2 = 'running' THEN ?3 ELSE started_ms END
      WHERE id = ?1";
+
+/// Notes that task `?1` is traced in trace `?2`, unless an earlier run was.
+pub(crate) const TRACED: &str = "UPDATE tasks SET trace_id = COALESCE(trace_id, ?2) WHERE id = ?1";
 
 /// Notes that task `?1`'s workspace was removed at `?2`.
 pub(crate) const FILES_REMOVED: &str = "UPDATE tasks SET files_removed_ms = ?2 WHERE id = ?1";
@@ -430,6 +453,7 @@ mod tests {
                 files_removed_ms: None,
             },
             outcome: Some("{\"result\":\"42\",\"check\":{\"verdict\":\"solved\"}}".into()),
+            trace_id: None,
         };
         let record = decode(row).unwrap();
         assert_eq!(record.result, Some(serde_json::json!("42")));

@@ -59,6 +59,10 @@ const MIGRATIONS: &[&str] = &[
     -- A finished task's final answer and its check's verdict, as JSON.
     ALTER TABLE tasks ADD COLUMN outcome TEXT;
 ",
+    "
+    -- The trace a task's spans are in, when its daemon exports traces.
+    ALTER TABLE tasks ADD COLUMN trace_id TEXT;
+",
 ];
 
 impl TaskStore for Store {
@@ -626,6 +630,10 @@ fn append_one(db: &mut Db, task_id: &str, msg: &EventMsg, now_ms: u64) -> rusqli
     conn.prepare_cached("INSERT INTO events (task_id, seq, at_ms, body) VALUES (?1, ?2, ?3, ?4)")?
         .execute(params![task_id, seq, now_ms as i64, to_json(msg)])?;
     match rules::row_change(msg, now_ms) {
+        Some(RowChange::Traced { trace_id }) => {
+            conn.prepare_cached(rules::TRACED)?
+                .execute(params![task_id, trace_id])?;
+        }
         Some(RowChange::Turn { turn, usage }) => {
             conn.prepare_cached(
                 "UPDATE tasks SET turns = ?2, usage = json_object(
@@ -698,6 +706,7 @@ fn raw_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<rules::Row> {
             files_removed_ms: r.get(11)?,
         },
         outcome: r.get(12)?,
+        trace_id: r.get(13)?,
     })
 }
 

@@ -422,6 +422,23 @@
         if (executor) body.executor = executor;
         if ($('keep-state').checked) body.keep_state = true;
         if ($('code-via').value) body.code_via = $('code-via').value;
+        for (const [id, field, whole] of [['max-input-tokens', 'max_input_tokens', true], ['max-output-tokens', 'max_output_tokens', true], ['max-cost', 'max_cost', false]]) {
+          const raw = $(id).value.trim();
+          if (!raw) continue;
+          const n = Number(raw);
+          if (!Number.isFinite(n) || n <= 0 || (whole && !Number.isInteger(n))) {
+            throw new Error(`${field} must be ${whole ? 'a whole number' : 'a number'} above 0`);
+          }
+          body[field] = n;
+        }
+        const schema = $('output-schema').value.trim();
+        if (schema) {
+          try {
+            body.output_schema = JSON.parse(schema);
+          } catch (err) {
+            throw new Error(`Output schema is not JSON: ${err.message}`);
+          }
+        }
         const placement = $('placement').value.trim();
         if (placement) {
           body.placement = {};
@@ -589,6 +606,7 @@
         tokens(r.usage),
         cost(r.cost),
         r.started_ms && r.finished_ms ? duration(r.finished_ms - r.started_ms) : null,
+        r.trace_id ? `trace ${r.trace_id}` : null,
       ].filter(Boolean).join(' · ');
       if (r.error && r.error.message) setError(r.error.message);
       updateButtons();
