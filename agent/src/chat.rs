@@ -375,18 +375,20 @@ impl ChatModel {
         if span.is_disabled() {
             return;
         }
-        let usage = done.usage.unwrap_or_default();
-        let tokens = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
-        crate::trace::set(
-            span,
-            "gen_ai.usage.input_tokens",
-            tokens(usage.prompt_tokens),
-        );
-        crate::trace::set(
-            span,
-            "gen_ai.usage.output_tokens",
-            tokens(usage.completion_tokens),
-        );
+        // A server that does not say what a call used leaves it out; it is not zero.
+        if let Some(usage) = done.usage {
+            let tokens = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+            crate::trace::set(
+                span,
+                "gen_ai.usage.input_tokens",
+                tokens(usage.prompt_tokens),
+            );
+            crate::trace::set(
+                span,
+                "gen_ai.usage.output_tokens",
+                tokens(usage.completion_tokens),
+            );
+        }
         crate::trace::set(
             span,
             "gen_ai.response.model",

@@ -236,8 +236,15 @@ impl Telemetry {
         let filter = tracing_subscriber::filter::Targets::new()
             .with_target(spans::TARGET, tracing::Level::INFO)
             .with_default(tracing::Level::WARN);
+        // Only the conventions' attributes and Tandem's own: no source locations, threads,
+        // targets or busy/idle times, which are the code's and would cost every span.
         tracing_opentelemetry::layer()
             .with_tracer(self.provider.tracer(spans::SCOPE))
+            .with_location(false)
+            .with_threads(false)
+            .with_target(false)
+            .with_level(false)
+            .with_tracked_inactivity(false)
             .with_filter(filter)
             .boxed()
     }

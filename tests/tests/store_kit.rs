@@ -676,7 +676,9 @@ fn first_trace_kept(store: &dyn TaskStore) {
     event(
         store,
         "t",
-        started(Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")),
+        started(Some(
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        )),
     );
     assert_eq!(
         store.get("t").unwrap().unwrap().trace_id.as_deref(),
