@@ -49,6 +49,8 @@ pub fn dropped_spans() -> u64 {
     DROPPED.load(Ordering::Relaxed)
 }
 
+// Whole numbers go on spans as `i64`: the exporter writes a `u64` field as text.
+
 /// A task's span: `invoke_agent {agent}`, the conversation being the task.
 pub fn task(id: &str, agent: &str) -> Span {
     tracing::info_span!(
@@ -73,7 +75,7 @@ pub fn agent(name: &str, path: &str, turn: u32) -> Span {
         gen_ai.operation.name = "invoke_agent",
         gen_ai.agent.name = %name,
         tandem.agent.path = %path,
-        tandem.turn = turn,
+        tandem.turn = i64::from(turn),
     )
 }
 
@@ -123,8 +125,8 @@ pub fn block(executor: &str, language: &str, turn: u32, index: u32) -> Span {
         otel.kind = "internal",
         tandem.executor = %executor,
         tandem.block.language = %language,
-        tandem.turn = turn,
-        tandem.block.index = index,
+        tandem.turn = i64::from(turn),
+        tandem.block.index = i64::from(index),
     )
 }
 

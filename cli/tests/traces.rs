@@ -561,3 +561,66 @@ async fn a_task_resumed_after_a_restart_stays_in_its_trace_linked_to_its_first_r
         tree(&spans)
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_team_task_has_a_span_per_agent_turn() {
+    let task = "trace: team";
+    let collector = Collector::start().await;
+    // Replies by task and the first line of each agent's instructions.
+    let server = ScriptedOpenAi::start(
+        [
+            (format!("{task}#a"), vec![Reply::from("a says")]),
+            (format!("{task}#b"), vec![Reply::from("b says")]),
+        ]
+        .into_iter()
+        .collect(),
+    )
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("team.toml");
+    std::fs::write(
+        &file,
+        "[team]\nkind = \"chat\"\nagents = [\"a\", \"b\"]\ntermination = { max_turns = 2 }\n[agents.a]\ninstructions = \"a\"\n[agents.b]\ninstructions = \"b\"\n",
+    )
+    .unwrap();
+    let trace = "6bf92f3577b34da6a3ce929d0e0e4738";
+    let parent = caller(trace);
+    let endpoint = collector.http_endpoint();
+    let url = server.base_url();
+    let out = tandem(
+        &[
+            "run",
+            "--team",
+            file.to_str().unwrap(),
+            "--base-url",
+            &url,
+            "--model",
+            "m",
+            task,
+        ],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("TRACEPARENT", parent.as_str()),
+            ("TANDEM_MAX_RETRIES", "0"),
+        ],
+        None,
+    )
+    .await;
+    assert!(out.stdout.contains("── b · turn 2 ──"), "{}\n{}", out.stdout, out.stderr);
+    let spans = collector
+        .trace(trace, Duration::from_secs(10), whole("invoke_agent team"))
+        .await;
+    assert_eq!(
+        tree(&spans),
+        "invoke_agent team
+  invoke_agent a
+    chat m
+  invoke_agent b
+    chat m
+"
+    );
+    let b = named(&spans, "invoke_agent b");
+    assert_eq!(b.text("tandem.agent.path"), Some("team/b"));
+    assert_eq!(b.int("tandem.turn"), Some(2), "{b:?}");
+}
