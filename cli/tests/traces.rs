@@ -607,7 +607,12 @@ async fn a_team_task_has_a_span_per_agent_turn() {
         None,
     )
     .await;
-    assert!(out.stdout.contains("── b · turn 2 ──"), "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("── b · turn 2 ──"),
+        "{}\n{}",
+        out.stdout,
+        out.stderr
+    );
     let spans = collector
         .trace(trace, Duration::from_secs(10), whole("invoke_agent team"))
         .await;

@@ -237,9 +237,12 @@ impl Telemetry {
             .with_target(spans::TARGET, tracing::Level::INFO)
             .with_default(tracing::Level::WARN);
         // Only the conventions' attributes and Tandem's own: no source locations, threads,
-        // targets or busy/idle times, which are the code's and would cost every span.
+        // targets or busy/idle times, which are the code's and would cost every span. A span's
+        // parent is found through `tracing`'s own context, so entering one (every poll of the
+        // future it wraps) need not make its OpenTelemetry context current.
         tracing_opentelemetry::layer()
             .with_tracer(self.provider.tracer(spans::SCOPE))
+            .with_context_activation(false)
             .with_location(false)
             .with_threads(false)
             .with_target(false)
