@@ -233,6 +233,17 @@ async fn a_cost_budget_is_counted_at_the_operators_prices_on_the_daemon_and_over
             400,
             "max_input_tokens must be at least 1",
         ),
+        // A team's selector with a model of its own is counted too.
+        (
+            json!({"task": task, "max_cost": 1.0, "team": {
+                "team": {"kind": "chat", "agents": ["a", "b"],
+                         "termination": {"max_turns": 4},
+                         "selection": {"kind": "llm", "model": "unpriced-selector"}},
+                "agents": {"a": {"instructions": "a", "description": "writes"},
+                           "b": {"instructions": "b", "description": "checks"}}}}),
+            400,
+            "`unpriced-selector` has no price",
+        ),
         (
             json!({"task": task, "max_cost": -2.0}),
             400,

@@ -317,6 +317,15 @@ impl Planner {
                         agent.base_url.as_deref().or(spec.base_url.as_deref()),
                     ));
                 }
+                // An `llm` selector with a model of its own is a model the task pays for.
+                if let Some(tandem_protocol::team::Selection::Table(table)) = &agent.selection
+                    && let Some(model) = &table.model
+                {
+                    named.push((
+                        Some(model.as_str()),
+                        agent.base_url.as_deref().or(spec.base_url.as_deref()),
+                    ));
+                }
             }
         }
         for (model, base_url) in named {
