@@ -629,3 +629,110 @@ async fn a_team_task_has_a_span_per_agent_turn() {
     assert_eq!(b.text("tandem.agent.path"), Some("team/b"));
     assert_eq!(b.int("tandem.turn"), Some(2), "{b:?}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_task_another_daemon_of_the_store_takes_over_joins_its_first_runs_trace() {
+    let task = "trace: taken over";
+    let url = tandem_tests::Postgres::shared().new_database();
+    let collector = Collector::start().await;
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::from("```python\nprint(3)\n```"),
+            Reply::from("3\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let start = |name: &'static str| {
+        let config = format!(
+            "[store]\ndaemon = \"{name}\"\nlease_secs = 2.0\n\n[telemetry]\nendpoint = \"{}\"\n",
+            collector.http_endpoint()
+        );
+        let (base, url) = (server.base_url(), url.clone());
+        async move {
+            Daemon::start_with_env(
+                Path::new(env!("CARGO_BIN_EXE_tandem")),
+                &base,
+                &[],
+                Some(&config),
+                &[("TANDEM_STORE_URL", url.as_str())],
+            )
+            .await
+        }
+    };
+    let mut a = start("a").await;
+    let id = a
+        .submit(json!({"task": task, "approval": {"mode": "always"}}))
+        .await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while a.task(&id).await.record.state != TaskState::AwaitingApproval {
+        assert!(std::time::Instant::now() < deadline, "{}", a.log());
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    // The first run's span, as its start event named it.
+    let first = a
+        .events(&id, 0)
+        .await
+        .into_iter()
+        .find_map(|e| match e.msg {
+            EventMsg::TaskStarted { trace, .. } => trace,
+            _ => None,
+        })
+        .expect("a traced start");
+    let parts: Vec<&str> = first.split('-').collect();
+    let (trace, first_span) = (parts[1].to_owned(), parts[2].to_owned());
+    // What of A's run has ended is exported within a batch's wait; then A dies holding the
+    // task, B takes it once the lease lapses, and it waits for a person again.
+    collector
+        .trace(&trace, Duration::from_secs(30), |spans| {
+            spans.iter().any(|s| s.name == "invoke_agent assistant")
+        })
+        .await;
+    a.kill9();
+    let b = start("b").await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let t = b.task(&id).await;
+        if t.record.state == TaskState::AwaitingApproval && t.daemon.as_deref() == Some("b") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{t:?}\n{}", b.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, body) = b
+        .send(
+            reqwest::Method::POST,
+            &format!("/v1/tasks/{id}/approvals/1"),
+            Some(json!({"decision": "approve"}).to_string()),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let done = b.wait_finished(&id, Duration::from_secs(120)).await;
+    assert_eq!(done.record.stop_reason, Some(StopReason::Terminated));
+    assert_eq!(done.record.trace_id.as_deref(), Some(trace.as_str()));
+    // B's run is a child of A's and links to it; A's own span never ended (it was killed),
+    // but what of its run had ended is there, under it.
+    let spans = collector
+        .trace(&trace, Duration::from_secs(60), whole(ROOT))
+        .await;
+    let taken = named(&spans, ROOT);
+    assert_eq!(taken.parent.as_deref(), Some(first_span.as_str()));
+    assert_eq!(taken.links, vec![(trace.clone(), first_span.clone())]);
+    assert!(
+        spans.iter().any(|s| s.name == "chat gpt-4o-mini"
+            && s.parent.is_some()
+            && spans.iter().any(|p| Some(&p.span_id) == s.parent.as_ref()
+                && p.name == "invoke_agent assistant"
+                && p.parent.as_deref() == Some(first_span.as_str()))),
+        "{}",
+        tree(&spans)
+    );
+    assert!(
+        children(&spans, taken)
+            .iter()
+            .any(|s| s.name == "invoke_agent executor"),
+        "{}",
+        tree(&spans)
+    );
+}
