@@ -72,6 +72,20 @@ async fn a_daemon_task_is_one_trace_under_the_callers_span_and_mcp_joins_its_cal
                 Reply::from("7\nTERMINATE"),
             ],
         ),
+        (
+            "trace: unsampled",
+            vec![
+                Reply::from("```python\nprint(8)\n```"),
+                Reply::from("8\nTERMINATE"),
+            ],
+        ),
+        (
+            "trace: malformed",
+            vec![
+                Reply::from("```python\nprint(9)\n```"),
+                Reply::from("9\nTERMINATE"),
+            ],
+        ),
     ]))
     .await
     .unwrap();
@@ -254,13 +268,33 @@ async fn a_daemon_task_is_one_trace_under_the_callers_span_and_mcp_joins_its_cal
         Some(2)
     );
 
+    // A caller's span that is not sampled is honoured: the task runs, and nothing of it is
+    // sent (checked below, once a later task's spans have come: the export keeps order).
+    let unsampled = "7bf92f3577b34da6a3ce929d0e0e4739";
+    let resp = d
+        .http()
+        .post("http://tandem/v1/tasks")
+        .header("content-type", "application/json")
+        .header("traceparent", format!("00-{unsampled}-00f067aa0ba902b7-00"))
+        .body(json!({"task": "trace: unsampled"}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 201);
+    let quiet = resp.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let done = d.wait_finished(&quiet, Duration::from_secs(120)).await;
+    assert_eq!(done.record.stop_reason, Some(StopReason::Terminated));
+
     // A malformed traceparent is ignored: the task runs, in a trace of its own.
     let resp = d
         .http()
         .post("http://tandem/v1/tasks")
         .header("content-type", "application/json")
         .header("traceparent", "00-not-a-trace-01")
-        .body(json!({"task": mcp_task}).to_string())
+        .body(json!({"task": "trace: malformed"}).to_string())
         .send()
         .await
         .unwrap();
@@ -276,6 +310,10 @@ async fn a_daemon_task_is_one_trace_under_the_callers_span_and_mcp_joins_its_cal
         .trace(&own_trace, Duration::from_secs(60), whole(ROOT))
         .await;
     assert_eq!(named(&spans, ROOT).parent, None);
+    assert!(
+        collector.spans().iter().all(|s| s.trace_id != unsampled),
+        "an unsampled caller's task was exported"
+    );
 
     // People see the trace: `tandem show`, and nothing was dropped.
     let (code, shown, _) = d.cli(&["show", &id]).await;
