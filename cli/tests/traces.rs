@@ -387,6 +387,14 @@ async fn tandem_run_exports_over_grpc_under_the_callers_span_with_content_when_a
     assert_eq!(root.resource["service.name"], "trace-test");
     // Opted in: the prompt, the reply, the code and its output are on the spans.
     let chat = named(&spans, "chat gpt-4o-mini");
+    // A streamed reply's first text is timed.
+    assert!(
+        chat.attributes
+            .get("tandem.time_to_first_token")
+            .and_then(Value::as_f64)
+            .is_some_and(|s| s > 0.0 && s < 60.0),
+        "{chat:?}"
+    );
     let input = chat.text("gen_ai.input.messages").unwrap_or_default();
     let messages: Value = serde_json::from_str(input).expect("JSON messages");
     assert_eq!(messages[1]["role"], "user");

@@ -804,7 +804,8 @@ async fn the_page_asks_for_tool_calls_and_shows_each_call_with_its_answer() {
     .await
     .unwrap();
     let addr = free_addr();
-    let config = "[model.prices.\"gpt-4o-mini\"]\ninput = 1.0\noutput = 1.0\n\n[tools.wc]\ncommand = [\"python3\", \"-c\", \"import json, sys; print(len(json.load(sys.stdin)['text'].split()))\"]\n";
+    // Traces to a port where nothing listens: the spans are dropped, the task keeps its trace id.
+    let config = "[telemetry]\nendpoint = \"http://127.0.0.1:9\"\nexport_timeout_secs = 1\n\n[model.prices.\"gpt-4o-mini\"]\ninput = 1.0\noutput = 1.0\n\n[tools.wc]\ncommand = [\"python3\", \"-c\", \"import json, sys; print(len(json.load(sys.stdin)['text'].split()))\"]\n";
     let d = Daemon::start(
         Path::new(env!("CARGO_BIN_EXE_tandem")),
         &server.base_url(),
@@ -878,6 +879,20 @@ async fn the_page_asks_for_tool_calls_and_shows_each_call_with_its_answer() {
     assert_eq!(block, json!(["print(6 * 7)", "42\n"]));
     let t = d.task(&id).await;
     assert_eq!(t.record.spec.code_via, Some(CodeVia::Tool), "{t:?}");
+    // The task's header names its trace.
+    let trace = t.record.trace_id.clone().expect("a trace id");
+    let meta = b
+        .wait(
+            "the trace in the header",
+            "const m = document.querySelector('#task-meta').textContent; return m.includes('trace ') && m",
+            LIMIT,
+        )
+        .await;
+    assert!(
+        meta.as_str()
+            .is_some_and(|m| m.ends_with(&format!("trace {trace}"))),
+        "{meta}"
+    );
     // The budgets the form was given are the task's.
     let spec = &t.record.spec;
     assert_eq!(
