@@ -351,20 +351,26 @@ impl ChatModel {
         } else {
             "openai"
         };
-        let url = (!self.is_embedded())
+        let span = crate::trace::chat(&self.config.model, provider);
+        // With no exporter the span records nothing: the rest is not worked out for it.
+        if span.is_disabled() {
+            return span;
+        }
+        if let Some(url) = (!self.is_embedded())
             .then(|| reqwest::Url::parse(&self.config.base_url).ok())
-            .flatten();
-        let server = url
-            .as_ref()
-            .and_then(|u| Some((u.host_str()?, u.port_or_known_default()?)));
-        let span = crate::trace::chat(&self.config.model, provider, server);
+            .flatten()
+            && let (Some(host), Some(port)) = (url.host_str(), url.port_or_known_default())
+        {
+            crate::trace::set(&span, "server.address", host.to_owned());
+            crate::trace::set(&span, "server.port", i64::from(port));
+        }
         if let Some(n) = self.config.max_tokens {
             crate::trace::set(&span, "gen_ai.request.max_tokens", i64::from(n));
         }
         if let Some(t) = self.config.temperature {
             crate::trace::set(&span, "gen_ai.request.temperature", f64::from(t));
         }
-        if crate::trace::capture_content() && !span.is_disabled() {
+        if crate::trace::capture_content() {
             crate::trace::set(&span, "gen_ai.input.messages", content_of(messages));
         }
         span

@@ -61,7 +61,6 @@ pub fn task(id: &str, agent: &str) -> Span {
         gen_ai.operation.name = "invoke_agent",
         gen_ai.agent.name = %agent,
         gen_ai.conversation.id = %id,
-        tandem.task.id = %id,
     )
 }
 
@@ -80,8 +79,8 @@ pub fn agent(name: &str, path: &str, turn: u32) -> Span {
 }
 
 /// A model call: `chat {model}`; `provider` is `openai` for an OpenAI-compatible server.
-pub fn chat(model: &str, provider: &str, server: Option<(&str, u16)>) -> Span {
-    let span = tracing::info_span!(
+pub fn chat(model: &str, provider: &str) -> Span {
+    tracing::info_span!(
         target: TARGET,
         "chat",
         otel.name = %format!("chat {model}"),
@@ -89,12 +88,7 @@ pub fn chat(model: &str, provider: &str, server: Option<(&str, u16)>) -> Span {
         gen_ai.operation.name = "chat",
         gen_ai.provider.name = %provider,
         gen_ai.request.model = %model,
-    );
-    if let Some((host, port)) = server {
-        set(&span, "server.address", host.to_owned());
-        set(&span, "server.port", i64::from(port));
-    }
-    span
+    )
 }
 
 /// The provider name of a model run in this process.
@@ -172,6 +166,16 @@ pub fn set_strings(span: &Span, key: &'static str, values: Vec<String>) {
 pub fn fail(span: &Span, error_type: &str, message: &str) {
     span.set_attribute("error.type", error_type.to_owned());
     span.set_status(opentelemetry::trace::Status::error(message.to_owned()));
+}
+
+/// Longest `traceparent` kept from a caller (the header is 55 characters).
+const MAX_TRACEPARENT: usize = 128;
+
+/// A caller's `traceparent` as it is kept with its task: trimmed, and dropped when it is too
+/// long to be one. What it holds is checked where the task's span is made.
+pub fn caller(value: &str) -> Option<String> {
+    let value = value.trim();
+    (!value.is_empty() && value.len() <= MAX_TRACEPARENT).then(|| value.to_owned())
 }
 
 /// Makes `span` a child of the W3C `traceparent`; a malformed one is ignored (logged at

@@ -290,7 +290,7 @@ impl<W: Write> Renderer<W> {
                     .map_or(String::new(), |p| format!(" · {p}"));
                 let trace = trace
                     .as_deref()
-                    .and_then(|t| t.split('-').nth(1))
+                    .and_then(tandem_protocol::trace_id_of)
                     .map_or(String::new(), |id| format!(" · trace {id}"));
                 self.rule(&format!(
                     "tandem · model {model} at {base_url} · executor {executor}{place}{trace}"

@@ -36,20 +36,7 @@ fn block_then(code: &str, last: &str) -> Vec<Reply> {
 
 /// Polls until task `id` is in `state`; returns its record.
 async fn wait_state(d: &Daemon, id: &str, state: TaskState) -> TaskView {
-    let started = Instant::now();
-    loop {
-        let t = d.task(id).await;
-        if t.record.state == state {
-            return t;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "task {id} never reached {}: {t:?}\n{}",
-            state.as_str(),
-            d.log()
-        );
-        tokio::time::sleep(Duration::from_millis(30)).await;
-    }
+    d.wait_state(id, state, Duration::from_secs(30)).await
 }
 
 async fn decide(d: &Daemon, id: &str, n: u64, body: Value) -> (u16, Value) {

@@ -46,6 +46,38 @@ fn whole(root: &'static str) -> impl Fn(&[Received]) -> bool {
 
 const ROOT: &str = "invoke_agent tandem";
 
+/// Submits `spec` with a `traceparent` header; the task's id.
+async fn submit_traced(d: &Daemon, spec: Value, traceparent: &str) -> String {
+    let resp = d
+        .http()
+        .post("http://tandem/v1/tasks")
+        .header("content-type", "application/json")
+        .header("traceparent", traceparent)
+        .body(spec.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 201);
+    resp.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+/// Waits until task `id`'s first block waits for a person on `d`, then approves it there.
+async fn approve_first_block(d: &Daemon, id: &str) {
+    d.wait_state(id, TaskState::AwaitingApproval, Duration::from_secs(60))
+        .await;
+    let (status, body) = d
+        .send(
+            reqwest::Method::POST,
+            &format!("/v1/tasks/{id}/approvals/1"),
+            Some(json!({"decision": "approve"}).to_string()),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_daemon_task_is_one_trace_under_the_callers_span_and_mcp_joins_its_callers_too() {
     let (task, mcp_task) = ("trace: daemon", "trace: mcp");
@@ -101,34 +133,14 @@ async fn a_daemon_task_is_one_trace_under_the_callers_span_and_mcp_joins_its_cal
     )
     .await;
     let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
-    let resp = d
-        .http()
-        .post("http://tandem/v1/tasks")
-        .header("content-type", "application/json")
-        .header("traceparent", caller(trace))
-        .body(json!({"task": task, "code_via": "tool", "approval": {"mode": "always"}}).to_string())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 201);
-    let id = resp.json::<Value>().await.unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let id = submit_traced(
+        &d,
+        json!({"task": task, "code_via": "tool", "approval": {"mode": "always"}}),
+        &caller(trace),
+    )
+    .await;
     // The block waits for a person; approving it is part of the trace.
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while d.task(&id).await.record.state != TaskState::AwaitingApproval {
-        assert!(std::time::Instant::now() < deadline, "{}", d.log());
-        tokio::time::sleep(Duration::from_millis(30)).await;
-    }
-    let (status, body) = d
-        .send(
-            reqwest::Method::POST,
-            &format!("/v1/tasks/{id}/approvals/1"),
-            Some(json!({"decision": "approve"}).to_string()),
-        )
-        .await;
-    assert_eq!(status, 200, "{body}");
+    approve_first_block(&d, &id).await;
     let done = d.wait_finished(&id, Duration::from_secs(120)).await;
     assert_eq!(done.record.stop_reason, Some(StopReason::Terminated));
     assert_eq!(done.record.trace_id.as_deref(), Some(trace), "{done:?}");
@@ -271,38 +283,17 @@ async fn a_daemon_task_is_one_trace_under_the_callers_span_and_mcp_joins_its_cal
     // A caller's span that is not sampled is honoured: the task runs, and nothing of it is
     // sent (checked below, once a later task's spans have come: the export keeps order).
     let unsampled = "7bf92f3577b34da6a3ce929d0e0e4739";
-    let resp = d
-        .http()
-        .post("http://tandem/v1/tasks")
-        .header("content-type", "application/json")
-        .header("traceparent", format!("00-{unsampled}-00f067aa0ba902b7-00"))
-        .body(json!({"task": "trace: unsampled"}).to_string())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 201);
-    let quiet = resp.json::<Value>().await.unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let quiet = submit_traced(
+        &d,
+        json!({"task": "trace: unsampled"}),
+        &format!("00-{unsampled}-00f067aa0ba902b7-00"),
+    )
+    .await;
     let done = d.wait_finished(&quiet, Duration::from_secs(120)).await;
     assert_eq!(done.record.stop_reason, Some(StopReason::Terminated));
 
     // A malformed traceparent is ignored: the task runs, in a trace of its own.
-    let resp = d
-        .http()
-        .post("http://tandem/v1/tasks")
-        .header("content-type", "application/json")
-        .header("traceparent", "00-not-a-trace-01")
-        .body(json!({"task": "trace: malformed"}).to_string())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 201);
-    let own = resp.json::<Value>().await.unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let own = submit_traced(&d, json!({"task": "trace: malformed"}), "00-not-a-trace-01").await;
     let done = d.wait_finished(&own, Duration::from_secs(120)).await;
     let own_trace = done.record.trace_id.clone().expect("a trace of its own");
     assert!(own_trace != trace && own_trace != mcp_trace);
@@ -533,14 +524,8 @@ async fn a_task_resumed_after_a_restart_stays_in_its_trace_linked_to_its_first_r
     let id = d
         .submit(json!({"task": task, "approval": {"mode": "always"}}))
         .await;
-    async fn wait_for(d: &Daemon, id: &str, state: TaskState) {
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        while d.task(id).await.record.state != state {
-            assert!(std::time::Instant::now() < deadline, "{}", d.log());
-            tokio::time::sleep(Duration::from_millis(30)).await;
-        }
-    }
-    wait_for(&d, &id, TaskState::AwaitingApproval).await;
+    d.wait_state(&id, TaskState::AwaitingApproval, Duration::from_secs(60))
+        .await;
     let trace = d
         .task(&id)
         .await
@@ -550,15 +535,7 @@ async fn a_task_resumed_after_a_restart_stays_in_its_trace_linked_to_its_first_r
     // A stop while it waits for a person interrupts it; the next start resumes it.
     assert_eq!(d.terminate().await, Some(0));
     d.spawn().await;
-    wait_for(&d, &id, TaskState::AwaitingApproval).await;
-    let (status, body) = d
-        .send(
-            reqwest::Method::POST,
-            &format!("/v1/tasks/{id}/approvals/1"),
-            Some(json!({"decision": "approve"}).to_string()),
-        )
-        .await;
-    assert_eq!(status, 200, "{body}");
+    approve_first_block(&d, &id).await;
     let done = d.wait_finished(&id, Duration::from_secs(120)).await;
     assert_eq!(done.record.stop_reason, Some(StopReason::Terminated));
     assert_eq!(done.record.trace_id.as_deref(), Some(trace.as_str()));
@@ -711,11 +688,8 @@ async fn a_task_another_daemon_of_the_store_takes_over_joins_its_first_runs_trac
     let id = a
         .submit(json!({"task": task, "approval": {"mode": "always"}}))
         .await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while a.task(&id).await.record.state != TaskState::AwaitingApproval {
-        assert!(std::time::Instant::now() < deadline, "{}", a.log());
-        tokio::time::sleep(Duration::from_millis(30)).await;
-    }
+    a.wait_state(&id, TaskState::AwaitingApproval, Duration::from_secs(60))
+        .await;
     // The first run's span, as its start event named it.
     let first = a
         .events(&id, 0)
@@ -746,14 +720,7 @@ async fn a_task_another_daemon_of_the_store_takes_over_joins_its_first_runs_trac
         assert!(std::time::Instant::now() < deadline, "{t:?}\n{}", b.log());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let (status, body) = b
-        .send(
-            reqwest::Method::POST,
-            &format!("/v1/tasks/{id}/approvals/1"),
-            Some(json!({"decision": "approve"}).to_string()),
-        )
-        .await;
-    assert_eq!(status, 200, "{body}");
+    approve_first_block(&b, &id).await;
     let done = b.wait_finished(&id, Duration::from_secs(120)).await;
     assert_eq!(done.record.stop_reason, Some(StopReason::Terminated));
     assert_eq!(done.record.trace_id.as_deref(), Some(trace.as_str()));

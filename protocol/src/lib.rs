@@ -639,6 +639,18 @@ pub enum ErrorCode {
     Internal,
 }
 
+/// The trace id of a W3C `traceparent` (`version-traceid-spanid-flags`): 32 lowercase hex
+/// digits, not all zero; `None` for anything else.
+pub fn trace_id_of(traceparent: &str) -> Option<&str> {
+    let id = traceparent.split('-').nth(1)?;
+    (id.len() == 32
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        && id.bytes().any(|b| b != b'0'))
+    .then_some(id)
+}
+
 impl ErrorCode {
     /// The snake_case name used on the wire.
     pub fn as_str(self) -> &'static str {
@@ -728,6 +740,24 @@ impl Message {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_trace_id_is_read_only_from_a_traceparent_that_could_be_one() {
+        let id = "4bf92f3577b34da6a3ce929d0e0e4736";
+        assert_eq!(
+            super::trace_id_of(&format!("00-{id}-00f067aa0ba902b7-01")),
+            Some(id)
+        );
+        for bad in [
+            "",
+            "garbage",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
+        ] {
+            assert_eq!(super::trace_id_of(bad), None, "{bad}");
+        }
+    }
+
     use super::*;
 
     /// Every event reads back as it was written, in a team (with the agent's `path`) and out

@@ -256,19 +256,19 @@ async fn create_task(
                     ),
                 )
             })?;
-    if let Some(parent) = traceparent(&headers) {
-        spec.traceparent = Some(parent);
-    }
+    // The header wins over the body's field; either is kept only if it could be one.
+    spec.traceparent = traceparent(&headers).or_else(|| {
+        spec.traceparent
+            .as_deref()
+            .and_then(tandem_agent::trace::caller)
+    });
     let record = state.supervisor.submit(spec).await?;
     Ok((StatusCode::CREATED, Json(record)))
 }
 
-/// The caller's W3C `traceparent` header, when it sent one that could be one; what it holds
-/// is checked where the task's span is made, and a malformed one ignored there.
+/// The caller's W3C `traceparent` header, when it sent one that could be one.
 pub(crate) fn traceparent(headers: &HeaderMap) -> Option<String> {
-    let value = headers.get("traceparent")?.to_str().ok()?.trim();
-    // The header is 55 characters; a longer one is not kept with the task.
-    (value.len() <= 128).then(|| value.to_owned())
+    tandem_agent::trace::caller(headers.get("traceparent")?.to_str().ok()?)
 }
 
 /// The body, or 413 when it is over `limit`. An oversized body up to [`OVERSIZE_DRAIN`] is

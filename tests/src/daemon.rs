@@ -253,14 +253,30 @@ impl DaemonHarness {
 
     /// Polls until the task is finished; returns it.
     pub async fn wait_finished(&self, id: &str, limit: Duration) -> TaskView {
+        self.wait_state(id, tandem_protocol::TaskState::Finished, limit)
+            .await
+    }
+
+    /// Polls until the task is in `state`; returns it.
+    pub async fn wait_state(
+        &self,
+        id: &str,
+        state: tandem_protocol::TaskState,
+        limit: Duration,
+    ) -> TaskView {
         let started = Instant::now();
         loop {
             let t = self.task(id).await;
-            if t.record.state == tandem_protocol::TaskState::Finished {
+            if t.record.state == state {
                 return t;
             }
-            assert!(started.elapsed() < limit, "task {id} did not finish: {t:?}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert!(
+                started.elapsed() < limit,
+                "task {id} never reached {}: {t:?}\n{}",
+                state.as_str(),
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(30)).await;
         }
     }
 

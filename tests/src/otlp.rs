@@ -185,6 +185,7 @@ pub fn tree(spans: &[Received]) -> String {
         .filter(|s| s.parent.as_deref().is_none_or(|p| !ids.contains(&p)))
         .map(|s| s.parent.as_deref())
         .collect();
+    roots.sort_unstable();
     roots.dedup();
     for root in roots {
         walk(spans, root, 0, &mut out);

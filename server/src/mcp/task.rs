@@ -23,14 +23,17 @@ impl TandemMcp {
         let mut spec = self.spec_of(args).await?;
         // The caller's span: the request's `_meta.traceparent` (SEP-414), else the HTTP
         // request's header.
-        let from_meta = context.meta.get_traceparent().map(str::to_owned);
+        let from_meta = context
+            .meta
+            .get_traceparent()
+            .and_then(tandem_agent::trace::caller);
         let from_header = || {
             context
                 .extensions
                 .get::<axum::http::request::Parts>()
                 .and_then(|parts| crate::api::traceparent(&parts.headers))
         };
-        if let Some(parent) = from_meta.filter(|t| t.len() <= 128).or_else(from_header) {
+        if let Some(parent) = from_meta.or_else(from_header) {
             spec.traceparent = Some(parent);
         }
         // Subscribed before the task exists, so that none of its events is missed.

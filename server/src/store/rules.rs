@@ -73,15 +73,9 @@ pub(crate) fn row_change(msg: &EventMsg, now_ms: u64) -> Option<RowChange> {
         EventMsg::TaskStarted {
             trace: Some(traceparent),
             ..
-        } => {
-            // `version-traceid-spanid-flags`, made by this daemon's propagator.
-            let trace_id = traceparent.split('-').nth(1)?;
-            (trace_id.len() == 32 && trace_id.bytes().all(|b| b.is_ascii_hexdigit())).then(|| {
-                RowChange::Traced {
-                    trace_id: trace_id.to_owned(),
-                }
-            })
-        }
+        } => tandem_protocol::trace_id_of(traceparent).map(|id| RowChange::Traced {
+            trace_id: id.to_owned(),
+        }),
         EventMsg::AssistantMessage {
             turn,
             usage: Some(usage),
