@@ -17,6 +17,7 @@ mod limits;
 mod mcp;
 mod new_user;
 mod plugins;
+mod python;
 mod shared_store;
 mod teams;
 mod tools;

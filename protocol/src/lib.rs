@@ -13,6 +13,7 @@ pub mod engine;
 pub mod files;
 pub mod mcp;
 pub mod task;
+pub mod session;
 pub mod team;
 pub mod tools;
 

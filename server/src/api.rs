@@ -23,6 +23,8 @@ use tokio::sync::mpsc;
 
 use crate::follow::Follower;
 use crate::store::TaskState;
+
+mod sessions;
 use crate::supervisor::{Supervisor, TaskError};
 
 /// Largest request body accepted unless configured otherwise.
@@ -162,6 +164,7 @@ impl Unauthenticated {
 #[derive(Clone)]
 struct AppState {
     supervisor: Arc<Supervisor>,
+    sessions: Arc<crate::sessions::Sessions>,
     shutdown: CancellationToken,
     body_limit: usize,
 }
@@ -175,6 +178,7 @@ pub fn router(
     shutdown: CancellationToken,
 ) -> Router {
     let state = AppState {
+        sessions: crate::sessions::Sessions::new(supervisor.clone(), shutdown.clone()),
         supervisor: supervisor.clone(),
         shutdown: shutdown.clone(),
         body_limit,
@@ -189,6 +193,23 @@ pub fn router(
         .route("/v1/tasks/{id}/files", get(task_files))
         .route("/v1/tasks/{id}/files/{*path}", get(task_file))
         .route("/v1/uploads", post(upload))
+        .route("/v1/exec", post(sessions::exec_once))
+        .route(
+            "/v1/sessions",
+            post(sessions::open_session).get(sessions::list_sessions),
+        )
+        .route(
+            "/v1/sessions/{id}",
+            get(sessions::get_session).delete(sessions::close_session),
+        )
+        .route("/v1/sessions/{id}/exec", post(sessions::exec_in_session))
+        .route("/v1/sessions/{id}/cancel", post(sessions::cancel_block))
+        .route("/v1/sessions/{id}/calls/{call}", post(sessions::answer_call))
+        .route(
+            "/v1/sessions/{id}/files",
+            get(sessions::session_files).post(sessions::put_session_files),
+        )
+        .route("/v1/sessions/{id}/files/{*path}", get(sessions::session_file))
         .route("/v1/teams/parse", post(parse_team))
         .route("/v1/executors", get(executors))
         .route("/v1/engine", get(engine))
@@ -581,7 +602,13 @@ async fn task_file(
         Ok((file, len, path))
     })
     .await?;
-    let (mime, inline) = crate::files::media_type(&name);
+    Ok(served_file(file, len, &name))
+}
+
+/// A workspace file named `name` as an answer that a browser never runs: pictures and plain
+/// text as what they are, with no scripts, and everything else as a download.
+fn served_file(file: std::fs::File, len: u64, name: &str) -> Response {
+    let (mime, inline) = crate::files::media_type(name);
     // A header value takes printable ASCII only; a name the code chose may hold anything.
     let base: String = name
         .rsplit('/')
@@ -599,7 +626,7 @@ async fn task_file(
         format!("attachment; filename=\"{base}\"")
     };
     let body = file_body(file, len);
-    Ok((
+    (
         [
             (header::CONTENT_TYPE, mime.to_owned()),
             (header::CONTENT_LENGTH, len.to_string()),
@@ -612,7 +639,7 @@ async fn task_file(
         ],
         body,
     )
-        .into_response())
+        .into_response()
 }
 
 /// The first `len` bytes of `file` as a body, read in large pieces on one blocking thread and

@@ -160,6 +160,11 @@ impl Files {
         valid_id(id) && self.upload_path(id, "tar").is_file()
     }
 
+    /// The archive of upload `id`, when it is there to be named.
+    pub fn upload_archive(&self, id: &str) -> Option<PathBuf> {
+        self.has_upload(id).then(|| self.upload_path(id, "tar"))
+    }
+
     /// Gives `task` the files of upload `id`, by a link of its own: the upload stays for
     /// other tasks until it expires.
     pub fn claim(&self, id: &str, task: &str) -> Result<(), FilesError> {
@@ -288,12 +293,7 @@ impl Files {
     /// The regular files of `task`'s workspace.
     pub fn list(&self, task: &str) -> Result<TaskFiles, FilesError> {
         let work = self.task_dir(task).join("work");
-        let files = if work.is_dir() {
-            archive::list(&work, 100_000)
-                .map_err(|e| FilesError::NotFound(format!("listing the workspace: {e}")))?
-        } else {
-            Vec::new()
-        };
+        let files = list_dir(&work)?;
         // The daemon wrote and checked this archive; one that no longer reads marks nothing
         // as given, so a client keeps every file rather than lose one.
         let given = std::fs::File::open(self.task_dir(task).join("inputs.tar"))
@@ -316,25 +316,22 @@ impl Files {
 
     /// Opens the file at `path` in `task`'s workspace, with its size; links are refused.
     pub fn open(&self, task: &str, path: &str) -> Result<(std::fs::File, u64), FilesError> {
-        let work = self.task_dir(task).join("work");
-        let shown = tandem_protocol::files::shown(path);
-        archive::read(&work, path).map_err(|e| match e {
-            ArchiveError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
-                FilesError::NotFound(format!(
-                    "task {task} has no file `{shown}`; GET /v1/tasks/{task}/files lists its files"
-                ))
-            }
-            other => FilesError::NotFound(format!(
-                "`{shown}` cannot be read: {}",
-                tandem_protocol::files::shown(&other.to_string())
-            )),
-        })
+        open_in(
+            &self.task_dir(task).join("work"),
+            path,
+            &format!("task {task}"),
+            &format!("/v1/tasks/{task}/files"),
+        )
     }
 
     /// Packs `task`'s whole workspace into a temporary tar file, opened and already
     /// unlinked, so it goes away with the handle.
     pub fn pack(&self, task: &str) -> Result<std::fs::File, FilesError> {
-        let work = self.task_dir(task).join("work");
+        self.pack_dir(&self.task_dir(task).join("work"))
+    }
+
+    /// Packs the workspace `work` as [`Files::pack`] does a task's.
+    pub fn pack_dir(&self, work: &Path) -> Result<std::fs::File, FilesError> {
         let mut out = tempfile::tempfile_in(&self.config.root)
             .map_err(FilesError::io("packing the workspace"))?;
         if work.is_dir() {
@@ -344,7 +341,7 @@ impl Files {
                 max_bytes: self.config.max_task_bytes,
                 max_entries: 100_000,
             };
-            archive::pack(&work, "", &mut out, caps)
+            archive::pack(work, "", &mut out, caps)
                 .map_err(|e| FilesError::NotFound(format!("packing the workspace: {e}")))?;
         } else {
             // An empty archive: its two end blocks.
@@ -356,6 +353,7 @@ impl Files {
             .map_err(FilesError::io("packing the workspace"))?;
         Ok(out)
     }
+
 
     /// Removes what the retention says must go: uploads past their hour, workspaces of
     /// tasks finished longer than `keep` ago, then the oldest finished ones while all of
@@ -466,11 +464,42 @@ impl Files {
 }
 
 /// Whether `id` has the form of an upload or task id: the only names turned into paths.
+/// Opens the file at `path` in the workspace `work` of `owner` (named in errors with where
+/// its files are listed), with its size; links are refused.
+pub fn open_in(
+    work: &Path,
+    path: &str,
+    owner: &str,
+    listing: &str,
+) -> Result<(std::fs::File, u64), FilesError> {
+    let shown = tandem_protocol::files::shown(path);
+    archive::read(work, path).map_err(|e| match e {
+        ArchiveError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+            FilesError::NotFound(format!(
+                "{owner} has no file `{shown}`; GET {listing} lists its files"
+            ))
+        }
+        other => FilesError::NotFound(format!(
+            "`{shown}` cannot be read: {}",
+            tandem_protocol::files::shown(&other.to_string())
+        )),
+    })
+}
+
+/// The regular files of the workspace `work`, in path order (none when it is not there).
+pub fn list_dir(work: &Path) -> Result<Vec<archive::ListedFile>, FilesError> {
+    if !work.is_dir() {
+        return Ok(Vec::new());
+    }
+    archive::list(work, 100_000)
+        .map_err(|e| FilesError::NotFound(format!("listing the workspace: {e}")))
+}
+
 pub fn valid_id(id: &str) -> bool {
     (1..=64).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
-fn slashed(path: &Path) -> String {
+pub(crate) fn slashed(path: &Path) -> String {
     path.to_string_lossy().into_owned()
 }
 

@@ -14,6 +14,7 @@ mod openai;
 pub mod plan;
 pub mod policy;
 pub mod serve;
+pub mod sessions;
 mod sink;
 pub mod store;
 pub mod supervisor;

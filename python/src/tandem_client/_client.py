@@ -1,0 +1,737 @@
+"""The client: `Client` (blocking) and `AsyncClient` (asyncio), the same API over httpx.
+
+Each method is built from one description of its request (method, path, body) and one
+reading of its answer, shared by the two classes, so they cannot say different things.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import io
+import json
+import os
+import pathlib
+import tarfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Union
+from urllib.parse import quote
+
+import httpx
+
+from ._connection import Connection, resolve
+from ._errors import (
+    DaemonUnreachable,
+    SandboxError,
+    TandemError,
+    TaskFailed,
+    from_answer,
+)
+from ._models import BlockResult, FileInfo, SessionInfo, Task, Upload
+
+FileSource = Union[bytes, str, os.PathLike]
+"""A file to send: its bytes, its text, or a path on this machine."""
+
+ToolFn = Callable[..., Any]
+"""A tool the session's code may call: called with the call's arguments as keywords."""
+
+OutputFn = Callable[[str, str], Any]
+"""Called with (stream, text) as a block writes: stream is "stdout" or "stderr"."""
+
+# A block's stream may say nothing for as long as the block runs; the daemon bounds the
+# block, so the client waits that long and this much more before it gives up on the daemon.
+_STREAM_GRACE = 60.0
+_DEFAULT_BLOCK_WAIT = 3600.0
+
+
+@dataclass
+class Event:
+    """One event of a task's stream: its sequence number, type, and data."""
+
+    seq: int
+    type: str
+    data: dict[str, Any] = field(repr=False)
+
+
+def _q(part: str) -> str:
+    return quote(part, safe="")
+
+
+def _pack(files: Mapping[str, FileSource]) -> bytes:
+    """A tar archive of `files` (path in the workspace -> content or local path)."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, source in files.items():
+            if isinstance(source, str):
+                data = source.encode()
+            elif isinstance(source, bytes):
+                data = source
+            else:
+                data = pathlib.Path(source).read_bytes()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mode = 0o644
+            info.mtime = int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+def _answer(response: httpx.Response) -> Any:
+    if response.status_code >= 400:
+        raise from_answer(response.status_code, response.content)
+    if response.headers.get("content-type", "").startswith("application/json"):
+        return response.json()
+    return response.content
+
+
+def _tool_reply(fn: ToolFn | None, name: str, arguments: Any) -> dict[str, str]:
+    """What a tool call is answered with: the function's value as text, or its error."""
+    if fn is None:
+        return {"error": f"no tool `{name}` in this client"}
+    try:
+        value = fn(**arguments) if isinstance(arguments, dict) else fn(arguments)
+    except Exception as e:  # the code's call raises it; the client goes on
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"result": value if isinstance(value, str) else json.dumps(value, default=str)}
+
+
+def _block_end(event: dict[str, Any]) -> BlockResult:
+    if event["type"] == "error":
+        error = event["error"]
+        raise SandboxError(error["code"], error["message"])
+    return event["result"]
+
+
+class _Sse:
+    """Server-Sent Events read line by line: `feed` returns an event when a blank line ends one."""
+
+    def __init__(self) -> None:
+        self.seq, self.kind, self.data = 0, "", []
+
+    def feed(self, line: str) -> Event | None:
+        if line == "":
+            event = None
+            if self.data:
+                payload = json.loads("\n".join(self.data))
+                event = Event(self.seq or int(payload.get("seq", 0)), self.kind or payload.get("type", ""), payload)
+            self.seq, self.kind, self.data = 0, "", []
+            return event
+        if line.startswith(":"):
+            return None
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if name == "id":
+            self.seq = int(value)
+        elif name == "event":
+            self.kind = value
+        elif name == "data":
+            self.data.append(value)
+        return None
+
+
+def _sse_events(lines: Iterator[str]) -> Iterator[Event]:
+    sse = _Sse()
+    for line in lines:
+        event = sse.feed(line)
+        if event is not None:
+            yield event
+
+
+def _session_spec(
+    executor: str | None,
+    keep_state: bool,
+    tools: Mapping[str, ToolFn] | None,
+    files: str | None,
+    limits: Mapping[str, int] | None,
+    idle_timeout: int | None,
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {"keep_state": keep_state}
+    if executor:
+        spec["executor"] = executor
+    if files:
+        spec["files"] = files
+    if limits:
+        spec["limits"] = dict(limits)
+    if idle_timeout is not None:
+        spec["idle_timeout_secs"] = int(idle_timeout)
+    if tools:
+        spec["tools"] = [
+            {"name": name, **({"description": inspect.getdoc(fn)} if inspect.getdoc(fn) else {})}
+            for name, fn in tools.items()
+        ]
+    return spec
+
+
+def _exec_body(code: str, language: str, timeout: float | None, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"language": language, "code": code}
+    if timeout is not None:
+        body["timeout_secs"] = timeout
+    body.update({k: v for k, v in extra.items() if v is not None})
+    return body
+
+
+def _stream_timeout(timeout: float | None) -> httpx.Timeout:
+    return httpx.Timeout(5.0, read=(timeout or _DEFAULT_BLOCK_WAIT) + _STREAM_GRACE)
+
+
+_NDJSON = {"accept": "application/x-ndjson"}
+
+
+class _Base:
+    def __init__(self, host: str | None, token: str | None) -> None:
+        self._conn: Connection = resolve(host, token)
+        self._headers = {"authorization": f"Bearer {self._conn.token}"} if self._conn.token else {}
+
+    @property
+    def host(self) -> str:
+        """Where the daemon is (unix://PATH or tcp://HOST:PORT)."""
+        return self._conn.host
+
+    def _unreachable(self, e: Exception) -> DaemonUnreachable:
+        return DaemonUnreachable(self._conn.host, str(e) or type(e).__name__)
+
+
+class Client(_Base):
+    """A blocking client of one Tandem daemon.
+
+    `host` is unix:///path/to.sock (or /path/to.sock) or tcp://host:port; left out, the
+    TANDEM_HOST variable, else the default socket. Over TCP the token is `token`, else
+    TANDEM_TOKEN, else the daemon's token file.
+    """
+
+    def __init__(self, host: str | None = None, token: str | None = None, timeout: float = 30.0) -> None:
+        super().__init__(host, token)
+        transport = httpx.HTTPTransport(uds=self._conn.socket) if self._conn.socket else None
+        self._http = httpx.Client(
+            base_url=self._conn.base_url,
+            transport=transport,
+            headers=self._headers,
+            timeout=httpx.Timeout(timeout, connect=5.0),
+        )
+
+    def close(self) -> None:
+        """Closes the client's connections."""
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            response = self._http.request(method, path, **kw)
+        except httpx.TransportError as e:
+            raise self._unreachable(e) from e
+        return _answer(response)
+
+    # Tasks
+
+    def submit(self, task: str, *, files: Mapping[str, FileSource] | str | None = None, **spec: Any) -> Task:
+        """Queues a task; `spec` takes a TaskSpec's fields (executor, max_turns, keep_state, ...).
+        `files` is an upload's id, or files to upload first (path -> content or local path)."""
+        body: dict[str, Any] = {"task": task, **spec}
+        if files is not None:
+            body["files"] = files if isinstance(files, str) else self.upload(files)["id"]
+        return self._call("POST", "/v1/tasks", json=body)
+
+    def get(self, task_id: str) -> Task:
+        """The task's record, with its `transcript`."""
+        return self._call("GET", f"/v1/tasks/{_q(task_id)}")
+
+    def list(self, state: str | None = None, limit: int | None = None, before: str | None = None) -> list[Task]:
+        """Tasks: all, oldest first; or with `limit`, a page of the newest."""
+        params = {k: v for k, v in {"state": state, "limit": limit, "before": before}.items() if v is not None}
+        return self._call("GET", "/v1/tasks", params=params)["tasks"]
+
+    def cancel(self, task_id: str) -> Task:
+        """Cancels a queued, running or interrupted task."""
+        return self._call("POST", f"/v1/tasks/{_q(task_id)}/cancel")
+
+    def resume(self, task_id: str) -> Task:
+        """Queues an interrupted task again."""
+        return self._call("POST", f"/v1/tasks/{_q(task_id)}/resume")
+
+    def approve(self, task_id: str, n: int, code: str | None = None) -> dict[str, Any]:
+        """Approves the block that waits under number `n`, or runs `code` instead."""
+        body: dict[str, Any] = {"decision": "approve", **({"code": code} if code else {})}
+        return self._call("POST", f"/v1/tasks/{_q(task_id)}/approvals/{int(n)}", json=body)
+
+    def deny(self, task_id: str, n: int, reason: str | None = None) -> dict[str, Any]:
+        """Declines the block that waits under number `n`; the model is told `reason`."""
+        body: dict[str, Any] = {"decision": "deny", **({"reason": reason} if reason else {})}
+        return self._call("POST", f"/v1/tasks/{_q(task_id)}/approvals/{int(n)}", json=body)
+
+    def follow(self, task_id: str, after: int = 0, follow: bool = True) -> Iterator[Event]:
+        """The task's events as they come, from after `after`; ends after `task_finished`.
+        A dropped connection is picked up again from the last event seen."""
+        last, retries = after, 0
+        while True:
+            params = {"after": last, **({} if follow else {"follow": "false"})}
+            try:
+                with self._http.stream(
+                    "GET", f"/v1/tasks/{_q(task_id)}/events", params=params, timeout=httpx.Timeout(5.0, read=None)
+                ) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                        raise from_answer(response.status_code, response.content)
+                    for event in _sse_events(response.iter_lines()):
+                        last, retries = event.seq, 0
+                        yield event
+                        if event.type == "task_finished":
+                            return
+                    if not follow:
+                        return
+            except httpx.TransportError as e:
+                retries += 1
+                if retries > 3:
+                    raise self._unreachable(e) from e
+                time.sleep(0.5 * retries)
+
+    def wait(self, task_id: str, timeout: float | None = None) -> Task:
+        """Waits for the task to finish and returns its record; TimeoutError after `timeout`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            record = self.get(task_id)
+            if record["state"] == "finished":
+                return record
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"task {task_id} is still {record['state']} after {timeout} s")
+            # Events say when it ends; a poll bounds the wait when no event comes.
+            try:
+                with self._http.stream(
+                    "GET",
+                    f"/v1/tasks/{_q(task_id)}/events",
+                    params={"after": 0},
+                    timeout=httpx.Timeout(5.0, read=min(15.0, timeout or 15.0)),
+                ) as response:
+                    for event in _sse_events(response.iter_lines()):
+                        if event.type == "task_finished":
+                            break
+                        if deadline is not None and time.monotonic() > deadline:
+                            break
+            except httpx.ReadTimeout:
+                pass
+            except httpx.TransportError as e:
+                raise self._unreachable(e) from e
+
+    def run(self, task: str, timeout: float | None = None, **spec: Any) -> Task:
+        """Submits a task and waits for it; raises TaskFailed unless it ended `terminated`."""
+        record = self.wait(self.submit(task, **spec)["id"], timeout=timeout)
+        if record.get("stop_reason") != "terminated":
+            raise TaskFailed(record)
+        return record
+
+    # Files
+
+    def upload(self, files: Mapping[str, FileSource]) -> Upload:
+        """Uploads files for tasks or sessions (path in the workspace -> content or local path)."""
+        return self._call(
+            "POST", "/v1/uploads", content=_pack(files), headers={"content-type": "application/x-tar"}
+        )
+
+    def files(self, task_id: str) -> list[FileInfo]:
+        """The regular files of the task's workspace."""
+        return self._call("GET", f"/v1/tasks/{_q(task_id)}/files")["files"]
+
+    def read_file(self, task_id: str, path: str) -> bytes:
+        """One file of the task's workspace."""
+        return self._call("GET", f"/v1/tasks/{_q(task_id)}/files/{quote(path)}")
+
+    def executors(self) -> list[dict[str, Any]]:
+        """The daemon's executors, their languages and health."""
+        return self._call("GET", "/v1/executors")["executors"]
+
+    # Sandboxes
+
+    def exec(
+        self,
+        code: str,
+        language: str = "python",
+        *,
+        executor: str | None = None,
+        timeout: float | None = None,
+        files: str | None = None,
+    ) -> BlockResult:
+        """Runs one block in a sandbox of its own (what `tandem exec` does, on the daemon)."""
+        body = _exec_body(code, language, timeout, executor=executor, files=files)
+        return self._call("POST", "/v1/exec", json=body, timeout=_stream_timeout(timeout))
+
+    def session(
+        self,
+        executor: str | None = None,
+        *,
+        keep_state: bool = False,
+        tools: Mapping[str, ToolFn] | None = None,
+        files: str | None = None,
+        limits: Mapping[str, int] | None = None,
+        idle_timeout: int | None = None,
+    ) -> Session:
+        """Opens a sandbox that lives until closed: blocks share its workspace, and with
+        `keep_state` one Python interpreter. `tools`' functions are callable from its code
+        (`tandem_tools.call(name, **args)`), run here in this process."""
+        spec = _session_spec(executor, keep_state, tools, files, limits, idle_timeout)
+        info = self._call("POST", "/v1/sessions", json=spec)
+        return Session(self, info, dict(tools or {}))
+
+    def sessions(self) -> list[SessionInfo]:
+        """The daemon's open sessions."""
+        return self._call("GET", "/v1/sessions")["sessions"]
+
+
+class Session:
+    """A sandbox held open on the daemon (`Client.session`). Close it, or use `with`."""
+
+    def __init__(self, client: Client, info: SessionInfo, tools: dict[str, ToolFn]) -> None:
+        self._client = client
+        self.info = info
+        self.id = info["id"]
+        self.tools = tools
+        self.closed = False
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(
+        self, code: str, language: str = "python", *, timeout: float | None = None, on_output: OutputFn | None = None
+    ) -> BlockResult:
+        """Runs one block and returns its result; its output goes to `on_output` as it comes.
+        Interrupted (KeyboardInterrupt, or any exception meanwhile), the block is killed."""
+        c = self._client
+        try:
+            with c._http.stream(
+                "POST",
+                f"/v1/sessions/{_q(self.id)}/exec",
+                json=_exec_body(code, language, timeout),
+                headers=_NDJSON,
+                timeout=_stream_timeout(timeout),
+            ) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise from_answer(response.status_code, response.content)
+                try:
+                    for line in response.iter_lines():
+                        if not line:
+                            continue
+                        event = json.loads(line)
+                        kind = event["type"]
+                        if kind == "output" and on_output is not None:
+                            on_output(event["stream"], event["text"])
+                        elif kind == "tool_call":
+                            reply = _tool_reply(self.tools.get(event["name"]), event["name"], event["arguments"])
+                            c._call("POST", f"/v1/sessions/{_q(self.id)}/calls/{_q(event['call'])}", json=reply)
+                        elif kind in ("result", "error"):
+                            return _block_end(event)
+                except BaseException:
+                    self.cancel()
+                    raise
+        except httpx.TransportError as e:
+            raise c._unreachable(e) from e
+        raise TandemError("internal", "the block's run ended without a result")
+
+    def cancel(self) -> bool:
+        """Kills the block that runs now; whether one did."""
+        try:
+            return bool(self._client._call("POST", f"/v1/sessions/{_q(self.id)}/cancel")["cancelled"])
+        except TandemError:
+            return False
+
+    def files(self) -> list[FileInfo]:
+        """The regular files of the session's workspace."""
+        return self._client._call("GET", f"/v1/sessions/{_q(self.id)}/files")["files"]
+
+    def read_file(self, path: str) -> bytes:
+        """One file of the workspace."""
+        return self._client._call("GET", f"/v1/sessions/{_q(self.id)}/files/{quote(path)}")
+
+    def put_files(self, files: Mapping[str, FileSource]) -> Upload:
+        """Places files in the workspace (path -> content or local path), between blocks."""
+        return self._client._call(
+            "POST",
+            f"/v1/sessions/{_q(self.id)}/files",
+            content=_pack(files),
+            headers={"content-type": "application/x-tar"},
+        )
+
+    def close(self) -> None:
+        """Closes the session and its sandbox (again is a no-op)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._client._call("DELETE", f"/v1/sessions/{_q(self.id)}")
+        except TandemError as e:
+            if e.code != "not_found":
+                raise
+
+
+class AsyncClient(_Base):
+    """`Client` for asyncio: the same methods, awaited; `follow` is an async iterator."""
+
+    def __init__(self, host: str | None = None, token: str | None = None, timeout: float = 30.0) -> None:
+        super().__init__(host, token)
+        transport = httpx.AsyncHTTPTransport(uds=self._conn.socket) if self._conn.socket else None
+        self._http = httpx.AsyncClient(
+            base_url=self._conn.base_url,
+            transport=transport,
+            headers=self._headers,
+            timeout=httpx.Timeout(timeout, connect=5.0),
+        )
+
+    async def aclose(self) -> None:
+        """Closes the client's connections."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _call(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            response = await self._http.request(method, path, **kw)
+        except httpx.TransportError as e:
+            raise self._unreachable(e) from e
+        return _answer(response)
+
+    async def submit(self, task: str, *, files: Mapping[str, FileSource] | str | None = None, **spec: Any) -> Task:
+        """Queues a task (see `Client.submit`)."""
+        body: dict[str, Any] = {"task": task, **spec}
+        if files is not None:
+            body["files"] = files if isinstance(files, str) else (await self.upload(files))["id"]
+        return await self._call("POST", "/v1/tasks", json=body)
+
+    async def get(self, task_id: str) -> Task:
+        """The task's record, with its `transcript`."""
+        return await self._call("GET", f"/v1/tasks/{_q(task_id)}")
+
+    async def list(self, state: str | None = None, limit: int | None = None, before: str | None = None) -> list[Task]:
+        """Tasks (see `Client.list`)."""
+        params = {k: v for k, v in {"state": state, "limit": limit, "before": before}.items() if v is not None}
+        return (await self._call("GET", "/v1/tasks", params=params))["tasks"]
+
+    async def cancel(self, task_id: str) -> Task:
+        """Cancels a queued, running or interrupted task."""
+        return await self._call("POST", f"/v1/tasks/{_q(task_id)}/cancel")
+
+    async def resume(self, task_id: str) -> Task:
+        """Queues an interrupted task again."""
+        return await self._call("POST", f"/v1/tasks/{_q(task_id)}/resume")
+
+    async def approve(self, task_id: str, n: int, code: str | None = None) -> dict[str, Any]:
+        """Approves the block that waits under number `n`, or runs `code` instead."""
+        body: dict[str, Any] = {"decision": "approve", **({"code": code} if code else {})}
+        return await self._call("POST", f"/v1/tasks/{_q(task_id)}/approvals/{int(n)}", json=body)
+
+    async def deny(self, task_id: str, n: int, reason: str | None = None) -> dict[str, Any]:
+        """Declines the block that waits under number `n`."""
+        body: dict[str, Any] = {"decision": "deny", **({"reason": reason} if reason else {})}
+        return await self._call("POST", f"/v1/tasks/{_q(task_id)}/approvals/{int(n)}", json=body)
+
+    async def follow(self, task_id: str, after: int = 0, follow: bool = True) -> AsyncIterator[Event]:
+        """The task's events as they come (see `Client.follow`)."""
+        last, retries = after, 0
+        while True:
+            params = {"after": last, **({} if follow else {"follow": "false"})}
+            try:
+                async with self._http.stream(
+                    "GET", f"/v1/tasks/{_q(task_id)}/events", params=params, timeout=httpx.Timeout(5.0, read=None)
+                ) as response:
+                    if response.status_code >= 400:
+                        await response.aread()
+                        raise from_answer(response.status_code, response.content)
+                    sse = _Sse()
+                    async for line in response.aiter_lines():
+                        event = sse.feed(line)
+                        if event is None:
+                            continue
+                        last, retries = event.seq, 0
+                        yield event
+                        if event.type == "task_finished":
+                            return
+                    if not follow:
+                        return
+            except httpx.TransportError as e:
+                retries += 1
+                if retries > 3:
+                    raise self._unreachable(e) from e
+                await asyncio.sleep(0.5 * retries)
+
+    async def wait(self, task_id: str, timeout: float | None = None) -> Task:
+        """Waits for the task to finish (see `Client.wait`)."""
+        async def finished() -> Task:
+            async for event in self.follow(task_id):
+                if event.type == "task_finished":
+                    break
+            return await self.get(task_id)
+
+        try:
+            return await asyncio.wait_for(finished(), timeout)
+        except asyncio.TimeoutError:
+            record = await self.get(task_id)
+            raise TimeoutError(f"task {task_id} is still {record['state']} after {timeout} s") from None
+
+    async def run(self, task: str, timeout: float | None = None, **spec: Any) -> Task:
+        """Submits a task and waits for it; raises TaskFailed unless it ended `terminated`."""
+        record = await self.wait((await self.submit(task, **spec))["id"], timeout=timeout)
+        if record.get("stop_reason") != "terminated":
+            raise TaskFailed(record)
+        return record
+
+    async def upload(self, files: Mapping[str, FileSource]) -> Upload:
+        """Uploads files for tasks or sessions."""
+        return await self._call(
+            "POST", "/v1/uploads", content=_pack(files), headers={"content-type": "application/x-tar"}
+        )
+
+    async def files(self, task_id: str) -> list[FileInfo]:
+        """The regular files of the task's workspace."""
+        return (await self._call("GET", f"/v1/tasks/{_q(task_id)}/files"))["files"]
+
+    async def read_file(self, task_id: str, path: str) -> bytes:
+        """One file of the task's workspace."""
+        return await self._call("GET", f"/v1/tasks/{_q(task_id)}/files/{quote(path)}")
+
+    async def executors(self) -> list[dict[str, Any]]:
+        """The daemon's executors, their languages and health."""
+        return (await self._call("GET", "/v1/executors"))["executors"]
+
+    async def exec(
+        self,
+        code: str,
+        language: str = "python",
+        *,
+        executor: str | None = None,
+        timeout: float | None = None,
+        files: str | None = None,
+    ) -> BlockResult:
+        """Runs one block in a sandbox of its own."""
+        body = _exec_body(code, language, timeout, executor=executor, files=files)
+        return await self._call("POST", "/v1/exec", json=body, timeout=_stream_timeout(timeout))
+
+    async def session(
+        self,
+        executor: str | None = None,
+        *,
+        keep_state: bool = False,
+        tools: Mapping[str, ToolFn] | None = None,
+        files: str | None = None,
+        limits: Mapping[str, int] | None = None,
+        idle_timeout: int | None = None,
+    ) -> AsyncSession:
+        """Opens a sandbox that lives until closed (see `Client.session`); a tool may be a
+        coroutine function."""
+        spec = _session_spec(executor, keep_state, tools, files, limits, idle_timeout)
+        info = await self._call("POST", "/v1/sessions", json=spec)
+        return AsyncSession(self, info, dict(tools or {}))
+
+    async def sessions(self) -> list[SessionInfo]:
+        """The daemon's open sessions."""
+        return (await self._call("GET", "/v1/sessions"))["sessions"]
+
+
+class AsyncSession:
+    """`Session` for asyncio. Cancelling the task that awaits `run` kills the block."""
+
+    def __init__(self, client: AsyncClient, info: SessionInfo, tools: dict[str, ToolFn]) -> None:
+        self._client = client
+        self.info = info
+        self.id = info["id"]
+        self.tools = tools
+        self.closed = False
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _reply(self, name: str, arguments: Any) -> dict[str, str]:
+        fn = self.tools.get(name)
+        if fn is not None and inspect.iscoroutinefunction(fn):
+            try:
+                value = await (fn(**arguments) if isinstance(arguments, dict) else fn(arguments))
+            except Exception as e:
+                return {"error": f"{type(e).__name__}: {e}"}
+            return {"result": value if isinstance(value, str) else json.dumps(value, default=str)}
+        return await asyncio.to_thread(_tool_reply, fn, name, arguments)
+
+    async def run(
+        self, code: str, language: str = "python", *, timeout: float | None = None, on_output: OutputFn | None = None
+    ) -> BlockResult:
+        """Runs one block and returns its result (see `Session.run`)."""
+        c = self._client
+        try:
+            async with c._http.stream(
+                "POST",
+                f"/v1/sessions/{_q(self.id)}/exec",
+                json=_exec_body(code, language, timeout),
+                headers=_NDJSON,
+                timeout=_stream_timeout(timeout),
+            ) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise from_answer(response.status_code, response.content)
+                try:
+                    async for line in response.aiter_lines():
+                        if not line:
+                            continue
+                        event = json.loads(line)
+                        kind = event["type"]
+                        if kind == "output" and on_output is not None:
+                            shown = on_output(event["stream"], event["text"])
+                            if inspect.isawaitable(shown):
+                                await shown
+                        elif kind == "tool_call":
+                            reply = await self._reply(event["name"], event["arguments"])
+                            await c._call("POST", f"/v1/sessions/{_q(self.id)}/calls/{_q(event['call'])}", json=reply)
+                        elif kind in ("result", "error"):
+                            return _block_end(event)
+                except BaseException:
+                    # Shielded: the cancel must reach the daemon even as this task is cancelled.
+                    await asyncio.shield(self.cancel())
+                    raise
+        except httpx.TransportError as e:
+            raise c._unreachable(e) from e
+        raise TandemError("internal", "the block's run ended without a result")
+
+    async def cancel(self) -> bool:
+        """Kills the block that runs now; whether one did."""
+        try:
+            return bool((await self._client._call("POST", f"/v1/sessions/{_q(self.id)}/cancel"))["cancelled"])
+        except TandemError:
+            return False
+
+    async def files(self) -> list[FileInfo]:
+        """The regular files of the session's workspace."""
+        return (await self._client._call("GET", f"/v1/sessions/{_q(self.id)}/files"))["files"]
+
+    async def read_file(self, path: str) -> bytes:
+        """One file of the workspace."""
+        return await self._client._call("GET", f"/v1/sessions/{_q(self.id)}/files/{quote(path)}")
+
+    async def put_files(self, files: Mapping[str, FileSource]) -> Upload:
+        """Places files in the workspace, between blocks."""
+        return await self._client._call(
+            "POST",
+            f"/v1/sessions/{_q(self.id)}/files",
+            content=_pack(files),
+            headers={"content-type": "application/x-tar"},
+        )
+
+    async def close(self) -> None:
+        """Closes the session and its sandbox (again is a no-op)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            await self._client._call("DELETE", f"/v1/sessions/{_q(self.id)}")
+        except TandemError as e:
+            if e.code != "not_found":
+                raise

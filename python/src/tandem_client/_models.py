@@ -1,0 +1,305 @@
+"""The daemon's JSON, typed: generated from the OpenAPI document in docs/api.md by
+python/tools/gen_models.py. Do not edit; run the generator (a test fails when this
+file and the document differ)."""
+# ruff: noqa
+from __future__ import annotations
+
+from typing import Any, Literal, TypedDict
+
+API_VERSION = '0.1.0'
+
+class _TaskSpecTeamRequired(TypedDict):
+    team: dict[str, Any]
+
+
+class TaskSpecTeam(_TaskSpecTeamRequired, total=False):
+    """a team of agents; its fields are documented in docs/teams.md"""
+
+    agents: dict[str, dict[str, Any]]
+
+
+class TaskSpecCheck(TypedDict, total=False):
+    """decides whether the task was solved, run in its sandbox after it ends (docs/eval.md)"""
+
+    expect: str
+    file: str
+    contents: str
+    program: str
+    language: str
+
+
+class _TaskSpecToolsItem2Required(TypedDict):
+    name: str
+    command: list[str]  # run in the task's sandbox
+
+
+class TaskSpecToolsItem2(_TaskSpecToolsItem2Required, total=False):
+    """The API's `TaskSpecToolsItem2`."""
+
+    description: str
+    parameters: dict[str, Any]  # a JSON Schema of the arguments
+    timeout_secs: int
+
+
+class TaskSpecApprovalAutoApprove(TypedDict, total=False):
+    """The API's `TaskSpecApprovalAutoApprove`."""
+
+    languages: list[str]
+    executors: list[str]
+    tools: list[str]
+
+
+class TaskSpecApproval(TypedDict, total=False):
+    """which blocks wait for a person (docs/approval.md); only tightens the operator's"""
+
+    mode: Literal['never', 'policy', 'always']
+    auto_approve: TaskSpecApprovalAutoApprove
+    ask_tools: list[str]
+    deny_tools: list[str]
+    ask: list[ApprovalRule]
+    ask_network: bool
+    deny: list[ApprovalRule]
+    timeout_secs: int
+
+
+class _TaskSpecRequired(TypedDict):
+    task: str
+
+
+class TaskSpec(_TaskSpecRequired, total=False):
+    """The API's `TaskSpec`."""
+
+    executor: str
+    model: str
+    base_url: str
+    max_turns: int
+    max_input_tokens: int
+    max_output_tokens: int
+    max_cost: float
+    output_schema: dict[str, Any]  # a JSON Schema the final answer ends with a value of
+    traceparent: str  # the caller's span (W3C); the traceparent header wins
+    timeout_secs: int
+    block_timeout_secs: int
+    system_prompt: str
+    termination: str
+    languages: list[str]
+    limits: Limits
+    team: TaskSpecTeam  # a team of agents; its fields are documented in docs/teams.md
+    files: str  # the id of an upload whose files are placed in the workspace
+    keep_state: bool  # Python blocks share one interpreter (local and docker)
+    placement: dict[str, str]  # labels the Docker host of the sandbox must carry (docs/docker-hosts.md)
+    code_via: Literal['blocks', 'tool', 'auto']  # how the model's code reaches the executor (docs/tools.md)
+    check: TaskSpecCheck  # decides whether the task was solved, run in its sandbox after it ends (docs/eval.md)
+    tools: list[str | TaskSpecToolsItem2]  # tools offered to the model; left out, every tool the operator declares
+    approval: TaskSpecApproval  # which blocks wait for a person (docs/approval.md); only tightens the operator's
+
+
+class SessionSpec(TypedDict, total=False):
+    """The API's `SessionSpec`."""
+
+    executor: str
+    keep_state: bool
+    files: str  # the id of an upload whose files are placed in the workspace
+    limits: Limits
+    idle_timeout_secs: int
+    tools: list[ClientTool]
+
+
+class _ClientToolRequired(TypedDict):
+    name: str
+
+
+class ClientTool(_ClientToolRequired, total=False):
+    """The API's `ClientTool`."""
+
+    description: str
+
+
+class SessionInfo(TypedDict):
+    """The API's `SessionInfo`."""
+
+    id: str
+    executor: str
+    keep_state: bool
+    tools: list[str]
+    busy: bool
+    blocks: int
+    created_ms: int
+    idle_timeout_secs: int
+
+
+class SessionFiles(TypedDict):
+    """The API's `SessionFiles`."""
+
+    session: str
+    files: list[FileInfo]
+
+
+class _ExecSpecRequired(TypedDict):
+    language: str
+    code: str
+
+
+class ExecSpec(_ExecSpecRequired, total=False):
+    """The API's `ExecSpec`."""
+
+    timeout_secs: float
+    executor: str  # /v1/exec only
+    files: str  # /v1/exec only: an upload's id
+
+
+class _BlockResultRequired(TypedDict):
+    status: Literal['exited', 'timed_out', 'killed', 'out_of_memory', 'cancelled', 'unsupported', 'skipped', 'not_run', 'incomplete', 'declined', 'error']
+    stdout: str
+    stderr: str
+    truncated: bool
+    duration_ms: int
+
+
+class BlockResult(_BlockResultRequired, total=False):
+    """The API's `BlockResult`."""
+
+    language: str | None
+    exit_code: int | None
+
+
+class ExecEventError(TypedDict):
+    """The API's `ExecEventError`."""
+
+    code: str
+    message: str
+
+
+class _ExecEventRequired(TypedDict):
+    type: Literal['output', 'tool_call', 'result', 'error']
+
+
+class ExecEvent(_ExecEventRequired, total=False):
+    """The API's `ExecEvent`."""
+
+    stream: Literal['stdout', 'stderr']
+    text: str
+    call: str
+    name: str
+    arguments: Any
+    result: BlockResult
+    error: ExecEventError
+
+
+class ToolAnswer(TypedDict, total=False):
+    """The API's `ToolAnswer`."""
+
+    result: str
+    error: str
+
+
+class Limits(TypedDict, total=False):
+    """The API's `Limits`."""
+
+    memory_bytes: int
+    cpu_secs: int
+    file_size_bytes: int
+    output_bytes: int
+
+
+class Upload(TypedDict):
+    """The API's `Upload`."""
+
+    id: str
+    files: list[FileInfo]
+    bytes: int
+    expires_ms: int
+
+
+class _FileInfoRequired(TypedDict):
+    path: str
+    bytes: int
+
+
+class FileInfo(_FileInfoRequired, total=False):
+    """The API's `FileInfo`."""
+
+    modified_ms: int
+    given: bool
+
+
+class ApprovalRule(TypedDict):
+    """The API's `ApprovalRule`."""
+
+    name: str
+    pattern: str  # a regular expression searched for in the code
+
+
+class TaskError(TypedDict, total=False):
+    """The API's `TaskError`."""
+
+    code: str
+    message: str
+
+
+class TaskBudget(TypedDict):
+    """The API's `TaskBudget`."""
+
+    budget: Literal['max_input_tokens', 'max_output_tokens', 'max_cost']
+    limit: float
+    spent: float
+
+
+class TaskUsage(TypedDict, total=False):
+    """The API's `TaskUsage`."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class _TaskCheckRequired(TypedDict):
+    verdict: Literal['solved', 'unsolved', 'error']
+
+
+class TaskCheck(_TaskCheckRequired, total=False):
+    """The API's `TaskCheck`."""
+
+    detail: str
+
+
+class _TaskRequired(TypedDict):
+    id: str
+    state: Literal['queued', 'running', 'awaiting_approval', 'interrupted', 'finished']
+    spec: TaskSpec
+    usage: TaskUsage
+    turns: int
+    created_ms: int
+
+
+class Task(_TaskRequired, total=False):
+    """The API's `Task`."""
+
+    stop_reason: Literal['terminated', 'max_turns', 'timeout', 'budget', 'cancelled', 'error']
+    error: TaskError
+    cost: float
+    trace_id: str  # the trace of the task's first run
+    budget: TaskBudget
+    started_ms: int
+    finished_ms: int
+    files_removed_ms: int
+    result: Any  # the final answer: the value checked against output_schema, else the assistant's last reply without the termination word
+    check: TaskCheck
+
+
+# Every property each schema names, for checks.
+FIELDS: dict[str, frozenset[str]] = {
+    'ApprovalRule': frozenset(['name', 'pattern']),
+    'BlockResult': frozenset(['duration_ms', 'exit_code', 'language', 'status', 'stderr', 'stdout', 'truncated']),
+    'ClientTool': frozenset(['description', 'name']),
+    'ExecEvent': frozenset(['arguments', 'call', 'error', 'name', 'result', 'stream', 'text', 'type']),
+    'ExecSpec': frozenset(['code', 'executor', 'files', 'language', 'timeout_secs']),
+    'FileInfo': frozenset(['bytes', 'given', 'modified_ms', 'path']),
+    'Limits': frozenset(['cpu_secs', 'file_size_bytes', 'memory_bytes', 'output_bytes']),
+    'SessionFiles': frozenset(['files', 'session']),
+    'SessionInfo': frozenset(['blocks', 'busy', 'created_ms', 'executor', 'id', 'idle_timeout_secs', 'keep_state', 'tools']),
+    'SessionSpec': frozenset(['executor', 'files', 'idle_timeout_secs', 'keep_state', 'limits', 'tools']),
+    'Task': frozenset(['budget', 'check', 'cost', 'created_ms', 'error', 'files_removed_ms', 'finished_ms', 'id', 'result', 'spec', 'started_ms', 'state', 'stop_reason', 'trace_id', 'turns', 'usage']),
+    'TaskSpec': frozenset(['approval', 'base_url', 'block_timeout_secs', 'check', 'code_via', 'executor', 'files', 'keep_state', 'languages', 'limits', 'max_cost', 'max_input_tokens', 'max_output_tokens', 'max_turns', 'model', 'output_schema', 'placement', 'system_prompt', 'task', 'team', 'termination', 'timeout_secs', 'tools', 'traceparent']),
+    'ToolAnswer': frozenset(['error', 'result']),
+    'Upload': frozenset(['bytes', 'expires_ms', 'files', 'id']),
+}

@@ -1,0 +1,318 @@
+"""The client against a real daemon: tasks, events, approvals, files, sessions, exec, and
+every failure as an exception that names it."""
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import time
+
+import pytest
+
+import tandem_client
+from tandem_client import AsyncClient, Client
+
+from conftest import CONFIG, Daemon, ScriptedModel, free_port
+
+SIX_BY_SEVEN = "Let me compute it.\n```python\nprint(6 * 7)\n```"
+
+
+def test_a_task_is_submitted_followed_and_its_answer_read(client: Client, model: ScriptedModel) -> None:
+    model.script(SIX_BY_SEVEN, "The answer is 42. TERMINATE")
+    task = client.submit("What is 6 times 7?", executor="local", max_turns=4)
+    assert task["state"] in ("queued", "running")
+    kinds = []
+    outputs = []
+    for event in client.follow(task["id"]):
+        kinds.append(event.type)
+        if event.type == "exec_result":
+            outputs.append(event.data["result"]["stdout"])
+    assert kinds[0] == "task_started" and kinds[-1] == "task_finished"
+    assert outputs == ["42\n"]
+    record = client.wait(task["id"])
+    assert record["stop_reason"] == "terminated"
+    assert record["result"] == "The answer is 42."
+    assert [m["role"] for m in record["transcript"]][:2] == ["system", "user"]
+    assert any(t["id"] == task["id"] for t in client.list())
+
+
+def test_run_raises_task_failed_naming_the_stop_reason(client: Client, model: ScriptedModel) -> None:
+    model.script(SIX_BY_SEVEN)
+    with pytest.raises(tandem_client.TaskFailed) as failed:
+        client.run("Loop forever", executor="local", max_turns=1)
+    assert failed.value.stop_reason == "max_turns"
+    assert "max_turns" in str(failed.value) and failed.value.task["id"] in str(failed.value)
+
+
+def test_a_block_waits_for_approval_and_runs_once_approved(client: Client, model: ScriptedModel) -> None:
+    model.script(SIX_BY_SEVEN, "TERMINATE")
+    task = client.submit("6*7", executor="local", approval={"mode": "always"})
+    for event in client.follow(task["id"]):
+        if event.type == "approval_requested":
+            client.approve(task["id"], event.data["n"], code="print(6 * 7 + 1)")
+        if event.type == "exec_result":
+            assert event.data["result"]["stdout"] == "43\n"
+    assert client.wait(task["id"])["stop_reason"] == "terminated"
+    with pytest.raises(tandem_client.Conflict):
+        client.approve(task["id"], 1)
+
+
+def test_a_denied_block_never_runs_and_the_model_is_told(client: Client, model: ScriptedModel) -> None:
+    model.script("```sh\ntouch denied-ran\n```", "TERMINATE")
+    task = client.submit("touch a file", executor="local", approval={"mode": "always"})
+    for event in client.follow(task["id"]):
+        if event.type == "approval_requested":
+            client.deny(task["id"], event.data["n"], reason="not today")
+    record = client.wait(task["id"])
+    assert record["stop_reason"] == "terminated"
+    assert [f["path"] for f in client.files(task["id"])] == []
+    assert "not today" in model.requests[-1]["messages"][-1]["content"]
+
+
+def test_files_go_in_and_come_out_of_a_task(client: Client, model: ScriptedModel, tmp_path: pathlib.Path) -> None:
+    local = tmp_path / "numbers.csv"
+    local.write_text("n\n1\n2\n3\n")
+    model.script(
+        "```python\nimport csv\nrows = list(csv.DictReader(open('numbers.csv')))\nopen('sum.txt', 'w').write(str(sum(int(r['n']) for r in rows)))\n```",
+        "TERMINATE",
+    )
+    task = client.run("Sum the numbers", executor="local", files={"numbers.csv": local})
+    files = {f["path"]: f for f in client.files(task["id"])}
+    assert files["numbers.csv"].get("given") is True
+    assert client.read_file(task["id"], "sum.txt") == b"6"
+    with pytest.raises(tandem_client.NotFound) as missing:
+        client.read_file(task["id"], "nope.txt")
+    assert "nope.txt" in missing.value.message
+
+
+def test_cancel_and_resume_answer_with_the_record_or_a_conflict(client: Client, model: ScriptedModel) -> None:
+    model.script("```python\nimport time\ntime.sleep(60)\n```")
+    task = client.submit("sleep", executor="local")
+    for event in client.follow(task["id"]):
+        if event.type == "code_block":
+            break
+    client.cancel(task["id"])
+    record = client.wait(task["id"], timeout=60)
+    assert record["stop_reason"] == "cancelled"
+    with pytest.raises(tandem_client.Conflict) as conflict:
+        client.resume(task["id"])
+    assert conflict.value.status == 409
+
+
+def test_exec_runs_one_block_in_a_sandbox_of_its_own(client: Client) -> None:
+    result = client.exec("import sys; print('hi'); print('err', file=sys.stderr); sys.exit(3)", executor="local")
+    assert (result["status"], result["exit_code"]) == ("exited", 3)
+    assert result["stdout"] == "hi\n" and result["stderr"] == "err\n"
+    assert client.exec("echo $((2+3))", language="sh", executor="local")["stdout"] == "5\n"
+
+
+def test_an_unknown_executor_or_language_is_an_exception_naming_it(client: Client) -> None:
+    with pytest.raises(tandem_client.TandemError) as unknown:
+        client.exec("print(1)", executor="nosuch")
+    assert "nosuch" in unknown.value.message and unknown.value.status == 400
+    with pytest.raises(tandem_client.InvalidRequest) as language:
+        client.exec("1", language="cobol", executor="local")
+    assert "cobol" in language.value.message
+    with pytest.raises(tandem_client.InvalidRequest) as field:
+        client.submit("x", executr="local")
+    assert "executr" in field.value.message
+
+
+def test_a_session_keeps_files_and_with_keep_state_its_variables(client: Client) -> None:
+    with client.session("local", keep_state=True) as s:
+        assert s.run("x = 41\nopen('kept.txt', 'w').write('yes')")["exit_code"] == 0
+        assert s.run("print(x + 1)")["stdout"] == "42\n"
+        assert s.run("cat kept.txt", language="sh")["stdout"] == "yes"
+        assert [f["path"] for f in s.files()] == ["kept.txt"]
+        assert s.read_file("kept.txt") == b"yes"
+        s.put_files({"data/in.txt": "from the client"})
+        assert s.run("print(open('data/in.txt').read())")["stdout"] == "from the client\n"
+        assert s.id in [i["id"] for i in client.sessions()]
+    assert s.id not in [i["id"] for i in client.sessions()]
+    with pytest.raises(tandem_client.NotFound) as closed:
+        s.run("print(1)")
+    assert s.id in closed.value.message
+
+
+def test_output_streams_to_the_caller_as_the_block_writes(client: Client) -> None:
+    seen: list[tuple[float, str, str]] = []
+    with client.session("local") as s:
+        result = s.run(
+            "import sys, time\nprint('first', flush=True)\ntime.sleep(1.5)\nprint('second', file=sys.stderr)",
+            on_output=lambda stream, text: seen.append((time.monotonic(), stream, text)),
+        )
+    ended = time.monotonic()
+    assert result["stdout"] == "first\n" and result["stderr"] == "second\n"
+    assert [(stream, text) for _, stream, text in seen] == [("stdout", "first\n"), ("stderr", "second\n")]
+    # The first piece came while the block still slept, not with its result.
+    assert ended - seen[0][0] > 1.0
+
+
+def test_a_block_past_its_timeout_is_killed_in_the_sandbox(client: Client) -> None:
+    with client.session("local") as s:
+        started = time.monotonic()
+        result = s.run("import time, os\nopen('pid', 'w').write(str(os.getpid()))\ntime.sleep(120)", timeout=2)
+        assert result["status"] == "timed_out"
+        assert time.monotonic() - started < 60
+        pid = int(s.read_file("pid"))
+        # Killed where it ran, not only abandoned by the client.
+        assert not pathlib.Path(f"/proc/{pid}").exists() or "zombie" in pathlib.Path(f"/proc/{pid}/status").read_text().lower()
+        assert s.run("print('next')")["stdout"] == "next\n"
+
+
+def test_tools_are_called_from_the_code_and_run_in_this_process(client: Client) -> None:
+    calls = []
+
+    def add(a: int, b: int) -> int:
+        """Adds two numbers."""
+        calls.append((a, b))
+        return a + b
+
+    def broken() -> str:
+        raise RuntimeError("out of order")
+
+    with client.session("local", tools={"add": add, "broken": broken}) as s:
+        assert s.info["tools"] == ["add", "broken"]
+        result = s.run(
+            "import tandem_tools\nprint(tandem_tools.call('add', a=2, b=3))\n"
+            "try:\n    tandem_tools.call('broken')\nexcept tandem_tools.ToolError as e:\n    print('error:', e)\n"
+            "try:\n    tandem_tools.call('nosuch')\nexcept tandem_tools.ToolError as e:\n    print('error:', e)\n"
+        )
+    assert calls == [(2, 3)]
+    lines = result["stdout"].splitlines()
+    assert lines[0] == "5"
+    assert lines[1] == "error: RuntimeError: out of order"
+    assert lines[2].startswith("error: no tool `nosuch` in this session")
+
+
+def test_a_link_the_code_plants_leads_nowhere(client: Client) -> None:
+    with client.session("local") as s:
+        s.run("import os\nos.symlink('/etc/passwd', 'passwd')\nos.symlink('/', 'root')")
+        assert s.files() == []
+        for path in ("passwd", "root/etc/passwd", "../../../../etc/passwd"):
+            with pytest.raises(tandem_client.NotFound):
+                s.read_file(path)
+
+
+def test_a_second_block_while_one_runs_is_a_conflict(client: Client) -> None:
+    with client.session("local") as s:
+        import threading
+
+        t = threading.Thread(target=lambda: s.run("import time; time.sleep(3)"))
+        t.start()
+        deadline = time.monotonic() + 30
+        while not client._call("GET", f"/v1/sessions/{s.id}")["busy"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with pytest.raises(tandem_client.Conflict):
+            s.run("print(1)")
+        t.join()
+
+
+async def test_cancelling_the_awaiting_task_kills_the_block(daemon: Daemon) -> None:
+    async with AsyncClient(daemon.host) as client:
+        s = await client.session("local")
+        try:
+            running = asyncio.create_task(
+                s.run("import time\ntime.sleep(5)\nopen('late', 'w').write('ran on')")
+            )
+            while not (await client._call("GET", f"/v1/sessions/{s.id}"))["busy"]:
+                await asyncio.sleep(0.02)
+            running.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await running
+            await asyncio.sleep(6)
+            assert await s.files() == []
+            assert (await s.run("print('alive')"))["stdout"] == "alive\n"
+        finally:
+            await s.close()
+
+
+async def test_the_async_client_follows_and_waits(daemon: Daemon, model: ScriptedModel) -> None:
+    model.script(SIX_BY_SEVEN, "TERMINATE")
+    async with AsyncClient(daemon.host) as client:
+        task = await client.submit("6*7", executor="local")
+        kinds = [e.type async for e in client.follow(task["id"])]
+        assert kinds[0] == "task_started" and kinds[-1] == "task_finished"
+        assert (await client.wait(task["id"], timeout=60))["stop_reason"] == "terminated"
+        assert (await client.exec("print(2)", executor="local"))["stdout"] == "2\n"
+
+        async def double(n: int) -> int:
+            return n * 2
+
+        async with await client.session("local", tools={"double": double}) as s:
+            assert (await s.run("import tandem_tools\nprint(tandem_tools.double(n=21))"))["stdout"] == "42\n"
+
+
+def test_a_daemon_that_is_down_is_named(tmp_path: pathlib.Path) -> None:
+    with Client(f"unix://{tmp_path}/none.sock") as client:
+        with pytest.raises(tandem_client.DaemonUnreachable) as down:
+            client.submit("x")
+    assert str(tmp_path) in str(down.value) and "tandem serve" in str(down.value)
+    with Client(f"tcp://127.0.0.1:{free_port()}") as client:
+        started = time.monotonic()
+        with pytest.raises(tandem_client.DaemonUnreachable):
+            client.exec("print(1)")
+        assert time.monotonic() - started < 30
+
+
+def test_the_wrong_token_is_unauthorized_and_the_right_one_found_as_the_cli_finds_it(model: ScriptedModel) -> None:
+    port = free_port()
+    token = "t" * 48
+    d = Daemon(model.url, CONFIG, env={"TANDEM_TOKEN": token})
+    d.stop()
+    d.host = f"tcp://127.0.0.1:{port}"
+    try:
+        d.start("--listen", f"127.0.0.1:{port}")
+        with Client(d.host, token="w" * 48) as wrong:
+            with pytest.raises(tandem_client.Unauthorized) as refused:
+                wrong.executors()
+        assert refused.value.status == 401 and "token" in refused.value.message
+        old = os.environ.get("TANDEM_TOKEN"), os.environ.get("TANDEM_HOST")
+        os.environ["TANDEM_TOKEN"], os.environ["TANDEM_HOST"] = token, d.host
+        try:
+            with Client() as found:
+                assert {e["name"] for e in found.executors()} >= {"local", "docker"}
+        finally:
+            for name, value in zip(("TANDEM_TOKEN", "TANDEM_HOST"), old):
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+    finally:
+        d.stop()
+
+
+def _gone(pid: int, within: float = 30.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            status = pathlib.Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return True
+        if "zombie" in status.lower():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("how", ["stop", "kill -9"])
+def test_a_sessions_sandbox_is_gone_after_the_daemon_stops_or_dies(model: ScriptedModel, how: str) -> None:
+    d = Daemon(model.url, CONFIG)
+    try:
+        with d.client() as client:
+            s = client.session("local", keep_state=True)
+            pid = int(s.run("import os\nprint(os.getpid())")["stdout"])
+            assert not _gone(pid, within=0.2)
+            if how == "stop":
+                d.stop()
+                assert _gone(pid), f"the kept interpreter {pid} outlived the daemon"
+                d.start()
+            else:
+                d.kill()
+                d.start()
+                assert _gone(pid), f"the kept interpreter {pid} outlived a restart after kill -9"
+            with pytest.raises(tandem_client.NotFound):
+                s.run("print(1)")
+    finally:
+        d.stop()
