@@ -12,8 +12,8 @@ pub mod check;
 pub mod engine;
 pub mod files;
 pub mod mcp;
-pub mod task;
 pub mod session;
+pub mod task;
 pub mod team;
 pub mod tools;
 

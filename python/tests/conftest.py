@@ -35,6 +35,8 @@ class ScriptedModel:
 
     def __init__(self) -> None:
         self.replies: list[str] = ["TERMINATE"]
+        # When set, the reply is what it makes of the request instead (for many at once).
+        self.respond = None
         self.requests: list[dict] = []
         self.lock = threading.Lock()
         model = self
@@ -47,7 +49,10 @@ class ScriptedModel:
                 body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
                 with model.lock:
                     model.requests.append(body)
-                    reply = model.replies.pop(0) if len(model.replies) > 1 else model.replies[0]
+                    if model.respond is not None:
+                        reply = model.respond(body)
+                    else:
+                        reply = model.replies.pop(0) if len(model.replies) > 1 else model.replies[0]
                 usage = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
                 if body.get("stream"):
                     self.send_response(200)
@@ -85,6 +90,7 @@ class ScriptedModel:
     def script(self, *replies: str) -> None:
         with self.lock:
             self.replies = list(replies) or ["TERMINATE"]
+            self.respond = None
             self.requests.clear()
 
 
@@ -123,7 +129,7 @@ class Daemon:
             if self.proc.poll() is not None:
                 pytest.fail(f"the daemon exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                with tandem_client.Client(self.host) as c:
+                with tandem_client.Client(self.host, token=self.env.get("TANDEM_TOKEN")) as c:
                     c._call("GET", "/healthz")
                 return
             except tandem_client.TandemError:

@@ -12,8 +12,8 @@ from conftest import REPO, Daemon, ScriptedModel, docker_image
 
 PAGE = (REPO / "docs" / "python.md").read_text()
 EXAMPLES = dict(
-    (m.group(1), m.group(0)[len("```python\n") : -len("```")])
-    for m in re.finditer(r"```python\n# example: (\w+)\n.*?```", PAGE, re.S)
+    (m.group(1), m.group(0)[len("```python\n") : -len("```\n")])
+    for m in re.finditer(r"```python\n# example: (\w+)\n.*?\n```\n", PAGE, re.S)
 )
 
 CASES = {
@@ -42,12 +42,15 @@ def test_the_page_has_the_three_examples() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_an_example_runs_as_written(name: str, daemon: Daemon, model: ScriptedModel) -> None:
+def test_an_example_runs_as_written(name: str, daemon: Daemon, model: ScriptedModel, tmp_path) -> None:
     docker_image()
     replies, expected = CASES[name]
     model.script(*replies)
     env = {**os.environ, "TANDEM_HOST": daemon.host, "MODEL_BASE_URL": model.url, "MODEL": "scripted", "OPENAI_API_KEY": "x"}
-    run = subprocess.run([sys.executable, "-c", EXAMPLES[name]], env=env, capture_output=True, text=True, timeout=300)
+    # From a file, as a person runs it (smolagents' @tool reads its function's source).
+    program = tmp_path / f"example_{name}.py"
+    program.write_text(EXAMPLES[name])
+    run = subprocess.run([sys.executable, str(program)], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     for line in expected:

@@ -204,12 +204,18 @@ pub fn router(
         )
         .route("/v1/sessions/{id}/exec", post(sessions::exec_in_session))
         .route("/v1/sessions/{id}/cancel", post(sessions::cancel_block))
-        .route("/v1/sessions/{id}/calls/{call}", post(sessions::answer_call))
+        .route(
+            "/v1/sessions/{id}/calls/{call}",
+            post(sessions::answer_call),
+        )
         .route(
             "/v1/sessions/{id}/files",
             get(sessions::session_files).post(sessions::put_session_files),
         )
-        .route("/v1/sessions/{id}/files/{*path}", get(sessions::session_file))
+        .route(
+            "/v1/sessions/{id}/files/{*path}",
+            get(sessions::session_file),
+        )
         .route("/v1/teams/parse", post(parse_team))
         .route("/v1/executors", get(executors))
         .route("/v1/engine", get(engine))

@@ -354,7 +354,6 @@ impl Files {
         Ok(out)
     }
 
-
     /// Removes what the retention says must go: uploads past their hour, workspaces of
     /// tasks finished longer than `keep` ago, then the oldest finished ones while all of
     /// them hold more than `max_total_bytes`, and those of tasks the store does not know.

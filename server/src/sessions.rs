@@ -286,7 +286,9 @@ impl Sessions {
         if self.map.lock().map(|m| m.len()).unwrap_or(0) >= MAX_SESSIONS {
             return Err(Refusal::new(
                 ApiErrorCode::TooMany,
-                format!("{MAX_SESSIONS} sessions are open on this daemon; close one (DELETE /v1/sessions/ID) and try again"),
+                format!(
+                    "{MAX_SESSIONS} sessions are open on this daemon; close one (DELETE /v1/sessions/ID) and try again"
+                ),
             ));
         }
         let mut tools = Vec::new();
@@ -321,9 +323,8 @@ impl Sessions {
                 "code in the {executor} executor cannot call tools; use local or docker, or leave tools out"
             )));
         }
-        let limits =
-            crate::policy::task_limits(&self.supervisor.defaults().limits, &spec.limits)
-                .map_err(Refusal::invalid)?;
+        let limits = crate::policy::task_limits(&self.supervisor.defaults().limits, &spec.limits)
+            .map_err(Refusal::invalid)?;
         let inputs = match spec.files.as_deref() {
             None => None,
             Some(upload) => Some(self.supervisor.files().upload_archive(upload).ok_or_else(
@@ -630,43 +631,43 @@ fn handler(
         move |name: String,
               arguments: String|
               -> futures::future::BoxFuture<'static, Result<String, String>> {
-        let held = held.clone();
-        let tx = tx.clone();
-        Box::pin(async move {
-            let held = held.upgrade().ok_or("the session was closed")?;
-            if !held.tools.contains(&name) {
-                return Err(format!(
-                    "no tool `{name}` in this session; its tools are: {}",
-                    held.tools.join(", ")
-                ));
-            }
-            if !streamed {
-                return Err("tool calls are answered only when the block's run is read as a stream (Accept: application/x-ndjson)".to_owned());
-            }
-            let arguments = serde_json::from_str(&arguments)
-                .unwrap_or(serde_json::Value::String(arguments));
-            let call = format!("call_{}", held.next_call.fetch_add(1, Ordering::Relaxed));
-            let (answer, answered) = oneshot::channel();
-            {
-                let mut calls = held.calls.lock().map_err(|_| "a lock was poisoned")?;
-                if calls.len() >= MAX_WAITING_CALLS {
+            let held = held.clone();
+            let tx = tx.clone();
+            Box::pin(async move {
+                let held = held.upgrade().ok_or("the session was closed")?;
+                if !held.tools.contains(&name) {
                     return Err(format!(
-                        "{MAX_WAITING_CALLS} tool calls already wait for their answers"
+                        "no tool `{name}` in this session; its tools are: {}",
+                        held.tools.join(", ")
                     ));
                 }
-                calls.insert(call.clone(), answer);
-            }
-            tx.send(ExecEvent::ToolCall {
-                call,
-                name,
-                arguments,
+                if !streamed {
+                    return Err("tool calls are answered only when the block's run is read as a stream (Accept: application/x-ndjson)".to_owned());
+                }
+                let arguments = serde_json::from_str(&arguments)
+                    .unwrap_or(serde_json::Value::String(arguments));
+                let call = format!("call_{}", held.next_call.fetch_add(1, Ordering::Relaxed));
+                let (answer, answered) = oneshot::channel();
+                {
+                    let mut calls = held.calls.lock().map_err(|_| "a lock was poisoned")?;
+                    if calls.len() >= MAX_WAITING_CALLS {
+                        return Err(format!(
+                            "{MAX_WAITING_CALLS} tool calls already wait for their answers"
+                        ));
+                    }
+                    calls.insert(call.clone(), answer);
+                }
+                tx.send(ExecEvent::ToolCall {
+                    call,
+                    name,
+                    arguments,
+                })
+                .map_err(|_| "the client went away".to_owned())?;
+                answered
+                    .await
+                    .map_err(|_| "the block ended before the client answered".to_owned())?
             })
-            .map_err(|_| "the client went away".to_owned())?;
-            answered
-                .await
-                .map_err(|_| "the block ended before the client answered".to_owned())?
-        })
-    },
+        },
     )
 }
 

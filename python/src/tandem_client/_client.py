@@ -77,9 +77,11 @@ def _pack(files: Mapping[str, FileSource]) -> bytes:
     return out.getvalue()
 
 
-def _answer(response: httpx.Response) -> Any:
+def _answer(response: httpx.Response, raw: bool = False) -> Any:
     if response.status_code >= 400:
         raise from_answer(response.status_code, response.content)
+    if raw:
+        return response.content
     if response.headers.get("content-type", "").startswith("application/json"):
         return response.json()
     return response.content
@@ -220,12 +222,12 @@ class Client(_Base):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: str, path: str, **kw: Any) -> Any:
+    def _call(self, method: str, path: str, raw: bool = False, **kw: Any) -> Any:
         try:
             response = self._http.request(method, path, **kw)
         except httpx.TransportError as e:
             raise self._unreachable(e) from e
-        return _answer(response)
+        return _answer(response, raw)
 
     # Tasks
 
@@ -338,7 +340,7 @@ class Client(_Base):
 
     def read_file(self, task_id: str, path: str) -> bytes:
         """One file of the task's workspace."""
-        return self._call("GET", f"/v1/tasks/{_q(task_id)}/files/{quote(path)}")
+        return self._call("GET", f"/v1/tasks/{_q(task_id)}/files/{quote(path)}", raw=True)
 
     def executors(self) -> list[dict[str, Any]]:
         """The daemon's executors, their languages and health."""
@@ -447,7 +449,7 @@ class Session:
 
     def read_file(self, path: str) -> bytes:
         """One file of the workspace."""
-        return self._client._call("GET", f"/v1/sessions/{_q(self.id)}/files/{quote(path)}")
+        return self._client._call("GET", f"/v1/sessions/{_q(self.id)}/files/{quote(path)}", raw=True)
 
     def put_files(self, files: Mapping[str, FileSource]) -> Upload:
         """Places files in the workspace (path -> content or local path), between blocks."""
@@ -493,12 +495,12 @@ class AsyncClient(_Base):
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _call(self, method: str, path: str, **kw: Any) -> Any:
+    async def _call(self, method: str, path: str, raw: bool = False, **kw: Any) -> Any:
         try:
             response = await self._http.request(method, path, **kw)
         except httpx.TransportError as e:
             raise self._unreachable(e) from e
-        return _answer(response)
+        return _answer(response, raw)
 
     async def submit(self, task: str, *, files: Mapping[str, FileSource] | str | None = None, **spec: Any) -> Task:
         """Queues a task (see `Client.submit`)."""
@@ -596,7 +598,7 @@ class AsyncClient(_Base):
 
     async def read_file(self, task_id: str, path: str) -> bytes:
         """One file of the task's workspace."""
-        return await self._call("GET", f"/v1/tasks/{_q(task_id)}/files/{quote(path)}")
+        return await self._call("GET", f"/v1/tasks/{_q(task_id)}/files/{quote(path)}", raw=True)
 
     async def executors(self) -> list[dict[str, Any]]:
         """The daemon's executors, their languages and health."""
@@ -714,7 +716,7 @@ class AsyncSession:
 
     async def read_file(self, path: str) -> bytes:
         """One file of the workspace."""
-        return await self._client._call("GET", f"/v1/sessions/{_q(self.id)}/files/{quote(path)}")
+        return await self._client._call("GET", f"/v1/sessions/{_q(self.id)}/files/{quote(path)}", raw=True)
 
     async def put_files(self, files: Mapping[str, FileSource]) -> Upload:
         """Places files in the workspace, between blocks."""

@@ -37,14 +37,12 @@ async fn json_body<T: serde::de::DeserializeOwned>(
 ) -> Result<T, ApiError> {
     let body = read_limited(headers, body, state.body_limit).await?;
     let body = if body.is_empty() { &b"{}"[..] } else { &body };
-    serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_slice(body)).map_err(
-        |e| {
-            ApiError::invalid(format!(
-                "the body is not valid: {}; send JSON like {example}",
-                tandem_agent::team::path_error(&e)
-            ))
-        },
-    )
+    serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_slice(body)).map_err(|e| {
+        ApiError::invalid(format!(
+            "the body is not valid: {}; send JSON like {example}",
+            tandem_agent::team::path_error(&e)
+        ))
+    })
 }
 
 /// Whether the client reads a block's run as a stream of lines.
@@ -111,8 +109,13 @@ pub(super) async fn answer_call(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let answer: ToolAnswer =
-        json_body(&state, &headers, body, r#"{"result": "42"} or {"error": "why"}"#).await?;
+    let answer: ToolAnswer = json_body(
+        &state,
+        &headers,
+        body,
+        r#"{"result": "42"} or {"error": "why"}"#,
+    )
+    .await?;
     let reply = match answer {
         ToolAnswer {
             result: Some(result),
@@ -238,8 +241,10 @@ pub(super) async fn session_files(
         let files = crate::files::list_dir(&work).map_err(TaskError::from)?;
         Ok(Json(SessionFiles {
             session: id,
+            // Tandem's own files (a kept interpreter's scripts and pipes) are not the code's.
             files: files
                 .into_iter()
+                .filter(|f| !tandem_executor::made::is_tandems(&f.path))
                 .map(|f| tandem_protocol::files::FileInfo {
                     path: crate::files::slashed(&f.path),
                     bytes: f.bytes,
@@ -291,7 +296,9 @@ pub(super) async fn put_session_files(
         .supervisor
         .files()
         .upload_archive(&upload.id)
-        .ok_or_else(|| ApiError::invalid("the upload went away before it was placed; send it again"))?;
+        .ok_or_else(|| {
+            ApiError::invalid("the upload went away before it was placed; send it again")
+        })?;
     held.put(&archive, state.supervisor.files().upload_caps())
         .await?;
     Ok((StatusCode::CREATED, Json(upload)))
