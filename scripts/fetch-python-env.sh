@@ -2,7 +2,9 @@
 # Installs what the Python client's tests need into a virtual environment of its own: the
 # client itself (python/, editable, so the tests run this checkout's code), AutoGen and
 # smolagents (whose executors it backs), pytest, and PyYAML for the models' generator, all
-# from PyPI through pip. Idempotent: a stamp of the pins skips a second install.
+# from PyPI through pip; and smolagents' source release, whose remote-executor test suite
+# the client's tests run against Tandem's executor. Idempotent: a stamp of the pins skips a
+# second install.
 #
 #   scripts/fetch-python-env.sh
 #
@@ -21,8 +23,10 @@ pins=(
   "pytest-asyncio==1.5.0"
   "PyYAML==6.0.4"
 )
+# What the stamp records: the pins, and the source release fetched beside them.
+wanted="${pins[*]} sdist:smolagents==1.26.0"
 stamp="$venv/.tandem-pins"
-if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "${pins[*]}" ]; then
+if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$wanted" ]; then
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e ./python
   echo "the Python test environment is in $venv"
   exit 0
@@ -30,5 +34,9 @@ fi
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${pins[@]}"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e ./python
-printf '%s' "${pins[*]}" > "$stamp"
+rm -rf "$venv/upstream" && mkdir -p "$venv/upstream"
+"$venv/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: \
+  -d "$venv/upstream" "smolagents==1.26.0"
+tar -xzf "$venv/upstream"/smolagents-1.26.0.tar.gz -C "$venv/upstream"
+printf '%s' "$wanted" > "$stamp"
 echo "installed the Python test environment in $venv"

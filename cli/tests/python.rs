@@ -56,7 +56,7 @@ fn autogen_code_executor() {
 
 #[test]
 fn smolagents_executor() {
-    pytest(&["test_smolagents.py"]);
+    pytest(&["test_smolagents.py", "test_smolagents_upstream.py"]);
 }
 
 #[test]

@@ -12,6 +12,8 @@ run with its value, passed through the agent's own final-answer tool.
 """
 from __future__ import annotations
 
+import base64
+import io
 import json
 import uuid
 from typing import Any
@@ -43,7 +45,13 @@ def __tandem_encode(value):
     try:
         return {"json": __tandem_json.loads(__tandem_json.dumps(value))}
     except (TypeError, ValueError):
-        return {"repr": repr(value), "type": type(value).__name__}
+        pass
+    if type(value).__module__.startswith("PIL.") and hasattr(value, "save"):
+        import base64, io
+        buf = io.BytesIO()
+        value.save(buf, format="PNG")
+        return {"png": base64.b64encode(buf.getvalue()).decode()}
+    return {"repr": repr(value), "type": type(value).__name__}
 
 def __tandem_stub(name):
     def call(*args, **kwargs):
@@ -78,6 +86,15 @@ def _decode(encoded: dict[str, Any] | None) -> Any:
         return None
     if "json" in encoded:
         return encoded["json"]
+    if "png" in encoded:
+        data = base64.b64decode(encoded["png"])
+        try:
+            from PIL import Image
+        except ImportError:
+            return data
+        image = Image.open(io.BytesIO(data))
+        image.load()
+        return image
     return encoded["repr"]
 
 
