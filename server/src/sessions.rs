@@ -337,7 +337,7 @@ impl Sessions {
             )?),
         };
         let id = uuid::Uuid::new_v4().simple().to_string();
-        let opened = open(&sandbox, &id, limits, inputs, spec.keep_state).await?;
+        let opened = open(&sandbox, limits, inputs, spec.keep_state).await?;
         let workspace = opened.workspace().map(std::path::Path::to_owned);
         let held = Arc::new(Held {
             id: id.clone(),
@@ -587,7 +587,7 @@ impl Sessions {
         };
         let id = uuid::Uuid::new_v4().simple().to_string();
         let limits = self.supervisor.defaults().limits.clone();
-        let opened = open(&sandbox, &id, limits, inputs, false).await?;
+        let opened = open(&sandbox, limits, inputs, false).await?;
         let held = Arc::new(Held {
             id,
             executor,
@@ -673,14 +673,14 @@ fn handler(
 
 async fn open(
     sandbox: &Arc<dyn Executor>,
-    id: &str,
     limits: tandem_executor::Limits,
     inputs: Option<PathBuf>,
     keep_state: bool,
 ) -> Result<Box<dyn Session>, Refusal> {
+    // No labels of its own: the executor labels the sandbox with its owner and session (what
+    // reaping needs), and a session with none can take a container the warm pool started.
     let spec = tandem_executor::SessionSpec {
         limits,
-        labels: vec![("tandem.session".to_owned(), id.to_owned())],
         keep_state,
         ..tandem_executor::SessionSpec::default()
     };
