@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the Python client's tests need into a virtual environment of its own: the
 # client itself (python/, editable, so the tests run this checkout's code), AutoGen and
-# smolagents (whose executors it backs), pytest, and PyYAML for the models' generator, all
+# smolagents (whose executors it backs), pytest, PyYAML for the models' generator and mypy, all
 # from PyPI through pip; and smolagents' source release, whose remote-executor test suite
 # the client's tests run against Tandem's executor. Idempotent: a stamp of the pins skips a
 # second install.
@@ -22,6 +22,7 @@ pins=(
   "pytest==9.2.0"
   "pytest-asyncio==1.5.0"
   "PyYAML==6.0.4"
+  "mypy==2.4.1"
 )
 # What the stamp records: the pins, and the source release fetched beside them.
 wanted="${pins[*]} sdist:smolagents==1.26.0"

@@ -15,7 +15,7 @@ import tarfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, List, Union
 from urllib.parse import quote
 
 import httpx
@@ -109,7 +109,8 @@ class _Sse:
     """Server-Sent Events read line by line: `feed` returns an event when a blank line ends one."""
 
     def __init__(self) -> None:
-        self.seq, self.kind, self.data = 0, "", []
+        self.seq, self.kind = 0, ""
+        self.data: List[str] = []
 
     def feed(self, line: str) -> Event | None:
         if line == "":
@@ -243,7 +244,7 @@ class Client(_Base):
         """The task's record, with its `transcript`."""
         return self._call("GET", f"/v1/tasks/{_q(task_id)}")
 
-    def list(self, state: str | None = None, limit: int | None = None, before: str | None = None) -> list[Task]:
+    def list(self, state: str | None = None, limit: int | None = None, before: str | None = None) -> List[Task]:
         """Tasks: all, oldest first; or with `limit`, a page of the newest."""
         params = {k: v for k, v in {"state": state, "limit": limit, "before": before}.items() if v is not None}
         return self._call("GET", "/v1/tasks", params=params)["tasks"]
@@ -271,7 +272,7 @@ class Client(_Base):
         A dropped connection is picked up again from the last event seen."""
         last, retries = after, 0
         while True:
-            params = {"after": last, **({} if follow else {"follow": "false"})}
+            params: dict[str, Any] = {"after": last, **({} if follow else {"follow": "false"})}
             try:
                 with self._http.stream(
                     "GET", f"/v1/tasks/{_q(task_id)}/events", params=params, timeout=httpx.Timeout(5.0, read=None)
@@ -334,7 +335,7 @@ class Client(_Base):
             "POST", "/v1/uploads", content=_pack(files), headers={"content-type": "application/x-tar"}
         )
 
-    def files(self, task_id: str) -> list[FileInfo]:
+    def files(self, task_id: str) -> List[FileInfo]:
         """The regular files of the task's workspace."""
         return self._call("GET", f"/v1/tasks/{_q(task_id)}/files")["files"]
 
@@ -342,7 +343,7 @@ class Client(_Base):
         """One file of the task's workspace."""
         return self._call("GET", f"/v1/tasks/{_q(task_id)}/files/{quote(path)}", raw=True)
 
-    def executors(self) -> list[dict[str, Any]]:
+    def executors(self) -> List[dict[str, Any]]:
         """The daemon's executors, their languages and health."""
         return self._call("GET", "/v1/executors")["executors"]
 
@@ -378,7 +379,7 @@ class Client(_Base):
         info = self._call("POST", "/v1/sessions", json=spec)
         return Session(self, info, dict(tools or {}))
 
-    def sessions(self) -> list[SessionInfo]:
+    def sessions(self) -> List[SessionInfo]:
         """The daemon's open sessions."""
         return self._call("GET", "/v1/sessions")["sessions"]
 
@@ -443,7 +444,7 @@ class Session:
         except TandemError:
             return False
 
-    def files(self) -> list[FileInfo]:
+    def files(self) -> List[FileInfo]:
         """The regular files of the session's workspace."""
         return self._client._call("GET", f"/v1/sessions/{_q(self.id)}/files")["files"]
 
@@ -513,7 +514,7 @@ class AsyncClient(_Base):
         """The task's record, with its `transcript`."""
         return await self._call("GET", f"/v1/tasks/{_q(task_id)}")
 
-    async def list(self, state: str | None = None, limit: int | None = None, before: str | None = None) -> list[Task]:
+    async def list(self, state: str | None = None, limit: int | None = None, before: str | None = None) -> List[Task]:
         """Tasks (see `Client.list`)."""
         params = {k: v for k, v in {"state": state, "limit": limit, "before": before}.items() if v is not None}
         return (await self._call("GET", "/v1/tasks", params=params))["tasks"]
@@ -540,7 +541,7 @@ class AsyncClient(_Base):
         """The task's events as they come (see `Client.follow`)."""
         last, retries = after, 0
         while True:
-            params = {"after": last, **({} if follow else {"follow": "false"})}
+            params: dict[str, Any] = {"after": last, **({} if follow else {"follow": "false"})}
             try:
                 async with self._http.stream(
                     "GET", f"/v1/tasks/{_q(task_id)}/events", params=params, timeout=httpx.Timeout(5.0, read=None)
@@ -592,7 +593,7 @@ class AsyncClient(_Base):
             "POST", "/v1/uploads", content=_pack(files), headers={"content-type": "application/x-tar"}
         )
 
-    async def files(self, task_id: str) -> list[FileInfo]:
+    async def files(self, task_id: str) -> List[FileInfo]:
         """The regular files of the task's workspace."""
         return (await self._call("GET", f"/v1/tasks/{_q(task_id)}/files"))["files"]
 
@@ -600,7 +601,7 @@ class AsyncClient(_Base):
         """One file of the task's workspace."""
         return await self._call("GET", f"/v1/tasks/{_q(task_id)}/files/{quote(path)}", raw=True)
 
-    async def executors(self) -> list[dict[str, Any]]:
+    async def executors(self) -> List[dict[str, Any]]:
         """The daemon's executors, their languages and health."""
         return (await self._call("GET", "/v1/executors"))["executors"]
 
@@ -633,7 +634,7 @@ class AsyncClient(_Base):
         info = await self._call("POST", "/v1/sessions", json=spec)
         return AsyncSession(self, info, dict(tools or {}))
 
-    async def sessions(self) -> list[SessionInfo]:
+    async def sessions(self) -> List[SessionInfo]:
         """The daemon's open sessions."""
         return (await self._call("GET", "/v1/sessions"))["sessions"]
 
@@ -710,7 +711,7 @@ class AsyncSession:
         except TandemError:
             return False
 
-    async def files(self) -> list[FileInfo]:
+    async def files(self) -> List[FileInfo]:
         """The regular files of the session's workspace."""
         return (await self._client._call("GET", f"/v1/sessions/{_q(self.id)}/files"))["files"]
 

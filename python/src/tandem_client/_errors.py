@@ -1,6 +1,7 @@
 """Exceptions: each carries the daemon's error code and message, or says why no daemon answered."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -65,7 +66,7 @@ class SandboxError(TandemError):
 class TaskFailed(TandemError):
     """A task that ended without solving: its stop reason, and the record."""
 
-    def __init__(self, task: dict[str, Any]) -> None:
+    def __init__(self, task: Mapping[str, Any]) -> None:
         reason = task.get("stop_reason", "unknown")
         error = task.get("error") or {}
         detail = f": {error.get('message')}" if error.get("message") else ""

@@ -174,9 +174,8 @@ class TandemCodeExecutor(CodeExecutor, Component[TandemCodeExecutorConfig]):
                     outputs.append("Code execution was cancelled.")
                     exit_code = CANCELLED_EXIT
                     break
-                exit_code = result.get("exit_code")
-                if exit_code is None:
-                    exit_code = 1
+                code = result.get("exit_code")
+                exit_code = 1 if code is None else code
                 if exit_code != 0:
                     break
         return TandemCodeResult(exit_code, "".join(outputs), session.id, statuses)
