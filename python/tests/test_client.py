@@ -125,6 +125,13 @@ def test_a_session_keeps_files_and_with_keep_state_its_variables(client: Client)
         assert s.run("cat kept.txt", language="sh")["stdout"] == "yes"
         assert [f["path"] for f in s.files()] == ["kept.txt"]
         assert s.read_file("kept.txt") == b"yes"
+        import io
+        import tarfile
+
+        packed = client._call("GET", f"/v1/sessions/{s.id}/files", params={"format": "tar"}, raw=True)
+        with tarfile.open(fileobj=io.BytesIO(packed)) as tar:
+            files = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}  # type: ignore[union-attr]
+        assert files["kept.txt"] == b"yes"
         s.put_files({"data/in.txt": "from the client"})
         assert s.run("print(open('data/in.txt').read())")["stdout"] == "from the client\n"
         assert s.id in [i["id"] for i in client.sessions()]

@@ -577,17 +577,7 @@ async fn task_files(
         files_kept(sup, &id)?;
         if tar {
             let file = sup.files().pack(&id).map_err(TaskError::from)?;
-            let len = file.metadata().map(|m| m.len()).unwrap_or(0);
-            let body = file_body(file, len);
-            let disposition = format!("attachment; filename=\"{id}.tar\"");
-            Ok((
-                [
-                    (header::CONTENT_TYPE, "application/x-tar".to_owned()),
-                    (header::CONTENT_DISPOSITION, disposition),
-                ],
-                body,
-            )
-                .into_response())
+            Ok(tar_answer(file, &id))
         } else {
             Ok(Json(sup.files().list(&id).map_err(TaskError::from)?).into_response())
         }
@@ -644,6 +634,22 @@ fn served_file(file: std::fs::File, len: u64, name: &str) -> Response {
             ),
         ],
         body,
+    )
+        .into_response()
+}
+
+/// A packed workspace as a tar download named `name`.tar.
+fn tar_answer(file: std::fs::File, name: &str) -> Response {
+    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    (
+        [
+            (header::CONTENT_TYPE, "application/x-tar".to_owned()),
+            (
+                header::CONTENT_DISPOSITION,
+                format!("attachment; filename=\"{name}.tar\""),
+            ),
+        ],
+        file_body(file, len),
     )
         .into_response()
 }

@@ -87,6 +87,33 @@ pub struct Held {
 }
 
 impl Held {
+    fn new(
+        id: String,
+        executor: String,
+        sandbox: Arc<dyn Executor>,
+        opened: Box<dyn Session>,
+        keep_state: bool,
+        tools: Vec<String>,
+        idle: Duration,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            id,
+            executor,
+            sandbox,
+            keep_state,
+            tools,
+            created_ms: crate::now_ms(),
+            idle,
+            workspace: opened.workspace().map(std::path::Path::to_owned),
+            session: tokio::sync::Mutex::new(Some(opened)),
+            used: Mutex::new(Instant::now()),
+            blocks: AtomicU64::new(0),
+            running: Mutex::new(None),
+            calls: Mutex::default(),
+            next_call: AtomicU64::new(1),
+        })
+    }
+
     /// The session as the API shows it.
     pub fn info(&self) -> SessionInfo {
         SessionInfo {
@@ -325,36 +352,18 @@ impl Sessions {
         }
         let limits = crate::policy::task_limits(&self.supervisor.defaults().limits, &spec.limits)
             .map_err(Refusal::invalid)?;
-        let inputs = match spec.files.as_deref() {
-            None => None,
-            Some(upload) => Some(self.supervisor.files().upload_archive(upload).ok_or_else(
-                || {
-                    Refusal::invalid(format!(
-                        "`files` names no upload here: `{}`; POST a tar archive to /v1/uploads first",
-                        tandem_protocol::files::shown(upload)
-                    ))
-                },
-            )?),
-        };
+        let inputs = self.inputs(spec.files.as_deref())?;
         let id = uuid::Uuid::new_v4().simple().to_string();
         let opened = open(&sandbox, limits, inputs, spec.keep_state).await?;
-        let workspace = opened.workspace().map(std::path::Path::to_owned);
-        let held = Arc::new(Held {
-            id: id.clone(),
+        let held = Held::new(
+            id.clone(),
             executor,
             sandbox,
-            keep_state: spec.keep_state,
+            opened,
+            spec.keep_state,
             tools,
-            created_ms: crate::now_ms(),
             idle,
-            workspace,
-            session: tokio::sync::Mutex::new(Some(opened)),
-            used: Mutex::new(Instant::now()),
-            blocks: AtomicU64::new(0),
-            running: Mutex::new(None),
-            calls: Mutex::default(),
-            next_call: AtomicU64::new(1),
-        });
+        );
         let info = held.info();
         let raced = match self.map.lock() {
             Ok(mut map) if map.len() < MAX_SESSIONS && !self.supervisor.stopping() => {
@@ -373,7 +382,24 @@ impl Sessions {
         Ok(info)
     }
 
-    /// The executor `name` (or the daemon's default), offered to clients and healthy.
+    /// The archive of the upload `files` names, if it names one that is here.
+    fn inputs(&self, files: Option<&str>) -> Result<Option<PathBuf>, Refusal> {
+        let Some(upload) = files else {
+            return Ok(None);
+        };
+        self.supervisor
+            .files()
+            .upload_archive(upload)
+            .map(Some)
+            .ok_or_else(|| {
+                Refusal::invalid(format!(
+                    "`files` names no upload here: `{}`; POST a tar archive to /v1/uploads first",
+                    tandem_protocol::files::shown(upload)
+                ))
+            })
+    }
+
+    /// The executor `name` (or the daemon's default), offered to clients.
     fn executor(&self, name: Option<&str>) -> Result<(String, Arc<dyn Executor>), Refusal> {
         let name = name
             .map(str::to_owned)
@@ -574,36 +600,11 @@ impl Sessions {
         let executor = spec.executor.clone();
         let (executor, sandbox) = self.executor(executor.as_deref())?;
         let request = self.request(&*sandbox, &spec)?;
-        let inputs = match files.as_deref() {
-            None => None,
-            Some(upload) => Some(self.supervisor.files().upload_archive(upload).ok_or_else(
-                || {
-                    Refusal::invalid(format!(
-                        "`files` names no upload here: `{}`; POST a tar archive to /v1/uploads first",
-                        tandem_protocol::files::shown(upload)
-                    ))
-                },
-            )?),
-        };
+        let inputs = self.inputs(files.as_deref())?;
         let id = uuid::Uuid::new_v4().simple().to_string();
         let limits = self.supervisor.defaults().limits.clone();
         let opened = open(&sandbox, limits, inputs, false).await?;
-        let held = Arc::new(Held {
-            id,
-            executor,
-            sandbox,
-            keep_state: false,
-            tools: Vec::new(),
-            created_ms: crate::now_ms(),
-            idle: IDLE,
-            workspace: None,
-            session: tokio::sync::Mutex::new(Some(opened)),
-            used: Mutex::new(Instant::now()),
-            blocks: AtomicU64::new(0),
-            running: Mutex::new(None),
-            calls: Mutex::default(),
-            next_call: AtomicU64::new(1),
-        });
+        let held = Held::new(id, executor, sandbox, opened, false, Vec::new(), IDLE);
         let (tx, rx) = mpsc::unbounded_channel();
         let sessions = self.clone();
         tokio::spawn(async move {

@@ -1,5 +1,5 @@
 //! A second Docker engine for tests: `dockerd` with its own data root, exec root and pid
-//! file, no bridge, listening only on 127.0.0.1 with TLS and client certificates this
+//! file, a bridge of its own, listening only on 127.0.0.1 with TLS and client certificates this
 //! module makes (with the `openssl` command). It is what a remote host looks like to Tandem.
 //! A watchdog shell stops it and removes its directories when the test process ends.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -58,6 +58,10 @@ fn sign(dir: &Path, ca: &str, name: &str, cn: &str, ext: &str) {
         .arg("-extfile")
         .arg(&ext_file));
 }
+
+/// The bridge every second engine attaches its default network to (the host's `docker0`
+/// is the host engine's).
+const BRIDGE: &str = "tandem-engine2";
 
 /// A self-signed authority `{name}.pem` / `{name}-key.pem` in `dir`.
 pub fn authority(dir: &Path, name: &str) {
@@ -119,9 +123,16 @@ impl SecondEngine {
     fn launch(&self, first: bool) {
         let driver = run(Command::new("docker").args(["info", "--format", "{{.Driver}}"]));
         std::fs::write(self.dir.join("daemon.json"), "{}").unwrap();
+        // A bridge of its own: a dockerd told `--bridge=none` deletes the host's `docker0` at
+        // start, which the host engine's networked containers need.
+        let _ = Command::new("ip")
+            .args(["link", "add", BRIDGE, "type", "bridge"])
+            .output();
+        run(Command::new("ip").args(["addr", "replace", "10.254.254.1/24", "dev", BRIDGE]));
+        run(Command::new("ip").args(["link", "set", BRIDGE, "up"]));
         let d = self.dir.display();
         let dockerd = format!(
-            "dockerd --config-file {d}/daemon.json --data-root {d}/data --exec-root {d}/exec --pidfile {d}/dockerd.pid --bridge=none --iptables=false --ip-masq=false --storage-driver {driver} -H tcp://127.0.0.1:{port} --tlsverify --tlscacert {d}/ca.pem --tlscert {d}/server.pem --tlskey {d}/server-key.pem",
+            "dockerd --config-file {d}/daemon.json --data-root {d}/data --exec-root {d}/exec --pidfile {d}/dockerd.pid --bridge={BRIDGE} --iptables=false --ip-masq=false --storage-driver {driver} -H tcp://127.0.0.1:{port} --tlsverify --tlscacert {d}/ca.pem --tlscert {d}/server.pem --tlskey {d}/server-key.pem",
             port = self.port
         );
         // The watchdog outlives a killed dockerd (the tests kill it on purpose) and ends

@@ -225,18 +225,7 @@ pub(super) async fn session_files(
     blocking(&state.supervisor, move |sup| {
         if tar {
             let file = sup.files().pack_dir(&work).map_err(TaskError::from)?;
-            let len = file.metadata().map(|m| m.len()).unwrap_or(0);
-            return Ok((
-                [
-                    (header::CONTENT_TYPE, "application/x-tar".to_owned()),
-                    (
-                        header::CONTENT_DISPOSITION,
-                        format!("attachment; filename=\"{id}.tar\""),
-                    ),
-                ],
-                file_body(file, len),
-            )
-                .into_response());
+            return Ok(tar_answer(file, &id));
         }
         let files = crate::files::list_dir(&work).map_err(TaskError::from)?;
         Ok(Json(SessionFiles {
