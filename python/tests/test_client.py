@@ -141,23 +141,31 @@ def test_a_session_keeps_files_and_with_keep_state_its_variables(client: Client)
     assert s.id in closed.value.message
 
 
+# The block waits (up to a minute) until this process says it has seen the first line:
+# it ends well only if the line reached the caller while the block still ran. No timing.
+WAIT_UNTIL_SEEN = """import sys, time, tandem_tools
+print('first', flush=True)
+deadline = time.time() + 60
+while tandem_tools.call('seen') != 'yes' and time.time() < deadline:
+    time.sleep(0.05)
+print('second' if time.time() < deadline else 'never seen', file=sys.stderr)
+"""
+
+
 def test_output_streams_to_the_caller_as_the_block_writes(client: Client) -> None:
-    seen: list[tuple[float, str, str]] = []
-    with client.session("local") as s:
-        result = s.run(
-            "import sys, time\nprint('first', flush=True)\ntime.sleep(4)\nprint('second', file=sys.stderr)",
-            on_output=lambda stream, text: seen.append((time.monotonic(), stream, text)),
-        )
-    ended = time.monotonic()
-    assert result["stdout"] == "first\n" and result["stderr"] == "second\n"
+    seen: list[tuple[str, str]] = []
+
+    def was_seen() -> str:
+        return "yes" if "".join(t for st, t in seen if st == "stdout") == "first\n" else "no"
+
+    with client.session("local", tools={"seen": was_seen}) as s:
+        result = s.run(WAIT_UNTIL_SEEN, on_output=lambda stream, text: seen.append((stream, text)))
+    assert result["stdout"] == "first\n" and result["stderr"] == "second\n", result
     # A write may arrive in pieces (an unbuffered print writes its text and its newline
     # apart); joined, each stream is what was written, stdout's before stderr's.
-    streams = [stream for _, stream, _ in seen]
+    streams = [stream for stream, _ in seen]
     assert streams == sorted(streams, key=lambda x: x != "stdout"), streams
-    assert "".join(t for _, st, t in seen if st == "stdout") == "first\n"
-    assert "".join(t for _, st, t in seen if st == "stderr") == "second\n"
-    # The first piece came while the block still slept, not with its result.
-    assert ended - seen[0][0] > 2.0
+    assert "".join(t for st, t in seen if st == "stderr") == "second\n"
 
 
 def pids_in(marker: str) -> list[int]:
@@ -230,18 +238,28 @@ def test_a_link_the_code_plants_leads_nowhere(client: Client) -> None:
 
 
 def test_a_second_block_while_one_runs_is_a_conflict(client: Client) -> None:
-    with client.session("local") as s:
-        import threading
+    import threading
 
-        t = threading.Thread(target=lambda: s.run("import time; time.sleep(3)"))
+    release = threading.Event()
+    # The first block holds the session until the second has been refused: order, not time.
+    hold = "import time, tandem_tools\nwhile tandem_tools.call('go') != 'yes':\n    time.sleep(0.05)\nprint('done')"
+    with client.session("local", tools={"go": lambda: "yes" if release.is_set() else "no"}) as s:
+        first: dict = {}
+        t = threading.Thread(target=lambda: first.update(s.run(hold, timeout=120)))
         t.start()
-        deadline = time.monotonic() + 30
-        while not client._call("GET", f"/v1/sessions/{s.id}")["busy"]:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        with pytest.raises(tandem_client.Conflict):
-            s.run("print(1)")
-        t.join()
+        try:
+            deadline = time.monotonic() + 60
+            while not client._call("GET", f"/v1/sessions/{s.id}")["busy"]:
+                assert time.monotonic() < deadline, "the first block never started"
+                time.sleep(0.02)
+            with pytest.raises(tandem_client.Conflict) as busy:
+                s.run("print(1)")
+            assert s.id in busy.value.message
+        finally:
+            release.set()
+            t.join()
+        assert first["stdout"] == "done\n"
+        assert s.run("print(2)")["stdout"] == "2\n"
 
 
 async def test_cancelling_the_awaiting_task_kills_the_block(daemon: Daemon) -> None:
