@@ -732,10 +732,35 @@ const PRINTED_NOTHING: &str =
 /// Whether `report` tells of blocks that all ran cleanly and printed something.
 pub fn clean_report(report: &str) -> bool {
     !report.contains(PRINTED_NOTHING)
+        && !report.contains(crate::examples::FAILED_MARK)
         && report
             .strip_prefix(CLEAN_HEAD)
             .and_then(|rest| rest.strip_prefix(OUTPUT_HEAD))
             .is_some_and(|output| !output.trim().is_empty())
+}
+
+/// Whether `report` tells of blocks that all exited 0, whatever they printed, with the
+/// task's examples holding where they were run.
+pub fn ran_clean(report: &str) -> bool {
+    report.starts_with(CLEAN_HEAD) && !report.contains(crate::examples::FAILED_MARK)
+}
+
+/// `report` with the note on the task's examples: they are output the model reads, so the
+/// note on a run that printed nothing goes.
+pub fn with_examples(report: String, note: &str) -> String {
+    let mut report = match report.find(PRINTED_NOTHING) {
+        Some(at) => {
+            let mut cut = report;
+            cut.replace_range(at..at + PRINTED_NOTHING.len(), "");
+            cut.trim_end().to_owned()
+        }
+        None => report,
+    };
+    if !report.ends_with('\n') {
+        report.push('\n');
+    }
+    report.push_str(note);
+    report
 }
 
 /// What the executor agent tells the model after running a reply's blocks, in AutoGen's

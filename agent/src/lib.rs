@@ -15,6 +15,7 @@ pub mod chat;
 pub mod check;
 pub mod dispatch;
 pub mod events;
+pub mod examples;
 pub mod extract;
 pub mod mcp_tools;
 pub mod schema;

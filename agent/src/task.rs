@@ -166,6 +166,12 @@ pub async fn run_task(
                 )
                 .with_approval(settings.approval.clone())
                 .with_tools(&format!("{}/{ASSISTANT}", crate::team::check::TOP), toolbox)
+                .map(|team| {
+                    team.with_examples(
+                        &format!("{}/{EXECUTOR}", crate::team::check::TOP),
+                        &settings.task,
+                    )
+                })
         });
     // What the interrupted run said, by the pair's two agents in turn.
     let replay = crate::team::history::pair_turns(&settings.history)
@@ -239,6 +245,7 @@ pub fn pair(system: &str, word: &str, nudge: &str) -> TeamSpec {
                 any: Some(vec![
                     Termination {
                         ends_with: Some(word.to_owned()),
+                        after_run: Some(true),
                         agents: names(&[ASSISTANT]),
                         ..Termination::default()
                     },

@@ -199,6 +199,11 @@ pub struct Termination {
     /// holds only the word counts too, and no executor runs it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ends_with: Option<String>,
+    /// With `ends_with`: a message that also has code to run ends the chat only once an
+    /// executor has run that code cleanly (every block exited 0, and the task's examples
+    /// held where they were run); a failed run goes back to its author.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after_run: Option<bool>,
     /// Done when a message matches this regular expression.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub regex: Option<String>,

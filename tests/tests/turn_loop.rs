@@ -249,11 +249,17 @@ async fn one_session_per_task_closed_on_error_too() {
 async fn first_failure_stops_the_rest_of_the_reply() {
     let task = "blocks: stop at failure";
     let reply = "```sh\necho one\n```\n```python\nraise ValueError('bad')\n```\n```sh\necho three\n```\n\nTERMINATE";
-    let h = Harness::new(task, vec![Reply::from(reply)]).await;
+    // The word came with code that failed, so the model reads the failure and answers again.
+    let h = Harness::new(
+        task,
+        vec![Reply::from(reply), Reply::from("It fails. TERMINATE")],
+    )
+    .await;
     let (outcome, events) = h
         .run(TaskSettings::new(task), CancellationToken::new())
         .await;
     assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(outcome.turns, 2);
     let statuses: Vec<&str> = events
         .iter()
         .filter_map(|e| match e {
@@ -262,7 +268,7 @@ async fn first_failure_stops_the_rest_of_the_reply() {
         })
         .collect();
     assert_eq!(statuses, ["exited", "exited", "not_run"]);
-    let report = &outcome.transcript.last().unwrap().content;
+    let report = &outcome.transcript[3].content;
     assert!(
         report.starts_with("exitcode: 1 (execution failed)\nCode output: one\nTraceback"),
         "{report}"
@@ -271,6 +277,73 @@ async fn first_failure_stops_the_rest_of_the_reply() {
         report.ends_with("ValueError: bad\nBlock 3 was not run because an earlier block failed."),
         "{report}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn code_sent_with_the_word_ends_the_task_only_once_it_ran_cleanly() {
+    let task = "word with code: only after a clean run";
+    let h = Harness::new(
+        task,
+        vec![
+            Reply::from("```python\nimport sys\nprint('half')\nsys.exit(3)\n```\nDone. TERMINATE"),
+            Reply::from("```python\nprint('whole')\n```\nThe answer is whole. TERMINATE"),
+            Reply::from("not asked: the task ended after the second reply's run"),
+        ],
+    )
+    .await;
+    let (outcome, events) = h
+        .run(TaskSettings::new(task), CancellationToken::new())
+        .await;
+    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(outcome.turns, 2);
+    let reports: Vec<&str> = outcome.transcript[3..]
+        .iter()
+        .filter(|m| m.role == tandem_protocol::Role::User)
+        .map(|m| m.content.as_str())
+        .collect();
+    assert_eq!(
+        reports,
+        [
+            "exitcode: 3 (execution failed)\nCode output: half\n",
+            "exitcode: 0 (execution succeeded)\nCode output: whole\n"
+        ]
+    );
+    assert_eq!(
+        outcome.summary.as_deref(),
+        Some("```python\nprint('whole')\n```\nThe answer is whole.")
+    );
+    let finished = events
+        .iter()
+        .any(|e| matches!(e, EventMsg::TaskFinished { .. }));
+    assert!(finished);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_examples_a_task_states_are_run_against_its_code() {
+    let task = "Write a Python function `add(a, b)`.\n\n    >>> add(2, 3)\n    5\n    >>> add(-1, 1)\n    0\n    >>> words('a b')\n    ['a', 'b']\n\nassert add(10, 5) == 15\n";
+    let h = Harness::new(
+        task,
+        vec![
+            // Wrong on two examples, and it prints while it loads: that output is not the
+            // examples' to show.
+            Reply::from("```python\ndef add(a, b):\n    return a + b + (a > 0)\n\ndef words(s):\n    return s.split()\n\nprint('loaded')\n```\nTERMINATE"),
+            // Right, and silent: the examples are what it shows, so no note of printing nothing.
+            Reply::from("```python\ndef add(a, b):\n    return a + b\n\ndef words(s):\n    return s.split()\n```\nTERMINATE"),
+            Reply::from("not asked: the examples held"),
+        ],
+    )
+    .await;
+    let (outcome, _) = h
+        .run(TaskSettings::new(task), CancellationToken::new())
+        .await;
+    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(outcome.turns, 2);
+    let reports: Vec<String> = outcome.transcript[3..]
+        .iter()
+        .filter(|m| m.role == tandem_protocol::Role::User)
+        .map(|m| m.content.clone())
+        .collect();
+    insta::assert_snapshot!("stated_examples_reports", reports.join("\n---\n"));
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -369,6 +369,16 @@ fn check_termination(at: &str, t: &Termination, members: &[String], errors: &mut
             "{at}.agents: only `mention`, `ends_with`, `regex` and `answered` are limited to some agents"
         ));
     }
+    if t.after_run.is_some() && t.ends_with.is_none() {
+        errors.push(format!(
+            "{at}.after_run: only `ends_with` waits for a run of the message's code"
+        ));
+    }
+    if t.after_run == Some(false) {
+        errors.push(format!(
+            "{at}.after_run: true is the only value; leave it out to end as soon as the word is said"
+        ));
+    }
     if t.answered == Some(false) {
         errors.push(format!(
             "{at}.answered: true is the only value; leave the condition out to not end on an answer"
@@ -565,7 +575,12 @@ pub fn describe(t: &Termination) -> String {
     if let Some(m) = &t.mention {
         format!("mention {m}{}", by(&t.agents))
     } else if let Some(w) = &t.ends_with {
-        format!("ends_with {w}{}", by(&t.agents))
+        let after = if t.after_run.is_some() {
+            " (after its code ran cleanly)"
+        } else {
+            ""
+        };
+        format!("ends_with {w}{after}{}", by(&t.agents))
     } else if let Some(r) = &t.regex {
         format!("regex /{r}/{}", by(&t.agents))
     } else if t.answered.is_some() {

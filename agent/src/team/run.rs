@@ -163,6 +163,9 @@ pub struct Team {
     /// Each assistant's tools, by its name (what its messages' `speaker` is): offered to its
     /// model, and run by the executor that answers it.
     tools: HashMap<String, Arc<ToolBox>>,
+    /// The examples the task states, by the path of the executor that runs them against the
+    /// code it ran.
+    examples: HashMap<String, Arc<crate::examples::Examples>>,
 }
 
 /// How a run of a team went.
@@ -227,6 +230,7 @@ impl Team {
             output_schema: None,
             conditions: HashMap::new(),
             tools: HashMap::new(),
+            examples: HashMap::new(),
             root: root.clone(),
         };
         let mut stack = vec![&root];
@@ -284,6 +288,15 @@ impl Team {
             stack.extend(&node.members);
         }
         Ok(team)
+    }
+
+    /// Has the executor at `path` run the examples `task` states (if it states any) against
+    /// each clean run of code that defines what they call.
+    pub fn with_examples(mut self, path: &str, task: &str) -> Self {
+        if let Some(examples) = crate::examples::Examples::from_task(task) {
+            self.examples.insert(path.to_owned(), Arc::new(examples));
+        }
+        self
     }
 
     /// Puts `agent` in the place of the assistant at `path` (`team/reviewer`); an error when
@@ -1029,6 +1042,9 @@ impl Ctx<'_> {
                 &no_code,
             )
         };
+        if let Some(note) = self.examples_note(node, &mut slot, &code, &runs).await {
+            report = blocks::with_examples(report, &note);
+        }
         let results: Vec<ToolReply> = answered.into_iter().map(|a| a.reply).collect();
         if native {
             return Ok(self.reported(node, history, turn, report, results));
@@ -1041,6 +1057,44 @@ impl Ctx<'_> {
             report.push_str(&format!("Result of tool `{}`:\n{}", r.name, r.content));
         }
         Ok(self.reported(node, history, turn, report, Vec::new()))
+    }
+
+    /// What the task's examples say of the last Python block of `runs` that defines what
+    /// they call, when every block ran cleanly; `None` when there is nothing to run them
+    /// against or they could not be run (a sandbox failure here is the next block's to tell).
+    async fn examples_note(
+        &self,
+        node: &Node,
+        slot: &mut SessionSlot,
+        code: &[CodeBlock],
+        runs: &[blocks::BlockRun],
+    ) -> Option<String> {
+        let examples = self.team.examples.get(&node.path)?;
+        if runs.is_empty() || !runs.iter().all(|r| r.result.succeeded()) {
+            return None;
+        }
+        let python = tandem_executor::Language::python();
+        let tested = runs
+            .iter()
+            .rev()
+            .filter(|r| {
+                r.language == python && r.result.status == tandem_protocol::BlockStatus::Exited
+            })
+            .filter_map(|r| code.get(usize::try_from(r.index).ok()?.checked_sub(1)?))
+            .find(|b| examples.tested_by(&b.code))?;
+        let ran = slot
+            .run_quiet(&python, &examples.program(&tested.code), &self.cancel)
+            .await;
+        match ran {
+            Ok(Some(out)) if out.status == tandem_executor::ExitStatus::Exited(0) => {
+                crate::examples::Examples::note(&out.stdout.to_text())
+            }
+            Ok(_) => None,
+            Err(e) => {
+                tracing::debug!(error = %e, "the task's examples did not run");
+                None
+            }
+        }
     }
 
     /// An executor's report (and its answers to native calls) joins the history.

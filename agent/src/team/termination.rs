@@ -26,8 +26,10 @@ pub(crate) enum Test {
     /// A message by one of `agents` (anyone when `None`) mentions the word, or holds a
     /// block of only the word.
     Mention(String, Option<Vec<String>>),
-    /// A message by one of `agents` ends with the word, or holds a block of only the word.
-    EndsWith(String, Option<Vec<String>>),
+    /// A message by one of `agents` ends with the word, or holds a block of only the word;
+    /// when the third field is true, a message that also has code ends the chat only once an
+    /// executor's report says its code ran cleanly.
+    EndsWith(String, Option<Vec<String>>, bool),
     /// A message by one of `agents` matches.
     Regex(Regex, Option<Vec<String>>),
     /// A message by one of `agents` with no code follows a clean run's report.
@@ -67,7 +69,7 @@ impl Condition {
         let test = if let Some(word) = &t.mention {
             Test::Mention(word.clone(), t.agents.clone())
         } else if let Some(word) = &t.ends_with {
-            Test::EndsWith(word.clone(), t.agents.clone())
+            Test::EndsWith(word.clone(), t.agents.clone(), t.after_run == Some(true))
         } else if let Some(pattern) = &t.regex {
             let re = Regex::new(pattern)
                 .map_err(|e| format!("termination.regex: not a regular expression: {e}"))?;
@@ -98,7 +100,7 @@ impl Condition {
     /// Adds the words this condition ends a chat on to `words`.
     pub fn words_into(&self, words: &mut Vec<String>) {
         match &self.test {
-            Test::Mention(word, _) | Test::EndsWith(word, _) => words.push(word.clone()),
+            Test::Mention(word, _) | Test::EndsWith(word, _, _) => words.push(word.clone()),
             Test::Any(list) | Test::All(list) => {
                 for inner in list {
                     inner.words_into(words);
@@ -123,10 +125,24 @@ impl Condition {
                 said(agents, &|m| mentions(&m.text, word) || alone(m, word)),
                 StopReason::Terminated,
             ),
-            Test::EndsWith(word, agents) => hit(
+            Test::EndsWith(word, agents, false) => hit(
                 said(agents, &|m| says_terminate(&m.text, word) || alone(m, word)),
                 StopReason::Terminated,
             ),
+            Test::EndsWith(word, agents, true) => {
+                let says = |m: &Said| says_terminate(&m.text, word) || alone(m, word);
+                let first = s.history.len().saturating_sub(s.new.len());
+                let ended = s.new.iter().enumerate().any(|(i, m)| {
+                    if !m.output {
+                        return by(agents, m) && says(m) && !has_program(m, word);
+                    }
+                    let before = (first + i).checked_sub(1).and_then(|at| s.history.get(at));
+                    before.is_some_and(|b| {
+                        !b.output && by(agents, b) && says(b) && crate::blocks::ran_clean(&m.text)
+                    })
+                });
+                hit(ended, StopReason::Terminated)
+            }
             Test::Regex(re, agents) => hit(
                 said(agents, &|m| re.is_match(&m.text)),
                 StopReason::Terminated,
@@ -155,6 +171,19 @@ fn is_answer(said: &Said) -> bool {
     said.calls.is_empty()
         && !said.text.trim().is_empty()
         && extract_code_blocks(&said.text).is_empty()
+}
+
+/// Whether `said` has code an executor would run: a block that is neither data (`json`) nor
+/// only `word`, or a tool call.
+fn has_program(said: &Said, word: &str) -> bool {
+    !said.calls.is_empty()
+        || extract_code_blocks(&said.text).iter().any(|b| {
+            !is_termination_block(&b.code, word)
+                && !b
+                    .language
+                    .as_deref()
+                    .is_some_and(|l| tandem_executor::Language::new(l).is_data())
+        })
 }
 
 /// Whether `said` has a block that holds only `word`: small models fence their last word.

@@ -1,0 +1,321 @@
+//! The examples a task states (doctest lines, `assert` lines), run against the model's code
+//! after a clean run, so the model reads "expected X, got Y" instead of guessing whether its
+//! own test prints matched.
+
+use serde::Deserialize;
+
+/// Most examples run after one block; more are left out, so a task of a thousand doctest
+/// lines costs one bounded run.
+const MOST: usize = 20;
+
+/// Characters of an example's source, expected or got text kept in the note.
+const SHOWN: usize = 200;
+
+/// What the note says when some examples do not hold; a report holding it is not a clean run.
+pub const FAILED_MARK: &str = "The task's examples do not all hold against your code";
+
+/// A task's stated examples.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Examples {
+    /// The task's text, which the runner parses in Python (doctest's own comparison).
+    task: String,
+    /// Names the examples call: a block that defines one of them is what they test.
+    names: Vec<String>,
+}
+
+impl Examples {
+    /// The examples `task` states, when it has lines that start with `>>> ` or `assert `.
+    pub fn from_task(task: &str) -> Option<Self> {
+        let mut names = Vec::new();
+        for line in task.lines().map(str::trim_start) {
+            let Some(code) = line
+                .strip_prefix(">>> ")
+                .or_else(|| line.strip_prefix("assert "))
+            else {
+                continue;
+            };
+            for name in called(code) {
+                if !names.contains(&name) {
+                    names.push(name);
+                }
+            }
+        }
+        (!names.is_empty()).then(|| Self {
+            task: task.to_owned(),
+            names,
+        })
+    }
+
+    /// Whether `code` defines (`def` or `class`) a name the examples call.
+    pub fn tested_by(&self, code: &str) -> bool {
+        code.lines().map(str::trim_start).any(|line| {
+            let rest = line
+                .strip_prefix("def ")
+                .or_else(|| line.strip_prefix("async def "))
+                .or_else(|| line.strip_prefix("class "));
+            rest.is_some_and(|rest| {
+                let name: String = rest.chars().take_while(|c| is_ident(*c)).collect();
+                self.names.contains(&name)
+            })
+        })
+    }
+
+    /// A Python program that loads `code` (not as `__main__`, with its output set aside),
+    /// runs the examples against it, and prints one JSON line of what held.
+    pub fn program(&self, code: &str) -> String {
+        let quote = |s: &str| serde_json::to_string(s).unwrap_or_else(|_| "\"\"".to_owned());
+        format!(
+            "TASK = {}\nCODE = {}\nMOST = {MOST}\n{RUNNER}",
+            quote(&self.task),
+            quote(code)
+        )
+    }
+
+    /// The note for the model from the runner's output; `None` when the examples could not
+    /// be run at all (the code would not load apart from its own run), which is not the
+    /// model's to fix.
+    pub fn note(stdout: &str) -> Option<String> {
+        let line = stdout.lines().rev().find(|l| l.starts_with('{'))?;
+        let ran: Ran = serde_json::from_str(line).ok()?;
+        if ran.error.is_some() || ran.total == 0 {
+            return None;
+        }
+        if ran.failed.is_empty() {
+            return Some(format!(
+                "The task's examples hold against your code: {} of {}.",
+                ran.total, ran.total
+            ));
+        }
+        let mut note = format!(
+            "{FAILED_MARK} ({} of {} hold); fix the code, not the examples:",
+            ran.total - ran.failed.len(),
+            ran.total
+        );
+        for f in &ran.failed {
+            note.push_str(&format!(
+                "\n- `{}`: expected {}, got {}",
+                cut(&f.example),
+                shown(&f.expected),
+                shown(&f.got)
+            ));
+        }
+        Some(note)
+    }
+}
+
+#[derive(Deserialize)]
+struct Ran {
+    total: usize,
+    #[serde(default)]
+    failed: Vec<Failed>,
+    #[serde(default)]
+    error: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Failed {
+    example: String,
+    expected: String,
+    got: String,
+}
+
+fn is_ident(c: char) -> bool {
+    c.is_alphanumeric() || c == '_'
+}
+
+/// Identifiers directly followed by `(` in `code`, outside string literals, that are not
+/// attribute names (`x.append(`).
+fn called(code: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut word = String::new();
+    let mut quote: Option<char> = None;
+    let mut after_dot = false;
+    for c in code.chars() {
+        if let Some(q) = quote {
+            if c == q {
+                quote = None;
+            }
+            continue;
+        }
+        if is_ident(c) {
+            word.push(c);
+            continue;
+        }
+        if c == '(' && !word.is_empty() && !after_dot && !word.starts_with(|c: char| c.is_numeric())
+        {
+            names.push(std::mem::take(&mut word));
+        }
+        after_dot = c == '.';
+        word.clear();
+        if c == '"' || c == '\'' {
+            quote = Some(c);
+        }
+    }
+    names
+}
+
+fn cut(text: &str) -> String {
+    let text = text.trim();
+    if text.chars().count() <= SHOWN {
+        return text.to_owned();
+    }
+    let head: String = text.chars().take(SHOWN).collect();
+    format!("{head}...")
+}
+
+fn shown(text: &str) -> String {
+    let text = cut(text);
+    if text.is_empty() {
+        "nothing".to_owned()
+    } else if text.contains('\n') {
+        format!("\n  ```\n  {}\n  ```", text.replace('\n', "\n  "))
+    } else {
+        format!("`{text}`")
+    }
+}
+
+/// Runs after `TASK`, `CODE` and `MOST` are set. Each example is bounded by an alarm, so
+/// one that loops costs seconds, not the block's whole limit.
+const RUNNER: &str = r#"
+import ast, contextlib, doctest, io, json, signal, sys
+
+def _examples(text):
+    lines = text.splitlines()
+    found = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        body = line.lstrip()
+        indent = len(line) - len(body)
+        if body.startswith(">>> "):
+            source = [body[4:]]
+            i += 1
+            while i < len(lines) and lines[i].lstrip().startswith("... "):
+                source.append(lines[i].lstrip()[4:])
+                i += 1
+            want = []
+            while i < len(lines):
+                w = lines[i]
+                s = w.strip()
+                if not s or s.startswith(">>>") or s.startswith("```") or s in ('"""', "'''"):
+                    break
+                want.append(w[indent:] if w[:indent].strip() == "" else s)
+                i += 1
+            found.append(("doctest", "\n".join(source), "\n".join(want)))
+            continue
+        if body.startswith("assert "):
+            found.append(("assert", body, ""))
+        i += 1
+    return found[:MOST]
+
+def _alarm(*_):
+    raise TimeoutError("the example ran longer than 5 s")
+
+def _run(source, mode, ns):
+    out = io.StringIO()
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(5)
+    try:
+        with contextlib.redirect_stdout(out):
+            value = eval(compile(source, "<example>", mode), ns)
+        return value, out.getvalue(), None
+    except BaseException as e:
+        return None, out.getvalue(), e
+    finally:
+        signal.alarm(0)
+
+def _raised(e):
+    return "%s: %s" % (type(e).__name__, e)
+
+def main():
+    result = {"total": 0, "failed": [], "error": None}
+    ns = {"__name__": "__tandem_examples__", "__builtins__": __builtins__}
+    sink = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            exec(compile(CODE, "<your code>", "exec"), ns)
+    except BaseException as e:
+        result["error"] = _raised(e)
+        print(json.dumps(result))
+        return
+    checker = doctest.OutputChecker()
+    flags = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS
+    for kind, source, want in _examples(TASK):
+        result["total"] += 1
+        if kind == "doctest":
+            _, got, e = _run(source + "\n", "single", ns)
+            if e is not None:
+                last = want.strip().splitlines()[-1:] if want.strip() else []
+                if want.startswith("Traceback") and last and last[0].startswith(type(e).__name__):
+                    continue
+                got += "raised " + _raised(e)
+            elif checker.check_output(want + "\n", got, flags):
+                continue
+            result["failed"].append({"example": source, "expected": want.strip(), "got": got.strip()})
+            continue
+        try:
+            test = ast.parse(source).body[0].test
+        except Exception:
+            result["total"] -= 1
+            continue
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
+            left = ast.unparse(test.left)
+            got, _, e1 = _run(left, "eval", ns)
+            want_value, _, e2 = _run(ast.unparse(test.comparators[0]), "eval", ns)
+            if e1 is None and e2 is None and got == want_value:
+                continue
+            result["failed"].append({
+                "example": left,
+                "expected": _raised(e2) if e2 else repr(want_value),
+                "got": "raised " + _raised(e1) if e1 else repr(got),
+            })
+            continue
+        value, _, e = _run(ast.unparse(test), "eval", ns)
+        if e is None and value:
+            continue
+        result["failed"].append({
+            "example": source,
+            "expected": "true",
+            "got": "raised " + _raised(e) if e else "false",
+        })
+    print(json.dumps(result))
+
+main()
+"#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_task_states_examples_by_doctest_or_assert_lines() {
+        let task = "Write `add(a, b)`.\n    >>> add(2, 3)\n    5\n    >>> [x.upper() for x in words('a b')]\n    ['A', 'B']\nassert add(1, 1) == 2\n";
+        let ex = Examples::from_task(task).expect("examples");
+        assert_eq!(ex.names, ["add", "words"]);
+        assert!(ex.tested_by("import math\n\ndef add(a, b):\n    return a + b\n"));
+        assert!(ex.tested_by("class words:\n    pass\n"));
+        assert!(!ex.tested_by("def addition(a, b):\n    return a + b\n"));
+        assert!(!ex.tested_by("print(add(2, 3))\n"));
+        assert!(Examples::from_task("Print the 10th prime.").is_none());
+        // A call inside a string and a method call are not names to define.
+        assert_eq!(called("f('g(x)', y.h(1)) + int(z)"), ["f", "int"]);
+    }
+
+    #[test]
+    fn the_note_says_expected_against_got() {
+        let out = r#"{"total": 3, "failed": [{"example": "add(2, 3)", "expected": "5", "got": "6"}], "error": null}"#;
+        let note = Examples::note(&format!("noise\n{out}\n")).expect("a note");
+        assert!(
+            note.contains("do not all hold against your code (2 of 3 hold)"),
+            "{note}"
+        );
+        assert!(
+            note.contains("`add(2, 3)`: expected `5`, got `6`"),
+            "{note}"
+        );
+        let held = Examples::note(r#"{"total": 2, "failed": []}"#).expect("a note");
+        assert!(!held.contains(FAILED_MARK), "{held}");
+        assert!(Examples::note(r#"{"total": 2, "failed": [], "error": "NameError: x"}"#).is_none());
+        assert!(Examples::note("not json").is_none());
+    }
+}
