@@ -296,13 +296,8 @@ async fn code_sent_with_the_word_ends_the_task_only_once_it_ran_cleanly() {
         .await;
     assert_eq!(outcome.stop_reason, StopReason::Terminated);
     assert_eq!(outcome.turns, 2);
-    let reports: Vec<&str> = outcome.transcript[3..]
-        .iter()
-        .filter(|m| m.role == tandem_protocol::Role::User)
-        .map(|m| m.content.as_str())
-        .collect();
     assert_eq!(
-        reports,
+        reports(&outcome),
         [
             "exitcode: 3 (execution failed)\nCode output: half\n",
             "exitcode: 0 (execution succeeded)\nCode output: whole\n"
@@ -318,15 +313,27 @@ async fn code_sent_with_the_word_ends_the_task_only_once_it_ran_cleanly() {
     assert!(finished);
 }
 
+/// The executor's reports to the model, in order.
+fn reports(outcome: &tandem_agent::TaskOutcome) -> Vec<&str> {
+    outcome.transcript[3..]
+        .iter()
+        .filter(|m| m.role == tandem_protocol::Role::User)
+        .map(|m| m.content.as_str())
+        .collect()
+}
+
+const ADD_TASK: &str = "Write a Python function `add(a, b)`.\n\n    >>> add(2, 3)\n    5\n    >>> add(-1, 1)\n    0\n    >>> words('a b')\n    ['a', 'b']\n\nassert add(10, 5) == 15\n";
+
+/// Wrong on two examples, and it prints while it loads: that output is not the examples' to
+/// show.
+const ADD_WRONG: &str = "```python\ndef add(a, b):\n    return a + b + (a > 0)\n\ndef words(s):\n    return s.split()\n\nprint('loaded')\n```\nTERMINATE";
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_examples_a_task_states_are_run_against_its_code() {
-    let task = "Write a Python function `add(a, b)`.\n\n    >>> add(2, 3)\n    5\n    >>> add(-1, 1)\n    0\n    >>> words('a b')\n    ['a', 'b']\n\nassert add(10, 5) == 15\n";
     let h = Harness::new(
-        task,
+        ADD_TASK,
         vec![
-            // Wrong on two examples, and it prints while it loads: that output is not the
-            // examples' to show.
-            Reply::from("```python\ndef add(a, b):\n    return a + b + (a > 0)\n\ndef words(s):\n    return s.split()\n\nprint('loaded')\n```\nTERMINATE"),
+            Reply::from(ADD_WRONG),
             // Right, and silent: the examples are what it shows, so no note of printing nothing.
             Reply::from("```python\ndef add(a, b):\n    return a + b\n\ndef words(s):\n    return s.split()\n```\nTERMINATE"),
             Reply::from("not asked: the examples held"),
@@ -334,16 +341,39 @@ async fn the_examples_a_task_states_are_run_against_its_code() {
     )
     .await;
     let (outcome, _) = h
-        .run(TaskSettings::new(task), CancellationToken::new())
+        .run(TaskSettings::new(ADD_TASK), CancellationToken::new())
         .await;
     assert_eq!(outcome.stop_reason, StopReason::Terminated);
     assert_eq!(outcome.turns, 2);
-    let reports: Vec<String> = outcome.transcript[3..]
-        .iter()
-        .filter(|m| m.role == tandem_protocol::Role::User)
-        .map(|m| m.content.clone())
-        .collect();
-    insta::assert_snapshot!("stated_examples_reports", reports.join("\n---\n"));
+    insta::assert_snapshot!("stated_examples_reports", reports(&outcome).join("\n---\n"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_examples_run_only_where_the_approval_policy_lets_them_run_unasked() {
+    // A deny rule that only the examples' program matches: the model's blocks run, the
+    // program that would run their code again does not.
+    let policy = tandem_protocol::approval::ApprovalPolicy {
+        deny: vec![tandem_protocol::approval::ApprovalRule {
+            name: "no examples".into(),
+            pattern: "__tandem_examples__".into(),
+        }],
+        ..Default::default()
+    };
+    let gate = tandem_agent::approval::ApprovalGate::new(&policy, None).unwrap();
+    let h = Harness::new(
+        ADD_TASK,
+        vec![Reply::from(ADD_WRONG), Reply::from("not asked")],
+    )
+    .await;
+    let mut settings = TaskSettings::new(ADD_TASK);
+    settings.approval = Some(Arc::new(gate));
+    let (outcome, _) = h.run(settings, CancellationToken::new()).await;
+    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(outcome.turns, 1);
+    assert_eq!(
+        reports(&outcome),
+        ["exitcode: 0 (execution succeeded)\nCode output: loaded\n"]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use regex::Regex;
-use tandem_executor::{CancellationToken, Language};
+use tandem_executor::CancellationToken;
 use tandem_protocol::team::{Aggregate, Kind, SelectionKind};
 use tandem_protocol::{
     ErrorCode, ErrorInfo, EventMsg, Message, Role, StopReason, ToolCall, ToolReply, Usage,
@@ -1082,9 +1082,16 @@ impl Ctx<'_> {
             })
             .filter_map(|r| code.get(usize::try_from(r.index).ok()?.checked_sub(1)?))
             .find(|b| examples.tested_by(&b.code))?;
-        let ran = slot
-            .run_quiet(&python, &examples.program(&tested.code), &self.cancel)
-            .await;
+        let program = examples.program(&tested.code);
+        // The program runs the model's code again, with no one asked: only where the
+        // policies would let it run without asking.
+        if let Some(gate) = &self.team.approval
+            && gate.verdict(&python, slot.executor().as_ref(), &program)
+                != crate::approval::Verdict::Run
+        {
+            return None;
+        }
+        let ran = slot.run_quiet(&python, &program, &self.cancel).await;
         match ran {
             Ok(Some(out)) if out.status == tandem_executor::ExitStatus::Exited(0) => {
                 crate::examples::Examples::note(&out.stdout.to_text())
@@ -1310,13 +1317,7 @@ impl Ctx<'_> {
     /// Whether `said` has a program for an executor: a call, or a block that is not data
     /// (the ```json block of an answer is data).
     fn programs(&self, said: &Said) -> bool {
-        !said.calls.is_empty()
-            || self.runnable(&said.text).iter().any(|b| {
-                !b.language
-                    .as_deref()
-                    .map_or_else(|| crate::blocks::guess_language(&b.code), Language::new)
-                    .is_data()
-            })
+        super::termination::programs(said, &self.team.words)
     }
 
     /// `text` with every termination word taken out.

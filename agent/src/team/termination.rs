@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use regex::Regex;
+use tandem_executor::Language;
 use tandem_protocol::StopReason;
 use tandem_protocol::team::Termination;
 
@@ -60,6 +61,16 @@ pub(crate) struct ChatState<'a> {
     pub messages: u32,
     pub elapsed: Duration,
     pub tokens: u64,
+}
+
+impl ChatState<'_> {
+    /// The message of the history just before the `i`th new one.
+    fn before(&self, i: usize) -> Option<&Said> {
+        let first = self.history.len().saturating_sub(self.new.len());
+        (first + i)
+            .checked_sub(1)
+            .and_then(|at| self.history.get(at))
+    }
 }
 
 impl Condition {
@@ -131,13 +142,12 @@ impl Condition {
             ),
             Test::EndsWith(word, agents, true) => {
                 let says = |m: &Said| says_terminate(&m.text, word) || alone(m, word);
-                let first = s.history.len().saturating_sub(s.new.len());
+                let word = std::slice::from_ref(word);
                 let ended = s.new.iter().enumerate().any(|(i, m)| {
                     if !m.output {
-                        return by(agents, m) && says(m) && !has_program(m, word);
+                        return by(agents, m) && says(m) && !programs(m, word);
                     }
-                    let before = (first + i).checked_sub(1).and_then(|at| s.history.get(at));
-                    before.is_some_and(|b| {
+                    s.before(i).is_some_and(|b| {
                         !b.output && by(agents, b) && says(b) && crate::blocks::ran_clean(&m.text)
                     })
                 });
@@ -148,12 +158,11 @@ impl Condition {
                 StopReason::Terminated,
             ),
             Test::Answered(agents) => {
-                let first = s.history.len().saturating_sub(s.new.len());
                 let answered = s.new.iter().enumerate().any(|(i, m)| {
-                    let before = (first + i).checked_sub(1).and_then(|at| s.history.get(at));
                     !m.output
                         && by(agents, m)
-                        && before.is_some_and(|b| b.output && crate::blocks::clean_report(&b.text))
+                        && s.before(i)
+                            .is_some_and(|b| b.output && crate::blocks::clean_report(&b.text))
                         && is_answer(m)
                 });
                 hit(answered, StopReason::Terminated)
@@ -173,16 +182,17 @@ fn is_answer(said: &Said) -> bool {
         && extract_code_blocks(&said.text).is_empty()
 }
 
-/// Whether `said` has code an executor would run: a block that is neither data (`json`) nor
-/// only `word`, or a tool call.
-fn has_program(said: &Said, word: &str) -> bool {
+/// Whether `said` has code an executor would run: a tool call, or a block that is neither
+/// data (`json`) nor only one of `words`.
+pub(crate) fn programs(said: &Said, words: &[String]) -> bool {
     !said.calls.is_empty()
         || extract_code_blocks(&said.text).iter().any(|b| {
-            !is_termination_block(&b.code, word)
+            !words.iter().any(|w| is_termination_block(&b.code, w))
                 && !b
                     .language
                     .as_deref()
-                    .is_some_and(|l| tandem_executor::Language::new(l).is_data())
+                    .map_or_else(|| crate::blocks::guess_language(&b.code), Language::new)
+                    .is_data()
         })
 }
 
