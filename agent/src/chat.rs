@@ -291,6 +291,14 @@ impl ChatModel {
         capped
     }
 
+    /// This model sampling at `temperature` from `seed`.
+    pub fn sampled(&self, temperature: f32, seed: u32) -> Self {
+        let mut sampled = self.clone();
+        sampled.config.temperature = Some(temperature);
+        sampled.config.seed = Some(seed);
+        sampled
+    }
+
     /// Sends the conversation and returns the reply, retrying transient failures.
     pub async fn complete(
         &self,

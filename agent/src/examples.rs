@@ -72,6 +72,19 @@ impl Examples {
         )
     }
 
+    /// How many examples held, of how many, by the runner's output; `None` when they could
+    /// not be run against the code.
+    pub fn held(stdout: &str) -> Option<(usize, usize)> {
+        let line = stdout.lines().rev().find(|l| l.starts_with('{'))?;
+        let ran: Ran = serde_json::from_str(line).ok()?;
+        if ran.error.is_some() || ran.total == 0 {
+            return None;
+        }
+        // The verdict line is output the code can shape: a forged count is bounded by the
+        // total.
+        Some((ran.total.saturating_sub(ran.failed.len()), ran.total))
+    }
+
     /// The note for the model from the runner's output; `None` when the examples could not
     /// be run at all (the code would not load apart from its own run), which is not the
     /// model's to fix.

@@ -39,6 +39,9 @@ pub const DEFAULT_TERMINATION: &str = "TERMINATE";
 /// Most assistant turns of the two-agent pair unless configured otherwise.
 pub const DEFAULT_MAX_TURNS: u32 = 10;
 
+/// Replies the assistant draws at once after a failed run of a task that states examples.
+pub const DEFAULT_CANDIDATES: u32 = 4;
+
 /// Most turns of a team's agents together unless the task or the config says.
 pub const DEFAULT_TEAM_TURNS: u32 = 50;
 

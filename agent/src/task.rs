@@ -51,6 +51,9 @@ pub struct TaskSettings {
     pub spent: Vec<Usage>,
     /// What the final answer must end with a value of.
     pub output_schema: Option<Arc<crate::schema::OutputSchema>>,
+    /// How many replies the assistant draws after a run that failed, when the task states
+    /// examples.
+    pub candidates: u32,
 }
 
 impl TaskSettings {
@@ -73,6 +76,7 @@ impl TaskSettings {
             prices: std::collections::BTreeMap::new(),
             spent: Vec::new(),
             output_schema: None,
+            candidates: crate::DEFAULT_CANDIDATES,
         }
     }
 }
@@ -167,10 +171,13 @@ pub async fn run_task(
                 .with_approval(settings.approval.clone())
                 .with_tools(&format!("{}/{ASSISTANT}", crate::team::check::TOP), toolbox)
                 .map(|team| {
-                    team.with_examples(
-                        &format!("{}/{EXECUTOR}", crate::team::check::TOP),
-                        &settings.task,
-                    )
+                    let executor = format!("{}/{EXECUTOR}", crate::team::check::TOP);
+                    team.with_examples(&executor, &settings.task)
+                        .with_candidates(
+                            &format!("{}/{ASSISTANT}", crate::team::check::TOP),
+                            &executor,
+                            settings.candidates,
+                        )
                 })
         });
     // What the interrupted run said, by the pair's two agents in turn.

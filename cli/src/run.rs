@@ -74,6 +74,10 @@ pub struct TaskFlags {
     /// the tool where the model server takes tools [default: [model] code_via, else blocks]
     #[arg(long, value_name = "blocks|tool|auto")]
     pub(crate) code_via: Option<tandem_protocol::CodeVia>,
+    /// After a run that failed, draw this many replies at once and keep the one whose code
+    /// holds the most of the examples the task states (1 to 8) [default: 4]
+    #[arg(long, value_name = "K")]
+    pub(crate) candidates: Option<u32>,
     /// Offer the model this one of the configured [tools.NAME] (repeat for more)
     /// [default: every configured tool]
     #[arg(long = "tool", value_name = "NAME")]
@@ -162,6 +166,7 @@ impl TaskFlags {
             approval: approve.then(always),
             keep_state: self.keep_state,
             code_via: self.code_via,
+            candidates: self.candidates,
             placement: self.placement.iter().cloned().collect(),
             max_input_tokens: self.max_input_tokens,
             max_output_tokens: self.max_output_tokens,

@@ -98,7 +98,16 @@ async fn with_no_model_and_no_server_the_error_names_both_ways_out() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn doctor_and_model_list_show_the_pulled_model() {
-    let models = models_dir();
+    // Only the 0.5B, whatever else the machine has pulled: the draft lines below name the
+    // 1.5B as not pulled.
+    let only = tempfile::tempdir().unwrap();
+    let file = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+    std::os::unix::fs::symlink(
+        std::path::Path::new(&models_dir()).join(file),
+        only.path().join(file),
+    )
+    .unwrap();
+    let models = only.path().display().to_string();
     let out = tandem(
         &["doctor", "--model", "qwen2.5-coder-0.5b"],
         &[("TANDEM_MODELS_DIR", models.as_str())],

@@ -415,3 +415,118 @@ async fn no_check_of_the_repositorys_suite_passes_by_accident_or_crashes() {
     );
     assert_eq!(totals["solved"], 0, "{totals}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn replies_drawn_after_a_failed_run_are_chosen_by_the_examples_on_every_road() {
+    use tandem_protocol::StopReason;
+    let task = "Write a Python function `double(x)`.\n\n>>> double(2)\n4\n";
+    let wrong = "```python\ndef double(x):\n    return x + 3\n```\nTERMINATE";
+    let right = "```python\ndef double(x):\n    return 2 * x\n```\nTERMINATE";
+    // Turn 1 asks once and its code fails the example; turn 2 draws two: the model's own,
+    // wrong again, and one sampled from seed 2001, right.
+    let server = ScriptedOpenAi::start(
+        [
+            (
+                task.to_owned(),
+                vec![
+                    Reply::from(wrong),
+                    Reply::from(wrong),
+                    Reply::from("not asked"),
+                ],
+            ),
+            (
+                format!("{task}~2001"),
+                vec![Reply::from("not asked"), Reply::from(right)],
+            ),
+        ]
+        .into_iter()
+        .collect(),
+    )
+    .await
+    .unwrap();
+    let holds = "The task's examples hold against your code: 1 of 1.";
+
+    // The CLI in process.
+    let out = tandem(
+        &[
+            "run",
+            "--local",
+            "-e",
+            "local",
+            "--candidates",
+            "2",
+            "--base-url",
+            &server.base_url(),
+            task,
+        ],
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    // Turn 2 shows the reply kept, whose code held the example and ended the task.
+    let turn2 = out
+        .stdout
+        .split("── assistant · turn 2 ──")
+        .nth(1)
+        .unwrap_or_default();
+    assert!(
+        turn2.contains("return 2 * x") && turn2.contains("── done · 2 turns"),
+        "{}",
+        out.stdout
+    );
+    assert!(!out.stdout.contains("not asked"), "{}", out.stdout);
+    assert_eq!(server.requests_for(task).len(), 3, "one, then two at once");
+
+    let d = tandem_tests::DaemonHarness::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &[],
+        None,
+    )
+    .await;
+    // The daemon's API: the draws, and a count it cannot take named.
+    let id = d
+        .submit(serde_json::json!({"task": task, "executor": "local", "candidates": 2}))
+        .await;
+    let t = d.wait_finished(&id, Duration::from_secs(120)).await;
+    assert_eq!(t.record.stop_reason, Some(StopReason::Terminated), "{t:?}");
+    assert_eq!((t.record.turns, t.record.spec.candidates), (2, Some(2)));
+    assert_eq!(t.transcript[4].content, right);
+    assert!(t.transcript[5].content.ends_with(holds), "{t:?}");
+    for k in [0, 9] {
+        let (status, body) = d
+            .send(
+                reqwest::Method::POST,
+                "/v1/tasks",
+                Some(serde_json::json!({"task": task, "candidates": k}).to_string()),
+            )
+            .await;
+        assert_eq!(
+            (status, body["error"]["message"].as_str().unwrap_or_default()),
+            (
+                400,
+                format!("candidates: {k} is not from 1 to 8: a turn draws at least its one reply and at most 8").as_str()
+            )
+        );
+    }
+    // MCP's run_task.
+    let mcp = tandem_tests::McpHttp::connect(&d).await.unwrap();
+    let result = mcp
+        .call_tool(
+            "run_task",
+            serde_json::json!({"task": task, "executor": "local", "candidates": 2}),
+        )
+        .await;
+    assert_eq!(result["isError"], false, "{result}");
+    assert_eq!(
+        result["structuredContent"]["stop_reason"], "terminated",
+        "{result}"
+    );
+    assert_eq!(d.count("finished").await, 2);
+    assert_eq!(
+        server.requests_for(task).len(),
+        9,
+        "three a task, on each road"
+    );
+}

@@ -849,6 +849,7 @@ async fn the_page_asks_for_tool_calls_and_shows_each_call_with_its_answer() {
     b.type_into("#max-input-tokens", "100000").await;
     b.type_into("#max-output-tokens", "5000").await;
     b.type_into("#max-cost", "0.5").await;
+    b.type_into("#candidates", "3").await;
     let id = submit(&b, task).await;
     wait_complete(&b, "the task's end").await;
     let calls = b
@@ -879,6 +880,7 @@ async fn the_page_asks_for_tool_calls_and_shows_each_call_with_its_answer() {
     assert_eq!(block, json!(["print(6 * 7)", "42\n"]));
     let t = d.task(&id).await;
     assert_eq!(t.record.spec.code_via, Some(CodeVia::Tool), "{t:?}");
+    assert_eq!(t.record.spec.candidates, Some(3), "{t:?}");
     // The task's header names its trace.
     let trace = t.record.trace_id.clone().expect("a trace id");
     let meta = b

@@ -61,6 +61,9 @@ pub enum Invalid {
     /// `max_turns` is zero.
     #[error("max_turns must be at least 1")]
     NoTurns,
+    /// `candidates` is zero or more than a turn may draw.
+    #[error("candidates: {0} is not from 1 to {most}: a turn draws at least its one reply and at most {most}", most = tandem_agent::team::MOST_CANDIDATES)]
+    Candidates(u32),
     /// A budget that is zero, negative or not a number, or a cost budget for a model with no
     /// price.
     #[error("{0}")]

@@ -233,6 +233,11 @@ impl Planner {
         if spec.max_turns == Some(0) {
             return Err(Invalid::NoTurns.into());
         }
+        if let Some(k) = spec.candidates
+            && !(1..=tandem_agent::team::MOST_CANDIDATES).contains(&k)
+        {
+            return Err(Invalid::Candidates(k).into());
+        }
         self.check_budget(spec)?;
         let output_schema = match &spec.output_schema {
             Some(_) if spec.team.is_some() => {
@@ -439,6 +444,9 @@ impl Planner {
         }
         settings.languages = checked.languages;
         settings.code_via = spec.code_via.unwrap_or(d.code_via);
+        if let Some(k) = spec.candidates {
+            settings.candidates = k;
+        }
         settings.tools = checked.tools;
         settings.check = spec.check.clone();
         let caps = &self.config.policy.budget;

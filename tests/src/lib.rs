@@ -306,9 +306,13 @@ async fn answer_chat(
         .and_then(|m| m["content"].as_str())
         .and_then(|c| c.lines().next())
         .map(|line| format!("{task}#{line}"));
+    // `TASK~SEED` scripts the requests sampled from that seed (replies drawn to choose
+    // among), by turn as well.
+    let sampled = body["seed"].as_u64().map(|seed| format!("{task}~{seed}"));
     let reply = shared.script.lock().ok().and_then(|s| {
-        agent
+        sampled
             .and_then(|key| s.get(&key))
+            .or_else(|| agent.and_then(|key| s.get(&key)))
             .or_else(|| s.get(&task))
             // `*` scripts every task no other entry names.
             .or_else(|| s.get("*"))

@@ -340,12 +340,120 @@ async fn the_examples_a_task_states_are_run_against_its_code() {
         ],
     )
     .await;
-    let (outcome, _) = h
-        .run(TaskSettings::new(ADD_TASK), CancellationToken::new())
-        .await;
+    // One reply a turn: what the model reads is the point here, not which reply is kept.
+    let mut settings = TaskSettings::new(ADD_TASK);
+    settings.candidates = 1;
+    let (outcome, _) = h.run(settings, CancellationToken::new()).await;
     assert_eq!(outcome.stop_reason, StopReason::Terminated);
     assert_eq!(outcome.turns, 2);
     insta::assert_snapshot!("stated_examples_reports", reports(&outcome).join("\n---\n"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn after_a_failed_run_the_reply_whose_code_holds_the_examples_is_kept() {
+    let right = "```python\ndef add(a, b):\n    return a + b\n\ndef words(s):\n    return s.split()\n```\nTERMINATE";
+    // Turn 2's own reply holds one example of four; the three sampled beside it (seeds
+    // 2001 to 2003) say no code, do not load, and hold all four.
+    let own =
+        "```python\ndef add(a, b):\n    return a * b\n\ndef words(s):\n    return s.split()\n```";
+    let drawn = [
+        "I am sure the code is right.",
+        "```python\ndef add(a, b):\n    return (\n```",
+        right,
+    ];
+    let h = Harness::new(
+        ADD_TASK,
+        vec![
+            Reply::from(ADD_WRONG),
+            Reply::from(own),
+            Reply::from("not asked: the kept reply ended the task"),
+        ],
+    )
+    .await;
+    for (seed, text) in (2001..).zip(drawn) {
+        // By turn: the draws are of the second reply.
+        h.server.set(
+            &format!("{ADD_TASK}~{seed}"),
+            vec![Reply::from("not asked"), Reply::from(text)],
+        );
+    }
+    let mut settings = TaskSettings::new(ADD_TASK);
+    settings.candidates = 4;
+    let (outcome, events) = h.run(settings, CancellationToken::new()).await;
+    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(outcome.turns, 2);
+    let told: Vec<(u32, &str, Option<tandem_protocol::Usage>)> = events
+        .iter()
+        .filter_map(|e| match e {
+            EventMsg::AssistantMessage {
+                turn, text, usage, ..
+            } => Some((*turn, text.as_str(), *usage)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(told.len(), 2, "one reply told per turn: {told:?}");
+    assert_eq!((told[1].0, told[1].1), (2, right));
+    let asked = h.server.requests();
+    assert_eq!(asked.len(), 5, "the first reply, then four drawn at once");
+    // The turn's tokens are those of every reply drawn.
+    let completion: u64 = [own]
+        .iter()
+        .chain(&drawn)
+        .map(|r| (r.len() / 4 + 1) as u64)
+        .sum();
+    assert_eq!(told[1].2.map(|u| u.completion_tokens), Some(completion));
+    // The agent's own reply as it would be asked alone, and three sampled.
+    let mut sampling: Vec<(Option<f64>, Option<u64>)> = asked[1..]
+        .iter()
+        .map(|r| (r.body["temperature"].as_f64(), r.body["seed"].as_u64()))
+        .collect();
+    sampling.sort_by_key(|s| s.1);
+    assert_eq!(
+        sampling,
+        [
+            (None, None),
+            (Some(0.8), Some(2001)),
+            (Some(0.8), Some(2002)),
+            (Some(0.8), Some(2003))
+        ]
+        .map(|(t, s)| (t.map(|t: f64| (t as f32) as f64), s))
+    );
+    let kept = reports(&outcome)[1];
+    assert!(
+        kept.starts_with("exitcode: 0 (execution succeeded)")
+            && kept.ends_with("The task's examples hold against your code: 4 of 4."),
+        "{kept}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn replies_are_drawn_only_after_a_failed_run_and_the_agents_own_wins_a_tie() {
+    // The first reply is asked once: no run failed yet. It fails; drawn beside the second
+    // are replies that hold fewer examples, so the agent's own is kept.
+    let worse = "```python\ndef add(a, b):\n    return 0\n\ndef words(s):\n    return []\n```";
+    let h = Harness::new(
+        ADD_TASK,
+        vec![
+            Reply::from(ADD_WRONG),
+            Reply::from(ADD_WRONG),
+            Reply::from("TERMINATE"),
+        ],
+    )
+    .await;
+    for seed in 2001..=2002 {
+        h.server.set(
+            &format!("{ADD_TASK}~{seed}"),
+            vec![Reply::from("not asked"), Reply::from(worse)],
+        );
+    }
+    let mut settings = TaskSettings::new(ADD_TASK);
+    settings.candidates = 3;
+    settings.max_turns = 2;
+    let (outcome, _) = h.run(settings, CancellationToken::new()).await;
+    assert_eq!(outcome.stop_reason, StopReason::MaxTurns);
+    assert_eq!(outcome.transcript[4].content, ADD_WRONG);
+    let asked = h.server.requests();
+    assert_eq!(asked.len(), 1 + 3, "one reply in turn 1, three in turn 2");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -9,7 +9,10 @@ mod termination;
 
 pub use check::{Node, TeamErrors, check, check_within};
 pub use history::{Replay, Said};
-pub use run::{Agent, AgentReply, Ended, Hook, Run, Team, Turn, executor_slot, replay_of};
+pub use run::{
+    Agent, AgentReply, Ended, Hook, MOST_CANDIDATES, Run, Sample, Team, Turn, executor_slot,
+    replay_of,
+};
 pub use task::{TaskLabel, run_team_task};
 
 /// `path: message` for a deserialisation error, the way [`check()`] names fields.

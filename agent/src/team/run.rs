@@ -30,6 +30,13 @@ use crate::team::Node;
 use crate::termination::{is_termination_block, mentions};
 use crate::tools::ToolBox;
 
+/// Most replies drawn to choose among: each is a whole generation.
+pub const MOST_CANDIDATES: u32 = 8;
+
+/// The temperature of the replies drawn beside the agent's own: varied enough to differ
+/// where the agent's own went wrong.
+const CANDIDATE_TEMPERATURE: f32 = 0.8;
+
 /// How one agent's (or team's) run ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Ended {
@@ -88,6 +95,18 @@ pub struct Turn<'a> {
     pub tools: Option<&'a ToolOffer>,
     /// Most tokens the reply may have: what is left of the task's `max_output_tokens`.
     pub max_tokens: Option<u32>,
+    /// How to sample this reply instead of the agent's own settings: one of several drawn
+    /// to choose among. An agent that does not sample may ignore it.
+    pub sample: Option<Sample>,
+}
+
+/// Sampling for one of several replies drawn to the same view.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sample {
+    /// The temperature.
+    pub temperature: f32,
+    /// The seed: each reply drawn has its own.
+    pub seed: u32,
 }
 
 /// Something that replies to what it sees: the one thing every agent that speaks does. A
@@ -112,8 +131,13 @@ impl Agent for ChatModel {
     ) -> BoxFuture<'a, Result<Option<AgentReply>, ErrorInfo>> {
         Box::pin(async move {
             let mut progress = progress(turn.events, turn.number);
-            let capped = turn.max_tokens.map(|n| self.capped(n));
-            let model = capped.as_ref().unwrap_or(self);
+            let mut model = std::borrow::Cow::Borrowed(self);
+            if let Some(n) = turn.max_tokens {
+                model = std::borrow::Cow::Owned(model.capped(n));
+            }
+            if let Some(sample) = turn.sample {
+                model = std::borrow::Cow::Owned(model.sampled(sample.temperature, sample.seed));
+            }
             tokio::select! {
                 reply = model.complete_with(messages, turn.tools, &mut progress) => {
                     let reply = reply.map_err(ErrorInfo::from)?;
@@ -166,6 +190,9 @@ pub struct Team {
     /// The examples the task states, by the path of the executor that runs them against the
     /// code it ran.
     examples: HashMap<String, Arc<crate::examples::Examples>>,
+    /// How many replies an assistant draws after a run that failed, and the executor whose
+    /// examples choose among them, by the assistant's path.
+    candidates: HashMap<String, (String, u32)>,
 }
 
 /// How a run of a team went.
@@ -231,6 +258,7 @@ impl Team {
             conditions: HashMap::new(),
             tools: HashMap::new(),
             examples: HashMap::new(),
+            candidates: HashMap::new(),
             root: root.clone(),
         };
         let mut stack = vec![&root];
@@ -295,6 +323,19 @@ impl Team {
     pub fn with_examples(mut self, path: &str, task: &str) -> Self {
         if let Some(examples) = crate::examples::Examples::from_task(task) {
             self.examples.insert(path.to_owned(), Arc::new(examples));
+        }
+        self
+    }
+
+    /// Has the assistant at `path`, after a run of `executor`'s that did not end cleanly,
+    /// draw `k` replies at once and keep the one whose code holds the most of the examples
+    /// `executor` runs; without examples, or with `k` below 2, it replies once.
+    pub fn with_candidates(mut self, path: &str, executor: &str, k: u32) -> Self {
+        if k > 1 {
+            self.candidates.insert(
+                path.to_owned(),
+                (executor.to_owned(), k.min(MOST_CANDIDATES)),
+            );
         }
         self
     }
@@ -850,11 +891,19 @@ impl Ctx<'_> {
         }
         let offer = self.team.tools.get(&node.name).and_then(|t| t.offer());
         let span = crate::trace::agent(&node.name, &node.path, turn);
-        match self
-            .call(&node.path, model.as_ref(), &view, turn, offer)
-            .instrument(span)
-            .await?
-        {
+        let asked = match self.drawing(node, history, offer) {
+            Some((executor, k)) => {
+                self.draw(&node.path, model.as_ref(), &view, turn, executor, k)
+                    .instrument(span)
+                    .await?
+            }
+            None => {
+                self.call(&node.path, model.as_ref(), &view, turn, offer)
+                    .instrument(span)
+                    .await?
+            }
+        };
+        match asked {
             Some(reply) => Ok(self.said(node, history, reply.text, reply.calls)),
             None => Ok(Ended::Stopped(StopReason::Cancelled)),
         }
@@ -880,10 +929,18 @@ impl Ctx<'_> {
                 .budget
                 .output_left(self.spent())
                 .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
+            sample: None,
         };
         let Some(reply) = agent.reply(messages, asked).await? else {
             return Ok(None);
         };
+        self.told(path, turn, &reply);
+        Ok(Some(reply))
+    }
+
+    /// The reply of turn `turn` is counted (its tokens and their cost) and told, as an
+    /// `assistant_message`.
+    fn told(&self, path: &str, turn: u32, reply: &AgentReply) {
         if let (Some(u), Ok(mut usage)) = (reply.usage, self.shared.usage.lock()) {
             usage.add(u);
         }
@@ -900,7 +957,150 @@ impl Ctx<'_> {
             usage: reply.usage,
             tool_calls: reply.calls.clone(),
         });
+    }
+
+    /// The executor whose examples choose among the replies `node` draws now, and how many
+    /// it draws: after a run of that executor that did not end cleanly, when code comes as
+    /// fenced blocks.
+    fn drawing(
+        &self,
+        node: &Node,
+        history: &[Said],
+        offer: Option<&ToolOffer>,
+    ) -> Option<(&str, u32)> {
+        let (executor, k) = self.team.candidates.get(&node.path)?;
+        let last = history.last()?;
+        let failed = offer.is_none()
+            && last.output
+            && self.team.examples.contains_key(executor)
+            && self.team.slots.contains_key(executor)
+            && !blocks::ran_clean(&last.text);
+        failed.then_some((executor.as_str(), *k))
+    }
+
+    /// `k` replies to the same view, drawn at once and quietly: the agent's own and `k - 1`
+    /// sampled. The first whose code holds all the task's examples, else the one that holds
+    /// the most (the agent's own on a tie), is told as the turn's reply, with the tokens of
+    /// all of them.
+    async fn draw(
+        &self,
+        path: &str,
+        agent: &dyn Agent,
+        messages: &[Message],
+        turn: u32,
+        executor: &str,
+        k: u32,
+    ) -> Result<Option<AgentReply>, ErrorInfo> {
+        let quiet: EventSink = Arc::new(|_| {});
+        let max_tokens = self
+            .team
+            .budget
+            .output_left(self.spent())
+            .map(|n| u32::try_from(n / u64::from(k)).unwrap_or(u32::MAX));
+        let asks = (0..k).map(|i| {
+            let asked = Turn {
+                number: turn,
+                events: &quiet,
+                cancel: &self.cancel,
+                tools: None,
+                max_tokens,
+                sample: (i > 0).then(|| Sample {
+                    temperature: CANDIDATE_TEMPERATURE,
+                    seed: turn.wrapping_mul(1000).wrapping_add(i),
+                }),
+            };
+            agent.reply(messages, asked)
+        });
+        let mut replies = Vec::new();
+        let mut usage: Option<Usage> = None;
+        for (i, drawn) in futures::future::join_all(asks)
+            .await
+            .into_iter()
+            .enumerate()
+        {
+            match drawn {
+                Ok(Some(reply)) => {
+                    if let Some(u) = reply.usage {
+                        usage.get_or_insert_with(Usage::default).add(u);
+                    }
+                    replies.push(reply);
+                }
+                Ok(None) => return Ok(None),
+                Err(e) if i == 0 => return Err(e),
+                Err(e) => {
+                    tracing::info!(agent = %path, error = %e.message, "a reply drawn beside the agent's own failed")
+                }
+            }
+        }
+        let mut chosen = 0;
+        if let Some(slot) = self.team.slots.get(executor) {
+            let mut slot = slot.lock().await;
+            let mut best = None;
+            for (i, reply) in replies.iter().enumerate() {
+                let held = self.held(executor, &mut slot, &reply.text).await;
+                if held.is_some_and(|(held, total)| held == total) {
+                    chosen = i;
+                    break;
+                }
+                if held.map(|h| h.0) > best {
+                    best = held.map(|h| h.0);
+                    chosen = i;
+                }
+            }
+        }
+        tracing::info!(agent = %path, turn, drawn = replies.len(), chosen, "replies drawn to choose among");
+        let mut reply = replies.swap_remove(chosen);
+        reply.usage = usage;
+        self.told(path, turn, &reply);
         Ok(Some(reply))
+    }
+
+    /// How many of `executor`'s examples hold against the code of `text`, of how many;
+    /// `None` when none could be run against it.
+    async fn held(
+        &self,
+        executor: &str,
+        slot: &mut SessionSlot,
+        text: &str,
+    ) -> Option<(usize, usize)> {
+        let examples = self.team.examples.get(executor)?;
+        let tested = self
+            .runnable(text)
+            .into_iter()
+            .rev()
+            .filter(|b| b.language.as_deref().is_none_or(|l| l == "python"))
+            .find(|b| examples.tested_by(&b.code))?;
+        let verdict = self.run_examples(examples, slot, &tested.code).await?;
+        crate::examples::Examples::held(&verdict)
+    }
+
+    /// What the examples' program prints when run quietly against `code` in `slot`; `None`
+    /// when it did not run to its end, or the approval policies would not let it run
+    /// unasked (it runs the model's code again, with no one asked).
+    async fn run_examples(
+        &self,
+        examples: &crate::examples::Examples,
+        slot: &mut SessionSlot,
+        code: &str,
+    ) -> Option<String> {
+        let program = examples.program(code);
+        let python = tandem_executor::Language::python();
+        if let Some(gate) = &self.team.approval
+            && gate.verdict(&python, slot.executor().as_ref(), &program)
+                != crate::approval::Verdict::Run
+        {
+            return None;
+        }
+        match slot.run_quiet(&python, &program, &self.cancel).await {
+            Ok(Some(out)) if out.status == tandem_executor::ExitStatus::Exited(0) => {
+                Some(out.stdout.to_text())
+            }
+            Ok(_) => None,
+            Err(e) => {
+                tracing::debug!(error = %e, "the task's examples did not run");
+                None
+            }
+        }
     }
 
     /// An assistant's words join the history; its escalation word ends its loop.
@@ -1082,26 +1282,8 @@ impl Ctx<'_> {
             })
             .filter_map(|r| code.get(usize::try_from(r.index).ok()?.checked_sub(1)?))
             .find(|b| examples.tested_by(&b.code))?;
-        let program = examples.program(&tested.code);
-        // The program runs the model's code again, with no one asked: only where the
-        // policies would let it run without asking.
-        if let Some(gate) = &self.team.approval
-            && gate.verdict(&python, slot.executor().as_ref(), &program)
-                != crate::approval::Verdict::Run
-        {
-            return None;
-        }
-        let ran = slot.run_quiet(&python, &program, &self.cancel).await;
-        match ran {
-            Ok(Some(out)) if out.status == tandem_executor::ExitStatus::Exited(0) => {
-                crate::examples::Examples::note(&out.stdout.to_text())
-            }
-            Ok(_) => None,
-            Err(e) => {
-                tracing::debug!(error = %e, "the task's examples did not run");
-                None
-            }
-        }
+        let verdict = self.run_examples(examples, slot, &tested.code).await?;
+        crate::examples::Examples::note(&verdict)
     }
 
     /// An executor's report (and its answers to native calls) joins the history.

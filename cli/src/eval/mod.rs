@@ -55,6 +55,10 @@ pub struct EvalArgs {
     /// How the model's code reaches the executor: blocks, tool or auto
     #[arg(long, value_name = "blocks|tool|auto")]
     code_via: Option<tandem_protocol::CodeVia>,
+    /// After a run that failed, draw this many replies at once and keep the one whose code
+    /// holds the most of the examples the task states (1 to 8) [default: 4]
+    #[arg(long, value_name = "K")]
+    candidates: Option<u32>,
     #[command(flatten)]
     model: ModelFlags,
     /// Write each task's events, one JSON line each, to DIR/ID.jsonl (in this process; a
@@ -172,6 +176,7 @@ fn spec(t: &SuiteTask, suite: &Suite, args: &EvalArgs, system_prompt: Option<Str
         system_prompt,
         languages: t.languages.clone(),
         code_via: args.code_via,
+        candidates: args.candidates,
         check: Some(t.check.clone()),
         ..TaskSpec::default()
     }

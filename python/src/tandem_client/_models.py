@@ -89,6 +89,7 @@ class TaskSpec(_TaskSpecRequired, total=False):
     keep_state: bool  # Python blocks share one interpreter (local and docker)
     placement: dict[str, str]  # labels the Docker host of the sandbox must carry (docs/docker-hosts.md)
     code_via: Literal['blocks', 'tool', 'auto']  # how the model's code reaches the executor (docs/tools.md)
+    candidates: int  # replies drawn at once after a failed run; the examples choose (docs/eval.md)
     check: TaskSpecCheck  # decides whether the task was solved, run in its sandbox after it ends (docs/eval.md)
     tools: list[str | TaskSpecToolsItem2]  # tools offered to the model; left out, every tool the operator declares
     approval: TaskSpecApproval  # which blocks wait for a person (docs/approval.md); only tightens the operator's
@@ -299,7 +300,7 @@ FIELDS: dict[str, frozenset[str]] = {
     'SessionInfo': frozenset(['blocks', 'busy', 'created_ms', 'executor', 'id', 'idle_timeout_secs', 'keep_state', 'tools']),
     'SessionSpec': frozenset(['executor', 'files', 'idle_timeout_secs', 'keep_state', 'limits', 'tools']),
     'Task': frozenset(['budget', 'check', 'cost', 'created_ms', 'error', 'files_removed_ms', 'finished_ms', 'id', 'result', 'spec', 'started_ms', 'state', 'stop_reason', 'trace_id', 'turns', 'usage']),
-    'TaskSpec': frozenset(['approval', 'base_url', 'block_timeout_secs', 'check', 'code_via', 'executor', 'files', 'keep_state', 'languages', 'limits', 'max_cost', 'max_input_tokens', 'max_output_tokens', 'max_turns', 'model', 'output_schema', 'placement', 'system_prompt', 'task', 'team', 'termination', 'timeout_secs', 'tools', 'traceparent']),
+    'TaskSpec': frozenset(['approval', 'base_url', 'block_timeout_secs', 'candidates', 'check', 'code_via', 'executor', 'files', 'keep_state', 'languages', 'limits', 'max_cost', 'max_input_tokens', 'max_output_tokens', 'max_turns', 'model', 'output_schema', 'placement', 'system_prompt', 'task', 'team', 'termination', 'timeout_secs', 'tools', 'traceparent']),
     'ToolAnswer': frozenset(['error', 'result']),
     'Upload': frozenset(['bytes', 'expires_ms', 'files', 'id']),
 }

@@ -60,6 +60,7 @@ impl TandemMcp {
             output_schema: args.output_schema,
             keep_state: args.keep_state.unwrap_or(false),
             placement: args.placement.unwrap_or_default(),
+            candidates: args.candidates,
             code_via: args
                 .code_via
                 .as_deref()

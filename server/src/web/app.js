@@ -422,6 +422,12 @@
         if (executor) body.executor = executor;
         if ($('keep-state').checked) body.keep_state = true;
         if ($('code-via').value) body.code_via = $('code-via').value;
+        const candidates = $('candidates').value.trim();
+        if (candidates) {
+          const k = Number(candidates);
+          if (!Number.isInteger(k) || k < 1 || k > 8) throw new Error('candidates must be a whole number from 1 to 8');
+          body.candidates = k;
+        }
         for (const [id, field, whole] of [['max-input-tokens', 'max_input_tokens', true], ['max-output-tokens', 'max_output_tokens', true], ['max-cost', 'max_cost', false]]) {
           const raw = $(id).value.trim();
           if (!raw) continue;
