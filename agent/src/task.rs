@@ -51,7 +51,7 @@ pub struct TaskSettings {
     pub spent: Vec<Usage>,
     /// What the final answer must end with a value of.
     pub output_schema: Option<Arc<crate::schema::OutputSchema>>,
-    /// How many replies the assistant draws after a run that failed, when the task states
+    /// How many replies the assistant draws after the first run that failed, when the task states
     /// examples.
     pub candidates: u32,
 }

@@ -74,7 +74,7 @@ pub struct TaskFlags {
     /// the tool where the model server takes tools [default: [model] code_via, else blocks]
     #[arg(long, value_name = "blocks|tool|auto")]
     pub(crate) code_via: Option<tandem_protocol::CodeVia>,
-    /// After a run that failed, draw this many replies at once and keep the one whose code
+    /// After the first run that failed, draw this many replies at once and keep the one whose code
     /// holds the most of the examples the task states (1 to 8) [default: 4]
     #[arg(long, value_name = "K")]
     pub(crate) candidates: Option<u32>,

@@ -427,9 +427,10 @@ async fn after_a_failed_run_the_reply_whose_code_holds_the_examples_is_kept() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn replies_are_drawn_only_after_a_failed_run_and_the_agents_own_wins_a_tie() {
+async fn replies_are_drawn_once_after_the_first_failed_run_and_the_agents_own_wins_a_tie() {
     // The first reply is asked once: no run failed yet. It fails; drawn beside the second
-    // are replies that hold fewer examples, so the agent's own is kept.
+    // are replies that hold fewer examples, so the agent's own is kept. It fails again, and
+    // the third is asked once: a task draws once.
     let worse = "```python\ndef add(a, b):\n    return 0\n\ndef words(s):\n    return []\n```";
     let h = Harness::new(
         ADD_TASK,
@@ -448,12 +449,16 @@ async fn replies_are_drawn_only_after_a_failed_run_and_the_agents_own_wins_a_tie
     }
     let mut settings = TaskSettings::new(ADD_TASK);
     settings.candidates = 3;
-    settings.max_turns = 2;
     let (outcome, _) = h.run(settings, CancellationToken::new()).await;
-    assert_eq!(outcome.stop_reason, StopReason::MaxTurns);
+    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(outcome.turns, 3);
     assert_eq!(outcome.transcript[4].content, ADD_WRONG);
     let asked = h.server.requests();
-    assert_eq!(asked.len(), 1 + 3, "one reply in turn 1, three in turn 2");
+    assert_eq!(
+        asked.len(),
+        1 + 3 + 1,
+        "one reply in turns 1 and 3, three in turn 2"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -190,7 +190,7 @@ pub struct Team {
     /// The examples the task states, by the path of the executor that runs them against the
     /// code it ran.
     examples: HashMap<String, Arc<crate::examples::Examples>>,
-    /// How many replies an assistant draws after a run that failed, and the executor whose
+    /// How many replies an assistant draws after its first failed run, and the executor whose
     /// examples choose among them, by the assistant's path.
     candidates: HashMap<String, (String, u32)>,
 }
@@ -455,6 +455,7 @@ impl Team {
             cost: Mutex::new(self.spent_before.1),
             reached: Mutex::new(None),
             result: Mutex::new(None),
+            drew: std::sync::atomic::AtomicBool::new(false),
         };
         let ctx = Ctx {
             team: self,
@@ -523,6 +524,8 @@ struct Shared {
     reached: Mutex<Option<tandem_protocol::BudgetReached>>,
     /// The value the final answer ended with, checked against the output schema.
     result: Mutex<Option<serde_json::Value>>,
+    /// Replies were drawn to choose among: a task draws once, at its first failed run.
+    drew: std::sync::atomic::AtomicBool,
 }
 
 /// A run, as one branch of it sees it: a parallel branch has its own event sink.
@@ -960,8 +963,8 @@ impl Ctx<'_> {
     }
 
     /// The executor whose examples choose among the replies `node` draws now, and how many
-    /// it draws: after a run of that executor that did not end cleanly, when code comes as
-    /// fenced blocks.
+    /// it draws: after the task's first run of that executor that did not end cleanly, when
+    /// code comes as fenced blocks.
     fn drawing(
         &self,
         node: &Node,
@@ -975,7 +978,10 @@ impl Ctx<'_> {
             && self.team.examples.contains_key(executor)
             && self.team.slots.contains_key(executor)
             && !blocks::ran_clean(&last.text);
-        failed.then_some((executor.as_str(), *k))
+        // Drawing again where a draw found nothing that held mostly redraws the same mistake,
+        // at k times the cost of a turn.
+        (failed && !self.shared.drew.swap(true, Ordering::SeqCst))
+            .then_some((executor.as_str(), *k))
     }
 
     /// `k` replies to the same view, drawn at once and quietly: the agent's own and `k - 1`

@@ -55,7 +55,7 @@ pub struct EvalArgs {
     /// How the model's code reaches the executor: blocks, tool or auto
     #[arg(long, value_name = "blocks|tool|auto")]
     code_via: Option<tandem_protocol::CodeVia>,
-    /// After a run that failed, draw this many replies at once and keep the one whose code
+    /// After the first run that failed, draw this many replies at once and keep the one whose code
     /// holds the most of the examples the task states (1 to 8) [default: 4]
     #[arg(long, value_name = "K")]
     candidates: Option<u32>,

@@ -132,7 +132,7 @@ struct RunTaskArgs {
     /// How the model's code reaches the sandbox: blocks, tool (the execute_code tool call) or auto
     #[schemars(extend("enum" = ["blocks", "tool", "auto"]))]
     code_via: Option<String>,
-    /// After a run that failed, replies drawn at once; the one whose code holds the most of
+    /// After the first run that failed, replies drawn at once; the one whose code holds the most of
     /// the examples the task states is kept
     #[schemars(range(min = 1, max = 8))]
     candidates: Option<u32>,
