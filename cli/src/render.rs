@@ -331,6 +331,26 @@ impl<W: Write> Renderer<W> {
                     *delay_ms as f64 / 1000.0
                 ))
             }
+            EventMsg::RepliesDrawn {
+                drawn,
+                chosen,
+                held,
+                examples,
+                ..
+            } => {
+                let kept = match chosen {
+                    0 => "kept this one".to_owned(),
+                    n => {
+                        // The text streamed above is not the reply run: the kept one is shown.
+                        self.streamed = false;
+                        format!("kept drawn reply {n}, below")
+                    }
+                };
+                let replies = if *drawn == 1 { "reply" } else { "replies" };
+                self.rule(&format!(
+                    "the task's examples do not all hold against its code: drew {drawn} more {replies}; {kept}, which holds {held} of {examples}"
+                ))
+            }
             EventMsg::AssistantMessage { text, .. } => {
                 if !self.streamed {
                     self.text(text)?;

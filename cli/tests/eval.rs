@@ -417,27 +417,20 @@ async fn no_check_of_the_repositorys_suite_passes_by_accident_or_crashes() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn replies_drawn_after_a_failed_run_are_chosen_by_the_examples_on_every_road() {
+async fn a_reply_whose_code_fails_the_examples_draws_and_the_examples_choose_on_every_road() {
     use tandem_protocol::StopReason;
     let task = "Write a Python function `double(x)`.\n\n>>> double(2)\n4\n";
     let wrong = "```python\ndef double(x):\n    return x + 3\n```\nTERMINATE";
     let right = "```python\ndef double(x):\n    return 2 * x\n```\nTERMINATE";
-    // Turn 1 asks once and its code fails the example; turn 2 draws two: the model's own,
-    // wrong again, and one sampled from seed 2001, right.
+    // The model's first reply fails the example before it runs, so one more is drawn, from
+    // seed 1001: right, and kept.
     let server = ScriptedOpenAi::start(
         [
             (
                 task.to_owned(),
-                vec![
-                    Reply::from(wrong),
-                    Reply::from(wrong),
-                    Reply::from("not asked"),
-                ],
+                vec![Reply::from(wrong), Reply::from("not asked")],
             ),
-            (
-                format!("{task}~2001"),
-                vec![Reply::from("not asked"), Reply::from(right)],
-            ),
+            (format!("{task}~1001"), vec![Reply::from(right)]),
         ]
         .into_iter()
         .collect(),
@@ -446,7 +439,7 @@ async fn replies_drawn_after_a_failed_run_are_chosen_by_the_examples_on_every_ro
     .unwrap();
     let holds = "The task's examples hold against your code: 1 of 1.";
 
-    // The CLI in process.
+    // The CLI in process: the streamed reply, why another is run, and the one run.
     let out = tandem(
         &[
             "run",
@@ -457,6 +450,8 @@ async fn replies_drawn_after_a_failed_run_are_chosen_by_the_examples_on_every_ro
             "2",
             "--base-url",
             &server.base_url(),
+            "--model",
+            "m",
             task,
         ],
         &[],
@@ -464,19 +459,12 @@ async fn replies_drawn_after_a_failed_run_are_chosen_by_the_examples_on_every_ro
     )
     .await;
     assert_eq!(out.code, 0, "{}", out.stderr);
-    // Turn 2 shows the reply kept, whose code held the example and ended the task.
-    let turn2 = out
-        .stdout
-        .split("── assistant · turn 2 ──")
-        .nth(1)
-        .unwrap_or_default();
-    assert!(
-        turn2.contains("return 2 * x") && turn2.contains("── done · 2 turns"),
-        "{}",
-        out.stdout
+    settings().bind(|| insta::assert_snapshot!("run_replies_drawn", out.stdout));
+    assert_eq!(
+        server.requests_for(task).len(),
+        2,
+        "its own, then one drawn"
     );
-    assert!(!out.stdout.contains("not asked"), "{}", out.stdout);
-    assert_eq!(server.requests_for(task).len(), 3, "one, then two at once");
 
     let d = tandem_tests::DaemonHarness::start(
         Path::new(env!("CARGO_BIN_EXE_tandem")),
@@ -491,9 +479,23 @@ async fn replies_drawn_after_a_failed_run_are_chosen_by_the_examples_on_every_ro
         .await;
     let t = d.wait_finished(&id, Duration::from_secs(120)).await;
     assert_eq!(t.record.stop_reason, Some(StopReason::Terminated), "{t:?}");
-    assert_eq!((t.record.turns, t.record.spec.candidates), (2, Some(2)));
-    assert_eq!(t.transcript[4].content, right);
-    assert!(t.transcript[5].content.ends_with(holds), "{t:?}");
+    assert_eq!((t.record.turns, t.record.spec.candidates), (1, Some(2)));
+    assert_eq!(t.transcript[2].content, right);
+    assert!(t.transcript[3].content.ends_with(holds), "{t:?}");
+    let events = d.events(&id, 0).await;
+    assert!(
+        events.iter().any(|e| matches!(
+            e.msg,
+            tandem_protocol::EventMsg::RepliesDrawn {
+                turn: 1,
+                drawn: 1,
+                chosen: 1,
+                held: 1,
+                examples: 1
+            }
+        )),
+        "{events:?}"
+    );
     for k in [0, 9] {
         let (status, body) = d
             .send(
@@ -526,7 +528,7 @@ async fn replies_drawn_after_a_failed_run_are_chosen_by_the_examples_on_every_ro
     assert_eq!(d.count("finished").await, 2);
     assert_eq!(
         server.requests_for(task).len(),
-        9,
-        "three a task, on each road"
+        6,
+        "two a task, on each road"
     );
 }

@@ -181,6 +181,7 @@ impl Speakers {
             EventMsg::TeamEnded { agent, .. } => return Some(agent.clone()),
             EventMsg::AssistantDelta { turn, .. }
             | EventMsg::ModelRetry { turn, .. }
+            | EventMsg::RepliesDrawn { turn, .. }
             | EventMsg::SandboxLost { turn, .. }
             | EventMsg::AssistantMessage { turn, .. }
             | EventMsg::CodeBlock { turn, .. }
@@ -266,6 +267,20 @@ pub enum EventMsg {
         delay_ms: u64,
         /// Why.
         reason: String,
+    },
+    /// The agent's own reply did not hold the task's examples, so more were drawn to the same
+    /// view and one kept; the `assistant_message` that follows is the one kept.
+    RepliesDrawn {
+        /// Turn number.
+        turn: u32,
+        /// Replies drawn beside the agent's own.
+        drawn: u32,
+        /// Which reply is kept: 0 for the agent's own, else the drawn one's number.
+        chosen: u32,
+        /// Examples the kept reply's code holds.
+        held: u32,
+        /// Examples the task states that were run.
+        examples: u32,
     },
     /// The assistant's complete reply for a turn.
     AssistantMessage {

@@ -350,10 +350,12 @@ async fn the_examples_a_task_states_are_run_against_its_code() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn after_a_failed_run_the_reply_whose_code_holds_the_examples_is_kept() {
-    let right = "```python\ndef add(a, b):\n    return a + b\n\ndef words(s):\n    return s.split()\n```\nTERMINATE";
-    // Turn 2's own reply holds one example of four; the three sampled beside it (seeds
-    // 2001 to 2003) say no code, do not load, and hold all four.
+async fn a_reply_whose_code_fails_the_examples_draws_and_the_one_that_holds_them_is_kept() {
+    // Each load of the kept code adds a line to `loads`: the examples run against it once,
+    // before it is told, and its executor reads what they said rather than run them again.
+    let right = "```python\nopen('loads', 'a').write('x\\n')\n\ndef add(a, b):\n    return a + b\n\ndef words(s):\n    return s.split()\n```";
+    // The first reply holds one example of four; the three sampled beside it (seeds 1001
+    // to 1003) say no code, do not load, and hold all four.
     let own =
         "```python\ndef add(a, b):\n    return a * b\n\ndef words(s):\n    return s.split()\n```";
     let drawn = [
@@ -361,21 +363,19 @@ async fn after_a_failed_run_the_reply_whose_code_holds_the_examples_is_kept() {
         "```python\ndef add(a, b):\n    return (\n```",
         right,
     ];
+    let loads = "```python\nprint(len(open('loads').readlines()))\n```\nTERMINATE";
     let h = Harness::new(
         ADD_TASK,
         vec![
-            Reply::from(ADD_WRONG),
             Reply::from(own),
-            Reply::from("not asked: the kept reply ended the task"),
+            Reply::from(loads),
+            Reply::from("not asked: the task ended"),
         ],
     )
     .await;
-    for (seed, text) in (2001..).zip(drawn) {
-        // By turn: the draws are of the second reply.
-        h.server.set(
-            &format!("{ADD_TASK}~{seed}"),
-            vec![Reply::from("not asked"), Reply::from(text)],
-        );
+    for (seed, text) in (1001..).zip(drawn) {
+        h.server
+            .set(&format!("{ADD_TASK}~{seed}"), vec![Reply::from(text)]);
     }
     let mut settings = TaskSettings::new(ADD_TASK);
     settings.candidates = 4;
@@ -392,46 +392,59 @@ async fn after_a_failed_run_the_reply_whose_code_holds_the_examples_is_kept() {
         })
         .collect();
     assert_eq!(told.len(), 2, "one reply told per turn: {told:?}");
-    assert_eq!((told[1].0, told[1].1), (2, right));
+    assert_eq!((told[0].0, told[0].1), (1, right));
+    let at = |want: fn(&EventMsg) -> bool| events.iter().position(want);
+    assert!(
+        at(|e| matches!(
+            e,
+            EventMsg::RepliesDrawn {
+                turn: 1,
+                drawn: 3,
+                chosen: 3,
+                held: 4,
+                examples: 4
+            }
+        )) < at(|e| matches!(e, EventMsg::AssistantMessage { .. })),
+        "{events:?}"
+    );
     let asked = h.server.requests();
-    assert_eq!(asked.len(), 5, "the first reply, then four drawn at once");
+    assert_eq!(asked.len(), 5, "the first reply, three drawn, then one");
     // The turn's tokens are those of every reply drawn.
     let completion: u64 = [own]
         .iter()
         .chain(&drawn)
         .map(|r| (r.len() / 4 + 1) as u64)
         .sum();
-    assert_eq!(told[1].2.map(|u| u.completion_tokens), Some(completion));
-    // The agent's own reply as it would be asked alone, and three sampled.
-    let mut sampling: Vec<(Option<f64>, Option<u64>)> = asked[1..]
+    assert_eq!(told[0].2.map(|u| u.completion_tokens), Some(completion));
+    // The agent's own reply as it would be asked alone, then three sampled.
+    let sampling: Vec<(Option<f64>, Option<u64>)> = asked[..4]
         .iter()
         .map(|r| (r.body["temperature"].as_f64(), r.body["seed"].as_u64()))
         .collect();
-    sampling.sort_by_key(|s| s.1);
+    assert_eq!(sampling[0], (None, None));
+    let mut sampled = sampling[1..].to_vec();
+    sampled.sort_by_key(|s| s.1);
     assert_eq!(
-        sampling,
-        [
-            (None, None),
-            (Some(0.8), Some(2001)),
-            (Some(0.8), Some(2002)),
-            (Some(0.8), Some(2003))
-        ]
-        .map(|(t, s)| (t.map(|t: f64| (t as f32) as f64), s))
+        sampled,
+        [1001, 1002, 1003].map(|seed| (Some((0.8f32) as f64), Some(seed)))
     );
-    let kept = reports(&outcome)[1];
+    let reports = reports(&outcome);
     assert!(
-        kept.starts_with("exitcode: 0 (execution succeeded)")
-            && kept.ends_with("The task's examples hold against your code: 4 of 4."),
-        "{kept}"
+        reports[0].starts_with("exitcode: 0 (execution succeeded)")
+            && reports[0].ends_with("The task's examples hold against your code: 4 of 4."),
+        "{reports:?}"
+    );
+    assert_eq!(
+        reports[1],
+        "exitcode: 0 (execution succeeded)\nCode output: 2\n"
     );
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn replies_are_drawn_once_after_the_first_failed_run_and_the_agents_own_wins_a_tie() {
-    // The first reply is asked once: no run failed yet. It fails; drawn beside the second
-    // are replies that hold fewer examples, so the agent's own is kept. It fails again, and
-    // the third is asked once: a task draws once.
-    let worse = "```python\ndef add(a, b):\n    return 0\n\ndef words(s):\n    return []\n```";
+async fn a_task_draws_once_and_the_agents_own_reply_wins_a_tie() {
+    // The first reply fails the examples; the two drawn beside it hold as many, so the
+    // agent's own is kept. It fails again in turn 2, which is asked once: a task draws once.
+    let same = "```python\ndef add(a, b):\n    return a + b + (a > 0)  # the same\n\ndef words(s):\n    return s.split()\n```";
     let h = Harness::new(
         ADD_TASK,
         vec![
@@ -441,23 +454,53 @@ async fn replies_are_drawn_once_after_the_first_failed_run_and_the_agents_own_wi
         ],
     )
     .await;
-    for seed in 2001..=2002 {
-        h.server.set(
-            &format!("{ADD_TASK}~{seed}"),
-            vec![Reply::from("not asked"), Reply::from(worse)],
-        );
+    for seed in 1001..=1002 {
+        h.server
+            .set(&format!("{ADD_TASK}~{seed}"), vec![Reply::from(same)]);
     }
     let mut settings = TaskSettings::new(ADD_TASK);
     settings.candidates = 3;
-    let (outcome, _) = h.run(settings, CancellationToken::new()).await;
+    let (outcome, events) = h.run(settings, CancellationToken::new()).await;
     assert_eq!(outcome.stop_reason, StopReason::Terminated);
     assert_eq!(outcome.turns, 3);
-    assert_eq!(outcome.transcript[4].content, ADD_WRONG);
-    let asked = h.server.requests();
+    assert_eq!(outcome.transcript[2].content, ADD_WRONG);
+    let drawn: Vec<&EventMsg> = events
+        .iter()
+        .filter(|e| matches!(e, EventMsg::RepliesDrawn { .. }))
+        .collect();
+    assert!(
+        matches!(
+            drawn[..],
+            [EventMsg::RepliesDrawn {
+                turn: 1,
+                drawn: 2,
+                chosen: 0,
+                held: 2,
+                examples: 4
+            }]
+        ),
+        "{drawn:?}"
+    );
     assert_eq!(
-        asked.len(),
-        1 + 3 + 1,
-        "one reply in turns 1 and 3, three in turn 2"
+        h.server.requests().len(),
+        3 + 1 + 1,
+        "three replies in turn 1, one in turns 2 and 3"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reply_whose_code_holds_the_examples_draws_nothing() {
+    let right = "```python\ndef add(a, b):\n    return a + b\n\ndef words(s):\n    return s.split()\n```\nTERMINATE";
+    let h = Harness::new(ADD_TASK, vec![Reply::from(right)]).await;
+    let (outcome, events) = h
+        .run(TaskSettings::new(ADD_TASK), CancellationToken::new())
+        .await;
+    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(h.server.requests().len(), 1);
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, EventMsg::RepliesDrawn { .. }))
     );
 }
 

@@ -25,6 +25,7 @@ use crate::blocks::{self, RunOptions, SessionSlot};
 use crate::chat::{ChatModel, ToolOffer};
 use crate::events::EventSink;
 use crate::events::progress;
+use crate::examples::Examples;
 use crate::extract::{CodeBlock, extract_code_blocks};
 use crate::team::Node;
 use crate::termination::{is_termination_block, mentions};
@@ -321,15 +322,16 @@ impl Team {
     /// Has the executor at `path` run the examples `task` states (if it states any) against
     /// each clean run of code that defines what they call.
     pub fn with_examples(mut self, path: &str, task: &str) -> Self {
-        if let Some(examples) = crate::examples::Examples::from_task(task) {
+        if let Some(examples) = Examples::from_task(task) {
             self.examples.insert(path.to_owned(), Arc::new(examples));
         }
         self
     }
 
-    /// Has the assistant at `path`, after a run of `executor`'s that did not end cleanly,
-    /// draw `k` replies at once and keep the one whose code holds the most of the examples
-    /// `executor` runs; without examples, or with `k` below 2, it replies once.
+    /// Has the assistant at `path` run the examples `executor` runs against each reply's
+    /// code before `executor` runs it, and the first time they do not all hold, draw `k - 1`
+    /// more replies at once and keep the one whose code holds the most; without examples, or
+    /// with `k` below 2, it replies once.
     pub fn with_candidates(mut self, path: &str, executor: &str, k: u32) -> Self {
         if k > 1 {
             self.candidates.insert(
@@ -456,6 +458,7 @@ impl Team {
             reached: Mutex::new(None),
             result: Mutex::new(None),
             drew: std::sync::atomic::AtomicBool::new(false),
+            checked: Mutex::new(None),
         };
         let ctx = Ctx {
             team: self,
@@ -524,8 +527,12 @@ struct Shared {
     reached: Mutex<Option<tandem_protocol::BudgetReached>>,
     /// The value the final answer ended with, checked against the output schema.
     result: Mutex<Option<serde_json::Value>>,
-    /// Replies were drawn to choose among: a task draws once, at its first failed run.
+    /// Replies were drawn to choose among: a task draws once, at its first reply whose
+    /// code does not hold its examples.
     drew: std::sync::atomic::AtomicBool,
+    /// The code of the last reply told whose examples ran before it was, and what they
+    /// printed: its executor reads that rather than run them again.
+    checked: Mutex<Option<(String, String)>>,
 }
 
 /// A run, as one branch of it sees it: a parallel branch has its own event sink.
@@ -894,9 +901,9 @@ impl Ctx<'_> {
         }
         let offer = self.team.tools.get(&node.name).and_then(|t| t.offer());
         let span = crate::trace::agent(&node.name, &node.path, turn);
-        let asked = match self.drawing(node, history, offer) {
+        let asked = match self.drawing(node, offer) {
             Some((executor, k)) => {
-                self.draw(&node.path, model.as_ref(), &view, turn, executor, k)
+                self.checked(&node.path, model.as_ref(), &view, turn, executor, k)
                     .instrument(span)
                     .await?
             }
@@ -962,33 +969,24 @@ impl Ctx<'_> {
         });
     }
 
-    /// The executor whose examples choose among the replies `node` draws now, and how many
-    /// it draws: after the task's first run of that executor that did not end cleanly, when
-    /// code comes as fenced blocks.
-    fn drawing(
-        &self,
-        node: &Node,
-        history: &[Said],
-        offer: Option<&ToolOffer>,
-    ) -> Option<(&str, u32)> {
+    /// The executor whose examples run against `node`'s reply before it is told, and how
+    /// many replies a reply they do not hold draws: while the task has not drawn, when code
+    /// comes as fenced blocks.
+    fn drawing(&self, node: &Node, offer: Option<&ToolOffer>) -> Option<(&str, u32)> {
         let (executor, k) = self.team.candidates.get(&node.path)?;
-        let last = history.last()?;
-        let failed = offer.is_none()
-            && last.output
+        (offer.is_none()
             && self.team.examples.contains_key(executor)
             && self.team.slots.contains_key(executor)
-            && !blocks::ran_clean(&last.text);
-        // Drawing again where a draw found nothing that held mostly redraws the same mistake,
-        // at k times the cost of a turn.
-        (failed && !self.shared.drew.swap(true, Ordering::SeqCst))
-            .then_some((executor.as_str(), *k))
+            && !self.shared.drew.load(Ordering::SeqCst))
+        .then_some((executor.as_str(), *k))
     }
 
-    /// `k` replies to the same view, drawn at once and quietly: the agent's own and `k - 1`
-    /// sampled. The first whose code holds all the task's examples, else the one that holds
-    /// the most (the agent's own on a tie), is told as the turn's reply, with the tokens of
-    /// all of them.
-    async fn draw(
+    /// The agent's reply, streamed as always, with the task's examples run against its code
+    /// before it is told. The first time they do not all hold, `k - 1` more replies to the
+    /// same view are drawn at once and quietly, sampled; the first whose code holds every
+    /// example, else the one that holds the most (the agent's own on a tie), is told as the
+    /// turn's reply, with the tokens of all of them.
+    async fn checked(
         &self,
         path: &str,
         agent: &dyn Agent,
@@ -997,78 +995,124 @@ impl Ctx<'_> {
         executor: &str,
         k: u32,
     ) -> Result<Option<AgentReply>, ErrorInfo> {
+        let left = self.team.budget.output_left(self.spent());
+        let own = Turn {
+            number: turn,
+            events: &self.events,
+            cancel: &self.cancel,
+            tools: None,
+            max_tokens: left.map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
+            sample: None,
+        };
+        let Some(reply) = agent.reply(messages, own).await? else {
+            return Ok(None);
+        };
+        let Some(slot) = self.team.slots.get(executor) else {
+            self.told(path, turn, &reply);
+            return Ok(Some(reply));
+        };
+        let mut slot = slot.lock().await;
+        let verdict = self.verdict(executor, &mut slot, &reply.text).await;
+        let held = verdict
+            .as_ref()
+            .and_then(|(_, v)| Examples::held(v))
+            .filter(|(held, total)| held < total);
+        // Only code the examples ran against and did not all hold draws: a reply they could
+        // not test is no worse for it.
+        let Some((own_held, total)) =
+            held.filter(|_| !self.shared.drew.swap(true, Ordering::SeqCst))
+        else {
+            drop(slot);
+            self.keep_verdict(verdict);
+            self.told(path, turn, &reply);
+            return Ok(Some(reply));
+        };
         let quiet: EventSink = Arc::new(|_| {});
-        let max_tokens = self
-            .team
-            .budget
-            .output_left(self.spent())
-            .map(|n| u32::try_from(n / u64::from(k)).unwrap_or(u32::MAX));
-        let asks = (0..k).map(|i| {
+        let spent_own = reply.usage.map_or(0, |u| u.completion_tokens);
+        let max_tokens = left.map(|n| {
+            u32::try_from(n.saturating_sub(spent_own) / u64::from(k - 1)).unwrap_or(u32::MAX)
+        });
+        let asks = (1..k).map(|i| {
             let asked = Turn {
                 number: turn,
                 events: &quiet,
                 cancel: &self.cancel,
                 tools: None,
                 max_tokens,
-                sample: (i > 0).then(|| Sample {
+                sample: Some(Sample {
                     temperature: CANDIDATE_TEMPERATURE,
                     seed: turn.wrapping_mul(1000).wrapping_add(i),
                 }),
             };
             agent.reply(messages, asked)
         });
-        let mut replies = Vec::new();
-        let mut usage: Option<Usage> = None;
-        for (i, drawn) in futures::future::join_all(asks)
-            .await
-            .into_iter()
-            .enumerate()
-        {
-            match drawn {
-                Ok(Some(reply)) => {
-                    if let Some(u) = reply.usage {
-                        usage.get_or_insert_with(Usage::default).add(u);
-                    }
-                    replies.push(reply);
-                }
-                Ok(None) => return Ok(None),
-                Err(e) if i == 0 => return Err(e),
-                Err(e) => {
-                    tracing::info!(agent = %path, error = %e.message, "a reply drawn beside the agent's own failed")
-                }
-            }
+        let replies = futures::future::join_all(asks).await;
+        if self.cancel.is_cancelled() {
+            return Ok(None);
         }
+        let mut usage = reply.usage;
+        let mut best = (reply, verdict, own_held);
+        let drawn = k - 1;
         let mut chosen = 0;
-        if let Some(slot) = self.team.slots.get(executor) {
-            let mut slot = slot.lock().await;
-            let mut best = None;
-            for (i, reply) in replies.iter().enumerate() {
-                let held = self.held(executor, &mut slot, &reply.text).await;
-                if held.is_some_and(|(held, total)| held == total) {
-                    chosen = i;
-                    break;
+        for (i, candidate) in (1..).zip(replies) {
+            let candidate = match candidate {
+                Ok(Some(candidate)) => candidate,
+                Ok(None) => return Ok(None),
+                Err(e) => {
+                    tracing::info!(agent = %path, error = %e.message, "a reply drawn beside the agent's own failed");
+                    continue;
                 }
-                if held.map(|h| h.0) > best {
-                    best = held.map(|h| h.0);
-                    chosen = i;
-                }
+            };
+            if let Some(u) = candidate.usage {
+                usage.get_or_insert_with(Usage::default).add(u);
+            }
+            // Once one holds every example the rest are not run: its tokens are spent, its
+            // sandbox time need not be.
+            if best.2 == total {
+                continue;
+            }
+            let verdict = self.verdict(executor, &mut slot, &candidate.text).await;
+            let count = verdict
+                .as_ref()
+                .and_then(|(_, v)| Examples::held(v))
+                .map_or(0, |h| h.0);
+            if count > best.2 {
+                best = (candidate, verdict, count);
+                chosen = i;
             }
         }
-        tracing::info!(agent = %path, turn, drawn = replies.len(), chosen, "replies drawn to choose among");
-        let mut reply = replies.swap_remove(chosen);
+        drop(slot);
+        let (mut reply, verdict, held) = best;
+        let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        (self.events)(EventMsg::RepliesDrawn {
+            turn,
+            drawn,
+            chosen,
+            held: count(held),
+            examples: count(total),
+        });
         reply.usage = usage;
+        self.keep_verdict(verdict);
         self.told(path, turn, &reply);
         Ok(Some(reply))
     }
 
-    /// How many of `executor`'s examples hold against the code of `text`, of how many;
-    /// `None` when none could be run against it.
-    async fn held(
+    /// What the examples printed against the code of the reply about to be told, kept for
+    /// its executor.
+    fn keep_verdict(&self, verdict: Option<(String, String)>) {
+        if let Ok(mut checked) = self.shared.checked.lock() {
+            *checked = verdict;
+        }
+    }
+
+    /// The block of `text` that `executor`'s examples test, and what they print when run
+    /// against it; `None` when none could be run against it.
+    async fn verdict(
         &self,
         executor: &str,
         slot: &mut SessionSlot,
         text: &str,
-    ) -> Option<(usize, usize)> {
+    ) -> Option<(String, String)> {
         let examples = self.team.examples.get(executor)?;
         let tested = self
             .runnable(text)
@@ -1077,7 +1121,7 @@ impl Ctx<'_> {
             .filter(|b| b.language.as_deref().is_none_or(|l| l == "python"))
             .find(|b| examples.tested_by(&b.code))?;
         let verdict = self.run_examples(examples, slot, &tested.code).await?;
-        crate::examples::Examples::held(&verdict)
+        Some((tested.code, verdict))
     }
 
     /// What the examples' program prints when run quietly against `code` in `slot`; `None`
@@ -1288,8 +1332,20 @@ impl Ctx<'_> {
             })
             .filter_map(|r| code.get(usize::try_from(r.index).ok()?.checked_sub(1)?))
             .find(|b| examples.tested_by(&b.code))?;
-        let verdict = self.run_examples(examples, slot, &tested.code).await?;
-        crate::examples::Examples::note(&verdict)
+        let kept = self
+            .shared
+            .checked
+            .lock()
+            .ok()
+            .and_then(|mut c| c.take())
+            .filter(|(code, _)| *code == tested.code);
+        // The examples load the code alone in a fresh interpreter, so what they printed
+        // before the blocks ran is what they would print now.
+        let verdict = match kept {
+            Some((_, verdict)) => verdict,
+            None => self.run_examples(examples, slot, &tested.code).await?,
+        };
+        Examples::note(&verdict)
     }
 
     /// An executor's report (and its answers to native calls) joins the history.

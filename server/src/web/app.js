@@ -978,6 +978,11 @@
         b.lastNode = null;
         b.el.append(note(`the sandbox on ${ev.host} was lost (${ev.reason}); running the block again on another host`, 'retry'));
       },
+      replies_drawn(ev) {
+        const kept = ev.chosen ? `kept drawn reply ${ev.chosen}` : 'kept the model\'s own';
+        const replies = ev.drawn === 1 ? 'reply' : 'replies';
+        turnOf(ev).body.append(note(`the task's examples do not all hold against its code: drew ${ev.drawn} more ${replies}; ${kept}, which holds ${ev.held} of ${ev.examples}`, 'drawn'));
+      },
       assistant_message(ev) {
         const t = turnOf(ev);
         textOf(t).data = ev.text;
