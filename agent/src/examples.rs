@@ -14,6 +14,19 @@ const SHOWN: usize = 200;
 /// What the note says when some examples do not hold; a report holding it is not a clean run.
 pub const FAILED_MARK: &str = "The task's examples do not all hold against your code";
 
+/// What the note says when every example holds.
+pub const HELD_MARK: &str = "The task's examples hold against your code";
+
+/// Where the examples' note starts in an executor's report, which it ends; `None` when the
+/// report has none.
+pub fn note_in(report: &str) -> Option<usize> {
+    [FAILED_MARK, HELD_MARK]
+        .iter()
+        .filter_map(|mark| report.rfind(&format!("\n{mark}")))
+        .max()
+        .map(|at| at + 1)
+}
+
 /// A task's stated examples.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Examples {
@@ -75,11 +88,7 @@ impl Examples {
     /// How many examples held, of how many, by the runner's output; `None` when they could
     /// not be run against the code.
     pub fn held(stdout: &str) -> Option<(usize, usize)> {
-        let line = stdout.lines().rev().find(|l| l.starts_with('{'))?;
-        let ran: Ran = serde_json::from_str(line).ok()?;
-        if ran.error.is_some() || ran.total == 0 {
-            return None;
-        }
+        let ran = Ran::of(stdout)?;
         // The verdict line is output the code can shape: a forged count is bounded by the
         // total.
         Some((ran.total.saturating_sub(ran.failed.len()), ran.total))
@@ -89,16 +98,9 @@ impl Examples {
     /// be run at all (the code would not load apart from its own run), which is not the
     /// model's to fix.
     pub fn note(stdout: &str) -> Option<String> {
-        let line = stdout.lines().rev().find(|l| l.starts_with('{'))?;
-        let ran: Ran = serde_json::from_str(line).ok()?;
-        if ran.error.is_some() || ran.total == 0 {
-            return None;
-        }
+        let ran = Ran::of(stdout)?;
         if ran.failed.is_empty() {
-            return Some(format!(
-                "The task's examples hold against your code: {} of {}.",
-                ran.total, ran.total
-            ));
+            return Some(format!("{HELD_MARK}: {} of {}.", ran.total, ran.total));
         }
         let mut note = format!(
             "{FAILED_MARK} ({} of {} hold):",
@@ -125,6 +127,16 @@ struct Ran {
     failed: Vec<Failed>,
     #[serde(default)]
     error: Option<String>,
+}
+
+impl Ran {
+    /// The runner's verdict, its last line of JSON; `None` when the examples could not be run
+    /// against the code.
+    fn of(stdout: &str) -> Option<Self> {
+        let line = stdout.lines().rev().find(|l| l.starts_with('{'))?;
+        let ran: Self = serde_json::from_str(line).ok()?;
+        (ran.error.is_none() && ran.total > 0).then_some(ran)
+    }
 }
 
 #[derive(Deserialize)]
@@ -443,5 +455,15 @@ mod tests {
         assert!(!held.contains(FAILED_MARK), "{held}");
         assert!(Examples::note(r#"{"total": 2, "failed": [], "error": "NameError: x"}"#).is_none());
         assert!(Examples::note("not json").is_none());
+        // The note ends the report it was added to.
+        let report = format!("exitcode: 0 (execution succeeded)\nCode output: \n{held}");
+        assert_eq!(
+            note_in(&report).map(|at| &report[at..]),
+            Some(held.as_str())
+        );
+        assert_eq!(
+            note_in("exitcode: 0 (execution succeeded)\nCode output: 1\n"),
+            None
+        );
     }
 }

@@ -39,7 +39,8 @@ pub const DEFAULT_TERMINATION: &str = "TERMINATE";
 /// Most assistant turns of the two-agent pair unless configured otherwise.
 pub const DEFAULT_MAX_TURNS: u32 = 10;
 
-/// Replies the assistant draws at once after a failed run of a task that states examples.
+/// Replies to choose among, the model's own with them, when a reply first fails the task's
+/// examples.
 pub const DEFAULT_CANDIDATES: u32 = 4;
 
 /// Most turns of a team's agents together unless the task or the config says.

@@ -51,9 +51,11 @@ pub struct TaskSettings {
     pub spent: Vec<Usage>,
     /// What the final answer must end with a value of.
     pub output_schema: Option<Arc<crate::schema::OutputSchema>>,
-    /// How many replies the assistant draws after the first run that failed, when the task states
-    /// examples.
+    /// How many replies to choose among, the model's own with them, when a reply's code first
+    /// fails the task's examples.
     pub candidates: u32,
+    /// The interrupted run of the task already drew replies: a task draws once.
+    pub drew: bool,
 }
 
 impl TaskSettings {
@@ -77,6 +79,7 @@ impl TaskSettings {
             spent: Vec::new(),
             output_schema: None,
             candidates: crate::DEFAULT_CANDIDATES,
+            drew: false,
         }
     }
 }
@@ -176,7 +179,11 @@ pub async fn run_task(
                         .with_candidates(
                             &format!("{}/{ASSISTANT}", crate::team::check::TOP),
                             &executor,
-                            settings.candidates,
+                            if settings.drew {
+                                1
+                            } else {
+                                settings.candidates
+                            },
                         )
                 })
         });

@@ -491,6 +491,12 @@ impl<W: Write> Renderer<W> {
                     self.rule("executor")?;
                     self.text(text)?;
                     self.text("\n")?;
+                } else if let Some(at) = tandem_agent::examples::note_in(text) {
+                    // What the examples said is the model's reason to go on or stop, and
+                    // was never shown live.
+                    self.rule("the task's examples")?;
+                    self.text(&text[at..])?;
+                    self.text("\n")?;
                 }
                 Ok(())
             }

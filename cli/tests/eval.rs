@@ -470,10 +470,10 @@ async fn a_reply_whose_code_fails_the_examples_draws_and_the_examples_choose_on_
         Path::new(env!("CARGO_BIN_EXE_tandem")),
         &server.base_url(),
         &[],
-        None,
+        Some("[policy]\nmax_candidates = 2\n"),
     )
     .await;
-    // The daemon's API: the draws, and a count it cannot take named.
+    // The daemon's API: the draws, and counts it cannot take named.
     let id = d
         .submit(serde_json::json!({"task": task, "executor": "local", "candidates": 2}))
         .await;
@@ -496,6 +496,23 @@ async fn a_reply_whose_code_fails_the_examples_draws_and_the_examples_choose_on_
         )),
         "{events:?}"
     );
+    let (status, body) = d
+        .send(
+            reqwest::Method::POST,
+            "/v1/tasks",
+            Some(serde_json::json!({"task": task, "candidates": 3}).to_string()),
+        )
+        .await;
+    assert_eq!(
+        (
+            status,
+            body["error"]["message"].as_str().unwrap_or_default()
+        ),
+        (
+            400,
+            "candidates 3 is above this daemon's cap of 2; ask for less, or raise max_candidates under [policy] in the daemon's config"
+        )
+    );
     for k in [0, 9] {
         let (status, body) = d
             .send(
@@ -512,12 +529,12 @@ async fn a_reply_whose_code_fails_the_examples_draws_and_the_examples_choose_on_
             )
         );
     }
-    // MCP's run_task.
+    // MCP's run_task, naming no count: the default, 4, within the daemon's cap of 2.
     let mcp = tandem_tests::McpHttp::connect(&d).await.unwrap();
     let result = mcp
         .call_tool(
             "run_task",
-            serde_json::json!({"task": task, "executor": "local", "candidates": 2}),
+            serde_json::json!({"task": task, "executor": "local"}),
         )
         .await;
     assert_eq!(result["isError"], false, "{result}");
@@ -531,4 +548,74 @@ async fn a_reply_whose_code_fails_the_examples_draws_and_the_examples_choose_on_
         6,
         "two a task, on each road"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_task_resumed_after_a_restart_does_not_draw_again() {
+    use tandem_protocol::{EventMsg, StopReason};
+    let task = "Write a Python function `triple(x)`.\n\n>>> triple(2)\n6\n";
+    let wrong = "```python\ndef triple(x):\n    return x + 3\n```";
+    let worse = "```python\ndef triple(x):\n    return 0\n```";
+    // Turn 1 draws one reply, holding no more than the model's own, which is kept and fails;
+    // turn 2's reply is still out when the daemon is killed.
+    let server = ScriptedOpenAi::start(
+        [
+            (
+                task.to_owned(),
+                vec![
+                    Reply::from(wrong),
+                    Reply::Delayed(Duration::from_secs(600), Box::new(Reply::from(wrong))),
+                ],
+            ),
+            (format!("{task}~1001"), vec![Reply::from(worse)]),
+        ]
+        .into_iter()
+        .collect(),
+    )
+    .await
+    .unwrap();
+    let mut d = tandem_tests::DaemonHarness::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &[],
+        None,
+    )
+    .await;
+    let id = d
+        .submit(serde_json::json!({"task": task, "executor": "local", "candidates": 2}))
+        .await;
+    let asked = std::time::Instant::now();
+    while server.requests_for(task).len() < 3 {
+        assert!(
+            asked.elapsed() < Duration::from_secs(120),
+            "turn 2 was never asked"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    d.kill9();
+    // After the restart, turn 2 is asked again and fails the example as before; turn 3 ends.
+    server.set(
+        task,
+        vec![
+            Reply::from(wrong),
+            Reply::from(wrong),
+            Reply::from("TERMINATE"),
+        ],
+    );
+    d.spawn().await;
+    d.resume_after_restart(&id).await;
+    let t = d.wait_finished(&id, Duration::from_secs(120)).await;
+    assert_eq!(t.record.stop_reason, Some(StopReason::Terminated), "{t:?}");
+    let seeds: Vec<u64> = server
+        .requests_for(task)
+        .iter()
+        .filter_map(|r| r.body["seed"].as_u64())
+        .collect();
+    assert_eq!(seeds, [1001], "a task draws once, across its runs");
+    let events = d.events(&id, 0).await;
+    let drawn = events
+        .iter()
+        .filter(|e| matches!(e.msg, EventMsg::RepliesDrawn { .. }))
+        .count();
+    assert_eq!(drawn, 1, "{events:?}");
 }

@@ -96,8 +96,9 @@ pub struct TaskSpec {
     /// `execute_code` tool, or the tool where the server takes tools (docs/tools.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub code_via: Option<CodeVia>,
-    /// How many replies the assistant draws at once after the first run that failed, when
-    /// the task states examples: the one whose code holds the most of them is kept (1 to 8).
+    /// How many replies there are to choose among, the model's own with them, when the task
+    /// states examples and a reply's code first fails them: the one that holds most is kept
+    /// (1 to 8).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub candidates: Option<u32>,
     /// The tools offered to the model: the operator's by name, or `command` tools defined

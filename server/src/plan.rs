@@ -211,6 +211,12 @@ impl Planner {
         spec: &TaskSpec,
         executor: &dyn Executor,
     ) -> Result<Checked, TaskError> {
+        // Past the most any daemon allows is the request's fault, whatever this one's cap.
+        if let Some(k) = spec.candidates
+            && !(1..=tandem_agent::team::MOST_CANDIDATES).contains(&k)
+        {
+            return Err(Invalid::Candidates(k).into());
+        }
         let policy = &self.config.policy;
         policy.check(spec, &self.config.model.base_url)?;
         let languages = spec
@@ -232,11 +238,6 @@ impl Planner {
             .map_err(Invalid::Tools)?;
         if spec.max_turns == Some(0) {
             return Err(Invalid::NoTurns.into());
-        }
-        if let Some(k) = spec.candidates
-            && !(1..=tandem_agent::team::MOST_CANDIDATES).contains(&k)
-        {
-            return Err(Invalid::Candidates(k).into());
         }
         self.check_budget(spec)?;
         let output_schema = match &spec.output_schema {
@@ -444,9 +445,9 @@ impl Planner {
         }
         settings.languages = checked.languages;
         settings.code_via = spec.code_via.unwrap_or(d.code_via);
-        if let Some(k) = spec.candidates {
-            settings.candidates = k;
-        }
+        settings.candidates = spec
+            .candidates
+            .unwrap_or(settings.candidates.min(self.config.policy.max_candidates));
         settings.tools = checked.tools;
         settings.check = spec.check.clone();
         let caps = &self.config.policy.budget;
@@ -494,6 +495,10 @@ impl Planner {
             None => {
                 let (history, report) = history(start.events);
                 settings.history = history;
+                settings.drew = start
+                    .events
+                    .iter()
+                    .any(|e| matches!(e.msg, EventMsg::RepliesDrawn { .. }));
                 settings.spent = start
                     .events
                     .iter()

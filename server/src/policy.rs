@@ -32,6 +32,9 @@ pub struct Policy {
     pub max_block_timeout: Duration,
     /// Most `max_turns` a task may ask for.
     pub max_turns: u32,
+    /// Most `candidates` a task may ask for; a task that asks for none gets the default within
+    /// it. Each is a whole generation of the model's.
+    pub max_candidates: u32,
     /// Whether a task may name any model server (a run in the user's own process); one that
     /// is neither the configured server nor listed gets no key.
     pub any_endpoint: bool,
@@ -55,6 +58,7 @@ impl Default for Policy {
             max_timeout: DEFAULT_MAX_TIMEOUT,
             max_block_timeout: DEFAULT_MAX_BLOCK_TIMEOUT,
             max_turns: DEFAULT_MAX_TURNS,
+            max_candidates: tandem_agent::team::MOST_CANDIDATES,
             any_endpoint: false,
             budget: tandem_agent::budget::Budget::default(),
         }
@@ -76,6 +80,7 @@ impl Policy {
             max_timeout: Duration::MAX,
             max_block_timeout: Duration::MAX,
             max_turns: u32::MAX,
+            max_candidates: tandem_agent::team::MOST_CANDIDATES,
             any_endpoint: true,
             budget: tandem_agent::budget::Budget::default(),
         }
@@ -151,6 +156,16 @@ impl Policy {
                 asked.into(),
                 self.max_turns.into(),
                 "max_turns",
+            ));
+        }
+        if let Some(asked) = spec.candidates
+            && asked > self.max_candidates
+        {
+            return Err(over(
+                "candidates",
+                asked.into(),
+                self.max_candidates.into(),
+                "max_candidates",
             ));
         }
         let caps = &self.budget;
@@ -294,6 +309,20 @@ mod tests {
         assert!(check(spec(|s| s.timeout_secs = Some(86_401))).is_err());
         assert!(check(spec(|s| s.max_turns = Some(101))).is_err());
         assert_eq!(check(spec(|s| s.max_turns = Some(100))), Ok(()));
+        let two = Policy {
+            max_candidates: 2,
+            ..Policy::default()
+        };
+        assert_eq!(
+            two.check(&spec(|s| s.candidates = Some(3)), configured)
+                .map_err(|e| e.0),
+            Err("candidates 3 is above this daemon's cap of 2; ask for less, or raise max_candidates under [policy] in the daemon's config".to_owned())
+        );
+        assert_eq!(
+            two.check(&spec(|s| s.candidates = Some(2)), configured)
+                .map_err(|e| e.0),
+            Ok(())
+        );
         assert_eq!(
             check(spec(|s| s.base_url = Some("http://127.0.0.1:1234/v1".to_owned()))),
             Err("base_url `http://127.0.0.1:1234/v1` is not a model endpoint this daemon allows; allowed: http://127.0.0.1:8/v1, http://127.0.0.1:9/v1. An operator adds endpoints under [[policy.model_endpoints]] in tandem.toml".to_owned())

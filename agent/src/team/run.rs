@@ -191,8 +191,9 @@ pub struct Team {
     /// The examples the task states, by the path of the executor that runs them against the
     /// code it ran.
     examples: HashMap<String, Arc<crate::examples::Examples>>,
-    /// How many replies an assistant draws after its first failed run, and the executor whose
-    /// examples choose among them, by the assistant's path.
+    /// How many replies there are to choose among when an assistant's reply first fails the
+    /// examples, its own with them, and the executor whose examples choose, by the
+    /// assistant's path.
     candidates: HashMap<String, (String, u32)>,
 }
 

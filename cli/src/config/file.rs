@@ -128,6 +128,8 @@ pub struct PolicySection {
     pub max_block_timeout_secs: Option<u64>,
     /// Most turns a client may ask for.
     pub max_turns: Option<u32>,
+    /// Most replies to choose among a client may ask for (`candidates`).
+    pub max_candidates: Option<u32>,
     /// Most of each budget a client may ask for; a task that asks for none gets the cap.
     pub max_input_tokens: Option<u64>,
     pub max_output_tokens: Option<u64>,

@@ -332,6 +332,15 @@ pub fn policy(file: &FileConfig) -> Result<tandem_daemon::Policy> {
             Some(n) => n,
             None => policy::DEFAULT_MAX_TURNS,
         },
+        max_candidates: match p.max_candidates {
+            Some(0) => bail!("[policy] max_candidates must be at least 1"),
+            Some(n) if n > tandem_agent::team::MOST_CANDIDATES => bail!(
+                "[policy] max_candidates {n} is above {}, the most replies a turn chooses among",
+                tandem_agent::team::MOST_CANDIDATES
+            ),
+            Some(n) => n,
+            None => tandem_agent::team::MOST_CANDIDATES,
+        },
         any_endpoint: false,
         budget: budget(
             "[policy]",
@@ -902,6 +911,7 @@ mod tests {
         let default = parse("").unwrap();
         assert_eq!(default.executors, None);
         assert_eq!(default.max_turns, 100);
+        assert_eq!(default.max_candidates, 8);
         assert_eq!(default.max_block_timeout, Duration::from_secs(3600));
         let set = parse(
             "[policy]\nexecutors = [\"wasm\"]\nmax_turns = 5\n[[policy.model_endpoints]]\nbase_url = \"http://h:1/v1/\"\napi_key = \"k\"\n",
@@ -920,6 +930,20 @@ mod tests {
         assert_eq!(
             error("[policy]\nmax_turns = 0\n"),
             "[policy] max_turns must be at least 1"
+        );
+        assert_eq!(
+            parse("[policy]\nmax_candidates = 2\n")
+                .unwrap()
+                .max_candidates,
+            2
+        );
+        assert_eq!(
+            error("[policy]\nmax_candidates = 0\n"),
+            "[policy] max_candidates must be at least 1"
+        );
+        assert_eq!(
+            error("[policy]\nmax_candidates = 9\n"),
+            "[policy] max_candidates 9 is above 8, the most replies a turn chooses among"
         );
         assert_eq!(
             error("[[policy.model_endpoints]]\nbase_url = \"h:1\"\n"),

@@ -89,7 +89,7 @@ class TaskSpec(_TaskSpecRequired, total=False):
     keep_state: bool  # Python blocks share one interpreter (local and docker)
     placement: dict[str, str]  # labels the Docker host of the sandbox must carry (docs/docker-hosts.md)
     code_via: Literal['blocks', 'tool', 'auto']  # how the model's code reaches the executor (docs/tools.md)
-    candidates: int  # replies drawn at once after a failed run; the examples choose (docs/eval.md)
+    candidates: int  # replies to choose among when one first fails the examples, the model's own with them (docs/eval.md)
     check: TaskSpecCheck  # decides whether the task was solved, run in its sandbox after it ends (docs/eval.md)
     tools: list[str | TaskSpecToolsItem2]  # tools offered to the model; left out, every tool the operator declares
     approval: TaskSpecApproval  # which blocks wait for a person (docs/approval.md); only tightens the operator's

@@ -132,8 +132,8 @@ struct RunTaskArgs {
     /// How the model's code reaches the sandbox: blocks, tool (the execute_code tool call) or auto
     #[schemars(extend("enum" = ["blocks", "tool", "auto"]))]
     code_via: Option<String>,
-    /// After the first run that failed, replies drawn at once; the one whose code holds the most of
-    /// the examples the task states is kept
+    /// When a reply's code first fails the examples the task states, how many replies to choose
+    /// among, the model's own with them; the one whose code holds the most is kept
     #[schemars(range(min = 1, max = 8))]
     candidates: Option<u32>,
     /// Tools offered to the model: names of the operator's tools, or command tools defined
