@@ -1008,11 +1008,11 @@ impl Ctx<'_> {
         let Some(reply) = agent.reply(messages, own).await? else {
             return Ok(None);
         };
-        let Some(slot) = self.team.slots.get(executor) else {
+        let Some(session) = self.team.slots.get(executor) else {
             self.told(path, turn, &reply);
             return Ok(Some(reply));
         };
-        let mut slot = slot.lock().await;
+        let mut slot = session.lock().await;
         let verdict = self.verdict(executor, &mut slot, &reply.text).await;
         let held = verdict
             .as_ref()
@@ -1028,6 +1028,8 @@ impl Ctx<'_> {
             self.told(path, turn, &reply);
             return Ok(Some(reply));
         };
+        // The session is not held while the model writes.
+        drop(slot);
         let quiet: EventSink = Arc::new(|_| {});
         let spent_own = reply.usage.map_or(0, |u| u.completion_tokens);
         let max_tokens = left.map(|n| {
@@ -1051,6 +1053,7 @@ impl Ctx<'_> {
         if self.cancel.is_cancelled() {
             return Ok(None);
         }
+        let mut slot = session.lock().await;
         let mut usage = reply.usage;
         let mut best = (reply, verdict, own_held);
         let drawn = k - 1;
