@@ -489,6 +489,23 @@ async fn a_task_draws_once_and_the_agents_own_reply_wins_a_tie() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn examples_that_fail_before_the_run_are_run_again_after_it() {
+    // The tested block reads a file the reply's first block writes: before the blocks run
+    // its examples fail (and draw: the drawn replies are the same), after they run they hold.
+    let two = "```python\nopen('k', 'w').write('0')\n```\n```python\ndef add(a, b):\n    return a + b + int(open('k').read())\n\ndef words(s):\n    return s.split()\n```\nTERMINATE";
+    let h = Harness::new(ADD_TASK, vec![Reply::from(two)]).await;
+    let (outcome, _) = h
+        .run(TaskSettings::new(ADD_TASK), CancellationToken::new())
+        .await;
+    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    let reports = reports(&outcome);
+    assert!(
+        reports[0].ends_with("The task's examples hold against your code: 4 of 4."),
+        "{reports:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_reply_whose_code_holds_the_examples_draws_nothing() {
     let right = "```python\ndef add(a, b):\n    return a + b\n\ndef words(s):\n    return s.split()\n```\nTERMINATE";
     let h = Harness::new(ADD_TASK, vec![Reply::from(right)]).await;

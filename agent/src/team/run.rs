@@ -1102,10 +1102,12 @@ impl Ctx<'_> {
     }
 
     /// What the examples printed against the code of the reply about to be told, kept for
-    /// its executor.
+    /// its executor when every example held. A verdict that failed is not: it was taken
+    /// before the reply's other blocks ran, and a file one of them writes may make it hold.
     fn keep_verdict(&self, verdict: Option<(String, String)>) {
+        let held = verdict.filter(|(_, v)| Examples::held(v).is_some_and(|(h, t)| h == t));
         if let Ok(mut checked) = self.shared.checked.lock() {
-            *checked = verdict;
+            *checked = held;
         }
     }
 
@@ -1343,8 +1345,8 @@ impl Ctx<'_> {
             .ok()
             .and_then(|mut c| c.take())
             .filter(|(code, _)| *code == tested.code);
-        // The examples load the code alone in a fresh interpreter, so what they printed
-        // before the blocks ran is what they would print now.
+        // The examples load the code alone in a fresh interpreter: where they all held before
+        // the blocks ran, they hold now.
         let verdict = match kept {
             Some((_, verdict)) => verdict,
             None => self.run_examples(examples, slot, &tested.code).await?,
