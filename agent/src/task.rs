@@ -246,7 +246,8 @@ const EXECUTOR: &str = "executor";
 
 /// The two-agent chat as a team: the assistant (with `system` as its instructions) and an
 /// executor that runs its code or, when there is none, answers `nudge`, taking turns until
-/// the assistant ends its prose with `word`, or answers in words after a clean run.
+/// the assistant ends its prose with `word`, answers in words after a clean run, or its
+/// code holds every example the task states; or until it resends code that runs as before.
 pub fn pair(system: &str, word: &str, nudge: &str) -> TeamSpec {
     let names = |names: &[&str]| Some(names.iter().map(|n| (*n).to_owned()).collect());
     TeamSpec {
@@ -254,7 +255,8 @@ pub fn pair(system: &str, word: &str, nudge: &str) -> TeamSpec {
             kind: Kind::Chat,
             agents: names(&[ASSISTANT, EXECUTOR]),
             // The word ends the task; so does an answer in words right after code that ran
-            // cleanly, which small models give without the word.
+            // cleanly, which small models give without the word, and a clean run that holds
+            // every example the task states, after which a small model only says the word.
             termination: Some(Termination {
                 any: Some(vec![
                     Termination {
@@ -266,6 +268,16 @@ pub fn pair(system: &str, word: &str, nudge: &str) -> TeamSpec {
                     Termination {
                         answered: Some(true),
                         agents: names(&[ASSISTANT]),
+                        ..Termination::default()
+                    },
+                    Termination {
+                        examples_held: Some(true),
+                        ..Termination::default()
+                    },
+                    // A small model that resends code unchanged, and reads the same report,
+                    // resends it to the turn limit, each turn as long as the last.
+                    Termination {
+                        repeated: Some(true),
                         ..Termination::default()
                     },
                 ]),

@@ -47,6 +47,8 @@ pub mod exit {
     pub const NOT_KEPT: u8 = 5;
     /// A budget of the task was reached (`--max-input-tokens`, ...).
     pub const BUDGET: u8 = 6;
+    /// The model sent the same code again, and it ran as before.
+    pub const REPEATED: u8 = 7;
     /// Cancelled (Ctrl-C).
     pub const CANCELLED: u8 = 130;
 
@@ -60,6 +62,7 @@ pub mod exit {
             StopReason::Budget => BUDGET,
             StopReason::Cancelled => CANCELLED,
             StopReason::Error => FAILED,
+            StopReason::Repeated => REPEATED,
         }
     }
 }

@@ -560,6 +560,7 @@ fn stop_label(reason: StopReason) -> &'static str {
         StopReason::Budget => "stopped: budget reached",
         StopReason::Cancelled => "cancelled",
         StopReason::Error => "failed",
+        StopReason::Repeated => "stopped: the same code sent again",
     }
 }
 

@@ -274,8 +274,9 @@ async fn failing_block_then_fixed_one() {
 #[tokio::test(flavor = "multi_thread")]
 async fn max_turns_stops_with_its_own_exit_code() {
     let task = "loop: never done";
-    let code = fence("python", "print('again')");
-    let server = ScriptedOpenAi::start(script([(task, texts(&[&code, &code, &code]))]))
+    // Other code each turn: the same code sent again would end the task sooner (`repeated`).
+    let code = |n: u32| fence("python", &format!("print('again {n}')"));
+    let server = ScriptedOpenAi::start(script([(task, texts(&[&code(1), &code(2), &code(3)]))]))
         .await
         .unwrap();
     let out = run_task(&server, task, &["--max-turns", "2"]).await;
@@ -285,6 +286,62 @@ async fn max_turns_stops_with_its_own_exit_code() {
     assert_eq!(finished.turns, 2);
     assert_eq!(server.requests_for(task).len(), 2);
     assert_eq!(out.results().len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_same_code_sent_again_stops_with_its_own_exit_code_here_and_on_the_daemon() {
+    let here = "round: here";
+    let there = "round: on the daemon";
+    let said = "round: said to people";
+    let code = fence("python", "print(undefined_name)");
+    let again = format!("Running it again.\n{code}");
+    let replies = |t: &'static str| {
+        (
+            t,
+            texts(&[
+                &code,
+                &again,
+                "not asked: the same failure twice ends the task",
+            ]),
+        )
+    };
+    let server = ScriptedOpenAi::start(script([replies(here), replies(there), replies(said)]))
+        .await
+        .unwrap();
+    let out = run_task(&server, here, &[]).await;
+    assert_eq!(out.code, 7, "{}", out.stderr);
+    let finished = out.finished();
+    assert_eq!(finished.stop_reason, StopReason::Repeated);
+    assert_eq!(finished.turns, 2);
+    assert_eq!(server.requests_for(here).len(), 2);
+    // People read why it stopped.
+    let url = server.base_url();
+    let human = tandem(
+        &["run", "--base-url", &url, "--model", "m", said],
+        &[("TANDEM_MAX_RETRIES", "0")],
+        None,
+    )
+    .await;
+    assert_eq!(human.code, 7, "{}", human.stderr);
+    assert!(
+        human.stdout.contains("stopped: the same code sent again"),
+        "{}",
+        human.stdout
+    );
+    // The daemon stores the reason, and `tandem run` through it exits the same.
+    let d = tandem_tests::DaemonHarness::start(
+        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &url,
+        &[],
+        None,
+    )
+    .await;
+    let (code, _, stderr) = d.cli(&["run", there]).await;
+    assert_eq!(code, 7, "{stderr}");
+    let listed = d.tasks("/v1/tasks").await;
+    assert_eq!(listed.tasks.len(), 1);
+    assert_eq!(listed.tasks[0].stop_reason, Some(StopReason::Repeated));
+    assert_eq!(server.requests_for(there).len(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread")]

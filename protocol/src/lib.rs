@@ -611,6 +611,8 @@ pub enum StopReason {
     Cancelled,
     /// Tandem, the model server or the sandbox failed; see the `error` field.
     Error,
+    /// The model sent again code it had run, unchanged, and it ran as before.
+    Repeated,
 }
 
 impl StopReason {
@@ -623,6 +625,7 @@ impl StopReason {
             Self::Budget => "budget",
             Self::Cancelled => "cancelled",
             Self::Error => "error",
+            Self::Repeated => "repeated",
         }
     }
 }

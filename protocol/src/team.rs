@@ -211,6 +211,14 @@ pub struct Termination {
     /// printed something: the message gives the answer, so nothing is left to run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub answered: Option<bool>,
+    /// Done when an executor's report says its code ran cleanly and every example the task
+    /// states held against it: the code does what the task showed, so nothing is left to ask.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub examples_held: Option<bool>,
+    /// Done (`repeated`) when code sent again unchanged reports what it reported before: the
+    /// model is going round, and each turn more costs what the last did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repeated: Option<bool>,
     /// `mention`, `ends_with`, `regex` and `answered`: only these members' messages count
     /// (default: any member's).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -363,13 +363,11 @@ async fn a_reply_whose_code_fails_the_examples_draws_and_the_one_that_holds_them
         "```python\ndef add(a, b):\n    return (\n```",
         right,
     ];
-    let loads = "```python\nprint(len(open('loads').readlines()))\n```\nTERMINATE";
     let h = Harness::new(
         ADD_TASK,
         vec![
             Reply::from(own),
-            Reply::from(loads),
-            Reply::from("not asked: the task ended"),
+            Reply::from("not asked: the kept reply's examples held, which ends the task"),
         ],
     )
     .await;
@@ -379,9 +377,21 @@ async fn a_reply_whose_code_fails_the_examples_draws_and_the_one_that_holds_them
     }
     let mut settings = TaskSettings::new(ADD_TASK);
     settings.candidates = 4;
+    // Loaded twice: by the examples before it was told, and by its own run; not a third
+    // time by the examples after it.
+    settings.check = Some(tandem_protocol::Check {
+        program: Some("n = len(open('loads').readlines())\nassert n == 2, n\n".to_owned()),
+        ..tandem_protocol::Check::default()
+    });
     let (outcome, events) = h.run(settings, CancellationToken::new()).await;
     assert_eq!(outcome.stop_reason, StopReason::Terminated);
-    assert_eq!(outcome.turns, 2);
+    assert_eq!(outcome.turns, 1);
+    assert_eq!(
+        outcome.check.as_ref().map(|c| c.verdict),
+        Some(tandem_protocol::Verdict::Solved),
+        "{:?}",
+        outcome.check
+    );
     let told: Vec<(u32, &str, Option<tandem_protocol::Usage>)> = events
         .iter()
         .filter_map(|e| match e {
@@ -391,7 +401,7 @@ async fn a_reply_whose_code_fails_the_examples_draws_and_the_one_that_holds_them
             _ => None,
         })
         .collect();
-    assert_eq!(told.len(), 2, "one reply told per turn: {told:?}");
+    assert_eq!(told.len(), 1, "one reply told per turn: {told:?}");
     assert_eq!((told[0].0, told[0].1), (1, right));
     let at = |want: fn(&EventMsg) -> bool| events.iter().position(want);
     assert!(
@@ -408,7 +418,7 @@ async fn a_reply_whose_code_fails_the_examples_draws_and_the_one_that_holds_them
         "{events:?}"
     );
     let asked = h.server.requests();
-    assert_eq!(asked.len(), 5, "the first reply, three drawn, then one");
+    assert_eq!(asked.len(), 4, "the first reply and three drawn");
     // The turn's tokens are those of every reply drawn.
     let completion: u64 = [own]
         .iter()
@@ -434,22 +444,22 @@ async fn a_reply_whose_code_fails_the_examples_draws_and_the_one_that_holds_them
             && reports[0].ends_with("The task's examples hold against your code: 4 of 4."),
         "{reports:?}"
     );
-    assert_eq!(
-        reports[1],
-        "exitcode: 0 (execution succeeded)\nCode output: 2\n"
-    );
+    assert_eq!(reports.len(), 1, "{reports:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_task_draws_once_and_the_agents_own_reply_wins_a_tie() {
     // The first reply fails the examples; the two drawn beside it hold as many, so the
-    // agent's own is kept. It fails again in turn 2, which is asked once: a task draws once.
+    // agent's own is kept. Turn 2 fails them too, and is asked once: a task draws once.
     let same = "```python\ndef add(a, b):\n    return a + b + (a > 0)  # the same\n\ndef words(s):\n    return s.split()\n```";
+    // Other code than turn 1's: the same sent again would end the task (`repeated`).
+    let again =
+        "```python\ndef add(a, b):\n    return a - b\n\ndef words(s):\n    return s.split()\n```";
     let h = Harness::new(
         ADD_TASK,
         vec![
             Reply::from(ADD_WRONG),
-            Reply::from(ADD_WRONG),
+            Reply::from(again),
             Reply::from("TERMINATE"),
         ],
     )
@@ -503,6 +513,71 @@ async fn examples_that_fail_before_the_run_are_run_again_after_it() {
         reports[0].ends_with("The task's examples hold against your code: 4 of 4."),
         "{reports:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_clean_run_that_holds_every_example_ends_the_task_without_the_word() {
+    let right = "Here it is:\n```python\ndef add(a, b):\n    return a + b\n\ndef words(s):\n    return s.split()\n```";
+    let h = Harness::new(
+        ADD_TASK,
+        vec![
+            Reply::from(right),
+            Reply::from("not asked: the examples held"),
+        ],
+    )
+    .await;
+    let (outcome, _) = h
+        .run(TaskSettings::new(ADD_TASK), CancellationToken::new())
+        .await;
+    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(outcome.turns, 1);
+    assert_eq!(h.server.requests().len(), 1);
+    assert_eq!(outcome.summary.as_deref(), Some(right));
+    // Examples that do not all hold are not the end: the model reads them and goes on.
+    let h = Harness::new(
+        ADD_TASK,
+        vec![
+            Reply::from(ADD_WRONG.trim_end_matches("TERMINATE")),
+            Reply::from(right),
+            Reply::from("not asked: the examples held"),
+        ],
+    )
+    .await;
+    let mut settings = TaskSettings::new(ADD_TASK);
+    settings.candidates = 1;
+    let (outcome, _) = h.run(settings, CancellationToken::new()).await;
+    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(outcome.turns, 2);
+    assert_eq!(h.server.requests().len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn code_sent_again_unchanged_that_runs_the_same_stops_the_task_as_repeated() {
+    let task = "divide by zero, twice";
+    let failing = "```python\nprint('before')\nprint(1/0)\n```";
+    let h = Harness::new(
+        task,
+        vec![
+            Reply::from(failing),
+            Reply::from(&*format!("Let me run it again.\n{failing}")),
+            Reply::from("not asked: the same failure twice ends the task"),
+        ],
+    )
+    .await;
+    let mut settings = TaskSettings::new(task);
+    settings.max_turns = 6;
+    let (outcome, _) = h.run(settings, CancellationToken::new()).await;
+    assert_eq!(outcome.stop_reason, StopReason::Repeated);
+    assert_eq!(outcome.turns, 2);
+    assert_eq!(h.server.requests().len(), 2);
+    let reports = reports(&outcome);
+    assert_eq!(reports.len(), 2);
+    // The same but for the block file the traceback names, numbered by turn.
+    assert_eq!(
+        reports[0],
+        reports[1].replace(".tandem-block-2.py", ".tandem-block-1.py")
+    );
+    assert!(reports[0].contains("ZeroDivisionError"), "{reports:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

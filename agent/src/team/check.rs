@@ -334,8 +334,7 @@ fn check_agent(name: &str, a: &AgentSpec, spec: &TeamSpec, errors: &mut Vec<Stri
     }
 }
 
-const TERMINATION_KINDS: &str =
-    "mention, ends_with, regex, answered, max_turns, timeout, token_budget, llm, any, all";
+const TERMINATION_KINDS: &str = "mention, ends_with, regex, answered, examples_held, repeated, max_turns, timeout, token_budget, llm, any, all";
 
 fn check_termination(at: &str, t: &Termination, members: &[String], errors: &mut Vec<String>) {
     let set = [
@@ -343,6 +342,8 @@ fn check_termination(at: &str, t: &Termination, members: &[String], errors: &mut
         t.ends_with.is_some(),
         t.regex.is_some(),
         t.answered.is_some(),
+        t.examples_held.is_some(),
+        t.repeated.is_some(),
         t.max_turns.is_some(),
         t.timeout.is_some(),
         t.token_budget.is_some(),
@@ -377,6 +378,16 @@ fn check_termination(at: &str, t: &Termination, members: &[String], errors: &mut
     if t.after_run == Some(false) {
         errors.push(format!(
             "{at}.after_run: true is the only value; leave it out to end as soon as the word is said"
+        ));
+    }
+    if t.examples_held == Some(false) {
+        errors.push(format!(
+            "{at}.examples_held: true is the only value; leave the condition out to not end when the examples hold"
+        ));
+    }
+    if t.repeated == Some(false) {
+        errors.push(format!(
+            "{at}.repeated: true is the only value; leave the condition out to let a model resend the same code"
         ));
     }
     if t.answered == Some(false) {
@@ -585,6 +596,10 @@ pub fn describe(t: &Termination) -> String {
         format!("regex /{r}/{}", by(&t.agents))
     } else if t.answered.is_some() {
         format!("an answer after a clean run{}", by(&t.agents))
+    } else if t.examples_held.is_some() {
+        "the task's examples held".to_owned()
+    } else if t.repeated.is_some() {
+        "the same code sent again, running the same".to_owned()
     } else if let Some(n) = t.max_turns {
         format!("max_turns {n}")
     } else if let Some(n) = t.timeout {

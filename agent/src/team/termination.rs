@@ -35,6 +35,10 @@ pub(crate) enum Test {
     Regex(Regex, Option<Vec<String>>),
     /// A message by one of `agents` with no code follows a clean run's report.
     Answered(Option<Vec<String>>),
+    /// An executor's report of a clean run ends with every stated example held.
+    ExamplesHeld,
+    /// Code sent again unchanged reports what it reported before.
+    Repeated,
     /// The chat has this many messages.
     MaxTurns(u32),
     /// The chat has run this long.
@@ -87,6 +91,10 @@ impl Condition {
             Test::Regex(re, t.agents.clone())
         } else if t.answered.is_some() {
             Test::Answered(t.agents.clone())
+        } else if t.examples_held.is_some() {
+            Test::ExamplesHeld
+        } else if t.repeated.is_some() {
+            Test::Repeated
         } else if let Some(n) = t.max_turns {
             Test::MaxTurns(n)
         } else if let Some(secs) = t.timeout {
@@ -167,12 +175,77 @@ impl Condition {
                 });
                 hit(answered, StopReason::Terminated)
             }
+            Test::ExamplesHeld => hit(
+                s.new
+                    .iter()
+                    .any(|m| m.output && crate::blocks::ran_clean(&m.text) && held(&m.text)),
+                StopReason::Terminated,
+            ),
+            Test::Repeated => hit(
+                s.new.iter().enumerate().any(|(i, m)| {
+                    m.output
+                        && s.before(i)
+                            .is_some_and(|code| !code.output && ran_before(s, code, m))
+                }),
+                StopReason::Repeated,
+            ),
             Test::MaxTurns(n) => hit(s.messages >= *n, StopReason::MaxTurns),
             Test::Timeout(limit) => hit(s.elapsed >= *limit, StopReason::Timeout),
             Test::TokenBudget(budget) => hit(s.tokens >= *budget, StopReason::MaxTurns),
             Test::Llm(_) | Test::Any(_) | Test::All(_) => None,
         }
     }
+}
+
+/// Whether `report` ends with the note that every example the task states held. A block can
+/// print that line itself, but only where no examples were run after it (their note comes
+/// last): code that forges it ends its own task early, as the word said by its author would.
+fn held(report: &str) -> bool {
+    crate::examples::note_in(report)
+        .and_then(|at| report.get(at..))
+        .is_some_and(|note| note.starts_with(crate::examples::HELD_MARK))
+}
+
+/// Whether `code`'s blocks, reported as `report`, were sent before in `s`'s history and
+/// reported the same then. Equal reports of equal code mean the model learned nothing from
+/// the last turn, and one that decodes greedily sends the same again at the next.
+fn ran_before(s: &ChatState<'_>, code: &Said, report: &Said) -> bool {
+    let blocks = |said: &Said| -> Vec<String> {
+        extract_code_blocks(&said.text)
+            .into_iter()
+            .map(|b| b.code)
+            .collect()
+    };
+    let sent = blocks(code);
+    if sent.is_empty() || !code.calls.is_empty() {
+        return false;
+    }
+    let told_now = unnumbered(&report.text);
+    let first_new = s.history.len().saturating_sub(s.new.len());
+    let earlier = s.history.get(..first_new).unwrap_or_default();
+    earlier.windows(2).any(|pair| {
+        let (then, told) = (&pair[0], &pair[1]);
+        !then.output
+            && told.output
+            && then.speaker == code.speaker
+            && blocks(then) == sent
+            && unnumbered(&told.text) == told_now
+    })
+}
+
+/// `report` with the numbers of the block files its tracebacks name (`.tandem-block-N.py`,
+/// numbered by turn in every executor) taken out: the same code fails the same at any turn.
+fn unnumbered(report: &str) -> String {
+    const NAME: &str = ".tandem-block-";
+    let mut out = String::with_capacity(report.len());
+    let mut rest = report;
+    while let Some(at) = rest.find(NAME) {
+        let (head, tail) = rest.split_at(at + NAME.len());
+        out.push_str(head);
+        rest = tail.trim_start_matches(|c: char| c.is_ascii_digit());
+    }
+    out.push_str(rest);
+    out
 }
 
 /// Whether `said` is words only: something said, no code and no calls.
@@ -233,6 +306,132 @@ mod tests {
         assert_eq!(check("DONE here"), Some(Some(StopReason::Terminated)));
         assert_eq!(check("not DONE"), Some(None));
         assert!(Condition::compile(&t("(")).is_err());
+    }
+
+    #[test]
+    fn a_clean_run_that_holds_every_example_ends_the_chat_and_nothing_less_does() {
+        let condition = Condition::compile(&Termination {
+            examples_held: Some(true),
+            ..Termination::default()
+        })
+        .unwrap();
+        let said = |text: &str, output: bool| Said {
+            speaker: if output { "executor" } else { "assistant" }.to_owned(),
+            text: text.to_owned(),
+            output,
+            ..Said::default()
+        };
+        let check = |report: &str| {
+            let history = vec![
+                said("```python\ndef f(x): return x\n```", false),
+                said(report, true),
+            ];
+            condition.holds(&ChatState {
+                path: "team",
+                new: &history[1..],
+                history: &history,
+                messages: 2,
+                elapsed: Duration::ZERO,
+                tokens: 0,
+            })
+        };
+        let clean = "exitcode: 0 (execution succeeded)\nCode output: \n";
+        let held = format!("{clean}{}: 2 of 2.", crate::examples::HELD_MARK);
+        let failed = format!(
+            "{clean}{} (1 of 2 hold):\n- `f(2)`: expected 4, got 2",
+            crate::examples::FAILED_MARK
+        );
+        let done = Some(Some(StopReason::Terminated));
+        assert_eq!(check(&held), done);
+        assert_eq!(check(&failed), Some(None));
+        // No examples were run: a clean run alone is not the end.
+        assert_eq!(check(clean), Some(None));
+        // A later block failed: the examples are not what decides.
+        let broke = format!(
+            "exitcode: 1 (execution failed)\nCode output: Traceback\n{}: 2 of 2.",
+            crate::examples::HELD_MARK
+        );
+        assert_eq!(check(&broke), Some(None));
+        // The held line printed by the code, then the real verdict: the verdict counts.
+        let forged = format!(
+            "exitcode: 0 (execution succeeded)\nCode output: \n{}: 9 of 9.\n{} (0 of 1 hold):\n- `f(1)`: expected 2, got 1",
+            crate::examples::HELD_MARK,
+            crate::examples::FAILED_MARK
+        );
+        assert_eq!(check(&forged), Some(None));
+        // The assistant quoting the line is not a report.
+        let quoted = vec![said(&held, false)];
+        assert_eq!(
+            condition.holds(&ChatState {
+                path: "team",
+                new: &quoted,
+                history: &quoted,
+                messages: 1,
+                elapsed: Duration::ZERO,
+                tokens: 0,
+            }),
+            Some(None)
+        );
+    }
+
+    #[test]
+    fn code_sent_again_that_runs_the_same_ends_the_chat() {
+        let condition = Condition::compile(&Termination {
+            repeated: Some(true),
+            ..Termination::default()
+        })
+        .unwrap();
+        let said = |speaker: &str, text: &str| Said {
+            speaker: speaker.to_owned(),
+            text: text.to_owned(),
+            output: speaker == "executor",
+            ..Said::default()
+        };
+        let code = "```python\nprint(1/0)\n```";
+        let other = "Fixed:\n```python\nprint(1/1)\n```";
+        let failed = "exitcode: 1 (execution failed)\nCode output: ZeroDivisionError";
+        let failed_else = "exitcode: 1 (execution failed)\nCode output: NameError";
+        let at = |n: u32| {
+            format!(
+                "exitcode: 1 (execution failed)\nCode output: Traceback\n  File \"/w/.tandem-block-{n}.py\", line 1\nZeroDivisionError"
+            )
+        };
+        let clean = "exitcode: 0 (execution succeeded)\nCode output: 1.0";
+        let check = |turns: &[(&str, &str)]| {
+            let mut history = vec![said("user", "task")];
+            for (code, report) in turns {
+                history.push(said("assistant", code));
+                history.push(said("executor", report));
+            }
+            let new = history.len() - 2;
+            condition.holds(&ChatState {
+                path: "team",
+                new: &history[new..],
+                history: &history,
+                messages: 0,
+                elapsed: Duration::ZERO,
+                tokens: 0,
+            })
+        };
+        let done = Some(Some(StopReason::Repeated));
+        // The same code, in other words around it, failing the same way.
+        assert_eq!(
+            check(&[(code, failed), (&format!("Again:\n{code}"), failed)]),
+            done
+        );
+        assert_eq!(
+            check(&[(code, failed), (other, failed), (code, failed)]),
+            done
+        );
+        // The traceback names the turn's block file: the same failure all the same.
+        assert_eq!(check(&[(code, &at(1)), (code, &at(2))]), done);
+        // A clean run sent again and printing the same learned nothing either.
+        assert_eq!(check(&[(code, clean), (code, clean)]), done);
+        // Once is not going round; nor is other code, or the same code failing otherwise
+        // (the sandbox changed under it).
+        assert_eq!(check(&[(code, failed)]), Some(None));
+        assert_eq!(check(&[(code, failed), (other, failed)]), Some(None));
+        assert_eq!(check(&[(code, failed), (code, failed_else)]), Some(None));
     }
 
     #[test]

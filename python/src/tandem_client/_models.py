@@ -275,7 +275,7 @@ class _TaskRequired(TypedDict):
 class Task(_TaskRequired, total=False):
     """The API's `Task`."""
 
-    stop_reason: Literal['terminated', 'max_turns', 'timeout', 'budget', 'cancelled', 'error']
+    stop_reason: Literal['terminated', 'max_turns', 'timeout', 'budget', 'cancelled', 'error', 'repeated']
     error: TaskError
     cost: float
     trace_id: str  # the trace of the task's first run

@@ -9,6 +9,7 @@
   const STOP = {
     terminated: 'done', max_turns: 'turn limit reached', timeout: 'timed out',
     cancelled: 'cancelled', error: 'failed', budget: 'budget reached',
+    repeated: 'the same code sent again',
   };
   // A cost as people read one: four places, since a task's calls cost cents or less.
   const cost = (c) => (typeof c === 'number' && c > 0 ? `cost ${c.toFixed(4)}` : null);
