@@ -12,10 +12,12 @@ use tandem_tests::{DaemonHarness as Daemon, McpHttp as Mcp, Reply, ScriptedOpenA
 use crate::e2e::tandem;
 
 /// A reply of 22 characters (6 completion tokens) whose block prints, never ending the task.
-const BLOCK: &str = "```python\nprint(1)\n```";
-
+/// Replies of one length (so of one token count), each with other code than the last: the
+/// same code sent again would end the task as `repeated` before any budget.
 fn endless() -> Vec<Reply> {
-    (0..12).map(|_| Reply::from(BLOCK)).collect()
+    (0..12)
+        .map(|i| Reply::from(format!("```python\nprint({})\n```", i % 9 + 1).as_str()))
+        .collect()
 }
 
 /// What `--json` printed as the task's end: stop reason, usage, the budget reached.

@@ -593,12 +593,14 @@ async fn a_task_resumed_after_a_restart_does_not_draw_again() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     d.kill9();
-    // After the restart, turn 2 is asked again and fails the example as before; turn 3 ends.
+    // After the restart, turn 2 is asked again and fails the example (with other code than
+    // turn 1's: the same again would end the task as `repeated`); turn 3 ends.
+    let other = "```python\ndef triple(x):\n    return x * 2\n```";
     server.set(
         task,
         vec![
             Reply::from(wrong),
-            Reply::from(wrong),
+            Reply::from(other),
             Reply::from("TERMINATE"),
         ],
     );
