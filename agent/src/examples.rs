@@ -27,6 +27,15 @@ pub fn note_in(report: &str) -> Option<usize> {
         .map(|at| at + 1)
 }
 
+/// Whether `report` ends with the note that every example held. A block can print that line
+/// itself, but only where no examples were run after it (their note comes last): code that
+/// forges it ends its own task early, as the word said by its author would.
+pub fn all_held_in(report: &str) -> bool {
+    note_in(report)
+        .and_then(|at| report.get(at..))
+        .is_some_and(|note| note.starts_with(HELD_MARK))
+}
+
 /// A task's stated examples.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Examples {

@@ -176,9 +176,11 @@ impl Condition {
                 hit(answered, StopReason::Terminated)
             }
             Test::ExamplesHeld => hit(
-                s.new
-                    .iter()
-                    .any(|m| m.output && crate::blocks::ran_clean(&m.text) && held(&m.text)),
+                s.new.iter().any(|m| {
+                    m.output
+                        && crate::blocks::ran_clean(&m.text)
+                        && crate::examples::all_held_in(&m.text)
+                }),
                 StopReason::Terminated,
             ),
             Test::Repeated => hit(
@@ -195,15 +197,6 @@ impl Condition {
             Test::Llm(_) | Test::Any(_) | Test::All(_) => None,
         }
     }
-}
-
-/// Whether `report` ends with the note that every example the task states held. A block can
-/// print that line itself, but only where no examples were run after it (their note comes
-/// last): code that forges it ends its own task early, as the word said by its author would.
-fn held(report: &str) -> bool {
-    crate::examples::note_in(report)
-        .and_then(|at| report.get(at..))
-        .is_some_and(|note| note.starts_with(crate::examples::HELD_MARK))
 }
 
 /// Whether `code`'s blocks, reported as `report`, were sent before in `s`'s history and
