@@ -32,13 +32,24 @@ fn client_script() -> String {
 }
 
 async fn model() -> ScriptedOpenAi {
-    ScriptedOpenAi::start(script([(
-        "mcp task: print 6 * 7",
-        vec![
-            Reply::from("```python\nprint(6 * 7)\n```"),
-            Reply::from("The answer is 42.\nTERMINATE"),
-        ],
-    )]))
+    let again = "```python\nprint('the same')\n```";
+    ScriptedOpenAi::start(script([
+        (
+            "mcp task: print 6 * 7",
+            vec![
+                Reply::from("```python\nprint(6 * 7)\n```"),
+                Reply::from("The answer is 42.\nTERMINATE"),
+            ],
+        ),
+        (
+            "mcp task: send the same code again",
+            vec![
+                Reply::from(again),
+                Reply::from(again),
+                Reply::from("not asked: the same code ran the same"),
+            ],
+        ),
+    ]))
     .await
     .unwrap()
 }
@@ -138,6 +149,12 @@ fn check(seen: &Value) {
         "{transcript}"
     );
     assert_eq!(seen["missing_resource"], "no task nope");
+    let repeated = &seen["repeated"]["structured"];
+    assert_eq!(
+        (repeated["stop_reason"].as_str(), repeated["turns"].as_u64()),
+        (Some("repeated"), Some(2)),
+        "{seen}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

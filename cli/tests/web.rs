@@ -1020,3 +1020,92 @@ async fn the_page_shows_what_the_embedded_models_engine_does() {
     assert!(!kept.contains("cache 0 of"), "{kept}");
     shot(&b, "engine.png").await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_page_says_which_drawn_reply_was_kept_and_that_the_same_code_came_again() {
+    let drawing = "web: draw. Write `add(a, b)`.\n\n    >>> add(2, 3)\n    5\n";
+    let resending = "web: send the same code again";
+    // The model's own reply fails the example; the third sampled beside it holds it.
+    let own = "```python\ndef add(a, b):\n    return a * b\n```";
+    let right = "```python\ndef add(a, b):\n    return a + b\n```";
+    let again = "```python\nprint('the same')\n```";
+    let server = ScriptedOpenAi::start(script([
+        (drawing, vec![Reply::from(own)]),
+        (
+            resending,
+            vec![
+                Reply::from(again),
+                Reply::from(again),
+                "not asked: the same code ran the same".into(),
+            ],
+        ),
+    ]))
+    .await
+    .unwrap();
+    let drawn = ["No code needed.", "I am sure it is right.", right];
+    for (seed, text) in (1001..).zip(drawn) {
+        server.set(&format!("{drawing}~{seed}"), vec![Reply::from(text)]);
+    }
+    let (d, addr, token) = start_tcp(&server, "").await;
+    let drew = d
+        .submit(json!({"task": drawing, "executor": "local"}))
+        .await;
+    let resent = d
+        .submit(json!({"task": resending, "executor": "local"}))
+        .await;
+    let b = Browser::start(1280, 900).await;
+    sign_in(&b, &addr, &token).await;
+
+    b.goto(&format!("http://{addr}/tasks/{drew}")).await;
+    wait_complete(&b, "the drawing task's end").await;
+    let note = b
+        .run(
+            "return [...document.querySelectorAll('.drawn')].map(n => n.textContent)",
+            json!([]),
+        )
+        .await;
+    assert_eq!(
+        note,
+        json!([
+            "the task's examples do not all hold against its code: drew 3 more replies; kept drawn reply 3, which holds 1 of 1"
+        ])
+    );
+    let told = b
+        .run(
+            "return [...document.querySelectorAll('.assistant-text')].map(t => t.textContent)",
+            json!([]),
+        )
+        .await;
+    assert_eq!(told, json!([right]), "only the kept reply is told");
+    let summary = b
+        .run(
+            "return document.querySelector('#summary h3').textContent",
+            json!([]),
+        )
+        .await;
+    assert_eq!(summary, json!("done"));
+    shot(&b, "drawn.png").await;
+
+    b.goto(&format!("http://{addr}/tasks/{resent}")).await;
+    wait_complete(&b, "the resending task's end").await;
+    let seen = b
+        .run(
+            "return [document.querySelector('#summary h3').textContent, document.getElementById('task-stop').textContent, document.getElementById('task-stop').title]",
+            json!([]),
+        )
+        .await;
+    assert_eq!(
+        seen,
+        json!([
+            "the same code sent again",
+            "repeated",
+            "the same code sent again"
+        ])
+    );
+    assert_eq!(
+        d.task(&resent).await.record.stop_reason,
+        Some(StopReason::Repeated)
+    );
+    assert_eq!(server.requests_for(resending).len(), 2);
+    shot(&b, "repeated.png").await;
+}

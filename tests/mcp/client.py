@@ -67,6 +67,7 @@ async def scenario(session):
         seen["missing_resource"] = "no error"
     except MCPError as e:
         seen["missing_resource"] = str(e)
+    seen["repeated"] = await call(session, "run_task", {"task": "mcp task: send the same code again"})
     return seen
 
 
