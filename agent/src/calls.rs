@@ -99,13 +99,26 @@ impl Assembler {
                     call.arguments.push(char::REPLACEMENT_CHARACTER);
                 }
                 ToolCall {
-                    id: call.id.unwrap_or_else(|| format!("call_{}", n + 1)),
-                    name: call.name,
+                    id: bounded(call.id.unwrap_or_else(|| format!("call_{}", n + 1))),
+                    name: bounded(call.name),
                     arguments: call.arguments,
                 }
             })
             .collect()
     }
+}
+
+/// Longest call name or id kept: no tool's name is longer than 64 characters, and a call's
+/// name and id go back to the model with every later turn of the conversation.
+const MAX_CALL_NAME: usize = 128;
+
+/// `name` cut to [`MAX_CALL_NAME`] bytes, marked where it was cut.
+fn bounded(mut name: String) -> String {
+    if name.len() > MAX_CALL_NAME {
+        name.truncate(name.floor_char_boundary(MAX_CALL_NAME));
+        name.push('…');
+    }
+    name
 }
 
 /// Decodes the JSON string `raw` (quotes included) onto `out`, carrying a leading surrogate
@@ -190,12 +203,12 @@ pub(crate) fn whole(calls: &[WholeCall]) -> Vec<ToolCall> {
         .iter()
         .enumerate()
         .map(|(n, c)| ToolCall {
-            id: c
-                .id
-                .clone()
-                .filter(|id| !id.is_empty())
-                .unwrap_or_else(|| format!("call_{}", n + 1)),
-            name: c.function.name.clone(),
+            id: bounded(
+                c.id.clone()
+                    .filter(|id| !id.is_empty())
+                    .unwrap_or_else(|| format!("call_{}", n + 1)),
+            ),
+            name: bounded(c.function.name.clone()),
             arguments: match &c.function.arguments {
                 serde_json::Value::String(text) => text.clone(),
                 serde_json::Value::Null => String::new(),
@@ -246,7 +259,7 @@ pub fn calls_in_text(text: &str, known: &dyn Fn(&str) -> bool) -> Vec<ToolCall> 
         .enumerate()
         .map(|(n, (name, arguments))| ToolCall {
             id: format!("text_call_{}", n + 1),
-            name,
+            name: bounded(name),
             arguments,
         })
         .collect()
@@ -378,6 +391,12 @@ mod tests {
         assert_eq!(calls.len(), 2);
         assert_eq!(calls[0].arguments, r#"{"code": "1"}"#);
         assert_eq!(calls[1].name, "nope");
+        let long = format!(
+            r#"<tools>[{{"name": "{}", "arguments": {{}}}}]</tools>"#,
+            "n".repeat(200_000)
+        );
+        let calls = calls_in_text(&long, &known);
+        assert_eq!(calls[0].name, format!("{}…", "n".repeat(MAX_CALL_NAME)));
         // Objects one after another in the element, not a list.
         let listed = "<tools>\n  {\"name\": \"execute_code\", \"arguments\": {}}\n  {\"name\": \"wc\", \"arguments\": {}}\n</tools>";
         assert_eq!(calls_in_text(listed, &known).len(), 2);

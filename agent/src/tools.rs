@@ -235,6 +235,7 @@ pub fn check_def(name: &str, def: &ToolDef, operator: bool) -> Result<Tool, Tool
             "parameters must be a JSON Schema of an object ({\"type\": \"object\", \"properties\": {...}})".to_owned(),
         ));
     }
+    crate::schema::bounded(&parameters).map_err(|e| invalid(format!("parameters {e}")))?;
     Ok(Tool {
         name: name.to_owned(),
         description: def.description.clone().unwrap_or_default(),

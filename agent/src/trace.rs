@@ -171,11 +171,35 @@ pub fn fail(span: &Span, error_type: &str, message: &str) {
 /// Longest `traceparent` kept from a caller (the header is 55 characters).
 const MAX_TRACEPARENT: usize = 128;
 
-/// A caller's `traceparent` as it is kept with its task: trimmed, and dropped when it is too
-/// long to be one. What it holds is checked where the task's span is made.
+/// A caller's `traceparent` as it is kept with its task: trimmed, and dropped unless it is
+/// one (W3C: `version-traceid-spanid-flags` in lowercase hex, ids not all zero, version not
+/// `ff`; a later version may add fields after a `-`).
 pub fn caller(value: &str) -> Option<String> {
     let value = value.trim();
-    (!value.is_empty() && value.len() <= MAX_TRACEPARENT).then(|| value.to_owned())
+    if value.is_empty() || value.len() > MAX_TRACEPARENT {
+        return None;
+    }
+    let hex = |s: &str, n: usize| {
+        s.len() == n
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    let mut parts = value.split('-');
+    let (version, trace, span, flags) =
+        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let rest_ok = match version {
+        "00" => parts.next().is_none(),
+        _ => parts.all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_alphanumeric())),
+    };
+    let ok = hex(version, 2)
+        && version != "ff"
+        && hex(trace, 32)
+        && trace.bytes().any(|b| b != b'0')
+        && hex(span, 16)
+        && span.bytes().any(|b| b != b'0')
+        && hex(flags, 2)
+        && rest_ok;
+    ok.then(|| value.to_owned())
 }
 
 /// Makes `span` a child of the W3C `traceparent`; a malformed one is ignored (logged at
@@ -240,6 +264,24 @@ mod tests {
         ] {
             assert_eq!(trace_id(bad), None, "{bad:.40}");
             assert!(!set_parent(&Span::none(), bad));
+            assert_eq!(caller(bad), None, "{bad:.40}");
         }
+    }
+
+    #[test]
+    fn a_callers_traceparent_is_kept_only_when_it_is_one() {
+        let good = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        assert_eq!(caller(&format!(" {good}\n")).as_deref(), Some(good));
+        for junk in [
+            "00-4bf92f3577b34da6a3ce929d0e0e4736\n-00f067aa0ba902b7-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+            "junk",
+        ] {
+            assert_eq!(caller(junk), None, "{junk}");
+        }
+        // A later version may carry more.
+        assert!(caller("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x1").is_some());
     }
 }

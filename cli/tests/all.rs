@@ -11,6 +11,7 @@ mod embedded;
 mod eval;
 mod files;
 mod hostile;
+mod hostile_clients;
 mod kept;
 mod kubernetes;
 mod limits;

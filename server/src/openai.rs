@@ -171,6 +171,10 @@ fn offer(tools: Vec<Value>, choice: Option<Value>) -> Result<Option<ToolOffer>, 
                 "tools[{i}] is not {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
             ));
         }
+        if let Some(parameters) = t["function"].get("parameters") {
+            tandem_agent::schema::bounded(parameters)
+                .map_err(|e| format!("tools[{i}].function.parameters {e}"))?;
+        }
     }
     let (tools, required) = match choice {
         None => (tools, false),

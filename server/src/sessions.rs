@@ -354,7 +354,7 @@ impl Sessions {
             .map_err(Refusal::invalid)?;
         let inputs = self.inputs(spec.files.as_deref())?;
         let id = uuid::Uuid::new_v4().simple().to_string();
-        let opened = open(&sandbox, limits, inputs, spec.keep_state).await?;
+        let opened = open(&sandbox, limits, inputs, spec.keep_state, "session").await?;
         let held = Held::new(
             id.clone(),
             executor,
@@ -603,7 +603,7 @@ impl Sessions {
         let inputs = self.inputs(files.as_deref())?;
         let id = uuid::Uuid::new_v4().simple().to_string();
         let limits = self.supervisor.defaults().limits.clone();
-        let opened = open(&sandbox, limits, inputs, false).await?;
+        let opened = open(&sandbox, limits, inputs, false, "exec").await?;
         let held = Held::new(id, executor, sandbox, opened, false, Vec::new(), IDLE);
         let (tx, rx) = mpsc::unbounded_channel();
         let sessions = self.clone();
@@ -677,17 +677,25 @@ async fn open(
     limits: tandem_executor::Limits,
     inputs: Option<PathBuf>,
     keep_state: bool,
+    road: &str,
 ) -> Result<Box<dyn Session>, Refusal> {
-    // No labels of its own: the executor labels the sandbox with its owner and session (what
-    // reaping needs), and a session with none can take a container the warm pool started.
+    // No task's label: the executor labels the sandbox with its owner and session (what
+    // reaping needs), and a session with no task can take a container the warm pool started.
     let spec = tandem_executor::SessionSpec {
         limits,
         keep_state,
+        // Counted against the share of sandboxes clients may hold without a task.
+        labels: vec![(tandem_executor::WITHOUT_TASK.to_owned(), road.to_owned())],
         ..tandem_executor::SessionSpec::default()
     };
     let unavailable = |e: ExecError| {
+        // A full budget is the client's to wait out, not the executor's failure.
+        let code = match e {
+            ExecError::Busy { .. } => ApiErrorCode::TooMany,
+            _ => ApiErrorCode::ExecutorUnavailable,
+        };
         Refusal::new(
-            ApiErrorCode::ExecutorUnavailable,
+            code,
             format!("opening a {} sandbox failed: {e}", sandbox.name()),
         )
     };

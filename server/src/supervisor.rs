@@ -438,7 +438,12 @@ impl Supervisor {
     }
 
     /// Validates and queues a task; it is committed to the store when this returns.
-    pub async fn submit(self: &Arc<Self>, spec: TaskSpec) -> Result<TaskRecord, TaskError> {
+    pub async fn submit(self: &Arc<Self>, mut spec: TaskSpec) -> Result<TaskRecord, TaskError> {
+        // Every road's traceparent is kept only if it is one, whoever set it.
+        spec.traceparent = spec
+            .traceparent
+            .as_deref()
+            .and_then(tandem_agent::trace::caller);
         if self.stopping() {
             return Err(TaskError::ShuttingDown);
         }

@@ -9,6 +9,7 @@
 
 pub mod conformance;
 pub mod daemon;
+pub mod hostile_clients;
 pub mod kubernetes;
 pub mod mcp;
 pub mod otlp;

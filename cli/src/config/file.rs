@@ -102,6 +102,9 @@ pub struct SessionsSection {
     /// Most sessions of one executor open at once, by name.
     #[serde(default)]
     pub executors: BTreeMap<String, usize>,
+    /// Most sandboxes open at once that no task holds (HTTP sessions, /v1/exec, MCP
+    /// execute_code), idle or not (default: max less --max-concurrent, at least 1).
+    pub without_task: Option<usize>,
 }
 
 /// `[server]`.

@@ -196,8 +196,20 @@ pub fn sessions(file: &FileConfig, max_concurrent: usize) -> Result<tandem_execu
     if let Some((name, _)) = s.executors.iter().find(|(_, n)| **n == 0) {
         bail!("[sessions.executors] {name} must be at least 1");
     }
+    // Tasks keep a sandbox each for as many as run at once, whatever clients hold.
+    let without_task = match s.without_task {
+        Some(0) => bail!("[sessions] without_task must be at least 1"),
+        Some(n) if n > max => {
+            bail!(
+                "[sessions] without_task is {n}, more than [sessions] max ({max}); give at most {max}"
+            )
+        }
+        Some(n) => n,
+        None => max.saturating_sub(max_concurrent).max(1),
+    };
     let mut config = tandem_executor::BudgetConfig::new(max, wait);
     config.per_executor = s.executors.clone();
+    config.without_task = Some(without_task);
     Ok(config)
 }
 
@@ -852,8 +864,8 @@ mod tests {
         let file = |text: &str| toml::from_str::<FileConfig>(text).unwrap();
         let defaults = sessions(&file(""), 3).unwrap();
         assert_eq!(
-            (defaults.total, defaults.wait),
-            (12, Duration::from_secs(120))
+            (defaults.total, defaults.wait, defaults.without_task),
+            (12, Duration::from_secs(120), Some(9))
         );
         let set = sessions(
             &file("[sessions]\nmax = 5\nwait_secs = 9\n[sessions.executors]\nwasm = 2\n"),
@@ -863,6 +875,10 @@ mod tests {
         assert_eq!((set.total, set.per_executor["wasm"]), (5, 2));
         for (text, error) in [
             ("[sessions]\nmax = 0\n", "[sessions] max must be at least 1"),
+            (
+                "[sessions]\nmax = 4\nwithout_task = 5\n",
+                "[sessions] without_task is 5, more than [sessions] max (4); give at most 4",
+            ),
             (
                 "[sessions.executors]\ndocker = 0\n",
                 "[sessions.executors] docker must be at least 1",

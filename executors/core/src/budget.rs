@@ -27,7 +27,14 @@ pub struct BudgetConfig {
     pub per_executor: BTreeMap<String, usize>,
     /// Longest an open waits for a free permit before it fails with [`ExecError::Busy`].
     pub wait: Duration,
+    /// Most sessions open at once that no task holds (labelled [`WITHOUT_TASK`]: HTTP
+    /// sessions, `/v1/exec`, MCP `execute_code`), so that clients holding sandboxes, idle or
+    /// not, leave the rest of `total` to tasks. `None` leaves them bounded by `total` alone.
+    pub without_task: Option<usize>,
 }
+
+/// The label of a session no task holds; its value names the road that opened it.
+pub const WITHOUT_TASK: &str = "tandem.without-task";
 
 impl BudgetConfig {
     /// `total` sessions at once, no executor capped apart, waiting up to `wait`.
@@ -36,6 +43,7 @@ impl BudgetConfig {
             total,
             per_executor: BTreeMap::new(),
             wait,
+            without_task: None,
         }
     }
 }
@@ -46,6 +54,7 @@ pub struct Budget {
     total: Arc<Semaphore>,
     total_cap: usize,
     per_executor: BTreeMap<String, (Arc<Semaphore>, usize)>,
+    without_task: Option<(Arc<Semaphore>, usize)>,
     wait: Duration,
 }
 
@@ -63,8 +72,16 @@ impl Budget {
                 .iter()
                 .map(|(name, n)| (name.clone(), semaphore(*n)))
                 .collect(),
+            without_task: config.without_task.map(semaphore),
             wait: config.wait,
         }
+    }
+
+    /// Sessions open now that no task holds.
+    pub fn in_use_without_task(&self) -> usize {
+        self.without_task
+            .as_ref()
+            .map_or(0, |(s, cap)| cap - s.available_permits())
     }
 
     /// Sessions open now, all executors together.
@@ -79,6 +96,7 @@ impl Budget {
             inner: executor,
             total: (self.total.clone(), self.total_cap),
             own,
+            without_task: self.without_task.clone(),
             wait: self.wait,
         })
     }
@@ -90,36 +108,62 @@ struct Budgeted {
     inner: Arc<dyn Executor>,
     total: (Arc<Semaphore>, usize),
     own: Option<(Arc<Semaphore>, usize)>,
+    without_task: Option<(Arc<Semaphore>, usize)>,
     wait: Duration,
 }
 
 impl Budgeted {
-    /// The executor's own permit first, then the shared one: every open takes them in this
-    /// order, so two opens cannot each hold the permit the other waits for.
-    async fn permits(&self) -> Result<Permits, ExecError> {
+    /// The share of sessions without a task first (for such a session), then the executor's
+    /// own permit, then the shared one: every open takes them in this order, so two opens
+    /// cannot each hold the permit the other waits for.
+    async fn permits(&self, spec: &SessionSpec) -> Result<Permits, ExecError> {
+        let share = self
+            .without_task
+            .as_ref()
+            .filter(|_| spec.labels.iter().any(|(k, _)| k == WITHOUT_TASK));
         let acquire = async {
+            let without_task = match share {
+                Some((semaphore, _)) => Some(semaphore.clone().acquire_owned().await.ok()?),
+                None => None,
+            };
             let own = match &self.own {
                 Some((semaphore, _)) => Some(semaphore.clone().acquire_owned().await.ok()?),
                 None => None,
             };
             let total = self.total.0.clone().acquire_owned().await.ok()?;
             Some(Permits {
+                _without_task: without_task,
                 _own: own,
                 _total: total,
             })
         };
         let busy = || {
-            let (cap, which) = match &self.own {
-                Some((semaphore, cap)) if semaphore.available_permits() == 0 => {
+            let (cap, which) = match (&self.own, share) {
+                (_, Some((semaphore, cap))) if semaphore.available_permits() == 0 => {
+                    (*cap, "[sessions] without_task".to_owned())
+                }
+                (Some((semaphore, cap)), _) if semaphore.available_permits() == 0 => {
                     (*cap, format!("[sessions.executors] {}", self.inner.name()))
                 }
                 _ => (self.total.1, "[sessions] max".to_owned()),
+            };
+            let open = self.total.1 - self.total.0.available_permits();
+            let held = match &self.without_task {
+                Some((semaphore, cap)) => {
+                    let without = cap - semaphore.available_permits();
+                    format!(
+                        "{open} open: {} by tasks, {without} by clients' sessions without a task (sessions, /v1/exec, MCP execute_code)",
+                        open.saturating_sub(without)
+                    )
+                }
+                None => format!("{open} open"),
             };
             ExecError::Busy {
                 executor: self.inner.name().to_owned(),
                 cap,
                 which,
                 waited: self.wait,
+                held,
             }
         };
         match tokio::time::timeout(self.wait, acquire).await {
@@ -132,6 +176,7 @@ impl Budgeted {
 
 /// What an open session holds; dropping it frees the permits.
 struct Permits {
+    _without_task: Option<OwnedSemaphorePermit>,
     _own: Option<OwnedSemaphorePermit>,
     _total: OwnedSemaphorePermit,
 }
@@ -147,7 +192,7 @@ impl Executor for Budgeted {
 
     fn open(&self, spec: SessionSpec) -> BoxFuture<'_, Result<Box<dyn Session>, ExecError>> {
         Box::pin(async move {
-            let permits = self.permits().await?;
+            let permits = self.permits(&spec).await?;
             let session = self.inner.open(spec).await?;
             Ok(Box::new(Held {
                 session,
@@ -289,7 +334,7 @@ mod tests {
         let busy = open(&registry, "a").await.err().unwrap().to_string();
         assert_eq!(
             busy,
-            "no a sandbox was free within 100ms: 2 may be open at once ([sessions] max in the daemon's config); try again when a task ends, or raise the cap"
+            "no a sandbox was free within 100ms: 2 may be open at once ([sessions] max in the daemon's config), 2 open; try again when a task ends, or raise the cap"
         );
         // Closing one gives its place back; so does dropping one.
         first.close().await.unwrap();
@@ -311,6 +356,39 @@ mod tests {
         let _b1 = open(&registry, "b").await.unwrap();
         let _b2 = open(&registry, "b").await.unwrap();
         assert_eq!(registry.budget().map(Budget::in_use), Some(3));
+    }
+
+    #[tokio::test]
+    async fn sessions_without_a_task_take_their_share_and_leave_the_rest_to_tasks() {
+        let mut config = BudgetConfig::new(3, Duration::from_millis(100));
+        config.without_task = Some(2);
+        let mut registry = Registry::new().with_budget(Budget::new(&config));
+        registry.register(Arc::new(Empty("a")));
+        let client = || SessionSpec {
+            labels: vec![(WITHOUT_TASK.to_owned(), "session".to_owned())],
+            ..SessionSpec::default()
+        };
+        let a = registry.get("a").unwrap();
+        let _c1 = a.open(client()).await.unwrap();
+        let _c2 = a.open(client()).await.unwrap();
+        let refused = a.open(client()).await.err().unwrap().to_string();
+        assert_eq!(
+            refused,
+            "no a sandbox was free within 100ms: 2 may be open at once ([sessions] without_task in the daemon's config), 2 open: 0 by tasks, 2 by clients' sessions without a task (sessions, /v1/exec, MCP execute_code); try again when a task ends, or raise the cap"
+        );
+        // A task's session still finds its place, and then the whole budget is full.
+        let _task = a.open(SessionSpec::default()).await.unwrap();
+        let busy = a
+            .open(SessionSpec::default())
+            .await
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            busy.contains("3 open: 1 by tasks, 2 by clients' sessions without a task"),
+            "{busy}"
+        );
+        assert_eq!(registry.budget().map(Budget::in_use_without_task), Some(2));
     }
 
     #[tokio::test]

@@ -57,7 +57,7 @@ pub enum ExecError {
     },
     /// Every sandbox the operator allows is in use, and none was freed in time.
     #[error(
-        "no {executor} sandbox was free within {waited:?}: {cap} may be open at once ({which} in the daemon's config); try again when a task ends, or raise the cap"
+        "no {executor} sandbox was free within {waited:?}: {cap} may be open at once ({which} in the daemon's config), {held}; try again when a task ends, or raise the cap"
     )]
     Busy {
         /// Executor name.
@@ -68,6 +68,8 @@ pub enum ExecError {
         which: String,
         /// How long the open waited.
         waited: std::time::Duration,
+        /// Who holds the open sessions: how many, and how many of them no task holds.
+        held: String,
     },
     /// The machine the sandbox ran on stopped answering (its engine died, its network went):
     /// the session is gone, and a new one, placed elsewhere, may carry the task on from its

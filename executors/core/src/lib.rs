@@ -43,7 +43,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use budget::{Budget, BudgetConfig};
+pub use budget::{Budget, BudgetConfig, WITHOUT_TASK};
 pub use capture::{CaptureBuffer, Captured, complete_utf8};
 pub use error::ExecError;
 pub use language::{Language, join as join_languages};

@@ -559,13 +559,16 @@ impl DockerExecutor {
     }
 
     /// A ready container for `spec`, when the pool can serve it: a temporary workspace, no
-    /// labels but the task's, and no lower memory limit than the pool's containers have.
+    /// labels but the task's (or the mark of a session without one), and no lower memory limit than the pool's containers have.
     fn claim(&self, spec: &SessionSpec) -> Option<session::Warm> {
         let c = &self.inner.config;
         if c.pool_size == 0
             || spec.workdir.is_some()
             || spec.limits.memory_bytes.is_some_and(|m| m < c.memory_bytes)
-            || spec.labels.iter().any(|(k, _)| k != labels::TASK)
+            || spec
+                .labels
+                .iter()
+                .any(|(k, _)| k != labels::TASK && k != tandem_executor::WITHOUT_TASK)
         {
             return None;
         }

@@ -48,10 +48,16 @@ impl LocalModel for EmbeddedChat {
             let offered: Vec<serde_json::Value> =
                 tools.map(|t| t.tools.clone()).unwrap_or_default();
             let grammar = match tools.filter(|t| !t.tools.is_empty()) {
-                Some(offer) => Some((
-                    crate::tool_grammar(&offer.tools).map_err(failed)?,
-                    offer.required,
-                )),
+                Some(offer) => {
+                    // Made off the async workers: a client's schema is walked there.
+                    let tools = offer.tools.clone();
+                    let made = tokio::task::spawn_blocking(move || crate::tool_grammar(&tools))
+                        .await
+                        .map_err(|e| {
+                            failed(format!("the tools' grammar could not be made: {e}"))
+                        })?;
+                    Some((made.map_err(failed)?, offer.required))
+                }
                 None => None,
             };
             let request = Generate {

@@ -400,7 +400,8 @@ impl<'m> Engine<'m> {
                 slot.used_at = self.step;
                 match outcome {
                     Next::Token(t) => a.next = Some(t),
-                    Next::Done(finish) => finished.push((part.active, finish)),
+                    Next::Done(finish) => finished.push((part.active, Ok(finish))),
+                    Next::Failed(why) => finished.push((part.active, Err(why))),
                 }
                 continue;
             }
@@ -416,7 +417,8 @@ impl<'m> Engine<'m> {
                 room,
             ) {
                 Next::Token(token) => a.next = Some(token),
-                Next::Done(finish) => finished.push((part.active, finish)),
+                Next::Done(finish) => finished.push((part.active, Ok(finish))),
+                Next::Failed(why) => finished.push((part.active, Err(why))),
             }
         }
         let sequences = parts.len() as u64;
@@ -447,6 +449,15 @@ impl<'m> Engine<'m> {
         // The figures say the reply has ended before its caller hears it.
         self.publish();
         for (mut a, finish) in done {
+            let finish = match finish {
+                Ok(finish) => finish,
+                Err(why) => {
+                    // A failed reply's sequence is not kept for a next turn.
+                    self.clear(a.seq);
+                    let _ = a.job.events.send(Event::Failed(why));
+                    continue;
+                }
+            };
             a.reply.flush(&a.job.events);
             let _ = a.job.events.send(Event::Done {
                 finish,

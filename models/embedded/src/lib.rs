@@ -554,6 +554,12 @@ fn python_json(value: &serde_json::Value) -> String {
 /// models write them: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, its
 /// arguments held to the tool's schema by llama.cpp's JSON-Schema-to-grammar.
 pub fn tool_grammar(tools: &[serde_json::Value]) -> Result<String, String> {
+    for (i, t) in tools.iter().enumerate() {
+        if let Some(parameters) = t["function"].get("parameters") {
+            tandem_agent::schema::bounded(parameters)
+                .map_err(|e| format!("tools[{i}].function.parameters {e}"))?;
+        }
+    }
     let choices: Vec<serde_json::Value> = tools
         .iter()
         .map(|t| {
@@ -575,8 +581,7 @@ pub fn tool_grammar(tools: &[serde_json::Value]) -> Result<String, String> {
     } else {
         serde_json::json!({"oneOf": choices})
     };
-    let gbnf = llama_cpp_2::json_schema_to_grammar(&schema.to_string())
-        .map_err(|e| format!("the tools' parameters cannot be made a grammar: {e}"))?;
+    let gbnf = grammar_of(schema.to_string())?;
     let renamed: Vec<String> = gbnf
         .lines()
         .map(|line| match line.strip_prefix("root ::=") {
@@ -588,6 +593,34 @@ pub fn tool_grammar(tools: &[serde_json::Value]) -> Result<String, String> {
         "root ::= \"<tool_call>\\n\" tool-call-json \"\\n</tool_call>\"\n{}\n",
         renamed.join("\n")
     ))
+}
+
+/// The stack llama.cpp's JSON-Schema-to-grammar runs on: it recurses with the schema.
+const GRAMMAR_STACK: usize = 64 << 20;
+/// Longest making one grammar may take; the schema's bounds keep it far below.
+const GRAMMAR_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// `schema` (JSON text) as GBNF, made on a thread of its own with a large stack, given up
+/// past the deadline (the thread then ends on its own: its input is bounded).
+fn grammar_of(schema: String) -> Result<String, String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("tool-grammar".to_owned())
+        .stack_size(GRAMMAR_STACK)
+        .spawn(move || {
+            let _ =
+                tx.send(llama_cpp_2::json_schema_to_grammar(&schema).map_err(|e| e.to_string()));
+        })
+        .map_err(|e| format!("the tools' grammar could not be made: {e}"))?;
+    match rx.recv_timeout(GRAMMAR_DEADLINE) {
+        Ok(made) => {
+            made.map_err(|e| format!("the tools' parameters cannot be made a grammar: {e}"))
+        }
+        Err(_) => Err(format!(
+            "the tools' parameters could not be made a grammar within {} s; send simpler schemas",
+            GRAMMAR_DEADLINE.as_secs()
+        )),
+    }
 }
 
 /// Tokens per second over the last few seconds, from the running totals.

@@ -18,7 +18,14 @@ pub(crate) enum Next {
     Token(LlamaToken),
     /// The reply is complete.
     Done(Finish),
+    /// The reply cannot go on; the text says why. Other replies are not affected.
+    Failed(String),
 }
+
+/// Longest the grammar may take over one token. A grammar whose readings multiply doubles
+/// its work with each bracket; past this the reply fails alone, so the engine, which steps
+/// every sequence together, never waits long on one sequence's grammar.
+const GRAMMAR_STEP_LIMIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A reply being generated.
 pub(crate) struct ReplyState {
@@ -89,6 +96,7 @@ impl ReplyState {
         }
         let mut token = self.sampler.sample(ctx, at);
         if let Some(grammar) = self.grammar.as_mut() {
+            let started = std::time::Instant::now();
             // As llama.cpp's own sampler does: the grammar judges the token chosen, and only
             // when it refuses is the whole vocabulary (150k tokens) put through it.
             let mut one =
@@ -105,6 +113,13 @@ impl ReplyState {
                 token = all.selected_token().unwrap_or(token);
             }
             grammar.accept(token);
+            if started.elapsed() > GRAMMAR_STEP_LIMIT {
+                return Next::Failed(format!(
+                    "the tool call grammar took {:.1} s over one token (the limit is {} s): the tools' schemas nest alternatives too deeply; send simpler ones",
+                    started.elapsed().as_secs_f64(),
+                    GRAMMAR_STEP_LIMIT.as_secs()
+                ));
+            }
         }
         let vocab = model.vocab();
         if vocab.is_eog(token) {

@@ -611,3 +611,58 @@ async fn a_draft_changes_nothing_but_how_the_tokens_are_found() {
         "no model file at /nonexistent/draft.gguf; `tandem model pull` downloads one"
     );
 }
+
+/// A grammar of `levels` brackets, each opened by two rules that differ only after it
+/// closes: every bracket doubles the stacks the grammar keeps alive, in a grammar that grows
+/// by a line a level.
+fn doubling_grammar(levels: usize) -> String {
+    let mut gbnf = String::from("root ::= l0\n");
+    for i in 0..levels {
+        gbnf.push_str(&format!(
+            "l{i} ::= \"[\" l{n} \"]\" | \"[\" l{n} \"] \"\n",
+            n = i + 1
+        ));
+    }
+    gbnf.push_str(&format!("l{levels} ::= \"1\"\n"));
+    gbnf
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grammar_whose_stacks_multiply_fails_its_reply_alone_and_the_engine_serves_on() {
+    let engine = shared();
+    let bomb = Generate {
+        grammar: Some((doubling_grammar(40), true)),
+        max_tokens: 60,
+        // A prompt the model would answer in words: the grammar refuses its choice at each
+        // token, and the whole vocabulary goes through every stack.
+        ..request("Say hello.")
+    };
+    let mut bombed = engine.generate(bomb).unwrap();
+    // Another client asks meanwhile; it is answered in full.
+    let other = tokio::spawn({
+        let engine = engine.clone();
+        async move { collect(&engine, request("Count to three.")).await }
+    });
+    let failed = tokio::time::timeout(std::time::Duration::from_secs(300), async {
+        loop {
+            match bombed.events.recv().await {
+                Some(Event::Text(_)) => continue,
+                other => return other,
+            }
+        }
+    })
+    .await
+    .expect("the engine waited on one reply's grammar");
+    match failed {
+        Some(Event::Failed(why)) => {
+            assert!(why.contains("the tool call grammar took"), "{why}")
+        }
+        other => panic!("the multiplying grammar's reply: {other:?}"),
+    }
+    let (text, done) = tokio::time::timeout(std::time::Duration::from_secs(300), other)
+        .await
+        .expect("the other reply waited past the deadline")
+        .unwrap();
+    assert!(matches!(done, Event::Done { .. }), "{done:?}");
+    assert!(!text.is_empty());
+}

@@ -330,6 +330,7 @@ async fn open(
     sandbox
         .open(SessionSpec {
             limits,
+            labels: vec![(tandem_executor::WITHOUT_TASK.to_owned(), "mcp".to_owned())],
             ..SessionSpec::default()
         })
         .await
