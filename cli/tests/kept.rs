@@ -547,9 +547,21 @@ fn kitty_picture(raw: &[u8]) -> Option<Vec<u8>> {
     found.then(|| base64::engine::general_purpose::STANDARD.decode(b64).ok())?
 }
 
+/// The pixels of `png`, as RGBA.
+fn rgba(png: &[u8]) -> Vec<u8> {
+    let mut decoder = png::Decoder::new(std::io::Cursor::new(png));
+    decoder.set_transformations(png::Transformations::ALPHA | png::Transformations::STRIP_16);
+    let mut reader = decoder.read_info().unwrap();
+    let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+    let frame = reader.next_frame(&mut buf).unwrap();
+    buf.truncate(frame.buffer_size());
+    buf
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_picture_is_shown_inline_on_a_terminal_that_speaks_kitty_or_sixel() {
-    // A real 2x2 PNG, written by the block; the terminal must be sent these bytes.
+    // A real 2x2 PNG, written by the block; the terminal must be sent its pixels (in a PNG
+    // made anew, never the sandbox's bytes).
     let png: &[u8] = &[
         0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a, 0x00, 0x00, 0x00, 0x0d, 0x49, 0x48, 0x44,
         0x52, 0x00, 0x00, 0x00, 0x02, 0x00, 0x00, 0x00, 0x02, 0x08, 0x02, 0x00, 0x00, 0x00, 0xfd,
@@ -597,10 +609,14 @@ async fn a_picture_is_shown_inline_on_a_terminal_that_speaks_kitty_or_sixel() {
         if shown && asked == "kitty" {
             // Inside tmux, wrapped to pass through to the terminal.
             assert!(
-                text.contains("\x1bPtmux;\x1b\x1b_Gf=100,a=T,q=2,c=40,"),
+                text.contains("\x1bPtmux;\x1b\x1b_Gf=100,a=T,q=2,c=40,r=20,"),
                 "{text:?}"
             );
-            assert_eq!(picture.as_deref(), Some(png), "{flags} {asked}");
+            assert_eq!(
+                picture.as_deref().map(rgba),
+                Some(rgba(png)),
+                "{flags} {asked}"
+            );
         } else if shown {
             // The two columns, red then blue, as sixels two pixels high.
             assert!(
@@ -635,7 +651,11 @@ async fn a_picture_is_shown_inline_on_a_terminal_that_speaks_kitty_or_sixel() {
     let text = String::from_utf8_lossy(&raw);
     assert_eq!(code, "0", "{text}");
     assert!(text.contains("on the daemon at"), "{text}");
-    assert_eq!(kitty_picture(&raw).as_deref(), Some(png), "{text:?}");
+    assert_eq!(
+        kitty_picture(&raw).as_deref().map(rgba),
+        Some(rgba(png)),
+        "{text:?}"
+    );
     let kept = only_task_dir(&dir.path().join("tandem-out"));
     assert_eq!(std::fs::read(kept.join("chart.png")).unwrap(), png);
     // Not a terminal: the path only, whatever is asked.
