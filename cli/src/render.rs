@@ -213,7 +213,11 @@ impl<W: Write> Renderer<W> {
         // Said even when the transcript's reader is gone.
         if let (EventMsg::TaskFinished { error: Some(e), .. }, Some(to)) = (msg, &mut self.failures)
         {
-            let _ = writeln!(to, "tandem: the task failed: {}", e.message);
+            let _ = writeln!(
+                to,
+                "tandem: the task failed: {}",
+                crate::inert::line(&e.message)
+            );
         }
         if self.error.is_some() {
             return;
@@ -699,7 +703,10 @@ mod tests {
                             chars.next();
                         }
                     }
-                    None => found.push(format!("{:?}", &text[at..(at + 12).min(text.len())])),
+                    None => found.push(format!(
+                        "{:?}",
+                        text[at..].chars().take(12).collect::<String>()
+                    )),
                 }
             } else if c.is_control() && !matches!(c, '\n' | '\t') {
                 found.push(format!("{c:?} at {at}"));
