@@ -48,13 +48,12 @@ impl Prompter {
             return approve(None);
         }
         let mut err = std::io::stderr().lock();
-        let _ = writeln!(err, "\n── approval {n} · {language} · {why} ──");
-        let _ = writeln!(err, "{}", code.trim_end());
-        let _ = writeln!(err, "──");
+        let _ = write!(err, "{}", asked(n, language, code, why));
+        let shown_language = crate::inert::line(language);
         loop {
             let _ = write!(
                 err,
-                "Run this block? [y]es / [n]o / [e]dit / [a]lways for {language}: "
+                "Run this block? [y]es / [n]o / [e]dit / [a]lways for {shown_language}: "
             );
             let _ = err.flush();
             let Some(answer) = read_line() else {
@@ -79,7 +78,8 @@ impl Prompter {
                         let _ = writeln!(err, "The edited block is empty; choose again.");
                     }
                     Ok(edited) => {
-                        let _ = writeln!(err, "── edited ──\n{}\n──", edited.trim_end());
+                        let edited_shown = crate::inert::text(edited.trim_end());
+                        let _ = writeln!(err, "── edited ──\n{edited_shown}\n──");
                         return approve(Some(edited));
                     }
                     Err(e) => {
@@ -92,6 +92,17 @@ impl Prompter {
             }
         }
     }
+}
+
+/// The block asked about, as the person deciding sees it: the model chose its code and its
+/// language, so neither may move the cursor to hide a line or rewrite what is shown.
+fn asked(n: u32, language: &str, code: &str, why: &str) -> String {
+    format!(
+        "\n── approval {n} · {} · {} ──\n{}\n──\n",
+        crate::inert::line(language),
+        crate::inert::line(why),
+        crate::inert::text(code.trim_end())
+    )
 }
 
 fn deny(reason: Option<String>) -> Ruling {
@@ -313,4 +324,22 @@ async fn decide(
         println!("{id} approval {n} {what}");
     }
     Ok(exit::DONE)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_block_asked_about_cannot_hide_its_lines_from_the_person_deciding() {
+        // Up a line, clear it, back to its start: on a terminal the `rm` line would vanish.
+        let code = "import os\nos.system('rm -rf ~')\x1b[1A\x1b[2K\rprint('hello')\n";
+        let shown = super::asked(1, "python\x1b]0;x\x07", code, "every block \u{9b}2J");
+        assert!(
+            !shown.chars().any(|c| c.is_control() && c != '\n'),
+            "{shown:?}"
+        );
+        assert_eq!(
+            shown,
+            "\n── approval 1 · python\\u{1b}]0;x\\u{7} · every block \\u{9b}2J ──\nimport os\nos.system('rm -rf ~')\\u{1b}[1A\\u{1b}[2K\nprint('hello')\n──\n"
+        );
+    }
 }

@@ -11,6 +11,7 @@ mod exec;
 mod executors;
 mod files;
 mod follow;
+mod inert;
 mod keep;
 mod kit;
 mod model;

@@ -66,6 +66,8 @@ pub struct Renderer<W: Write> {
     streamed: bool,
     at_line_start: bool,
     shown: Shown,
+    /// What a model or a program wrote is made inert as it streams.
+    inert: crate::inert::Inert,
     /// Where the task runs ("in this process", "on the daemon at ..."), for the header.
     place: Option<String>,
     /// Which agent each event belongs to, for `--json`.
@@ -87,6 +89,7 @@ pub struct Pictures {
     protocol: crate::picture::Protocol,
     tmux: bool,
     source: PictureSource,
+    bounds: crate::picture::Bounds,
 }
 
 impl Pictures {
@@ -101,6 +104,7 @@ impl Pictures {
             protocol: crate::picture::Protocol::detect(&terminal)?,
             tmux: terminal.tmux,
             source,
+            bounds: crate::picture::Bounds::default(),
         })
     }
 }
@@ -125,6 +129,7 @@ impl<W: Write> Renderer<W> {
             streamed: false,
             at_line_start: true,
             shown: Shown::default(),
+            inert: crate::inert::Inert::default(),
             place: None,
             speakers: tandem_protocol::Speakers::default(),
             failures: None,
@@ -208,7 +213,11 @@ impl<W: Write> Renderer<W> {
         // Said even when the transcript's reader is gone.
         if let (EventMsg::TaskFinished { error: Some(e), .. }, Some(to)) = (msg, &mut self.failures)
         {
-            let _ = writeln!(to, "tandem: the task failed: {}", e.message);
+            let _ = writeln!(
+                to,
+                "tandem: the task failed: {}",
+                crate::inert::line(&e.message)
+            );
         }
         if self.error.is_some() {
             return;
@@ -234,11 +243,25 @@ impl<W: Write> Renderer<W> {
             path: self.speakers.agent_of(msg),
             msg: msg.clone(),
         };
-        serde_json::to_writer(&mut self.out, &event)?;
+        let line = crate::inert::json(serde_json::to_string(&event)?);
+        self.out.write_all(line.as_bytes())?;
         self.out.write_all(b"\n")
     }
 
+    /// Writes text a model, a program or the task's files may have chosen: inert, its
+    /// control characters shown as escapes.
     fn text(&mut self, s: &str) -> io::Result<()> {
+        let s = self.inert.piece(s);
+        if !s.is_empty() {
+            self.out.write_all(s.as_bytes())?;
+            self.at_line_start = s.ends_with('\n');
+        }
+        Ok(())
+    }
+
+    /// Writes what the transcript says itself, its own colours included.
+    fn raw(&mut self, s: &str) -> io::Result<()> {
+        self.inert.interrupt();
         if !s.is_empty() {
             self.out.write_all(s.as_bytes())?;
             self.at_line_start = s.ends_with('\n');
@@ -251,21 +274,25 @@ impl<W: Write> Renderer<W> {
     }
 
     /// A rule on a line of its own, after `indent`.
+    /// The label may hold what a model or a program said (a reason, an error): it is shown
+    /// on the rule's one line, inert.
     fn rule_at(&mut self, indent: &str, label: &str) -> io::Result<()> {
         if !self.at_line_start {
-            self.text("\n")?;
+            self.raw("\n")?;
         }
+        let label = crate::inert::line(label);
         let line = if self.color {
             format!("{indent}\x1b[2m── {label} ──\x1b[0m\n")
         } else {
             format!("{indent}── {label} ──\n")
         };
-        self.text(&line)
+        self.raw(&line)
     }
 
     fn output(&mut self, stream: OutputStream, text: &str) -> io::Result<()> {
         match stream {
             OutputStream::Stderr if self.color && !text.is_empty() => {
+                let text = self.inert.piece(text);
                 self.out
                     .write_all(format!("\x1b[31m{text}\x1b[0m").as_bytes())?;
                 self.at_line_start = text.ends_with('\n');
@@ -276,6 +303,18 @@ impl<W: Write> Renderer<W> {
     }
 
     fn human(&mut self, msg: &EventMsg) -> io::Result<()> {
+        // What the pictures of a block left out is said once they end.
+        let picture_of = match msg {
+            EventMsg::Artifact { turn, index, .. } => Some((*turn, *index)),
+            _ => None,
+        };
+        if let Some(note) = self
+            .pictures
+            .as_mut()
+            .and_then(|p| p.bounds.note_before(picture_of))
+        {
+            self.rule(&note)?;
+        }
         match msg {
             EventMsg::TaskStarted {
                 model,
@@ -425,24 +464,47 @@ impl<W: Write> Renderer<W> {
                 self.rule(&result_line(result))
             }
             EventMsg::Artifact {
+                turn,
+                index,
                 file,
                 mime,
                 bytes,
                 href,
-                ..
             } => {
                 self.rule(&format!(
                     "picture {} · {mime} · {}",
                     tandem_protocol::files::shown(file),
                     size(*bytes)
                 ))?;
-                let shown = self.pictures.as_mut().and_then(|p| {
-                    let data = (p.source)(file, href.as_deref())?;
-                    p.protocol.encode(&data, mime, p.tmux)
-                });
-                if let Some(escapes) = shown {
-                    self.out.write_all(&escapes)?;
-                    self.at_line_start = true;
+                let Some(p) = self.pictures.as_mut() else {
+                    return Ok(());
+                };
+                // Only what will be read and decoded counts against the bounds on pictures.
+                let escapes = if mime != "image/png" {
+                    Err(crate::picture::Refused::Type)
+                } else if *bytes > crate::picture::MAX_BYTES {
+                    Err(crate::picture::Refused::Unread)
+                } else {
+                    p.bounds.try_one((*turn, *index))
+                };
+                let escapes = escapes
+                    .and_then(|()| {
+                        (p.source)(file, href.as_deref()).ok_or(crate::picture::Refused::Unread)
+                    })
+                    .and_then(|data| crate::picture::check(&data, mime))
+                    .and_then(|picture| {
+                        p.protocol
+                            .encode(&picture, p.tmux)
+                            .ok_or(crate::picture::Refused::Broken)
+                    })
+                    .and_then(|escapes| p.bounds.send(escapes.len()).map(|()| escapes));
+                match escapes {
+                    Ok(escapes) => {
+                        self.inert.interrupt();
+                        self.out.write_all(&escapes)?;
+                        self.at_line_start = true;
+                    }
+                    Err(why) => p.bounds.leave_out(why),
                 }
                 Ok(())
             }
@@ -617,6 +679,337 @@ mod tests {
         assert_eq!(
             text,
             "── files kept in tandem-out/t ──\n   2.0 KiB  a\\u{1b}[2J\\u{a}   9 B  forged\n"
+        );
+    }
+
+    /// Whatever in `out` a terminal would act on, other than a newline, a tab and the
+    /// transcript's own colours (SGR `ESC [ digits m`): empty when `out` is inert.
+    fn acted_on(out: &[u8]) -> Vec<String> {
+        let text = String::from_utf8_lossy(out);
+        let mut found = Vec::new();
+        let mut chars = text.char_indices().peekable();
+        while let Some((at, c)) = chars.next() {
+            if c == '\x1b' {
+                let rest = &text[at + 1..];
+                let sgr = rest.strip_prefix('[').and_then(|r| {
+                    let params = r.len()
+                        - r.trim_start_matches(|c: char| c.is_ascii_digit() || c == ';')
+                            .len();
+                    r[params..].starts_with('m').then_some(params + 2)
+                });
+                match sgr {
+                    Some(len) => {
+                        for _ in 0..len {
+                            chars.next();
+                        }
+                    }
+                    None => found.push(format!(
+                        "{:?}",
+                        text[at..].chars().take(12).collect::<String>()
+                    )),
+                }
+            } else if c.is_control() && !matches!(c, '\n' | '\t') {
+                found.push(format!("{c:?} at {at}"));
+            }
+        }
+        found
+    }
+
+    /// What an attacker's model and program write, each sequence split between two pieces.
+    const HOSTILE: [&str; 6] = [
+        "copy \x1b]52;c;cm0gLXJmIH4K\x07 then \x1b",
+        "]8;;https://evil.example/\x1b\\a link\x1b]8;;\x1b\\ and \x1b]0;ti",
+        "tle\x1b\\ then\x1b[2",
+        "J\x1b[H\u{9b}2J\u{9d}52;c;eA==\u{9c} \x1bP1$q\x1b\\\x1b_Gf=1\x1b\\\x1b^pm\x1b\\",
+        "\x07bell\x08\x08\x08\x08 over\rwritten\r",
+        "\nend\n",
+    ];
+
+    #[test]
+    fn control_sequences_in_model_text_and_output_are_shown_as_text() {
+        for color in [true, false] {
+            let mut r = Renderer::new(Vec::new(), Mode::Human, color);
+            r.event(&EventMsg::TurnStarted {
+                turn: 1,
+                agent: None,
+            });
+            for piece in HOSTILE {
+                r.event(&EventMsg::AssistantDelta {
+                    turn: 1,
+                    text: piece.to_owned(),
+                });
+            }
+            for stream in [OutputStream::Stdout, OutputStream::Stderr] {
+                for piece in HOSTILE {
+                    r.event(&EventMsg::ExecOutput {
+                        turn: 1,
+                        index: 1,
+                        stream,
+                        text: piece.to_owned(),
+                    });
+                }
+            }
+            r.event(&EventMsg::ModelRetry {
+                turn: 2,
+                attempt: 1,
+                delay_ms: 10,
+                reason: HOSTILE.concat(),
+            });
+            assert_eq!(acted_on(&r.out), Vec::<String>::new(), "color {color}");
+            let text = String::from_utf8_lossy(&r.out);
+            assert!(
+                text.contains(
+                    "copy \\u{1b}]52;c;cm0gLXJmIH4K\\u{7} then \\u{1b}]8;;https://evil.example/"
+                ),
+                "{text}"
+            );
+            assert!(
+                text.contains("then\\u{1b}[2J\\u{1b}[H\\u{9b}2J\\u{9d}52;c;eA==\\u{9c}"),
+                "{text}"
+            );
+            // A carriage return ends the line rather than let the next text write over it.
+            assert!(text.contains("\\u{8} over\nwritten\nend\n"), "{text}");
+        }
+    }
+
+    #[test]
+    fn an_escaped_sequence_reads_as_text_to_a_person() {
+        let mut r = Renderer::new(Vec::new(), Mode::Human, false);
+        r.event(&EventMsg::TurnStarted {
+            turn: 1,
+            agent: None,
+        });
+        for piece in HOSTILE {
+            r.event(&EventMsg::AssistantDelta {
+                turn: 1,
+                text: piece.to_owned(),
+            });
+        }
+        r.event(&next_block(1, 1));
+        r.event(&EventMsg::ExecOutput {
+            turn: 1,
+            index: 1,
+            stream: OutputStream::Stdout,
+            text: HOSTILE.concat(),
+        });
+        r.event(&EventMsg::ModelRetry {
+            turn: 2,
+            attempt: 1,
+            delay_ms: 1000,
+            reason: "server said \x1b]0;pwned\x07\n\x1b[2J".to_owned(),
+        });
+        insta::assert_snapshot!(String::from_utf8_lossy(&r.out));
+    }
+
+    #[test]
+    fn a_json_line_carries_c1_controls_escaped_and_the_same_text() {
+        let mut r = Renderer::new(Vec::new(), Mode::Json, false);
+        for piece in HOSTILE {
+            r.event(&EventMsg::AssistantDelta {
+                turn: 1,
+                text: piece.to_owned(),
+            });
+        }
+        assert_eq!(acted_on(&r.out), Vec::<String>::new());
+        let back: String = String::from_utf8_lossy(&r.out)
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap_or_default();
+                v["text"].as_str().unwrap_or_default().to_owned()
+            })
+            .collect();
+        assert_eq!(back, HOSTILE.concat());
+    }
+
+    /// Pictures read from `dir` as `tandem run` reads a local task's, shown with `protocol`.
+    fn pictures_from(dir: &std::path::Path, protocol: crate::picture::Protocol) -> Pictures {
+        Pictures {
+            protocol,
+            tmux: false,
+            source: crate::run::workspace_pictures(dir.to_owned()),
+            bounds: crate::picture::Bounds::default(),
+        }
+    }
+
+    fn artifact(turn: u32, index: u32, file: &str, bytes: u64) -> EventMsg {
+        EventMsg::Artifact {
+            turn,
+            index,
+            file: file.to_owned(),
+            mime: "image/png".to_owned(),
+            bytes,
+            href: None,
+        }
+    }
+
+    fn next_block(turn: u32, index: u32) -> EventMsg {
+        EventMsg::CodeBlock {
+            turn,
+            index,
+            language: Some("python".to_owned()),
+            code: String::new(),
+        }
+    }
+
+    /// A `width` x `height` grey PNG, written with the `png` crate.
+    fn png(width: u32, height: u32) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut encoder = png::Encoder::new(&mut out, width, height);
+        encoder.set_color(png::ColorType::Grayscale);
+        encoder.set_depth(png::BitDepth::Eight);
+        let mut writer = encoder.write_header().unwrap();
+        let pixels: Vec<u8> = (0..u64::from(width) * u64::from(height))
+            .map(|i| (i % 251) as u8)
+            .collect();
+        writer.write_image_data(&pixels).unwrap();
+        writer.finish().unwrap();
+        out
+    }
+
+    /// The size of each PNG sent in kitty escapes in `out`.
+    fn kitty_sizes(out: &[u8]) -> Vec<(u32, u32)> {
+        use base64::Engine as _;
+        let text = String::from_utf8_lossy(out);
+        let mut sizes = Vec::new();
+        for picture in text.split("\x1b_Gf=").skip(1) {
+            let mut b64 = String::new();
+            for part in picture.split("\x1b\\") {
+                if let Some((_, payload)) = part.split_once(';') {
+                    b64.push_str(payload);
+                }
+            }
+            let data = base64::engine::general_purpose::STANDARD
+                .decode(b64)
+                .unwrap_or_default();
+            let info = png::Decoder::new(std::io::Cursor::new(data))
+                .read_info()
+                .map(|r| r.info().size());
+            sizes.push(info.unwrap_or((0, 0)));
+        }
+        sizes
+    }
+
+    #[test]
+    fn two_dozen_sparse_8_mib_files_named_png_send_no_escapes_and_are_said_left_out() {
+        let dir = tempfile::tempdir().unwrap();
+        for protocol in [
+            crate::picture::Protocol::Kitty,
+            crate::picture::Protocol::ITerm,
+            crate::picture::Protocol::Sixel,
+        ] {
+            let mut r = Renderer::new(Vec::new(), Mode::Human, false)
+                .pictures(Some(pictures_from(dir.path(), protocol)));
+            for i in 0..24 {
+                let name = format!("p{i}.png");
+                let f = std::fs::File::create(dir.path().join(&name)).unwrap();
+                f.set_len(crate::picture::MAX_BYTES).unwrap();
+                r.event(&artifact(1, 1, &name, crate::picture::MAX_BYTES));
+            }
+            r.event(&next_block(1, 2));
+            assert!(r.out.len() < 1 << 20, "{protocol:?}: {} bytes", r.out.len());
+            assert_eq!(acted_on(&r.out), Vec::<String>::new(), "{protocol:?}");
+            let text = String::from_utf8_lossy(&r.out);
+            assert!(
+                text.contains(
+                    "── 24 pictures not drawn: 4 not a PNG that decodes within 4096 x 4096 pixels; 20 past the 4 a block may draw ──\n── block 2 · python ──"
+                ),
+                "{protocol:?}: {text}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_file_named_png_that_is_no_png_is_not_sent() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("fake.png"), b"GIF89a, or anything at all").unwrap();
+        for protocol in [
+            crate::picture::Protocol::Kitty,
+            crate::picture::Protocol::ITerm,
+        ] {
+            let mut r = Renderer::new(Vec::new(), Mode::Human, false)
+                .pictures(Some(pictures_from(dir.path(), protocol)));
+            r.event(&artifact(1, 1, "fake.png", 26));
+            r.event(&next_block(1, 2));
+            assert_eq!(acted_on(&r.out), Vec::<String>::new(), "{protocol:?}");
+            let text = String::from_utf8_lossy(&r.out);
+            assert!(
+                text.contains("── 1 picture not drawn: 1 not a PNG that decodes"),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_png_a_million_pixels_high_is_scaled_into_the_box_for_every_protocol() {
+        let dir = tempfile::tempdir().unwrap();
+        let tall = png(1, 1_000_000);
+        // Its rows compress to almost nothing: the file is small, what it decodes to is not.
+        assert!(tall.len() < 64 << 10, "{}", tall.len());
+        std::fs::write(dir.path().join("tall.png"), &tall).unwrap();
+        std::fs::write(dir.path().join("wide.png"), png(100_000, 1)).unwrap();
+        for protocol in [
+            crate::picture::Protocol::Kitty,
+            crate::picture::Protocol::ITerm,
+            crate::picture::Protocol::Sixel,
+        ] {
+            let mut r = Renderer::new(Vec::new(), Mode::Human, false)
+                .pictures(Some(pictures_from(dir.path(), protocol)));
+            r.event(&artifact(1, 1, "tall.png", tall.len() as u64));
+            let tall_out = r.out.split_off(0);
+            r.event(&artifact(1, 2, "wide.png", 1));
+            let wide_out = r.out.split_off(0);
+            for (out, box_) in [(&tall_out, "c=1,r=20,"), (&wide_out, "c=40,r=1,")] {
+                let text = String::from_utf8_lossy(out);
+                assert!(out.len() < 1 << 20, "{protocol:?}: {} bytes", out.len());
+                match protocol {
+                    crate::picture::Protocol::Kitty => {
+                        assert!(text.contains(box_), "{text:.200}");
+                        let sizes = kitty_sizes(out);
+                        assert_eq!(sizes.len(), 1);
+                        assert!(sizes[0].0 <= 320 && sizes[0].1 <= 320, "{sizes:?}");
+                    }
+                    crate::picture::Protocol::ITerm => {
+                        let (c, rows) = box_.trim_end_matches(',').split_once(",r=").unwrap();
+                        let cells = format!("width={};height={rows};", &c[2..]);
+                        assert!(text.contains(&cells), "{text:.200}");
+                    }
+                    crate::picture::Protocol::Sixel => {
+                        let raster = if box_.starts_with("c=1,") {
+                            "\"1;1;1;320#"
+                        } else {
+                            "\"1;1;320;1#"
+                        };
+                        assert!(text.contains(raster), "{text:.200}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_task_draws_at_most_sixteen_pictures_and_says_how_many_it_left_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let small = png(2, 2);
+        std::fs::write(dir.path().join("a.png"), &small).unwrap();
+        let mut r = Renderer::new(Vec::new(), Mode::Human, false).pictures(Some(pictures_from(
+            dir.path(),
+            crate::picture::Protocol::Kitty,
+        )));
+        for block in 1..=5 {
+            r.event(&next_block(1, block));
+            for _ in 0..4 {
+                r.event(&artifact(1, block, "a.png", small.len() as u64));
+            }
+        }
+        r.event(&next_block(2, 1));
+        let sizes = kitty_sizes(&r.out);
+        assert_eq!(sizes, vec![(2, 2); 16]);
+        let text = String::from_utf8_lossy(&r.out);
+        assert!(
+            text.contains(
+                "── 4 pictures not drawn: 4 past the 16 a task may draw ──\n── block 1 · python ──"
+            ),
+            "{text}"
         );
     }
 }

@@ -523,7 +523,7 @@ impl OwnWorkspace {
 }
 
 /// Pictures read from `workspace`, a host directory, as a download reads them.
-fn workspace_pictures(workspace: PathBuf) -> crate::render::PictureSource {
+pub(crate) fn workspace_pictures(workspace: PathBuf) -> crate::render::PictureSource {
     Box::new(move |file, _| {
         use std::io::Read as _;
         let (f, size) = tandem_executor::archive::read(&workspace, file).ok()?;

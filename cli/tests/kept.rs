@@ -547,9 +547,21 @@ fn kitty_picture(raw: &[u8]) -> Option<Vec<u8>> {
     found.then(|| base64::engine::general_purpose::STANDARD.decode(b64).ok())?
 }
 
+/// The pixels of `png`, as RGBA.
+fn rgba(png: &[u8]) -> Vec<u8> {
+    let mut decoder = png::Decoder::new(std::io::Cursor::new(png));
+    decoder.set_transformations(png::Transformations::ALPHA | png::Transformations::STRIP_16);
+    let mut reader = decoder.read_info().unwrap();
+    let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+    let frame = reader.next_frame(&mut buf).unwrap();
+    buf.truncate(frame.buffer_size());
+    buf
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_picture_is_shown_inline_on_a_terminal_that_speaks_kitty_or_sixel() {
-    // A real 2x2 PNG, written by the block; the terminal must be sent these bytes.
+    // A real 2x2 PNG, written by the block; the terminal must be sent its pixels (in a PNG
+    // made anew, never the sandbox's bytes).
     let png: &[u8] = &[
         0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a, 0x00, 0x00, 0x00, 0x0d, 0x49, 0x48, 0x44,
         0x52, 0x00, 0x00, 0x00, 0x02, 0x00, 0x00, 0x00, 0x02, 0x08, 0x02, 0x00, 0x00, 0x00, 0xfd,
@@ -597,10 +609,14 @@ async fn a_picture_is_shown_inline_on_a_terminal_that_speaks_kitty_or_sixel() {
         if shown && asked == "kitty" {
             // Inside tmux, wrapped to pass through to the terminal.
             assert!(
-                text.contains("\x1bPtmux;\x1b\x1b_Gf=100,a=T,q=2,c=40,"),
+                text.contains("\x1bPtmux;\x1b\x1b_Gf=100,a=T,q=2,c=40,r=20,"),
                 "{text:?}"
             );
-            assert_eq!(picture.as_deref(), Some(png), "{flags} {asked}");
+            assert_eq!(
+                picture.as_deref().map(rgba),
+                Some(rgba(png)),
+                "{flags} {asked}"
+            );
         } else if shown {
             // The two columns, red then blue, as sixels two pixels high.
             assert!(
@@ -635,7 +651,11 @@ async fn a_picture_is_shown_inline_on_a_terminal_that_speaks_kitty_or_sixel() {
     let text = String::from_utf8_lossy(&raw);
     assert_eq!(code, "0", "{text}");
     assert!(text.contains("on the daemon at"), "{text}");
-    assert_eq!(kitty_picture(&raw).as_deref(), Some(png), "{text:?}");
+    assert_eq!(
+        kitty_picture(&raw).as_deref().map(rgba),
+        Some(rgba(png)),
+        "{text:?}"
+    );
     let kept = only_task_dir(&dir.path().join("tandem-out"));
     assert_eq!(std::fs::read(kept.join("chart.png")).unwrap(), png);
     // Not a terminal: the path only, whatever is asked.
@@ -655,6 +675,86 @@ async fn a_picture_is_shown_inline_on_a_terminal_that_speaks_kitty_or_sixel() {
     assert_eq!(run.code, 0, "{}", run.stderr);
     assert!(run.stdout.contains("picture chart.png"), "{}", run.stdout);
     assert!(!run.stdout.contains('\x1b'), "{:?}", run.stdout);
+}
+
+/// A block that draws a valid PNG 1 x 200,000 pixels (a few hundred bytes of compressed
+/// rows), then 24 sparse 8 MiB files named `.png`, and prints a window title, a screen clear,
+/// an OSC 8 link and a C1 CSI on both streams.
+const FLOODS: &str = r"import struct, sys, zlib
+def chunk(kind, data):
+    return struct.pack('>I', len(data)) + kind + data + struct.pack('>I', zlib.crc32(kind + data))
+rows = b''.join(b'\x00' + bytes([y % 256]) for y in range(200000))
+open('a_tall.png', 'wb').write(b'\x89PNG\r\n\x1a\n' + chunk(b'IHDR', struct.pack('>IIBBBBB', 1, 200000, 8, 0, 0, 0, 0)) + chunk(b'IDAT', zlib.compress(rows, 9)) + chunk(b'IEND', b''))
+for i in range(24):
+    with open(f'p{i:02}.png', 'wb') as f:
+        f.truncate(8 << 20)
+hostile = '\x1b]0;pwned\x07\x1b[2J\u009b2J\x1b]8;;https://evil.example/\x1b\\link\x1b]8;;\x1b\\'
+print(hostile)
+print(hostile, file=sys.stderr)";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_reply_and_a_flood_of_pictures_reach_the_terminal_inert_and_bounded() {
+    let reply = format!(
+        "Copy this \x1b]52;c;cm0gLXJmIH4K\x07 and \x1b[2J\u{9b}2J\u{9d}0;title\u{9c} go.\n{}",
+        fence("python", FLOODS)
+    );
+    let server = ScriptedOpenAi::start(script([(
+        "flood",
+        vec![Reply::Text(reply), Reply::from("TERMINATE")],
+    )]))
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let ws = dir.path().join("ws");
+    std::fs::create_dir(&ws).unwrap();
+    let env = vec![
+        ("OPENAI_BASE_URL", server.base_url()),
+        ("TANDEM_EXECUTOR", "local".to_owned()),
+        ("TANDEM_MAX_RETRIES", "0".to_owned()),
+        ("TANDEM_HOST", "unix:///nonexistent/tandem.sock".to_owned()),
+        ("TANDEM_MODELS_DIR", "/nonexistent".to_owned()),
+        ("TANDEM_PICTURES", "kitty".to_owned()),
+        ("XDG_CONFIG_HOME", "/nonexistent".to_owned()),
+    ];
+    let command = format!("{BIN} run --workdir {} flood", ws.display());
+    let pane = Pane::start(dir.path(), &command, &env);
+    let (code, raw) = pane.finish();
+    let text = String::from_utf8_lossy(&raw);
+    assert_eq!(code, "0", "{text}");
+    // The 24 files were made, 8 MiB each: the terminal was sent far less than one of them.
+    assert_eq!(
+        std::fs::metadata(ws.join("p23.png")).unwrap().len(),
+        8 << 20
+    );
+    assert!(raw.len() < 1 << 20, "{} bytes", raw.len());
+    for sequence in [
+        "\x1b]52", "\x1b]0;", "\x1b]8;", "\x1b[2J", "\u{9b}", "\u{9d}", "\x07",
+    ] {
+        assert!(!text.contains(sequence), "{sequence:?} in {text:?}");
+    }
+    assert!(
+        text.contains("Copy this \\u{1b}]52;c;cm0gLXJmIH4K\\u{7} and \\u{1b}[2J\\u{9b}2J"),
+        "{text:?}"
+    );
+    assert!(
+        text.contains("\\u{1b}]0;pwned\\u{7}\\u{1b}[2J\\u{9b}2J\\u{1b}]8;;https://evil.example/"),
+        "{text:?}"
+    );
+    // The tall picture is drawn once, scaled into the box both ways; the files that only
+    // say they are PNGs are not sent, and the note says what was left out.
+    assert_eq!(text.matches("\x1b_Gf=100").count(), 1, "{text:?}");
+    assert!(text.contains("_Gf=100,a=T,q=2,c=1,r=20,"), "{text:?}");
+    let sent = kitty_picture(&raw).unwrap();
+    let mut decoder = png::Decoder::new(std::io::Cursor::new(sent));
+    decoder.set_transformations(png::Transformations::IDENTITY);
+    let (w, h) = decoder.read_info().unwrap().info().size();
+    assert!(w <= 320 && h <= 320, "{w} x {h}");
+    assert!(
+        text.contains(
+            "24 pictures not drawn: 3 not a PNG that decodes within 4096 x 4096 pixels; 21 past the 4 a block may draw"
+        ),
+        "{text:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
