@@ -155,7 +155,7 @@ impl SessionSlot {
         Ok(self.session.as_mut())
     }
 
-    /// Runs `code` in the session with its limits, telling no one: a task's check. `None`
+    /// Runs `code` in the session with its limits, telling no one: the task's examples. `None`
     /// when `cancel` fired.
     pub async fn run_quiet(
         &mut self,
@@ -163,13 +163,35 @@ impl SessionSlot {
         code: &str,
         cancel: &CancellationToken,
     ) -> Result<Option<ExecOutcome>, ExecError> {
+        self.quiet(ExecRequest::new(language.clone(), code.to_owned()), cancel)
+            .await
+    }
+
+    /// [`SessionSlot::run_quiet`] in a fresh process that runs nothing the task's blocks left
+    /// for an interpreter's start, nor in the interpreter they kept: a task's check.
+    pub async fn run_apart(
+        &mut self,
+        language: &Language,
+        code: &str,
+        cancel: &CancellationToken,
+    ) -> Result<Option<ExecOutcome>, ExecError> {
+        self.quiet(
+            ExecRequest::new(language.clone(), code.to_owned()).isolated(),
+            cancel,
+        )
+        .await
+    }
+
+    async fn quiet(
+        &mut self,
+        req: ExecRequest,
+        cancel: &CancellationToken,
+    ) -> Result<Option<ExecOutcome>, ExecError> {
         let ctx = ExecContext::new(cancel.child_token());
         let Some(session) = self.session(cancel).await? else {
             return Ok(None);
         };
-        let ran = session
-            .run(ExecRequest::new(language.clone(), code.to_owned()), ctx)
-            .await?;
+        let ran = session.run(req, ctx).await?;
         Ok((ran.status != ExitStatus::Cancelled).then_some(ran))
     }
 

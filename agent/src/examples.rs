@@ -225,9 +225,29 @@ fn shown(text: &str) -> String {
 }
 
 /// Runs after `TASK`, `CODE` and `MOST` are set. Each example is bounded by an alarm, so
-/// one that loops costs seconds, not the block's whole limit.
+/// one that loops costs seconds, not the block's whole limit. The workspace is off `sys.path`
+/// while the runner imports what it needs and then back last, so a module the task left
+/// (`json.py`) never stands in for one the interpreter has; the path is as it was after.
 const RUNNER: &str = r#"
+def _workspace_last():
+    # posix is built in: nothing is imported from the workspace before it is off the path.
+    import posix, sys
+
+    here, was = posix.getcwd(), list(sys.path)
+
+    def inside(path, root):
+        return path == root or path.startswith(root.rstrip("/") + "/")
+
+    sys.path[:] = [p for p in sys.path if p.startswith("/") and not inside(p, here)]
+    import os
+
+    real = os.path.realpath(here)
+    sys.path[:] = [p for p in sys.path if not inside(os.path.realpath(p), real)]
+    return here, was
+
+_HERE, _WAS = _workspace_last()
 import ast, contextlib, doctest, io, json, math, re, signal, sys
+sys.path.append(_HERE)
 
 _SAID = re.compile(r"\s*(==>|==|->|=>|\u279e|should return)\s*")
 
@@ -421,7 +441,11 @@ def main():
         })
     print(json.dumps(result))
 
-main()
+try:
+    main()
+finally:
+    # A kept interpreter runs the task's next blocks with this path.
+    sys.path[:] = _WAS
 "#;
 
 #[cfg(test)]

@@ -621,3 +621,259 @@ async fn a_task_resumed_after_a_restart_does_not_draw_again() {
         .count();
     assert_eq!(drawn, 1, "{events:?}");
 }
+
+/// A suite of tasks, each a block the model runs (Python writing files) and the check that
+/// judges what it left, with the model's script for it; tasks are named `forge: ID`.
+fn forge_suite(dir: &Path, tasks: &[(&str, &str, &str)], executor: &str) -> (String, Script) {
+    let lines: Vec<String> = tasks
+        .iter()
+        .map(|(id, _, check)| {
+            serde_json::json!({"id": id, "task": format!("forge: {id}"), "executor": executor,
+                "check": {"program": check}})
+            .to_string()
+        })
+        .collect();
+    let path = dir.join("forge.jsonl");
+    std::fs::write(&path, lines.join("\n")).unwrap();
+    let script: Script = tasks
+        .iter()
+        .map(|(id, block, _)| {
+            (
+                format!("forge: {id}"),
+                vec![
+                    Reply::Text(fence("python", block)),
+                    Reply::from("Done.\n\nTERMINATE"),
+                ],
+            )
+        })
+        .collect();
+    (path.to_str().unwrap().to_owned(), script)
+}
+
+/// `tandem eval --json` of `suite` in process, its verdicts by task id, sorted.
+async fn eval_verdicts(suite: &str, url: &str, extra: &[&str]) -> (Vec<(String, String)>, String) {
+    let mut args = vec!["eval", suite, "--json", "--local", "--parallel", "3"];
+    args.extend(extra);
+    args.extend(["--base-url", url, "--model", "m"]);
+    let out = tandem(&args, &[("TANDEM_MAX_RETRIES", "0")], None).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let (tasks, _) = lines(&out.stdout);
+    (verdicts(&tasks), out.stdout)
+}
+
+fn owned(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = pairs
+        .iter()
+        .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
+        .collect();
+    v.sort();
+    v
+}
+
+/// Code the task left cannot pass a check it fails: not a module named like one the check's
+/// frame imports (traceback.py), nor like one the check imports from the standard library,
+/// nor a solution module that ends the process with exit 0 as it is imported or as the check
+/// calls it. Checks that hold, by finishing or by their own `sys.exit(0)`, still pass.
+#[tokio::test(flavor = "multi_thread")]
+async fn code_the_task_left_cannot_pass_a_check_that_does_not_hold() {
+    let exits = r#"import os\nos._exit(0)\n"#;
+    let write = |file: &str, body: &str| format!("open({file:?}, 'w').write(\"{body}\")");
+    let good = write("good.py", r#"def f():\n    return 1\n"#);
+    let tasks = [
+        (
+            "shadows-the-frame",
+            write("traceback.py", exits),
+            "assert False, 'never holds'",
+        ),
+        (
+            "shadows-the-stdlib",
+            write("fractions.py", exits),
+            "import fractions\nassert fractions.Fraction(1, 2) == 1",
+        ),
+        (
+            "exits-at-import",
+            write("solution.py", &format!("{exits}def f():\\n    return 1\\n")),
+            "import solution\nassert solution.f() == 2",
+        ),
+        (
+            "exits-when-called",
+            write("quitter.py", r#"def f():\n    raise SystemExit(0)\n"#),
+            "from quitter import f\nassert f() == 1",
+        ),
+        ("holds", good.clone(), "import good\nassert good.f() == 1"),
+        (
+            "holds-by-its-exit",
+            good.clone(),
+            "import sys, good\nsys.exit(0 if good.f() == 1 else 1)",
+        ),
+        (
+            "fails-by-its-exit",
+            good.clone(),
+            "import sys, good\nsys.exit(0 if good.f() == 2 else 1)",
+        ),
+    ];
+    let tasks: Vec<(&str, &str, &str)> = tasks
+        .iter()
+        .map(|(id, block, check)| (*id, block.as_str(), *check))
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let (suite, script) = forge_suite(dir.path(), &tasks, "local");
+    let server = ScriptedOpenAi::start(script).await.unwrap();
+    let (got, stdout) = eval_verdicts(&suite, &server.base_url(), &[]).await;
+    assert_eq!(
+        got,
+        owned(&[
+            ("shadows-the-frame", "unsolved"),
+            ("shadows-the-stdlib", "unsolved"),
+            ("exits-at-import", "unsolved"),
+            ("exits-when-called", "unsolved"),
+            ("holds", "solved"),
+            ("holds-by-its-exit", "solved"),
+            ("fails-by-its-exit", "unsolved"),
+        ]),
+        "{stdout}"
+    );
+    let (tasks, _) = lines(&stdout);
+    let detail = |id: &str| {
+        tasks.iter().find(|t| t["id"] == id).unwrap()["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    assert!(
+        detail("exits-at-import").contains("ended before the check ran to its end"),
+        "{stdout}"
+    );
+    assert!(
+        detail("exits-when-called").contains("SystemExit"),
+        "{stdout}"
+    );
+    assert!(
+        detail("shadows-the-frame").contains("never holds"),
+        "{stdout}"
+    );
+    // The verdict line the frame writes is Tandem's, not part of what the check said.
+    assert!(!stdout.contains("tandem-check"), "{stdout}");
+}
+
+/// A check runs in a fresh interpreter, never in the one a kept-state task's blocks shared:
+/// a block that swapped the builtin `exec` there cannot skip the check's code.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kept_interpreter_the_task_changed_does_not_run_its_check() {
+    use tandem_protocol::Verdict;
+    let task = "forge: kept";
+    let block = "import builtins\n_run = builtins.exec\ndef skip(code, *a, **k):\n    if getattr(code, 'co_filename', '') == '<check>':\n        return None\n    return _run(code, *a, **k)\nbuiltins.exec = skip\nprint('swapped')";
+    let server = ScriptedOpenAi::start(
+        [(
+            task.to_owned(),
+            vec![
+                Reply::Text(fence("python", block)),
+                Reply::from("Done.\n\nTERMINATE"),
+            ],
+        )]
+        .into_iter()
+        .collect(),
+    )
+    .await
+    .unwrap();
+    let d = tandem_tests::DaemonHarness::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &[],
+        None,
+    )
+    .await;
+    let id = d
+        .submit(
+            serde_json::json!({"task": task, "executor": "local", "keep_state": true,
+            "check": {"program": "assert False, 'never holds'"}}),
+        )
+        .await;
+    let t = d.wait_finished(&id, Duration::from_secs(120)).await;
+    assert!(
+        t.transcript.iter().any(|m| m.content.contains("swapped")),
+        "{t:?}"
+    );
+    let check = t.record.check.expect("a verdict");
+    assert_eq!(check.verdict, Verdict::Unsolved, "{check:?}");
+    assert!(check.detail.contains("never holds"), "{check:?}");
+}
+
+/// In Docker a block's user site (HOME is the workspace) would run its `usercustomize` in
+/// every later interpreter: never in a check's.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_docker_check_runs_no_start_up_code_the_task_left() {
+    let hook = "import builtins\n_run = builtins.exec\ndef skip(code, *a, **k):\n    if getattr(code, 'co_filename', '') == '<check>':\n        return None\n    return _run(code, *a, **k)\nbuiltins.exec = skip\n";
+    let block = format!(
+        "import os, site\nd = site.getusersitepackages()\nos.makedirs(d, exist_ok=True)\nopen(os.path.join(d, 'usercustomize.py'), 'w').write({hook:?})\nopen('good.py', 'w').write('def f():\\n    return 1\\n')"
+    );
+    let tasks = [
+        ("user-site", block.as_str(), "assert False, 'never holds'"),
+        (
+            "user-site-holds",
+            block.as_str(),
+            "import good\nassert good.f() == 1",
+        ),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let (suite, script) = forge_suite(dir.path(), &tasks, "docker");
+    let server = ScriptedOpenAi::start(script).await.unwrap();
+    let (got, stdout) = eval_verdicts(&suite, &server.base_url(), &[]).await;
+    assert_eq!(
+        got,
+        owned(&[("user-site", "unsolved"), ("user-site-holds", "solved")]),
+        "{stdout}"
+    );
+}
+
+/// The examples' runner imports nothing the task left: a `doctest.py` in the workspace that
+/// prints a verdict of every example held and exits cannot speak for the examples.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_module_the_task_left_does_not_speak_for_the_examples() {
+    let task = "Write a Python function `halve(x)`.\n\n>>> halve(4)\n2\n";
+    let forged = r#"open('doctest.py', 'w').write("import os\nos.write(1, b'{\"total\": 1, \"failed\": []}\\n')\nos._exit(0)\n")"#;
+    let server = ScriptedOpenAi::start(
+        [(
+            task.to_owned(),
+            vec![
+                Reply::Text(fence("python", forged)),
+                Reply::Text(fence("python", "def halve(x):\n    return x")),
+                Reply::from("TERMINATE"),
+            ],
+        )]
+        .into_iter()
+        .collect(),
+    )
+    .await
+    .unwrap();
+    let out = tandem(
+        &[
+            "run",
+            "--local",
+            "-e",
+            "local",
+            "--candidates",
+            "1",
+            "--base-url",
+            &server.base_url(),
+            "--model",
+            "m",
+            task,
+        ],
+        &[],
+        None,
+    )
+    .await;
+    assert!(
+        out.stdout
+            .contains("The task's examples do not all hold against your code (0 of 1 hold)"),
+        "{}\n{}",
+        out.stdout,
+        out.stderr
+    );
+    assert!(
+        !out.stdout.contains("The task's examples hold"),
+        "{}",
+        out.stdout
+    );
+}

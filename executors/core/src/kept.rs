@@ -369,7 +369,9 @@ impl Session for KeptSession {
         ctx: ExecContext,
     ) -> BoxFuture<'_, Result<ExecOutcome, ExecError>> {
         Box::pin(async move {
-            if req.language == Language::python() {
+            // An isolated block runs in a fresh process of the first session: the kept
+            // interpreter is the task's code's to change.
+            if req.language == Language::python() && !req.isolated {
                 if let Ok(mut current) = self.tools.lock() {
                     current.clone_from(&ctx.tools);
                 }

@@ -227,6 +227,10 @@ pub struct ExecRequest {
     pub code: String,
     /// Overrides the session's wall-clock limit for this block.
     pub timeout: Option<Duration>,
+    /// Runs in a fresh process that shares no kept interpreter and runs nothing earlier blocks
+    /// left for an interpreter's start (a Python user site's `usercustomize` and `.pth` files
+    /// in the workspace, which is its home): a task's check.
+    pub isolated: bool,
 }
 
 impl ExecRequest {
@@ -236,7 +240,16 @@ impl ExecRequest {
             language,
             code: code.into(),
             timeout: None,
+            isolated: false,
         }
+    }
+
+    /// The same request, run apart from what earlier blocks left for an interpreter
+    /// ([`ExecRequest::isolated`]).
+    #[must_use]
+    pub fn isolated(mut self) -> Self {
+        self.isolated = true;
+        self
     }
 }
 

@@ -116,6 +116,11 @@ async fn supervise(
         ("PYTHONDONTWRITEBYTECODE".to_owned(), "1".to_owned()),
         (MARKER_VAR.to_owned(), exec_id.clone()),
     ]);
+    if req.isolated {
+        // HOME is the workspace: its user site is the blocks' to fill. (A block forked from
+        // the fork server has the server's start-up, which read no workspace.)
+        env.push(("PYTHONNOUSERSITE".to_owned(), "1".to_owned()));
+    }
     // The block's tools channel: a socket pair made here, its end inherited by the block.
     let channel = match &ctx.tools {
         Some(handler) => Some(tools_channel(session, &mut env, handler.clone())?),

@@ -495,6 +495,10 @@ pub async fn run(
         .copied()
         .chain([("PYTHONUNBUFFERED", "1"), ("PYTHONDONTWRITEBYTECODE", "1")])
         .collect();
+    if req.isolated {
+        // HOME is the workspace: its user site is the blocks' to fill.
+        env.insert("PYTHONNOUSERSITE", "1");
+    }
     let token = tandem_executor::toolchannel::secret();
     let mut relay = ctx.tools.clone().map(|handler| {
         env.insert("TANDEM_TOOLS_TOKEN", &token);

@@ -1,6 +1,6 @@
 """Tandem from Python: a client of the daemon (`tandem serve`), and its sandboxes behind
 AutoGen's (`tandem_client.autogen`) and smolagents' (`tandem_client.smolagents`) executors."""
-from ._client import AsyncClient, AsyncSession, Client, Event, Session
+from ._client import MAX_READ_BYTES, AsyncClient, AsyncSession, Client, Event, Session
 from ._connection import default_socket
 from ._errors import (
     Conflict,
@@ -12,6 +12,7 @@ from ._errors import (
     SandboxError,
     TandemError,
     TaskFailed,
+    TooLarge,
     TooMany,
     Unauthorized,
     Unavailable,
@@ -19,6 +20,7 @@ from ._errors import (
 from ._models import BlockResult, FileInfo, SessionInfo, Task, TaskSpec, Upload
 
 __all__ = [
+    "MAX_READ_BYTES",
     "AsyncClient",
     "AsyncSession",
     "BlockResult",
@@ -38,6 +40,7 @@ __all__ = [
     "Task",
     "TaskFailed",
     "TaskSpec",
+    "TooLarge",
     "TooMany",
     "Unauthorized",
     "Unavailable",

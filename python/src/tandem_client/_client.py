@@ -13,7 +13,7 @@ import os
 import pathlib
 import tarfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, List, Union
 from urllib.parse import quote
@@ -26,6 +26,7 @@ from ._errors import (
     SandboxError,
     TandemError,
     TaskFailed,
+    TooLarge,
     from_answer,
 )
 from ._models import BlockResult, FileInfo, SessionInfo, Task, Upload
@@ -43,6 +44,18 @@ OutputFn = Callable[[str, str], Any]
 # block, so the client waits that long and this much more before it gives up on the daemon.
 _STREAM_GRACE = 60.0
 _DEFAULT_BLOCK_WAIT = 3600.0
+
+MAX_READ_BYTES = 64 * 1024 * 1024
+"""Most bytes the client reads of one workspace file (`read_file`'s default `max_bytes`), and of
+any other one answer, NDJSON line or event (`Client`'s default `max_answer_bytes`): 64 MiB.
+What a session's code leaves can be any size; a body past the cap is not read further, and
+`TooLarge` names it, its size when the daemon said it, and how to raise the cap."""
+
+_RAISE_ANSWER = "raise the cap with Client(max_answer_bytes=N) or AsyncClient(max_answer_bytes=N)"
+_RAISE_FILE = (
+    "read_file(path, max_bytes=N) reads up to N bytes; or have the sandbox's code read a part "
+    "of it (head -c, f.read(n)) and print that"
+)
 
 
 @dataclass
@@ -77,14 +90,107 @@ def _pack(files: Mapping[str, FileSource]) -> bytes:
     return out.getvalue()
 
 
-def _answer(response: httpx.Response, raw: bool = False) -> Any:
-    if response.status_code >= 400:
-        raise from_answer(response.status_code, response.content)
+def _cap(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a whole number of bytes, at least 1, not {value!r}")
+    return value
+
+
+def _told_size(response: httpx.Response) -> int | None:
+    """The body's length as the daemon said it (before any content encoding), if it did."""
+    try:
+        size = int(response.headers.get("content-length", ""))
+    except ValueError:
+        return None
+    return size if size >= 0 else None
+
+
+class _Body:
+    """One body read up to `cap` bytes, else TooLarge naming `what` and how to raise the cap."""
+
+    def __init__(self, response: httpx.Response, cap: int, what: str, hint: str) -> None:
+        self.cap, self.what, self.hint = cap, what, hint
+        self.size = _told_size(response)
+        if self.size is not None and self.size > cap:
+            raise self.over()
+        self.data = bytearray()
+
+    def over(self) -> TooLarge:
+        return TooLarge(self.what, self.size, self.cap, self.hint)
+
+    def add(self, chunk: bytes) -> None:
+        self.data += chunk
+        if len(self.data) > self.cap:
+            raise self.over()
+
+
+def _read(response: httpx.Response, cap: int, what: str, hint: str) -> bytes:
+    body = _Body(response, cap, what, hint)
+    for chunk in response.iter_bytes():
+        body.add(chunk)
+    return bytes(body.data)
+
+
+async def _aread(response: httpx.Response, cap: int, what: str, hint: str) -> bytes:
+    body = _Body(response, cap, what, hint)
+    async for chunk in response.aiter_bytes():
+        body.add(chunk)
+    return bytes(body.data)
+
+
+class _Lines:
+    """Lines cut from a body's chunks, none longer than `cap` bytes (else TooLarge): the line
+    ends of NDJSON and of the daemon's Server-Sent Events, `\n` with an optional `\r`."""
+
+    def __init__(self, cap: int, what: str, hint: str) -> None:
+        self.cap, self.what, self.hint = cap, what, hint
+        self.rest = bytearray()
+
+    def feed(self, chunk: bytes) -> List[str]:
+        self.rest += chunk
+        lines, start = [], 0
+        while True:
+            end = self.rest.find(b"\n", start)
+            if end < 0:
+                break
+            lines.append(self._text(self.rest[start:end]))
+            start = end + 1
+        del self.rest[:start]
+        if len(self.rest) > self.cap:
+            raise TooLarge(f"a line of {self.what}", None, self.cap, self.hint)
+        return lines
+
+    def end(self) -> List[str]:
+        return [self._text(self.rest)] if self.rest else []
+
+    def _text(self, line: bytearray) -> str:
+        return line.rstrip(b"\r").decode("utf-8", "replace")
+
+
+def _lines(chunks: Iterable[bytes], cap: int, what: str, hint: str) -> Iterator[str]:
+    cut = _Lines(cap, what, hint)
+    for chunk in chunks:
+        yield from cut.feed(chunk)
+    yield from cut.end()
+
+
+async def _alines(chunks: AsyncIterable[bytes], cap: int, what: str, hint: str) -> AsyncIterator[str]:
+    cut = _Lines(cap, what, hint)
+    async for chunk in chunks:
+        for line in cut.feed(chunk):
+            yield line
+    for line in cut.end():
+        yield line
+
+
+def _answer(status: int, headers: httpx.Headers, body: bytes, raw: bool = False) -> Any:
+    if status >= 400:
+        raise from_answer(status, body)
     if raw:
-        return response.content
-    if response.headers.get("content-type", "").startswith("application/json"):
-        return response.json()
-    return response.content
+        return body
+    if headers.get("content-type", "").startswith("application/json"):
+        return json.loads(body)
+    return body
 
 
 def _tool_reply(fn: ToolFn | None, name: str, arguments: Any) -> dict[str, str]:
@@ -106,10 +212,12 @@ def _block_end(event: dict[str, Any]) -> BlockResult:
 
 
 class _Sse:
-    """Server-Sent Events read line by line: `feed` returns an event when a blank line ends one."""
+    """Server-Sent Events read line by line: `feed` returns an event when a blank line ends one.
+    An event's data past `cap` bytes raises TooLarge."""
 
-    def __init__(self) -> None:
-        self.seq, self.kind = 0, ""
+    def __init__(self, cap: int = MAX_READ_BYTES, hint: str = _RAISE_ANSWER) -> None:
+        self.cap, self.hint = cap, hint
+        self.seq, self.kind, self.size = 0, "", 0
         self.data: List[str] = []
 
     def feed(self, line: str) -> Event | None:
@@ -118,7 +226,7 @@ class _Sse:
             if self.data:
                 payload = json.loads("\n".join(self.data))
                 event = Event(self.seq or int(payload.get("seq", 0)), self.kind or payload.get("type", ""), payload)
-            self.seq, self.kind, self.data = 0, "", []
+            self.seq, self.kind, self.data, self.size = 0, "", [], 0
             return event
         if line.startswith(":"):
             return None
@@ -129,12 +237,15 @@ class _Sse:
         elif name == "event":
             self.kind = value
         elif name == "data":
+            self.size += len(value) + 1
+            if self.size > self.cap:
+                raise TooLarge("an event of the task's stream", None, self.cap, self.hint)
             self.data.append(value)
         return None
 
 
-def _sse_events(lines: Iterator[str]) -> Iterator[Event]:
-    sse = _Sse()
+def _sse_events(lines: Iterator[str], cap: int = MAX_READ_BYTES) -> Iterator[Event]:
+    sse = _Sse(cap)
     for line in lines:
         event = sse.feed(line)
         if event is not None:
@@ -182,8 +293,9 @@ _NDJSON = {"accept": "application/x-ndjson"}
 
 
 class _Base:
-    def __init__(self, host: str | None, token: str | None) -> None:
+    def __init__(self, host: str | None, token: str | None, max_answer_bytes: int) -> None:
         self._conn: Connection = resolve(host, token)
+        self._max_answer = _cap(max_answer_bytes, "max_answer_bytes")
         self._headers = {"authorization": f"Bearer {self._conn.token}"} if self._conn.token else {}
 
     @property
@@ -200,11 +312,19 @@ class Client(_Base):
 
     `host` is unix:///path/to.sock (or /path/to.sock) or tcp://host:port; left out, the
     TANDEM_HOST variable, else the default socket. Over TCP the token is `token`, else
-    TANDEM_TOKEN, else the daemon's token file.
+    TANDEM_TOKEN, else the daemon's token file. No answer, NDJSON line or event is read past
+    `max_answer_bytes` (and no file past `read_file`'s `max_bytes`): `TooLarge` instead.
     """
 
-    def __init__(self, host: str | None = None, token: str | None = None, timeout: float = 30.0) -> None:
-        super().__init__(host, token)
+    def __init__(
+        self,
+        host: str | None = None,
+        token: str | None = None,
+        timeout: float = 30.0,
+        *,
+        max_answer_bytes: int = MAX_READ_BYTES,
+    ) -> None:
+        super().__init__(host, token, max_answer_bytes)
         transport = httpx.HTTPTransport(uds=self._conn.socket) if self._conn.socket else None
         self._http = httpx.Client(
             base_url=self._conn.base_url,
@@ -223,12 +343,22 @@ class Client(_Base):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: str, path: str, raw: bool = False, **kw: Any) -> Any:
+    def _call(self, method: str, path: str, raw: bool = False, *, file: tuple[str, int] | None = None, **kw: Any) -> Any:
+        """The answer to one request, read whole up to the answer cap, or for `file` (its name
+        and cap) up to that file's cap."""
         try:
-            response = self._http.request(method, path, **kw)
+            with self._http.stream(method, path, **kw) as response:
+                if file is None:
+                    body = _read(response, self._max_answer, f"the answer to {method} {path}", _RAISE_ANSWER)
+                else:
+                    body = _read(response, file[1], f"the workspace file `{file[0]}`", _RAISE_FILE)
         except httpx.TransportError as e:
             raise self._unreachable(e) from e
-        return _answer(response, raw)
+        return _answer(response.status_code, response.headers, body, raw)
+
+    def _error(self, response: httpx.Response, what: str) -> TandemError:
+        body = _read(response, self._max_answer, what, _RAISE_ANSWER)
+        return from_answer(response.status_code, body)
 
     # Tasks
 
@@ -278,9 +408,9 @@ class Client(_Base):
                     "GET", f"/v1/tasks/{_q(task_id)}/events", params=params, timeout=httpx.Timeout(5.0, read=None)
                 ) as response:
                     if response.status_code >= 400:
-                        response.read()
-                        raise from_answer(response.status_code, response.content)
-                    for event in _sse_events(response.iter_lines()):
+                        raise self._error(response, "the task's events")
+                    lines = _lines(response.iter_bytes(), self._max_answer, "the task's events", _RAISE_ANSWER)
+                    for event in _sse_events(lines, self._max_answer):
                         last, retries = event.seq, 0
                         yield event
                         if event.type == "task_finished":
@@ -310,7 +440,8 @@ class Client(_Base):
                     params={"after": 0},
                     timeout=httpx.Timeout(5.0, read=min(15.0, timeout or 15.0)),
                 ) as response:
-                    for event in _sse_events(response.iter_lines()):
+                    lines = _lines(response.iter_bytes(), self._max_answer, "the task's events", _RAISE_ANSWER)
+                    for event in _sse_events(lines, self._max_answer):
                         if event.type == "task_finished":
                             break
                         if deadline is not None and time.monotonic() > deadline:
@@ -339,9 +470,11 @@ class Client(_Base):
         """The regular files of the task's workspace."""
         return self._call("GET", f"/v1/tasks/{_q(task_id)}/files")["files"]
 
-    def read_file(self, task_id: str, path: str) -> bytes:
-        """One file of the task's workspace."""
-        return self._call("GET", f"/v1/tasks/{_q(task_id)}/files/{quote(path)}", raw=True)
+    def read_file(self, task_id: str, path: str, max_bytes: int = MAX_READ_BYTES) -> bytes:
+        """One file of the task's workspace, read up to `max_bytes` (64 MiB by default,
+        MAX_READ_BYTES): a larger one raises TooLarge, having read none of it or no more."""
+        cap = _cap(max_bytes, "max_bytes")
+        return self._call("GET", f"/v1/tasks/{_q(task_id)}/files/{quote(path)}", raw=True, file=(path, cap))
 
     def executors(self) -> List[dict[str, Any]]:
         """The daemon's executors, their languages and health."""
@@ -415,10 +548,9 @@ class Session:
                 timeout=_stream_timeout(timeout),
             ) as response:
                 if response.status_code >= 400:
-                    response.read()
-                    raise from_answer(response.status_code, response.content)
+                    raise c._error(response, "the block's run")
                 try:
-                    for line in response.iter_lines():
+                    for line in _lines(response.iter_bytes(), c._max_answer, "the block's run", _RAISE_ANSWER):
                         if not line:
                             continue
                         event = json.loads(line)
@@ -448,9 +580,11 @@ class Session:
         """The regular files of the session's workspace."""
         return self._client._call("GET", f"/v1/sessions/{_q(self.id)}/files")["files"]
 
-    def read_file(self, path: str) -> bytes:
-        """One file of the workspace."""
-        return self._client._call("GET", f"/v1/sessions/{_q(self.id)}/files/{quote(path)}", raw=True)
+    def read_file(self, path: str, max_bytes: int = MAX_READ_BYTES) -> bytes:
+        """One file of the workspace, read up to `max_bytes` (64 MiB by default,
+        MAX_READ_BYTES): a larger one raises TooLarge, having read none of it or no more."""
+        cap = _cap(max_bytes, "max_bytes")
+        return self._client._call("GET", f"/v1/sessions/{_q(self.id)}/files/{quote(path)}", raw=True, file=(path, cap))
 
     def put_files(self, files: Mapping[str, FileSource]) -> Upload:
         """Places files in the workspace (path -> content or local path), between blocks."""
@@ -474,10 +608,18 @@ class Session:
 
 
 class AsyncClient(_Base):
-    """`Client` for asyncio: the same methods, awaited; `follow` is an async iterator."""
+    """`Client` for asyncio: the same methods, awaited; `follow` is an async iterator. The
+    same caps: `max_answer_bytes`, and `read_file`'s `max_bytes`."""
 
-    def __init__(self, host: str | None = None, token: str | None = None, timeout: float = 30.0) -> None:
-        super().__init__(host, token)
+    def __init__(
+        self,
+        host: str | None = None,
+        token: str | None = None,
+        timeout: float = 30.0,
+        *,
+        max_answer_bytes: int = MAX_READ_BYTES,
+    ) -> None:
+        super().__init__(host, token, max_answer_bytes)
         transport = httpx.AsyncHTTPTransport(uds=self._conn.socket) if self._conn.socket else None
         self._http = httpx.AsyncClient(
             base_url=self._conn.base_url,
@@ -496,12 +638,23 @@ class AsyncClient(_Base):
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _call(self, method: str, path: str, raw: bool = False, **kw: Any) -> Any:
+    async def _call(
+        self, method: str, path: str, raw: bool = False, *, file: tuple[str, int] | None = None, **kw: Any
+    ) -> Any:
+        """The answer to one request (see `Client._call`)."""
         try:
-            response = await self._http.request(method, path, **kw)
+            async with self._http.stream(method, path, **kw) as response:
+                if file is None:
+                    body = await _aread(response, self._max_answer, f"the answer to {method} {path}", _RAISE_ANSWER)
+                else:
+                    body = await _aread(response, file[1], f"the workspace file `{file[0]}`", _RAISE_FILE)
         except httpx.TransportError as e:
             raise self._unreachable(e) from e
-        return _answer(response, raw)
+        return _answer(response.status_code, response.headers, body, raw)
+
+    async def _error(self, response: httpx.Response, what: str) -> TandemError:
+        body = await _aread(response, self._max_answer, what, _RAISE_ANSWER)
+        return from_answer(response.status_code, body)
 
     async def submit(self, task: str, *, files: Mapping[str, FileSource] | str | None = None, **spec: Any) -> Task:
         """Queues a task (see `Client.submit`)."""
@@ -547,10 +700,10 @@ class AsyncClient(_Base):
                     "GET", f"/v1/tasks/{_q(task_id)}/events", params=params, timeout=httpx.Timeout(5.0, read=None)
                 ) as response:
                     if response.status_code >= 400:
-                        await response.aread()
-                        raise from_answer(response.status_code, response.content)
-                    sse = _Sse()
-                    async for line in response.aiter_lines():
+                        raise await self._error(response, "the task's events")
+                    sse = _Sse(self._max_answer)
+                    lines = _alines(response.aiter_bytes(), self._max_answer, "the task's events", _RAISE_ANSWER)
+                    async for line in lines:
                         event = sse.feed(line)
                         if event is None:
                             continue
@@ -597,9 +750,10 @@ class AsyncClient(_Base):
         """The regular files of the task's workspace."""
         return (await self._call("GET", f"/v1/tasks/{_q(task_id)}/files"))["files"]
 
-    async def read_file(self, task_id: str, path: str) -> bytes:
-        """One file of the task's workspace."""
-        return await self._call("GET", f"/v1/tasks/{_q(task_id)}/files/{quote(path)}", raw=True)
+    async def read_file(self, task_id: str, path: str, max_bytes: int = MAX_READ_BYTES) -> bytes:
+        """One file of the task's workspace, read up to `max_bytes` (see `Client.read_file`)."""
+        cap = _cap(max_bytes, "max_bytes")
+        return await self._call("GET", f"/v1/tasks/{_q(task_id)}/files/{quote(path)}", raw=True, file=(path, cap))
 
     async def executors(self) -> List[dict[str, Any]]:
         """The daemon's executors, their languages and health."""
@@ -679,10 +833,9 @@ class AsyncSession:
                 timeout=_stream_timeout(timeout),
             ) as response:
                 if response.status_code >= 400:
-                    await response.aread()
-                    raise from_answer(response.status_code, response.content)
+                    raise await c._error(response, "the block's run")
                 try:
-                    async for line in response.aiter_lines():
+                    async for line in _alines(response.aiter_bytes(), c._max_answer, "the block's run", _RAISE_ANSWER):
                         if not line:
                             continue
                         event = json.loads(line)
@@ -715,9 +868,12 @@ class AsyncSession:
         """The regular files of the session's workspace."""
         return (await self._client._call("GET", f"/v1/sessions/{_q(self.id)}/files"))["files"]
 
-    async def read_file(self, path: str) -> bytes:
-        """One file of the workspace."""
-        return await self._client._call("GET", f"/v1/sessions/{_q(self.id)}/files/{quote(path)}", raw=True)
+    async def read_file(self, path: str, max_bytes: int = MAX_READ_BYTES) -> bytes:
+        """One file of the workspace, read up to `max_bytes` (see `Session.read_file`)."""
+        cap = _cap(max_bytes, "max_bytes")
+        return await self._client._call(
+            "GET", f"/v1/sessions/{_q(self.id)}/files/{quote(path)}", raw=True, file=(path, cap)
+        )
 
     async def put_files(self, files: Mapping[str, FileSource]) -> Upload:
         """Places files in the workspace, between blocks."""

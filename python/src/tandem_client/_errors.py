@@ -63,6 +63,22 @@ class SandboxError(TandemError):
     """The sandbox itself failed while a block ran (not the program); its session is closed."""
 
 
+class TooLarge(TandemError):
+    """An answer, file, line or event larger than the client reads: it stopped reading there.
+    `what` it was, its `size` in bytes when the daemon said it (else None), and the `cap`."""
+
+    def __init__(self, what: str, size: int | None, cap: int, hint: str) -> None:
+        told = f"is {size} bytes, over" if size is not None else "is larger than"
+        super().__init__("too_large", f"{what} {told} this client's cap of {cap} bytes ({_mib(cap)}); {hint}")
+        self.what = what
+        self.size = size
+        self.cap = cap
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1024 * 1024):g} MiB"
+
+
 class TaskFailed(TandemError):
     """A task that ended without solving: its stop reason, and the record."""
 

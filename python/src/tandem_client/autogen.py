@@ -17,7 +17,7 @@ from autogen_core import CancellationToken, Component
 from autogen_core.code_executor import CodeBlock, CodeExecutor, CodeResult
 from pydantic import BaseModel
 
-from ._client import AsyncClient, AsyncSession
+from ._client import MAX_READ_BYTES, AsyncClient, AsyncSession
 from ._errors import TandemError
 from ._models import FileInfo
 
@@ -184,9 +184,10 @@ class TandemCodeExecutor(CodeExecutor, Component[TandemCodeExecutorConfig]):
         """The files the blocks wrote in the session's workspace."""
         return await self.session.files()
 
-    async def read_file(self, path: str) -> bytes:
-        """One file of the session's workspace."""
-        return await self.session.read_file(path)
+    async def read_file(self, path: str, max_bytes: int = MAX_READ_BYTES) -> bytes:
+        """One file of the session's workspace, read up to `max_bytes` (64 MiB by default):
+        a larger one raises TooLarge."""
+        return await self.session.read_file(path, max_bytes)
 
     async def put_files(self, files: dict[str, Any]) -> None:
         """Places files in the workspace (path -> bytes, text or a local path)."""

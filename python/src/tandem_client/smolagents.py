@@ -24,11 +24,16 @@ from smolagents.remote_executors import RemotePythonExecutor
 from smolagents.utils import AgentError
 
 from ._client import Client, Session
+from ._errors import TooLarge
 
 __all__ = ["TandemExecutor"]
 
 # The one session tool every stub calls through; the client routes by the tool's name.
 DISPATCH = "smolagents"
+
+REPORT_MAX_BYTES = 8 * 1024 * 1024
+"""Most bytes of a step's report read back (its value as JSON, or a picture as PNG): the
+step's code can leave anything at the report's path, so it is read no further than this."""
 
 # Defined once in the interpreter: the final-answer signal, tool stubs, and the step runner
 # that keeps the last expression's value (as a notebook shows it) and reports how the step
@@ -108,6 +113,8 @@ class TandemExecutor(RemotePythonExecutor):
         executor: the Tandem executor (local or docker, which keep an interpreter).
         timeout: seconds each step's code may run before it is killed.
         host, token: the daemon, found as `tandem_client.Client` finds it when left out.
+        max_report_bytes: most bytes of a step's report read back (8 MiB by default,
+            REPORT_MAX_BYTES); a larger one fails the step with an AgentError that says so.
     """
 
     def __init__(
@@ -120,9 +127,11 @@ class TandemExecutor(RemotePythonExecutor):
         host: str | None = None,
         token: str | None = None,
         allow_pickle: bool = False,
+        max_report_bytes: int = REPORT_MAX_BYTES,
     ) -> None:
         super().__init__(additional_imports, logger or AgentLogger(level=LogLevel.OFF), allow_pickle)
         self.timeout = timeout
+        self.max_report_bytes = max_report_bytes
         self.tools: dict[str, Any] = {}
         self.client = Client(host, token)
         self._report = f".smolagents-step-{uuid.uuid4().hex[:12]}.json"
@@ -170,7 +179,15 @@ class TandemExecutor(RemotePythonExecutor):
             raise AgentError(f"the code ran past its {self.timeout:g} s timeout and was killed\n{logs}", self.logger)
         if result.get("exit_code") != 0:
             raise AgentError(_cut_prelude(result["stderr"]) or f"the code ended with {result['status']}", self.logger)
-        outcome = json.loads(self.session.read_file(self._report))
+        try:
+            report = self.session.read_file(self._report, max_bytes=self.max_report_bytes)
+        except TooLarge as e:
+            raise AgentError(
+                f"the step's report was not read: {e.message}. Its value is too big to bring back; "
+                "keep it in a variable and print a part of it",
+                self.logger,
+            ) from e
+        outcome = json.loads(report)
         if outcome["final"]:
             args = [_decode(a) for a in outcome["args"]]
             kwargs = {k: _decode(v) for k, v in outcome["kwargs"].items()}
