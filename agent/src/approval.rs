@@ -115,6 +115,14 @@ impl Compiled {
         }
     }
 
+    /// The first deny rule that matches any of `texts`.
+    fn denying<'a>(&'a self, texts: &[String]) -> Option<&'a str> {
+        self.deny
+            .iter()
+            .find(|(_, re)| texts.iter().any(|t| re.is_match(t)))
+            .map(|(name, _)| name.as_str())
+    }
+
     fn verdict(&self, language: &Language, executor: &dyn Executor, code: &str) -> Verdict {
         if let Some((name, _)) = self.deny.iter().find(|(_, re)| re.is_match(code)) {
             return Verdict::Deny { rule: name.clone() };
@@ -323,14 +331,51 @@ impl ApprovalGate {
         self
     }
 
-    /// Whether some block could be asked about (so a person must be there to answer).
+    /// Whether some block or call could be asked about (so a person must be there to answer):
+    /// `ask_tools` asks in every mode.
     pub fn may_ask(&self) -> bool {
-        self.policies.iter().any(|p| p.mode != ApprovalMode::Never)
+        self.policies
+            .iter()
+            .any(|p| p.mode != ApprovalMode::Never || !p.ask_tools.is_empty())
     }
 
-    /// Whether the gate lets every block through (no deny rule, never asks).
+    /// Whether the gate lets every block and call through (no deny rule, no tool denied,
+    /// never asks).
     pub fn is_open(&self) -> bool {
-        !self.may_ask() && self.policies.iter().all(|p| p.deny.is_empty())
+        !self.may_ask()
+            && self
+                .policies
+                .iter()
+                .all(|p| p.deny.is_empty() && p.deny_tools.is_empty())
+    }
+
+    /// Whether every block runs unasked: no deny rule, and no mode that asks about blocks
+    /// (rules about tools aside).
+    pub fn blocks_open(&self) -> bool {
+        self.policies
+            .iter()
+            .all(|p| p.mode == ApprovalMode::Never && p.deny.is_empty())
+    }
+
+    /// The deny rule that refuses the command tool `argv`, run with `arguments` (the JSON its
+    /// stdin gets) when given. A command is as much a program as a block: the rules search
+    /// each of its words, the whole line, and the arguments both as sent and as each string
+    /// in them decodes (an escape such as `\u0072m` must not hide `rm`).
+    pub fn denies_command(&self, argv: &[String], arguments: Option<&str>) -> Option<String> {
+        let texts = command_texts(argv, arguments);
+        self.policies
+            .iter()
+            .find_map(|p| p.denying(&texts))
+            .map(str::to_owned)
+    }
+
+    /// The strictest verdict on a call of command tool `name` (`argv`) with `arguments`: its
+    /// name's, or a deny rule's on what it would run.
+    fn command_verdict(&self, name: &str, argv: &[String], arguments: &str) -> Verdict {
+        match self.denies_command(argv, Some(arguments)) {
+            Some(rule) => Verdict::Deny { rule },
+            None => self.tool_verdict(name),
+        }
     }
 
     /// The strictest verdict of the policies on a block.
@@ -352,21 +397,26 @@ impl ApprovalGate {
     }
 
     /// Decides a call of tool `name` with `arguments` (a person sees them as the code, and
-    /// an edit replaces them): `Ok(arguments)` to run, `Err(reason)` for the model.
+    /// an edit replaces them): `Ok(arguments)` to run, `Err(reason)` for the model. A command
+    /// tool's `argv` is judged by the deny rules with the arguments, a person's edit again.
     pub(crate) async fn decide_tool(
         &self,
         name: &str,
+        argv: Option<&[String]>,
         arguments: &str,
         at: &BlockAt<'_>,
     ) -> Option<Result<String, String>> {
-        let verdict = self.tool_verdict(name);
+        let judge = |arguments: &str| match argv {
+            Some(argv) => self.command_verdict(name, argv, arguments),
+            None => self.tool_verdict(name),
+        };
         self.settle(
-            verdict,
+            judge(arguments),
             &Language::new("tool"),
             arguments,
             "call",
             at,
-            &|_| self.tool_verdict(name),
+            &judge,
         )
         .await
     }
@@ -538,6 +588,33 @@ fn denial(rule: &str, what: Option<&str>) -> String {
         "the operator's approval policy does not allow {} (deny rule `{rule}`)",
         what.unwrap_or("this code")
     )
+}
+
+/// What the deny rules search of a command tool's run: each word of `argv`, the words as one
+/// line, and `arguments` as sent and each string (key or value) in it decoded.
+fn command_texts(argv: &[String], arguments: Option<&str>) -> Vec<String> {
+    let mut texts = argv.to_vec();
+    texts.push(argv.join(" "));
+    if let Some(arguments) = arguments {
+        texts.push(arguments.to_owned());
+        if let Ok(value) = serde_json::from_str::<serde_json::Value>(arguments) {
+            let mut stack = vec![&value];
+            while let Some(v) = stack.pop() {
+                match v {
+                    serde_json::Value::String(s) => texts.push(s.clone()),
+                    serde_json::Value::Array(items) => stack.extend(items),
+                    serde_json::Value::Object(map) => {
+                        for (k, v) in map {
+                            texts.push(k.clone());
+                            stack.push(v);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    texts
 }
 
 /// What the model is told of a block that needs a person's approval when no one can be asked.
@@ -717,5 +794,61 @@ mod tests {
         // Nothing to check: the gate is open and never asks.
         let open = ApprovalGate::new(&ApprovalPolicy::default(), None).unwrap();
         assert!(open.is_open() && !open.may_ask());
+    }
+
+    #[test]
+    fn tool_rules_close_the_gate_in_never_mode_and_deny_rules_see_commands() {
+        // "never" with rules about tools alone still has something to judge.
+        let deny_tools = ApprovalPolicy {
+            deny_tools: vec!["erase".to_owned()],
+            ..ApprovalPolicy::default()
+        };
+        let gate = ApprovalGate::new(&deny_tools, None).unwrap();
+        assert!(!gate.is_open() && gate.blocks_open() && !gate.may_ask());
+        let ask_tools = ApprovalPolicy {
+            ask_tools: vec!["send_mail".to_owned()],
+            ..ApprovalPolicy::default()
+        };
+        let gate = ApprovalGate::new(&ask_tools, None).unwrap();
+        assert!(!gate.is_open() && gate.may_ask());
+
+        let never = ApprovalPolicy {
+            deny: vec![rule("rm root", r"rm\s+-rf\s+/")],
+            ..ApprovalPolicy::default()
+        };
+        let gate = ApprovalGate::new(&never, None).unwrap();
+        let argv = |words: &[&str]| words.iter().map(|w| (*w).to_owned()).collect::<Vec<_>>();
+        let denied = Some("rm root".to_owned());
+        // In the program's words, across them, and in the arguments (escaped or not).
+        assert_eq!(
+            gate.denies_command(&argv(&["sh", "-c", "rm -rf /"]), None),
+            denied
+        );
+        assert_eq!(
+            gate.denies_command(&argv(&["rm", "-rf", "/"]), None),
+            denied
+        );
+        let sh = argv(&["sh", "-c", "sh"]);
+        assert_eq!(gate.denies_command(&sh, None), None);
+        assert_eq!(
+            gate.denies_command(&sh, Some(r#"{"cmd": "rm -rf /"}"#)),
+            denied
+        );
+        assert_eq!(
+            gate.denies_command(&sh, Some(r#"{"cmd": ["rm\n-rf\t/"]}"#)),
+            denied
+        );
+        assert_eq!(
+            gate.denies_command(&sh, Some(r#"{"cmd": "\u0072m -rf /"}"#)),
+            denied
+        );
+        assert_eq!(gate.denies_command(&sh, Some(r#"{"cmd": "ls /"}"#)), None);
+        assert_eq!(
+            gate.command_verdict("x", &sh, r#"{"cmd": "rm -rf /"}"#),
+            Verdict::Deny {
+                rule: "rm root".to_owned()
+            }
+        );
+        assert_eq!(gate.command_verdict("x", &sh, "{}"), Verdict::Run);
     }
 }

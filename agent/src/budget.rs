@@ -34,6 +34,24 @@ pub fn add_cost(so_far: Option<f64>, price: Option<&Price>, usage: Usage) -> Opt
     Some(so_far? + price?.cost(usage))
 }
 
+/// Bytes counted as one token where a server reports no usage: about what English text and
+/// code come to in the common BPE tokenizers, so an estimate is near the truth, not far below
+/// it.
+pub const BYTES_PER_TOKEN: usize = 4;
+
+/// The usage of a call whose answer carried none, from what was sent (`prompt_bytes`: the
+/// messages' text and calls, and the tools offered) and what came back (`reply_bytes`: the
+/// reply's text and calls): a token per [`BYTES_PER_TOKEN`] bytes, rounded up, so any text is
+/// at least one token. Marked as an estimate.
+pub fn estimate(prompt_bytes: usize, reply_bytes: usize) -> Usage {
+    let tokens = |bytes: usize| bytes.div_ceil(BYTES_PER_TOKEN) as u64;
+    Usage {
+        prompt_tokens: tokens(prompt_bytes),
+        completion_tokens: tokens(reply_bytes),
+        estimated: true,
+    }
+}
+
 /// A task's budgets; each one left out is no limit.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Budget {
@@ -86,6 +104,7 @@ mod tests {
         Usage {
             prompt_tokens,
             completion_tokens,
+            estimated: false,
         }
     }
 
@@ -114,6 +133,20 @@ mod tests {
                 .reached(used(u64::MAX, u64::MAX), f64::MAX)
                 .is_none()
         );
+    }
+
+    #[test]
+    fn an_estimate_is_a_token_per_four_bytes_rounded_up_and_says_so() {
+        let e = estimate(401, 4);
+        assert_eq!(
+            (e.prompt_tokens, e.completion_tokens, e.estimated),
+            (101, 1, true)
+        );
+        assert_eq!(estimate(1, 0).prompt_tokens, 1);
+        assert_eq!(estimate(0, 0).completion_tokens, 0);
+        let mut sum = used(1, 1);
+        sum.add(e);
+        assert!(sum.estimated);
     }
 
     #[test]

@@ -340,6 +340,14 @@ impl ChatModel {
                 .instrument(span.clone())
                 .await
         };
+        // A call the server says nothing of is still spent: counted by estimate, so budgets
+        // and costs hold against servers and proxies that send no `usage`.
+        let result = result.map(|mut done| {
+            if done.usage.is_none() {
+                done.usage = Some(estimated_usage(messages, tools, &done));
+            }
+            done
+        });
         match &result {
             Ok(done) => {
                 if let Some(ttft) = first {
@@ -389,8 +397,10 @@ impl ChatModel {
         if span.is_disabled() {
             return;
         }
-        // A server that does not say what a call used leaves it out; it is not zero.
         if let Some(usage) = done.usage {
+            if usage.estimated {
+                crate::trace::set(span, "tandem.usage.estimated", true);
+            }
             let tokens = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
             crate::trace::set(
                 span,
@@ -922,8 +932,29 @@ impl From<WireUsage> for Usage {
         Usage {
             prompt_tokens: u.prompt_tokens,
             completion_tokens: u.completion_tokens,
+            estimated: false,
         }
     }
+}
+
+/// The usage of a call whose answer carried none, estimated from its bytes
+/// ([`crate::budget::estimate`]): the prompt is the messages' text, names and calls and the
+/// tools offered; the reply its text and calls.
+fn estimated_usage(messages: &[Message], tools: Option<&ToolOffer>, done: &Completion) -> Usage {
+    let calls = |calls: &[ToolCall]| -> usize {
+        calls.iter().map(|c| c.name.len() + c.arguments.len()).sum()
+    };
+    let sent: usize = messages
+        .iter()
+        .map(|m| m.content.len() + m.name.as_ref().map_or(0, String::len) + calls(&m.tool_calls))
+        .sum::<usize>()
+        + tools.map_or(0, |t| {
+            t.tools
+                .iter()
+                .map(|tool| tool.to_string().len())
+                .sum::<usize>()
+        });
+    crate::budget::estimate(sent, done.text.len() + calls(&done.tool_calls))
 }
 
 /// Messages in the conventions' shape (`role` and text `parts`), as one JSON string.

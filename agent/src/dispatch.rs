@@ -274,8 +274,10 @@ async fn run_code(
 }
 
 /// Takes up a call of `tool` (not `execute_code`, whose block is asked about as a block):
-/// asks about it where the policy says, and tells it. The arguments it runs with (a person's
-/// edit, checked against the tool's parameters like the model's), or the answer that ends it.
+/// asks about it where the policy says, and tells it. A command's program and the call's
+/// arguments meet the deny rules as a block's code does. The arguments it runs with (a
+/// person's edit, checked against the tool's parameters like the model's), or the answer
+/// that ends it.
 async fn take_up(
     tool: &Tool,
     call: &ToolCall,
@@ -294,7 +296,11 @@ async fn take_up(
                 cancel: &opts.cancel,
             };
             let arguments = Value::Object(args.clone()).to_string();
-            match gate.decide_tool(&tool.name, &arguments, &at).await {
+            let argv = match &tool.runs {
+                Runs::Command(argv) => Some(argv.as_slice()),
+                _ => None,
+            };
+            match gate.decide_tool(&tool.name, argv, &arguments, &at).await {
                 None => Err(
                     "error: not run: the task stopped while the call waited for approval"
                         .to_owned(),

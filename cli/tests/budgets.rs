@@ -409,3 +409,108 @@ async fn an_output_schema_is_asked_again_until_the_answer_matches_and_is_the_res
     );
     assert_eq!(server.requests_for(task).len(), 4, "a model call was made");
 }
+
+/// Replies of about 400 bytes (so about 100 tokens at four bytes a token), each with other
+/// code, never ending the task, from a server that sends no `usage` with any of them.
+fn silent(n: usize) -> Vec<Reply> {
+    (0..n)
+        .map(|i| {
+            let text = format!(
+                "```python\n# {}\nprint({i})\n```",
+                "a comment to make the reply long ".repeat(11)
+            );
+            Reply::NoUsage(Box::new(Reply::from(text.as_str())))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn budgets_hold_against_a_server_that_reports_no_usage() {
+    let (tokens, cost) = ("budget: no usage, tokens", "budget: no usage, cost");
+    let server = ScriptedOpenAi::start(script([(tokens, silent(12)), (cost, silent(12))]))
+        .await
+        .unwrap();
+    let url = server.base_url();
+
+    // In process: the first reply's ~100 estimated tokens pass max_output_tokens = 50, so the
+    // task stops there, not at its 8th turn.
+    let out = tandem(
+        &[
+            "run",
+            "--json",
+            "--base-url",
+            &url,
+            "--max-output-tokens",
+            "50",
+            "--max-turns",
+            "8",
+            tokens,
+        ],
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(out.code, 6, "{}\n{}", out.stdout, out.stderr);
+    let (stop, usage, budget, _) = ended(&out.stdout);
+    assert_eq!(stop, StopReason::Budget);
+    let budget = budget.expect("the budget reached");
+    assert_eq!(budget.budget, "max_output_tokens");
+    let made = calls(&out.stdout);
+    assert!(
+        (1..=2).contains(&made.len()),
+        "stopped after {} calls:\n{}",
+        made.len(),
+        out.stdout
+    );
+    assert_eq!(server.requests_for(tokens).len(), made.len());
+    // Each call's usage, and the task's, say they are estimates; a reply's ~400 bytes are
+    // about 100 tokens, never 0.
+    for u in &made {
+        assert!(u.estimated && u.prompt_tokens > 0, "{u:?}");
+        assert!((90..=110).contains(&u.completion_tokens), "{u:?}");
+    }
+    assert!(usage.estimated, "{usage:?}");
+    assert_eq!(budget.spent, usage.completion_tokens as f64);
+    assert!(
+        out.stdout.contains("\"estimated\":true"),
+        "the wire says so:\n{}",
+        out.stdout
+    );
+
+    // On the daemon, with a priced model: max_cost stops the task at its first call.
+    let config = "[model.prices.\"gpt-4o-mini\"]\ninput = 1000.0\noutput = 2000.0\n\n[policy]\nexecutors = [\"local\"]\n";
+    let d = Daemon::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &url,
+        &[],
+        Some(config),
+    )
+    .await;
+    let id = d
+        .submit(json!({"task": cost, "max_cost": 0.01, "max_turns": 8}))
+        .await;
+    let done = d.wait_finished(&id, Duration::from_secs(120)).await;
+    let r = &done.record;
+    assert_eq!(r.stop_reason, Some(StopReason::Budget), "{done:?}");
+    assert!((1..=2).contains(&r.turns), "{done:?}");
+    let budget = r.budget.clone().expect("the budget reached");
+    assert_eq!(budget.budget, "max_cost");
+    let spent = r.cost.expect("the cost");
+    assert!(spent >= 0.01, "{spent}");
+    let expected = r.usage.prompt_tokens as f64 * 0.001 + r.usage.completion_tokens as f64 * 0.002;
+    assert!((spent - expected).abs() < 1e-9, "{spent} != {expected}");
+    let events = d.events(&id, 0).await;
+    let estimated: Vec<bool> = events
+        .iter()
+        .filter_map(|e| match &e.msg {
+            EventMsg::AssistantMessage { usage, .. } => Some(usage.is_some_and(|u| u.estimated)),
+            EventMsg::TaskFinished { usage, .. } => Some(usage.estimated),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        estimated.len() >= 2 && estimated.iter().all(|e| *e),
+        "{estimated:?}"
+    );
+    assert_eq!(server.requests_for(cost).len() as u32, r.turns);
+}

@@ -595,3 +595,199 @@ async fn a_flood_of_calls_and_output_keeps_the_daemon_small_and_sigterm_prompt()
         assert_eq!(t.record.state, TaskState::Interrupted, "{t:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn deny_rules_judge_a_command_tools_program_and_each_calls_arguments() {
+    let task = "tools: deny rules judge commands";
+    // A program with nothing denied in it, which writes the file its arguments name.
+    let write = json!({
+        "name": "write",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        "command": ["python3", "-c", "import json, sys; open(json.load(sys.stdin)['path'], 'w').write('x')"]
+    });
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Calls(
+                String::new(),
+                vec![
+                    call("w1", "write", r#"{"path": "pwned.txt"}"#),
+                    // The denied text behind a JSON escape is the same text to the program.
+                    call("w2", "write", r#"{"path": "pw\u006eed-escaped.txt"}"#),
+                    call("w3", "write", r#"{"path": "fine.txt"}"#),
+                ],
+            ),
+            Reply::from("Written. TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let deny = "\n[approval]\nmode = \"never\"\n[[approval.deny]]\nname = \"pwned file\"\npattern = \"pwned\"\n";
+    let d = daemon_with(&server, &[], deny).await;
+
+    // A command whose own program holds the denied text is refused at submit, naming the rule
+    // and the tool: on the API, for a team's agent, and over MCP.
+    let marker = json!({"name": "mark", "command": ["sh", "-c", "touch pwned"]});
+    let refused = |spec: Value| {
+        let d = &d;
+        async move {
+            let (status, body) = d
+                .send(reqwest::Method::POST, "/v1/tasks", Some(spec.to_string()))
+                .await;
+            (
+                status,
+                body["error"]["message"].as_str().unwrap_or("").to_owned(),
+            )
+        }
+    };
+    let (status, message) = refused(json!({"task": task, "tools": [marker]})).await;
+    assert_eq!(status, 400, "{message}");
+    assert!(
+        message.starts_with("tools: tool `mark`: ") && message.contains("deny rule `pwned file`"),
+        "{message}"
+    );
+    let team = json!({
+        "team": {"kind": "chat", "agents": ["coder", "runner"], "termination": {"max_turns": 2}},
+        "agents": {
+            "coder": {"instructions": "coder", "tools": [marker]},
+            "runner": {"kind": "executor"}
+        }
+    });
+    let (status, message) = refused(json!({"task": task, "team": team})).await;
+    assert_eq!(status, 400, "{message}");
+    assert!(
+        message.contains("coder.tools") && message.contains("deny rule `pwned file`"),
+        "{message}"
+    );
+    let mcp = tandem_tests::McpHttp::connect(&d).await.unwrap();
+    let result = mcp
+        .call_tool("run_task", json!({"task": task, "tools": [marker]}))
+        .await;
+    let text = result.to_string();
+    assert!(
+        text.contains("tool `mark`") && text.contains("deny rule `pwned file`"),
+        "{text}"
+    );
+    assert!(server.requests_for(task).is_empty(), "a refused task ran");
+
+    // A program the rules allow is taken; each call is judged with its arguments before it
+    // runs: the two that would write the denied name are declined, the model told, and the
+    // file is never written; the third runs.
+    let id = d.submit(json!({"task": task, "tools": [write]})).await;
+    let done = d.wait_finished(&id, Duration::from_secs(60)).await;
+    assert_eq!(
+        done.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{done:?}"
+    );
+    let events = d.events(&id, 0).await;
+    let results: Vec<(&str, bool, &str)> = events
+        .iter()
+        .filter_map(|e| match &e.msg {
+            EventMsg::ToolResult {
+                id,
+                is_error,
+                result,
+                ..
+            } => Some((id.as_str(), *is_error, result.as_str())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(results.len(), 3, "{results:?}");
+    for (id, is_error, result) in &results[..2] {
+        assert!(
+            *is_error && result.contains("deny rule `pwned file`"),
+            "{id}: {result}"
+        );
+    }
+    assert_eq!((results[2].0, results[2].1), ("w3", false), "{results:?}");
+    let by_rule = events
+        .iter()
+        .filter(|e| {
+            matches!(&e.msg, EventMsg::ApprovalDecided { by, rule: Some(rule), .. }
+                if by == "rule" && rule == "pwned file")
+        })
+        .count();
+    assert_eq!(by_rule, 2);
+    let told = &server.requests_for(task)[1].body["messages"];
+    let answers: Vec<&str> = told
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .map(|m| m["content"].as_str().unwrap())
+        .collect();
+    assert!(
+        answers.len() == 3
+            && answers[..2]
+                .iter()
+                .all(|a| a.starts_with("error: not run:")),
+        "{answers:?}"
+    );
+    // From outside: the workspace holds what the allowed call wrote and nothing denied.
+    let files = d.get(&format!("/v1/tasks/{id}/files")).await;
+    let paths: Vec<&str> = files["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["path"].as_str().unwrap())
+        .collect();
+    assert!(paths.contains(&"fine.txt"), "{files}");
+    assert!(!paths.iter().any(|p| p.contains("pwned")), "{files}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tandem_run_refuses_a_team_file_tool_whose_command_a_deny_rule_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tandem.toml");
+    std::fs::write(
+        &config,
+        "[approval]\nmode = \"never\"\n[[approval.deny]]\nname = \"pwned file\"\npattern = \"pwned\"\n",
+    )
+    .unwrap();
+    let team = dir.path().join("team.toml");
+    std::fs::write(
+        &team,
+        r#"[team]
+kind = "chat"
+agents = ["coder", "runner"]
+termination = { max_turns = 2 }
+
+[agents.coder]
+kind = "assistant"
+instructions = "coder"
+tools = [{ name = "mark", command = ["sh", "-c", "touch pwned"] }]
+
+[agents.runner]
+kind = "executor"
+"#,
+    )
+    .unwrap();
+    let task = "tools: deny in process";
+    let server = ScriptedOpenAi::start(script([(task, vec![Reply::from("TERMINATE")])]))
+        .await
+        .unwrap();
+    let url = server.base_url();
+    let out = tandem(
+        &[
+            "run",
+            "--config",
+            config.to_str().unwrap(),
+            "--base-url",
+            &url,
+            "--team",
+            team.to_str().unwrap(),
+            task,
+        ],
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(out.code, 2, "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr.contains("tool `mark`") && out.stderr.contains("deny rule `pwned file`"),
+        "{}",
+        out.stderr
+    );
+    assert!(server.requests_for(task).is_empty(), "a refused task ran");
+}

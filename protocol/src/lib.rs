@@ -578,20 +578,34 @@ impl BlockStatus {
     }
 }
 
-/// Token counts reported by the model server.
+/// Token counts reported by the model server, or estimated where it reported none.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Usage {
     /// Tokens sent to the model.
     pub prompt_tokens: u64,
     /// Tokens the model produced.
     pub completion_tokens: u64,
+    /// Some of these counts are Tandem's estimate (the server's answer carried no usage), not
+    /// the server's; absent (false) in records written before it existed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub estimated: bool,
 }
 
 impl Usage {
-    /// Adds another call's usage to this one.
+    /// Counts the server reported.
+    pub fn reported(prompt_tokens: u64, completion_tokens: u64) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            estimated: false,
+        }
+    }
+
+    /// Adds another call's usage to this one; a sum with an estimate in it is an estimate.
     pub fn add(&mut self, other: Usage) {
         self.prompt_tokens += other.prompt_tokens;
         self.completion_tokens += other.completion_tokens;
+        self.estimated |= other.estimated;
     }
 }
 

@@ -357,6 +357,7 @@ mod tests {
             Usage {
                 prompt_tokens: 7,
                 completion_tokens: 3,
+                estimated: false,
             },
             "m",
             "docker",

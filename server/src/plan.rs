@@ -236,6 +236,15 @@ impl Planner {
             .map_err(Invalid::Approval)?;
         let tools = tandem_agent::tools::resolve(spec.tools.as_deref(), &self.config.tools)
             .map_err(Invalid::Tools)?;
+        denied_commands(&gate, spec.tools.as_deref()).map_err(Invalid::Tools)?;
+        let mut agents: Vec<&Node> = team.iter().collect();
+        while let Some(node) = agents.pop() {
+            denied_commands(&gate, node.spec.tools.as_deref()).map_err(|e| Invalid::Agent {
+                at: format!("team: {}.tools", node.path.replace('/', ".")),
+                source: Box::new(Invalid::Tools(e)),
+            })?;
+            agents.extend(&node.members);
+        }
         if spec.max_turns == Some(0) {
             return Err(Invalid::NoTurns.into());
         }
@@ -264,7 +273,7 @@ impl Planner {
             }
             // A check's program (and a file check's) runs in the sandbox with no person asked:
             // where blocks wait for approval, only `expect`, which runs nothing, is taken.
-            if (check.program.is_some() || check.file.is_some()) && !gate.is_open() {
+            if (check.program.is_some() || check.file.is_some()) && !gate.blocks_open() {
                 return Err(Invalid::Check(
                     "check: a program or file check runs code unasked, and this task's blocks wait for approval; use expect, or a task without approval",
                 )
@@ -941,6 +950,29 @@ pub(crate) fn waits_for_approval(events: &[Event]) -> bool {
                 )
             })
     })
+}
+
+/// The first command tool among `refs` (those a client defines) whose program a deny rule of
+/// `gate` refuses: it could never run, and a client must not get a program past the rules that
+/// its blocks meet. Each call is judged again with its arguments before it runs.
+fn denied_commands(
+    gate: &ApprovalGate,
+    refs: Option<&[tandem_protocol::ToolRef]>,
+) -> Result<(), tandem_agent::tools::ToolError> {
+    for r in refs.unwrap_or_default() {
+        if let tandem_protocol::ToolRef::Def(named) = r
+            && let Some(argv) = &named.command
+            && let Some(rule) = gate.denies_command(argv, None)
+        {
+            return Err(tandem_agent::tools::ToolError::Invalid {
+                name: named.name.clone(),
+                why: format!(
+                    "its command matches the approval deny rule `{rule}`, so it may not run here; define a command the approval policy allows"
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Whether some host of `executor` carries every label of `placement` (none asked: yes). A

@@ -207,6 +207,7 @@ mod tests {
             usage: Some(Usage {
                 prompt_tokens: 7,
                 completion_tokens: 2,
+                estimated: false,
             }),
             tool_calls: Vec::new(),
         };

@@ -59,6 +59,9 @@ pub enum Reply {
     Deltas(Vec<String>),
     /// A 400 naming the parameter when the request has it; the inner reply otherwise.
     Refuses(String, Box<Reply>),
+    /// The inner reply with no `usage` at all, streamed or not, as some servers and proxies
+    /// answer. ([`Reply::Calls`] and [`Reply::Deltas`] never carry usage.)
+    NoUsage(Box<Reply>),
 }
 
 /// A tool call for [`Reply::Calls`].
@@ -322,8 +325,13 @@ async fn answer_chat(
     let Some(mut reply) = reply else {
         return error(400, &format!("no scripted reply {turn} for task {task:?}"));
     };
+    let mut usage = true;
     loop {
         match reply {
+            Reply::NoUsage(inner) => {
+                usage = false;
+                reply = *inner;
+            }
             Reply::Delayed(wait, inner) => {
                 tokio::time::sleep(wait).await;
                 reply = *inner;
@@ -340,8 +348,8 @@ async fn answer_chat(
             }
             Reply::Calls(text, calls) => return answer_calls(&body, &text, &calls),
             Reply::Deltas(deltas) => return stream_deltas(&body, deltas),
-            Reply::Text(text) => return answer(&body, &text, None),
-            Reply::Trickle(gap, text) => return answer(&body, &text, Some(gap)),
+            Reply::Text(text) => return answer(&body, &text, None, usage),
+            Reply::Trickle(gap, text) => return answer(&body, &text, Some(gap), usage),
             Reply::Endless(piece) => return endless(&piece),
         }
     }
@@ -358,23 +366,28 @@ async fn models() -> Response {
     axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
-fn answer(request: &Value, text: &str, gap: Option<Duration>) -> Response {
+/// A text reply; with `usage` false, one that says nothing of the tokens it used.
+fn answer(request: &Value, text: &str, gap: Option<Duration>, usage: bool) -> Response {
     let model = request["model"].as_str().unwrap_or("scripted");
     let prompt_chars: usize = messages(request)
         .filter_map(|m| m["content"].as_str())
         .map(str::len)
         .sum();
-    let usage = json!({
-        "prompt_tokens": prompt_chars / 4 + 1,
-        "completion_tokens": text.len() / 4 + 1,
-        "total_tokens": prompt_chars / 4 + text.len() / 4 + 2,
+    let usage = usage.then(|| {
+        json!({
+            "prompt_tokens": prompt_chars / 4 + 1,
+            "completion_tokens": text.len() / 4 + 1,
+            "total_tokens": prompt_chars / 4 + text.len() / 4 + 2,
+        })
     });
     if request["stream"] != true {
-        let body = json!({
+        let mut body = json!({
             "id": "chatcmpl-scripted", "object": "chat.completion", "created": 0, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-            "usage": usage,
         });
+        if let Some(usage) = usage {
+            body["usage"] = usage;
+        }
         return axum::Json(body).into_response();
     }
     let chunk = |delta: Value, finish: Value| {
@@ -397,7 +410,7 @@ fn answer(request: &Value, text: &str, gap: Option<Duration>) -> Response {
         ));
     }
     push(chunk(json!({}), json!("stop")));
-    if request["stream_options"]["include_usage"] == true {
+    if let Some(usage) = usage.filter(|_| request["stream_options"]["include_usage"] == true) {
         push(json!({
             "id": "chatcmpl-scripted", "object": "chat.completion.chunk", "created": 0,
             "model": model, "choices": [], "usage": usage,

@@ -177,6 +177,7 @@ fn reply(turn: u32, prompt: u64, completion: u64) -> EventMsg {
         usage: Some(Usage {
             prompt_tokens: prompt,
             completion_tokens: completion,
+            estimated: false,
         }),
         tool_calls: Vec::new(),
     }

@@ -94,6 +94,7 @@ impl LocalModel for EmbeddedChat {
                             usage: Some(Usage {
                                 prompt_tokens: prompt_tokens.into(),
                                 completion_tokens: completion_tokens.into(),
+                                estimated: false,
                             }),
                             finish_reason: Some(
                                 match finish {

@@ -193,6 +193,7 @@ pub(crate) fn decode(row: Row) -> Result<TaskRecord> {
         usage: Usage {
             prompt_tokens: millis(row.prompt_tokens),
             completion_tokens: millis(row.completion_tokens),
+            estimated: false,
         },
         turns: u32::try_from(row.turns).unwrap_or(0),
         created_ms: millis(row.times.created_ms),
@@ -356,6 +357,7 @@ mod tests {
         let usage = Usage {
             prompt_tokens: 3,
             completion_tokens: 4,
+            estimated: false,
         };
         let msg = EventMsg::AssistantMessage {
             turn: 2,

@@ -761,6 +761,7 @@ mod tests {
                             usage: Some(Usage {
                                 prompt_tokens: 10,
                                 completion_tokens: 3,
+                                estimated: false,
                             }),
                             tool_calls: Vec::new(),
                         },
@@ -781,7 +782,8 @@ mod tests {
                 1,
                 Usage {
                     prompt_tokens: 10,
-                    completion_tokens: 3
+                    completion_tokens: 3,
+                    estimated: false,
                 },
                 Some(3)
             )
