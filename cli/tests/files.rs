@@ -1022,3 +1022,257 @@ async fn a_figure_shown_by_a_local_block_fresh_or_kept_comes_back_as_a_picture()
         assert_eq!(shown, vec![(1, "figure-1.png")], "{task}: {events:#?}");
     }
 }
+
+/// Bytes of the regular files the process `pid` holds open, as allocated on disk (a sparse
+/// file weighs its blocks, as `du` counts), each file once; and how many of its descriptors
+/// name a file called `name`. A temporary file removed while open is counted here too.
+fn held_open(pid: u32, name: &str) -> (u64, usize) {
+    use std::os::unix::fs::MetadataExt;
+    let mut seen = std::collections::HashSet::new();
+    let (mut bytes, mut named) = (0, 0);
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+    {
+        let Ok(target) = std::fs::read_link(fd.path()) else {
+            continue;
+        };
+        if target.file_name().is_some_and(|n| n == name) {
+            named += 1;
+        }
+        let Ok(meta) = std::fs::metadata(fd.path()) else {
+            continue;
+        };
+        if meta.is_file() && seen.insert((meta.dev(), meta.ino())) {
+            bytes += meta.blocks() * 512;
+        }
+    }
+    (bytes, named)
+}
+
+/// Asks for `path` and reads its first bytes, then reads no more: the answer, held open.
+async fn stall(http: reqwest::Client, path: String) -> reqwest::Response {
+    let mut resp = http
+        .get(format!("http://tandem{path}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "{path}");
+    let first = resp.chunk().await.unwrap().unwrap();
+    assert!(!first.is_empty());
+    resp
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_tar_downloads_of_a_sparse_gigabyte_hold_no_disk_and_let_go_when_clients_leave() {
+    use tandem_daemon::files::{MAX_PACKS, PACK_STALL};
+    let server = ScriptedOpenAi::start(script([
+        (
+            "sparse",
+            vec![
+                sh("truncate -s 1G big.bin && echo made"),
+                Reply::from("TERMINATE"),
+            ],
+        ),
+        (
+            "small",
+            vec![sh("echo hi > small.txt"), Reply::from("TERMINATE")],
+        ),
+    ]))
+    .await
+    .unwrap();
+    let d = daemon(&server, &[], None).await;
+    let big = d.submit(json!({"task": "sparse"})).await;
+    d.wait_finished(&big, Duration::from_secs(60)).await;
+    let events = d.events(&big, 0).await;
+    assert_eq!(block_results(&events)[0].stdout, "made\n", "{events:#?}");
+    let small = d.submit(json!({"task": "small"})).await;
+    d.wait_finished(&small, Duration::from_secs(60)).await;
+    let pid = d.pid();
+    // Far below one pack of the gigabyte, far above what the daemon holds open otherwise.
+    let bound: u64 = 256 << 20;
+    let tar = format!("/v1/tasks/{big}/files?format=tar");
+    // Eight clients ask for the gigabyte as tar at once, read its first bytes, then stall.
+    let asks: Vec<_> = (0..8)
+        .map(|_| tokio::spawn(stall(d.http().clone(), tar.clone())))
+        .collect();
+    let started = Instant::now();
+    while !asks.iter().all(|a| a.is_finished()) {
+        let (held, _) = held_open(pid, "big.bin");
+        assert!(
+            held < bound,
+            "the daemon holds {held} bytes of files on disk for 8 downloads"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "the downloads never began"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut holders = Vec::new();
+    for ask in asks {
+        holders.push(ask.await.unwrap());
+    }
+    let stalled_since = Instant::now();
+    // While they hold their answers: the daemon holds no packs on disk, is alive, and serves
+    // another client's download in full.
+    let (held, reading) = held_open(pid, "big.bin");
+    assert!(held < bound, "{held} bytes held for 8 stalled downloads");
+    assert!(reading <= 8, "{reading} reads of big.bin");
+    assert_eq!(d.get("/healthz").await["status"], "ok");
+    let (status, _, tarred) = fetch(&d, &format!("/v1/tasks/{small}/files?format=tar")).await;
+    assert_eq!(status, 200);
+    let mut archive = tar::Archive::new(&tarred[..]);
+    let mut entry = archive.entries().unwrap().next().unwrap().unwrap();
+    assert_eq!(entry.path().unwrap().to_str(), Some("small.txt"));
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut entry, &mut text).unwrap();
+    assert_eq!(text, "hi\n");
+    let (status, _, body) = fetch(&d, &format!("/v1/tasks/{small}/files/small.txt")).await;
+    assert_eq!((status, body), (200, b"hi\n".to_vec()));
+    // Past the daemon's bound on downloads packed at once, one more is refused, saying why
+    // and when to come back, rather than wait without end.
+    for _ in 8..MAX_PACKS {
+        holders.push(stall(d.http().clone(), tar.clone()).await);
+    }
+    let resp = d
+        .http()
+        .get(format!("http://tandem{tar}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 429);
+    assert!(resp.headers().contains_key("retry-after"), "{resp:?}");
+    let refusal: Value = resp.json().await.unwrap();
+    let message = refusal["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!("{MAX_PACKS} workspace downloads")),
+        "{message}"
+    );
+    let (held, _) = held_open(pid, "big.bin");
+    assert!(
+        held < bound,
+        "{held} bytes held for {MAX_PACKS} stalled downloads"
+    );
+    // The clients leave: each pack stops at once and gives back its place, well before a
+    // stalled one would be cut off.
+    drop(holders);
+    loop {
+        let (held, reading) = held_open(pid, "big.bin");
+        if reading == 0 {
+            assert!(held < bound, "{held} bytes held after the clients left");
+            break;
+        }
+        assert!(
+            stalled_since.elapsed() < PACK_STALL,
+            "{reading} packs still read big.bin after their clients left"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // And the whole gigabyte still downloads, as a tar archive.
+    let mut resp = d
+        .http()
+        .get(format!("http://tandem{tar}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let (mut total, mut head, mut tail) = (0u64, Vec::new(), Vec::new());
+    while let Some(chunk) = resp.chunk().await.unwrap() {
+        if head.len() < 512 {
+            head.extend_from_slice(&chunk[..chunk.len().min(512 - head.len())]);
+        }
+        total += chunk.len() as u64;
+        tail.extend_from_slice(&chunk);
+        let keep = tail.len().saturating_sub(1024);
+        tail.drain(..keep);
+    }
+    assert!(head.starts_with(b"big.bin\0"), "{:?}", &head[..16]);
+    assert_eq!(
+        total,
+        512 + (1 << 30) + 1024,
+        "header, the file, the end blocks"
+    );
+    assert!(tail.iter().all(|b| *b == 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_session_puts_keep_no_upload_and_leave_uploads_to_others() {
+    let told = "double it\n\nFiles in your working directory (the current directory):\n\
+                - n.txt (3 bytes)\n    21";
+    let server = ScriptedOpenAi::start(script([(
+        told,
+        vec![
+            python("print(2 * int(open('n.txt').read()))"),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let d = daemon(&server, &[], Some("[policy]\nexecutors = [\"local\"]\n")).await;
+    let (status, opened) = d
+        .send(
+            reqwest::Method::POST,
+            "/v1/sessions",
+            Some(json!({"executor": "local"}).to_string()),
+        )
+        .await;
+    assert_eq!(status, 201, "{opened}");
+    let session = opened["id"].as_str().unwrap();
+    for i in 0..100 {
+        let body = format!("{i}");
+        let resp = d
+            .http()
+            .post(format!("http://tandem/v1/sessions/{session}/files"))
+            .header("content-type", "application/x-tar")
+            .body(archive(&[(
+                &format!("put/{i}.txt"),
+                tar::EntryType::Regular,
+                body.as_bytes(),
+                None,
+            )]))
+            .send()
+            .await
+            .unwrap();
+        let status = resp.status().as_u16();
+        let answer: Value = resp.json().await.unwrap_or(Value::Null);
+        assert_eq!(status, 201, "put {i}: {answer}");
+        assert_eq!(answer["files"][0]["path"], format!("put/{i}.txt"));
+    }
+    // Every file arrived in the session, and nothing of them waits as an upload.
+    let listed = d.get(&format!("/v1/sessions/{session}/files")).await;
+    let mut paths: Vec<&str> = listed["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["path"].as_str().unwrap())
+        .collect();
+    paths.sort();
+    let mut wanted: Vec<String> = (0..100).map(|i| format!("put/{i}.txt")).collect();
+    wanted.sort();
+    assert_eq!(paths, wanted);
+    let (status, _, body) = fetch(&d, &format!("/v1/sessions/{session}/files/put/42.txt")).await;
+    assert_eq!((status, body), (200, b"42".to_vec()));
+    assert_eq!(
+        tree(&d.state_dir().join("files/uploads")),
+        Vec::<String>::new()
+    );
+    // Another client's upload is taken, and a task given it runs.
+    let (status, up) = upload(
+        &d,
+        archive(&[("n.txt", tar::EntryType::Regular, b"21\n", None)]),
+    )
+    .await;
+    assert_eq!(status, 201, "{up}");
+    let id = d
+        .submit(json!({"task": "double it", "files": up["id"]}))
+        .await;
+    let record = d.wait_finished(&id, Duration::from_secs(60)).await;
+    let events = d.events(&id, 0).await;
+    assert_eq!(
+        record.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{record:?}\n{events:#?}"
+    );
+    assert_eq!(block_results(&events)[0].stdout, "42\n");
+}
