@@ -1276,3 +1276,50 @@ async fn a_hundred_session_puts_keep_no_upload_and_leave_uploads_to_others() {
     );
     assert_eq!(block_results(&events)[0].stdout, "42\n");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_file_downloads_past_the_daemons_blocking_threads_leave_it_serving() {
+    // More clients than the daemon has blocking threads (tokio's 512), each reading the first
+    // bytes of a file and no more.
+    const CLIENTS: usize = 600;
+    let server = ScriptedOpenAi::start(script([(
+        "write",
+        vec![
+            sh("truncate -s 16M f.bin && echo hi > small.txt"),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let d = daemon(&server, &[], None).await;
+    let id = d.submit(json!({"task": "write"})).await;
+    d.wait_finished(&id, Duration::from_secs(60)).await;
+    let path = format!("/v1/tasks/{id}/files/f.bin");
+    let asks: Vec<_> = (0..CLIENTS)
+        .map(|_| tokio::spawn(stall(d.http().clone(), path.clone())))
+        .collect();
+    let started = Instant::now();
+    while !asks.iter().all(|a| a.is_finished()) && started.elapsed() < Duration::from_secs(120) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // While they hold their answers, the daemon reads its store and serves another file.
+    let listed = tokio::time::timeout(Duration::from_secs(30), d.tasks("/v1/tasks"))
+        .await
+        .unwrap_or_else(|_| {
+            panic!("GET /v1/tasks did not answer in 30 s while {CLIENTS} downloads stalled")
+        });
+    assert_eq!(listed.tasks.len(), 1);
+    let small = format!("/v1/tasks/{id}/files/small.txt");
+    let (status, _, body) = tokio::time::timeout(Duration::from_secs(30), fetch(&d, &small))
+        .await
+        .unwrap_or_else(|_| panic!("{small} did not answer in 30 s"));
+    assert_eq!((status, body), (200, b"hi\n".to_vec()));
+    let began = asks.iter().filter(|a| a.is_finished()).count();
+    assert_eq!(began, CLIENTS, "downloads that began");
+    let mut holders = Vec::new();
+    for ask in asks {
+        holders.push(ask.await.unwrap());
+    }
+    drop(holders);
+    assert_eq!(d.get("/healthz").await["status"], "ok");
+}

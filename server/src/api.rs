@@ -678,8 +678,8 @@ fn tar_answer(body: Body, name: &str) -> Response {
         .into_response()
 }
 
-/// The first `len` bytes of `file` as a body, read a large piece at a time on the blocking
-/// pool as the client takes them: a client that stalls holds no thread. A file that shrinks
+/// The first `len` bytes of `file` as a body, read a piece at a time on the blocking pool as
+/// the client takes them: a client that stalls holds no thread. A file that shrinks
 /// meanwhile ends the body early (the client sees it cut short against its length), never
 /// with other bytes.
 fn file_body(file: std::fs::File, len: u64) -> Body {
@@ -698,7 +698,7 @@ async fn next_piece(
     if left == 0 {
         return None;
     }
-    let want = left.min(crate::files::IO_BUFFER as u64);
+    let want = left.min(crate::files::SEND_PIECE as u64);
     let read = tokio::task::spawn_blocking(move || {
         let mut piece = Vec::with_capacity(usize::try_from(want).unwrap_or(0));
         let read = (&mut file).take(want).read_to_end(&mut piece);

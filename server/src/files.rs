@@ -46,15 +46,16 @@ pub const RECEIVE_WAIT: Duration = Duration::from_secs(30);
 /// place goes to another.
 pub const RECEIVE_STALL: Duration = Duration::from_secs(60);
 /// Most workspaces sent as tar (`?format=tar`) at once: each holds a blocking thread and
-/// [`PACK_PIECES`] pieces of [`PACK_PIECE`] bytes in memory while its client reads.
+/// [`PACK_PIECES`] pieces of [`SEND_PIECE`] bytes in memory while its client reads.
 pub const MAX_PACKS: usize = 16;
 /// Longest a tar download waits for one of those places before it is refused (429).
 pub const PACK_WAIT: Duration = Duration::from_secs(10);
 /// Longest a tar download's client may take no bytes; then it is cut off, and its place
 /// goes to another.
 pub const PACK_STALL: Duration = Duration::from_secs(60);
-/// Bytes of a pack sent at a time.
-const PACK_PIECE: usize = 256 << 10;
+/// Bytes of a download (a file, or a pack) read and sent at a time: about what a client
+/// that stops reading holds of the daemon's memory.
+pub const SEND_PIECE: usize = 256 << 10;
 /// Pieces of a pack packed ahead of its client.
 const PACK_PIECES: usize = 4;
 /// Most entries a workspace's listing or tar download walks.
@@ -464,7 +465,7 @@ impl Files {
             let mut out = Pieces {
                 tx,
                 runtime,
-                piece: Vec::with_capacity(PACK_PIECE),
+                piece: Vec::with_capacity(SEND_PIECE),
                 ended: false,
             };
             let packed = if work.is_dir() {
@@ -717,16 +718,16 @@ impl Pieces {
         if self.piece.is_empty() {
             return Ok(());
         }
-        let piece = std::mem::replace(&mut self.piece, Vec::with_capacity(PACK_PIECE));
+        let piece = std::mem::replace(&mut self.piece, Vec::with_capacity(SEND_PIECE));
         self.send(Ok(Bytes::from(piece)))
     }
 }
 
 impl std::io::Write for Pieces {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let n = buf.len().min(PACK_PIECE - self.piece.len());
+        let n = buf.len().min(SEND_PIECE - self.piece.len());
         self.piece.extend_from_slice(&buf[..n]);
-        if self.piece.len() >= PACK_PIECE {
+        if self.piece.len() >= SEND_PIECE {
             self.ship()?;
         }
         Ok(n)
