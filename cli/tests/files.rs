@@ -1323,3 +1323,91 @@ async fn stalled_file_downloads_past_the_daemons_blocking_threads_leave_it_servi
     drop(holders);
     assert_eq!(d.get("/healthz").await["status"], "ok");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_that_stop_sending_give_their_turn_back_and_others_are_told_when_to_return() {
+    use tandem_daemon::files::{MAX_RECEIVING, RECEIVE_STALL, RECEIVE_WAIT};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let server = ScriptedOpenAi::start(script([("unused", vec![Reply::from("TERMINATE")])]))
+        .await
+        .unwrap();
+    let d = daemon(&server, &[], None).await;
+    let uploads = d.state_dir().join("files/uploads");
+    // As many clients as the daemon receives archives at once start uploads, send one block
+    // of a megabyte, then nothing, and keep their connections.
+    let mut stalled = Vec::new();
+    for _ in 0..MAX_RECEIVING {
+        let mut s = tokio::net::UnixStream::connect(d.socket()).await.unwrap();
+        s.write_all(
+            b"POST /v1/uploads HTTP/1.1\r\nhost: tandem\r\ncontent-type: application/x-tar\r\n\
+              content-length: 1048576\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        s.write_all(&[0u8; 512]).await.unwrap();
+        stalled.push(s);
+    }
+    // Each is being received once its file is on the daemon's disk.
+    let started = Instant::now();
+    while tree(&uploads).len() < MAX_RECEIVING {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{:?}",
+            tree(&uploads)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Another client's upload is not left waiting without end: it is refused, told when to
+    // come back.
+    let fine = archive(&[("ok.txt", tar::EntryType::Regular, b"fine", None)]);
+    let asked = d
+        .http()
+        .post("http://tandem/v1/uploads")
+        .header("content-type", "application/x-tar")
+        .body(fine.clone())
+        .send();
+    let resp = tokio::time::timeout(RECEIVE_WAIT + Duration::from_secs(60), asked)
+        .await
+        .expect("the upload was neither taken nor refused")
+        .unwrap();
+    assert_eq!(resp.status(), 429);
+    assert_eq!(
+        resp.headers()["retry-after"],
+        RECEIVE_WAIT.as_secs().to_string()
+    );
+    let refusal: Value = resp.json().await.unwrap();
+    let message = refusal["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!("{MAX_RECEIVING} archives")),
+        "{message}"
+    );
+    // The stalled ones are refused, saying why, and leave nothing behind.
+    for mut s in stalled {
+        let mut answer = Vec::new();
+        let read = async {
+            let mut buf = [0u8; 4096];
+            while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = s.read(&mut buf).await.unwrap();
+                if n == 0 {
+                    break;
+                }
+                answer.extend_from_slice(&buf[..n]);
+            }
+            let mut rest = vec![0u8; 4096];
+            if let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(5), s.read(&mut rest)).await
+            {
+                answer.extend_from_slice(&rest[..n]);
+            }
+        };
+        tokio::time::timeout(RECEIVE_STALL + Duration::from_secs(60), read)
+            .await
+            .expect("a stalled upload was never refused");
+        let text = String::from_utf8_lossy(&answer);
+        assert!(text.starts_with("HTTP/1.1 400"), "{text}");
+        assert!(text.contains("stalled"), "{text}");
+    }
+    assert_eq!(tree(&uploads), Vec::<String>::new());
+    // Their places are free again.
+    let (status, up) = upload(&d, fine).await;
+    assert_eq!(status, 201, "{up}");
+}
