@@ -1022,3 +1022,392 @@ async fn a_figure_shown_by_a_local_block_fresh_or_kept_comes_back_as_a_picture()
         assert_eq!(shown, vec![(1, "figure-1.png")], "{task}: {events:#?}");
     }
 }
+
+/// Bytes of the regular files the process `pid` holds open, as allocated on disk (a sparse
+/// file weighs its blocks, as `du` counts), each file once; and how many of its descriptors
+/// name a file called `name`. A temporary file removed while open is counted here too.
+fn held_open(pid: u32, name: &str) -> (u64, usize) {
+    use std::os::unix::fs::MetadataExt;
+    let mut seen = std::collections::HashSet::new();
+    let (mut bytes, mut named) = (0, 0);
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+    {
+        let Ok(target) = std::fs::read_link(fd.path()) else {
+            continue;
+        };
+        if target.file_name().is_some_and(|n| n == name) {
+            named += 1;
+        }
+        let Ok(meta) = std::fs::metadata(fd.path()) else {
+            continue;
+        };
+        if meta.is_file() && seen.insert((meta.dev(), meta.ino())) {
+            bytes += meta.blocks() * 512;
+        }
+    }
+    (bytes, named)
+}
+
+/// Asks for `path` and reads its first bytes, then reads no more: the answer, held open.
+async fn stall(http: reqwest::Client, path: String) -> reqwest::Response {
+    let mut resp = http
+        .get(format!("http://tandem{path}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "{path}");
+    let first = resp.chunk().await.unwrap().unwrap();
+    assert!(!first.is_empty());
+    resp
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_tar_downloads_of_a_sparse_gigabyte_hold_no_disk_and_let_go_when_clients_leave() {
+    use tandem_daemon::files::{MAX_PACKS, PACK_STALL};
+    let server = ScriptedOpenAi::start(script([
+        (
+            "sparse",
+            vec![
+                sh("truncate -s 1G big.bin && echo made"),
+                Reply::from("TERMINATE"),
+            ],
+        ),
+        (
+            "small",
+            vec![sh("echo hi > small.txt"), Reply::from("TERMINATE")],
+        ),
+    ]))
+    .await
+    .unwrap();
+    let d = daemon(&server, &[], None).await;
+    let big = d.submit(json!({"task": "sparse"})).await;
+    d.wait_finished(&big, Duration::from_secs(60)).await;
+    let events = d.events(&big, 0).await;
+    assert_eq!(block_results(&events)[0].stdout, "made\n", "{events:#?}");
+    let small = d.submit(json!({"task": "small"})).await;
+    d.wait_finished(&small, Duration::from_secs(60)).await;
+    let pid = d.pid();
+    // Far below one pack of the gigabyte, far above what the daemon holds open otherwise.
+    let bound: u64 = 256 << 20;
+    let tar = format!("/v1/tasks/{big}/files?format=tar");
+    // Eight clients ask for the gigabyte as tar at once, read its first bytes, then stall.
+    let asks: Vec<_> = (0..8)
+        .map(|_| tokio::spawn(stall(d.http().clone(), tar.clone())))
+        .collect();
+    let started = Instant::now();
+    while !asks.iter().all(|a| a.is_finished()) {
+        let (held, _) = held_open(pid, "big.bin");
+        assert!(
+            held < bound,
+            "the daemon holds {held} bytes of files on disk for 8 downloads"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "the downloads never began"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut holders = Vec::new();
+    for ask in asks {
+        holders.push(ask.await.unwrap());
+    }
+    let stalled_since = Instant::now();
+    // While they hold their answers: the daemon holds no packs on disk, is alive, and serves
+    // another client's download in full.
+    let (held, reading) = held_open(pid, "big.bin");
+    assert!(held < bound, "{held} bytes held for 8 stalled downloads");
+    assert!(reading <= 8, "{reading} reads of big.bin");
+    assert_eq!(d.get("/healthz").await["status"], "ok");
+    let (status, _, tarred) = fetch(&d, &format!("/v1/tasks/{small}/files?format=tar")).await;
+    assert_eq!(status, 200);
+    let mut archive = tar::Archive::new(&tarred[..]);
+    let mut entry = archive.entries().unwrap().next().unwrap().unwrap();
+    assert_eq!(entry.path().unwrap().to_str(), Some("small.txt"));
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut entry, &mut text).unwrap();
+    assert_eq!(text, "hi\n");
+    let (status, _, body) = fetch(&d, &format!("/v1/tasks/{small}/files/small.txt")).await;
+    assert_eq!((status, body), (200, b"hi\n".to_vec()));
+    // Past the daemon's bound on downloads packed at once, one more is refused, saying why
+    // and when to come back, rather than wait without end.
+    for _ in 8..MAX_PACKS {
+        holders.push(stall(d.http().clone(), tar.clone()).await);
+    }
+    let resp = d
+        .http()
+        .get(format!("http://tandem{tar}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 429);
+    assert!(resp.headers().contains_key("retry-after"), "{resp:?}");
+    let refusal: Value = resp.json().await.unwrap();
+    let message = refusal["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!("{MAX_PACKS} workspace downloads")),
+        "{message}"
+    );
+    let (held, _) = held_open(pid, "big.bin");
+    assert!(
+        held < bound,
+        "{held} bytes held for {MAX_PACKS} stalled downloads"
+    );
+    // The clients leave: each pack stops at once and gives back its place, well before a
+    // stalled one would be cut off.
+    drop(holders);
+    loop {
+        let (held, reading) = held_open(pid, "big.bin");
+        if reading == 0 {
+            assert!(held < bound, "{held} bytes held after the clients left");
+            break;
+        }
+        assert!(
+            stalled_since.elapsed() < PACK_STALL,
+            "{reading} packs still read big.bin after their clients left"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // And the whole gigabyte still downloads, as a tar archive.
+    let mut resp = d
+        .http()
+        .get(format!("http://tandem{tar}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let (mut total, mut head, mut tail) = (0u64, Vec::new(), Vec::new());
+    while let Some(chunk) = resp.chunk().await.unwrap() {
+        if head.len() < 512 {
+            head.extend_from_slice(&chunk[..chunk.len().min(512 - head.len())]);
+        }
+        total += chunk.len() as u64;
+        tail.extend_from_slice(&chunk);
+        let keep = tail.len().saturating_sub(1024);
+        tail.drain(..keep);
+    }
+    assert!(head.starts_with(b"big.bin\0"), "{:?}", &head[..16]);
+    assert_eq!(
+        total,
+        512 + (1 << 30) + 1024,
+        "header, the file, the end blocks"
+    );
+    assert!(tail.iter().all(|b| *b == 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_session_puts_keep_no_upload_and_leave_uploads_to_others() {
+    let told = "double it\n\nFiles in your working directory (the current directory):\n\
+                - n.txt (3 bytes)\n    21";
+    let server = ScriptedOpenAi::start(script([(
+        told,
+        vec![
+            python("print(2 * int(open('n.txt').read()))"),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let d = daemon(&server, &[], Some("[policy]\nexecutors = [\"local\"]\n")).await;
+    let (status, opened) = d
+        .send(
+            reqwest::Method::POST,
+            "/v1/sessions",
+            Some(json!({"executor": "local"}).to_string()),
+        )
+        .await;
+    assert_eq!(status, 201, "{opened}");
+    let session = opened["id"].as_str().unwrap();
+    for i in 0..100 {
+        let body = format!("{i}");
+        let resp = d
+            .http()
+            .post(format!("http://tandem/v1/sessions/{session}/files"))
+            .header("content-type", "application/x-tar")
+            .body(archive(&[(
+                &format!("put/{i}.txt"),
+                tar::EntryType::Regular,
+                body.as_bytes(),
+                None,
+            )]))
+            .send()
+            .await
+            .unwrap();
+        let status = resp.status().as_u16();
+        let answer: Value = resp.json().await.unwrap_or(Value::Null);
+        assert_eq!(status, 201, "put {i}: {answer}");
+        assert_eq!(answer["files"][0]["path"], format!("put/{i}.txt"));
+    }
+    // Every file arrived in the session, and nothing of them waits as an upload.
+    let listed = d.get(&format!("/v1/sessions/{session}/files")).await;
+    let mut paths: Vec<&str> = listed["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["path"].as_str().unwrap())
+        .collect();
+    paths.sort();
+    let mut wanted: Vec<String> = (0..100).map(|i| format!("put/{i}.txt")).collect();
+    wanted.sort();
+    assert_eq!(paths, wanted);
+    let (status, _, body) = fetch(&d, &format!("/v1/sessions/{session}/files/put/42.txt")).await;
+    assert_eq!((status, body), (200, b"42".to_vec()));
+    assert_eq!(
+        tree(&d.state_dir().join("files/uploads")),
+        Vec::<String>::new()
+    );
+    // Another client's upload is taken, and a task given it runs.
+    let (status, up) = upload(
+        &d,
+        archive(&[("n.txt", tar::EntryType::Regular, b"21\n", None)]),
+    )
+    .await;
+    assert_eq!(status, 201, "{up}");
+    let id = d
+        .submit(json!({"task": "double it", "files": up["id"]}))
+        .await;
+    let record = d.wait_finished(&id, Duration::from_secs(60)).await;
+    let events = d.events(&id, 0).await;
+    assert_eq!(
+        record.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{record:?}\n{events:#?}"
+    );
+    assert_eq!(block_results(&events)[0].stdout, "42\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_file_downloads_past_the_daemons_blocking_threads_leave_it_serving() {
+    // More clients than the daemon has blocking threads (tokio's 512), each reading the first
+    // bytes of a file and no more.
+    const CLIENTS: usize = 600;
+    let server = ScriptedOpenAi::start(script([(
+        "write",
+        vec![
+            sh("truncate -s 16M f.bin && echo hi > small.txt"),
+            Reply::from("TERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let d = daemon(&server, &[], None).await;
+    let id = d.submit(json!({"task": "write"})).await;
+    d.wait_finished(&id, Duration::from_secs(60)).await;
+    let path = format!("/v1/tasks/{id}/files/f.bin");
+    let asks: Vec<_> = (0..CLIENTS)
+        .map(|_| tokio::spawn(stall(d.http().clone(), path.clone())))
+        .collect();
+    let started = Instant::now();
+    while !asks.iter().all(|a| a.is_finished()) && started.elapsed() < Duration::from_secs(120) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // While they hold their answers, the daemon reads its store and serves another file.
+    let listed = tokio::time::timeout(Duration::from_secs(30), d.tasks("/v1/tasks"))
+        .await
+        .unwrap_or_else(|_| {
+            panic!("GET /v1/tasks did not answer in 30 s while {CLIENTS} downloads stalled")
+        });
+    assert_eq!(listed.tasks.len(), 1);
+    let small = format!("/v1/tasks/{id}/files/small.txt");
+    let (status, _, body) = tokio::time::timeout(Duration::from_secs(30), fetch(&d, &small))
+        .await
+        .unwrap_or_else(|_| panic!("{small} did not answer in 30 s"));
+    assert_eq!((status, body), (200, b"hi\n".to_vec()));
+    let began = asks.iter().filter(|a| a.is_finished()).count();
+    assert_eq!(began, CLIENTS, "downloads that began");
+    let mut holders = Vec::new();
+    for ask in asks {
+        holders.push(ask.await.unwrap());
+    }
+    drop(holders);
+    assert_eq!(d.get("/healthz").await["status"], "ok");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_that_stop_sending_give_their_turn_back_and_others_are_told_when_to_return() {
+    use tandem_daemon::files::{MAX_RECEIVING, RECEIVE_STALL, RECEIVE_WAIT};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let server = ScriptedOpenAi::start(script([("unused", vec![Reply::from("TERMINATE")])]))
+        .await
+        .unwrap();
+    let d = daemon(&server, &[], None).await;
+    let uploads = d.state_dir().join("files/uploads");
+    // As many clients as the daemon receives archives at once start uploads, send one block
+    // of a megabyte, then nothing, and keep their connections.
+    let mut stalled = Vec::new();
+    for _ in 0..MAX_RECEIVING {
+        let mut s = tokio::net::UnixStream::connect(d.socket()).await.unwrap();
+        s.write_all(
+            b"POST /v1/uploads HTTP/1.1\r\nhost: tandem\r\ncontent-type: application/x-tar\r\n\
+              content-length: 1048576\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        s.write_all(&[0u8; 512]).await.unwrap();
+        stalled.push(s);
+    }
+    // Each is being received once its file is on the daemon's disk.
+    let started = Instant::now();
+    while tree(&uploads).len() < MAX_RECEIVING {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{:?}",
+            tree(&uploads)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Another client's upload is not left waiting without end: it is refused, told when to
+    // come back.
+    let fine = archive(&[("ok.txt", tar::EntryType::Regular, b"fine", None)]);
+    let asked = d
+        .http()
+        .post("http://tandem/v1/uploads")
+        .header("content-type", "application/x-tar")
+        .body(fine.clone())
+        .send();
+    let resp = tokio::time::timeout(RECEIVE_WAIT + Duration::from_secs(60), asked)
+        .await
+        .expect("the upload was neither taken nor refused")
+        .unwrap();
+    assert_eq!(resp.status(), 429);
+    assert_eq!(
+        resp.headers()["retry-after"],
+        RECEIVE_WAIT.as_secs().to_string()
+    );
+    let refusal: Value = resp.json().await.unwrap();
+    let message = refusal["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!("{MAX_RECEIVING} archives")),
+        "{message}"
+    );
+    // The stalled ones are refused, saying why, and leave nothing behind.
+    for mut s in stalled {
+        let mut answer = Vec::new();
+        let read = async {
+            let mut buf = [0u8; 4096];
+            while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = s.read(&mut buf).await.unwrap();
+                if n == 0 {
+                    break;
+                }
+                answer.extend_from_slice(&buf[..n]);
+            }
+            let mut rest = vec![0u8; 4096];
+            if let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(5), s.read(&mut rest)).await
+            {
+                answer.extend_from_slice(&rest[..n]);
+            }
+        };
+        tokio::time::timeout(RECEIVE_STALL + Duration::from_secs(60), read)
+            .await
+            .expect("a stalled upload was never refused");
+        let text = String::from_utf8_lossy(&answer);
+        assert!(text.starts_with("HTTP/1.1 400"), "{text}");
+        assert!(text.contains("stalled"), "{text}");
+    }
+    assert_eq!(tree(&uploads), Vec::<String>::new());
+    // Their places are free again.
+    let (status, up) = upload(&d, fine).await;
+    assert_eq!(status, 201, "{up}");
+}

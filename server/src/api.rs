@@ -40,6 +40,8 @@ pub struct ApiError {
     status: StatusCode,
     code: ApiErrorCode,
     message: String,
+    /// Seconds after which the request may find room (`Retry-After`).
+    retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -48,6 +50,7 @@ impl ApiError {
             status,
             code,
             message: message.into(),
+            retry_after: None,
         }
     }
 }
@@ -71,12 +74,24 @@ impl IntoResponse for ApiError {
                 message: self.message,
             },
         };
-        (self.status, Json(body)).into_response()
+        let mut response = (self.status, Json(body)).into_response();
+        if let Some(secs) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from(secs));
+        }
+        response
     }
 }
 
 impl From<TaskError> for ApiError {
     fn from(e: TaskError) -> Self {
+        let retry_after = match &e {
+            TaskError::Files(crate::files::FilesError::Busy { retry_secs, .. }) => {
+                Some(*retry_secs)
+            }
+            _ => None,
+        };
         let (status, code) = match &e {
             TaskError::Invalid(_) => (StatusCode::BAD_REQUEST, ApiErrorCode::InvalidRequest),
             TaskError::NotFound(_) | TaskError::Missing(_) => {
@@ -103,13 +118,15 @@ impl From<TaskError> for ApiError {
             TaskError::Files(e) => {
                 use crate::files::FilesError;
                 match e {
-                    FilesError::NoUpload(_) | FilesError::Refused(_) => {
+                    FilesError::NoUpload(_) | FilesError::Refused(_) | FilesError::Stalled => {
                         (StatusCode::BAD_REQUEST, ApiErrorCode::InvalidRequest)
                     }
                     FilesError::TooLarge(_) => {
                         (StatusCode::PAYLOAD_TOO_LARGE, ApiErrorCode::PayloadTooLarge)
                     }
-                    FilesError::TooMany => (StatusCode::TOO_MANY_REQUESTS, ApiErrorCode::TooMany),
+                    FilesError::TooMany | FilesError::Busy { .. } => {
+                        (StatusCode::TOO_MANY_REQUESTS, ApiErrorCode::TooMany)
+                    }
                     FilesError::NotFound(_) => (StatusCode::NOT_FOUND, ApiErrorCode::NotFound),
                     FilesError::Removed { .. } => (StatusCode::GONE, ApiErrorCode::Gone),
                     FilesError::Io { .. } => {
@@ -118,7 +135,10 @@ impl From<TaskError> for ApiError {
                 }
             }
         };
-        Self::new(status, code, e.to_string())
+        Self {
+            retry_after,
+            ..Self::new(status, code, e.to_string())
+        }
     }
 }
 
@@ -572,15 +592,20 @@ async fn task_files(
 ) -> Result<Response, ApiError> {
     let Query(query) =
         query.map_err(|e| bad_query(&e, "send ?format=json (the default) or ?format=tar"))?;
-    let tar = matches!(query.format, Some(FilesFormat::Tar));
+    if matches!(query.format, Some(FilesFormat::Tar)) {
+        let kept = id.clone();
+        blocking(&state.supervisor, move |sup| files_kept(sup, &kept)).await?;
+        // Packed beyond the store's calls: a pack lasts as long as its client reads.
+        let files = state.supervisor.files();
+        let body = files
+            .pack_stream(files.task_work(&id))
+            .await
+            .map_err(TaskError::from)?;
+        return Ok(tar_answer(body, &id));
+    }
     blocking(&state.supervisor, move |sup| {
         files_kept(sup, &id)?;
-        if tar {
-            let file = sup.files().pack(&id).map_err(TaskError::from)?;
-            Ok(tar_answer(file, &id))
-        } else {
-            Ok(Json(sup.files().list(&id).map_err(TaskError::from)?).into_response())
-        }
+        Ok(Json(sup.files().list(&id).map_err(TaskError::from)?).into_response())
     })
     .await
 }
@@ -638,9 +663,8 @@ fn served_file(file: std::fs::File, len: u64, name: &str) -> Response {
         .into_response()
 }
 
-/// A packed workspace as a tar download named `name`.tar.
-fn tar_answer(file: std::fs::File, name: &str) -> Response {
-    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+/// A workspace being packed, `body`, as a tar download named `name`.tar.
+fn tar_answer(body: Body, name: &str) -> Response {
     (
         [
             (header::CONTENT_TYPE, "application/x-tar".to_owned()),
@@ -649,42 +673,47 @@ fn tar_answer(file: std::fs::File, name: &str) -> Response {
                 format!("attachment; filename=\"{name}.tar\""),
             ),
         ],
-        file_body(file, len),
+        body,
     )
         .into_response()
 }
 
-/// The first `len` bytes of `file` as a body, read in large pieces on one blocking thread and
-/// handed over without another copy. A file that shrinks meanwhile ends the body early (the
-/// client sees it cut short against its length), never with other bytes.
+/// The first `len` bytes of `file` as a body, read a piece at a time on the blocking pool as
+/// the client takes them: a client that stalls holds no thread. A file that shrinks
+/// meanwhile ends the body early (the client sees it cut short against its length), never
+/// with other bytes.
 fn file_body(file: std::fs::File, len: u64) -> Body {
-    use std::io::Read as _;
-    let (pieces, arriving) = mpsc::channel::<std::io::Result<Bytes>>(4);
-    tokio::task::spawn_blocking(move || {
-        let mut file = file.take(len);
-        loop {
-            let mut piece = Vec::with_capacity(crate::files::IO_BUFFER);
-            match (&mut file)
-                .take(crate::files::IO_BUFFER as u64)
-                .read_to_end(&mut piece)
-            {
-                Ok(0) => return,
-                Ok(_) => {
-                    if pieces.blocking_send(Ok(Bytes::from(piece))).is_err() {
-                        return;
-                    }
-                }
-                Err(e) => {
-                    let _ = pieces.blocking_send(Err(e));
-                    return;
-                }
-            }
-        }
-    });
     Body::from_stream(futures::stream::unfold(
-        arriving,
-        |mut arriving| async move { arriving.recv().await.map(|piece| (piece, arriving)) },
+        Some((file, len)),
+        |state| async move { next_piece(state?).await },
     ))
+}
+
+/// The next piece of a file of which `left` bytes are still to be sent, and what is left
+/// after it; `None` at its end.
+async fn next_piece(
+    (mut file, left): (std::fs::File, u64),
+) -> Option<(std::io::Result<Bytes>, Option<(std::fs::File, u64)>)> {
+    use std::io::Read as _;
+    if left == 0 {
+        return None;
+    }
+    let want = left.min(crate::files::SEND_PIECE as u64);
+    let read = tokio::task::spawn_blocking(move || {
+        let mut piece = Vec::with_capacity(usize::try_from(want).unwrap_or(0));
+        let read = (&mut file).take(want).read_to_end(&mut piece);
+        (file, read.map(|_| piece))
+    })
+    .await;
+    match read {
+        Ok((_, Ok(piece))) if piece.is_empty() => None,
+        Ok((file, Ok(piece))) => {
+            let left = left - piece.len() as u64;
+            Some((Ok(Bytes::from(piece)), Some((file, left))))
+        }
+        Ok((_, Err(e))) => Some((Err(e), None)),
+        Err(e) => Some((Err(std::io::Error::other(e.to_string())), None)),
+    }
 }
 
 async fn get_task(

@@ -3,18 +3,25 @@
 //!
 //! Layout, beneath the state dir's `files/`:
 //! - `uploads/ID.tar` and `ID.txt`: an upload, checked entry by entry, and what the model is
-//!   told of it; removed an hour after it arrived.
+//!   told of it; removed an hour after it arrived. `uploads/ID.part`: one on its way in, or
+//!   an archive for a session's workspace, removed once placed.
 //! - `tasks/ID/inputs.tar`, `inputs.txt`: a task's own link to the upload it named, so the
 //!   upload expiring does not take the task's files with it.
 //! - `tasks/ID/work/`: the workspace every session of the task opens.
 //!
 //! Ids are checked to be lowercase hex before they become paths, and everything read out
 //! of a workspace goes through `archive`, beneath a directory handle, following no link.
+//!
+//! Bounds across requests: at most [`MAX_RECEIVING`] archives are received (or placed) at
+//! once, each within `[files] max_upload_mb`, and at most [`MAX_PENDING_UPLOADS`] wait for a
+//! task; a workspace downloaded as tar is sent as it is packed, holding a few pieces in
+//! memory and nothing on disk, at most [`MAX_PACKS`] at once.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use tandem_executor::archive::{self, ArchiveCaps, ArchiveError};
 use tandem_executor::made;
 use tandem_protocol::files::{FileInfo, TaskFiles, Upload};
@@ -30,6 +37,29 @@ pub const IO_BUFFER: usize = 1 << 20;
 const OVERSIZE_DRAIN: u64 = 16 << 20;
 /// Most uploads waiting for a task at once.
 pub const MAX_PENDING_UPLOADS: usize = 64;
+/// Most archives received (uploads and session puts) at once: each holds a file of up to
+/// `[files] max_upload_mb` on disk and a blocking check.
+pub const MAX_RECEIVING: usize = 4;
+/// Longest an archive waits for one of those places before it is refused (429).
+pub const RECEIVE_WAIT: Duration = Duration::from_secs(30);
+/// Longest an archive's sender may go without sending a byte; then it is refused, and its
+/// place goes to another.
+pub const RECEIVE_STALL: Duration = Duration::from_secs(60);
+/// Most workspaces sent as tar (`?format=tar`) at once: each holds a blocking thread and
+/// [`PACK_PIECES`] pieces of [`SEND_PIECE`] bytes in memory while its client reads.
+pub const MAX_PACKS: usize = 16;
+/// Longest a tar download waits for one of those places before it is refused (429).
+pub const PACK_WAIT: Duration = Duration::from_secs(10);
+/// Longest a tar download's client may take no bytes; then it is cut off, and its place
+/// goes to another.
+pub const PACK_STALL: Duration = Duration::from_secs(60);
+/// Bytes of a download (a file, or a pack) read and sent at a time: about what a client
+/// that stops reading holds of the daemon's memory.
+pub const SEND_PIECE: usize = 256 << 10;
+/// Pieces of a pack packed ahead of its client.
+const PACK_PIECES: usize = 4;
+/// Most entries a workspace's listing or tar download walks.
+const PACK_ENTRIES: usize = 100_000;
 
 /// Where tasks' files live and how long they stay, from `[files]`.
 #[derive(Clone, Debug)]
@@ -41,8 +71,8 @@ pub struct FilesConfig {
     /// Most bytes all tasks' workspaces may hold; the oldest finished ones go first.
     pub max_total_bytes: u64,
     /// Most bytes one task's workspace counts for: a task over it cannot push others' files
-    /// out, and once finished it loses its own first. Also the most a `?format=tar` download
-    /// of it may write.
+    /// out, and once finished it loses its own first. Also the most file content a
+    /// `?format=tar` download of it may send.
     pub max_task_bytes: u64,
     /// What one upload may hold.
     pub upload: ArchiveCaps,
@@ -69,6 +99,20 @@ pub enum FilesError {
         "{MAX_PENDING_UPLOADS} uploads already wait for a task; name them in tasks, or wait for them to expire"
     )]
     TooMany,
+    /// The daemon does as many of these at once as it will; a later try may find room.
+    #[error("{what}; try again in {retry_secs} s")]
+    Busy {
+        /// What is under way, and the bound.
+        what: String,
+        /// When to try again, in seconds (the answer's `Retry-After`).
+        retry_secs: u64,
+    },
+    /// The sender stopped sending the archive.
+    #[error(
+        "the archive stalled: no bytes arrived for {} s; send it again",
+        RECEIVE_STALL.as_secs()
+    )]
+    Stalled,
     /// A path that does not name a regular file of the workspace.
     #[error("{0}")]
     NotFound(String),
@@ -104,6 +148,30 @@ impl FilesError {
 pub struct Files {
     config: FilesConfig,
     uploads: tokio::sync::Semaphore,
+    packs: Arc<tokio::sync::Semaphore>,
+}
+
+/// An archive received for a session's workspace and checked: on disk only until it is
+/// placed, removed when this is dropped, and never an upload a task could name.
+pub struct Received<'a> {
+    path: PathBuf,
+    /// What it holds.
+    pub upload: Upload,
+    /// Its place among the archives received at once, kept until it is placed.
+    _place: tokio::sync::SemaphorePermit<'a>,
+}
+
+impl Received<'_> {
+    /// The archive, to be placed.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for Received<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
 }
 
 impl Files {
@@ -114,8 +182,8 @@ impl Files {
         }
         Ok(Self {
             config,
-            // Each upload holds a file open and a blocking check: a few at once is plenty.
-            uploads: tokio::sync::Semaphore::new(4),
+            uploads: tokio::sync::Semaphore::new(MAX_RECEIVING),
+            packs: Arc::new(tokio::sync::Semaphore::new(MAX_PACKS)),
         })
     }
 
@@ -186,10 +254,24 @@ impl Files {
         Ok(())
     }
 
+    /// A place among the archives received at once, waited for at most [`RECEIVE_WAIT`].
+    async fn receiving(&self) -> Result<tokio::sync::SemaphorePermit<'_>, FilesError> {
+        let busy = || FilesError::Busy {
+            what: format!(
+                "{MAX_RECEIVING} archives (uploads and session files) are being received now, the most this daemon takes at once"
+            ),
+            retry_secs: RECEIVE_WAIT.as_secs(),
+        };
+        tokio::time::timeout(RECEIVE_WAIT, self.uploads.acquire())
+            .await
+            .map_err(|_| busy())?
+            .map_err(|_| busy())
+    }
+
     /// Receives an upload: the tar archive in `body`, written to disk as it arrives and
     /// checked entry by entry (paths, kinds, sizes) before it can be named.
     pub async fn receive(&self, body: Body) -> Result<Upload, FilesError> {
-        let _permit = self.uploads.acquire().await;
+        let _place = self.receiving().await?;
         let pending = std::fs::read_dir(self.config.root.join("uploads"))
             .map_err(FilesError::io("listing uploads"))?
             .filter_map(Result::ok)
@@ -200,14 +282,41 @@ impl Files {
         }
         let id = uuid::Uuid::new_v4().simple().to_string();
         let part = self.upload_path(&id, "part");
-        let result = self.receive_into(&id, &part, body).await;
+        let kept = (self.upload_path(&id, "tar"), self.upload_path(&id, "txt"));
+        let result = self.receive_into(&part, body, Some(kept)).await;
         if result.is_err() {
             let _ = std::fs::remove_file(&part);
         }
-        result
+        Ok(upload_of(id, result?, SystemTime::now() + UPLOAD_KEEP))
     }
 
-    async fn receive_into(&self, id: &str, part: &Path, body: Body) -> Result<Upload, FilesError> {
+    /// Receives an archive for a session's workspace, checked as an upload is but kept only
+    /// until it is placed: it is no upload, and counts against none.
+    pub async fn receive_unkept(&self, body: Body) -> Result<Received<'_>, FilesError> {
+        let place = self.receiving().await?;
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let part = self.upload_path(&id, "part");
+        match self.receive_into(&part, body, None).await {
+            Ok(files) => Ok(Received {
+                path: part,
+                upload: upload_of(id, files, SystemTime::now()),
+                _place: place,
+            }),
+            Err(e) => {
+                let _ = std::fs::remove_file(&part);
+                Err(e)
+            }
+        }
+    }
+
+    /// Writes the archive in `body` to `part` and checks it; with `keep` (its archive and
+    /// listing paths), moves it there, to be named.
+    async fn receive_into(
+        &self,
+        part: &Path,
+        body: Body,
+        keep: Option<(PathBuf, PathBuf)>,
+    ) -> Result<Vec<archive::ArchivedFile>, FilesError> {
         let caps = self.config.upload;
         // The archive's own bytes past its contents: a header and padding per entry, and the
         // end blocks.
@@ -224,7 +333,14 @@ impl Files {
         );
         let mut stream = body.into_data_stream();
         let mut total = 0u64;
-        while let Some(chunk) = futures::StreamExt::next(&mut stream).await {
+        loop {
+            // A sender that stops sending gives its place back rather than hold it.
+            let next = tokio::time::timeout(RECEIVE_STALL, futures::StreamExt::next(&mut stream))
+                .await
+                .map_err(|_| FilesError::Stalled)?;
+            let Some(chunk) = next else {
+                break;
+            };
             let chunk = chunk.map_err(|e| FilesError::Io {
                 context: "reading the upload".to_owned(),
                 source: std::io::Error::other(e.to_string()),
@@ -253,41 +369,24 @@ impl Files {
             .await
             .map_err(FilesError::io("storing the upload"))?;
         drop(file);
-        let (part, tar, txt) = (
-            part.to_owned(),
-            self.upload_path(id, "tar"),
-            self.upload_path(id, "txt"),
-        );
-        let checked = tokio::task::spawn_blocking(move || -> Result<_, FilesError> {
+        let part = part.to_owned();
+        tokio::task::spawn_blocking(move || -> Result<_, FilesError> {
             // One read checks it and finds what the model is told.
             let read = std::fs::File::open(&part)
                 .map(|f| std::io::BufReader::with_capacity(IO_BUFFER, f))
                 .map_err(FilesError::io("reading the upload"))?;
             let (files, listing) = archive::inspect(read, caps).map_err(FilesError::Refused)?;
-            std::fs::write(&txt, listing).map_err(FilesError::io("storing the upload"))?;
-            std::fs::rename(&part, &tar).map_err(FilesError::io("storing the upload"))?;
+            if let Some((tar, txt)) = keep {
+                std::fs::write(&txt, listing).map_err(FilesError::io("storing the upload"))?;
+                std::fs::rename(&part, &tar).map_err(FilesError::io("storing the upload"))?;
+            }
             Ok(files)
         })
         .await
         .map_err(|e| FilesError::Io {
             context: "checking the upload".to_owned(),
             source: std::io::Error::other(e.to_string()),
-        })??;
-        let bytes = checked.iter().map(|f| f.bytes).sum();
-        Ok(Upload {
-            id: id.to_owned(),
-            files: checked
-                .into_iter()
-                .map(|f| FileInfo {
-                    path: slashed(&f.path),
-                    bytes: f.bytes,
-                    modified_ms: None,
-                    given: false,
-                })
-                .collect(),
-            bytes,
-            expires_ms: ms(SystemTime::now() + UPLOAD_KEEP),
-        })
+        })?
     }
 
     /// The regular files of `task`'s workspace.
@@ -324,34 +423,76 @@ impl Files {
         )
     }
 
-    /// Packs `task`'s whole workspace into a temporary tar file, opened and already
-    /// unlinked, so it goes away with the handle.
-    pub fn pack(&self, task: &str) -> Result<std::fs::File, FilesError> {
-        self.pack_dir(&self.task_dir(task).join("work"))
+    /// The workspace of `task`, where it is or would be.
+    pub fn task_work(&self, task: &str) -> PathBuf {
+        self.task_dir(task).join("work")
     }
 
-    /// Packs the workspace `work` as [`Files::pack`] does a task's.
-    pub fn pack_dir(&self, work: &Path) -> Result<std::fs::File, FilesError> {
-        let mut out = tempfile::tempfile_in(&self.config.root)
-            .map_err(FilesError::io("packing the workspace"))?;
-        if work.is_dir() {
-            // Bounded as the workspace's share of the disk is: a sparse file cannot make a
-            // download write more than a task may hold.
-            let caps = ArchiveCaps {
-                max_bytes: self.config.max_task_bytes,
-                max_entries: 100_000,
+    /// The workspace `work` as a tar archive, sent as it is packed: nothing is written to
+    /// disk, and a few pieces are held in memory. A download waits at most [`PACK_WAIT`] for
+    /// one of [`MAX_PACKS`] places; a client that leaves stops its pack at once, and one
+    /// that takes nothing for [`PACK_STALL`] is cut off. A workspace over what a task may
+    /// hold (counted as the bytes sent: a sparse file costs its whole length) or too wide is
+    /// refused before anything is sent.
+    pub async fn pack_stream(&self, work: PathBuf) -> Result<Body, FilesError> {
+        let busy = || FilesError::Busy {
+            what: format!(
+                "{MAX_PACKS} workspace downloads (?format=tar) are being sent now, the most this daemon sends at once"
+            ),
+            retry_secs: PACK_WAIT.as_secs(),
+        };
+        let place = tokio::time::timeout(PACK_WAIT, self.packs.clone().acquire_owned())
+            .await
+            .map_err(|_| busy())?
+            .map_err(|_| busy())?;
+        // Bounded as the workspace's share of the disk is: a sparse file cannot make a
+        // download send more than a task may hold.
+        let caps = ArchiveCaps {
+            max_bytes: self.config.max_task_bytes,
+            max_entries: PACK_ENTRIES,
+        };
+        let checked = work.clone();
+        tokio::task::spawn_blocking(move || fits(&checked, caps))
+            .await
+            .map_err(|e| FilesError::Io {
+                context: "packing the workspace".to_owned(),
+                source: std::io::Error::other(e.to_string()),
+            })??;
+        let (tx, rx) = tokio::sync::mpsc::channel(PACK_PIECES);
+        let runtime = tokio::runtime::Handle::current();
+        tokio::task::spawn_blocking(move || {
+            let _place = place;
+            let mut out = Pieces {
+                tx,
+                runtime,
+                piece: Vec::with_capacity(SEND_PIECE),
+                ended: false,
             };
-            archive::pack(work, "", &mut out, caps)
-                .map_err(|e| FilesError::NotFound(format!("packing the workspace: {e}")))?;
-        } else {
-            // An empty archive: its two end blocks.
-            std::io::Write::write_all(&mut out, &[0u8; 1024])
-                .map_err(FilesError::io("packing the workspace"))?;
-        }
-        use std::io::Seek;
-        out.rewind()
-            .map_err(FilesError::io("packing the workspace"))?;
-        Ok(out)
+            let packed = if work.is_dir() {
+                archive::pack(&work, "", &mut out, caps)
+                    .map(drop)
+                    .map_err(|e| std::io::Error::other(format!("packing the workspace: {e}")))
+            } else {
+                // An empty archive: its two end blocks.
+                std::io::Write::write_all(&mut out, &[0u8; 1024])
+            };
+            match packed.and_then(|()| std::io::Write::flush(&mut out)) {
+                Ok(()) => {}
+                Err(e) if out.ended => {
+                    tracing::debug!(work = %work.display(), error = %e, "a tar download ended early");
+                }
+                Err(e) => {
+                    // The workspace changed under the pack: the client sees the archive cut
+                    // short, never one that reads as whole.
+                    tracing::warn!(work = %work.display(), error = %e, "a tar download failed");
+                    let _ = out.send(Err(e));
+                }
+            }
+        });
+        Ok(Body::from_stream(futures::stream::unfold(
+            rx,
+            |mut rx| async move { rx.recv().await.map(|piece| (piece, rx)) },
+        )))
     }
 
     /// Removes what the retention says must go: uploads past their hour, workspaces of
@@ -490,12 +631,111 @@ pub fn list_dir(work: &Path) -> Result<Vec<archive::ListedFile>, FilesError> {
     if !work.is_dir() {
         return Ok(Vec::new());
     }
-    archive::list(work, 100_000)
+    archive::list(work, PACK_ENTRIES)
         .map_err(|e| FilesError::NotFound(format!("listing the workspace: {e}")))
 }
 
 pub fn valid_id(id: &str) -> bool {
     (1..=64).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// What the API answers of a received archive `id` holding `files`.
+fn upload_of(id: String, files: Vec<archive::ArchivedFile>, expires: SystemTime) -> Upload {
+    let bytes = files.iter().map(|f| f.bytes).sum();
+    Upload {
+        id,
+        files: files
+            .into_iter()
+            .map(|f| FileInfo {
+                path: slashed(&f.path),
+                bytes: f.bytes,
+                modified_ms: None,
+                given: false,
+            })
+            .collect(),
+        bytes,
+        expires_ms: ms(expires),
+    }
+}
+
+/// Whether the workspace `work` packs within `caps`, by its files' sizes: checked before a
+/// download's answer starts, so a refusal is an answer rather than an archive cut short.
+fn fits(work: &Path, caps: ArchiveCaps) -> Result<(), FilesError> {
+    let mut bytes = 0u64;
+    for file in list_dir(work)? {
+        bytes = bytes.saturating_add(file.bytes);
+        if bytes > caps.max_bytes {
+            let over = ArchiveError::TooLarge {
+                path: slashed(&file.path),
+                max: caps.max_bytes,
+            };
+            return Err(FilesError::NotFound(format!(
+                "packing the workspace: {over}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A pack's bytes on their way to its client, a piece at a time. A write that finds
+/// [`PACK_PIECES`] pieces not yet taken waits for the client, at most [`PACK_STALL`], and
+/// fails at once when the client has left: either way the pack stops.
+struct Pieces {
+    tx: tokio::sync::mpsc::Sender<std::io::Result<Bytes>>,
+    runtime: tokio::runtime::Handle,
+    piece: Vec<u8>,
+    /// The client left or stalled: nothing more goes to it.
+    ended: bool,
+}
+
+impl Pieces {
+    fn send(&mut self, item: std::io::Result<Bytes>) -> std::io::Result<()> {
+        use tokio::sync::mpsc::error::SendTimeoutError;
+        // On the blocking pool, never a runtime's worker: waiting here is allowed.
+        match self
+            .runtime
+            .block_on(self.tx.send_timeout(item, PACK_STALL))
+        {
+            Ok(()) => Ok(()),
+            Err(SendTimeoutError::Timeout(_)) => {
+                self.ended = true;
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("the client took nothing for {} s", PACK_STALL.as_secs()),
+                ))
+            }
+            Err(SendTimeoutError::Closed(_)) => {
+                self.ended = true;
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::BrokenPipe,
+                    "the client left",
+                ))
+            }
+        }
+    }
+
+    fn ship(&mut self) -> std::io::Result<()> {
+        if self.piece.is_empty() {
+            return Ok(());
+        }
+        let piece = std::mem::replace(&mut self.piece, Vec::with_capacity(SEND_PIECE));
+        self.send(Ok(Bytes::from(piece)))
+    }
+}
+
+impl std::io::Write for Pieces {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = buf.len().min(SEND_PIECE - self.piece.len());
+        self.piece.extend_from_slice(&buf[..n]);
+        if self.piece.len() >= SEND_PIECE {
+            self.ship()?;
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.ship()
+    }
 }
 
 pub(crate) fn slashed(path: &Path) -> String {

@@ -221,12 +221,16 @@ pub(super) async fn session_files(
     let Query(query) =
         query.map_err(|e| bad_query(&e, "send ?format=json (the default) or ?format=tar"))?;
     let work = state.sessions.get(&id)?.workspace()?;
-    let tar = matches!(query.format, Some(FilesFormat::Tar));
-    blocking(&state.supervisor, move |sup| {
-        if tar {
-            let file = sup.files().pack_dir(&work).map_err(TaskError::from)?;
-            return Ok(tar_answer(file, &id));
-        }
+    if matches!(query.format, Some(FilesFormat::Tar)) {
+        let body = state
+            .supervisor
+            .files()
+            .pack_stream(work)
+            .await
+            .map_err(TaskError::from)?;
+        return Ok(tar_answer(body, &id));
+    }
+    blocking(&state.supervisor, move |_| {
         let files = crate::files::list_dir(&work).map_err(TaskError::from)?;
         Ok(Json(SessionFiles {
             session: id,
@@ -268,27 +272,16 @@ pub(super) async fn session_file(
 }
 
 /// `POST /v1/sessions/{id}/files` with a tar archive: its files placed in the workspace,
-/// checked as an upload's are.
+/// checked as an upload's are. The archive is kept only until it is placed: it is no
+/// upload, and takes no place among those waiting for tasks.
 pub(super) async fn put_session_files(
     State(state): State<AppState>,
     Path(id): Path<String>,
     body: Body,
 ) -> Result<(StatusCode, Json<tandem_protocol::files::Upload>), ApiError> {
     let held = state.sessions.get(&id)?;
-    let upload = state
-        .supervisor
-        .files()
-        .receive(body)
-        .await
-        .map_err(TaskError::from)?;
-    let archive = state
-        .supervisor
-        .files()
-        .upload_archive(&upload.id)
-        .ok_or_else(|| {
-            ApiError::invalid("the upload went away before it was placed; send it again")
-        })?;
-    held.put(&archive, state.supervisor.files().upload_caps())
-        .await?;
-    Ok((StatusCode::CREATED, Json(upload)))
+    let files = state.supervisor.files();
+    let received = files.receive_unkept(body).await.map_err(TaskError::from)?;
+    held.put(received.path(), files.upload_caps()).await?;
+    Ok((StatusCode::CREATED, Json(received.upload.clone())))
 }
