@@ -1022,7 +1022,10 @@ async fn clients_that_hang_up_mid_open_leave_no_container() {
         .send(
             reqwest::Method::POST,
             "/v1/exec",
-            Some(json!({"executor": "docker", "language": "python", "code": "print(6 * 7)"}).to_string()),
+            Some(
+                json!({"executor": "docker", "language": "python", "code": "print(6 * 7)"})
+                    .to_string(),
+            ),
         )
         .await;
     assert_eq!(status, 200, "{body}");
