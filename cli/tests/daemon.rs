@@ -919,7 +919,12 @@ async fn sigterm_removes_the_warm_docker_pool() {
 
 /// Sends `POST path` with `body` on a connection of its own and hangs up after `after`,
 /// whatever the daemon is doing with it by then.
-async fn hang_up(socket: std::path::PathBuf, path: &'static str, body: Value, after: Duration) {
+pub(crate) async fn hang_up(
+    socket: std::path::PathBuf,
+    path: &'static str,
+    body: Value,
+    after: Duration,
+) {
     use tokio::io::AsyncWriteExt;
     let body = body.to_string();
     let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
