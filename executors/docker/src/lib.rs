@@ -44,6 +44,9 @@ pub mod labels {
     pub const WORKSPACE: &str = "tandem.workspace";
     /// The volume that holds the session's workspace, when it is the container's own.
     pub const VOLUME: &str = "tandem.volume";
+    /// The executor (one connection to one engine) that made it: what its shutdown removes,
+    /// and nothing another executor of the same process made.
+    pub const INSTANCE: &str = "tandem.instance";
 }
 
 /// Where a session's workspace lives.
@@ -287,6 +290,8 @@ pub(crate) struct Inner {
     pub(crate) docker: Docker,
     pub(crate) config: DockerConfig,
     pub(crate) owner: String,
+    /// The [`labels::INSTANCE`] of what this executor makes.
+    pub(crate) instance: String,
     /// This process's owner-only directory for temporary workspaces: each workspace must be
     /// world-writable for the blocks' user, so only its parent keeps other host users out.
     pub(crate) root: PathBuf,
@@ -364,6 +369,7 @@ impl DockerExecutor {
                 root: scratch::process_root_in(&base, ROOT_PREFIX),
                 config,
                 owner: owner_tag(),
+                instance: uuid::Uuid::new_v4().simple().to_string(),
                 image_ready: OnceCell::new(),
                 pool: Pool::default(),
                 live: Default::default(),
@@ -591,7 +597,7 @@ impl DockerExecutor {
 
     /// Shuts the executor down (daemon shutdown): it makes nothing more, removes the warm
     /// pool's containers, waits for those still being made, and then removes every container
-    /// and volume this process owns, in any state (a session still open, a container made
+    /// and volume it made (by their [`labels::INSTANCE`]), in any state (a session still open, a container made
     /// for an open whose caller went away, one created and never started), within a
     /// deadline; what is left then, the next Tandem reaps.
     pub async fn shutdown(&self) {
@@ -654,12 +660,12 @@ impl DockerExecutor {
         Some(inner.making.spawn(make))
     }
 
-    /// Removes every container (with its temporary workspace) and volume this process owns,
+    /// Removes every container (with its temporary workspace) and volume this executor made,
     /// whatever its state; returns how many.
     async fn remove_own(&self) -> Result<usize, DockerError> {
         let docker = &self.inner.docker;
-        let owner = format!("{}={}", labels::OWNER, self.inner.owner);
-        let found = self.containers_labelled(&owner).await?;
+        let mine = format!("{}={}", labels::INSTANCE, self.inner.instance);
+        let found = self.containers_labelled(&mine).await?;
         let removals = found.iter().map(|(id, tags)| async move {
             remove_container(docker, id).await;
             if let Some(ws) = tags.get(labels::WORKSPACE) {
@@ -667,9 +673,20 @@ impl DockerExecutor {
             }
         });
         futures::future::join_all(removals).await;
-        let ours = self.inner.owner.clone();
-        let volumes = self.reap_volumes(|owner, _| owner == ours).await?;
-        Ok(found.len() + volumes)
+        let filters: HashMap<String, Vec<String>> =
+            HashMap::from([("label".to_owned(), vec![mine])]);
+        let volumes = docker
+            .list_volumes(Some(bollard::query_parameters::ListVolumesOptions {
+                filters: Some(filters),
+            }))
+            .await
+            .map_err(engine("listing Tandem's volumes"))?
+            .volumes
+            .unwrap_or_default();
+        for v in &volumes {
+            remove_volume(docker, &v.name).await;
+        }
+        Ok(found.len() + volumes.len())
     }
 
     /// The container body for a session: the hardened defaults plus the session's mounts.

@@ -100,6 +100,7 @@ impl DockerSession {
         let mut labels: HashMap<String, String> = spec.labels.iter().cloned().collect();
         labels.insert(labels::DAEMON.to_owned(), inner.config.daemon_id.clone());
         labels.insert(labels::OWNER.to_owned(), inner.owner.clone());
+        labels.insert(labels::INSTANCE.to_owned(), inner.instance.clone());
         labels.insert(labels::SESSION.to_owned(), session_id.clone());
         labels.entry(labels::TASK.to_owned()).or_default();
         if owned_workspace.is_some() {
@@ -279,10 +280,16 @@ async fn make(
     let inner = executor.inner();
     let volume = match &place {
         Place::Volume(name) => {
-            let volume_labels = [labels::DAEMON, labels::OWNER, labels::SESSION, labels::TASK]
-                .into_iter()
-                .filter_map(|k| Some((k.to_owned(), labels.get(k)?.clone())))
-                .collect();
+            let volume_labels = [
+                labels::DAEMON,
+                labels::OWNER,
+                labels::INSTANCE,
+                labels::SESSION,
+                labels::TASK,
+            ]
+            .into_iter()
+            .filter_map(|k| Some((k.to_owned(), labels.get(k)?.clone())))
+            .collect();
             inner
                 .docker
                 .create_volume(bollard::models::VolumeCreateRequest {
