@@ -205,6 +205,8 @@ struct Started {
     /// Held until the daemon exits: one daemon per state dir.
     _lock: nix::fcntl::Flock<std::fs::File>,
     docker: Option<crate::executors::Docker>,
+    /// Its claims are deleted at shutdown, as Docker's containers are removed.
+    kubernetes: Option<tandem_executor_kubernetes::KubernetesExecutor>,
     default_executor: String,
     max_concurrent: usize,
     grace: Duration,
@@ -258,6 +260,9 @@ pub async fn mcp(args: McpArgs, file: FileConfig) -> Result<u8> {
     if let Some(d) = started.docker {
         d.shutdown().await;
     }
+    if let Some(k) = started.kubernetes {
+        k.shutdown().await;
+    }
     served.map_err(|e| anyhow::anyhow!("MCP over stdio: {e}"))?;
     Ok(crate::exit::DONE)
 }
@@ -271,6 +276,7 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
         state_dir,
         _lock,
         docker,
+        kubernetes,
         default_executor,
         max_concurrent,
         grace,
@@ -335,6 +341,9 @@ pub async fn serve(args: ServeArgs, file: FileConfig) -> Result<u8> {
     .context("serving failed")?;
     if let Some(d) = docker {
         d.shutdown().await;
+    }
+    if let Some(k) = kubernetes {
+        k.shutdown().await;
     }
     let _ = std::fs::remove_file(&socket);
     tracing::info!("tandem daemon stopped");
@@ -491,6 +500,7 @@ async fn start(args: &ServeArgs, file: FileConfig, say: Say) -> Result<Started> 
         state_dir,
         _lock,
         docker: offered.docker,
+        kubernetes: offered.kubernetes,
         default_executor: offered.default,
         max_concurrent,
         grace,
@@ -535,6 +545,7 @@ struct Offered {
     /// What the operator named (`auto`, or an executor).
     named: String,
     docker: Option<crate::executors::Docker>,
+    kubernetes: Option<tandem_executor_kubernetes::KubernetesExecutor>,
 }
 
 /// Every executor the daemon can offer; `auto` decides the default once, at start.
@@ -581,13 +592,14 @@ async fn executors(settings: &ExecutorSettings, say: Say) -> Result<Offered> {
             None
         }
     };
-    others(&mut registry, settings, say).await?;
+    let kubernetes = others(&mut registry, settings, say).await?;
     registry.get(&default)?;
     Ok(Offered {
         registry,
         default,
         named,
         docker,
+        kubernetes,
     })
 }
 
@@ -608,14 +620,21 @@ fn warm_wasm(wasm: tandem_executor_wasm::WasmExecutor, load: bool) {
     });
 }
 
-/// The Kubernetes executor and the plugins the operator configured.
-async fn others(registry: &mut Registry, settings: &ExecutorSettings, say: Say) -> Result<()> {
+/// The Kubernetes executor and the plugins the operator configured; the Kubernetes executor
+/// again, for shutdown.
+async fn others(
+    registry: &mut Registry,
+    settings: &ExecutorSettings,
+    say: Say,
+) -> Result<Option<tandem_executor_kubernetes::KubernetesExecutor>> {
     // A configured cluster that does not answer is left out, as an unreachable Docker engine
     // is, but said aloud: the operator asked for it.
+    let mut kubernetes = None;
     if settings.kubernetes.get()?.is_some() {
         match crate::executors::kubernetes(settings).await {
             Ok(k) => {
-                registry.register(Arc::new(k));
+                registry.register(Arc::new(k.clone()));
+                kubernetes = Some(k);
             }
             Err(e) => say.warn(&format!("executor `kubernetes` is not available: {e:#}")),
         }
@@ -631,7 +650,7 @@ async fn others(registry: &mut Registry, settings: &ExecutorSettings, say: Say) 
             Err(e) => say.warn(&format!("executor `{name}` is not available: {e:#}")),
         }
     }
-    Ok(())
+    Ok(kubernetes)
 }
 
 /// What API clients may ask for, checked against the executors the daemon has; what is

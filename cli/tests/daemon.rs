@@ -917,6 +917,167 @@ async fn sigterm_removes_the_warm_docker_pool() {
     assert_eq!(containers_of(pid), Vec::<String>::new());
 }
 
+/// Sends `POST path` with `body` on a connection of its own and hangs up after `after`,
+/// whatever the daemon is doing with it by then.
+pub(crate) async fn hang_up(
+    socket: std::path::PathBuf,
+    path: &'static str,
+    body: Value,
+    after: Duration,
+) {
+    use tokio::io::AsyncWriteExt;
+    let body = body.to_string();
+    let mut stream = tokio::net::UnixStream::connect(&socket).await.unwrap();
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: tandem\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    tokio::time::sleep(after).await;
+    drop(stream);
+}
+
+/// 12 `POST /v1/exec` and 6 `POST /v1/sessions` asking for docker sandboxes, all at once,
+/// each hung up after its own delay, spread evenly up to `spread`: some land before the
+/// open, some while the engine makes the container, some after.
+fn opens_hung_up(d: &Daemon, spread: Duration) -> tokio::task::JoinSet<()> {
+    let exec = json!({"executor": "docker", "language": "python", "code": "print(1)"});
+    // A session whose open ends is held by the daemon until its idle timeout: a short one.
+    let session = json!({"executor": "docker", "idle_timeout_secs": 1});
+    let mut opens = tokio::task::JoinSet::new();
+    for i in 0..18u32 {
+        let (path, body) = if i % 3 == 2 {
+            ("/v1/sessions", session.clone())
+        } else {
+            ("/v1/exec", exec.clone())
+        };
+        opens.spawn(hang_up(d.socket(), path, body, spread * i / 17));
+    }
+    opens
+}
+
+/// `id state` of each container the Tandem with process id `pid` owns, for messages.
+fn container_states(pid: u32) -> String {
+    let ids = containers_of(pid);
+    if ids.is_empty() {
+        return String::new();
+    }
+    let out = std::process::Command::new("docker")
+        .args(["inspect", "--format", "{{.Id}} {{.State.Status}}"])
+        .args(&ids)
+        .output()
+        .expect("the docker CLI");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Waits for `opens` while counting the containers `pid` owns; the most seen at once.
+async fn peak_while(pid: u32, mut opens: tokio::task::JoinSet<()>) -> usize {
+    let mut peak = 0;
+    loop {
+        peak = peak.max(containers_of(pid).len());
+        if opens.is_empty() {
+            return peak;
+        }
+        if let Ok(Some(done)) =
+            tokio::time::timeout(Duration::from_millis(50), opens.join_next()).await
+        {
+            done.unwrap();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn clients_that_hang_up_mid_open_leave_no_container() {
+    let image = crate::e2e::sandbox_image();
+    let server = ScriptedOpenAi::start(two_turns([])).await.unwrap();
+    // No warm pool, so every open makes its container while its client waits; room for
+    // every open at once.
+    let config = "[executors.docker]\npool_size = 0\n[sessions]\nmax = 64\n";
+    let d = Daemon::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &["--image", &image],
+        Some(config),
+    )
+    .await;
+    let pid = d.pid();
+    let mut peak = 0;
+    for spread in [400, 1000, 2500] {
+        let opens = opens_hung_up(&d, Duration::from_millis(spread));
+        peak = peak.max(peak_while(pid, opens).await);
+    }
+    assert!(
+        peak > 0,
+        "no open reached the engine, so none was cut off in the middle:\n{}",
+        d.log()
+    );
+    // What a client left is closed by the daemon; nothing stays behind for the next start.
+    let started = Instant::now();
+    while !containers_of(pid).is_empty() {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "containers left by clients that hung up mid-open (of {peak} at most at once):\n{}\n{}",
+            container_states(pid),
+            d.log()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // And the daemon still opens sandboxes for the clients that stay.
+    let (status, body) = d
+        .send(
+            reqwest::Method::POST,
+            "/v1/exec",
+            Some(
+                json!({"executor": "docker", "language": "python", "code": "print(6 * 7)"})
+                    .to_string(),
+            ),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_while_sandboxes_open_leaves_no_container() {
+    let image = crate::e2e::sandbox_image();
+    let server = ScriptedOpenAi::start(two_turns([])).await.unwrap();
+    // The warm pool stays (2): its containers must go too.
+    let mut d = Daemon::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &["--image", &image],
+        Some("[sessions]\nmax = 64\n"),
+    )
+    .await;
+    let pid = d.pid();
+    // A session a client holds open.
+    let (status, body) = d
+        .send(
+            reqwest::Method::POST,
+            "/v1/sessions",
+            Some(json!({"executor": "docker"}).to_string()),
+        )
+        .await;
+    assert_eq!(status, 201, "{body}");
+    let before = containers_of(pid).len();
+    assert!(before >= 1, "{}", d.log());
+    // Opens under way when the signal comes, their clients going as the daemon stops.
+    let opens = opens_hung_up(&d, Duration::from_millis(1500));
+    let started = Instant::now();
+    while containers_of(pid).len() <= before && started.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    d.sigterm();
+    peak_while(pid, opens).await;
+    let code = d.wait_exit().await;
+    assert_eq!(code, Some(0), "{}", d.log());
+    assert_eq!(
+        container_states(pid),
+        "",
+        "containers outlived the daemon that made them:\n{}",
+        d.log()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn executors_report_their_health() {
     let server = ScriptedOpenAi::start(two_turns([])).await.unwrap();

@@ -108,6 +108,53 @@ async fn the_daemon_offers_kubernetes_and_runs_a_task_in_a_pod() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn claims_of_clients_that_hang_up_mid_open_and_of_open_sessions_end_with_the_daemon() {
+    let cluster = cluster().await;
+    // A loaded API server: each claim is made at once and answered a second later, so a
+    // client that hangs up meanwhile leaves the daemon a claim it has not heard of yet.
+    cluster.answer_claims_after(Duration::from_secs(1));
+    let server = ScriptedOpenAi::start(script([])).await.unwrap();
+    let mut d = Daemon::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &["--executor", "local"],
+        Some(&format!("{}[sessions]\nmax = 64\n", config(&cluster.url))),
+    )
+    .await;
+    let session = json!({"executor": "kubernetes", "idle_timeout_secs": 1});
+    let mut opens = tokio::task::JoinSet::new();
+    for _ in 0..6 {
+        opens.spawn(crate::daemon::hang_up(
+            d.socket(),
+            "/v1/sessions",
+            session.clone(),
+            Duration::from_millis(300),
+        ));
+    }
+    // And a session a client holds open when the daemon stops.
+    let (status, body) = d
+        .send(
+            reqwest::Method::POST,
+            "/v1/sessions",
+            Some(json!({"executor": "kubernetes"}).to_string()),
+        )
+        .await;
+    assert_eq!(status, 201, "{body}");
+    while let Some(done) = opens.join_next().await {
+        done.unwrap();
+    }
+    assert!(
+        !cluster.objects("sandboxclaims").is_empty(),
+        "{:?}",
+        cluster.requests()
+    );
+    d.sigterm();
+    assert_eq!(d.wait_exit().await, Some(0), "{}", d.log());
+    cluster.wait_released().await;
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_missing_section_and_a_silent_cluster_are_told_by_name() {
     let out = tandem(
         &["exec", "--executor", "kubernetes", "--lang", "python", "-"],

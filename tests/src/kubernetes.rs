@@ -52,6 +52,8 @@ struct Cluster {
     log: Mutex<Vec<String>>,
     /// A file holding the token a pod gets when the spec does not turn it off.
     token_dir: tempfile::TempDir,
+    /// How long the answer to a claim's creation waits, the claim already made.
+    claim_answer_delay: Mutex<std::time::Duration>,
 }
 
 /// A running stand-in API server.
@@ -74,6 +76,7 @@ impl FakeCluster {
             pods: Mutex::default(),
             log: Mutex::default(),
             token_dir,
+            claim_answer_delay: Mutex::default(),
         });
         let app = Router::new()
             .route("/api/v1/namespaces/{ns}/pods/{pod}/exec", get(exec))
@@ -162,6 +165,12 @@ impl FakeCluster {
             .lock()
             .unwrap()
             .insert((plural, ns, name), object);
+    }
+
+    /// Answers each claim's creation `delay` after making the claim, as a loaded API server
+    /// does: a client that goes away meanwhile has a claim it never heard of.
+    pub fn answer_claims_after(&self, delay: std::time::Duration) {
+        *self.cluster.claim_answer_delay.lock().unwrap() = delay;
     }
 
     /// Removes one object, as `kubectl delete` would.
@@ -384,6 +393,8 @@ async fn resource(
                 .insert(key(&name), object.clone());
             if plural == "sandboxclaims" {
                 tokio::spawn(bind(cluster.clone(), ns.to_owned(), name));
+                let delay = *cluster.claim_answer_delay.lock().unwrap();
+                tokio::time::sleep(delay).await;
             }
             (StatusCode::CREATED, axum::Json(object)).into_response()
         }

@@ -190,14 +190,34 @@ impl Executor for Budgeted {
         self.inner.languages()
     }
 
+    /// The open itself runs to its end on a task of its own, whoever waits for it: an
+    /// executor's open need not be cancel-safe (a caller that goes away between a sandbox's
+    /// making and its session's owning it, such as a client hanging up, would leak the
+    /// sandbox), and a session nobody is left to take is closed.
     fn open(&self, spec: SessionSpec) -> BoxFuture<'_, Result<Box<dyn Session>, ExecError>> {
         Box::pin(async move {
             let permits = self.permits(&spec).await?;
-            let session = self.inner.open(spec).await?;
-            Ok(Box::new(Held {
-                session,
-                _permits: permits,
-            }) as Box<dyn Session>)
+            let inner = self.inner.clone();
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            tokio::spawn(async move {
+                let opened = inner.open(spec).await.map(|session| {
+                    Box::new(Held {
+                        session,
+                        _permits: permits,
+                    }) as Box<dyn Session>
+                });
+                if let Err(Ok(session)) = tx.send(opened) {
+                    // Nobody to tell how the close went; a failed one is the executor's to
+                    // reap, as for any session dropped unclosed.
+                    let _ = session.close().await;
+                }
+            });
+            rx.await.map_err(|_| {
+                ExecError::Backend(format!(
+                    "opening a {} sandbox stopped before it ended (the daemon is stopping, or the executor panicked); try again",
+                    self.inner.name()
+                ))
+            })?
         })
     }
 
@@ -356,6 +376,66 @@ mod tests {
         let _b1 = open(&registry, "b").await.unwrap();
         let _b2 = open(&registry, "b").await.unwrap();
         assert_eq!(registry.budget().map(Budget::in_use), Some(3));
+    }
+
+    /// Sandboxes made and not yet removed, by an executor whose open is not cancel-safe:
+    /// it makes the sandbox, then waits (as for an engine's answer) before a session owns it.
+    struct Slow(Arc<std::sync::atomic::AtomicUsize>);
+
+    struct Made(Arc<std::sync::atomic::AtomicUsize>);
+
+    impl Session for Made {
+        fn run(
+            &mut self,
+            _: ExecRequest,
+            _: ExecContext,
+        ) -> BoxFuture<'_, Result<ExecOutcome, ExecError>> {
+            Box::pin(async { Ok(ExecOutcome::refused("nothing runs here")) })
+        }
+        fn workspace(&self) -> Option<&Path> {
+            None
+        }
+        fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
+            let made = self.0.clone();
+            Box::pin(async move {
+                made.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                Ok(())
+            })
+        }
+    }
+
+    impl Executor for Slow {
+        fn name(&self) -> &str {
+            "slow"
+        }
+        fn languages(&self) -> &[Language] {
+            &[]
+        }
+        fn open(&self, _: SessionSpec) -> BoxFuture<'_, Result<Box<dyn Session>, ExecError>> {
+            let made = self.0.clone();
+            Box::pin(async move {
+                made.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                Ok(Box::new(Made(made)) as Box<dyn Session>)
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn an_open_its_caller_drops_midway_is_closed_and_gives_its_place_back() {
+        let made = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut registry = Registry::new()
+            .with_budget(Budget::new(&BudgetConfig::new(1, Duration::from_secs(30))));
+        registry.register(Arc::new(Slow(made.clone())));
+        let dropped =
+            tokio::time::timeout(Duration::from_millis(50), open(&registry, "slow")).await;
+        assert!(dropped.is_err(), "the open should still be under way");
+        assert_eq!(made.load(std::sync::atomic::Ordering::SeqCst), 1);
+        // The one permit comes back once the sandbox the dropped open made is closed.
+        let next = open(&registry, "slow").await.unwrap();
+        assert_eq!(made.load(std::sync::atomic::Ordering::SeqCst), 1);
+        next.close().await.unwrap();
+        assert_eq!(made.load(std::sync::atomic::Ordering::SeqCst), 0);
     }
 
     #[tokio::test]

@@ -261,14 +261,17 @@ impl DockerFleet {
         probe_all(&Arc::downgrade(&self.inner)).await;
     }
 
-    /// Stops probing and empties every host's warm pool.
+    /// Stops probing and shuts every host's executor down ([`DockerExecutor::shutdown`]),
+    /// all at once, so that each has its whole deadline.
     pub async fn shutdown(&self) {
         self.inner.stop.cancel();
-        for h in &self.inner.hosts {
-            if let Some(e) = h.executor() {
-                e.shutdown().await;
-            }
-        }
+        let executors: Vec<_> = self
+            .inner
+            .hosts
+            .iter()
+            .filter_map(|h| h.executor())
+            .collect();
+        futures::future::join_all(executors.iter().map(DockerExecutor::shutdown)).await;
     }
 
     /// Host indexes to try for `spec`, best first; or why none fits.

@@ -44,6 +44,9 @@ pub mod labels {
     pub const WORKSPACE: &str = "tandem.workspace";
     /// The volume that holds the session's workspace, when it is the container's own.
     pub const VOLUME: &str = "tandem.volume";
+    /// The executor (one connection to one engine) that made it: what its shutdown removes,
+    /// and nothing another executor of the same process made.
+    pub const INSTANCE: &str = "tandem.instance";
 }
 
 /// Where a session's workspace lives.
@@ -287,6 +290,8 @@ pub(crate) struct Inner {
     pub(crate) docker: Docker,
     pub(crate) config: DockerConfig,
     pub(crate) owner: String,
+    /// The [`labels::INSTANCE`] of what this executor makes.
+    pub(crate) instance: String,
     /// This process's owner-only directory for temporary workspaces: each workspace must be
     /// world-writable for the blocks' user, so only its parent keeps other host users out.
     pub(crate) root: PathBuf,
@@ -296,9 +301,16 @@ pub(crate) struct Inner {
     /// other container with this process's owner tag was lost (its engine went away while it
     /// ran) and is removed when the engine answers again.
     pub(crate) live: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// The volumes and containers being made for sessions, so that shutdown can wait for
+    /// them before it sweeps.
+    making: tokio_util::task::TaskTracker,
+    /// Held while a make starts and while shutdown closes the executor: every make starts
+    /// before shutdown waits for them, or not at all.
+    gate: std::sync::Mutex<()>,
 }
 
-/// Longest shutdown waits for warm-pool containers that are still starting.
+/// Longest shutdown waits for warm-pool containers and sessions' containers that are still
+/// being made, and then again for its sweep of this process's containers.
 const SHUTDOWN_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Started containers waiting for sessions, and how many are being started.
@@ -357,9 +369,12 @@ impl DockerExecutor {
                 root: scratch::process_root_in(&base, ROOT_PREFIX),
                 config,
                 owner: owner_tag(),
+                instance: uuid::Uuid::new_v4().simple().to_string(),
                 image_ready: OnceCell::new(),
                 pool: Pool::default(),
                 live: Default::default(),
+                making: tokio_util::task::TaskTracker::new(),
+                gate: std::sync::Mutex::new(()),
             }),
         };
         let roots = scratch::reap_dead_roots_in(&base, ROOT_PREFIX);
@@ -550,6 +565,8 @@ impl DockerExecutor {
                         }
                     }
                     Ok(warm) => warm.remove().await,
+                    // Refused, or cut off by the sweep: nothing is wrong.
+                    Err(_) if pool.closed.load(Ordering::SeqCst) => {}
                     Err(e) => {
                         tracing::warn!(error = %e, "starting a container for the warm pool failed")
                     }
@@ -581,11 +598,22 @@ impl DockerExecutor {
         None
     }
 
-    /// Stops refilling the pool and removes its containers (daemon shutdown), including
-    /// those still starting: each removes itself once started, and this waits for that.
+    /// Shuts the executor down (daemon shutdown): it makes nothing more, removes the warm
+    /// pool's containers, waits for those still being made, and then removes every container
+    /// and volume it made (by their [`labels::INSTANCE`]), in any state (a session still open, a container made
+    /// for an open whose caller went away, one created and never started), within a
+    /// deadline; what is left then, the next Tandem reaps.
     pub async fn shutdown(&self) {
-        let pool = &self.inner.pool;
-        pool.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+        use std::sync::atomic::Ordering;
+        let inner = &self.inner;
+        let pool = &inner.pool;
+        {
+            let _gate = inner
+                .gate
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            pool.closed.store(true, Ordering::SeqCst);
+        }
         let ready = match pool.ready.lock() {
             Ok(mut ready) => std::mem::take(&mut *ready),
             Err(_) => Vec::new(),
@@ -594,14 +622,74 @@ impl DockerExecutor {
             warm.remove().await;
         }
         pool.tasks.close();
-        if tokio::time::timeout(SHUTDOWN_WAIT, pool.tasks.wait())
-            .await
-            .is_err()
-        {
+        inner.making.close();
+        let made = async {
+            pool.tasks.wait().await;
+            inner.making.wait().await;
+        };
+        if tokio::time::timeout(SHUTDOWN_WAIT, made).await.is_err() {
             tracing::warn!(
-                "warm-pool containers still starting after 30 s; the next Tandem reaps them"
+                "containers still being made after 30 s; removing what is there, and the next Tandem reaps the rest"
             );
         }
+        match tokio::time::timeout(SHUTDOWN_WAIT, self.remove_own()).await {
+            Ok(Ok(0)) => {}
+            Ok(Ok(n)) => {
+                tracing::info!(removed = n, "removed the sandboxes still there at shutdown")
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "removing the sandboxes at shutdown failed; the next Tandem reaps them")
+            }
+            Err(_) => tracing::warn!(
+                "removing the sandboxes at shutdown took over 30 s; the next Tandem reaps what is left"
+            ),
+        }
+    }
+
+    /// Runs `make` (what makes a session's volume and container) on a task shutdown waits
+    /// for; `None` once the executor is shut down.
+    pub(crate) fn making<T: Send + 'static>(
+        &self,
+        make: impl std::future::Future<Output = T> + Send + 'static,
+    ) -> Option<tokio::task::JoinHandle<T>> {
+        let inner = &self.inner;
+        let _gate = inner
+            .gate
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if inner.pool.closed.load(std::sync::atomic::Ordering::SeqCst) {
+            return None;
+        }
+        Some(inner.making.spawn(make))
+    }
+
+    /// Removes every container (with its temporary workspace) and volume this executor made,
+    /// whatever its state; returns how many.
+    async fn remove_own(&self) -> Result<usize, DockerError> {
+        let docker = &self.inner.docker;
+        let mine = format!("{}={}", labels::INSTANCE, self.inner.instance);
+        let found = self.containers_labelled(&mine).await?;
+        let removals = found.iter().map(|(id, tags)| async move {
+            remove_container(docker, id).await;
+            if let Some(ws) = tags.get(labels::WORKSPACE) {
+                let _ = tandem_executor::keeper::remove_tree(std::path::Path::new(ws));
+            }
+        });
+        futures::future::join_all(removals).await;
+        let filters: HashMap<String, Vec<String>> =
+            HashMap::from([("label".to_owned(), vec![mine])]);
+        let volumes = docker
+            .list_volumes(Some(bollard::query_parameters::ListVolumesOptions {
+                filters: Some(filters),
+            }))
+            .await
+            .map_err(engine("listing Tandem's volumes"))?
+            .volumes
+            .unwrap_or_default();
+        for v in &volumes {
+            remove_volume(docker, &v.name).await;
+        }
+        Ok(found.len() + volumes.len())
     }
 
     /// The container body for a session: the hardened defaults plus the session's mounts.

@@ -100,6 +100,7 @@ impl DockerSession {
         let mut labels: HashMap<String, String> = spec.labels.iter().cloned().collect();
         labels.insert(labels::DAEMON.to_owned(), inner.config.daemon_id.clone());
         labels.insert(labels::OWNER.to_owned(), inner.owner.clone());
+        labels.insert(labels::INSTANCE.to_owned(), inner.instance.clone());
         labels.insert(labels::SESSION.to_owned(), session_id.clone());
         labels.entry(labels::TASK.to_owned()).or_default();
         if owned_workspace.is_some() {
@@ -111,63 +112,36 @@ impl DockerSession {
         if let Ok(mut live) = inner.live.lock() {
             live.insert(session_id.clone());
         }
+        // Made on a task of the executor's, watched by `making` from here until the session
+        // owns the container: an open dropped while the engine makes it (its caller went away)
+        // must not leave it.
         let place = if by_volume {
-            let name = format!("tandem-ws-{session_id}");
-            let volume_labels = [labels::DAEMON, labels::OWNER, labels::SESSION, labels::TASK]
-                .into_iter()
-                .filter_map(|k| Some((k.to_owned(), labels.get(k)?.clone())))
-                .collect();
-            inner
-                .docker
-                .create_volume(bollard::models::VolumeCreateRequest {
-                    name: Some(name.clone()),
-                    labels: Some(volume_labels),
-                    ..Default::default()
-                })
-                .await
-                .map_err(|e| {
-                    executor.forget(&session_id);
-                    ExecError::from(engine("creating the session's workspace volume")(e))
-                })?;
-            labels.insert(labels::VOLUME.to_owned(), name.clone());
-            Place::Volume(name)
+            Place::Volume(format!("tandem-ws-{session_id}"))
         } else {
             Place::Host(workspace.clone())
         };
-        let volume = match &place {
-            Place::Volume(name) => Some(name.clone()),
-            Place::Host(_) => None,
-        };
-        let body = executor.container_body(&place, labels, &spec.limits);
-        let name = format!("tandem-{}", &session_id[..12]);
-        let created = match inner
-            .docker
-            .create_container(
-                Some(CreateContainerOptionsBuilder::default().name(&name).build()),
-                body,
-            )
-            .await
-        {
-            Ok(created) => created,
-            Err(e) => {
-                if let Some(volume) = &volume {
-                    remove_volume(&inner.docker, volume).await;
-                }
-                executor.forget(&session_id);
-                return Err(ExecError::from(DockerError::Engine {
-                    what: format!("creating a container from `{}`", inner.config.image),
-                    source: e,
-                }));
-            }
-        };
+        let made = make(
+            executor.clone(),
+            session_id.clone(),
+            place,
+            labels,
+            spec.limits.clone(),
+        );
+        let mut making = Making::start(&executor, &session_id, made)?;
+        let made = making.take().await?;
         let mut session = Self {
-            runner: RunnerSession::new(workspace, volume.is_some(), offer(&executor), spec.limits),
+            runner: RunnerSession::new(
+                workspace,
+                made.volume.is_some(),
+                offer(&executor),
+                spec.limits,
+            ),
             container: Container {
                 executor,
-                id: created.id,
+                id: made.id,
             },
             session_id,
-            volume,
+            volume: made.volume,
             owned_workspace,
             restore_mode,
             closed: false,
@@ -284,6 +258,144 @@ impl DockerSession {
             && let Err(e) = set_mode(workspace, mode)
         {
             tracing::warn!(workdir = %workspace.display(), error = %e, "could not give the workdir its mode back");
+        }
+    }
+}
+
+/// What an open made on the engine: the container, and the session's volume when it has one.
+struct Made {
+    id: String,
+    volume: Option<String>,
+}
+
+/// Makes a session's volume (for a [`Place::Volume`]) and its container; what it made is
+/// removed again when the container cannot be.
+async fn make(
+    executor: DockerExecutor,
+    session_id: String,
+    place: Place,
+    mut labels: HashMap<String, String>,
+    limits: tandem_executor::Limits,
+) -> Result<Made, ExecError> {
+    let inner = executor.inner();
+    let volume = match &place {
+        Place::Volume(name) => {
+            let volume_labels = [
+                labels::DAEMON,
+                labels::OWNER,
+                labels::INSTANCE,
+                labels::SESSION,
+                labels::TASK,
+            ]
+            .into_iter()
+            .filter_map(|k| Some((k.to_owned(), labels.get(k)?.clone())))
+            .collect();
+            inner
+                .docker
+                .create_volume(bollard::models::VolumeCreateRequest {
+                    name: Some(name.clone()),
+                    labels: Some(volume_labels),
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| {
+                    executor.forget(&session_id);
+                    ExecError::from(engine("creating the session's workspace volume")(e))
+                })?;
+            labels.insert(labels::VOLUME.to_owned(), name.clone());
+            Some(name.clone())
+        }
+        Place::Host(_) => None,
+    };
+    let body = executor.container_body(&place, labels, &limits);
+    let name = format!("tandem-{}", &session_id[..12]);
+    match inner
+        .docker
+        .create_container(
+            Some(CreateContainerOptionsBuilder::default().name(&name).build()),
+            body,
+        )
+        .await
+    {
+        Ok(created) => Ok(Made {
+            id: created.id,
+            volume,
+        }),
+        Err(e) => {
+            if let Some(volume) = &volume {
+                remove_volume(&inner.docker, volume).await;
+            }
+            executor.forget(&session_id);
+            Err(ExecError::from(DockerError::Engine {
+                what: format!("creating a container from `{}`", inner.config.image),
+                source: e,
+            }))
+        }
+    }
+}
+
+/// A [`make`] under way on a task of the executor's own, so that the engine's answer is
+/// always heard: until [`Making::take`] hands over what it made, dropping this (its open was
+/// cancelled) removes that once it is made.
+struct Making {
+    executor: DockerExecutor,
+    session_id: String,
+    task: Option<tokio::task::JoinHandle<Result<Made, ExecError>>>,
+}
+
+impl Making {
+    /// Starts `make`, unless the executor is shutting down (nothing new is made then, so
+    /// that shutdown's sweep finds everything).
+    fn start(
+        executor: &DockerExecutor,
+        session_id: &str,
+        make: impl std::future::Future<Output = Result<Made, ExecError>> + Send + 'static,
+    ) -> Result<Self, ExecError> {
+        match executor.making(make) {
+            Some(task) => Ok(Self {
+                executor: executor.clone(),
+                session_id: session_id.to_owned(),
+                task: Some(task),
+            }),
+            None => {
+                executor.forget(session_id);
+                Err(ExecError::Unavailable {
+                    what: format!("the Docker engine {}", executor.label()),
+                    hint: "Tandem is shutting down and opens no new sandboxes; try again on the next daemon".to_owned(),
+                })
+            }
+        }
+    }
+
+    /// What was made, once it is; from then on it is the caller's to remove.
+    async fn take(&mut self) -> Result<Made, ExecError> {
+        let Some(task) = self.task.as_mut() else {
+            return Err(ExecError::Backend(
+                "the session container was taken twice".to_owned(),
+            ));
+        };
+        let made = task.await;
+        self.task = None;
+        made.map_err(|e| {
+            self.executor.forget(&self.session_id);
+            ExecError::Backend(format!("making the session container stopped: {e}"))
+        })?
+    }
+}
+
+impl Drop for Making {
+    fn drop(&mut self) {
+        let Some(task) = self.task.take() else {
+            return;
+        };
+        let (executor, session_id) = (self.executor.clone(), self.session_id.clone());
+        // Without a runtime the task is gone too; shutdown's sweep or the next Tandem reaps.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                if let Ok(Ok(made)) = task.await {
+                    remove(&executor, &made.id, made.volume, &session_id).await;
+                }
+            });
         }
     }
 }

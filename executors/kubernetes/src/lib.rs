@@ -183,6 +183,10 @@ struct Inner {
     owner: String,
     /// Where temporary mirrors go; a per-process directory, reaped by the next Tandem.
     root: PathBuf,
+    /// Whether the executor is shut down; each claim's making holds it read until the
+    /// server has answered, so that shutdown, which writes it, waits for them all and then
+    /// finds every claim there is.
+    closed: Arc<tokio::sync::RwLock<bool>>,
 }
 
 /// The `kind`'s resource in the agent-sandbox groups.
@@ -252,6 +256,7 @@ impl KubernetesExecutor {
                 url,
                 owner: owner::owner_tag(),
                 root,
+                closed: Arc::default(),
             }),
         })
     }
@@ -349,6 +354,70 @@ impl KubernetesExecutor {
             }
         }
         Ok(reaped)
+    }
+
+    /// Shuts the executor down (daemon shutdown): it makes no more claims, waits for those
+    /// being made, and deletes every claim this process owns (with its sandbox and pod),
+    /// within a deadline; what is left then, the next Tandem reaps.
+    pub async fn shutdown(&self) {
+        let closing = async {
+            *self.inner.closed.write().await = true;
+        };
+        if tokio::time::timeout(REQUEST_LIMIT, closing).await.is_err() {
+            tracing::warn!("claims still being made after 30 s; deleting what is there");
+        }
+        match tokio::time::timeout(REQUEST_LIMIT, self.delete_own()).await {
+            Ok(Ok(0)) => {}
+            Ok(Ok(n)) => tracing::info!(deleted = n, "deleted the claims still there at shutdown"),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "deleting the claims at shutdown failed; the next Tandem reaps them")
+            }
+            Err(_) => tracing::warn!(
+                "deleting the claims at shutdown took over 30 s; the next Tandem reaps what is left"
+            ),
+        }
+    }
+
+    /// Deletes every claim this process owns; returns how many.
+    async fn delete_own(&self) -> Result<usize, KubernetesError> {
+        let listed = self
+            .request(
+                "listing Tandem's claims",
+                self.claims()
+                    .list(&ListParams::default().labels(&format!("{}=tandem", labels::MANAGED_BY))),
+            )
+            .await?;
+        let ours: Vec<String> = listed
+            .items
+            .into_iter()
+            .filter(|c| {
+                c.metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(labels::OWNER))
+                    .is_some_and(|o| *o == self.inner.owner)
+            })
+            .filter_map(|c| c.metadata.name)
+            .collect();
+        let deleted = futures::future::join_all(ours.iter().map(|c| self.delete_claim(c))).await;
+        Ok(deleted.iter().filter(|d| d.is_ok()).count())
+    }
+
+    /// Runs `make` (what makes a session's claim) on a task shutdown waits for; `None` once
+    /// the executor is shut down.
+    async fn making<T: Send + 'static>(
+        &self,
+        make: impl std::future::Future<Output = T> + Send + 'static,
+    ) -> Option<tokio::task::JoinHandle<T>> {
+        let open = self.inner.closed.clone().read_owned().await;
+        if *open {
+            return None;
+        }
+        Some(tokio::spawn(async move {
+            let made = make.await;
+            drop(open);
+            made
+        }))
     }
 
     /// Deletes a claim and, through it, its sandbox and pod; gone already is fine.

@@ -64,12 +64,26 @@ impl KubeSession {
             }));
         object.metadata.labels = Some(labels);
         object.metadata.annotations = Some(annotations);
-        let created = executor
-            .request(
-                "creating a SandboxClaim",
-                executor.claims().create(&PostParams::default(), &object),
-            )
-            .await;
+        // Made on a task of the executor's, watched by `making` until its answer is in: an
+        // open dropped while the server makes the claim (its caller went away) must not leave
+        // it holding a pod.
+        let create = {
+            let executor = executor.clone();
+            async move {
+                let claims = executor.claims();
+                executor
+                    .request(
+                        "creating a SandboxClaim",
+                        claims.create(&PostParams::default(), &object),
+                    )
+                    .await
+                    .map(|_| ())
+            }
+        };
+        let created = Making::start(&executor, &claim, create)
+            .await?
+            .take()
+            .await?;
         if let Err(e) = created {
             if matches!(e, KubernetesError::Unreachable { .. }) {
                 // The server may have made the claim and not said so: delete it on the
@@ -128,6 +142,66 @@ impl KubeSession {
             scratch::remove_dirs(vec![ws], self.executor.inner.root.clone()).await?;
         }
         deleted.map_err(ExecError::from)
+    }
+}
+
+/// A claim's making under way on a task of the executor's own, so that the server's answer
+/// is always heard: until [`Making::take`] hands the answer over, dropping this (its open was
+/// cancelled) deletes the claim once it is made, or may have been.
+struct Making {
+    executor: KubernetesExecutor,
+    claim: String,
+    task: Option<tokio::task::JoinHandle<Result<(), KubernetesError>>>,
+}
+
+impl Making {
+    /// Starts `create`, unless the executor is shutting down.
+    async fn start(
+        executor: &KubernetesExecutor,
+        claim: &str,
+        create: impl std::future::Future<Output = Result<(), KubernetesError>> + Send + 'static,
+    ) -> Result<Self, ExecError> {
+        match executor.making(create).await {
+            Some(task) => Ok(Self {
+                executor: executor.clone(),
+                claim: claim.to_owned(),
+                task: Some(task),
+            }),
+            None => Err(ExecError::Unavailable {
+                what: format!("the Kubernetes cluster at {}", executor.inner.url),
+                hint: "Tandem is shutting down and opens no new sandboxes; try again on the next daemon".to_owned(),
+            }),
+        }
+    }
+
+    /// The server's answer; from then on the claim is the caller's to delete.
+    async fn take(mut self) -> Result<Result<(), KubernetesError>, ExecError> {
+        let Some(task) = self.task.as_mut() else {
+            return Err(ExecError::Backend("the claim was taken twice".to_owned()));
+        };
+        let answer = task.await;
+        self.task = None;
+        answer.map_err(|e| ExecError::Backend(format!("making the SandboxClaim stopped: {e}")))
+    }
+}
+
+impl Drop for Making {
+    fn drop(&mut self) {
+        let Some(task) = self.task.take() else {
+            return;
+        };
+        let (executor, claim) = (self.executor.clone(), self.claim.clone());
+        // Without a runtime the task is gone too; shutdown's sweep or the next Tandem reaps.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                match task.await {
+                    Ok(Ok(())) | Ok(Err(KubernetesError::Unreachable { .. })) => {
+                        let _ = executor.delete_claim(&claim).await;
+                    }
+                    _ => {}
+                }
+            });
+        }
     }
 }
 
