@@ -60,6 +60,11 @@ fn smolagents_executor() {
 }
 
 #[test]
+fn the_client_reads_with_a_bound() {
+    pytest(&["test_bounds.py"]);
+}
+
+#[test]
 fn the_python_page_examples_run() {
     pytest(&["test_docs.py"]);
 }
