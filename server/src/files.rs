@@ -46,7 +46,7 @@ pub const RECEIVE_WAIT: Duration = Duration::from_secs(30);
 /// place goes to another.
 pub const RECEIVE_STALL: Duration = Duration::from_secs(60);
 /// Most workspaces sent as tar (`?format=tar`) at once: each holds a blocking thread and
-/// [`PACK_PIECES`] pieces of [`SEND_PIECE`] bytes in memory while its client reads.
+/// a few pieces of 256 KiB in memory while its client reads.
 pub const MAX_PACKS: usize = 16;
 /// Longest a tar download waits for one of those places before it is refused (429).
 pub const PACK_WAIT: Duration = Duration::from_secs(10);
