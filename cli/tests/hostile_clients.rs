@@ -152,9 +152,18 @@ async fn attack(d: &Daemon, mcp: &Mcp<'_>, road: &Road, input: &Hostile) {
                     r#"{{"jsonrpc": "2.0", "id": 99, "method": "tools/call", "params": {{"name": "{tool}", "arguments": {}}}}}"#,
                     road.body(input)
                 );
-                let _ = mcp
-                    .post(serde_json::from_str(&raw).unwrap_or(Value::Null))
-                    .await;
+                let resp = d
+                    .http()
+                    .post("http://tandem/mcp")
+                    .header("accept", "application/json, text/event-stream")
+                    .header("content-type", "application/json")
+                    .header("mcp-session-id", &mcp.session)
+                    .body(raw)
+                    .send()
+                    .await
+                    .unwrap_or_else(|e| panic!("{what}: the daemon did not answer: {e}"));
+                assert!(resp.status().as_u16() < 500, "{what}: {}", resp.status());
+                assert_alive(d, &what).await;
                 return;
             };
             let result = mcp.call_tool(tool, arguments).await;
