@@ -303,6 +303,9 @@ pub struct BlockRun {
     pub language: Language,
     /// The outcome.
     pub result: BlockResult,
+    /// What the block says the code printed, when it is the model's own output block
+    /// (```` ```output ````, or an untagged value): a claim to compare, never run.
+    pub claim: Option<String>,
 }
 
 /// How blocks are run.
@@ -367,10 +370,12 @@ pub async fn run_block(
     after_failure: bool,
     opts: &RunOptions,
 ) -> Result<BlockRun, ExecError> {
-    let language = block
-        .language
-        .as_deref()
-        .map_or_else(|| guess_language(&block.code), Language::new);
+    let language = match block.language.as_deref() {
+        Some(language) => Language::new(language),
+        // An untagged value is what the model expects its code to print.
+        None if crate::grounding::is_literal(&block.code) => Language::new("output"),
+        None => guess_language(&block.code),
+    };
     let span = crate::trace::block(slot.executor().name(), language.as_str(), opts.turn, index);
     let ran = run_block_traced(slot, block, language, index, after_failure, opts)
         .instrument(span.clone())
@@ -483,10 +488,14 @@ async fn run_block_traced(
         result: result.clone(),
     });
     tell_pictures(pictures, index, opts);
+    let claim = (result.status == BlockStatus::Skipped
+        && crate::grounding::is_claim_language(&language))
+    .then(|| block.code.clone());
     Ok(BlockRun {
         index,
         language,
         result,
+        claim,
     })
 }
 
@@ -743,13 +752,37 @@ pub fn exit_code_of(result: &BlockResult) -> i32 {
 }
 
 /// What a report's output follows.
-const OUTPUT_HEAD: &str = "Code output: ";
+const OUTPUT_HEAD: &str = "Your code printed: ";
 /// How a report of blocks that all succeeded begins.
 const CLEAN_HEAD: &str = "exitcode: 0 (execution succeeded)\n";
 
 /// The note on blocks that all ran cleanly and printed nothing.
 const PRINTED_NOTHING: &str =
     "The code ran without error but printed nothing: print() the results you need to see.";
+
+/// What a clean report says its code printed, read back from its text (a resumed run's
+/// reports keep no more): the output up to the first note.
+pub fn printed_in(report: &str) -> Option<String> {
+    if !clean_report(report) || report.contains(CLAIM_MARK) {
+        return None;
+    }
+    let output = report.strip_prefix(CLEAN_HEAD)?.strip_prefix(OUTPUT_HEAD)?;
+    let notes = [
+        "If this output answers the task,",
+        "Note: the output of block",
+        "Your reply had ",
+        "Block ",
+    ];
+    let end = notes
+        .iter()
+        .filter_map(|n| output.find(&format!("\n{n}")))
+        .min()
+        .unwrap_or(output.len());
+    Some(output[..end].to_owned()).filter(|o| !o.trim().is_empty())
+}
+
+/// What ends the note on an output block of the model's that its code's output contradicts.
+pub const CLAIM_MARK: &str = "Answer from what your code printed.";
 
 /// Whether `report` tells of blocks that all ran cleanly and printed something.
 pub fn clean_report(report: &str) -> bool {
@@ -763,8 +796,12 @@ pub fn clean_report(report: &str) -> bool {
 
 /// Whether `report` tells of blocks that all exited 0, whatever they printed, with the
 /// task's examples holding where they were run.
+/// An output block the run contradicts keeps the reply that wrote it from ending the task:
+/// its words were written beside a guess.
 pub fn ran_clean(report: &str) -> bool {
-    report.starts_with(CLEAN_HEAD) && !report.contains(crate::examples::FAILED_MARK)
+    report.starts_with(CLEAN_HEAD)
+        && !report.contains(crate::examples::FAILED_MARK)
+        && !report.contains(CLAIM_MARK)
 }
 
 /// `report` with the note on the task's examples: they are output the model reads, so the
@@ -786,7 +823,7 @@ pub fn with_examples(report: String, note: &str) -> String {
 }
 
 /// What the executor agent tells the model after running a reply's blocks, in AutoGen's
-/// `exitcode: N (execution succeeded|failed)\nCode output: ...` shape plus notes; `no_code`
+/// `exitcode: N (execution succeeded|failed)\nYour code printed: ...` shape plus notes; `no_code`
 /// when none of them was a program.
 pub fn report(
     runs: &[BlockRun],
@@ -834,8 +871,31 @@ pub fn report(
             ));
         }
     }
+    let all_clean = !ran.is_empty() && ran.iter().all(|r| r.result.succeeded());
     for r in runs {
         match r.result.status {
+            // The model's own output block is compared with what ran, once the code ran
+            // cleanly; beside a failure, the failure is what matters.
+            BlockStatus::Skipped if r.claim.is_some() => {
+                if let (true, Some(claim)) = (all_clean, &r.claim) {
+                    let printed: String = ran
+                        .iter()
+                        .filter(|b| b.index < r.index)
+                        .map(|b| b.result.stdout.as_str())
+                        .collect();
+                    let printed = if printed.trim().is_empty() {
+                        ran.iter().map(|b| b.result.stdout.as_str()).collect()
+                    } else {
+                        printed
+                    };
+                    if let Some(differs) = crate::grounding::claim_differs(claim, &printed) {
+                        notes.push(format!(
+                            "Block {} (`{}`) is what your reply says the code printed, not what it printed. {differs} {CLAIM_MARK}",
+                            r.index, r.language
+                        ));
+                    }
+                }
+            }
             BlockStatus::Skipped => notes.push(format!(
                 "Block {} (`{}`) was not run: it is data or prose, not a program.",
                 r.index, r.language
@@ -934,6 +994,7 @@ mod tests {
 
     fn ran(exit_code: i32, stdout: &str, stderr: &str) -> BlockRun {
         BlockRun {
+            claim: None,
             index: 1,
             language: Language::python(),
             result: BlockResult {

@@ -22,9 +22,42 @@ pub async fn run_check(
     outputs: &[&str],
     cancel: &CancellationToken,
 ) -> Option<CheckOutcome> {
-    let outcome = |verdict, detail: String| Some(CheckOutcome { verdict, detail });
+    let outcome = |verdict, detail: String| {
+        Some(CheckOutcome {
+            verdict,
+            detail,
+            printed: None,
+        })
+    };
     if let Some(problem) = check.problem() {
         return outcome(Verdict::Error, problem.to_owned());
+    }
+    let mut printed = None;
+    if let Some(value) = &check.value {
+        let tolerance = check.tolerance.unwrap_or(0.0);
+        let line = answer
+            .map(crate::grounding::answer_line)
+            .unwrap_or_default();
+        let found = outputs.iter().any(|o| {
+            o.lines()
+                .any(|l| crate::grounding::gives(l, value, tolerance))
+        });
+        if !crate::grounding::gives(&line, value, tolerance) {
+            let expected = crate::grounding::clip(&value.to_string(), 200);
+            let detail = match answer {
+                None => format!("expected {expected}; the task has no answer"),
+                Some(_) => format!(
+                    "expected {expected}; the answer says {}",
+                    crate::grounding::clip(&format!("{line:?}"), 200)
+                ),
+            };
+            return Some(CheckOutcome {
+                verdict: Verdict::Unsolved,
+                detail,
+                printed: Some(found),
+            });
+        }
+        printed = Some(found);
     }
     if let Some(expected) = &check.expect {
         let expected = expected.trim();
@@ -58,7 +91,11 @@ pub async fn run_check(
             return Some(decided);
         }
     }
-    outcome(Verdict::Solved, String::new())
+    Some(CheckOutcome {
+        verdict: Verdict::Solved,
+        detail: String::new(),
+        printed,
+    })
 }
 
 /// Runs a Python check inside its frame ([`python_check`]), which says with this run's
@@ -88,6 +125,7 @@ async fn run(
         Some(CheckOutcome {
             verdict,
             detail: cap(detail.trim()),
+            printed: None,
         })
     };
     // The task's own list of languages binds the model's blocks, not its check.

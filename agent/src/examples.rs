@@ -489,13 +489,13 @@ mod tests {
         assert!(Examples::note(r#"{"total": 2, "failed": [], "error": "NameError: x"}"#).is_none());
         assert!(Examples::note("not json").is_none());
         // The note ends the report it was added to.
-        let report = format!("exitcode: 0 (execution succeeded)\nCode output: \n{held}");
+        let report = format!("exitcode: 0 (execution succeeded)\nYour code printed: \n{held}");
         assert_eq!(
             note_in(&report).map(|at| &report[at..]),
             Some(held.as_str())
         );
         assert_eq!(
-            note_in("exitcode: 0 (execution succeeded)\nCode output: 1\n"),
+            note_in("exitcode: 0 (execution succeeded)\nYour code printed: 1\n"),
             None
         );
     }

@@ -17,6 +17,7 @@ pub mod dispatch;
 pub mod events;
 pub mod examples;
 pub mod extract;
+pub mod grounding;
 pub mod mcp_tools;
 pub mod schema;
 pub mod task;

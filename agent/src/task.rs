@@ -107,6 +107,12 @@ pub struct TaskOutcome {
     pub budget: Option<tandem_protocol::BudgetReached>,
     /// The value the final answer ended with, when the task has an output schema.
     pub result: Option<serde_json::Value>,
+    /// The task's answer: the model's final statement, else its code's last clean output.
+    pub answer: Option<String>,
+    /// Where `answer` comes from.
+    pub answer_from: Option<tandem_protocol::AnswerFrom>,
+    /// Why there is no answer, when there is none.
+    pub no_answer: Option<String>,
     /// Wall time.
     pub elapsed: Duration,
 }
@@ -210,7 +216,11 @@ pub async fn run_task(
             .map(|c| (format!("{}/{EXECUTOR}", crate::team::check::TOP), c)),
         |reason, history| {
             let last = history.iter().rev().find(|s| s.speaker == ASSISTANT)?;
-            (reason == StopReason::Terminated).then(|| strip_termination(&last.text, &word))
+            matches!(
+                reason,
+                StopReason::Terminated | StopReason::Answered | StopReason::ExamplesHeld
+            )
+            .then(|| strip_termination(&last.text, &word))
         },
     )
     .await;
@@ -235,6 +245,9 @@ pub async fn run_task(
         cost: ran.cost,
         budget: ran.budget,
         result: ran.result,
+        answer: ran.answer,
+        answer_from: ran.answer_from,
+        no_answer: ran.no_answer,
         elapsed: ran.elapsed,
     }
 }

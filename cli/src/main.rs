@@ -34,7 +34,8 @@ use clap::{Parser, Subcommand};
 
 /// Exit codes of `tandem run`, documented in the README.
 pub mod exit {
-    /// The assistant said the termination string.
+    /// The task ended with its work done: the termination string said, an answer given
+    /// after a clean run, or the task's examples held.
     pub const DONE: u8 = 0;
     /// The model server, the sandbox or Tandem failed.
     pub const FAILED: u8 = 1;
@@ -57,7 +58,7 @@ pub mod exit {
     pub fn for_stop(reason: tandem_protocol::StopReason) -> u8 {
         use tandem_protocol::StopReason;
         match reason {
-            StopReason::Terminated => DONE,
+            StopReason::Terminated | StopReason::Answered | StopReason::ExamplesHeld => DONE,
             StopReason::MaxTurns => MAX_TURNS,
             StopReason::Timeout => TIMEOUT,
             StopReason::Budget => BUDGET,

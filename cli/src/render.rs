@@ -78,6 +78,8 @@ pub struct Renderer<W: Write> {
     /// How pictures are shown inline, when they are.
     pictures: Option<Pictures>,
     pub error: Option<io::Error>,
+    /// The task's answer, told again below the list of kept files so it stays last.
+    answer: Option<String>,
 }
 
 /// Reads a picture a task drew: its path in the workspace and, on a daemon, where to
@@ -135,6 +137,7 @@ impl<W: Write> Renderer<W> {
             failures: None,
             pictures: None,
             error: None,
+            answer: None,
         }
     }
 
@@ -179,6 +182,7 @@ impl<W: Write> Renderer<W> {
                 to: s.to.display().to_string(),
             });
         }
+        let listed = human && (!kept.saved.is_empty() || !kept.over.is_empty());
         if human && !kept.over.is_empty() {
             let bytes: u64 = kept.over.iter().map(|f| f.bytes).sum();
             let n = kept.over.len();
@@ -188,6 +192,13 @@ impl<W: Write> Renderer<W> {
                 size(bytes)
             );
             self.say(|r| r.rule(&label));
+        }
+        // The answer stays the transcript's last line, below the list of files.
+        if let (true, Some(answer)) = (listed, self.answer.clone()) {
+            self.say(|r| {
+                r.rule("answer")?;
+                r.text(&format!("{answer}\n"))
+            });
         }
     }
 
@@ -568,10 +579,12 @@ impl<W: Write> Renderer<W> {
                 usage,
                 elapsed_ms,
                 error,
-                summary,
                 check,
                 cost,
                 budget,
+                answer,
+                answer_from,
+                no_answer,
                 ..
             } => {
                 if let Some(e) = error {
@@ -597,9 +610,18 @@ impl<W: Write> Renderer<W> {
                     self.rule(&format!("check {}{sep}{detail}", check.verdict.as_str()))?;
                 }
                 // The answer last, where `| tail` and a person's eye find it.
-                match summary.as_deref().map(str::trim) {
-                    Some(answer) if !answer.is_empty() => self.text(&format!("{answer}\n")),
-                    _ => Ok(()),
+                match (answer.as_deref().map(str::trim), answer_from) {
+                    (Some(answer), from) if !answer.is_empty() => {
+                        self.answer = Some(answer.to_owned());
+                        if *from == Some(tandem_protocol::AnswerFrom::Output) {
+                            self.rule("answer: what the code printed")?;
+                        }
+                        self.text(&format!("{answer}\n"))
+                    }
+                    _ => match no_answer {
+                        Some(why) => self.rule(&format!("no answer: {why}")),
+                        None => Ok(()),
+                    },
                 }
             }
         }
@@ -617,6 +639,8 @@ fn speaker(path: &str) -> (String, &str) {
 fn stop_label(reason: StopReason) -> &'static str {
     match reason {
         StopReason::Terminated => "done",
+        StopReason::Answered => "done: answered",
+        StopReason::ExamplesHeld => "done: the task's examples hold",
         StopReason::MaxTurns => "stopped: turn limit reached",
         StopReason::Timeout => "stopped: task timeout",
         StopReason::Budget => "stopped: budget reached",

@@ -2,6 +2,7 @@
 //! processes.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod answers;
 mod approval;
 mod budgets;
 mod daemon;

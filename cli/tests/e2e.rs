@@ -216,7 +216,7 @@ async fn happy_path_runs_code_and_terminates() {
     assert_eq!(reqs[0].body["stream"], true);
     assert_eq!(
         reqs[1].last_message(),
-        Some("exitcode: 0 (execution succeeded)\nCode output: 42\n")
+        Some("exitcode: 0 (execution succeeded)\nYour code printed: 42\n")
     );
 }
 
@@ -257,7 +257,7 @@ async fn failing_block_then_fixed_one() {
     let reqs = server.requests_for(task);
     let report = reqs[1].last_message().unwrap();
     assert!(
-        report.starts_with("exitcode: 1 (execution failed)\nCode output: "),
+        report.starts_with("exitcode: 1 (execution failed)\nYour code printed: "),
         "{report}"
     );
     assert!(
@@ -266,7 +266,7 @@ async fn failing_block_then_fixed_one() {
     );
     assert_eq!(
         reqs[2].last_message(),
-        Some("exitcode: 0 (execution succeeded)\nCode output: 1.0\n")
+        Some("exitcode: 0 (execution succeeded)\nYour code printed: 1.0\n")
     );
     assert_eq!(out.finished().turns, 3);
 }
@@ -385,7 +385,7 @@ async fn unknown_language_is_reported_to_the_model() {
         .unwrap()
         .to_owned();
     assert!(
-        report.starts_with("exitcode: 1 (execution failed)\nCode output: "),
+        report.starts_with("exitcode: 1 (execution failed)\nYour code printed: "),
         "{report}"
     );
     assert!(
@@ -537,7 +537,7 @@ async fn grandchild_that_outlives_its_timeout_is_killed() {
         .unwrap()
         .to_owned();
     assert!(
-        report.starts_with("exitcode: 124 (execution failed)\nCode output: started\n"),
+        report.starts_with("exitcode: 124 (execution failed)\nYour code printed: started\n"),
         "{report}"
     );
     assert!(
@@ -677,7 +677,7 @@ async fn code_and_terminate_in_one_reply_runs_the_code_first() {
     assert_eq!(out.results()[0].stdout, "written\n");
     assert_eq!(
         out.reports()[0],
-        "exitcode: 0 (execution succeeded)\nCode output: written\n"
+        "exitcode: 0 (execution succeeded)\nYour code printed: written\n"
     );
     assert_eq!(
         std::fs::read_to_string(work.path().join("result.txt")).unwrap(),

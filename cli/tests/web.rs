@@ -395,6 +395,9 @@ fn fill_store(path: &Path, tasks: usize, events: usize) -> String {
         cost: None,
         budget: None,
         result: None,
+        answer: None,
+        answer_from: None,
+        no_answer: None,
     };
     let spec = |task: String| {
         Box::new(TaskSpec {
@@ -481,7 +484,7 @@ fn fill_store(path: &Path, tasks: usize, events: usize) -> String {
         });
         msgs.push(EventMsg::ExecutorMessage {
             turn,
-            text: format!("exitcode: 0 (execution succeeded)\nCode output: {out}"),
+            text: format!("exitcode: 0 (execution succeeded)\nYour code printed: {out}"),
             tool_results: Vec::new(),
         });
     }
@@ -1093,6 +1096,14 @@ async fn the_page_says_which_drawn_reply_was_kept_and_that_the_same_code_came_ag
             "the same code sent again"
         ])
     );
+    // A task that stopped without a statement answers with what its code printed, marked.
+    let answer = b
+        .run(
+            "return [document.querySelector('#summary .answer-from').textContent, document.querySelector('#summary .answer').textContent]",
+            json!([]),
+        )
+        .await;
+    assert_eq!(answer, json!(["answer: what the code printed", "the same"]));
     assert_eq!(
         d.task(&resent).await.record.stop_reason,
         Some(StopReason::Repeated)

@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 /// What must hold of a finished task; every part given must.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Check {
     /// Text the final answer, or the output of one of the task's blocks, must contain.
@@ -23,13 +23,39 @@ pub struct Check {
     /// The program's language [default: python].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub language: Option<String>,
+    /// The value the task's answer must give (a number, a string or a list of them), read
+    /// from its answer line (docs/eval.md); never from the blocks' output.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value: Option<serde_json::Value>,
+    /// How far a number of the answer may be from a numeric `value` [default: exact, within
+    /// rounding].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tolerance: Option<f64>,
 }
 
 impl Check {
     /// Why the check cannot be run, if it cannot: it checks nothing, or gives half of a part.
     pub fn problem(&self) -> Option<&'static str> {
-        if self.expect.is_none() && self.file.is_none() && self.program.is_none() {
-            return Some("check: give at least one of expect, file or program");
+        if self.expect.is_none()
+            && self.file.is_none()
+            && self.program.is_none()
+            && self.value.is_none()
+        {
+            return Some("check: give at least one of expect, value, file or program");
+        }
+        if self.tolerance.is_some() && self.value.is_none() {
+            return Some("check.tolerance: needs check.value, the number it is the tolerance of");
+        }
+        if self
+            .tolerance
+            .is_some_and(|t| !t.is_finite() || t.is_sign_negative())
+        {
+            return Some("check.tolerance: must be a finite number, 0 or more");
+        }
+        if let Some(v) = &self.value
+            && let Some(problem) = value_problem(v)
+        {
+            return Some(problem);
         }
         if self.contents.is_some() && self.file.is_none() {
             return Some("check.contents: needs check.file, the file it is the contents of");
@@ -41,6 +67,24 @@ impl Check {
             return Some("check.expect: is empty, so it would hold of any task");
         }
         None
+    }
+}
+
+/// Why `value` cannot be a check's value: only numbers, strings and flat lists of them are.
+fn value_problem(value: &serde_json::Value) -> Option<&'static str> {
+    use serde_json::Value;
+    let scalar = |v: &Value| match v {
+        Value::Number(_) => true,
+        Value::String(s) => !s.trim().is_empty(),
+        _ => false,
+    };
+    match value {
+        Value::Array(items) if !items.is_empty() && items.iter().all(scalar) => None,
+        Value::Array(_) => Some(
+            "check.value: a list must hold at least one item, each a number or a non-empty string",
+        ),
+        v if scalar(v) => None,
+        _ => Some("check.value: give a number, a non-empty string or a list of them"),
     }
 }
 
@@ -76,6 +120,10 @@ pub struct CheckOutcome {
     /// Which part did not hold, or what the check's program printed (capped).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub detail: String,
+    /// With a `value` check: whether the output of the task's code held the value, so that
+    /// a value printed but missing from the answer can be told from one never found.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub printed: Option<bool>,
 }
 
 impl CheckOutcome {

@@ -465,7 +465,38 @@ pub enum EventMsg {
         /// `output_schema` (without one, the record's `result` is the answer's text).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         result: Option<serde_json::Value>,
+        /// The task's answer: the model's final statement, else what its code last printed
+        /// in a clean run; empty when there is neither (`no_answer` says why).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        answer: Option<String>,
+        /// Where `answer` comes from.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        answer_from: Option<AnswerFrom>,
+        /// Why the task has no answer, when it has none.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        no_answer: Option<String>,
     },
+}
+
+/// Where a task's answer comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AnswerFrom {
+    /// The model's final statement, which agrees with what its code printed.
+    Model,
+    /// What the task's code last printed in a clean run: the model stated no answer, or
+    /// one its code's output contradicts.
+    Output,
+}
+
+impl AnswerFrom {
+    /// The snake_case name used on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Model => "model",
+            Self::Output => "output",
+        }
+    }
 }
 
 /// The budget a task reached.
@@ -615,6 +646,11 @@ impl Usage {
 pub enum StopReason {
     /// The assistant said the termination string.
     Terminated,
+    /// The assistant answered in words, without the termination string, right after its
+    /// code ran cleanly.
+    Answered,
+    /// The code ran cleanly and held every example the task states.
+    ExamplesHeld,
     /// The turn limit was reached.
     MaxTurns,
     /// The task's wall-clock limit was reached.
@@ -634,6 +670,8 @@ impl StopReason {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Terminated => "terminated",
+            Self::Answered => "answered",
+            Self::ExamplesHeld => "examples_held",
             Self::MaxTurns => "max_turns",
             Self::Timeout => "timeout",
             Self::Budget => "budget",

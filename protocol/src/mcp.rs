@@ -44,8 +44,15 @@ pub struct RunTaskResult {
     pub stop_reason: StopReason,
     /// Assistant turns taken.
     pub turns: u32,
-    /// The final answer, when there is one.
+    /// The task's answer: the model's final statement, else what its code last printed in a
+    /// clean run; `null` when there is neither (`no_answer` says why).
     pub answer: Option<String>,
+    /// Where `answer` comes from: `model` or `output`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer_from: Option<crate::AnswerFrom>,
+    /// Why the task has no answer, when it has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_answer: Option<String>,
     /// The verdict of the task's check, when it had one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub check: Option<crate::CheckOutcome>,

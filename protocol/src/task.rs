@@ -84,6 +84,16 @@ pub struct TaskRecord {
     /// the termination string.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub result: Option<serde_json::Value>,
+    /// The task's answer once it ended: the model's final statement, else what its code
+    /// last printed in a clean run (`answer_from` says which).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer: Option<String>,
+    /// Where `answer` comes from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer_from: Option<crate::AnswerFrom>,
+    /// Why the task ended without an answer, when it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_answer: Option<String>,
     /// The verdict of the task's `check`, once it ran.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub check: Option<crate::CheckOutcome>,
@@ -114,6 +124,9 @@ impl TaskRecord {
             finished_ms: None,
             files_removed_ms: None,
             result: None,
+            answer: None,
+            answer_from: None,
+            no_answer: None,
             check: None,
             cost: None,
             budget: None,

@@ -36,6 +36,22 @@ def test_a_task_is_submitted_followed_and_its_answer_read(client: Client, model:
     assert any(t["id"] == task["id"] for t in client.list())
 
 
+def test_every_task_ends_with_its_answer_and_where_it_came_from(client: Client, model: ScriptedModel) -> None:
+    # A guessed output block the run contradicts is told to the model, whose answer in words
+    # ends the task as `answered`.
+    model.script("```python\nprint(12 + 7)\n```\n```output\n20\n```\nTERMINATE", "She has 19 apples.")
+    record = client.run("How many apples?", executor="local", max_turns=4)
+    assert record["stop_reason"] == "answered"
+    assert (record["answer"], record["answer_from"]) == ("She has 19 apples.", "model")
+    told = [m["content"] for m in record["transcript"] if m["role"] == "user"][1]
+    assert "Your code printed 19; your reply says 20." in told
+    # The turn limit with code that printed: the answer is what it printed.
+    model.script("```python\nprint(6 * 7)\n```")
+    with pytest.raises(tandem_client.TaskFailed) as failed:
+        client.run("Loop once", executor="local", max_turns=1)
+    assert (failed.value.task["answer"], failed.value.task["answer_from"]) == ("42", "output")
+
+
 def test_run_raises_task_failed_naming_the_stop_reason(client: Client, model: ScriptedModel) -> None:
     model.script(SIX_BY_SEVEN)
     with pytest.raises(tandem_client.TaskFailed) as failed:

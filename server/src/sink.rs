@@ -135,6 +135,9 @@ mod tests {
             cost: None,
             budget: None,
             result: None,
+            answer: None,
+            answer_from: None,
+            no_answer: None,
         }
     }
 

@@ -875,5 +875,8 @@ fn finished(stop_reason: StopReason, turns: u32, error: Option<ErrorInfo>) -> Ev
         cost: None,
         budget: None,
         result: None,
+        answer: None,
+        answer_from: None,
+        no_answer: None,
     }
 }

@@ -198,6 +198,9 @@ fn finished(turns: u32) -> EventMsg {
         cost: None,
         budget: None,
         result: None,
+        answer: None,
+        answer_from: None,
+        no_answer: None,
     }
 }
 

@@ -153,7 +153,7 @@ async fn code_runs_as_a_tool_call_and_is_answered_with_one_tool_message() {
                 ]}),
                 tool_message(
                     "call_1",
-                    "exitcode: 0 (execution succeeded)\nCode output: 42\n"
+                    "exitcode: 0 (execution succeeded)\nYour code printed: 42\n"
                 ),
             ]
         );
@@ -237,14 +237,14 @@ async fn every_bad_call_is_an_answer_the_model_reads_and_the_rest_still_run() {
             ),
             tool_message(
                 "e",
-                "exitcode: 0 (execution succeeded)\nCode output: still runs\n"
+                "exitcode: 0 (execution succeeded)\nYour code printed: still runs\n"
             ),
         ]
     );
     // The fenced block ran too, and its report follows the answers.
     assert_eq!(
         back[6],
-        json!({"role": "user", "name": "executor", "content": "exitcode: 0 (execution succeeded)\nCode output: fenced\n"})
+        json!({"role": "user", "name": "executor", "content": "exitcode: 0 (execution succeeded)\nYour code printed: fenced\n"})
     );
     let errors = ran
         .events
@@ -288,11 +288,11 @@ async fn streamed_pieces_join_by_index_across_escapes_and_surrogate_pairs() {
         [
             tool_message(
                 "first",
-                "exitcode: 0 (execution succeeded)\nCode output: one\n"
+                "exitcode: 0 (execution succeeded)\nYour code printed: one\n"
             ),
             tool_message(
                 "second",
-                "exitcode: 0 (execution succeeded)\nCode output: café 🎉\n2\n"
+                "exitcode: 0 (execution succeeded)\nYour code printed: café 🎉\n2\n"
             ),
         ]
     );
@@ -392,7 +392,7 @@ async fn auto_falls_back_to_blocks_when_the_server_refuses_tools() {
     assert!(ran.requests[2].get("tools").is_none());
     assert_eq!(
         said(&ran.requests[2])[1]["content"],
-        "exitcode: 0 (execution succeeded)\nCode output: 7\n"
+        "exitcode: 0 (execution succeeded)\nYour code printed: 7\n"
     );
     // Asked for tool calls only, a server that refuses tools fails the task, by name.
     let ran = run(
@@ -431,7 +431,7 @@ async fn calls_written_as_text_run_and_the_same_call_repeated_is_stopped() {
     // A call written as text is answered as text: there is no id to answer.
     assert_eq!(
         said(&ran.requests[1])[1],
-        json!({"role": "user", "name": "executor", "content": "Result of tool `execute_code`:\nexitcode: 0 (execution succeeded)\nCode output: 5\n"})
+        json!({"role": "user", "name": "executor", "content": "Result of tool `execute_code`:\nexitcode: 0 (execution succeeded)\nYour code printed: 5\n"})
     );
     let last = said(&ran.requests[5]);
     assert_eq!(
@@ -513,7 +513,7 @@ async fn tool_calls_are_asked_about_and_denied_by_name() {
             ),
             tool_message(
                 "c",
-                "exitcode: 0 (execution succeeded)\nCode output: code is not asked about\n"
+                "exitcode: 0 (execution succeeded)\nYour code printed: code is not asked about\n"
             ),
         ]
     );
@@ -542,7 +542,7 @@ async fn a_resumed_task_sends_its_calls_and_answers_as_they_were() {
     let answer = Message::tool(&ToolReply {
         id: "r1".to_owned(),
         name: "execute_code".to_owned(),
-        content: "exitcode: 0 (execution succeeded)\nCode output: 1\n".to_owned(),
+        content: "exitcode: 0 (execution succeeded)\nYour code printed: 1\n".to_owned(),
     });
     let ran = run(
         task,
@@ -558,7 +558,10 @@ async fn a_resumed_task_sends_its_calls_and_answers_as_they_were() {
             json!({"role": "assistant", "content": "", "tool_calls": [
                 {"id": "r1", "type": "function", "function": {"name": "execute_code", "arguments": call.2}}
             ]}),
-            tool_message("r1", "exitcode: 0 (execution succeeded)\nCode output: 1\n"),
+            tool_message(
+                "r1",
+                "exitcode: 0 (execution succeeded)\nYour code printed: 1\n"
+            ),
         ]
     );
 }
@@ -587,7 +590,7 @@ async fn code_in_a_confined_local_block_calls_the_tasks_tools_over_its_own_chann
         .to_owned();
     assert_eq!(
         report,
-        "exitcode: 0 (execution succeeded)\nCode output: 3\n\n2\n\nrefused: error: the arguments of `wc` do not match its parameters: `arguments.text` must be string, not an integer. They were: `{\"text\": 7}`\nrefused: error: `execute_code` cannot be called from code: run the code directly\n4\n2\nexit 1\ntandem-tool: error: there is no tool `nope`; the tools are: execute_code, wc.\n"
+        "exitcode: 0 (execution succeeded)\nYour code printed: 3\n\n2\n\nrefused: error: the arguments of `wc` do not match its parameters: `arguments.text` must be string, not an integer. They were: `{\"text\": 7}`\nrefused: error: `execute_code` cannot be called from code: run the code directly\n4\n2\nexit 1\ntandem-tool: error: there is no tool `nope`; the tools are: execute_code, wc.\n"
     );
     // Each call is seen as the block's: its index, a made-up id, its result.
     let results: Vec<(u32, String, bool)> = ran
@@ -701,7 +704,7 @@ print('reached:', found)
         .to_owned();
     assert_eq!(
         report,
-        "exitcode: 0 (execution succeeded)\nCode output: refused: error: there is no tool `secret_of_a`; the tools are: wc.\nreached: []\n"
+        "exitcode: 0 (execution succeeded)\nYour code printed: refused: error: there is no tool `secret_of_a`; the tools are: wc.\nreached: []\n"
     );
     // A's tool was never called, by anyone.
     let a_events = a_events.lock().unwrap();
@@ -754,7 +757,7 @@ async fn code_in_a_docker_block_with_the_network_off_calls_tools_through_the_run
     );
     assert_eq!(
         said(&ran.requests[1])[1]["content"],
-        "exitcode: 0 (execution succeeded)\nCode output: network: off\n3\n\n2\ntools: read-only\n"
+        "exitcode: 0 (execution succeeded)\nYour code printed: network: off\n3\n\n2\ntools: read-only\n"
     );
 }
 
@@ -937,7 +940,7 @@ async fn an_mcp_servers_tools_are_offered_called_by_the_model_and_from_code() {
     // The block's code called the same server over its channel.
     assert_eq!(
         back[4],
-        json!({"role": "user", "name": "executor", "content": "exitcode: 0 (execution succeeded)\nCode output: 42\n"})
+        json!({"role": "user", "name": "executor", "content": "exitcode: 0 (execution succeeded)\nYour code printed: 42\n"})
     );
 }
 
@@ -971,7 +974,7 @@ async fn code_in_a_kept_interpreter_calls_tools_block_after_block() {
     let last = said(&ran.requests[2]);
     assert_eq!(
         last[3]["content"],
-        "exitcode: 0 (execution succeeded)\nCode output: ['2\\n', '3\\n']\n"
+        "exitcode: 0 (execution succeeded)\nYour code printed: ['2\\n', '3\\n']\n"
     );
     let turns: Vec<u32> = ran
         .events
@@ -1013,7 +1016,7 @@ async fn code_in_a_kept_docker_interpreter_calls_tools_through_the_runner() {
     );
     assert_eq!(
         said(&ran.requests[2])[3]["content"],
-        "exitcode: 0 (execution succeeded)\nCode output: 2\n 3\n\n"
+        "exitcode: 0 (execution succeeded)\nYour code printed: 2\n 3\n\n"
     );
 }
 
@@ -1072,7 +1075,7 @@ async fn calls_a_real_small_model_wrote_are_run_as_calls() {
     assert_eq!(ran.outcome.stop_reason, StopReason::Terminated);
     assert_eq!(
         said(&ran.requests[1])[1]["content"],
-        "Result of tool `wc`:\n5\n\n\nResult of tool `execute_code`:\nexitcode: 0 (execution succeeded)\nCode output: 391\n"
+        "Result of tool `wc`:\n5\n\n\nResult of tool `execute_code`:\nexitcode: 0 (execution succeeded)\nYour code printed: 391\n"
     );
     // The fenced JSON itself was not run as a Python block.
     let blocks = ran
@@ -1109,7 +1112,7 @@ async fn the_commands_one_block_calls_share_one_second_session() {
     // Three calls, one session beside the block's own (whose scratch is another).
     assert_eq!(
         said(&ran.requests[1])[1]["content"],
-        "exitcode: 0 (execution succeeded)\nCode output: 1 False\n"
+        "exitcode: 0 (execution succeeded)\nYour code printed: 1 False\n"
     );
 }
 

@@ -206,7 +206,7 @@ async fn task_timeout_is_its_own_stop_reason_and_keeps_the_transcript() {
     assert_eq!(outcome.transcript.len(), 5);
     assert_eq!(
         outcome.transcript[3].content,
-        "exitcode: 0 (execution succeeded)\nCode output: one\n"
+        format!("exitcode: 0 (execution succeeded)\nYour code printed: one\n{ASK}")
     );
     assert_eq!(h.sessions(), (1, 1));
 }
@@ -270,7 +270,7 @@ async fn first_failure_stops_the_rest_of_the_reply() {
     assert_eq!(statuses, ["exited", "exited", "not_run"]);
     let report = &outcome.transcript[3].content;
     assert!(
-        report.starts_with("exitcode: 1 (execution failed)\nCode output: one\nTraceback"),
+        report.starts_with("exitcode: 1 (execution failed)\nYour code printed: one\nTraceback"),
         "{report}"
     );
     assert!(
@@ -299,8 +299,8 @@ async fn code_sent_with_the_word_ends_the_task_only_once_it_ran_cleanly() {
     assert_eq!(
         reports(&outcome),
         [
-            "exitcode: 3 (execution failed)\nCode output: half\n",
-            "exitcode: 0 (execution succeeded)\nCode output: whole\n"
+            "exitcode: 3 (execution failed)\nYour code printed: half\n",
+            &format!("exitcode: 0 (execution succeeded)\nYour code printed: whole\n{ASK}")
         ]
     );
     assert_eq!(
@@ -314,6 +314,9 @@ async fn code_sent_with_the_word_ends_the_task_only_once_it_ran_cleanly() {
 }
 
 /// The executor's reports to the model, in order.
+/// What the pair asks after a clean run that printed something.
+const ASK: &str = "If this output answers the task, reply with the answer in one line, then TERMINATE. Otherwise, send the next code.";
+
 fn reports(outcome: &tandem_agent::TaskOutcome) -> Vec<&str> {
     outcome.transcript[3..]
         .iter()
@@ -384,7 +387,7 @@ async fn a_reply_whose_code_fails_the_examples_draws_and_the_one_that_holds_them
         ..tandem_protocol::Check::default()
     });
     let (outcome, events) = h.run(settings, CancellationToken::new()).await;
-    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(outcome.stop_reason, StopReason::ExamplesHeld);
     assert_eq!(outcome.turns, 1);
     assert_eq!(
         outcome.check.as_ref().map(|c| c.verdict),
@@ -529,7 +532,7 @@ async fn a_clean_run_that_holds_every_example_ends_the_task_without_the_word() {
     let (outcome, _) = h
         .run(TaskSettings::new(ADD_TASK), CancellationToken::new())
         .await;
-    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(outcome.stop_reason, StopReason::ExamplesHeld);
     assert_eq!(outcome.turns, 1);
     assert_eq!(h.server.requests().len(), 1);
     assert_eq!(outcome.summary.as_deref(), Some(right));
@@ -546,7 +549,7 @@ async fn a_clean_run_that_holds_every_example_ends_the_task_without_the_word() {
     let mut settings = TaskSettings::new(ADD_TASK);
     settings.candidates = 1;
     let (outcome, _) = h.run(settings, CancellationToken::new()).await;
-    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(outcome.stop_reason, StopReason::ExamplesHeld);
     assert_eq!(outcome.turns, 2);
     assert_eq!(h.server.requests().len(), 2);
 }
@@ -620,7 +623,9 @@ async fn the_examples_run_only_where_the_approval_policy_lets_them_run_unasked()
     assert_eq!(outcome.turns, 1);
     assert_eq!(
         reports(&outcome),
-        ["exitcode: 0 (execution succeeded)\nCode output: loaded\n"]
+        [format!(
+            "exitcode: 0 (execution succeeded)\nYour code printed: loaded\n{ASK}"
+        )]
     );
 }
 
@@ -643,7 +648,7 @@ async fn cut_off_reply_and_termination_in_a_block() {
     assert_eq!(outcome.turns, 3);
     assert_eq!(
         outcome.transcript[3].content,
-        "exitcode: 1 (execution failed)\nCode output: \nYour reply was cut off inside code block 1, so it was not run. Send the complete code again, in one block."
+        "exitcode: 1 (execution failed)\nYour code printed: \nYour reply was cut off inside code block 1, so it was not run. Send the complete code again, in one block."
     );
 }
 
@@ -668,7 +673,7 @@ async fn custom_termination_word_and_data_blocks() {
     assert!(outcome.transcript[3].content.contains("reply with DONE"));
     assert_eq!(
         outcome.transcript[5].content,
-        "exitcode: 0 (execution succeeded)\nCode output: x\nBlock 1 (`json`) was not run: it is data or prose, not a program."
+        "exitcode: 0 (execution succeeded)\nYour code printed: x\nBlock 1 (`json`) was not run: it is data or prose, not a program.\nIf this output answers the task, reply with the answer in one line, then DONE. Otherwise, send the next code."
     );
     assert_eq!(outcome.summary.as_deref(), Some("Now:"));
 }
@@ -705,4 +710,396 @@ async fn a_task_continues_from_its_history() {
     assert_eq!(first[2]["content"], "Let me think.");
     assert_eq!(first[3]["content"], "Please write code.");
     assert_eq!(h.server.requests_for(task).len(), 2);
+}
+
+/// A task's answer, where it came from, and why it has none, as it finished.
+fn answer_of(
+    outcome: &tandem_agent::TaskOutcome,
+) -> (
+    Option<&str>,
+    Option<tandem_protocol::AnswerFrom>,
+    Option<&str>,
+) {
+    (
+        outcome.answer.as_deref(),
+        outcome.answer_from,
+        outcome.no_answer.as_deref(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_output_block_that_matches_what_ran_is_no_complaint_and_ends_the_task() {
+    let task = "answers: six times seven";
+    let reply = "```python\nprint(6 * 7)\n```\n```output\n42\n```\nThe answer is 42.\nTERMINATE";
+    let h = Harness::new(task, vec![Reply::from(reply), Reply::from("not asked")]).await;
+    let (outcome, events) = h
+        .run(TaskSettings::new(task), CancellationToken::new())
+        .await;
+    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(outcome.turns, 1);
+    let reports = reports(&outcome);
+    assert!(
+        !reports[0].contains("was not run") && !reports[0].contains("your reply says"),
+        "{reports:?}"
+    );
+    assert_eq!(
+        answer_of(&outcome),
+        (
+            Some("The answer is 42."),
+            Some(tandem_protocol::AnswerFrom::Model),
+            None
+        )
+    );
+    // The finished event carries what the outcome does.
+    assert!(matches!(
+        events.last(),
+        Some(EventMsg::TaskFinished { answer: Some(a), answer_from: Some(tandem_protocol::AnswerFrom::Model), .. })
+            if a == "The answer is 42."
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_output_block_that_differs_from_what_ran_is_told_side_by_side_and_the_task_goes_on() {
+    let task = "answers: apples left";
+    let guessed =
+        "```python\nprint(12 + 7)\n```\n```output\n20\n```\nSo she has 20 apples.\nTERMINATE";
+    let h = Harness::new(
+        task,
+        vec![Reply::from(guessed), Reply::from("She has 19 apples.")],
+    )
+    .await;
+    let (outcome, _) = h
+        .run(TaskSettings::new(task), CancellationToken::new())
+        .await;
+    let reports = reports(&outcome);
+    assert_eq!(outcome.turns, 2, "{reports:?}");
+    assert!(
+        reports[0].contains("Your code printed 19; your reply says 20.")
+            && !reports[0].contains("was not run"),
+        "{reports:?}"
+    );
+    // Told as the model's own output, and asked for the answer in one line.
+    assert!(
+        reports[0].contains("Your code printed: 19")
+            && reports[0].contains("reply with the answer in one line, then TERMINATE"),
+        "{reports:?}"
+    );
+    assert_eq!(outcome.stop_reason, StopReason::Answered);
+    assert_eq!(
+        answer_of(&outcome),
+        (
+            Some("She has 19 apples."),
+            Some(tandem_protocol::AnswerFrom::Model),
+            None
+        )
+    );
+    // An untagged value is a claim too, never run as a program.
+    let task = "answers: untagged claim";
+    let h = Harness::new(
+        task,
+        vec![
+            Reply::from("```python\nprint(3 * 3)\n```\n```\n10\n```\nIt is 10. TERMINATE"),
+            Reply::from("It is 9."),
+        ],
+    )
+    .await;
+    let (outcome, events) = h
+        .run(TaskSettings::new(task), CancellationToken::new())
+        .await;
+    let told = self::reports(&outcome);
+    assert!(
+        told[0].contains("Your code printed 9; your reply says 10."),
+        "{told:?}"
+    );
+    assert!(events.iter().any(|e| matches!(
+        e,
+        EventMsg::CodeBlock { index: 2, language: Some(l), .. } if l == "output"
+    )));
+    assert_eq!(outcome.answer.as_deref(), Some("It is 9."));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_statement_its_code_contradicts_is_told_once_and_the_answer_is_what_ran() {
+    let task = "answers: contradicted";
+    let h = Harness::new(
+        task,
+        vec![
+            Reply::from("```python\nprint(sum(range(7)))\n```"),
+            Reply::from("The answer is 20."),
+            Reply::from("I am sure: the answer is 20."),
+            Reply::from("not asked"),
+        ],
+    )
+    .await;
+    let (outcome, _) = h
+        .run(TaskSettings::new(task), CancellationToken::new())
+        .await;
+    let reports = reports(&outcome);
+    assert_eq!(outcome.stop_reason, StopReason::Answered, "{reports:?}");
+    assert_eq!(reports.len(), 2, "{reports:?}");
+    assert!(
+        reports[1].starts_with("Your code printed 21; your reply says 20."),
+        "{reports:?}"
+    );
+    assert_eq!(
+        answer_of(&outcome),
+        (Some("21"), Some(tandem_protocol::AnswerFrom::Output), None)
+    );
+    // The summary keeps the model's words.
+    assert_eq!(
+        outcome.summary.as_deref(),
+        Some("I am sure: the answer is 20.")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_stop_has_an_answer_when_code_ran_and_says_why_when_none() {
+    // The word said after a clean run: the model's statement.
+    let task = "answers: terminated";
+    let h = Harness::new(
+        task,
+        vec![
+            Reply::from("```python\nprint(5)\n```"),
+            Reply::from("It is 5.\nTERMINATE"),
+        ],
+    )
+    .await;
+    let (outcome, _) = h
+        .run(TaskSettings::new(task), CancellationToken::new())
+        .await;
+    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(
+        answer_of(&outcome),
+        (
+            Some("It is 5."),
+            Some(tandem_protocol::AnswerFrom::Model),
+            None
+        )
+    );
+    // An answer without the word is `answered`, not `terminated`.
+    let task = "answers: answered";
+    let h = Harness::new(
+        task,
+        vec![
+            Reply::from("```python\nprint(5)\n```"),
+            Reply::from("It is 5."),
+        ],
+    )
+    .await;
+    let (outcome, _) = h
+        .run(TaskSettings::new(task), CancellationToken::new())
+        .await;
+    assert_eq!(outcome.stop_reason, StopReason::Answered);
+    assert_eq!(outcome.answer.as_deref(), Some("It is 5."));
+    // Only the word, code that printed: what the code printed.
+    let task = "answers: only the word";
+    let h = Harness::new(
+        task,
+        vec![Reply::from("```python\nprint('done: 8')\n```\nTERMINATE")],
+    )
+    .await;
+    let (outcome, _) = h
+        .run(TaskSettings::new(task), CancellationToken::new())
+        .await;
+    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    assert_eq!(
+        answer_of(&outcome),
+        (
+            Some("done: 8"),
+            Some(tandem_protocol::AnswerFrom::Output),
+            None
+        )
+    );
+    // The turn limit, with code that printed twice: the last output.
+    let task = "answers: turn limit";
+    let h = Harness::new(
+        task,
+        vec![
+            Reply::from("```python\nprint(1)\n```"),
+            Reply::from("```python\nprint(2)\n```"),
+        ],
+    )
+    .await;
+    let mut settings = TaskSettings::new(task);
+    settings.max_turns = 2;
+    let (outcome, _) = h.run(settings, CancellationToken::new()).await;
+    assert_eq!(outcome.stop_reason, StopReason::MaxTurns);
+    assert_eq!(
+        answer_of(&outcome),
+        (Some("2"), Some(tandem_protocol::AnswerFrom::Output), None)
+    );
+    // The turn limit, where no code ran cleanly: no answer, and why.
+    let task = "answers: turn limit, nothing ran";
+    let h = Harness::new(
+        task,
+        vec![
+            Reply::from("```python\nprint(1/0)\n```"),
+            Reply::from("```python\nraise SystemExit(3)\n```"),
+        ],
+    )
+    .await;
+    let mut settings = TaskSettings::new(task);
+    settings.max_turns = 2;
+    let (outcome, events) = h.run(settings, CancellationToken::new()).await;
+    assert_eq!(outcome.stop_reason, StopReason::MaxTurns);
+    let (answer, from, why) = answer_of(&outcome);
+    assert_eq!((answer, from), (None, None));
+    assert!(why.is_some_and(|w| w.contains("max_turns")), "{why:?}");
+    assert!(matches!(
+        events.last(),
+        Some(EventMsg::TaskFinished {
+            answer: None,
+            no_answer: Some(_),
+            ..
+        })
+    ));
+    // Repeated code: what it printed.
+    let task = "answers: repeated";
+    let same = "```python\nprint(7)\nprint(undefined)\n```";
+    let h = Harness::new(
+        task,
+        vec![
+            Reply::from("```python\nprint(7)\n```\nLet me check more."),
+            Reply::from(same),
+            Reply::from(same),
+        ],
+    )
+    .await;
+    let mut settings = TaskSettings::new(task);
+    settings.max_turns = 6;
+    let (outcome, _) = h.run(settings, CancellationToken::new()).await;
+    assert_eq!(outcome.stop_reason, StopReason::Repeated);
+    assert_eq!(
+        answer_of(&outcome),
+        (Some("7"), Some(tandem_protocol::AnswerFrom::Output), None)
+    );
+    // No code and no statement: no answer, and why.
+    let task = "answers: nothing";
+    let h = Harness::new(task, vec![Reply::from("TERMINATE")]).await;
+    let (outcome, _) = h
+        .run(TaskSettings::new(task), CancellationToken::new())
+        .await;
+    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    let (answer, _, why) = answer_of(&outcome);
+    assert_eq!(answer, None);
+    assert!(
+        why.is_some_and(|w| w.contains("without stating an answer")),
+        "{why:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_timeout_keeps_the_answer_its_code_printed() {
+    let task = "answers: timeout";
+    let h = Harness::new(
+        task,
+        vec![
+            Reply::from("```python\nprint(3)\n```\nNow the slow part."),
+            Reply::from("```python\nimport time\ntime.sleep(60)\n```"),
+        ],
+    )
+    .await;
+    let mut settings = TaskSettings::new(task);
+    settings.timeout = Some(Duration::from_secs(4));
+    let (outcome, _) = h.run(settings, CancellationToken::new()).await;
+    assert_eq!(outcome.stop_reason, StopReason::Timeout);
+    assert_eq!(
+        answer_of(&outcome),
+        (Some("3"), Some(tandem_protocol::AnswerFrom::Output), None)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_value_check_reads_the_answer_line_and_names_both_values() {
+    let check = |value: serde_json::Value| tandem_protocol::Check {
+        value: Some(value),
+        tolerance: Some(0.01),
+        ..tandem_protocol::Check::default()
+    };
+    let run = |task: &'static str, replies: Vec<Reply>, value: serde_json::Value| async move {
+        let h = Harness::new(task, replies).await;
+        let mut settings = TaskSettings::new(task);
+        settings.check = Some(check(value));
+        h.run(settings, CancellationToken::new()).await.0
+    };
+    let solved = run(
+        "values: mean",
+        vec![
+            Reply::from("```python\nprint(round(10 / 3, 4))\n```"),
+            Reply::from("The mean is about 3.333.\nAnswer: 3.333"),
+        ],
+        serde_json::json!(3.33),
+    )
+    .await;
+    let check = solved.check.unwrap();
+    assert_eq!(check.verdict, tandem_protocol::Verdict::Solved, "{check:?}");
+    assert_eq!(check.printed, Some(true));
+    // An answer line its code contradicts is told once; insisted on, the answer is what ran.
+    let insisted = run(
+        "values: insisted",
+        vec![
+            Reply::from("```python\nprint(19)\n```"),
+            Reply::from("Apples: 19\nAnswer: 20"),
+            Reply::from("Answer: 20"),
+        ],
+        serde_json::json!(19),
+    )
+    .await;
+    assert_eq!(insisted.answer.as_deref(), Some("19"));
+    assert_eq!(
+        insisted.check.unwrap().verdict,
+        tandem_protocol::Verdict::Solved
+    );
+    // The code printed the value, the answer does not give it: both named, and `printed`.
+    let missed = run(
+        "values: missed",
+        vec![
+            Reply::from("```python\nprint('total 19')\nprint('per bag 5')\n```"),
+            Reply::from("Answer: 5"),
+        ],
+        serde_json::json!(19),
+    )
+    .await;
+    let check = missed.check.unwrap();
+    assert_eq!(check.verdict, tandem_protocol::Verdict::Unsolved);
+    assert_eq!(check.printed, Some(true));
+    assert_eq!(check.detail, "expected 19; the answer says \"5\"");
+    let never = run(
+        "values: never printed",
+        vec![Reply::from("It is Tuesday.\nTERMINATE")],
+        serde_json::json!("Wednesday"),
+    )
+    .await;
+    let check = never.check.unwrap();
+    assert_eq!(check.verdict, tandem_protocol::Verdict::Unsolved);
+    assert_eq!(check.printed, Some(false));
+    assert_eq!(
+        check.detail,
+        "expected \"Wednesday\"; the answer says \"It is Tuesday.\""
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_answer_from_huge_or_broken_output_is_cut_and_marked() {
+    let task = "answers: huge output";
+    let code = "```python\nimport sys\nsys.stdout.buffer.write(b'\\xff\\xfe head ' + b'x' * 200000 + b' tail\\n')\n```\nTERMINATE";
+    let h = Harness::new(task, vec![Reply::from(code)]).await;
+    let (outcome, _) = h
+        .run(TaskSettings::new(task), CancellationToken::new())
+        .await;
+    assert_eq!(outcome.stop_reason, StopReason::Terminated);
+    let (answer, from, _) = answer_of(&outcome);
+    let answer = answer.unwrap();
+    assert_eq!(from, Some(tandem_protocol::AnswerFrom::Output));
+    assert!(
+        answer.len() <= tandem_agent::grounding::ANSWER_CAP + 64,
+        "{}",
+        answer.len()
+    );
+    assert!(
+        answer.starts_with("\u{fffd}\u{fffd} head x"),
+        "{}",
+        &answer[..40]
+    );
+    assert!(answer.ends_with("x tail") && answer.contains(" bytes cut …]"));
 }

@@ -15,6 +15,9 @@ pub struct Said {
     pub calls: Vec<ToolCall>,
     /// An executor's answers to the native calls of the message before it.
     pub results: Vec<ToolReply>,
+    /// What the blocks of an executor's report printed to stdout, when every block it ran
+    /// exited cleanly.
+    pub printed: Option<String>,
 }
 
 /// What an agent said in a run being resumed: its words, and its calls or their answers.

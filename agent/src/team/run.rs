@@ -460,6 +460,7 @@ impl Team {
             result: Mutex::new(None),
             drew: std::sync::atomic::AtomicBool::new(false),
             checked: Mutex::new(None),
+            grounded: std::sync::atomic::AtomicBool::new(false),
         };
         let ctx = Ctx {
             team: self,
@@ -484,6 +485,11 @@ impl Team {
         }
     }
 
+    /// Every word that ends one of the team's chats.
+    pub(crate) fn words(&self) -> &[String] {
+        &self.words
+    }
+
     /// Runs a task's `check` in the session of the executor at `path`, after the run.
     pub(crate) async fn check(
         &self,
@@ -497,6 +503,7 @@ impl Team {
             return Some(tandem_protocol::CheckOutcome {
                 verdict: tandem_protocol::Verdict::Error,
                 detail: format!("{path}: no executor session to run the check in"),
+                printed: None,
             });
         };
         let mut slot = slot.lock().await;
@@ -534,6 +541,8 @@ struct Shared {
     /// The code of the last reply told whose examples ran before it was, and what they
     /// printed: its executor reads that rather than run them again.
     checked: Mutex<Option<(String, String)>>,
+    /// The model was told once that its answer disagrees with its code's output.
+    grounded: std::sync::atomic::AtomicBool,
 }
 
 /// A run, as one branch of it sees it: a parallel branch has its own event sink.
@@ -1301,9 +1310,32 @@ impl Ctx<'_> {
         if let Some(note) = self.examples_note(node, &mut slot, &code, &runs).await {
             report = blocks::with_examples(report, &note);
         }
+        let ran: Vec<&blocks::BlockRun> = runs.iter().filter(|r| r.claim.is_none()).collect();
+        let printed = (!ran.is_empty() && ran.iter().all(|r| r.result.succeeded()))
+            .then(|| {
+                ran.iter()
+                    .map(|r| r.result.stdout.as_str())
+                    .collect::<String>()
+            })
+            .filter(|p| !p.trim().is_empty());
+        // The pair's model hears its output as its own, and what to do with it.
+        if self.team.exchange_turns
+            && printed.is_some()
+            && calls.is_empty()
+            && !report.contains(crate::examples::FAILED_MARK)
+        {
+            if !report.ends_with('\n') {
+                report.push('\n');
+            }
+            report.push_str(&self.answer_ask());
+        }
         let results: Vec<ToolReply> = answered.into_iter().map(|a| a.reply).collect();
         if native {
-            return Ok(self.reported(node, history, turn, report, results));
+            let ended = self.reported(node, history, turn, report, results);
+            if let Some(said) = history.last_mut() {
+                said.printed = printed;
+            }
+            return Ok(ended);
         }
         // Calls written as text are answered as text: there is no call id to answer.
         for r in results {
@@ -1312,7 +1344,50 @@ impl Ctx<'_> {
             }
             report.push_str(&format!("Result of tool `{}`:\n{}", r.name, r.content));
         }
-        Ok(self.reported(node, history, turn, report, Vec::new()))
+        let ended = self.reported(node, history, turn, report, Vec::new());
+        if let Some(said) = history.last_mut() {
+            said.printed = printed;
+        }
+        Ok(ended)
+    }
+
+    /// What the pair's model is asked after a clean run: the answer in one line.
+    fn answer_ask(&self) -> String {
+        match self.team.words.first() {
+            Some(word) => format!(
+                "If this output answers the task, reply with the answer in one line, then {word}. Otherwise, send the next code."
+            ),
+            None => "If this output answers the task, reply with the answer in one line. Otherwise, send the next code.".to_owned(),
+        }
+    }
+
+    /// Where the statement that would end the task disagrees with what its code last printed
+    /// cleanly: what to tell the model, once per task, before the task may end.
+    fn ungrounded(&self, node: &Node, history: &[Said]) -> Option<String> {
+        if node.path != self.team.root.path || self.shared.grounded.load(Ordering::SeqCst) {
+            return None;
+        }
+        let said = history
+            .iter()
+            .rev()
+            .find(|s| !s.output && s.speaker != "user")?;
+        let statement = crate::grounding::statement(&said.text, &self.team.words);
+        if statement.is_empty() {
+            return None;
+        }
+        let printed = printed_of(history)?;
+        let differs = crate::grounding::disagreement(&printed, &statement)?;
+        self.shared.grounded.store(true, Ordering::SeqCst);
+        let word = self
+            .team
+            .words
+            .first()
+            .map(|w| format!(", then {w}"))
+            .unwrap_or_default();
+        Some(format!(
+            "{differs} {} Reply with the answer to the task in one line, as your code found it{word}.",
+            crate::grounding::TOLD_MARK
+        ))
     }
 
     /// What the task's examples say of the last Python block of `runs` that defines what
@@ -1486,10 +1561,17 @@ impl Ctx<'_> {
                         self.keep_result(value);
                         let by = "the answer matches the output schema".to_owned();
                         self.ended(node, by.clone());
-                        return Ok(Ended::Finished {
-                            by,
-                            reason: StopReason::Terminated,
-                        });
+                        let reason = if self
+                            .team
+                            .words
+                            .iter()
+                            .any(|w| crate::termination::says_terminate(&said.text, w))
+                        {
+                            StopReason::Terminated
+                        } else {
+                            StopReason::Answered
+                        };
+                        return Ok(Ended::Finished { by, reason });
                     }
                     // A block of data that is not the value is an answer to correct now.
                     Err(why) if !extract_code_blocks(&said.text).is_empty() => {
@@ -1521,7 +1603,16 @@ impl Ctx<'_> {
                     {
                         return Ok(Ended::Stopped(r));
                     }
-                    if reason == StopReason::Terminated
+                    // An answer its own code's output contradicts is told so, once.
+                    if matches!(reason, StopReason::Terminated | StopReason::Answered)
+                        && let Some(why) = self.ungrounded(node, history)
+                        && let Some(speaker) = self.ask_again(node, &executors, history, why)
+                    {
+                        messages += 1;
+                        next = speaker;
+                        continue;
+                    }
+                    if matches!(reason, StopReason::Terminated | StopReason::Answered)
                         && let Some(schema) = self.schema_at(node)
                     {
                         match self.final_value(schema, history) {
@@ -1817,6 +1908,16 @@ impl Ctx<'_> {
             })
         })
     }
+}
+
+/// What the task's code last printed in a clean run: kept with the report, or read back
+/// from a report of a resumed run.
+pub(crate) fn printed_of(history: &[Said]) -> Option<String> {
+    history
+        .iter()
+        .rev()
+        .filter(|s| s.output)
+        .find_map(|s| s.printed.clone().or_else(|| blocks::printed_in(&s.text)))
 }
 
 fn transcript(history: &[Said]) -> String {

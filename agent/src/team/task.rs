@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use tandem_executor::CancellationToken;
-use tandem_protocol::{ErrorInfo, EventMsg, StopReason, Usage};
+use tandem_protocol::{AnswerFrom, ErrorInfo, EventMsg, StopReason, Usage};
 
 use super::history::Said;
 use super::run::{Ended, Run, Team};
@@ -70,6 +70,9 @@ pub(crate) struct TeamRun {
     pub cost: Option<f64>,
     pub budget: Option<tandem_protocol::BudgetReached>,
     pub result: Option<serde_json::Value>,
+    pub answer: Option<String>,
+    pub answer_from: Option<AnswerFrom>,
+    pub no_answer: Option<String>,
     pub elapsed: Duration,
 }
 
@@ -116,6 +119,7 @@ pub(crate) async fn run_team(
                 timer.abort();
             }
             let (stop_reason, _) = stop_of(&ran.ended, &timed_out);
+            let grounded = answer_of(stop_reason, &ran.history, team.words());
             let answer = summary(stop_reason, &ran.history);
             // A task stopped from outside is not judged; one that ran out of turns or time is.
             let checked = match &check {
@@ -126,13 +130,13 @@ pub(crate) async fn run_team(
                         .filter(|s| s.output)
                         .map(|s| s.text.as_str())
                         .collect();
-                    team.check(path, check, answer.as_deref(), &outputs, &cancel)
+                    team.check(path, check, grounded.text(), &outputs, &cancel)
                         .await
                 }
                 _ => None,
             };
             team.close().await;
-            (ran, (answer, checked))
+            (ran, (answer, checked, grounded))
         }
         Err(e) => (
             Run {
@@ -144,7 +148,11 @@ pub(crate) async fn run_team(
                 budget: None,
                 result: None,
             },
-            (None, None),
+            (
+                None,
+                None,
+                Answer::None("the task could not start".to_owned()),
+            ),
         ),
     };
     if let Some(timer) = timer {
@@ -160,7 +168,8 @@ pub(crate) async fn run_team(
         result,
     } = ran;
     let (stop_reason, error) = stop_of(&ended, &timed_out);
-    let (summary, check) = checked;
+    let (summary, check, answer) = checked;
+    let (answer_text, answer_from, no_answer) = answer.into_parts();
     let elapsed = started.elapsed();
     if !span.is_disabled() {
         trace_task(&span, stop_reason, error.as_ref(), usage, turns, cost);
@@ -176,6 +185,9 @@ pub(crate) async fn run_team(
         cost,
         budget: budget.clone().map(Box::new),
         result: result.clone(),
+        answer: answer_text.clone(),
+        answer_from,
+        no_answer: no_answer.clone(),
     });
     TeamRun {
         stop_reason,
@@ -188,7 +200,75 @@ pub(crate) async fn run_team(
         cost,
         budget,
         result,
+        answer: answer_text,
+        answer_from,
+        no_answer,
         elapsed,
+    }
+}
+
+/// A task's answer at its end.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Answer {
+    /// The model's final statement, which its code's output does not contradict.
+    Model(String),
+    /// What its code last printed in a clean run.
+    Output(String),
+    /// Neither: why.
+    None(String),
+}
+
+impl Answer {
+    /// The answer's text, when it has one.
+    pub fn text(&self) -> Option<&str> {
+        match self {
+            Self::Model(t) | Self::Output(t) => Some(t),
+            Self::None(_) => None,
+        }
+    }
+
+    /// The answer, where it came from, and why there is none, as the wire has them.
+    pub fn into_parts(self) -> (Option<String>, Option<AnswerFrom>, Option<String>) {
+        match self {
+            Self::Model(t) => (Some(t), Some(AnswerFrom::Model), None),
+            Self::Output(t) => (Some(t), Some(AnswerFrom::Output), None),
+            Self::None(why) => (None, None, Some(why)),
+        }
+    }
+}
+
+/// The answer of a task that stopped for `reason` with `history`: the model's final
+/// statement when it ended the task with one its code's last clean output does not
+/// contradict; else that output; else a statement it made; else none, and why.
+pub(crate) fn answer_of(reason: StopReason, history: &[Said], words: &[String]) -> Answer {
+    use crate::grounding::{ANSWER_CAP, clip, disagreement, statement};
+    let stated = matches!(reason, StopReason::Terminated | StopReason::Answered)
+        .then(|| {
+            history
+                .iter()
+                .skip(1)
+                .rev()
+                .find(|s| !s.output)
+                .map(|s| statement(&s.text, words))
+        })
+        .flatten()
+        .filter(|s| !s.is_empty());
+    let printed = super::run::printed_of(history).map(|p| p.trim().to_owned());
+    match (stated, printed) {
+        (Some(said), Some(printed)) if disagreement(&printed, &said).is_some() => {
+            Answer::Output(clip(&printed, ANSWER_CAP))
+        }
+        (Some(said), _) => Answer::Model(clip(&said, ANSWER_CAP)),
+        (None, Some(printed)) => Answer::Output(clip(&printed, ANSWER_CAP)),
+        (None, None) => Answer::None(match reason {
+            StopReason::Terminated | StopReason::Answered => {
+                "the model ended the task without stating an answer, and no code of it printed anything in a clean run".to_owned()
+            }
+            other => format!(
+                "the task stopped ({}) before any code of it printed anything in a clean run, and the model stated no answer",
+                other.as_str()
+            ),
+        }),
     }
 }
 

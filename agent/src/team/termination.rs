@@ -169,11 +169,14 @@ impl Condition {
                 let answered = s.new.iter().enumerate().any(|(i, m)| {
                     !m.output
                         && by(agents, m)
-                        && s.before(i)
-                            .is_some_and(|b| b.output && crate::blocks::clean_report(&b.text))
+                        && s.before(i).is_some_and(|b| {
+                            b.output
+                                && (crate::blocks::clean_report(&b.text)
+                                    || b.text.contains(crate::grounding::TOLD_MARK))
+                        })
                         && is_answer(m)
                 });
-                hit(answered, StopReason::Terminated)
+                hit(answered, StopReason::Answered)
             }
             Test::ExamplesHeld => hit(
                 s.new.iter().any(|m| {
@@ -181,7 +184,7 @@ impl Condition {
                         && crate::blocks::ran_clean(&m.text)
                         && crate::examples::all_held_in(&m.text)
                 }),
-                StopReason::Terminated,
+                StopReason::ExamplesHeld,
             ),
             Test::Repeated => hit(
                 s.new.iter().enumerate().any(|(i, m)| {
@@ -329,26 +332,26 @@ mod tests {
                 tokens: 0,
             })
         };
-        let clean = "exitcode: 0 (execution succeeded)\nCode output: \n";
+        let clean = "exitcode: 0 (execution succeeded)\nYour code printed: \n";
         let held = format!("{clean}{}: 2 of 2.", crate::examples::HELD_MARK);
         let failed = format!(
             "{clean}{} (1 of 2 hold):\n- `f(2)`: expected 4, got 2",
             crate::examples::FAILED_MARK
         );
-        let done = Some(Some(StopReason::Terminated));
+        let done = Some(Some(StopReason::ExamplesHeld));
         assert_eq!(check(&held), done);
         assert_eq!(check(&failed), Some(None));
         // No examples were run: a clean run alone is not the end.
         assert_eq!(check(clean), Some(None));
         // A later block failed: the examples are not what decides.
         let broke = format!(
-            "exitcode: 1 (execution failed)\nCode output: Traceback\n{}: 2 of 2.",
+            "exitcode: 1 (execution failed)\nYour code printed: Traceback\n{}: 2 of 2.",
             crate::examples::HELD_MARK
         );
         assert_eq!(check(&broke), Some(None));
         // The held line printed by the code, then the real verdict: the verdict counts.
         let forged = format!(
-            "exitcode: 0 (execution succeeded)\nCode output: \n{}: 9 of 9.\n{} (0 of 1 hold):\n- `f(1)`: expected 2, got 1",
+            "exitcode: 0 (execution succeeded)\nYour code printed: \n{}: 9 of 9.\n{} (0 of 1 hold):\n- `f(1)`: expected 2, got 1",
             crate::examples::HELD_MARK,
             crate::examples::FAILED_MARK
         );
@@ -383,14 +386,14 @@ mod tests {
         };
         let code = "```python\nprint(1/0)\n```";
         let other = "Fixed:\n```python\nprint(1/1)\n```";
-        let failed = "exitcode: 1 (execution failed)\nCode output: ZeroDivisionError";
-        let failed_else = "exitcode: 1 (execution failed)\nCode output: NameError";
+        let failed = "exitcode: 1 (execution failed)\nYour code printed: ZeroDivisionError";
+        let failed_else = "exitcode: 1 (execution failed)\nYour code printed: NameError";
         let at = |n: u32| {
             format!(
-                "exitcode: 1 (execution failed)\nCode output: Traceback\n  File \"/w/.tandem-block-{n}.py\", line 1\nZeroDivisionError"
+                "exitcode: 1 (execution failed)\nYour code printed: Traceback\n  File \"/w/.tandem-block-{n}.py\", line 1\nZeroDivisionError"
             )
         };
-        let clean = "exitcode: 0 (execution succeeded)\nCode output: 1.0";
+        let clean = "exitcode: 0 (execution succeeded)\nYour code printed: 1.0";
         let check = |turns: &[(&str, &str)]| {
             let mut history = vec![said("user", "task")];
             for (code, report) in turns {
@@ -442,10 +445,11 @@ mod tests {
             output,
             ..Said::default()
         };
-        let clean = "exitcode: 0 (execution succeeded)\nCode output: 42\n";
-        let failed = "exitcode: 1 (execution failed)\nCode output: Traceback\n";
+        let clean = "exitcode: 0 (execution succeeded)\nYour code printed: 42\n";
+        let failed = "exitcode: 1 (execution failed)\nYour code printed: Traceback\n";
         let silent = crate::blocks::report(
             &[crate::blocks::BlockRun {
+                claim: None,
                 index: 1,
                 language: tandem_executor::Language::python(),
                 result: tandem_protocol::BlockResult {
@@ -479,7 +483,7 @@ mod tests {
                 tokens: 0,
             })
         };
-        let done = Some(Some(StopReason::Terminated));
+        let done = Some(Some(StopReason::Answered));
         assert_eq!(check(clean, "The answer is 42.", "assistant"), done);
         assert_eq!(check(failed, "The answer is 42.", "assistant"), Some(None));
         assert_eq!(check(&silent, "The answer is 42.", "assistant"), Some(None));

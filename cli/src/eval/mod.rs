@@ -242,6 +242,9 @@ fn result_of(t: &SuiteTask, finished: Option<&EventMsg>, seconds: f64) -> TaskRe
         detail: String::new(),
         split: t.split.clone(),
         tags: t.tags.clone(),
+        answer: None,
+        answer_from: None,
+        printed: None,
     };
     if let Some(EventMsg::TaskFinished {
         stop_reason,
@@ -249,9 +252,15 @@ fn result_of(t: &SuiteTask, finished: Option<&EventMsg>, seconds: f64) -> TaskRe
         usage,
         error,
         check,
+        answer,
+        answer_from,
         ..
     }) = finished
     {
+        r.answer = answer
+            .as_deref()
+            .map(|a| tandem_agent::grounding::clip(a, 500));
+        r.answer_from = *answer_from;
         r.stop_reason = Some(*stop_reason);
         r.turns = *turns;
         r.input_tokens = usage.prompt_tokens;
@@ -259,6 +268,7 @@ fn result_of(t: &SuiteTask, finished: Option<&EventMsg>, seconds: f64) -> TaskRe
         if let Some(check) = check {
             r.verdict = Some(check.verdict);
             r.detail.clone_from(&check.detail);
+            r.printed = check.printed;
         }
         if let Some(e) = error {
             r.detail = format!("the task failed: {}", e.message);
@@ -384,6 +394,9 @@ async fn in_process(
                 cost: None,
                 budget: None,
                 result: None,
+                answer: None,
+                answer_from: None,
+                no_answer: None,
             }),
         };
         Ok(Some(result_of(

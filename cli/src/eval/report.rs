@@ -34,6 +34,15 @@ pub struct TaskResult {
     /// The suite's tags of the task.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tags: Vec<String>,
+    /// The task's answer, as it ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer: Option<String>,
+    /// Where the answer came from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer_from: Option<tandem_protocol::AnswerFrom>,
+    /// With a `value` check: whether the task's code printed the value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub printed: Option<bool>,
 }
 
 impl TaskResult {
@@ -78,6 +87,15 @@ pub struct Totals {
     pub input_tokens_per_solved: f64,
     /// Mean output tokens of a solved task.
     pub output_tokens_per_solved: f64,
+    /// Mean input tokens of any judged task.
+    #[serde(default)]
+    pub input_tokens_per_task: f64,
+    /// Mean output tokens of any judged task.
+    #[serde(default)]
+    pub output_tokens_per_task: f64,
+    /// Tasks whose code printed the checked value but whose answer missed it.
+    #[serde(default)]
+    pub printed_not_answered: usize,
 }
 
 impl Totals {
@@ -113,6 +131,12 @@ impl Totals {
             seconds_per_task: mean(&judged, &|r| r.seconds),
             input_tokens_per_solved: mean(&solved, &|r| r.input_tokens as f64),
             output_tokens_per_solved: mean(&solved, &|r| r.output_tokens as f64),
+            input_tokens_per_task: mean(&judged, &|r| r.input_tokens as f64),
+            output_tokens_per_task: mean(&judged, &|r| r.output_tokens as f64),
+            printed_not_answered: judged
+                .iter()
+                .filter(|r| r.printed == Some(true) && !r.solved())
+                .count(),
         }
     }
 
@@ -130,6 +154,12 @@ impl Totals {
         }
         if self.not_finished > 0 {
             line.push_str(&format!(" · {} not finished", self.not_finished));
+        }
+        if self.printed_not_answered > 0 {
+            line.push_str(&format!(
+                " · {} printed the value but did not answer it",
+                self.printed_not_answered
+            ));
         }
         line.push_str(&format!(
             " · per solved task: {:.1} turns, {:.1} s, {:.0} in / {:.0} out tokens · {:.1} s per task",
@@ -271,6 +301,9 @@ mod tests {
             detail: String::new(),
             split: None,
             tags: Vec::new(),
+            answer: None,
+            answer_from: None,
+            printed: None,
         }
     }
 

@@ -35,8 +35,8 @@ const TASKS: [&str; 4] = [
 ];
 
 const OUTCOMES: [&str; 2] = [
-    "exitcode: 0 (execution succeeded)\nCode output:\n541\n",
-    "exitcode: 1 (execution failed)\nCode output:\nTraceback (most recent call last):\n  File \"main.py\", line 3, in <module>\nNameError: name 'result' is not defined\n",
+    "exitcode: 0 (execution succeeded)\nYour code printed:\n541\n",
+    "exitcode: 1 (execution failed)\nYour code printed:\nTraceback (most recent call last):\n  File \"main.py\", line 3, in <module>\nNameError: name 'result' is not defined\n",
 ];
 
 /// The chat of `task` after `replies` (one per turn before this one).

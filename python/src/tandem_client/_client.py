@@ -67,6 +67,10 @@ class Event:
     data: dict[str, Any] = field(repr=False)
 
 
+# The stop reasons of a task whose work was done; any other is TaskFailed's.
+_DONE = frozenset(["terminated", "answered", "examples_held"])
+
+
 def _q(part: str) -> str:
     return quote(part, safe="")
 
@@ -452,9 +456,10 @@ class Client(_Base):
                 raise self._unreachable(e) from e
 
     def run(self, task: str, timeout: float | None = None, **spec: Any) -> Task:
-        """Submits a task and waits for it; raises TaskFailed unless it ended `terminated`."""
+        """Submits a task and waits for it; raises TaskFailed unless its work was done
+        (`terminated`, `answered` or `examples_held`). The record's `answer` is the answer."""
         record = self.wait(self.submit(task, **spec)["id"], timeout=timeout)
-        if record.get("stop_reason") != "terminated":
+        if record.get("stop_reason") not in _DONE:
             raise TaskFailed(record)
         return record
 
@@ -734,9 +739,10 @@ class AsyncClient(_Base):
             raise TimeoutError(f"task {task_id} is still {record['state']} after {timeout} s") from None
 
     async def run(self, task: str, timeout: float | None = None, **spec: Any) -> Task:
-        """Submits a task and waits for it; raises TaskFailed unless it ended `terminated`."""
+        """Submits a task and waits for it; raises TaskFailed unless its work was done
+        (`terminated`, `answered` or `examples_held`). The record's `answer` is the answer."""
         record = await self.wait((await self.submit(task, **spec))["id"], timeout=timeout)
-        if record.get("stop_reason") != "terminated":
+        if record.get("stop_reason") not in _DONE:
             raise TaskFailed(record)
         return record
 

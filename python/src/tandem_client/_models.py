@@ -26,6 +26,8 @@ class TaskSpecCheck(TypedDict, total=False):
     contents: str
     program: str
     language: str
+    value: Any  # the value the answer must give: a number, a string or a list of them (docs/eval.md)
+    tolerance: float  # how far a number of the answer may be from a numeric value
 
 
 class _TaskSpecToolsItem2Required(TypedDict):
@@ -261,6 +263,7 @@ class TaskCheck(_TaskCheckRequired, total=False):
     """The API's `TaskCheck`."""
 
     detail: str
+    printed: bool  # with a value check: whether the code printed the value
 
 
 class _TaskRequired(TypedDict):
@@ -275,8 +278,11 @@ class _TaskRequired(TypedDict):
 class Task(_TaskRequired, total=False):
     """The API's `Task`."""
 
-    stop_reason: Literal['terminated', 'max_turns', 'timeout', 'budget', 'cancelled', 'error', 'repeated']
+    stop_reason: Literal['terminated', 'answered', 'examples_held', 'max_turns', 'timeout', 'budget', 'cancelled', 'error', 'repeated']
     error: TaskError
+    answer: str  # the model's final statement, else what its code last printed in a clean run
+    answer_from: Literal['model', 'output']
+    no_answer: str  # why the task has no answer
     cost: float
     trace_id: str  # the trace of the task's first run
     budget: TaskBudget
@@ -299,7 +305,7 @@ FIELDS: dict[str, frozenset[str]] = {
     'SessionFiles': frozenset(['files', 'session']),
     'SessionInfo': frozenset(['blocks', 'busy', 'created_ms', 'executor', 'id', 'idle_timeout_secs', 'keep_state', 'tools']),
     'SessionSpec': frozenset(['executor', 'files', 'idle_timeout_secs', 'keep_state', 'limits', 'tools']),
-    'Task': frozenset(['budget', 'check', 'cost', 'created_ms', 'error', 'files_removed_ms', 'finished_ms', 'id', 'result', 'spec', 'started_ms', 'state', 'stop_reason', 'trace_id', 'turns', 'usage']),
+    'Task': frozenset(['answer', 'answer_from', 'budget', 'check', 'cost', 'created_ms', 'error', 'files_removed_ms', 'finished_ms', 'id', 'no_answer', 'result', 'spec', 'started_ms', 'state', 'stop_reason', 'trace_id', 'turns', 'usage']),
     'TaskSpec': frozenset(['approval', 'base_url', 'block_timeout_secs', 'candidates', 'check', 'code_via', 'executor', 'files', 'keep_state', 'languages', 'limits', 'max_cost', 'max_input_tokens', 'max_output_tokens', 'max_turns', 'model', 'output_schema', 'placement', 'system_prompt', 'task', 'team', 'termination', 'timeout_secs', 'tools', 'traceparent']),
     'ToolAnswer': frozenset(['error', 'result']),
     'Upload': frozenset(['bytes', 'expires_ms', 'files', 'id']),

@@ -184,11 +184,13 @@ impl TandemMcp {
                     stop_reason,
                     turns,
                     error,
-                    summary,
                     check,
                     cost,
                     budget,
                     result,
+                    answer,
+                    answer_from,
+                    no_answer,
                     ..
                 },
             drawn,
@@ -204,7 +206,9 @@ impl TandemMcp {
             task_id: id.to_owned(),
             stop_reason,
             turns,
-            answer: summary,
+            answer,
+            answer_from,
+            no_answer,
             check,
             cost,
             budget: budget.map(|b| *b),
@@ -276,11 +280,28 @@ fn told(r: &RunTaskResult) -> String {
     let (id, uri, turns, stop_reason) = (&r.task_id, &r.transcript, r.turns, r.stop_reason);
     let text = match (&r.answer, &r.error) {
         (_, Some(e)) => format!("task {id} failed: {}\n(transcript: {uri})", e.message),
-        (Some(answer), None) => format!(
-            "{answer}\n\n(task {id}: {stop_reason:?} after {turns} turns; transcript: {uri})"
-        ),
+        (Some(answer), None) => {
+            let from = match r.answer_from {
+                Some(tandem_protocol::AnswerFrom::Output) => {
+                    "; the answer is what its code printed"
+                }
+                _ => "",
+            };
+            format!(
+                "{answer}\n\n(task {id}: {} after {turns} turns{from}; transcript: {uri})",
+                stop_reason.as_str()
+            )
+        }
         (None, None) => {
-            format!("task {id} ended: {stop_reason:?} after {turns} turns (transcript: {uri})")
+            let why = r
+                .no_answer
+                .as_deref()
+                .map(|w| format!("; no answer: {w}"))
+                .unwrap_or_default();
+            format!(
+                "task {id} ended: {} after {turns} turns{why} (transcript: {uri})",
+                stop_reason.as_str()
+            )
         }
     };
     let text = match &r.budget {

@@ -54,12 +54,20 @@ pub(crate) struct Outcome {
     cost: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     budget: Option<tandem_protocol::BudgetReached>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    answer: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    answer_from: Option<tandem_protocol::AnswerFrom>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    no_answer: Option<String>,
 }
 
 impl Outcome {
     /// Whether there is nothing to store.
     fn is_empty(&self) -> bool {
-        self.result.is_none()
+        self.answer.is_none()
+            && self.no_answer.is_none()
+            && self.result.is_none()
             && self.check.is_none()
             && self.cost.is_none()
             && self.budget.is_none()
@@ -93,6 +101,9 @@ pub(crate) fn row_change(msg: &EventMsg, now_ms: u64) -> Option<RowChange> {
             cost,
             budget,
             result,
+            answer,
+            answer_from,
+            no_answer,
             ..
         } => Some(RowChange::Finished {
             stop_reason: *stop_reason,
@@ -107,6 +118,9 @@ pub(crate) fn row_change(msg: &EventMsg, now_ms: u64) -> Option<RowChange> {
                 check: check.clone(),
                 cost: *cost,
                 budget: budget.as_deref().cloned(),
+                answer: answer.clone(),
+                answer_from: *answer_from,
+                no_answer: no_answer.clone(),
             })
             .filter(|o| !o.is_empty())
             .map(|o| super::to_json(&o)),
@@ -122,6 +136,9 @@ pub(crate) fn outcome_of(task: &TaskRecord) -> Option<String> {
         check: task.check.clone(),
         cost: task.cost,
         budget: task.budget.clone(),
+        answer: task.answer.clone(),
+        answer_from: task.answer_from,
+        no_answer: task.no_answer.clone(),
     })
     .filter(|o| !o.is_empty())
     .map(|o| super::to_json(&o))
@@ -204,6 +221,9 @@ pub(crate) fn decode(row: Row) -> Result<TaskRecord> {
         check: outcome.check,
         cost: outcome.cost,
         budget: outcome.budget,
+        answer: outcome.answer,
+        answer_from: outcome.answer_from,
+        no_answer: outcome.no_answer,
         trace_id: row.trace_id,
     })
 }
@@ -395,6 +415,9 @@ mod tests {
             cost: None,
             budget: None,
             result: None,
+            answer: None,
+            answer_from: None,
+            no_answer: None,
         };
         let Some(RowChange::Finished {
             stop_reason,

@@ -832,6 +832,9 @@ mod tests {
                     cost: None,
                     budget: None,
                     result: None,
+                    answer: None,
+                    answer_from: None,
+                    no_answer: None,
                 },
                 7,
             )])
@@ -877,6 +880,9 @@ mod tests {
             cost: None,
             budget: None,
             result: None,
+            answer: None,
+            answer_from: None,
+            no_answer: None,
         };
         {
             let store = Store::open(&path).unwrap();

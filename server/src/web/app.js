@@ -7,7 +7,8 @@
   const TOKEN_KEY = 'tandem.token';
   const ACTIVE = new Set(['queued', 'running', 'awaiting_approval', 'interrupted']);
   const STOP = {
-    terminated: 'done', max_turns: 'turn limit reached', timeout: 'timed out',
+    terminated: 'done', answered: 'done: answered', examples_held: "done: the task's examples hold",
+    max_turns: 'turn limit reached', timeout: 'timed out',
     cancelled: 'cancelled', error: 'failed', budget: 'budget reached',
     repeated: 'the same code sent again',
   };
@@ -946,7 +947,13 @@
         h('p', { class: 'muted' }, [plural(ev.turns || 0, 'turn'), tokens(ev.usage), cost(ev.cost), duration(ev.elapsed_ms || 0)].filter(Boolean).join(' · ')));
       if (ev.error && ev.error.message) s.append(h('p', { class: 'error' }, ev.error.message));
       if (ev.budget) s.append(h('p', { class: 'budget' }, budgetText(ev.budget)));
-      if (ev.summary) s.append(h('pre', { class: 'summary-text' }, ev.summary));
+      if (ev.answer) {
+        const from = ev.answer_from === 'output' ? 'answer: what the code printed' : 'answer';
+        s.append(h('p', { class: `answer-from answer-${ev.answer_from || 'model'}` }, from));
+        s.append(h('pre', { class: 'summary-text answer' }, ev.answer));
+      } else if (ev.no_answer) {
+        s.append(h('p', { class: 'muted no-answer' }, `no answer: ${ev.no_answer}`));
+      }
       if (ev.check) {
         const detail = ev.check.detail ? `: ${ev.check.detail.split('\n')[0]}` : '';
         s.append(h('p', { class: `check check-${ev.check.verdict}` }, `check ${ev.check.verdict}${detail}`));
