@@ -768,7 +768,7 @@ pub fn printed_in(report: &str) -> Option<String> {
     }
     let output = report.strip_prefix(CLEAN_HEAD)?.strip_prefix(OUTPUT_HEAD)?;
     let notes = [
-        "If this output answers the task,",
+        "If this answers the task, write the answer",
         "Note: the output of block",
         "Your reply had ",
         "Block ",

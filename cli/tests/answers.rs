@@ -24,13 +24,23 @@ fn unstated() -> Vec<Reply> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_answer_is_the_last_line_of_tandem_run_and_in_its_json() {
-    let (told, silent) = ("answers: apples, here", "answers: silent, here");
-    let server = ScriptedOpenAi::start(script([(told, guessing()), (silent, unstated())]))
-        .await
-        .unwrap();
+    let (told, silent, silent_json) = (
+        "answers: apples, here",
+        "answers: silent, here",
+        "answers: silent, here, json",
+    );
+    let server = ScriptedOpenAi::start(script([
+        (told, guessing()),
+        (silent, unstated()),
+        (silent_json, unstated()),
+    ]))
+    .await
+    .unwrap();
     let url = server.base_url();
     let run = |task: &'static str, json: bool| {
         let url = url.clone();
+        // The silent tasks stop at their turn limit, before asking the model again.
+        let turns = if task == told { "3" } else { "1" };
         async move {
             let mut args = vec![
                 "run",
@@ -41,7 +51,7 @@ async fn the_answer_is_the_last_line_of_tandem_run_and_in_its_json() {
                 "--model",
                 "scripted-model",
                 "--max-turns",
-                "2",
+                turns,
             ];
             if json {
                 args.push("--json");
@@ -69,7 +79,7 @@ async fn the_answer_is_the_last_line_of_tandem_run_and_in_its_json() {
         "{}",
         out.stdout
     );
-    let out = run(silent, true).await;
+    let out = run(silent_json, true).await;
     let last: Value = serde_json::from_str(out.stdout.lines().last().unwrap()).unwrap();
     assert_eq!(last["type"], "task_finished", "{last}");
     assert_eq!(

@@ -177,6 +177,9 @@ async fn run_task(server: &ScriptedOpenAi, task: &str, extra: &[&str]) -> Output
     tandem(&args, &[("TANDEM_MAX_RETRIES", "0")], None).await
 }
 
+/// What the pair asks after a clean run that printed something.
+pub(crate) const ASK: &str = "If this answers the task, write the answer as `Answer: ...` in one line, then TERMINATE; if not, send the next code.";
+
 pub(crate) fn fence(lang: &str, code: &str) -> String {
     format!("```{lang}\n{code}\n```")
 }
@@ -216,7 +219,7 @@ async fn happy_path_runs_code_and_terminates() {
     assert_eq!(reqs[0].body["stream"], true);
     assert_eq!(
         reqs[1].last_message(),
-        Some("exitcode: 0 (execution succeeded)\nYour code printed: 42\n")
+        Some(format!("exitcode: 0 (execution succeeded)\nYour code printed: 42\n{ASK}").as_str())
     );
 }
 
@@ -266,7 +269,7 @@ async fn failing_block_then_fixed_one() {
     );
     assert_eq!(
         reqs[2].last_message(),
-        Some("exitcode: 0 (execution succeeded)\nYour code printed: 1.0\n")
+        Some(format!("exitcode: 0 (execution succeeded)\nYour code printed: 1.0\n{ASK}").as_str())
     );
     assert_eq!(out.finished().turns, 3);
 }
@@ -677,7 +680,7 @@ async fn code_and_terminate_in_one_reply_runs_the_code_first() {
     assert_eq!(out.results()[0].stdout, "written\n");
     assert_eq!(
         out.reports()[0],
-        "exitcode: 0 (execution succeeded)\nYour code printed: written\n"
+        format!("exitcode: 0 (execution succeeded)\nYour code printed: written\n{ASK}")
     );
     assert_eq!(
         std::fs::read_to_string(work.path().join("result.txt")).unwrap(),

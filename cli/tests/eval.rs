@@ -127,7 +127,7 @@ async fn each_task_is_decided_by_its_check_in_process_and_on_the_daemon() {
     assert!(detail.contains("NameError"), "{detail}");
     let words = tasks.iter().find(|t| t["id"] == "answer-in-words").unwrap();
     assert_eq!(words["turns"], 2, "{words}");
-    assert_eq!(words["stop_reason"], "terminated", "{words}");
+    assert_eq!(words["stop_reason"], "answered", "{words}");
     assert_eq!(
         (
             totals["judged"].as_u64(),
@@ -183,7 +183,7 @@ async fn each_task_is_decided_by_its_check_in_process_and_on_the_daemon() {
         ),
         (
             serde_json::json!({"task": "x", "check": {}}),
-            "check: give at least one of expect, file or program",
+            "check: give at least one of expect, value, file or program",
         ),
         (
             serde_json::json!({"task": "x", "check": {"expect": "1"}, "team": {

@@ -312,7 +312,13 @@ async fn what_a_run_made_on_a_daemon_is_fetched_the_same_way() {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let (code, stdout, stderr) = d.cli(&args).await;
         assert_eq!(code, 0, "{executor}: {stdout}\n{stderr}");
-        let told = stdout.lines().last().unwrap();
+        // Below the line of what was not kept, the answer again, the transcript's last.
+        let told = stdout.lines().rev().nth(2).unwrap();
+        assert_eq!(
+            stdout.lines().rev().nth(1),
+            Some("── answer ──"),
+            "{stdout}"
+        );
         assert!(
             told.starts_with("── 3 files (39.1 KiB) not kept, over --out-max-mb 0: `tandem files ")
                 && told.ends_with(" --tar -o files.tar` fetches them all ──"),
@@ -346,14 +352,12 @@ async fn a_run_that_made_nothing_says_nothing_and_makes_nothing() {
     )
     .await;
     assert_eq!(run.code, 0, "{}", run.stderr);
-    assert!(
-        run.stdout
-            .trim_end()
-            .lines()
-            .last()
-            .unwrap()
-            .starts_with("── done")
-    );
+    // The transcript ends with the end and the answer, and names no file kept.
+    let tail: Vec<&str> = run.stdout.trim_end().lines().rev().take(3).collect();
+    assert_eq!(tail[0], "42", "{}", run.stdout);
+    assert!(tail[1].starts_with("── answer"), "{}", run.stdout);
+    assert!(tail[2].starts_with("── done"), "{}", run.stdout);
+    assert!(!run.stdout.contains("files kept"), "{}", run.stdout);
     assert!(!cwd.path().join("tandem-out").exists());
     assert!(run.stderr.is_empty(), "{}", run.stderr);
 }
@@ -441,7 +445,13 @@ async fn past_the_size_cap_the_rest_is_named_and_the_workspace_stays() {
     .await;
     // The cap is the user's choice: no failure.
     assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
-    let last = run.stdout.lines().last().unwrap();
+    assert_eq!(
+        run.stdout.lines().rev().nth(1),
+        Some("── answer ──"),
+        "{}",
+        run.stdout
+    );
+    let last = run.stdout.lines().rev().nth(2).unwrap();
     let kept = last
         .strip_prefix("── 3 files (39.1 KiB) not kept, over --out-max-mb 0: raise it to keep them; the whole workspace stays in ")
         .and_then(|rest| rest.strip_suffix(" ──"))
@@ -809,7 +819,7 @@ async fn a_file_the_out_cannot_hold_is_named_and_the_others_are_kept() {
     // The transcript lists what was kept; the whole workspace is left and named.
     assert!(
         run.stdout
-            .ends_with("      14 B  notes.txt\n      14 B  out/summary.txt\n"),
+            .contains("      14 B  notes.txt\n      14 B  out/summary.txt\n── answer ──\n"),
         "{}",
         run.stdout
     );

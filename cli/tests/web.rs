@@ -1075,7 +1075,7 @@ async fn the_page_says_which_drawn_reply_was_kept_and_that_the_same_code_came_ag
                 "the task's examples do not all hold against its code: drew 3 more replies; kept drawn reply 3, which holds 1 of 1"
             ],
             [right],
-            ["done"]
+            ["done: the task's examples hold"]
         ])
     );
     shot(&b, "drawn.png").await;

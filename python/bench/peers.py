@@ -63,9 +63,10 @@ AUTOGEN_IMAGE = "tandem-bench-autogen:latest"
 
 # A number: optional minus (not when glued to a word, as in "1-5"), digits with optional
 # comma thousands separators, optional decimal part.
-_NUMBER = re.compile(r"(?<![\d.])(?:(?<!\w)-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
+# A digit glued to a letter or `_` is part of a name (`x2`, `log10`), as Tandem reads it.
+_NUMBER = re.compile(r"(?<![\w.])(?:(?<!\w)-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
 _ANSWER_LINE = re.compile(r"^answer\s*:", re.IGNORECASE)
-_QUOTES = "\"'\u201c\u201d\u2018\u2019 \t"
+_QUOTES = "\"'\u201c\u201d\u2018\u2019 \t."
 
 
 def _is_number(value: Any) -> bool:
@@ -113,16 +114,16 @@ def judge(answer: str, value: Any, tolerance: float | None = None) -> bool:
     """Whether `answer` states `value` (int, float, string or list) in its value line."""
     line = _value_line(answer).replace("*", "").replace("`", "")
     if isinstance(value, list):
-        bracket = re.search(r"\[(.*?)\]", line)
-        if bracket:
-            body = bracket.group(1)
+        # As Tandem reads a list: from the first `[` to the last `]`, else the whole line.
+        open_at, close_at = line.find("["), line.rfind("]")
+        if 0 <= open_at < close_at:
+            body = line[open_at + 1 : close_at]
         else:
             body = line.strip()
             if _ANSWER_LINE.match(body):
                 body = body.split(":", 1)[1]
         items = [item.strip(_QUOTES) for item in body.split(",")]
-        if items == [""]:
-            items = []
+        items = [item for item in items if item]
         return len(items) == len(value) and all(
             _item_matches(item, want, tolerance) for item, want in zip(items, value)
         )

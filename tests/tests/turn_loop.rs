@@ -315,7 +315,7 @@ async fn code_sent_with_the_word_ends_the_task_only_once_it_ran_cleanly() {
 
 /// The executor's reports to the model, in order.
 /// What the pair asks after a clean run that printed something.
-const ASK: &str = "If this output answers the task, reply with the answer in one line, then TERMINATE. Otherwise, send the next code.";
+const ASK: &str = "If this answers the task, write the answer as `Answer: ...` in one line, then TERMINATE; if not, send the next code.";
 
 fn reports(outcome: &tandem_agent::TaskOutcome) -> Vec<&str> {
     outcome.transcript[3..]
@@ -536,6 +536,11 @@ async fn a_clean_run_that_holds_every_example_ends_the_task_without_the_word() {
     assert_eq!(outcome.turns, 1);
     assert_eq!(h.server.requests().len(), 1);
     assert_eq!(outcome.summary.as_deref(), Some(right));
+    // The code that held them is the answer.
+    assert_eq!(
+        answer_of(&outcome),
+        (Some(right), Some(tandem_protocol::AnswerFrom::Model), None)
+    );
     // Examples that do not all hold are not the end: the model reads them and goes on.
     let h = Harness::new(
         ADD_TASK,
@@ -673,7 +678,7 @@ async fn custom_termination_word_and_data_blocks() {
     assert!(outcome.transcript[3].content.contains("reply with DONE"));
     assert_eq!(
         outcome.transcript[5].content,
-        "exitcode: 0 (execution succeeded)\nYour code printed: x\nBlock 1 (`json`) was not run: it is data or prose, not a program.\nIf this output answers the task, reply with the answer in one line, then DONE. Otherwise, send the next code."
+        "exitcode: 0 (execution succeeded)\nYour code printed: x\nBlock 1 (`json`) was not run: it is data or prose, not a program.\nIf this answers the task, write the answer as `Answer: ...` in one line, then DONE; if not, send the next code."
     );
     assert_eq!(outcome.summary.as_deref(), Some("Now:"));
 }
@@ -781,7 +786,7 @@ async fn an_output_block_that_differs_from_what_ran_is_told_side_by_side_and_the
     // Told as the model's own output, and asked for the answer in one line.
     assert!(
         reports[0].contains("Your code printed: 19")
-            && reports[0].contains("reply with the answer in one line, then TERMINATE"),
+            && reports[0].contains("write the answer as `Answer: ...` in one line, then TERMINATE"),
         "{reports:?}"
     );
     assert_eq!(outcome.stop_reason, StopReason::Answered);

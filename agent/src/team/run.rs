@@ -1355,9 +1355,9 @@ impl Ctx<'_> {
     fn answer_ask(&self) -> String {
         match self.team.words.first() {
             Some(word) => format!(
-                "If this output answers the task, reply with the answer in one line, then {word}. Otherwise, send the next code."
+                "If this answers the task, write the answer as `Answer: ...` in one line, then {word}; if not, send the next code."
             ),
-            None => "If this output answers the task, reply with the answer in one line. Otherwise, send the next code.".to_owned(),
+            None => "If this answers the task, write the answer as `Answer: ...` in one line; if not, send the next code.".to_owned(),
         }
     }
 
@@ -1372,7 +1372,8 @@ impl Ctx<'_> {
             .rev()
             .find(|s| !s.output && s.speaker != "user")?;
         let statement = crate::grounding::statement(&said.text, &self.team.words);
-        if statement.is_empty() {
+        // A statement without a number is not told: the answer is then what the code printed.
+        if crate::grounding::numbers(&statement).is_empty() {
             return None;
         }
         let printed = printed_of(history)?;
@@ -1385,7 +1386,7 @@ impl Ctx<'_> {
             .map(|w| format!(", then {w}"))
             .unwrap_or_default();
         Some(format!(
-            "{differs} {} Reply with the answer to the task in one line, as your code found it{word}.",
+            "{differs} {} Write the answer as your code found it, as `Answer: ...` in one line{word}.",
             crate::grounding::TOLD_MARK
         ))
     }

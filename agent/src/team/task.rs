@@ -242,6 +242,27 @@ impl Answer {
 /// contradict; else that output; else a statement it made; else none, and why.
 pub(crate) fn answer_of(reason: StopReason, history: &[Said], words: &[String]) -> Answer {
     use crate::grounding::{ANSWER_CAP, clip, disagreement, statement};
+    // The model's last reply as it wrote it, code and all, when it ended the task.
+    let ended = matches!(
+        reason,
+        StopReason::Terminated | StopReason::Answered | StopReason::ExamplesHeld
+    );
+    let reply = ended
+        .then(|| history.iter().skip(1).rev().find(|s| !s.output))
+        .flatten()
+        .map(|said| {
+            words.iter().fold(said.text.clone(), |text, word| {
+                crate::termination::strip_termination(&text, word)
+            })
+        })
+        .map(|text| text.trim().to_owned())
+        .filter(|text| !text.is_empty());
+    // Code that held every example the task states is the answer.
+    if reason == StopReason::ExamplesHeld
+        && let Some(code) = &reply
+    {
+        return Answer::Model(clip(code, ANSWER_CAP));
+    }
     let stated = matches!(reason, StopReason::Terminated | StopReason::Answered)
         .then(|| {
             history
@@ -260,6 +281,10 @@ pub(crate) fn answer_of(reason: StopReason, history: &[Said], words: &[String]) 
         }
         (Some(said), _) => Answer::Model(clip(&said, ANSWER_CAP)),
         (None, Some(printed)) => Answer::Output(clip(&printed, ANSWER_CAP)),
+        // Code that printed nothing, sent as the end: the code is what the model answered.
+        (None, None) if reply.is_some() => {
+            Answer::Model(clip(reply.as_deref().unwrap_or_default(), ANSWER_CAP))
+        }
         (None, None) => Answer::None(match reason {
             StopReason::Terminated | StopReason::Answered => {
                 "the model ended the task without stating an answer, and no code of it printed anything in a clean run".to_owned()
