@@ -382,38 +382,42 @@ async fn no_check_of_the_repositorys_suite_passes_by_accident_or_crashes() {
         .collect();
     let server = ScriptedOpenAi::start(script).await.unwrap();
     let url = server.base_url();
-    let suite = Path::new(env!("CARGO_MANIFEST_DIR")).join("../evals/suite.toml");
-    let out = tandem(
-        &[
-            "eval",
-            suite.to_str().unwrap(),
-            "--json",
-            "--local",
-            "--parallel",
-            "2",
-            "-e",
-            "local",
-            "--base-url",
-            &url,
-            "--model",
-            "m",
-        ],
-        &[],
-        None,
-    )
-    .await;
-    assert_eq!(out.code, 0, "{}", out.stderr);
-    let (tasks, totals) = lines(&out.stdout);
-    assert!(tasks.len() >= 60, "only {} tasks", tasks.len());
-    let wrong: Vec<&Value> = tasks
-        .iter()
-        .filter(|t| t["verdict"] != "unsolved")
-        .collect();
-    assert!(
-        wrong.is_empty(),
-        "checks that did not say unsolved: {wrong:#?}"
-    );
-    assert_eq!(totals["solved"], 0, "{totals}");
+    for (name, least) in [("suite.toml", 60), ("values.toml", 120)] {
+        let suite = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../evals")
+            .join(name);
+        let out = tandem(
+            &[
+                "eval",
+                suite.to_str().unwrap(),
+                "--json",
+                "--local",
+                "--parallel",
+                "2",
+                "-e",
+                "local",
+                "--base-url",
+                &url,
+                "--model",
+                "m",
+            ],
+            &[],
+            None,
+        )
+        .await;
+        assert_eq!(out.code, 0, "{name}: {}", out.stderr);
+        let (tasks, totals) = lines(&out.stdout);
+        assert!(tasks.len() >= least, "{name}: only {} tasks", tasks.len());
+        let wrong: Vec<&Value> = tasks
+            .iter()
+            .filter(|t| t["verdict"] != "unsolved")
+            .collect();
+        assert!(
+            wrong.is_empty(),
+            "{name}: checks that did not say unsolved: {wrong:#?}"
+        );
+        assert_eq!(totals["solved"], 0, "{name}: {totals}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

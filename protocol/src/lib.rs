@@ -454,7 +454,7 @@ pub enum EventMsg {
         summary: Option<String>,
         /// The task's check's verdict, when it has a check and ran to an end.
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        check: Option<CheckOutcome>,
+        check: Option<Box<CheckOutcome>>,
         /// What the task's model calls cost, when every model it called has a price.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         cost: Option<f64>,
@@ -464,7 +464,7 @@ pub enum EventMsg {
         /// The JSON value the final answer ended with, checked against the task's
         /// `output_schema` (without one, the record's `result` is the answer's text).
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        result: Option<serde_json::Value>,
+        result: Option<Box<serde_json::Value>>,
         /// The task's answer: the model's final statement, else what its code last printed
         /// in a clean run; empty when there is neither (`no_answer` says why).
         #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -6,6 +6,9 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// What the pair asks after a clean run that printed something.
+const ASK: &str = "If this answers the task, write the answer as `Answer: ...` in one line, then TERMINATE; if not, send the next code.";
+
 use futures::future::BoxFuture;
 use serde_json::{Value, json};
 use tandem_agent::tools::{Catalog, Offered, resolve};
@@ -392,7 +395,7 @@ async fn auto_falls_back_to_blocks_when_the_server_refuses_tools() {
     assert!(ran.requests[2].get("tools").is_none());
     assert_eq!(
         said(&ran.requests[2])[1]["content"],
-        "exitcode: 0 (execution succeeded)\nYour code printed: 7\n"
+        format!("exitcode: 0 (execution succeeded)\nYour code printed: 7\n{ASK}")
     );
     // Asked for tool calls only, a server that refuses tools fails the task, by name.
     let ran = run(
@@ -590,7 +593,9 @@ async fn code_in_a_confined_local_block_calls_the_tasks_tools_over_its_own_chann
         .to_owned();
     assert_eq!(
         report,
-        "exitcode: 0 (execution succeeded)\nYour code printed: 3\n\n2\n\nrefused: error: the arguments of `wc` do not match its parameters: `arguments.text` must be string, not an integer. They were: `{\"text\": 7}`\nrefused: error: `execute_code` cannot be called from code: run the code directly\n4\n2\nexit 1\ntandem-tool: error: there is no tool `nope`; the tools are: execute_code, wc.\n"
+        format!(
+            "exitcode: 0 (execution succeeded)\nYour code printed: 3\n\n2\n\nrefused: error: the arguments of `wc` do not match its parameters: `arguments.text` must be string, not an integer. They were: `{{\"text\": 7}}`\nrefused: error: `execute_code` cannot be called from code: run the code directly\n4\n2\nexit 1\ntandem-tool: error: there is no tool `nope`; the tools are: execute_code, wc.\n{ASK}"
+        )
     );
     // Each call is seen as the block's: its index, a made-up id, its result.
     let results: Vec<(u32, String, bool)> = ran
@@ -704,7 +709,9 @@ print('reached:', found)
         .to_owned();
     assert_eq!(
         report,
-        "exitcode: 0 (execution succeeded)\nYour code printed: refused: error: there is no tool `secret_of_a`; the tools are: wc.\nreached: []\n"
+        format!(
+            "exitcode: 0 (execution succeeded)\nYour code printed: refused: error: there is no tool `secret_of_a`; the tools are: wc.\nreached: []\n{ASK}"
+        )
     );
     // A's tool was never called, by anyone.
     let a_events = a_events.lock().unwrap();
@@ -757,7 +764,9 @@ async fn code_in_a_docker_block_with_the_network_off_calls_tools_through_the_run
     );
     assert_eq!(
         said(&ran.requests[1])[1]["content"],
-        "exitcode: 0 (execution succeeded)\nYour code printed: network: off\n3\n\n2\ntools: read-only\n"
+        format!(
+            "exitcode: 0 (execution succeeded)\nYour code printed: network: off\n3\n\n2\ntools: read-only\n{ASK}"
+        )
     );
 }
 
@@ -974,7 +983,7 @@ async fn code_in_a_kept_interpreter_calls_tools_block_after_block() {
     let last = said(&ran.requests[2]);
     assert_eq!(
         last[3]["content"],
-        "exitcode: 0 (execution succeeded)\nYour code printed: ['2\\n', '3\\n']\n"
+        format!("exitcode: 0 (execution succeeded)\nYour code printed: ['2\\n', '3\\n']\n{ASK}")
     );
     let turns: Vec<u32> = ran
         .events
@@ -1016,7 +1025,7 @@ async fn code_in_a_kept_docker_interpreter_calls_tools_through_the_runner() {
     );
     assert_eq!(
         said(&ran.requests[2])[3]["content"],
-        "exitcode: 0 (execution succeeded)\nYour code printed: 2\n 3\n\n"
+        format!("exitcode: 0 (execution succeeded)\nYour code printed: 2\n 3\n\n{ASK}")
     );
 }
 
@@ -1112,7 +1121,7 @@ async fn the_commands_one_block_calls_share_one_second_session() {
     // Three calls, one session beside the block's own (whose scratch is another).
     assert_eq!(
         said(&ran.requests[1])[1]["content"],
-        "exitcode: 0 (execution succeeded)\nYour code printed: 1 False\n"
+        format!("exitcode: 0 (execution succeeded)\nYour code printed: 1 False\n{ASK}")
     );
 }
 

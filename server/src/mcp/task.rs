@@ -209,10 +209,10 @@ impl TandemMcp {
             answer,
             answer_from,
             no_answer,
-            check,
+            check: check.map(|c| *c),
             cost,
             budget: budget.map(|b| *b),
-            result,
+            result: result.map(|r| *r),
             error,
             transcript: transcript_uri(id),
             pictures: drawn

@@ -113,9 +113,10 @@ pub(crate) fn row_change(msg: &EventMsg, now_ms: u64) -> Option<RowChange> {
             outcome: Some(Outcome {
                 // A value checked against the task's schema, else the answer's words.
                 result: result
-                    .clone()
+                    .as_deref()
+                    .cloned()
                     .or_else(|| summary.clone().map(serde_json::Value::String)),
-                check: check.clone(),
+                check: check.as_deref().cloned(),
                 cost: *cost,
                 budget: budget.as_deref().cloned(),
                 answer: answer.clone(),
