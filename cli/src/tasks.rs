@@ -152,6 +152,19 @@ pub async fn show(args: IdArgs) -> Result<u8> {
         println!("── {} ──", m.role.as_str());
         println!("{}", m.content.trim_end());
     }
+    // The answer last, as `tandem run` ends.
+    match (&task.answer, task.answer_from, &task.no_answer) {
+        (Some(answer), from, _) => {
+            let label = match from {
+                Some(tandem_protocol::AnswerFrom::Output) => "answer: what the code printed",
+                _ => "answer",
+            };
+            println!("── {label} ──");
+            println!("{}", answer.trim_end());
+        }
+        (None, _, Some(why)) => println!("── no answer: {why} ──"),
+        (None, _, None) => {}
+    }
     Ok(exit::DONE)
 }
 

@@ -144,6 +144,13 @@ async fn the_daemon_keeps_the_answer_on_the_record_and_mcp_returns_it() {
         (&json!("total: 42"), &json!("output"), &json!("max_turns")),
         "{raw}"
     );
+    // `tandem show` ends with it, as `tandem run` does.
+    let (code, shown, _) = d.cli(&["show", &id]).await;
+    assert_eq!(code, 0);
+    assert!(
+        shown.ends_with("── answer: what the code printed ──\ntotal: 42\n"),
+        "{shown}"
+    );
     let listed = d.get("/v1/tasks").await;
     let row = listed["tasks"]
         .as_array()

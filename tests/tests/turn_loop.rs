@@ -978,6 +978,30 @@ async fn every_stop_has_an_answer_when_code_ran_and_says_why_when_none() {
         answer_of(&outcome),
         (Some("7"), Some(tandem_protocol::AnswerFrom::Output), None)
     );
+    // Code that printed nothing, sent again with the same words: the words are the answer.
+    let task = "answers: repeated, nothing printed";
+    let quiet = "```python\n# 13:51\n```\nThe train arrives at 13:51.";
+    let h = Harness::new(
+        task,
+        vec![
+            Reply::from(quiet),
+            Reply::from(quiet),
+            Reply::from("not asked"),
+        ],
+    )
+    .await;
+    let mut settings = TaskSettings::new(task);
+    settings.max_turns = 6;
+    let (outcome, _) = h.run(settings, CancellationToken::new()).await;
+    assert_eq!(outcome.stop_reason, StopReason::Repeated);
+    assert_eq!(
+        answer_of(&outcome),
+        (
+            Some("The train arrives at 13:51."),
+            Some(tandem_protocol::AnswerFrom::Model),
+            None
+        )
+    );
     // No code and no statement: no answer, and why.
     let task = "answers: nothing";
     let h = Harness::new(task, vec![Reply::from("TERMINATE")]).await;

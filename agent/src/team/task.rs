@@ -239,17 +239,13 @@ impl Answer {
 
 /// The answer of a task that stopped for `reason` with `history`: the model's final
 /// statement when it ended the task with one its code's last clean output does not
-/// contradict; else that output; else a statement it made; else none, and why.
+/// contradict; else that output; else the last statement it made; else, when it ended the
+/// task with code that printed nothing, that code; else none, and why.
 pub(crate) fn answer_of(reason: StopReason, history: &[Said], words: &[String]) -> Answer {
     use crate::grounding::{ANSWER_CAP, clip, disagreement, statement};
-    // The model's last reply as it wrote it, code and all, when it ended the task.
-    let ended = matches!(
-        reason,
-        StopReason::Terminated | StopReason::Answered | StopReason::ExamplesHeld
-    );
-    let reply = ended
-        .then(|| history.iter().skip(1).rev().find(|s| !s.output))
-        .flatten()
+    let last = history.iter().skip(1).rev().find(|s| !s.output);
+    // The model's last reply as it wrote it, code and all.
+    let reply = last
         .map(|said| {
             words.iter().fold(said.text.clone(), |text, word| {
                 crate::termination::strip_termination(&text, word)
@@ -263,37 +259,29 @@ pub(crate) fn answer_of(reason: StopReason, history: &[Said], words: &[String]) 
     {
         return Answer::Model(clip(code, ANSWER_CAP));
     }
-    let stated = matches!(reason, StopReason::Terminated | StopReason::Answered)
-        .then(|| {
-            history
-                .iter()
-                .skip(1)
-                .rev()
-                .find(|s| !s.output)
-                .map(|s| statement(&s.text, words))
-        })
-        .flatten()
+    let said = last
+        .map(|s| statement(&s.text, words))
         .filter(|s| !s.is_empty());
+    let ended = matches!(reason, StopReason::Terminated | StopReason::Answered);
     let printed = super::run::printed_of(history).map(|p| p.trim().to_owned());
-    match (stated, printed) {
-        (Some(said), Some(printed)) if disagreement(&printed, &said).is_some() => {
-            Answer::Output(clip(&printed, ANSWER_CAP))
+    match (said, printed) {
+        (Some(said), Some(printed)) if ended && disagreement(&printed, &said).is_none() => {
+            Answer::Model(clip(&said, ANSWER_CAP))
         }
-        (Some(said), _) => Answer::Model(clip(&said, ANSWER_CAP)),
-        (None, Some(printed)) => Answer::Output(clip(&printed, ANSWER_CAP)),
+        (_, Some(printed)) => Answer::Output(clip(&printed, ANSWER_CAP)),
+        (Some(said), None) => Answer::Model(clip(&said, ANSWER_CAP)),
         // Code that printed nothing, sent as the end: the code is what the model answered.
-        (None, None) if reply.is_some() => {
-            Answer::Model(clip(reply.as_deref().unwrap_or_default(), ANSWER_CAP))
-        }
-        (None, None) => Answer::None(match reason {
-            StopReason::Terminated | StopReason::Answered => {
+        (None, None) => match reply {
+            Some(code) if ended => Answer::Model(clip(&code, ANSWER_CAP)),
+            _ => Answer::None(if ended {
                 "the model ended the task without stating an answer, and no code of it printed anything in a clean run".to_owned()
-            }
-            other => format!(
-                "the task stopped ({}) before any code of it printed anything in a clean run, and the model stated no answer",
-                other.as_str()
-            ),
-        }),
+            } else {
+                format!(
+                    "the task stopped ({}) before any code of it printed anything in a clean run, and the model stated no answer",
+                    reason.as_str()
+                )
+            }),
+        },
     }
 }
 
