@@ -22,11 +22,17 @@ fn python() -> PathBuf {
 
 /// Runs the pytest files `files` of python/tests; fails with pytest's report.
 fn pytest(files: &[&str]) {
+    let files: Vec<String> = files.iter().map(|f| format!("tests/{f}")).collect();
+    pytest_at(&files);
+}
+
+/// Runs the pytest files at `files`, relative to python/; fails with pytest's report.
+fn pytest_at(files: &[String]) {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../python");
     let out = Command::new(python())
         .current_dir(&dir)
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"])
-        .args(files.iter().map(|f| format!("tests/{f}")))
+        .args(files)
         .env("TANDEM_BIN", env!("CARGO_BIN_EXE_tandem"))
         .env("PYTHONPATH", dir.join("src"))
         .env("PYTHONDONTWRITEBYTECODE", "1")
@@ -42,6 +48,11 @@ fn pytest(files: &[&str]) {
         report.contains(" passed") && !report.contains(" skipped"),
         "pytest {files:?} ran nothing, or skipped some:\n{report}"
     );
+}
+
+#[test]
+fn the_peers_benchmark_judges_answers_as_tandem_eval_does() {
+    pytest_at(&["bench/test_peers_judge.py".to_owned()]);
 }
 
 #[test]
