@@ -235,21 +235,16 @@ fn shown_value(text: &str) -> String {
     }
 }
 
-/// `text` cut to about `cap` bytes at a character boundary, with its middle marked as cut.
+/// `text` cut to about `cap` bytes: its head and tail, at character boundaries, with a note
+/// where the middle was.
 pub fn clip(text: &str, cap: usize) -> String {
     if text.len() <= cap {
         return text.to_owned();
     }
-    let mut head = cap / 2;
-    while !text.is_char_boundary(head) {
-        head -= 1;
-    }
-    let mut tail = text.len() - cap / 2;
-    while !text.is_char_boundary(tail) {
-        tail += 1;
-    }
+    let head = text.floor_char_boundary(cap / 2);
+    let tail = text.floor_char_boundary(text.len() - cap / 2);
     format!(
-        "{}\n[… {} bytes cut …]\n{}",
+        "{}\n[... {} bytes cut ...]\n{}",
         &text[..head],
         tail - head,
         &text[tail..]

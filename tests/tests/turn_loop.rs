@@ -1024,12 +1024,12 @@ async fn a_timeout_keeps_the_answer_its_code_printed() {
         task,
         vec![
             Reply::from("```python\nprint(3)\n```\nNow the slow part."),
-            Reply::from("```python\nimport time\ntime.sleep(60)\n```"),
+            Reply::from("```python\nimport time\ntime.sleep(600)\n```"),
         ],
     )
     .await;
     let mut settings = TaskSettings::new(task);
-    settings.timeout = Some(Duration::from_secs(4));
+    settings.timeout = Some(Duration::from_secs(20));
     let (outcome, _) = h.run(settings, CancellationToken::new()).await;
     assert_eq!(outcome.stop_reason, StopReason::Timeout);
     assert_eq!(
@@ -1130,5 +1130,5 @@ async fn an_answer_from_huge_or_broken_output_is_cut_and_marked() {
         "{}",
         &answer[..40]
     );
-    assert!(answer.ends_with("x tail") && answer.contains(" bytes cut …]"));
+    assert!(answer.ends_with("x tail") && answer.contains(" bytes cut ...]"));
 }

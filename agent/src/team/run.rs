@@ -814,7 +814,7 @@ impl Ctx<'_> {
         let clean = |text: &str, output: bool| {
             let mut text = text.to_owned();
             if output && let Some(cap) = spec.max_output_bytes {
-                text = cut_middle(&text, cap);
+                text = crate::grounding::clip(&text, cap);
             }
             for re in redact.into_iter().flatten() {
                 text = re.replace_all(&text, "[redacted]").into_owned();
@@ -1929,21 +1929,6 @@ fn transcript(history: &[Said]) -> String {
         .join("\n\n")
 }
 
-/// `text` cut to about `cap` bytes: its head and tail, with a note where the middle was.
-fn cut_middle(text: &str, cap: usize) -> String {
-    if text.len() <= cap {
-        return text.to_owned();
-    }
-    let head = text.floor_char_boundary(cap / 2);
-    let tail = text.floor_char_boundary(text.len() - cap / 2);
-    format!(
-        "{}\n[... {} bytes cut ...]\n{}",
-        &text[..head],
-        tail - head,
-        &text[tail..]
-    )
-}
-
 fn internal(path: &str, what: &str) -> ErrorInfo {
     ErrorInfo {
         code: ErrorCode::Internal,
@@ -1989,8 +1974,8 @@ mod tests {
 
     #[test]
     fn long_output_keeps_its_head_and_tail() {
-        assert_eq!(cut_middle("short", 10), "short");
-        let cut = cut_middle(&format!("{}{}", "a".repeat(50), "z".repeat(50)), 20);
+        assert_eq!(crate::grounding::clip("short", 10), "short");
+        let cut = crate::grounding::clip(&format!("{}{}", "a".repeat(50), "z".repeat(50)), 20);
         assert_eq!(
             cut,
             format!(
@@ -2000,7 +1985,7 @@ mod tests {
             )
         );
         // Never inside a character.
-        let cut = cut_middle(&"é".repeat(20), 9);
+        let cut = crate::grounding::clip(&"é".repeat(20), 9);
         assert!(cut.starts_with("éé\n[..."), "{cut}");
     }
 }
