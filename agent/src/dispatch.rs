@@ -93,7 +93,7 @@ pub async fn run_calls(
                 "error: not run: at most {cap} calls are run from one reply; call again with fewer."
             ))
         } else {
-            tools.check(call)
+            tools.check(call).map_err(|e| e.to_string())
         };
         let call = match &checked {
             Ok((tool, args)) if tool.name != call.name => ToolCall {
@@ -309,7 +309,7 @@ async fn take_up(
                     "error: not run: {why}. Do not call it again unchanged."
                 )),
                 Some(Ok(edited)) if edited == arguments => Ok(args.clone()),
-                Some(Ok(edited)) => tool.arguments(&edited),
+                Some(Ok(edited)) => tool.arguments(&edited).map_err(|e| e.to_string()),
             }
         }
     };
@@ -457,7 +457,7 @@ fn code_handler(
             }
             let (tool, args) = match tools.check(&call) {
                 Ok(found) => found,
-                Err(text) => return refuse(text),
+                Err(e) => return refuse(e.to_string()),
             };
             let done = match &tool.runs {
                 Runs::Code => {

@@ -369,7 +369,7 @@ impl ToolBox {
 
     /// The tool `call` names and its arguments, checked against its parameters; else what
     /// the model is told, naming the problem and quoting the arguments.
-    pub fn check(&self, call: &ToolCall) -> Result<(&Tool, Map<String, Value>), String> {
+    pub fn check(&self, call: &ToolCall) -> Result<(&Tool, Map<String, Value>), CallError> {
         // Small models call the language (`python`) for `execute_code` in it.
         if self.get(&call.name).is_none()
             && let Some(code) = self.get(EXECUTE_CODE)
@@ -390,42 +390,100 @@ impl ToolBox {
         }
         let Some(tool) = self.get(&call.name) else {
             let names: Vec<&str> = self.tools.iter().map(|t| t.name.as_str()).collect();
-            return Err(format!(
-                "error: there is no tool `{}`; the tools are: {}.",
-                call.name,
-                if names.is_empty() {
+            return Err(CallError::NoSuchTool {
+                name: call.name.clone(),
+                tools: if names.is_empty() {
                     "none".to_owned()
                 } else {
                     names.join(", ")
-                }
-            ));
+                },
+            });
         };
         Ok((tool, tool.arguments(&call.arguments)?))
     }
 }
 
+/// Why a tool call cannot run as the model sent it; its text is what the model is told,
+/// naming the problem and quoting the arguments.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CallError {
+    /// No tool has that name.
+    #[error("error: there is no tool `{name}`; the tools are: {tools}.")]
+    NoSuchTool {
+        /// The name called.
+        name: String,
+        /// The tools there are, listed.
+        tools: String,
+    },
+    /// The arguments are not JSON.
+    #[error(
+        "error: the arguments of `{tool}` are not valid JSON ({why}); send a JSON object. They were: {quoted}"
+    )]
+    NotJson {
+        /// The tool called.
+        tool: String,
+        /// The parser's complaint.
+        why: String,
+        /// The arguments as sent, cut.
+        quoted: String,
+    },
+    /// The arguments are JSON but not an object.
+    #[error(
+        "error: the arguments of `{tool}` must be a JSON object, not {kind}. They were: {quoted}"
+    )]
+    NotObject {
+        /// The tool called.
+        tool: String,
+        /// What they are instead.
+        kind: &'static str,
+        /// The arguments as sent, cut.
+        quoted: String,
+    },
+    /// The arguments do not meet the tool's parameters.
+    #[error(
+        "error: the arguments of `{tool}` do not match its parameters: {why}. They were: {quoted}"
+    )]
+    Mismatch {
+        /// The tool called.
+        tool: String,
+        /// The first place they differ.
+        why: Mismatch,
+        /// The arguments as sent, cut.
+        quoted: String,
+    },
+}
+
+/// Where a value first fails its JSON Schema, by path (`arguments.code` is required).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Mismatch(pub String);
+
 impl Tool {
     /// `text` as this tool's arguments: a JSON object that meets its parameters; else what
     /// the model is told, naming the problem and quoting the arguments.
-    pub fn arguments(&self, text: &str) -> Result<Map<String, Value>, String> {
+    pub fn arguments(&self, text: &str) -> Result<Map<String, Value>, CallError> {
         let quoted = quote(text);
-        let name = &self.name;
+        let tool = self.name.clone();
         let json = if text.trim().is_empty() { "{}" } else { text };
-        let value: Value = serde_json::from_str(json).map_err(|e| {
-            format!(
-                "error: the arguments of `{name}` are not valid JSON ({e}); send a JSON object. They were: {quoted}"
-            )
-        })?;
+        let value: Value = match serde_json::from_str(json) {
+            Ok(value) => value,
+            Err(e) => {
+                return Err(CallError::NotJson {
+                    tool,
+                    why: e.to_string(),
+                    quoted,
+                });
+            }
+        };
         if !value.is_object() {
-            return Err(format!(
-                "error: the arguments of `{name}` must be a JSON object, not {}. They were: {quoted}",
-                kind(&value)
-            ));
+            return Err(CallError::NotObject {
+                tool,
+                kind: kind(&value),
+                quoted,
+            });
         }
         if let Err(why) = conforms(&value, &self.parameters, "arguments") {
-            return Err(format!(
-                "error: the arguments of `{name}` do not match its parameters: {why}. They were: {quoted}"
-            ));
+            return Err(CallError::Mismatch { tool, why, quoted });
         }
         // An object, as checked above.
         Ok(match value {
@@ -461,7 +519,12 @@ fn kind(v: &Value) -> &'static str {
 /// `properties`, `required`, `additionalProperties`, `items`, `enum`, `const`, `minimum`,
 /// `maximum`, `minLength`, `maxLength`, `minItems`, `maxItems`, `anyOf`, `oneOf`); others
 /// are not checked. The error names the path (`arguments.code`).
-pub fn conforms(value: &Value, schema: &Value, at: &str) -> Result<(), String> {
+pub fn conforms(value: &Value, schema: &Value, at: &str) -> Result<(), Mismatch> {
+    conforms_at(value, schema, at).map_err(Mismatch)
+}
+
+/// [`conforms`], its error the message alone.
+fn conforms_at(value: &Value, schema: &Value, at: &str) -> Result<(), String> {
     let Some(schema) = schema.as_object() else {
         return Ok(());
     };
@@ -539,7 +602,7 @@ pub fn conforms(value: &Value, schema: &Value, at: &str) -> Result<(), String> {
         }
         if let Some(item) = schema.get("items") {
             for (i, v) in items.iter().enumerate() {
-                conforms(v, item, &format!("{at}[{i}]"))?;
+                conforms_at(v, item, &format!("{at}[{i}]"))?;
             }
         }
     }
@@ -554,7 +617,7 @@ pub fn conforms(value: &Value, schema: &Value, at: &str) -> Result<(), String> {
         }
         for (name, v) in map {
             match properties.and_then(|p| p.get(name)) {
-                Some(sub) => conforms(v, sub, &format!("{at}.{name}"))?,
+                Some(sub) => conforms_at(v, sub, &format!("{at}.{name}"))?,
                 None => match schema.get("additionalProperties") {
                     Some(Value::Bool(false)) => {
                         let known: Vec<&String> =
@@ -568,7 +631,7 @@ pub fn conforms(value: &Value, schema: &Value, at: &str) -> Result<(), String> {
                                 .join(", ")
                         ));
                     }
-                    Some(sub @ Value::Object(_)) => conforms(v, sub, &format!("{at}.{name}"))?,
+                    Some(sub @ Value::Object(_)) => conforms_at(v, sub, &format!("{at}.{name}"))?,
                     _ => {}
                 },
             }
@@ -578,7 +641,7 @@ pub fn conforms(value: &Value, schema: &Value, at: &str) -> Result<(), String> {
         if let Some(Value::Array(options)) = schema.get(key) {
             let fits = options
                 .iter()
-                .filter(|s| conforms(value, s, at).is_ok())
+                .filter(|s| conforms_at(value, s, at).is_ok())
                 .count();
             if fits == 0 || (all && fits > 1) {
                 return Err(format!("`{at}` matches {fits} of the {key} choices"));
@@ -618,7 +681,12 @@ mod tests {
     #[test]
     fn every_bad_call_is_an_error_the_model_reads() {
         let b = boxed();
-        let err = |name, args| b.check(&call(name, args)).err().unwrap_or_default();
+        let err = |name, args| {
+            b.check(&call(name, args))
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default()
+        };
         assert_eq!(
             err("nope", "{}"),
             "error: there is no tool `nope`; the tools are: execute_code, wc."
@@ -661,6 +729,7 @@ mod tests {
         assert!(
             b.check(&call("wc", ""))
                 .err()
+                .map(|e| e.to_string())
                 .unwrap_or_default()
                 .contains("`arguments.text` is required")
         );

@@ -122,9 +122,7 @@ pub async fn resolve(name: &str, settings: &ExecutorSettings) -> Result<Arc<dyn 
         "auto" => {
             let (executor, why) = auto(settings).await?;
             if executor.name() == "local" {
-                eprintln!(
-                    "tandem: warning: running code with the local executor, which is not a security boundary ({why})"
-                );
+                eprintln!("{}", local_fallback_notice(settings, &why)?);
             }
             Ok(executor)
         }
@@ -489,4 +487,19 @@ async fn plugin_line(name: &str, settings: &Settings) -> String {
     };
     plugin.shutdown().await;
     line
+}
+
+/// What `auto` says when it falls back to the local executor: told truly, a note when the
+/// blocks are confined and a warning when they are not.
+fn local_fallback_notice(settings: &ExecutorSettings, why: &str) -> Result<String> {
+    Ok(
+        match tandem_executor_local::confinement(settings.local.get()?) {
+            Ok(_) => format!(
+                "tandem: running code with the local executor, confined (`tandem doctor` says how) ({why})"
+            ),
+            Err(unconfined) => format!(
+                "tandem: warning: running code with the local executor, which is not a security boundary ({unconfined}; {why})"
+            ),
+        },
+    )
 }

@@ -7,6 +7,7 @@ mod approval;
 mod budgets;
 mod daemon;
 mod docker_hosts;
+mod docs;
 mod e2e;
 mod embedded;
 mod eval;

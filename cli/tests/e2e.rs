@@ -1068,7 +1068,7 @@ async fn docker_engine_down_or_image_missing_says_what_to_do() {
         (out.code, out.stdout.as_str(), out.stderr.as_str()),
         (0, "/workspace\n", "")
     );
-    // ...and then to local, saying that local is not a security boundary.
+    // ...and then to local, saying whether its blocks are confined.
     let out = tandem(
         &["exec", "--lang", "sh"],
         &[
@@ -1080,10 +1080,40 @@ async fn docker_engine_down_or_image_missing_says_what_to_do() {
     )
     .await;
     assert_eq!((out.code, out.stdout.as_str()), (0, "ran\n"));
+    // Told truly: a note when `tandem doctor` finds the blocks confined, else a warning.
+    let doctor = tandem(&["doctor"], &[nowhere[0]], None).await;
+    let local = doctor
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("executor:  local"))
+        .unwrap_or_else(|| panic!("no local line in doctor:\n{}", doctor.stdout))
+        .to_owned();
+    if local.contains(" - confined (") {
+        insta::assert_snapshot!("auto_falls_back_to_local_confined", out.stderr);
+    } else {
+        insta::assert_snapshot!("auto_falls_back_to_local_unconfined_here", out.stderr);
+    }
+    // Unconfined by the user's own config: warned, with why.
+    let config = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(config.path(), "[executors.local]\nconfine = \"off\"\n").unwrap();
+    let out = tandem(
+        &["exec", "--lang", "sh"],
+        &[
+            nowhere[0],
+            ("TANDEM_EXECUTOR", "auto"),
+            ("TANDEM_WASM_DIR", "/nonexistent/wasm"),
+            ("TANDEM_CONFIG", &config.path().display().to_string()),
+        ],
+        Some("echo ran"),
+    )
+    .await;
     assert_eq!(
-        out.stderr,
-        "tandem: warning: running code with the local executor, which is not a security boundary (docker: no answer from the Docker engine at unix:///nonexistent/docker.sock; wasm: no python.wasm in /nonexistent/wasm (run scripts/fetch-wasm-runtimes.sh))\n"
+        (out.code, out.stdout.as_str()),
+        (0, "ran\n"),
+        "{}",
+        out.stderr
     );
+    insta::assert_snapshot!("auto_falls_back_to_local_unconfined", out.stderr);
     let out = tandem(
         &[
             "exec",

@@ -78,6 +78,9 @@ pub(crate) async fn drive(args: &[&str], env: &[(&str, &str)]) -> Value {
     })
 }
 
+/// A block's timeout over the default cap, as every road refuses it.
+const OVER_CAP: &str = "timeout_secs 1000000000 is above this daemon's block timeout cap of 3600 s; ask for less, or raise max_block_timeout_secs under [policy] in the daemon's config";
+
 /// What every transport must give the same client.
 fn check(seen: &Value) {
     assert_eq!(
@@ -118,8 +121,11 @@ fn check(seen: &Value) {
     );
     assert_eq!(
         refused("huge"),
-        "code is 2097152 bytes; execute_code takes at most 1048576"
+        "code is 2097152 bytes; a block may hold at most 1048576"
     );
+    // Refused, never quietly lowered: the one check every road makes.
+    assert_eq!(refused("over_cap"), OVER_CAP);
+    assert_eq!(refused("over_cap_session"), OVER_CAP);
     let task = &seen["task"]["structured"];
     assert_eq!(task["stop_reason"], "terminated", "{seen}");
     assert_eq!(task["answer"], "The answer is 42.", "{seen}");
@@ -177,6 +183,11 @@ async fn an_mcp_client_uses_tandem_mcp_over_stdio() {
     )
     .await;
     check(&seen);
+    // No approval policy here: the block runs.
+    assert_eq!(
+        seen["denied"]["structured"]["stdout"], "DENY_ME\n",
+        "{seen}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -192,7 +203,7 @@ async fn an_mcp_client_uses_the_daemons_mcp_endpoint_with_its_token() {
         Path::new(env!("CARGO_BIN_EXE_tandem")),
         &server.base_url(),
         &["--executor", "local", "--listen", &listen],
-        None,
+        Some("[[approval.deny]]\nname = \"the marker\"\npattern = 'DENY_ME'\n"),
         &[("TANDEM_TOKEN", token)],
     )
     .await;
@@ -208,6 +219,55 @@ async fn an_mcp_client_uses_the_daemons_mcp_endpoint_with_its_token() {
     assert_eq!(refused.status(), 401);
     let seen = drive(&["http", &url, token], &[]).await;
     check(&seen);
+    // Declined by the approval policy: a result the client's model reads, and over HTTP the
+    // same words as a refusal.
+    let denied = &seen["denied"];
+    assert_eq!(denied["is_error"], true, "{seen}");
+    assert_eq!(denied["structured"]["status"], "declined", "{seen}");
+    let told = denied["text"].as_str().unwrap();
+    assert!(told.starts_with("declined: "), "{told}");
+    assert!(told.contains("the marker"), "{told}");
+    let (status, body) = daemon
+        .send(
+            reqwest::Method::POST,
+            "/v1/exec",
+            Some(r#"{"language": "sh", "code": "echo DENY_ME"}"#.to_owned()),
+        )
+        .await;
+    assert_eq!(
+        (
+            status,
+            body["error"]["code"].as_str(),
+            body["error"]["message"].as_str()
+        ),
+        (400, Some("not_allowed"), Some(told)),
+        "{body}"
+    );
+    // The same block over HTTP meets the same check, in a session and without one.
+    let over = serde_json::json!({"language": "python", "code": "print(1)", "timeout_secs": 1e9});
+    let (status, body) = daemon
+        .send(reqwest::Method::POST, "/v1/exec", Some(over.to_string()))
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["code"], "not_allowed", "{body}");
+    assert_eq!(body["error"]["message"], OVER_CAP, "{body}");
+    let (status, opened) = daemon
+        .send(reqwest::Method::POST, "/v1/sessions", Some("{}".to_owned()))
+        .await;
+    assert_eq!(status, 201, "{opened}");
+    let id = opened["id"].as_str().unwrap();
+    let (status, body) = daemon
+        .send(
+            reqwest::Method::POST,
+            &format!("/v1/sessions/{id}/exec"),
+            Some(over.to_string()),
+        )
+        .await;
+    assert_eq!(
+        (status, body["error"]["message"].as_str()),
+        (400, Some(OVER_CAP)),
+        "{body}"
+    );
     // The task is the daemon's like any other: stored, listed by the API.
     let id = seen["task"]["structured"]["task_id"].as_str().unwrap();
     assert_eq!(

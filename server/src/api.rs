@@ -184,7 +184,7 @@ impl Unauthenticated {
 #[derive(Clone)]
 struct AppState {
     supervisor: Arc<Supervisor>,
-    sessions: Arc<crate::sessions::Sessions>,
+    sessions: Arc<crate::sandbox::Pool>,
     shutdown: CancellationToken,
     body_limit: usize,
 }
@@ -198,11 +198,12 @@ pub fn router(
     shutdown: CancellationToken,
 ) -> Router {
     let state = AppState {
-        sessions: crate::sessions::Sessions::new(supervisor.clone(), shutdown.clone()),
+        sessions: crate::sandbox::Pool::new(supervisor.clone(), shutdown.clone()),
         supervisor: supervisor.clone(),
         shutdown: shutdown.clone(),
         body_limit,
     };
+    let pool = state.sessions.clone();
     let mut app = Router::new()
         .route("/v1/tasks", post(create_task).get(list_tasks))
         .route("/v1/tasks/{id}", get(get_task))
@@ -244,10 +245,7 @@ pub fn router(
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .with_state(state)
-        .nest_service(
-            "/mcp",
-            crate::mcp::http_service(supervisor.clone(), shutdown.clone()),
-        );
+        .nest_service("/mcp", crate::mcp::http_service(pool, shutdown.clone()));
     if let Some(token) = token {
         let expected: Arc<str> = format!("Bearer {token}").into();
         app = app.layer(middleware::from_fn(move |req: Request, next: Next| {

@@ -199,3 +199,69 @@ pub enum Unavailable {
     #[error("the {0} lock is poisoned")]
     Poisoned(&'static str),
 }
+
+/// Why a block without a task (a session, `POST /v1/exec`, MCP's `execute_code`) was not
+/// run or its sandbox not opened: one type for every road, which the HTTP and MCP adapters
+/// only translate to their wire.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// The API's error code.
+    pub code: tandem_protocol::ApiErrorCode,
+    /// What is wrong and what to do.
+    pub message: String,
+    /// The approval policy declined the block: a result the client's model reads, not a
+    /// broken request.
+    pub declined: bool,
+}
+
+impl Refusal {
+    /// A refusal with `code`.
+    pub fn new(code: tandem_protocol::ApiErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+            declined: false,
+        }
+    }
+
+    /// The request is malformed or names what is not here.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(tandem_protocol::ApiErrorCode::InvalidRequest, message)
+    }
+
+    /// The operator's policy does not allow what was asked.
+    pub fn not_allowed(message: impl Into<String>) -> Self {
+        Self::new(tandem_protocol::ApiErrorCode::NotAllowed, message)
+    }
+
+    /// The approval policy would hold the block for a person, and no one can be asked.
+    pub fn declined(why: &str) -> Self {
+        Self {
+            declined: true,
+            ..Self::not_allowed(format!(
+                "declined: {why}; a task's blocks wait for a person's approval: submit one (POST /v1/tasks, or MCP's run_task)"
+            ))
+        }
+    }
+
+    /// A task error, kept as the API would answer it.
+    pub fn of_task(e: &TaskError) -> Self {
+        use tandem_protocol::ApiErrorCode as C;
+        let code = match e {
+            TaskError::NotAllowed(_) => C::NotAllowed,
+            TaskError::ShuttingDown => C::ShuttingDown,
+            TaskError::Unavailable(_) => C::ExecutorUnavailable,
+            TaskError::Store(_) => C::Internal,
+            TaskError::NotFound(_) => C::NotFound,
+            TaskError::Conflict(_) => C::Conflict,
+            _ => C::InvalidRequest,
+        };
+        Self::new(code, e.to_string())
+    }
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}

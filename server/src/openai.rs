@@ -310,10 +310,10 @@ pub(crate) async fn answer(
         None,
     ));
     tokio::spawn(async move {
-        // Held until the stream ends or its client goes.
+        // PendingText until the stream ends or its client goes.
         let _permit = permit;
         let offered = asked.offer.is_some();
-        let mut held = Held::default();
+        let mut held = PendingText::default();
         let mut progress = |p: ModelProgress<'_>| {
             if let ModelProgress::Delta(piece) = p {
                 let out = if offered {
@@ -386,14 +386,14 @@ pub(crate) async fn answer(
 /// Text streamed while tools are offered: everything before a call's tag, held back while
 /// the tail could still become one.
 #[derive(Default)]
-struct Held {
+struct PendingText {
     pending: String,
     in_call: bool,
     /// Bytes of text sent so far.
     sent: usize,
 }
 
-impl Held {
+impl PendingText {
     /// The text that can be sent now, after `piece`.
     fn push(&mut self, piece: &str) -> String {
         if self.in_call {

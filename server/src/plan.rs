@@ -13,14 +13,19 @@ use tandem_agent::{
     ApprovalGate, Approver, ChatModel, EventSink, ModelConfig, TaskSettings, allowed_languages,
     render_system_prompt, run_task,
 };
-use tandem_executor::{CancellationToken, Executor, Language, Limits, Registry, SessionSpec};
+use tandem_executor::{
+    CancellationToken, ExecError, ExecRequest, Executor, Language, Limits, Registry, SessionSpec,
+};
 use tandem_protocol::team::{Kind, TeamBounds, TeamSpec};
 use tandem_protocol::{
     ApprovalPolicy, ErrorCode, ErrorInfo, Event, EventMsg, Message, Role, StopReason, TaskSpec,
 };
 
-use crate::error::{Invalid, TaskError};
+use crate::error::{Invalid, Refusal, TaskError};
 use crate::policy::{Policy, Refused};
+
+/// The largest block without a task that any road runs.
+pub const MAX_BLOCK_BYTES: usize = 1 << 20;
 
 /// Defaults for what a [`TaskSpec`] leaves out.
 #[derive(Clone, Debug)]
@@ -189,6 +194,70 @@ impl Planner {
             return Err(Refused(policy.not_offered(name, &self.config.executors)).into());
         }
         Ok(executor)
+    }
+
+    /// The executor a block without a task runs on (`name`, else the default), when the
+    /// policy offers it.
+    pub fn block_executor(
+        &self,
+        name: Option<&str>,
+    ) -> Result<(String, Arc<dyn Executor>), Refusal> {
+        let name = name.unwrap_or(&self.config.defaults.executor).to_owned();
+        let sandbox = self.offered(&name).map_err(|e| Refusal::of_task(&e))?;
+        Ok((name, sandbox))
+    }
+
+    /// A block without a task, checked the one way every road checks it (a session's block,
+    /// `POST /v1/exec`, MCP's `execute_code`): its size, its language on `sandbox`, its
+    /// timeout within the operator's cap (refused above it, never quietly lowered), and the
+    /// approval policy, which no one can be asked under in the middle of a call.
+    pub fn check_block(
+        &self,
+        sandbox: &dyn Executor,
+        language: &str,
+        code: String,
+        timeout_secs: Option<f64>,
+    ) -> Result<ExecRequest, Refusal> {
+        if code.len() > MAX_BLOCK_BYTES {
+            return Err(Refusal::invalid(format!(
+                "code is {} bytes; a block may hold at most {MAX_BLOCK_BYTES}",
+                code.len()
+            )));
+        }
+        let language = Language::new(language);
+        if !sandbox.supports(&language) {
+            return Err(Refusal::invalid(
+                ExecError::unsupported(&language, sandbox.name(), sandbox.languages()).to_string(),
+            ));
+        }
+        let mut request = ExecRequest::new(language, code);
+        if let Some(secs) = timeout_secs {
+            if !secs.is_finite() || secs <= 0.0 {
+                return Err(Refusal::invalid(
+                    "timeout_secs must be a positive number of seconds",
+                ));
+            }
+            let cap = self.config.policy.max_block_timeout;
+            match std::time::Duration::try_from_secs_f64(secs) {
+                Ok(asked) if asked <= cap => request.timeout = Some(asked),
+                _ => {
+                    return Err(Refusal::not_allowed(format!(
+                        "timeout_secs {secs} is above this daemon's block timeout cap of {} s; ask for less, or raise max_block_timeout_secs under [policy] in the daemon's config",
+                        cap.as_secs()
+                    )));
+                }
+            }
+        }
+        let gate = ApprovalGate::new(&self.config.approval, None).map_err(|e| {
+            Refusal::new(
+                tandem_protocol::ApiErrorCode::Internal,
+                format!("approval: {e}"),
+            )
+        })?;
+        if let Some(why) = gate.unattended(&request.language, sandbox, &request.code) {
+            return Err(Refusal::declined(&why));
+        }
+        Ok(request)
     }
 
     /// Checks a team within the bounds.

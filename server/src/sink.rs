@@ -10,8 +10,8 @@ use std::time::Instant;
 use tandem_protocol::{EventMsg, StopReason};
 
 use crate::files::file_href;
-use crate::held::Held;
 use crate::metrics::Metrics;
+use crate::running::RunningTasks;
 
 /// What becomes of an event.
 #[derive(Debug, PartialEq)]
@@ -27,14 +27,14 @@ pub(crate) struct TaskSink {
     task: String,
     executor: String,
     model: String,
-    held: Held,
+    held: RunningTasks,
     /// When the model call under way started.
     turn_started: Mutex<Option<Instant>>,
 }
 
 impl TaskSink {
     /// The sink of task `task`, whose blocks run in `executor`.
-    pub(crate) fn new(task: &str, executor: &str, model: &str, held: Held) -> Self {
+    pub(crate) fn new(task: &str, executor: &str, model: &str, held: RunningTasks) -> Self {
         Self {
             task: task.to_owned(),
             executor: executor.to_owned(),
@@ -91,8 +91,8 @@ mod tests {
 
     use super::*;
 
-    fn sink() -> (TaskSink, Held, CancellationToken) {
-        let held = Held::default();
+    fn sink() -> (TaskSink, RunningTasks, CancellationToken) {
+        let held = RunningTasks::default();
         let token = CancellationToken::new();
         held.take("t1", 1, token.clone());
         (TaskSink::new("t1", "local", "m", held.clone()), held, token)

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use tandem_executor::{CancellationToken, Executor, Registry};
+use tandem_executor::{CancellationToken, Registry};
 use tandem_protocol::team::TeamSpec;
 use tandem_protocol::{ErrorInfo, Event, EventMsg, Message, StopReason, TaskSpec, Usage};
 use tokio::sync::{Semaphore, broadcast};
@@ -19,10 +19,10 @@ pub use crate::error::TaskError;
 use crate::error::{Conflict, Unavailable};
 use crate::files::Files;
 pub use crate::files::file_href;
-use crate::held::Held;
 use crate::metrics::Metrics;
 use crate::plan::{Planner, PlannerConfig, Start, TaskDefaults, waits_for_approval};
 use crate::policy::Policy;
+use crate::running::RunningTasks;
 use crate::sink::{TaskSink, Then};
 use crate::store::{Claimed, Notice, StoreError, TaskRecord, TaskState, TaskStore};
 use crate::writer::{Outlet, Write, Writes, now_ms, write_events};
@@ -53,7 +53,7 @@ pub struct Supervisor {
     admission: Admission,
     life: Life,
     /// The tasks this daemon runs: what cancels each, its lease, whether it was lost.
-    held: Held,
+    held: RunningTasks,
     leasing: Leasing,
     /// Every write to the store, in order; stored events go out live from it.
     writer: Writes,
@@ -108,7 +108,7 @@ impl Supervisor {
             std::mem::take(executors).with_budget(tandem_executor::Budget::new(&config.sessions));
         let (live, _) = broadcast::channel(4096);
         let (queue, writes) = std::sync::mpsc::channel();
-        let held = Held::default();
+        let held = RunningTasks::default();
         let store_down: Arc<AtomicBool> = Arc::default();
         let backlog: Arc<crate::writer::Backlog> = Arc::default();
         let writer = Writes::new(
@@ -419,9 +419,9 @@ impl Supervisor {
         self.admission.execution_slot(cancel).await
     }
 
-    /// Executor `name`, when this daemon has it and its policy offers it.
-    pub(crate) fn offered(&self, name: &str) -> Result<Arc<dyn Executor>, TaskError> {
-        self.planner.offered(name)
+    /// What checks tasks and blocks against the operator's policy.
+    pub(crate) fn planner(&self) -> &crate::plan::Planner {
+        &self.planner
     }
 
     /// The operator's approval policy.

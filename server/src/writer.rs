@@ -12,7 +12,7 @@ use tokio::sync::broadcast;
 
 use tandem_protocol::EventMsg as Msg;
 
-use crate::held::Held as Running;
+use crate::running::RunningTasks as Running;
 #[cfg(test)]
 use crate::store::Store;
 use crate::store::{Applied, Change, Fences, StoreError, TaskState, TaskStore};
@@ -70,7 +70,7 @@ const HOLD: Duration = Duration::from_millis(100);
 struct Batch {
     changes: Vec<Change>,
     /// Streamed pieces waiting for more of their stream, at most one per task.
-    held: Vec<Held>,
+    held: Vec<PendingPiece>,
     /// Submitters waiting on their task's commit, by the index of its change.
     created: Vec<(usize, Created)>,
     flushes: Vec<std::sync::mpsc::Sender<()>>,
@@ -85,7 +85,7 @@ struct Batch {
 }
 
 /// A streamed piece held back to be merged with the ones that follow it.
-struct Held {
+struct PendingPiece {
     id: String,
     msg: EventMsg,
     at: u64,
@@ -263,7 +263,7 @@ impl Batch {
             },
             None => msg,
         };
-        self.held.push(Held {
+        self.held.push(PendingPiece {
             id,
             msg,
             at,
@@ -288,7 +288,7 @@ impl Batch {
 
     /// Moves the pieces held since before `now - HOLD` (all of them for `None`) into the batch.
     fn release_due(&mut self, now: Option<Instant>) {
-        let due = |h: &Held| now.is_none_or(|now| h.since + HOLD <= now);
+        let due = |h: &PendingPiece| now.is_none_or(|now| h.since + HOLD <= now);
         let mut i = 0;
         while i < self.held.len() {
             if due(&self.held[i]) {

@@ -47,6 +47,13 @@ async def scenario(session):
     seen["bad_executor"] = await call(session, "execute_code", {
         "language": "python", "code": "1", "executor": "nope"})
     seen["huge"] = await call(session, "execute_code", {"language": "python", "code": "#" * (2 << 20)})
+    # Denied where the daemon's approval policy says so (the daemon's test); run elsewhere.
+    seen["denied"] = await call(session, "execute_code", {"language": "sh", "code": "echo DENY_ME"})
+    # Over the operator's block timeout cap: refused, with or without a session, as HTTP does.
+    seen["over_cap"] = await call(session, "execute_code", {
+        "language": "python", "code": "print(1)", "timeout_secs": 1e9})
+    seen["over_cap_session"] = await call(session, "execute_code", {
+        "language": "python", "code": "print(1)", "timeout_secs": 1e9, "session_id": "s1"})
     progress = []
 
     async def on_progress(value, total, message):

@@ -201,7 +201,7 @@ impl Executor for Budgeted {
             let (tx, rx) = tokio::sync::oneshot::channel();
             tokio::spawn(async move {
                 let opened = inner.open(spec).await.map(|session| {
-                    Box::new(Held {
+                    Box::new(PermittedSession {
                         session,
                         _permits: permits,
                     }) as Box<dyn Session>
@@ -248,12 +248,12 @@ impl Executor for Budgeted {
 
 /// A session and the permits it holds until it is closed (or dropped, when its own drop
 /// cleans up).
-struct Held {
+struct PermittedSession {
     session: Box<dyn Session>,
     _permits: Permits,
 }
 
-impl Session for Held {
+impl Session for PermittedSession {
     fn run(
         &mut self,
         req: ExecRequest,
@@ -277,7 +277,7 @@ impl Session for Held {
     }
 
     fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
-        let Held {
+        let PermittedSession {
             session,
             _permits: permits,
         } = *self;

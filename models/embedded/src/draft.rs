@@ -12,7 +12,7 @@ use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::token::LlamaToken;
 
-use crate::engine::{common_prefix, seq_id};
+use crate::seq::{common_prefix, seq_id};
 
 /// Fewest tokens worth borrowing from another sequence instead of reading.
 const BORROW_MIN: usize = 32;

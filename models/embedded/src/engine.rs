@@ -27,6 +27,7 @@ use llama_cpp_2::token::LlamaToken;
 
 use crate::draft::{Ask, Drafter};
 use crate::reply::{Next, ReplyState};
+use crate::seq::{common_prefix, seq_id};
 use crate::{EngineStats, Event, Job};
 
 /// Most replies generated at once for which the draft still guesses.
@@ -713,14 +714,4 @@ impl Job {
     fn gone(&self) -> bool {
         self.cancel.load(Ordering::Relaxed) || self.events.is_closed()
     }
-}
-
-/// A sequence's id as llama.cpp takes it.
-pub(crate) fn seq_id(seq: usize) -> i32 {
-    i32::try_from(seq).unwrap_or(i32::MAX)
-}
-
-/// How many tokens `a` and `b` begin with alike.
-pub(crate) fn common_prefix(a: &[LlamaToken], b: &[LlamaToken]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }

@@ -9,6 +9,7 @@ mod chat;
 mod draft;
 mod engine;
 mod reply;
+mod seq;
 
 pub use chat::{DEFAULT_MAX_TOKENS, DEFAULT_SEED, EmbeddedChat};
 pub use tandem_protocol::engine::EngineStats;

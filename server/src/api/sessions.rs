@@ -5,7 +5,7 @@ use tandem_protocol::session::{
 };
 
 use super::*;
-use crate::sessions::Refusal;
+use crate::sandbox::{Owner, Refusal};
 
 impl From<Refusal> for ApiError {
     fn from(r: Refusal) -> Self {
@@ -66,13 +66,16 @@ pub(super) async fn open_session(
         r#"{"executor": "docker", "keep_state": true}"#,
     )
     .await?;
-    Ok((StatusCode::CREATED, Json(state.sessions.open(spec).await?)))
+    Ok((
+        StatusCode::CREATED,
+        Json(state.sessions.open_session(spec).await?),
+    ))
 }
 
 /// `GET /v1/sessions`.
 pub(super) async fn list_sessions(State(state): State<AppState>) -> Json<SessionList> {
     Json(SessionList {
-        sessions: state.sessions.list(),
+        sessions: state.sessions.list(Owner::Api),
     })
 }
 
@@ -81,7 +84,7 @@ pub(super) async fn get_session(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<SessionInfo>, ApiError> {
-    Ok(Json(state.sessions.get(&id)?.info()))
+    Ok(Json(state.sessions.get(Owner::Api, &id)?.info()))
 }
 
 /// `DELETE /v1/sessions/{id}`: closes it and its sandbox.
@@ -89,7 +92,7 @@ pub(super) async fn close_session(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<SessionInfo>, ApiError> {
-    Ok(Json(state.sessions.close(&id).await?))
+    Ok(Json(state.sessions.close(Owner::Api, &id).await?))
 }
 
 /// `POST /v1/sessions/{id}/cancel`: kills the block that runs now.
@@ -97,8 +100,8 @@ pub(super) async fn cancel_block(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let held = state.sessions.get(&id)?;
-    let cancelled = held.cancel();
+    let opened = state.sessions.get(Owner::Api, &id)?;
+    let cancelled = opened.cancel();
     Ok(Json(json!({"session": id, "cancelled": cancelled})))
 }
 
@@ -131,7 +134,7 @@ pub(super) async fn answer_call(
             ));
         }
     };
-    state.sessions.get(&id)?.answer(&call, reply)?;
+    state.sessions.get(Owner::Api, &id)?.answer(&call, reply)?;
     Ok(Json(json!({"session": id, "call": call})))
 }
 
@@ -220,7 +223,7 @@ pub(super) async fn session_files(
 ) -> Result<Response, ApiError> {
     let Query(query) =
         query.map_err(|e| bad_query(&e, "send ?format=json (the default) or ?format=tar"))?;
-    let work = state.sessions.get(&id)?.workspace()?;
+    let work = state.sessions.get(Owner::Api, &id)?.workspace()?;
     if matches!(query.format, Some(FilesFormat::Tar)) {
         let body = state
             .supervisor
@@ -256,7 +259,7 @@ pub(super) async fn session_file(
     State(state): State<AppState>,
     Path((id, path)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
-    let work = state.sessions.get(&id)?.workspace()?;
+    let work = state.sessions.get(Owner::Api, &id)?.workspace()?;
     let (file, len, name) = blocking(&state.supervisor, move |_| {
         let (file, len) = crate::files::open_in(
             &work,
@@ -279,9 +282,9 @@ pub(super) async fn put_session_files(
     Path(id): Path<String>,
     body: Body,
 ) -> Result<(StatusCode, Json<tandem_protocol::files::Upload>), ApiError> {
-    let held = state.sessions.get(&id)?;
+    let opened = state.sessions.get(Owner::Api, &id)?;
     let files = state.supervisor.files();
     let received = files.receive_unkept(body).await.map_err(TaskError::from)?;
-    held.put(received.path(), files.upload_caps()).await?;
+    opened.put(received.path(), files.upload_caps()).await?;
     Ok((StatusCode::CREATED, Json(received.upload.clone())))
 }

@@ -13,10 +13,9 @@
 //! Sessions belong to one MCP connection: they are closed when it ends and after
 //! [`SESSION_IDLE`] without use.
 
-use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rmcp::handler::server::common::schema_for_type;
 use rmcp::model::{
@@ -30,8 +29,7 @@ use rmcp::{ErrorData, RoleServer, ServerHandler, ServiceExt};
 use schemars::JsonSchema;
 use serde_json::Value;
 use tandem_executor::{
-    CancellationToken, ExecContext, ExecOutcome, ExecRequest, ExitStatus, Language, Limits,
-    Session, SessionSpec,
+    CancellationToken, ExecContext, ExecOutcome, ExecRequest, ExitStatus, Session,
 };
 use tandem_protocol::{EventMsg, TaskSpec};
 
@@ -39,12 +37,10 @@ use crate::follow::Follower;
 use crate::supervisor::{Supervisor, TaskError};
 use files::transcript_uri;
 
-/// The largest block `execute_code` takes.
-pub const MAX_CODE_BYTES: usize = 1 << 20;
-/// How long an `execute_code` session lives unused.
-pub const SESSION_IDLE: Duration = Duration::from_secs(600);
-/// Most sessions one connection may hold at once.
-const MAX_SESSIONS: usize = 8;
+/// The largest block `execute_code` takes: every road's.
+pub const MAX_CODE_BYTES: usize = crate::plan::MAX_BLOCK_BYTES;
+/// How long an `execute_code` session lives unused: every road's.
+pub const SESSION_IDLE: Duration = crate::sandbox::IDLE;
 /// Most tool calls one connection may have running at once.
 const MAX_CALLS: usize = 4;
 /// Most MCP connections the daemon serves at once over HTTP.
@@ -332,20 +328,30 @@ impl ServerHandler for TandemMcp {
 /// Serves MCP over this process's stdin and stdout until the client goes; its sessions are
 /// closed then.
 pub async fn serve_stdio(supervisor: Arc<Supervisor>) -> Result<(), String> {
-    let server = TandemMcp::new(supervisor);
+    let stop = CancellationToken::new();
+    let pool = crate::sandbox::Pool::new(supervisor, stop.clone());
+    let server = TandemMcp::new(pool);
     let sessions = server.sessions();
-    let running = server
-        .serve(rmcp::transport::stdio())
-        .await
-        .map_err(|e| format!("the MCP client did not start a session: {e}"))?;
-    let ended = running.waiting().await;
+    let served = async {
+        let running = server
+            .serve(rmcp::transport::stdio())
+            .await
+            .map_err(|e| format!("the MCP client did not start a session: {e}"))?;
+        running
+            .waiting()
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+    .await;
     sessions.close_all().await;
-    ended.map(|_| ()).map_err(|e| e.to_string())
+    stop.cancel();
+    served
 }
 
 /// MCP over streamable HTTP, one [`TandemMcp`] per MCP session, for the API's `/mcp`.
 pub fn http_service(
-    supervisor: Arc<Supervisor>,
+    pool: Arc<crate::sandbox::Pool>,
     shutdown: CancellationToken,
 ) -> rmcp::transport::streamable_http_server::StreamableHttpService<
     TandemMcp,
@@ -372,7 +378,7 @@ pub fn http_service(
                     "the daemon already serves {MAX_CONNECTIONS} MCP connections; close one or wait for an idle one to time out"
                 )));
             }
-            Ok(TandemMcp::counted(supervisor.clone(), Some(live.clone())))
+            Ok(TandemMcp::counted(pool.clone(), Some(live.clone())))
         },
         Arc::new(sessions),
         config,

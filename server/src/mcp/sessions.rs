@@ -1,12 +1,14 @@
-//! `execute_code`: a connection's sessions, and one block run in a sandbox the operator offers.
+//! `execute_code`: one block in a sandbox the operator offers, in the daemon's pool of
+//! sandboxes without a task; with a `session_id`, in one of the connection's sandboxes.
 
 use super::files::{packed, run_with_files};
 use super::*;
+use crate::sandbox::{OpenAsk, Owner, Pool, Refusal};
 
-/// A connection's `execute_code` sessions by id.
-#[derive(Default)]
+/// A connection's place in the pool: the sandboxes it holds are closed when it ends.
 pub struct Sessions {
-    map: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Entry>>>>,
+    pool: Arc<Pool>,
+    owner: Owner,
     /// Counts the connection among the daemon's while it lives.
     _counted: Option<Counted>,
 }
@@ -20,108 +22,52 @@ impl Drop for Counted {
     }
 }
 
-/// An `execute_code` call, checked.
-struct Call {
-    request: ExecRequest,
-    sandbox: Arc<dyn tandem_executor::Executor>,
-    executor: String,
-    session_id: Option<String>,
-    /// The files to place first, packed.
-    given: Option<tempfile::NamedTempFile>,
-}
-
-struct Entry {
-    /// `None` once closed.
-    session: Option<Box<dyn Session>>,
-    executor: String,
-    used: Instant,
-}
-
 impl Sessions {
     /// Closes every session (the connection ended).
     pub async fn close_all(&self) {
-        let entries: Vec<_> = self
-            .map
-            .lock()
-            .map(|mut m| m.drain().map(|(_, e)| e).collect())
-            .unwrap_or_default();
-        for entry in entries {
-            close(&entry).await;
-        }
-    }
-
-    async fn close_idle(&self, idle: Duration) {
-        let stale: Vec<_> = {
-            let Ok(mut map) = self.map.lock() else {
-                return;
-            };
-            let ids: Vec<String> = map
-                .iter()
-                .filter(|(_, e)| e.try_lock().is_ok_and(|e| e.used.elapsed() > idle))
-                .map(|(id, _)| id.clone())
-                .collect();
-            ids.iter().filter_map(|id| map.remove(id)).collect()
-        };
-        for entry in stale {
-            close(&entry).await;
-        }
-    }
-}
-
-async fn close(entry: &tokio::sync::Mutex<Entry>) {
-    let session = entry.lock().await.session.take();
-    if let Some(session) = session
-        && let Err(e) = session.close().await
-    {
-        tracing::warn!(error = %e, "closing an MCP session's sandbox failed");
+        self.pool.close_owner(self.owner).await;
     }
 }
 
 impl Drop for Sessions {
     fn drop(&mut self) {
-        let entries: Vec<_> = self
-            .map
-            .get_mut()
-            .map(|m| m.drain().map(|(_, e)| e).collect())
-            .unwrap_or_default();
-        if entries.is_empty() {
-            return;
-        }
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            handle.spawn(async move {
-                for entry in entries {
-                    close(&entry).await;
-                }
-            });
+            let (pool, owner) = (self.pool.clone(), self.owner);
+            handle.spawn(async move { pool.close_owner(owner).await });
         }
     }
 }
 
+/// A refusal as MCP says it: a declined block is a result the client's model reads; any
+/// other refusal is an error of the call.
+fn refused(refusal: Refusal) -> Result<CallToolResult, ErrorData> {
+    use tandem_protocol::ApiErrorCode as C;
+    if refusal.declined {
+        return Ok(declined(refusal.message));
+    }
+    Err(match refusal.code {
+        C::Internal | C::ExecutorUnavailable | C::ShuttingDown | C::StoreUnavailable => {
+            ErrorData::internal_error(refusal.message, None)
+        }
+        _ => ErrorData::invalid_params(refusal.message, None),
+    })
+}
+
 impl TandemMcp {
-    /// A server for one connection; its idle sessions are closed in the background.
-    pub fn new(supervisor: Arc<Supervisor>) -> Self {
-        Self::counted(supervisor, None)
+    /// A server for one connection, its sandboxes in `pool`.
+    pub fn new(pool: Arc<Pool>) -> Self {
+        Self::counted(pool, None)
     }
 
     /// A server for one connection counted in `live` while it lives.
-    pub(super) fn counted(supervisor: Arc<Supervisor>, live: Option<Arc<AtomicUsize>>) -> Self {
+    pub(super) fn counted(pool: Arc<Pool>, live: Option<Arc<AtomicUsize>>) -> Self {
         let sessions = Arc::new(Sessions {
-            map: Mutex::default(),
+            owner: pool.connection(),
+            pool: pool.clone(),
             _counted: live.map(Counted),
         });
-        let weak: Weak<Sessions> = Arc::downgrade(&sessions);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(SESSION_IDLE / 10);
-            loop {
-                tick.tick().await;
-                let Some(sessions) = weak.upgrade() else {
-                    return;
-                };
-                sessions.close_idle(SESSION_IDLE).await;
-            }
-        });
         Self {
-            supervisor,
+            supervisor: pool.supervisor().clone(),
             sessions,
             calls: Arc::new(tokio::sync::Semaphore::new(MAX_CALLS)),
         }
@@ -137,54 +83,18 @@ impl TandemMcp {
         args: ExecuteCodeArgs,
         context: &RequestContext<RoleServer>,
     ) -> Result<CallToolResult, ErrorData> {
-        let call = match self.call_of(args)? {
-            Ok(call) => call,
-            Err(declined) => return Ok(declined),
-        };
-        // Like a task, a call takes one of the daemon's execution slots while it runs.
-        let _slot = self
-            .supervisor
-            .execution_slot(&context.ct)
-            .await
-            .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
-        let ctx = ExecContext::new(context.ct.clone());
-        let limits = self.supervisor.defaults().limits.clone();
-        let caps = self.supervisor.files().upload_caps();
-        let given = call.given.as_ref().map(|f| (f.path(), caps));
-        let (outcome, pictures) = match call.session_id.clone() {
-            None => {
-                let mut session = open(&*call.sandbox, limits).await?;
-                let ran = run_with_files(session.as_mut(), given, call.request, ctx).await;
-                let _ = session.close().await;
-                ran?
-            }
-            Some(id) => {
-                let entry = self
-                    .session(&id, &call.executor, &*call.sandbox, limits)
-                    .await?;
-                let mut entry = entry.lock().await;
-                entry.used = Instant::now();
-                match entry.session.as_mut() {
-                    Some(session) => {
-                        run_with_files(session.as_mut(), given, call.request, ctx).await?
-                    }
-                    None => {
-                        return Err(ErrorData::invalid_params(
-                            format!("session `{id}` was closed; use another id"),
-                            None,
-                        ));
-                    }
-                }
-            }
-        };
-        let mut result = outcome_result(&outcome, call.session_id.as_deref());
-        result.content.extend(pictures);
-        Ok(result)
+        match self.execute(args, context).await {
+            Ok(result) => Ok(result),
+            Err(Failed::Refused(refusal)) => refused(refusal),
+            Err(Failed::Error(e)) => Err(e),
+        }
     }
 
-    /// The call `args` ask for, checked against the caps, the executor and the operator's
-    /// policy; `Ok(Err(result))` when the policy declines it without a person to ask.
-    fn call_of(&self, args: ExecuteCodeArgs) -> Result<Result<Call, CallToolResult>, ErrorData> {
+    async fn execute(
+        &self,
+        args: ExecuteCodeArgs,
+        context: &RequestContext<RoleServer>,
+    ) -> Result<CallToolResult, Failed> {
         let ExecuteCodeArgs {
             language,
             code,
@@ -193,6 +103,15 @@ impl TandemMcp {
             timeout_secs,
             files,
         } = args;
+        let pool = &self.sessions.pool;
+        let (_, sandbox) = self
+            .supervisor
+            .planner()
+            .block_executor(executor.as_deref())?;
+        let request =
+            self.supervisor
+                .planner()
+                .check_block(&*sandbox, &language, code, timeout_secs)?;
         // On disk, where a session's put_archive reads it.
         let given = match files.as_deref() {
             None | Some([]) => None,
@@ -206,137 +125,62 @@ impl TandemMcp {
                 Some(file)
             }
         };
-        if code.len() > MAX_CODE_BYTES {
-            return Err(ErrorData::invalid_params(
-                format!(
-                    "code is {} bytes; execute_code takes at most {MAX_CODE_BYTES}",
-                    code.len()
-                ),
-                None,
-            ));
-        }
-        if let Some(id) = &session_id
-            && (id.is_empty()
-                || id.len() > 64
-                || !id
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'))
-        {
-            return Err(ErrorData::invalid_params(
-                "session_id must be 1 to 64 letters, digits, `-` or `_`",
-                None,
-            ));
-        }
-        let executor = executor.unwrap_or_else(|| self.supervisor.defaults().executor.clone());
-        let sandbox = self
-            .supervisor
-            .offered(&executor)
-            .map_err(|e| ErrorData::invalid_params(e.to_string(), None))?;
-        let language = Language::new(&language);
-        if !sandbox.supports(&language) {
-            return Err(ErrorData::invalid_params(
-                tandem_executor::ExecError::unsupported(&language, &executor, sandbox.languages())
-                    .to_string(),
-                None,
-            ));
-        }
-        let mut request = ExecRequest::new(language.clone(), code);
-        if let Some(secs) = timeout_secs {
-            if secs.is_nan() || secs <= 0.0 {
-                return Err(ErrorData::invalid_params(
-                    "timeout_secs must be a positive number",
-                    None,
-                ));
-            }
-            let asked = Duration::try_from_secs_f64(secs)
-                .map_err(|_| ErrorData::invalid_params("timeout_secs is too large", None))?;
-            request.timeout = Some(asked.min(self.supervisor.policy().max_block_timeout));
-        }
-        // The operator's approval policy holds here as in a task. No one can be asked in the
-        // middle of a tool call, so a block that needs a person is refused with the way to
-        // get one: a task, whose blocks wait for approval.
-        let gate = tandem_agent::ApprovalGate::new(self.supervisor.approval(), None)
-            .map_err(|e| ErrorData::internal_error(format!("approval: {e}"), None))?;
-        if let Some(why) = gate.unattended(&language, sandbox.as_ref(), &request.code) {
-            return Ok(Err(declined(format!(
-                "declined: {why}; run_task runs code whose blocks wait for a person's approval in the daemon"
-            ))));
-        }
-        Ok(Ok(Call {
-            request,
-            sandbox,
+        let ask = OpenAsk {
             executor,
-            session_id,
-            given,
-        }))
-    }
-
-    /// The session `id` of this connection, opened on first use.
-    async fn session(
-        &self,
-        id: &str,
-        executor: &str,
-        sandbox: &dyn tandem_executor::Executor,
-        limits: Limits,
-    ) -> Result<Arc<tokio::sync::Mutex<Entry>>, ErrorData> {
-        let existing = self
-            .sessions
-            .map
-            .lock()
-            .ok()
-            .and_then(|m| m.get(id).cloned());
-        if let Some(entry) = existing {
-            let owner = entry.lock().await.executor.clone();
-            if owner != executor {
-                return Err(ErrorData::invalid_params(
-                    format!("session `{id}` runs on the {owner} executor, not {executor}"),
-                    None,
-                ));
-            }
-            return Ok(entry);
+            ..OpenAsk::default()
+        };
+        let opened = match &session_id {
+            Some(id) => pool.open_or_get(self.sessions.owner, id, ask).await?,
+            None => pool.open_for_one(ask, "mcp").await?,
+        };
+        let ran = async {
+            let claim = opened.claim_in_turn(context.ct.clone()).await?;
+            // Like a task, a call takes one of the daemon's execution slots while it runs.
+            let _slot = self
+                .supervisor
+                .execution_slot(&context.ct)
+                .await
+                .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+            let mut guard = claim.session().await;
+            let Some(session) = guard.as_mut() else {
+                return Err(Failed::Refused(Refusal::invalid(format!(
+                    "session `{}` was closed; use another id",
+                    opened.id()
+                ))));
+            };
+            let caps = self.supervisor.files().upload_caps();
+            let given = given.as_ref().map(|f| (f.path(), caps));
+            let ctx = ExecContext::new(context.ct.clone());
+            Ok::<_, Failed>(run_with_files(session.as_mut(), given, request, ctx).await?)
         }
-        if self.sessions.map.lock().map(|m| m.len()).unwrap_or(0) >= MAX_SESSIONS {
-            return Err(ErrorData::invalid_params(
-                format!("this connection already holds {MAX_SESSIONS} sessions; reuse one"),
-                None,
-            ));
+        .await;
+        if session_id.is_none() {
+            opened.close().await;
         }
-        let session = open(sandbox, limits).await?;
-        let entry = Arc::new(tokio::sync::Mutex::new(Entry {
-            session: Some(session),
-            executor: executor.to_owned(),
-            used: Instant::now(),
-        }));
-        let raced = self.sessions.map.lock().ok().map(|mut m| {
-            m.entry(id.to_owned())
-                .or_insert_with(|| entry.clone())
-                .clone()
-        });
-        match raced {
-            // Another call opened it first: this one is closed, theirs used.
-            Some(theirs) if !Arc::ptr_eq(&theirs, &entry) => {
-                close(&entry).await;
-                Ok(theirs)
-            }
-            _ => Ok(entry),
-        }
+        let (outcome, pictures) = ran?;
+        let mut result = outcome_result(&outcome, session_id.as_deref());
+        result.content.extend(pictures);
+        Ok(result)
     }
 }
 
-async fn open(
-    sandbox: &dyn tandem_executor::Executor,
-    limits: Limits,
-) -> Result<Box<dyn Session>, ErrorData> {
-    sandbox
-        .open(SessionSpec {
-            limits,
-            labels: vec![(tandem_executor::WITHOUT_TASK.to_owned(), "mcp".to_owned())],
-            ..SessionSpec::default()
-        })
-        .await
-        .map_err(|e| ErrorData::internal_error(format!("opening a sandbox failed: {e}"), None))
+/// Why a call failed: refused by the pool's one check, or broken on the way.
+enum Failed {
+    Refused(Refusal),
+    Error(ErrorData),
 }
 
+impl From<Refusal> for Failed {
+    fn from(r: Refusal) -> Self {
+        Failed::Refused(r)
+    }
+}
+
+impl From<ErrorData> for Failed {
+    fn from(e: ErrorData) -> Self {
+        Failed::Error(e)
+    }
+}
 /// A call's result when the block was not run: an error result the client's model reads.
 fn declined(text: String) -> CallToolResult {
     let mut result = CallToolResult::error(vec![ContentBlock::text(text.clone())]);

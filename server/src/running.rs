@@ -10,7 +10,7 @@ use tandem_executor::CancellationToken;
 
 /// The tasks running here; cloning shares them.
 #[derive(Clone, Default)]
-pub(crate) struct Held(Arc<Mutex<HashMap<String, Holding>>>);
+pub(crate) struct RunningTasks(Arc<Mutex<HashMap<String, Holding>>>);
 
 /// One task running here.
 struct Holding {
@@ -24,7 +24,7 @@ struct Holding {
     lost: bool,
 }
 
-impl Held {
+impl RunningTasks {
     /// Holds task `id` under lease `epoch`, cancelled by `token`; a task claimed again
     /// replaces what was held of it.
     pub(crate) fn take(&self, id: &str, epoch: u64, token: CancellationToken) {
@@ -136,8 +136,8 @@ impl Held {
 mod tests {
     use super::*;
 
-    fn held(ids: &[(&str, u64)]) -> (Held, Vec<CancellationToken>) {
-        let held = Held::default();
+    fn held(ids: &[(&str, u64)]) -> (RunningTasks, Vec<CancellationToken>) {
+        let held = RunningTasks::default();
         let tokens = ids
             .iter()
             .map(|(id, epoch)| {
