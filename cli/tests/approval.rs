@@ -520,7 +520,10 @@ impl Terminal {
     }
 
     fn tmux(&self, args: &[&str]) -> String {
+        // A server of its own: tests that start and end tmux servers at once never meet a
+        // shared one as it exits.
         let out = std::process::Command::new("tmux")
+            .args(["-L", &self.session])
             .args(args)
             .output()
             .unwrap();
@@ -575,7 +578,7 @@ impl Terminal {
 impl Drop for Terminal {
     fn drop(&mut self) {
         let _ = std::process::Command::new("tmux")
-            .args(["kill-session", "-t", &self.session])
+            .args(["-L", &self.session, "kill-server"])
             .status();
     }
 }

@@ -494,7 +494,10 @@ impl Pane {
     }
 
     fn tmux(&self, args: &[&str]) -> String {
+        // A server of its own: tests that start and end tmux servers at once never meet a
+        // shared one as it exits.
         let out = std::process::Command::new("tmux")
+            .args(["-L", &self.session])
             .args(args)
             .output()
             .unwrap();
@@ -536,7 +539,7 @@ impl Pane {
 impl Drop for Pane {
     fn drop(&mut self) {
         let _ = std::process::Command::new("tmux")
-            .args(["kill-session", "-t", &self.session])
+            .args(["-L", &self.session, "kill-server"])
             .status();
     }
 }

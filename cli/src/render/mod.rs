@@ -1,9 +1,12 @@
-//! Showing events to a person, or as JSON lines to a program.
+//! Showing events to a person, or as JSON lines to a program: one [`Transcript`] per way
+//! of writing them, behind one [`Renderer`] that owns the writer and its first failure.
+
+mod human;
+mod json;
 
 use std::io::{self, IsTerminal, Write};
-use std::time::{SystemTime, UNIX_EPOCH};
 
-use tandem_protocol::{BlockResult, BlockStatus, Event, EventMsg, OutputStream, StopReason};
+use tandem_protocol::{BlockResult, BlockStatus, EventMsg, OutputStream};
 
 /// How events are written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,30 +59,39 @@ impl Shown {
     }
 }
 
+/// One way of writing a task's events; the renderer gives it the writer.
+trait Transcript: Send {
+    /// Writes the `seq`th event.
+    fn event(&mut self, out: &mut dyn Write, seq: u64, msg: &EventMsg) -> io::Result<()>;
+    /// Names where the task runs, for a header.
+    fn set_place(&mut self, _place: String) {}
+    /// Shows pictures inline as they are drawn.
+    fn set_pictures(&mut self, _pictures: Option<Pictures>) {}
+    /// What comes before the kept files' `file_saved` events.
+    fn kept_before(&mut self, _out: &mut dyn Write, _kept: &crate::keep::Kept) -> io::Result<()> {
+        Ok(())
+    }
+    /// What comes after them: what the size cap left out, and the answer again.
+    fn kept_after(
+        &mut self,
+        _out: &mut dyn Write,
+        _kept: &crate::keep::Kept,
+        _max_mb: u64,
+        _how: &str,
+    ) -> io::Result<()> {
+        Ok(())
+    }
+}
+
 /// Turns events into output; the first write error (a closed pipe) is kept and reported.
 pub struct Renderer<W: Write> {
     out: W,
-    mode: Mode,
-    color: bool,
     seq: u64,
-    /// Whether streamed text was shown for the current turn (non-streaming servers send none).
-    streamed: bool,
-    at_line_start: bool,
-    shown: Shown,
-    /// What a model or a program wrote is made inert as it streams.
-    inert: crate::inert::Inert,
-    /// Where the task runs ("in this process", "on the daemon at ..."), for the header.
-    place: Option<String>,
-    /// Which agent each event belongs to, for `--json`.
-    speakers: tandem_protocol::Speakers,
+    transcript: Box<dyn Transcript>,
     /// Where a failed task's reason is said as well: the transcript may be going to a file or
     /// a pipe that no one reads now.
     failures: Option<Box<dyn Write + Send>>,
-    /// How pictures are shown inline, when they are.
-    pictures: Option<Pictures>,
     pub error: Option<io::Error>,
-    /// The task's answer, told again below the list of kept files so it stays last.
-    answer: Option<String>,
 }
 
 /// Reads a picture a task drew: its path in the workspace and, on a daemon, where to
@@ -123,58 +135,46 @@ impl Renderer<io::Stdout> {
 
 impl<W: Write> Renderer<W> {
     pub fn new(out: W, mode: Mode, color: bool) -> Self {
+        let transcript: Box<dyn Transcript> = match mode {
+            Mode::Human => Box::new(human::Human::new(color)),
+            Mode::Json => Box::new(json::JsonLines::default()),
+        };
         Self {
             out,
-            mode,
-            color,
             seq: 0,
-            streamed: false,
-            at_line_start: true,
-            shown: Shown::default(),
-            inert: crate::inert::Inert::default(),
-            place: None,
-            speakers: tandem_protocol::Speakers::default(),
+            transcript,
             failures: None,
-            pictures: None,
             error: None,
-            answer: None,
         }
     }
 
     /// Names where the task runs in the transcript's header.
     pub fn place(mut self, place: impl Into<String>) -> Self {
-        self.place = Some(place.into());
+        self.set_place(place);
         self
     }
 
     /// Names where the task runs, after the renderer was made.
     pub fn set_place(&mut self, place: impl Into<String>) {
-        self.place = Some(place.into());
+        self.transcript.set_place(place.into());
     }
 
     /// Shows pictures inline as they are drawn.
     pub fn pictures(mut self, pictures: Option<Pictures>) -> Self {
-        self.pictures = pictures;
+        self.set_pictures(pictures);
         self
     }
 
     /// [`Renderer::pictures`], after the renderer was made.
     pub fn set_pictures(&mut self, pictures: Option<Pictures>) {
-        self.pictures = pictures;
+        self.transcript.set_pictures(pictures);
     }
 
     /// Says what was kept of the task's files: a rule naming the directory and a line per
     /// file (as JSON, a `file_saved` event per file), then what the size cap left out and
     /// how to get it; nothing when the task made nothing.
     pub fn kept(&mut self, kept: &crate::keep::Kept, max_mb: u64, how: &str) {
-        let human = self.mode == Mode::Human;
-        if let (true, Some(dir), false) = (human, &kept.dir, kept.saved.is_empty()) {
-            let label = format!(
-                "files kept in {}",
-                tandem_protocol::files::shown(&dir.display().to_string())
-            );
-            self.say(|r| r.rule(&label));
-        }
+        self.say(|out, t| t.kept_before(out, kept));
         for s in &kept.saved {
             self.event(&EventMsg::FileSaved {
                 file: s.file.rel.to_string_lossy().into_owned(),
@@ -182,32 +182,15 @@ impl<W: Write> Renderer<W> {
                 to: s.to.display().to_string(),
             });
         }
-        let listed = human && (!kept.saved.is_empty() || !kept.over.is_empty());
-        if human && !kept.over.is_empty() {
-            let bytes: u64 = kept.over.iter().map(|f| f.bytes).sum();
-            let n = kept.over.len();
-            let label = format!(
-                "{n} file{} ({}) not kept, over --out-max-mb {max_mb}: {how}",
-                if n == 1 { "" } else { "s" },
-                size(bytes)
-            );
-            self.say(|r| r.rule(&label));
-        }
-        // The answer stays the transcript's last line, below the list of files.
-        if let (true, Some(answer)) = (listed, self.answer.clone()) {
-            self.say(|r| {
-                r.rule("answer")?;
-                r.text(&format!("{answer}\n"))
-            });
-        }
+        self.say(|out, t| t.kept_after(out, kept, max_mb, how));
     }
 
     /// Writes with `f` unless an earlier write failed; keeps the first failure.
-    fn say(&mut self, f: impl FnOnce(&mut Self) -> io::Result<()>) {
+    fn say(&mut self, f: impl FnOnce(&mut dyn Write, &mut dyn Transcript) -> io::Result<()>) {
         if self.error.is_some() {
             return;
         }
-        if let Err(e) = f(self).and_then(|()| self.out.flush()) {
+        if let Err(e) = f(&mut self.out, &mut *self.transcript).and_then(|()| self.out.flush()) {
             self.error = Some(e);
         }
     }
@@ -234,419 +217,8 @@ impl<W: Write> Renderer<W> {
             return;
         }
         self.seq += 1;
-        let result = match self.mode {
-            Mode::Json => self.json(msg),
-            Mode::Human => self.human(msg),
-        };
-        if let Err(e) = result.and_then(|()| self.out.flush()) {
-            self.error = Some(e);
-        }
-    }
-
-    fn json(&mut self, msg: &EventMsg) -> io::Result<()> {
-        let at_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-            .unwrap_or(0);
-        let event = Event {
-            seq: self.seq,
-            at_ms,
-            path: self.speakers.agent_of(msg),
-            msg: msg.clone(),
-        };
-        let line = crate::inert::json(serde_json::to_string(&event)?);
-        self.out.write_all(line.as_bytes())?;
-        self.out.write_all(b"\n")
-    }
-
-    /// Writes text a model, a program or the task's files may have chosen: inert, its
-    /// control characters shown as escapes.
-    fn text(&mut self, s: &str) -> io::Result<()> {
-        let s = self.inert.piece(s);
-        if !s.is_empty() {
-            self.out.write_all(s.as_bytes())?;
-            self.at_line_start = s.ends_with('\n');
-        }
-        Ok(())
-    }
-
-    /// Writes what the transcript says itself, its own colours included.
-    fn raw(&mut self, s: &str) -> io::Result<()> {
-        self.inert.interrupt();
-        if !s.is_empty() {
-            self.out.write_all(s.as_bytes())?;
-            self.at_line_start = s.ends_with('\n');
-        }
-        Ok(())
-    }
-
-    fn rule(&mut self, label: &str) -> io::Result<()> {
-        self.rule_at("", label)
-    }
-
-    /// A rule on a line of its own, after `indent`.
-    /// The label may hold what a model or a program said (a reason, an error): it is shown
-    /// on the rule's one line, inert.
-    fn rule_at(&mut self, indent: &str, label: &str) -> io::Result<()> {
-        if !self.at_line_start {
-            self.raw("\n")?;
-        }
-        let label = crate::inert::line(label);
-        let line = if self.color {
-            format!("{indent}\x1b[2m── {label} ──\x1b[0m\n")
-        } else {
-            format!("{indent}── {label} ──\n")
-        };
-        self.raw(&line)
-    }
-
-    fn output(&mut self, stream: OutputStream, text: &str) -> io::Result<()> {
-        match stream {
-            OutputStream::Stderr if self.color && !text.is_empty() => {
-                let text = self.inert.piece(text);
-                self.out
-                    .write_all(format!("\x1b[31m{text}\x1b[0m").as_bytes())?;
-                self.at_line_start = text.ends_with('\n');
-                Ok(())
-            }
-            _ => self.text(text),
-        }
-    }
-
-    fn human(&mut self, msg: &EventMsg) -> io::Result<()> {
-        // What the pictures of a block left out is said once they end.
-        let picture_of = match msg {
-            EventMsg::Artifact { turn, index, .. } => Some((*turn, *index)),
-            _ => None,
-        };
-        if let Some(note) = self
-            .pictures
-            .as_mut()
-            .and_then(|p| p.bounds.note_before(picture_of))
-        {
-            self.rule(&note)?;
-        }
-        match msg {
-            EventMsg::TaskStarted {
-                model,
-                base_url,
-                executor,
-                trace,
-                ..
-            } => {
-                let place = self
-                    .place
-                    .as_deref()
-                    .map_or(String::new(), |p| format!(" · {p}"));
-                let trace = trace
-                    .as_deref()
-                    .and_then(tandem_protocol::trace_id_of)
-                    .map_or(String::new(), |id| format!(" · trace {id}"));
-                self.rule(&format!(
-                    "tandem · model {model} at {base_url} · executor {executor}{place}{trace}"
-                ))
-            }
-            EventMsg::TurnStarted { turn, agent: None } => {
-                self.streamed = false;
-                self.rule(&format!("assistant · turn {turn}"))
-            }
-            EventMsg::TeamEnded { agent, by } => {
-                let (indent, name) = speaker(agent);
-                self.rule_at(&indent, &format!("{name} ended: {by}"))
-            }
-            EventMsg::TurnStarted {
-                turn,
-                agent: Some(agent),
-            } => {
-                self.streamed = false;
-                let (indent, name) = speaker(agent);
-                self.rule_at(&indent, &format!("{name} · turn {turn}"))
-            }
-            EventMsg::AssistantDelta { text, .. } => {
-                self.streamed = true;
-                self.text(text)
-            }
-            EventMsg::SandboxLost { host, reason, .. } => self.rule(&format!(
-                "the sandbox on {host} was lost ({reason}); running the block again on another host"
-            )),
-            EventMsg::ModelRetry {
-                attempt,
-                delay_ms,
-                reason,
-                ..
-            } => {
-                self.streamed = false;
-                self.rule(&format!(
-                    "model call failed ({reason}); retry {attempt} in {:.1} s",
-                    *delay_ms as f64 / 1000.0
-                ))
-            }
-            EventMsg::RepliesDrawn {
-                drawn,
-                chosen,
-                held,
-                examples,
-                ..
-            } => {
-                let kept = match chosen {
-                    0 => "kept this one".to_owned(),
-                    n => {
-                        // The text streamed above is not the reply run: the kept one is shown.
-                        self.streamed = false;
-                        format!("kept drawn reply {n}, below")
-                    }
-                };
-                let replies = if *drawn == 1 { "reply" } else { "replies" };
-                self.rule(&format!(
-                    "the task's examples do not all hold against its code: drew {drawn} more {replies}; {kept}, which holds {held} of {examples}"
-                ))
-            }
-            EventMsg::AssistantMessage { text, .. } => {
-                if !self.streamed {
-                    self.text(text)?;
-                }
-                if self.at_line_start {
-                    Ok(())
-                } else {
-                    self.text("\n")
-                }
-            }
-            EventMsg::CodeBlock {
-                index, language, ..
-            } => {
-                self.shown.clear();
-                let lang = language.as_deref().unwrap_or("untagged");
-                self.rule(&format!("block {index} · {lang}"))
-            }
-            EventMsg::ApprovalRequested {
-                n, rule, reason, ..
-            } => {
-                let by = rule
-                    .as_deref()
-                    .map(|r| format!(" (rule `{r}`)"))
-                    .unwrap_or_default();
-                self.rule(&format!("approval {n} asked{by}: {reason}"))
-            }
-            EventMsg::ApprovalDecided {
-                n,
-                decision,
-                by,
-                code,
-                reason,
-                rule,
-                ..
-            } => {
-                let what = match (decision, code.is_some()) {
-                    (tandem_protocol::Decision::Approve, true) => "approved, edited",
-                    (tandem_protocol::Decision::Approve, false) => "approved",
-                    (tandem_protocol::Decision::Deny, _) => "denied",
-                };
-                let by = match rule {
-                    Some(rule) => format!("rule `{rule}`"),
-                    None => by.clone(),
-                };
-                let why = reason
-                    .as_deref()
-                    .map(|r| format!(": {r}"))
-                    .unwrap_or_default();
-                let label = if *n == 0 {
-                    format!("{what} by {by}{why}")
-                } else {
-                    format!("approval {n} {what} by {by}{why}")
-                };
-                self.rule(&label)?;
-                match code {
-                    Some(code) => {
-                        self.text(code)?;
-                        self.text(if code.ends_with('\n') { "" } else { "\n" })
-                    }
-                    None => Ok(()),
-                }
-            }
-            EventMsg::ExecOutput { text, stream, .. } => {
-                self.shown.push(*stream, text);
-                self.output(*stream, text)
-            }
-            EventMsg::ExecResult { result, .. } => {
-                for stream in [OutputStream::Stdout, OutputStream::Stderr] {
-                    let rest = self.shown.rest(stream, result);
-                    self.output(stream, rest)?;
-                }
-                self.rule(&result_line(result))
-            }
-            EventMsg::Artifact {
-                turn,
-                index,
-                file,
-                mime,
-                bytes,
-                href,
-            } => {
-                self.rule(&format!(
-                    "picture {} · {mime} · {}",
-                    tandem_protocol::files::shown(file),
-                    size(*bytes)
-                ))?;
-                let Some(p) = self.pictures.as_mut() else {
-                    return Ok(());
-                };
-                // Only what will be read and decoded counts against the bounds on pictures.
-                let escapes = if mime != "image/png" {
-                    Err(crate::picture::Refused::Type)
-                } else if *bytes > crate::picture::MAX_BYTES {
-                    Err(crate::picture::Refused::Unread)
-                } else {
-                    p.bounds.try_one((*turn, *index))
-                };
-                let escapes = escapes
-                    .and_then(|()| {
-                        (p.source)(file, href.as_deref()).ok_or(crate::picture::Refused::Unread)
-                    })
-                    .and_then(|data| crate::picture::check(&data, mime))
-                    .and_then(|picture| {
-                        p.protocol
-                            .encode(&picture, p.tmux)
-                            .ok_or(crate::picture::Refused::Broken)
-                    })
-                    .and_then(|escapes| p.bounds.send(escapes.len()).map(|()| escapes));
-                match escapes {
-                    Ok(escapes) => {
-                        self.inert.interrupt();
-                        self.out.write_all(&escapes)?;
-                        self.at_line_start = true;
-                    }
-                    Err(why) => p.bounds.leave_out(why),
-                }
-                Ok(())
-            }
-            EventMsg::FileSaved { file, bytes, .. } => self.text(&format!(
-                "{:>10}  {}\n",
-                size(*bytes),
-                tandem_protocol::files::shown(file)
-            )),
-            EventMsg::ToolCall {
-                name, arguments, ..
-            } => {
-                self.shown.clear();
-                self.rule(&format!("call {name}"))?;
-                // The code of an `execute_code` call is shown as code, not as JSON.
-                let code = (name == tandem_protocol::tools::EXECUTE_CODE)
-                    .then(|| serde_json::from_str::<serde_json::Value>(arguments).ok())
-                    .flatten()
-                    .and_then(|v| v.get("code").and_then(|c| c.as_str()).map(str::to_owned));
-                let shown = code.as_deref().unwrap_or(arguments);
-                self.text(shown)?;
-                self.text(if shown.ends_with('\n') { "" } else { "\n" })
-            }
-            EventMsg::ToolResult {
-                name,
-                result,
-                is_error,
-                duration_ms,
-                ..
-            } => {
-                // An `execute_code` call's output was shown as a block's.
-                if name == tandem_protocol::tools::EXECUTE_CODE {
-                    return Ok(());
-                }
-                let how = if *is_error { "failed" } else { "answered" };
-                self.rule(&format!("{name} {how} · {duration_ms} ms"))?;
-                self.text(result)?;
-                self.text(if result.ends_with('\n') || result.is_empty() {
-                    ""
-                } else {
-                    "\n"
-                })
-            }
-            EventMsg::ExecutorMessage { text, .. } => {
-                // Output was shown live; only the executor's own words are worth repeating.
-                if !text.is_empty() && !text.starts_with("exitcode:") {
-                    self.rule("executor")?;
-                    self.text(text)?;
-                    self.text("\n")?;
-                } else if let Some(at) = tandem_agent::examples::note_in(text) {
-                    // What the examples said is the model's reason to go on or stop, and
-                    // was never shown live.
-                    self.rule("the task's examples")?;
-                    self.text(&text[at..])?;
-                    self.text("\n")?;
-                }
-                Ok(())
-            }
-            EventMsg::TaskFinished {
-                stop_reason,
-                turns,
-                usage,
-                elapsed_ms,
-                error,
-                check,
-                cost,
-                budget,
-                answer,
-                answer_from,
-                no_answer,
-                ..
-            } => {
-                if let Some(e) = error {
-                    self.rule(&format!("error: {}", e.message))?;
-                }
-                if let Some(b) = budget {
-                    self.rule(&format!("budget: {}", b.message()))?;
-                }
-                self.rule(&format!(
-                    "{} · {turns} turn{} · {} in / {} out tokens{} · {:.1} s",
-                    stop_label(*stop_reason),
-                    if *turns == 1 { "" } else { "s" },
-                    usage.prompt_tokens,
-                    usage.completion_tokens,
-                    cost.filter(|c| *c > 0.0)
-                        .map(|c| format!(" · cost {c:.4}"))
-                        .unwrap_or_default(),
-                    *elapsed_ms as f64 / 1000.0
-                ))?;
-                if let Some(check) = check {
-                    let detail = check.gist();
-                    let sep = if detail.is_empty() { "" } else { ": " };
-                    self.rule(&format!("check {}{sep}{detail}", check.verdict.as_str()))?;
-                }
-                // The answer last, where `| tail` and a person's eye find it.
-                match (answer.as_deref().map(str::trim), answer_from) {
-                    (Some(answer), from) if !answer.is_empty() => {
-                        self.answer = Some(answer.to_owned());
-                        if *from == Some(tandem_protocol::AnswerFrom::Output) {
-                            self.rule("answer: what the code printed")?;
-                        }
-                        self.text(&format!("{answer}\n"))
-                    }
-                    _ => match no_answer {
-                        Some(why) => self.rule(&format!("no answer: {why}")),
-                        None => Ok(()),
-                    },
-                }
-            }
-        }
-    }
-}
-
-/// A team member's path (`team/solve/coder`) as the transcript shows it: indented by its
-/// nesting, named by its last part.
-fn speaker(path: &str) -> (String, &str) {
-    let mut parts: Vec<&str> = path.split('/').collect();
-    let name = parts.pop().unwrap_or_default();
-    ("  ".repeat(parts.len().saturating_sub(1)), name)
-}
-
-fn stop_label(reason: StopReason) -> &'static str {
-    match reason {
-        StopReason::Terminated => "done",
-        StopReason::Answered => "done: answered",
-        StopReason::ExamplesHeld => "done: the task's examples hold",
-        StopReason::MaxTurns => "stopped: turn limit reached",
-        StopReason::Timeout => "stopped: task timeout",
-        StopReason::Budget => "stopped: budget reached",
-        StopReason::Cancelled => "cancelled",
-        StopReason::Error => "failed",
-        StopReason::Repeated => "stopped: the same code sent again",
+        let seq = self.seq;
+        self.say(|out, t| t.event(out, seq, msg));
     }
 }
 
