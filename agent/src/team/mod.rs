@@ -1,9 +1,11 @@
 //! Teams of agents: a group chat, a loop, a sequence or a parallel of assistants, executors
 //! and other teams, as a [`TeamSpec`](tandem_protocol::team::TeamSpec) describes them.
 
+mod build;
 pub mod check;
 pub mod history;
 pub mod run;
+mod spend;
 pub mod task;
 mod termination;
 

@@ -20,6 +20,7 @@ use tandem_protocol::{
 use tracing::Instrument;
 
 pub use super::history::{Replay, Said};
+use super::spend::{Spend, Spending};
 use super::termination::{ChatState, Condition, Test};
 use crate::blocks::{self, RunOptions, SessionSlot};
 use crate::chat::{ChatModel, ToolOffer};
@@ -153,48 +154,42 @@ impl Agent for ChatModel {
 /// What a team needs that the file does not say: a model per assistant, an executor session
 /// per executor, and where events go.
 pub struct Team {
-    root: Node,
-    models: HashMap<String, Arc<dyn Agent>>,
-    selector: Arc<dyn Agent>,
-    slots: HashMap<String, tokio::sync::Mutex<SessionSlot>>,
-    redact: HashMap<String, Vec<Regex>>,
+    pub(super) root: Node,
+    pub(super) models: HashMap<String, Arc<dyn Agent>>,
+    pub(super) selector: Arc<dyn Agent>,
+    pub(super) slots: HashMap<String, tokio::sync::Mutex<SessionSlot>>,
+    pub(super) redact: HashMap<String, Vec<Regex>>,
     /// Most turns of all agents together, whatever the team's own limits.
     pub max_turns: u32,
-    hooks: Vec<std::sync::Arc<dyn Hook>>,
-    approval: Option<Arc<crate::approval::ApprovalGate>>,
-    block_timeout: Duration,
-    output_cap: usize,
+    pub(super) hooks: Vec<std::sync::Arc<dyn Hook>>,
+    pub(super) approval: Option<Arc<crate::approval::ApprovalGate>>,
+    pub(super) block_timeout: Duration,
+    pub(super) output_cap: usize,
     /// Every `mention` and `ends_with` word of the team's chats: a block holding only one of
     /// them is a way of saying it, which no executor runs.
-    words: Vec<String>,
+    pub(super) words: Vec<String>,
     /// Each chat's termination, compiled once, by the chat's path.
-    conditions: HashMap<String, Condition>,
+    pub(super) conditions: HashMap<String, Condition>,
     /// Turns are the assistants' alone, told as `turn_started`: an executor's reply belongs
     /// to the turn whose code it answers (the two-agent pair's shape).
-    exchange_turns: bool,
-    /// What the task may spend on model calls.
-    budget: crate::budget::Budget,
+    pub(super) exchange_turns: bool,
+    /// What the task may spend on model calls, and each model's price.
+    pub(super) spend: Spend,
     /// Each model's name and whether it runs in this process, by the path of its agent.
-    model_names: HashMap<String, (String, bool)>,
-    /// Each model's price, by the path of its agent; one without a price makes the task's
-    /// cost unknown.
-    prices: HashMap<String, crate::budget::Price>,
-    /// What an interrupted run of the task already spent: its tokens, and their cost when
-    /// every model it called has a price.
-    spent_before: (Usage, Option<f64>),
+    pub(super) model_names: HashMap<String, (String, bool)>,
     /// The JSON Schema the task's final answer ends with a value of, checked when the top
     /// chat would end; a task's result.
-    output_schema: Option<Arc<crate::schema::OutputSchema>>,
+    pub(super) output_schema: Option<Arc<crate::schema::OutputSchema>>,
     /// Each assistant's tools, by its name (what its messages' `speaker` is): offered to its
     /// model, and run by the executor that answers it.
-    tools: HashMap<String, Arc<ToolBox>>,
+    pub(super) tools: HashMap<String, Arc<ToolBox>>,
     /// The examples the task states, by the path of the executor that runs them against the
     /// code it ran.
-    examples: HashMap<String, Arc<crate::examples::Examples>>,
+    pub(super) examples: HashMap<String, Arc<crate::examples::Examples>>,
     /// How many replies there are to choose among when an assistant's reply first fails the
     /// examples, its own with them, and the executor whose examples choose, by the
     /// assistant's path.
-    candidates: HashMap<String, (String, u32)>,
+    pub(super) candidates: HashMap<String, (String, u32)>,
 }
 
 /// How a run of a team went.
@@ -225,221 +220,6 @@ impl std::fmt::Debug for Team {
 }
 
 impl Team {
-    /// Prepares `root`: `model` gives each assistant's (and the selector's) model, `slot`
-    /// each executor's session.
-    pub fn new(
-        root: Node,
-        selector: ChatModel,
-        mut model: impl FnMut(&Node) -> Result<ChatModel, ErrorInfo>,
-        mut slot: impl FnMut(&Node) -> Result<SessionSlot, ErrorInfo>,
-        max_turns: u32,
-        limits: &tandem_executor::Limits,
-    ) -> Result<Self, ErrorInfo> {
-        let mut model_names = HashMap::new();
-        model_names.insert(
-            SELECTOR.to_owned(),
-            (selector.config().model.clone(), selector.is_embedded()),
-        );
-        let mut team = Self {
-            models: HashMap::new(),
-            selector: Arc::new(selector),
-            slots: HashMap::new(),
-            redact: HashMap::new(),
-            max_turns,
-            hooks: Vec::new(),
-            approval: None,
-            block_timeout: limits.wall,
-            output_cap: limits.output_bytes,
-            words: Vec::new(),
-            exchange_turns: false,
-            budget: crate::budget::Budget::default(),
-            model_names,
-            prices: HashMap::new(),
-            spent_before: (Usage::default(), Some(0.0)),
-            output_schema: None,
-            conditions: HashMap::new(),
-            tools: HashMap::new(),
-            examples: HashMap::new(),
-            candidates: HashMap::new(),
-            root: root.clone(),
-        };
-        let mut stack = vec![&root];
-        while let Some(node) = stack.pop() {
-            match node.spec.kind {
-                Kind::Assistant => {
-                    let made = model(node)?;
-                    team.model_names.insert(
-                        node.path.clone(),
-                        (made.config().model.clone(), made.is_embedded()),
-                    );
-                    team.models.insert(node.path.clone(), Arc::new(made));
-                }
-                Kind::Executor => {
-                    team.slots
-                        .insert(node.path.clone(), tokio::sync::Mutex::new(slot(node)?));
-                }
-                Kind::Chat => {
-                    if let Some(t) = &node.spec.termination {
-                        let condition = Condition::compile(t).map_err(|e| ErrorInfo {
-                            code: ErrorCode::InvalidRequest,
-                            message: format!("{}.{e}", node.path),
-                        })?;
-                        condition.words_into(&mut team.words);
-                        team.conditions.insert(node.path.clone(), condition);
-                    }
-                    // A chat's `llm` selection may name its own model: made as an
-                    // assistant with that model would be.
-                    if let Some(tandem_protocol::team::Selection::Table(t)) = &node.spec.selection
-                        && let Some(m) = &t.model
-                    {
-                        let mut selector = node.clone();
-                        selector.spec.model = Some(m.clone());
-                        selector.spec.base_url = None;
-                        let made = model(&selector)?;
-                        let path = format!("{}/selector", node.path);
-                        team.model_names.insert(
-                            path.clone(),
-                            (made.config().model.clone(), made.is_embedded()),
-                        );
-                        team.models.insert(path, Arc::new(made));
-                    }
-                }
-                _ => {}
-            }
-            let patterns = node.spec.redact.iter().flatten();
-            let compiled: Result<Vec<Regex>, _> = patterns.map(|p| Regex::new(p)).collect();
-            team.redact.insert(
-                node.path.clone(),
-                compiled.map_err(|e| ErrorInfo {
-                    code: ErrorCode::InvalidRequest,
-                    message: format!("{}: {e}", node.path),
-                })?,
-            );
-            stack.extend(&node.members);
-        }
-        Ok(team)
-    }
-
-    /// Has the executor at `path` run the examples `task` states (if it states any) against
-    /// each clean run of code that defines what they call.
-    pub fn with_examples(mut self, path: &str, task: &str) -> Self {
-        if let Some(examples) = Examples::from_task(task) {
-            self.examples.insert(path.to_owned(), Arc::new(examples));
-        }
-        self
-    }
-
-    /// Has the assistant at `path` run the examples `executor` runs against each reply's
-    /// code before `executor` runs it, and the first time they do not all hold, draw `k - 1`
-    /// more replies at once and keep the one whose code holds the most; without examples, or
-    /// with `k` below 2, it replies once.
-    pub fn with_candidates(mut self, path: &str, executor: &str, k: u32) -> Self {
-        if k > 1 {
-            self.candidates.insert(
-                path.to_owned(),
-                (executor.to_owned(), k.min(MOST_CANDIDATES)),
-            );
-        }
-        self
-    }
-
-    /// Puts `agent` in the place of the assistant at `path` (`team/reviewer`); an error when
-    /// there is no assistant there.
-    pub fn with_agent(mut self, path: &str, agent: Arc<dyn Agent>) -> Result<Self, ErrorInfo> {
-        match self.models.get_mut(path) {
-            Some(slot) if !path.ends_with("/selector") => {
-                *slot = agent;
-                Ok(self)
-            }
-            _ => Err(ErrorInfo {
-                code: ErrorCode::InvalidRequest,
-                message: format!("{path}: no assistant of this team is there"),
-            }),
-        }
-    }
-
-    /// Gives the assistant at `path` (`team/coder`) `tools`; an error when there is no
-    /// assistant there.
-    pub fn with_tools(mut self, path: &str, tools: ToolBox) -> Result<Self, ErrorInfo> {
-        if !self.models.contains_key(path) || path.ends_with("/selector") {
-            return Err(ErrorInfo {
-                code: ErrorCode::InvalidRequest,
-                message: format!("{path}: no assistant of this team is there"),
-            });
-        }
-        let name = path.rsplit('/').next().unwrap_or(path).to_owned();
-        if tools.is_empty() {
-            self.tools.remove(&name);
-        } else {
-            self.tools.insert(name, Arc::new(tools));
-        }
-        Ok(self)
-    }
-
-    /// Counts and tells turns as the two-agent pair does: only assistants' turns count
-    /// against `max_turns`, each is announced by `turn_started`, an executor's reply shares
-    /// the number of the turn it answers, and no agent or `team_ended` is told.
-    pub fn exchange_turns(mut self) -> Self {
-        self.exchange_turns = true;
-        self
-    }
-
-    /// Checks every executor's blocks with `gate` before they run (an approval gate asks per
-    /// block, which a whole-message [`Hook`] cannot).
-    pub fn with_approval(mut self, gate: Option<Arc<crate::approval::ApprovalGate>>) -> Self {
-        self.approval = gate;
-        self
-    }
-
-    /// Holds the task's model calls to `budget`, pricing each model by its name in `prices`
-    /// (a model run in this process costs nothing).
-    pub fn with_budget(
-        mut self,
-        budget: crate::budget::Budget,
-        prices: &std::collections::BTreeMap<String, crate::budget::Price>,
-    ) -> Self {
-        self.budget = budget;
-        self.prices = self
-            .model_names
-            .iter()
-            .filter_map(|(path, (name, embedded))| {
-                let price = if *embedded {
-                    Some(crate::budget::Price::default())
-                } else {
-                    prices.get(name).copied()
-                };
-                price.map(|p| (path.clone(), p))
-            })
-            .collect();
-        self
-    }
-
-    /// Counts what an interrupted run of the task already spent, a model call's usage by the
-    /// path of the agent that made it, so that a resumed task's budgets hold across its runs.
-    /// Call after [`Team::with_budget`], whose prices it counts the cost at.
-    pub fn with_spent(mut self, calls: &[(String, Usage)]) -> Self {
-        let (mut usage, mut cost) = (Usage::default(), Some(0.0));
-        for (path, used) in calls {
-            usage.add(*used);
-            cost = crate::budget::add_cost(cost, self.prices.get(path), *used);
-        }
-        self.spent_before = (usage, cost);
-        self
-    }
-
-    /// Has the task's final answer end with a value matching `schema`: a chat at the top that
-    /// would end without one goes on, the model told what is wrong (a turn like any other).
-    pub fn with_output_schema(mut self, schema: Option<Arc<crate::schema::OutputSchema>>) -> Self {
-        self.output_schema = schema;
-        self
-    }
-
-    /// Adds a hook that every agent's turn passes through, in the order added.
-    pub fn with_hook(mut self, hook: std::sync::Arc<dyn Hook>) -> Self {
-        self.hooks.push(hook);
-        self
-    }
-
     /// Runs the team on `task`; returns how it ended, the history, the tokens used and the
     /// turns taken. `replay` is what a run that was interrupted already said, by agent path
     /// ([`replay_of`]): those turns are not asked again but their words taken, which brings
@@ -453,10 +233,8 @@ impl Team {
     ) -> Run {
         let shared = Shared {
             turns: AtomicU32::new(0),
-            usage: Mutex::new(self.spent_before.0),
+            spending: self.spend.start(),
             replay: Mutex::new(replay.into()),
-            cost: Mutex::new(self.spent_before.1),
-            reached: Mutex::new(None),
             result: Mutex::new(None),
             drew: std::sync::atomic::AtomicBool::new(false),
             checked: Mutex::new(None),
@@ -477,10 +255,10 @@ impl Team {
         Run {
             ended,
             history,
-            usage: shared.usage.lock().map(|u| *u).unwrap_or_default(),
+            usage: shared.spending.spent(),
             turns: shared.turns.load(Ordering::SeqCst),
-            cost: shared.cost.lock().ok().and_then(|c| *c),
-            budget: shared.reached.lock().ok().and_then(|mut r| r.take()),
+            cost: shared.spending.cost(),
+            budget: shared.spending.take_reached(),
             result: shared.result.lock().ok().and_then(|mut r| r.take()),
         }
     }
@@ -522,17 +300,14 @@ impl Team {
 
 /// The key of the team's own model (selection and `llm` terminations of chats that name no
 /// model of their own) among the agents' paths, which are never empty.
-const SELECTOR: &str = "";
+pub(super) const SELECTOR: &str = "";
 
 /// What every part of one run shares, parallel branches included.
 struct Shared {
     turns: AtomicU32,
-    usage: Mutex<Usage>,
+    /// What the run's model calls spent, and the budget that stopped it.
+    spending: Spending,
     replay: Mutex<std::collections::VecDeque<(String, Said)>>,
-    /// What the calls cost so far; `None` once a model without a price was called.
-    cost: Mutex<Option<f64>>,
-    /// The budget that stopped the run.
-    reached: Mutex<Option<tandem_protocol::BudgetReached>>,
     /// The value the final answer ended with, checked against the output schema.
     result: Mutex<Option<serde_json::Value>>,
     /// Replies were drawn to choose among: a task draws once, at its first reply whose
@@ -945,9 +720,9 @@ impl Ctx<'_> {
             cancel: &self.cancel,
             tools,
             max_tokens: self
-                .team
-                .budget
-                .output_left(self.spent())
+                .shared
+                .spending
+                .output_left(&self.team.spend)
                 .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
             sample: None,
         };
@@ -961,16 +736,9 @@ impl Ctx<'_> {
     /// The reply of turn `turn` is counted (its tokens and their cost) and told, as an
     /// `assistant_message`.
     fn told(&self, path: &str, turn: u32, reply: &AgentReply) {
-        if let (Some(u), Ok(mut usage)) = (reply.usage, self.shared.usage.lock()) {
-            usage.add(u);
-        }
-        if let Ok(mut cost) = self.shared.cost.lock() {
-            *cost = crate::budget::add_cost(
-                *cost,
-                self.team.prices.get(path),
-                reply.usage.unwrap_or_default(),
-            );
-        }
+        self.shared
+            .spending
+            .record(&self.team.spend, path, reply.usage);
         (self.events)(EventMsg::AssistantMessage {
             turn,
             text: reply.text.clone(),
@@ -1005,7 +773,7 @@ impl Ctx<'_> {
         executor: &str,
         k: u32,
     ) -> Result<Option<AgentReply>, ErrorInfo> {
-        let left = self.team.budget.output_left(self.spent());
+        let left = self.shared.spending.output_left(&self.team.spend);
         let own = Turn {
             number: turn,
             events: &self.events,
@@ -1750,21 +1518,11 @@ impl Ctx<'_> {
     }
 
     fn spent(&self) -> Usage {
-        self.shared.usage.lock().map(|u| *u).unwrap_or_default()
+        self.shared.spending.spent()
     }
 
-    /// Whether the task has reached a budget: then no further model call is made, and the
-    /// budget is kept for the run's end.
     fn over_budget(&self) -> Option<StopReason> {
-        let cost = self.shared.cost.lock().ok().and_then(|c| *c).unwrap_or(0.0);
-        let reached = self.team.budget.reached(self.spent(), cost)?;
-        tracing::info!(budget = %reached.budget, limit = reached.limit, spent = reached.spent, "the task reached a budget");
-        if let Ok(mut r) = self.shared.reached.lock()
-            && r.is_none()
-        {
-            *r = Some(reached);
-        }
-        Some(StopReason::Budget)
+        self.shared.spending.over(&self.team.spend)
     }
 
     fn tokens(&self) -> u64 {

@@ -1,0 +1,216 @@
+//! A team made ready to run: each assistant's model, each executor's session, each chat's
+//! termination compiled, and what the task adds (examples, candidates, tools, budget, output
+//! schema, hooks).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use regex::Regex;
+use tandem_protocol::team::Kind;
+use tandem_protocol::{ErrorCode, ErrorInfo, Usage};
+
+use super::run::{Agent, Hook, MOST_CANDIDATES, SELECTOR, Team};
+use super::termination::Condition;
+use crate::blocks::SessionSlot;
+use crate::chat::ChatModel;
+use crate::examples::Examples;
+use crate::team::Node;
+use crate::tools::ToolBox;
+
+impl Team {
+    /// Prepares `root`: `model` gives each assistant's (and the selector's) model, `slot`
+    /// each executor's session.
+    pub fn new(
+        root: Node,
+        selector: ChatModel,
+        mut model: impl FnMut(&Node) -> Result<ChatModel, ErrorInfo>,
+        mut slot: impl FnMut(&Node) -> Result<SessionSlot, ErrorInfo>,
+        max_turns: u32,
+        limits: &tandem_executor::Limits,
+    ) -> Result<Self, ErrorInfo> {
+        let mut model_names = HashMap::new();
+        model_names.insert(
+            SELECTOR.to_owned(),
+            (selector.config().model.clone(), selector.is_embedded()),
+        );
+        let mut team = Self {
+            models: HashMap::new(),
+            selector: Arc::new(selector),
+            slots: HashMap::new(),
+            redact: HashMap::new(),
+            max_turns,
+            hooks: Vec::new(),
+            approval: None,
+            block_timeout: limits.wall,
+            output_cap: limits.output_bytes,
+            words: Vec::new(),
+            exchange_turns: false,
+            spend: super::spend::Spend::default(),
+            model_names,
+            output_schema: None,
+            conditions: HashMap::new(),
+            tools: HashMap::new(),
+            examples: HashMap::new(),
+            candidates: HashMap::new(),
+            root: root.clone(),
+        };
+        let mut stack = vec![&root];
+        while let Some(node) = stack.pop() {
+            match node.spec.kind {
+                Kind::Assistant => {
+                    let made = model(node)?;
+                    team.model_names.insert(
+                        node.path.clone(),
+                        (made.config().model.clone(), made.is_embedded()),
+                    );
+                    team.models.insert(node.path.clone(), Arc::new(made));
+                }
+                Kind::Executor => {
+                    team.slots
+                        .insert(node.path.clone(), tokio::sync::Mutex::new(slot(node)?));
+                }
+                Kind::Chat => {
+                    if let Some(t) = &node.spec.termination {
+                        let condition = Condition::compile(t).map_err(|e| ErrorInfo {
+                            code: ErrorCode::InvalidRequest,
+                            message: format!("{}.{e}", node.path),
+                        })?;
+                        condition.words_into(&mut team.words);
+                        team.conditions.insert(node.path.clone(), condition);
+                    }
+                    // A chat's `llm` selection may name its own model: made as an
+                    // assistant with that model would be.
+                    if let Some(tandem_protocol::team::Selection::Table(t)) = &node.spec.selection
+                        && let Some(m) = &t.model
+                    {
+                        let mut selector = node.clone();
+                        selector.spec.model = Some(m.clone());
+                        selector.spec.base_url = None;
+                        let made = model(&selector)?;
+                        let path = format!("{}/selector", node.path);
+                        team.model_names.insert(
+                            path.clone(),
+                            (made.config().model.clone(), made.is_embedded()),
+                        );
+                        team.models.insert(path, Arc::new(made));
+                    }
+                }
+                _ => {}
+            }
+            let patterns = node.spec.redact.iter().flatten();
+            let compiled: Result<Vec<Regex>, _> = patterns.map(|p| Regex::new(p)).collect();
+            team.redact.insert(
+                node.path.clone(),
+                compiled.map_err(|e| ErrorInfo {
+                    code: ErrorCode::InvalidRequest,
+                    message: format!("{}: {e}", node.path),
+                })?,
+            );
+            stack.extend(&node.members);
+        }
+        Ok(team)
+    }
+
+    /// Has the executor at `path` run the examples `task` states (if it states any) against
+    /// each clean run of code that defines what they call.
+    pub fn with_examples(mut self, path: &str, task: &str) -> Self {
+        if let Some(examples) = Examples::from_task(task) {
+            self.examples.insert(path.to_owned(), Arc::new(examples));
+        }
+        self
+    }
+
+    /// Has the assistant at `path` run the examples `executor` runs against each reply's
+    /// code before `executor` runs it, and the first time they do not all hold, draw `k - 1`
+    /// more replies at once and keep the one whose code holds the most; without examples, or
+    /// with `k` below 2, it replies once.
+    pub fn with_candidates(mut self, path: &str, executor: &str, k: u32) -> Self {
+        if k > 1 {
+            self.candidates.insert(
+                path.to_owned(),
+                (executor.to_owned(), k.min(MOST_CANDIDATES)),
+            );
+        }
+        self
+    }
+
+    /// Puts `agent` in the place of the assistant at `path` (`team/reviewer`); an error when
+    /// there is no assistant there.
+    pub fn with_agent(mut self, path: &str, agent: Arc<dyn Agent>) -> Result<Self, ErrorInfo> {
+        match self.models.get_mut(path) {
+            Some(slot) if !path.ends_with("/selector") => {
+                *slot = agent;
+                Ok(self)
+            }
+            _ => Err(ErrorInfo {
+                code: ErrorCode::InvalidRequest,
+                message: format!("{path}: no assistant of this team is there"),
+            }),
+        }
+    }
+
+    /// Gives the assistant at `path` (`team/coder`) `tools`; an error when there is no
+    /// assistant there.
+    pub fn with_tools(mut self, path: &str, tools: ToolBox) -> Result<Self, ErrorInfo> {
+        if !self.models.contains_key(path) || path.ends_with("/selector") {
+            return Err(ErrorInfo {
+                code: ErrorCode::InvalidRequest,
+                message: format!("{path}: no assistant of this team is there"),
+            });
+        }
+        let name = path.rsplit('/').next().unwrap_or(path).to_owned();
+        if tools.is_empty() {
+            self.tools.remove(&name);
+        } else {
+            self.tools.insert(name, Arc::new(tools));
+        }
+        Ok(self)
+    }
+
+    /// Counts and tells turns as the two-agent pair does: only assistants' turns count
+    /// against `max_turns`, each is announced by `turn_started`, an executor's reply shares
+    /// the number of the turn it answers, and no agent or `team_ended` is told.
+    pub fn exchange_turns(mut self) -> Self {
+        self.exchange_turns = true;
+        self
+    }
+
+    /// Checks every executor's blocks with `gate` before they run (an approval gate asks per
+    /// block, which a whole-message [`Hook`] cannot).
+    pub fn with_approval(mut self, gate: Option<Arc<crate::approval::ApprovalGate>>) -> Self {
+        self.approval = gate;
+        self
+    }
+
+    /// Holds the task's model calls to `budget`, pricing each model by its name in `prices`
+    /// (a model run in this process costs nothing).
+    pub fn with_budget(
+        mut self,
+        budget: crate::budget::Budget,
+        prices: &std::collections::BTreeMap<String, crate::budget::Price>,
+    ) -> Self {
+        self.spend.set_budget(budget, prices, &self.model_names);
+        self
+    }
+
+    /// Counts what an interrupted run of the task already spent, a model call's usage by the
+    /// path of the agent that made it, so that a resumed task's budgets hold across its runs.
+    /// Call after [`Team::with_budget`], whose prices it counts the cost at.
+    pub fn with_spent(mut self, calls: &[(String, Usage)]) -> Self {
+        self.spend.set_spent(calls);
+        self
+    }
+
+    /// Has the task's final answer end with a value matching `schema`: a chat at the top that
+    /// would end without one goes on, the model told what is wrong (a turn like any other).
+    pub fn with_output_schema(mut self, schema: Option<Arc<crate::schema::OutputSchema>>) -> Self {
+        self.output_schema = schema;
+        self
+    }
+
+    /// Adds a hook that every agent's turn passes through, in the order added.
+    pub fn with_hook(mut self, hook: std::sync::Arc<dyn Hook>) -> Self {
+        self.hooks.push(hook);
+        self
+    }
+}
