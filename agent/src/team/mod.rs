@@ -1,8 +1,10 @@
 //! Teams of agents: a group chat, a loop, a sequence or a parallel of assistants, executors
 //! and other teams, as a [`TeamSpec`](tandem_protocol::team::TeamSpec) describes them.
 
+mod answer;
 mod build;
 pub mod check;
+mod drawing;
 pub mod history;
 pub mod run;
 mod spend;

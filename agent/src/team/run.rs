@@ -26,7 +26,6 @@ use crate::blocks::{self, RunOptions, SessionSlot};
 use crate::chat::{ChatModel, ToolOffer};
 use crate::events::EventSink;
 use crate::events::progress;
-use crate::examples::Examples;
 use crate::extract::{CodeBlock, extract_code_blocks};
 use crate::team::Node;
 use crate::termination::{is_termination_block, mentions};
@@ -37,7 +36,7 @@ pub const MOST_CANDIDATES: u32 = 8;
 
 /// The temperature of the replies drawn beside the agent's own: varied enough to differ
 /// where the agent's own went wrong.
-const CANDIDATE_TEMPERATURE: f32 = 0.8;
+pub(super) const CANDIDATE_TEMPERATURE: f32 = 0.8;
 
 /// How one agent's (or team's) run ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -303,29 +302,29 @@ impl Team {
 pub(super) const SELECTOR: &str = "";
 
 /// What every part of one run shares, parallel branches included.
-struct Shared {
-    turns: AtomicU32,
+pub(super) struct Shared {
+    pub(super) turns: AtomicU32,
     /// What the run's model calls spent, and the budget that stopped it.
-    spending: Spending,
-    replay: Mutex<std::collections::VecDeque<(String, Said)>>,
+    pub(super) spending: Spending,
+    pub(super) replay: Mutex<std::collections::VecDeque<(String, Said)>>,
     /// The value the final answer ended with, checked against the output schema.
-    result: Mutex<Option<serde_json::Value>>,
+    pub(super) result: Mutex<Option<serde_json::Value>>,
     /// Replies were drawn to choose among: a task draws once, at its first reply whose
     /// code does not hold its examples.
-    drew: std::sync::atomic::AtomicBool,
+    pub(super) drew: std::sync::atomic::AtomicBool,
     /// The code of the last reply told whose examples ran before it was, and what they
     /// printed: its executor reads that rather than run them again.
-    checked: Mutex<Option<(String, String)>>,
+    pub(super) checked: Mutex<Option<(String, String)>>,
     /// The model was told once that its answer disagrees with its code's output.
-    grounded: std::sync::atomic::AtomicBool,
+    pub(super) grounded: std::sync::atomic::AtomicBool,
 }
 
 /// A run, as one branch of it sees it: a parallel branch has its own event sink.
-struct Ctx<'a> {
-    team: &'a Team,
-    shared: &'a Shared,
-    events: EventSink,
-    cancel: CancellationToken,
+pub(super) struct Ctx<'a> {
+    pub(super) team: &'a Team,
+    pub(super) shared: &'a Shared,
+    pub(super) events: EventSink,
+    pub(super) cancel: CancellationToken,
 }
 
 /// The session slot of an executor agent `node` on `executor`, limited to the agent's
@@ -523,7 +522,7 @@ impl Ctx<'_> {
     }
 
     /// The blocks of `text` an executor runs: all but those holding only a termination word.
-    fn runnable(&self, text: &str) -> Vec<CodeBlock> {
+    pub(super) fn runnable(&self, text: &str) -> Vec<CodeBlock> {
         let mut code = extract_code_blocks(text);
         code.retain(|b| {
             !self
@@ -735,7 +734,7 @@ impl Ctx<'_> {
 
     /// The reply of turn `turn` is counted (its tokens and their cost) and told, as an
     /// `assistant_message`.
-    fn told(&self, path: &str, turn: u32, reply: &AgentReply) {
+    pub(super) fn told(&self, path: &str, turn: u32, reply: &AgentReply) {
         self.shared
             .spending
             .record(&self.team.spend, path, reply.usage);
@@ -745,195 +744,6 @@ impl Ctx<'_> {
             usage: reply.usage,
             tool_calls: reply.calls.clone(),
         });
-    }
-
-    /// The executor whose examples run against `node`'s reply before it is told, and how
-    /// many replies a reply they do not hold draws: while the task has not drawn, when code
-    /// comes as fenced blocks.
-    fn drawing(&self, node: &Node, offer: Option<&ToolOffer>) -> Option<(&str, u32)> {
-        let (executor, k) = self.team.candidates.get(&node.path)?;
-        (offer.is_none()
-            && self.team.examples.contains_key(executor)
-            && self.team.slots.contains_key(executor)
-            && !self.shared.drew.load(Ordering::SeqCst))
-        .then_some((executor.as_str(), *k))
-    }
-
-    /// The agent's reply, streamed as always, with the task's examples run against its code
-    /// before it is told. The first time they do not all hold, `k - 1` more replies to the
-    /// same view are drawn at once and quietly, sampled; the first whose code holds every
-    /// example, else the one that holds the most (the agent's own on a tie), is told as the
-    /// turn's reply, with the tokens of all of them.
-    async fn checked(
-        &self,
-        path: &str,
-        agent: &dyn Agent,
-        messages: &[Message],
-        turn: u32,
-        executor: &str,
-        k: u32,
-    ) -> Result<Option<AgentReply>, ErrorInfo> {
-        let left = self.shared.spending.output_left(&self.team.spend);
-        let own = Turn {
-            number: turn,
-            events: &self.events,
-            cancel: &self.cancel,
-            tools: None,
-            max_tokens: left.map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
-            sample: None,
-        };
-        let Some(reply) = agent.reply(messages, own).await? else {
-            return Ok(None);
-        };
-        let Some(session) = self.team.slots.get(executor) else {
-            self.told(path, turn, &reply);
-            return Ok(Some(reply));
-        };
-        let mut slot = session.lock().await;
-        let verdict = self.verdict(executor, &mut slot, &reply.text).await;
-        let held = verdict
-            .as_ref()
-            .and_then(|(_, v)| Examples::held(v))
-            .filter(|(held, total)| held < total);
-        // Only code the examples ran against and did not all hold draws: a reply they could
-        // not test is no worse for it.
-        let Some((own_held, total)) =
-            held.filter(|_| !self.shared.drew.swap(true, Ordering::SeqCst))
-        else {
-            drop(slot);
-            self.keep_verdict(verdict);
-            self.told(path, turn, &reply);
-            return Ok(Some(reply));
-        };
-        // The session is not held while the model writes.
-        drop(slot);
-        let quiet: EventSink = Arc::new(|_| {});
-        let spent_own = reply.usage.map_or(0, |u| u.completion_tokens);
-        let max_tokens = left.map(|n| {
-            u32::try_from(n.saturating_sub(spent_own) / u64::from(k - 1)).unwrap_or(u32::MAX)
-        });
-        let asks = (1..k).map(|i| {
-            let asked = Turn {
-                number: turn,
-                events: &quiet,
-                cancel: &self.cancel,
-                tools: None,
-                max_tokens,
-                sample: Some(Sample {
-                    temperature: CANDIDATE_TEMPERATURE,
-                    seed: turn.wrapping_mul(1000).wrapping_add(i),
-                }),
-            };
-            agent.reply(messages, asked)
-        });
-        let replies = futures::future::join_all(asks).await;
-        if self.cancel.is_cancelled() {
-            return Ok(None);
-        }
-        let mut slot = session.lock().await;
-        let mut usage = reply.usage;
-        let mut best = (reply, verdict, own_held);
-        let drawn = k - 1;
-        let mut chosen = 0;
-        for (i, candidate) in (1..).zip(replies) {
-            let candidate = match candidate {
-                Ok(Some(candidate)) => candidate,
-                Ok(None) => return Ok(None),
-                Err(e) => {
-                    tracing::info!(agent = %path, error = %e.message, "a reply drawn beside the agent's own failed");
-                    continue;
-                }
-            };
-            if let Some(u) = candidate.usage {
-                usage.get_or_insert_with(Usage::default).add(u);
-            }
-            // Once one holds every example the rest are not run: its tokens are spent, its
-            // sandbox time need not be.
-            if best.2 == total {
-                continue;
-            }
-            let verdict = self.verdict(executor, &mut slot, &candidate.text).await;
-            let count = verdict
-                .as_ref()
-                .and_then(|(_, v)| Examples::held(v))
-                .map_or(0, |h| h.0);
-            if count > best.2 {
-                best = (candidate, verdict, count);
-                chosen = i;
-            }
-        }
-        drop(slot);
-        let (mut reply, verdict, held) = best;
-        let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
-        (self.events)(EventMsg::RepliesDrawn {
-            turn,
-            drawn,
-            chosen,
-            held: count(held),
-            examples: count(total),
-        });
-        reply.usage = usage;
-        self.keep_verdict(verdict);
-        self.told(path, turn, &reply);
-        Ok(Some(reply))
-    }
-
-    /// What the examples printed against the code of the reply about to be told, kept for
-    /// its executor when every example held. A verdict that failed is not: it was taken
-    /// before the reply's other blocks ran, and a file one of them writes may make it hold.
-    fn keep_verdict(&self, verdict: Option<(String, String)>) {
-        let held = verdict.filter(|(_, v)| Examples::held(v).is_some_and(|(h, t)| h == t));
-        if let Ok(mut checked) = self.shared.checked.lock() {
-            *checked = held;
-        }
-    }
-
-    /// The block of `text` that `executor`'s examples test, and what they print when run
-    /// against it; `None` when none could be run against it.
-    async fn verdict(
-        &self,
-        executor: &str,
-        slot: &mut SessionSlot,
-        text: &str,
-    ) -> Option<(String, String)> {
-        let examples = self.team.examples.get(executor)?;
-        let tested = self
-            .runnable(text)
-            .into_iter()
-            .rev()
-            .filter(|b| b.language.as_deref().is_none_or(|l| l == "python"))
-            .find(|b| examples.tested_by(&b.code))?;
-        let verdict = self.run_examples(examples, slot, &tested.code).await?;
-        Some((tested.code, verdict))
-    }
-
-    /// What the examples' program prints when run quietly against `code` in `slot`; `None`
-    /// when it did not run to its end, or the approval policies would not let it run
-    /// unasked (it runs the model's code again, with no one asked).
-    async fn run_examples(
-        &self,
-        examples: &crate::examples::Examples,
-        slot: &mut SessionSlot,
-        code: &str,
-    ) -> Option<String> {
-        let program = examples.program(code);
-        let python = tandem_executor::Language::python();
-        if let Some(gate) = &self.team.approval
-            && gate.verdict(&python, slot.executor().as_ref(), &program)
-                != crate::approval::Verdict::Run
-        {
-            return None;
-        }
-        match slot.run_quiet(&python, &program, &self.cancel).await {
-            Ok(Some(out)) if out.status == tandem_executor::ExitStatus::Exited(0) => {
-                Some(out.stdout.to_text())
-            }
-            Ok(_) => None,
-            Err(e) => {
-                tracing::debug!(error = %e, "the task's examples did not run");
-                None
-            }
-        }
     }
 
     /// An assistant's words join the history; its escalation word ends its loop.
@@ -1119,87 +929,8 @@ impl Ctx<'_> {
         Ok(ended)
     }
 
-    /// What the pair's model is asked after a clean run: the answer in one line.
-    fn answer_ask(&self) -> String {
-        match self.team.words.first() {
-            Some(word) => format!(
-                "If this answers the task, write the answer as `Answer: ...` in one line, then {word}; if not, send the next code."
-            ),
-            None => "If this answers the task, write the answer as `Answer: ...` in one line; if not, send the next code.".to_owned(),
-        }
-    }
-
-    /// Where the statement that would end the task disagrees with what its code last printed
-    /// cleanly: what to tell the model, once per task, before the task may end.
-    fn ungrounded(&self, node: &Node, history: &[Said]) -> Option<String> {
-        if node.path != self.team.root.path || self.shared.grounded.load(Ordering::SeqCst) {
-            return None;
-        }
-        let said = history
-            .iter()
-            .rev()
-            .find(|s| !s.output && s.speaker != "user")?;
-        let statement = crate::grounding::statement(&said.text, &self.team.words);
-        // A statement without a number is not told: the answer is then what the code printed.
-        if crate::grounding::numbers(&statement).is_empty() {
-            return None;
-        }
-        let printed = printed_of(history)?;
-        let differs = crate::grounding::disagreement(&printed, &statement)?;
-        self.shared.grounded.store(true, Ordering::SeqCst);
-        let word = self
-            .team
-            .words
-            .first()
-            .map(|w| format!(", then {w}"))
-            .unwrap_or_default();
-        Some(format!(
-            "{differs} {} Write the answer as your code found it, as `Answer: ...` in one line{word}.",
-            crate::grounding::TOLD_MARK
-        ))
-    }
-
-    /// What the task's examples say of the last Python block of `runs` that defines what
-    /// they call, when every block ran cleanly; `None` when there is nothing to run them
-    /// against or they could not be run (a sandbox failure here is the next block's to tell).
-    async fn examples_note(
-        &self,
-        node: &Node,
-        slot: &mut SessionSlot,
-        code: &[CodeBlock],
-        runs: &[blocks::BlockRun],
-    ) -> Option<String> {
-        let examples = self.team.examples.get(&node.path)?;
-        if runs.is_empty() || !runs.iter().all(|r| r.result.succeeded()) {
-            return None;
-        }
-        let python = tandem_executor::Language::python();
-        let tested = runs
-            .iter()
-            .rev()
-            .filter(|r| {
-                r.language == python && r.result.status == tandem_protocol::BlockStatus::Exited
-            })
-            .filter_map(|r| code.get(usize::try_from(r.index).ok()?.checked_sub(1)?))
-            .find(|b| examples.tested_by(&b.code))?;
-        let kept = self
-            .shared
-            .checked
-            .lock()
-            .ok()
-            .and_then(|mut c| c.take())
-            .filter(|(code, _)| *code == tested.code);
-        // The examples load the code alone in a fresh interpreter: where they all held before
-        // the blocks ran, they hold now.
-        let verdict = match kept {
-            Some((_, verdict)) => verdict,
-            None => self.run_examples(examples, slot, &tested.code).await?,
-        };
-        Examples::note(&verdict)
-    }
-
     /// An executor's report (and its answers to native calls) joins the history.
-    fn reported(
+    pub(super) fn reported(
         &self,
         node: &Node,
         history: &mut Vec<Said>,
@@ -1417,13 +1148,6 @@ impl Ctx<'_> {
         }
     }
 
-    /// The output schema, when `node` is the chat whose end is the task's.
-    fn schema_at(&self, node: &Node) -> Option<&crate::schema::OutputSchema> {
-        (node.path == self.team.root.path)
-            .then_some(self.team.output_schema.as_deref())
-            .flatten()
-    }
-
     /// Whether `said` has a program for an executor: a call, or a block that is not data
     /// (the ```json block of an answer is data).
     fn programs(&self, said: &Said) -> bool {
@@ -1431,63 +1155,10 @@ impl Ctx<'_> {
     }
 
     /// `text` with every termination word taken out.
-    fn without_words(&self, text: &str) -> String {
+    pub(super) fn without_words(&self, text: &str) -> String {
         self.team.words.iter().fold(text.to_owned(), |t, w| {
             crate::termination::strip_termination(&t, w)
         })
-    }
-
-    /// The value the task's final answer ends with: in the last message that is not output,
-    /// else in the output of its code (small models print the answer, then say the word).
-    fn final_value(
-        &self,
-        schema: &crate::schema::OutputSchema,
-        history: &[Said],
-    ) -> Result<serde_json::Value, String> {
-        let answer = history
-            .iter()
-            .rev()
-            .find(|s| !s.output && s.speaker != "user");
-        let said = answer.map(|s| schema.take(&self.without_words(&s.text)));
-        match said {
-            Some(Ok(value)) => Ok(value),
-            other => {
-                let output = history
-                    .iter()
-                    .rev()
-                    .take_while(|s| s.output)
-                    .find_map(|s| schema.take(&s.text).ok());
-                output.ok_or_else(|| {
-                    other
-                        .and_then(Result::err)
-                        .unwrap_or_else(|| schema.take("").err().unwrap_or_default())
-                })
-            }
-        }
-    }
-
-    /// Tells the member who answered last `why` its answer is not the task's result, as the
-    /// chat's executor's reply, so that it answers next; its index, or `None` when the chat
-    /// has no executor to say it.
-    fn ask_again(
-        &self,
-        node: &Node,
-        executors: &[usize],
-        history: &mut Vec<Said>,
-        why: String,
-    ) -> Option<usize> {
-        let last = history.iter().rev().find(|s| !s.output)?.speaker.clone();
-        let speaker = node.members.iter().position(|m| m.name == last)?;
-        let executor = &node.members[*executors.first()?];
-        let turn = self.shared.turns.load(Ordering::SeqCst);
-        self.reported(executor, history, turn, why, Vec::new());
-        Some(speaker)
-    }
-
-    fn keep_result(&self, value: serde_json::Value) {
-        if let Ok(mut r) = self.shared.result.lock() {
-            *r = Some(value);
-        }
     }
 
     /// Whether the last of `new` is a member's message with code for an executor.

@@ -1,0 +1,245 @@
+//! A reply judged against the task's examples before it is told: run them against its
+//! code, and the first time they do not all hold, draw more replies at once and keep the one
+//! whose code holds the most; what the examples said, told to the model.
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use tandem_protocol::{ErrorInfo, EventMsg, Message, Usage};
+
+use super::run::{Agent, AgentReply, CANDIDATE_TEMPERATURE, Ctx, Sample, Turn};
+use crate::blocks::{self, SessionSlot};
+use crate::chat::ToolOffer;
+use crate::events::EventSink;
+use crate::examples::Examples;
+use crate::extract::CodeBlock;
+use crate::team::Node;
+
+impl Ctx<'_> {
+    /// The executor whose examples run against `node`'s reply before it is told, and how
+    /// many replies a reply they do not hold draws: while the task has not drawn, when code
+    /// comes as fenced blocks.
+    pub(super) fn drawing(&self, node: &Node, offer: Option<&ToolOffer>) -> Option<(&str, u32)> {
+        let (executor, k) = self.team.candidates.get(&node.path)?;
+        (offer.is_none()
+            && self.team.examples.contains_key(executor)
+            && self.team.slots.contains_key(executor)
+            && !self.shared.drew.load(Ordering::SeqCst))
+        .then_some((executor.as_str(), *k))
+    }
+
+    /// The agent's reply, streamed as always, with the task's examples run against its code
+    /// before it is told. The first time they do not all hold, `k - 1` more replies to the
+    /// same view are drawn at once and quietly, sampled; the first whose code holds every
+    /// example, else the one that holds the most (the agent's own on a tie), is told as the
+    /// turn's reply, with the tokens of all of them.
+    pub(super) async fn checked(
+        &self,
+        path: &str,
+        agent: &dyn Agent,
+        messages: &[Message],
+        turn: u32,
+        executor: &str,
+        k: u32,
+    ) -> Result<Option<AgentReply>, ErrorInfo> {
+        let left = self.shared.spending.output_left(&self.team.spend);
+        let own = Turn {
+            number: turn,
+            events: &self.events,
+            cancel: &self.cancel,
+            tools: None,
+            max_tokens: left.map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
+            sample: None,
+        };
+        let Some(reply) = agent.reply(messages, own).await? else {
+            return Ok(None);
+        };
+        let Some(session) = self.team.slots.get(executor) else {
+            self.told(path, turn, &reply);
+            return Ok(Some(reply));
+        };
+        let mut slot = session.lock().await;
+        let verdict = self.verdict(executor, &mut slot, &reply.text).await;
+        let held = verdict
+            .as_ref()
+            .and_then(|(_, v)| Examples::held(v))
+            .filter(|(held, total)| held < total);
+        // Only code the examples ran against and did not all hold draws: a reply they could
+        // not test is no worse for it.
+        let Some((own_held, total)) =
+            held.filter(|_| !self.shared.drew.swap(true, Ordering::SeqCst))
+        else {
+            drop(slot);
+            self.keep_verdict(verdict);
+            self.told(path, turn, &reply);
+            return Ok(Some(reply));
+        };
+        // The session is not held while the model writes.
+        drop(slot);
+        let quiet: EventSink = Arc::new(|_| {});
+        let spent_own = reply.usage.map_or(0, |u| u.completion_tokens);
+        let max_tokens = left.map(|n| {
+            u32::try_from(n.saturating_sub(spent_own) / u64::from(k - 1)).unwrap_or(u32::MAX)
+        });
+        let asks = (1..k).map(|i| {
+            let asked = Turn {
+                number: turn,
+                events: &quiet,
+                cancel: &self.cancel,
+                tools: None,
+                max_tokens,
+                sample: Some(Sample {
+                    temperature: CANDIDATE_TEMPERATURE,
+                    seed: turn.wrapping_mul(1000).wrapping_add(i),
+                }),
+            };
+            agent.reply(messages, asked)
+        });
+        let replies = futures::future::join_all(asks).await;
+        if self.cancel.is_cancelled() {
+            return Ok(None);
+        }
+        let mut slot = session.lock().await;
+        let mut usage = reply.usage;
+        let mut best = (reply, verdict, own_held);
+        let drawn = k - 1;
+        let mut chosen = 0;
+        for (i, candidate) in (1..).zip(replies) {
+            let candidate = match candidate {
+                Ok(Some(candidate)) => candidate,
+                Ok(None) => return Ok(None),
+                Err(e) => {
+                    tracing::info!(agent = %path, error = %e.message, "a reply drawn beside the agent's own failed");
+                    continue;
+                }
+            };
+            if let Some(u) = candidate.usage {
+                usage.get_or_insert_with(Usage::default).add(u);
+            }
+            // Once one holds every example the rest are not run: its tokens are spent, its
+            // sandbox time need not be.
+            if best.2 == total {
+                continue;
+            }
+            let verdict = self.verdict(executor, &mut slot, &candidate.text).await;
+            let count = verdict
+                .as_ref()
+                .and_then(|(_, v)| Examples::held(v))
+                .map_or(0, |h| h.0);
+            if count > best.2 {
+                best = (candidate, verdict, count);
+                chosen = i;
+            }
+        }
+        drop(slot);
+        let (mut reply, verdict, held) = best;
+        let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        (self.events)(EventMsg::RepliesDrawn {
+            turn,
+            drawn,
+            chosen,
+            held: count(held),
+            examples: count(total),
+        });
+        reply.usage = usage;
+        self.keep_verdict(verdict);
+        self.told(path, turn, &reply);
+        Ok(Some(reply))
+    }
+
+    /// What the examples printed against the code of the reply about to be told, kept for
+    /// its executor when every example held. A verdict that failed is not: it was taken
+    /// before the reply's other blocks ran, and a file one of them writes may make it hold.
+    pub(super) fn keep_verdict(&self, verdict: Option<(String, String)>) {
+        let held = verdict.filter(|(_, v)| Examples::held(v).is_some_and(|(h, t)| h == t));
+        if let Ok(mut checked) = self.shared.checked.lock() {
+            *checked = held;
+        }
+    }
+
+    /// The block of `text` that `executor`'s examples test, and what they print when run
+    /// against it; `None` when none could be run against it.
+    pub(super) async fn verdict(
+        &self,
+        executor: &str,
+        slot: &mut SessionSlot,
+        text: &str,
+    ) -> Option<(String, String)> {
+        let examples = self.team.examples.get(executor)?;
+        let tested = self
+            .runnable(text)
+            .into_iter()
+            .rev()
+            .filter(|b| b.language.as_deref().is_none_or(|l| l == "python"))
+            .find(|b| examples.tested_by(&b.code))?;
+        let verdict = self.run_examples(examples, slot, &tested.code).await?;
+        Some((tested.code, verdict))
+    }
+
+    /// What the examples' program prints when run quietly against `code` in `slot`; `None`
+    /// when it did not run to its end, or the approval policies would not let it run
+    /// unasked (it runs the model's code again, with no one asked).
+    pub(super) async fn run_examples(
+        &self,
+        examples: &crate::examples::Examples,
+        slot: &mut SessionSlot,
+        code: &str,
+    ) -> Option<String> {
+        let program = examples.program(code);
+        let python = tandem_executor::Language::python();
+        if let Some(gate) = &self.team.approval
+            && gate.verdict(&python, slot.executor().as_ref(), &program)
+                != crate::approval::Verdict::Run
+        {
+            return None;
+        }
+        match slot.run_quiet(&python, &program, &self.cancel).await {
+            Ok(Some(out)) if out.status == tandem_executor::ExitStatus::Exited(0) => {
+                Some(out.stdout.to_text())
+            }
+            Ok(_) => None,
+            Err(e) => {
+                tracing::debug!(error = %e, "the task's examples did not run");
+                None
+            }
+        }
+    }
+
+    /// What the task's examples say of the last Python block of `runs` that defines what
+    /// they call, when every block ran cleanly; `None` when there is nothing to run them
+    /// against or they could not be run (a sandbox failure here is the next block's to tell).
+    pub(super) async fn examples_note(
+        &self,
+        node: &Node,
+        slot: &mut SessionSlot,
+        code: &[CodeBlock],
+        runs: &[blocks::BlockRun],
+    ) -> Option<String> {
+        let examples = self.team.examples.get(&node.path)?;
+        if runs.is_empty() || !runs.iter().all(|r| r.result.succeeded()) {
+            return None;
+        }
+        let python = tandem_executor::Language::python();
+        let tested = runs
+            .iter()
+            .rev()
+            .filter(|r| {
+                r.language == python && r.result.status == tandem_protocol::BlockStatus::Exited
+            })
+            .filter_map(|r| code.get(usize::try_from(r.index).ok()?.checked_sub(1)?))
+            .find(|b| examples.tested_by(&b.code))?;
+        let kept = self
+            .shared
+            .checked
+            .lock()
+            .ok()
+            .and_then(|mut c| c.take())
+            .filter(|(code, _)| *code == tested.code);
+        // The examples load the code alone in a fresh interpreter: where they all held before
+        // the blocks ran, they hold now.
+        let verdict = match kept {
+            Some((_, verdict)) => verdict,
+            None => self.run_examples(examples, slot, &tested.code).await?,
+        };
+        Examples::note(&verdict)
+    }
+}
