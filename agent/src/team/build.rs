@@ -17,7 +17,43 @@ use crate::examples::Examples;
 use crate::team::Node;
 use crate::tools::ToolBox;
 
+/// One agent of the team (or a chat's own selector model), by its path: what it was made
+/// with and what the task gave it.
+#[derive(Default)]
+pub(super) struct Member {
+    /// An assistant's (or a selector's) model, with the model's name and whether it runs in
+    /// this process.
+    pub(super) model: Option<(Arc<dyn Agent>, String, bool)>,
+    /// An executor's session.
+    pub(super) slot: Option<tokio::sync::Mutex<SessionSlot>>,
+    /// What is hidden from what it is shown.
+    pub(super) redact: Vec<Regex>,
+    /// A chat's termination, compiled once.
+    pub(super) condition: Option<Condition>,
+    /// The examples an executor runs against each clean run of code.
+    pub(super) examples: Option<Arc<Examples>>,
+    /// How many replies an assistant draws, and the executor whose examples choose.
+    pub(super) candidates: Option<(String, u32)>,
+}
+
+impl Member {
+    fn with_model(agent: Arc<dyn Agent>, made: &ChatModel) -> Self {
+        Self {
+            model: Some((agent, made.config().model.clone(), made.is_embedded())),
+            ..Self::default()
+        }
+    }
+}
+
 impl Team {
+    /// The model of the assistant at `path`: not a chat's selector, nor the team's own.
+    fn assistant_mut(&mut self, path: &str) -> Option<&mut (Arc<dyn Agent>, String, bool)> {
+        if path == SELECTOR || path.ends_with("/selector") {
+            return None;
+        }
+        self.members.get_mut(path)?.model.as_mut()
+    }
+
     /// Prepares `root`: `model` gives each assistant's (and the selector's) model, `slot`
     /// each executor's session.
     pub fn new(
@@ -28,16 +64,13 @@ impl Team {
         max_turns: u32,
         limits: &tandem_executor::Limits,
     ) -> Result<Self, ErrorInfo> {
-        let mut model_names = HashMap::new();
-        model_names.insert(
+        let mut members: HashMap<String, Member> = HashMap::new();
+        members.insert(
             SELECTOR.to_owned(),
-            (selector.config().model.clone(), selector.is_embedded()),
+            Member::with_model(Arc::new(selector.clone()), &selector),
         );
         let mut team = Self {
-            models: HashMap::new(),
-            selector: Arc::new(selector),
-            slots: HashMap::new(),
-            redact: HashMap::new(),
+            members,
             max_turns,
             hooks: Vec::new(),
             approval: None,
@@ -46,28 +79,20 @@ impl Team {
             words: Vec::new(),
             exchange_turns: false,
             spend: super::spend::Spend::default(),
-            model_names,
             output_schema: None,
-            conditions: HashMap::new(),
             tools: HashMap::new(),
-            examples: HashMap::new(),
-            candidates: HashMap::new(),
             root: root.clone(),
         };
         let mut stack = vec![&root];
         while let Some(node) = stack.pop() {
+            let mut member = Member::default();
             match node.spec.kind {
                 Kind::Assistant => {
                     let made = model(node)?;
-                    team.model_names.insert(
-                        node.path.clone(),
-                        (made.config().model.clone(), made.is_embedded()),
-                    );
-                    team.models.insert(node.path.clone(), Arc::new(made));
+                    member = Member::with_model(Arc::new(made.clone()), &made);
                 }
                 Kind::Executor => {
-                    team.slots
-                        .insert(node.path.clone(), tokio::sync::Mutex::new(slot(node)?));
+                    member.slot = Some(tokio::sync::Mutex::new(slot(node)?));
                 }
                 Kind::Chat => {
                     if let Some(t) = &node.spec.termination {
@@ -76,7 +101,7 @@ impl Team {
                             message: format!("{}.{e}", node.path),
                         })?;
                         condition.words_into(&mut team.words);
-                        team.conditions.insert(node.path.clone(), condition);
+                        member.condition = Some(condition);
                     }
                     // A chat's `llm` selection may name its own model: made as an
                     // assistant with that model would be.
@@ -87,25 +112,21 @@ impl Team {
                         selector.spec.model = Some(m.clone());
                         selector.spec.base_url = None;
                         let made = model(&selector)?;
-                        let path = format!("{}/selector", node.path);
-                        team.model_names.insert(
-                            path.clone(),
-                            (made.config().model.clone(), made.is_embedded()),
+                        team.members.insert(
+                            format!("{}/selector", node.path),
+                            Member::with_model(Arc::new(made.clone()), &made),
                         );
-                        team.models.insert(path, Arc::new(made));
                     }
                 }
                 _ => {}
             }
             let patterns = node.spec.redact.iter().flatten();
             let compiled: Result<Vec<Regex>, _> = patterns.map(|p| Regex::new(p)).collect();
-            team.redact.insert(
-                node.path.clone(),
-                compiled.map_err(|e| ErrorInfo {
-                    code: ErrorCode::InvalidRequest,
-                    message: format!("{}: {e}", node.path),
-                })?,
-            );
+            member.redact = compiled.map_err(|e| ErrorInfo {
+                code: ErrorCode::InvalidRequest,
+                message: format!("{}: {e}", node.path),
+            })?;
+            team.members.insert(node.path.clone(), member);
             stack.extend(&node.members);
         }
         Ok(team)
@@ -115,7 +136,7 @@ impl Team {
     /// each clean run of code that defines what they call.
     pub fn with_examples(mut self, path: &str, task: &str) -> Self {
         if let Some(examples) = Examples::from_task(task) {
-            self.examples.insert(path.to_owned(), Arc::new(examples));
+            self.members.entry(path.to_owned()).or_default().examples = Some(Arc::new(examples));
         }
         self
     }
@@ -126,10 +147,8 @@ impl Team {
     /// with `k` below 2, it replies once.
     pub fn with_candidates(mut self, path: &str, executor: &str, k: u32) -> Self {
         if k > 1 {
-            self.candidates.insert(
-                path.to_owned(),
-                (executor.to_owned(), k.min(MOST_CANDIDATES)),
-            );
+            self.members.entry(path.to_owned()).or_default().candidates =
+                Some((executor.to_owned(), k.min(MOST_CANDIDATES)));
         }
         self
     }
@@ -137,9 +156,9 @@ impl Team {
     /// Puts `agent` in the place of the assistant at `path` (`team/reviewer`); an error when
     /// there is no assistant there.
     pub fn with_agent(mut self, path: &str, agent: Arc<dyn Agent>) -> Result<Self, ErrorInfo> {
-        match self.models.get_mut(path) {
-            Some(slot) if !path.ends_with("/selector") => {
-                *slot = agent;
+        match self.assistant_mut(path) {
+            Some(model) => {
+                model.0 = agent;
                 Ok(self)
             }
             _ => Err(ErrorInfo {
@@ -152,7 +171,7 @@ impl Team {
     /// Gives the assistant at `path` (`team/coder`) `tools`; an error when there is no
     /// assistant there.
     pub fn with_tools(mut self, path: &str, tools: ToolBox) -> Result<Self, ErrorInfo> {
-        if !self.models.contains_key(path) || path.ends_with("/selector") {
+        if self.assistant_mut(path).is_none() {
             return Err(ErrorInfo {
                 code: ErrorCode::InvalidRequest,
                 message: format!("{path}: no assistant of this team is there"),
@@ -189,7 +208,15 @@ impl Team {
         budget: crate::budget::Budget,
         prices: &std::collections::BTreeMap<String, crate::budget::Price>,
     ) -> Self {
-        self.spend.set_budget(budget, prices, &self.model_names);
+        let models = self
+            .members
+            .iter()
+            .filter_map(|(path, m)| {
+                let (_, name, embedded) = m.model.as_ref()?;
+                Some((path.clone(), (name.clone(), *embedded)))
+            })
+            .collect();
+        self.spend.set_budget(budget, prices, &models);
         self
     }
 

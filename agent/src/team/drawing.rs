@@ -19,10 +19,13 @@ impl Ctx<'_> {
     /// many replies a reply they do not hold draws: while the task has not drawn, when code
     /// comes as fenced blocks.
     pub(super) fn drawing(&self, node: &Node, offer: Option<&ToolOffer>) -> Option<(&str, u32)> {
-        let (executor, k) = self.team.candidates.get(&node.path)?;
+        let (executor, k) = self.team.members.get(&node.path)?.candidates.as_ref()?;
         (offer.is_none()
-            && self.team.examples.contains_key(executor)
-            && self.team.slots.contains_key(executor)
+            && self
+                .team
+                .members
+                .get(executor)
+                .is_some_and(|m| m.examples.is_some() && m.slot.is_some())
             && !self.shared.drew.load(Ordering::SeqCst))
         .then_some((executor.as_str(), *k))
     }
@@ -53,7 +56,7 @@ impl Ctx<'_> {
         let Some(reply) = agent.reply(messages, own).await? else {
             return Ok(None);
         };
-        let Some(session) = self.team.slots.get(executor) else {
+        let Some(session) = self.team.slot(executor) else {
             self.told(path, turn, &reply);
             return Ok(Some(reply));
         };
@@ -164,7 +167,7 @@ impl Ctx<'_> {
         slot: &mut SessionSlot,
         text: &str,
     ) -> Option<(String, String)> {
-        let examples = self.team.examples.get(executor)?;
+        let examples = self.team.members.get(executor)?.examples.as_ref()?;
         let tested = self
             .runnable(text)
             .into_iter()
@@ -214,7 +217,7 @@ impl Ctx<'_> {
         code: &[CodeBlock],
         runs: &[blocks::BlockRun],
     ) -> Option<String> {
-        let examples = self.team.examples.get(&node.path)?;
+        let examples = self.team.members.get(&node.path)?.examples.as_ref()?;
         if runs.is_empty() || !runs.iter().all(|r| r.result.succeeded()) {
             return None;
         }

@@ -11,7 +11,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
-use regex::Regex;
 use tandem_executor::CancellationToken;
 use tandem_protocol::team::{Aggregate, Kind, SelectionKind};
 use tandem_protocol::{
@@ -19,6 +18,7 @@ use tandem_protocol::{
 };
 use tracing::Instrument;
 
+use super::build::Member;
 pub use super::history::{Replay, Said};
 use super::spend::{Spend, Spending};
 use super::termination::{ChatState, Condition, Test};
@@ -154,10 +154,8 @@ impl Agent for ChatModel {
 /// per executor, and where events go.
 pub struct Team {
     pub(super) root: Node,
-    pub(super) models: HashMap<String, Arc<dyn Agent>>,
-    pub(super) selector: Arc<dyn Agent>,
-    pub(super) slots: HashMap<String, tokio::sync::Mutex<SessionSlot>>,
-    pub(super) redact: HashMap<String, Vec<Regex>>,
+    /// Every agent, a chat's selector model and the team's own ([`SELECTOR`]), by path.
+    pub(super) members: HashMap<String, Member>,
     /// Most turns of all agents together, whatever the team's own limits.
     pub max_turns: u32,
     pub(super) hooks: Vec<std::sync::Arc<dyn Hook>>,
@@ -167,28 +165,17 @@ pub struct Team {
     /// Every `mention` and `ends_with` word of the team's chats: a block holding only one of
     /// them is a way of saying it, which no executor runs.
     pub(super) words: Vec<String>,
-    /// Each chat's termination, compiled once, by the chat's path.
-    pub(super) conditions: HashMap<String, Condition>,
     /// Turns are the assistants' alone, told as `turn_started`: an executor's reply belongs
     /// to the turn whose code it answers (the two-agent pair's shape).
     pub(super) exchange_turns: bool,
     /// What the task may spend on model calls, and each model's price.
     pub(super) spend: Spend,
-    /// Each model's name and whether it runs in this process, by the path of its agent.
-    pub(super) model_names: HashMap<String, (String, bool)>,
     /// The JSON Schema the task's final answer ends with a value of, checked when the top
     /// chat would end; a task's result.
     pub(super) output_schema: Option<Arc<crate::schema::OutputSchema>>,
     /// Each assistant's tools, by its name (what its messages' `speaker` is): offered to its
     /// model, and run by the executor that answers it.
     pub(super) tools: HashMap<String, Arc<ToolBox>>,
-    /// The examples the task states, by the path of the executor that runs them against the
-    /// code it ran.
-    pub(super) examples: HashMap<String, Arc<crate::examples::Examples>>,
-    /// How many replies there are to choose among when an assistant's reply first fails the
-    /// examples, its own with them, and the executor whose examples choose, by the
-    /// assistant's path.
-    pub(super) candidates: HashMap<String, (String, u32)>,
 }
 
 /// How a run of a team went.
@@ -219,6 +206,16 @@ impl std::fmt::Debug for Team {
 }
 
 impl Team {
+    /// The model of the agent (or selector) at `path`.
+    pub(super) fn model(&self, path: &str) -> Option<&Arc<dyn Agent>> {
+        self.members.get(path)?.model.as_ref().map(|(m, ..)| m)
+    }
+
+    /// The session of the executor at `path`.
+    pub(super) fn slot(&self, path: &str) -> Option<&tokio::sync::Mutex<SessionSlot>> {
+        self.members.get(path)?.slot.as_ref()
+    }
+
     /// Runs the team on `task`; returns how it ended, the history, the tokens used and the
     /// turns taken. `replay` is what a run that was interrupted already said, by agent path
     /// ([`replay_of`]): those turns are not asked again but their words taken, which brings
@@ -276,7 +273,7 @@ impl Team {
         outputs: &[&str],
         cancel: &CancellationToken,
     ) -> Option<tandem_protocol::CheckOutcome> {
-        let Some(slot) = self.slots.get(path) else {
+        let Some(slot) = self.slot(path) else {
             return Some(tandem_protocol::CheckOutcome {
                 verdict: tandem_protocol::Verdict::Error,
                 detail: format!("{path}: no executor session to run the check in"),
@@ -289,7 +286,10 @@ impl Team {
 
     /// Closes every executor session.
     pub async fn close(self) {
-        for (path, slot) in self.slots {
+        for (path, member) in self.members {
+            let Some(slot) = member.slot else {
+                continue;
+            };
             if let Err(e) = slot.into_inner().close().await {
                 tracing::warn!(agent = %path, error = %e, "closing an executor session failed");
             }
@@ -584,7 +584,7 @@ impl Ctx<'_> {
             .take(1)
             .chain(rest.iter().skip(rest.len().saturating_sub(keep)))
             .collect();
-        let redact = self.team.redact.get(&node.path);
+        let redact = self.team.members.get(&node.path).map(|m| &m.redact);
         let clean = |text: &str, output: bool| {
             let mut text = text.to_owned();
             if output && let Some(cap) = spec.max_output_bytes {
@@ -668,7 +668,7 @@ impl Ctx<'_> {
             }
             return Ok(self.said(node, history, said.text, said.calls));
         }
-        let Some(model) = self.team.models.get(&node.path) else {
+        let Some(model) = self.team.model(&node.path) else {
             return Err(internal(&node.path, "has no model"));
         };
         if let Some(reason) = self.over_budget() {
@@ -799,7 +799,7 @@ impl Ctx<'_> {
             history.push(report);
             return Ok(Ended::Done);
         }
-        let Some(slot) = self.team.slots.get(&node.path) else {
+        let Some(slot) = self.team.slot(&node.path) else {
             return Err(internal(&node.path, "has no executor session"));
         };
         let turn = match self.start_turn(node) {
@@ -1084,7 +1084,12 @@ impl Ctx<'_> {
                     Err(_) => {}
                 }
             }
-            if let Some(condition) = self.team.conditions.get(&node.path) {
+            if let Some(condition) = self
+                .team
+                .members
+                .get(&node.path)
+                .and_then(|m| m.condition.as_ref())
+            {
                 let state = ChatState {
                     path: &node.path,
                     new: &new,
@@ -1276,9 +1281,13 @@ impl Ctx<'_> {
         if self.over_budget().is_some() {
             return Ok(String::new());
         }
-        let (priced, model) = match self.team.models.get(path) {
-            Some(model) => (path, model),
-            None => (SELECTOR, &self.team.selector),
+        let Some((priced, model)) = self
+            .team
+            .model(path)
+            .map(|m| (path, m))
+            .or_else(|| self.team.model(SELECTOR).map(|m| (SELECTOR, m)))
+        else {
+            return Ok(String::new());
         };
         Ok(self
             .call(priced, model.as_ref(), &messages, turn, None)
