@@ -888,6 +888,35 @@ impl Ctx<'_> {
         if let Some(note) = self.examples_note(node, &mut slot, &code, &runs).await {
             report = blocks::with_examples(report, &note);
         }
+        let results: Vec<ToolReply> = answered.into_iter().map(|a| a.reply).collect();
+        let asked_calls = !calls.is_empty();
+        Ok(self.tell_runs(
+            node,
+            history,
+            turn,
+            report,
+            &runs,
+            results,
+            native,
+            asked_calls,
+        ))
+    }
+
+    /// A turn's runs told as the executor's reply: the blocks' report, after a clean run
+    /// that printed something the pair's ask for the answer, and the calls' answers (as
+    /// native replies, or as text when the calls were written as text).
+    #[allow(clippy::too_many_arguments)]
+    fn tell_runs(
+        &self,
+        node: &Node,
+        history: &mut Vec<Said>,
+        turn: u32,
+        mut report: String,
+        runs: &[blocks::BlockRun],
+        results: Vec<ToolReply>,
+        native: bool,
+        asked_calls: bool,
+    ) -> Ended {
         let ran: Vec<&blocks::BlockRun> = runs.iter().filter(|r| r.claim.is_none()).collect();
         let printed = (!ran.is_empty() && ran.iter().all(|r| r.result.succeeded()))
             .then(|| {
@@ -899,7 +928,7 @@ impl Ctx<'_> {
         // The pair's model hears its output as its own, and what to do with it.
         if self.team.exchange_turns
             && printed.is_some()
-            && calls.is_empty()
+            && !asked_calls
             && !report.contains(crate::examples::FAILED_MARK)
         {
             if !report.ends_with('\n') {
@@ -907,13 +936,12 @@ impl Ctx<'_> {
             }
             report.push_str(&self.answer_ask());
         }
-        let results: Vec<ToolReply> = answered.into_iter().map(|a| a.reply).collect();
         if native {
             let ended = self.reported(node, history, turn, report, results);
             if let Some(said) = history.last_mut() {
                 said.printed = printed;
             }
-            return Ok(ended);
+            return ended;
         }
         // Calls written as text are answered as text: there is no call id to answer.
         for r in results {
@@ -926,7 +954,7 @@ impl Ctx<'_> {
         if let Some(said) = history.last_mut() {
             said.printed = printed;
         }
-        Ok(ended)
+        ended
     }
 
     /// An executor's report (and its answers to native calls) joins the history.
