@@ -2,7 +2,10 @@
 //! and the value an output schema asks it to end with.
 use std::sync::atomic::Ordering;
 
-use super::run::{Ctx, printed_of};
+use tandem_protocol::StopReason;
+
+use super::run::{Ctx, Ended, printed_of};
+use crate::extract::extract_code_blocks;
 use crate::team::{Node, Said};
 
 impl Ctx<'_> {
@@ -105,4 +108,82 @@ impl Ctx<'_> {
             *r = Some(value);
         }
     }
+
+    /// With an output schema, an answer without a program that ends with a matching value
+    /// is the task's end, whether or not it says the word; a block of data that is not the
+    /// value is an answer to correct now.
+    pub(super) fn schema_answer(
+        &self,
+        node: &Node,
+        new: &[Said],
+        executors: &[usize],
+        history: &mut Vec<Said>,
+    ) -> SchemaStep {
+        let Some(schema) = self.schema_at(node) else {
+            return SchemaStep::On;
+        };
+        let Some(said) = new.iter().rev().find(|s| !s.output && !self.programs(s)) else {
+            return SchemaStep::On;
+        };
+        match schema.take(&self.without_words(&said.text)) {
+            Ok(value) => {
+                self.keep_result(value);
+                let by = "the answer matches the output schema".to_owned();
+                self.ended(node, by.clone());
+                let reason = if self
+                    .team
+                    .words
+                    .iter()
+                    .any(|w| crate::termination::says_terminate(&said.text, w))
+                {
+                    StopReason::Terminated
+                } else {
+                    StopReason::Answered
+                };
+                SchemaStep::End(Ended::Finished { by, reason })
+            }
+            Err(why) if !extract_code_blocks(&said.text).is_empty() => self
+                .ask_again(node, executors, history, why)
+                .map_or(SchemaStep::On, SchemaStep::Again),
+            Err(_) => SchemaStep::On,
+        }
+    }
+
+    /// Before a chat ends on an answer (`reason`): an answer its own code's output
+    /// contradicts is told so, once; the output schema's value is taken from it, or the
+    /// model asked again. The member asked again, when one is.
+    pub(super) fn before_answer_ends(
+        &self,
+        node: &Node,
+        executors: &[usize],
+        history: &mut Vec<Said>,
+        reason: StopReason,
+    ) -> Option<usize> {
+        if !matches!(reason, StopReason::Terminated | StopReason::Answered) {
+            return None;
+        }
+        if let Some(why) = self.ungrounded(node, history)
+            && let Some(speaker) = self.ask_again(node, executors, history, why)
+        {
+            return Some(speaker);
+        }
+        let schema = self.schema_at(node)?;
+        match self.final_value(schema, history) {
+            Ok(value) => {
+                self.keep_result(value);
+                None
+            }
+            Err(why) => self.ask_again(node, executors, history, why),
+        }
+    }
+}
+
+/// What an answer's value for the output schema does to a chat.
+pub(super) enum SchemaStep {
+    /// The chat ends here.
+    End(Ended),
+    /// This member is asked again.
+    Again(usize),
+    /// The chat goes on as it would.
+    On,
 }

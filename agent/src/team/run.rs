@@ -18,6 +18,7 @@ use tandem_protocol::{
 };
 use tracing::Instrument;
 
+use super::answer::SchemaStep;
 use super::build::Member;
 pub use super::history::{Replay, Said};
 use super::spend::{Spend, Spending};
@@ -1079,38 +1080,14 @@ impl Ctx<'_> {
             let new: Vec<Said> = history.get(before..).unwrap_or_default().to_vec();
             messages += u32::try_from(new.len()).unwrap_or(u32::MAX);
             silent = if new.is_empty() { silent + 1 } else { 0 };
-            // With an output schema, an answer without a program that ends with a matching
-            // value is the task's end, whether or not it says the word.
-            if let Some(schema) = self.schema_at(node)
-                && let Some(said) = new.iter().rev().find(|s| !s.output && !self.programs(s))
-            {
-                match schema.take(&self.without_words(&said.text)) {
-                    Ok(value) => {
-                        self.keep_result(value);
-                        let by = "the answer matches the output schema".to_owned();
-                        self.ended(node, by.clone());
-                        let reason = if self
-                            .team
-                            .words
-                            .iter()
-                            .any(|w| crate::termination::says_terminate(&said.text, w))
-                        {
-                            StopReason::Terminated
-                        } else {
-                            StopReason::Answered
-                        };
-                        return Ok(Ended::Finished { by, reason });
-                    }
-                    // A block of data that is not the value is an answer to correct now.
-                    Err(why) if !extract_code_blocks(&said.text).is_empty() => {
-                        if let Some(speaker) = self.ask_again(node, &executors, history, why) {
-                            messages += 1;
-                            next = speaker;
-                            continue;
-                        }
-                    }
-                    Err(_) => {}
+            match self.schema_answer(node, &new, &executors, history) {
+                SchemaStep::End(ended) => return Ok(ended),
+                SchemaStep::Again(speaker) => {
+                    messages += 1;
+                    next = speaker;
+                    continue;
                 }
+                SchemaStep::On => {}
             }
             if let Some(condition) = self
                 .team
@@ -1136,30 +1113,12 @@ impl Ctx<'_> {
                     {
                         return Ok(Ended::Stopped(r));
                     }
-                    // An answer its own code's output contradicts is told so, once.
-                    if matches!(reason, StopReason::Terminated | StopReason::Answered)
-                        && let Some(why) = self.ungrounded(node, history)
-                        && let Some(speaker) = self.ask_again(node, &executors, history, why)
+                    if let Some(speaker) =
+                        self.before_answer_ends(node, &executors, history, reason)
                     {
                         messages += 1;
                         next = speaker;
                         continue;
-                    }
-                    if matches!(reason, StopReason::Terminated | StopReason::Answered)
-                        && let Some(schema) = self.schema_at(node)
-                    {
-                        match self.final_value(schema, history) {
-                            Ok(value) => self.keep_result(value),
-                            Err(why) => {
-                                if let Some(speaker) =
-                                    self.ask_again(node, &executors, history, why)
-                                {
-                                    messages += 1;
-                                    next = speaker;
-                                    continue;
-                                }
-                            }
-                        }
                     }
                     self.ended(node, by.clone());
                     return Ok(Ended::Finished { by, reason });
@@ -1183,7 +1142,7 @@ impl Ctx<'_> {
 
     /// Whether `said` has a program for an executor: a call, or a block that is not data
     /// (the ```json block of an answer is data).
-    fn programs(&self, said: &Said) -> bool {
+    pub(super) fn programs(&self, said: &Said) -> bool {
         super::termination::programs(said, &self.team.words)
     }
 
@@ -1211,7 +1170,7 @@ impl Ctx<'_> {
     }
 
     /// Says that the chat or loop at `node` ended, and why.
-    fn ended(&self, node: &Node, by: String) {
+    pub(super) fn ended(&self, node: &Node, by: String) {
         if self.team.exchange_turns {
             return;
         }
