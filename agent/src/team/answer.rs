@@ -4,7 +4,7 @@ use std::sync::atomic::Ordering;
 
 use tandem_protocol::StopReason;
 
-use super::run::{Ctx, Ended, printed_of};
+use super::run::{Ctx, Ended, SchemaStep, printed_of};
 use crate::extract::extract_code_blocks;
 use crate::team::{Node, Said};
 
@@ -176,14 +176,4 @@ impl Ctx<'_> {
             Err(why) => self.ask_again(node, executors, history, why),
         }
     }
-}
-
-/// What an answer's value for the output schema does to a chat.
-pub(super) enum SchemaStep {
-    /// The chat ends here.
-    End(Ended),
-    /// This member is asked again.
-    Again(usize),
-    /// The chat goes on as it would.
-    On,
 }

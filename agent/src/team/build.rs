@@ -9,41 +9,13 @@ use regex::Regex;
 use tandem_protocol::team::Kind;
 use tandem_protocol::{ErrorCode, ErrorInfo, Usage};
 
-use super::run::{Agent, Hook, MOST_CANDIDATES, SELECTOR, Team};
+use super::run::{Agent, Hook, MOST_CANDIDATES, Member, SELECTOR, Team};
 use super::termination::Condition;
 use crate::blocks::SessionSlot;
 use crate::chat::ChatModel;
 use crate::examples::Examples;
 use crate::team::Node;
 use crate::tools::ToolBox;
-
-/// One agent of the team (or a chat's own selector model), by its path: what it was made
-/// with and what the task gave it.
-#[derive(Default)]
-pub(super) struct Member {
-    /// An assistant's (or a selector's) model, with the model's name and whether it runs in
-    /// this process.
-    pub(super) model: Option<(Arc<dyn Agent>, String, bool)>,
-    /// An executor's session.
-    pub(super) slot: Option<tokio::sync::Mutex<SessionSlot>>,
-    /// What is hidden from what it is shown.
-    pub(super) redact: Vec<Regex>,
-    /// A chat's termination, compiled once.
-    pub(super) condition: Option<Condition>,
-    /// The examples an executor runs against each clean run of code.
-    pub(super) examples: Option<Arc<Examples>>,
-    /// How many replies an assistant draws, and the executor whose examples choose.
-    pub(super) candidates: Option<(String, u32)>,
-}
-
-impl Member {
-    fn with_model(agent: Arc<dyn Agent>, made: &ChatModel) -> Self {
-        Self {
-            model: Some((agent, made.config().model.clone(), made.is_embedded())),
-            ..Self::default()
-        }
-    }
-}
 
 impl Team {
     /// The model of the assistant at `path`: not a chat's selector, nor the team's own.

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
+use regex::Regex;
 use tandem_executor::CancellationToken;
 use tandem_protocol::team::{Aggregate, Kind, SelectionKind};
 use tandem_protocol::{
@@ -18,8 +19,6 @@ use tandem_protocol::{
 };
 use tracing::Instrument;
 
-use super::answer::SchemaStep;
-use super::build::Member;
 pub use super::history::{Replay, Said};
 use super::spend::{Spend, Spending};
 use super::termination::{ChatState, Condition, Test};
@@ -27,6 +26,7 @@ use crate::blocks::{self, RunOptions, SessionSlot};
 use crate::chat::{ChatModel, ToolOffer};
 use crate::events::EventSink;
 use crate::events::progress;
+use crate::examples::Examples;
 use crate::extract::{CodeBlock, extract_code_blocks};
 use crate::team::Node;
 use crate::termination::{is_termination_block, mentions};
@@ -177,6 +177,44 @@ pub struct Team {
     /// Each assistant's tools, by its name (what its messages' `speaker` is): offered to its
     /// model, and run by the executor that answers it.
     pub(super) tools: HashMap<String, Arc<ToolBox>>,
+}
+
+/// One agent of the team (or a chat's own selector model), by its path: what it was made
+/// with and what the task gave it.
+#[derive(Default)]
+pub(super) struct Member {
+    /// An assistant's (or a selector's) model, with the model's name and whether it runs in
+    /// this process.
+    pub(super) model: Option<(Arc<dyn Agent>, String, bool)>,
+    /// An executor's session.
+    pub(super) slot: Option<tokio::sync::Mutex<SessionSlot>>,
+    /// What is hidden from what it is shown.
+    pub(super) redact: Vec<Regex>,
+    /// A chat's termination, compiled once.
+    pub(super) condition: Option<Condition>,
+    /// The examples an executor runs against each clean run of code.
+    pub(super) examples: Option<Arc<Examples>>,
+    /// How many replies an assistant draws, and the executor whose examples choose.
+    pub(super) candidates: Option<(String, u32)>,
+}
+
+impl Member {
+    pub(super) fn with_model(agent: Arc<dyn Agent>, made: &ChatModel) -> Self {
+        Self {
+            model: Some((agent, made.config().model.clone(), made.is_embedded())),
+            ..Self::default()
+        }
+    }
+}
+
+/// What an answer's value for the output schema does to a chat.
+pub(super) enum SchemaStep {
+    /// The chat ends here.
+    End(Ended),
+    /// This member is asked again.
+    Again(usize),
+    /// The chat goes on as it would.
+    On,
 }
 
 /// How a run of a team went.
