@@ -133,7 +133,7 @@ impl SessionSlot {
             };
             // The task's files are there before its first block runs; they were checked
             // against the caps when they were given.
-            let caps = tandem_executor::archive::ArchiveCaps {
+            let caps = tandem_executor_kit::archive::ArchiveCaps {
                 max_bytes: u64::MAX,
                 max_entries: usize::MAX,
             };
@@ -144,7 +144,7 @@ impl SessionSlot {
                 return Err(e);
             }
             if self.spec.keep_state {
-                opened = Box::new(tandem_executor::kept::KeptSession::new(
+                opened = Box::new(tandem_executor_kit::kept::KeptSession::new(
                     opened,
                     self.executor.clone(),
                     self.spec.clone(),
@@ -335,7 +335,7 @@ pub type CodeTools = Arc<
             SessionSpec,
             &RunOptions,
             Arc<std::sync::atomic::AtomicU32>,
-        ) -> tandem_executor::toolchannel::ToolHandler
+        ) -> tandem_executor_kit::toolchannel::ToolHandler
         + Send
         + Sync,
 >;
@@ -539,10 +539,10 @@ pub async fn pictures_in(workspace: Option<std::path::PathBuf>) -> Pictures {
         return Default::default();
     };
     tokio::task::spawn_blocking(move || {
-        tandem_executor::archive::list(&workspace, PICTURE_SCAN)
+        tandem_executor_kit::archive::list(&workspace, PICTURE_SCAN)
             .unwrap_or_default()
             .into_iter()
-            .filter(|f| tandem_executor::archive::picture_type(&f.path).is_some())
+            .filter(|f| tandem_executor_kit::archive::picture_type(&f.path).is_some())
             .map(|f| (f.path, (f.bytes, f.modified_ms)))
             .collect()
     })
@@ -556,7 +556,7 @@ pub fn drawn_since(before: &Pictures, after: Pictures) -> Vec<Picture> {
         .into_iter()
         .filter(|(path, seen)| before.get(path) != Some(seen))
         .filter_map(|(path, (bytes, _))| {
-            let mime = tandem_executor::archive::picture_type(&path)?;
+            let mime = tandem_executor_kit::archive::picture_type(&path)?;
             Some(Picture { path, mime, bytes })
         })
         .collect();

@@ -13,7 +13,7 @@ use serde_json::json;
 use tandem_protocol::{ErrorCode, ErrorInfo, Message, ToolCall, Usage};
 use tracing::Instrument;
 
-use crate::calls::Assembler;
+use crate::tools::calls::Assembler;
 
 /// Where the model is and how to talk to it.
 #[derive(Clone, Debug)]
@@ -628,7 +628,7 @@ impl ChatModel {
         text.truncate(text.floor_char_boundary(self.config.max_reply_bytes));
         let tool_calls = choice
             .as_ref()
-            .map(|c| crate::calls::whole(&c.message.tool_calls))
+            .map(|c| crate::tools::calls::whole(&c.message.tool_calls))
             .unwrap_or_default();
         Ok(Completion {
             text,
@@ -889,7 +889,7 @@ struct Delta {
     #[serde(default)]
     content: Option<String>,
     #[serde(default)]
-    tool_calls: Option<Vec<crate::calls::Piece>>,
+    tool_calls: Option<Vec<crate::tools::calls::Piece>>,
 }
 
 #[derive(Deserialize)]
@@ -916,7 +916,7 @@ struct ReplyMessage {
     #[serde(default)]
     content: Option<String>,
     #[serde(default)]
-    tool_calls: Vec<crate::calls::WholeCall>,
+    tool_calls: Vec<crate::tools::calls::WholeCall>,
 }
 
 #[derive(Deserialize)]

@@ -105,7 +105,7 @@ async fn run_python(
     program: &str,
     cancel: &CancellationToken,
 ) -> Option<CheckOutcome> {
-    let tag = format!("{FRAME_TAG} {}", tandem_executor::toolchannel::secret());
+    let tag = format!("{FRAME_TAG} {}", tandem_executor_kit::toolchannel::secret());
     let code = python_check(program, &tag);
     run(slot, &Language::python(), &code, Some(&tag), cancel).await
 }

@@ -469,4 +469,21 @@ mod tests {
         assert!(gives("'ann', 'bo'", &json!(["Ann", "Bo"]), 0.0));
         assert!(!gives("[1, 3, 2]", &json!([1, 2, 3]), 0.0));
     }
+
+    #[test]
+    fn long_output_keeps_its_head_and_tail() {
+        assert_eq!(clip("short", 10), "short");
+        let cut = clip(&format!("{}{}", "a".repeat(50), "z".repeat(50)), 20);
+        assert_eq!(
+            cut,
+            format!(
+                "{}\n[... 80 bytes cut ...]\n{}",
+                "a".repeat(10),
+                "z".repeat(10)
+            )
+        );
+        // Never inside a character.
+        let cut = clip(&"é".repeat(20), 9);
+        assert!(cut.starts_with("éé\n[..."), "{cut}");
+    }
 }

@@ -10,15 +10,12 @@
 pub mod approval;
 pub mod blocks;
 pub mod budget;
-pub mod calls;
 pub mod chat;
 pub mod check;
-pub mod dispatch;
 pub mod events;
 pub mod examples;
 pub mod extract;
 pub mod grounding;
-pub mod mcp_tools;
 pub mod schema;
 pub mod task;
 pub mod team;

@@ -30,6 +30,25 @@ pub struct Client {
 }
 
 impl Client {
+    /// The picture at `href`, downloaded whole while the caller waits (a transcript is
+    /// written from a synchronous callback; the download waits there, on this worker only);
+    /// `None` when it cannot be had or is larger than a picture may be.
+    pub fn picture(&self, href: &str) -> Option<Vec<u8>> {
+        tokio::task::block_in_place(|| {
+            tokio::runtime::Handle::current().block_on(async move {
+                let mut resp = self.download(href).await.ok()?;
+                let mut data = Vec::new();
+                while let Some(chunk) = resp.chunk().await.ok()? {
+                    data.extend_from_slice(&chunk);
+                    if data.len() as u64 > crate::picture::MAX_BYTES {
+                        return None;
+                    }
+                }
+                Some(data)
+            })
+        })
+    }
+
     /// The daemon named by `--host` (or `TANDEM_HOST`), or the default socket.
     pub fn new(flag: &HostFlag) -> Result<Self> {
         let host = flag

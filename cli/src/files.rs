@@ -15,9 +15,11 @@ pub fn pack(paths: &[PathBuf], dir: &Path) -> Result<Inputs> {
         .map(|f| std::io::BufReader::with_capacity(1 << 20, f))
         .with_context(|| format!("cannot read {}", archive.display()))?;
     // Refused now, by the rules every session applies, rather than at the first block.
-    let (_, listing) =
-        tandem_executor::archive::inspect(read, tandem_executor::archive::ArchiveCaps::default())
-            .context("--file")?;
+    let (_, listing) = tandem_executor_kit::archive::inspect(
+        read,
+        tandem_executor_kit::archive::ArchiveCaps::default(),
+    )
+    .context("--file")?;
     Ok(Inputs {
         archive: Some(archive),
         listing,

@@ -9,7 +9,7 @@
 use std::io::{Read, Write};
 use std::path::{Component, Path, PathBuf};
 
-use tandem_executor::archive::{self, ListedFile};
+use tandem_executor_kit::archive::{self, ListedFile};
 
 /// Most workspace entries looked at for what a task made.
 pub const MADE_SCAN: usize = 100_000;
@@ -277,7 +277,7 @@ pub async fn from_daemon(
                 },
             )
         })
-        .filter(|(given, f)| !given && !tandem_executor::made::is_tandems(&f.rel))
+        .filter(|(given, f)| !given && !tandem_executor_kit::made::is_tandems(&f.rel))
         .map(|(_, f)| f)
         .collect();
     if made.is_empty() {

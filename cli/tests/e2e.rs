@@ -984,7 +984,7 @@ async fn docker_one_shots_leave_nothing_and_a_killed_tandems_container_is_reaped
     let new_since = |before: &[(String, String)]| -> Vec<(String, String)> {
         tandem_containers()
             .into_iter()
-            .filter(|c| !before.contains(c) && !tandem_executor::owner::owner_alive(&c.1))
+            .filter(|c| !before.contains(c) && !tandem_executor_kit::owner::owner_alive(&c.1))
             .collect()
     };
     assert_eq!(new_since(&before), Vec::<(String, String)>::new());

@@ -3,6 +3,7 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
+use tandem_executor_kit::RegistryBudget as _;
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::QueryRejection;
@@ -862,7 +863,7 @@ async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
         let open = sup
             .executors()
             .budget()
-            .map_or(0, tandem_executor::Budget::in_use);
+            .map_or(0, tandem_executor_kit::Budget::in_use);
         let hosts: Vec<_> = sup
             .executors()
             .iter()

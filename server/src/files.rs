@@ -22,8 +22,8 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
-use tandem_executor::archive::{self, ArchiveCaps, ArchiveError};
-use tandem_executor::made;
+use tandem_executor_kit::archive::{self, ArchiveCaps, ArchiveError};
+use tandem_executor_kit::made;
 use tandem_protocol::files::{FileInfo, TaskFiles, Upload};
 use tokio::io::AsyncWriteExt;
 
@@ -582,7 +582,7 @@ impl Files {
     }
 
     fn remove(&self, task: &str, store: &dyn TaskStore, note: bool) -> bool {
-        match tandem_executor::keeper::remove_tree(&self.task_dir(task)) {
+        match tandem_executor_kit::keeper::remove_tree(&self.task_dir(task)) {
             Ok(()) => {}
             Err(e) => {
                 tracing::warn!(task, error = %e, "retention could not remove the task's files");
@@ -751,7 +751,7 @@ fn ms(t: SystemTime) -> u64 {
 /// following no link; a tree too wide or deep to measure within the entry bound counts as
 /// over `cap`.
 fn size_of(dir: &Path, cap: u64) -> u64 {
-    match tandem_executor::keeper::usage(dir, MEASURE_ENTRIES) {
+    match tandem_executor_kit::keeper::usage(dir, MEASURE_ENTRIES) {
         Ok(usage) if usage.capped => usage.allocated.max(cap.saturating_add(1)),
         Ok(usage) => usage.allocated,
         Err(e) => {

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
+use tandem_executor_kit::RegistryBudget as _;
 
 use tandem_executor::{CancellationToken, Registry};
 use tandem_protocol::team::TeamSpec;
@@ -35,7 +36,7 @@ pub struct SupervisorConfig {
     pub max_concurrent: usize,
     /// Most sandbox sessions open at once, overall and per executor: every road that opens
     /// one (tasks, teams, MCP) takes its permits from here.
-    pub sessions: tandem_executor::BudgetConfig,
+    pub sessions: tandem_executor_kit::BudgetConfig,
     /// Tasks' files: uploads, workspaces and their retention.
     pub files: Arc<Files>,
     /// This daemon's name in the store: the owner of the leases it holds. Stable across its
@@ -104,8 +105,8 @@ impl Supervisor {
         // The one place sessions are handed out: every executor a task, a team or MCP can
         // reach comes from this registry, so each of their sessions holds a permit.
         let executors = planner.executors_mut();
-        *executors =
-            std::mem::take(executors).with_budget(tandem_executor::Budget::new(&config.sessions));
+        *executors = std::mem::take(executors)
+            .with_budget(tandem_executor_kit::Budget::new(&config.sessions));
         let (live, _) = broadcast::channel(4096);
         let (queue, writes) = std::sync::mpsc::channel();
         let held = RunningTasks::default();

@@ -1,5 +1,5 @@
 //! What the keeper costs: listing and packing a 10,000-file workspace through
-//! `tandem_executor::archive` (every step beneath a handle, no link followed, each file
+//! `tandem_executor_kit::archive` (every step beneath a handle, no link followed, each file
 //! opened without blocking and checked), against a plain walk in the same process that
 //! defends against nothing (`std::fs::read_dir` recursion, `symlink_metadata`, `File::open`
 //! by path), and how far the keeper walks a deep and a wide tree.
@@ -11,8 +11,8 @@ use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use tandem_executor::archive::{self, ArchiveCaps};
-use tandem_executor::keeper;
+use tandem_executor_kit::archive::{self, ArchiveCaps};
+use tandem_executor_kit::keeper;
 
 const FILES: usize = 10_000;
 const RUNS: usize = 7;

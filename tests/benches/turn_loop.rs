@@ -560,12 +560,15 @@ async fn budget_overhead(tasks: usize, concurrency: usize) {
     let (_server, model) = print_one_model(tasks).await;
     let plain: Arc<dyn Executor> = Arc::new(local_executor(true));
     // As the daemon sets it up: four sessions per task slot, an executor cap of its own.
-    let mut config = tandem_executor::BudgetConfig::new(concurrency * 4, Duration::from_secs(120));
+    let mut config =
+        tandem_executor_kit::BudgetConfig::new(concurrency * 4, Duration::from_secs(120));
     config
         .per_executor
         .insert("local".to_owned(), concurrency * 4);
-    let mut registry =
-        tandem_executor::Registry::new().with_budget(tandem_executor::Budget::new(&config));
+    let mut registry = tandem_executor_kit::RegistryBudget::with_budget(
+        tandem_executor::Registry::new(),
+        tandem_executor_kit::Budget::new(&config),
+    );
     registry.register(plain.clone());
     let budgeted = registry.get("local").unwrap();
     let (mut without, mut with, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
@@ -1329,7 +1332,7 @@ async fn kept_state(n: usize) {
     let spec = SessionSpec::default();
     let mut fresh = executor.open(spec.clone()).await.unwrap();
     let mut kept: Box<dyn tandem_executor::Session> =
-        Box::new(tandem_executor::kept::KeptSession::new(
+        Box::new(tandem_executor_kit::kept::KeptSession::new(
             executor.open(spec.clone()).await.unwrap(),
             executor.clone(),
             spec,
@@ -1408,7 +1411,7 @@ async fn files_round_trip(rounds: usize) {
         builder.finish().unwrap();
     }
     // The task as the model reads it: its text, then what it was given.
-    let listing = tandem_executor::archive::inspect(
+    let listing = tandem_executor_kit::archive::inspect(
         std::fs::File::open(&archive).unwrap(),
         Default::default(),
     )

@@ -19,7 +19,7 @@ pub struct DaemonHarness {
     killed: Option<tokio::process::Child>,
     /// Removed by the keeper, not `TempDir`'s recursive delete: a block may have left a tree
     /// there deep enough to overflow the test's stack.
-    state: tandem_executor::scratch::TempTree,
+    state: tandem_executor_kit::scratch::TempTree,
     base_url: String,
     args: Vec<String>,
     env: Vec<(String, String)>,
@@ -43,7 +43,7 @@ impl DaemonHarness {
         env: &[(&str, &str)],
     ) -> Self {
         let state =
-            tandem_executor::scratch::temp_in(&std::env::temp_dir(), "tandem-daemon-").unwrap();
+            tandem_executor_kit::scratch::temp_in(&std::env::temp_dir(), "tandem-daemon-").unwrap();
         if let Some(config) = config {
             std::fs::create_dir_all(state.path().join("tandem")).unwrap();
             std::fs::write(state.path().join("tandem/tandem.toml"), config).unwrap();

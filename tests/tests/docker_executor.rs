@@ -461,7 +461,7 @@ fn volumes_labelled(label: &str) -> Vec<String> {
 
 /// The regular files under `dir`, relative, sorted.
 fn files_under(dir: &std::path::Path) -> Vec<String> {
-    let mut found: Vec<String> = tandem_executor::archive::list(dir, 10_000)
+    let mut found: Vec<String> = tandem_executor_kit::archive::list(dir, 10_000)
         .unwrap()
         .into_iter()
         .map(|f| f.path.display().to_string())

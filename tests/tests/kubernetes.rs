@@ -103,7 +103,7 @@ async fn claims_go_on_close_on_drop_and_when_their_owner_died() {
         .open(SessionSpec::default())
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let host = tandem_executor::owner::hostname();
+    let host = tandem_executor_kit::owner::hostname();
     cluster.apply(serde_json::json!({
         "apiVersion": "extensions.agents.x-k8s.io/v1beta1", "kind": "SandboxClaim",
         "metadata": {

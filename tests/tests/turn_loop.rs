@@ -58,6 +58,13 @@ impl Session for CountingSession {
     fn workspace(&self) -> Option<&std::path::Path> {
         self.inner.as_ref().and_then(|s| s.workspace())
     }
+    fn put_archive(
+        &mut self,
+        archive: &std::path::Path,
+        caps: tandem_executor::files::ArchiveCaps,
+    ) -> BoxFuture<'_, Result<Vec<tandem_executor::files::ArchivedFile>, ExecError>> {
+        tandem_executor_kit::put_in_workspace(self.workspace(), archive, caps)
+    }
     fn close(mut self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
         let inner = self.inner.take();
         let closed = self.closed.clone();

@@ -4,7 +4,8 @@ use std::sync::atomic::Ordering;
 
 use tandem_protocol::StopReason;
 
-use super::run::{Ctx, Ended, SchemaStep, printed_of};
+use super::history::printed_of;
+use super::run::{Ctx, Ended, SchemaStep};
 use crate::extract::extract_code_blocks;
 use crate::team::{Node, Said};
 

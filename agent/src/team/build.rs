@@ -9,7 +9,9 @@ use regex::Regex;
 use tandem_protocol::team::Kind;
 use tandem_protocol::{ErrorCode, ErrorInfo, Usage};
 
-use super::run::{Agent, Hook, MOST_CANDIDATES, Member, SELECTOR, Team};
+use super::agent::{Agent, Hook};
+use super::members::{BlockRules, Member, SELECTOR, Team};
+use super::run::MOST_CANDIDATES;
 use super::termination::Condition;
 use crate::blocks::SessionSlot;
 use crate::chat::ChatModel;
@@ -45,14 +47,15 @@ impl Team {
             members,
             max_turns,
             hooks: Vec::new(),
-            approval: None,
-            block_timeout: limits.wall,
-            output_cap: limits.output_bytes,
+            blocks: BlockRules {
+                approval: None,
+                timeout: limits.wall,
+                output_cap: limits.output_bytes,
+            },
             words: Vec::new(),
             exchange_turns: false,
             spend: super::spend::Spend::default(),
             output_schema: None,
-            tools: HashMap::new(),
             root: root.clone(),
         };
         let mut stack = vec![&root];
@@ -149,11 +152,8 @@ impl Team {
                 message: format!("{path}: no assistant of this team is there"),
             });
         }
-        let name = path.rsplit('/').next().unwrap_or(path).to_owned();
-        if tools.is_empty() {
-            self.tools.remove(&name);
-        } else {
-            self.tools.insert(name, Arc::new(tools));
+        if let Some(member) = self.members.get_mut(path) {
+            member.tools = (!tools.is_empty()).then(|| Arc::new(tools));
         }
         Ok(self)
     }
@@ -169,7 +169,7 @@ impl Team {
     /// Checks every executor's blocks with `gate` before they run (an approval gate asks per
     /// block, which a whole-message [`Hook`] cannot).
     pub fn with_approval(mut self, gate: Option<Arc<crate::approval::ApprovalGate>>) -> Self {
-        self.approval = gate;
+        self.blocks.approval = gate;
         self
     }
 

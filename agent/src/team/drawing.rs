@@ -6,7 +6,8 @@ use std::sync::atomic::Ordering;
 
 use tandem_protocol::{ErrorInfo, EventMsg, Message, Usage};
 
-use super::run::{Agent, AgentReply, CANDIDATE_TEMPERATURE, Ctx, Sample, Turn};
+use super::agent::{Agent, AgentReply, Sample, Turn};
+use super::run::{CANDIDATE_TEMPERATURE, Ctx};
 use crate::blocks::{self, SessionSlot};
 use crate::chat::ToolOffer;
 use crate::events::EventSink;
@@ -78,11 +79,51 @@ impl Ctx<'_> {
         };
         // The session is not held while the model writes.
         drop(slot);
-        let quiet: EventSink = Arc::new(|_| {});
         let spent_own = reply.usage.map_or(0, |u| u.completion_tokens);
-        let max_tokens = left.map(|n| {
-            u32::try_from(n.saturating_sub(spent_own) / u64::from(k - 1)).unwrap_or(u32::MAX)
+        let replies = self
+            .draw(
+                agent,
+                messages,
+                turn,
+                k,
+                left.map(|n| n.saturating_sub(spent_own)),
+            )
+            .await;
+        if self.cancel.is_cancelled() {
+            return Ok(None);
+        }
+        let own = (reply, verdict, own_held);
+        let Some((reply, verdict, held, chosen)) = self
+            .choose(path, executor, session, own, total, replies)
+            .await
+        else {
+            return Ok(None);
+        };
+        let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        (self.events)(EventMsg::RepliesDrawn {
+            turn,
+            drawn: k - 1,
+            chosen,
+            held: count(held),
+            examples: count(total),
         });
+        self.keep_verdict(verdict);
+        self.told(path, turn, &reply);
+        Ok(Some(reply))
+    }
+
+    /// `k - 1` replies to `messages` drawn at once and quietly, sampled, sharing the `left`
+    /// output tokens.
+    async fn draw(
+        &self,
+        agent: &dyn Agent,
+        messages: &[Message],
+        turn: u32,
+        k: u32,
+        left: Option<u64>,
+    ) -> Vec<Result<Option<AgentReply>, ErrorInfo>> {
+        let quiet: EventSink = Arc::new(|_| {});
+        let max_tokens = left.map(|n| u32::try_from(n / u64::from(k - 1)).unwrap_or(u32::MAX));
         let asks = (1..k).map(|i| {
             let asked = Turn {
                 number: turn,
@@ -97,19 +138,30 @@ impl Ctx<'_> {
             };
             agent.reply(messages, asked)
         });
-        let replies = futures::future::join_all(asks).await;
-        if self.cancel.is_cancelled() {
-            return Ok(None);
-        }
+        futures::future::join_all(asks).await
+    }
+
+    /// Of the agent's own reply (`own`: with its verdict and how many of the `total`
+    /// examples held) and the drawn `replies`, the one whose code holds the most (the
+    /// earlier on a tie), carrying the tokens of all; with its verdict, the examples it held
+    /// and its place (0 for the agent's own). `None` when the run was cancelled meanwhile.
+    async fn choose(
+        &self,
+        path: &str,
+        executor: &str,
+        session: &tokio::sync::Mutex<SessionSlot>,
+        own: (AgentReply, Option<(String, String)>, usize),
+        total: usize,
+        replies: Vec<Result<Option<AgentReply>, ErrorInfo>>,
+    ) -> Option<(AgentReply, Option<(String, String)>, usize, u32)> {
         let mut slot = session.lock().await;
-        let mut usage = reply.usage;
-        let mut best = (reply, verdict, own_held);
-        let drawn = k - 1;
+        let mut usage = own.0.usage;
+        let mut best = own;
         let mut chosen = 0;
         for (i, candidate) in (1..).zip(replies) {
             let candidate = match candidate {
                 Ok(Some(candidate)) => candidate,
-                Ok(None) => return Ok(None),
+                Ok(None) => return None,
                 Err(e) => {
                     tracing::info!(agent = %path, error = %e.message, "a reply drawn beside the agent's own failed");
                     continue;
@@ -133,20 +185,9 @@ impl Ctx<'_> {
                 chosen = i;
             }
         }
-        drop(slot);
         let (mut reply, verdict, held) = best;
-        let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
-        (self.events)(EventMsg::RepliesDrawn {
-            turn,
-            drawn,
-            chosen,
-            held: count(held),
-            examples: count(total),
-        });
         reply.usage = usage;
-        self.keep_verdict(verdict);
-        self.told(path, turn, &reply);
-        Ok(Some(reply))
+        Some((reply, verdict, held, chosen))
     }
 
     /// What the examples printed against the code of the reply about to be told, kept for
@@ -189,7 +230,7 @@ impl Ctx<'_> {
     ) -> Option<String> {
         let program = examples.program(code);
         let python = tandem_executor::Language::python();
-        if let Some(gate) = &self.team.approval
+        if let Some(gate) = &self.team.blocks.approval
             && gate.verdict(&python, slot.executor().as_ref(), &program)
                 != crate::approval::Verdict::Run
         {

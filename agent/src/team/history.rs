@@ -1,6 +1,8 @@
 //! The team's shared history, message by message.
 
-use tandem_protocol::{ToolCall, ToolReply};
+use std::collections::HashMap;
+
+use tandem_protocol::{EventMsg, ToolCall, ToolReply};
 
 /// One message of the team's shared history.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -92,4 +94,113 @@ pub fn pair_turns(messages: &[tandem_protocol::Message]) -> Vec<(bool, Said)> {
         }
     }
     turns
+}
+
+/// What a team's stored events say each agent said, in order: the replay for a resume. A
+/// turn that was cut off (no message after its `turn_started`) is not in it, so it runs again.
+pub fn replay_of(events: &[EventMsg]) -> Replay {
+    let mut said = Vec::new();
+    // By turn: parallel members' events interleave, and each message names its turn.
+    let mut speaking: HashMap<u32, &str> = HashMap::new();
+    for e in events {
+        match e {
+            EventMsg::TurnStarted {
+                turn,
+                agent: Some(agent),
+            } => {
+                speaking.insert(*turn, agent);
+            }
+            EventMsg::AssistantMessage {
+                turn,
+                text,
+                tool_calls,
+                ..
+            } => {
+                if let Some(agent) = speaking.remove(turn) {
+                    said.push((
+                        agent.to_owned(),
+                        Said {
+                            text: text.clone(),
+                            calls: tool_calls.clone(),
+                            ..Said::default()
+                        },
+                    ));
+                }
+            }
+            EventMsg::ExecutorMessage {
+                turn,
+                text,
+                tool_results,
+            } => {
+                if let Some(agent) = speaking.remove(turn) {
+                    said.push((
+                        agent.to_owned(),
+                        Said {
+                            text: text.clone(),
+                            output: true,
+                            results: tool_results.clone(),
+                            ..Said::default()
+                        },
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    said
+}
+
+/// What the task's code last printed in a clean run: kept with the report, or read back
+/// from a report of a resumed run.
+pub(crate) fn printed_of(history: &[Said]) -> Option<String> {
+    history.iter().rev().filter(|s| s.output).find_map(|s| {
+        s.printed
+            .clone()
+            .or_else(|| crate::blocks::printed_in(&s.text))
+    })
+}
+
+pub(super) fn transcript(history: &[Said]) -> String {
+    history
+        .iter()
+        .map(|s| format!("{}: {}", s.speaker, s.text))
+        .collect::<Vec<_>>()
+        .join("\n\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replay_attributes_interleaved_messages_by_turn() {
+        let turn = |turn, agent: &str| EventMsg::TurnStarted {
+            turn,
+            agent: Some(agent.to_owned()),
+        };
+        let says = |turn, text: &str| EventMsg::AssistantMessage {
+            turn,
+            text: text.to_owned(),
+            usage: None,
+            tool_calls: Vec::new(),
+        };
+        // Two parallel members: b answers before a; then a turn cut off by a crash.
+        let events = [
+            turn(1, "team/p/a"),
+            turn(2, "team/p/b"),
+            says(2, "from b"),
+            says(1, "from a"),
+            turn(3, "team/c"),
+        ];
+        assert_eq!(
+            replay_of(&events)
+                .into_iter()
+                .map(|(agent, said)| (agent, said.text))
+                .collect::<Vec<_>>(),
+            [
+                ("team/p/b".to_owned(), "from b".to_owned()),
+                ("team/p/a".to_owned(), "from a".to_owned())
+            ]
+        );
+    }
 }

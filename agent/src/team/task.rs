@@ -8,7 +8,8 @@ use tandem_executor::CancellationToken;
 use tandem_protocol::{AnswerFrom, ErrorInfo, EventMsg, StopReason, Usage};
 
 use super::history::Said;
-use super::run::{Ended, Run, Team};
+use super::members::Team;
+use super::run::{Ended, Run};
 use crate::events::EventSink;
 
 /// What a team task's start says of it.
@@ -263,7 +264,7 @@ pub(crate) fn answer_of(reason: StopReason, history: &[Said], words: &[String]) 
         .map(|s| statement(&s.text, words))
         .filter(|s| !s.is_empty());
     let ended = matches!(reason, StopReason::Terminated | StopReason::Answered);
-    let printed = super::run::printed_of(history).map(|p| p.trim().to_owned());
+    let printed = super::history::printed_of(history).map(|p| p.trim().to_owned());
     match (said, printed) {
         (Some(said), Some(printed)) if ended && disagreement(&printed, &said).is_none() => {
             Answer::Model(clip(&said, ANSWER_CAP))

@@ -181,7 +181,10 @@ pub fn hub_endpoint() -> String {
 
 /// The caps on open sandbox sessions, from `[sessions]`, for a daemon running
 /// `max_concurrent` tasks at once.
-pub fn sessions(file: &FileConfig, max_concurrent: usize) -> Result<tandem_executor::BudgetConfig> {
+pub fn sessions(
+    file: &FileConfig,
+    max_concurrent: usize,
+) -> Result<tandem_executor_kit::BudgetConfig> {
     let s = &file.sessions;
     let max = match s.max {
         Some(0) => bail!("[sessions] max must be at least 1"),
@@ -207,7 +210,7 @@ pub fn sessions(file: &FileConfig, max_concurrent: usize) -> Result<tandem_execu
         Some(n) => n,
         None => max.saturating_sub(max_concurrent).max(1),
     };
-    let mut config = tandem_executor::BudgetConfig::new(max, wait);
+    let mut config = tandem_executor_kit::BudgetConfig::new(max, wait);
     config.per_executor = s.executors.clone();
     config.without_task = Some(without_task);
     Ok(config)
@@ -225,14 +228,14 @@ pub fn files(file: &FileConfig, state_dir: &Path) -> Result<tandem_daemon::files
     let entries = match f.max_upload_files {
         Some(0) => bail!("[files] max_upload_files must be at least 1"),
         Some(n) => n,
-        None => tandem_executor::archive::ArchiveCaps::default().max_entries,
+        None => tandem_executor_kit::archive::ArchiveCaps::default().max_entries,
     };
     Ok(tandem_daemon::files::FilesConfig {
         root: f.dir.clone().unwrap_or_else(|| state_dir.join("files")),
         keep: Duration::from_secs(positive("keep_secs", f.keep_secs, 7 * 24 * 3600)?),
         max_total_bytes: mb(positive("max_total_mb", f.max_total_mb, 10240)?),
         max_task_bytes: mb(positive("max_task_mb", f.max_task_mb, 1024)?),
-        upload: tandem_executor::archive::ArchiveCaps {
+        upload: tandem_executor_kit::archive::ArchiveCaps {
             max_bytes: mb(positive("max_upload_mb", f.max_upload_mb, 256)?),
             max_entries: entries,
         },

@@ -149,12 +149,6 @@ impl<W: Write> Renderer<W> {
     }
 
     /// Names where the task runs in the transcript's header.
-    pub fn place(mut self, place: impl Into<String>) -> Self {
-        self.set_place(place);
-        self
-    }
-
-    /// Names where the task runs, after the renderer was made.
     pub fn set_place(&mut self, place: impl Into<String>) {
         self.transcript.set_place(place.into());
     }

@@ -8,18 +8,24 @@
 //! registry.register(Arc::new(tandem_example_custom_executor::PerlExecutor::new()));
 //! ```
 //!
-//! It is deliberately small: `tandem_executor::process` supervises its processes (a session
-//! of their own, rlimits, timeout and cancel, a group kill, bounded capture); the built-in
-//! local executor adds what a group kill misses (children that leave the group with `setsid`)
-//! and a scratch directory apart from the workspace.
+//! It is deliberately small. Each block runs in a process group of its own, killed whole
+//! when the block ends, times out or is cancelled, so a background child dies with it; each
+//! stream is captured within `Limits::output_bytes`; a `# filename:` line writes the block
+//! beneath the workspace without following links. It honours the wall-clock and output
+//! limits only: the built-in executors also set memory, process and file limits before the
+//! program starts, which `tandem-executor-kit`'s `process` module does for a plugin that
+//! wants it.
 
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
 
-use tandem_executor::workspace::write_block_script;
 use tandem_executor::{
-    BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Executor, Language, Limits,
-    Session, SessionSpec, process,
+    BoxFuture, CancellationToken, CaptureBuffer, Captured, ExecContext, ExecError, ExecOutcome,
+    ExecRequest, Executor, ExitStatus, Language, Limits, OutputSink, Session, SessionSpec, Stream,
 };
+use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWriteExt as _};
 
 /// Runs perl code blocks.
 pub struct PerlExecutor {
@@ -66,7 +72,6 @@ impl Executor for PerlExecutor {
                 dir,
                 _temp: temp,
                 limits: spec.limits,
-                blocks: 0,
             }) as Box<dyn Session>)
         })
     }
@@ -76,7 +81,6 @@ struct PerlSession {
     dir: PathBuf,
     _temp: Option<tempfile::TempDir>,
     limits: Limits,
-    blocks: u32,
 }
 
 impl Session for PerlSession {
@@ -93,30 +97,80 @@ impl Session for PerlSession {
                     &[Language::new("perl")],
                 ));
             }
-            self.blocks += 1;
-            // Never a plain write: earlier blocks may have planted links in the workspace.
-            let script = match write_block_script(&self.dir, &req.code, self.blocks, "pl") {
-                Ok(script) => script.path,
-                Err(e) => return Ok(ExecOutcome::refused(&e.to_string())),
-            };
             let mut cmd = tokio::process::Command::new("perl");
-            cmd.arg(&script)
-                .current_dir(&self.dir)
+            // A `# filename:` line keeps the block as that file; any other block is read
+            // from stdin, so nothing is written where earlier blocks may have planted links.
+            match filename(&req.code) {
+                Some(name) => {
+                    if let Err(e) = write_beneath(&self.dir, name, &req.code) {
+                        return Ok(ExecOutcome::refused(&format!("`{name}`: {e}")));
+                    }
+                    cmd.arg("--").arg(name).stdin(Stdio::null());
+                }
+                None => {
+                    cmd.arg("-").stdin(Stdio::piped());
+                }
+            }
+            cmd.current_dir(&self.dir)
                 .env_clear()
-                .env("PATH", "/usr/local/bin:/usr/bin:/bin");
-            // A new session, rlimits, bounded live capture, and on every path a kill of the
-            // whole process group, so a block's background children die with it.
-            let started = process::spawn(cmd, &self.limits, "perl")?;
-            let group = started.pid;
+                .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .process_group(0)
+                .kill_on_drop(true);
+            let mut child = cmd.spawn().map_err(|e| ExecError::io("starting perl", e))?;
+            let group = child.id();
+            if let Some(mut stdin) = child.stdin.take() {
+                // A program that exits without reading its stdin is not an error.
+                let _ = stdin.write_all(req.code.as_bytes()).await;
+            }
+            let cap = self.limits.output_bytes;
+            let stop = CancellationToken::new();
+            let read = |r: Option<Box<dyn AsyncRead + Send + Unpin>>, s| {
+                tokio::spawn(capture(r, s, cap, ctx.sink.clone(), stop.clone()))
+            };
+            let out = read(
+                child.stdout.take().map(|r| Box::new(r) as _),
+                Stream::Stdout,
+            );
+            let err = read(
+                child.stderr.take().map(|r| Box::new(r) as _),
+                Stream::Stderr,
+            );
+            let clock = Instant::now();
             let timeout = req.timeout.unwrap_or(self.limits.wall);
-            process::supervise(
-                started,
-                timeout,
-                self.limits.output_bytes,
-                &ctx,
-                move || process::kill_group(group),
-            )
-            .await
+            let status = tokio::select! {
+                status = child.wait() => match status {
+                    Ok(s) => match (s.code(), std::os::unix::process::ExitStatusExt::signal(&s)) {
+                        (Some(code), _) => ExitStatus::Exited(code),
+                        (None, Some(signal)) => ExitStatus::Signaled(signal),
+                        (None, None) => ExitStatus::Exited(-1),
+                    },
+                    Err(e) => return Err(ExecError::io("waiting for perl", e)),
+                },
+                () = tokio::time::sleep(timeout) => ExitStatus::TimedOut,
+                () = ctx.cancel.cancelled() => ExitStatus::Cancelled,
+            };
+            let duration = clock.elapsed();
+            // On every path the whole group goes, background children included: they would
+            // otherwise hold the output pipes open and outlive the block.
+            kill_group(group);
+            let _ = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
+            // A process that left the group (`setsid`) may still hold a pipe: what it wrote
+            // within a moment is kept, and the reading stops.
+            let stopper = stop.clone();
+            let grace = tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                stopper.cancel();
+            });
+            let (out, err) = (out.await.unwrap_or_default(), err.await.unwrap_or_default());
+            grace.abort();
+            Ok(ExecOutcome {
+                status,
+                stdout: out,
+                stderr: err,
+                duration,
+            })
         })
     }
 
@@ -131,6 +185,72 @@ impl Session for PerlSession {
             Ok(())
         })
     }
+}
+
+/// The file a block names on its first line (`# filename: greet.pl`).
+fn filename(code: &str) -> Option<&str> {
+    let first = code.lines().next()?.trim();
+    let name = first
+        .strip_prefix('#')?
+        .trim_start()
+        .strip_prefix("filename:")?;
+    Some(name.trim()).filter(|n| !n.is_empty())
+}
+
+/// Writes `code` to `name` beneath `dir`: no `..`, no absolute path and no link on the way
+/// resolve (the kernel's `RESOLVE_BENEATH` and `RESOLVE_NO_SYMLINKS`).
+fn write_beneath(dir: &Path, name: &str, code: &str) -> std::io::Result<()> {
+    use rustix::fs::{Mode, OFlags, ResolveFlags};
+    let root = std::fs::File::open(dir)?;
+    let fd = rustix::fs::openat2(
+        &root,
+        name,
+        OFlags::WRONLY | OFlags::CREATE | OFlags::TRUNC | OFlags::CLOEXEC | OFlags::NOFOLLOW,
+        Mode::from_raw_mode(0o644),
+        ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+    )?;
+    let mut file = std::fs::File::from(fd);
+    file.write_all(code.as_bytes())
+}
+
+/// Kills every process of the group `pgid` leads.
+fn kill_group(pgid: Option<u32>) {
+    let pid = pgid
+        .and_then(|p| i32::try_from(p).ok())
+        .and_then(rustix::process::Pid::from_raw);
+    if let Some(pid) = pid {
+        let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+    }
+}
+
+/// Reads one stream to its end (or until `stop`), keeping what `cap` allows and passing the kept head to
+/// `sink` as it arrives.
+async fn capture(
+    reader: Option<Box<dyn AsyncRead + Send + Unpin>>,
+    stream: Stream,
+    cap: usize,
+    sink: OutputSink,
+    stop: CancellationToken,
+) -> Captured {
+    let mut buf = CaptureBuffer::new(cap);
+    let Some(mut reader) = reader else {
+        return buf.finish();
+    };
+    let mut chunk = vec![0u8; 64 << 10];
+    loop {
+        let n = tokio::select! {
+            n = reader.read(&mut chunk) => match n {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            },
+            () = stop.cancelled() => break,
+        };
+        let live = buf.push(&chunk[..n]);
+        if live > 0 {
+            sink(stream, &chunk[..live]);
+        }
+    }
+    buf.finish()
 }
 
 #[cfg(test)]

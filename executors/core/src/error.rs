@@ -36,7 +36,7 @@ pub enum ExecError {
     },
     /// Files given to the session could not be placed (or read out).
     #[error(transparent)]
-    Files(#[from] crate::archive::ArchiveError),
+    Files(#[from] crate::files::ArchiveError),
     /// The workspace could not be prepared.
     #[error("workspace {path}: {source}")]
     Workspace {

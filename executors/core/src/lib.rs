@@ -13,29 +13,22 @@
 //!   unsupported language) and the model cannot fix it.
 //!
 //! Policy is data: [`Limits`] is one serde struct that every backend honours in its own
-//! way. Shared mechanics that every backend needs live here too: language aliases
-//! ([`Language`]), bounded output capture ([`CaptureBuffer`]), the `# filename:` directive
-//! and safe workspace paths ([`workspace`]), supervising a block's host processes
-//! ([`process`]), and a name-to-executor [`Registry`].
+//! way. Beside the traits are the plain types they speak in: language aliases
+//! ([`Language`]), bounded output capture ([`CaptureBuffer`]), what files cross a session's
+//! boundary as ([`files`]), and a name-to-executor [`Registry`].
 //!
-//! A third-party executor depends on this crate alone; see `examples/custom-executor`.
+//! A third-party executor depends on this crate alone; see `examples/custom-executor`. The
+//! machinery the built-in executors share (archives, process supervision, the kept
+//! interpreter, the tool channel, the session budget) is `tandem-executor-kit`, which a
+//! plugin may use but need not.
 #![deny(missing_docs)]
 
-pub mod archive;
-pub mod budget;
 mod capture;
 mod error;
-pub mod keeper;
-pub mod kept;
+pub mod files;
 mod language;
 mod limits;
-pub mod made;
-pub mod owner;
-pub mod process;
 mod registry;
-pub mod scratch;
-pub mod toolchannel;
-pub mod workspace;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -43,22 +36,20 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use budget::{Budget, BudgetConfig, WITHOUT_TASK};
 pub use capture::{CaptureBuffer, Captured, complete_utf8};
 pub use error::ExecError;
 pub use language::{Language, join as join_languages};
 pub use limits::Limits;
-pub use registry::Registry;
+pub use registry::{Registry, Wrap};
 pub use tokio_util::sync::CancellationToken;
-
-/// Python that every program running Python blocks puts before its own code:
-/// `run_as_main(script)` (a script run as `python3 script` runs it) and what keeps the figures a
-/// block shows (`plt.show()`) as `figure-N.png`. It holds no triple quotes, so it can be
-/// carried in a string.
-pub const PYTHON_PRELUDE: &str = include_str!("prelude.py");
 
 /// A boxed, sendable future, as the object-safe traits here return.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Runs one call that a block's code makes to its task's tools: the tool's name and its
+/// arguments (JSON text); the answer, or what went wrong.
+pub type ToolHandler =
+    Arc<dyn Fn(String, String) -> BoxFuture<'static, Result<String, String>> + Send + Sync>;
 
 /// A kind of sandbox that can open sessions.
 pub trait Executor: Send + Sync + 'static {
@@ -81,7 +72,7 @@ pub trait Executor: Send + Sync + 'static {
     }
 
     /// Whether sessions can keep one Python interpreter for all their Python blocks
-    /// ([`kept::KeptSession`]): the executor's sessions have a host workspace, a second
+    /// (`tandem_executor_kit::kept::KeptSession`): the executor's sessions have a host workspace, a second
     /// session can be opened on it, and its Python has threads and FIFOs.
     fn keeps_state(&self) -> bool {
         false
@@ -146,55 +137,23 @@ pub trait Session: Send {
     /// Releases the sandbox (processes, containers, temporary files).
     fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>>;
     /// Places the regular files and directories of the tar archive at `archive` (on the
-    /// host) in the workspace, within `caps`. Sessions with a host workspace get this; one
-    /// without says it cannot take files.
+    /// host) in the workspace, within `caps`. A session with a host workspace places them
+    /// there (`tandem_executor_kit::place_archive` does it beneath the workspace's handle);
+    /// one that does not override this says it cannot take files.
     fn put_archive(
         &mut self,
         archive: &Path,
-        caps: archive::ArchiveCaps,
-    ) -> BoxFuture<'_, Result<Vec<archive::ArchivedFile>, ExecError>> {
-        let workspace = self.workspace().map(Path::to_owned);
-        Box::pin(place_archive(workspace, archive.to_owned(), caps))
+        caps: files::ArchiveCaps,
+    ) -> BoxFuture<'_, Result<Vec<files::ArchivedFile>, ExecError>> {
+        let _ = (archive, caps);
+        Box::pin(async {
+            Err(ExecError::Unavailable {
+                what: "placing files in this executor's sessions".to_owned(),
+                hint: "it has no workspace Tandem can reach; run the task on local, docker or wasm"
+                    .to_owned(),
+            })
+        })
     }
-}
-
-/// Unpacks the tar archive at `archive` into the host directory `workspace` within `caps`:
-/// what [`Session::put_archive`] does for a session whose workspace is that directory.
-pub async fn place_archive(
-    workspace: Option<PathBuf>,
-    archive: PathBuf,
-    caps: archive::ArchiveCaps,
-) -> Result<Vec<archive::ArchivedFile>, ExecError> {
-    place_archive_for(workspace, archive, caps, None).await
-}
-
-/// [`place_archive`], the files given to `owner` (`uid`, `gid`) when named: for a session
-/// whose code runs as another user on this host's files, and must be able to change them.
-pub async fn place_archive_for(
-    workspace: Option<PathBuf>,
-    archive: PathBuf,
-    caps: archive::ArchiveCaps,
-    owner: Option<(u32, u32)>,
-) -> Result<Vec<archive::ArchivedFile>, ExecError> {
-    let workspace = workspace.ok_or_else(|| ExecError::Unavailable {
-        what: "placing files in this executor's sessions".to_owned(),
-        hint: "it has no workspace Tandem can reach; run the task on local, docker or wasm"
-            .to_owned(),
-    })?;
-    tokio::task::spawn_blocking(move || {
-        let file = std::fs::File::open(&archive).map_err(|source| ExecError::Io {
-            context: format!("reading the files to place ({})", archive.display()),
-            source,
-        })?;
-        let read = std::io::BufReader::new(file);
-        match owner {
-            Some(owner) => archive::unpack_owned(&workspace, read, caps, owner),
-            None => archive::unpack_into(&workspace, read, caps),
-        }
-        .map_err(ExecError::Files)
-    })
-    .await
-    .map_err(|e| ExecError::Backend(format!("placing files stopped: {e}")))?
 }
 
 /// How to open a session.
@@ -210,7 +169,7 @@ pub struct SessionSpec {
     /// A tar archive on the host whose files are placed in the workspace when the session
     /// opens (the files a task was given).
     pub inputs: Option<PathBuf>,
-    /// Python blocks share one interpreter whose globals survive ([`kept::KeptSession`]);
+    /// Python blocks share one interpreter whose globals survive (`tandem_executor_kit::kept::KeptSession`);
     /// only for executors that [`Executor::keeps_state`].
     pub keep_state: bool,
     /// Labels the machine that runs the session must carry (`gpu=yes`), for executors that
@@ -274,7 +233,7 @@ pub struct ExecContext {
     pub sink: OutputSink,
     /// Answers calls the block's code makes to its task's tools, where the executor can carry
     /// them ([`Executor::carries_tool_calls`]).
-    pub tools: Option<toolchannel::ToolHandler>,
+    pub tools: Option<ToolHandler>,
 }
 
 impl ExecContext {
@@ -288,7 +247,7 @@ impl ExecContext {
     }
 
     /// Lets the block's code call tools, answered by `handler`.
-    pub fn with_tools(mut self, handler: toolchannel::ToolHandler) -> Self {
+    pub fn with_tools(mut self, handler: ToolHandler) -> Self {
         self.tools = Some(handler);
         self
     }

@@ -1,13 +1,20 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::{Budget, ExecError, Executor};
+use crate::{ExecError, Executor};
+
+/// What every executor of a registry is wrapped in as it is registered (a budget that bounds
+/// the sessions they open, say).
+pub trait Wrap: std::any::Any + Send + Sync {
+    /// `executor`, wrapped.
+    fn wrap(&self, executor: Arc<dyn Executor>) -> Arc<dyn Executor>;
+}
 
 /// Executors by name; the daemon and CLI pick one per task from here.
 #[derive(Clone, Default)]
 pub struct Registry {
     executors: BTreeMap<String, Arc<dyn Executor>>,
-    budget: Option<Budget>,
+    wrap: Option<Arc<dyn Wrap>>,
 }
 
 impl Registry {
@@ -18,31 +25,32 @@ impl Registry {
 
     /// Adds an executor under its own name, replacing one of the same name.
     pub fn register(&mut self, executor: Arc<dyn Executor>) -> &mut Self {
-        let executor = match &self.budget {
-            Some(budget) => budget.wrap(executor),
+        let executor = match &self.wrap {
+            Some(wrap) => wrap.wrap(executor),
             None => executor,
         };
         self.executors.insert(executor.name().to_owned(), executor);
         self
     }
 
-    /// Every executor, registered now or later, opens sessions only within `budget`. Applied
-    /// once: a registry already under a budget keeps it.
-    pub fn with_budget(mut self, budget: Budget) -> Self {
-        if self.budget.is_some() {
+    /// Every executor, registered now or later, is wrapped in `wrap`. Applied once: a
+    /// registry already wrapped keeps its wrap.
+    pub fn wrapped(mut self, wrap: Arc<dyn Wrap>) -> Self {
+        if self.wrap.is_some() {
             return self;
         }
         self.executors = std::mem::take(&mut self.executors)
             .into_iter()
-            .map(|(name, executor)| (name, budget.wrap(executor)))
+            .map(|(name, executor)| (name, wrap.wrap(executor)))
             .collect();
-        self.budget = Some(budget);
+        self.wrap = Some(wrap);
         self
     }
 
-    /// The budget its sessions are opened within, if one was given.
-    pub fn budget(&self) -> Option<&Budget> {
-        self.budget.as_ref()
+    /// What its executors are wrapped in, if it is a `W`.
+    pub fn wrap<W: Wrap>(&self) -> Option<&W> {
+        let wrap: &dyn std::any::Any = self.wrap.as_deref()?;
+        wrap.downcast_ref()
     }
 
     /// Looks an executor up, with an error that lists what is registered.

@@ -544,8 +544,8 @@ impl Session for Placed {
     fn put_archive(
         &mut self,
         archive: &Path,
-        caps: tandem_executor::archive::ArchiveCaps,
-    ) -> BoxFuture<'_, Result<Vec<tandem_executor::archive::ArchivedFile>, ExecError>> {
+        caps: tandem_executor_kit::archive::ArchiveCaps,
+    ) -> BoxFuture<'_, Result<Vec<tandem_executor_kit::archive::ArchivedFile>, ExecError>> {
         match self.inner.as_mut() {
             Some(s) => s.put_archive(archive, caps),
             None => Box::pin(async { Err(ExecError::Backend("the session is closed".to_owned())) }),

@@ -23,8 +23,9 @@ use bollard::query_parameters::{
     CreateImageOptionsBuilder, ListContainersOptionsBuilder, RemoveContainerOptionsBuilder,
 };
 use futures::StreamExt;
-use tandem_executor::owner::{owner_alive, owner_tag};
-use tandem_executor::{BoxFuture, ExecError, Executor, Language, Session, SessionSpec, scratch};
+use tandem_executor::{BoxFuture, ExecError, Executor, Language, Session, SessionSpec};
+use tandem_executor_kit::owner::{owner_alive, owner_tag};
+use tandem_executor_kit::scratch;
 use tokio::sync::OnceCell;
 
 pub use fleet::{DockerFleet, HostSpec};
@@ -446,7 +447,7 @@ impl DockerExecutor {
             }
             remove_container(docker, &id).await;
             if let Some(ws) = labels.get(labels::WORKSPACE) {
-                let _ = tandem_executor::keeper::remove_tree(std::path::Path::new(ws));
+                let _ = tandem_executor_kit::keeper::remove_tree(std::path::Path::new(ws));
             }
             reaped += 1;
         }
@@ -585,7 +586,7 @@ impl DockerExecutor {
             || spec
                 .labels
                 .iter()
-                .any(|(k, _)| k != labels::TASK && k != tandem_executor::WITHOUT_TASK)
+                .any(|(k, _)| k != labels::TASK && k != tandem_executor_kit::WITHOUT_TASK)
         {
             return None;
         }
@@ -672,7 +673,7 @@ impl DockerExecutor {
         let removals = found.iter().map(|(id, tags)| async move {
             remove_container(docker, id).await;
             if let Some(ws) = tags.get(labels::WORKSPACE) {
-                let _ = tandem_executor::keeper::remove_tree(std::path::Path::new(ws));
+                let _ = tandem_executor_kit::keeper::remove_tree(std::path::Path::new(ws));
             }
         });
         futures::future::join_all(removals).await;

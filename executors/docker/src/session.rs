@@ -10,10 +10,11 @@ use bollard::query_parameters::{
     KillContainerOptionsBuilder, RenameContainerOptionsBuilder,
 };
 use futures::StreamExt;
-use tandem_executor::scratch::TempTree;
 use tandem_executor::{
-    BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Session, SessionSpec, scratch,
+    BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Session, SessionSpec,
 };
+use tandem_executor_kit::scratch;
+use tandem_executor_kit::scratch::TempTree;
 use tandem_executor_runner::session::{Offer, RunnerSession, Transport};
 use tandem_executor_runner::{Conn, Frame, FrameReader, READY_LIMIT, Request};
 use tokio::io::AsyncWriteExt;
@@ -510,8 +511,8 @@ impl Session for DockerSession {
     fn put_archive(
         &mut self,
         archive: &Path,
-        caps: tandem_executor::archive::ArchiveCaps,
-    ) -> BoxFuture<'_, Result<Vec<tandem_executor::archive::ArchivedFile>, ExecError>> {
+        caps: tandem_executor_kit::archive::ArchiveCaps,
+    ) -> BoxFuture<'_, Result<Vec<tandem_executor_kit::archive::ArchivedFile>, ExecError>> {
         Box::pin(
             self.runner
                 .put_archive(&mut self.container, archive.to_owned(), caps),

@@ -17,7 +17,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams};
-use tandem_executor::{BoxFuture, ExecError, Executor, Language, Session, SessionSpec, owner};
+use tandem_executor::{BoxFuture, ExecError, Executor, Language, Session, SessionSpec};
+use tandem_executor_kit::owner;
 
 /// The agent-sandbox core group (`Sandbox`).
 pub const SANDBOX_GROUP: &str = "agents.x-k8s.io";
@@ -242,7 +243,7 @@ impl KubernetesExecutor {
         let url = kube_config.cluster_url.to_string();
         let client = kube::Client::try_from(kube_config)
             .map_err(|e| KubernetesError::Config(e.to_string()))?;
-        let root = tandem_executor::scratch::process_root_in(
+        let root = tandem_executor_kit::scratch::process_root_in(
             &config
                 .workspace_dir
                 .clone()
@@ -316,7 +317,7 @@ impl KubernetesExecutor {
     /// Deletes the claims of Tandems that no longer run (and their mirrors' directories);
     /// returns how many claims went.
     pub async fn reap_orphans(&self) -> Result<usize, KubernetesError> {
-        tandem_executor::scratch::reap_dead_roots_in(
+        tandem_executor_kit::scratch::reap_dead_roots_in(
             &self
                 .inner
                 .config

@@ -6,10 +6,11 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, AttachParams, AttachedProcess, DynamicObject, PostParams};
-use tandem_executor::scratch::TempTree;
 use tandem_executor::{
-    BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Session, SessionSpec, scratch,
+    BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Session, SessionSpec,
 };
+use tandem_executor_kit::scratch;
+use tandem_executor_kit::scratch::TempTree;
 use tandem_executor_runner::session::{Offer, RunnerSession, Transport};
 use tandem_executor_runner::{Conn, Frame, FrameReader, mirror};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -569,8 +570,8 @@ impl Session for KubeSession {
     fn put_archive(
         &mut self,
         archive: &Path,
-        caps: tandem_executor::archive::ArchiveCaps,
-    ) -> BoxFuture<'_, Result<Vec<tandem_executor::archive::ArchivedFile>, ExecError>> {
+        caps: tandem_executor_kit::archive::ArchiveCaps,
+    ) -> BoxFuture<'_, Result<Vec<tandem_executor_kit::archive::ArchivedFile>, ExecError>> {
         Box::pin(
             self.runner
                 .put_archive(&mut self.pod, archive.to_owned(), caps),

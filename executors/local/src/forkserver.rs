@@ -51,7 +51,7 @@ impl ForkServer {
         // Named first, as `ps` shows it; the prelude is defined before the server runs.
         let program = format!(
             "# Tandem's Python fork server: the prelude, then forkserver.py\n{}\n{SERVER}",
-            tandem_executor::PYTHON_PRELUDE
+            tandem_executor_kit::PYTHON_PRELUDE
         );
         cmd.args(["-c", &program]);
         if no_network {

@@ -63,7 +63,7 @@ impl Drop for TreeKiller {
 /// Sends SIGKILL to every process whose environment names an owner that is no longer
 /// running (left by a Tandem that died); returns how many.
 pub(crate) fn kill_orphans() -> usize {
-    let prefix = format!("{}=", tandem_executor::owner::OWNER_VAR);
+    let prefix = format!("{}=", tandem_executor_kit::owner::OWNER_VAR);
     let mut killed = 0;
     for (pid, environ) in processes() {
         let owner = environ
@@ -72,7 +72,7 @@ pub(crate) fn kill_orphans() -> usize {
         let Some(owner) = owner.and_then(|o| std::str::from_utf8(o).ok()) else {
             continue;
         };
-        if !tandem_executor::owner::owner_alive(owner)
+        if !tandem_executor_kit::owner::owner_alive(owner)
             && kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok()
         {
             killed += 1;

@@ -14,12 +14,12 @@ mod run;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
-use tandem_executor::scratch::TempTree;
 use tandem_executor::{
     BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Executor, Language, Limits,
     Session, SessionSpec,
 };
-use tandem_executor::{owner, scratch};
+use tandem_executor_kit::scratch::TempTree;
+use tandem_executor_kit::{owner, scratch};
 
 pub use confine::{Confine, Support};
 use forkserver::ForkServer;
@@ -316,7 +316,7 @@ impl LocalSession {
         // written once here before any block runs, and never again, so nothing a block
         // plants can turn a write of Tandem's into one elsewhere on the host.
         let tools = scratch.path().join(TOOLS_DIR);
-        tandem_executor::toolchannel::install(&tools)
+        tandem_executor_kit::toolchannel::install(&tools)
             .map_err(|e| ExecError::io("installing the tools module", e))?;
         let (workspace, owned_workspace) =
             scratch::open_workspace(spec.workdir, &inner.root, "tandem-workspace-")?;
@@ -347,6 +347,14 @@ impl Session for LocalSession {
 
     fn workspace(&self) -> Option<&Path> {
         Some(&self.workspace)
+    }
+
+    fn put_archive(
+        &mut self,
+        archive: &Path,
+        caps: tandem_executor::files::ArchiveCaps,
+    ) -> BoxFuture<'_, Result<Vec<tandem_executor::files::ArchivedFile>, ExecError>> {
+        tandem_executor_kit::put_in_workspace(self.workspace(), archive, caps)
     }
 
     fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {

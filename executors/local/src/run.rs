@@ -5,11 +5,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tandem_executor::process::{self, Reader, Started, Wait};
-use tandem_executor::workspace::{BlockScript, write_block_script};
 use tandem_executor::{
     BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, ExitStatus, Language, Limits,
 };
+use tandem_executor_kit::process::{self, Reader, Started, Wait};
+use tandem_executor_kit::workspace::{BlockScript, write_block_script};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::net::unix::pipe;
 use tokio::process::{Child, Command};
@@ -206,10 +206,10 @@ struct Channel {
 fn tools_channel(
     session: &LocalSession,
     env: &mut Vec<(String, String)>,
-    handler: tandem_executor::toolchannel::ToolHandler,
+    handler: tandem_executor_kit::toolchannel::ToolHandler,
 ) -> Result<Channel, ExecError> {
     use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
-    use tandem_executor::toolchannel;
+    use tandem_executor_kit::toolchannel;
     let dir = session.scratch.path().join(crate::TOOLS_DIR);
     let (ours, theirs) = socketpair(
         AddressFamily::Unix,

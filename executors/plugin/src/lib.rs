@@ -25,12 +25,13 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use tandem_executor::process::{Bounded, bounded};
-use tandem_executor::scratch::TempTree;
 use tandem_executor::{
     BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Executor, ExitStatus, Language,
-    Limits, Session, SessionSpec, scratch,
+    Limits, Session, SessionSpec,
 };
+use tandem_executor_kit::process::{Bounded, bounded};
+use tandem_executor_kit::scratch;
+use tandem_executor_kit::scratch::TempTree;
 
 use rpc::{CallError, Connection, RunOutput};
 pub use wire::PROTOCOL_VERSION;
@@ -548,6 +549,14 @@ impl Session for PluginSession {
 
     fn workspace(&self) -> Option<&Path> {
         Some(&self.workspace)
+    }
+
+    fn put_archive(
+        &mut self,
+        archive: &Path,
+        caps: tandem_executor::files::ArchiveCaps,
+    ) -> BoxFuture<'_, Result<Vec<tandem_executor::files::ArchivedFile>, ExecError>> {
+        tandem_executor_kit::put_in_workspace(self.workspace(), archive, caps)
     }
 
     fn close(mut self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {

@@ -10,12 +10,12 @@ use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
-use tandem_executor::process::{Bounded, bounded};
-use tandem_executor::workspace::block_script_path;
 use tandem_executor::{
     CaptureBuffer, Captured, ExecContext, ExecError, ExecOutcome, ExecRequest, ExitStatus, Limits,
     Stream,
 };
+use tandem_executor_kit::process::{Bounded, bounded};
+use tandem_executor_kit::workspace::block_script_path;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tokio_util::bytes::BytesMut;
@@ -26,7 +26,7 @@ use tokio_util::codec::{Decoder, LengthDelimitedCodec};
 pub static RUNNER: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         "PRELUDE = r\"\"\"{}\"\"\"\n{}",
-        tandem_executor::PYTHON_PRELUDE,
+        tandem_executor_kit::PYTHON_PRELUDE,
         include_str!("runner.py")
     )
 });
@@ -300,10 +300,12 @@ struct Relay {
 }
 
 impl Relay {
-    fn new(handler: tandem_executor::toolchannel::ToolHandler, token: String) -> Self {
+    fn new(handler: tandem_executor_kit::toolchannel::ToolHandler, token: String) -> Self {
         use tokio::io::AsyncBufReadExt;
         let (served, ours) = tokio::io::duplex(1 << 16);
-        let serve = tokio::spawn(tandem_executor::toolchannel::serve(served, token, handler));
+        let serve = tokio::spawn(tandem_executor_kit::toolchannel::serve(
+            served, token, handler,
+        ));
         let (read, to_serve) = tokio::io::split(ours);
         let (tx, answers) = mpsc::unbounded_channel();
         let pump = tokio::spawn(async move {
@@ -484,7 +486,7 @@ pub async fn run(
     };
     let path = format!("/workspace/{}", rel.display());
     // Memory is the sandbox's cgroup limit, not an address-space rlimit.
-    let rlimits: Vec<(String, u64)> = tandem_executor::process::rlimits(limits)
+    let rlimits: Vec<(String, u64)> = tandem_executor_kit::process::rlimits(limits)
         .into_iter()
         .filter(|(r, _)| *r != nix::sys::resource::Resource::RLIMIT_AS)
         .filter_map(|(r, limit)| limit.map(|l| (format!("{r:?}"), l)))
@@ -499,15 +501,18 @@ pub async fn run(
         // HOME is the workspace: its user site is the blocks' to fill.
         env.insert("PYTHONNOUSERSITE", "1");
     }
-    let token = tandem_executor::toolchannel::secret();
+    let token = tandem_executor_kit::toolchannel::secret();
     let mut relay = ctx.tools.clone().map(|handler| {
         env.insert("TANDEM_TOOLS_TOKEN", &token);
         Relay::new(handler, token.clone())
     });
     let tools = relay.as_ref().map(|_| {
         HashMap::from([
-            ("tandem_tools.py", tandem_executor::toolchannel::MODULE_PY),
-            ("tandem-tool", tandem_executor::toolchannel::COMMAND),
+            (
+                "tandem_tools.py",
+                tandem_executor_kit::toolchannel::MODULE_PY,
+            ),
+            ("tandem-tool", tandem_executor_kit::toolchannel::COMMAND),
         ])
     });
     let request = Request::Run {

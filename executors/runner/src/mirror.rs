@@ -4,8 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use tandem_executor::archive::{self, ArchiveCaps, ArchiveError};
 use tandem_executor::{BoxFuture, ExecError};
+use tandem_executor_kit::archive::{self, ArchiveCaps, ArchiveError};
 
 use crate::Changes;
 

@@ -5,10 +5,10 @@
 
 use std::path::PathBuf;
 
-use tandem_executor::archive::{ArchiveCaps, ArchivedFile};
 use tandem_executor::{
     BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Language, Limits,
 };
+use tandem_executor_kit::archive::{ArchiveCaps, ArchivedFile};
 
 use crate::mirror::{self, Fetch};
 use crate::{Conn, Prepared, READY_LIMIT, Request, Sandbox};
@@ -136,9 +136,13 @@ impl RunnerSession {
                 u32::try_from(gid).unwrap_or(65534),
             )
         });
-        let placed =
-            tandem_executor::place_archive_for(Some(self.workspace.clone()), archive, caps, owner)
-                .await?;
+        let placed = tandem_executor_kit::place_archive_for(
+            Some(self.workspace.clone()),
+            archive,
+            caps,
+            owner,
+        )
+        .await?;
         if self.mirrored {
             let paths: Vec<PathBuf> = placed.iter().map(|f| f.path.clone()).collect();
             self.upload(transport, Some(paths)).await?;

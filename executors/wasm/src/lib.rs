@@ -20,11 +20,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tandem_executor::scratch::TempTree;
 use tandem_executor::{
     BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Executor, Language, Limits,
-    Session, SessionSpec, scratch,
+    Session, SessionSpec,
 };
+use tandem_executor_kit::scratch;
+use tandem_executor_kit::scratch::TempTree;
 use tempfile::TempDir;
 use tokio::sync::OnceCell;
 use wasmtime::component::{self, Component};
@@ -596,6 +597,14 @@ impl Session for WasmSession {
 
     fn workspace(&self) -> Option<&Path> {
         Some(&self.workspace)
+    }
+
+    fn put_archive(
+        &mut self,
+        archive: &Path,
+        caps: tandem_executor::files::ArchiveCaps,
+    ) -> BoxFuture<'_, Result<Vec<tandem_executor::files::ArchivedFile>, ExecError>> {
+        tandem_executor_kit::put_in_workspace(self.workspace(), archive, caps)
     }
 
     fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {

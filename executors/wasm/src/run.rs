@@ -3,9 +3,9 @@
 
 use std::time::{Duration, Instant};
 
-use tandem_executor::process::{Bounded, bounded};
-use tandem_executor::workspace::{BlockScript, write_block_script};
 use tandem_executor::{ExecContext, ExecError, ExecOutcome, ExecRequest, ExitStatus, Stream};
+use tandem_executor_kit::process::{Bounded, bounded};
+use tandem_executor_kit::workspace::{BlockScript, write_block_script};
 use wasmtime::component::{self, ResourceTable};
 use wasmtime::{InstancePre, ResourceLimiter, Store, Trap};
 use wasmtime_wasi::p1::WasiP1Ctx;

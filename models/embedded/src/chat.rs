@@ -166,7 +166,7 @@ fn calls_of(text: String, offered: &[serde_json::Value]) -> (String, Vec<ToolCal
         return (text, Vec::new());
     }
     let known = |name: &str| offered.iter().any(|t| t["function"]["name"] == name);
-    let calls = tandem_agent::calls::calls_in_text(&text, &known);
+    let calls = tandem_agent::tools::calls::calls_in_text(&text, &known);
     if calls.is_empty() {
         return (text, calls);
     }

@@ -146,7 +146,7 @@ async fn asked_with_the_tool_required_the_model_writes_a_call_that_parses() {
     )
     .await;
     assert_eq!(finish(&done), Some(Finish::Stop), "{done:?}: {text}");
-    let calls = tandem_agent::calls::calls_in_text(&text, &|_| true);
+    let calls = tandem_agent::tools::calls::calls_in_text(&text, &|_| true);
     assert_eq!(calls.len(), 1, "{text}");
     assert_eq!(calls[0].name, "execute_code");
     let args: serde_json::Value = serde_json::from_str(&calls[0].arguments).unwrap();

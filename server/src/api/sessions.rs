@@ -240,7 +240,7 @@ pub(super) async fn session_files(
             // Tandem's own files (a kept interpreter's scripts and pipes) are not the code's.
             files: files
                 .into_iter()
-                .filter(|f| !tandem_executor::made::is_tandems(&f.path))
+                .filter(|f| !tandem_executor_kit::made::is_tandems(&f.path))
                 .map(|f| tandem_protocol::files::FileInfo {
                     path: crate::files::slashed(&f.path),
                     bytes: f.bytes,

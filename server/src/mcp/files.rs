@@ -29,7 +29,7 @@ pub(super) fn image_of(mut file: std::fs::File, len: u64, mime: &str) -> Option<
 /// Each has exactly one of `text` and `base64`.
 pub(super) fn packed(
     files: &[FileArg],
-    caps: tandem_executor::archive::ArchiveCaps,
+    caps: tandem_executor_kit::archive::ArchiveCaps,
 ) -> Result<Vec<u8>, ErrorData> {
     use base64::Engine as _;
     let bad = |message: String| ErrorData::invalid_params(message, None);
@@ -89,7 +89,7 @@ pub(super) fn packed(
 /// outcome and the pictures the block wrote, as image content.
 pub(super) async fn run_with_files(
     session: &mut dyn Session,
-    given: Option<(&std::path::Path, tandem_executor::archive::ArchiveCaps)>,
+    given: Option<(&std::path::Path, tandem_executor_kit::archive::ArchiveCaps)>,
     request: ExecRequest,
     ctx: ExecContext,
 ) -> Result<(ExecOutcome, Vec<ContentBlock>), ErrorData> {
@@ -113,7 +113,7 @@ pub(super) async fn run_with_files(
         );
         for picture in drawn.into_iter().take(MAX_PICTURES) {
             let path = picture.path.to_string_lossy();
-            if let Ok((file, len)) = tandem_executor::archive::read(workspace, &path)
+            if let Ok((file, len)) = tandem_executor_kit::archive::read(workspace, &path)
                 && let Some(image) = image_of(file, len, picture.mime)
             {
                 images.push(image);

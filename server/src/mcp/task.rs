@@ -262,7 +262,7 @@ impl TandemMcp {
                     .into_iter()
                     .filter(|f| {
                         !f.given
-                            && !tandem_executor::made::is_tandems(std::path::Path::new(&f.path))
+                            && !tandem_executor_kit::made::is_tandems(std::path::Path::new(&f.path))
                     })
                     .map(|f| FileRef {
                         uri: file_uri(id, &f.path),

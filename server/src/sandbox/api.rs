@@ -207,7 +207,7 @@ fn handler(
     opened: &Arc<Opened>,
     tx: mpsc::UnboundedSender<ExecEvent>,
     streamed: bool,
-) -> tandem_executor::toolchannel::ToolHandler {
+) -> tandem_executor_kit::toolchannel::ToolHandler {
     let opened = Arc::downgrade(opened);
     Arc::new(
         move |name: String,

@@ -398,7 +398,10 @@ async fn start(
         limits,
         keep_state,
         // Counted against the share of sandboxes clients may hold without a task.
-        labels: vec![(tandem_executor::WITHOUT_TASK.to_owned(), road.to_owned())],
+        labels: vec![(
+            tandem_executor_kit::WITHOUT_TASK.to_owned(),
+            road.to_owned(),
+        )],
         ..tandem_executor::SessionSpec::default()
     };
     let unavailable = |e: ExecError| {
@@ -414,7 +417,7 @@ async fn start(
     };
     let mut session = sandbox.open(spec.clone()).await.map_err(unavailable)?;
     if let Some(files) = files {
-        let caps = tandem_executor::archive::ArchiveCaps {
+        let caps = tandem_executor_kit::archive::ArchiveCaps {
             max_bytes: u64::MAX,
             max_entries: usize::MAX,
         };
@@ -424,7 +427,7 @@ async fn start(
         }
     }
     if keep_state {
-        session = Box::new(tandem_executor::kept::KeptSession::new(
+        session = Box::new(tandem_executor_kit::kept::KeptSession::new(
             session,
             sandbox.clone(),
             spec,

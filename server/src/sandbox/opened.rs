@@ -142,8 +142,8 @@ impl Opened {
     pub async fn put(
         &self,
         archive: &std::path::Path,
-        caps: tandem_executor::archive::ArchiveCaps,
-    ) -> Result<Vec<tandem_executor::archive::ArchivedFile>, Refusal> {
+        caps: tandem_executor_kit::archive::ArchiveCaps,
+    ) -> Result<Vec<tandem_executor_kit::archive::ArchivedFile>, Refusal> {
         let mut guard = match self.session.try_lock() {
             Ok(guard) if self.running.lock().is_ok_and(|r| r.is_none()) => guard,
             _ => {

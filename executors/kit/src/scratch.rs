@@ -6,7 +6,9 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::{ExecError, keeper, owner};
+use tandem_executor::ExecError;
+
+use crate::{keeper, owner};
 
 /// This process's root for `prefix`: `$TMPDIR/<prefix><pid>-<start-time>`.
 pub fn process_root(prefix: &str) -> PathBuf {

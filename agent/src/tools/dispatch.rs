@@ -20,20 +20,54 @@ const REPEATS: usize = 3;
 /// Most bytes of an HTTP or MCP tool's answer that are kept.
 const HTTP_CAP: usize = 1 << 20;
 
-/// Notes `call` with its checked `args` in `recent`; an error for the model when the same
-/// call was made [`REPEATS`] times in a row before it.
+/// A call refused because the same call was just made [`REPEATS`] times in a row.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "error: not run: `{0}` was called with these same arguments {REPEATS} times in a row, and its answer will not change. Take another way, or give your answer."
+)]
+struct Repeated(String);
+
+/// Why a tool that runs beside the sandbox (an HTTP endpoint, an MCP server) gave no answer.
+#[derive(Debug, thiserror::Error)]
+enum BesideError {
+    /// No HTTP client could be made.
+    #[error("{0}")]
+    Client(String),
+    /// The endpoint did not answer, or its answer broke off.
+    #[error("{what} ({why})")]
+    Http {
+        /// What did not happen.
+        what: &'static str,
+        /// The innermost cause.
+        why: String,
+    },
+    /// The endpoint answered with a failure status.
+    #[error("the endpoint answered {status}: {body}")]
+    Status {
+        /// Its status.
+        status: reqwest::StatusCode,
+        /// What it said, trimmed.
+        body: String,
+    },
+    /// The MCP server's error.
+    #[error(transparent)]
+    Mcp(#[from] crate::tools::mcp::McpError),
+    /// A tool that runs inside the sandbox.
+    #[error("not a tool that runs beside the sandbox")]
+    Inside,
+}
+
+/// Notes `call` with its checked `args` in `recent`; refused when the same call was made
+/// [`REPEATS`] times in a row before it.
 fn not_repeated(
     recent: &mut Vec<String>,
     call: &ToolCall,
     args: &Map<String, Value>,
-) -> Result<(), String> {
+) -> Result<(), Repeated> {
     let key = format!("{}\n{}", call.name, Value::Object(args.clone()));
     let n = REPEATS;
     if recent.len() >= n && recent[recent.len() - n..].iter().all(|k| *k == key) {
-        return Err(format!(
-            "error: not run: `{}` was called with these same arguments {n} times in a row, and its answer will not change. Take another way, or give your answer.",
-            call.name
-        ));
+        return Err(Repeated(call.name.clone()));
     }
     recent.push(key);
     if recent.len() > n {
@@ -104,7 +138,9 @@ pub async fn run_calls(
             _ => call.clone(),
         };
         let refused = checked.and_then(|(tool, args)| {
-            not_repeated(&mut slot.recent, &call, &args).map(|()| (tool, args))
+            not_repeated(&mut slot.recent, &call, &args)
+                .map(|()| (tool, args))
+                .map_err(|e| e.to_string())
         });
         match refused {
             Err(text) => {
@@ -399,7 +435,7 @@ fn code_handler(
     index: u32,
     opts: RunOptions,
     task_calls: std::sync::Arc<std::sync::atomic::AtomicU32>,
-) -> tandem_executor::toolchannel::ToolHandler {
+) -> tandem_executor_kit::toolchannel::ToolHandler {
     let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
     let (per_block, per_task) = (
         spec.limits.code_calls_per_block,
@@ -588,8 +624,8 @@ async fn run_beside(
     let ran = async {
         match &tool.runs {
             Runs::Http(url) => post(url, Value::Object(args).to_string(), timeout).await,
-            Runs::Mcp(source, name) => source.call(name, args, timeout).await,
-            _ => Err("not a tool that runs beside the sandbox".to_owned()),
+            Runs::Mcp(source, name) => Ok(source.call(name, args, timeout).await?),
+            _ => Err(BesideError::Inside),
         }
     };
     let (content, is_error) = tokio::select! {
@@ -608,7 +644,7 @@ async fn run_beside(
     answer(call, index, content, is_error, started, opts)
 }
 
-async fn post(url: &str, body: String, timeout: Duration) -> Result<String, String> {
+async fn post(url: &str, body: String, timeout: Duration) -> Result<String, BesideError> {
     use futures::StreamExt;
     // One client per process and scheme: its connections are kept for the next call.
     static CLIENTS: std::sync::OnceLock<[Result<reqwest::Client, String>; 2]> =
@@ -624,7 +660,7 @@ async fn post(url: &str, body: String, timeout: Duration) -> Result<String, Stri
     });
     let client = clients[usize::from(url.starts_with("https://"))]
         .as_ref()
-        .map_err(Clone::clone)?;
+        .map_err(|e| BesideError::Client(e.clone()))?;
     let response = client
         .post(url)
         .timeout(timeout)
@@ -632,13 +668,19 @@ async fn post(url: &str, body: String, timeout: Duration) -> Result<String, Stri
         .body(body)
         .send()
         .await
-        .map_err(|e| format!("the endpoint did not answer ({})", root(&e)))?;
+        .map_err(|e| BesideError::Http {
+            what: "the endpoint did not answer",
+            why: root(&e),
+        })?;
     let status = response.status();
     let mut stream = response.bytes_stream();
     let mut bytes = Vec::new();
     let mut cut = false;
     while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| format!("reading the answer failed ({})", root(&e)))?;
+        let chunk = chunk.map_err(|e| BesideError::Http {
+            what: "reading the answer failed",
+            why: root(&e),
+        })?;
         let room = HTTP_CAP.saturating_sub(bytes.len());
         bytes.extend_from_slice(&chunk[..chunk.len().min(room)]);
         if chunk.len() > room {
@@ -653,7 +695,10 @@ async fn post(url: &str, body: String, timeout: Duration) -> Result<String, Stri
     if status.is_success() {
         Ok(text)
     } else {
-        Err(format!("the endpoint answered {status}: {}", text.trim()))
+        Err(BesideError::Status {
+            status,
+            body: text.trim().to_owned(),
+        })
     }
 }
 

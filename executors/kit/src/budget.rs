@@ -1,6 +1,6 @@
 //! How many sandboxes may be open at once, across every executor and per executor.
 //!
-//! A [`Registry`](crate::Registry) given a budget hands out only budgeted executors, so
+//! A [`Registry`](tandem_executor::Registry) given a budget hands out only budgeted executors, so
 //! every road that opens a session through it (a task, a team's executor agents, a
 //! `parallel`, MCP `execute_code`, a plugin) waits for the same permits: a new road cannot
 //! skip the cap by accident. A session holds its permits until it is closed or dropped.
@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::{
+use tandem_executor::{
     BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Executor, Language, Session,
     SessionSpec,
 };
@@ -110,6 +110,32 @@ struct Budgeted {
     own: Option<(Arc<Semaphore>, usize)>,
     without_task: Option<(Arc<Semaphore>, usize)>,
     wait: Duration,
+}
+
+impl tandem_executor::Wrap for Budget {
+    fn wrap(&self, executor: Arc<dyn Executor>) -> Arc<dyn Executor> {
+        Budget::wrap(self, executor)
+    }
+}
+
+/// A [`Registry`](tandem_executor::Registry) whose executors open sessions within a budget.
+pub trait RegistryBudget {
+    /// Every executor, registered now or later, opens sessions only within `budget`. Applied
+    /// once: a registry already under a budget keeps it.
+    #[must_use]
+    fn with_budget(self, budget: Budget) -> Self;
+    /// The budget its sessions are opened within, if one was given.
+    fn budget(&self) -> Option<&Budget>;
+}
+
+impl RegistryBudget for tandem_executor::Registry {
+    fn with_budget(self, budget: Budget) -> Self {
+        self.wrapped(Arc::new(budget))
+    }
+
+    fn budget(&self) -> Option<&Budget> {
+        self.wrap::<Budget>()
+    }
 }
 
 impl Budgeted {
@@ -241,7 +267,7 @@ impl Executor for Budgeted {
         self.inner.carries_tool_calls()
     }
 
-    fn hosts(&self) -> Vec<crate::HostStatus> {
+    fn hosts(&self) -> Vec<tandem_executor::HostStatus> {
         self.inner.hosts()
     }
 }
@@ -293,7 +319,9 @@ impl Session for PermittedSession {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Registry;
+    use tandem_executor::Registry;
+
+    use super::RegistryBudget;
 
     /// An executor whose sessions hold nothing.
     struct Empty(&'static str);

@@ -2,6 +2,10 @@
 //! itself), a `command` run inside the task's sandbox session, or an operator's HTTP
 //! endpoint. Checking a call's arguments is here too.
 
+pub mod calls;
+pub mod dispatch;
+pub mod mcp;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,7 +27,7 @@ pub enum Runs {
     /// An HTTP endpoint the arguments are POSTed to.
     Http(String),
     /// A tool of a running MCP server, by its own name there.
-    Mcp(Arc<crate::mcp_tools::McpSource>, String),
+    Mcp(Arc<mcp::McpSource>, String),
 }
 
 /// One tool as the model is offered it.
@@ -80,7 +84,7 @@ pub type Catalog = BTreeMap<String, ToolDef>;
 #[derive(Clone, Debug, Default)]
 pub struct Offered {
     defs: Catalog,
-    servers: BTreeMap<String, Arc<crate::mcp_tools::McpSource>>,
+    servers: BTreeMap<String, Arc<mcp::McpSource>>,
 }
 
 impl From<Catalog> for Offered {
@@ -107,9 +111,9 @@ impl Offered {
                     if def.command.is_some() || def.url.is_some() {
                         return Err(invalid("give one of command, url and mcp".to_owned()));
                     }
-                    let source = crate::mcp_tools::McpSource::start(name, argv)
+                    let source = mcp::McpSource::start(name, argv)
                         .await
-                        .map_err(invalid)?;
+                        .map_err(|e| invalid(e.to_string()))?;
                     servers.insert(name.clone(), source);
                 }
                 None => {

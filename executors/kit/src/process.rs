@@ -5,7 +5,8 @@
 //!
 //! ```no_run
 //! # async fn block(ctx: tandem_executor::ExecContext) -> Result<(), tandem_executor::ExecError> {
-//! use tandem_executor::{Limits, process};
+//! use tandem_executor::Limits;
+//! use tandem_executor_kit::process;
 //! let limits = Limits::default();
 //! let mut cmd = tokio::process::Command::new("perl");
 //! cmd.arg("block.pl").env_clear();
@@ -27,7 +28,7 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::process::{Child, Command};
 use tokio_util::sync::CancellationToken;
 
-use crate::{
+use tandem_executor::{
     BoxFuture, CaptureBuffer, Captured, ExecContext, ExecError, ExecOutcome, ExitStatus, Limits,
     OutputSink, Stream,
 };

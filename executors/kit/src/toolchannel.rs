@@ -3,15 +3,10 @@
 //! reach), each call carrying the block's secret.
 
 use std::path::Path;
-use std::sync::Arc;
 
-use futures::future::BoxFuture;
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 
-/// Runs one call from code: the tool's name and its arguments (JSON text); the answer, or
-/// what went wrong.
-pub type ToolHandler =
-    Arc<dyn Fn(String, String) -> BoxFuture<'static, Result<String, String>> + Send + Sync>;
+pub use tandem_executor::ToolHandler;
 
 /// The Python module code calls tools with (`import tandem_tools`).
 pub const MODULE_PY: &str = include_str!("tandem_tools.py");
@@ -107,6 +102,8 @@ fn answer_line(reply: Result<String, String>) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
     use tokio::io::AsyncReadExt;
 

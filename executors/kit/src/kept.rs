@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::pipe;
 
-use crate::{
+use tandem_executor::{
     BoxFuture, CancellationToken, CaptureBuffer, ExecContext, ExecError, ExecOutcome, ExecRequest,
     Executor, ExitStatus, Language, Session, SessionSpec, Stream,
 };
