@@ -478,6 +478,34 @@ pub enum EventMsg {
     },
 }
 
+impl EventMsg {
+    /// A `task_finished` event that says only why the task ended, its turns, tokens, time and
+    /// error: no summary, check, cost, budget, result or answer.
+    pub fn finished(
+        stop_reason: StopReason,
+        turns: u32,
+        usage: Usage,
+        elapsed_ms: u64,
+        error: Option<ErrorInfo>,
+    ) -> Self {
+        Self::TaskFinished {
+            stop_reason,
+            turns,
+            usage,
+            elapsed_ms,
+            error,
+            summary: None,
+            check: None,
+            cost: None,
+            budget: None,
+            result: None,
+            answer: None,
+            answer_from: None,
+            no_answer: None,
+        }
+    }
+}
+
 /// Where a task's answer comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -3,7 +3,6 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
-use tandem_executor_kit::RegistryBudget as _;
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::QueryRejection;
@@ -16,6 +15,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::json;
 use tandem_executor::CancellationToken;
+use tandem_executor_kit::RegistryBudget as _;
 use tandem_protocol::task::Decided;
 use tandem_protocol::{
     ApiErrorBody, ApiErrorCode, ApiErrorDetail, Event, TaskList, TaskRecord, TaskSpec, TaskView,

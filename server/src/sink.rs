@@ -124,21 +124,7 @@ mod tests {
     }
 
     fn finished(stop_reason: StopReason) -> EventMsg {
-        EventMsg::TaskFinished {
-            stop_reason,
-            turns: 1,
-            usage: Usage::default(),
-            elapsed_ms: 1,
-            error: None,
-            summary: None,
-            check: None,
-            cost: None,
-            budget: None,
-            result: None,
-            answer: None,
-            answer_from: None,
-            no_answer: None,
-        }
+        EventMsg::finished(stop_reason, 1, Usage::default(), 1, None)
     }
 
     fn metric(metrics: &Metrics, line_start: &str) -> Option<String> {

@@ -6,9 +6,9 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
-use tandem_executor_kit::RegistryBudget as _;
 
 use tandem_executor::{CancellationToken, Registry};
+use tandem_executor_kit::RegistryBudget as _;
 use tandem_protocol::team::TeamSpec;
 use tandem_protocol::{ErrorInfo, Event, EventMsg, Message, StopReason, TaskSpec, Usage};
 use tokio::sync::{Semaphore, broadcast};
@@ -865,19 +865,5 @@ fn task_span(id: &str, record: &TaskRecord, events: &[Event]) -> tracing::Span {
 }
 
 fn finished(stop_reason: StopReason, turns: u32, error: Option<ErrorInfo>) -> EventMsg {
-    EventMsg::TaskFinished {
-        stop_reason,
-        turns,
-        usage: Usage::default(),
-        elapsed_ms: 0,
-        error,
-        summary: None,
-        check: None,
-        cost: None,
-        budget: None,
-        result: None,
-        answer: None,
-        answer_from: None,
-        no_answer: None,
-    }
+    EventMsg::finished(stop_reason, turns, Usage::default(), 0, error)
 }

@@ -184,24 +184,16 @@ fn reply(turn: u32, prompt: u64, completion: u64) -> EventMsg {
 }
 
 fn finished(turns: u32) -> EventMsg {
-    EventMsg::TaskFinished {
-        stop_reason: StopReason::Error,
+    EventMsg::finished(
+        StopReason::Error,
         turns,
-        usage: Usage::default(),
-        elapsed_ms: 5,
-        error: Some(ErrorInfo {
+        Usage::default(),
+        5,
+        Some(ErrorInfo {
             code: ErrorCode::ModelUnreachable,
             message: "the model server is down".into(),
         }),
-        summary: None,
-        check: None,
-        cost: None,
-        budget: None,
-        result: None,
-        answer: None,
-        answer_from: None,
-        no_answer: None,
-    }
+    )
 }
 
 fn decided(by: &str) -> EventMsg {

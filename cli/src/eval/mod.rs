@@ -383,21 +383,13 @@ async fn in_process(
                     .await;
                 finished.lock().ok().and_then(|mut f| f.take())
             }
-            Err(info) => Some(EventMsg::TaskFinished {
-                stop_reason: StopReason::Error,
-                turns: 0,
-                usage: tandem_protocol::Usage::default(),
-                elapsed_ms: 0,
-                error: Some(info),
-                summary: None,
-                check: None,
-                cost: None,
-                budget: None,
-                result: None,
-                answer: None,
-                answer_from: None,
-                no_answer: None,
-            }),
+            Err(info) => Some(EventMsg::finished(
+                StopReason::Error,
+                0,
+                tandem_protocol::Usage::default(),
+                0,
+                Some(info),
+            )),
         };
         Ok(Some(result_of(
             &t,

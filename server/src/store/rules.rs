@@ -402,24 +402,16 @@ mod tests {
             agent: None,
         };
         assert_eq!(row_change(&started, 5), None);
-        let end = EventMsg::TaskFinished {
-            stop_reason: StopReason::Error,
-            turns: 3,
+        let end = EventMsg::finished(
+            StopReason::Error,
+            3,
             usage,
-            elapsed_ms: 7,
-            error: Some(ErrorInfo {
+            7,
+            Some(ErrorInfo {
                 code: ErrorCode::ModelUnreachable,
                 message: "down".into(),
             }),
-            summary: None,
-            check: None,
-            cost: None,
-            budget: None,
-            result: None,
-            answer: None,
-            answer_from: None,
-            no_answer: None,
-        };
+        );
         let Some(RowChange::Finished {
             stop_reason,
             error: Some(error),

@@ -821,21 +821,7 @@ mod tests {
         store
             .apply(&[Change::Event(
                 "t".into(),
-                EventMsg::TaskFinished {
-                    stop_reason: StopReason::MaxTurns,
-                    turns: 3,
-                    usage: Usage::default(),
-                    elapsed_ms: 9,
-                    error: None,
-                    summary: None,
-                    check: None,
-                    cost: None,
-                    budget: None,
-                    result: None,
-                    answer: None,
-                    answer_from: None,
-                    no_answer: None,
-                },
+                EventMsg::finished(StopReason::MaxTurns, 3, Usage::default(), 9, None),
                 7,
             )])
             .unwrap();
@@ -869,21 +855,8 @@ mod tests {
     fn state_counts_follow_every_change_and_match_the_rows_after_reopening() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.db");
-        let done = |turns| EventMsg::TaskFinished {
-            stop_reason: StopReason::Terminated,
-            turns,
-            usage: Usage::default(),
-            elapsed_ms: 1,
-            error: None,
-            summary: None,
-            check: None,
-            cost: None,
-            budget: None,
-            result: None,
-            answer: None,
-            answer_from: None,
-            no_answer: None,
-        };
+        let done =
+            |turns| EventMsg::finished(StopReason::Terminated, turns, Usage::default(), 1, None);
         {
             let store = Store::open(&path).unwrap();
             for id in ["a", "b", "c", "d"] {
