@@ -40,7 +40,7 @@ pub struct AgentReply {
 pub struct Turn<'a> {
     /// The team's turn number, which its events carry.
     pub number: u32,
-    /// Where its events go: streamed text ([`EventMsg::AssistantDelta`]), retries. Its
+    /// Where its events go: streamed text ([`EventMsg::AssistantDelta`](tandem_protocol::EventMsg::AssistantDelta)), retries. Its
     /// whole reply is told for it, as an `assistant_message`.
     pub events: &'a EventSink,
     /// Cancelled when the task is: a reply still coming is no longer wanted.
@@ -64,7 +64,7 @@ pub struct Sample {
 }
 
 /// Something that replies to what it sees: the one thing every agent that speaks does. A
-/// model is one (an `assistant` of a team file); [`Team::with_agent`] puts one written in
+/// model is one (an `assistant` of a team file); [`Team::with_agent`](super::Team::with_agent) puts one written in
 /// Rust (rules, a tool, another framework) in an assistant's place. Teams themselves (chat,
 /// loop, sequence, parallel) are made of agents by the file, and executors run code.
 pub trait Agent: Send + Sync {

@@ -86,7 +86,7 @@ pub struct Run {
 impl Team {
     /// Runs the team on `task`; returns how it ended, the history, the tokens used and the
     /// turns taken. `replay` is what a run that was interrupted already said, by agent path
-    /// ([`replay_of`]): those turns are not asked again but their words taken, which brings
+    /// ([`replay_of`](super::replay_of)): those turns are not asked again but their words taken, which brings
     /// every selection and iteration counter back where it was.
     pub async fn run(
         &self,
