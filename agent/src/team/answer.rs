@@ -23,7 +23,7 @@ impl Ctx<'_> {
     /// Where the statement that would end the task disagrees with what its code last printed
     /// cleanly: what to tell the model, once per task, before the task may end.
     pub(super) fn ungrounded(&self, node: &Node, history: &[Said]) -> Option<String> {
-        if node.path != self.team.root.path || self.shared.grounded.load(Ordering::SeqCst) {
+        if node.path != self.team.root.path || self.shared.answer.told() {
             return None;
         }
         let said = history
@@ -37,7 +37,7 @@ impl Ctx<'_> {
         }
         let printed = printed_of(history)?;
         let differs = crate::grounding::disagreement(&printed, &statement)?;
-        self.shared.grounded.store(true, Ordering::SeqCst);
+        self.shared.answer.tell();
         let word = self
             .team
             .words
@@ -105,9 +105,7 @@ impl Ctx<'_> {
     }
 
     pub(super) fn keep_result(&self, value: serde_json::Value) {
-        if let Ok(mut r) = self.shared.result.lock() {
-            *r = Some(value);
-        }
+        self.shared.answer.keep(value);
     }
 
     /// With an output schema, an answer without a program that ends with a matching value

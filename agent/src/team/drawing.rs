@@ -2,7 +2,6 @@
 //! code, and the first time they do not all hold, draw more replies at once and keep the one
 //! whose code holds the most; what the examples said, told to the model.
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use tandem_protocol::{ErrorInfo, EventMsg, Message, Usage};
 
@@ -27,7 +26,7 @@ impl Ctx<'_> {
                 .members
                 .get(executor)
                 .is_some_and(|m| m.examples.is_some() && m.slot.is_some())
-            && !self.shared.drew.load(Ordering::SeqCst))
+            && self.shared.drawing.may_draw())
         .then_some((executor.as_str(), *k))
     }
 
@@ -69,9 +68,7 @@ impl Ctx<'_> {
             .filter(|(held, total)| held < total);
         // Only code the examples ran against and did not all hold draws: a reply they could
         // not test is no worse for it.
-        let Some((own_held, total)) =
-            held.filter(|_| !self.shared.drew.swap(true, Ordering::SeqCst))
-        else {
+        let Some((own_held, total)) = held.filter(|_| self.shared.drawing.take()) else {
             drop(slot);
             self.keep_verdict(verdict);
             self.told(path, turn, &reply);
@@ -195,9 +192,7 @@ impl Ctx<'_> {
     /// before the reply's other blocks ran, and a file one of them writes may make it hold.
     pub(super) fn keep_verdict(&self, verdict: Option<(String, String)>) {
         let held = verdict.filter(|(_, v)| Examples::held(v).is_some_and(|(h, t)| h == t));
-        if let Ok(mut checked) = self.shared.checked.lock() {
-            *checked = held;
-        }
+        self.shared.drawing.keep(held);
     }
 
     /// The block of `text` that `executor`'s examples test, and what they print when run
@@ -271,17 +266,11 @@ impl Ctx<'_> {
             })
             .filter_map(|r| code.get(usize::try_from(r.index).ok()?.checked_sub(1)?))
             .find(|b| examples.tested_by(&b.code))?;
-        let kept = self
-            .shared
-            .checked
-            .lock()
-            .ok()
-            .and_then(|mut c| c.take())
-            .filter(|(code, _)| *code == tested.code);
+        let kept = self.shared.drawing.kept_for(&tested.code);
         // The examples load the code alone in a fresh interpreter: where they all held before
         // the blocks ran, they hold now.
         let verdict = match kept {
-            Some((_, verdict)) => verdict,
+            Some(verdict) => verdict,
             None => self.run_examples(examples, slot, &tested.code).await?,
         };
         Examples::note(&verdict)

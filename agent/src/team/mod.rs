@@ -12,6 +12,7 @@ pub mod history;
 mod members;
 mod run;
 mod spend;
+mod state;
 pub mod task;
 mod termination;
 mod view;

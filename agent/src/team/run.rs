@@ -21,6 +21,7 @@ use super::agent::{Agent, AgentReply, Turn};
 use super::history::{Replay, Said, transcript};
 use super::members::Team;
 use super::spend::Spending;
+use super::state::{Answer, Drawing};
 use super::termination::ChatState;
 use crate::blocks::{self, RunOptions, SessionSlot};
 use crate::chat::ToolOffer;
@@ -99,10 +100,8 @@ impl Team {
             turns: AtomicU32::new(0),
             spending: self.spend.start(),
             replay: Mutex::new(replay.into()),
-            result: Mutex::new(None),
-            drew: std::sync::atomic::AtomicBool::new(false),
-            checked: Mutex::new(None),
-            grounded: std::sync::atomic::AtomicBool::new(false),
+            drawing: Drawing::default(),
+            answer: Answer::default(),
         };
         let ctx = Ctx {
             team: self,
@@ -123,7 +122,7 @@ impl Team {
             turns: shared.turns.load(Ordering::SeqCst),
             cost: shared.spending.cost(),
             budget: shared.spending.take_reached(),
-            result: shared.result.lock().ok().and_then(|mut r| r.take()),
+            result: shared.answer.take(),
         }
     }
 }
@@ -134,16 +133,10 @@ pub(super) struct Shared {
     /// What the run's model calls spent, and the budget that stopped it.
     pub(super) spending: Spending,
     pub(super) replay: Mutex<std::collections::VecDeque<(String, Said)>>,
-    /// The value the final answer ended with, checked against the output schema.
-    pub(super) result: Mutex<Option<serde_json::Value>>,
-    /// Replies were drawn to choose among: a task draws once, at its first reply whose
-    /// code does not hold its examples.
-    pub(super) drew: std::sync::atomic::AtomicBool,
-    /// The code of the last reply told whose examples ran before it was, and what they
-    /// printed: its executor reads that rather than run them again.
-    pub(super) checked: Mutex<Option<(String, String)>>,
-    /// The model was told once that its answer disagrees with its code's output.
-    pub(super) grounded: std::sync::atomic::AtomicBool,
+    /// Judging replies against the examples.
+    pub(super) drawing: Drawing,
+    /// The final answer.
+    pub(super) answer: Answer,
 }
 
 /// A run, as one branch of it sees it: a parallel branch has its own event sink.

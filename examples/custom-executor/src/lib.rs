@@ -100,7 +100,7 @@ impl Session for PerlSession {
             let mut cmd = tokio::process::Command::new("perl");
             // A `# filename:` line keeps the block as that file; any other block is read
             // from stdin, so nothing is written where earlier blocks may have planted links.
-            match filename(&req.code) {
+            match tandem_executor::filename_directive(&req.code) {
                 Some(name) => {
                     if let Err(e) = write_beneath(&self.dir, name, &req.code) {
                         return Ok(ExecOutcome::refused(&format!("`{name}`: {e}")));
@@ -185,16 +185,6 @@ impl Session for PerlSession {
             Ok(())
         })
     }
-}
-
-/// The file a block names on its first line (`# filename: greet.pl`).
-fn filename(code: &str) -> Option<&str> {
-    let first = code.lines().next()?.trim();
-    let name = first
-        .strip_prefix('#')?
-        .trim_start()
-        .strip_prefix("filename:")?;
-    Some(name.trim()).filter(|n| !n.is_empty())
 }
 
 /// Writes `code` to `name` beneath `dir`: no `..`, no absolute path and no link on the way

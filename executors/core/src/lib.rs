@@ -51,6 +51,18 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 pub type ToolHandler =
     Arc<dyn Fn(String, String) -> BoxFuture<'static, Result<String, String>> + Send + Sync>;
 
+/// The path named by a block's first line such as `# filename: src/app.py` (or `// filename:` for
+/// C-like languages), if the block has one.
+pub fn filename_directive(code: &str) -> Option<&str> {
+    let first = code.lines().next()?.trim();
+    let rest = first
+        .strip_prefix('#')
+        .or_else(|| first.strip_prefix("//"))?
+        .trim_start();
+    let name = rest.strip_prefix("filename:")?.trim();
+    (!name.is_empty()).then_some(name)
+}
+
 /// A kind of sandbox that can open sessions.
 pub trait Executor: Send + Sync + 'static {
     /// Registry name, such as `local` or `docker`.

@@ -2,17 +2,7 @@
 
 use std::path::{Component, Path, PathBuf};
 
-/// The path named by a first line such as `# filename: src/app.py` (or `// filename:` for
-/// C-like languages), if the block has one.
-pub fn filename_directive(code: &str) -> Option<&str> {
-    let first = code.lines().next()?.trim();
-    let rest = first
-        .strip_prefix('#')
-        .or_else(|| first.strip_prefix("//"))?
-        .trim_start();
-    let name = rest.strip_prefix("filename:")?.trim();
-    (!name.is_empty()).then_some(name)
-}
+pub use tandem_executor::filename_directive;
 
 /// Where block `block` runs from, relative to the workspace, and whether the file is
 /// transient (removed after the run): the path its `# filename:` line names (checked to stay
