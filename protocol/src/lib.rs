@@ -12,6 +12,7 @@ pub mod check;
 pub mod engine;
 pub mod files;
 pub mod mcp;
+pub mod net;
 pub mod session;
 pub mod task;
 pub mod team;

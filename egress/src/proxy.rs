@@ -1,0 +1,846 @@
+//! The proxy itself: each connection is one request (a `CONNECT` tunnel or a plain HTTP
+//! request), decided by its sandbox's grant, carried with its bytes counted, and recorded.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use tandem_protocol::net::{NetEvent, NetVerdict};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::policy::{Denial, Policy, Route};
+use crate::rule::{HostAsked, normalize_host};
+use crate::sni::{self, Hello};
+
+/// The longest request head the proxy reads.
+const MAX_HEAD: usize = 64 * 1024;
+/// Headers a request head may have.
+const MAX_HEADERS: usize = 100;
+/// Connections a sandbox holds at once when its policy sets no `max_connections`.
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 64;
+
+/// Where the proxy's records go: the task's events, in the daemon.
+pub trait NetSink: Send + Sync {
+    /// One connection is over (or was refused).
+    fn record(&self, event: NetEvent);
+}
+
+/// The proxy's own bounds, the same for every sandbox.
+#[derive(Clone, Debug)]
+pub struct ProxyLimits {
+    /// Time a client has to send its whole request head (or a tunnel its ClientHello).
+    pub head_timeout: Duration,
+    /// Time to resolve a name and connect to it.
+    pub connect_timeout: Duration,
+    /// A connection that carries nothing either way for this long is closed.
+    pub idle_timeout: Duration,
+    /// Connections the proxy holds at once, from every sandbox together.
+    pub max_open: usize,
+}
+
+impl Default for ProxyLimits {
+    fn default() -> Self {
+        ProxyLimits {
+            head_timeout: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(120),
+            max_open: 4096,
+        }
+    }
+}
+
+/// Bytes carried for one task, over all its sandboxes and connections.
+#[derive(Debug, Default)]
+pub struct Carried(AtomicU64);
+
+impl Carried {
+    /// Bytes carried so far.
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// What one sandbox may do through the proxy.
+pub struct Grant {
+    policy: Arc<Policy>,
+    open: Arc<Semaphore>,
+    carried: Arc<Carried>,
+    sink: Arc<dyn NetSink>,
+    stop: CancellationToken,
+}
+
+impl Grant {
+    /// A grant of `policy`, counting bytes into `carried` and recording into `sink`.
+    pub fn new(policy: Arc<Policy>, carried: Arc<Carried>, sink: Arc<dyn NetSink>) -> Grant {
+        let max = policy.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS);
+        Grant {
+            open: Arc::new(Semaphore::new(usize::try_from(max).unwrap_or(usize::MAX))),
+            policy,
+            carried,
+            sink,
+            stop: CancellationToken::new(),
+        }
+    }
+
+    /// The policy this grant carries out.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+}
+
+/// The egress proxy: one per daemon, listening where sandboxes can reach it.
+#[derive(Clone)]
+pub struct Egress {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    by_peer: Mutex<HashMap<IpAddr, Arc<Grant>>>,
+    own: Vec<IpAddr>,
+    limits: ProxyLimits,
+    open: Arc<Semaphore>,
+    stop: CancellationToken,
+}
+
+/// While held, connections from one peer address are served under its grant; dropped, they
+/// are refused and the peer's open connections end.
+pub struct PeerGrant {
+    inner: Arc<Inner>,
+    peer: IpAddr,
+    grant: Arc<Grant>,
+}
+
+impl Drop for PeerGrant {
+    fn drop(&mut self) {
+        let mut map = self
+            .inner
+            .by_peer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if map
+            .get(&self.peer)
+            .is_some_and(|g| Arc::ptr_eq(g, &self.grant))
+        {
+            map.remove(&self.peer);
+        }
+        self.grant.stop.cancel();
+    }
+}
+
+impl Egress {
+    /// A proxy with `limits`, refusing every address of this machine (`own`) to names.
+    pub fn new(limits: ProxyLimits, own: Vec<IpAddr>) -> Egress {
+        Egress {
+            inner: Arc::new(Inner {
+                by_peer: Mutex::new(HashMap::new()),
+                open: Arc::new(Semaphore::new(limits.max_open)),
+                own,
+                limits,
+                stop: CancellationToken::new(),
+            }),
+        }
+    }
+
+    /// Serves connections from sandboxes known by their address on `listener`, until stopped.
+    pub fn serve(&self, listener: TcpListener) -> tokio::task::JoinHandle<()> {
+        let inner = self.inner.clone();
+        tokio::spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    () = inner.stop.cancelled() => return,
+                    accepted = listener.accept() => accepted,
+                };
+                let (stream, peer) = match accepted {
+                    Ok(pair) => pair,
+                    Err(error) => {
+                        // Out of descriptors: wait instead of spinning on the error.
+                        tracing::warn!(%error, "egress proxy: accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                let grant = inner
+                    .by_peer
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .get(&crate::rule::canonical(peer.ip()))
+                    .cloned();
+                let Some(grant) = grant else {
+                    tracing::debug!(%peer, "egress proxy: a peer with no grant");
+                    continue;
+                };
+                let inner = inner.clone();
+                tokio::spawn(async move { inner.connection(stream, grant).await });
+            }
+        })
+    }
+
+    /// Serves connections from the peer at `peer` under `grant` while the guard lives.
+    pub fn grant_peer(&self, peer: IpAddr, grant: Grant) -> PeerGrant {
+        let grant = Arc::new(grant);
+        let peer = crate::rule::canonical(peer);
+        self.inner
+            .by_peer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(peer, grant.clone());
+        PeerGrant {
+            inner: self.inner.clone(),
+            peer,
+            grant,
+        }
+    }
+
+    /// Serves one connection under `grant` (a listener of the sandbox's own, such as a Unix
+    /// socket only it can reach).
+    pub async fn serve_one<S>(&self, stream: S, grant: Arc<Grant>)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send,
+    {
+        self.inner.connection(stream, grant).await;
+    }
+
+    /// Ends every connection and stops every listener.
+    pub fn stop(&self) {
+        self.inner.stop.cancel();
+    }
+}
+
+/// How one connection went, for its record.
+struct Outcome {
+    host: String,
+    port: u16,
+    result: Result<String, Denial>,
+    bytes_out: u64,
+    bytes_in: u64,
+    /// The client was already answered (a tunnel's 200): a refusal is a close, not a 403.
+    answered: bool,
+}
+
+impl Inner {
+    async fn connection<S>(&self, mut client: S, grant: Arc<Grant>)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send,
+    {
+        let started = Instant::now();
+        let Ok(_all) = self.open.clone().try_acquire_owned() else {
+            let _ = client
+                .write_all(&refusal(503, "the egress proxy is full"))
+                .await;
+            return;
+        };
+        let Ok(_mine) = grant.open.clone().try_acquire_owned() else {
+            let denial = Denial::check(
+                "max_connections",
+                format!(
+                    "this sandbox already holds {} connections",
+                    grant
+                        .policy
+                        .max_connections
+                        .unwrap_or(DEFAULT_MAX_CONNECTIONS)
+                ),
+            );
+            let _ = client.write_all(&denied(&denial)).await;
+            grant.sink.record(event(
+                Outcome {
+                    host: String::new(),
+                    port: 0,
+                    result: Err(denial),
+                    bytes_out: 0,
+                    bytes_in: 0,
+                    answered: false,
+                },
+                started,
+            ));
+            return;
+        };
+        let outcome = tokio::select! {
+            () = grant.stop.cancelled() => return,
+            () = self.stop.cancelled() => return,
+            outcome = self.request(&mut client, &grant) => outcome,
+        };
+        let Some(outcome) = outcome else { return };
+        if let Err(denial) = &outcome.result
+            && !outcome.answered
+            && outcome.bytes_out == 0
+            && outcome.bytes_in == 0
+        {
+            let _ = client.write_all(&denied(denial)).await;
+        }
+        grant.sink.record(event(outcome, started));
+    }
+
+    /// Reads and carries out one request; `None` when the client went away before asking.
+    async fn request<S>(&self, client: &mut S, grant: &Grant) -> Option<Outcome>
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send,
+    {
+        let (buf, head_len) =
+            match tokio::time::timeout(self.limits.head_timeout, read_head(client)).await {
+                Ok(Ok(Some(read))) => read,
+                Ok(Ok(None)) | Ok(Err(_)) => return None,
+                Err(_) => {
+                    let _ = client
+                        .write_all(&refusal(408, "no whole request in time"))
+                        .await;
+                    return None;
+                }
+            };
+        let asked = match Asked::parse(&buf[..head_len]) {
+            Ok(asked) => asked,
+            Err(why) => {
+                let _ = client.write_all(&refusal(400, &why)).await;
+                return None;
+            }
+        };
+        let early = &buf[head_len..];
+        let mut outcome = Outcome {
+            host: asked.host_text.clone(),
+            port: asked.port,
+            result: Err(Denial::check("default", "")),
+            bytes_out: 0,
+            bytes_in: 0,
+            answered: false,
+        };
+        if let Some(denial) = asked.denial.clone() {
+            outcome.result = Err(denial);
+            return Some(outcome);
+        }
+        let host = match normalize_host(&asked.host_text) {
+            Ok(host) => host,
+            Err(why) => {
+                outcome.result = Err(Denial::check("default", why));
+                return Some(outcome);
+            }
+        };
+        outcome.host = host.to_string();
+        if let Err(denial) = grant.policy.by_name(&host, asked.port) {
+            outcome.result = Err(denial);
+            return Some(outcome);
+        }
+        if asked.connect {
+            self.tunnel(client, grant, &host, asked.port, early, &mut outcome)
+                .await;
+        } else {
+            self.forward(client, grant, &host, &asked, early, &mut outcome)
+                .await;
+        }
+        Some(outcome)
+    }
+
+    async fn tunnel<S>(
+        &self,
+        client: &mut S,
+        grant: &Grant,
+        host: &HostAsked,
+        port: u16,
+        early: &[u8],
+        outcome: &mut Outcome,
+    ) where
+        S: AsyncRead + AsyncWrite + Unpin + Send,
+    {
+        if client
+            .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            .await
+            .is_err()
+        {
+            outcome.result = Err(Denial::check("default", "the client went away"));
+            return;
+        }
+        outcome.answered = true;
+        let hello = match tokio::time::timeout(self.limits.head_timeout, read_record(client, early))
+            .await
+        {
+            Ok(Ok(record)) => record,
+            _ => {
+                outcome.result = Err(Denial::check(
+                    "sni",
+                    "the tunnel sent no TLS ClientHello in time",
+                ));
+                return;
+            }
+        };
+        let named = sni::server_name(&hello);
+        let sni_ok = match (&named, host) {
+            (Hello::Named(name), HostAsked::Name(asked)) => name == asked,
+            (Hello::Unnamed, HostAsked::Addr(_)) => true,
+            (Hello::Named(name), HostAsked::Addr(addr)) => name == &addr.to_string(),
+            _ => false,
+        };
+        if !sni_ok {
+            let said = match named {
+                Hello::Named(name) => format!("its TLS names {name}"),
+                Hello::Unnamed => "its TLS names no server".to_owned(),
+                Hello::NotTls(why) => format!("it is not TLS ({why})"),
+            };
+            outcome.result = Err(Denial::check(
+                "sni",
+                format!(
+                    "CONNECT asked for {host} but {said}; a tunnel carries TLS to the host it names"
+                ),
+            ));
+            return;
+        }
+        let upstream = match self.route(grant, host, port).await {
+            Ok((route, stream)) => {
+                outcome.result = Ok(route.rule);
+                stream
+            }
+            Err(denial) => {
+                outcome.result = Err(denial);
+                return;
+            }
+        };
+        let (out, inn, cut) = pump(client, upstream, &hello, grant, &self.limits).await;
+        outcome.bytes_out = out;
+        outcome.bytes_in = inn;
+        if let Some(cut) = cut {
+            outcome.result = Err(cut);
+        }
+    }
+
+    async fn forward<S>(
+        &self,
+        client: &mut S,
+        grant: &Grant,
+        host: &HostAsked,
+        asked: &Asked,
+        early: &[u8],
+        outcome: &mut Outcome,
+    ) where
+        S: AsyncRead + AsyncWrite + Unpin + Send,
+    {
+        let upstream = match self.route(grant, host, asked.port).await {
+            Ok((route, stream)) => {
+                outcome.result = Ok(route.rule);
+                stream
+            }
+            Err(denial) => {
+                outcome.result = Err(denial);
+                return;
+            }
+        };
+        let mut first = asked.origin_head.clone();
+        first.extend_from_slice(early);
+        let (out, inn, cut) = pump(client, upstream, &first, grant, &self.limits).await;
+        outcome.bytes_out = out;
+        outcome.bytes_in = inn;
+        if let Some(cut) = cut {
+            outcome.result = Err(cut);
+        }
+    }
+
+    /// Resolves `host` (unless it is an address), checks every address it gives, and
+    /// connects to the first one allowed: the address checked is the address connected to.
+    async fn route(
+        &self,
+        grant: &Grant,
+        host: &HostAsked,
+        port: u16,
+    ) -> Result<(Route, TcpStream), Denial> {
+        let addrs: Vec<IpAddr> = match host {
+            HostAsked::Addr(addr) => vec![*addr],
+            HostAsked::Name(name) => match grant.policy.resolve.get(name) {
+                Some(pinned) => pinned.clone(),
+                None => {
+                    let looked = tokio::time::timeout(self.limits.connect_timeout, async {
+                        tokio::net::lookup_host((name.as_str(), port)).await
+                    })
+                    .await;
+                    match looked {
+                        Ok(Ok(found)) => found.map(|a| a.ip()).collect(),
+                        Ok(Err(error)) => {
+                            return Err(Denial::check(
+                                "resolve",
+                                format!("{name} did not resolve: {error}"),
+                            ));
+                        }
+                        Err(_) => {
+                            return Err(Denial::check(
+                                "resolve",
+                                format!("{name} did not resolve in time"),
+                            ));
+                        }
+                    }
+                }
+            },
+        };
+        let mut first_denial = None;
+        let mut failed = None;
+        for addr in addrs {
+            match grant.policy.at_address(host, addr, port, &self.own) {
+                Ok(rule) => {
+                    let to = SocketAddr::new(addr, port);
+                    match tokio::time::timeout(self.limits.connect_timeout, TcpStream::connect(to))
+                        .await
+                    {
+                        Ok(Ok(stream)) => {
+                            let _ = stream.set_nodelay(true);
+                            return Ok((
+                                Route {
+                                    to,
+                                    rule: rule.text.clone(),
+                                },
+                                stream,
+                            ));
+                        }
+                        Ok(Err(error)) => failed = Some(format!("{to}: {error}")),
+                        Err(_) => failed = Some(format!("{to}: no answer in time")),
+                    }
+                }
+                Err(denial) => {
+                    first_denial.get_or_insert(denial);
+                }
+            }
+        }
+        match (failed, first_denial) {
+            (Some(why), _) => Err(Denial::check(
+                "unreachable",
+                format!("{host} could not be reached ({why})"),
+            )),
+            (None, Some(denial)) => Err(denial),
+            (None, None) => Err(Denial::check(
+                "resolve",
+                format!("{host} resolved to no address"),
+            )),
+        }
+    }
+}
+
+/// A request head, understood.
+struct Asked {
+    connect: bool,
+    host_text: String,
+    port: u16,
+    /// For a plain request: the head to send on, in origin form, with `Connection: close`.
+    origin_head: Vec<u8>,
+    /// A check that refused it before any policy was asked.
+    denial: Option<Denial>,
+}
+
+impl Asked {
+    fn parse(head: &[u8]) -> Result<Asked, String> {
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut req = httparse::Request::new(&mut headers);
+        match req.parse(head) {
+            Ok(httparse::Status::Complete(_)) => {}
+            Ok(httparse::Status::Partial) => return Err("a request head cut short".to_owned()),
+            Err(error) => return Err(format!("not an HTTP request: {error}")),
+        }
+        let method = req.method.unwrap_or_default();
+        let target = req.path.unwrap_or_default();
+        if method.eq_ignore_ascii_case("CONNECT") {
+            let (host, port) = split_authority(target, None)?;
+            return Ok(Asked {
+                connect: true,
+                host_text: host,
+                port,
+                origin_head: Vec::new(),
+                denial: None,
+            });
+        }
+        let Some(rest) = target.strip_prefix("http://") else {
+            return Err(if target.starts_with('/') {
+                "this is an HTTP proxy: ask it with an absolute URL (http://host/path), or CONNECT host:port for HTTPS".to_owned()
+            } else {
+                format!(
+                    "only http:// URLs are carried in plain requests, not {target:?}; HTTPS goes through CONNECT"
+                )
+            });
+        };
+        let (authority, path) = match rest.find(['/', '?']) {
+            Some(i) => (&rest[..i], &rest[i..]),
+            None => (rest, "/"),
+        };
+        let path = if path.starts_with('?') {
+            format!("/{path}")
+        } else {
+            path.to_owned()
+        };
+        if authority.contains('@') {
+            return Err("a URL with credentials in it is not carried".to_owned());
+        }
+        let (host, port) = split_authority(authority, Some(80))?;
+        let mut denial = None;
+        let host_headers: Vec<&httparse::Header<'_>> = req
+            .headers
+            .iter()
+            .filter(|h| h.name.eq_ignore_ascii_case("host"))
+            .collect();
+        match host_headers.as_slice() {
+            [] => {}
+            [one] => {
+                let said = String::from_utf8_lossy(one.value);
+                let same = split_authority(said.trim(), Some(80))
+                    .is_ok_and(|(h, p)| p == port && same_host(&h, &host));
+                if !same {
+                    denial = Some(Denial::check(
+                        "host_header",
+                        format!("the request is for {host}:{port} but its Host header says {said}"),
+                    ));
+                }
+            }
+            _ => {
+                denial = Some(Denial::check("host_header", "more than one Host header"));
+            }
+        }
+        let version = if req.version == Some(0) { "1.0" } else { "1.1" };
+        let mut out = format!("{method} {path} HTTP/{version}\r\n").into_bytes();
+        let mut has_host = false;
+        for h in req.headers.iter() {
+            let name = h.name.to_ascii_lowercase();
+            if name.starts_with("proxy-") || name == "connection" || name == "keep-alive" {
+                continue;
+            }
+            has_host |= name == "host";
+            out.extend_from_slice(h.name.as_bytes());
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(h.value);
+            out.extend_from_slice(b"\r\n");
+        }
+        if !has_host {
+            out.extend_from_slice(format!("Host: {authority}\r\n").as_bytes());
+        }
+        // One request per connection: each is checked on its own.
+        out.extend_from_slice(b"Connection: close\r\n\r\n");
+        Ok(Asked {
+            connect: false,
+            host_text: host,
+            port,
+            origin_head: out,
+            denial,
+        })
+    }
+}
+
+fn same_host(a: &str, b: &str) -> bool {
+    match (normalize_host(a), normalize_host(b)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}
+
+/// `host:port` or `[v6]:port`; `default` when the port may be left out.
+fn split_authority(text: &str, default: Option<u16>) -> Result<(String, u16), String> {
+    let (host, port) = if let Some(rest) = text.strip_prefix('[') {
+        let (inside, after) = rest
+            .split_once(']')
+            .ok_or_else(|| format!("{text:?}: an opening [ with no closing ]"))?;
+        (inside, after.strip_prefix(':'))
+    } else {
+        match text.rsplit_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (text, None),
+        }
+    };
+    let port = match (port, default) {
+        (Some(p), _) => p
+            .parse::<u16>()
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| format!("{text:?}: {p:?} is not a port"))?,
+        (None, Some(d)) => d,
+        (None, None) => return Err(format!("{text:?}: CONNECT needs host:port")),
+    };
+    if host.is_empty() {
+        return Err(format!("{text:?}: no host"));
+    }
+    Ok((host.to_owned(), port))
+}
+
+/// Reads up to the end of a request head; `None` when the client closed first.
+async fn read_head<S: AsyncRead + Unpin>(
+    client: &mut S,
+) -> std::io::Result<Option<(Vec<u8>, usize)>> {
+    let mut buf = Vec::with_capacity(2048);
+    let mut chunk = [0u8; 4096];
+    loop {
+        let n = client.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(None);
+        }
+        let from = buf.len().saturating_sub(3);
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(i) = buf[from..].windows(4).position(|w| w == b"\r\n\r\n") {
+            return Ok(Some((buf, from + i + 4)));
+        }
+        if buf.len() > MAX_HEAD {
+            return Err(std::io::Error::other("request head over 64 KiB"));
+        }
+    }
+}
+
+/// Reads one whole TLS record (bytes already read first), bounded by the largest record.
+async fn read_record<S: AsyncRead + Unpin>(
+    client: &mut S,
+    early: &[u8],
+) -> std::io::Result<Vec<u8>> {
+    let mut buf = early.to_vec();
+    let mut chunk = [0u8; 4096];
+    loop {
+        if buf.len() >= sni::RECORD_HEADER {
+            let Some(want) = sni::record_len(&buf) else {
+                return Ok(buf);
+            };
+            if want > sni::MAX_RECORD {
+                return Ok(buf);
+            }
+            if buf.len() >= want {
+                return Ok(buf);
+            }
+        }
+        let n = client.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(buf);
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if buf.len() > sni::MAX_RECORD + 4096 {
+            return Ok(buf);
+        }
+    }
+}
+
+/// Carries bytes both ways until both sides are done, one is cut, or nothing moves for the
+/// idle timeout; `first` goes upstream before anything else. Answers bytes out, bytes in,
+/// and why it was cut short.
+async fn pump<S>(
+    client: &mut S,
+    upstream: TcpStream,
+    first: &[u8],
+    grant: &Grant,
+    limits: &ProxyLimits,
+) -> (u64, u64, Option<Denial>)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let out = AtomicU64::new(0);
+    let inn = AtomicU64::new(0);
+    let (mut up_r, mut up_w) = upstream.into_split();
+    let (mut cl_r, mut cl_w) = tokio::io::split(client);
+    let budget = Budget {
+        carried: &grant.carried,
+        max: grant.policy.max_bytes,
+    };
+    let result = async {
+        budget.take(first.len())?;
+        out.fetch_add(first.len() as u64, Ordering::Relaxed);
+        up_w.write_all(first).await.map_err(|_| Cut::Closed)?;
+        let up = one_way(&mut cl_r, &mut up_w, &out, &budget, limits.idle_timeout);
+        let down = one_way(&mut up_r, &mut cl_w, &inn, &budget, limits.idle_timeout);
+        tokio::try_join!(up, down).map(|_| ())
+    };
+    let cut = tokio::select! {
+        r = result => r.err(),
+        () = grant.stop.cancelled() => Some(Cut::Stopped),
+    };
+    let denial = match cut {
+        Some(Cut::Bytes(max)) => Some(Denial::check(
+            "max_bytes",
+            format!("the task's network budget of {max} bytes is spent"),
+        )),
+        Some(Cut::Idle) | Some(Cut::Closed) | None => None,
+        Some(Cut::Stopped) => None,
+    };
+    (out.into_inner(), inn.into_inner(), denial)
+}
+
+#[derive(Debug)]
+enum Cut {
+    Bytes(u64),
+    Idle,
+    Closed,
+    Stopped,
+}
+
+struct Budget<'a> {
+    carried: &'a Carried,
+    max: Option<u64>,
+}
+
+impl Budget<'_> {
+    fn take(&self, n: usize) -> Result<(), Cut> {
+        let n = n as u64;
+        let before = self.carried.0.fetch_add(n, Ordering::Relaxed);
+        match self.max {
+            Some(max) if before.saturating_add(n) > max => Err(Cut::Bytes(max)),
+            _ => Ok(()),
+        }
+    }
+}
+
+async fn one_way<R, W>(
+    r: &mut R,
+    w: &mut W,
+    count: &AtomicU64,
+    budget: &Budget<'_>,
+    idle: Duration,
+) -> Result<(), Cut>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut buf = vec![0u8; 32 * 1024];
+    loop {
+        let n = match tokio::time::timeout(idle, r.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => {
+                let _ = w.shutdown().await;
+                return Ok(());
+            }
+            Ok(Ok(n)) => n,
+            Err(_) => return Err(Cut::Idle),
+        };
+        budget.take(n)?;
+        count.fetch_add(n as u64, Ordering::Relaxed);
+        w.write_all(&buf[..n]).await.map_err(|_| Cut::Closed)?;
+    }
+}
+
+fn event(outcome: Outcome, started: Instant) -> NetEvent {
+    let (verdict, rule, reason) = match outcome.result {
+        Ok(rule) => (NetVerdict::Allowed, rule, None),
+        Err(denial) => (NetVerdict::Denied, denial.rule, Some(denial.reason)),
+    };
+    NetEvent {
+        host: outcome.host,
+        port: outcome.port,
+        verdict,
+        rule,
+        reason,
+        bytes_out: outcome.bytes_out,
+        bytes_in: outcome.bytes_in,
+        ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+        brokered: false,
+    }
+}
+
+fn denied(denial: &Denial) -> Vec<u8> {
+    let body = format!(
+        "Tandem's egress proxy refused this connection (rule: {}): {}\n",
+        denial.rule, denial.reason
+    );
+    format!(
+        "HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nX-Tandem-Rule: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len(),
+        denial.rule.replace(['\r', '\n'], " "),
+    )
+    .into_bytes()
+}
+
+fn refusal(code: u16, why: &str) -> Vec<u8> {
+    let reason = match code {
+        400 => "Bad Request",
+        408 => "Request Timeout",
+        _ => "Service Unavailable",
+    };
+    let body = format!("Tandem's egress proxy: {why}\n");
+    format!(
+        "HTTP/1.1 {code} {reason}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
