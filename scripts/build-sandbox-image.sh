@@ -2,7 +2,8 @@
 # Builds the Docker executor's image, tandem-sandbox:latest, with no image registry: a
 # Debian bookworm root made by debootstrap from the machine's own apt mirror, then
 # `docker import`. It holds Python with numpy, pandas and matplotlib, so a task can analyse
-# data and draw charts with the network off. Idempotent: it returns at once when an image of
+# data and draw charts with the network off, and pip and curl for a task behind the egress
+# proxy. Idempotent: it returns at once when an image of
 # this recipe exists (--force rebuilds).
 #
 #   scripts/build-sandbox-image.sh [--force] [IMAGE]
@@ -15,7 +16,7 @@ if [ "${1:-}" = "--force" ]; then force=1; shift; fi
 image="${1:-tandem-sandbox:latest}"
 suite=bookworm
 # Bumped whenever what goes into the image changes, so an older build is replaced.
-recipe=3
+recipe=4
 
 if ! docker version --format '{{.Server.Version}}' >/dev/null 2>&1; then
   echo "error: the Docker engine does not answer (DOCKER_HOST=${DOCKER_HOST:-unix:///var/run/docker.sock}); start it (systemctl start docker) and retry" >&2
@@ -57,8 +58,9 @@ root=$(mktemp -d /tmp/tandem-sandbox-root.XXXXXX)
 trap 'rm -rf "$root"' EXIT
 echo "debootstrap $suite from $mirror into $root"
 # python3 (not python3-minimal): code from models imports json, urllib, sqlite3 and the like;
-# numpy, pandas and matplotlib are what data questions reach for first.
-debootstrap --variant=minbase --include=python3,python3-numpy,python3-pandas,python3-matplotlib "$suite" "$root" "$mirror" >"$root.log" 2>&1 || {
+# numpy, pandas and matplotlib are what data questions reach for first; pip, curl and the
+# CA certificates are what a task behind the egress proxy installs and fetches with.
+debootstrap --variant=minbase --include=python3,python3-numpy,python3-pandas,python3-matplotlib,python3-pip,curl,ca-certificates "$suite" "$root" "$mirror" >"$root.log" 2>&1 || {
   tail -20 "$root.log" >&2
   echo "error: debootstrap failed (log above); check that $mirror is reachable" >&2
   exit 1
@@ -67,6 +69,9 @@ rm -f "$root.log"
 # Smaller and reproducible: no package caches, no apt lists.
 rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/* "$root"/usr/share/doc/* \
   "$root"/usr/share/man/* "$root"/usr/share/locale/*
+# A sandbox is thrown away with its task: pip may install into it (as the blocks' user, into
+# HOME), which Debian's marker for a system-managed Python would refuse.
+rm -f "$root"/usr/lib/python3*/EXTERNALLY-MANAGED
 mkdir -p "$root/workspace"
 chmod 1777 "$root/workspace"
 tar --numeric-owner -C "$root" -c . | docker import \

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tandem_executor::{CancellationToken, Executor, Language, SessionSpec};
 use tandem_protocol::team::{AgentSpec, Kind, TeamSpec, Termination};
-use tandem_protocol::{ErrorCode, ErrorInfo, Message, Role, StopReason, Usage};
+use tandem_protocol::{ErrorCode, ErrorInfo, EventMsg, Message, Role, StopReason, Usage};
 
 use crate::blocks::{self, SessionSlot};
 use crate::chat::ChatModel;
@@ -56,6 +56,47 @@ pub struct TaskSettings {
     pub candidates: u32,
     /// The interrupted run of the task already drew replies: a task draws once.
     pub drew: bool,
+    /// The task's network: every session it opens goes behind this proxy with this policy;
+    /// `None` leaves each executor's own setting (no network, by default).
+    pub network: Option<TaskNetwork>,
+}
+
+/// A task's way out: the egress proxy and the policy its sandboxes are held to.
+#[derive(Clone)]
+pub struct TaskNetwork {
+    /// The proxy, one per process.
+    pub egress: tandem_egress::Egress,
+    /// What the task's sandboxes may reach.
+    pub policy: Arc<tandem_egress::Policy>,
+}
+
+impl std::fmt::Debug for TaskNetwork {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TaskNetwork")
+            .field("allow", &self.policy.allowed_hosts())
+            .finish_non_exhaustive()
+    }
+}
+
+impl TaskNetwork {
+    /// `executor` with every session behind the proxy, its connections told as `net` events.
+    pub fn wrap(&self, executor: Arc<dyn Executor>, events: &EventSink) -> Arc<dyn Executor> {
+        Arc::new(tandem_egress::Behind::new(
+            executor,
+            self.egress.clone(),
+            self.policy.clone(),
+            Arc::new(NetEvents(events.clone())),
+        ))
+    }
+}
+
+/// The proxy's records as the task's events.
+struct NetEvents(EventSink);
+
+impl tandem_egress::NetSink for NetEvents {
+    fn record(&self, event: tandem_protocol::net::NetEvent) {
+        (self.0)(EventMsg::Net(event));
+    }
 }
 
 impl TaskSettings {
@@ -80,6 +121,7 @@ impl TaskSettings {
             output_schema: None,
             candidates: crate::DEFAULT_CANDIDATES,
             drew: false,
+            network: None,
         }
     }
 }
@@ -132,6 +174,10 @@ pub async fn run_task(
         model: model.config().model.clone(),
         base_url: model.location(),
         executor: executor.name().to_owned(),
+    };
+    let executor = match &settings.network {
+        Some(network) => network.wrap(executor, &events),
+        None => executor,
     };
     let slot =
         SessionSlot::new(executor, settings.session.clone()).only(settings.languages.clone());

@@ -156,6 +156,7 @@ pub async fn exec(args: ExecArgs, file: FileConfig) -> Result<u8> {
             inputs: None,
             keep_state: false,
             placement: Vec::new(),
+            egress: None,
         },
     );
     let cancel = CancellationToken::new();

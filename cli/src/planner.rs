@@ -23,6 +23,7 @@ pub async fn config(
     policy: Policy,
     local: Option<(Arc<dyn LocalModel>, String)>,
 ) -> Result<PlannerConfig> {
+    let policy_own = policy.any_endpoint;
     let mut model = settings.model.get()?.clone();
     let local_model = local.map(|(loaded, name)| {
         model.model = name;
@@ -47,6 +48,56 @@ pub async fn config(
             .await
             .context("in [tools] of tandem.toml")?,
         prices,
+        network: network(settings, &policy_own)?,
+    })
+}
+
+/// The egress proxy and the rules a task's `network` meets: `[network]` as every task's
+/// default and bound, `[policy] network_allow` as a client's, checked here at start.
+fn network(settings: &Settings, own: &bool) -> Result<tandem_daemon::NetworkConfig> {
+    let file = &settings.file;
+    let base = match &file.network {
+        Some(section) => {
+            let mut policy = tandem_egress::Policy::parse(&section.allow, &section.deny)
+                .context("in [network] of tandem.toml")?;
+            policy.max_bytes = section.max_bytes;
+            policy.max_connections = section.max_connections;
+            policy.resolve = section
+                .resolve
+                .iter()
+                .map(|(name, addrs)| {
+                    (
+                        name.trim_end_matches('.').to_ascii_lowercase(),
+                        addrs.clone(),
+                    )
+                })
+                .collect();
+            Some(policy)
+        }
+        None => None,
+    };
+    let bound = file
+        .policy
+        .network_allow
+        .as_ref()
+        .map(|entries| {
+            entries
+                .iter()
+                .map(|e| tandem_egress::Rule::parse(e))
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .transpose()
+        .context("in [policy] network_allow of tandem.toml")?;
+    Ok(tandem_daemon::NetworkConfig {
+        egress: Some(tandem_egress::Egress::new(
+            tandem_egress::ProxyLimits::default(),
+            tandem_egress::own_addresses(),
+        )),
+        rules: tandem_egress::Network {
+            base,
+            bound,
+            own: *own,
+        },
     })
 }
 

@@ -18,6 +18,7 @@ mod kept;
 mod kubernetes;
 mod limits;
 mod mcp;
+mod network;
 mod new_user;
 mod plugins;
 mod python;

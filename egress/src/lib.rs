@@ -7,6 +7,7 @@
 //! the task's budget. Every connection, allowed or not, becomes one
 //! [`NetEvent`](tandem_protocol::net::NetEvent).
 
+pub mod behind;
 pub mod policy;
 pub mod proxy;
 pub mod rule;
@@ -14,8 +15,9 @@ pub mod sni;
 
 use std::net::IpAddr;
 
-pub use policy::{Denial, Policy};
-pub use proxy::{Carried, Egress, Grant, NetSink, PeerGrant, ProxyLimits};
+pub use behind::Behind;
+pub use policy::{Denial, Network, NotGiven, Policy};
+pub use proxy::{Carried, Egress, Grant, NetSink, PeerGrant, ProxyLimits, SocketGrant};
 pub use rule::{Rule, RuleError};
 
 /// Every address of this machine's interfaces: a name never leads a sandbox to one of them.

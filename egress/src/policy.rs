@@ -205,6 +205,98 @@ pub struct Route {
     pub rule: String,
 }
 
+/// Whether `outer` names every host and port `inner` names.
+pub fn covers(outer: &Rule, inner: &Rule) -> bool {
+    use crate::rule::{DEFAULT_PORTS, Target};
+    let ports = match (outer.port, inner.port) {
+        (None, None) => true,
+        (None, Some(p)) => DEFAULT_PORTS.contains(&p),
+        (Some(a), Some(b)) => a == b,
+        (Some(_), None) => false,
+    };
+    let under = |name: &str, domain: &str| {
+        name.strip_suffix(domain)
+            .is_some_and(|head| head.len() > 1 && head.ends_with('.'))
+    };
+    ports
+        && match (&outer.target, &inner.target) {
+            (Target::Host(a), Target::Host(b)) => a == b,
+            (Target::Subdomains(d), Target::Host(h)) => under(h, d),
+            (Target::Subdomains(d), Target::Subdomains(e)) => e == d || under(e, d),
+            (Target::Net(n), Target::Net(m)) => n.contains(m),
+            _ => false,
+        }
+}
+
+/// Why a task does not get the network it asked for.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum NotGiven {
+    /// An entry does not parse.
+    #[error(transparent)]
+    Entry(RuleError),
+    /// The operator does not allow it; the message names the host and the setting.
+    #[error("{0}")]
+    Outside(String),
+}
+
+/// How a task's own `network` request meets the operator's settings.
+#[derive(Clone, Debug, Default)]
+pub struct Network {
+    /// `[network]`: the policy of a task that asks for none, and the deny list, budgets and
+    /// pinned names of every task.
+    pub base: Option<Policy>,
+    /// `[policy] network_allow`: what a client may ask for; `None` means only what `base`
+    /// already allows.
+    pub bound: Option<Vec<Rule>>,
+    /// The operator's own road (`tandem run` in its process): a request needs no bound.
+    pub own: bool,
+}
+
+impl Network {
+    /// The policy for a task that asks for `asked` (`None`: it asks for nothing), or why a
+    /// client may not have it; `Ok(None)` is no network at all.
+    pub fn for_task(&self, asked: Option<&[String]>) -> Result<Option<Policy>, NotGiven> {
+        let Some(asked) = asked else {
+            return Ok(self.base.clone());
+        };
+        let asked: Vec<Rule> = asked
+            .iter()
+            .map(|e| Rule::parse(e))
+            .collect::<Result<_, _>>()
+            .map_err(NotGiven::Entry)?;
+        if !self.own {
+            let bound: &[Rule] = match (&self.bound, &self.base) {
+                (Some(bound), _) => bound,
+                (None, Some(base)) => &base.allow,
+                (None, None) => {
+                    return Err(NotGiven::Outside("this daemon gives sandboxes no network: an operator allows hosts under [network] allow or [policy] network_allow in its config".to_owned()));
+                }
+            };
+            if let Some(out) = asked.iter().find(|a| !bound.iter().any(|b| covers(b, a))) {
+                let key = if self.bound.is_some() {
+                    "[policy] network_allow"
+                } else {
+                    "[network] allow"
+                };
+                let offered: Vec<&str> = bound.iter().map(|r| r.text.as_str()).collect();
+                return Err(NotGiven::Outside(format!(
+                    "network host {out} is outside what this daemon allows ({}); ask for hosts within it, or an operator adds it to {key}",
+                    if offered.is_empty() {
+                        "nothing".to_owned()
+                    } else {
+                        offered.join(", ")
+                    }
+                )));
+            }
+        }
+        let base = self.base.clone().unwrap_or_default();
+        Ok(Some(Policy {
+            allow: asked,
+            ..base
+        }))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -281,5 +373,83 @@ mod tests {
             p.by_name(&host("203.0.113.5"), 443).unwrap_err().rule,
             "default"
         );
+    }
+}
+
+#[cfg(test)]
+mod network_tests {
+    use super::*;
+
+    fn rules(entries: &[&str]) -> Vec<Rule> {
+        entries.iter().map(|e| Rule::parse(e).unwrap()).collect()
+    }
+
+    fn asked(entries: &[&str]) -> Vec<String> {
+        entries.iter().map(|e| (*e).to_owned()).collect()
+    }
+
+    #[test]
+    fn a_client_only_narrows_what_the_operator_allows() {
+        let net = Network {
+            base: Some(
+                Policy::parse(&["*.example.com", "pypi.test"], &["bad.example.com"]).unwrap(),
+            ),
+            bound: None,
+            own: false,
+        };
+        let got = net
+            .for_task(Some(&asked(&["api.example.com:443"])))
+            .unwrap()
+            .unwrap();
+        assert_eq!(got.allowed_hosts(), ["api.example.com:443"]);
+        assert_eq!(got.deny.len(), 1, "the operator's deny list stays");
+        let why = net
+            .for_task(Some(&asked(&["evil.test"])))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            why.contains("network host evil.test is outside") && why.contains("[network] allow"),
+            "{why}"
+        );
+        assert!(net.for_task(Some(&asked(&["pypi.test:8080"]))).is_err());
+        assert_eq!(net.for_task(None).unwrap().unwrap().allow.len(), 2);
+        let bounded = Network {
+            bound: Some(rules(&["10.0.0.0/8"])),
+            ..net.clone()
+        };
+        assert!(
+            bounded
+                .for_task(Some(&asked(&["10.1.0.0/16:8080"])))
+                .is_err()
+        );
+        assert!(bounded.for_task(Some(&asked(&["10.1.0.0/16"]))).is_ok());
+        let why = bounded
+            .for_task(Some(&asked(&["api.example.com"])))
+            .unwrap_err()
+            .to_string();
+        assert!(why.contains("[policy] network_allow"), "{why}");
+        let none = Network::default();
+        assert!(none.for_task(None).unwrap().is_none());
+        assert!(
+            none.for_task(Some(&asked(&["a.test"])))
+                .unwrap_err()
+                .to_string()
+                .contains("no network")
+        );
+        let own = Network {
+            own: true,
+            ..Network::default()
+        };
+        assert_eq!(
+            own.for_task(Some(&asked(&["a.test"])))
+                .unwrap()
+                .unwrap()
+                .allowed_hosts(),
+            ["a.test"]
+        );
+        assert!(matches!(
+            own.for_task(Some(&asked(&["*."]))),
+            Err(NotGiven::Entry(_))
+        ));
     }
 }

@@ -17,6 +17,8 @@ use crate::policy::{Denial, Policy, Route};
 use crate::rule::{HostAsked, normalize_host};
 use crate::sni::{self, Hello};
 
+pub(crate) use tandem_executor::BoxFuture;
+
 /// The longest request head the proxy reads.
 const MAX_HEAD: usize = 64 * 1024;
 /// Headers a request head may have.
@@ -101,6 +103,8 @@ pub struct Egress {
 
 struct Inner {
     by_peer: Mutex<HashMap<IpAddr, Arc<Grant>>>,
+    /// Where each sandbox's own socket gets a directory.
+    sockets: std::path::PathBuf,
     own: Vec<IpAddr>,
     limits: ProxyLimits,
     open: Arc<Semaphore>,
@@ -138,6 +142,7 @@ impl Egress {
         Egress {
             inner: Arc::new(Inner {
                 by_peer: Mutex::new(HashMap::new()),
+                sockets: std::env::temp_dir().join(format!("tandem-egress-{}", std::process::id())),
                 open: Arc::new(Semaphore::new(limits.max_open)),
                 own,
                 limits,
@@ -203,6 +208,11 @@ impl Egress {
         S: AsyncRead + AsyncWrite + Unpin + Send,
     {
         self.inner.connection(stream, grant).await;
+    }
+
+    /// The directory under which each sandbox's socket gets a directory of its own.
+    pub fn socket_dir(&self) -> &std::path::Path {
+        &self.inner.sockets
     }
 
     /// Ends every connection and stops every listener.
@@ -843,4 +853,66 @@ fn refusal(code: u16, why: &str) -> Vec<u8> {
         body.len()
     )
     .into_bytes()
+}
+
+/// A sandbox's own socket, served under its grant until dropped.
+pub struct SocketGrant {
+    path: std::path::PathBuf,
+    grant: Arc<Grant>,
+}
+
+impl SocketGrant {
+    /// Where the socket is.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
+impl Drop for SocketGrant {
+    fn drop(&mut self) {
+        self.grant.stop.cancel();
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl Egress {
+    /// Serves `grant` on a new Unix socket at `path` (in a directory only this sandbox is
+    /// given), until the returned guard is dropped.
+    pub fn listen_unix(
+        &self,
+        path: &std::path::Path,
+        grant: Grant,
+    ) -> std::io::Result<SocketGrant> {
+        use std::os::unix::fs::PermissionsExt;
+        let listener = tokio::net::UnixListener::bind(path)?;
+        // The sandbox's user is not the daemon's: it must be able to connect.
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
+        let grant = Arc::new(grant);
+        let inner = self.inner.clone();
+        let served = grant.clone();
+        tokio::spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    () = served.stop.cancelled() => return,
+                    () = inner.stop.cancelled() => return,
+                    accepted = listener.accept() => accepted,
+                };
+                match accepted {
+                    Ok((stream, _)) => {
+                        let inner = inner.clone();
+                        let grant = served.clone();
+                        tokio::spawn(async move { inner.connection(stream, grant).await });
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "egress proxy: accept on a sandbox's socket failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        });
+        Ok(SocketGrant {
+            path: path.to_owned(),
+            grant,
+        })
+    }
 }

@@ -93,6 +93,11 @@ pub struct TaskSpec {
     /// several Docker hosts, the session goes to one whose labels include these.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub placement: std::collections::BTreeMap<String, String>,
+    /// The hosts the task's sandboxes may reach, through Tandem's egress proxy and within
+    /// what the daemon allows (`{"allow": ["pypi.test", "*.example.com:443"]}`); with none,
+    /// the daemon's `[network]`, or no network at all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<net::NetworkRequest>,
     /// How the assistant's code reaches the executor: fenced blocks (the default), the
     /// `execute_code` tool, or the tool where the server takes tools (docs/tools.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -368,6 +373,9 @@ pub enum EventMsg {
         /// The outcome.
         result: BlockResult,
     },
+    /// A connection the sandbox asked its egress proxy for, allowed or denied, once it is
+    /// over.
+    Net(net::NetEvent),
     /// A block wrote a picture (a PNG, JPEG, GIF, WebP or SVG file, or a figure it showed)
     /// into the workspace.
     Artifact {

@@ -40,3 +40,12 @@ pub struct NetEvent {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub brokered: bool,
 }
+
+/// What a task or session asks of the network.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkRequest {
+    /// Entries as `[network] allow` takes them: `host`, `*.domain`, `host:port`, `CIDR[:port]`.
+    #[serde(default)]
+    pub allow: Vec<String>,
+}

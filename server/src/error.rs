@@ -55,6 +55,9 @@ pub enum Invalid {
     /// `limits` asks for more than the daemon allows, or for zero.
     #[error("{0}")]
     Limits(String),
+    /// An entry of `network.allow` does not parse.
+    #[error(transparent)]
+    Network(#[from] tandem_egress::RuleError),
     /// The task's approval policy does not compile.
     #[error("approval: {0}")]
     Approval(#[from] ApprovalError),

@@ -22,7 +22,7 @@ pub mod web;
 mod writer;
 
 pub use error::TaskError;
-pub use plan::{Planner, PlannerConfig, TaskDefaults};
+pub use plan::{NetworkConfig, Planner, PlannerConfig, TaskDefaults};
 pub use policy::{Endpoint, Policy};
 pub use serve::{ConnLimits, Listeners, bind_unix, serve};
 pub use store::{PgStore, Store, StoreError, TaskRecord, TaskState, TaskStore};

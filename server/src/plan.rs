@@ -86,6 +86,26 @@ pub struct PlannerConfig {
     pub tools: tandem_agent::tools::Offered,
     /// What a million tokens of each model cost (`[model.prices]`), by model name.
     pub prices: std::collections::BTreeMap<String, tandem_agent::budget::Price>,
+    /// The egress proxy and how a task's `network` meets `[network]` and the policy.
+    pub network: NetworkConfig,
+}
+
+/// The egress proxy sandboxes with a network policy go behind, and the settings a task's
+/// `network` request meets.
+#[derive(Clone, Default)]
+pub struct NetworkConfig {
+    /// The proxy; `None` when it could not start, which leaves no task a network.
+    pub egress: Option<tandem_egress::Egress>,
+    /// `[network]`, `[policy] network_allow`, and whose road this is.
+    pub rules: tandem_egress::Network,
+}
+
+/// What the model is told of its sandbox's network: the hosts, never a credential.
+fn network_note(policy: &tandem_egress::Policy) -> String {
+    format!(
+        "Your code can reach these hosts over HTTP and HTTPS, and nothing else on the network: {}. Requests go through a proxy already set in the sandbox's environment (HTTP_PROXY, HTTPS_PROXY), so curl, pip, urllib and requests need no extra settings; a refused request answers 403 and names the rule.",
+        policy.allowed_hosts().join(", ")
+    )
 }
 
 /// Turns task specs into runnable tasks; one per daemon, or per `tandem run`.
@@ -119,6 +139,7 @@ pub struct Inputs {
 
 /// What checking a task works out, so that planning it works out none of it again.
 struct Checked {
+    network: Option<tandem_egress::Policy>,
     output_schema: Option<Arc<tandem_agent::schema::OutputSchema>>,
     languages: Option<Vec<Language>>,
     team: Option<Node>,
@@ -288,6 +309,7 @@ impl Planner {
         }
         let policy = &self.config.policy;
         policy.check(spec, &self.config.model.base_url)?;
+        let network = self.check_network(spec, executor)?;
         let languages = spec
             .languages
             .as_deref()
@@ -364,6 +386,7 @@ impl Planner {
             return Err(Invalid::EmptyTermination.into());
         }
         Ok(Checked {
+            network,
             output_schema,
             languages,
             team,
@@ -371,6 +394,47 @@ impl Planner {
             gate,
             tools,
         })
+    }
+
+    /// The policy `spec`'s sandboxes are held to: its own `network` within what the operator
+    /// allows, else `[network]`; `None` is no network.
+    fn check_network(
+        &self,
+        spec: &TaskSpec,
+        executor: &dyn Executor,
+    ) -> Result<Option<tandem_egress::Policy>, TaskError> {
+        let asked = spec.network.as_ref().map(|n| n.allow.as_slice());
+        let policy = match self.config.network.rules.for_task(asked) {
+            Ok(policy) => policy,
+            Err(tandem_egress::NotGiven::Entry(e)) => return Err(Invalid::Network(e).into()),
+            Err(tandem_egress::NotGiven::Outside(why)) => return Err(Refused(why).into()),
+        };
+        let Some(policy) = policy else {
+            return Ok(None);
+        };
+        let unavailable = |problem: String| {
+            TaskError::from(crate::error::Unavailable::Executor {
+                name: executor.name().to_owned(),
+                problem,
+            })
+        };
+        if spec.team.is_some() {
+            return Err(Invalid::Check(
+                "network: a team's task cannot go behind the egress proxy yet; ask the assistant and executor pair, or leave network out",
+            )
+            .into());
+        }
+        if self.config.network.egress.is_none() {
+            return Err(unavailable(
+                "the egress proxy is not running, and a task with a network policy goes only through it (see `tandem doctor`)".to_owned(),
+            ));
+        }
+        if !executor.carries_egress() {
+            return Err(unavailable(
+                "its sandboxes cannot be put behind Tandem's egress proxy, which a network policy needs; use the docker executor on an engine on this machine, or leave network out".to_owned(),
+            ));
+        }
+        Ok(Some(policy))
     }
 
     /// Budgets that can be reached: token budgets of at least 1, a cost budget above 0, and
@@ -553,6 +617,17 @@ impl Planner {
             );
         }
         settings.output_schema = checked.output_schema;
+        if let (Some(policy), Some(egress)) = (checked.network, &self.config.network.egress) {
+            settings.system_prompt = format!(
+                "{}\n\n{}",
+                settings.system_prompt.trim_end(),
+                network_note(&policy)
+            );
+            settings.network = Some(tandem_agent::TaskNetwork {
+                egress: egress.clone(),
+                policy: Arc::new(policy),
+            });
+        }
         settings.session = SessionSpec {
             workdir: start.workdir,
             limits,
@@ -564,6 +639,7 @@ impl Planner {
                 .iter()
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
+            egress: None,
         };
         let gate = (!checked.gate.is_open()).then_some(checked.gate);
         let model = self.model(spec.model.as_deref(), spec.base_url.as_deref())?;
@@ -1138,6 +1214,7 @@ mod tests {
             teams: TeamBounds::default(),
             tools: Default::default(),
             prices: Default::default(),
+            network: Default::default(),
         })
     }
 

@@ -10,6 +10,7 @@
 pub mod conformance;
 pub mod daemon;
 pub mod hostile_clients;
+pub mod internet;
 pub mod kubernetes;
 pub mod mcp;
 pub mod otlp;

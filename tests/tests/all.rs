@@ -4,6 +4,7 @@
 
 mod docker_executor;
 mod docker_hosts;
+mod egress;
 mod hostile;
 mod kubernetes;
 mod local_executor;

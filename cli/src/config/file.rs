@@ -48,6 +48,28 @@ pub struct FileConfig {
     /// `[telemetry]`: where traces are exported (docs/telemetry.md).
     #[serde(default)]
     pub telemetry: tandem_telemetry::TelemetryConfig,
+    /// `[network]`: what sandboxes reach through the egress proxy (docs/network.md).
+    #[serde(default)]
+    pub network: Option<NetworkSection>,
+}
+
+/// `[network]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkSection {
+    /// Hosts, `*.domains`, `host:port`s and `CIDR[:port]`s a sandbox may reach.
+    #[serde(default)]
+    pub allow: Vec<String>,
+    /// Entries refused even when `allow` names them.
+    #[serde(default)]
+    pub deny: Vec<String>,
+    /// Bytes a task may carry through the proxy, both directions.
+    pub max_bytes: Option<u64>,
+    /// Connections a sandbox may hold open at once.
+    pub max_connections: Option<u32>,
+    /// Names the proxy answers itself instead of asking DNS (`"pypi.test" = ["203.0.113.5"]`).
+    #[serde(default)]
+    pub resolve: BTreeMap<String, Vec<std::net::IpAddr>>,
 }
 
 /// `[store]`.
@@ -140,6 +162,8 @@ pub struct PolicySection {
     /// Model servers a task may name besides the configured one.
     #[serde(default)]
     pub model_endpoints: Vec<EndpointSection>,
+    /// Hosts a client may ask for in a task's `network` (default: within `[network] allow`).
+    pub network_allow: Option<Vec<String>>,
 }
 
 /// One `[[policy.model_endpoints]]` entry.

@@ -79,6 +79,19 @@ pub struct TaskFlags {
     /// [[executors.docker.hosts]] labels
     #[arg(long = "placement", value_name = "KEY=VALUE", value_parser = placement_label)]
     pub(crate) placement: Vec<(String, String)>,
+    /// Let the task's sandboxes reach this host through Tandem's egress proxy (repeat for
+    /// more): HOST, *.DOMAIN, HOST:PORT or CIDR[:PORT], port 80 and 443 when none is given;
+    /// a daemon allows only what its operator does [default: [network] allow, else no
+    /// network]
+    #[arg(long = "allow-host", value_name = "HOST[:PORT]", value_parser = allow_entry)]
+    pub(crate) allow_hosts: Vec<String>,
+}
+
+/// An entry of `--allow-host`, checked as `[network] allow` checks its own.
+fn allow_entry(text: &str) -> Result<String, String> {
+    tandem_egress::Rule::parse(text)
+        .map(|r| r.text)
+        .map_err(|e| e.why)
 }
 
 /// A positive number of seconds that a [`std::time::Duration`] holds.
@@ -161,6 +174,9 @@ impl TaskFlags {
             code_via: self.code_via,
             candidates: self.candidates,
             placement: self.placement.iter().cloned().collect(),
+            network: (!self.allow_hosts.is_empty()).then(|| tandem_protocol::net::NetworkRequest {
+                allow: self.allow_hosts.clone(),
+            }),
             max_input_tokens: self.max_input_tokens,
             max_output_tokens: self.max_output_tokens,
             max_cost: self.max_cost,

@@ -96,6 +96,12 @@ pub trait Executor: Send + Sync + 'static {
         false
     }
 
+    /// Whether its sessions can be put behind the egress proxy ([`SessionSpec::egress`]):
+    /// their only way out is then the proxy, and a session it cannot put there is refused.
+    fn carries_egress(&self) -> bool {
+        false
+    }
+
     /// Whether a block could reach the network. An executor that cannot tell says yes: an
     /// approval policy's `ask_network` then asks rather than assumes.
     fn network(&self) -> bool {
@@ -187,6 +193,41 @@ pub struct SessionSpec {
     /// Labels the machine that runs the session must carry (`gpu=yes`), for executors that
     /// place sessions on one of several; the others ignore them.
     pub placement: Vec<(String, String)>,
+    /// The session's one way out: its blocks reach the network only through the egress
+    /// proxy serving this socket, for executors that [`Executor::carries_egress`]; `None`
+    /// leaves the executor's own network setting.
+    pub egress: Option<EgressSocket>,
+}
+
+/// A Unix socket on this machine where Tandem's egress proxy serves one session's policy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EgressSocket {
+    /// The socket's path; its directory holds nothing else and may be bound into a sandbox.
+    pub socket: PathBuf,
+}
+
+/// The port inside a sandbox where its blocks find the egress proxy (on its own loopback).
+pub const EGRESS_PORT: u16 = 3128;
+
+/// The variables that point a block's HTTP clients (curl, pip, npm, Python's and Node's)
+/// at the egress proxy inside its sandbox.
+pub fn egress_env() -> Vec<(String, String)> {
+    let proxy = format!("http://127.0.0.1:{EGRESS_PORT}");
+    let local = "localhost,127.0.0.1,::1".to_owned();
+    [
+        ("HTTP_PROXY", proxy.clone()),
+        ("HTTPS_PROXY", proxy.clone()),
+        ("http_proxy", proxy.clone()),
+        ("https_proxy", proxy.clone()),
+        ("NO_PROXY", local.clone()),
+        ("no_proxy", local),
+        ("npm_config_proxy", proxy.clone()),
+        ("npm_config_https_proxy", proxy),
+        ("NODE_USE_ENV_PROXY", "1".to_owned()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect()
 }
 
 /// One code block to run.

@@ -87,6 +87,8 @@ pub struct TlsFiles {
 
 /// Temporary workspaces live in `<workspace_dir>/tandem-docker-<pid>-<start-time>/`.
 const ROOT_PREFIX: &str = "tandem-docker-";
+/// Where the egress proxy's socket directory is bound inside a container behind it.
+const EGRESS_DIR: &str = "/run/tandem-egress";
 
 /// The capabilities the runner keeps (every other one is dropped); blocks have none.
 pub const RUNNER_CAPS: [&str; 3] = ["SETUID", "SETGID", "KILL"];
@@ -580,7 +582,9 @@ impl DockerExecutor {
     /// labels but the task's (or the mark of a session without one), and no lower memory limit than the pool's containers have.
     fn claim(&self, spec: &SessionSpec) -> Option<session::Warm> {
         let c = &self.inner.config;
+        // A warm container was made with no way out; one behind the proxy is made for it.
         if c.pool_size == 0
+            || spec.egress.is_some()
             || spec.workdir.is_some()
             || spec.limits.memory_bytes.is_some_and(|m| m < c.memory_bytes)
             || spec
@@ -699,6 +703,7 @@ impl DockerExecutor {
         workspace: &session::Place,
         labels: HashMap<String, String>,
         limits: &tandem_executor::Limits,
+        egress: Option<&tandem_executor::EgressSocket>,
     ) -> ContainerCreateBody {
         let c = &self.inner.config;
         // A task's memory limit can lower the container's, never raise it.
@@ -706,9 +711,22 @@ impl DockerExecutor {
             .memory_bytes
             .map_or(c.memory_bytes, |m| m.min(c.memory_bytes));
         let memory = i64::try_from(bytes).unwrap_or(i64::MAX);
-        let env = tandem_executor_runner::base_env(&c.env)
+        let mut env: Vec<String> = tandem_executor_runner::base_env(&c.env)
             .map(|(k, v)| format!("{k}={v}"))
             .collect();
+        // Behind the proxy the container has a loopback and nothing else; the runner relays
+        // its port there to the proxy's socket, bound in read-only.
+        let egress_bind = egress.and_then(|e| {
+            let dir = e.socket.parent()?;
+            let file = e.socket.file_name()?.to_str()?;
+            env.push(format!("TANDEM_EGRESS_SOCKET={EGRESS_DIR}/{file}"));
+            env.push(format!(
+                "TANDEM_EGRESS_PORT={}",
+                tandem_executor::EGRESS_PORT
+            ));
+            Some(format!("{}:{EGRESS_DIR}:ro", dir.display()))
+        });
+        let open_bridge = c.network && egress.is_none();
         ContainerCreateBody {
             image: Some(c.image.clone()),
             entrypoint: Some(vec![
@@ -732,12 +750,14 @@ impl DockerExecutor {
             open_stdin: Some(true),
             stdin_once: Some(false),
             tty: Some(false),
-            network_disabled: Some(!c.network),
+            network_disabled: Some(!open_bridge && egress.is_none()),
             host_config: Some(HostConfig {
                 binds: match workspace {
-                    session::Place::Host(dir) => {
-                        Some(vec![format!("{}:/workspace:rw", dir.display())])
-                    }
+                    session::Place::Host(dir) => Some(
+                        std::iter::once(format!("{}:/workspace:rw", dir.display()))
+                            .chain(egress_bind)
+                            .collect(),
+                    ),
                     session::Place::Volume(_) => None,
                 },
                 mounts: match workspace {
@@ -750,7 +770,7 @@ impl DockerExecutor {
                         ..Default::default()
                     }]),
                 },
-                network_mode: Some(if c.network { "bridge" } else { "none" }.to_owned()),
+                network_mode: Some(if open_bridge { "bridge" } else { "none" }.to_owned()),
                 cap_drop: Some(vec!["ALL".to_owned()]),
                 // What the runner needs to become the blocks' user and to kill their
                 // processes; a block, once it is that user, has none of them.
@@ -795,6 +815,11 @@ impl Executor for DockerExecutor {
     fn carries_tool_calls(&self) -> bool {
         // Relayed by the runner over its frames: no socket crosses into the container.
         true
+    }
+
+    fn carries_egress(&self) -> bool {
+        // The proxy's socket is bound in from this machine: an engine elsewhere cannot.
+        self.inner.config.workspace == WorkspaceMode::Bind
     }
 
     fn network(&self) -> bool {

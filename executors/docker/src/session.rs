@@ -52,12 +52,16 @@ struct Container {
 }
 
 /// What the executor's sandboxes run, and as whom.
-fn offer(executor: &DockerExecutor) -> Offer {
+fn offer(executor: &DockerExecutor, egress: bool) -> Offer {
     let config = &executor.inner().config;
+    let mut env = config.env.clone();
+    if egress {
+        env.extend(tandem_executor::egress_env());
+    }
     Offer {
         executor: "docker",
         languages: config.languages.clone(),
-        env: config.env.clone(),
+        env,
         user: config.user.clone(),
     }
 }
@@ -76,6 +80,12 @@ impl DockerSession {
         let (workspace, owned_workspace) =
             scratch::open_workspace(spec.workdir, &inner.root, "ws-")?;
         let by_volume = inner.config.workspace == WorkspaceMode::Volume;
+        if by_volume && spec.egress.is_some() {
+            return Err(ExecError::Unavailable {
+                what: "a network policy on an engine reached over the network".to_owned(),
+                hint: "the egress proxy's socket is bound into the container, which needs the engine on this machine; run the task on the local engine, or without `network`".to_owned(),
+            });
+        }
         // Code runs as an unprivileged user that must be able to write the workspace. A kept
         // one (--workdir) holds the host user's files: the sticky bit keeps the block from
         // renaming over or removing what it does not own, and its mode is given back when
@@ -127,6 +137,7 @@ impl DockerSession {
             place,
             labels,
             spec.limits.clone(),
+            spec.egress.clone(),
         );
         let mut making = Making::start(&executor, &session_id, made)?;
         let made = making.take().await?;
@@ -134,7 +145,7 @@ impl DockerSession {
             runner: RunnerSession::new(
                 workspace,
                 made.volume.is_some(),
-                offer(&executor),
+                offer(&executor, spec.egress.is_some()),
                 spec.limits,
             ),
             container: Container {
@@ -188,7 +199,7 @@ impl DockerSession {
                 .map(|w| w.path().to_owned())
                 .unwrap_or_default(),
             volume.is_some(),
-            offer(&executor),
+            offer(&executor, false),
             spec.limits,
         )
         .with_conn(warm.conn.take());
@@ -277,6 +288,7 @@ async fn make(
     place: Place,
     mut labels: HashMap<String, String>,
     limits: tandem_executor::Limits,
+    egress: Option<tandem_executor::EgressSocket>,
 ) -> Result<Made, ExecError> {
     let inner = executor.inner();
     let volume = match &place {
@@ -308,7 +320,7 @@ async fn make(
         }
         Place::Host(_) => None,
     };
-    let body = executor.container_body(&place, labels, &limits);
+    let body = executor.container_body(&place, labels, &limits, egress.as_ref());
     let name = format!("tandem-{}", &session_id[..12]);
     match inner
         .docker

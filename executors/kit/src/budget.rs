@@ -267,6 +267,10 @@ impl Executor for Budgeted {
         self.inner.carries_tool_calls()
     }
 
+    fn carries_egress(&self) -> bool {
+        self.inner.carries_egress()
+    }
+
     fn hosts(&self) -> Vec<tandem_executor::HostStatus> {
         self.inner.hosts()
     }

@@ -527,6 +527,68 @@ def wipe_as_user(release_only):
                 pass
 
 
+
+def egress_relay(path, port):
+    """The sandbox's one way out: a connection to its own loopback port goes on to the egress
+    proxy's socket, bound in from the host. A sandbox behind the proxy has no other route."""
+    import socket, threading, time
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(256)
+    # Each relayed connection is two threads of the runner's; a block that opens thousands
+    # must not use up the sandbox's pids for its own next block.
+    slots = threading.BoundedSemaphore(128)
+
+    def pipe(a, b):
+        try:
+            while True:
+                data = a.recv(1 << 18)
+                if not data:
+                    break
+                b.sendall(data, socket.MSG_NOSIGNAL)
+        except OSError:
+            pass
+        try:
+            b.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def serve(client):
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            upstream.connect(path)
+            back = threading.Thread(target=pipe, args=(upstream, client), daemon=True)
+            back.start()
+            pipe(client, upstream)
+            back.join()
+        except (OSError, RuntimeError):
+            pass
+        finally:
+            client.close()
+            upstream.close()
+            slots.release()
+
+    def accept():
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                time.sleep(0.1)
+                continue
+            if not slots.acquire(blocking=False):
+                client.close()
+                continue
+            try:
+                threading.Thread(target=serve, args=(client,), daemon=True).start()
+            except RuntimeError:
+                client.close()
+                slots.release()
+
+    threading.Thread(target=accept, daemon=True).start()
+
+
 from time import monotonic
 
 WAKE_R, WAKE_W = os.pipe()
@@ -555,6 +617,12 @@ if SYNC and os.getuid() == 0:
         os.chmod(WORKSPACE, 0o777)
     except OSError as e:
         send(b"!", ("cannot open the workspace to the blocks' user: %s" % e).encode())
+if os.environ.get("TANDEM_EGRESS_SOCKET"):
+    try:
+        egress_relay(os.environ["TANDEM_EGRESS_SOCKET"], int(os.environ.get("TANDEM_EGRESS_PORT", "3128")))
+    except (OSError, ValueError) as e:
+        send(b"!", ("cannot reach the egress proxy: %s" % e).encode())
+        os._exit(1)
 # A runner started again in a sandbox whose last runner died (a pod is not restarted for it)
 # finds what that runner's last block left running.
 kill_all()

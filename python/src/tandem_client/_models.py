@@ -18,6 +18,12 @@ class TaskSpecTeam(_TaskSpecTeamRequired, total=False):
     agents: dict[str, dict[str, Any]]
 
 
+class TaskSpecNetwork(TypedDict, total=False):
+    """the hosts the task's sandboxes may reach through the egress proxy (docs/network.md)"""
+
+    allow: list[str]
+
+
 class TaskSpecCheck(TypedDict, total=False):
     """decides whether the task was solved, run in its sandbox after it ends (docs/eval.md)"""
 
@@ -90,6 +96,7 @@ class TaskSpec(_TaskSpecRequired, total=False):
     files: str  # the id of an upload whose files are placed in the workspace
     keep_state: bool  # Python blocks share one interpreter (local and docker)
     placement: dict[str, str]  # labels the Docker host of the sandbox must carry (docs/docker-hosts.md)
+    network: TaskSpecNetwork  # the hosts the task's sandboxes may reach through the egress proxy (docs/network.md)
     code_via: Literal['blocks', 'tool', 'auto']  # how the model's code reaches the executor (docs/tools.md)
     candidates: int  # replies to choose among when one first fails the examples, the model's own with them (docs/eval.md)
     check: TaskSpecCheck  # decides whether the task was solved, run in its sandbox after it ends (docs/eval.md)
@@ -306,7 +313,7 @@ FIELDS: dict[str, frozenset[str]] = {
     'SessionInfo': frozenset(['blocks', 'busy', 'created_ms', 'executor', 'id', 'idle_timeout_secs', 'keep_state', 'tools']),
     'SessionSpec': frozenset(['executor', 'files', 'idle_timeout_secs', 'keep_state', 'limits', 'tools']),
     'Task': frozenset(['answer', 'answer_from', 'budget', 'check', 'cost', 'created_ms', 'error', 'files_removed_ms', 'finished_ms', 'id', 'no_answer', 'result', 'spec', 'started_ms', 'state', 'stop_reason', 'trace_id', 'turns', 'usage']),
-    'TaskSpec': frozenset(['approval', 'base_url', 'block_timeout_secs', 'candidates', 'check', 'code_via', 'executor', 'files', 'keep_state', 'languages', 'limits', 'max_cost', 'max_input_tokens', 'max_output_tokens', 'max_turns', 'model', 'output_schema', 'placement', 'system_prompt', 'task', 'team', 'termination', 'timeout_secs', 'tools', 'traceparent']),
+    'TaskSpec': frozenset(['approval', 'base_url', 'block_timeout_secs', 'candidates', 'check', 'code_via', 'executor', 'files', 'keep_state', 'languages', 'limits', 'max_cost', 'max_input_tokens', 'max_output_tokens', 'max_turns', 'model', 'network', 'output_schema', 'placement', 'system_prompt', 'task', 'team', 'termination', 'timeout_secs', 'tools', 'traceparent']),
     'ToolAnswer': frozenset(['error', 'result']),
     'Upload': frozenset(['bytes', 'expires_ms', 'files', 'id']),
 }

@@ -1,0 +1,132 @@
+//! A Docker sandbox behind the egress proxy, against servers in a network namespace the test
+//! makes: what its policy allows answers with no flags in the code, and everything else
+//! (another host, its address, raw TCP around the proxy, UDP, a resolver) does not.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tandem_egress::{Carried, Egress, Grant, NetSink, Policy, ProxyLimits};
+use tandem_executor::{EgressSocket, ExecContext, ExecRequest, ExitStatus, Language, SessionSpec};
+use tandem_executor_docker::{DockerConfig, DockerExecutor};
+use tandem_protocol::net::{NetEvent, NetVerdict};
+use tandem_tests::internet::Internet;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Default)]
+struct Events(Mutex<Vec<NetEvent>>);
+
+impl NetSink for Events {
+    fn record(&self, event: NetEvent) {
+        self.0.lock().unwrap().push(event);
+    }
+}
+
+const PROBE: &str = r#"
+import socket, urllib.request, urllib.error
+print("allowed:", urllib.request.urlopen("http://files.test/hello", timeout=20).read().decode().splitlines()[0])
+try:
+    urllib.request.urlopen("http://other.test/", timeout=20)
+    print("other: reached")
+except urllib.error.HTTPError as e:
+    print("other:", e.code, e.headers.get("X-Tandem-Rule"))
+for what, target in [("raw tcp", ("ADDR", 9000)), ("metadata", ("169.254.169.254", 80))]:
+    try:
+        socket.create_connection(target, timeout=5)
+        print(what + ": reached")
+    except OSError as e:
+        print(what + ": refused", type(e).__name__)
+try:
+    socket.getaddrinfo("files.test", 80)
+    print("dns: resolved")
+except OSError as e:
+    print("dns: none")
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+try:
+    s.sendto(b"x", ("ADDR", 53))
+    print("udp: sent")
+except OSError as e:
+    print("udp: refused", type(e).__name__)
+"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_docker_sandbox_behind_the_proxy_reaches_what_its_policy_allows_and_nothing_else() {
+    let net = Internet::new();
+    net.http_server(80);
+    net.echo_server(9000);
+    let egress = Egress::new(ProxyLimits::default(), tandem_egress::own_addresses());
+    let mut policy = Policy::parse(&["files.test"], &[] as &[&str]).unwrap();
+    policy.resolve.insert("files.test".into(), vec![net.addr]);
+    let events = Arc::new(Events::default());
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("proxy.sock");
+    let grant = egress
+        .listen_unix(
+            &socket,
+            Grant::new(
+                Arc::new(policy),
+                Arc::new(Carried::default()),
+                events.clone(),
+            ),
+        )
+        .unwrap();
+
+    let docker = DockerExecutor::connect(DockerConfig {
+        image: std::env::var("TANDEM_DOCKER_IMAGE")
+            .unwrap_or_else(|_| "tandem-sandbox:latest".to_owned()),
+        pull: false,
+        pool_size: 0,
+        ..DockerConfig::default()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("these tests need the Docker engine: {e}"));
+    assert!(tandem_executor::Executor::carries_egress(&docker));
+    let mut session = tandem_executor::Executor::open(
+        &docker,
+        SessionSpec {
+            egress: Some(EgressSocket {
+                socket: grant.path().to_owned(),
+            }),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let outcome = session
+        .run(
+            ExecRequest {
+                timeout: Some(Duration::from_secs(120)),
+                ..ExecRequest::new(
+                    Language::python(),
+                    PROBE.replace("ADDR", &net.addr.to_string()),
+                )
+            },
+            ExecContext::new(CancellationToken::new()),
+        )
+        .await
+        .unwrap();
+    let out = outcome.stdout.to_text();
+    assert_eq!(
+        outcome.status,
+        ExitStatus::Exited(0),
+        "{out}\n{}",
+        outcome.stderr.to_text()
+    );
+    assert!(out.contains("allowed: seen: GET /hello HTTP/1.1"), "{out}");
+    assert!(out.contains("other: 403 default"), "{out}");
+    assert!(out.contains("raw tcp: refused"), "{out}");
+    assert!(out.contains("metadata: refused"), "{out}");
+    assert!(out.contains("dns: none"), "{out}");
+    assert!(out.contains("udp: refused"), "{out}");
+    session.close().await.unwrap();
+
+    let got = events.0.lock().unwrap().clone();
+    assert_eq!(got.len(), 2, "{got:?}");
+    assert_eq!(
+        (got[0].host.as_str(), got[0].verdict, got[0].rule.as_str()),
+        ("files.test", NetVerdict::Allowed, "files.test")
+    );
+    assert_eq!(
+        (got[1].host.as_str(), got[1].verdict, got[1].rule.as_str()),
+        ("other.test", NetVerdict::Denied, "default")
+    );
+}
