@@ -161,7 +161,7 @@ pub struct TaskOutcome {
 
 /// Runs a task to its end: the two-agent chat, as a built-in team ([`pair`]) of an
 /// `assistant` and an `executor`. Every step is sent to `events`, the last being
-/// [`EventMsg::TaskFinished`](tandem_protocol::EventMsg::TaskFinished); the sandbox is
+/// [`EventMsg::TaskFinished`]; the sandbox is
 /// closed on every path.
 pub async fn run_task(
     settings: TaskSettings,
