@@ -33,7 +33,8 @@ fn events_of(stdout: &str, kind: &str) -> Vec<Value> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn run_in_process_reaches_an_allowed_host_from_docker_and_records_each_connection() {
+async fn run_in_process_reaches_an_allowed_host_from_docker_and_local_and_records_each_connection()
+{
     let net = Internet::new();
     net.http_server(80);
     let task = "network: fetch files.test";
@@ -51,63 +52,65 @@ async fn run_in_process_reaches_an_allowed_host_from_docker_and_records_each_con
     )
     .unwrap();
     let url = server.base_url();
-    let out = tandem(
-        &[
-            "run",
-            "--json",
-            "--config",
-            config.to_str().unwrap(),
-            "--base-url",
-            &url,
-            "--model",
-            "m",
-            "-e",
-            "docker",
-            "--allow-host",
-            "files.test",
-            task,
-        ],
-        &[("TANDEM_MAX_RETRIES", "0")],
-        None,
-    )
-    .await;
-    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
-    let results = events_of(&out.stdout, "exec_result");
-    let printed = results[0]["result"]["stdout"].as_str().unwrap_or_default();
-    assert!(
-        printed.contains("seen: GET /hello HTTP/1.1") && printed.contains("other: 403"),
-        "{printed}"
-    );
-    let net_events = events_of(&out.stdout, "net");
-    assert_eq!(net_events.len(), 2, "{net_events:?}");
-    assert_eq!(
-        (
-            &net_events[0]["host"],
-            &net_events[0]["verdict"],
-            &net_events[0]["rule"]
-        ),
-        (
-            &json!("files.test"),
-            &json!("allowed"),
-            &json!("files.test")
+    for executor in ["docker", "local"] {
+        let out = tandem(
+            &[
+                "run",
+                "--json",
+                "--config",
+                config.to_str().unwrap(),
+                "--base-url",
+                &url,
+                "--model",
+                "m",
+                "-e",
+                executor,
+                "--allow-host",
+                "files.test",
+                task,
+            ],
+            &[("TANDEM_MAX_RETRIES", "0")],
+            None,
         )
-    );
-    assert_eq!(
-        (
-            &net_events[1]["host"],
-            &net_events[1]["verdict"],
-            &net_events[1]["rule"]
-        ),
-        (&json!("other.test"), &json!("denied"), &json!("default"))
-    );
-    // The model was told which hosts it may reach.
-    let asked = server.requests();
-    assert!(
-        asked.iter().any(|r| r.body.to_string().contains(
-            "reach these hosts over HTTP and HTTPS, and nothing else on the network: files.test"
-        )),
-        "the system prompt does not name the allowed hosts"
-    );
+        .await;
+        assert_eq!(out.code, 0, "{executor}: {}\n{}", out.stdout, out.stderr);
+        let results = events_of(&out.stdout, "exec_result");
+        let printed = results[0]["result"]["stdout"].as_str().unwrap_or_default();
+        assert!(
+            printed.contains("seen: GET /hello HTTP/1.1") && printed.contains("other: 403"),
+            "{printed}"
+        );
+        let net_events = events_of(&out.stdout, "net");
+        assert_eq!(net_events.len(), 2, "{net_events:?}");
+        assert_eq!(
+            (
+                &net_events[0]["host"],
+                &net_events[0]["verdict"],
+                &net_events[0]["rule"]
+            ),
+            (
+                &json!("files.test"),
+                &json!("allowed"),
+                &json!("files.test")
+            )
+        );
+        assert_eq!(
+            (
+                &net_events[1]["host"],
+                &net_events[1]["verdict"],
+                &net_events[1]["rule"]
+            ),
+            (&json!("other.test"), &json!("denied"), &json!("default"))
+        );
+        // The model was told which hosts it may reach.
+        let asked = server.requests();
+        assert!(
+            asked.iter().any(|r| r.body.to_string().contains(
+                "reach these hosts over HTTP and HTTPS, and nothing else on the network: files.test"
+            )),
+            "the system prompt does not name the allowed hosts"
+        );
+    }
 
     // A bad entry is refused before anything runs, naming it.
     let out = tandem(

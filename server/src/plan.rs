@@ -431,7 +431,7 @@ impl Planner {
         }
         if !executor.carries_egress() {
             return Err(unavailable(
-                "its sandboxes cannot be put behind Tandem's egress proxy, which a network policy needs; use the docker executor on an engine on this machine, or leave network out".to_owned(),
+                "its sandboxes cannot be put behind Tandem's egress proxy, which a network policy needs; use the docker executor (an engine on this machine) or the confined local executor, or leave network out".to_owned(),
             ));
         }
         Ok(Some(policy))

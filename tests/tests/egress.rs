@@ -48,8 +48,9 @@ except OSError as e:
     print("udp: refused", type(e).__name__)
 "#;
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_docker_sandbox_behind_the_proxy_reaches_what_its_policy_allows_and_nothing_else() {
+/// Opens a session of `executor` behind a proxy allowing `files.test`, runs the probe in it,
+/// and checks what it reached and what the proxy recorded.
+async fn probe_behind_the_proxy(executor: &dyn tandem_executor::Executor) {
     let net = Internet::new();
     net.http_server(80);
     net.echo_server(9000);
@@ -58,6 +59,10 @@ async fn a_docker_sandbox_behind_the_proxy_reaches_what_its_policy_allows_and_no
     policy.resolve.insert("files.test".into(), vec![net.addr]);
     let events = Arc::new(Events::default());
     let dir = tempfile::tempdir().unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    }
     let socket = dir.path().join("proxy.sock");
     let grant = egress
         .listen_unix(
@@ -69,28 +74,20 @@ async fn a_docker_sandbox_behind_the_proxy_reaches_what_its_policy_allows_and_no
             ),
         )
         .unwrap();
-
-    let docker = DockerExecutor::connect(DockerConfig {
-        image: std::env::var("TANDEM_DOCKER_IMAGE")
-            .unwrap_or_else(|_| "tandem-sandbox:latest".to_owned()),
-        pull: false,
-        pool_size: 0,
-        ..DockerConfig::default()
-    })
-    .await
-    .unwrap_or_else(|e| panic!("these tests need the Docker engine: {e}"));
-    assert!(tandem_executor::Executor::carries_egress(&docker));
-    let mut session = tandem_executor::Executor::open(
-        &docker,
-        SessionSpec {
+    assert!(
+        executor.carries_egress(),
+        "{} cannot go behind the proxy",
+        executor.name()
+    );
+    let mut session = executor
+        .open(SessionSpec {
             egress: Some(EgressSocket {
                 socket: grant.path().to_owned(),
             }),
             ..Default::default()
-        },
-    )
-    .await
-    .unwrap();
+        })
+        .await
+        .unwrap();
     let outcome = session
         .run(
             ExecRequest {
@@ -105,22 +102,26 @@ async fn a_docker_sandbox_behind_the_proxy_reaches_what_its_policy_allows_and_no
         .await
         .unwrap();
     let out = outcome.stdout.to_text();
+    let name = executor.name();
     assert_eq!(
         outcome.status,
         ExitStatus::Exited(0),
-        "{out}\n{}",
+        "{name}: {out}\n{}",
         outcome.stderr.to_text()
     );
-    assert!(out.contains("allowed: seen: GET /hello HTTP/1.1"), "{out}");
-    assert!(out.contains("other: 403 default"), "{out}");
-    assert!(out.contains("raw tcp: refused"), "{out}");
-    assert!(out.contains("metadata: refused"), "{out}");
-    assert!(out.contains("dns: none"), "{out}");
-    assert!(out.contains("udp: refused"), "{out}");
+    assert!(
+        out.contains("allowed: seen: GET /hello HTTP/1.1"),
+        "{name}: {out}"
+    );
+    assert!(out.contains("other: 403 default"), "{name}: {out}");
+    assert!(out.contains("raw tcp: refused"), "{name}: {out}");
+    assert!(out.contains("metadata: refused"), "{name}: {out}");
+    assert!(out.contains("dns: none"), "{name}: {out}");
+    assert!(out.contains("udp: refused"), "{name}: {out}");
     session.close().await.unwrap();
 
     let got = events.0.lock().unwrap().clone();
-    assert_eq!(got.len(), 2, "{got:?}");
+    assert_eq!(got.len(), 2, "{name}: {got:?}");
     assert_eq!(
         (got[0].host.as_str(), got[0].verdict, got[0].rule.as_str()),
         ("files.test", NetVerdict::Allowed, "files.test")
@@ -129,4 +130,25 @@ async fn a_docker_sandbox_behind_the_proxy_reaches_what_its_policy_allows_and_no
         (got[1].host.as_str(), got[1].verdict, got[1].rule.as_str()),
         ("other.test", NetVerdict::Denied, "default")
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_docker_sandbox_behind_the_proxy_reaches_what_its_policy_allows_and_nothing_else() {
+    let docker = DockerExecutor::connect(DockerConfig {
+        image: std::env::var("TANDEM_DOCKER_IMAGE")
+            .unwrap_or_else(|_| "tandem-sandbox:latest".to_owned()),
+        pull: false,
+        pool_size: 0,
+        ..DockerConfig::default()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("these tests need the Docker engine: {e}"));
+    probe_behind_the_proxy(&docker).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_confined_local_block_behind_the_proxy_reaches_what_its_policy_allows_and_nothing_else() {
+    let local =
+        tandem_executor_local::LocalExecutor::new(tandem_executor_local::LocalConfig::default());
+    probe_behind_the_proxy(&local).await;
 }

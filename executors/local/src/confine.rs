@@ -218,7 +218,7 @@ pub(crate) fn policy(
         write: write.to_vec(),
     };
     // Made once here so that a session that cannot be confined fails at its start.
-    drop(ruleset(paths.abi, &paths.read, &paths.write, tcp)?);
+    drop(ruleset(paths.abi, &paths.read, &paths.write, tcp, None)?);
     Ok(Policy {
         paths: Arc::new(paths),
         pid_namespace: match (support.pid_namespaces(), required) {
@@ -244,12 +244,15 @@ impl Policy {
     /// A fresh Landlock ruleset for one block. Each block gets its own because its waiter adds
     /// a rule for the block's own `/proc` (a new procfs each time): on a ruleset shared by the
     /// session, those rules would pile up, one per block, in every later domain.
-    pub(crate) fn ruleset(&self) -> std::io::Result<OwnedFd> {
+    pub(crate) fn ruleset(&self, egress: bool) -> std::io::Result<OwnedFd> {
         ruleset(
             self.paths.abi,
             &self.paths.read,
             &self.paths.write,
             self.tcp,
+            // Behind the proxy the block is in a network namespace of its own whose only
+            // listener is the relay: connecting to its port reaches nothing else.
+            egress.then_some(tandem_executor::EGRESS_PORT),
         )
     }
 }
@@ -285,7 +288,13 @@ struct PathBeneath {
 /// A Landlock ruleset that allows `read` read-only and `write` read-write and nothing else
 /// on files; with `tcp`, no TCP bind or connect; from ABI 6, signals and abstract unix
 /// sockets scoped to the domain. Paths that do not exist are skipped.
-fn ruleset(abi: i64, read: &[PathBuf], write: &[PathBuf], tcp: bool) -> std::io::Result<OwnedFd> {
+fn ruleset(
+    abi: i64,
+    read: &[PathBuf],
+    write: &[PathBuf],
+    tcp: bool,
+    connect: Option<u16>,
+) -> std::io::Result<OwnedFd> {
     use std::os::fd::{AsRawFd, FromRawFd};
     let fs = fs_rights(abi);
     let attr = RulesetAttr {
@@ -352,7 +361,37 @@ fn ruleset(abi: i64, read: &[PathBuf], write: &[PathBuf], tcp: bool) -> std::io:
             }
         }
     }
+    if let Some(port) = connect.filter(|_| tcp) {
+        let rule = NetPort {
+            allowed: 1 << 1, // LANDLOCK_ACCESS_NET_CONNECT_TCP
+            port: u64::from(port),
+        };
+        // SAFETY: `rule` outlives the call; 2 is LANDLOCK_RULE_NET_PORT.
+        #[allow(unsafe_code)]
+        let added = unsafe {
+            nix::libc::syscall(
+                nix::libc::SYS_landlock_add_rule,
+                ruleset.as_raw_fd(),
+                2u32,
+                &raw const rule,
+                0u32,
+            )
+        };
+        if added < 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(std::io::Error::new(
+                e.kind(),
+                format!("a Landlock rule for TCP port {port}: {e}"),
+            ));
+        }
+    }
     Ok(ruleset)
+}
+
+#[repr(C)]
+struct NetPort {
+    allowed: u64,
+    port: u64,
 }
 
 /// Calls a block never needs and an escape would: debugging and reading other processes,

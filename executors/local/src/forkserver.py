@@ -250,6 +250,110 @@ def isolate_network():
     return True
 
 
+# tandem_executor::EGRESS_PORT: where a block behind the egress proxy finds it.
+EGRESS_PORT = 3128
+
+
+def lo_up():
+    """Brings up the loopback of this (new) network namespace."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        got = fcntl.ioctl(s, 0x8913, struct.pack("16sH14s", b"lo", 0, b"\0" * 14))  # SIOCGIFFLAGS
+        flags = struct.unpack("16sH", got[:18])[1]
+        fcntl.ioctl(s, 0x8914, struct.pack("16sH14s", b"lo", flags | 1, b"\0" * 14))  # SIOCSIFFLAGS, IFF_UP
+    finally:
+        s.close()
+
+
+def relay_loop(listener, path):
+    """Carries each connection to the block's loopback port on to the proxy's socket."""
+    slots = [64]
+    lock = _thread.allocate_lock()
+
+    def pipe(a, b):
+        try:
+            while True:
+                data = a.recv(1 << 18)
+                if not data:
+                    break
+                b.sendall(data, socket.MSG_NOSIGNAL)
+        except OSError:
+            pass
+        try:
+            b.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def serve(client):
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        done = _thread.allocate_lock()
+        done.acquire()
+
+        def back():
+            pipe(upstream, client)
+            done.release()
+
+        try:
+            upstream.connect(path)
+            _thread.start_new_thread(back, ())
+            pipe(client, upstream)
+            done.acquire()
+        except (OSError, RuntimeError):
+            pass
+        finally:
+            client.close()
+            upstream.close()
+            with lock:
+                slots[0] += 1
+
+    while True:
+        try:
+            client, _ = listener.accept()
+        except OSError:
+            continue
+        with lock:
+            free = slots[0] > 0
+            if free:
+                slots[0] -= 1
+        if not free:
+            client.close()
+            continue
+        try:
+            _thread.start_new_thread(serve, (client,))
+        except RuntimeError:
+            client.close()
+            with lock:
+                slots[0] += 1
+
+
+def start_relay(path, keep_from):
+    """Gives the block a network namespace of its own whose one listener, on its loopback,
+    relays to the egress proxy's socket: the block's only way out. Returns the relay's pid;
+    the relay dies with this waiter."""
+    if _prctl is None:
+        raise Refused("this Python has no ctypes")
+    check(_libc.unshare(CLONE_NEWNET), "a network namespace for the block")
+    lo_up()
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", EGRESS_PORT))
+    listener.listen(128)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+            # The block's pipes end only when every holder is gone: the relay holds none.
+            for fd in keep_from:
+                if fd is not None:
+                    os.close(fd)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            relay_loop(listener, path)
+        finally:
+            os._exit(0)
+    listener.close()
+    return pid
+
+
 # With the network off, the server itself leaves the network once: every block it forks is
 # then in a namespace with no interfaces, at no cost per block.
 ISOLATED = "--no-network" in sys.argv[1:] and isolate_network()
@@ -407,10 +511,20 @@ def scope_away_from_waiter():
 
 def waiter(req, out, err, status, rules=None):
     """Start the block, wait for it, clean up after it, report its raw wait status."""
+    relay = None
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         if _prctl is not None:
             _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        if req.get("egress"):
+            # Before the rlimits, which are the block's, not the relay's.
+            try:
+                relay = start_relay(req["egress"], (out, err, status, rules))
+            except (Refused, OSError) as e:
+                report_pid(status, os.getpid())
+                os.write(err, ("tandem: cannot give the block its way out through the egress proxy: %s\n" % e).encode())
+                os.write(status, b"%d\n" % (127 << 8))
+                return
         for name, limit in req["rlimits"]:
             resource.setrlimit(getattr(resource, name), (limit, limit))
         if req.get("confine"):
@@ -433,6 +547,11 @@ def waiter(req, out, err, status, rules=None):
         os.close(out)
         os.close(err)
         _, wstatus = os.waitpid(pid, 0)
+        # The relay is this waiter's child, unless this is the init of the block's PID
+        # namespace (the waiter outside, its parent, takes it along when it exits).
+        if relay is not None and not IN_PID_NAMESPACE:
+            os.kill(relay, signal.SIGKILL)
+            os.waitpid(relay, 0)
         # In its own PID namespace the block's leftovers die with this init, which exits
         # next; outside one, this waiter, their subreaper, kills them.
         if not IN_PID_NAMESPACE:

@@ -265,6 +265,14 @@ impl Executor for LocalExecutor {
             .is_some()
     }
 
+    fn carries_egress(&self) -> bool {
+        // The relay needs a network namespace per block, which a confined fork server's user
+        // namespace gives; unconfined, or with the network on, a block could go around it.
+        unconfined_because(&self.inner.config).is_none()
+            && !self.inner.config.network
+            && self.inner.config.python_fork_server
+    }
+
     fn network(&self) -> bool {
         // Only confinement takes the network away.
         self.inner.config.network || unconfined_because(&self.inner.config).is_some()
@@ -301,6 +309,8 @@ struct LocalSession {
     blocks: u32,
     /// What confines its blocks; `None` when they run unconfined.
     policy: Option<confine::Policy>,
+    /// The egress proxy's socket, the blocks' one way out, when the session is behind it.
+    egress: Option<PathBuf>,
 }
 
 impl LocalSession {
@@ -329,6 +339,7 @@ impl LocalSession {
             limits: spec.limits,
             blocks: 0,
             policy,
+            egress: spec.egress.map(|e| e.socket),
         })
     }
 }

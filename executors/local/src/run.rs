@@ -14,9 +14,9 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::net::unix::pipe;
 use tokio::process::{Child, Command};
 
+use crate::LocalSession;
 use crate::forkserver::{ForkServer, decode_wait_status};
 use crate::kill::{MARKER_VAR, TreeKiller};
-use crate::{LocalSession, confine};
 
 /// How long a forked block may take to report that it started.
 const FORK_START_LIMIT: Duration = Duration::from_secs(10);
@@ -94,6 +94,9 @@ async fn supervise(
     let timeout = req.timeout.unwrap_or(limits.wall);
     let interpreters = session.inner.interpreters();
     let mut env: Vec<(String, String)> = session.inner.env.clone();
+    if session.egress.is_some() {
+        env.extend(tandem_executor::egress_env());
+    }
     env.extend([
         ("PATH".to_owned(), interpreters.path_env.clone()),
         ("HOME".to_owned(), session.workspace.display().to_string()),
@@ -151,9 +154,11 @@ async fn supervise(
                     .collect(),
                 confine,
                 tools: channel.is_some(),
+                egress: session.egress.as_deref(),
             };
+            let behind = session.egress.is_some();
             let ruleset = confine
-                .map(confine::Policy::ruleset)
+                .map(|c| c.ruleset(behind))
                 .transpose()
                 .map_err(|e| ExecError::io("making the block's Landlock ruleset", e))?;
             fork(
@@ -164,9 +169,9 @@ async fn supervise(
             )
             .await?
         }
-        // Confinement is the fork server's: a session that has a policy and no fork server
-        // runs nothing rather than run unconfined.
-        None if session.policy.is_some() => {
+        // Confinement is the fork server's: a session that has a policy (or a way out only
+        // through the proxy) and no fork server runs nothing rather than run unconfined.
+        None if session.policy.is_some() || session.egress.is_some() => {
             return Err(ExecError::Unavailable {
                 what: "confinement of local blocks".to_owned(),
                 hint: "the Python fork server that applies it did not start (see the log); set [executors.local] confine = \"off\" to run unconfined".to_owned(),
@@ -277,6 +282,10 @@ struct ForkRequest<'a> {
     confine: Option<&'a crate::confine::Policy>,
     /// Whether the block's tools channel comes as the last descriptor.
     tools: bool,
+    /// The egress proxy's socket: the waiter gives the block a network namespace of its own
+    /// whose loopback port is relayed there, and nothing else.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    egress: Option<&'a Path>,
 }
 
 /// Starts a block as a fork of the warm Python (which execs `argv` for other languages).
