@@ -184,4 +184,58 @@ async fn a_daemon_gives_a_client_only_what_its_operator_allows() {
     );
     let printed = daemon.block_stdouts(&id).await.join("");
     assert!(printed.contains("seen: GET /hello"), "{printed}");
+
+    // A session without a task: the same bound, and each connection streamed as a line.
+    let (status, body) = daemon
+        .send(
+            reqwest::Method::POST,
+            "/v1/exec",
+            Some(json!({"language": "python", "code": "print(1)", "network": {"allow": ["evil.test"]}}).to_string()),
+        )
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.to_string().contains("evil.test"), "{body}");
+    let (status, session) = daemon
+        .send(
+            reqwest::Method::POST,
+            "/v1/sessions",
+            Some(json!({"network": {"allow": ["files.test"]}}).to_string()),
+        )
+        .await;
+    assert_eq!(status, 201, "{session}");
+    let sid = session["id"].as_str().unwrap();
+    let streamed = daemon
+        .http()
+        .post(format!("http://tandem/v1/sessions/{sid}/exec"))
+        .header("accept", "application/x-ndjson")
+        .json(&json!({"language": "python", "code": FETCH}))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let lines: Vec<Value> = streamed
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let nets: Vec<&Value> = lines.iter().filter(|l| l["type"] == "net").collect();
+    assert_eq!(nets.len(), 2, "{streamed}");
+    assert_eq!(
+        (&nets[0]["verdict"], &nets[0]["host"]),
+        (&json!("allowed"), &json!("files.test"))
+    );
+    assert_eq!(
+        (&nets[1]["verdict"], &nets[1]["host"]),
+        (&json!("denied"), &json!("other.test"))
+    );
+    let last = lines.last().unwrap();
+    assert_eq!(last["type"], "result", "{streamed}");
+    assert!(
+        last["result"]["stdout"]
+            .as_str()
+            .unwrap()
+            .contains("seen: GET /hello"),
+        "{streamed}"
+    );
 }

@@ -49,3 +49,34 @@ pub struct NetworkRequest {
     #[serde(default)]
     pub allow: Vec<String>,
 }
+
+impl NetEvent {
+    /// The connection on one line, as the transcript and MCP's text show it: what was
+    /// reached, or what refused it and the rule to change.
+    pub fn line(&self) -> String {
+        let host = if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        };
+        match self.verdict {
+            NetVerdict::Allowed => format!(
+                "net: {host} allowed by {}{}, {} B out, {} B in, {} ms",
+                self.rule,
+                if self.brokered {
+                    ", credential added"
+                } else {
+                    ""
+                },
+                self.bytes_out,
+                self.bytes_in,
+                self.ms
+            ),
+            NetVerdict::Denied => format!(
+                "net: {host} denied (rule {}): {}",
+                self.rule,
+                self.reason.as_deref().unwrap_or("refused")
+            ),
+        }
+    }
+}

@@ -29,6 +29,10 @@ pub struct SessionSpec {
     /// follows the block's run as a stream.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tools: Vec<ClientTool>,
+    /// The hosts its blocks may reach through Tandem's egress proxy, within what the
+    /// daemon allows; with none, the daemon's `[network]`, or no network at all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<crate::net::NetworkRequest>,
 }
 
 /// A tool a session's code calls and its client answers.
@@ -87,6 +91,9 @@ pub struct ExecSpec {
     /// `/v1/exec` only: the id of an upload placed in the workspace first.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub files: Option<String>,
+    /// `/v1/exec` only: the hosts the block may reach, as a session's `network`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<crate::net::NetworkRequest>,
 }
 
 /// What a block's run streams, one JSON object per line (`application/x-ndjson`).
@@ -110,6 +117,8 @@ pub enum ExecEvent {
         /// Its arguments, as the code passed them.
         arguments: serde_json::Value,
     },
+    /// A connection through the egress proxy, once it is over.
+    Net(crate::net::NetEvent),
     /// How the block ended; the last line.
     Result {
         /// The block's result, as a task's `exec_result` carries it.

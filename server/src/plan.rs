@@ -396,6 +396,45 @@ impl Planner {
         })
     }
 
+    /// The proxy and policy a sandbox without a task is held to: its `network` within what
+    /// the operator allows, else `[network]`; `None` is no network.
+    pub fn block_network(
+        &self,
+        asked: Option<&tandem_protocol::net::NetworkRequest>,
+        executor: &dyn Executor,
+    ) -> Result<Option<(tandem_egress::Egress, tandem_egress::Policy)>, Refusal> {
+        let policy = match self
+            .config
+            .network
+            .rules
+            .for_task(asked.map(|n| n.allow.as_slice()))
+        {
+            Ok(Some(policy)) => policy,
+            Ok(None) => return Ok(None),
+            Err(tandem_egress::NotGiven::Entry(e)) => return Err(Refusal::invalid(e.to_string())),
+            Err(tandem_egress::NotGiven::Outside(why)) => {
+                return Err(Refusal::of_task(&TaskError::NotAllowed(Refused(why))));
+            }
+        };
+        let unavailable = |why: &str| {
+            Refusal::of_task(&TaskError::from(crate::error::Unavailable::Executor {
+                name: executor.name().to_owned(),
+                problem: why.to_owned(),
+            }))
+        };
+        let Some(egress) = self.config.network.egress.clone() else {
+            return Err(unavailable(
+                "the egress proxy is not running, and a sandbox with a network policy goes only through it",
+            ));
+        };
+        if !executor.carries_egress() {
+            return Err(unavailable(
+                "its sandboxes cannot be put behind Tandem's egress proxy, which a network policy needs; use the docker executor (an engine on this machine) or the confined local executor, or leave network out",
+            ));
+        }
+        Ok(Some((egress, policy)))
+    }
+
     /// The policy `spec`'s sandboxes are held to: its own `network` within what the operator
     /// allows, else `[network]`; `None` is no network.
     fn check_network(

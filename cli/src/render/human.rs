@@ -460,7 +460,7 @@ impl Transcript for Human {
                 self.streamed = true;
                 self.text(out, text)
             }
-            EventMsg::Net(net) => self.rule(out, &net_line(net)),
+            EventMsg::Net(net) => self.rule(out, &net.line()),
             EventMsg::SandboxLost { host, reason, .. } => self.rule(
                 out,
                 &format!(
@@ -630,35 +630,5 @@ fn stop_label(reason: StopReason) -> &'static str {
         StopReason::Cancelled => "cancelled",
         StopReason::Error => "failed",
         StopReason::Repeated => "stopped: the same code sent again",
-    }
-}
-
-/// One connection through the egress proxy, on one line: what was reached, or what refused
-/// it and the rule to change.
-fn net_line(net: &tandem_protocol::net::NetEvent) -> String {
-    use tandem_protocol::net::NetVerdict;
-    let host = if net.host.contains(':') {
-        format!("[{}]:{}", net.host, net.port)
-    } else {
-        format!("{}:{}", net.host, net.port)
-    };
-    match net.verdict {
-        NetVerdict::Allowed => format!(
-            "net: {host} allowed by {}{}, {} B out, {} B in, {} ms",
-            net.rule,
-            if net.brokered {
-                ", credential added"
-            } else {
-                ""
-            },
-            net.bytes_out,
-            net.bytes_in,
-            net.ms
-        ),
-        NetVerdict::Denied => format!(
-            "net: {host} denied (rule {}): {}",
-            net.rule,
-            net.reason.as_deref().unwrap_or("refused")
-        ),
     }
 }

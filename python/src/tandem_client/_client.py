@@ -263,8 +263,11 @@ def _session_spec(
     files: str | None,
     limits: Mapping[str, int] | None,
     idle_timeout: int | None,
+    network: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     spec: dict[str, Any] = {"keep_state": keep_state}
+    if network is not None:
+        spec["network"] = dict(network)
     if executor:
         spec["executor"] = executor
     if files:
@@ -509,11 +512,14 @@ class Client(_Base):
         files: str | None = None,
         limits: Mapping[str, int] | None = None,
         idle_timeout: int | None = None,
+        network: Mapping[str, Any] | None = None,
     ) -> Session:
         """Opens a sandbox that lives until closed: blocks share its workspace, and with
         `keep_state` one Python interpreter. `tools`' functions are callable from its code
-        (`tandem_tools.call(name, **args)`), run here in this process."""
-        spec = _session_spec(executor, keep_state, tools, files, limits, idle_timeout)
+        (`tandem_tools.call(name, **args)`), run here in this process. `network`
+        (`{"allow": ["pypi.test"]}`) lets its code reach those hosts through the daemon's
+        egress proxy (docs/network.md)."""
+        spec = _session_spec(executor, keep_state, tools, files, limits, idle_timeout, network)
         info = self._call("POST", "/v1/sessions", json=spec)
         return Session(self, info, dict(tools or {}))
 
@@ -787,10 +793,11 @@ class AsyncClient(_Base):
         files: str | None = None,
         limits: Mapping[str, int] | None = None,
         idle_timeout: int | None = None,
+        network: Mapping[str, Any] | None = None,
     ) -> AsyncSession:
         """Opens a sandbox that lives until closed (see `Client.session`); a tool may be a
         coroutine function."""
-        spec = _session_spec(executor, keep_state, tools, files, limits, idle_timeout)
+        spec = _session_spec(executor, keep_state, tools, files, limits, idle_timeout, network)
         info = await self._call("POST", "/v1/sessions", json=spec)
         return AsyncSession(self, info, dict(tools or {}))
 

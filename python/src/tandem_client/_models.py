@@ -18,12 +18,6 @@ class TaskSpecTeam(_TaskSpecTeamRequired, total=False):
     agents: dict[str, dict[str, Any]]
 
 
-class TaskSpecNetwork(TypedDict, total=False):
-    """the hosts the task's sandboxes may reach through the egress proxy (docs/network.md)"""
-
-    allow: list[str]
-
-
 class TaskSpecCheck(TypedDict, total=False):
     """decides whether the task was solved, run in its sandbox after it ends (docs/eval.md)"""
 
@@ -96,7 +90,7 @@ class TaskSpec(_TaskSpecRequired, total=False):
     files: str  # the id of an upload whose files are placed in the workspace
     keep_state: bool  # Python blocks share one interpreter (local and docker)
     placement: dict[str, str]  # labels the Docker host of the sandbox must carry (docs/docker-hosts.md)
-    network: TaskSpecNetwork  # the hosts the task's sandboxes may reach through the egress proxy (docs/network.md)
+    network: NetworkRequest
     code_via: Literal['blocks', 'tool', 'auto']  # how the model's code reaches the executor (docs/tools.md)
     candidates: int  # replies to choose among when one first fails the examples, the model's own with them (docs/eval.md)
     check: TaskSpecCheck  # decides whether the task was solved, run in its sandbox after it ends (docs/eval.md)
@@ -113,6 +107,13 @@ class SessionSpec(TypedDict, total=False):
     limits: Limits
     idle_timeout_secs: int
     tools: list[ClientTool]
+    network: NetworkRequest
+
+
+class NetworkRequest(TypedDict, total=False):
+    """the hosts the sandboxes may reach through the egress proxy (docs/network.md)"""
+
+    allow: list[str]
 
 
 class _ClientToolRequired(TypedDict):
@@ -156,6 +157,7 @@ class ExecSpec(_ExecSpecRequired, total=False):
     timeout_secs: float
     executor: str  # /v1/exec only
     files: str  # /v1/exec only: an upload's id
+    network: NetworkRequest
 
 
 class _BlockResultRequired(TypedDict):
@@ -181,7 +183,7 @@ class ExecEventError(TypedDict):
 
 
 class _ExecEventRequired(TypedDict):
-    type: Literal['output', 'tool_call', 'result', 'error']
+    type: Literal['output', 'tool_call', 'net', 'result', 'error']
 
 
 class ExecEvent(_ExecEventRequired, total=False):
@@ -306,12 +308,13 @@ FIELDS: dict[str, frozenset[str]] = {
     'BlockResult': frozenset(['duration_ms', 'exit_code', 'language', 'status', 'stderr', 'stdout', 'truncated']),
     'ClientTool': frozenset(['description', 'name']),
     'ExecEvent': frozenset(['arguments', 'call', 'error', 'name', 'result', 'stream', 'text', 'type']),
-    'ExecSpec': frozenset(['code', 'executor', 'files', 'language', 'timeout_secs']),
+    'ExecSpec': frozenset(['code', 'executor', 'files', 'language', 'network', 'timeout_secs']),
     'FileInfo': frozenset(['bytes', 'given', 'modified_ms', 'path']),
     'Limits': frozenset(['cpu_secs', 'file_size_bytes', 'memory_bytes', 'output_bytes']),
+    'NetworkRequest': frozenset(['allow']),
     'SessionFiles': frozenset(['files', 'session']),
     'SessionInfo': frozenset(['blocks', 'busy', 'created_ms', 'executor', 'id', 'idle_timeout_secs', 'keep_state', 'tools']),
-    'SessionSpec': frozenset(['executor', 'files', 'idle_timeout_secs', 'keep_state', 'limits', 'tools']),
+    'SessionSpec': frozenset(['executor', 'files', 'idle_timeout_secs', 'keep_state', 'limits', 'network', 'tools']),
     'Task': frozenset(['answer', 'answer_from', 'budget', 'check', 'cost', 'created_ms', 'error', 'files_removed_ms', 'finished_ms', 'id', 'no_answer', 'result', 'spec', 'started_ms', 'state', 'stop_reason', 'trace_id', 'turns', 'usage']),
     'TaskSpec': frozenset(['approval', 'base_url', 'block_timeout_secs', 'candidates', 'check', 'code_via', 'executor', 'files', 'keep_state', 'languages', 'limits', 'max_cost', 'max_input_tokens', 'max_output_tokens', 'max_turns', 'model', 'network', 'output_schema', 'placement', 'system_prompt', 'task', 'team', 'termination', 'timeout_secs', 'tools', 'traceparent']),
     'ToolAnswer': frozenset(['error', 'result']),

@@ -205,7 +205,7 @@ async fn answer(
                     error.message,
                 ));
             }
-            ExecEvent::Output { .. } | ExecEvent::ToolCall { .. } => {}
+            ExecEvent::Output { .. } | ExecEvent::ToolCall { .. } | ExecEvent::Net(_) => {}
         }
     }
     Err(ApiError::new(

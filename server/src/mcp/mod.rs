@@ -79,6 +79,17 @@ struct ExecuteCodeArgs {
     timeout_secs: Option<f64>,
     /// Files to place in the workspace before the code runs
     files: Option<Vec<FileArg>>,
+    /// Hosts the code may reach through Tandem's egress proxy (`{"allow": ["pypi.test"]}`),
+    /// within what the operator allows; for a session, set by its first call
+    network: Option<NetworkArg>,
+}
+
+/// The hosts a call's code may reach through the egress proxy.
+#[derive(Debug, serde::Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct NetworkArg {
+    /// Entries as `[network] allow` takes them: `host`, `*.domain`, `host:port`, `CIDR[:port]`
+    allow: Vec<String>,
 }
 
 /// A file given to a call: where it goes and what it holds.

@@ -102,6 +102,7 @@ impl TandemMcp {
             executor,
             timeout_secs,
             files,
+            network,
         } = args;
         let pool = &self.sessions.pool;
         let (_, sandbox) = self
@@ -127,6 +128,7 @@ impl TandemMcp {
         };
         let ask = OpenAsk {
             executor,
+            network: network.map(|n| tandem_protocol::net::NetworkRequest { allow: n.allow }),
             ..OpenAsk::default()
         };
         let opened = match &session_id {
@@ -151,15 +153,33 @@ impl TandemMcp {
             let caps = self.supervisor.files().upload_caps();
             let given = given.as_ref().map(|f| (f.path(), caps));
             let ctx = ExecContext::new(context.ct.clone());
-            Ok::<_, Failed>(run_with_files(session.as_mut(), given, request, ctx).await?)
+            let (net_tx, net_rx) = tokio::sync::mpsc::unbounded_channel();
+            if let Some(route) = opened.net_route() {
+                route.route_to(Some(net_tx));
+            }
+            let ran = run_with_files(session.as_mut(), given, request, ctx).await;
+            if let Some(route) = opened.net_route() {
+                route.route_to(None);
+            }
+            Ok::<_, Failed>((ran?, net_rx))
         }
         .await;
         if session_id.is_none() {
             opened.close().await;
         }
-        let (outcome, pictures) = ran?;
+        let ((outcome, pictures), mut net_rx) = ran?;
         let mut result = outcome_result(&outcome, session_id.as_deref());
         result.content.extend(pictures);
+        // Each connection the block made through the egress proxy, one line each.
+        let mut nets = Vec::new();
+        while let Ok(event) = net_rx.try_recv() {
+            if let tandem_protocol::session::ExecEvent::Net(net) = event {
+                nets.push(net.line());
+            }
+        }
+        if !nets.is_empty() {
+            result.content.push(ContentBlock::text(nets.join("\n")));
+        }
         Ok(result)
     }
 }

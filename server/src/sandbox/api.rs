@@ -26,6 +26,7 @@ impl Pool {
             idle_timeout_secs: spec.idle_timeout_secs,
             limits: spec.limits,
             files,
+            network: spec.network,
         };
         Ok(self.open(Owner::Api, None, ask).await?.info())
     }
@@ -38,9 +39,9 @@ impl Pool {
         spec: ExecSpec,
         streamed: bool,
     ) -> Result<mpsc::UnboundedReceiver<ExecEvent>, Refusal> {
-        if spec.executor.is_some() || spec.files.is_some() {
+        if spec.executor.is_some() || spec.files.is_some() || spec.network.is_some() {
             return Err(Refusal::invalid(
-                "`executor` and `files` are for POST /v1/exec; a session's executor and files were set when it was opened (POST /v1/sessions/ID/files adds files)",
+                "`executor`, `files` and `network` are for POST /v1/exec; a session's were set when it was opened (POST /v1/sessions/ID/files adds files)",
             ));
         }
         let opened = self.get(Owner::Api, id)?;
@@ -92,6 +93,7 @@ impl Pool {
         let ask = OpenAsk {
             executor: spec.executor,
             files,
+            network: spec.network,
             ..OpenAsk::default()
         };
         let opened = self.open_for_one(ask, "exec").await?;
@@ -159,6 +161,10 @@ impl Pool {
             ctx = ctx.with_tools(handler(opened, tx.clone(), streamed));
         }
         let language = request.language.clone();
+        let net = opened.net_route();
+        if let Some(route) = net {
+            route.route_to(Some(tx.clone()));
+        }
         let run = session.run(request, ctx);
         tokio::pin!(run);
         // A client that stops reading cancels its block: nobody would see its result.
@@ -166,6 +172,9 @@ impl Pool {
             outcome = &mut run => outcome,
             () = tx.closed() => { cancel.cancel(); run.await }
         };
+        if let Some(route) = net {
+            route.route_to(None);
+        }
         match outcome {
             Ok(outcome) => Ok(tandem_agent::blocks::to_result(&language, outcome)),
             Err(e) => Err(broken(format!(

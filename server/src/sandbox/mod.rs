@@ -93,6 +93,8 @@ pub struct OpenAsk {
     pub limits: tandem_protocol::TaskLimits,
     /// A tar archive of files placed in its workspace first.
     pub files: Option<PathBuf>,
+    /// The hosts its blocks may reach through the egress proxy.
+    pub network: Option<tandem_protocol::net::NetworkRequest>,
 }
 
 /// Every sandbox open without a task, by owner and id.
@@ -352,6 +354,19 @@ impl Pool {
         }
         let limits = crate::policy::task_limits(&self.supervisor.defaults().limits, &ask.limits)
             .map_err(Refusal::invalid)?;
+        let (sandbox, net) = match planner.block_network(ask.network.as_ref(), &*sandbox)? {
+            Some((egress, policy)) => {
+                let route = Arc::new(opened::NetRoute::default());
+                let behind: Arc<dyn Executor> = Arc::new(tandem_egress::Behind::new(
+                    sandbox,
+                    egress,
+                    Arc::new(policy),
+                    route.clone(),
+                ));
+                (behind, Some(route))
+            }
+            None => (sandbox, None),
+        };
         let session = start(&sandbox, limits, ask.files, ask.keep_state, road).await?;
         Ok(Opened::new(
             opened::Made {
@@ -362,6 +377,7 @@ impl Pool {
                 keep_state: ask.keep_state,
                 tools,
                 idle,
+                net,
             },
             session,
         ))

@@ -22,6 +22,37 @@ pub(super) struct Made {
     pub keep_state: bool,
     pub tools: Vec<String>,
     pub idle: Duration,
+    /// Where its blocks' connections through the egress proxy are told, when it is behind it.
+    pub net: Option<Arc<NetRoute>>,
+}
+
+/// The running block's event stream, which the egress proxy's records of the sandbox join;
+/// between blocks there is no one to tell.
+#[derive(Default)]
+pub(crate) struct NetRoute(
+    Mutex<Option<tokio::sync::mpsc::UnboundedSender<tandem_protocol::session::ExecEvent>>>,
+);
+
+impl NetRoute {
+    /// Sends what the proxy records to `to` (`None`: nowhere) until told otherwise.
+    pub(crate) fn route_to(
+        &self,
+        to: Option<tokio::sync::mpsc::UnboundedSender<tandem_protocol::session::ExecEvent>>,
+    ) {
+        if let Ok(mut slot) = self.0.lock() {
+            *slot = to;
+        }
+    }
+}
+
+impl tandem_egress::NetSink for NetRoute {
+    fn record(&self, event: tandem_protocol::net::NetEvent) {
+        if let Ok(slot) = self.0.lock()
+            && let Some(tx) = slot.as_ref()
+        {
+            let _ = tx.send(tandem_protocol::session::ExecEvent::Net(event));
+        }
+    }
 }
 
 /// A tool call's answer, sent to the block that waits for it.
@@ -83,6 +114,11 @@ impl Opened {
     /// The tools its code may call.
     pub fn tools(&self) -> &[String] {
         &self.made.tools
+    }
+
+    /// Where the egress proxy's records of its blocks go, when it is behind the proxy.
+    pub(crate) fn net_route(&self) -> Option<&NetRoute> {
+        self.made.net.as_deref()
     }
 
     /// Who holds it.
