@@ -357,10 +357,37 @@ async fn doctor(
         file.model.code_via.unwrap_or_default().as_str()
     );
     println!("tools:     {}", tools_report(file).await);
+    println!("network:   {}", network_report(file));
     for line in executors::report(&settings, precompile).await? {
         println!("{line}");
     }
     Ok(exit::DONE)
+}
+
+/// What a sandbox may reach: `[network]` through the egress proxy, and where it applies.
+fn network_report(file: &config::FileConfig) -> String {
+    let Some(section) = &file.network else {
+        return "none: sandboxes have no network (`--allow-host HOST` or [network] allow in tandem.toml puts a task's behind Tandem's egress proxy, docs/network.md)".to_owned();
+    };
+    match tandem_egress::Policy::parse(&section.allow, &section.deny) {
+        Err(e) => format!("error in [network]: {e}"),
+        Ok(policy) => {
+            let allowed = policy.allowed_hosts();
+            format!(
+                "{} through Tandem's egress proxy, for sandboxes on docker (an engine on this machine) and local (confined); other executors refuse a task with a network{}",
+                if allowed.is_empty() {
+                    "nothing allowed unless a task asks (--allow-host)".to_owned()
+                } else {
+                    format!("[network] allows {}", allowed.join(", "))
+                },
+                if section.deny.is_empty() {
+                    String::new()
+                } else {
+                    format!("; deny: {}", section.deny.join(", "))
+                }
+            )
+        }
+    }
 }
 
 /// The configured tools, each with what runs it; MCP servers are started and list theirs.

@@ -112,6 +112,14 @@ async fn run_in_process_reaches_an_allowed_host_from_docker_and_local_and_record
         );
     }
 
+    // doctor says what applies.
+    let doctor = tandem(&["doctor", "--config", config.to_str().unwrap()], &[], None).await;
+    assert!(
+        doctor.stdout.contains("network:   nothing allowed unless a task asks (--allow-host) through Tandem's egress proxy"),
+        "{}",
+        doctor.stdout
+    );
+
     // A bad entry is refused before anything runs, naming it.
     let out = tandem(
         &["run", "--base-url", &url, "--allow-host", "*.", task],

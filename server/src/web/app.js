@@ -456,6 +456,8 @@
             body.placement[k.trim()] = v.join('=').trim();
           }
         }
+        const hosts = $('allow-hosts').value.split(',').map((h) => h.trim()).filter(Boolean);
+        if (hosts.length) body.network = { allow: hosts };
         const file = $('team-file').files[0];
         if (file) {
           const parsed = await api('POST', '/v1/teams/parse', await file.text()).catch((err) => {
@@ -977,6 +979,18 @@
         if (t.text) t.text.parentNode.remove();
         t.text = null;
         t.body.append(note(`model call failed (${ev.reason}); retry ${ev.attempt} in ${duration(ev.delay_ms || 0)}`, 'retry'));
+      },
+      net(ev) {
+        // A connection has no turn of its own: it is told under the latest one.
+        const last = [...turns.values()].pop();
+        const where = last ? last.body : null;
+        const host = ev.host.includes(':') ? `[${ev.host}]:${ev.port}` : `${ev.host}:${ev.port}`;
+        const text = ev.verdict === 'allowed'
+          ? `net: ${host} allowed by ${ev.rule}, ${ev.bytes_out || 0} B out, ${ev.bytes_in || 0} B in, ${ev.ms || 0} ms`
+          : `net: ${host} denied (rule ${ev.rule}): ${ev.reason || 'refused'}`;
+        const line = note(text, ev.verdict === 'allowed' ? 'net' : 'net denied');
+        if (where) where.append(line);
+        else top(line);
       },
       sandbox_lost(ev) {
         // The block runs again on another host: what it printed so far is void.
