@@ -822,6 +822,39 @@ pub fn with_examples(report: String, note: &str) -> String {
     report
 }
 
+/// The distribution to install for the first module a block could not import, when one
+/// could not: `import yaml` wants `pyyaml`.
+pub fn missing_module(runs: &[BlockRun]) -> Option<String> {
+    const MARK: &str = "ModuleNotFoundError: No module named '";
+    let stderr = runs.iter().find_map(|r| {
+        let at = r.result.stderr.rfind(MARK)?;
+        Some(&r.result.stderr[at + MARK.len()..])
+    })?;
+    let module = stderr.split('\'').next()?.split('.').next()?;
+    if module.is_empty()
+        || !module
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_')
+    {
+        return None;
+    }
+    let known = [
+        ("yaml", "pyyaml"),
+        ("cv2", "opencv-python-headless"),
+        ("sklearn", "scikit-learn"),
+        ("PIL", "pillow"),
+        ("bs4", "beautifulsoup4"),
+        ("dateutil", "python-dateutil"),
+    ];
+    Some(
+        known
+            .iter()
+            .find(|(m, _)| *m == module)
+            .map_or(module, |(_, d)| d)
+            .to_owned(),
+    )
+}
+
 /// What the executor agent tells the model after running a reply's blocks, in AutoGen's
 /// `exitcode: N (execution succeeded|failed)\nYour code printed: ...` shape plus notes; `no_code`
 /// when none of them was a program.

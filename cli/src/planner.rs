@@ -88,10 +88,19 @@ fn network(settings: &Settings, own: &bool) -> Result<tandem_daemon::NetworkConf
         })
         .transpose()
         .context("in [policy] network_allow of tandem.toml")?;
+    let packages = match file.network.as_ref().and_then(|n| n.packages.as_ref()) {
+        Some(section) => packages(section, file.network.as_ref())?,
+        None => None,
+    };
+    let broker = match &file.network {
+        Some(section) if !section.secrets.is_empty() => Some(broker(section)?),
+        _ => None,
+    };
     Ok(tandem_daemon::NetworkConfig {
-        egress: Some(tandem_egress::Egress::new(
+        egress: Some(tandem_egress::Egress::with(
             tandem_egress::ProxyLimits::default(),
             tandem_egress::own_addresses(),
+            tandem_egress::Extras { packages, broker },
         )),
         rules: tandem_egress::Network {
             base,
@@ -99,6 +108,97 @@ fn network(settings: &Settings, own: &bool) -> Result<tandem_daemon::NetworkConf
             own: *own,
         },
     })
+}
+
+/// The secrets `[network.secrets]` names, each value read now (a missing one is named), and
+/// the CA brokered HTTPS needs.
+fn broker(section: &crate::config::NetworkSection) -> Result<Arc<tandem_egress::Broker>> {
+    let mut secrets = Vec::new();
+    for (name, secret) in &section.secrets {
+        let value = match (&secret.value_env, &secret.value_file) {
+            (Some(var), None) => std::env::var(var).map_err(|_| {
+                anyhow::anyhow!(
+                    "in [network.secrets.{name}] of tandem.toml: value_env = {var:?}, but the daemon's environment has no {var}; set it where Tandem starts"
+                )
+            })?,
+            (None, Some(path)) => std::fs::read_to_string(path)
+                .map_err(|e| {
+                    anyhow::anyhow!(
+                        "in [network.secrets.{name}] of tandem.toml: value_file {}: {e}",
+                        path.display()
+                    )
+                })?
+                .trim_end_matches(['\n', '\r'])
+                .to_owned(),
+            _ => anyhow::bail!(
+                "in [network.secrets.{name}] of tandem.toml: give the header's value as exactly one of value_env (a variable of the daemon's environment) or value_file (a file); a value is never written in the file itself"
+            ),
+        };
+        if value.is_empty() {
+            anyhow::bail!("in [network.secrets.{name}] of tandem.toml: its value is empty");
+        }
+        secrets.push(tandem_egress::Secret::new(
+            name,
+            &secret.host,
+            &secret.header,
+            value,
+        )?);
+    }
+    let dir = match &section.ca_dir {
+        Some(dir) => dir.clone(),
+        None => crate::serve::default_state_dir().join("egress-ca"),
+    };
+    let ca = tandem_egress::Ca::load_or_make(&dir)?;
+    Ok(Arc::new(tandem_egress::Broker::new(
+        secrets,
+        ca,
+        &section.upstream_ca,
+    )?))
+}
+
+/// The package cache `[network.packages]` asks for, checked at start.
+fn packages(
+    section: &crate::config::PackagesSection,
+    network: Option<&crate::config::NetworkSection>,
+) -> Result<Option<Arc<tandem_egress::Packages>>> {
+    if let Some(npm) = &section.npm {
+        anyhow::bail!(
+            "in [network.packages] of tandem.toml: npm = {npm:?} is not carried by Tandem's package cache yet; put the registry's host in [network] allow and point npm at it with npm_config_registry in the executor's env"
+        );
+    }
+    let Some(python) = &section.python else {
+        return Ok(None);
+    };
+    let index = tandem_egress::IndexUrl::parse(python)
+        .context("in [network.packages] python of tandem.toml")?;
+    let dir = match &section.cache_dir {
+        Some(dir) => dir.clone(),
+        None => crate::config::xdg_dir("XDG_CACHE_HOME", ".cache")
+            .map(|d| d.join("packages"))
+            .unwrap_or_else(|| std::env::temp_dir().join("tandem-packages")),
+    };
+    let max_mb = section.max_cache_mb.unwrap_or(2048);
+    let resolve = network
+        .and_then(|n| {
+            n.resolve
+                .iter()
+                .find(|(name, _)| name.trim_end_matches('.').eq_ignore_ascii_case(&index.host))
+                .map(|(_, addrs)| addrs.clone())
+        })
+        .unwrap_or_default();
+    let packages = tandem_egress::Packages::new(
+        index,
+        dir.clone(),
+        max_mb.saturating_mul(1024 * 1024),
+        resolve,
+    )
+    .with_context(|| {
+        format!(
+            "the package cache in {} (set [network.packages] cache_dir)",
+            dir.display()
+        )
+    })?;
+    Ok(Some(Arc::new(packages)))
 }
 
 /// A price for a model the server does not serve is a mistake (a typo, a renamed model) that

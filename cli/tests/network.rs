@@ -24,6 +24,18 @@ fn replies() -> Vec<Reply> {
     ]
 }
 
+/// Each `net` event's host, verdict and rule, sorted: connections are recorded as they end.
+fn verdicts<'a>(nets: impl Iterator<Item = &'a Value>) -> Vec<(String, String, String)> {
+    let mut out: Vec<(String, String, String)> = nets
+        .map(|n| {
+            let text = |k: &str| n[k].as_str().unwrap_or_default().to_owned();
+            (text("host"), text("verdict"), text("rule"))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
 fn events_of(stdout: &str, kind: &str) -> Vec<Value> {
     stdout
         .lines()
@@ -80,27 +92,23 @@ async fn run_in_process_reaches_an_allowed_host_from_docker_and_local_and_record
             printed.contains("seen: GET /hello HTTP/1.1") && printed.contains("other: 403"),
             "{printed}"
         );
+        // Each connection is recorded when it ends, so the two may come in either order.
         let net_events = events_of(&out.stdout, "net");
-        assert_eq!(net_events.len(), 2, "{net_events:?}");
         assert_eq!(
-            (
-                &net_events[0]["host"],
-                &net_events[0]["verdict"],
-                &net_events[0]["rule"]
-            ),
-            (
-                &json!("files.test"),
-                &json!("allowed"),
-                &json!("files.test")
-            )
-        );
-        assert_eq!(
-            (
-                &net_events[1]["host"],
-                &net_events[1]["verdict"],
-                &net_events[1]["rule"]
-            ),
-            (&json!("other.test"), &json!("denied"), &json!("default"))
+            verdicts(net_events.iter()),
+            [
+                (
+                    "files.test".to_owned(),
+                    "allowed".to_owned(),
+                    "files.test".to_owned()
+                ),
+                (
+                    "other.test".to_owned(),
+                    "denied".to_owned(),
+                    "default".to_owned()
+                )
+            ],
+            "{net_events:?}"
         );
         // The model was told which hosts it may reach.
         let asked = server.requests();
@@ -181,14 +189,21 @@ async fn a_daemon_gives_a_client_only_what_its_operator_allows() {
     daemon.wait_finished(&id, Duration::from_secs(300)).await;
     let events = daemon.raw_events(&id, 0).await;
     let nets: Vec<&Value> = events.iter().filter(|e| e["type"] == "net").collect();
-    assert_eq!(nets.len(), 2, "{events:?}");
     assert_eq!(
-        (&nets[0]["verdict"], &nets[0]["host"]),
-        (&json!("allowed"), &json!("files.test"))
-    );
-    assert_eq!(
-        (&nets[1]["verdict"], &nets[1]["rule"]),
-        (&json!("denied"), &json!("default"))
+        verdicts(nets.iter().copied()),
+        [
+            (
+                "files.test".to_owned(),
+                "allowed".to_owned(),
+                "files.test".to_owned()
+            ),
+            (
+                "other.test".to_owned(),
+                "denied".to_owned(),
+                "default".to_owned()
+            )
+        ],
+        "{events:?}"
     );
     let printed = daemon.block_stdouts(&id).await.join("");
     assert!(printed.contains("seen: GET /hello"), "{printed}");
@@ -228,14 +243,21 @@ async fn a_daemon_gives_a_client_only_what_its_operator_allows() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     let nets: Vec<&Value> = lines.iter().filter(|l| l["type"] == "net").collect();
-    assert_eq!(nets.len(), 2, "{streamed}");
     assert_eq!(
-        (&nets[0]["verdict"], &nets[0]["host"]),
-        (&json!("allowed"), &json!("files.test"))
-    );
-    assert_eq!(
-        (&nets[1]["verdict"], &nets[1]["host"]),
-        (&json!("denied"), &json!("other.test"))
+        verdicts(nets.iter().copied()),
+        [
+            (
+                "files.test".to_owned(),
+                "allowed".to_owned(),
+                "files.test".to_owned()
+            ),
+            (
+                "other.test".to_owned(),
+                "denied".to_owned(),
+                "default".to_owned()
+            )
+        ],
+        "{streamed}"
     );
     let last = lines.last().unwrap();
     assert_eq!(last["type"], "result", "{streamed}");
@@ -245,5 +267,402 @@ async fn a_daemon_gives_a_client_only_what_its_operator_allows() {
             .unwrap()
             .contains("seen: GET /hello"),
         "{streamed}"
+    );
+}
+
+const INSTALL: &str = r#"import importlib, site, subprocess, sys
+r = subprocess.run([sys.executable, "-m", "pip", "install", "tandemdemo"], capture_output=True, text=True)
+print("pip exit", r.returncode)
+if r.returncode:
+    print(r.stdout[-3000:], r.stderr[-3000:])
+sys.path.append(site.getusersitepackages())
+importlib.invalidate_caches()
+import tandemdemo
+print("value", tandemdemo.VALUE)"#;
+
+/// Index requests for files and pages: what reached the stand-in index.
+fn reached(seen: &std::sync::Mutex<Vec<String>>) -> Vec<String> {
+    seen.lock().unwrap().clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pip_installs_from_the_operators_index_through_the_cache_and_a_second_task_asks_the_index_nothing()
+ {
+    let net = Internet::new();
+    let index = tempfile::tempdir().unwrap();
+    let sha =
+        tandem_tests::packages::build_index(index.path(), "tandemdemo", "1.0", "VALUE = 42\n");
+    let seen = net.file_server(80, index.path().to_owned());
+    let task = "network: install tandemdemo";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Text(fence("python", INSTALL)),
+            Reply::from("Installed.\n\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let config = dir.path().join("tandem.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[network]\nresolve = {{ \"pypi.test\" = [\"{}\"] }}\n[network.packages]\npython = \"http://pypi.test/simple/\"\ncache_dir = \"{}\"\n",
+            net.addr,
+            cache.display()
+        ),
+    )
+    .unwrap();
+    let url = server.base_url();
+    let run = |executor: &'static str| {
+        let config = config.clone();
+        let url = url.clone();
+        async move {
+            tandem(
+                &[
+                    "run",
+                    "--json",
+                    "--config",
+                    config.to_str().unwrap(),
+                    "--base-url",
+                    &url,
+                    "--model",
+                    "m",
+                    "-e",
+                    executor,
+                    task,
+                ],
+                &[("TANDEM_MAX_RETRIES", "0")],
+                None,
+            )
+            .await
+        }
+    };
+    for (i, executor) in ["docker", "local", "docker"].into_iter().enumerate() {
+        let before = reached(&seen).len();
+        let out = run(executor).await;
+        assert_eq!(out.code, 0, "{executor}: {}\n{}", out.stdout, out.stderr);
+        let results = events_of(&out.stdout, "exec_result");
+        let printed = results[0]["result"]["stdout"].as_str().unwrap_or_default();
+        assert!(
+            printed.contains("pip exit 0") && printed.contains("value 42"),
+            "{executor}: {printed}\n{}",
+            results[0]["result"]["stderr"]
+        );
+        let nets = events_of(&out.stdout, "net");
+        assert!(
+            !nets.is_empty()
+                && nets
+                    .iter()
+                    .all(|n| n["rule"] == "packages" && n["verdict"] == "allowed"),
+            "{executor}: {nets:?}"
+        );
+        let asked = reached(&seen);
+        if i == 0 {
+            // The first install reached the index for the page and the wheel, once each.
+            assert!(
+                asked
+                    .iter()
+                    .any(|l| l.starts_with("GET /simple/tandemdemo/"))
+                    && asked
+                        .iter()
+                        .any(|l| l.starts_with("GET /packages/tandemdemo-1.0-py3-none-any.whl")),
+                "{asked:?}"
+            );
+        } else {
+            // Every later task, on either executor, from the cache alone.
+            assert_eq!(
+                asked.len(),
+                before,
+                "{executor} reached the index: {asked:?}"
+            );
+        }
+    }
+    // The wheel is kept under its hash, checked against the index's.
+    assert!(cache.join("files").join(&sha).is_file());
+    // The model was told it may install packages.
+    assert!(
+        server.requests().iter().any(|r| r
+            .body
+            .to_string()
+            .contains("You may install Python packages")),
+        "the system prompt does not say packages can be installed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_that_does_not_match_its_index_hash_is_neither_kept_nor_served() {
+    let net = Internet::new();
+    let index = tempfile::tempdir().unwrap();
+    tandem_tests::packages::build_index(index.path(), "tandemdemo", "1.0", "VALUE = 42\n");
+    // The index's page keeps the old hash; the file is swapped for another.
+    let page = std::fs::read_to_string(index.path().join("simple/tandemdemo/index.html")).unwrap();
+    let other = tempfile::tempdir().unwrap();
+    tandem_tests::packages::build_index(other.path(), "tandemdemo", "1.0", "VALUE = 666\n");
+    std::fs::copy(
+        other
+            .path()
+            .join("packages/tandemdemo-1.0-py3-none-any.whl"),
+        index
+            .path()
+            .join("packages/tandemdemo-1.0-py3-none-any.whl"),
+    )
+    .unwrap();
+    std::fs::write(index.path().join("simple/tandemdemo/index.html"), page).unwrap();
+    let _seen = net.file_server(80, index.path().to_owned());
+    let task = "network: install a swapped tandemdemo";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Text(fence("python", INSTALL)),
+            Reply::from("It failed.\n\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let config = dir.path().join("tandem.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[network]\nresolve = {{ \"pypi.test\" = [\"{}\"] }}\n[network.packages]\npython = \"http://pypi.test/simple/\"\ncache_dir = \"{}\"\n",
+            net.addr,
+            cache.display()
+        ),
+    )
+    .unwrap();
+    let out = tandem(
+        &[
+            "run",
+            "--json",
+            "--config",
+            config.to_str().unwrap(),
+            "--base-url",
+            &server.base_url(),
+            "--model",
+            "m",
+            "-e",
+            "local",
+            task,
+        ],
+        &[("TANDEM_MAX_RETRIES", "0")],
+        None,
+    )
+    .await;
+    let results = events_of(&out.stdout, "exec_result");
+    let printed = results[0]["result"]["stdout"].as_str().unwrap_or_default();
+    assert!(
+        !printed.contains("pip exit 0") && !printed.contains("value 666"),
+        "{printed}"
+    );
+    let nets = events_of(&out.stdout, "net");
+    assert!(
+        nets.iter().any(|n| n["verdict"] == "denied"
+            && n["rule"] == "packages"
+            && n["reason"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("does not match its index's hash")),
+        "{nets:?}"
+    );
+    assert_eq!(std::fs::read_dir(cache.join("files")).unwrap().count(), 0);
+}
+
+/// Looks for the brokered values everywhere a block can look, without holding either whole
+/// in its own code or files.
+const HUNT: &str = r#"import glob, os, urllib.request, urllib.error
+values = ["sek" + "rit-" + str(6 * 20 + 3), "plain" + "-val-" + str(400 + 56)]
+r = urllib.request.urlopen("https://api.test/whoami", timeout=30).read().decode()
+print("https:", r.splitlines()[0])
+print("https echo masked:", "authorization: " + "*" * 17 in r.lower())
+r = urllib.request.urlopen("http://plain.test/x", timeout=30).read().decode()
+print("plain:", r.splitlines()[0])
+r = urllib.request.urlopen("https://api.test/redirect-to/other.test", timeout=30).read().decode()
+print("redirected:", r.splitlines()[0], "carried:", "authorization" in r.lower())
+found = []
+for k, v in os.environ.items():
+    if any(x in v for x in values):
+        found.append("env " + k)
+for p in glob.glob("/proc/*/environ") + glob.glob("/proc/*/cmdline"):
+    try:
+        data = open(p, "rb").read().decode("latin-1")
+    except OSError:
+        continue
+    if any(x in data for x in values):
+        found.append(p)
+keys = []
+roots = [os.environ.get("HOME", "."), "/tmp", "/run"] + [os.path.dirname(os.environ.get("SSL_CERT_FILE", "/x/y"))]
+for root in roots:
+    for dirpath, dirs, files in os.walk(root):
+        for f in files:
+            p = os.path.join(dirpath, f)
+            try:
+                data = open(p, "rb").read(1 << 20).decode("latin-1")
+            except OSError:
+                continue
+            if any(x in data for x in values):
+                found.append(p)
+            if "PRIVATE" + " KEY" in data:
+                keys.append(p)
+print("found:", found)
+print("keys:", keys)"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_brokered_header_reaches_its_host_and_the_sandbox_never_holds_it() {
+    let net = Internet::new();
+    let (test_ca, api_seen) = net.https_server(443, &["api.test"]);
+    let plain_seen = net.http_server(80);
+    let task = "network: call the api with a brokered token";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Text(fence("python", HUNT)),
+            Reply::from("Called.\n\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("test-ca.pem"), &test_ca).unwrap();
+    std::fs::write(dir.path().join("plain-token"), "plain-val-456\n").unwrap();
+    let config = dir.path().join("tandem.toml");
+    let a = net.addr;
+    std::fs::write(
+        &config,
+        format!(
+            r#"[network]
+allow = ["api.test", "plain.test", "other.test"]
+resolve = {{ "api.test" = ["{a}"], "plain.test" = ["{a}"], "other.test" = ["{a}"] }}
+upstream_ca = ["{d}/test-ca.pem"]
+ca_dir = "{d}/egress-ca"
+
+[network.secrets.api]
+host = "api.test"
+header = "Authorization"
+value_env = "TANDEM_TEST_API_TOKEN"
+
+[network.secrets.plain]
+host = "plain.test"
+header = "X-Api-Key"
+value_file = "{d}/plain-token"
+"#,
+            d = dir.path().display()
+        ),
+    )
+    .unwrap();
+    let url = server.base_url();
+    for executor in ["docker", "local"] {
+        let before = api_seen.heads().len();
+        let out = tandem(
+            &[
+                "run",
+                "--json",
+                "--config",
+                config.to_str().unwrap(),
+                "--base-url",
+                &url,
+                "--model",
+                "m",
+                "-e",
+                executor,
+                task,
+            ],
+            &[
+                ("TANDEM_MAX_RETRIES", "0"),
+                ("TANDEM_TEST_API_TOKEN", "Bearer sekrit-123"),
+            ],
+            None,
+        )
+        .await;
+        assert_eq!(out.code, 0, "{executor}: {}\n{}", out.stdout, out.stderr);
+        let results = events_of(&out.stdout, "exec_result");
+        let printed = results[0]["result"]["stdout"].as_str().unwrap_or_default();
+        let stderr = results[0]["result"]["stderr"].as_str().unwrap_or_default();
+        for line in [
+            "https: seen: GET /whoami HTTP/1.1",
+            "https echo masked: True",
+            "plain: seen: GET /x HTTP/1.1",
+            "redirected: seen: GET / HTTP/1.1 carried: False",
+            "found: []",
+            "keys: []",
+        ] {
+            assert!(
+                printed.contains(line),
+                "{executor}: no {line:?} in\n{printed}\n{stderr}"
+            );
+        }
+        // The hosts got the headers; the other host, after the redirect, did not.
+        let heads = api_seen.heads();
+        assert!(
+            heads[before..]
+                .iter()
+                .any(|h| h.contains("authorization: Bearer sekrit-123")
+                    || h.contains("Authorization: Bearer sekrit-123")),
+            "{heads:?}"
+        );
+        let plain = plain_seen.heads();
+        assert!(
+            plain.iter().any(|h| h.contains("X-Api-Key: plain-val-456")),
+            "{plain:?}"
+        );
+        assert!(
+            plain
+                .iter()
+                .filter(|h| h.starts_with("GET / "))
+                .all(|h| !h.to_ascii_lowercase().contains("authorization")),
+            "{plain:?}"
+        );
+        // Events say a secret was added, and never its value; nor does the transcript.
+        let nets = events_of(&out.stdout, "net");
+        assert!(
+            nets.iter()
+                .any(|n| n["host"] == "api.test" && n["brokered"] == true),
+            "{nets:?}"
+        );
+        assert!(!out.stdout.contains("sekrit-123") && !out.stderr.contains("sekrit-123"));
+        assert!(!out.stdout.contains("plain-val-456") && !out.stderr.contains("plain-val-456"));
+    }
+    // The model was told which hosts carry credentials, never the values.
+    let asked: Vec<String> = server
+        .requests()
+        .iter()
+        .map(|r| r.body.to_string())
+        .collect();
+    assert!(
+        asked.iter().any(|b| b.contains("api.test (api)")),
+        "{asked:?}"
+    );
+    assert!(asked.iter().all(|b| !b.contains("sekrit-123")));
+    // The CA's key stays in the daemon's directory, for its owner only.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(dir.path().join("egress-ca/ca.key"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o077, 0, "{mode:o}");
+
+    // A secret whose value is missing is named at start.
+    let out = tandem(
+        &[
+            "run",
+            "--config",
+            config.to_str().unwrap(),
+            "--base-url",
+            &url,
+            task,
+        ],
+        &[],
+        None,
+    )
+    .await;
+    assert_ne!(out.code, 0);
+    assert!(
+        out.stderr.contains("[network.secrets.api]")
+            && out.stderr.contains("TANDEM_TEST_API_TOKEN"),
+        "{}",
+        out.stderr
     );
 }

@@ -78,8 +78,23 @@ impl Executor for Behind {
                 });
             }
             let (socket, dir) = self.socket_for()?;
+            let ca_bundle = match self.egress.broker() {
+                Some(broker) => {
+                    let path = dir.join("ca.pem");
+                    std::fs::write(&path, broker.bundle()).map_err(|source| {
+                        ExecError::Workspace {
+                            path: path.clone(),
+                            source,
+                        }
+                    })?;
+                    Some(path)
+                }
+                None => None,
+            };
             spec.egress = Some(EgressSocket {
                 socket: socket.path().to_owned(),
+                env: self.egress.sandbox_env(),
+                ca_bundle,
             });
             let session = self.inner.open(spec).await?;
             Ok(Box::new(BehindSession {

@@ -8,6 +8,8 @@
 //! [`NetEvent`](tandem_protocol::net::NetEvent).
 
 pub mod behind;
+pub mod broker;
+pub mod packages;
 pub mod policy;
 pub mod proxy;
 pub mod rule;
@@ -16,8 +18,10 @@ pub mod sni;
 use std::net::IpAddr;
 
 pub use behind::Behind;
+pub use broker::{Broker, BrokerError, Ca, Secret};
+pub use packages::{IndexUrl, Packages};
 pub use policy::{Denial, Network, NotGiven, Policy};
-pub use proxy::{Carried, Egress, Grant, NetSink, PeerGrant, ProxyLimits, SocketGrant};
+pub use proxy::{Carried, Egress, Extras, Grant, NetSink, PeerGrant, ProxyLimits, SocketGrant};
 pub use rule::{Rule, RuleError};
 
 /// Every address of this machine's interfaces: a name never leads a sandbox to one of them.

@@ -13,6 +13,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
+use crate::broker::{Broker, Scrub};
+use crate::packages::Packages;
 use crate::policy::{Denial, Policy, Route};
 use crate::rule::{HostAsked, normalize_host};
 use crate::sni::{self, Hello};
@@ -109,6 +111,17 @@ struct Inner {
     limits: ProxyLimits,
     open: Arc<Semaphore>,
     stop: CancellationToken,
+    packages: Option<Arc<Packages>>,
+    broker: Option<Arc<Broker>>,
+}
+
+/// What a proxy serves beyond carrying connections.
+#[derive(Default, Clone)]
+pub struct Extras {
+    /// The operator's package index, read through a cache.
+    pub packages: Option<Arc<Packages>>,
+    /// Headers added for hosts, and the CA that brokered HTTPS needs.
+    pub broker: Option<Arc<Broker>>,
 }
 
 /// While held, connections from one peer address are served under its grant; dropped, they
@@ -139,6 +152,11 @@ impl Drop for PeerGrant {
 impl Egress {
     /// A proxy with `limits`, refusing every address of this machine (`own`) to names.
     pub fn new(limits: ProxyLimits, own: Vec<IpAddr>) -> Egress {
+        Egress::with(limits, own, Extras::default())
+    }
+
+    /// A proxy as [`Egress::new`] makes one, that also serves `extras`.
+    pub fn with(limits: ProxyLimits, own: Vec<IpAddr>, extras: Extras) -> Egress {
         Egress {
             inner: Arc::new(Inner {
                 by_peer: Mutex::new(HashMap::new()),
@@ -147,8 +165,30 @@ impl Egress {
                 own,
                 limits,
                 stop: CancellationToken::new(),
+                packages: extras.packages,
+                broker: extras.broker,
             }),
         }
+    }
+
+    /// The package cache, when the operator named an index.
+    pub fn packages(&self) -> Option<&Arc<Packages>> {
+        self.inner.packages.as_ref()
+    }
+
+    /// The broker of secrets, when the operator set any.
+    pub fn broker(&self) -> Option<&Arc<Broker>> {
+        self.inner.broker.as_ref()
+    }
+
+    /// What a sandbox behind this proxy is given in its environment beyond the proxy's
+    /// address (its package index).
+    pub fn sandbox_env(&self) -> Vec<(String, String)> {
+        self.inner
+            .packages
+            .as_ref()
+            .map(|p| p.env())
+            .unwrap_or_default()
     }
 
     /// Serves connections from sandboxes known by their address on `listener`, until stopped.
@@ -230,6 +270,8 @@ struct Outcome {
     bytes_in: u64,
     /// The client was already answered (a tunnel's 200): a refusal is a close, not a 403.
     answered: bool,
+    /// A secret's header was added.
+    brokered: bool,
 }
 
 impl Inner {
@@ -264,6 +306,7 @@ impl Inner {
                     bytes_out: 0,
                     bytes_in: 0,
                     answered: false,
+                    brokered: false,
                 },
                 started,
             ));
@@ -316,6 +359,7 @@ impl Inner {
             bytes_out: 0,
             bytes_in: 0,
             answered: false,
+            brokered: false,
         };
         if let Some(denial) = asked.denial.clone() {
             outcome.result = Err(denial);
@@ -329,6 +373,37 @@ impl Inner {
             }
         };
         outcome.host = host.to_string();
+        if let Some(packages) = &self.packages
+            && !asked.connect
+            && packages.takes(&asked.method, &outcome.host, asked.port, &asked.path)
+        {
+            let room = grant
+                .policy
+                .max_bytes
+                .map_or(u64::MAX, |max| max.saturating_sub(grant.carried.get()));
+            let served = packages
+                .serve(
+                    client,
+                    &outcome.host,
+                    asked.port,
+                    &asked.path,
+                    &asked.headers,
+                    room,
+                )
+                .await;
+            grant
+                .carried
+                .0
+                .fetch_add(served.bytes_in + served.bytes_out, Ordering::Relaxed);
+            outcome.bytes_in = served.bytes_in;
+            outcome.bytes_out = served.bytes_out;
+            outcome.answered = true;
+            outcome.result = match served.result {
+                Ok(()) => Ok("packages".to_owned()),
+                Err(why) => Err(Denial::check("packages", why)),
+            };
+            return Some(outcome);
+        }
         if let Err(denial) = grant.policy.by_name(&host, asked.port) {
             outcome.result = Err(denial);
             return Some(outcome);
@@ -396,6 +471,13 @@ impl Inner {
             ));
             return;
         }
+        if let Some(broker) = &self.broker
+            && let Some(secret) = broker.for_host(host)
+        {
+            self.intercept(client, grant, host, port, hello, broker, secret, outcome)
+                .await;
+            return;
+        }
         let upstream = match self.route(grant, host, port).await {
             Ok((route, stream)) => {
                 outcome.result = Ok(route.rule);
@@ -406,7 +488,7 @@ impl Inner {
                 return;
             }
         };
-        let (out, inn, cut) = pump(client, upstream, &hello, grant, &self.limits).await;
+        let (out, inn, cut) = pump(client, upstream, &hello, grant, &self.limits, None).await;
         outcome.bytes_out = out;
         outcome.bytes_in = inn;
         if let Some(cut) = cut {
@@ -435,9 +517,140 @@ impl Inner {
                 return;
             }
         };
-        let mut first = asked.origin_head.clone();
+        let secret = self.broker.as_ref().and_then(|b| b.for_host(host));
+        let mut first = match secret {
+            Some(secret) => {
+                outcome.brokered = true;
+                crate::broker::with_header(&asked.origin_head, secret.header(), secret.value())
+            }
+            None => asked.origin_head.clone(),
+        };
         first.extend_from_slice(early);
-        let (out, inn, cut) = pump(client, upstream, &first, grant, &self.limits).await;
+        let scrub = secret.map(|s| Scrub::new(s.value()));
+        let (out, inn, cut) = pump(client, upstream, &first, grant, &self.limits, scrub).await;
+        outcome.bytes_out = out;
+        outcome.bytes_in = inn;
+        if let Some(cut) = cut {
+            outcome.result = Err(cut);
+        }
+    }
+
+    /// Speaks TLS to the sandbox as `host` (with a certificate from the daemon's CA) and
+    /// to `host` itself, adding `secret`'s header to the one request carried.
+    #[allow(clippy::too_many_arguments)]
+    async fn intercept<S>(
+        &self,
+        client: &mut S,
+        grant: &Grant,
+        host: &HostAsked,
+        port: u16,
+        hello: Vec<u8>,
+        broker: &Broker,
+        secret: &crate::broker::Secret,
+        outcome: &mut Outcome,
+    ) where
+        S: AsyncRead + AsyncWrite + Unpin + Send,
+    {
+        outcome.brokered = true;
+        let name = host.to_string();
+        let config = match broker.server_for(&name) {
+            Ok(config) => config,
+            Err(e) => {
+                outcome.result = Err(Denial::check("broker", e.to_string()));
+                return;
+            }
+        };
+        let acceptor = tokio_rustls::TlsAcceptor::from(config);
+        let accepted = tokio::time::timeout(
+            self.limits.head_timeout,
+            acceptor.accept(Prefixed {
+                prefix: hello,
+                at: 0,
+                inner: client,
+            }),
+        )
+        .await;
+        let mut tls = match accepted {
+            Ok(Ok(tls)) => tls,
+            Ok(Err(e)) => {
+                outcome.result = Err(Denial::check(
+                    "broker",
+                    format!(
+                        "the sandbox's TLS to {name} failed ({e}); a brokered host is answered with Tandem's CA, which the sandbox trusts through SSL_CERT_FILE"
+                    ),
+                ));
+                return;
+            }
+            Err(_) => {
+                outcome.result = Err(Denial::check("broker", "no TLS handshake in time"));
+                return;
+            }
+        };
+        let (buf, head_len) =
+            match tokio::time::timeout(self.limits.head_timeout, read_head(&mut tls)).await {
+                Ok(Ok(Some(read))) => read,
+                _ => {
+                    outcome.result = Err(Denial::check("broker", "no request inside TLS in time"));
+                    return;
+                }
+            };
+        let head = match inner_request(&buf[..head_len], &name, port) {
+            Ok(head) => head,
+            Err(denial) => {
+                let _ = tls.write_all(&denied(&denial)).await;
+                let _ = tls.shutdown().await;
+                outcome.result = Err(denial);
+                return;
+            }
+        };
+        let mut first = crate::broker::with_header(&head, secret.header(), secret.value());
+        first.extend_from_slice(&buf[head_len..]);
+        let tcp = match self.route(grant, host, port).await {
+            Ok((route, stream)) => {
+                outcome.result = Ok(route.rule);
+                stream
+            }
+            Err(denial) => {
+                let _ = tls.write_all(&denied(&denial)).await;
+                let _ = tls.shutdown().await;
+                outcome.result = Err(denial);
+                return;
+            }
+        };
+        let Some(server_name) = Broker::server_name(&name) else {
+            outcome.result = Err(Denial::check("broker", format!("{name} is not a TLS name")));
+            return;
+        };
+        let connector = tokio_rustls::TlsConnector::from(broker.upstream());
+        let upstream = match tokio::time::timeout(
+            self.limits.connect_timeout,
+            connector.connect(server_name, tcp),
+        )
+        .await
+        {
+            Ok(Ok(upstream)) => upstream,
+            Ok(Err(e)) => {
+                let denial = Denial::check(
+                    "broker",
+                    format!(
+                        "{name} did not prove who it is over TLS ({e}); the secret was not sent"
+                    ),
+                );
+                let _ = tls.write_all(&refusal(502, &denial.reason)).await;
+                let _ = tls.shutdown().await;
+                outcome.result = Err(denial);
+                return;
+            }
+            Err(_) => {
+                outcome.result = Err(Denial::check(
+                    "broker",
+                    format!("{name} did not finish its TLS handshake in time"),
+                ));
+                return;
+            }
+        };
+        let scrub = Some(Scrub::new(secret.value()));
+        let (out, inn, cut) = pump(&mut tls, upstream, &first, grant, &self.limits, scrub).await;
         outcome.bytes_out = out;
         outcome.bytes_in = inn;
         if let Some(cut) = cut {
@@ -525,6 +738,11 @@ impl Inner {
 /// A request head, understood.
 struct Asked {
     connect: bool,
+    method: String,
+    /// The target's path and query, for a plain request.
+    path: String,
+    /// The request's headers, for a plain request.
+    headers: Vec<(String, String)>,
     host_text: String,
     port: u16,
     /// For a plain request: the head to send on, in origin form, with `Connection: close`.
@@ -548,6 +766,9 @@ impl Asked {
             let (host, port) = split_authority(target, None)?;
             return Ok(Asked {
                 connect: true,
+                method: method.to_owned(),
+                path: String::new(),
+                headers: Vec::new(),
                 host_text: host,
                 port,
                 origin_head: Vec::new(),
@@ -620,11 +841,127 @@ impl Asked {
         out.extend_from_slice(b"Connection: close\r\n\r\n");
         Ok(Asked {
             connect: false,
+            method: method.to_owned(),
+            headers: req
+                .headers
+                .iter()
+                .map(|h| {
+                    (
+                        h.name.to_owned(),
+                        String::from_utf8_lossy(h.value).into_owned(),
+                    )
+                })
+                .collect(),
+            path,
             host_text: host,
             port,
             origin_head: out,
             denial,
         })
+    }
+}
+
+/// The request read inside a brokered host's TLS, in origin form, checked to be for that
+/// host, as it goes on: one request, `Connection: close`.
+fn inner_request(head: &[u8], host: &str, port: u16) -> Result<Vec<u8>, Denial> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut headers);
+    match req.parse(head) {
+        Ok(httparse::Status::Complete(_)) => {}
+        _ => {
+            return Err(Denial::check(
+                "broker",
+                "not an HTTP/1.1 request inside TLS",
+            ));
+        }
+    }
+    let method = req.method.unwrap_or_default();
+    let path = req.path.unwrap_or_default();
+    if !path.starts_with('/') {
+        return Err(Denial::check(
+            "broker",
+            format!("a request inside TLS to {host} must be in origin form (/path), not {path:?}"),
+        ));
+    }
+    let hosts: Vec<&httparse::Header<'_>> = req
+        .headers
+        .iter()
+        .filter(|h| h.name.eq_ignore_ascii_case("host"))
+        .collect();
+    let ok = match hosts.as_slice() {
+        [one] => {
+            let said = String::from_utf8_lossy(one.value);
+            split_authority(said.trim(), Some(443))
+                .is_ok_and(|(h, p)| p == port && same_host(&h, host))
+        }
+        _ => false,
+    };
+    if !ok {
+        return Err(Denial::check(
+            "host_header",
+            format!("a request inside TLS to {host}:{port} must carry one Host header naming it"),
+        ));
+    }
+    let mut out = format!("{method} {path} HTTP/1.1\r\n").into_bytes();
+    for h in req.headers.iter() {
+        let name = h.name.to_ascii_lowercase();
+        if name.starts_with("proxy-") || name == "connection" || name == "keep-alive" {
+            continue;
+        }
+        out.extend_from_slice(h.name.as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(h.value);
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"Connection: close\r\n\r\n");
+    Ok(out)
+}
+
+/// A stream whose first bytes were already read (a ClientHello checked for its name).
+struct Prefixed<S> {
+    prefix: Vec<u8>,
+    at: usize,
+    inner: S,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Prefixed<S> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        if self.at < self.prefix.len() {
+            let n = buf.remaining().min(self.prefix.len() - self.at);
+            let at = self.at;
+            buf.put_slice(&self.prefix[at..at + n]);
+            self.at += n;
+            return std::task::Poll::Ready(Ok(()));
+        }
+        std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Prefixed<S> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
 
@@ -718,19 +1055,21 @@ async fn read_record<S: AsyncRead + Unpin>(
 /// Carries bytes both ways until both sides are done, one is cut, or nothing moves for the
 /// idle timeout; `first` goes upstream before anything else. Answers bytes out, bytes in,
 /// and why it was cut short.
-async fn pump<S>(
+async fn pump<S, U>(
     client: &mut S,
-    upstream: TcpStream,
+    upstream: U,
     first: &[u8],
     grant: &Grant,
     limits: &ProxyLimits,
+    scrub: Option<Scrub>,
 ) -> (u64, u64, Option<Denial>)
 where
     S: AsyncRead + AsyncWrite + Unpin + Send,
+    U: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let out = AtomicU64::new(0);
     let inn = AtomicU64::new(0);
-    let (mut up_r, mut up_w) = upstream.into_split();
+    let (mut up_r, mut up_w) = tokio::io::split(upstream);
     let (mut cl_r, mut cl_w) = tokio::io::split(client);
     let budget = Budget {
         carried: &grant.carried,
@@ -740,8 +1079,22 @@ where
         budget.take(first.len())?;
         out.fetch_add(first.len() as u64, Ordering::Relaxed);
         up_w.write_all(first).await.map_err(|_| Cut::Closed)?;
-        let up = one_way(&mut cl_r, &mut up_w, &out, &budget, limits.idle_timeout);
-        let down = one_way(&mut up_r, &mut cl_w, &inn, &budget, limits.idle_timeout);
+        let up = one_way(
+            &mut cl_r,
+            &mut up_w,
+            &out,
+            &budget,
+            limits.idle_timeout,
+            None,
+        );
+        let down = one_way(
+            &mut up_r,
+            &mut cl_w,
+            &inn,
+            &budget,
+            limits.idle_timeout,
+            scrub,
+        );
         tokio::try_join!(up, down).map(|_| ())
     };
     let cut = tokio::select! {
@@ -789,6 +1142,7 @@ async fn one_way<R, W>(
     count: &AtomicU64,
     budget: &Budget<'_>,
     idle: Duration,
+    mut scrub: Option<Scrub>,
 ) -> Result<(), Cut>
 where
     R: AsyncRead + Unpin,
@@ -798,6 +1152,9 @@ where
     loop {
         let n = match tokio::time::timeout(idle, r.read(&mut buf)).await {
             Ok(Ok(0)) | Ok(Err(_)) => {
+                if let Some(scrub) = &mut scrub {
+                    let _ = w.write_all(&scrub.finish()).await;
+                }
                 let _ = w.shutdown().await;
                 return Ok(());
             }
@@ -806,7 +1163,11 @@ where
         };
         budget.take(n)?;
         count.fetch_add(n as u64, Ordering::Relaxed);
-        w.write_all(&buf[..n]).await.map_err(|_| Cut::Closed)?;
+        let sent = match &mut scrub {
+            Some(scrub) => w.write_all(&scrub.push(&buf[..n])).await,
+            None => w.write_all(&buf[..n]).await,
+        };
+        sent.map_err(|_| Cut::Closed)?;
     }
 }
 
@@ -824,7 +1185,7 @@ fn event(outcome: Outcome, started: Instant) -> NetEvent {
         bytes_out: outcome.bytes_out,
         bytes_in: outcome.bytes_in,
         ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
-        brokered: false,
+        brokered: outcome.brokered,
     }
 }
 

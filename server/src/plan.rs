@@ -101,11 +101,34 @@ pub struct NetworkConfig {
 }
 
 /// What the model is told of its sandbox's network: the hosts, never a credential.
-fn network_note(policy: &tandem_egress::Policy) -> String {
-    format!(
-        "Your code can reach these hosts over HTTP and HTTPS, and nothing else on the network: {}. Requests go through a proxy already set in the sandbox's environment (HTTP_PROXY, HTTPS_PROXY), so curl, pip, urllib and requests need no extra settings; a refused request answers 403 and names the rule.",
-        policy.allowed_hosts().join(", ")
-    )
+fn network_note(policy: &tandem_egress::Policy, egress: &tandem_egress::Egress) -> String {
+    let hosts = policy.allowed_hosts();
+    let mut note = if hosts.is_empty() {
+        "Your code can reach no host on the network".to_owned()
+    } else {
+        format!(
+            "Your code can reach these hosts over HTTP and HTTPS, and nothing else on the network: {}",
+            hosts.join(", ")
+        )
+    };
+    note.push_str(". Requests go through a proxy already set in the sandbox's environment (HTTP_PROXY, HTTPS_PROXY), so curl, pip, urllib and requests need no extra settings; a refused request answers 403 and names the rule.");
+    if let Some(broker) = egress.broker() {
+        let hosts: Vec<String> = broker
+            .hosts()
+            .into_iter()
+            .map(|(name, host)| format!("{host} ({name})"))
+            .collect();
+        if !hosts.is_empty() {
+            note.push_str(&format!(
+                " Requests to {} carry credentials that the proxy adds on the way out: send them without any, and never ask for or print a token; your code cannot see the values.",
+                hosts.join(", ")
+            ));
+        }
+    }
+    if egress.packages().is_some() {
+        note.push_str(" You may install Python packages: `pip install NAME` (or `subprocess.run([sys.executable, \"-m\", \"pip\", \"install\", NAME])` from Python) fetches them from a package index already configured, into your home; a module that is missing can be installed that way before it is imported.");
+    }
+    note
 }
 
 /// Turns task specs into runnable tasks; one per daemon, or per `tandem run`.
@@ -660,7 +683,7 @@ impl Planner {
             settings.system_prompt = format!(
                 "{}\n\n{}",
                 settings.system_prompt.trim_end(),
-                network_note(&policy)
+                network_note(&policy, egress)
             );
             settings.network = Some(tandem_agent::TaskNetwork {
                 egress: egress.clone(),

@@ -85,11 +85,82 @@ impl Internet {
     }
 
     /// An HTTP server on `port` that answers every request with `seen: <request line>` and
-    /// the head it was sent.
-    pub fn http_server(&self, port: u16) {
+    /// the head it was sent (a path `/redirect-to/HOST` answers 302 to `http://HOST/`);
+    /// answers the heads it was sent, in order.
+    pub fn http_server(&self, port: u16) -> Seen {
+        let seen = Seen::default();
         let listener = self.listen(port);
+        let log = seen.clone();
+        tokio::spawn(async move {
+            while let Ok((s, _)) = listener.accept().await {
+                tokio::spawn(echo_http(s, log.clone()));
+            }
+        });
+        seen
+    }
+
+    /// The same server over TLS, its certificate for `names` signed by a CA made here:
+    /// answers the CA's PEM (for the daemon's `upstream_ca`) and the heads it was sent.
+    pub fn https_server(&self, port: u16, names: &[&str]) -> (String, Seen) {
+        let tls = |e: &dyn std::fmt::Display| -> ! { panic!("the test server's TLS: {e}") };
+        let ca_key = rcgen::KeyPair::generate().unwrap_or_else(|e| tls(&e));
+        let mut ca = rcgen::CertificateParams::default();
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        ca.distinguished_name
+            .push(rcgen::DnType::CommonName, "stand-in internet CA");
+        let ca_cert = ca.self_signed(&ca_key).unwrap_or_else(|e| tls(&e));
+        let issuer = rcgen::Issuer::new(ca, ca_key);
+        let key = rcgen::KeyPair::generate().unwrap_or_else(|e| tls(&e));
+        let leaf = rcgen::CertificateParams::new(
+            names.iter().map(|n| (*n).to_owned()).collect::<Vec<_>>(),
+        )
+        .unwrap_or_else(|e| tls(&e))
+        .signed_by(&key, &issuer)
+        .unwrap_or_else(|e| tls(&e));
+        let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap_or_else(|e| tls(&e))
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![leaf.der().clone()],
+            rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+        )
+        .unwrap_or_else(|e| tls(&e));
+        let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+        let seen = Seen::default();
+        let listener = self.listen(port);
+        let log = seen.clone();
+        tokio::spawn(async move {
+            while let Ok((s, _)) = listener.accept().await {
+                let acceptor = acceptor.clone();
+                let log = log.clone();
+                tokio::spawn(async move {
+                    if let Ok(s) = acceptor.accept(s).await {
+                        echo_http(s, log).await;
+                    }
+                });
+            }
+        });
+        (ca_cert.pem(), seen)
+    }
+
+    /// A static file server on `port` for the files under `root` (a directory's
+    /// `index.html` for a path ending in `/`); answers the request lines it was sent, in
+    /// order.
+    pub fn file_server(
+        &self,
+        port: u16,
+        root: std::path::PathBuf,
+    ) -> std::sync::Arc<std::sync::Mutex<Vec<String>>> {
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let listener = self.listen(port);
+        let log = seen.clone();
         tokio::spawn(async move {
             while let Ok((mut s, _)) = listener.accept().await {
+                let root = root.clone();
+                let log = log.clone();
                 tokio::spawn(async move {
                     let mut buf = vec![0u8; 8192];
                     let mut got = Vec::new();
@@ -101,19 +172,42 @@ impl Internet {
                     }
                     let head = String::from_utf8_lossy(&got).to_string();
                     let line = head.lines().next().unwrap_or_default().to_owned();
-                    let body = format!("seen: {line}\n{head}");
+                    log.lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(line.clone());
+                    let path = line.split(' ').nth(1).unwrap_or("/");
+                    let path = path.split(['?', '#']).next().unwrap_or("/");
+                    let mut file = root.join(path.trim_start_matches('/'));
+                    if path.ends_with('/') {
+                        file = file.join("index.html");
+                    }
+                    let (status, body) = if path.contains("..") {
+                        ("404 Not Found", Vec::new())
+                    } else {
+                        match std::fs::read(&file) {
+                            Ok(body) => ("200 OK", body),
+                            Err(_) => ("404 Not Found", Vec::new()),
+                        }
+                    };
+                    let kind = if file.extension().is_some_and(|e| e == "html") {
+                        "text/html"
+                    } else {
+                        "application/octet-stream"
+                    };
                     let _ = s
                         .write_all(
                             format!(
-                                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                                "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
                                 body.len()
                             )
                             .as_bytes(),
                         )
                         .await;
+                    let _ = s.write_all(&body).await;
                 });
             }
         });
+        seen
     }
 
     /// A TCP server on `port` that sends back what it reads.
@@ -128,6 +222,50 @@ impl Internet {
             }
         });
     }
+}
+
+/// The request heads a server was sent, in order.
+#[derive(Clone, Default)]
+pub struct Seen(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Seen {
+    /// Every head so far.
+    pub fn heads(&self) -> Vec<String> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// Reads one request head and answers it with itself (or a redirect it asks for).
+async fn echo_http<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(mut s: S, log: Seen) {
+    let mut buf = vec![0u8; 8192];
+    let mut got = Vec::new();
+    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+        match s.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+    let head = String::from_utf8_lossy(&got).to_string();
+    log.0
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(head.clone());
+    let line = head.lines().next().unwrap_or_default().to_owned();
+    let path = line.split(' ').nth(1).unwrap_or("/");
+    let answer = match path.strip_prefix("/redirect-to/") {
+        Some(host) => format!(
+            "HTTP/1.1 302 Found\r\nLocation: http://{host}/\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        ),
+        None => {
+            let body = format!("seen: {line}\n{head}");
+            format!(
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            )
+        }
+    };
+    let _ = s.write_all(answer.as_bytes()).await;
+    let _ = s.shutdown().await;
 }
 
 impl Default for Internet {

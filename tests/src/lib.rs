@@ -14,6 +14,7 @@ pub mod internet;
 pub mod kubernetes;
 pub mod mcp;
 pub mod otlp;
+pub mod packages;
 pub mod postgres;
 pub mod second_engine;
 pub mod webdriver;

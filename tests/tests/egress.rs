@@ -83,6 +83,8 @@ async fn probe_behind_the_proxy(executor: &dyn tandem_executor::Executor) {
         .open(SessionSpec {
             egress: Some(EgressSocket {
                 socket: grant.path().to_owned(),
+                env: Vec::new(),
+                ca_bundle: None,
             }),
             ..Default::default()
         })

@@ -51,6 +51,7 @@ impl Team {
                 approval: None,
                 timeout: limits.wall,
                 output_cap: limits.output_bytes,
+                packages: false,
             },
             words: Vec::new(),
             exchange_turns: false,
@@ -204,6 +205,13 @@ impl Team {
     /// would end without one goes on, the model told what is wrong (a turn like any other).
     pub fn with_output_schema(mut self, schema: Option<Arc<crate::schema::OutputSchema>>) -> Self {
         self.output_schema = schema;
+        self
+    }
+
+    /// Tells the model how to install a module its code could not import, when its sandbox
+    /// reaches a package index.
+    pub fn with_packages(mut self, packages: bool) -> Self {
+        self.blocks.packages = packages;
         self
     }
 

@@ -51,6 +51,8 @@ pub(super) struct BlockRules {
     pub(super) timeout: Duration,
     /// Most bytes of a block's output kept.
     pub(super) output_cap: usize,
+    /// pip can install from a package index here: a failed import is told how.
+    pub(super) packages: bool,
 }
 
 /// One agent of the team (or a chat's own selector model), by its path: what it was made

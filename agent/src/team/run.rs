@@ -492,6 +492,16 @@ impl Ctx<'_> {
                 &work.no_code,
             )
         };
+        if self.team.blocks.packages
+            && let Some(module) = blocks::missing_module(&runs)
+        {
+            report = blocks::with_examples(
+                report,
+                &format!(
+                    "`{module}` is not installed, and can be: run `pip install {module}` (from Python, `subprocess.run([sys.executable, \"-m\", \"pip\", \"install\", \"{module}\"])`) in a block of its own, then import it."
+                ),
+            );
+        }
         if let Some(note) = self.examples_note(node, &mut slot, &work.code, &runs).await {
             report = blocks::with_examples(report, &note);
         }

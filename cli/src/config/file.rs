@@ -70,6 +70,45 @@ pub struct NetworkSection {
     /// Names the proxy answers itself instead of asking DNS (`"pypi.test" = ["203.0.113.5"]`).
     #[serde(default)]
     pub resolve: BTreeMap<String, Vec<std::net::IpAddr>>,
+    /// `[network.packages]`: the package index sandboxes install from, through a cache.
+    pub packages: Option<PackagesSection>,
+    /// `[network.secrets.NAME]`: headers the proxy adds for a host, never in a sandbox.
+    #[serde(default)]
+    pub secrets: BTreeMap<String, SecretSection>,
+    /// PEM files of roots trusted, beside the system's, for the brokered hosts the proxy
+    /// speaks TLS to itself.
+    #[serde(default)]
+    pub upstream_ca: Vec<PathBuf>,
+    /// Where the CA for brokered hosts is kept (default `$XDG_STATE_HOME/tandem/egress-ca`).
+    pub ca_dir: Option<PathBuf>,
+}
+
+/// `[network.secrets.NAME]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecretSection {
+    /// The host (or `*.domain`) whose requests get the header.
+    pub host: String,
+    /// The header's name (`Authorization`).
+    pub header: String,
+    /// An environment variable of the daemon holding the header's whole value.
+    pub value_env: Option<String>,
+    /// A file holding the header's whole value (a trailing newline is dropped).
+    pub value_file: Option<PathBuf>,
+}
+
+/// `[network.packages]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PackagesSection {
+    /// A PEP 503 simple index (`http://host/simple/`) that pip inside is pointed at.
+    pub python: Option<String>,
+    /// An npm registry: not carried yet, refused at start with what to do instead.
+    pub npm: Option<String>,
+    /// The cache's bound in MiB (default 2048).
+    pub max_cache_mb: Option<u64>,
+    /// Where the cache is kept (default `$XDG_CACHE_HOME/tandem/packages`).
+    pub cache_dir: Option<PathBuf>,
 }
 
 /// `[store]`.

@@ -204,6 +204,28 @@ pub struct SessionSpec {
 pub struct EgressSocket {
     /// The socket's path; its directory holds nothing else and may be bound into a sandbox.
     pub socket: PathBuf,
+    /// What the sandbox's environment is given beyond the proxy's address (the package
+    /// index pip is pointed at).
+    pub env: Vec<(String, String)>,
+    /// The certificates the sandbox trusts (the system's and the proxy's CA), a file in the
+    /// socket's directory, when the proxy answers some hosts itself.
+    pub ca_bundle: Option<PathBuf>,
+}
+
+/// The variables that make a block's TLS clients trust the bundle at `path` (inside the
+/// sandbox): OpenSSL's, Python's `requests` and pip's, curl's, git's and Node's.
+pub fn egress_ca_env(path: &str) -> Vec<(String, String)> {
+    [
+        "SSL_CERT_FILE",
+        "REQUESTS_CA_BUNDLE",
+        "CURL_CA_BUNDLE",
+        "PIP_CERT",
+        "GIT_SSL_CAINFO",
+        "NODE_EXTRA_CA_CERTS",
+    ]
+    .into_iter()
+    .map(|k| (k.to_owned(), path.to_owned()))
+    .collect()
 }
 
 /// The port inside a sandbox where its blocks find the egress proxy (on its own loopback).

@@ -52,11 +52,19 @@ struct Container {
 }
 
 /// What the executor's sandboxes run, and as whom.
-fn offer(executor: &DockerExecutor, egress: bool) -> Offer {
+fn offer(executor: &DockerExecutor, egress: Option<&tandem_executor::EgressSocket>) -> Offer {
     let config = &executor.inner().config;
     let mut env = config.env.clone();
-    if egress {
+    if let Some(egress) = egress {
         env.extend(tandem_executor::egress_env());
+        env.extend(egress.env.iter().cloned());
+        if let Some(name) = egress.ca_bundle.as_ref().and_then(|p| p.file_name()) {
+            env.extend(tandem_executor::egress_ca_env(&format!(
+                "{}/{}",
+                crate::EGRESS_DIR,
+                name.to_string_lossy()
+            )));
+        }
     }
     Offer {
         executor: "docker",
@@ -145,7 +153,7 @@ impl DockerSession {
             runner: RunnerSession::new(
                 workspace,
                 made.volume.is_some(),
-                offer(&executor, spec.egress.is_some()),
+                offer(&executor, spec.egress.as_ref()),
                 spec.limits,
             ),
             container: Container {
@@ -199,7 +207,7 @@ impl DockerSession {
                 .map(|w| w.path().to_owned())
                 .unwrap_or_default(),
             volume.is_some(),
-            offer(&executor, false),
+            offer(&executor, None),
             spec.limits,
         )
         .with_conn(warm.conn.take());

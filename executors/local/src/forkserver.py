@@ -43,6 +43,17 @@ def block(req, out, err, status):
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
+        if not req["env"].get("PYTHONNOUSERSITE"):
+            # A fresh interpreter finds its user's site under HOME (the workspace, where
+            # `pip install --user` puts packages); the server started with another HOME.
+            import site
+
+            site.USER_BASE = None
+            site.USER_SITE = None
+            site.ENABLE_USER_SITE = True
+            user_site = site.getusersitepackages()
+            if os.path.isdir(user_site) and user_site not in sys.path:
+                site.addsitedir(user_site)
     except BaseException:
         import traceback
 

@@ -311,6 +311,8 @@ struct LocalSession {
     policy: Option<confine::Policy>,
     /// The egress proxy's socket, the blocks' one way out, when the session is behind it.
     egress: Option<PathBuf>,
+    /// What the proxy gives blocks behind it in their environment.
+    egress_env: Vec<(String, String)>,
 }
 
 impl LocalSession {
@@ -331,6 +333,19 @@ impl LocalSession {
         let (workspace, owned_workspace) =
             scratch::open_workspace(spec.workdir, &inner.root, "tandem-workspace-")?;
         let policy = inner.policy(&workspace, &scratch.path().join("tmp"), &tools)?;
+        let mut egress_env: Vec<(String, String)> = spec
+            .egress
+            .as_ref()
+            .map(|e| e.env.clone())
+            .unwrap_or_default();
+        if let Some(bundle) = spec.egress.as_ref().and_then(|e| e.ca_bundle.as_ref()) {
+            // Beside the tools module: readable by the confined block, written before any
+            // block runs.
+            let copy = tools.join("egress-ca.pem");
+            std::fs::copy(bundle, &copy)
+                .map_err(|e| ExecError::io("placing the egress proxy's CA bundle", e))?;
+            egress_env.extend(tandem_executor::egress_ca_env(&copy.to_string_lossy()));
+        }
         Ok(Self {
             inner,
             workspace,
@@ -339,6 +354,7 @@ impl LocalSession {
             limits: spec.limits,
             blocks: 0,
             policy,
+            egress_env,
             egress: spec.egress.map(|e| e.socket),
         })
     }

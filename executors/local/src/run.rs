@@ -96,6 +96,7 @@ async fn supervise(
     let mut env: Vec<(String, String)> = session.inner.env.clone();
     if session.egress.is_some() {
         env.extend(tandem_executor::egress_env());
+        env.extend(session.egress_env.iter().cloned());
     }
     env.extend([
         ("PATH".to_owned(), interpreters.path_env.clone()),
