@@ -385,9 +385,40 @@ fn network_report(file: &config::FileConfig) -> String {
                 } else {
                     format!("; deny: {}", section.deny.join(", "))
                 }
-            )
+            ) + &extras_report(section)
         }
     }
+}
+
+/// The package index and the brokered secrets `[network]` names (never a secret's value).
+fn extras_report(section: &config::NetworkSection) -> String {
+    let mut out = String::new();
+    if let Some(python) = section.packages.as_ref().and_then(|p| p.python.as_ref()) {
+        out.push_str(&format!(
+            "; pip installs from {python} through a shared cache"
+        ));
+    }
+    if !section.secrets.is_empty() {
+        let named: Vec<String> = section
+            .secrets
+            .iter()
+            .map(|(name, s)| {
+                let from = match (&s.value_env, &s.value_file) {
+                    (Some(var), _) if std::env::var_os(var).is_some() => format!("${var}"),
+                    (Some(var), _) => format!("${var}, which is not set"),
+                    (None, Some(path)) if path.is_file() => path.display().to_string(),
+                    (None, Some(path)) => format!("{}, which cannot be read", path.display()),
+                    (None, None) => "no value_env or value_file".to_owned(),
+                };
+                format!("{} on {} ({name}, from {from})", s.header, s.host)
+            })
+            .collect();
+        out.push_str(&format!(
+            "; headers added at the egress: {}",
+            named.join(", ")
+        ));
+    }
+    out
 }
 
 /// The configured tools, each with what runs it; MCP servers are started and list theirs.

@@ -644,6 +644,16 @@ value_file = "{d}/plain-token"
         .mode();
     assert_eq!(mode & 0o077, 0, "{mode:o}");
 
+    // doctor names each header, its host and where its value comes from, never the value.
+    let doctor = tandem(&["doctor", "--config", config.to_str().unwrap()], &[], None).await;
+    assert!(
+        doctor.stdout.contains("headers added at the egress: Authorization on api.test (api, from $TANDEM_TEST_API_TOKEN, which is not set)")
+            && doctor.stdout.contains("X-Api-Key on plain.test (plain, from "),
+        "{}",
+        doctor.stdout
+    );
+    assert!(!doctor.stdout.contains("plain-val-456"));
+
     // A secret whose value is missing is named at start.
     let out = tandem(
         &[
