@@ -85,16 +85,17 @@ impl TaskNetwork {
             executor,
             self.egress.clone(),
             self.policy.clone(),
-            Arc::new(NetEvents(events.clone())),
+            Arc::new(NetEvents(events.clone(), tracing::Span::current())),
         ))
     }
 }
 
-/// The proxy's records as the task's events.
-struct NetEvents(EventSink);
+/// The proxy's records as the task's events, and as spans under the task's.
+struct NetEvents(EventSink, tracing::Span);
 
 impl tandem_egress::NetSink for NetEvents {
     fn record(&self, event: tandem_protocol::net::NetEvent) {
+        crate::trace::net(&self.1, &event);
         (self.0)(EventMsg::Net(event));
     }
 }

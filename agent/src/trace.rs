@@ -151,6 +151,45 @@ pub fn queued(task: &Span, since: SystemTime) {
     span.end_with_timestamp(SystemTime::now().max(since));
 }
 
+/// Records, as a child of `parent`, one connection a sandbox made through the egress proxy:
+/// `egress {host}`, from its start to now, with its verdict, rule and bytes.
+pub fn net(parent: &Span, net: &tandem_protocol::net::NetEvent) {
+    let parent = parent.context();
+    if !parent.span().span_context().is_valid() {
+        return;
+    }
+    let now = SystemTime::now();
+    let since = now
+        .checked_sub(std::time::Duration::from_millis(net.ms))
+        .unwrap_or(now);
+    let verdict = match net.verdict {
+        tandem_protocol::net::NetVerdict::Allowed => "allowed",
+        tandem_protocol::net::NetVerdict::Denied => "denied",
+    };
+    let tracer = opentelemetry::global::tracer(SCOPE);
+    let mut span = tracer
+        .span_builder(format!("egress {}", net.host))
+        .with_kind(opentelemetry::trace::SpanKind::Client)
+        .with_start_time(since)
+        .with_attributes([
+            KeyValue::new("server.address", net.host.clone()),
+            KeyValue::new("server.port", i64::from(net.port)),
+            KeyValue::new("tandem.net.verdict", verdict),
+            KeyValue::new("tandem.net.rule", net.rule.clone()),
+            KeyValue::new(
+                "tandem.net.bytes_out",
+                i64::try_from(net.bytes_out).unwrap_or(i64::MAX),
+            ),
+            KeyValue::new(
+                "tandem.net.bytes_in",
+                i64::try_from(net.bytes_in).unwrap_or(i64::MAX),
+            ),
+            KeyValue::new("tandem.net.brokered", net.brokered),
+        ])
+        .start_with_context(&tracer, &parent);
+    span.end_with_timestamp(now);
+}
+
 /// Sets attribute `key` on `span` (nothing when no exporter is installed).
 pub fn set(span: &Span, key: &'static str, value: impl Into<Value>) {
     span.set_attribute(key, value);

@@ -625,6 +625,59 @@ value_file = "{d}/plain-token"
         assert!(!out.stdout.contains("sekrit-123") && !out.stderr.contains("sekrit-123"));
         assert!(!out.stdout.contains("plain-val-456") && !out.stderr.contains("plain-val-456"));
     }
+    // Each connection is a span under the task's, in the trace a caller asked for.
+    let collector = tandem_tests::otlp::Collector::start().await;
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let endpoint = collector.grpc_endpoint();
+    let out = tandem(
+        &[
+            "run",
+            "--json",
+            "--config",
+            config.to_str().unwrap(),
+            "--base-url",
+            &url,
+            "--model",
+            "m",
+            "-e",
+            "docker",
+            task,
+        ],
+        &[
+            ("TANDEM_MAX_RETRIES", "0"),
+            ("TANDEM_TEST_API_TOKEN", "Bearer sekrit-123"),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("TRACEPARENT", &format!("00-{trace}-00f067aa0ba902b7-01")),
+        ],
+        None,
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let spans = collector
+        .trace(trace, Duration::from_secs(20), |spans| {
+            spans.iter().any(|s| s.name == "egress api.test")
+                && spans.iter().any(|s| s.name == "egress other.test")
+        })
+        .await;
+    let api = spans.iter().find(|s| s.name == "egress api.test").unwrap();
+    assert_eq!(api.text("tandem.net.verdict"), Some("allowed"), "{api:?}");
+    assert_eq!(
+        api.attributes["tandem.net.brokered"],
+        json!(true),
+        "{api:?}"
+    );
+    assert!(
+        api.int("tandem.net.bytes_in").is_some_and(|n| n > 0),
+        "{api:?}"
+    );
+    assert!(
+        spans
+            .iter()
+            .all(|s| !format!("{:?}", s.attributes).contains("sekrit-123")),
+        "a span holds the value"
+    );
+
     // The model was told which hosts carry credentials, never the values.
     let asked: Vec<String> = server
         .requests()
@@ -675,4 +728,95 @@ value_file = "{d}/plain-token"
         "{}",
         out.stderr
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_mcp_client_asks_for_a_network_within_the_operators_on_execute_code_and_run_task() {
+    let net = Internet::new();
+    net.http_server(80);
+    let task = "network: fetch files.test";
+    let server = ScriptedOpenAi::start(script([(task, replies())]))
+        .await
+        .unwrap();
+    let config = format!(
+        "[network]\nallow = [\"files.test\"]\nresolve = {{ \"files.test\" = [\"{}\"] }}\n",
+        net.addr
+    );
+    let daemon = DaemonHarness::start(
+        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &["--executor", "docker"],
+        Some(&config),
+    )
+    .await;
+    let mcp = tandem_tests::mcp::McpHttp::connect(&daemon).await.unwrap();
+    // execute_code: the allowed host answers, the other is refused, each told as a line.
+    let ran = mcp
+        .call_tool(
+            "execute_code",
+            json!({"language": "python", "code": FETCH, "network": {"allow": ["files.test"]}}),
+        )
+        .await;
+    let text: String = ran["content"]
+        .as_array()
+        .map(|blocks| {
+            blocks
+                .iter()
+                .filter_map(|b| b["text"].as_str())
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
+        .unwrap_or_default();
+    assert!(
+        text.contains("seen: GET /hello") && text.contains("other: 403"),
+        "{ran}"
+    );
+    assert!(
+        text.contains("net: files.test:80 allowed") && text.contains("net: other.test:80 denied"),
+        "{text}"
+    );
+    // Outside the operator's: refused, naming the host.
+    let refused = mcp
+        .call_tool(
+            "execute_code",
+            json!({"language": "python", "code": "print(1)", "network": {"allow": ["evil.test"]}}),
+        )
+        .await;
+    assert!(refused.to_string().contains("evil.test"), "{refused}");
+    // run_task: the task's sandbox gets the network it asked for, and its events say so.
+    let done = mcp
+        .call_tool(
+            "run_task",
+            json!({"task": task, "network": {"allow": ["files.test"]}}),
+        )
+        .await;
+    let id = done["structuredContent"]["task_id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{done}"))
+        .to_owned();
+    let events = daemon.raw_events(&id, 0).await;
+    let nets: Vec<&Value> = events.iter().filter(|e| e["type"] == "net").collect();
+    assert_eq!(
+        verdicts(nets.iter().copied()),
+        [
+            (
+                "files.test".to_owned(),
+                "allowed".to_owned(),
+                "files.test".to_owned()
+            ),
+            (
+                "other.test".to_owned(),
+                "denied".to_owned(),
+                "default".to_owned()
+            )
+        ],
+        "{events:?}"
+    );
+    let refused = mcp
+        .call_tool(
+            "run_task",
+            json!({"task": task, "network": {"allow": ["evil.test"]}}),
+        )
+        .await;
+    assert!(refused.to_string().contains("evil.test"), "{refused}");
 }

@@ -32,6 +32,22 @@ pub const DEFAULT_MAX_CONNECTIONS: u32 = 64;
 pub trait NetSink: Send + Sync {
     /// One connection is over (or was refused).
     fn record(&self, event: NetEvent);
+
+    /// A connection was accepted; [`NetSink::finished`] follows once it is over, after its
+    /// record when it has one.
+    fn started(&self) {}
+
+    /// A connection [`NetSink::started`] told of is over.
+    fn finished(&self) {}
+}
+
+/// Tells the sink a connection is over however it ends.
+struct Live<'a>(&'a dyn NetSink);
+
+impl Drop for Live<'_> {
+    fn drop(&mut self) {
+        self.0.finished();
+    }
 }
 
 /// The proxy's own bounds, the same for every sandbox.
@@ -280,6 +296,8 @@ impl Inner {
         S: AsyncRead + AsyncWrite + Unpin + Send,
     {
         let started = Instant::now();
+        grant.sink.started();
+        let _live = Live(&*grant.sink);
         let Ok(_all) = self.open.clone().try_acquire_owned() else {
             let _ = client
                 .write_all(&refusal(503, "the egress proxy is full"))

@@ -46,6 +46,8 @@ pub struct Metrics {
     daemon_tasks: Family<Labels, Gauge>,
     engine: Engine,
     spans_dropped: Counter,
+    net_connections: Family<Labels, Counter>,
+    net_bytes: Family<Labels, Counter>,
 }
 
 /// What the embedded model's engine says, when the daemon serves one.
@@ -87,6 +89,8 @@ impl Default for Metrics {
             daemon_tasks: Family::default(),
             engine: Engine::default(),
             spans_dropped: Counter::default(),
+            net_connections: Family::default(),
+            net_bytes: Family::default(),
         };
         let mut registry = Registry::default();
         registry.register("tandem_tasks", "Tasks by state", m.tasks.clone());
@@ -94,6 +98,16 @@ impl Default for Metrics {
             "tandem_trace_spans_dropped",
             "Finished spans never exported: the export queue was full or the collector did not take them",
             m.spans_dropped.clone(),
+        );
+        registry.register(
+            "tandem_net_connections",
+            "Connections sandboxes made through the egress proxy, by executor and verdict (with brokered ones counted apart)",
+            m.net_connections.clone(),
+        );
+        registry.register(
+            "tandem_net_bytes",
+            "Bytes the egress proxy carried for sandboxes, by executor and direction",
+            m.net_bytes.clone(),
         );
         registry.register(
             "tandem_executions",
@@ -261,6 +275,29 @@ impl Metrics {
             .observe(result.duration_ms as f64 / 1000.0);
     }
 
+    /// Counts one connection through the egress proxy and the bytes it carried.
+    pub fn net(&self, executor: &str, net: &tandem_protocol::net::NetEvent) {
+        let verdict = match net.verdict {
+            tandem_protocol::net::NetVerdict::Allowed if net.brokered => "brokered",
+            tandem_protocol::net::NetVerdict::Allowed => "allowed",
+            tandem_protocol::net::NetVerdict::Denied => "denied",
+        };
+        self.net_connections
+            .get_or_create(&vec![
+                ("executor", executor.to_owned()),
+                ("verdict", verdict.to_owned()),
+            ])
+            .inc();
+        for (direction, n) in [("out", net.bytes_out), ("in", net.bytes_in)] {
+            self.net_bytes
+                .get_or_create(&vec![
+                    ("executor", executor.to_owned()),
+                    ("direction", direction.to_owned()),
+                ])
+                .inc_by(n);
+        }
+    }
+
     /// Records how long a model call took.
     pub fn model_latency(&self, took: Duration) {
         self.model_seconds.observe(took.as_secs_f64());
@@ -366,6 +403,20 @@ mod tests {
         m.finished(Some(0.5), None, "m", "docker");
         m.finished(None, None, "m", "docker");
         m.model_latency(Duration::from_millis(20));
+        m.net(
+            "docker",
+            &tandem_protocol::net::NetEvent {
+                host: "files.test".to_owned(),
+                port: 80,
+                verdict: tandem_protocol::net::NetVerdict::Allowed,
+                rule: "files.test".to_owned(),
+                reason: None,
+                bytes_out: 90,
+                bytes_in: 160,
+                ms: 3,
+                brokered: false,
+            },
+        );
         let host = tandem_executor::HostStatus {
             name: "b".to_owned(),
             url: "tcp://10.0.0.2:2376".to_owned(),
@@ -404,6 +455,8 @@ mod tests {
             "tandem_model_seconds_bucket{le=\"0.025\"} 1",
             "tandem_model_seconds_count 1",
             "tandem_sessions_open 3",
+            "tandem_net_connections_total{executor=\"docker\",verdict=\"allowed\"} 1",
+            "tandem_net_bytes_total{executor=\"docker\",direction=\"in\"} 160",
             "tandem_host_up{executor=\"docker\",host=\"b\"} 0",
             "tandem_host_sessions{executor=\"docker\",host=\"b\"} 1",
             "tandem_host_capacity{executor=\"docker\",host=\"b\"} 4",

@@ -55,6 +55,7 @@ impl TaskSink {
                 self.held.block_ended(&self.task);
                 metrics.execution(&self.executor, result);
             }
+            EventMsg::Net(net) => metrics.net(&self.executor, net),
             EventMsg::TurnStarted { .. } => {
                 if let Ok(mut t) = self.turn_started.lock() {
                     *t = Some(Instant::now());

@@ -150,6 +150,9 @@ struct RunTaskArgs {
     /// to its model: {expect, file, contents, program, language} (docs/eval.md)
     #[schemars(extend("type" = "object"))]
     check: Option<Value>,
+    /// Hosts the task's code may reach through Tandem's egress proxy (`{"allow":
+    /// ["pypi.test"]}`), within what the operator allows
+    network: Option<NetworkArg>,
 }
 
 /// A tool's arguments as `T`; what does not fit says which argument and why.

@@ -159,6 +159,7 @@ impl TandemMcp {
             }
             let ran = run_with_files(session.as_mut(), given, request, ctx).await;
             if let Some(route) = opened.net_route() {
+                route.settle(std::time::Duration::from_secs(2)).await;
                 route.route_to(None);
             }
             Ok::<_, Failed>((ran?, net_rx))

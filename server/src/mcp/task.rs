@@ -61,6 +61,9 @@ impl TandemMcp {
             keep_state: args.keep_state.unwrap_or(false),
             placement: args.placement.unwrap_or_default(),
             candidates: args.candidates,
+            network: args
+                .network
+                .map(|n| tandem_protocol::net::NetworkRequest { allow: n.allow }),
             code_via: args
                 .code_via
                 .as_deref()

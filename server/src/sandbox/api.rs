@@ -173,6 +173,7 @@ impl Pool {
             () = tx.closed() => { cancel.cancel(); run.await }
         };
         if let Some(route) = net {
+            route.settle(std::time::Duration::from_secs(2)).await;
             route.route_to(None);
         }
         match outcome {

@@ -29,9 +29,12 @@ pub(super) struct Made {
 /// The running block's event stream, which the egress proxy's records of the sandbox join;
 /// between blocks there is no one to tell.
 #[derive(Default)]
-pub(crate) struct NetRoute(
-    Mutex<Option<tokio::sync::mpsc::UnboundedSender<tandem_protocol::session::ExecEvent>>>,
-);
+pub(crate) struct NetRoute {
+    to: Mutex<Option<tokio::sync::mpsc::UnboundedSender<tandem_protocol::session::ExecEvent>>>,
+    /// Connections the proxy holds for this sandbox, not yet recorded.
+    open: std::sync::atomic::AtomicUsize,
+    settled: tokio::sync::Notify,
+}
 
 impl NetRoute {
     /// Sends what the proxy records to `to` (`None`: nowhere) until told otherwise.
@@ -39,18 +42,47 @@ impl NetRoute {
         &self,
         to: Option<tokio::sync::mpsc::UnboundedSender<tandem_protocol::session::ExecEvent>>,
     ) {
-        if let Ok(mut slot) = self.0.lock() {
+        if let Ok(mut slot) = self.to.lock() {
             *slot = to;
+        }
+    }
+
+    /// Waits (at most `within`) until every connection the sandbox opened is recorded: a
+    /// block's connections close as its processes exit, a moment after its result.
+    pub(crate) async fn settle(&self, within: std::time::Duration) {
+        use std::sync::atomic::Ordering;
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let notified = self.settled.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.open.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return;
+            }
         }
     }
 }
 
 impl tandem_egress::NetSink for NetRoute {
     fn record(&self, event: tandem_protocol::net::NetEvent) {
-        if let Ok(slot) = self.0.lock()
+        if let Ok(slot) = self.to.lock()
             && let Some(tx) = slot.as_ref()
         {
             let _ = tx.send(tandem_protocol::session::ExecEvent::Net(event));
+        }
+    }
+
+    fn started(&self) {
+        self.open.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    }
+
+    fn finished(&self) {
+        let before = self.open.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        if before <= 1 {
+            self.settled.notify_waiters();
         }
     }
 }
