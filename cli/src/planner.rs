@@ -62,6 +62,7 @@ fn network(settings: &Settings, own: &bool) -> Result<tandem_daemon::NetworkConf
                 .context("in [network] of tandem.toml")?;
             policy.max_bytes = section.max_bytes;
             policy.max_connections = section.max_connections;
+            policy.max_block_connections = section.max_block_connections;
             policy.resolve = section
                 .resolve
                 .iter()

@@ -99,7 +99,7 @@ impl Executor for Behind {
             let session = self.inner.open(spec).await?;
             Ok(Box::new(BehindSession {
                 session,
-                _socket: socket,
+                socket,
                 dir,
             }) as Box<dyn Session>)
         })
@@ -137,7 +137,7 @@ impl Executor for Behind {
 /// A session and the socket that is its one way out; the socket goes when it does.
 struct BehindSession {
     session: Box<dyn Session>,
-    _socket: SocketGrant,
+    socket: SocketGrant,
     dir: PathBuf,
 }
 
@@ -153,6 +153,7 @@ impl Session for BehindSession {
         req: ExecRequest,
         ctx: ExecContext,
     ) -> BoxFuture<'_, Result<ExecOutcome, ExecError>> {
+        self.socket.new_block();
         self.session.run(req, ctx)
     }
 

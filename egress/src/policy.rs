@@ -16,6 +16,9 @@ pub struct Policy {
     pub max_bytes: Option<u64>,
     /// Connections a sandbox may hold open at once.
     pub max_connections: Option<u32>,
+    /// Connections one block may make, in all (a sandbox's count starts again with each
+    /// block).
+    pub max_block_connections: Option<u32>,
     /// Names the proxy answers itself instead of asking DNS (tests, and hosts a site pins).
     pub resolve: BTreeMap<String, Vec<IpAddr>>,
 }

@@ -89,6 +89,8 @@ impl Carried {
 pub struct Grant {
     policy: Arc<Policy>,
     open: Arc<Semaphore>,
+    /// Connections the running block has made.
+    block: std::sync::atomic::AtomicU32,
     carried: Arc<Carried>,
     sink: Arc<dyn NetSink>,
     stop: CancellationToken,
@@ -100,6 +102,7 @@ impl Grant {
         let max = policy.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS);
         Grant {
             open: Arc::new(Semaphore::new(usize::try_from(max).unwrap_or(usize::MAX))),
+            block: std::sync::atomic::AtomicU32::new(0),
             policy,
             carried,
             sink,
@@ -110,6 +113,11 @@ impl Grant {
     /// The policy this grant carries out.
     pub fn policy(&self) -> &Policy {
         &self.policy
+    }
+
+    /// A new block starts: its connections are counted from none.
+    pub fn new_block(&self) {
+        self.block.store(0, Ordering::Relaxed);
     }
 }
 
@@ -146,6 +154,13 @@ pub struct PeerGrant {
     inner: Arc<Inner>,
     peer: IpAddr,
     grant: Arc<Grant>,
+}
+
+impl PeerGrant {
+    /// A new block starts in the sandbox: its connections are counted from none.
+    pub fn new_block(&self) {
+        self.grant.new_block();
+    }
 }
 
 impl Drop for PeerGrant {
@@ -330,6 +345,28 @@ impl Inner {
             ));
             return;
         };
+        if let Some(max) = grant.policy.max_block_connections
+            && grant.block.fetch_add(1, Ordering::Relaxed) >= max
+        {
+            let denial = Denial::check(
+                "max_block_connections",
+                format!("this block already made {max} connections, as many as one block may"),
+            );
+            let _ = client.write_all(&denied(&denial)).await;
+            grant.sink.record(event(
+                Outcome {
+                    host: String::new(),
+                    port: 0,
+                    result: Err(denial),
+                    bytes_out: 0,
+                    bytes_in: 0,
+                    answered: false,
+                    brokered: false,
+                },
+                started,
+            ));
+            return;
+        }
         let outcome = tokio::select! {
             () = grant.stop.cancelled() => return,
             () = self.stop.cancelled() => return,
@@ -1244,6 +1281,11 @@ impl SocketGrant {
     /// Where the socket is.
     pub fn path(&self) -> &std::path::Path {
         &self.path
+    }
+
+    /// A new block starts in the sandbox: its connections are counted from none.
+    pub fn new_block(&self) {
+        self.grant.new_block();
     }
 }
 

@@ -470,6 +470,35 @@ async fn max_bytes_cuts_a_flood_and_max_connections_holds() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_makes_at_most_max_block_connections_and_the_next_block_starts_again() {
+    let net = Internet::new();
+    http_server(net.listen(9090));
+    let p = proxy(ProxyLimits::default()).await;
+    let mut pol = policy(&["files.test:9090"], &[("files.test", net.addr)]);
+    pol.max_block_connections = Some(2);
+    let (g, events) = p.grant("127.0.0.6", pol);
+    let get = "GET http://files.test:9090/ HTTP/1.1\r\nHost: files.test:9090\r\n\r\n";
+    for _ in 0..2 {
+        let answer = p.ask("127.0.0.6", get).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+    let answer = p.ask("127.0.0.6", get).await;
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+    assert!(answer.contains("max_block_connections"), "{answer}");
+    let got = events.wait_for(3).await;
+    assert_eq!(
+        got.iter()
+            .filter(|e| e.verdict == NetVerdict::Denied && e.rule == "max_block_connections")
+            .count(),
+        1,
+        "{got:?}"
+    );
+    g.new_block();
+    let answer = p.ask("127.0.0.6", get).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn half_open_connections_from_one_sandbox_leave_others_served() {
     let net = Internet::new();
     http_server(net.listen(8080));

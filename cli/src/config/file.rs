@@ -67,6 +67,8 @@ pub struct NetworkSection {
     pub max_bytes: Option<u64>,
     /// Connections a sandbox may hold open at once.
     pub max_connections: Option<u32>,
+    /// Connections one block may make in all.
+    pub max_block_connections: Option<u32>,
     /// Names the proxy answers itself instead of asking DNS (`"pypi.test" = ["203.0.113.5"]`).
     #[serde(default)]
     pub resolve: BTreeMap<String, Vec<std::net::IpAddr>>,
