@@ -358,10 +358,35 @@ async fn doctor(
     );
     println!("tools:     {}", tools_report(file).await);
     println!("network:   {}", network_report(file));
+    println!("           {}", switches_report(file));
     for line in executors::report(&settings, precompile).await? {
         println!("{line}");
     }
     Ok(exit::DONE)
+}
+
+/// What each built-in executor's `network` setting gives its tasks, and why.
+fn switches_report(file: &config::FileConfig) -> String {
+    use config::NetworkSwitch;
+    [
+        ("docker", file.executors.docker.network),
+        ("local", file.executors.local.network),
+    ]
+    .into_iter()
+    .map(|(name, set)| {
+        let why = match set {
+            Some(_) => format!("network set in [executors.{name}]"),
+            None => "the default".to_owned(),
+        };
+        let gives = match NetworkSwitch::resolve(set) {
+            NetworkSwitch::Off => "never any network",
+            NetworkSwitch::Open => "the open network, unguarded (no proxy, no policy)",
+            NetworkSwitch::Policy => "behind the egress proxy when [network] or a task names hosts",
+        };
+        format!("{name}: {gives} ({why})")
+    })
+    .collect::<Vec<_>>()
+    .join("; ")
 }
 
 /// What a sandbox may reach: `[network]` through the egress proxy, and where it applies.

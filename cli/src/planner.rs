@@ -108,7 +108,30 @@ fn network(settings: &Settings, own: &bool) -> Result<tandem_daemon::NetworkConf
             bound,
             own: *own,
         },
+        switches: switches(file),
     })
+}
+
+/// What each built-in executor's `network` setting gives its tasks: the one set, else
+/// `policy`.
+pub fn switches(
+    file: &crate::config::FileConfig,
+) -> std::collections::HashMap<String, tandem_egress::Switch> {
+    use crate::config::NetworkSwitch;
+    [
+        ("docker", file.executors.docker.network),
+        ("local", file.executors.local.network),
+    ]
+    .into_iter()
+    .map(|(name, set)| {
+        let switch = match NetworkSwitch::resolve(set) {
+            NetworkSwitch::Off => tandem_egress::Switch::Off,
+            NetworkSwitch::Open => tandem_egress::Switch::Open,
+            NetworkSwitch::Policy => tandem_egress::Switch::Policy,
+        };
+        (name.to_owned(), switch)
+    })
+    .collect()
 }
 
 /// The secrets `[network.secrets]` names, each value read now (a missing one is named), and

@@ -820,3 +820,139 @@ async fn an_mcp_client_asks_for_a_network_within_the_operators_on_execute_code_a
         .await;
     assert!(refused.to_string().contains("evil.test"), "{refused}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executors_network_setting_decides_what_its_tasks_get_and_doctor_says_why() {
+    let task = "network: fetch files.test";
+    let server = ScriptedOpenAi::start(script([(task, replies())]))
+        .await
+        .unwrap();
+    let url = server.base_url();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tandem.toml");
+    // false: never any network, whatever a task asks; named with the setting to change.
+    std::fs::write(
+        &config,
+        "[executors.local]\nnetwork = false\n[executors.docker]\nnetwork = true\n",
+    )
+    .unwrap();
+    for (executor, said) in [("local", "network = false"), ("docker", "network = true")] {
+        let out = tandem(
+            &[
+                "run",
+                "--config",
+                config.to_str().unwrap(),
+                "--base-url",
+                &url,
+                "-e",
+                executor,
+                "--allow-host",
+                "files.test",
+                task,
+            ],
+            &[],
+            None,
+        )
+        .await;
+        assert_ne!(out.code, 0, "{executor}: {}", out.stdout);
+        assert!(
+            out.stderr.contains(said)
+                && out.stderr.contains(&format!("[executors.{executor}]"))
+                && out.stderr.contains("network = \"policy\""),
+            "{executor}: {}",
+            out.stderr
+        );
+        // No request reached the model: the task was refused before it started.
+        assert!(server.requests().is_empty());
+    }
+    let doctor = tandem(&["doctor", "--config", config.to_str().unwrap()], &[], None).await;
+    assert!(
+        doctor.stdout.contains("docker: the open network, unguarded (no proxy, no policy) (network set in [executors.docker]); local: never any network (network set in [executors.local])"),
+        "{}",
+        doctor.stdout
+    );
+    // Unset: policy, said as the default.
+    std::fs::write(&config, "").unwrap();
+    let doctor = tandem(&["doctor", "--config", config.to_str().unwrap()], &[], None).await;
+    assert!(
+        doctor.stdout.contains(
+            "docker: behind the egress proxy when [network] or a task names hosts (the default)"
+        ),
+        "{}",
+        doctor.stdout
+    );
+    // A value that is none of the three is named with what it may be.
+    std::fs::write(&config, "[executors.docker]\nnetwork = \"open\"\n").unwrap();
+    let out = tandem(&["doctor", "--config", config.to_str().unwrap()], &[], None).await;
+    assert!(
+        out.stderr.contains("network = \"open\"") && out.stderr.contains("\"policy\""),
+        "{}\n{}",
+        out.stdout,
+        out.stderr
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_index_that_is_down_gives_pip_its_own_error_and_the_task_goes_on() {
+    // A namespace with nothing listening: the index refuses every connection.
+    let net = Internet::new();
+    let task = "network: install from an index that is down";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Text(fence("python", INSTALL)),
+            Reply::from("The index is down.\n\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tandem.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[network]\nresolve = {{ \"pypi.test\" = [\"{}\"] }}\n[network.packages]\npython = \"http://pypi.test/simple/\"\ncache_dir = \"{}\"\n",
+            net.addr,
+            dir.path().join("cache").display()
+        ),
+    )
+    .unwrap();
+    let out = tandem(
+        &[
+            "run",
+            "--json",
+            "--config",
+            config.to_str().unwrap(),
+            "--base-url",
+            &server.base_url(),
+            "--model",
+            "m",
+            "-e",
+            "local",
+            task,
+        ],
+        &[("TANDEM_MAX_RETRIES", "0")],
+        None,
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let results = events_of(&out.stdout, "exec_result");
+    let printed = results[0]["result"]["stdout"].as_str().unwrap_or_default();
+    // pip's own words reach the model, and the task ran its second turn.
+    assert!(
+        printed.contains("pip exit 1")
+            && printed.contains("No matching distribution found for tandemdemo"),
+        "{printed}"
+    );
+    let nets = events_of(&out.stdout, "net");
+    assert!(
+        nets.iter().any(|n| n["verdict"] == "denied"
+            && n["rule"] == "packages"
+            && n["reason"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("refused the connection")),
+        "{nets:?}"
+    );
+    assert_eq!(events_of(&out.stdout, "assistant_message").len(), 2);
+}

@@ -20,7 +20,7 @@ use std::net::IpAddr;
 pub use behind::Behind;
 pub use broker::{Broker, BrokerError, Ca, Secret};
 pub use packages::{IndexUrl, Packages};
-pub use policy::{Denial, Network, NotGiven, Policy};
+pub use policy::{Denial, Network, NotGiven, Policy, Switch};
 pub use proxy::{Carried, Egress, Extras, Grant, NetSink, PeerGrant, ProxyLimits, SocketGrant};
 pub use rule::{Rule, RuleError};
 

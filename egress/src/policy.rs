@@ -110,6 +110,17 @@ impl Policy {
     }
 }
 
+/// What an executor's `network` setting gives its tasks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Switch {
+    /// Never any network, whatever `[network]` or a task asks.
+    Off,
+    /// The open network, no proxy (unguarded): a task's policy cannot narrow it.
+    Open,
+    /// Behind the egress proxy, under the task's policy.
+    Policy,
+}
+
 /// Why a connection was refused: the entry or check that refused it, and in words.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Denial {

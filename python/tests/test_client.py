@@ -373,3 +373,52 @@ def test_a_sessions_sandbox_is_gone_after_the_daemon_stops_or_dies(model: Script
                 s.run("print(1)")
     finally:
         d.stop()
+
+
+def test_a_session_with_a_network_reaches_what_it_asked_for_and_its_connections_are_told(model: ScriptedModel) -> None:
+    import http.server
+    import threading
+
+    hits: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802
+            hits.append(self.path)
+            body = b"hello from the host\n"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # This machine's own address is reached only when a CIDR entry names it.
+    entry = f"127.0.0.1/32:{port}"
+    d = Daemon(model.url, CONFIG + f'\n[network]\nallow = ["{entry}"]\n')
+    try:
+        with d.client() as c:
+            with pytest.raises(tandem_client.TandemError) as refused:
+                c.session(executor="local", network={"allow": ["evil.test"]})
+            assert "evil.test" in str(refused.value)
+            seen: list[dict] = []
+            code = (
+                "import os, urllib.request\n"
+                "for name in ('NO_PROXY', 'no_proxy'):\n"
+                "    os.environ.pop(name, None)\n"
+                "via = urllib.request.ProxyHandler({'http': os.environ['HTTP_PROXY']})\n"
+                f"print(urllib.request.build_opener(via).open('http://127.0.0.1:{port}/x', timeout=30).read().decode())\n"
+            )
+            with c.session(executor="local", network={"allow": [entry]}) as s:
+                result = s.run(code, on_net=seen.append)
+            assert "hello from the host" in result["stdout"], result["stderr"]
+            assert hits == ["/x"]
+            assert [(n["host"], n["port"], n["verdict"], n["rule"]) for n in seen] == [
+                ("127.0.0.1", port, "allowed", entry)
+            ]
+    finally:
+        d.stop()
+        server.shutdown()

@@ -98,6 +98,9 @@ pub struct NetworkConfig {
     pub egress: Option<tandem_egress::Egress>,
     /// `[network]`, `[policy] network_allow`, and whose road this is.
     pub rules: tandem_egress::Network,
+    /// Each executor's `network` setting, by name; an executor not named here goes behind
+    /// the proxy when a task has a policy, or is refused when it cannot.
+    pub switches: HashMap<String, tandem_egress::Switch>,
 }
 
 /// What the model is told of its sandbox's network: the hosts, never a credential.
@@ -426,6 +429,17 @@ impl Planner {
         asked: Option<&tandem_protocol::net::NetworkRequest>,
         executor: &dyn Executor,
     ) -> Result<Option<(tandem_egress::Egress, tandem_egress::Policy)>, Refusal> {
+        let switched = self
+            .switched_off(asked.is_some(), executor)
+            .map_err(|problem| {
+                Refusal::of_task(&TaskError::from(crate::error::Unavailable::Executor {
+                    name: executor.name().to_owned(),
+                    problem,
+                }))
+            })?;
+        if switched {
+            return Ok(None);
+        }
         let policy = match self
             .config
             .network
@@ -460,12 +474,41 @@ impl Planner {
 
     /// The policy `spec`'s sandboxes are held to: its own `network` within what the operator
     /// allows, else `[network]`; `None` is no network.
+    /// Whether `executor`'s `network` setting decides alone: `true` when its sandboxes get
+    /// no policy (off, or the open network), an error when a task `asked` for one it cannot
+    /// give; `false` when the policy applies.
+    fn switched_off(&self, asked: bool, executor: &dyn Executor) -> Result<bool, String> {
+        let name = executor.name();
+        match self.config.network.switches.get(name) {
+            Some(tandem_egress::Switch::Off) if asked => Err(format!(
+                "it has network = false in its config ([executors.{name}]), which never gives a network; an operator sets network = \"policy\" to put its sandboxes behind Tandem's egress proxy"
+            )),
+            Some(tandem_egress::Switch::Open) if asked => Err(format!(
+                "it has network = true in its config ([executors.{name}]): the open network, which a task's network policy cannot narrow; an operator sets network = \"policy\" to put its sandboxes behind Tandem's egress proxy"
+            )),
+            Some(tandem_egress::Switch::Off | tandem_egress::Switch::Open) => Ok(true),
+            Some(tandem_egress::Switch::Policy) | None => Ok(false),
+        }
+    }
+
     fn check_network(
         &self,
         spec: &TaskSpec,
         executor: &dyn Executor,
     ) -> Result<Option<tandem_egress::Policy>, TaskError> {
         let asked = spec.network.as_ref().map(|n| n.allow.as_slice());
+        let unavailable = |problem: String| {
+            TaskError::from(crate::error::Unavailable::Executor {
+                name: executor.name().to_owned(),
+                problem,
+            })
+        };
+        if self
+            .switched_off(asked.is_some(), executor)
+            .map_err(unavailable)?
+        {
+            return Ok(None);
+        }
         let policy = match self.config.network.rules.for_task(asked) {
             Ok(policy) => policy,
             Err(tandem_egress::NotGiven::Entry(e)) => return Err(Invalid::Network(e).into()),
@@ -473,12 +516,6 @@ impl Planner {
         };
         let Some(policy) = policy else {
             return Ok(None);
-        };
-        let unavailable = |problem: String| {
-            TaskError::from(crate::error::Unavailable::Executor {
-                name: executor.name().to_owned(),
-                problem,
-            })
         };
         if spec.team.is_some() {
             return Err(Invalid::Check(

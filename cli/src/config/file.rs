@@ -53,6 +53,44 @@ pub struct FileConfig {
     pub network: Option<NetworkSection>,
 }
 
+/// An executor's `network`: `false`, `true` or `"policy"`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NetworkSwitch {
+    /// Never any network, whatever `[network]` or a task asks.
+    Off,
+    /// The open network (Docker's bridge, the host's), no proxy: unguarded.
+    Open,
+    /// Behind the egress proxy, under the task's policy.
+    Policy,
+}
+
+impl<'de> Deserialize<'de> for NetworkSwitch {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Bool(bool),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Bool(false) => Ok(NetworkSwitch::Off),
+            Raw::Bool(true) => Ok(NetworkSwitch::Open),
+            Raw::Text(t) if t == "policy" => Ok(NetworkSwitch::Policy),
+            Raw::Text(t) => Err(serde::de::Error::custom(format!(
+                "network = {t:?}: it is false (no network), true (the open network, unguarded) or \"policy\" (behind Tandem's egress proxy)"
+            ))),
+        }
+    }
+}
+
+impl NetworkSwitch {
+    /// The switch that applies: the one set, else `policy`, which gives a task no network
+    /// unless `[network]` or the task itself names hosts.
+    pub fn resolve(set: Option<NetworkSwitch>) -> NetworkSwitch {
+        set.unwrap_or(NetworkSwitch::Policy)
+    }
+}
+
 /// `[network]`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -336,7 +374,9 @@ pub struct DockerSection {
     pub pids: Option<i64>,
     pub tmpfs_bytes: Option<u64>,
     pub user: Option<String>,
-    pub network: Option<bool>,
+    /// `false` never any network, `true` Docker's open bridge (unguarded), `"policy"` (the
+    /// default) behind the egress proxy when `[network]` or a task names hosts.
+    pub network: Option<NetworkSwitch>,
     pub read_only: Option<bool>,
     pub languages: Option<Vec<String>>,
     pub workspace_dir: Option<PathBuf>,
@@ -419,8 +459,9 @@ pub struct LocalSection {
     pub env: BTreeMap<String, String>,
     /// Kernel confinement of blocks: auto (default), off or required.
     pub confine: Option<String>,
-    /// Whether confined blocks may use the network (default false).
-    pub network: Option<bool>,
+    /// `false` never any network, `true` the host's network (unguarded), `"policy"` (the
+    /// default) behind the egress proxy when `[network]` or a task names hosts.
+    pub network: Option<NetworkSwitch>,
     /// Paths confined blocks may read besides the system's and the interpreters'.
     #[serde(default)]
     pub read_paths: Vec<PathBuf>,

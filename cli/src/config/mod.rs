@@ -507,7 +507,7 @@ fn local_config(file: &FileConfig) -> Result<LocalConfig> {
         env: l.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
         python_fork_server: l.fork_server.unwrap_or(true),
         confine,
-        network: l.network.unwrap_or(false),
+        network: l.network == Some(NetworkSwitch::Open),
         read_paths: l.read_paths.clone(),
     })
 }
@@ -716,7 +716,10 @@ fn docker_config(file: &FileConfig, image: Option<&str>) -> Result<DockerConfig>
         pids: d.pids.unwrap_or(defaults.pids),
         tmpfs_bytes: d.tmpfs_bytes.unwrap_or(defaults.tmpfs_bytes),
         user: d.user.clone().unwrap_or(defaults.user),
-        network: d.network.unwrap_or(defaults.network),
+        network: match d.network {
+            Some(switch) => switch == NetworkSwitch::Open,
+            None => defaults.network,
+        },
         read_only: d.read_only.unwrap_or(defaults.read_only),
         env: d.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
         languages: match &d.languages {

@@ -40,6 +40,10 @@ ToolFn = Callable[..., Any]
 OutputFn = Callable[[str, str], Any]
 """Called with (stream, text) as a block writes: stream is "stdout" or "stderr"."""
 
+NetFn = Callable[[dict[str, Any]], Any]
+"""Called with each connection a block made through the egress proxy (a `net` event:
+host, port, verdict, rule, reason, bytes_out, bytes_in, ms, brokered)."""
+
 # A block's stream may say nothing for as long as the block runs; the daemon bounds the
 # block, so the client waits that long and this much more before it gives up on the daemon.
 _STREAM_GRACE = 60.0
@@ -545,10 +549,17 @@ class Session:
         self.close()
 
     def run(
-        self, code: str, language: str = "python", *, timeout: float | None = None, on_output: OutputFn | None = None
+        self,
+        code: str,
+        language: str = "python",
+        *,
+        timeout: float | None = None,
+        on_output: OutputFn | None = None,
+        on_net: NetFn | None = None,
     ) -> BlockResult:
-        """Runs one block and returns its result; its output goes to `on_output` as it comes.
-        Interrupted (KeyboardInterrupt, or any exception meanwhile), the block is killed."""
+        """Runs one block and returns its result; its output goes to `on_output` as it comes,
+        and each connection it made through the egress proxy to `on_net`. Interrupted
+        (KeyboardInterrupt, or any exception meanwhile), the block is killed."""
         c = self._client
         try:
             with c._http.stream(
@@ -568,6 +579,8 @@ class Session:
                         kind = event["type"]
                         if kind == "output" and on_output is not None:
                             on_output(event["stream"], event["text"])
+                        elif kind == "net" and on_net is not None:
+                            on_net({k: v for k, v in event.items() if k != "type"})
                         elif kind == "tool_call":
                             reply = _tool_reply(self.tools.get(event["name"]), event["name"], event["arguments"])
                             c._call("POST", f"/v1/sessions/{_q(self.id)}/calls/{_q(event['call'])}", json=reply)
@@ -833,7 +846,13 @@ class AsyncSession:
         return await asyncio.to_thread(_tool_reply, fn, name, arguments)
 
     async def run(
-        self, code: str, language: str = "python", *, timeout: float | None = None, on_output: OutputFn | None = None
+        self,
+        code: str,
+        language: str = "python",
+        *,
+        timeout: float | None = None,
+        on_output: OutputFn | None = None,
+        on_net: NetFn | None = None,
     ) -> BlockResult:
         """Runs one block and returns its result (see `Session.run`)."""
         c = self._client
@@ -857,6 +876,10 @@ class AsyncSession:
                             shown = on_output(event["stream"], event["text"])
                             if inspect.isawaitable(shown):
                                 await shown
+                        elif kind == "net" and on_net is not None:
+                            told = on_net({k: v for k, v in event.items() if k != "type"})
+                            if inspect.isawaitable(told):
+                                await told
                         elif kind == "tool_call":
                             reply = await self._reply(event["name"], event["arguments"])
                             await c._call("POST", f"/v1/sessions/{_q(self.id)}/calls/{_q(event['call'])}", json=reply)
