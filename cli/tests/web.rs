@@ -1111,3 +1111,85 @@ async fn the_page_says_which_drawn_reply_was_kept_and_that_the_same_code_came_ag
     assert_eq!(server.requests_for(resending).len(), 2);
     shot(&b, "repeated.png").await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_page_asks_for_hosts_and_shows_each_connection_and_a_refusal_names_the_host() {
+    let net = tandem_tests::internet::Internet::new();
+    net.http_server(80);
+    let task = "web: fetch files.test";
+    let fetch = "import urllib.request, urllib.error\n\
+                 print(urllib.request.urlopen('http://files.test/hello', timeout=30).read().decode().splitlines()[0])\n\
+                 try:\n    urllib.request.urlopen('http://other.test/', timeout=30)\n\
+                 except urllib.error.HTTPError as e:\n    print('other:', e.code)\n";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Text(format!("```python\n{fetch}```")),
+            Reply::from("Fetched.\n\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let config = format!(
+        "[network]\nallow = [\"files.test\"]\nresolve = {{ \"files.test\" = [\"{}\"] }}\n",
+        net.addr
+    );
+    let (d, addr, token) = start_tcp(&server, &config).await;
+    let b = Browser::start(1280, 1000).await;
+    sign_in(&b, &addr, &token).await;
+    // Outside what the daemon allows: the form says so, naming the host.
+    b.run(
+        "document.querySelector('#executor').value = 'docker'; document.querySelector('#allow-hosts').value = 'evil.test'",
+        json!([]),
+    )
+    .await;
+    b.type_into("#task-text", task).await;
+    b.click("#submit").await;
+    let said = b
+        .wait(
+            "the refusal",
+            "const e = document.getElementById('submit-error'); return e.textContent.includes('evil.test') && e.textContent",
+            LIMIT,
+        )
+        .await;
+    assert!(
+        said.as_str().unwrap_or_default().contains("evil.test"),
+        "{said}"
+    );
+    // Within it: the task's sandbox reaches the host, and each connection is shown.
+    b.run(
+        "document.querySelector('#allow-hosts').value = 'files.test'; document.querySelector('#task-text').value = ''",
+        json!([]),
+    )
+    .await;
+    let id = submit(&b, task).await;
+    wait_complete(&b, "the task's end").await;
+    let t = d.task(&id).await;
+    assert_eq!(
+        t.record.spec.network.as_ref().map(|n| n.allow.clone()),
+        Some(vec!["files.test".to_owned()])
+    );
+    let mut lines: Vec<String> = b
+        .run(
+            "return [...document.querySelectorAll('.net')].map((n) => n.textContent)",
+            json!([]),
+        )
+        .await
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap_or_default().to_owned())
+        .collect();
+    lines.sort();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert!(
+        lines[0].starts_with("net: files.test:80 allowed by files.test"),
+        "{lines:?}"
+    );
+    assert!(
+        lines[1].starts_with("net: other.test:80 denied (rule default)"),
+        "{lines:?}"
+    );
+    shot(&b, "network.png").await;
+    b.quit().await;
+}
