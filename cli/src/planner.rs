@@ -93,8 +93,14 @@ fn network(settings: &Settings, own: &bool) -> Result<tandem_daemon::NetworkConf
         Some(section) => packages(section, file.network.as_ref())?,
         None => None,
     };
+    // Brokered headers, and an https:// index the cache answers inside TLS, each need the
+    // proxy's own CA.
     let broker = match &file.network {
-        Some(section) if !section.secrets.is_empty() => Some(broker(section)?),
+        Some(section)
+            if !section.secrets.is_empty() || packages.as_ref().is_some_and(|p| p.index().tls) =>
+        {
+            Some(broker(section)?)
+        }
         _ => None,
     };
     Ok(tandem_daemon::NetworkConfig {

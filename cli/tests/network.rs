@@ -956,3 +956,88 @@ async fn an_index_that_is_down_gives_pip_its_own_error_and_the_task_goes_on() {
     );
     assert_eq!(events_of(&out.stdout, "assistant_message").len(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_index_is_cached_too_answered_inside_tls_with_the_daemons_ca() {
+    let net = Internet::new();
+    let index = tempfile::tempdir().unwrap();
+    let sha =
+        tandem_tests::packages::build_index(index.path(), "tandemdemo", "1.0", "VALUE = 42\n");
+    let (test_ca, seen) = net.https_file_server(443, index.path().to_owned(), &["pypi.test"]);
+    let task = "network: install tandemdemo over https";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Text(fence("python", INSTALL)),
+            Reply::from("Installed.\n\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("test-ca.pem"), &test_ca).unwrap();
+    let config = dir.path().join("tandem.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[network]\nresolve = {{ \"pypi.test\" = [\"{a}\"] }}\nupstream_ca = [\"{d}/test-ca.pem\"]\nca_dir = \"{d}/egress-ca\"\n[network.packages]\npython = \"https://pypi.test/simple/\"\ncache_dir = \"{d}/cache\"\n",
+            a = net.addr,
+            d = dir.path().display()
+        ),
+    )
+    .unwrap();
+    let url = server.base_url();
+    for (i, executor) in ["docker", "local"].into_iter().enumerate() {
+        let before = reached(&seen).len();
+        let out = tandem(
+            &[
+                "run",
+                "--json",
+                "--config",
+                config.to_str().unwrap(),
+                "--base-url",
+                &url,
+                "--model",
+                "m",
+                "-e",
+                executor,
+                task,
+            ],
+            &[("TANDEM_MAX_RETRIES", "0")],
+            None,
+        )
+        .await;
+        assert_eq!(out.code, 0, "{executor}: {}\n{}", out.stdout, out.stderr);
+        let results = events_of(&out.stdout, "exec_result");
+        let printed = results[0]["result"]["stdout"].as_str().unwrap_or_default();
+        assert!(
+            printed.contains("pip exit 0") && printed.contains("value 42"),
+            "{executor}: {printed}\n{}",
+            results[0]["result"]["stderr"]
+        );
+        let nets = events_of(&out.stdout, "net");
+        assert!(
+            !nets.is_empty()
+                && nets.iter().all(|n| n["rule"] == "packages"
+                    && n["verdict"] == "allowed"
+                    && n["port"] == 443),
+            "{executor}: {nets:?}"
+        );
+        let asked = reached(&seen);
+        if i == 0 {
+            assert!(
+                asked
+                    .iter()
+                    .any(|l| l.starts_with("GET /packages/tandemdemo-1.0-py3-none-any.whl")),
+                "{asked:?}"
+            );
+        } else {
+            assert_eq!(
+                asked.len(),
+                before,
+                "{executor} reached the index: {asked:?}"
+            );
+        }
+    }
+    assert!(dir.path().join("cache/files").join(&sha).is_file());
+}

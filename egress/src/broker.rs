@@ -375,7 +375,8 @@ impl Broker {
         self.ca.server_for(host)
     }
 
-    pub(crate) fn upstream(&self) -> Arc<rustls::ClientConfig> {
+    /// How the proxy checks the hosts it speaks TLS to itself.
+    pub fn upstream(&self) -> Arc<rustls::ClientConfig> {
         self.upstream.clone()
     }
 

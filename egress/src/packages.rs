@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
@@ -30,9 +30,11 @@ pub struct IndexError {
     why: String,
 }
 
-/// Where the index is: `http://host[:port]/path/`.
+/// Where the index is: `http[s]://host[:port]/path/`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IndexUrl {
+    /// Whether it is spoken to over TLS (`https://`).
+    pub tls: bool,
     /// The host, lowercased.
     pub host: String,
     /// The port (80 when the URL gives none).
@@ -48,14 +50,12 @@ impl IndexUrl {
             url: url.to_owned(),
             why: why.to_owned(),
         };
-        let rest = if let Some(rest) = url.strip_prefix("http://") {
-            rest
-        } else if url.starts_with("https://") {
-            return Err(fail(
-                "only an http:// index can be cached (an HTTPS index is reached end to end: put its host in [network] allow instead)",
-            ));
+        let (tls, rest) = if let Some(rest) = url.strip_prefix("http://") {
+            (false, rest)
+        } else if let Some(rest) = url.strip_prefix("https://") {
+            (true, rest)
         } else {
-            return Err(fail("it must start with http://"));
+            return Err(fail("it must start with http:// or https://"));
         };
         let (authority, path) = match rest.find('/') {
             Some(i) => (&rest[..i], &rest[i..]),
@@ -72,7 +72,7 @@ impl IndexUrl {
                     .filter(|p| *p != 0)
                     .ok_or_else(|| fail("its port is not a port"))?,
             ),
-            _ => (authority, 80),
+            _ => (authority, if tls { 443 } else { 80 }),
         };
         let host = crate::rule::normalize_host(host)
             .map_err(|why| fail(&why))?
@@ -81,15 +81,25 @@ impl IndexUrl {
         if !path.ends_with('/') {
             path.push('/');
         }
-        Ok(IndexUrl { host, port, path })
+        Ok(IndexUrl {
+            tls,
+            host,
+            port,
+            path,
+        })
     }
 
     /// The URL, as pip is given it.
     pub fn url(&self) -> String {
-        if self.port == 80 {
-            format!("http://{}{}", self.host, self.path)
+        let (scheme, default) = if self.tls {
+            ("https", 443)
         } else {
-            format!("http://{}:{}{}", self.host, self.port, self.path)
+            ("http", 80)
+        };
+        if self.port == default {
+            format!("{scheme}://{}{}", self.host, self.path)
+        } else {
+            format!("{scheme}://{}:{}{}", self.host, self.port, self.path)
         }
     }
 }
@@ -107,6 +117,8 @@ pub struct Packages {
     /// Requests that reached the index (pages and files), for the record and the tests.
     upstream: AtomicU64,
     hits: AtomicU64,
+    /// How an `https://` index's certificate is checked (the proxy's upstream roots).
+    tls: Mutex<Option<Arc<rustls::ClientConfig>>>,
 }
 
 /// What serving one request did.
@@ -153,6 +165,7 @@ impl Packages {
             hashes: Mutex::new(HashMap::new()),
             upstream: AtomicU64::new(0),
             hits: AtomicU64::new(0),
+            tls: Mutex::new(None),
         })
     }
 
@@ -173,19 +186,43 @@ impl Packages {
 
     /// The variables that point pip inside a sandbox at this index.
     pub fn env(&self) -> Vec<(String, String)> {
-        [
-            ("PIP_INDEX_URL", self.index.url()),
+        let mut env = vec![("PIP_INDEX_URL", self.index.url())];
+        if !self.index.tls {
             // Tandem named the index and checks every file against its hashes.
-            ("PIP_TRUSTED_HOST", self.index.host.clone()),
+            env.push(("PIP_TRUSTED_HOST", self.index.host.clone()));
+        }
+        env.extend([
             // A sandbox's installs go to its user's site, in its home: never the image's.
             ("PIP_USER", "1".to_owned()),
             ("PIP_BREAK_SYSTEM_PACKAGES", "1".to_owned()),
             ("PIP_DISABLE_PIP_VERSION_CHECK", "1".to_owned()),
             ("PIP_NO_INPUT", "1".to_owned()),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v))
-        .collect()
+        ]);
+        env.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
+    }
+
+    /// Whether a `CONNECT` to `host:port` is this cache's to answer inside TLS: the index's
+    /// own host, or a host its pages linked files on, when the index is `https://`.
+    pub(crate) fn takes_tunnel(&self, host: &str, port: u16) -> bool {
+        if !self.index.tls {
+            return false;
+        }
+        if host == self.index.host && port == self.index.port {
+            return true;
+        }
+        let prefix = format!("{host}:{port}/");
+        self.hashes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .keys()
+            .any(|k| k.starts_with(&prefix))
+    }
+
+    /// The TLS client the cache speaks to an `https://` index with, set by the proxy.
+    pub(crate) fn set_tls(&self, config: Arc<rustls::ClientConfig>) {
+        if let Ok(mut slot) = self.tls.lock() {
+            *slot = Some(config);
+        }
     }
 
     /// Whether a plain `GET` for `host:port` `path` is this cache's to answer.
@@ -466,7 +503,29 @@ impl Packages {
             match tokio::time::timeout(self.connect_timeout, TcpStream::connect(to)).await {
                 Ok(Ok(stream)) => {
                     self.upstream.fetch_add(1, Ordering::Relaxed);
-                    return Response::ask(stream, host, port, path, headers).await;
+                    if !self.index.tls {
+                        return Response::ask(Box::new(stream), host, port, path, headers).await;
+                    }
+                    let config = self
+                        .tls
+                        .lock()
+                        .ok()
+                        .and_then(|c| c.clone())
+                        .ok_or_else(|| {
+                            "the cache has no TLS client for an https:// index".to_owned()
+                        })?;
+                    let name = rustls::pki_types::ServerName::try_from(host.to_owned())
+                        .map_err(|e| format!("{host} is not a TLS name: {e}"))?;
+                    let tls = tokio::time::timeout(
+                        self.connect_timeout,
+                        tokio_rustls::TlsConnector::from(config).connect(name, stream),
+                    )
+                    .await
+                    .map_err(|_| format!("the index {host} did not finish TLS in time"))?
+                    .map_err(|e| {
+                        format!("the index {host} did not prove who it is over TLS: {e}")
+                    })?;
+                    return Response::ask(Box::new(tls), host, port, path, headers).await;
                 }
                 Ok(Err(e)) => last = format!("the index at {to} refused the connection: {e}"),
                 Err(_) => last = format!("the index at {to} did not answer in time"),
@@ -595,8 +654,12 @@ trait Sink {
 }
 
 /// One response from the index, its head read, its body not yet.
+/// A connection to the index, plain or TLS.
+trait Conn: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Conn for T {}
+
 struct Response {
-    stream: TcpStream,
+    stream: Box<dyn Conn>,
     status: u16,
     content_type: String,
     framing: Framing,
@@ -612,13 +675,13 @@ enum Framing {
 
 impl Response {
     async fn ask(
-        mut stream: TcpStream,
+        mut stream: Box<dyn Conn>,
         host: &str,
         port: u16,
         path: &str,
         headers: &[(String, String)],
     ) -> Result<Response, String> {
-        let authority = if port == 80 {
+        let authority = if port == 80 || port == 443 {
             host.to_owned()
         } else {
             format!("{host}:{port}")
@@ -737,7 +800,7 @@ impl Response {
 /// Reads a response body: bytes read with the head first, then the stream, each read
 /// bounded by an idle timeout.
 struct Reader<'a> {
-    stream: &'a mut TcpStream,
+    stream: &'a mut Box<dyn Conn>,
     early: Vec<u8>,
     at: usize,
 }
@@ -863,16 +926,20 @@ fn parse_sha(text: &str) -> Option<[u8; 32]> {
 }
 
 /// Resolves `href` against the page at `host:port` `page`: answers the file's host, port
-/// and path. Only `http://` files (or relative ones) are cached.
+/// and path (port 443 is `https://`, as the index's pages give it).
 fn join(host: &str, port: u16, page: &str, href: &str) -> Option<(String, u16, String)> {
-    if let Some(rest) = href.strip_prefix("http://") {
+    let absolute = href
+        .strip_prefix("http://")
+        .map(|rest| (rest, 80))
+        .or_else(|| href.strip_prefix("https://").map(|rest| (rest, 443)));
+    if let Some((rest, default)) = absolute {
         let (authority, path) = match rest.find('/') {
             Some(i) => (&rest[..i], &rest[i..]),
             None => (rest, "/"),
         };
         let (h, p) = match authority.rsplit_once(':') {
             Some((h, p)) => (h, p.parse().ok()?),
-            None => (authority, 80),
+            None => (authority, default),
         };
         let h = crate::rule::normalize_host(h).ok()?.to_string();
         return Some((h, p, normalize_path(path)?));
@@ -881,7 +948,8 @@ fn join(host: &str, port: u16, page: &str, href: &str) -> Option<(String, u16, S
         return None;
     }
     if let Some(rest) = href.strip_prefix("//") {
-        return join(host, port, page, &format!("http://{rest}"));
+        let scheme = if port == 443 { "https" } else { "http" };
+        return join(host, port, page, &format!("{scheme}://{rest}"));
     }
     let path = if href.starts_with('/') {
         href.to_owned()
@@ -938,8 +1006,9 @@ mod tests {
         );
         assert_eq!(
             join("pypi.test", 80, page, "https://files.test/a.whl"),
-            None
+            Some(("files.test".into(), 443, "/a.whl".into()))
         );
+        assert_eq!(join("pypi.test", 80, page, "ftp://files.test/a.whl"), None);
     }
 
     #[test]
@@ -966,8 +1035,13 @@ mod tests {
             ("pypi.test", 8080, "/simple/")
         );
         assert_eq!(url.url(), "http://pypi.test:8080/simple/");
-        assert!(IndexUrl::parse("https://pypi.test/simple/").is_err());
+        let tls = IndexUrl::parse("https://pypi.test/simple/").unwrap();
+        assert_eq!(
+            (tls.tls, tls.port, tls.url().as_str()),
+            (true, 443, "https://pypi.test/simple/")
+        );
         assert!(IndexUrl::parse("ftp://x/").is_err());
+        assert!(IndexUrl::parse("http:///simple/").is_err());
         assert!(IndexUrl::parse("http://u:p@x/").is_err());
     }
 }

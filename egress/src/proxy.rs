@@ -188,6 +188,9 @@ impl Egress {
 
     /// A proxy as [`Egress::new`] makes one, that also serves `extras`.
     pub fn with(limits: ProxyLimits, own: Vec<IpAddr>, extras: Extras) -> Egress {
+        if let (Some(packages), Some(broker)) = (&extras.packages, &extras.broker) {
+            packages.set_tls(broker.upstream());
+        }
         Egress {
             inner: Arc::new(Inner {
                 by_peer: Mutex::new(HashMap::new()),
@@ -432,31 +435,31 @@ impl Inner {
             && !asked.connect
             && packages.takes(&asked.method, &outcome.host, asked.port, &asked.path)
         {
-            let room = grant
-                .policy
-                .max_bytes
-                .map_or(u64::MAX, |max| max.saturating_sub(grant.carried.get()));
-            let served = packages
-                .serve(
-                    client,
-                    &outcome.host,
-                    asked.port,
-                    &asked.path,
-                    &asked.headers,
-                    room,
-                )
+            let host = outcome.host.clone();
+            self.serve_package(
+                client,
+                grant,
+                packages,
+                &host,
+                asked.port,
+                &asked.path,
+                &asked.headers,
+                &mut outcome,
+            )
+            .await;
+            return Some(outcome);
+        }
+        // An https:// index's host (and the hosts its pages linked) is answered inside TLS,
+        // by the cache alone: no policy entry is needed for it.
+        let cached_tunnel = asked.connect
+            && self.broker.is_some()
+            && self
+                .packages
+                .as_ref()
+                .is_some_and(|p| p.takes_tunnel(&outcome.host, asked.port));
+        if cached_tunnel {
+            self.tunnel(client, grant, &host, asked.port, early, &mut outcome)
                 .await;
-            grant
-                .carried
-                .0
-                .fetch_add(served.bytes_in + served.bytes_out, Ordering::Relaxed);
-            outcome.bytes_in = served.bytes_in;
-            outcome.bytes_out = served.bytes_out;
-            outcome.answered = true;
-            outcome.result = match served.result {
-                Ok(()) => Ok("packages".to_owned()),
-                Err(why) => Err(Denial::check("packages", why)),
-            };
             return Some(outcome);
         }
         if let Err(denial) = grant.policy.by_name(&host, asked.port) {
@@ -471,6 +474,41 @@ impl Inner {
                 .await;
         }
         Some(outcome)
+    }
+
+    /// Answers one request for the package index's pages or files from the cache.
+    #[allow(clippy::too_many_arguments)]
+    async fn serve_package<S>(
+        &self,
+        client: &mut S,
+        grant: &Grant,
+        packages: &Packages,
+        host: &str,
+        port: u16,
+        path: &str,
+        headers: &[(String, String)],
+        outcome: &mut Outcome,
+    ) where
+        S: AsyncWrite + Unpin + Send,
+    {
+        let room = grant
+            .policy
+            .max_bytes
+            .map_or(u64::MAX, |max| max.saturating_sub(grant.carried.get()));
+        let served = packages
+            .serve(client, host, port, path, headers, room)
+            .await;
+        grant
+            .carried
+            .0
+            .fetch_add(served.bytes_in + served.bytes_out, Ordering::Relaxed);
+        outcome.bytes_in = served.bytes_in;
+        outcome.bytes_out = served.bytes_out;
+        outcome.answered = true;
+        outcome.result = match served.result {
+            Ok(()) => Ok("packages".to_owned()),
+            Err(why) => Err(Denial::check("packages", why)),
+        };
     }
 
     async fn tunnel<S>(
@@ -526,12 +564,17 @@ impl Inner {
             ));
             return;
         }
-        if let Some(broker) = &self.broker
-            && let Some(secret) = broker.for_host(host)
-        {
-            self.intercept(client, grant, host, port, hello, broker, secret, outcome)
-                .await;
-            return;
+        if let Some(broker) = &self.broker {
+            let secret = broker.for_host(host);
+            let cached = self
+                .packages
+                .as_ref()
+                .is_some_and(|p| p.takes_tunnel(&host.to_string(), port));
+            if secret.is_some() || cached {
+                self.intercept(client, grant, host, port, hello, broker, secret, outcome)
+                    .await;
+                return;
+            }
         }
         let upstream = match self.route(grant, host, port).await {
             Ok((route, stream)) => {
@@ -601,12 +644,12 @@ impl Inner {
         port: u16,
         hello: Vec<u8>,
         broker: &Broker,
-        secret: &crate::broker::Secret,
+        secret: Option<&crate::broker::Secret>,
         outcome: &mut Outcome,
     ) where
         S: AsyncRead + AsyncWrite + Unpin + Send,
     {
-        outcome.brokered = true;
+        outcome.brokered = secret.is_some();
         let name = host.to_string();
         let config = match broker.server_for(&name) {
             Ok(config) => config,
@@ -657,6 +700,28 @@ impl Inner {
                 outcome.result = Err(denial);
                 return;
             }
+        };
+        if let Some(packages) = &self.packages
+            && let Some((method, path, headers)) = request_parts(&buf[..head_len])
+            && packages.takes(&method, &name, port, &path)
+        {
+            self.serve_package(
+                &mut tls, grant, packages, &name, port, &path, &headers, outcome,
+            )
+            .await;
+            return;
+        }
+        let Some(secret) = secret else {
+            let denial = Denial::check(
+                "packages",
+                format!(
+                    "only the package index's pages and the files they link are answered for {name}"
+                ),
+            );
+            let _ = tls.write_all(&denied(&denial)).await;
+            let _ = tls.shutdown().await;
+            outcome.result = Err(denial);
+            return;
         };
         let mut first = crate::broker::with_header(&head, secret.header(), secret.value());
         first.extend_from_slice(&buf[head_len..]);
@@ -970,6 +1035,29 @@ fn inner_request(head: &[u8], host: &str, port: u16) -> Result<Vec<u8>, Denial> 
     }
     out.extend_from_slice(b"Connection: close\r\n\r\n");
     Ok(out)
+}
+
+/// A request's headers, by name and value.
+type Headers = Vec<(String, String)>;
+
+/// A request head's method, origin-form path and headers.
+fn request_parts(head: &[u8]) -> Option<(String, String, Headers)> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut headers);
+    if !matches!(req.parse(head), Ok(httparse::Status::Complete(_))) {
+        return None;
+    }
+    let pairs = req
+        .headers
+        .iter()
+        .map(|h| {
+            (
+                h.name.to_owned(),
+                String::from_utf8_lossy(h.value).into_owned(),
+            )
+        })
+        .collect();
+    Some((req.method?.to_owned(), req.path?.to_owned(), pairs))
 }
 
 /// A stream whose first bytes were already read (a ClientHello checked for its name).

@@ -102,33 +102,7 @@ impl Internet {
     /// The same server over TLS, its certificate for `names` signed by a CA made here:
     /// answers the CA's PEM (for the daemon's `upstream_ca`) and the heads it was sent.
     pub fn https_server(&self, port: u16, names: &[&str]) -> (String, Seen) {
-        let tls = |e: &dyn std::fmt::Display| -> ! { panic!("the test server's TLS: {e}") };
-        let ca_key = rcgen::KeyPair::generate().unwrap_or_else(|e| tls(&e));
-        let mut ca = rcgen::CertificateParams::default();
-        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        ca.distinguished_name
-            .push(rcgen::DnType::CommonName, "stand-in internet CA");
-        let ca_cert = ca.self_signed(&ca_key).unwrap_or_else(|e| tls(&e));
-        let issuer = rcgen::Issuer::new(ca, ca_key);
-        let key = rcgen::KeyPair::generate().unwrap_or_else(|e| tls(&e));
-        let leaf = rcgen::CertificateParams::new(
-            names.iter().map(|n| (*n).to_owned()).collect::<Vec<_>>(),
-        )
-        .unwrap_or_else(|e| tls(&e))
-        .signed_by(&key, &issuer)
-        .unwrap_or_else(|e| tls(&e));
-        let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap_or_else(|e| tls(&e))
-        .with_no_client_auth()
-        .with_single_cert(
-            vec![leaf.der().clone()],
-            rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
-        )
-        .unwrap_or_else(|e| tls(&e));
-        let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+        let (ca, acceptor) = tls_for(names);
         let seen = Seen::default();
         let listener = self.listen(port);
         let log = seen.clone();
@@ -143,7 +117,7 @@ impl Internet {
                 });
             }
         });
-        (ca_cert.pem(), seen)
+        (ca, seen)
     }
 
     /// A static file server on `port` for the files under `root` (a directory's
@@ -158,56 +132,37 @@ impl Internet {
         let listener = self.listen(port);
         let log = seen.clone();
         tokio::spawn(async move {
-            while let Ok((mut s, _)) = listener.accept().await {
-                let root = root.clone();
-                let log = log.clone();
-                tokio::spawn(async move {
-                    let mut buf = vec![0u8; 8192];
-                    let mut got = Vec::new();
-                    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match s.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => got.extend_from_slice(&buf[..n]),
-                        }
-                    }
-                    let head = String::from_utf8_lossy(&got).to_string();
-                    let line = head.lines().next().unwrap_or_default().to_owned();
-                    log.lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .push(line.clone());
-                    let path = line.split(' ').nth(1).unwrap_or("/");
-                    let path = path.split(['?', '#']).next().unwrap_or("/");
-                    let mut file = root.join(path.trim_start_matches('/'));
-                    if path.ends_with('/') {
-                        file = file.join("index.html");
-                    }
-                    let (status, body) = if path.contains("..") {
-                        ("404 Not Found", Vec::new())
-                    } else {
-                        match std::fs::read(&file) {
-                            Ok(body) => ("200 OK", body),
-                            Err(_) => ("404 Not Found", Vec::new()),
-                        }
-                    };
-                    let kind = if file.extension().is_some_and(|e| e == "html") {
-                        "text/html"
-                    } else {
-                        "application/octet-stream"
-                    };
-                    let _ = s
-                        .write_all(
-                            format!(
-                                "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                                body.len()
-                            )
-                            .as_bytes(),
-                        )
-                        .await;
-                    let _ = s.write_all(&body).await;
-                });
+            while let Ok((s, _)) = listener.accept().await {
+                tokio::spawn(serve_file(s, root.clone(), log.clone()));
             }
         });
         seen
+    }
+
+    /// The same file server over TLS, its certificate for `names` from a CA made here:
+    /// answers the CA's PEM and the request lines.
+    pub fn https_file_server(
+        &self,
+        port: u16,
+        root: std::path::PathBuf,
+        names: &[&str],
+    ) -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+        let (ca, acceptor) = tls_for(names);
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let listener = self.listen(port);
+        let log = seen.clone();
+        tokio::spawn(async move {
+            while let Ok((s, _)) = listener.accept().await {
+                let acceptor = acceptor.clone();
+                let (root, log) = (root.clone(), log.clone());
+                tokio::spawn(async move {
+                    if let Ok(s) = acceptor.accept(s).await {
+                        serve_file(s, root, log).await;
+                    }
+                });
+            }
+        });
+        (ca, seen)
     }
 
     /// A TCP server on `port` that sends back what it reads.
@@ -224,6 +179,40 @@ impl Internet {
     }
 }
 
+/// A TLS acceptor with a certificate for `names`, signed by a CA made here: answers the
+/// CA's PEM and the acceptor.
+fn tls_for(names: &[&str]) -> (String, tokio_rustls::TlsAcceptor) {
+    let tls = |e: &dyn std::fmt::Display| -> ! { panic!("the test server's TLS: {e}") };
+    let ca_key = rcgen::KeyPair::generate().unwrap_or_else(|e| tls(&e));
+    let mut ca = rcgen::CertificateParams::default();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(rcgen::DnType::CommonName, "stand-in internet CA");
+    let ca_cert = ca.self_signed(&ca_key).unwrap_or_else(|e| tls(&e));
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    let key = rcgen::KeyPair::generate().unwrap_or_else(|e| tls(&e));
+    let leaf =
+        rcgen::CertificateParams::new(names.iter().map(|n| (*n).to_owned()).collect::<Vec<_>>())
+            .unwrap_or_else(|e| tls(&e))
+            .signed_by(&key, &issuer)
+            .unwrap_or_else(|e| tls(&e));
+    let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap_or_else(|e| tls(&e))
+    .with_no_client_auth()
+    .with_single_cert(
+        vec![leaf.der().clone()],
+        rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+    )
+    .unwrap_or_else(|e| tls(&e));
+    (
+        ca_cert.pem(),
+        tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config)),
+    )
+}
+
 /// The request heads a server was sent, in order.
 #[derive(Clone, Default)]
 pub struct Seen(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
@@ -233,6 +222,57 @@ impl Seen {
     pub fn heads(&self) -> Vec<String> {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
+}
+
+/// Answers one request for a file under `root`, logging its request line.
+async fn serve_file<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    mut s: S,
+    root: std::path::PathBuf,
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+) {
+    let mut buf = vec![0u8; 8192];
+    let mut got = Vec::new();
+    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+        match s.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+    let head = String::from_utf8_lossy(&got).to_string();
+    let line = head.lines().next().unwrap_or_default().to_owned();
+    log.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(line.clone());
+    let path = line.split(' ').nth(1).unwrap_or("/");
+    let path = path.split(['?', '#']).next().unwrap_or("/");
+    let mut file = root.join(path.trim_start_matches('/'));
+    if path.ends_with('/') {
+        file = file.join("index.html");
+    }
+    let (status, body) = if path.contains("..") {
+        ("404 Not Found", Vec::new())
+    } else {
+        match std::fs::read(&file) {
+            Ok(body) => ("200 OK", body),
+            Err(_) => ("404 Not Found", Vec::new()),
+        }
+    };
+    let kind = if file.extension().is_some_and(|e| e == "html") {
+        "text/html"
+    } else {
+        "application/octet-stream"
+    };
+    let _ = s
+        .write_all(
+            format!(
+                "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .await;
+    let _ = s.write_all(&body).await;
+    let _ = s.shutdown().await;
 }
 
 /// Reads one request head and answers it with itself (or a redirect it asks for).
