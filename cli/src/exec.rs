@@ -88,6 +88,10 @@ pub struct ExecArgs {
     /// Print one JSON object per block
     #[arg(long)]
     json: bool,
+    /// A host (or *.domain, host:port, CIDR[:port]) the code may reach through Tandem's
+    /// egress proxy; repeatable (docs/network.md)
+    #[arg(long = "allow-host", value_name = "HOST[:PORT]", value_parser = crate::run::flags::allow_entry)]
+    allow_hosts: Vec<String>,
 }
 
 fn blocks_of(args: &ExecArgs, source: String) -> Result<Vec<CodeBlock>> {
@@ -133,6 +137,15 @@ fn blocks_of(args: &ExecArgs, source: String) -> Result<Vec<CodeBlock>> {
     }
 }
 
+/// Each connection a block made through the egress proxy, one line on stderr.
+struct NetLines;
+
+impl tandem_egress::NetSink for NetLines {
+    fn record(&self, event: tandem_protocol::net::NetEvent) {
+        eprintln!("tandem: {}", event.line());
+    }
+}
+
 pub async fn exec(args: ExecArgs, file: FileConfig) -> Result<u8> {
     let source = crate::read_input(args.input.as_ref())?;
     let blocks = blocks_of(&args, source)?;
@@ -147,6 +160,23 @@ pub async fn exec(args: ExecArgs, file: FileConfig) -> Result<u8> {
         eprintln!("tandem: local blocks run {unconfined}");
     }
     let limits = config::limits(&file, args.timeout, "--timeout")?;
+    // This process is the operator's own road: `--allow-host` needs no bound here.
+    let network = crate::planner::network(&file, true)?;
+    let asked = (!args.allow_hosts.is_empty()).then(|| tandem_protocol::net::NetworkRequest {
+        allow: args.allow_hosts.clone(),
+    });
+    let executor = match network
+        .for_block(asked.as_ref(), &*executor)
+        .map_err(|r| anyhow::anyhow!("{}", r.message))?
+    {
+        Some((egress, policy)) => Arc::new(tandem_egress::Behind::new(
+            executor,
+            egress,
+            Arc::new(policy),
+            Arc::new(NetLines),
+        )) as Arc<dyn tandem_executor::Executor>,
+        None => executor,
+    };
     let mut slot = SessionSlot::new(
         executor,
         SessionSpec {

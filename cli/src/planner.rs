@@ -48,14 +48,16 @@ pub async fn config(
             .await
             .context("in [tools] of tandem.toml")?,
         prices,
-        network: network(settings, &policy_own)?,
+        network: network(&settings.file, policy_own)?,
     })
 }
 
 /// The egress proxy and the rules a task's `network` meets: `[network]` as every task's
 /// default and bound, `[policy] network_allow` as a client's, checked here at start.
-fn network(settings: &Settings, own: &bool) -> Result<tandem_daemon::NetworkConfig> {
-    let file = &settings.file;
+pub fn network(
+    file: &crate::config::FileConfig,
+    own: bool,
+) -> Result<tandem_daemon::NetworkConfig> {
     let base = match &file.network {
         Some(section) => {
             let mut policy = tandem_egress::Policy::parse(&section.allow, &section.deny)
@@ -109,11 +111,7 @@ fn network(settings: &Settings, own: &bool) -> Result<tandem_daemon::NetworkConf
             tandem_egress::own_addresses(),
             tandem_egress::Extras { packages, broker },
         )),
-        rules: tandem_egress::Network {
-            base,
-            bound,
-            own: *own,
-        },
+        rules: tandem_egress::Network { base, bound, own },
         switches: switches(file),
     })
 }

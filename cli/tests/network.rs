@@ -1041,3 +1041,94 @@ async fn an_https_index_is_cached_too_answered_inside_tls_with_the_daemons_ca() 
     }
     assert!(dir.path().join("cache/files").join(&sha).is_file());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tandem_exec_puts_its_block_behind_the_proxy_with_allow_host() {
+    let net = Internet::new();
+    net.http_server(80);
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tandem.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[network]\nresolve = {{ \"files.test\" = [\"{}\"] }}\n",
+            net.addr
+        ),
+    )
+    .unwrap();
+    for executor in ["docker", "local"] {
+        let out = tandem(
+            &[
+                "exec",
+                "--config",
+                config.to_str().unwrap(),
+                "-e",
+                executor,
+                "--lang",
+                "python",
+                "--allow-host",
+                "files.test",
+            ],
+            &[],
+            Some(FETCH),
+        )
+        .await;
+        assert_eq!(out.code, 0, "{executor}: {}\n{}", out.stdout, out.stderr);
+        assert!(
+            out.stdout.contains("seen: GET /hello HTTP/1.1") && out.stdout.contains("other: 403"),
+            "{executor}: {}",
+            out.stdout
+        );
+        assert!(
+            out.stderr
+                .contains("tandem: net: files.test:80 allowed by files.test")
+                && out
+                    .stderr
+                    .contains("tandem: net: other.test:80 denied (rule default)"),
+            "{executor}: {}",
+            out.stderr
+        );
+    }
+    // Without --allow-host, [network] (which allows nothing here) is the block's policy.
+    let out = tandem(
+        &[
+            "exec",
+            "--config",
+            config.to_str().unwrap(),
+            "-e",
+            "local",
+            "--lang",
+            "python",
+        ],
+        &[],
+        Some(FETCH),
+    )
+    .await;
+    assert_ne!(out.code, 0, "{}", out.stdout);
+    assert!(
+        out.stderr
+            .contains("tandem: net: files.test:80 denied (rule default)"),
+        "{}",
+        out.stderr
+    );
+    // An executor whose network is false refuses the flag, naming the setting.
+    std::fs::write(&config, "[executors.local]\nnetwork = false\n").unwrap();
+    let out = tandem(
+        &[
+            "exec",
+            "--config",
+            config.to_str().unwrap(),
+            "-e",
+            "local",
+            "--lang",
+            "python",
+            "--allow-host",
+            "files.test",
+        ],
+        &[],
+        Some(FETCH),
+    )
+    .await;
+    assert_ne!(out.code, 0);
+    assert!(out.stderr.contains("network = false"), "{}", out.stderr);
+}

@@ -9,8 +9,12 @@
 //! 4. `pip download` of a 5 MB wheel through the package cache, cold (empty cache) vs
 //!    cached, from an index on loopback and from one that answers as a distant one would
 //!    (40 ms before each answer, 20 MB/s).
+//! 5. From inside a Docker container (`tandem exec -e docker`, the binary at `TANDEM_BIN`):
+//!    a 100 MB download and 200 small requests from this process's server, over Docker's
+//!    open bridge (`network = true`) vs behind the proxy (`--allow-host`, the runner's relay
+//!    included), alternated.
 //!
-//! `cargo bench -p tandem-egress --bench egress`
+//! `cargo bench -p tandem-egress --bench egress` (section 5 needs `TANDEM_BIN` and Docker)
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -34,7 +38,11 @@ const BIG: u64 = 100 * 1024 * 1024;
 
 /// A server answering `GET /big` with BIG bytes and anything else with 2 bytes.
 async fn server() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    server_on("127.0.0.1:0").await
+}
+
+async fn server_on(at: &str) -> SocketAddr {
+    let listener = TcpListener::bind(at).await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         while let Ok((mut s, _)) = listener.accept().await {
@@ -236,6 +244,150 @@ async fn main() {
         }
     } else {
         println!("| pip download | not measured: this machine has no `python3 -m pip` | | |");
+    }
+
+    docker_rounds().await;
+}
+
+/// Section 5: a Docker container's downloads over the open bridge and behind the proxy.
+async fn docker_rounds() {
+    let Some(bin) = std::env::var_os("TANDEM_BIN") else {
+        println!(
+            "| from a Docker container | not measured: set TANDEM_BIN to a tandem binary | | |"
+        );
+        return;
+    };
+    // The bridge's gateway, as the engine says it, else docker0's own address (an engine
+    // that leaves the gateway out of its answer).
+    let said = |program: &str, args: &[&str]| {
+        std::process::Command::new(program)
+            .args(args)
+            .output()
+            .ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+            .filter(|g| !g.is_empty())
+    };
+    let gateway = said(
+        "docker",
+        &[
+            "network",
+            "inspect",
+            "bridge",
+            "-f",
+            "{{range .IPAM.Config}}{{.Gateway}}{{end}}",
+        ],
+    )
+    .or_else(|| {
+        said("ip", &["-4", "-o", "addr", "show", "docker0"]).and_then(|line| {
+            let at = line
+                .split_whitespace()
+                .skip_while(|w| *w != "inet")
+                .nth(1)?;
+            Some(at.split('/').next()?.to_owned())
+        })
+    });
+    let Some(gateway) = gateway else {
+        println!("| from a Docker container | not measured: no Docker bridge network | | |");
+        return;
+    };
+    let origin = server_on("0.0.0.0:0").await;
+    let port = origin.port();
+    let dir = tempfile::tempdir().unwrap();
+    let bridge = dir.path().join("bridge.toml");
+    std::fs::write(&bridge, "[executors.docker]\nnetwork = true\n").unwrap();
+    let proxied = dir.path().join("proxy.toml");
+    std::fs::write(&proxied, "").unwrap();
+    let script = |host: &str| {
+        format!(
+            r#"import os, time, urllib.request
+for n in ("NO_PROXY", "no_proxy"):
+    os.environ.pop(n, None)
+best = 0
+for _ in range(3):
+    t = time.perf_counter()
+    r = urllib.request.urlopen("http://{host}:{port}/big", timeout=120)
+    n = 0
+    while True:
+        b = r.read(1 << 20)
+        if not b:
+            break
+        n += len(b)
+    best = max(best, n / 1e6 / (time.perf_counter() - t))
+took = []
+for _ in range(200):
+    t = time.perf_counter()
+    urllib.request.urlopen("http://{host}:{port}/s", timeout=30).read()
+    took.append((time.perf_counter() - t) * 1000)
+took.sort()
+print("MBS", best, "P50", took[100], "P95", took[190])
+"#
+        )
+    };
+    let run = |config: std::path::PathBuf, code: String, allow: Option<String>| {
+        let bin = bin.clone();
+        async move {
+            let file = tempfile::Builder::new().suffix(".py").tempfile().unwrap();
+            std::fs::write(file.path(), code).unwrap();
+            let mut cmd = tokio::process::Command::new(&bin);
+            cmd.args(["exec", "-e", "docker", "--timeout", "600", "--config"])
+                .arg(&config)
+                .arg(file.path());
+            if let Some(allow) = allow {
+                cmd.args(["--allow-host", &allow]);
+            }
+            let out = cmd.output().await.unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            let nums: Vec<f64> = text
+                .split_whitespace()
+                .filter_map(|w| w.parse().ok())
+                .collect();
+            assert!(
+                nums.len() == 3,
+                "tandem exec answered: {text}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            (nums[0], nums[1], nums[2])
+        }
+    };
+    let (mut open, mut behind) = (Vec::new(), Vec::new());
+    for _ in 0..2 {
+        open.push(run(bridge.clone(), script(&gateway), None).await);
+        behind.push(
+            run(
+                proxied.clone(),
+                script("127.0.0.1"),
+                Some(format!("127.0.0.1/32:{port}")),
+            )
+            .await,
+        );
+    }
+    let best = |v: &[(f64, f64, f64)]| v.iter().map(|r| r.0).fold(0.0, f64::max);
+    let low = |v: &[(f64, f64, f64)], f: fn(&(f64, f64, f64)) -> f64| {
+        v.iter().map(f).fold(f64::MAX, f64::min)
+    };
+    println!();
+    println!(
+        "| from a Docker container (`tandem exec`, best of 2 runs of 3) | open bridge | behind the proxy | ratio |"
+    );
+    println!("|---|---|---|---|");
+    println!(
+        "| 100 MB download, throughput | {:.0} MB/s | {:.0} MB/s | {:.2} |",
+        best(&open),
+        best(&behind),
+        best(&behind) / best(&open)
+    );
+    for (name, f) in [
+        (
+            "p50",
+            (|r: &(f64, f64, f64)| r.1) as fn(&(f64, f64, f64)) -> f64,
+        ),
+        ("p95", |r: &(f64, f64, f64)| r.2),
+    ] {
+        let (a, b) = (low(&open, f), low(&behind, f));
+        println!(
+            "| a small request, connection to answer, {name} (200 each) | {a:.2} ms | {b:.2} ms | +{:.2} ms |",
+            b - a
+        );
     }
 }
 

@@ -103,6 +103,74 @@ pub struct NetworkConfig {
     pub switches: HashMap<String, tandem_egress::Switch>,
 }
 
+impl NetworkConfig {
+    /// The proxy and policy a sandbox without a task is held to: its `network` within what
+    /// the operator allows, else `[network]`; `None` is no network.
+    pub fn for_block(
+        &self,
+        asked: Option<&tandem_protocol::net::NetworkRequest>,
+        executor: &dyn Executor,
+    ) -> Result<Option<(tandem_egress::Egress, tandem_egress::Policy)>, Refusal> {
+        let switched = self
+            .switched_off(asked.is_some(), executor)
+            .map_err(|problem| {
+                Refusal::of_task(&TaskError::from(crate::error::Unavailable::Executor {
+                    name: executor.name().to_owned(),
+                    problem,
+                }))
+            })?;
+        if switched {
+            return Ok(None);
+        }
+        let policy = match self.rules.for_task(asked.map(|n| n.allow.as_slice())) {
+            Ok(Some(policy)) => policy,
+            Ok(None) => return Ok(None),
+            Err(tandem_egress::NotGiven::Entry(e)) => return Err(Refusal::invalid(e.to_string())),
+            Err(tandem_egress::NotGiven::Outside(why)) => {
+                return Err(Refusal::of_task(&TaskError::NotAllowed(Refused(why))));
+            }
+        };
+        let unavailable = |why: &str| {
+            Refusal::of_task(&TaskError::from(crate::error::Unavailable::Executor {
+                name: executor.name().to_owned(),
+                problem: why.to_owned(),
+            }))
+        };
+        let Some(egress) = self.egress.clone() else {
+            return Err(unavailable(
+                "the egress proxy is not running, and a sandbox with a network policy goes only through it",
+            ));
+        };
+        if !executor.carries_egress() {
+            return Err(unavailable(
+                "its sandboxes cannot be put behind Tandem's egress proxy, which a network policy needs; use the docker executor (an engine on this machine) or the confined local executor, or leave network out",
+            ));
+        }
+        Ok(Some((egress, policy)))
+    }
+
+    /// Whether `executor`'s `network` setting decides alone: `true` when its sandboxes get
+    /// no policy (off, or the open network), an error when a task `asked` for one it cannot
+    /// give; `false` when the policy applies.
+    pub(crate) fn switched_off(
+        &self,
+        asked: bool,
+        executor: &dyn Executor,
+    ) -> Result<bool, String> {
+        let name = executor.name();
+        match self.switches.get(name) {
+            Some(tandem_egress::Switch::Off) if asked => Err(format!(
+                "it has network = false in its config ([executors.{name}]), which never gives a network; an operator sets network = \"policy\" to put its sandboxes behind Tandem's egress proxy"
+            )),
+            Some(tandem_egress::Switch::Open) if asked => Err(format!(
+                "it has network = true in its config ([executors.{name}]): the open network, which a task's network policy cannot narrow; an operator sets network = \"policy\" to put its sandboxes behind Tandem's egress proxy"
+            )),
+            Some(tandem_egress::Switch::Off | tandem_egress::Switch::Open) => Ok(true),
+            Some(tandem_egress::Switch::Policy) | None => Ok(false),
+        }
+    }
+}
+
 /// What the model is told of its sandbox's network: the hosts, never a credential.
 fn network_note(policy: &tandem_egress::Policy, egress: &tandem_egress::Egress) -> String {
     let hosts = policy.allowed_hosts();
@@ -429,68 +497,11 @@ impl Planner {
         asked: Option<&tandem_protocol::net::NetworkRequest>,
         executor: &dyn Executor,
     ) -> Result<Option<(tandem_egress::Egress, tandem_egress::Policy)>, Refusal> {
-        let switched = self
-            .switched_off(asked.is_some(), executor)
-            .map_err(|problem| {
-                Refusal::of_task(&TaskError::from(crate::error::Unavailable::Executor {
-                    name: executor.name().to_owned(),
-                    problem,
-                }))
-            })?;
-        if switched {
-            return Ok(None);
-        }
-        let policy = match self
-            .config
-            .network
-            .rules
-            .for_task(asked.map(|n| n.allow.as_slice()))
-        {
-            Ok(Some(policy)) => policy,
-            Ok(None) => return Ok(None),
-            Err(tandem_egress::NotGiven::Entry(e)) => return Err(Refusal::invalid(e.to_string())),
-            Err(tandem_egress::NotGiven::Outside(why)) => {
-                return Err(Refusal::of_task(&TaskError::NotAllowed(Refused(why))));
-            }
-        };
-        let unavailable = |why: &str| {
-            Refusal::of_task(&TaskError::from(crate::error::Unavailable::Executor {
-                name: executor.name().to_owned(),
-                problem: why.to_owned(),
-            }))
-        };
-        let Some(egress) = self.config.network.egress.clone() else {
-            return Err(unavailable(
-                "the egress proxy is not running, and a sandbox with a network policy goes only through it",
-            ));
-        };
-        if !executor.carries_egress() {
-            return Err(unavailable(
-                "its sandboxes cannot be put behind Tandem's egress proxy, which a network policy needs; use the docker executor (an engine on this machine) or the confined local executor, or leave network out",
-            ));
-        }
-        Ok(Some((egress, policy)))
+        self.config.network.for_block(asked, executor)
     }
 
     /// The policy `spec`'s sandboxes are held to: its own `network` within what the operator
     /// allows, else `[network]`; `None` is no network.
-    /// Whether `executor`'s `network` setting decides alone: `true` when its sandboxes get
-    /// no policy (off, or the open network), an error when a task `asked` for one it cannot
-    /// give; `false` when the policy applies.
-    fn switched_off(&self, asked: bool, executor: &dyn Executor) -> Result<bool, String> {
-        let name = executor.name();
-        match self.config.network.switches.get(name) {
-            Some(tandem_egress::Switch::Off) if asked => Err(format!(
-                "it has network = false in its config ([executors.{name}]), which never gives a network; an operator sets network = \"policy\" to put its sandboxes behind Tandem's egress proxy"
-            )),
-            Some(tandem_egress::Switch::Open) if asked => Err(format!(
-                "it has network = true in its config ([executors.{name}]): the open network, which a task's network policy cannot narrow; an operator sets network = \"policy\" to put its sandboxes behind Tandem's egress proxy"
-            )),
-            Some(tandem_egress::Switch::Off | tandem_egress::Switch::Open) => Ok(true),
-            Some(tandem_egress::Switch::Policy) | None => Ok(false),
-        }
-    }
-
     fn check_network(
         &self,
         spec: &TaskSpec,
@@ -504,6 +515,8 @@ impl Planner {
             })
         };
         if self
+            .config
+            .network
             .switched_off(asked.is_some(), executor)
             .map_err(unavailable)?
         {

@@ -88,7 +88,7 @@ pub struct TaskFlags {
 }
 
 /// An entry of `--allow-host`, checked as `[network] allow` checks its own.
-fn allow_entry(text: &str) -> Result<String, String> {
+pub(crate) fn allow_entry(text: &str) -> Result<String, String> {
     tandem_egress::Rule::parse(text)
         .map(|r| r.text)
         .map_err(|e| e.why)

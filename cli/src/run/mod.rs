@@ -4,7 +4,7 @@
 
 mod daemon;
 mod end;
-mod flags;
+pub(crate) mod flags;
 mod here;
 mod workspace;
 
