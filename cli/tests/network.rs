@@ -775,6 +775,25 @@ async fn an_mcp_client_asks_for_a_network_within_the_operators_on_execute_code_a
         text.contains("net: files.test:80 allowed") && text.contains("net: other.test:80 denied"),
         "{text}"
     );
+    // A session's connections are counted on /metrics too, by executor and verdict.
+    let metrics = daemon
+        .http()
+        .get("http://tandem/metrics")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "tandem_net_connections_total{executor=\"docker\",verdict=\"allowed\"} 1",
+        "tandem_net_connections_total{executor=\"docker\",verdict=\"denied\"} 1",
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "{line} not in:\n{metrics}"
+        );
+    }
     // Outside the operator's: refused, naming the host.
     let refused = mcp
         .call_tool(

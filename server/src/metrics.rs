@@ -275,21 +275,43 @@ impl Metrics {
             .observe(result.duration_ms as f64 / 1000.0);
     }
 
+    /// What counts connections through the egress proxy, for a sandbox without a task.
+    pub fn net_counter(&self) -> NetCounter {
+        NetCounter {
+            connections: self.net_connections.clone(),
+            bytes: self.net_bytes.clone(),
+        }
+    }
+
     /// Counts one connection through the egress proxy and the bytes it carried.
     pub fn net(&self, executor: &str, net: &tandem_protocol::net::NetEvent) {
+        self.net_counter().count(executor, net);
+    }
+}
+
+/// The `/metrics` families a connection through the egress proxy is counted in.
+#[derive(Clone)]
+pub struct NetCounter {
+    connections: Family<Labels, Counter>,
+    bytes: Family<Labels, Counter>,
+}
+
+impl NetCounter {
+    /// Counts one connection and the bytes it carried, by executor.
+    pub fn count(&self, executor: &str, net: &tandem_protocol::net::NetEvent) {
         let verdict = match net.verdict {
             tandem_protocol::net::NetVerdict::Allowed if net.brokered => "brokered",
             tandem_protocol::net::NetVerdict::Allowed => "allowed",
             tandem_protocol::net::NetVerdict::Denied => "denied",
         };
-        self.net_connections
+        self.connections
             .get_or_create(&vec![
                 ("executor", executor.to_owned()),
                 ("verdict", verdict.to_owned()),
             ])
             .inc();
         for (direction, n) in [("out", net.bytes_out), ("in", net.bytes_in)] {
-            self.net_bytes
+            self.bytes
                 .get_or_create(&vec![
                     ("executor", executor.to_owned()),
                     ("direction", direction.to_owned()),
@@ -297,7 +319,9 @@ impl Metrics {
                 .inc_by(n);
         }
     }
+}
 
+impl Metrics {
     /// Records how long a model call took.
     pub fn model_latency(&self, took: Duration) {
         self.model_seconds.observe(took.as_secs_f64());

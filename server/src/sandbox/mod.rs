@@ -356,7 +356,10 @@ impl Pool {
             .map_err(Refusal::invalid)?;
         let (sandbox, net) = match planner.block_network(ask.network.as_ref(), &*sandbox)? {
             Some((egress, policy)) => {
-                let route = Arc::new(opened::NetRoute::default());
+                let route = Arc::new(opened::NetRoute::counted(
+                    self.supervisor.metrics.net_counter(),
+                    &executor,
+                ));
                 let behind: Arc<dyn Executor> = Arc::new(tandem_egress::Behind::new(
                     sandbox,
                     egress,

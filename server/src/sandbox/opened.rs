@@ -31,12 +31,22 @@ pub(super) struct Made {
 #[derive(Default)]
 pub(crate) struct NetRoute {
     to: Mutex<Option<tokio::sync::mpsc::UnboundedSender<tandem_protocol::session::ExecEvent>>>,
+    /// Where each connection is counted, by the session's executor.
+    counted: Option<(crate::metrics::NetCounter, String)>,
     /// Connections the proxy holds for this sandbox, not yet recorded.
     open: std::sync::atomic::AtomicUsize,
     settled: tokio::sync::Notify,
 }
 
 impl NetRoute {
+    /// A route whose connections are also counted on `/metrics` under `executor`.
+    pub(crate) fn counted(counter: crate::metrics::NetCounter, executor: &str) -> NetRoute {
+        NetRoute {
+            counted: Some((counter, executor.to_owned())),
+            ..NetRoute::default()
+        }
+    }
+
     /// Sends what the proxy records to `to` (`None`: nowhere) until told otherwise.
     pub(crate) fn route_to(
         &self,
@@ -68,6 +78,9 @@ impl NetRoute {
 
 impl tandem_egress::NetSink for NetRoute {
     fn record(&self, event: tandem_protocol::net::NetEvent) {
+        if let Some((counter, executor)) = &self.counted {
+            counter.count(executor, &event);
+        }
         if let Ok(slot) = self.to.lock()
             && let Some(tx) = slot.as_ref()
         {
