@@ -29,7 +29,9 @@ pub use blocks::{LanguageListError, SessionSlot, allowed_languages};
 pub use chat::{ChatModel, ModelConfig, ModelError};
 pub use events::EventSink;
 pub use extract::{CodeBlock, extract_code_blocks};
-pub use task::{TaskNetwork, TaskOutcome, TaskSettings, pair, render_system_prompt, run_task};
+pub use task::{
+    LateNet, TaskNetwork, TaskOutcome, TaskSettings, pair, render_system_prompt, run_task,
+};
 
 /// The termination string used unless configured otherwise.
 pub const DEFAULT_TERMINATION: &str = "TERMINATE";

@@ -90,6 +90,42 @@ impl TaskNetwork {
     }
 }
 
+impl TaskNetwork {
+    /// `executor` with every session behind the proxy, its connections told to `sink` once
+    /// it is set (a team's executors are made before its task's events have a sink).
+    pub fn wrap_late(&self, executor: Arc<dyn Executor>, sink: Arc<LateNet>) -> Arc<dyn Executor> {
+        Arc::new(tandem_egress::Behind::new(
+            executor,
+            self.egress.clone(),
+            self.policy.clone(),
+            sink,
+        ))
+    }
+}
+
+/// Connections told as a task's `net` events once the task runs and its sink is known.
+#[derive(Default)]
+pub struct LateNet(std::sync::Mutex<Option<NetEvents>>);
+
+impl LateNet {
+    /// From now on, connections are `events`, and spans under the current span.
+    pub fn set(&self, events: &EventSink) {
+        if let Ok(mut slot) = self.0.lock() {
+            *slot = Some(NetEvents(events.clone(), tracing::Span::current()));
+        }
+    }
+}
+
+impl tandem_egress::NetSink for LateNet {
+    fn record(&self, event: tandem_protocol::net::NetEvent) {
+        if let Ok(slot) = self.0.lock()
+            && let Some(sink) = slot.as_ref()
+        {
+            sink.record(event);
+        }
+    }
+}
+
 /// The proxy's records as the task's events, and as spans under the task's.
 struct NetEvents(EventSink, tracing::Span);
 

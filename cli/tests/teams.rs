@@ -999,3 +999,87 @@ async fn an_executor_agent_keeps_its_interpreter_when_its_team_file_says_so() {
         out.stderr
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_teams_executors_go_behind_the_proxy_with_the_tasks_hosts() {
+    let net = tandem_tests::internet::Internet::new();
+    net.http_server(80);
+    let task = "team: fetch through the proxy";
+    let fetch = "```python\nimport urllib.request, urllib.error\n\
+                 print(urllib.request.urlopen('http://files.test/hello', timeout=30).read().decode().splitlines()[0])\n\
+                 try:\n    urllib.request.urlopen('http://other.test/', timeout=30)\n\
+                 except urllib.error.HTTPError as e:\n    print('other:', e.code)\n```";
+    let server = scripted(
+        task,
+        vec![
+            ("coder", vec![Reply::Text(fetch.to_owned())]),
+            ("reviewer", vec![Reply::from("It fetched. APPROVED")]),
+        ],
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = team_file(&dir, REVIEW);
+    let config = dir.path().join("tandem.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[network]\nresolve = {{ \"files.test\" = [\"{}\"] }}\n",
+            net.addr
+        ),
+    )
+    .unwrap();
+    let url = server.base_url();
+    for executor in ["docker", "local"] {
+        let out = tandem(
+            &[
+                "run",
+                "--json",
+                "--config",
+                config.to_str().unwrap(),
+                "--team",
+                &file,
+                "--base-url",
+                &url,
+                "--model",
+                "m",
+                "-e",
+                executor,
+                "--allow-host",
+                "files.test",
+                task,
+            ],
+            &[("TANDEM_MAX_RETRIES", "0")],
+            None,
+        )
+        .await;
+        assert_eq!(out.code, 0, "{executor}: {}\n{}", out.stdout, out.stderr);
+        let events = events_of(&out);
+        let printed: String = events
+            .iter()
+            .filter_map(|e| match &e.msg {
+                EventMsg::ExecResult { result, .. } => Some(result.stdout.clone()),
+                _ => None,
+            })
+            .collect();
+        assert!(
+            printed.contains("seen: GET /hello") && printed.contains("other: 403"),
+            "{executor}: {printed}"
+        );
+        let mut nets: Vec<(String, String)> = events
+            .iter()
+            .filter_map(|e| match &e.msg {
+                EventMsg::Net(n) => Some((n.host.clone(), n.rule.clone())),
+                _ => None,
+            })
+            .collect();
+        nets.sort();
+        assert_eq!(
+            nets,
+            [
+                ("files.test".to_owned(), "files.test".to_owned()),
+                ("other.test".to_owned(), "default".to_owned())
+            ],
+            "{executor}"
+        );
+    }
+}

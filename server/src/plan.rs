@@ -264,6 +264,8 @@ enum Work {
         team: Box<Team>,
         label: TaskLabel,
         replay: tandem_agent::team::Replay,
+        /// Where its sandboxes' connections are told, once the task's sink is known.
+        net: Option<Arc<tandem_agent::LateNet>>,
     },
 }
 
@@ -530,12 +532,6 @@ impl Planner {
         let Some(policy) = policy else {
             return Ok(None);
         };
-        if spec.team.is_some() {
-            return Err(Invalid::Check(
-                "network: a team's task cannot go behind the egress proxy yet; ask the assistant and executor pair, or leave network out",
-            )
-            .into());
-        }
         if self.config.network.egress.is_none() {
             return Err(unavailable(
                 "the egress proxy is not running, and a task with a network policy goes only through it (see `tandem doctor`)".to_owned(),
@@ -813,6 +809,10 @@ impl Planner {
     ) -> Result<Work, ErrorInfo> {
         let msgs: Vec<EventMsg> = events.iter().map(|e| e.msg.clone()).collect();
         let replay = tandem_agent::team::replay_of(&msgs);
+        let net = settings
+            .network
+            .as_ref()
+            .map(|_| Arc::new(tandem_agent::LateNet::default()));
         let models = |node: &Node| {
             self.model(
                 node.spec.model.as_deref().or(spec.model.as_deref()),
@@ -829,6 +829,21 @@ impl Planner {
                 code: ErrorCode::Executor,
                 message: e.to_string(),
             })?;
+            let executor = match (&settings.network, &net) {
+                (Some(network), Some(late)) => {
+                    if !executor.carries_egress() {
+                        return Err(ErrorInfo {
+                            code: ErrorCode::Executor,
+                            message: format!(
+                                "{}: the {name} executor's sandboxes cannot be put behind Tandem's egress proxy, which the task's network needs; use the docker executor (an engine on this machine) or the confined local executor, or leave network out",
+                                node.path
+                            ),
+                        });
+                    }
+                    network.wrap_late(executor, late.clone())
+                }
+                _ => executor,
+            };
             executor_slot(node, executor, settings.session.clone())
         };
         let label = TaskLabel {
@@ -886,6 +901,7 @@ impl Planner {
             team: Box::new(team),
             label,
             replay,
+            net,
         })
     }
 
@@ -1027,7 +1043,11 @@ impl Planned {
                 team,
                 label,
                 replay,
+                net,
             } => {
+                if let Some(net) = net {
+                    net.set(&sink);
+                }
                 let team = team.with_approval(settings.approval.clone());
                 run_team_task(
                     team,
