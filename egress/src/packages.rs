@@ -329,8 +329,9 @@ impl Packages {
                 .dir
                 .join("partial")
                 .join(uuid::Uuid::new_v4().simple().to_string());
-            if std::fs::write(&partial, &record).is_ok() {
-                let _ = std::fs::rename(&partial, &kept);
+            if std::fs::write(&partial, &record).is_ok() && std::fs::rename(&partial, &kept).is_ok()
+            {
+                self.evict(&kept);
             }
         }
         let head = head_of(
@@ -432,14 +433,15 @@ impl Packages {
         Ok((head, Answer::File(kept, len)))
     }
 
-    /// Removes the least recently used files until the cache is within its bound, never
-    /// `keep` (the file being served).
+    /// Removes the least recently used files and pages until the cache is within its
+    /// bound, never `keep` (the one being served).
     fn evict(&self, keep: &Path) {
-        let Ok(entries) = std::fs::read_dir(self.dir.join("files")) else {
-            return;
-        };
-        let mut files: Vec<(std::time::SystemTime, u64, PathBuf)> = entries
-            .flatten()
+        // Pages count against the bound as files do: an index that answers any path must
+        // not fill the disk with them.
+        let mut files: Vec<(std::time::SystemTime, u64, PathBuf)> = ["files", "pages"]
+            .into_iter()
+            .filter_map(|dir| std::fs::read_dir(self.dir.join(dir)).ok())
+            .flat_map(|entries| entries.flatten())
             .filter_map(|e| {
                 let meta = e.metadata().ok()?;
                 if !meta.is_file() {
@@ -1025,6 +1027,30 @@ mod tests {
         let json =
             format!("{{\"files\":[{{\"url\":\"c.whl\",\"hashes\":{{\"sha256\":\"{sha}\"}}}}]}}");
         assert_eq!(json_links(&json)[0].0, "c.whl");
+    }
+
+    #[test]
+    fn pages_and_files_are_evicted_oldest_first_to_the_bound_but_not_the_one_served() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = IndexUrl::parse("http://pypi.test/simple/").unwrap();
+        let cache = Packages::new(index, dir.path().to_owned(), 250, Vec::new()).unwrap();
+        let old = std::time::SystemTime::now() - Duration::from_secs(3600);
+        let mut made = Vec::new();
+        for (i, place) in ["files/a", "pages/b", "files/c", "pages/d"]
+            .iter()
+            .enumerate()
+        {
+            let path = dir.path().join(place);
+            std::fs::write(&path, [0u8; 100]).unwrap();
+            let file = std::fs::File::options().append(true).open(&path).unwrap();
+            file.set_modified(old + Duration::from_secs(i as u64 * 60))
+                .unwrap();
+            made.push(path);
+        }
+        // The oldest (a) is the one being served: kept; b and c go, leaving 200 bytes.
+        cache.evict(&made[0]);
+        let left: Vec<bool> = made.iter().map(|p| p.exists()).collect();
+        assert_eq!(left, [true, false, false, true]);
     }
 
     #[test]
