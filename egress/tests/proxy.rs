@@ -420,13 +420,17 @@ async fn max_bytes_cuts_a_flood_and_max_connections_holds() {
     let net = Internet::new();
     flood_server(net.listen(8080), 50 * 1024 * 1024);
     http_server(net.listen(9090));
-    let p = proxy(ProxyLimits::default()).await;
+    // Held connections must outlast the asking below on a loaded machine.
+    let p = proxy(ProxyLimits {
+        head_timeout: Duration::from_secs(120),
+        ..ProxyLimits::default()
+    })
+    .await;
     let mut pol = policy(
         &["files.test:8080", "files.test:9090"],
         &[("files.test", net.addr)],
     );
     pol.max_bytes = Some(1024 * 1024);
-    pol.max_connections = Some(2);
     let (_g, events) = p.grant("127.0.0.5", pol);
     let answer = p
         .ask(
@@ -446,10 +450,14 @@ async fn max_bytes_cuts_a_flood_and_max_connections_holds() {
     );
     assert!(got[0].bytes_in <= 1024 * 1024);
 
-    // Two connections held open (sending nothing) use the sandbox's two; a third is refused.
+    // Two connections held open (sending nothing) use a sandbox's two; a third is refused.
+    // Another sandbox, whose byte budget the flood above did not spend.
+    let mut pol = policy(&["files.test:9090"], &[("files.test", net.addr)]);
+    pol.max_connections = Some(2);
+    let (_g2, _events) = p.grant("127.0.0.7", pol);
     let held = [
-        p.connect_from("127.0.0.5").await,
-        p.connect_from("127.0.0.5").await,
+        p.connect_from("127.0.0.7").await,
+        p.connect_from("127.0.0.7").await,
     ];
     // The held two take their permits once the proxy has accepted them, which a loaded
     // machine may do late: ask until the refusal comes, within a generous bound.
@@ -457,7 +465,7 @@ async fn max_bytes_cuts_a_flood_and_max_connections_holds() {
     for _ in 0..300 {
         answer = p
             .ask(
-                "127.0.0.5",
+                "127.0.0.7",
                 "GET http://files.test:9090/ HTTP/1.1\r\nHost: files.test:9090\r\n\r\n",
             )
             .await;
