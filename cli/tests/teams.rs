@@ -1082,4 +1082,24 @@ async fn a_teams_executors_go_behind_the_proxy_with_the_tasks_hosts() {
             "{executor}"
         );
     }
+    // Every assistant was told which hosts its code can reach.
+    for agent in ["coder", "reviewer"] {
+        let told: Vec<_> = server
+            .requests_for(task)
+            .into_iter()
+            .filter(|r| {
+                r.body["messages"][0]["content"]
+                    .as_str()
+                    .is_some_and(|c| c.starts_with(&format!("{agent}\n")))
+            })
+            .collect();
+        assert!(
+            !told.is_empty()
+                && told.iter().all(|r| r.body["messages"][0]["content"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .contains("nothing else on the network: files.test")),
+            "{agent}"
+        );
+    }
 }

@@ -872,6 +872,9 @@ impl Planner {
         team = team
             .with_budget(settings.budget, &settings.prices)
             .with_spent(&spent);
+        if let Some(network) = &settings.network {
+            team = team.with_note(network_note(&network.policy, &network.egress));
+        }
         // Each assistant's tools: its own list, else the task's; its code goes to the
         // task's executor's languages.
         let mut stack = vec![&root];

@@ -57,6 +57,7 @@ impl Team {
             exchange_turns: false,
             spend: super::spend::Spend::default(),
             output_schema: None,
+            note: None,
             root: root.clone(),
         };
         let mut stack = vec![&root];
@@ -205,6 +206,12 @@ impl Team {
     /// would end without one goes on, the model told what is wrong (a turn like any other).
     pub fn with_output_schema(mut self, schema: Option<Arc<crate::schema::OutputSchema>>) -> Self {
         self.output_schema = schema;
+        self
+    }
+
+    /// Tells every assistant `note` after its instructions.
+    pub fn with_note(mut self, note: String) -> Self {
+        self.note = Some(note);
         self
     }
 

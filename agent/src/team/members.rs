@@ -40,6 +40,8 @@ pub struct Team {
     /// The JSON Schema the task's final answer ends with a value of, checked when the top
     /// chat would end; a task's result.
     pub(super) output_schema: Option<Arc<crate::schema::OutputSchema>>,
+    /// Told to every assistant after its instructions (what its sandbox's network reaches).
+    pub(super) note: Option<String>,
 }
 
 /// How a team's executors run blocks: the gate each block passes, and the limits its report

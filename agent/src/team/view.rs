@@ -49,6 +49,10 @@ impl Ctx<'_> {
                     .unwrap_or_default()
             )
         });
+        let instructions = match &self.team.note {
+            Some(note) => format!("{}\n\n{note}", instructions.trim_end()),
+            None => instructions,
+        };
         match self.team.tools(&node.name).map(|t| t.code_via) {
             Some(tandem_protocol::CodeVia::Tool) => format!(
                 "{}\n- Run code by calling the `execute_code` tool; its result is the program's exit code and output.",
