@@ -174,7 +174,7 @@ fn broker(section: &crate::config::NetworkSection) -> Result<Arc<tandem_egress::
     }
     let dir = match &section.ca_dir {
         Some(dir) => dir.clone(),
-        None => crate::serve::default_state_dir().join("egress-ca"),
+        None => crate::config::default_state_dir().join("egress-ca"),
     };
     let ca = tandem_egress::Ca::load_or_make(&dir)?;
     Ok(Arc::new(tandem_egress::Broker::new(

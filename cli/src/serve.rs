@@ -60,8 +60,7 @@ impl ServeArgs {
 
 /// `$XDG_STATE_HOME/tandem`, else `~/.local/state/tandem`.
 pub fn default_state_dir() -> PathBuf {
-    crate::config::xdg_dir("XDG_STATE_HOME", ".local/state")
-        .unwrap_or_else(|| std::env::temp_dir().join("tandem"))
+    crate::config::default_state_dir()
 }
 
 /// `$XDG_RUNTIME_DIR/tandem/tandem.sock`, else `tandem.sock` in the state dir.

@@ -155,6 +155,8 @@ pub struct Ca {
 }
 
 const CA_NAME: &str = "Tandem egress CA";
+/// Hosts' certificates kept at once.
+const MAX_LEAVES: usize = 1024;
 
 fn ca_params() -> CertificateParams {
     let mut params = CertificateParams::default();
@@ -265,10 +267,13 @@ impl Ca {
         // The request inside is read as HTTP/1.1.
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
         let config = Arc::new(config);
-        self.leaves
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(host.to_owned(), config.clone());
+        let mut leaves = self.leaves.lock().unwrap_or_else(PoisonError::into_inner);
+        // A wildcard secret covers any name under its domain that a sandbox may ask for:
+        // the certificates kept are bounded, and one made again costs a signature.
+        if leaves.len() >= MAX_LEAVES {
+            leaves.clear();
+        }
+        leaves.insert(host.to_owned(), config.clone());
         Ok(config)
     }
 }

@@ -19,6 +19,8 @@ use tokio::net::TcpStream;
 
 /// The largest index page kept (a project with thousands of releases has pages of megabytes).
 const MAX_PAGE: u64 = 32 * 1024 * 1024;
+/// File hashes learned from pages, kept at once.
+const MAX_LEARNED: usize = 500_000;
 /// The largest response head read from the index.
 const MAX_RESPONSE_HEAD: usize = 64 * 1024;
 
@@ -474,7 +476,12 @@ impl Packages {
             html_links(&text)
         };
         let mut hashes = self.hashes.lock().unwrap_or_else(PoisonError::into_inner);
-        for (href, sha) in links {
+        // Every page a sandbox asks for adds its links: the map is bounded, and a page read
+        // again (from the cache or the index) teaches its links again.
+        if hashes.len() + links.len() > MAX_LEARNED {
+            hashes.clear();
+        }
+        for (href, sha) in links.into_iter().take(MAX_LEARNED) {
             if let Some((h, p, file)) = join(host, port, path, &href) {
                 hashes.insert(file_key(&h, p, strip_query(&file)), sha);
             }

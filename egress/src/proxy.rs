@@ -333,19 +333,7 @@ impl Inner {
                         .unwrap_or(DEFAULT_MAX_CONNECTIONS)
                 ),
             );
-            let _ = client.write_all(&denied(&denial)).await;
-            grant.sink.record(event(
-                Outcome {
-                    host: String::new(),
-                    port: 0,
-                    result: Err(denial),
-                    bytes_out: 0,
-                    bytes_in: 0,
-                    answered: false,
-                    brokered: false,
-                },
-                started,
-            ));
+            refuse_unasked(&mut client, &grant, denial, started).await;
             return;
         };
         if let Some(max) = grant.policy.max_block_connections
@@ -355,19 +343,7 @@ impl Inner {
                 "max_block_connections",
                 format!("this block already made {max} connections, as many as one block may"),
             );
-            let _ = client.write_all(&denied(&denial)).await;
-            grant.sink.record(event(
-                Outcome {
-                    host: String::new(),
-                    port: 0,
-                    result: Err(denial),
-                    bytes_out: 0,
-                    bytes_in: 0,
-                    answered: false,
-                    brokered: false,
-                },
-                started,
-            ));
+            refuse_unasked(&mut client, &grant, denial, started).await;
             return;
         }
         let outcome = tokio::select! {
@@ -1312,6 +1288,27 @@ where
         };
         sent.map_err(|_| Cut::Closed)?;
     }
+}
+
+/// Refuses a connection before its request was read (a bound it met on arrival): a 403 to
+/// the client and a record with no host.
+async fn refuse_unasked<S>(client: &mut S, grant: &Grant, denial: Denial, started: Instant)
+where
+    S: AsyncWrite + Unpin,
+{
+    let _ = client.write_all(&denied(&denial)).await;
+    grant.sink.record(event(
+        Outcome {
+            host: String::new(),
+            port: 0,
+            result: Err(denial),
+            bytes_out: 0,
+            bytes_in: 0,
+            answered: false,
+            brokered: false,
+        },
+        started,
+    ));
 }
 
 fn event(outcome: Outcome, started: Instant) -> NetEvent {

@@ -30,6 +30,12 @@ pub(crate) fn xdg_dir(var: &str, under_home: &str) -> Option<PathBuf> {
     Some(base.join("tandem"))
 }
 
+/// `$XDG_STATE_HOME/tandem`, else `~/.local/state/tandem`: the daemon's state dir, and where
+/// the egress proxy's CA is kept by default.
+pub fn default_state_dir() -> PathBuf {
+    xdg_dir("XDG_STATE_HOME", ".local/state").unwrap_or_else(|| std::env::temp_dir().join("tandem"))
+}
+
 /// Flags that override the model settings.
 #[derive(Debug, Default, Clone, clap::Args)]
 pub struct ModelFlags {
