@@ -36,6 +36,33 @@ fn verdicts<'a>(nets: impl Iterator<Item = &'a Value>) -> Vec<(String, String, S
     out
 }
 
+/// `tandem run --json` in process with `config`, against the model at `url`, on `executor`.
+async fn run_json(
+    config: &std::path::Path,
+    url: &str,
+    executor: &str,
+    task: &str,
+) -> crate::e2e::Output {
+    tandem(
+        &[
+            "run",
+            "--json",
+            "--config",
+            config.to_str().unwrap(),
+            "--base-url",
+            url,
+            "--model",
+            "m",
+            "-e",
+            executor,
+            task,
+        ],
+        &[("TANDEM_MAX_RETRIES", "0")],
+        None,
+    )
+    .await
+}
+
 fn events_of(stdout: &str, kind: &str) -> Vec<Value> {
     stdout
         .lines()
@@ -316,33 +343,9 @@ async fn pip_installs_from_the_operators_index_through_the_cache_and_a_second_ta
     )
     .unwrap();
     let url = server.base_url();
-    let run = |executor: &'static str| {
-        let config = config.clone();
-        let url = url.clone();
-        async move {
-            tandem(
-                &[
-                    "run",
-                    "--json",
-                    "--config",
-                    config.to_str().unwrap(),
-                    "--base-url",
-                    &url,
-                    "--model",
-                    "m",
-                    "-e",
-                    executor,
-                    task,
-                ],
-                &[("TANDEM_MAX_RETRIES", "0")],
-                None,
-            )
-            .await
-        }
-    };
     for (i, executor) in ["docker", "local", "docker"].into_iter().enumerate() {
         let before = reached(&seen).len();
-        let out = run(executor).await;
+        let out = run_json(&config, &url, executor, task).await;
         assert_eq!(out.code, 0, "{executor}: {}\n{}", out.stdout, out.stderr);
         let results = events_of(&out.stdout, "exec_result");
         let printed = results[0]["result"]["stdout"].as_str().unwrap_or_default();
@@ -434,24 +437,7 @@ async fn a_file_that_does_not_match_its_index_hash_is_neither_kept_nor_served() 
         ),
     )
     .unwrap();
-    let out = tandem(
-        &[
-            "run",
-            "--json",
-            "--config",
-            config.to_str().unwrap(),
-            "--base-url",
-            &server.base_url(),
-            "--model",
-            "m",
-            "-e",
-            "local",
-            task,
-        ],
-        &[("TANDEM_MAX_RETRIES", "0")],
-        None,
-    )
-    .await;
+    let out = run_json(&config, &server.base_url(), "local", task).await;
     let results = events_of(&out.stdout, "exec_result");
     let printed = results[0]["result"]["stdout"].as_str().unwrap_or_default();
     assert!(
@@ -936,24 +922,7 @@ async fn an_index_that_is_down_gives_pip_its_own_error_and_the_task_goes_on() {
         ),
     )
     .unwrap();
-    let out = tandem(
-        &[
-            "run",
-            "--json",
-            "--config",
-            config.to_str().unwrap(),
-            "--base-url",
-            &server.base_url(),
-            "--model",
-            "m",
-            "-e",
-            "local",
-            task,
-        ],
-        &[("TANDEM_MAX_RETRIES", "0")],
-        None,
-    )
-    .await;
+    let out = run_json(&config, &server.base_url(), "local", task).await;
     assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
     let results = events_of(&out.stdout, "exec_result");
     let printed = results[0]["result"]["stdout"].as_str().unwrap_or_default();
@@ -1008,24 +977,7 @@ async fn an_https_index_is_cached_too_answered_inside_tls_with_the_daemons_ca() 
     let url = server.base_url();
     for (i, executor) in ["docker", "local"].into_iter().enumerate() {
         let before = reached(&seen).len();
-        let out = tandem(
-            &[
-                "run",
-                "--json",
-                "--config",
-                config.to_str().unwrap(),
-                "--base-url",
-                &url,
-                "--model",
-                "m",
-                "-e",
-                executor,
-                task,
-            ],
-            &[("TANDEM_MAX_RETRIES", "0")],
-            None,
-        )
-        .await;
+        let out = run_json(&config, &url, executor, task).await;
         assert_eq!(out.code, 0, "{executor}: {}\n{}", out.stdout, out.stderr);
         let results = events_of(&out.stdout, "exec_result");
         let printed = results[0]["result"]["stdout"].as_str().unwrap_or_default();
