@@ -399,7 +399,7 @@ fn network_report(file: &config::FileConfig) -> String {
         Ok(policy) => {
             let allowed = policy.allowed_hosts();
             format!(
-                "{} through Tandem's egress proxy, for sandboxes on docker (an engine on this machine) and local (confined); other executors refuse a task with a network{}",
+                "{} through Tandem's egress proxy, for sandboxes on docker and local (confined); other executors refuse a task with a network{}",
                 if allowed.is_empty() {
                     "nothing allowed unless a task asks (--allow-host)".to_owned()
                 } else {

@@ -21,6 +21,7 @@ mod mcp;
 mod network;
 mod new_user;
 mod plugins;
+mod ports;
 mod python;
 mod shared_store;
 mod teams;

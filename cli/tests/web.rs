@@ -1193,3 +1193,78 @@ async fn the_page_asks_for_hosts_and_shows_each_connection_and_a_refusal_names_t
     shot(&b, "network.png").await;
     b.quit().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_page_links_a_tasks_open_port_and_the_served_page_cannot_read_the_token() {
+    let task = "web: serve on 8000";
+    let wait_for_visit = "import os, time\nfor _ in range(2400):\n    if os.path.exists('served'):\n        break\n    time.sleep(0.05)\nprint('visited' if os.path.exists('served') else 'never visited')";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Text(format!("```python\n{}\n```", crate::ports::start_app())),
+            Reply::Text(format!("```python\n{wait_for_visit}\n```")),
+            Reply::from("Served.\n\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let (d, addr, token) = start_tcp(&server, "").await;
+    let b = Browser::start(1280, 1000).await;
+    sign_in(&b, &addr, &token).await;
+    let id = submit(&b, task).await;
+    // Once the first block has left the server listening, the page links its port.
+    b.wait(
+        "the open port's link",
+        "const a = document.querySelector('#port-list a[data-port=\"8000\"]'); return a && !document.getElementById('ports').hidden && a.textContent",
+        Duration::from_secs(120),
+    )
+    .await;
+    shot(&b, "port-link.png").await;
+    b.click("#port-list a[data-port=\"8000\"]").await;
+    let link = b
+        .wait(
+            "the signed link",
+            "return document.querySelector('#port-list a[data-port=\"8000\"]').dataset.link",
+            LIMIT,
+        )
+        .await;
+    let link = link.as_str().unwrap().to_owned();
+    assert!(link.starts_with("/v1/ports/"), "{link}");
+    // The link opens the server's page with no token; that page runs in an origin of its
+    // own, where the daemon's page keeps nothing it can read.
+    b.goto(&format!("http://{addr}{link}done")).await;
+    let body = b
+        .wait(
+            "the server's page",
+            "return document.body && document.body.innerText",
+            LIMIT,
+        )
+        .await;
+    assert!(
+        body.as_str()
+            .unwrap()
+            .starts_with("hello from the sandbox\npath /done\nauthorization None"),
+        "{body}"
+    );
+    let storage = b
+        .run(
+            "try { return 'read: ' + sessionStorage.getItem('tandem.token'); } catch (e) { return 'refused: ' + e.name; }",
+            json!([]),
+        )
+        .await;
+    assert_eq!(storage, "refused: SecurityError");
+    let cookie = b
+        .run(
+            "try { return 'read: ' + document.cookie; } catch (e) { return 'refused: ' + e.name; }",
+            json!([]),
+        )
+        .await;
+    assert_eq!(cookie, "refused: SecurityError");
+    d.wait_finished(&id, Duration::from_secs(300)).await;
+    let printed = d.block_stdouts(&id).await.join("");
+    assert!(
+        printed.contains("visited\n") && !printed.contains("never"),
+        "{printed}"
+    );
+    b.quit().await;
+}

@@ -74,7 +74,7 @@ impl Executor for Behind {
             if !self.inner.carries_egress() {
                 return Err(ExecError::Unavailable {
                     what: format!("a network policy on the {} executor", self.inner.name()),
-                    hint: "its sandboxes cannot be put behind Tandem's egress proxy; run the task on the docker executor (an engine on this machine) or the confined local executor, or without `network`".to_owned(),
+                    hint: "its sandboxes cannot be put behind Tandem's egress proxy; run the task on the docker executor or the confined local executor, or without `network`".to_owned(),
                 });
             }
             let (socket, dir) = self.socket_for()?;
@@ -171,6 +171,10 @@ impl Session for BehindSession {
         caps: files::ArchiveCaps,
     ) -> BoxFuture<'_, Result<Vec<files::ArchivedFile>, ExecError>> {
         self.session.put_archive(archive, caps)
+    }
+
+    fn ports(&self) -> Option<std::sync::Arc<dyn tandem_executor::Ports>> {
+        self.session.ports()
     }
 
     fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {

@@ -12,7 +12,7 @@ import pytest
 import tandem_client
 from tandem_client import AsyncClient, Client
 
-from conftest import CONFIG, Daemon, ScriptedModel, free_port
+from conftest import CONFIG, Daemon, ScriptedModel, docker_image, free_port
 
 SIX_BY_SEVEN = "Let me compute it.\n```python\nprint(6 * 7)\n```"
 
@@ -422,3 +422,63 @@ def test_a_session_with_a_network_reaches_what_it_asked_for_and_its_connections_
     finally:
         d.stop()
         server.shutdown()
+
+
+SERVE = (
+    "import socket, subprocess, sys, time\n"
+    "app = 'import http.server\\n"
+    "class H(http.server.BaseHTTPRequestHandler):\\n"
+    "    def do_GET(self):\\n"
+    "        body = (\"served %s, token %s\" % (self.path, self.headers.get(\"Authorization\"))).encode()\\n"
+    "        self.send_response(200)\\n"
+    "        self.send_header(\"Content-Length\", str(len(body)))\\n"
+    "        self.end_headers()\\n"
+    "        self.wfile.write(body)\\n"
+    "http.server.HTTPServer((\"127.0.0.1\", 8000), H).serve_forever()\\n'\n"
+    "open('app.py', 'w').write(app)\n"
+    "subprocess.Popen([sys.executable, 'app.py'])\n"
+    "for _ in range(400):\n"
+    "    try:\n"
+    "        socket.create_connection(('127.0.0.1', 8000), timeout=1).close()\n"
+    "        break\n"
+    "    except OSError:\n"
+    "        time.sleep(0.05)\n"
+    "print('serving')\n"
+)
+
+
+def test_a_sessions_server_is_listed_and_a_signed_link_opens_it_without_the_token(model: ScriptedModel) -> None:
+    import urllib.error
+    import urllib.request
+
+    docker_image()
+    port = free_port()
+    token = "p" * 48
+    d = Daemon(model.url, CONFIG, env={"TANDEM_TOKEN": token})
+    d.stop()
+    d.host = f"tcp://127.0.0.1:{port}"
+    try:
+        d.start("--listen", f"127.0.0.1:{port}")
+        with Client(d.host, token=token) as c:
+            with c.session("docker") as s:
+                assert s.run(SERVE)["stdout"] == "serving\n"
+                listed = s.ports()
+                assert listed == [{"port": 8000, "path": f"/v1/sessions/{s.id}/ports/8000/"}]
+                base = f"http://127.0.0.1:{port}"
+                # Without the token the port is refused; a link opens it, and the server never
+                # sees a token.
+                with pytest.raises(urllib.error.HTTPError) as refused:
+                    urllib.request.urlopen(base + listed[0]["path"], timeout=60)
+                assert refused.value.code == 401
+                link = s.link(8000, ttl_secs=60)
+                assert link["port"] == 8000 and link["expires"] > time.time()
+                page = urllib.request.urlopen(base + link["url"] + "hi", timeout=60).read().decode()
+                assert page == "served /hi, token None"
+                with pytest.raises(tandem_client.InvalidRequest):
+                    s.link(0)
+            # Closed: the link opens nothing.
+            with pytest.raises(urllib.error.HTTPError) as gone:
+                urllib.request.urlopen(base + link["url"], timeout=60)
+            assert gone.value.code == 404
+    finally:
+        d.stop()

@@ -11,7 +11,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use axum::{Json, Router};
 use serde_json::json;
 use tandem_executor::CancellationToken;
@@ -25,6 +25,7 @@ use tokio::sync::mpsc;
 use crate::follow::Follower;
 use crate::store::TaskState;
 
+pub(crate) mod ports;
 mod sessions;
 use crate::supervisor::{Supervisor, TaskError};
 
@@ -188,23 +189,33 @@ struct AppState {
     sessions: Arc<crate::sandbox::Pool>,
     shutdown: CancellationToken,
     body_limit: usize,
+    /// Signs the links that open a sandbox's port without the token.
+    links: Arc<crate::ports::Links>,
 }
 
 /// The API's routes. With `token`, every request must carry `Authorization: Bearer <token>`
 /// (for TCP); without, the Unix socket's permissions are the access control.
 pub fn router(
     supervisor: Arc<Supervisor>,
+    sessions: Arc<crate::sandbox::Pool>,
     token: Option<String>,
     body_limit: usize,
     shutdown: CancellationToken,
 ) -> Router {
     let state = AppState {
-        sessions: crate::sandbox::Pool::new(supervisor.clone(), shutdown.clone()),
+        sessions,
+        links: supervisor.links.clone(),
         supervisor: supervisor.clone(),
         shutdown: shutdown.clone(),
         body_limit,
     };
     let pool = state.sessions.clone();
+    // A signed link stands in for the token: its routes are outside the token's layer.
+    let linked = Router::new()
+        .route("/v1/ports/{link}", any(ports::add_slash))
+        .route("/v1/ports/{link}/", any(ports::linked_port))
+        .route("/v1/ports/{link}/{*rest}", any(ports::linked_port))
+        .with_state(state.clone());
     let mut app = Router::new()
         .route("/v1/tasks", post(create_task).get(list_tasks))
         .route("/v1/tasks/{id}", get(get_task))
@@ -238,6 +249,19 @@ pub fn router(
             "/v1/sessions/{id}/files/{*path}",
             get(sessions::session_file),
         )
+        .route("/v1/tasks/{id}/ports", get(ports::task_ports))
+        .route("/v1/tasks/{id}/ports/{port}", any(ports::add_slash))
+        .route("/v1/tasks/{id}/ports/{port}/", any(ports::task_port))
+        .route("/v1/tasks/{id}/ports/{port}/{*rest}", any(ports::task_port))
+        .route("/v1/tasks/{id}/links", post(ports::task_link))
+        .route("/v1/sessions/{id}/ports", get(ports::session_ports))
+        .route("/v1/sessions/{id}/ports/{port}", any(ports::add_slash))
+        .route("/v1/sessions/{id}/ports/{port}/", any(ports::session_port))
+        .route(
+            "/v1/sessions/{id}/ports/{port}/{*rest}",
+            any(ports::session_port),
+        )
+        .route("/v1/sessions/{id}/links", post(ports::session_link))
         .route("/v1/teams/parse", post(parse_team))
         .route("/v1/executors", get(executors))
         .route("/v1/engine", get(engine))
@@ -275,7 +299,7 @@ pub fn router(
         }));
     }
     // The page is public: it holds no data, and asks for the token before any API call.
-    crate::web::router().merge(app)
+    crate::web::router().merge(linked).merge(app)
 }
 
 async fn not_found() -> ApiError {

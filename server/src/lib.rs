@@ -12,6 +12,7 @@ pub mod metrics;
 mod openai;
 pub mod plan;
 pub mod policy;
+pub mod ports;
 mod running;
 pub mod sandbox;
 pub mod serve;

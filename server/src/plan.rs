@@ -143,7 +143,7 @@ impl NetworkConfig {
         };
         if !executor.carries_egress() {
             return Err(unavailable(
-                "its sandboxes cannot be put behind Tandem's egress proxy, which a network policy needs; use the docker executor (an engine on this machine) or the confined local executor, or leave network out",
+                "its sandboxes cannot be put behind Tandem's egress proxy, which a network policy needs; use the docker executor or the confined local executor, or leave network out",
             ));
         }
         Ok(Some((egress, policy)))
@@ -539,7 +539,7 @@ impl Planner {
         }
         if !executor.carries_egress() {
             return Err(unavailable(
-                "its sandboxes cannot be put behind Tandem's egress proxy, which a network policy needs; use the docker executor (an engine on this machine) or the confined local executor, or leave network out".to_owned(),
+                "its sandboxes cannot be put behind Tandem's egress proxy, which a network policy needs; use the docker executor or the confined local executor, or leave network out".to_owned(),
             ));
         }
         Ok(Some(policy))
@@ -835,7 +835,7 @@ impl Planner {
                         return Err(ErrorInfo {
                             code: ErrorCode::Executor,
                             message: format!(
-                                "{}: the {name} executor's sandboxes cannot be put behind Tandem's egress proxy, which the task's network needs; use the docker executor (an engine on this machine) or the confined local executor, or leave network out",
+                                "{}: the {name} executor's sandboxes cannot be put behind Tandem's egress proxy, which the task's network needs; use the docker executor or the confined local executor, or leave network out",
                                 node.path
                             ),
                         });
@@ -999,6 +999,14 @@ impl Planned {
     /// The executor it runs on (a team's default executor).
     pub fn executor(&self) -> &str {
         &self.executor
+    }
+
+    /// Its sandboxes' ports can be reached through `book` under `task` while they are open.
+    pub fn publishing(mut self, book: &crate::ports::PortBook, task: &str) -> Self {
+        if let Work::Pair { executor, .. } = &mut self.work {
+            *executor = book.publishing(executor.clone(), task);
+        }
+        self
     }
 
     /// Names what runs a team task in its start event (`team review.toml`).

@@ -113,9 +113,18 @@ pub async fn serve(
             close.cancel();
         })
     };
+    // One pool of sandboxes for every listener: a session opened on the socket is the same
+    // session over TCP.
+    let sessions = crate::sandbox::Pool::new(supervisor.clone(), close.clone());
     let mut servers = tokio::task::JoinSet::new();
     if let Some(unix) = listeners.unix {
-        let app = api::router(supervisor.clone(), None, body_limit, close.clone());
+        let app = api::router(
+            supervisor.clone(),
+            sessions.clone(),
+            None,
+            body_limit,
+            close.clone(),
+        );
         let stop = close.clone();
         servers.spawn(async move {
             axum::serve(unix, app)
@@ -124,7 +133,13 @@ pub async fn serve(
         });
     }
     if let Some((tcp, token)) = listeners.tcp {
-        let app = api::router(supervisor.clone(), Some(token), body_limit, close.clone());
+        let app = api::router(
+            supervisor.clone(),
+            sessions.clone(),
+            Some(token),
+            body_limit,
+            close.clone(),
+        );
         let stop = close.clone();
         let limits = listeners.limits;
         servers.spawn(async move {
@@ -166,7 +181,10 @@ async fn serve_tcp(
 
     let open = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let unauthenticated = Arc::new(Semaphore::new(limits.max_unauthenticated.max(1)));
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    // Each connection is told to finish once `stop` fires, and waited for (a minute at most):
+    // hyper-util's graceful watcher takes no connection that may be upgraded.
+    let closing = CancellationToken::new();
+    let connections = tokio_util::task::TaskTracker::new();
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout);
@@ -202,17 +220,30 @@ async fn serve_tcp(
                 tower::ServiceExt::oneshot(app.clone(), request)
             },
         );
-        let connection = http.serve_connection(TokioIo::new(stream), service);
-        let connection = graceful.watch(connection);
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
+        // With upgrades: a sandbox's published port may speak WebSocket.
+        let connection = http
+            .serve_connection(TokioIo::new(stream), service)
+            .with_upgrades();
+        let closing = closing.clone();
+        connections.spawn(async move {
+            let mut connection = std::pin::pin!(connection);
+            let ended = tokio::select! {
+                ended = connection.as_mut() => ended,
+                () = closing.cancelled() => {
+                    connection.as_mut().graceful_shutdown();
+                    connection.await
+                }
+            };
+            if let Err(e) = ended {
                 tracing::debug!(error = %e, "a TCP connection ended with an error");
             }
             drop(slot);
         });
     }
     drop(tcp);
-    if tokio::time::timeout(Duration::from_secs(60), graceful.shutdown())
+    closing.cancel();
+    connections.close();
+    if tokio::time::timeout(Duration::from_secs(60), connections.wait())
         .await
         .is_err()
     {

@@ -61,6 +61,10 @@ pub struct Supervisor {
     files: Arc<Files>,
     /// Counters and histograms for `/metrics`.
     pub metrics: Metrics,
+    /// The ports of the tasks' open sandboxes, which the API publishes.
+    pub ports: crate::ports::PortBook,
+    /// Signs the links that open a sandbox's port without the token, for every listener.
+    pub links: Arc<crate::ports::Links>,
     /// Who waits for which approval, and deciding them.
     pub(crate) approvals: Arc<crate::approvals::Approvals>,
 }
@@ -166,6 +170,8 @@ impl Supervisor {
             },
             files: config.files,
             metrics: Metrics::default(),
+            ports: crate::ports::PortBook::default(),
+            links: Arc::default(),
         })
     }
 
@@ -766,6 +772,7 @@ impl Supervisor {
             }
         });
         planned
+            .publishing(&self.ports, id)
             .run(approver, Some(self.guard(id)), sink, token)
             .await;
     }

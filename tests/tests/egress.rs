@@ -154,3 +154,24 @@ async fn a_confined_local_block_behind_the_proxy_reaches_what_its_policy_allows_
         tandem_executor_local::LocalExecutor::new(tandem_executor_local::LocalConfig::default());
     probe_behind_the_proxy(&local).await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sandbox_on_a_docker_host_over_tls_goes_out_through_its_relay_to_the_proxy() {
+    let engine = tandem_tests::second_engine::shared().await;
+    let _held = tandem_tests::second_engine::EXCLUSIVE.read().await;
+    let remote = DockerExecutor::connect(engine.config("b"))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    probe_behind_the_proxy(&remote).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kubernetes_pod_goes_out_through_its_relay_to_the_proxy_and_nowhere_else() {
+    // The stand-in applies docs/deploy/kubernetes/'s NetworkPolicy as a real plugin would:
+    // the pod has no network of its own, and the relay over the exec stream is its way out.
+    let cluster = tandem_tests::kubernetes::FakeCluster::deployed().await;
+    let executor = cluster.executor().await;
+    probe_behind_the_proxy(&executor).await;
+    cluster.wait_released().await;
+    cluster.stop().await;
+}

@@ -57,6 +57,7 @@ async fn shared_behaviour() {
             "signals_are_as_in_a_fresh_process",
             "timeout_kills_the_whole_tree",
             "python_daemons_do_not_outlive_their_block",
+            "published_servers_keep_serving",
             "concurrent_sessions",
         ],
     )

@@ -120,10 +120,29 @@ pub(super) async fn run_here(args: &RunArgs, settings: &Settings) -> Result<u8> 
     if let Ok(parent) = std::env::var("TRACEPARENT") {
         tandem_agent::trace::set_parent(&span, &parent);
     }
+    // A server the task's code leaves listening is served on loopback while the task runs,
+    // at a URL printed when its port opens: there is no daemon to serve it.
+    let served = CancellationToken::new();
+    let stop = served.clone();
+    let book = tandem_daemon::ports::PortBook::announcing(Arc::new(move |port, ports| {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            match tandem_daemon::ports::serve_loopback(ports, port, stop).await {
+                Ok(url) => {
+                    eprintln!("tandem: port {port} is open: {url} (served while the task runs)")
+                }
+                Err(e) => eprintln!(
+                    "tandem: port {port} is open, but this process cannot serve it on loopback: {e}"
+                ),
+            }
+        });
+    }));
     let stop_reason = planned
+        .publishing(&book, &id)
         .run(approver, None, events, cancel)
         .instrument(span)
         .await;
+    served.cancel();
     let code = exit::for_stop(stop_reason);
     let (Some(out), Some(own)) = (keep_in, own) else {
         return Ok(if renderer.lock().is_ok_and(|r| r.reader_gone()) {

@@ -125,6 +125,11 @@ pub fn cases() -> Vec<Case> {
             "a double-forked python daemon dies with its block"
         ),
         case!(
+            published_servers_keep_serving,
+            &["python"],
+            "a server a block leaves listening serves later blocks and Session::ports until the session closes"
+        ),
+        case!(
             cancel_stops_a_block_at_once,
             &["python"],
             "cancelling stops a busy loop at once"
@@ -564,6 +569,77 @@ async fn python_daemons_do_not_outlive_their_block(executor: Arc<dyn Executor>) 
         );
     }
     close(s).await
+}
+
+/// An echo server on a port of its own choosing, which it writes to `port.txt`.
+const ECHO_SERVER: &str = "import os, socket, threading\ns = socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\ns.bind(('127.0.0.1', 0))\ns.listen(16)\nwith open('port.tmp', 'w') as f:\n    f.write(str(s.getsockname()[1]))\nos.rename('port.tmp', 'port.txt')\ndef echo(c):\n    while True:\n        d = c.recv(65536)\n        if not d:\n            break\n        c.sendall(d)\n    c.close()\nwhile True:\n    c, _ = s.accept()\n    threading.Thread(target=echo, args=(c,), daemon=True).start()\n";
+
+async fn published_servers_keep_serving(executor: Arc<dyn Executor>) -> Checked {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let mut s = open(&*executor, wall(30)).await?;
+    let Some(ports) = s.ports() else {
+        close(s).await?;
+        return Err(Stop::NotApplicable(format!(
+            "{}'s sessions give no way in to their ports (Session::ports)",
+            executor.name()
+        )));
+    };
+    // Started in the background, writing to the block's own stdout: the server must outlive
+    // its block, and its writes must not fail once the block's output is taken.
+    let start = format!(
+        "import os, subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {ECHO_SERVER:?}])\nwhile not os.path.exists('port.txt'):\n    time.sleep(0.01)\nprint(open('port.txt').read())"
+    );
+    let out = run_in(&mut *s, "python", &start).await?;
+    let port: u16 = out.stdout.to_text().trim().parse().map_err(|_| {
+        Stop::Fail(format!(
+            "the server's block printed no port: {:?} {}",
+            out.stdout.to_text(),
+            out.stderr.to_text()
+        ))
+    })?;
+    let again = format!(
+        "import socket\nc = socket.create_connection(('127.0.0.1', {port}), timeout=10)\nc.sendall(b'from a later block')\nprint(c.recv(100).decode())"
+    );
+    let out = run_in(&mut *s, "python", &again).await?;
+    check!(
+        out.stdout.to_text() == "from a later block\n",
+        "the server did not answer the next block: {:?} {}",
+        out.stdout.to_text(),
+        out.stderr.to_text()
+    );
+    let mut conn = ports
+        .dial(port)
+        .await
+        .map_err(|e| Stop::Fail(format!("dialling the server's port failed: {e}")))?;
+    let said = b"through Session::ports";
+    let mut heard = vec![0u8; said.len()];
+    let echoed = tokio::time::timeout(Duration::from_secs(30), async {
+        conn.write_all(said).await?;
+        conn.flush().await?;
+        conn.read_exact(&mut heard).await
+    })
+    .await;
+    check!(
+        matches!(echoed, Ok(Ok(_))) && heard == said,
+        "the port did not echo: {echoed:?} {:?}",
+        String::from_utf8_lossy(&heard)
+    );
+    drop(conn);
+    let closed_port = if port == 1 { 2 } else { port - 1 };
+    let refused = ports.dial(closed_port).await;
+    check!(
+        matches!(refused, Err(ExecError::PortClosed { port: p, .. }) if p == closed_port),
+        "a port nothing listens on gave {:?}",
+        refused.map(|_| "a connection")
+    );
+    close(s).await?;
+    let after = ports.dial(port).await;
+    check!(
+        after.is_err(),
+        "the server's port still answers after its session closed"
+    );
+    Ok(())
 }
 
 async fn cancel_stops_a_block_at_once(executor: Arc<dyn Executor>) -> Checked {

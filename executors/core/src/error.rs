@@ -55,6 +55,16 @@ pub enum ExecError {
         #[source]
         source: std::io::Error,
     },
+    /// Nothing in the sandbox accepted a connection to a port Tandem was asked to reach.
+    #[error(
+        "nothing in the sandbox accepts connections on port {port} ({reason}); a block must leave a server listening on it"
+    )]
+    PortClosed {
+        /// The port.
+        port: u16,
+        /// What the connection attempt met.
+        reason: String,
+    },
     /// Every sandbox the operator allows is in use, and none was freed in time.
     #[error(
         "no {executor} sandbox was free within {waited:?}: {cap} may be open at once ({which} in the daemon's config), {held}; try again when a task ends, or raise the cap"

@@ -152,6 +152,11 @@ pub trait Session: Send {
     fn host(&self) -> Option<&str> {
         None
     }
+    /// Reaches the sandbox's own TCP ports from Tandem's side, to publish the servers its
+    /// blocks leave running; `None` for a sandbox whose ports Tandem cannot reach.
+    fn ports(&self) -> Option<Arc<dyn Ports>> {
+        None
+    }
     /// Releases the sandbox (processes, containers, temporary files).
     fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>>;
     /// Places the regular files and directories of the tar archive at `archive` (on the
@@ -172,6 +177,23 @@ pub trait Session: Send {
             })
         })
     }
+}
+
+/// A byte stream both ways, such as a connection to a port inside a sandbox.
+pub trait Duplex: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin {}
+
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> Duplex for T {}
+
+/// The way in to one sandbox's TCP ports, kept apart from its [`Session`] so that a
+/// connection can be made while a block runs. It holds no sandbox alive: once the session
+/// closes, [`Ports::dial`] fails.
+pub trait Ports: Send + Sync {
+    /// A connection to `port` on the sandbox's own loopback, as its servers see a local
+    /// client. An error names what failed, such as nothing listening on `port`.
+    fn dial(&self, port: u16) -> BoxFuture<'_, Result<Box<dyn Duplex>, ExecError>>;
+    /// The TCP ports the sandbox's code listens on now, sorted (Tandem's own listeners in it
+    /// left out).
+    fn listening(&self) -> BoxFuture<'_, Result<Vec<u16>, ExecError>>;
 }
 
 /// How to open a session.

@@ -420,6 +420,11 @@ impl Executor for DockerFleet {
         true
     }
 
+    fn carries_egress(&self) -> bool {
+        // Every host can: bound in on this machine's engine, relayed on the others.
+        true
+    }
+
     fn network(&self) -> bool {
         self.inner.network
     }
@@ -550,6 +555,10 @@ impl Session for Placed {
             Some(s) => s.put_archive(archive, caps),
             None => Box::pin(async { Err(ExecError::Backend("the session is closed".to_owned())) }),
         }
+    }
+
+    fn ports(&self) -> Option<std::sync::Arc<dyn tandem_executor::Ports>> {
+        self.inner.as_ref().and_then(|s| s.ports())
     }
 
     fn close(mut self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {

@@ -10,6 +10,7 @@
 
 pub mod context;
 mod fleet;
+mod ports;
 mod session;
 
 use std::collections::HashMap;
@@ -716,7 +717,10 @@ impl DockerExecutor {
             .collect();
         // Behind the proxy the container has a loopback and nothing else; the runner relays
         // its port there to the proxy's socket, bound in read-only.
-        let egress_bind = egress.and_then(|e| {
+        // On an engine reached over the network nothing is bound in: a relay the session
+        // starts in the container carries its connections instead (`relay`).
+        let bound = matches!(workspace, session::Place::Host(_));
+        let egress_bind = egress.filter(|_| bound).and_then(|e| {
             let dir = e.socket.parent()?;
             let file = e.socket.file_name()?.to_str()?;
             env.push(format!("TANDEM_EGRESS_SOCKET={EGRESS_DIR}/{file}"));
@@ -818,8 +822,9 @@ impl Executor for DockerExecutor {
     }
 
     fn carries_egress(&self) -> bool {
-        // The proxy's socket is bound in from this machine: an engine elsewhere cannot.
-        self.inner.config.workspace == WorkspaceMode::Bind
+        // The proxy's socket is bound in from this machine, or reached over an exec'd relay
+        // on an engine elsewhere.
+        true
     }
 
     fn network(&self) -> bool {

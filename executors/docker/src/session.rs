@@ -42,6 +42,8 @@ pub(crate) struct DockerSession {
     owned_workspace: Option<TempTree>,
     /// A kept workspace's mode before the session opened it to the block's user.
     restore_mode: Option<u32>,
+    /// Ends the egress relay of a container on an engine reached over the network.
+    relay: Option<tandem_executor::CancellationToken>,
     closed: bool,
 }
 
@@ -59,11 +61,13 @@ fn offer(executor: &DockerExecutor, egress: Option<&tandem_executor::EgressSocke
         env.extend(tandem_executor::egress_env());
         env.extend(egress.env.iter().cloned());
         if let Some(name) = egress.ca_bundle.as_ref().and_then(|p| p.file_name()) {
-            env.extend(tandem_executor::egress_ca_env(&format!(
-                "{}/{}",
-                crate::EGRESS_DIR,
-                name.to_string_lossy()
-            )));
+            // Bound in with the socket; or, on an engine reached over the network, written
+            // by the egress relay.
+            let path = match config.workspace {
+                WorkspaceMode::Volume => tandem_executor_runner::relay::EGRESS_CA_PATH.to_owned(),
+                _ => format!("{}/{}", crate::EGRESS_DIR, name.to_string_lossy()),
+            };
+            env.extend(tandem_executor::egress_ca_env(&path));
         }
     }
     Offer {
@@ -88,12 +92,6 @@ impl DockerSession {
         let (workspace, owned_workspace) =
             scratch::open_workspace(spec.workdir, &inner.root, "ws-")?;
         let by_volume = inner.config.workspace == WorkspaceMode::Volume;
-        if by_volume && spec.egress.is_some() {
-            return Err(ExecError::Unavailable {
-                what: "a network policy on an engine reached over the network".to_owned(),
-                hint: "the egress proxy's socket is bound into the container, which needs the engine on this machine; run the task on the local engine, or without `network`".to_owned(),
-            });
-        }
         // Code runs as an unprivileged user that must be able to write the workspace. A kept
         // one (--workdir) holds the host user's files: the sticky bit keeps the block from
         // renaming over or removing what it does not own, and its mode is given back when
@@ -164,10 +162,30 @@ impl DockerSession {
             volume: made.volume,
             owned_workspace,
             restore_mode,
+            relay: None,
             closed: false,
         };
         // On failure the session is dropped, which removes the container.
         session.runner.start(&mut session.container).await?;
+        if let (true, Some(egress)) = (by_volume, &spec.egress) {
+            let bundle = match &egress.ca_bundle {
+                Some(path) => tokio::fs::read(path)
+                    .await
+                    .map_err(|e| ExecError::io("reading the egress proxy's CA bundle", e))?,
+                None => Vec::new(),
+            };
+            let stop = tandem_executor::CancellationToken::new();
+            session.relay = Some(stop.clone());
+            crate::ports::egress(
+                &session.container.executor.inner().docker,
+                &session.container.id,
+                tandem_executor::EGRESS_PORT,
+                egress.socket.clone(),
+                bundle,
+                stop,
+            )
+            .await?;
+        }
         Ok(session)
     }
 
@@ -219,6 +237,7 @@ impl DockerSession {
             owned_workspace: workspace,
             // Pooled containers have temporary workspaces only.
             restore_mode: None,
+            relay: None,
             closed: false,
         };
         if let Some(task) = task.filter(|t| !t.is_empty()) {
@@ -244,6 +263,9 @@ impl DockerSession {
 
     async fn shutdown(&mut self) -> Result<(), ExecError> {
         self.closed = true;
+        if let Some(relay) = self.relay.take() {
+            relay.cancel();
+        }
         // Files the unprivileged user made must be removable (temporary workspace) or
         // manageable (a kept one) by the host user afterwards.
         let op = if self.owned_workspace.is_some() {
@@ -539,6 +561,13 @@ impl Session for DockerSession {
         )
     }
 
+    fn ports(&self) -> Option<std::sync::Arc<dyn tandem_executor::Ports>> {
+        Some(std::sync::Arc::new(crate::ports::DockerPorts {
+            docker: self.container.executor.inner().docker.clone(),
+            id: self.container.id.clone(),
+        }))
+    }
+
     fn close(mut self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
         Box::pin(async move { self.shutdown().await })
     }
@@ -546,6 +575,9 @@ impl Session for DockerSession {
 
 impl Drop for DockerSession {
     fn drop(&mut self) {
+        if let Some(relay) = self.relay.take() {
+            relay.cancel();
+        }
         if self.closed {
             return;
         }

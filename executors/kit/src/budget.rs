@@ -306,6 +306,10 @@ impl Session for PermittedSession {
         self.session.put_archive(archive, caps)
     }
 
+    fn ports(&self) -> Option<std::sync::Arc<dyn tandem_executor::Ports>> {
+        self.session.ports()
+    }
+
     fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
         let PermittedSession {
             session,

@@ -394,6 +394,10 @@ impl Session for KeptSession {
         self.inner.host()
     }
 
+    fn ports(&self) -> Option<std::sync::Arc<dyn tandem_executor::Ports>> {
+        self.inner.ports()
+    }
+
     fn close(mut self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {
         Box::pin(async move {
             self.stop_kernel().await;

@@ -532,6 +532,12 @@ impl Executor for KubernetesExecutor {
         true
     }
 
+    fn carries_egress(&self) -> bool {
+        // Through a relay exec'd in the pod, over the API server's stream: the pod needs
+        // no egress of its own.
+        true
+    }
+
     fn network(&self) -> bool {
         // The pod's network is the cluster's NetworkPolicy's to close, which Tandem cannot
         // see from here.

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, AttachParams, AttachedProcess, DynamicObject, PostParams};
 use tandem_executor::{
-    BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, Session, SessionSpec,
+    BoxFuture, CancellationToken, ExecContext, ExecError, ExecOutcome, ExecRequest, Session,
+    SessionSpec,
 };
 use tandem_executor_kit::scratch;
 use tandem_executor_kit::scratch::TempTree;
@@ -38,6 +39,8 @@ pub(crate) struct KubeSession {
     /// Its workspace on this machine is the mirror of the pod's.
     runner: RunnerSession,
     owned_workspace: Option<TempTree>,
+    /// Ends the egress relay, for a session behind the proxy.
+    relay: Option<CancellationToken>,
     closed: bool,
 }
 
@@ -107,10 +110,22 @@ impl KubeSession {
             });
         }
         let config = &executor.inner.config;
+        let mut env = config.env.clone();
+        if let Some(egress) = &spec.egress {
+            // The pod has no way out of its own: a relay Tandem execs in it carries each
+            // connection over the API server's stream to the proxy's socket here.
+            env.extend(tandem_executor::egress_env());
+            env.extend(egress.env.iter().cloned());
+            if egress.ca_bundle.is_some() {
+                env.extend(tandem_executor::egress_ca_env(
+                    tandem_executor_runner::relay::EGRESS_CA_PATH,
+                ));
+            }
+        }
         let offer = Offer {
             executor: "kubernetes",
             languages: config.languages.clone(),
-            env: config.env.clone(),
+            env,
             user: config.user.clone(),
         };
         // From here on, dropping the session deletes the claim.
@@ -126,14 +141,43 @@ impl KubeSession {
             executor,
             claim,
             owned_workspace,
+            relay: None,
             closed: false,
         };
         session.pod.exec.name = wait_bound(&session.executor, &session.claim).await?;
         session.runner.start(&mut session.pod).await?;
+        if let Some(egress) = &spec.egress {
+            let bundle = match &egress.ca_bundle {
+                Some(path) => tokio::fs::read(path)
+                    .await
+                    .map_err(|e| ExecError::io("reading the egress proxy's CA bundle", e))?,
+                None => Vec::new(),
+            };
+            let stop = CancellationToken::new();
+            session.relay = Some(stop.clone());
+            let (output, input) = session
+                .pod
+                .exec
+                .relay(tandem_executor_runner::relay::egress_argv(
+                    tandem_executor::EGRESS_PORT,
+                ))
+                .await?;
+            tandem_executor_runner::relay::carry_egress(
+                output,
+                input,
+                egress.socket.clone(),
+                bundle,
+                stop,
+            )
+            .await?;
+        }
         Ok(session)
     }
 
     async fn shutdown(&mut self) -> Result<(), ExecError> {
+        if let Some(relay) = self.relay.take() {
+            relay.cancel();
+        }
         self.runner.take_conn();
         self.pod.process = None;
         let deleted = self.executor.delete_claim(&self.claim).await;
@@ -257,7 +301,113 @@ impl Transport for PodRunner {
     }
 }
 
+/// How long the API server and a relay get to say whether a port answered.
+const DIAL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// A pod's ports, reached by a relay exec'd in it for each connection.
+struct PodPorts(PodExec);
+
+impl tandem_executor::Ports for PodPorts {
+    fn dial(
+        &self,
+        port: u16,
+    ) -> BoxFuture<'_, Result<Box<dyn tandem_executor::Duplex>, ExecError>> {
+        Box::pin(async move {
+            let dialled = async {
+                let (output, input) = self
+                    .0
+                    .relay(tandem_executor_runner::relay::port_argv(port))
+                    .await?;
+                tandem_executor_runner::relay::port_stream(output, input, port).await
+            };
+            match tokio::time::timeout(DIAL_TIMEOUT, dialled).await {
+                Ok(dialled) => dialled,
+                Err(_) => Err(ExecError::PortClosed {
+                    port,
+                    reason: format!("no answer within {}s", DIAL_TIMEOUT.as_secs()),
+                }),
+            }
+        })
+    }
+
+    fn listening(&self) -> BoxFuture<'_, Result<Vec<u16>, ExecError>> {
+        Box::pin(async move {
+            let read = async {
+                let (output, _input) = self
+                    .0
+                    .relay(vec![
+                        "cat".to_owned(),
+                        "/proc/net/tcp".to_owned(),
+                        "/proc/net/tcp6".to_owned(),
+                    ])
+                    .await?;
+                let mut tables = Vec::new();
+                output
+                    .take(4 << 20)
+                    .read_to_end(&mut tables)
+                    .await
+                    .map_err(|e| ExecError::io("reading the pod's port tables", e))?;
+                Ok::<_, ExecError>(tables)
+            };
+            let tables = tokio::time::timeout(DIAL_TIMEOUT, read)
+                .await
+                .map_err(|_| {
+                    ExecError::Backend(format!(
+                        "the pod's ports were not listed within {}s",
+                        DIAL_TIMEOUT.as_secs()
+                    ))
+                })??;
+            // The pod runs as one user, Tandem's relays too: the egress relay's port is the
+            // one left out.
+            let mut ports = tandem_executor_runner::relay::listening_ports(
+                &String::from_utf8_lossy(&tables),
+                None,
+            );
+            ports.retain(|p| *p != tandem_executor::EGRESS_PORT);
+            Ok(ports)
+        })
+    }
+}
+
 impl PodExec {
+    /// Execs `argv` in the pod: its stdout and stdin. Its stderr is read and dropped (a
+    /// reader that stops would stall stdout, which shares the stream), and the exec is held
+    /// until it ends.
+    async fn relay(
+        &self,
+        argv: Vec<String>,
+    ) -> Result<
+        (
+            tandem_executor_runner::relay::Output,
+            tandem_executor_runner::relay::Input,
+        ),
+        ExecError,
+    > {
+        let mut process = self
+            .executor
+            .request(
+                "starting a relay in the pod (exec)",
+                self.pods()
+                    .exec(&self.name, argv, &self.attach_params(true)),
+            )
+            .await
+            .map_err(|e| self.lost(e))?;
+        let (Some(stdin), Some(stdout), stderr) =
+            (process.stdin(), process.stdout(), process.stderr())
+        else {
+            return Err(ExecError::Backend(
+                "the pod exec gave no stdin or stdout".to_owned(),
+            ));
+        };
+        tokio::spawn(async move {
+            if let Some(mut stderr) = stderr {
+                let _ = tokio::io::copy(&mut stderr, &mut tokio::io::sink()).await;
+            }
+            let _ = process.join().await;
+        });
+        Ok((Box::new(stdout), Box::new(stdin)))
+    }
+
     /// Execs the runner in the pod and waits for it to say it is ready: its connection,
     /// and the exec that carries it.
     async fn start(&self) -> Result<(Conn, AttachedProcess), ExecError> {
@@ -567,6 +717,10 @@ impl Session for KubeSession {
         Some(&self.runner.workspace)
     }
 
+    fn ports(&self) -> Option<std::sync::Arc<dyn tandem_executor::Ports>> {
+        Some(std::sync::Arc::new(PodPorts(self.pod.exec.clone())))
+    }
+
     fn put_archive(
         &mut self,
         archive: &Path,
@@ -585,6 +739,9 @@ impl Session for KubeSession {
 
 impl Drop for KubeSession {
     fn drop(&mut self) {
+        if let Some(relay) = self.relay.take() {
+            relay.cancel();
+        }
         if self.closed {
             return;
         }

@@ -3,6 +3,7 @@
 //! their sandbox, by attach or by exec, and talk to it the same way through this crate.
 
 pub mod mirror;
+pub mod relay;
 pub mod session;
 
 use std::collections::HashMap;

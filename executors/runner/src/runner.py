@@ -11,8 +11,10 @@
 # Requests: {"op": "run", ...}, {"op": "kill"} and {"op": "tool", "data": ...} (the answer
 # to a call, while a block runs), {"op": "wipe"}, {"op": "release"}, {"op": "rescan"} (take
 # the workspace as it is now as seen, after Tandem put files in it). The whole container is
-# the session, so after a block ends every process but init and this runner is killed:
-# nothing a block starts outlives it.
+# the session, so after a block ends every process but init and this runner is killed, but
+# for servers: a process that holds a listening TCP socket when its block has ended keeps
+# running (Tandem publishes its port) until the sandbox closes, and so do the relays Tandem
+# execs into the sandbox (to reach such a port, or to carry connections to its egress proxy).
 #
 # The runner runs as root with only CAP_SETUID, CAP_SETGID and CAP_KILL; every block, and
 # everything that touches the workspace on a block's behalf, runs as the unprivileged user
@@ -27,7 +29,7 @@
 # the container's pid namespace (kill(-1) ends a block's every process), where the fork
 # server's is Landlock, seccomp and a subreaper per block. What a block sees is the same in
 # both, and the shared conformance suite holds both to it.
-import json, os, resource, select, shutil, signal, stat, struct, sys
+import json, os, resource, select, shutil, signal, stat, struct, sys, threading, time
 
 ME = os.getpid()
 WORKSPACE = "/workspace"
@@ -87,10 +89,178 @@ def others():
     return found
 
 
+# Servers that outlived their blocks: pid -> its start time, which tells a reused pid apart.
+KEPT = {}
+
+
+def start_time(pid):
+    """The start time of a live (not zombie) process, else None."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return None if fields[0] == b"Z" else fields[19]
+    except (OSError, IndexError):
+        return None
+
+
+def real_uid(pid):
+    # From `status`, not the owner of /proc/<pid>: a block that makes itself undumpable
+    # turns the owner into root.
+    try:
+        with open("/proc/%d/status" % pid) as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def entered(pid):
+    """Whether the process came in from outside the sandbox (an exec: Tandem's relays), which
+    its parent of 0 in this pid namespace says. A block's process cannot have one: its
+    parent is its parent, or the reaper of its orphans (init, or this runner)."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[1] == b"0"
+    except (OSError, IndexError):
+        return False
+
+
+def spared():
+    """The processes a block's end or kill leaves alive: the kept servers that still run,
+    and Tandem's relays."""
+    for pid, when in list(KEPT.items()):
+        if start_time(pid) != when:
+            del KEPT[pid]
+    keep = set(KEPT)
+    keep.update(p for p in others() if entered(p) or (os.getuid() == 0 and UID != 0 and real_uid(p) == 0))
+    return keep
+
+
+def listening(pids):
+    """Those of `pids` that hold a listening TCP socket, read by a child that is the blocks'
+    user (the runner may not read another user's /proc/<pid>/fd)."""
+    if not pids:
+        return set()
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.close(r)
+            drop_privileges()
+            sockets = set()
+            for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+                try:
+                    with open(table) as f:
+                        for line in f:
+                            cols = line.split()
+                            if len(cols) > 9 and cols[3] == "0A":
+                                sockets.add("socket:[%s]" % cols[9])
+                except OSError:
+                    pass
+            found = []
+            for pid in pids:
+                base = "/proc/%d/fd" % pid
+                try:
+                    names = os.listdir(base)
+                except OSError:
+                    continue
+                for name in names:
+                    try:
+                        if os.readlink(base + "/" + name) in sockets:
+                            found.append(pid)
+                            break
+                    except OSError:
+                        pass
+            data = json.dumps(found).encode()
+            while data:
+                data = data[os.write(w, data):]
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks = []
+    while True:
+        chunk = os.read(r, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(r)
+    wait_block(child, 0)
+    try:
+        return set(json.loads(b"".join(chunks) or b"[]"))
+    except ValueError:
+        return set()
+
+
+def kill_block():
+    """Kills every process but init, this runner and the spared ones. Each pass stops what
+    it finds before killing it, so that a fork bomb cannot outrun the scan; one that still
+    does after 100 passes takes the spared processes with it (kill(-1))."""
+    keep = spared()
+    if not keep:
+        kill_all()
+        return
+    for _ in range(100):
+        left = [p for p in others() if p not in keep]
+        if not left:
+            return
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for p in left:
+                try:
+                    os.kill(p, sig)
+                except OSError:
+                    pass
+        reap()
+    kill_all()
+
+
+def settle(ended):
+    """After a block's end: keeps the servers it left listening, then kills the rest. A
+    process that is still starting is given until half a second after `ended` to listen."""
+    spare = spared()
+    if not [p for p in others() if p not in spare]:
+        return
+    while True:
+        fresh = [p for p in others() if p not in spare]
+        found = listening(fresh)
+        if found or monotonic() >= ended + 0.5:
+            break
+        time.sleep(0.05)
+    for pid in found:
+        when = start_time(pid)
+        if when is not None:
+            KEPT[pid] = when
+    kill_block()
+
+
+def drain(fds):
+    """Reads and drops what kept servers write to their ended block's pipes, so that their
+    logging does not fail; each pipe is closed when the last server holding it dies."""
+    if not fds:
+        return
+
+    def loop():
+        live = list(fds)
+        while live:
+            ready, _, _ = select.select(live, [], [])
+            for fd in ready:
+                try:
+                    chunk = os.read(fd, 1 << 16)
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    live.remove(fd)
+                    os.close(fd)
+
+    threading.Thread(target=loop, daemon=True).start()
+
+
 def kill_all():
     # kill(-1) reaches every process in the container's pid namespace but init and this
     # runner, in one pass the kernel does not let new forks race (a /proc scan loses to a
     # fork bomb).
+    KEPT.clear()
     for _ in range(100):
         try:
             os.kill(-1, signal.SIGKILL)
@@ -309,7 +479,7 @@ def run(req, stdin_buf):
                         continue
                     op = json.loads(line)
                     if op.get("op") == "kill":
-                        kill_all()
+                        kill_block()
                     elif op.get("op") == "tool" and ours is not None:
                         answers += op.get("data", "").encode()
             elif fd == WAKE_R:
@@ -325,17 +495,31 @@ def run(req, stdin_buf):
             done, st = wait_block(pid, os.WNOHANG)
             if done:
                 status = st
-                # Background processes die with their block; then the pipes reach EOF.
-                kill_all()
-                deadline = monotonic() + 0.5
+                ended = monotonic()
+                deadline = ended + 0.5
         elif monotonic() >= deadline:
-            for fd, cap in list(caps.items()):
-                cap.finish()
-                os.close(fd)
-            caps.clear()
+            break
     if status is None:
         _, status = wait_block(pid, 0)
-        kill_all()
+        ended = monotonic()
+    # What the block left running is killed now, but for servers; the pipes that a server
+    # holds are read to their end here and then drained.
+    settle(ended)
+    for fd, cap in list(caps.items()):
+        # Bounded: a server may write without end.
+        os.set_blocking(fd, False)
+        try:
+            for _ in range(16):
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    break
+                cap.push(chunk)
+        except OSError:
+            pass
+        os.set_blocking(fd, True)
+        cap.finish()
+    drain(list(caps))
+    caps.clear()
     reap()
     REAPED.clear()
     if ours is not None:
@@ -624,8 +808,8 @@ if os.environ.get("TANDEM_EGRESS_SOCKET"):
         send(b"!", ("cannot reach the egress proxy: %s" % e).encode())
         os._exit(1)
 # A runner started again in a sandbox whose last runner died (a pod is not restarted for it)
-# finds what that runner's last block left running.
-kill_all()
+# finds what that runner's last block left running; Tandem's relays stay.
+kill_block()
 send(b"R", json.dumps({"python": sys.version.split()[0]}).encode())
 buf = b""
 while True:

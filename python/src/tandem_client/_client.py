@@ -260,6 +260,13 @@ def _sse_events(lines: Iterator[str], cap: int = MAX_READ_BYTES) -> Iterator[Eve
             yield event
 
 
+def _link_body(port: int, ttl_secs: int | None) -> dict[str, int]:
+    body = {"port": port}
+    if ttl_secs is not None:
+        body["ttl_secs"] = ttl_secs
+    return body
+
+
 def _session_spec(
     executor: str | None,
     keep_state: bool,
@@ -492,6 +499,18 @@ class Client(_Base):
         """The daemon's executors, their languages and health."""
         return self._call("GET", "/v1/executors")["executors"]
 
+    # Published ports
+
+    def ports(self, task_id: str) -> List[dict[str, Any]]:
+        """The ports the running task's code listens on: `[{"port", "path"}]`, each served
+        by the daemon at `path` behind its token (docs/network.md)."""
+        return self._call("GET", f"/v1/tasks/{_q(task_id)}/ports")["ports"]
+
+    def link(self, task_id: str, port: int, ttl_secs: int | None = None) -> dict[str, Any]:
+        """A link that opens one port of the running task's sandbox without the token until
+        it expires (an hour by default): `{"url", "port", "expires"}`."""
+        return self._call("POST", f"/v1/tasks/{_q(task_id)}/links", json=_link_body(port, ttl_secs))
+
     # Sandboxes
 
     def exec(
@@ -609,6 +628,16 @@ class Session:
         MAX_READ_BYTES): a larger one raises TooLarge, having read none of it or no more."""
         cap = _cap(max_bytes, "max_bytes")
         return self._client._call("GET", f"/v1/sessions/{_q(self.id)}/files/{quote(path)}", raw=True, file=(path, cap))
+
+    def ports(self) -> List[dict[str, Any]]:
+        """The ports the session's code listens on: `[{"port", "path"}]`, each served by the
+        daemon at `path` behind its token while the session is open (docs/network.md)."""
+        return self._client._call("GET", f"/v1/sessions/{_q(self.id)}/ports")["ports"]
+
+    def link(self, port: int, ttl_secs: int | None = None) -> dict[str, Any]:
+        """A link that opens `port` without the token until it expires (an hour by
+        default), for a browser: `{"url", "port", "expires"}`."""
+        return self._client._call("POST", f"/v1/sessions/{_q(self.id)}/links", json=_link_body(port, ttl_secs))
 
     def put_files(self, files: Mapping[str, FileSource]) -> Upload:
         """Places files in the workspace (path -> content or local path), between blocks."""
@@ -784,6 +813,14 @@ class AsyncClient(_Base):
         """The daemon's executors, their languages and health."""
         return (await self._call("GET", "/v1/executors"))["executors"]
 
+    async def ports(self, task_id: str) -> List[dict[str, Any]]:
+        """The ports the running task's code listens on (see `Client.ports`)."""
+        return (await self._call("GET", f"/v1/tasks/{_q(task_id)}/ports"))["ports"]
+
+    async def link(self, task_id: str, port: int, ttl_secs: int | None = None) -> dict[str, Any]:
+        """A link that opens one port of the running task's sandbox (see `Client.link`)."""
+        return await self._call("POST", f"/v1/tasks/{_q(task_id)}/links", json=_link_body(port, ttl_secs))
+
     async def exec(
         self,
         code: str,
@@ -909,6 +946,16 @@ class AsyncSession:
         cap = _cap(max_bytes, "max_bytes")
         return await self._client._call(
             "GET", f"/v1/sessions/{_q(self.id)}/files/{quote(path)}", raw=True, file=(path, cap)
+        )
+
+    async def ports(self) -> List[dict[str, Any]]:
+        """The ports the session's code listens on (see `Session.ports`)."""
+        return (await self._client._call("GET", f"/v1/sessions/{_q(self.id)}/ports"))["ports"]
+
+    async def link(self, port: int, ttl_secs: int | None = None) -> dict[str, Any]:
+        """A link that opens `port` without the token until it expires (see `Session.link`)."""
+        return await self._client._call(
+            "POST", f"/v1/sessions/{_q(self.id)}/links", json=_link_body(port, ttl_secs)
         )
 
     async def put_files(self, files: Mapping[str, FileSource]) -> Upload:

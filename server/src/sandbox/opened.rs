@@ -111,6 +111,8 @@ pub struct Opened {
     workspace: Option<PathBuf>,
     /// `None` once closed.
     session: tokio::sync::Mutex<Option<Box<dyn Session>>>,
+    /// The way in to its ports, reached without waiting for a running block.
+    ports: Option<Arc<dyn tandem_executor::Ports>>,
     used: Mutex<Instant>,
     blocks: AtomicU64,
     /// The running block's cancel token; at most one block runs at a time.
@@ -130,6 +132,7 @@ impl Opened {
             made,
             created_ms: crate::now_ms(),
             workspace: session.workspace().map(std::path::Path::to_owned),
+            ports: session.ports(),
             session: tokio::sync::Mutex::new(Some(session)),
             used: Mutex::new(Instant::now()),
             blocks: AtomicU64::new(0),
@@ -139,6 +142,14 @@ impl Opened {
             calls: Mutex::default(),
             next_call: AtomicU64::new(1),
         })
+    }
+
+    /// The way in to its TCP ports, while it is open and its executor has one.
+    pub fn ports(&self) -> Option<Arc<dyn tandem_executor::Ports>> {
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return None;
+        }
+        self.ports.clone()
     }
 
     /// Its id, unique for its owner.

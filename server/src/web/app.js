@@ -581,6 +581,7 @@
     let actionBusy = false;
     let loadFailed = false; // the shown error is loadRecord's, so its next success clears it
     let refreshTimer = 0;
+    let portsTimer = 0;
     // Stream state; `finished` means task_finished arrived, so there is nothing to reconnect for.
     let lastSeq = 0, finished = false, streaming = false, fatal = false, ctrl = null, wake = null;
     // Render state: events are queued as they arrive and applied once per frame.
@@ -646,6 +647,36 @@
         list.replaceChildren(h('li', { class: 'muted' }, e.status === 410 ? 'removed after the daemon\'s retention time' : e.message));
       }
       $('files').hidden = false;
+    }
+
+    // The servers the task's code left listening, each a link signed for it (a page opened
+    // in a new tab cannot send the token). Shown while the task runs; gone with its sandbox.
+    async function loadPorts() {
+      const list = $('port-list');
+      let ports = [];
+      try {
+        ({ ports } = await api('GET', `${apiPath}/ports`));
+      } catch (e) {
+        ports = [];
+      }
+      list.replaceChildren(...(ports || []).map((p) => {
+        const link = h('a', { href: p.path, target: '_blank', rel: 'noopener', 'data-port': String(p.port) }, `port ${p.port}`);
+        link.addEventListener('click', async (e) => {
+          e.preventDefault();
+          // Opened at once (a popup opened after an await is blocked), then sent to the link.
+          const tab = window.open('about:blank', '_blank');
+          try {
+            const { url } = await api('POST', `${apiPath}/links`, { port: p.port });
+            if (tab) tab.location = url;
+            link.dataset.link = url;
+          } catch (err) {
+            if (tab) tab.close();
+            setError(err.message);
+          }
+        });
+        return h('li', null, link);
+      }));
+      $('ports').hidden = !(ports && ports.length);
     }
 
     async function loadRecord() {
@@ -1041,6 +1072,11 @@
         }
         const ok = (r.status === 'exited' && r.exit_code === 0) || r.status === 'skipped';
         b.el.append(h('div', { class: `result ${ok ? 'ok' : 'bad'}` }, resultLine(r)));
+        // A block may have left a server listening (asked once for a burst of results).
+        if (!record || ACTIVE.has(record.state)) {
+          clearTimeout(portsTimer);
+          portsTimer = setTimeout(loadPorts, 200);
+        }
       },
       artifact(ev) {
         const b = blockOf(ev);
@@ -1076,6 +1112,7 @@
         if (ev.at_ms) top(note(`finished at ${clockFmt.format(ev.at_ms)}`, 'end'));
         showSummary(ev);
         finishedRendered = true;
+        $('ports').hidden = true;
         loadFiles();
       },
     };
