@@ -1211,6 +1211,18 @@ async fn the_page_links_a_tasks_open_port_and_the_served_page_cannot_read_the_to
     let (d, addr, token) = start_tcp(&server, "").await;
     let b = Browser::start(1280, 1000).await;
     sign_in(&b, &addr, &token).await;
+    // Docker publishes ports; the local executor ends a server with its block.
+    b.wait(
+        "the docker executor",
+        "return document.querySelector('#executor option[value=docker]')",
+        LIMIT,
+    )
+    .await;
+    b.run(
+        "document.querySelector('#executor').value = 'docker'",
+        json!([]),
+    )
+    .await;
     let id = submit(&b, task).await;
     // Once the first block has left the server listening, the page links its port.
     b.wait(
