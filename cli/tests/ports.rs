@@ -446,3 +446,47 @@ async fn tandem_run_in_process_prints_a_loopback_link_when_a_port_opens_and_serv
     // Once the task ended, the link serves nothing.
     assert!(reqwest::get(format!("{url}again")).await.is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_mcp_session_whose_block_leaves_a_server_is_answered_with_a_link_to_its_port() {
+    let server = ScriptedOpenAi::start(script([])).await.unwrap();
+    let (daemon, addr, _token) = start(&server).await;
+    let mcp = tandem_tests::mcp::McpHttp::connect(&daemon).await.unwrap();
+    let ran = mcp
+        .call_tool(
+            "execute_code",
+            json!({"language": "python", "code": start_app(), "session_id": "web", "executor": "docker"}),
+        )
+        .await;
+    let text: String = ran["content"]
+        .as_array()
+        .map(|blocks| {
+            blocks
+                .iter()
+                .filter_map(|b| b["text"].as_str())
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
+        .unwrap_or_default();
+    let link = text
+        .lines()
+        .find_map(|l| l.strip_prefix("port 8000 is listening: the daemon serves it at "))
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no link to port 8000: {ran}"))
+        .to_owned();
+    // The link opens the MCP connection's session, with no token.
+    let (status, _, body) = get(&addr, &format!("{link}mcp"), None).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.starts_with("hello from the sandbox\npath /mcp\n"),
+        "{body}"
+    );
+    // A block that leaves no server gets no such line.
+    let again = mcp
+        .call_tool(
+            "execute_code",
+            json!({"language": "python", "code": "print(2)", "session_id": "other", "executor": "docker"}),
+        )
+        .await;
+    assert!(!again.to_string().contains("is listening"), "{again}");
+}

@@ -44,8 +44,14 @@ fn port_of(params: &HashMap<String, String>) -> Result<u16, ApiError> {
     })
 }
 
-/// Where a holder's sandboxes are reached, and its name in errors.
-fn dialers(state: &AppState, holder: Holder, id: &str) -> Result<Vec<Arc<dyn Ports>>, ApiError> {
+/// Where a holder's sandboxes are reached, and its name in errors. A session is the API's;
+/// through a signed link (`any_owner`), any holder's, an MCP connection's among them.
+fn dialers(
+    state: &AppState,
+    holder: Holder,
+    id: &str,
+    any_owner: bool,
+) -> Result<Vec<Arc<dyn Ports>>, ApiError> {
     match holder {
         Holder::Task => {
             let open = state.supervisor.ports.of(id);
@@ -61,7 +67,10 @@ fn dialers(state: &AppState, holder: Holder, id: &str) -> Result<Vec<Arc<dyn Por
             Ok(open)
         }
         Holder::Session => {
-            let opened = state.sessions.get(Owner::Api, id)?;
+            let opened = match state.sessions.find(id).filter(|_| any_owner) {
+                Some(opened) => opened,
+                None => state.sessions.get(Owner::Api, id)?,
+            };
             match opened.ports() {
                 Some(ports) => Ok(vec![ports]),
                 None => Err(ApiError::new(
@@ -116,7 +125,7 @@ pub(super) async fn linked_port(
     params.insert("id".to_owned(), id);
     params.insert("port".to_owned(), port.to_string());
     let prefix = format!("/v1/ports/{link}/");
-    match dialers(&state, holder, &params["id"]) {
+    match dialers(&state, holder, &params["id"], true) {
         Ok(open) => forward(open, port, &prefix, param(&params, "rest"), req).await,
         Err(e) => e.into_response(),
     }
@@ -146,7 +155,7 @@ async fn carry(
     };
     let id = param(&params, "id");
     let prefix = format!("/v1/{}/{id}/ports/{port}/", holder.word());
-    match dialers(state, holder, id) {
+    match dialers(state, holder, id, false) {
         Ok(open) => forward(open, port, &prefix, param(&params, "rest"), req).await,
         Err(e) => e.into_response(),
     }
@@ -303,7 +312,7 @@ async fn link(
         )));
     }
     // Only for what is open now: a link to nothing would be a puzzle later.
-    dialers(state, holder, &id)?;
+    dialers(state, holder, &id, false)?;
     let expires = crate::now_ms() / 1000 + ttl;
     let link = state.links.sign(holder, &id, asked.port, expires);
     Ok(axum::Json(json!({
@@ -335,7 +344,7 @@ async fn listed(
     id: &str,
 ) -> Result<axum::Json<serde_json::Value>, ApiError> {
     let mut ports = std::collections::BTreeSet::new();
-    for open in dialers(state, holder, id)? {
+    for open in dialers(state, holder, id, false)? {
         let listening = open.listening().await.map_err(|e| {
             ApiError::new(
                 StatusCode::BAD_GATEWAY,

@@ -54,6 +54,9 @@ pub struct TandemMcp {
     supervisor: Arc<Supervisor>,
     sessions: Arc<Sessions>,
     calls: Arc<tokio::sync::Semaphore>,
+    /// Served over the daemon's HTTP, which serves a session's ports: the answer of a block
+    /// that left a server listening links it.
+    links_ports: bool,
 }
 
 mod files;

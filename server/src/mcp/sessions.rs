@@ -61,6 +61,7 @@ impl TandemMcp {
 
     /// A server for one connection counted in `live` while it lives.
     pub(super) fn counted(pool: Arc<Pool>, live: Option<Arc<AtomicUsize>>) -> Self {
+        let links_ports = live.is_some();
         let sessions = Arc::new(Sessions {
             owner: pool.connection(),
             pool: pool.clone(),
@@ -68,6 +69,7 @@ impl TandemMcp {
         });
         Self {
             supervisor: pool.supervisor().clone(),
+            links_ports,
             sessions,
             calls: Arc::new(tokio::sync::Semaphore::new(MAX_CALLS)),
         }
@@ -165,12 +167,36 @@ impl TandemMcp {
             Ok::<_, Failed>((ran?, net_rx))
         }
         .await;
+        // A server the block left listening in a session that stays open: a link to each
+        // port, which the client opens without the token.
+        let mut served = Vec::new();
+        if session_id.is_some()
+            && self.links_ports
+            && let Some(ports) = opened.ports()
+            && let Ok(listening) = ports.listening().await
+        {
+            let expires = crate::now_ms() / 1000 + PORT_LINK_SECS;
+            for port in listening {
+                let link = self.supervisor.links.sign(
+                    crate::ports::Holder::Session,
+                    opened.id(),
+                    port,
+                    expires,
+                );
+                served.push(format!(
+                    "port {port} is listening: the daemon serves it at /v1/ports/{link}/ for an hour, while this session is open"
+                ));
+            }
+        }
         if session_id.is_none() {
             opened.close().await;
         }
         let ((outcome, pictures), mut net_rx) = ran?;
         let mut result = outcome_result(&outcome, session_id.as_deref());
         result.content.extend(pictures);
+        if !served.is_empty() {
+            result.content.push(ContentBlock::text(served.join("\n")));
+        }
         // Each connection the block made through the egress proxy, one line each.
         let mut nets = Vec::new();
         while let Ok(event) = net_rx.try_recv() {
@@ -184,6 +210,9 @@ impl TandemMcp {
         Ok(result)
     }
 }
+
+/// How long the link to a port an MCP answer names lasts.
+const PORT_LINK_SECS: u64 = 3600;
 
 /// Why a call failed: refused by the pool's one check, or broken on the way.
 enum Failed {

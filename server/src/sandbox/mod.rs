@@ -154,6 +154,16 @@ impl Pool {
             .ok_or_else(|| owner.unknown(id))
     }
 
+    /// The open sandbox `id`, whoever holds it: for a signed link, which its holder was given.
+    pub fn find(&self, id: &str) -> Option<Arc<Opened>> {
+        self.open
+            .lock()
+            .ok()?
+            .iter()
+            .find(|((_, open), _)| open == id)
+            .map(|(_, opened)| opened.clone())
+    }
+
     /// The sandboxes `owner` holds open, oldest first.
     pub fn list(&self, owner: Owner) -> Vec<SessionInfo> {
         let mut all: Vec<SessionInfo> = self
