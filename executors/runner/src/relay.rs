@@ -19,11 +19,20 @@ pub type Output = Box<dyn AsyncRead + Send + Unpin>;
 /// An exec's stdin.
 pub type Input = Box<dyn AsyncWrite + Send + Unpin>;
 
+/// Both relays make themselves undumpable (`PR_SET_DUMPABLE` 0) first: where they run as the
+/// blocks' user (a pod), a block can then neither open their `/proc/<pid>/fd` to write into
+/// their streams nor trace them.
+///
 /// Connects to the port on the sandbox's loopback (IPv4, then IPv6) and carries bytes
 /// between it and its stdin and stdout. Its first byte out says how the connection went: 0
 /// connected, 1 refused (the reason follows).
 const PORT_RELAY: &str = r#"
 import os, socket, sys, threading
+try:
+    import ctypes
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+except Exception:
+    pass
 port = int(sys.argv[1])
 try:
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -132,6 +141,11 @@ pub const EGRESS_CA_PATH: &str = "/run/tandem/egress-ca.pem";
 /// listening, `n` a new connection, `d`, `e`, and `!` an error (text).
 const EGRESS_RELAY: &str = r#"
 import os, socket, struct, sys, threading
+try:
+    import ctypes
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+except Exception:
+    pass
 PORT, CA = int(sys.argv[1]), sys.argv[2]
 lock, conns, ended = threading.Lock(), {}, {}
 def end(cid, way):
