@@ -743,16 +743,7 @@ async fn an_mcp_client_asks_for_a_network_within_the_operators_on_execute_code_a
             json!({"language": "python", "code": FETCH, "network": {"allow": ["files.test"]}}),
         )
         .await;
-    let text: String = ran["content"]
-        .as_array()
-        .map(|blocks| {
-            blocks
-                .iter()
-                .filter_map(|b| b["text"].as_str())
-                .collect::<Vec<_>>()
-                .join("\n")
-        })
-        .unwrap_or_default();
+    let text = tandem_tests::mcp::text_of(&ran);
     assert!(
         text.contains("seen: GET /hello") && text.contains("other: 403"),
         "{ran}"

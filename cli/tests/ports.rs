@@ -81,6 +81,22 @@ pub(crate) fn start_app() -> String {
     )
 }
 
+/// A model that answers `task` with [`start_app`], then a block that waits (under a minute,
+/// the default block timeout) for the test to visit `/done`, then ends.
+pub(crate) async fn serving_model(task: &str) -> ScriptedOpenAi {
+    let wait_for_visit = "import os, time\nfor _ in range(1100):\n    if os.path.exists('served'):\n        break\n    time.sleep(0.05)\nprint('visited' if os.path.exists('served') else 'never visited')";
+    ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Text(fence("python", &start_app())),
+            Reply::Text(fence("python", wait_for_visit)),
+            Reply::from("Served.\n\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap()
+}
+
 async fn start(server: &ScriptedOpenAi) -> (DaemonHarness, String, String) {
     let addr = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -288,17 +304,7 @@ async fn a_server_a_session_leaves_running_is_served_behind_the_token_and_by_a_s
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tasks_server_is_published_while_the_task_runs_and_gone_when_it_ends() {
     let task = "ports: serve on 8000";
-    let wait_for_visit = "import os, time\nfor _ in range(1200):\n    if os.path.exists('served'):\n        break\n    time.sleep(0.05)\nprint('visited' if os.path.exists('served') else 'never visited')";
-    let server = ScriptedOpenAi::start(script([(
-        task,
-        vec![
-            Reply::Text(fence("python", &start_app())),
-            Reply::Text(fence("python", wait_for_visit)),
-            Reply::from("Served.\n\nTERMINATE"),
-        ],
-    )]))
-    .await
-    .unwrap();
+    let server = serving_model(task).await;
     let (daemon, addr, token) = start(&server).await;
     let id = daemon.submit(json!({"task": task})).await;
     let port = format!("/v1/tasks/{id}/ports/8000");
@@ -361,17 +367,7 @@ async fn tandem_run_in_process_prints_a_loopback_link_when_a_port_opens_and_serv
 
     let _ = rustls::crypto::ring::default_provider().install_default();
     let task = "ports: serve on 8000 here";
-    let wait_for_visit = "import os, time\nfor _ in range(1200):\n    if os.path.exists('served'):\n        break\n    time.sleep(0.05)\nprint('visited' if os.path.exists('served') else 'never visited')";
-    let server = ScriptedOpenAi::start(script([(
-        task,
-        vec![
-            Reply::Text(fence("python", &start_app())),
-            Reply::Text(fence("python", wait_for_visit)),
-            Reply::from("Served.\n\nTERMINATE"),
-        ],
-    )]))
-    .await
-    .unwrap();
+    let server = serving_model(task).await;
     let home = tempfile::tempdir().unwrap();
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
         .args([
@@ -458,16 +454,7 @@ async fn an_mcp_session_whose_block_leaves_a_server_is_answered_with_a_link_to_i
             json!({"language": "python", "code": start_app(), "session_id": "web", "executor": "docker"}),
         )
         .await;
-    let text: String = ran["content"]
-        .as_array()
-        .map(|blocks| {
-            blocks
-                .iter()
-                .filter_map(|b| b["text"].as_str())
-                .collect::<Vec<_>>()
-                .join("\n")
-        })
-        .unwrap_or_default();
+    let text = tandem_tests::mcp::text_of(&ran);
     let link = text
         .lines()
         .find_map(|l| l.strip_prefix("port 8000 is listening: the daemon serves it at "))

@@ -1197,17 +1197,7 @@ async fn the_page_asks_for_hosts_and_shows_each_connection_and_a_refusal_names_t
 #[tokio::test(flavor = "multi_thread")]
 async fn the_page_links_a_tasks_open_port_and_the_served_page_cannot_read_the_token() {
     let task = "web: serve on 8000";
-    let wait_for_visit = "import os, time\nfor _ in range(2400):\n    if os.path.exists('served'):\n        break\n    time.sleep(0.05)\nprint('visited' if os.path.exists('served') else 'never visited')";
-    let server = ScriptedOpenAi::start(script([(
-        task,
-        vec![
-            Reply::Text(format!("```python\n{}\n```", crate::ports::start_app())),
-            Reply::Text(format!("```python\n{wait_for_visit}\n```")),
-            Reply::from("Served.\n\nTERMINATE"),
-        ],
-    )]))
-    .await
-    .unwrap();
+    let server = crate::ports::serving_model(task).await;
     let (d, addr, token) = start_tcp(&server, "").await;
     let b = Browser::start(1280, 1000).await;
     sign_in(&b, &addr, &token).await;

@@ -93,3 +93,17 @@ impl<'a> McpHttp<'a> {
             .await
     }
 }
+
+/// The text blocks of a `tools/call` result, one after another.
+pub fn text_of(result: &Value) -> String {
+    result["content"]
+        .as_array()
+        .map(|blocks| {
+            blocks
+                .iter()
+                .filter_map(|b| b["text"].as_str())
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
+        .unwrap_or_default()
+}

@@ -5,7 +5,6 @@
 //! engine, the way out to the egress proxy.
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use bollard::Docker;
 use bollard::container::LogOutput;
@@ -15,9 +14,6 @@ use tandem_executor::{BoxFuture, CancellationToken, Duplex, ExecError, Ports};
 use tandem_executor_runner::relay;
 
 use crate::engine;
-
-/// How long the engine and a relay get to say whether a port answered.
-const DIAL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Starts `argv` in container `id` as root: its stdout (stderr dropped) and stdin.
 async fn exec(
@@ -70,64 +66,28 @@ pub(crate) struct DockerPorts {
 
 impl Ports for DockerPorts {
     fn dial(&self, port: u16) -> BoxFuture<'_, Result<Box<dyn Duplex>, ExecError>> {
-        Box::pin(async move {
-            let dialled = async {
-                let (output, input) = exec(
-                    &self.docker,
-                    &self.id,
-                    relay::port_argv(port),
-                    "starting a relay to the session's port",
-                )
-                .await?;
-                relay::port_stream(output, input, port).await
-            };
-            match tokio::time::timeout(DIAL_TIMEOUT, dialled).await {
-                Ok(dialled) => dialled,
-                Err(_) => Err(ExecError::PortClosed {
-                    port,
-                    reason: format!("no answer within {}s", DIAL_TIMEOUT.as_secs()),
-                }),
-            }
-        })
+        Box::pin(relay::dial(
+            exec(
+                &self.docker,
+                &self.id,
+                relay::port_argv(port),
+                "starting a relay to the session's port",
+            ),
+            port,
+        ))
     }
 
     fn listening(&self) -> BoxFuture<'_, Result<Vec<u16>, ExecError>> {
-        Box::pin(async move {
-            let read = async {
-                let (mut output, _input) = exec(
-                    &self.docker,
-                    &self.id,
-                    vec![
-                        "cat".to_owned(),
-                        "/proc/net/tcp".to_owned(),
-                        "/proc/net/tcp6".to_owned(),
-                    ],
-                    "listing the session's listening ports",
-                )
-                .await?;
-                let mut tables = Vec::new();
-                tokio::io::AsyncReadExt::read_to_end(
-                    &mut tokio::io::AsyncReadExt::take(&mut output, 4 << 20),
-                    &mut tables,
-                )
-                .await
-                .map_err(|e| ExecError::io("reading the session's port tables", e))?;
-                Ok::<_, ExecError>(tables)
-            };
-            let tables = tokio::time::timeout(DIAL_TIMEOUT, read)
-                .await
-                .map_err(|_| {
-                    ExecError::Backend(format!(
-                        "the engine did not list the session's ports within {}s",
-                        DIAL_TIMEOUT.as_secs()
-                    ))
-                })??;
-            // The runner's own listener (the egress relay's) is root's; blocks never are.
-            Ok(relay::listening_ports(
-                &String::from_utf8_lossy(&tables),
-                Some(0),
-            ))
-        })
+        // The runner's own listener (the egress relay's) is root's; blocks never are.
+        Box::pin(relay::listening(
+            exec(
+                &self.docker,
+                &self.id,
+                relay::tables_argv(),
+                "listing the session's listening ports",
+            ),
+            Some(0),
+        ))
     }
 }
 

@@ -301,9 +301,6 @@ impl Transport for PodRunner {
     }
 }
 
-/// How long the API server and a relay get to say whether a port answered.
-const DIAL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
-
 /// A pod's ports, reached by a relay exec'd in it for each connection.
 struct PodPorts(PodExec);
 
@@ -312,57 +309,21 @@ impl tandem_executor::Ports for PodPorts {
         &self,
         port: u16,
     ) -> BoxFuture<'_, Result<Box<dyn tandem_executor::Duplex>, ExecError>> {
-        Box::pin(async move {
-            let dialled = async {
-                let (output, input) = self
-                    .0
-                    .relay(tandem_executor_runner::relay::port_argv(port))
-                    .await?;
-                tandem_executor_runner::relay::port_stream(output, input, port).await
-            };
-            match tokio::time::timeout(DIAL_TIMEOUT, dialled).await {
-                Ok(dialled) => dialled,
-                Err(_) => Err(ExecError::PortClosed {
-                    port,
-                    reason: format!("no answer within {}s", DIAL_TIMEOUT.as_secs()),
-                }),
-            }
-        })
+        Box::pin(tandem_executor_runner::relay::dial(
+            self.0.relay(tandem_executor_runner::relay::port_argv(port)),
+            port,
+        ))
     }
 
     fn listening(&self) -> BoxFuture<'_, Result<Vec<u16>, ExecError>> {
         Box::pin(async move {
-            let read = async {
-                let (output, _input) = self
-                    .0
-                    .relay(vec![
-                        "cat".to_owned(),
-                        "/proc/net/tcp".to_owned(),
-                        "/proc/net/tcp6".to_owned(),
-                    ])
-                    .await?;
-                let mut tables = Vec::new();
-                output
-                    .take(4 << 20)
-                    .read_to_end(&mut tables)
-                    .await
-                    .map_err(|e| ExecError::io("reading the pod's port tables", e))?;
-                Ok::<_, ExecError>(tables)
-            };
-            let tables = tokio::time::timeout(DIAL_TIMEOUT, read)
-                .await
-                .map_err(|_| {
-                    ExecError::Backend(format!(
-                        "the pod's ports were not listed within {}s",
-                        DIAL_TIMEOUT.as_secs()
-                    ))
-                })??;
             // The pod runs as one user, Tandem's relays too: the egress relay's port is the
             // one left out.
-            let mut ports = tandem_executor_runner::relay::listening_ports(
-                &String::from_utf8_lossy(&tables),
+            let mut ports = tandem_executor_runner::relay::listening(
+                self.0.relay(tandem_executor_runner::relay::tables_argv()),
                 None,
-            );
+            )
+            .await?;
             ports.retain(|p| *p != tandem_executor::EGRESS_PORT);
             Ok(ports)
         })

@@ -82,6 +82,62 @@ pub fn port_argv(port: u16) -> Vec<String> {
     ]
 }
 
+/// How long an exec and its relay get to say whether a port answered, or to list ports.
+pub const DIAL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// A connection to `port` through the relay `started` (an exec of [`port_argv`]), within
+/// [`DIAL_TIMEOUT`].
+pub async fn dial(
+    started: impl std::future::Future<Output = Result<(Output, Input), ExecError>>,
+    port: u16,
+) -> Result<Box<dyn Duplex>, ExecError> {
+    let dialled = async {
+        let (output, input) = started.await?;
+        port_stream(output, input, port).await
+    };
+    match tokio::time::timeout(DIAL_TIMEOUT, dialled).await {
+        Ok(dialled) => dialled,
+        Err(_) => Err(ExecError::PortClosed {
+            port,
+            reason: format!("no answer within {}s", DIAL_TIMEOUT.as_secs()),
+        }),
+    }
+}
+
+/// The argv that prints the sandbox's TCP tables, for [`listening`].
+pub fn tables_argv() -> Vec<String> {
+    ["cat", "/proc/net/tcp", "/proc/net/tcp6"]
+        .map(str::to_owned)
+        .to_vec()
+}
+
+/// The ports listened on, as the exec `started` (of [`tables_argv`]) prints them, but for
+/// sockets of `skip_uid`; within [`DIAL_TIMEOUT`].
+pub async fn listening(
+    started: impl std::future::Future<Output = Result<(Output, Input), ExecError>>,
+    skip_uid: Option<u32>,
+) -> Result<Vec<u16>, ExecError> {
+    let read = async {
+        let (output, _input) = started.await?;
+        let mut tables = Vec::new();
+        output
+            .take(4 << 20)
+            .read_to_end(&mut tables)
+            .await
+            .map_err(|e| ExecError::io("reading the sandbox's port tables", e))?;
+        Ok::<_, ExecError>(tables)
+    };
+    let tables = tokio::time::timeout(DIAL_TIMEOUT, read)
+        .await
+        .map_err(|_| {
+            ExecError::Backend(format!(
+                "the sandbox's ports were not listed within {}s",
+                DIAL_TIMEOUT.as_secs()
+            ))
+        })??;
+    Ok(listening_ports(&String::from_utf8_lossy(&tables), skip_uid))
+}
+
 /// The connection a started [`port_argv`] relay made: the stream both ways, or why there is
 /// none.
 pub async fn port_stream(

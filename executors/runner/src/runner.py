@@ -138,42 +138,16 @@ def spared():
     return keep
 
 
-def listening(pids):
-    """Those of `pids` that hold a listening TCP socket, read by a child that is the blocks'
-    user (the runner may not read another user's /proc/<pid>/fd)."""
-    if not pids:
-        return set()
+def as_user(work):
+    """The bytes `work()` returns, run by a child that is the blocks' user: what the blocks
+    made private, or their /proc/<pid>/fd, the runner (another user) may not read."""
     r, w = os.pipe()
-    child = os.fork()
-    if child == 0:
+    pid = os.fork()
+    if pid == 0:
         try:
             os.close(r)
             drop_privileges()
-            sockets = set()
-            for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-                try:
-                    with open(table) as f:
-                        for line in f:
-                            cols = line.split()
-                            if len(cols) > 9 and cols[3] == "0A":
-                                sockets.add("socket:[%s]" % cols[9])
-                except OSError:
-                    pass
-            found = []
-            for pid in pids:
-                base = "/proc/%d/fd" % pid
-                try:
-                    names = os.listdir(base)
-                except OSError:
-                    continue
-                for name in names:
-                    try:
-                        if os.readlink(base + "/" + name) in sockets:
-                            found.append(pid)
-                            break
-                    except OSError:
-                        pass
-            data = json.dumps(found).encode()
+            data = work()
             while data:
                 data = data[os.write(w, data):]
         finally:
@@ -186,9 +160,44 @@ def listening(pids):
             break
         chunks.append(chunk)
     os.close(r)
-    wait_block(child, 0)
+    wait_block(pid, 0)
+    return b"".join(chunks)
+
+
+def listening(pids):
+    """Those of `pids` that hold a listening TCP socket."""
+    if not pids:
+        return set()
+
+    def find():
+        sockets = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                with open(table) as f:
+                    for line in f:
+                        cols = line.split()
+                        if len(cols) > 9 and cols[3] == "0A":
+                            sockets.add("socket:[%s]" % cols[9])
+            except OSError:
+                pass
+        found = []
+        for pid in pids:
+            base = "/proc/%d/fd" % pid
+            try:
+                names = os.listdir(base)
+            except OSError:
+                continue
+            for name in names:
+                try:
+                    if os.readlink(base + "/" + name) in sockets:
+                        found.append(pid)
+                        break
+                except OSError:
+                    pass
+        return json.dumps(found).encode()
+
     try:
-        return set(json.loads(b"".join(chunks) or b"[]"))
+        return set(json.loads(as_user(find) or b"[]"))
     except ValueError:
         return set()
 
@@ -618,30 +627,13 @@ def scan_as_user(previous):
 def changes():
     """What the last block changed, from a child that is the blocks' user; the runner's
     MANIFEST is brought up to date."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            drop_privileges()
-            diff = scan_as_user(MANIFEST)
-            tar = diff.pop("inline", None) or b""
-            head = json.dumps(diff).encode("utf-8", "surrogateescape")
-            data = struct.pack(">I", len(head)) + head + tar
-            while data:
-                data = data[os.write(w, data):]
-        finally:
-            os._exit(0)
-    os.close(w)
-    chunks = []
-    while True:
-        chunk = os.read(r, 1 << 16)
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(r)
-    wait_block(pid, 0)
-    data = b"".join(chunks)
+    def scan():
+        diff = scan_as_user(MANIFEST)
+        tar = diff.pop("inline", None) or b""
+        head = json.dumps(diff).encode("utf-8", "surrogateescape")
+        return struct.pack(">I", len(head)) + head + tar
+
+    data = as_user(scan)
     try:
         (size,) = struct.unpack(">I", data[:4])
         diff = json.loads(data[4 : 4 + size])
