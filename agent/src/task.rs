@@ -251,12 +251,12 @@ pub async fn run_task(
         })
         .and_then(|team| {
             team.exchange_turns()
-                .with_packages(
-                    settings
-                        .network
-                        .as_ref()
-                        .is_some_and(|n| n.egress.packages().is_some()),
-                )
+                .with_packages(settings.network.as_ref().is_some_and(|n| {
+                    n.egress
+                        .packages()
+                        .iter()
+                        .any(|p| p.kind() == tandem_egress::packages::Kind::Python)
+                }))
                 .with_budget(settings.budget, &settings.prices)
                 .with_output_schema(settings.output_schema.clone())
                 .with_spent(

@@ -423,6 +423,9 @@ fn extras_report(section: &config::NetworkSection) -> String {
             "; pip installs from {python} through a shared cache"
         ));
     }
+    if let Some(npm) = section.packages.as_ref().and_then(|p| p.npm.as_ref()) {
+        out.push_str(&format!("; npm installs from {npm} through a shared cache"));
+    }
     if !section.secrets.is_empty() {
         let named: Vec<String> = section
             .secrets

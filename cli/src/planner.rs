@@ -93,14 +93,12 @@ pub fn network(
         .context("in [policy] network_allow of tandem.toml")?;
     let packages = match file.network.as_ref().and_then(|n| n.packages.as_ref()) {
         Some(section) => packages(section, file.network.as_ref())?,
-        None => None,
+        None => Vec::new(),
     };
     // Brokered headers, and an https:// index the cache answers inside TLS, each need the
     // proxy's own CA.
     let broker = match &file.network {
-        Some(section)
-            if !section.secrets.is_empty() || packages.as_ref().is_some_and(|p| p.index().tls) =>
-        {
+        Some(section) if !section.secrets.is_empty() || packages.iter().any(|p| p.index().tls) => {
             Some(broker(section)?)
         }
         _ => None,
@@ -184,49 +182,62 @@ fn broker(section: &crate::config::NetworkSection) -> Result<Arc<tandem_egress::
     )?))
 }
 
-/// The package cache `[network.packages]` asks for, checked at start.
+/// The package caches `[network.packages]` asks for (Python's, npm's), checked at start.
 fn packages(
     section: &crate::config::PackagesSection,
     network: Option<&crate::config::NetworkSection>,
-) -> Result<Option<Arc<tandem_egress::Packages>>> {
-    if let Some(npm) = &section.npm {
-        anyhow::bail!(
-            "in [network.packages] of tandem.toml: npm = {npm:?} is not carried by Tandem's package cache yet; put the registry's host in [network] allow and point npm at it with npm_config_registry in the executor's env"
-        );
-    }
-    let Some(python) = &section.python else {
-        return Ok(None);
-    };
-    let index = tandem_egress::IndexUrl::parse(python)
-        .context("in [network.packages] python of tandem.toml")?;
+) -> Result<Vec<Arc<tandem_egress::Packages>>> {
     let dir = match &section.cache_dir {
         Some(dir) => dir.clone(),
         None => crate::config::xdg_dir("XDG_CACHE_HOME", ".cache")
             .map(|d| d.join("packages"))
             .unwrap_or_else(|| std::env::temp_dir().join("tandem-packages")),
     };
-    let max_mb = section.max_cache_mb.unwrap_or(2048);
-    let resolve = network
-        .and_then(|n| {
-            n.resolve
-                .iter()
-                .find(|(name, _)| name.trim_end_matches('.').eq_ignore_ascii_case(&index.host))
-                .map(|(_, addrs)| addrs.clone())
-        })
-        .unwrap_or_default();
-    let packages = tandem_egress::Packages::new(
-        index,
-        dir.clone(),
-        max_mb.saturating_mul(1024 * 1024),
-        resolve,
-    )
-    .with_context(|| {
-        format!(
-            "the package cache in {} (set [network.packages] cache_dir)",
-            dir.display()
-        )
-    })?;
-    Ok(Some(Arc::new(packages)))
+    let max_bytes = section
+        .max_cache_mb
+        .unwrap_or(2048)
+        .saturating_mul(1024 * 1024);
+    let mut caches = Vec::new();
+    // Each index has a cache of its own, within the bound; Python's keeps the directory
+    // itself, as before npm had one.
+    for (key, url, kind, dir) in [
+        (
+            "python",
+            &section.python,
+            tandem_egress::packages::Kind::Python,
+            dir.clone(),
+        ),
+        (
+            "npm",
+            &section.npm,
+            tandem_egress::packages::Kind::Npm,
+            dir.join("npm"),
+        ),
+    ] {
+        let Some(url) = url else {
+            continue;
+        };
+        let index = tandem_egress::IndexUrl::parse(url)
+            .with_context(|| format!("in [network.packages] {key} of tandem.toml"))?;
+        let resolve = network
+            .and_then(|n| {
+                n.resolve
+                    .iter()
+                    .find(|(name, _)| name.trim_end_matches('.').eq_ignore_ascii_case(&index.host))
+                    .map(|(_, addrs)| addrs.clone())
+            })
+            .unwrap_or_default();
+        let cache = tandem_egress::Packages::new(index, dir.clone(), max_bytes, resolve)
+            .with_context(|| {
+                format!(
+                    "the package cache in {} (set [network.packages] cache_dir)",
+                    dir.display()
+                )
+            })?
+            .of_kind(kind);
+        caches.push(Arc::new(cache));
+    }
+    Ok(caches)
 }
 
 /// A price for a model the server does not serve is a mistake (a typo, a renamed model) that

@@ -1094,3 +1094,124 @@ async fn tandem_exec_puts_its_block_behind_the_proxy_with_allow_host() {
     assert_ne!(out.code, 0);
     assert!(out.stderr.contains("network = false"), "{}", out.stderr);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn npm_installs_from_the_operators_registry_through_the_cache_and_a_second_task_asks_it_nothing()
+ {
+    let net = Internet::new();
+    let registry = tempfile::tempdir().unwrap();
+    // A real package, packed by npm itself, and the document a registry serves for it.
+    let source = tempfile::tempdir().unwrap();
+    std::fs::write(
+        source.path().join("package.json"),
+        r#"{"name": "tandemdemo", "version": "1.0.0", "main": "index.js"}"#,
+    )
+    .unwrap();
+    std::fs::write(
+        source.path().join("index.js"),
+        "module.exports = { VALUE: 42 };\n",
+    )
+    .unwrap();
+    let tarballs = registry.path().join("tarballs");
+    std::fs::create_dir(&tarballs).unwrap();
+    let packed = std::process::Command::new("npm")
+        .args(["pack", "--json", "--pack-destination"])
+        .arg(&tarballs)
+        .current_dir(source.path())
+        .env("npm_config_cache", source.path().join(".npm"))
+        .output()
+        .expect("npm runs (nodejs and npm are installed by .ci/run)");
+    assert!(packed.status.success(), "{packed:?}");
+    let packed: Value = serde_json::from_slice(&packed.stdout).unwrap();
+    let integrity = packed[0]["integrity"].as_str().unwrap().to_owned();
+    let file = packed[0]["filename"].as_str().unwrap().to_owned();
+    let packument = json!({
+        "name": "tandemdemo",
+        "dist-tags": {"latest": "1.0.0"},
+        "versions": {"1.0.0": {
+            "name": "tandemdemo",
+            "version": "1.0.0",
+            "main": "index.js",
+            "dist": {"tarball": format!("http://npm.test/tarballs/{file}"), "integrity": integrity},
+        }},
+    });
+    std::fs::write(registry.path().join("tandemdemo"), packument.to_string()).unwrap();
+    let seen = net.file_server(80, registry.path().to_owned());
+    let task = "network: npm install tandemdemo";
+    let install = "npm install tandemdemo > npm.log 2>&1; echo \"npm exit $?\"; tail -5 npm.log\nnode -e \"console.log('value', require('tandemdemo').VALUE)\"";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Text(fence("sh", install)),
+            Reply::from("Installed.\n\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let config = dir.path().join("tandem.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[network]\nresolve = {{ \"npm.test\" = [\"{}\"] }}\n[network.packages]\nnpm = \"http://npm.test/\"\ncache_dir = \"{}\"\n",
+            net.addr,
+            cache.display()
+        ),
+    )
+    .unwrap();
+    let url = server.base_url();
+    // The sandbox image has no Node.js: the confined local executor runs the machine's npm.
+    for i in 0..2 {
+        let before = reached(&seen).len();
+        let out = run_json(&config, &url, "local", task).await;
+        assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+        let results = events_of(&out.stdout, "exec_result");
+        let printed = results[0]["result"]["stdout"].as_str().unwrap_or_default();
+        assert!(
+            printed.contains("npm exit 0") && printed.contains("value 42"),
+            "{printed}\n{}",
+            results[0]["result"]["stderr"]
+        );
+        let nets = events_of(&out.stdout, "net");
+        assert!(
+            !nets.is_empty()
+                && nets
+                    .iter()
+                    .all(|n| n["rule"] == "packages" && n["verdict"] == "allowed"),
+            "{nets:?}"
+        );
+        let asked = reached(&seen);
+        if i == 0 {
+            assert!(
+                asked.iter().any(|l| l.starts_with("GET /tandemdemo "))
+                    && asked
+                        .iter()
+                        .any(|l| l.starts_with(&format!("GET /tarballs/{file} "))),
+                "{asked:?}"
+            );
+        } else {
+            assert_eq!(
+                asked.len(),
+                before,
+                "the registry was asked again: {asked:?}"
+            );
+        }
+    }
+    // The tarball is kept under its sha512, checked against the registry's integrity.
+    let kept: Vec<String> = std::fs::read_dir(cache.join("npm").join("files"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        kept.len() == 1 && kept[0].starts_with("sha512-"),
+        "{kept:?}"
+    );
+    assert!(
+        server.requests().iter().any(|r| r
+            .body
+            .to_string()
+            .contains("You may install Node.js packages")),
+        "the system prompt does not say npm packages can be installed"
+    );
+}

@@ -422,7 +422,7 @@ async fn pip_rounds(index: SocketAddr) -> (Duration, Duration) {
             ProxyLimits::default(),
             Vec::new(),
             Extras {
-                packages: Some(packages),
+                packages: vec![packages],
                 broker: None,
             },
         );

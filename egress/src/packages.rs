@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use sha2::{Digest, Sha256};
+use sha2::{Digest, Sha256, Sha512};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -106,16 +106,81 @@ impl IndexUrl {
     }
 }
 
+/// What kind of index a cache reads through, which says how its pages name files and
+/// their hashes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// A PEP 503 simple index (or PEP 691 JSON): links with a `sha256`.
+    Python,
+    /// An npm registry: packuments whose versions name a `dist.tarball` and its `sha512`
+    /// `dist.integrity`.
+    Npm,
+}
+
+/// A file's digest, as its index gives it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Sum {
+    Sha256([u8; 32]),
+    Sha512([u8; 64]),
+}
+
+impl Sum {
+    /// The name it is kept under in the cache.
+    fn name(&self) -> String {
+        match self {
+            Sum::Sha256(sha) => hex::encode(sha),
+            Sum::Sha512(sha) => format!("sha512-{}", hex::encode(sha)),
+        }
+    }
+
+    fn shown(&self) -> String {
+        match self {
+            Sum::Sha256(sha) => format!("sha256={}", hex::encode(sha)),
+            Sum::Sha512(sha) => format!("sha512={}", hex::encode(sha)),
+        }
+    }
+}
+
+/// A running digest of the kind a [`Sum`] is.
+enum Hasher {
+    Sha256(Sha256),
+    Sha512(Sha512),
+}
+
+impl Hasher {
+    fn of(sum: &Sum) -> Self {
+        match sum {
+            Sum::Sha256(_) => Hasher::Sha256(Sha256::new()),
+            Sum::Sha512(_) => Hasher::Sha512(Sha512::new()),
+        }
+    }
+
+    fn update(&mut self, bytes: &[u8]) {
+        match self {
+            Hasher::Sha256(h) => h.update(bytes),
+            Hasher::Sha512(h) => h.update(bytes),
+        }
+    }
+
+    fn finish(self) -> Sum {
+        match self {
+            Hasher::Sha256(h) => Sum::Sha256(h.finalize().into()),
+            Hasher::Sha512(h) => Sum::Sha512(h.finalize().into()),
+        }
+    }
+}
+
 /// The cache and what it has learned from the index's pages.
 pub struct Packages {
+    kind: Kind,
     index: IndexUrl,
     dir: PathBuf,
     max_bytes: u64,
     page_ttl: Duration,
     resolve: Vec<IpAddr>,
     connect_timeout: Duration,
-    /// File URL (`host:port/path`, no fragment) → the sha256 its index page gives.
-    hashes: Mutex<HashMap<String, [u8; 32]>>,
+    /// File URL (`host:port/path`, no fragment) → the digest its index page gives.
+    hashes: Mutex<HashMap<String, Sum>>,
     /// Requests that reached the index (pages and files), for the record and the tests.
     upstream: AtomicU64,
     hits: AtomicU64,
@@ -158,6 +223,7 @@ impl Packages {
             }
         }
         Ok(Packages {
+            kind: Kind::Python,
             index,
             dir,
             max_bytes,
@@ -169,6 +235,17 @@ impl Packages {
             hits: AtomicU64::new(0),
             tls: Mutex::new(None),
         })
+    }
+
+    /// The same cache for an index of `kind`.
+    pub fn of_kind(mut self, kind: Kind) -> Packages {
+        self.kind = kind;
+        self
+    }
+
+    /// What kind of index it reads through.
+    pub fn kind(&self) -> Kind {
+        self.kind
     }
 
     /// The index this cache reads through.
@@ -186,8 +263,20 @@ impl Packages {
         self.hits.load(Ordering::Relaxed)
     }
 
-    /// The variables that point pip inside a sandbox at this index.
+    /// The variables that point pip (or npm) inside a sandbox at this index.
     pub fn env(&self) -> Vec<(String, String)> {
+        if self.kind == Kind::Npm {
+            // Tandem named the registry and checks every tarball against its integrity.
+            return [
+                ("npm_config_registry", self.index.url()),
+                ("npm_config_audit", "false".to_owned()),
+                ("npm_config_fund", "false".to_owned()),
+                ("npm_config_update_notifier", "false".to_owned()),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect();
+        }
         let mut env = vec![("PIP_INDEX_URL", self.index.url())];
         if !self.index.tls {
             // Tandem named the index and checks every file against its hashes.
@@ -264,7 +353,7 @@ impl Packages {
             .get(&file_key(host, port, bare))
             .copied();
         let answer = match known {
-            Some(sha) => self.file(host, port, path, sha).await,
+            Some(sum) => self.file(host, port, path, sum).await,
             None => self.page(host, port, path, headers).await,
         };
         let (head, body) = match answer {
@@ -364,9 +453,9 @@ impl Packages {
         host: &str,
         port: u16,
         path: &str,
-        sha: [u8; 32],
+        sum: Sum,
     ) -> Result<(Vec<u8>, Answer), String> {
-        let name = hex::encode(sha);
+        let name = sum.name();
         let kept = self.dir.join("files").join(&name);
         if let Ok(meta) = std::fs::metadata(&kept)
             && meta.is_file()
@@ -401,7 +490,7 @@ impl Packages {
                 .map_err(|e| format!("the cache could not write {}: {e}", partial.display()))?;
             let mut hasher = HashingWriter {
                 file: &mut out,
-                hash: Sha256::new(),
+                hash: Hasher::of(&sum),
                 len: 0,
             };
             response
@@ -409,13 +498,13 @@ impl Packages {
                 .await
                 .map_err(|e| format!("downloading {host}{path}: {e}"))?;
             let len = hasher.len;
-            let got: [u8; 32] = hasher.hash.finalize().into();
+            let got = hasher.hash.finish();
             out.flush().await.map_err(|e| e.to_string())?;
-            if got != sha {
+            if got != sum {
                 return Err(format!(
-                    "{host}{path} does not match its index's hash (the index says sha256={}, the file is sha256={}); it was not kept or served",
-                    hex::encode(sha),
-                    hex::encode(got)
+                    "{host}{path} does not match its index's hash (the index says {}, the file is {}); it was not kept or served",
+                    sum.shown(),
+                    got.shown()
                 ));
             }
             Ok(len)
@@ -470,10 +559,16 @@ impl Packages {
     /// Records the files an index page links, with their hashes.
     fn learn(&self, host: &str, port: u16, path: &str, content_type: &str, body: &[u8]) {
         let text = String::from_utf8_lossy(body);
-        let links = if content_type.contains("json") {
-            json_links(&text)
-        } else {
-            html_links(&text)
+        let links: Vec<(String, Sum)> = match self.kind {
+            Kind::Npm => npm_links(&text),
+            Kind::Python if content_type.contains("json") => json_links(&text)
+                .into_iter()
+                .map(|(url, sha)| (url, Sum::Sha256(sha)))
+                .collect(),
+            Kind::Python => html_links(&text)
+                .into_iter()
+                .map(|(url, sha)| (url, Sum::Sha256(sha)))
+                .collect(),
         };
         let mut hashes = self.hashes.lock().unwrap_or_else(PoisonError::into_inner);
         // Every page a sandbox asks for adds its links: the map is bounded, and a page read
@@ -638,7 +733,7 @@ async fn write_all<S: AsyncWrite + Unpin>(client: &mut S, head: &[u8], body: Bod
 
 struct HashingWriter<'a> {
     file: &'a mut tokio::fs::File,
-    hash: Sha256,
+    hash: Hasher,
     len: u64,
 }
 
@@ -921,6 +1016,32 @@ fn json_links(text: &str) -> Vec<(String, [u8; 32])> {
         .collect()
 }
 
+/// The tarballs of an npm packument (full or abbreviated) with their `sha512` integrity.
+fn npm_links(text: &str) -> Vec<(String, Sum)> {
+    use base64::Engine as _;
+    let Ok(page) = serde_json::from_str::<serde_json::Value>(text) else {
+        return Vec::new();
+    };
+    let Some(versions) = page.get("versions").and_then(|v| v.as_object()) else {
+        return Vec::new();
+    };
+    versions
+        .values()
+        .filter_map(|v| {
+            let dist = v.get("dist")?;
+            let url = dist.get("tarball")?.as_str()?;
+            // An integrity may list several digests; the sha512 one is taken.
+            let sha = dist
+                .get("integrity")?
+                .as_str()?
+                .split_whitespace()
+                .find_map(|d| d.strip_prefix("sha512-"))?;
+            let bytes = base64::engine::general_purpose::STANDARD.decode(sha).ok()?;
+            Some((url.to_owned(), Sum::Sha512(bytes.try_into().ok()?)))
+        })
+        .collect()
+}
+
 fn with_sha(href: &str) -> Option<(String, [u8; 32])> {
     let (url, fragment) = href.split_once('#')?;
     let sha = fragment
@@ -1034,6 +1155,26 @@ mod tests {
         let json =
             format!("{{\"files\":[{{\"url\":\"c.whl\",\"hashes\":{{\"sha256\":\"{sha}\"}}}}]}}");
         assert_eq!(json_links(&json)[0].0, "c.whl");
+    }
+
+    #[test]
+    fn an_npm_packument_teaches_its_tarballs_sha512_and_nothing_without_one() {
+        let digest = [7u8; 64];
+        let integrity = {
+            use base64::Engine as _;
+            base64::engine::general_purpose::STANDARD.encode(digest)
+        };
+        let packument = format!(
+            "{{\"versions\":{{\"1.0.0\":{{\"dist\":{{\"tarball\":\"http://npm.test/t/a-1.0.0.tgz\",\"integrity\":\"sha1-xx sha512-{integrity}\"}}}},\"2.0.0\":{{\"dist\":{{\"tarball\":\"http://npm.test/t/a-2.0.0.tgz\",\"shasum\":\"00\"}}}}}}}}"
+        );
+        assert_eq!(
+            npm_links(&packument),
+            [(
+                "http://npm.test/t/a-1.0.0.tgz".to_owned(),
+                Sum::Sha512(digest)
+            )]
+        );
+        assert!(npm_links("not json").is_empty());
     }
 
     #[test]

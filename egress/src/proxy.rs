@@ -135,15 +135,15 @@ struct Inner {
     limits: ProxyLimits,
     open: Arc<Semaphore>,
     stop: CancellationToken,
-    packages: Option<Arc<Packages>>,
+    packages: Vec<Arc<Packages>>,
     broker: Option<Arc<Broker>>,
 }
 
 /// What a proxy serves beyond carrying connections.
 #[derive(Default, Clone)]
 pub struct Extras {
-    /// The operator's package index, read through a cache.
-    pub packages: Option<Arc<Packages>>,
+    /// The operator's package indexes (Python's, npm's), each read through a cache.
+    pub packages: Vec<Arc<Packages>>,
     /// Headers added for hosts, and the CA that brokered HTTPS needs.
     pub broker: Option<Arc<Broker>>,
 }
@@ -188,8 +188,10 @@ impl Egress {
 
     /// A proxy as [`Egress::new`] makes one, that also serves `extras`.
     pub fn with(limits: ProxyLimits, own: Vec<IpAddr>, extras: Extras) -> Egress {
-        if let (Some(packages), Some(broker)) = (&extras.packages, &extras.broker) {
-            packages.set_tls(broker.upstream());
+        if let Some(broker) = &extras.broker {
+            for packages in &extras.packages {
+                packages.set_tls(broker.upstream());
+            }
         }
         Egress {
             inner: Arc::new(Inner {
@@ -205,9 +207,9 @@ impl Egress {
         }
     }
 
-    /// The package cache, when the operator named an index.
-    pub fn packages(&self) -> Option<&Arc<Packages>> {
-        self.inner.packages.as_ref()
+    /// The package caches, one for each index the operator named.
+    pub fn packages(&self) -> &[Arc<Packages>] {
+        &self.inner.packages
     }
 
     /// The broker of secrets, when the operator set any.
@@ -218,11 +220,7 @@ impl Egress {
     /// What a sandbox behind this proxy is given in its environment beyond the proxy's
     /// address (its package index).
     pub fn sandbox_env(&self) -> Vec<(String, String)> {
-        self.inner
-            .packages
-            .as_ref()
-            .map(|p| p.env())
-            .unwrap_or_default()
+        self.inner.packages.iter().flat_map(|p| p.env()).collect()
     }
 
     /// Serves connections from sandboxes known by their address on `listener`, until stopped.
@@ -407,9 +405,11 @@ impl Inner {
             }
         };
         outcome.host = host.to_string();
-        if let Some(packages) = &self.packages
+        if let Some(packages) = self
+            .packages
+            .iter()
+            .find(|p| p.takes(&asked.method, &outcome.host, asked.port, &asked.path))
             && !asked.connect
-            && packages.takes(&asked.method, &outcome.host, asked.port, &asked.path)
         {
             let host = outcome.host.clone();
             self.serve_package(
@@ -431,8 +431,8 @@ impl Inner {
             && self.broker.is_some()
             && self
                 .packages
-                .as_ref()
-                .is_some_and(|p| p.takes_tunnel(&outcome.host, asked.port));
+                .iter()
+                .any(|p| p.takes_tunnel(&outcome.host, asked.port));
         if cached_tunnel {
             self.tunnel(client, grant, &host, asked.port, early, &mut outcome)
                 .await;
@@ -544,8 +544,8 @@ impl Inner {
             let secret = broker.for_host(host);
             let cached = self
                 .packages
-                .as_ref()
-                .is_some_and(|p| p.takes_tunnel(&host.to_string(), port));
+                .iter()
+                .any(|p| p.takes_tunnel(&host.to_string(), port));
             if secret.is_some() || cached {
                 self.intercept(client, grant, host, port, hello, broker, secret, outcome)
                     .await;
@@ -677,9 +677,11 @@ impl Inner {
                 return;
             }
         };
-        if let Some(packages) = &self.packages
-            && let Some((method, path, headers)) = request_parts(&buf[..head_len])
-            && packages.takes(&method, &name, port, &path)
+        if let Some((method, path, headers)) = request_parts(&buf[..head_len])
+            && let Some(packages) = self
+                .packages
+                .iter()
+                .find(|p| p.takes(&method, &name, port, &path))
         {
             self.serve_package(
                 &mut tls, grant, packages, &name, port, &path, &headers, outcome,

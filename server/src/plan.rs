@@ -196,9 +196,15 @@ fn network_note(policy: &tandem_egress::Policy, egress: &tandem_egress::Egress) 
             ));
         }
     }
-    if egress.packages().is_some() {
+    let kinds: Vec<tandem_egress::packages::Kind> =
+        egress.packages().iter().map(|p| p.kind()).collect();
+    if kinds.contains(&tandem_egress::packages::Kind::Python) {
         note.push_str(" You may install Python packages: `pip install NAME` (or `subprocess.run([sys.executable, \"-m\", \"pip\", \"install\", NAME])` from Python) fetches them from a package index already configured, into your home; a module that is missing can be installed that way before it is imported.");
     }
+    if kinds.contains(&tandem_egress::packages::Kind::Npm) {
+        note.push_str(" You may install Node.js packages: `npm install NAME` fetches them from a registry already configured, into the working directory's node_modules.");
+    }
+
     note
 }
 

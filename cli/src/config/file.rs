@@ -143,7 +143,7 @@ pub struct SecretSection {
 pub struct PackagesSection {
     /// A PEP 503 simple index (`http://host/simple/`) that pip inside is pointed at.
     pub python: Option<String>,
-    /// An npm registry: not carried yet, refused at start with what to do instead.
+    /// An npm registry (`http://host/`) that npm inside is pointed at.
     pub npm: Option<String>,
     /// The cache's bound in MiB (default 2048).
     pub max_cache_mb: Option<u64>,
