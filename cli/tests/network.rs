@@ -308,6 +308,34 @@ import tandemdemo
 print("value", tandemdemo.VALUE)"#;
 
 /// Index requests for files and pages: what reached the stand-in index.
+/// Runs `task` in process on `executor` and checks its first block printed each of `says`
+/// and that every connection it made was the package cache's.
+async fn installs_through_the_cache(
+    config: &std::path::Path,
+    url: &str,
+    executor: &str,
+    task: &str,
+    says: &[&str],
+) {
+    let out = run_json(config, url, executor, task).await;
+    assert_eq!(out.code, 0, "{executor}: {}\n{}", out.stdout, out.stderr);
+    let results = events_of(&out.stdout, "exec_result");
+    let printed = results[0]["result"]["stdout"].as_str().unwrap_or_default();
+    assert!(
+        says.iter().all(|s| printed.contains(s)),
+        "{executor}: {printed}\n{}",
+        results[0]["result"]["stderr"]
+    );
+    let nets = events_of(&out.stdout, "net");
+    assert!(
+        !nets.is_empty()
+            && nets
+                .iter()
+                .all(|n| n["rule"] == "packages" && n["verdict"] == "allowed"),
+        "{executor}: {nets:?}"
+    );
+}
+
 fn reached(seen: &std::sync::Mutex<Vec<String>>) -> Vec<String> {
     seen.lock().unwrap().clone()
 }
@@ -345,23 +373,8 @@ async fn pip_installs_from_the_operators_index_through_the_cache_and_a_second_ta
     let url = server.base_url();
     for (i, executor) in ["docker", "local", "docker"].into_iter().enumerate() {
         let before = reached(&seen).len();
-        let out = run_json(&config, &url, executor, task).await;
-        assert_eq!(out.code, 0, "{executor}: {}\n{}", out.stdout, out.stderr);
-        let results = events_of(&out.stdout, "exec_result");
-        let printed = results[0]["result"]["stdout"].as_str().unwrap_or_default();
-        assert!(
-            printed.contains("pip exit 0") && printed.contains("value 42"),
-            "{executor}: {printed}\n{}",
-            results[0]["result"]["stderr"]
-        );
-        let nets = events_of(&out.stdout, "net");
-        assert!(
-            !nets.is_empty()
-                && nets
-                    .iter()
-                    .all(|n| n["rule"] == "packages" && n["verdict"] == "allowed"),
-            "{executor}: {nets:?}"
-        );
+        installs_through_the_cache(&config, &url, executor, task, &["pip exit 0", "value 42"])
+            .await;
         let asked = reached(&seen);
         if i == 0 {
             // The first install reached the index for the page and the wheel, once each.
@@ -1164,23 +1177,7 @@ async fn npm_installs_from_the_operators_registry_through_the_cache_and_a_second
     // The sandbox image has no Node.js: the confined local executor runs the machine's npm.
     for i in 0..2 {
         let before = reached(&seen).len();
-        let out = run_json(&config, &url, "local", task).await;
-        assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
-        let results = events_of(&out.stdout, "exec_result");
-        let printed = results[0]["result"]["stdout"].as_str().unwrap_or_default();
-        assert!(
-            printed.contains("npm exit 0") && printed.contains("value 42"),
-            "{printed}\n{}",
-            results[0]["result"]["stderr"]
-        );
-        let nets = events_of(&out.stdout, "net");
-        assert!(
-            !nets.is_empty()
-                && nets
-                    .iter()
-                    .all(|n| n["rule"] == "packages" && n["verdict"] == "allowed"),
-            "{nets:?}"
-        );
+        installs_through_the_cache(&config, &url, "local", task, &["npm exit 0", "value 42"]).await;
         let asked = reached(&seen);
         if i == 0 {
             assert!(

@@ -25,9 +25,11 @@ use tokio::sync::mpsc;
 use crate::follow::Follower;
 use crate::store::TaskState;
 
-pub(crate) mod ports;
+mod ports;
 mod sessions;
+
 use crate::supervisor::{Supervisor, TaskError};
+pub use ports::serve_loopback;
 
 /// Largest request body accepted unless configured otherwise.
 pub const DEFAULT_BODY_LIMIT: usize = 1 << 20;
@@ -189,8 +191,6 @@ struct AppState {
     sessions: Arc<crate::sandbox::Pool>,
     shutdown: CancellationToken,
     body_limit: usize,
-    /// Signs the links that open a sandbox's port without the token.
-    links: Arc<crate::ports::Links>,
 }
 
 /// The API's routes. With `token`, every request must carry `Authorization: Bearer <token>`
@@ -204,7 +204,6 @@ pub fn router(
 ) -> Router {
     let state = AppState {
         sessions,
-        links: supervisor.links.clone(),
         supervisor: supervisor.clone(),
         shutdown: shutdown.clone(),
         body_limit,

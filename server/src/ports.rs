@@ -121,7 +121,7 @@ impl Executor for Publishing {
                 book: self.book.clone(),
                 task: self.task.clone(),
                 entry,
-                told: Vec::new(),
+                told: Arc::default(),
             }) as Box<dyn Session>)
         })
     }
@@ -155,7 +155,7 @@ struct Published {
     task: String,
     entry: Option<u64>,
     /// The ports already announced.
-    told: Vec<u16>,
+    told: Arc<Mutex<Vec<u16>>>,
 }
 
 impl Published {
@@ -183,18 +183,32 @@ impl Session for Published {
                 return Err(ExecError::Backend("the session is closed".to_owned()));
             };
             let ran = inner.run(req, ctx).await?;
+            // Asked beside the turn, not in its way: listing costs the engine an exec.
             if let (Some(announce), Some(ports)) = (self.book.announce.clone(), inner.ports()) {
-                match ports.listening().await {
-                    Ok(listening) => {
-                        for port in listening {
-                            if !self.told.contains(&port) {
-                                self.told.push(port);
+                let told = self.told.clone();
+                tokio::spawn(async move {
+                    match ports.listening().await {
+                        Ok(listening) => {
+                            let new: Vec<u16> = match told.lock() {
+                                Ok(mut told) => listening
+                                    .into_iter()
+                                    .filter(|p| {
+                                        let new = !told.contains(p);
+                                        if new {
+                                            told.push(*p);
+                                        }
+                                        new
+                                    })
+                                    .collect(),
+                                Err(_) => Vec::new(),
+                            };
+                            for port in new {
                                 announce(port, ports.clone());
                             }
                         }
+                        Err(e) => tracing::debug!(error = %e, "listing a sandbox's ports failed"),
                     }
-                    Err(e) => tracing::debug!(error = %e, "listing a sandbox's ports failed"),
-                }
+                });
             }
             Ok(ran)
         })
@@ -303,28 +317,6 @@ impl Links {
         }
         Ok((holder, id.to_owned(), port))
     }
-}
-
-/// Serves `port` of a sandbox on this machine's loopback, beneath a path of its own that is
-/// the only way in, until `stop`; the URL. For `tandem run` in process, which has no daemon.
-pub async fn serve_loopback(
-    ports: Arc<dyn Ports>,
-    port: u16,
-    stop: tandem_executor::CancellationToken,
-) -> std::io::Result<String> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let secret = uuid::Uuid::new_v4().simple().to_string();
-    let app = crate::api::ports::loopback(ports, port, &secret);
-    tokio::spawn(async move {
-        let served = axum::serve(listener, app)
-            .with_graceful_shutdown(async move { stop.cancelled().await })
-            .await;
-        if let Err(e) = served {
-            tracing::debug!(error = %e, "serving a port on loopback ended");
-        }
-    });
-    Ok(format!("http://{addr}/{secret}/"))
 }
 
 #[cfg(test)]

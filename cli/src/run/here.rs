@@ -127,7 +127,7 @@ pub(super) async fn run_here(args: &RunArgs, settings: &Settings) -> Result<u8> 
     let book = tandem_daemon::ports::PortBook::announcing(Arc::new(move |port, ports| {
         let stop = stop.clone();
         tokio::spawn(async move {
-            match tandem_daemon::ports::serve_loopback(ports, port, stop).await {
+            match tandem_daemon::api::serve_loopback(ports, port, stop).await {
                 Ok(url) => {
                     eprintln!("tandem: port {port} is open: {url} (served while the task runs)")
                 }

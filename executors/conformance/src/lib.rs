@@ -625,6 +625,18 @@ async fn published_servers_keep_serving(executor: Arc<dyn Executor>) -> Checked 
         "the port did not echo: {echoed:?} {:?}",
         String::from_utf8_lossy(&heard)
     );
+    // A block's end spares the relay that carries an open connection: it still echoes.
+    run_in(&mut *s, "python", "print('between')").await?;
+    let echoed = tokio::time::timeout(Duration::from_secs(30), async {
+        conn.write_all(said).await?;
+        conn.flush().await?;
+        conn.read_exact(&mut heard).await
+    })
+    .await;
+    check!(
+        matches!(echoed, Ok(Ok(_))) && heard == said,
+        "a connection open across a block's end stopped: {echoed:?}"
+    );
     drop(conn);
     let closed_port = if port == 1 { 2 } else { port - 1 };
     let refused = ports.dial(closed_port).await;

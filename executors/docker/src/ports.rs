@@ -98,7 +98,7 @@ pub(crate) async fn egress(
     id: &str,
     port: u16,
     socket: PathBuf,
-    bundle: Vec<u8>,
+    ca_bundle: Option<&std::path::Path>,
     stop: CancellationToken,
 ) -> Result<(), ExecError> {
     let (output, input) = exec(
@@ -108,5 +108,5 @@ pub(crate) async fn egress(
         "starting the egress relay in the session container",
     )
     .await?;
-    relay::carry_egress(output, input, socket, bundle, stop).await
+    relay::carry_egress(output, input, socket, ca_bundle, stop).await
 }

@@ -168,12 +168,6 @@ impl DockerSession {
         // On failure the session is dropped, which removes the container.
         session.runner.start(&mut session.container).await?;
         if let (true, Some(egress)) = (by_volume, &spec.egress) {
-            let bundle = match &egress.ca_bundle {
-                Some(path) => tokio::fs::read(path)
-                    .await
-                    .map_err(|e| ExecError::io("reading the egress proxy's CA bundle", e))?,
-                None => Vec::new(),
-            };
             let stop = tandem_executor::CancellationToken::new();
             session.relay = Some(stop.clone());
             crate::ports::egress(
@@ -181,7 +175,7 @@ impl DockerSession {
                 &session.container.id,
                 tandem_executor::EGRESS_PORT,
                 egress.socket.clone(),
-                bundle,
+                egress.ca_bundle.as_deref(),
                 stop,
             )
             .await?;

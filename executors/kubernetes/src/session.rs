@@ -147,12 +147,6 @@ impl KubeSession {
         session.pod.exec.name = wait_bound(&session.executor, &session.claim).await?;
         session.runner.start(&mut session.pod).await?;
         if let Some(egress) = &spec.egress {
-            let bundle = match &egress.ca_bundle {
-                Some(path) => tokio::fs::read(path)
-                    .await
-                    .map_err(|e| ExecError::io("reading the egress proxy's CA bundle", e))?,
-                None => Vec::new(),
-            };
             let stop = CancellationToken::new();
             session.relay = Some(stop.clone());
             let (output, input) = session
@@ -166,7 +160,7 @@ impl KubeSession {
                 output,
                 input,
                 egress.socket.clone(),
-                bundle,
+                egress.ca_bundle.as_deref(),
                 stop,
             )
             .await?;

@@ -298,6 +298,9 @@ pub fn egress_argv(port: u16) -> Vec<String> {
     ]
 }
 
+/// Most connections one relay carries at once (the proxy's own cap on a sandbox is lower).
+const MOST_OPEN: usize = 4096;
+
 /// Most bytes of one frame taken from the relay (it sends at most 64 KiB of data a frame;
 /// an error's text is short).
 const MOST_FRAME: u32 = 1 << 20;
@@ -311,16 +314,22 @@ fn frame(kind: u8, id: u32, data: &[u8]) -> Vec<u8> {
     out
 }
 
-/// Gives a started [`egress_argv`] relay `bundle` (written where [`EGRESS_CA_PATH`] says),
-/// waits until it listens, then carries its connections to `socket` until `stop` or the
-/// exec's end.
+/// Gives a started [`egress_argv`] relay the certificates at `ca_bundle` (written where
+/// [`EGRESS_CA_PATH`] says), waits until it listens, then carries its connections to
+/// `socket` until `stop` or the exec's end.
 pub async fn carry_egress(
     mut output: Output,
     mut input: Input,
     socket: PathBuf,
-    bundle: Vec<u8>,
+    ca_bundle: Option<&Path>,
     stop: CancellationToken,
 ) -> Result<(), ExecError> {
+    let bundle = match ca_bundle {
+        Some(path) => tokio::fs::read(path)
+            .await
+            .map_err(|e| ExecError::io("reading the egress proxy's CA bundle", e))?,
+        None => Vec::new(),
+    };
     input
         .write_all(&frame(b'b', 0, &bundle))
         .await
@@ -416,6 +425,10 @@ async fn carry(
     to_relay: &mpsc::Sender<Vec<u8>>,
 ) {
     match kind {
+        // A sandbox that holds more connections than the proxy would ever carry gets no more.
+        b'n' if open.len() >= MOST_OPEN => {
+            let _ = to_relay.send(frame(b'x', cid, &[])).await;
+        }
         b'n' => match UnixStream::connect(socket).await {
             Ok(stream) => {
                 let (mut from_proxy, to_proxy) = stream.into_split();

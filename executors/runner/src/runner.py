@@ -103,19 +103,6 @@ def start_time(pid):
         return None
 
 
-def real_uid(pid):
-    # From `status`, not the owner of /proc/<pid>: a block that makes itself undumpable
-    # turns the owner into root.
-    try:
-        with open("/proc/%d/status" % pid) as f:
-            for line in f:
-                if line.startswith("Uid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def entered(pid):
     """Whether the process came in from outside the sandbox (an exec: Tandem's relays), which
     its parent of 0 in this pid namespace says. A block's process cannot have one: its
@@ -134,7 +121,7 @@ def spared():
         if start_time(pid) != when:
             del KEPT[pid]
     keep = set(KEPT)
-    keep.update(p for p in others() if entered(p) or (os.getuid() == 0 and UID != 0 and real_uid(p) == 0))
+    keep.update(p for p in others() if entered(p))
     return keep
 
 

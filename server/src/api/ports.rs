@@ -111,7 +111,7 @@ pub(super) async fn linked_port(
     req: Request,
 ) -> Response {
     let link = param(&params, "link").to_owned();
-    let (holder, id, port) = match state.links.check(&link, crate::now_ms() / 1000) {
+    let (holder, id, port) = match state.supervisor.links.check(&link, crate::now_ms() / 1000) {
         Ok(opened) => opened,
         Err(why) => {
             return ApiError::new(
@@ -314,7 +314,10 @@ async fn link(
     // Only for what is open now: a link to nothing would be a puzzle later.
     dialers(state, holder, &id, false)?;
     let expires = crate::now_ms() / 1000 + ttl;
-    let link = state.links.sign(holder, &id, asked.port, expires);
+    let link = state
+        .supervisor
+        .links
+        .sign(holder, &id, asked.port, expires);
     Ok(axum::Json(json!({
         "url": format!("/v1/ports/{link}/"),
         "port": asked.port,
@@ -363,7 +366,7 @@ async fn listed(
 }
 
 /// The routes that serve one sandbox port beneath `/{secret}/`, and nothing else.
-pub(crate) fn loopback(ports: Arc<dyn Ports>, port: u16, secret: &str) -> axum::Router {
+fn loopback(ports: Arc<dyn Ports>, port: u16, secret: &str) -> axum::Router {
     let prefix = format!("/{secret}/");
     let secret = secret.to_owned();
     let serve = move |Path(params): Path<HashMap<String, String>>, req: Request| {
@@ -383,4 +386,26 @@ pub(crate) fn loopback(ports: Arc<dyn Ports>, port: u16, secret: &str) -> axum::
         .route("/{secret}", axum::routing::any(add_slash))
         .route("/{secret}/", axum::routing::any(serve.clone()))
         .route("/{secret}/{*rest}", axum::routing::any(serve))
+}
+
+/// Serves `port` of a sandbox on this machine's loopback, beneath a path of its own that is
+/// the only way in, until `stop`; the URL. For `tandem run` in process, which has no daemon.
+pub async fn serve_loopback(
+    ports: Arc<dyn Ports>,
+    port: u16,
+    stop: tandem_executor::CancellationToken,
+) -> std::io::Result<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let secret = uuid::Uuid::new_v4().simple().to_string();
+    let app = loopback(ports, port, &secret);
+    tokio::spawn(async move {
+        let served = axum::serve(listener, app)
+            .with_graceful_shutdown(async move { stop.cancelled().await })
+            .await;
+        if let Err(e) = served {
+            tracing::debug!(error = %e, "serving a port on loopback ended");
+        }
+    });
+    Ok(format!("http://{addr}/{secret}/"))
 }
