@@ -33,6 +33,17 @@ pub struct SessionSlot {
     code_calls: Arc<std::sync::atomic::AtomicU32>,
 }
 
+/// A copy of a slot's workspace at one moment, from which forks start; removed when dropped.
+pub struct ForkPoint(tempfile::TempPath);
+
+/// Most a fork point copies of a workspace: past it, there is no fork, and the code is not
+/// judged.
+const FORK_CAPS: tandem_executor_kit::archive::ArchiveCaps =
+    tandem_executor_kit::archive::ArchiveCaps {
+        max_bytes: 1 << 30,
+        max_entries: 100_000,
+    };
+
 /// Most times one block moves to another machine after losing its sandbox.
 const MOST_MOVES: u32 = 3;
 
@@ -165,6 +176,71 @@ impl SessionSlot {
     ) -> Result<Option<ExecOutcome>, ExecError> {
         self.quiet(ExecRequest::new(language.clone(), code.to_owned()), cancel)
             .await
+    }
+
+    /// The workspace as it is now, from which forks start (the session opened first if it
+    /// was not); `None` when its executor's sessions have no workspace Tandem can read.
+    pub async fn fork_point(
+        &mut self,
+        cancel: &CancellationToken,
+    ) -> Result<Option<ForkPoint>, ExecError> {
+        let Some(session) = self.session(cancel).await? else {
+            return Ok(None);
+        };
+        let Some(workspace) = session.workspace().map(std::path::Path::to_owned) else {
+            return Ok(None);
+        };
+        let packed = tokio::task::spawn_blocking(move || {
+            let mut file = tempfile::NamedTempFile::new()?;
+            tandem_executor_kit::archive::pack(&workspace, "", &mut file, FORK_CAPS)
+                .map_err(std::io::Error::other)?;
+            Ok::<_, std::io::Error>(file.into_temp_path())
+        })
+        .await
+        .map_err(|e| ExecError::Backend(format!("copying the workspace for a fork: {e}")))?
+        .map_err(|source| ExecError::Io {
+            context: "copying the workspace for a fork".to_owned(),
+            source,
+        })?;
+        Ok(Some(ForkPoint(packed)))
+    }
+
+    /// Runs `code` quietly in a fork: a new session of the slot's executor whose workspace
+    /// starts as `at`, closed after. What the code does there stays there; the slot's own
+    /// session is not touched. `None` when `cancel` fired.
+    pub async fn run_on_fork(
+        &mut self,
+        at: &ForkPoint,
+        language: &Language,
+        code: &str,
+        cancel: &CancellationToken,
+    ) -> Result<Option<ExecOutcome>, ExecError> {
+        let mut spec = self.spec.clone();
+        // A fork of its own: not the task's directory, no interpreter kept, its files only
+        // those of the fork point.
+        spec.workdir = None;
+        spec.inputs = None;
+        spec.keep_state = false;
+        // A reply being judged must not change what outlives the task.
+        for v in &mut spec.volumes {
+            v.read_only = true;
+        }
+        let mut fork = tokio::select! {
+            opened = self.executor.open(spec) => opened?,
+            () = cancel.cancelled() => return Ok(None),
+        };
+        let ran = async {
+            fork.put_archive(&at.0, FORK_CAPS).await?;
+            let ctx = ExecContext::new(cancel.child_token());
+            fork.run(ExecRequest::new(language.clone(), code.to_owned()), ctx)
+                .await
+        }
+        .await;
+        if let Err(e) = fork.close().await {
+            tracing::warn!(error = %e, "closing a fork failed");
+        }
+        let ran = ran?;
+        Ok((ran.status != ExitStatus::Cancelled).then_some(ran))
     }
 
     /// [`SessionSlot::run_quiet`] in a fresh process that runs nothing the task's blocks left
@@ -411,6 +487,22 @@ fn trace_block(
         "tandem.block.duration_ms",
         i64::try_from(r.duration_ms).unwrap_or(i64::MAX),
     );
+    if let Some(used) = &r.resources {
+        if let Some(cpu) = used.cpu_secs {
+            set(span, "tandem.block.cpu_secs", cpu);
+        }
+        let count = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        for (key, value) in [
+            ("tandem.block.peak_memory_bytes", used.peak_memory_bytes),
+            ("tandem.block.disk_written_bytes", used.disk_written_bytes),
+            ("tandem.block.net_bytes_in", used.net_bytes_in),
+            ("tandem.block.net_bytes_out", used.net_bytes_out),
+        ] {
+            if let Some(v) = value {
+                set(span, key, count(v));
+            }
+        }
+    }
     if let Some(host) = slot.host() {
         set(span, "tandem.sandbox.host", host);
     }
@@ -642,6 +734,7 @@ pub(crate) async fn run_one(
                 stdout: Default::default(),
                 stderr: Default::default(),
                 duration: Duration::ZERO,
+                resources: None,
             }),
         };
         match ran {
@@ -694,6 +787,7 @@ fn not_run(language: &Language, status: BlockStatus, stderr: &str) -> BlockResul
         stderr: stderr.to_owned(),
         truncated: false,
         duration_ms: 0,
+        resources: None,
     }
 }
 
@@ -720,6 +814,19 @@ pub fn to_result(language: &Language, outcome: ExecOutcome) -> BlockResult {
         };
         let _ = writeln!(stderr, "{}killed by signal {sig}{why}", sep(&stderr));
     }
+    if outcome.status == ExitStatus::OutOfMemory {
+        let peak = outcome
+            .resources
+            .as_ref()
+            .and_then(|r| r.peak_memory_bytes)
+            .map(|p| format!("; its peak was {:.1} MB", p as f64 / 1e6))
+            .unwrap_or_default();
+        let _ = writeln!(
+            stderr,
+            "{}killed: over the sandbox's memory limit (limits.memory_bytes){peak}",
+            sep(&stderr)
+        );
+    }
     BlockResult {
         language: Some(language.to_string()),
         status,
@@ -728,6 +835,7 @@ pub fn to_result(language: &Language, outcome: ExecOutcome) -> BlockResult {
         stdout: outcome.stdout.to_text(),
         stderr,
         duration_ms: u64::try_from(outcome.duration.as_millis()).unwrap_or(u64::MAX),
+        resources: outcome.resources.map(Box::new),
     }
 }
 
@@ -1038,6 +1146,7 @@ mod tests {
                 stderr: stderr.into(),
                 truncated: false,
                 duration_ms: 1,
+                resources: None,
             },
         }
     }

@@ -194,6 +194,11 @@ impl Client {
         self.call(reqwest::Method::GET, path, None).await
     }
 
+    /// `DELETE path`, as JSON.
+    pub async fn delete(&self, path: &str) -> Result<Value> {
+        self.call(reqwest::Method::DELETE, path, None).await
+    }
+
     /// `POST path` with no body, as JSON.
     pub async fn post(&self, path: &str) -> Result<Value> {
         self.call(reqwest::Method::POST, path, None).await

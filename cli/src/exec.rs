@@ -187,6 +187,7 @@ pub async fn exec(args: ExecArgs, file: FileConfig) -> Result<u8> {
             keep_state: false,
             placement: Vec::new(),
             egress: None,
+            volumes: Vec::new(),
         },
     );
     let cancel = CancellationToken::new();

@@ -30,16 +30,21 @@ impl Docker {
         pool: Option<usize>,
     ) -> Result<Self, DockerError> {
         let mut hosts = settings.hosts.clone();
+        // No pool, no growth: a one-shot command keeps none.
+        let grown = |size: usize, max: usize| if size == 0 { 0 } else { max };
         if hosts.is_empty() {
             let mut one = settings.one.clone();
             if let Some(pool) = pool {
                 one.pool_size = pool;
+                one.pool_max = grown(pool, settings.pool_max);
+                one.pool_idle_secs = settings.pool_idle_secs;
             }
             return DockerExecutor::connect(one).await.map(Self::One);
         }
         if let Some(pool) = pool {
             for h in &mut hosts {
                 h.config.pool_size = pool;
+                h.config.pool_max = grown(pool, h.config.pool_max);
             }
         }
         DockerFleet::connect(hosts, settings.probe)

@@ -277,7 +277,7 @@ pub async fn from_daemon(
                 },
             )
         })
-        .filter(|(given, f)| !given && !tandem_executor_kit::made::is_tandems(&f.rel))
+        .filter(|(given, f)| !given && !tandem_executor_kit::archive::is_tandems(&f.rel))
         .map(|(_, f)| f)
         .collect();
     if made.is_empty() {

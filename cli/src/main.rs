@@ -22,9 +22,11 @@ mod provider;
 mod render;
 mod run;
 mod serve;
+mod snapshot;
 mod store;
 mod tasks;
 mod team;
+mod volume;
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -95,6 +97,16 @@ enum Command {
     Executor {
         #[command(subcommand)]
         action: kit::ExecutorAction,
+    },
+    /// Snapshots of a daemon's sessions and tasks: create, ls, show, rm
+    Snapshot {
+        #[command(subcommand)]
+        action: snapshot::SnapshotAction,
+    },
+    /// Volumes of a daemon, named storage that outlives tasks: create, ls, show, rm
+    Volume {
+        #[command(subcommand)]
+        action: volume::VolumeAction,
     },
     /// The daemon's task store: move a daemon's tasks from its SQLite file to PostgreSQL
     Store {
@@ -263,6 +275,8 @@ fn dispatch(cli: Cli, file: config::FileConfig) -> Result<u8> {
         Command::Show(args) => runtime()?.block_on(tasks::show(args)),
         Command::Logs(args) => runtime()?.block_on(tasks::logs(args)),
         Command::Cancel(args) => runtime()?.block_on(tasks::cancel(args)),
+        Command::Snapshot { action } => runtime()?.block_on(snapshot::run(action)),
+        Command::Volume { action } => runtime()?.block_on(volume::run(action)),
         Command::Resume(args) => runtime()?.block_on(tasks::resume(args)),
         Command::Approve(args) => runtime()?.block_on(approve::approve(args)),
         Command::Deny(args) => runtime()?.block_on(approve::deny_cmd(args)),

@@ -49,6 +49,7 @@ pub async fn config(
             .context("in [tools] of tandem.toml")?,
         prices,
         network: network(&settings.file, policy_own)?,
+        volumes: None,
     })
 }
 

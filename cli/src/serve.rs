@@ -475,22 +475,26 @@ async fn start(args: &ServeArgs, file: FileConfig, say: Say) -> Result<Started> 
         d.warm_up();
     }
     let local = model(&settings, say).await?;
+    let mut planner = crate::planner::config(
+        &settings,
+        offered.registry,
+        offered.default.clone(),
+        policy,
+        local,
+    )
+    .await?;
+    files.volumes().mount_all();
+    planner.volumes = Some(files.volumes().clone());
     let supervisor = Supervisor::new(
         store,
         SupervisorConfig {
-            planner: crate::planner::config(
-                &settings,
-                offered.registry,
-                offered.default.clone(),
-                policy,
-                local,
-            )
-            .await?,
+            planner,
             max_concurrent,
             sessions,
             files,
             daemon,
             lease,
+            pausing: config::pausing(file)?,
         },
     );
     recover(&supervisor).await?;

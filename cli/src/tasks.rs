@@ -2,7 +2,7 @@
 
 use anyhow::Result;
 use serde_json::Value;
-use tandem_protocol::{StopReason, TaskList, TaskRecord, TaskView};
+use tandem_protocol::{EventMsg, StopReason, TaskList, TaskRecord, TaskView};
 
 use crate::client::{Client, HostFlag, typed};
 use crate::config::{FileConfig, ModelFlags};
@@ -151,6 +151,35 @@ pub async fn show(args: IdArgs) -> Result<u8> {
     for m in &view.transcript {
         println!("── {} ──", m.role.as_str());
         println!("{}", m.content.trim_end());
+    }
+    // How each block ended and what it used, which the messages do not say.
+    let mut blocks = Vec::new();
+    client
+        .events(&task.id, 0, false, &mut |e| {
+            if let EventMsg::ExecResult {
+                turn,
+                index,
+                result,
+            } = &e.msg
+            {
+                blocks.push((*turn, *index, result.clone()));
+            }
+        })
+        .await?;
+    if !blocks.is_empty() {
+        println!("── blocks ──");
+        let mut total = tandem_protocol::Resources::default();
+        for (turn, index, result) in &blocks {
+            if let Some(used) = &result.resources {
+                total.add(used);
+            }
+            let line = crate::render::result_and_usage(result);
+            println!("turn {turn} block {index}: {line}");
+        }
+        let total = total.summary();
+        if !total.is_empty() && blocks.len() > 1 {
+            println!("all blocks: {total}");
+        }
     }
     // The answer last, as `tandem run` ends.
     match (&task.answer, task.answer_from, &task.no_answer) {

@@ -109,6 +109,8 @@ impl Output {
 /// are masked.
 pub(crate) fn settings() -> insta::Settings {
     let mut s = insta::Settings::clone_current();
+    s.add_filter(r"cpu \d+\.\d+ s", "cpu [N] s");
+    s.add_filter(r"(peak|disk) \d+(\.\d)? [kMGT]?B", "$1 [BYTES]");
     s.add_filter(r"\d+ ms", "[N] ms");
     s.add_filter(r"\d+\.\d s", "[N] s");
     s.add_filter(r"\d+ in / \d+ out tokens", "[N] in / [N] out tokens");
@@ -1142,7 +1144,13 @@ async fn docker_engine_down_or_image_missing_says_what_to_do() {
 async fn exec_says_when_local_blocks_run_unconfined_and_doctor_says_which() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("tandem.toml");
-    let code = "import socket\ntry:\n    socket.create_connection(('127.0.0.1', 9), timeout=1)\nexcept OSError as e:\n    print(type(e).__name__)";
+    // A server on the machine's loopback: a confined block's loopback is its session's own.
+    let host = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let code = format!(
+        "import socket\ntry:\n    socket.create_connection(('127.0.0.1', {}), timeout=1)\n    print('reached the machine')\nexcept OSError as e:\n    print(type(e).__name__)",
+        host.local_addr().unwrap().port()
+    );
+    let code = code.as_str();
     // Confined (this machine's kernel can): no line, and the network is out of reach.
     std::fs::write(&config, "").unwrap();
     let cfg = config.to_str().unwrap();
@@ -1159,7 +1167,7 @@ async fn exec_says_when_local_blocks_run_unconfined_and_doctor_says_which() {
     let out = tandem(&args, &[], Some(code)).await;
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert!(!out.stderr.contains("unconfined"), "{}", out.stderr);
-    assert_eq!(out.stdout, "PermissionError\n");
+    assert_eq!(out.stdout, "ConnectionRefusedError\n");
     let doctor = tandem(&["doctor", "--config", cfg], &[], None).await;
     assert!(
         doctor.stdout.contains("local (python, sh") && doctor.stdout.contains("- confined ("),

@@ -373,7 +373,20 @@ async fn hostile_uploads_are_refused_by_name_and_write_nothing() {
     }
     // Nothing of them is anywhere: not in the uploads, not beside the state dir.
     let files = d.state_dir().join("files");
-    assert_eq!(tree(&files), vec!["tasks", "uploads"], "{:?}", tree(&files));
+    assert_eq!(
+        tree(&files),
+        vec![
+            "snapshots",
+            "snapshots/blobs",
+            "snapshots/snaps",
+            "snapshots/tmp",
+            "tasks",
+            "uploads",
+            "volumes"
+        ],
+        "{:?}",
+        tree(&files)
+    );
     assert!(!d.state_dir().join("escaped").exists());
     assert!(!Path::new("/tmp/escaped").exists());
     // A task naming an upload that is not there, or a path for one, is refused, and nothing
@@ -844,6 +857,8 @@ async fn what_a_person_sees_of_files_and_pictures() {
         .await;
     assert_eq!(code, 2);
     let mut s = insta::Settings::clone_current();
+    s.add_filter(r"cpu \d+\.\d+ s", "cpu [N] s");
+    s.add_filter(r"(peak|disk) \d+(\.\d)? [kMGT]?B", "$1 [BYTES]");
     s.add_filter(r"\d+ ms", "[N] ms");
     s.add_filter(r"\d+\.\d s", "[N] s");
     s.add_filter(r"\d+ in / \d+ out tokens", "[N] in / [N] out tokens");

@@ -140,6 +140,18 @@ async fn attack(d: &Daemon, mcp: &Mcp<'_>, road: &Road, input: &Hostile) {
                             .await;
                         assert_eq!(closed, 200, "{what}: the session was not closed");
                     }
+                    // A volume made with a quota is a mounted filesystem: never left behind.
+                    "/v1/volumes" => {
+                        let name = body["name"].as_str().unwrap();
+                        let (removed, _) = d
+                            .send(
+                                reqwest::Method::DELETE,
+                                &format!("/v1/volumes/{name}"),
+                                None,
+                            )
+                            .await;
+                        assert_eq!(removed, 200, "{what}: the volume was not removed");
+                    }
                     _ => {}
                 }
             }

@@ -108,6 +108,62 @@ async fn the_daemon_offers_kubernetes_and_runs_a_task_in_a_pod() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_snapshot_taken_on_the_local_executor_resumes_in_a_pod() {
+    let cluster = cluster().await;
+    let server = ScriptedOpenAi::start(script([])).await.unwrap();
+    let d = Daemon::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &["--executor", "local"],
+        Some(&format!(
+            "{}[policy]\nexecutors = [\"local\", \"kubernetes\"]\n",
+            config(&cluster.url)
+        )),
+    )
+    .await;
+    let open = |spec: serde_json::Value| {
+        let d = &d;
+        async move {
+            let (status, s) = d.open_session(spec).await;
+            assert_eq!(status, 201, "{s}");
+            s["id"].as_str().unwrap().to_owned()
+        }
+    };
+    let here = open(json!({"executor": "local"})).await;
+    d.exec_python(
+        &here,
+        "import os\nos.makedirs('data/deep', exist_ok=True)\nopen('data/deep/x.csv', 'w').write('1,2\\n')\nopen('run.sh', 'w').write('echo ran')\nos.chmod('run.sh', 0o755)",
+    )
+    .await;
+    let (status, record) = d
+        .send(
+            reqwest::Method::POST,
+            &format!("/v1/sessions/{here}/snapshot"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 201, "{record}");
+    let snap = record["id"].as_str().unwrap();
+    let pod = open(json!({"executor": "kubernetes", "from_snapshot": snap})).await;
+    assert_eq!(
+        d.exec_python(
+            &pod,
+            "import os\nprint(open('data/deep/x.csv').read().strip(), os.access('run.sh', os.X_OK), open('/proc/1/cmdline').read().split(chr(0))[0])"
+        )
+        .await["stdout"],
+        "1,2 True sleep\n"
+    );
+    d.send(
+        reqwest::Method::DELETE,
+        &format!("/v1/sessions/{pod}"),
+        None,
+    )
+    .await;
+    cluster.wait_released().await;
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn claims_of_clients_that_hang_up_mid_open_and_of_open_sessions_end_with_the_daemon() {
     let cluster = cluster().await;
     // A loaded API server: each claim is made at once and answered a second later, so a

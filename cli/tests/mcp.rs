@@ -85,7 +85,7 @@ const OVER_CAP: &str = "timeout_secs 1000000000 is above this daemon's block tim
 fn check(seen: &Value) {
     assert_eq!(
         seen["tools"],
-        serde_json::json!(["execute_code", "run_task"])
+        serde_json::json!(["execute_code", "run_task", "snapshot"])
     );
     let once = &seen["once"]["structured"];
     assert_eq!(
@@ -102,7 +102,7 @@ fn check(seen: &Value) {
     assert_eq!(seen["other_session"]["is_error"], true);
     assert_eq!(
         seen["unknown_tool"]["error"],
-        "no tool `rm_rf`; the tools are execute_code and run_task"
+        "no tool `rm_rf`; the tools are execute_code, snapshot and run_task"
     );
     // Arguments the tool cannot take are tool results with isError, which the client's model
     // reads (SEP-1303); only the unknown tool above is a protocol error.

@@ -97,7 +97,7 @@ pub(crate) async fn serving_model(task: &str) -> ScriptedOpenAi {
     .unwrap()
 }
 
-async fn start(server: &ScriptedOpenAi) -> (DaemonHarness, String, String) {
+async fn start(server: &ScriptedOpenAi, executor: &str) -> (DaemonHarness, String, String) {
     let addr = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -106,7 +106,7 @@ async fn start(server: &ScriptedOpenAi) -> (DaemonHarness, String, String) {
     let daemon = DaemonHarness::start(
         Path::new(env!("CARGO_BIN_EXE_tandem")),
         &server.base_url(),
-        &["--listen", &addr, "--executor", "docker"],
+        &["--listen", &addr, "--executor", executor],
         None,
     )
     .await;
@@ -164,8 +164,17 @@ async fn websocket_echoes(addr: &str, path: &str, token: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_a_session_leaves_running_is_served_behind_the_token_and_by_a_signed_link() {
+    a_sessions_server_is_served("docker").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_a_local_session_leaves_running_is_served_and_kept_from_other_sessions() {
+    a_sessions_server_is_served("local").await;
+}
+
+async fn a_sessions_server_is_served(executor: &str) {
     let server = ScriptedOpenAi::start(script([])).await.unwrap();
-    let (daemon, addr, token) = start(&server).await;
+    let (daemon, addr, token) = start(&server, executor).await;
     let (status, session) = daemon
         .send(reqwest::Method::POST, "/v1/sessions", Some("{}".to_owned()))
         .await;
@@ -285,6 +294,32 @@ async fn a_server_a_session_leaves_running_is_served_behind_the_token_and_by_a_s
         )
         .await;
     assert_eq!(ran["stdout"], "refused\n", "{ran}");
+    // ...and has a port 8000 of its own: each server answers only through its session.
+    let (_, ran) = daemon
+        .send(
+            reqwest::Method::POST,
+            &format!("/v1/sessions/{other}/exec"),
+            Some(json!({"language": "python", "code": start_app()}).to_string()),
+        )
+        .await;
+    assert_eq!(ran["stdout"], "serving on 8000\n", "{ran}");
+    let (status, _, body) = get(
+        &addr,
+        &format!("/v1/sessions/{other}/ports/8000/done"),
+        Some(&token),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    for (session, visited) in [(&other, "True"), (&sid, "False")] {
+        let (_, ran) = daemon
+            .send(
+                reqwest::Method::POST,
+                &format!("/v1/sessions/{session}/exec"),
+                Some(json!({"language": "python", "code": "import os\nprint(os.path.exists('served'))"}).to_string()),
+            )
+            .await;
+        assert_eq!(ran["stdout"], format!("{visited}\n"), "{session}: {ran}");
+    }
 
     // Closed: the port, and the link, are gone.
     let (status, _) = daemon
@@ -303,9 +338,18 @@ async fn a_server_a_session_leaves_running_is_served_behind_the_token_and_by_a_s
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tasks_server_is_published_while_the_task_runs_and_gone_when_it_ends() {
+    a_tasks_server_is_published("docker").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_tasks_server_is_published_while_the_task_runs_and_gone_when_it_ends() {
+    a_tasks_server_is_published("local").await;
+}
+
+async fn a_tasks_server_is_published(executor: &str) {
     let task = "ports: serve on 8000";
     let server = serving_model(task).await;
-    let (daemon, addr, token) = start(&server).await;
+    let (daemon, addr, token) = start(&server, executor).await;
     let id = daemon.submit(json!({"task": task})).await;
     let port = format!("/v1/tasks/{id}/ports/8000");
     // Reached as soon as the first block said it serves.
@@ -444,7 +488,7 @@ async fn tandem_run_in_process_prints_a_loopback_link_when_a_port_opens_and_serv
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_mcp_session_whose_block_leaves_a_server_is_answered_with_a_link_to_its_port() {
     let server = ScriptedOpenAi::start(script([])).await.unwrap();
-    let (daemon, addr, _token) = start(&server).await;
+    let (daemon, addr, _token) = start(&server, "docker").await;
     let mcp = tandem_tests::mcp::McpHttp::connect(&daemon).await.unwrap();
     let ran = mcp
         .call_tool(
@@ -474,4 +518,67 @@ async fn an_mcp_session_whose_block_leaves_a_server_is_answered_with_a_link_to_i
         )
         .await;
     assert!(!again.to_string().contains("is listening"), "{again}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_team_tasks_server_is_published_like_a_pairs() {
+    let task = "ports: a team serves on 8000";
+    let wait_for_visit = "import os, time\nfor _ in range(1100):\n    if os.path.exists('served'):\n        break\n    time.sleep(0.05)\nprint('visited' if os.path.exists('served') else 'never visited')";
+    let server = ScriptedOpenAi::start(
+        [
+            (
+                format!("{task}#coder"),
+                vec![
+                    Reply::Text(fence("python", &start_app())),
+                    Reply::Text(fence("python", wait_for_visit)),
+                ],
+            ),
+            (
+                format!("{task}#reviewer"),
+                vec![Reply::from("Go on."), Reply::from("It served. APPROVED")],
+            ),
+        ]
+        .into_iter()
+        .collect(),
+    )
+    .await
+    .unwrap();
+    let (daemon, addr, token) = start(&server, "local").await;
+    let id = daemon
+        .submit(json!({"task": task, "team": {
+            "team": {"kind": "chat", "agents": ["coder", "runner", "reviewer"],
+                     "termination": {"any": [{"mention": "APPROVED", "agents": ["reviewer"]}, {"max_turns": 12}]}},
+            "agents": {"coder": {"kind": "assistant", "instructions": "coder"},
+                       "runner": {"kind": "executor"},
+                       "reviewer": {"kind": "assistant", "instructions": "reviewer"}}}}))
+        .await;
+    let started = Instant::now();
+    while !daemon
+        .block_stdouts(&id)
+        .await
+        .join("")
+        .contains("serving on 8000")
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "the team's server never started\n{}",
+            daemon.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        daemon.get(&format!("/v1/tasks/{id}/ports")).await["ports"][0]["port"],
+        8000
+    );
+    let port = format!("/v1/tasks/{id}/ports/8000");
+    let (status, _, body) = get(&addr, &format!("{port}/done"), Some(&token)).await;
+    assert_eq!(status, 200, "{body}");
+    daemon.wait_finished(&id, Duration::from_secs(300)).await;
+    let printed = daemon.block_stdouts(&id).await.join("");
+    assert!(
+        printed.contains("visited\n") && !printed.contains("never"),
+        "{printed}"
+    );
+    let (status, _, body) = get(&addr, &format!("{port}/"), Some(&token)).await;
+    assert_eq!(status, 404, "{body}");
 }

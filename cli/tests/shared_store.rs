@@ -914,3 +914,48 @@ async fn racing_resumes_and_cancels_through_two_daemons_run_each_task_once() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_taken_on_one_daemon_resumes_on_another_sharing_the_store_and_files() {
+    let url = Postgres::shared().new_database();
+    let server = ScriptedOpenAi::start(Script::default()).await.unwrap();
+    let files = tempfile::tempdir().unwrap();
+    let extra = format!(
+        "[files]\ndir = \"{}\"\n\n[policy]\nexecutors = [\"local\"]\n",
+        files.path().display()
+    );
+    let a = daemon(&server, "a", &url, 5.0, &extra).await;
+    let b = daemon(&server, "b", &url, 5.0, &extra).await;
+    let (status, first) = a
+        .open_session(json!({"executor": "local", "keep_state": true}))
+        .await;
+    assert_eq!(status, 201, "{first}");
+    let first = first["id"].as_str().unwrap().to_owned();
+    a.exec_python(
+        &first,
+        "open('notes.txt', 'w').write('from a')\ntotal = 41 + 1",
+    )
+    .await;
+    let (status, record) = a
+        .send(
+            reqwest::Method::POST,
+            &format!("/v1/sessions/{first}/snapshot"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 201, "{record}");
+    let snap = record["id"].as_str().unwrap().to_owned();
+    // The other daemon lists it, and opens a session from it with its files and globals.
+    let listed = b.get("/v1/snapshots").await;
+    assert!(listed.to_string().contains(&snap), "{listed}");
+    let (status, second) = b
+        .open_session(json!({"executor": "local", "from_snapshot": snap}))
+        .await;
+    assert_eq!(status, 201, "{second}");
+    let second = second["id"].as_str().unwrap().to_owned();
+    assert_eq!(
+        b.exec_python(&second, "print(open('notes.txt').read(), total)")
+            .await["stdout"],
+        "from a 42\n"
+    );
+}

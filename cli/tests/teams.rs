@@ -182,6 +182,8 @@ async fn a_chat_runs_code_after_code_names_its_speakers_and_ends_on_a_mention() 
     assert!(messages[3]["content"].as_str().unwrap().contains("42"));
     let settings = {
         let mut s = insta::Settings::clone_current();
+        s.add_filter(r"cpu \d+\.\d+ s", "cpu [N] s");
+        s.add_filter(r"(peak|disk) \d+(\.\d)? [kMGT]?B", "$1 [BYTES]");
         s.add_filter(r"\d+ ms", "[N] ms");
         s.add_filter(r"\d+\.\d s", "[N] s");
         s.add_filter(r"\d+ in / \d+ out tokens", "[N] in / [N] out tokens");

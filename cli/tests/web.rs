@@ -480,6 +480,7 @@ fn fill_store(path: &Path, tasks: usize, events: usize) -> String {
                 stderr: "a warning\n".to_owned(),
                 truncated: false,
                 duration_ms: 7,
+                resources: None,
             },
         });
         msgs.push(EventMsg::ExecutorMessage {
@@ -1267,6 +1268,106 @@ async fn the_page_links_a_tasks_open_port_and_the_served_page_cannot_read_the_to
     assert!(
         printed.contains("visited\n") && !printed.contains("never"),
         "{printed}"
+    );
+    b.quit().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_page_snapshots_a_finished_task_and_starts_a_new_task_from_it() {
+    let server = ScriptedOpenAi::start(script([
+        (
+            "web: make the data",
+            vec![
+                Reply::from("```sh\necho 42 > answer.txt\n```"),
+                Reply::from("Made.\nTERMINATE"),
+            ],
+        ),
+        // The task from the snapshot is told of its files, so it is scripted for any text.
+        (
+            "*",
+            vec![
+                Reply::from("```python\nprint(open('answer.txt').read().strip())\n```"),
+                Reply::from("Read.\nTERMINATE"),
+            ],
+        ),
+    ]))
+    .await
+    .unwrap();
+    let (d, addr, token) = start_tcp(&server, "").await;
+    let b = Browser::start(1280, 1000).await;
+    sign_in(&b, &addr, &token).await;
+    let first = submit(&b, "web: make the data").await;
+    wait_complete(&b, "the first task's end").await;
+    b.wait(
+        "the snapshot button, enabled",
+        "return !document.getElementById('snapshot').disabled",
+        LIMIT,
+    )
+    .await;
+    b.click("#snapshot").await;
+    let snap = b
+        .wait(
+            "the snapshot taken",
+            "const p = document.getElementById('snapshot-taken'); return !p.hidden && p.dataset.id",
+            LIMIT,
+        )
+        .await;
+    let snap = snap.as_str().unwrap().to_owned();
+    assert!(snap.starts_with("snap_"), "{snap}");
+    let record = d.get(&format!("/v1/snapshots/{snap}")).await;
+    assert_eq!(record["source"]["id"], first.as_str(), "{record}");
+    shot(&b, "task-snapshot.png").await;
+
+    open_list(&b, &addr).await;
+    b.wait(
+        "the snapshot among those to start from",
+        &format!(
+            "return [...document.querySelectorAll('#from-snapshot option')].some((o) => o.value === '{snap}')"
+        ),
+        LIMIT,
+    )
+    .await;
+    b.run(
+        &format!("document.querySelector('#from-snapshot').value = '{snap}'"),
+        json!([]),
+    )
+    .await;
+    let second = submit(&b, "web: read the data").await;
+    wait_complete(&b, "the second task's end").await;
+    assert_eq!(d.block_stdouts(&second).await, ["42\n"]);
+    b.quit().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_page_mounts_a_volume_a_task_writes_into() {
+    let server = ScriptedOpenAi::start(script([(
+        "web: keep the answer",
+        vec![
+            Reply::from("```sh\necho 42 > data/answer.txt\n```"),
+            Reply::from("Kept.\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let (d, addr, token) = start_tcp(&server, "").await;
+    let (status, made) = d
+        .send(
+            reqwest::Method::POST,
+            "/v1/volumes",
+            Some(json!({"name": "webdata"}).to_string()),
+        )
+        .await;
+    assert_eq!(status, 201, "{made}");
+    let b = Browser::start(1280, 1000).await;
+    sign_in(&b, &addr, &token).await;
+    b.type_into("#volumes", "webdata:data").await;
+    let id = submit(&b, "web: keep the answer").await;
+    wait_complete(&b, "the task's end").await;
+    let task = d.get(&format!("/v1/tasks/{id}")).await;
+    assert_eq!(task["spec"]["volumes"][0]["name"], "webdata", "{task}");
+    assert_eq!(
+        std::fs::read_to_string(d.state_dir().join("files/volumes/webdata/answer.txt")).unwrap(),
+        "42\n"
     );
     b.quit().await;
 }

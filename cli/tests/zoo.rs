@@ -494,3 +494,56 @@ async fn the_zoo_through_a_kubernetes_pod_and_its_mirror() {
     cluster.wait_released().await;
     cluster.stop().await;
 }
+
+/// The zoo planted in a volume: removing the volume removes it whole, iteratively, following
+/// none of its links; the daemon serves on, and the host file is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removing_a_volume_a_block_filled_with_the_zoo_removes_it_and_nothing_else() {
+    let outside = tempfile::tempdir().unwrap();
+    let host = host_file(outside.path());
+    let Reply::Text(planting) = zoo(100_000, 1_000, &host, false) else {
+        unreachable!("the zoo is a text reply")
+    };
+    // The same block, run inside the volume.
+    let in_volume = planting.replacen("```python\n", "```python\nimport os\nos.chdir('vol')\n", 1);
+    let server = ScriptedOpenAi::start(script([(
+        "plant the zoo in a volume",
+        vec![Reply::Text(in_volume), Reply::from("TERMINATE")],
+    )]))
+    .await
+    .unwrap();
+    let d = Daemon::start(
+        Path::new(BIN),
+        &server.base_url(),
+        &["--executor", "local"],
+        Some("[limits]\nwall = 600\ncpu_secs = 600\n[executors.local]\nconfine = \"off\"\n"),
+    )
+    .await;
+    let (code, _, err) = d.cli(&["volume", "create", "zoo"]).await;
+    assert_eq!(code, 0, "{err}");
+    let id = d
+        .submit(json!({"task": "plant the zoo in a volume", "volumes": [{"name": "zoo", "path": "vol"}]}))
+        .await;
+    let t = d.wait_finished(&id, Duration::from_secs(600)).await;
+    assert_eq!(
+        t.record.stop_reason,
+        Some(StopReason::Terminated),
+        "{t:?}\n{}",
+        d.log()
+    );
+    let volume = d.state_dir().join("files/volumes/zoo");
+    assert!(
+        volume.join("deep").exists(),
+        "the zoo was not planted in the volume"
+    );
+    let (code, out, err) = d.cli(&["volume", "rm", "zoo"]).await;
+    assert_eq!(
+        (code, out.as_str()),
+        (0, "zoo removed\n"),
+        "{err}\n{}",
+        d.log()
+    );
+    assert!(!volume.exists(), "{}", volume.display());
+    answers(&d).await;
+    host_untouched(&host);
+}

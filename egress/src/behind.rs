@@ -129,6 +129,14 @@ impl Executor for Behind {
         self.inner.carries_egress()
     }
 
+    fn mounts_volumes(&self) -> bool {
+        self.inner.mounts_volumes()
+    }
+
+    fn pools(&self) -> Vec<tandem_executor::PoolStatus> {
+        self.inner.pools()
+    }
+
     fn hosts(&self) -> Vec<HostStatus> {
         self.inner.hosts()
     }
@@ -165,6 +173,10 @@ impl Session for BehindSession {
         self.session.host()
     }
 
+    fn pool_wait(&self) -> Option<std::time::Duration> {
+        self.session.pool_wait()
+    }
+
     fn put_archive(
         &mut self,
         archive: &Path,
@@ -175,6 +187,15 @@ impl Session for BehindSession {
 
     fn ports(&self) -> Option<std::sync::Arc<dyn tandem_executor::Ports>> {
         self.session.ports()
+    }
+
+    fn save_state(
+        &mut self,
+        dest: &Path,
+        max_bytes: u64,
+        wait: std::time::Duration,
+    ) -> BoxFuture<'_, Result<Option<tandem_executor::SavedState>, ExecError>> {
+        self.session.save_state(dest, max_bytes, wait)
     }
 
     fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {

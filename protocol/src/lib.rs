@@ -13,13 +13,16 @@ pub mod engine;
 pub mod files;
 pub mod mcp;
 pub mod net;
+pub mod resources;
 pub mod session;
 pub mod task;
 pub mod team;
 pub mod tools;
+pub mod volume;
 
 pub use approval::{ApprovalMode, ApprovalPolicy, ApprovalRule, AutoApprove, Decision};
 pub use check::{Check, CheckOutcome, Verdict};
+pub use resources::{PeakScope, Resources};
 pub use task::{
     ApiErrorBody, ApiErrorCode, ApiErrorDetail, ApprovalRequest, DecisionBody, TaskList,
     TaskRecord, TaskState, TaskView,
@@ -85,6 +88,14 @@ pub struct TaskSpec {
     /// workspace before its first block; the model is told what they are.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub files: Option<String>,
+    /// The id of a snapshot whose files are placed in the task's workspace before its first
+    /// block, as an upload's are (not with `files`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_snapshot: Option<String>,
+    /// Volumes mounted into the task's sandboxes, named storage that outlives it
+    /// (docs/volumes.md).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<volume::VolumeMount>,
     /// Python blocks run in one interpreter kept for the task, whose variables survive from
     /// block to block (local and docker executors); by default each block is a fresh process.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -589,6 +600,10 @@ pub struct BlockResult {
     pub truncated: bool,
     /// Wall time of the execution in milliseconds.
     pub duration_ms: u64,
+    /// What it used of the machine, where the executor measures it (boxed: most events
+    /// carry none, and every event is as large as its largest kind).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<Box<Resources>>,
 }
 
 impl BlockResult {
@@ -906,5 +921,39 @@ mod tests {
                 assert_eq!(back, event, "{text}");
             }
         }
+    }
+}
+
+/// `secs` since the Unix epoch as RFC 3339 in UTC.
+pub fn rfc3339(secs: u64) -> String {
+    let days = secs / 86_400;
+    let rem = secs % 86_400;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm, as arithmetic).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod date_tests {
+    use super::rfc3339;
+
+    #[test]
+    fn dates_are_rfc3339() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(1_796_083_200), "2026-12-01T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
     }
 }

@@ -24,6 +24,9 @@ pub struct ExecuteCodeResult {
     pub duration_ms: f64,
     /// The session it ran in, when the call named one.
     pub session_id: Option<String>,
+    /// What it used, where the executor measures it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<crate::Resources>,
 }
 
 /// `execute_code`'s result when the block was not run (a person or a rule declined it).

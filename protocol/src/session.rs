@@ -19,6 +19,12 @@ pub struct SessionSpec {
     /// The id of an upload whose files are in the workspace before the first block.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub files: Option<String>,
+    /// The id of a snapshot whose files are in the workspace before the first block.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_snapshot: Option<String>,
+    /// Volumes mounted into its sandbox (docs/volumes.md).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<crate::volume::VolumeMount>,
     /// Tighter per-block limits than the daemon's.
     #[serde(default, skip_serializing_if = "TaskLimits::is_empty")]
     pub limits: TaskLimits,
@@ -65,6 +71,29 @@ pub struct SessionInfo {
     pub created_ms: u64,
     /// Seconds without a block after which it is closed.
     pub idle_timeout_secs: u64,
+    /// How long its opening waited for a started sandbox from the executor's warm pool, in
+    /// milliseconds (0: one was ready); absent when it started one of its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool_wait_ms: Option<u64>,
+    /// What its blocks used, summed (the peak is the largest); absent before the first
+    /// block that was measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<crate::Resources>,
+    /// `running`, or `paused`: its sandbox is gone, its files and kept globals saved, and
+    /// its next block resumes it.
+    #[serde(default)]
+    pub state: SessionState,
+}
+
+/// Whether a session's sandbox runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionState {
+    /// Its sandbox is up.
+    #[default]
+    Running,
+    /// Idle past `[sessions] pause_after_secs`: saved and its sandbox closed.
+    Paused,
 }
 
 /// `GET /v1/sessions`.

@@ -157,6 +157,116 @@ def test_a_session_keeps_files_and_with_keep_state_its_variables(client: Client)
     assert s.id in closed.value.message
 
 
+def test_each_block_says_what_it_used_and_the_session_sums_it(client: Client) -> None:
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5:\n    pass"
+    with client.session("local") as s:
+        first = s.run(spin)
+        used = first["resources"]
+        assert 0.45 <= used["cpu_secs"] <= 2.0, first
+        assert used["peak_memory_bytes"] > 0 and used["peak_memory_scope"] == "block", first
+        assert "disk_written_bytes" in used, first
+        second = s.run(spin)
+        total = s.refresh()["resources"]
+        assert total["cpu_secs"] >= first["resources"]["cpu_secs"] + second["resources"]["cpu_secs"] - 1e-6, total
+        assert total["peak_memory_scope"] == "session", total
+
+
+def test_a_sessions_snapshot_starts_new_sessions_and_forks_each_of_its_own(client: Client) -> None:
+    with client.session("local") as s:
+        s.run("open('model.txt', 'w').write('v1')")
+        snap = s.snapshot(name="trained")
+    assert snap["name"] == "trained" and snap["files"] == 1 and snap["not_saved"] == []
+    assert snap["id"] in [x["id"] for x in client.snapshots()]
+    assert client.snapshot(snap["id"]) == snap
+    with client.session("local", from_snapshot=snap["id"]) as again:
+        assert again.run("print(open('model.txt').read())")["stdout"] == "v1\n"
+    forks = client.fork(snap["id"], 2, executor="local")
+    try:
+        for i, fork in enumerate(forks):
+            fork.run(f"open('model.txt', 'a').write('-{i}')")
+        assert [f.read_file("model.txt") for f in forks] == [b"v1-0", b"v1-1"]
+    finally:
+        for fork in forks:
+            fork.close()
+    with pytest.raises(tandem_client.NotFound) as missing:
+        client.session("local", from_snapshot="snap_missing")
+    assert "snap_missing" in missing.value.message
+    assert client.remove_snapshot(snap["id"])["id"] == snap["id"]
+    with pytest.raises(tandem_client.NotFound):
+        client.snapshot(snap["id"])
+
+
+def test_kept_globals_last_through_a_snapshot_and_a_pause(model: ScriptedModel) -> None:
+    d = Daemon(model.url, CONFIG + "\n[sessions]\npause_after_secs = 1\n")
+    try:
+        with d.client() as c:
+            with c.session("local", keep_state=True) as s:
+                s.run("total = sum(range(10))")
+                snap = s.snapshot()
+                assert snap["saved"] == ["total"] and snap["state_bytes"] > 0
+                deadline = time.monotonic() + 60
+                while s.refresh()["state"] != "paused":
+                    assert time.monotonic() < deadline, s.info
+                    time.sleep(0.2)
+                assert s.run("print(total)")["stdout"] == "45\n"
+                assert s.refresh()["blocks"] == 2
+            with c.session("local", from_snapshot=snap["id"]) as again:
+                ran = again.run("print(total * 2)")
+                assert ran["stdout"] == "90\n"
+                assert "restored from the snapshot: total" in ran["stderr"]
+    finally:
+        d.stop()
+
+
+def test_a_volume_outlives_sessions_and_is_not_removed_while_mounted(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        made = c.create_volume("pydata")
+        assert made["name"] == "pydata" and made["mounted_by"] == 0
+        with c.session("local", volumes=[{"name": "pydata", "path": "data"}]) as s:
+            s.run("open('data/kept.txt', 'w').write('from python')")
+            with pytest.raises(tandem_client.TandemError) as held:
+                c.remove_volume("pydata")
+            assert held.value.status == 409 and "mounted by 1" in str(held.value)
+        with c.session("local", volumes=[{"name": "pydata", "path": "in", "read_only": True}]) as s:
+            ran = s.run("print(open('in/kept.txt').read())")
+            assert ran["stdout"] == "from python\n"
+        assert [v["name"] for v in c.volumes()] == ["pydata"]
+        c.remove_volume("pydata")
+        with pytest.raises(tandem_client.TandemError) as gone:
+            c.volume("pydata")
+        assert gone.value.status == 404 and "no volume `pydata`" in str(gone.value)
+
+
+async def test_the_async_client_makes_and_removes_volumes(daemon: Daemon) -> None:
+    async with AsyncClient(daemon.host) as client:
+        await client.create_volume("asyncdata")
+        s = await client.session("local", volumes=[{"name": "asyncdata", "path": "v"}])
+        try:
+            await s.run("open('v/a.txt', 'w').write('async')")
+        finally:
+            await s.close()
+        assert (await client.volume("asyncdata"))["mounted_by"] == 0
+        await client.remove_volume("asyncdata")
+        assert await client.volumes() == []
+
+
+async def test_the_async_client_takes_and_forks_snapshots(daemon: Daemon) -> None:
+    async with AsyncClient(daemon.host) as client:
+        s = await client.session("local")
+        try:
+            await s.run("open('a.txt', 'w').write('async')")
+            snap = await s.snapshot()
+        finally:
+            await s.close()
+        forks = await client.fork(snap["id"], 1, executor="local")
+        try:
+            assert await forks[0].read_file("a.txt") == b"async"
+        finally:
+            await forks[0].close()
+        assert snap["id"] in [x["id"] for x in await client.snapshots()]
+        await client.remove_snapshot(snap["id"])
+
+
 # The block waits (up to a minute) until this process says it has seen the first line:
 # it ends well only if the line reached the caller while the block still ran. No timing.
 WAIT_UNTIL_SEEN = """import sys, time, tandem_tools

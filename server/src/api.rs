@@ -27,6 +27,8 @@ use crate::store::TaskState;
 
 mod ports;
 mod sessions;
+mod snapshots;
+mod volumes;
 
 use crate::supervisor::{Supervisor, TaskError};
 pub use ports::serve_loopback;
@@ -119,6 +121,19 @@ impl From<TaskError> for ApiError {
                 (StatusCode::SERVICE_UNAVAILABLE, ApiErrorCode::ShuttingDown)
             }
             TaskError::Store(_) => (StatusCode::INTERNAL_SERVER_ERROR, ApiErrorCode::Internal),
+            TaskError::Volume(e) => {
+                use tandem_volumes::VolumeError as V;
+                match e {
+                    V::Unknown(_) => (StatusCode::NOT_FOUND, ApiErrorCode::NotFound),
+                    V::Exists(_) | V::InUse { .. } => {
+                        (StatusCode::CONFLICT, ApiErrorCode::Conflict)
+                    }
+                    V::Invalid(_) | V::QuotaUnavailable(_) => {
+                        (StatusCode::BAD_REQUEST, ApiErrorCode::InvalidRequest)
+                    }
+                    V::Io { .. } => (StatusCode::INTERNAL_SERVER_ERROR, ApiErrorCode::Internal),
+                }
+            }
             TaskError::Files(e) => {
                 use crate::files::FilesError;
                 match e {
@@ -253,6 +268,25 @@ pub fn router(
         .route("/v1/tasks/{id}/ports/{port}/", any(ports::task_port))
         .route("/v1/tasks/{id}/ports/{port}/{*rest}", any(ports::task_port))
         .route("/v1/tasks/{id}/links", post(ports::task_link))
+        .route("/v1/tasks/{id}/snapshot", post(snapshots::snapshot_task))
+        .route(
+            "/v1/sessions/{id}/snapshot",
+            post(snapshots::snapshot_session),
+        )
+        .route("/v1/snapshots", get(snapshots::list_snapshots))
+        .route(
+            "/v1/snapshots/{id}",
+            get(snapshots::get_snapshot).delete(snapshots::remove_snapshot),
+        )
+        .route("/v1/snapshots/{id}/fork", post(snapshots::fork_snapshot))
+        .route(
+            "/v1/volumes",
+            get(volumes::list_volumes).post(volumes::create_volume),
+        )
+        .route(
+            "/v1/volumes/{name}",
+            get(volumes::get_volume).delete(volumes::remove_volume),
+        )
         .route("/v1/sessions/{id}/ports", get(ports::session_ports))
         .route("/v1/sessions/{id}/ports/{port}", any(ports::add_slash))
         .route("/v1/sessions/{id}/ports/{port}/", any(ports::session_port))
@@ -331,8 +365,44 @@ async fn create_task(
             .as_deref()
             .and_then(tandem_agent::trace::caller)
     });
+    if let Some(snap) = spec.from_snapshot.clone() {
+        let (upload, keeps_state) = snapshot_upload(&state, &snap, spec.files.is_some()).await?;
+        spec.files = Some(upload);
+        // Its globals are loaded by a kept interpreter, as a session from it loads them.
+        spec.keep_state |= keeps_state;
+    }
     let record = state.supervisor.submit(spec).await?;
     Ok((StatusCode::CREATED, Json(record)))
+}
+
+/// The snapshot `snap`'s files as an upload a task names: checked against their hashes,
+/// then received as any upload is; and whether it holds kept globals.
+async fn snapshot_upload(
+    state: &AppState,
+    snap: &str,
+    with_files: bool,
+) -> Result<(String, bool), ApiError> {
+    if with_files {
+        return Err(ApiError::invalid(
+            "`files` and `from_snapshot` both fill the workspace; send one",
+        ));
+    }
+    let restored = state.sessions.restored(snap).await?;
+    let file = tokio::fs::File::open(&restored.tar).await.map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            ApiErrorCode::Internal,
+            format!("reading the restored snapshot: {e}"),
+        )
+    })?;
+    let body = Body::from_stream(tokio_util::io::ReaderStream::new(file));
+    let upload = state
+        .supervisor
+        .files()
+        .receive(body)
+        .await
+        .map_err(TaskError::from)?;
+    Ok((upload.id, restored.keeps_state))
 }
 
 /// The caller's W3C `traceparent` header, when it sent one that could be one.
@@ -858,6 +928,10 @@ async fn executors(State(state): State<AppState>) -> Json<serde_json::Value> {
             if !hosts.is_empty() {
                 entry["hosts"] = json!(hosts);
             }
+            let pools = e.pools();
+            if !pools.is_empty() {
+                entry["pools"] = json!(pools);
+            }
             if let Err(problem) = health {
                 entry["problem"] = json!(problem);
             } else if !offered {
@@ -895,10 +969,19 @@ async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
                 e.hosts().into_iter().map(move |h| (name.clone(), h))
             })
             .collect();
+        let pools: Vec<_> = sup
+            .executors()
+            .iter()
+            .flat_map(|e| {
+                let name = e.name().to_owned();
+                e.pools().into_iter().map(move |p| (name.clone(), p))
+            })
+            .collect();
         Ok(sup.metrics.render(
             &sup.store().counts()?,
             open,
             &hosts,
+            &pools,
             sup.running_here(),
             sup.engine_stats().as_ref(),
         ))

@@ -38,6 +38,9 @@ pub enum TaskError {
     /// A task's files could not be given, found or read.
     #[error(transparent)]
     Files(#[from] crate::files::FilesError),
+    /// A volume could not be made, found, mounted or removed.
+    #[error(transparent)]
+    Volume(#[from] tandem_volumes::VolumeError),
 }
 
 /// What is wrong with a task or a request about one.
@@ -102,6 +105,9 @@ pub enum Invalid {
         /// What is wrong there.
         source: Box<Invalid>,
     },
+    /// A volume mount that cannot be made as asked.
+    #[error("volumes: {0}")]
+    Volumes(String),
     /// The task's check is incomplete, or set on a team's task.
     #[error("{0}")]
     Check(&'static str),
@@ -255,8 +261,13 @@ impl Refusal {
             TaskError::ShuttingDown => C::ShuttingDown,
             TaskError::Unavailable(_) => C::ExecutorUnavailable,
             TaskError::Store(_) => C::Internal,
-            TaskError::NotFound(_) => C::NotFound,
-            TaskError::Conflict(_) => C::Conflict,
+            TaskError::NotFound(_) | TaskError::Volume(tandem_volumes::VolumeError::Unknown(_)) => {
+                C::NotFound
+            }
+            TaskError::Conflict(_)
+            | TaskError::Volume(
+                tandem_volumes::VolumeError::Exists(_) | tandem_volumes::VolumeError::InUse { .. },
+            ) => C::Conflict,
             _ => C::InvalidRequest,
         };
         Self::new(code, e.to_string())

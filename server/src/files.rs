@@ -76,6 +76,8 @@ pub struct FilesConfig {
     pub max_task_bytes: u64,
     /// What one upload may hold.
     pub upload: ArchiveCaps,
+    /// What the snapshots (kept beside the files, in `snapshots/`) may hold.
+    pub snapshots: tandem_snapshots::Caps,
 }
 
 /// Why a file operation was refused; each says what to do.
@@ -147,6 +149,8 @@ impl FilesError {
 /// Tasks' files; one per daemon.
 pub struct Files {
     config: FilesConfig,
+    snapshots: tandem_snapshots::Store,
+    volumes: tandem_volumes::Volumes,
     uploads: tokio::sync::Semaphore,
     packs: Arc<tokio::sync::Semaphore>,
 }
@@ -180,11 +184,38 @@ impl Files {
         for dir in ["uploads", "tasks"] {
             std::fs::create_dir_all(config.root.join(dir))?;
         }
+        let snapshots =
+            tandem_snapshots::Store::open(&config.root.join("snapshots"), config.snapshots)
+                .map_err(std::io::Error::other)?;
+        let volumes = tandem_volumes::Volumes::open(&config.root.join("volumes"))
+            .map_err(std::io::Error::other)?;
         Ok(Self {
             config,
+            snapshots,
+            volumes,
             uploads: tokio::sync::Semaphore::new(MAX_RECEIVING),
             packs: Arc::new(tokio::sync::Semaphore::new(MAX_PACKS)),
         })
+    }
+
+    /// The directory that holds them all.
+    pub fn root(&self) -> &Path {
+        &self.config.root
+    }
+
+    /// The snapshots of sandboxes' workspaces.
+    pub fn snapshots(&self) -> &tandem_snapshots::Store {
+        &self.snapshots
+    }
+
+    /// The volumes, named storage that outlives tasks; retention never touches them.
+    pub fn volumes(&self) -> &tandem_volumes::Volumes {
+        &self.volumes
+    }
+
+    /// Where the archives restored from snapshots are made, beside the uploads.
+    pub fn scratch(&self) -> PathBuf {
+        self.config.root.join("uploads")
     }
 
     /// What an upload may hold.

@@ -43,11 +43,22 @@ pub struct Metrics {
     budget_stops: Family<Labels, Counter>,
     sessions: Gauge,
     hosts: Hosts,
+    pools: Pools,
     daemon_tasks: Family<Labels, Gauge>,
     engine: Engine,
     spans_dropped: Counter,
     net_connections: Family<Labels, Counter>,
     net_bytes: Family<Labels, Counter>,
+    block_cpu: Family<Labels, Counter<f64, AtomicU64>>,
+    block_disk: Family<Labels, Counter>,
+    block_peak: Family<Labels, Histogram, fn() -> Histogram>,
+}
+
+/// Peaks of memory from 16 MB to 8 GB.
+fn peaks() -> Histogram {
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        16e6, 2.0, 10,
+    ))
 }
 
 /// What the embedded model's engine says, when the daemon serves one.
@@ -65,12 +76,52 @@ struct Engine {
     seen: Mutex<EngineStats>,
 }
 
+/// Each warm pool, by executor and host: gauges that follow its containers, and counters
+/// grown by what its totals add.
+#[derive(Default)]
+struct Pools {
+    containers: Family<Labels, Gauge>,
+    waiting: Family<Labels, Gauge>,
+    hits: Family<Labels, Counter>,
+    misses: Family<Labels, Counter>,
+    wait_seconds: Family<Labels, Counter<f64, AtomicU64>>,
+    /// The totals last seen, by executor and host.
+    seen: Mutex<std::collections::HashMap<Labels, tandem_executor::PoolStatus>>,
+}
+
 /// What each executor's hosts say, by executor and host.
 #[derive(Default)]
 struct Hosts {
     up: Family<Labels, Gauge>,
     sessions: Family<Labels, Gauge>,
     capacity: Family<Labels, Gauge>,
+}
+
+impl Pools {
+    fn set(&self, pools: &[(String, tandem_executor::PoolStatus)]) {
+        let Ok(mut seen) = self.seen.lock() else {
+            return;
+        };
+        for (executor, pool) in pools {
+            let labels = vec![("executor", executor.clone()), ("host", pool.host.clone())];
+            let n = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
+            self.containers
+                .get_or_create(&labels)
+                .set(n(pool.ready + pool.starting));
+            self.waiting.get_or_create(&labels).set(n(pool.waiting));
+            let last = seen.entry(labels.clone()).or_default();
+            self.hits
+                .get_or_create(&labels)
+                .inc_by(pool.hits.saturating_sub(last.hits));
+            self.misses
+                .get_or_create(&labels)
+                .inc_by(pool.misses.saturating_sub(last.misses));
+            self.wait_seconds
+                .get_or_create(&labels)
+                .inc_by(pool.waited_ms.saturating_sub(last.waited_ms) as f64 / 1000.0);
+            *last = pool.clone();
+        }
+    }
 }
 
 impl Default for Metrics {
@@ -86,11 +137,15 @@ impl Default for Metrics {
             budget_stops: Family::default(),
             sessions: Gauge::default(),
             hosts: Hosts::default(),
+            pools: Pools::default(),
             daemon_tasks: Family::default(),
             engine: Engine::default(),
             spans_dropped: Counter::default(),
             net_connections: Family::default(),
             net_bytes: Family::default(),
+            block_cpu: Family::default(),
+            block_disk: Family::default(),
+            block_peak: Family::new_with_constructor(peaks),
         };
         let mut registry = Registry::default();
         registry.register("tandem_tasks", "Tasks by state", m.tasks.clone());
@@ -108,6 +163,21 @@ impl Default for Metrics {
             "tandem_net_bytes",
             "Bytes the egress proxy carried for sandboxes, by executor and direction",
             m.net_bytes.clone(),
+        );
+        registry.register(
+            "tandem_block_cpu_seconds",
+            "CPU time code blocks used, by executor",
+            m.block_cpu.clone(),
+        );
+        registry.register(
+            "tandem_block_disk_written_bytes",
+            "Bytes code blocks wrote to storage, by executor",
+            m.block_disk.clone(),
+        );
+        registry.register(
+            "tandem_block_peak_memory_bytes",
+            "Each measured code block's peak of memory, by executor",
+            m.block_peak.clone(),
         );
         registry.register(
             "tandem_executions",
@@ -158,6 +228,31 @@ impl Default for Metrics {
             "tandem_host_capacity",
             "Most sessions an executor's host takes",
             m.hosts.capacity.clone(),
+        );
+        registry.register(
+            "tandem_pool_containers",
+            "Started sandboxes an executor's warm pool holds now (ready or starting), by executor and host",
+            m.pools.containers.clone(),
+        );
+        registry.register(
+            "tandem_pool_waiting",
+            "Sessions waiting now for a sandbox from an executor's warm pool",
+            m.pools.waiting.clone(),
+        );
+        registry.register(
+            "tandem_pool_hits",
+            "Sessions that found a started sandbox ready in the warm pool",
+            m.pools.hits.clone(),
+        );
+        registry.register(
+            "tandem_pool_misses",
+            "Sessions that found the warm pool empty and waited for its next sandbox",
+            m.pools.misses.clone(),
+        );
+        registry.register(
+            "tandem_pool_wait_seconds",
+            "Time sessions waited for a sandbox from the warm pool, all together",
+            m.pools.wait_seconds.clone(),
         );
         registry.register(
             "tandem_daemon_tasks",
@@ -273,6 +368,23 @@ impl Metrics {
         self.execution_seconds
             .get_or_create(&vec![("executor", executor.to_owned())])
             .observe(result.duration_ms as f64 / 1000.0);
+        if let Some(r) = &result.resources {
+            self.resources(executor, r);
+        }
+    }
+
+    /// Counts what a block used: its CPU time, bytes written and peak, where measured.
+    pub fn resources(&self, executor: &str, r: &tandem_protocol::Resources) {
+        let labels = vec![("executor", executor.to_owned())];
+        if let Some(cpu) = r.cpu_secs {
+            self.block_cpu.get_or_create(&labels).inc_by(cpu);
+        }
+        if let Some(disk) = r.disk_written_bytes {
+            self.block_disk.get_or_create(&labels).inc_by(disk);
+        }
+        if let Some(peak) = r.peak_memory_bytes {
+            self.block_peak.get_or_create(&labels).observe(peak as f64);
+        }
     }
 
     /// What counts connections through the egress proxy, for a sandbox without a task.
@@ -367,9 +479,11 @@ impl Metrics {
         tasks_by_state: &[(TaskState, u64)],
         sessions_open: usize,
         hosts: &[(String, tandem_executor::HostStatus)],
+        pools: &[(String, tandem_executor::PoolStatus)],
         daemon: (&str, usize),
         engine: Option<&EngineStats>,
     ) -> String {
+        self.pools.set(pools);
         if let Some(stats) = engine {
             self.engine.set(stats);
         }
@@ -455,6 +569,19 @@ mod tests {
             &[(TaskState::Queued, 2)],
             3,
             &[("docker".to_owned(), host)],
+            &[(
+                "docker".to_owned(),
+                tandem_executor::PoolStatus {
+                    host: "unix:///var/run/docker.sock".to_owned(),
+                    ready: 3,
+                    starting: 1,
+                    waiting: 2,
+                    target: 6,
+                    hits: 10,
+                    misses: 4,
+                    waited_ms: 1500,
+                },
+            )],
             ("d1", 1),
             Some(&EngineStats {
                 sequences_live: 2,
@@ -484,6 +611,11 @@ mod tests {
             "tandem_host_up{executor=\"docker\",host=\"b\"} 0",
             "tandem_host_sessions{executor=\"docker\",host=\"b\"} 1",
             "tandem_host_capacity{executor=\"docker\",host=\"b\"} 4",
+            "tandem_pool_containers{executor=\"docker\",host=\"unix:///var/run/docker.sock\"} 4",
+            "tandem_pool_waiting{executor=\"docker\",host=\"unix:///var/run/docker.sock\"} 2",
+            "tandem_pool_hits_total{executor=\"docker\",host=\"unix:///var/run/docker.sock\"} 10",
+            "tandem_pool_misses_total{executor=\"docker\",host=\"unix:///var/run/docker.sock\"} 4",
+            "tandem_pool_wait_seconds_total{executor=\"docker\",host=\"unix:///var/run/docker.sock\"} 1.5",
             "tandem_daemon_tasks{daemon=\"d1\"} 1",
             "tandem_engine_sequences{state=\"live\"} 2",
             "tandem_engine_tokens_total{kind=\"generated\"} 40",

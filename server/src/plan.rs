@@ -88,6 +88,8 @@ pub struct PlannerConfig {
     pub prices: std::collections::BTreeMap<String, tandem_agent::budget::Price>,
     /// The egress proxy and how a task's `network` meets `[network]` and the policy.
     pub network: NetworkConfig,
+    /// The volumes tasks may mount; `None` on a road that keeps none.
+    pub volumes: Option<tandem_volumes::Volumes>,
 }
 
 /// The egress proxy sandboxes with a network policy go behind, and the settings a task's
@@ -259,6 +261,8 @@ pub struct Planned {
     /// What a resumed task tells the model of code its cut-off reply started: stored as the
     /// executor's message before it goes on, so the transcript says what the model read.
     told: Option<EventMsg>,
+    /// The task's volumes, counted as mounted while the task runs.
+    _volumes: Vec<tandem_volumes::Held>,
 }
 
 enum Work {
@@ -272,6 +276,8 @@ enum Work {
         replay: tandem_agent::team::Replay,
         /// Where its sandboxes' connections are told, once the task's sink is known.
         net: Option<Arc<tandem_agent::LateNet>>,
+        /// Where its sandboxes' ports are published, once the task's id is known.
+        ports: Arc<crate::ports::LateBook>,
     },
 }
 
@@ -412,6 +418,7 @@ impl Planner {
         let policy = &self.config.policy;
         policy.check(spec, &self.config.model.base_url)?;
         let network = self.check_network(spec, executor)?;
+        self.check_volumes(&spec.volumes, executor)?;
         let languages = spec
             .languages
             .as_deref()
@@ -506,6 +513,75 @@ impl Planner {
         executor: &dyn Executor,
     ) -> Result<Option<(tandem_egress::Egress, tandem_egress::Policy)>, Refusal> {
         self.config.network.for_block(asked, executor)
+    }
+
+    /// Checks that each of `volumes` exists and can be mounted where asked, on `executor`.
+    pub fn check_volumes(
+        &self,
+        volumes: &[tandem_protocol::volume::VolumeMount],
+        executor: &dyn Executor,
+    ) -> Result<(), TaskError> {
+        if volumes.is_empty() {
+            return Ok(());
+        }
+        if !executor.mounts_volumes() {
+            return Err(Invalid::Volumes(format!(
+                "the {} executor cannot mount volumes; use docker or local",
+                executor.name()
+            ))
+            .into());
+        }
+        let Some(store) = &self.config.volumes else {
+            return Err(Invalid::Volumes(
+                "volumes are kept by a daemon (or `tandem run` on its machine), and this road has none".into(),
+            )
+            .into());
+        };
+        let mut paths = std::collections::HashSet::new();
+        for m in volumes {
+            m.check().map_err(Invalid::Volumes)?;
+            store.get(&m.name)?;
+            if !paths.insert(m.path.trim_end_matches('/')) {
+                return Err(Invalid::Volumes(format!(
+                    "two volumes are mounted at `{}`; give each a path of its own",
+                    m.path
+                ))
+                .into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Holds each of `volumes` for a sandbox: what its executor mounts, and the counts of
+    /// users that last until the answer's second part is dropped.
+    pub fn hold_volumes(
+        &self,
+        volumes: &[tandem_protocol::volume::VolumeMount],
+    ) -> Result<
+        (
+            Vec<tandem_executor::VolumeBinding>,
+            Vec<tandem_volumes::Held>,
+        ),
+        TaskError,
+    > {
+        let (Some(store), false) = (&self.config.volumes, volumes.is_empty()) else {
+            return Ok((Vec::new(), Vec::new()));
+        };
+        let held = volumes
+            .iter()
+            .map(|m| store.hold(m))
+            .collect::<Result<Vec<_>, _>>()?;
+        let bindings = held
+            .iter()
+            .map(|h| tandem_executor::VolumeBinding {
+                name: h.name.clone(),
+                host_dir: h.dir.clone(),
+                path: h.path.clone(),
+                read_only: h.read_only,
+                max_mb: h.max_mb,
+            })
+            .collect();
+        Ok((bindings, held))
     }
 
     /// The policy `spec`'s sandboxes are held to: its own `network` within what the operator
@@ -677,6 +753,9 @@ impl Planner {
         let checked = self
             .check_offered(spec, executor.as_ref())
             .map_err(|e| invalid(e.to_string()))?;
+        let (volumes, held) = self
+            .hold_volumes(&spec.volumes)
+            .map_err(|e| invalid(e.to_string()))?;
         let mut settings = TaskSettings::new(spec.task.clone());
         settings.system_prompt = spec
             .system_prompt
@@ -754,6 +833,7 @@ impl Planner {
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
             egress: None,
+            volumes,
         };
         let gate = (!checked.gate.is_open()).then_some(checked.gate);
         let model = self.model(spec.model.as_deref(), spec.base_url.as_deref())?;
@@ -799,6 +879,7 @@ impl Planner {
             executor: name,
             model: model_name,
             told,
+            _volumes: held,
         })
     }
 
@@ -825,6 +906,7 @@ impl Planner {
                 node.spec.base_url.as_deref().or(spec.base_url.as_deref()),
             )
         };
+        let ports = Arc::new(crate::ports::LateBook::default());
         let slots = |node: &Node| {
             let name = node
                 .spec
@@ -850,6 +932,7 @@ impl Planner {
                 }
                 _ => executor,
             };
+            let executor = crate::ports::PortBook::publishing_late(executor, ports.clone());
             executor_slot(node, executor, settings.session.clone())
         };
         let label = TaskLabel {
@@ -911,6 +994,7 @@ impl Planner {
             label,
             replay,
             net,
+            ports,
         })
     }
 
@@ -1009,8 +1093,9 @@ impl Planned {
 
     /// Its sandboxes' ports can be reached through `book` under `task` while they are open.
     pub fn publishing(mut self, book: &crate::ports::PortBook, task: &str) -> Self {
-        if let Work::Pair { executor, .. } = &mut self.work {
-            *executor = book.publishing(executor.clone(), task);
+        match &mut self.work {
+            Work::Pair { executor, .. } => *executor = book.publishing(executor.clone(), task),
+            Work::Team { ports, .. } => ports.set(book, task),
         }
         self
     }
@@ -1061,6 +1146,7 @@ impl Planned {
                 label,
                 replay,
                 net,
+                ..
             } => {
                 if let Some(net) = net {
                     net.set(&sink);
@@ -1364,6 +1450,7 @@ mod tests {
             tools: Default::default(),
             prices: Default::default(),
             network: Default::default(),
+            volumes: None,
         })
     }
 

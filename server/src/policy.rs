@@ -339,3 +339,21 @@ mod tests {
         );
     }
 }
+
+/// When idle API sessions are paused, and how long a paused one is kept.
+#[derive(Clone, Copy, Debug)]
+pub struct Pausing {
+    /// Pause a session unused this long; `None`: idle sessions are closed, never paused.
+    pub after: Option<Duration>,
+    /// Close a paused session (and remove what was saved) once unused this long.
+    pub keep: Duration,
+}
+
+impl Default for Pausing {
+    fn default() -> Self {
+        Self {
+            after: None,
+            keep: Duration::from_secs(7 * 24 * 3600),
+        }
+    }
+}

@@ -93,16 +93,40 @@ impl PortBook {
     pub fn publishing(&self, executor: Arc<dyn Executor>, task: &str) -> Arc<dyn Executor> {
         Arc::new(Publishing {
             inner: executor,
-            book: self.clone(),
-            task: task.to_owned(),
+            to: Target::Now(self.clone(), task.to_owned()),
+        })
+    }
+
+    /// `executor`, whose sessions are entered in the book `late` names once it is set (a
+    /// team's executors are made before its task has an id); before, they are not.
+    pub fn publishing_late(executor: Arc<dyn Executor>, late: Arc<LateBook>) -> Arc<dyn Executor> {
+        Arc::new(Publishing {
+            inner: executor,
+            to: Target::Late(late),
         })
     }
 }
 
+/// The book and task a team's sessions are published under, set once the task has an id.
+#[derive(Default)]
+pub struct LateBook(std::sync::OnceLock<(PortBook, String)>);
+
+impl LateBook {
+    /// Publishes under `task` in `book` from now on (the first call wins).
+    pub fn set(&self, book: &PortBook, task: &str) {
+        let _ = self.0.set((book.clone(), task.to_owned()));
+    }
+}
+
+/// Where a [`Publishing`] executor's sessions go.
+enum Target {
+    Now(PortBook, String),
+    Late(Arc<LateBook>),
+}
+
 struct Publishing {
     inner: Arc<dyn Executor>,
-    book: PortBook,
-    task: String,
+    to: Target,
 }
 
 impl Executor for Publishing {
@@ -115,11 +139,18 @@ impl Executor for Publishing {
     fn open(&self, spec: SessionSpec) -> BoxFuture<'_, Result<Box<dyn Session>, ExecError>> {
         Box::pin(async move {
             let session = self.inner.open(spec).await?;
-            let entry = session.ports().map(|p| self.book.add(&self.task, p));
+            let (book, task) = match &self.to {
+                Target::Now(book, task) => (book, task),
+                Target::Late(late) => match late.0.get() {
+                    Some((book, task)) => (book, task),
+                    None => return Ok(session),
+                },
+            };
+            let entry = session.ports().map(|p| book.add(task, p));
             Ok(Box::new(Published {
                 inner: Some(session),
-                book: self.book.clone(),
-                task: self.task.clone(),
+                book: book.clone(),
+                task: task.clone(),
                 entry,
                 told: Arc::default(),
             }) as Box<dyn Session>)
@@ -139,6 +170,12 @@ impl Executor for Publishing {
     }
     fn carries_egress(&self) -> bool {
         self.inner.carries_egress()
+    }
+    fn mounts_volumes(&self) -> bool {
+        self.inner.mounts_volumes()
+    }
+    fn pools(&self) -> Vec<tandem_executor::PoolStatus> {
+        self.inner.pools()
     }
     fn network(&self) -> bool {
         self.inner.network()
@@ -219,6 +256,9 @@ impl Session for Published {
     fn host(&self) -> Option<&str> {
         self.inner.as_ref().and_then(|s| s.host())
     }
+    fn pool_wait(&self) -> Option<std::time::Duration> {
+        self.inner.as_ref().and_then(|s| s.pool_wait())
+    }
     fn ports(&self) -> Option<Arc<dyn Ports>> {
         self.inner.as_ref().and_then(|s| s.ports())
     }
@@ -229,6 +269,17 @@ impl Session for Published {
     ) -> BoxFuture<'_, Result<Vec<tandem_executor::files::ArchivedFile>, ExecError>> {
         match self.inner.as_mut() {
             Some(inner) => inner.put_archive(archive, caps),
+            None => Box::pin(async { Err(ExecError::Backend("the session is closed".to_owned())) }),
+        }
+    }
+    fn save_state(
+        &mut self,
+        dest: &Path,
+        max_bytes: u64,
+        wait: std::time::Duration,
+    ) -> BoxFuture<'_, Result<Option<tandem_executor::SavedState>, ExecError>> {
+        match self.inner.as_mut() {
+            Some(inner) => inner.save_state(dest, max_bytes, wait),
             None => Box::pin(async { Err(ExecError::Backend("the session is closed".to_owned())) }),
         }
     }

@@ -116,6 +116,7 @@ pub async fn serve(
     // One pool of sandboxes for every listener: a session opened on the socket is the same
     // session over TCP.
     let sessions = crate::sandbox::Pool::new(supervisor.clone(), close.clone());
+    sessions.recover_paused();
     let mut servers = tokio::task::JoinSet::new();
     if let Some(unix) = listeners.unix {
         let app = api::router(

@@ -120,6 +120,7 @@ mod tests {
                 stderr: String::new(),
                 truncated: false,
                 duration_ms: 1500,
+                resources: None,
             },
         }
     }
@@ -130,7 +131,7 @@ mod tests {
 
     fn metric(metrics: &Metrics, line_start: &str) -> Option<String> {
         metrics
-            .render(&[], 0, &[], ("d", 0), None)
+            .render(&[], 0, &[], &[], ("d", 0), None)
             .lines()
             .find(|l| l.starts_with(line_start))
             .map(str::to_owned)

@@ -45,6 +45,8 @@ pub struct SupervisorConfig {
     /// How long a lease lasts unless renewed (it is renewed every third of it): how long the
     /// tasks of a daemon that died wait before another daemon resumes them.
     pub lease: Duration,
+    /// When idle sessions are paused instead of closed.
+    pub pausing: crate::policy::Pausing,
 }
 
 /// Runs tasks; one per daemon.
@@ -59,6 +61,7 @@ pub struct Supervisor {
     /// Every write to the store, in order; stored events go out live from it.
     writer: Writes,
     files: Arc<Files>,
+    pausing: crate::policy::Pausing,
     /// Counters and histograms for `/metrics`.
     pub metrics: Metrics,
     /// The ports of the tasks' open sandboxes, which the API publishes.
@@ -169,6 +172,7 @@ impl Supervisor {
                 runtime: tokio::runtime::Handle::current(),
             },
             files: config.files,
+            pausing: config.pausing,
             metrics: Metrics::default(),
             ports: crate::ports::PortBook::default(),
             links: Arc::default(),
@@ -199,6 +203,11 @@ impl Supervisor {
     /// Tasks' files.
     pub fn files(&self) -> &Arc<Files> {
         &self.files
+    }
+
+    /// When idle sessions are paused.
+    pub fn pausing(&self) -> crate::policy::Pausing {
+        self.pausing
     }
 
     /// The executors tasks can use.

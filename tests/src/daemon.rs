@@ -228,6 +228,29 @@ impl DaemonHarness {
         (status, resp.json().await.unwrap_or(Value::Null))
     }
 
+    /// `POST /v1/sessions` with `spec`: the status and the answer.
+    pub async fn open_session(&self, spec: Value) -> (u16, Value) {
+        self.send(
+            reqwest::Method::POST,
+            "/v1/sessions",
+            Some(spec.to_string()),
+        )
+        .await
+    }
+
+    /// Runs a Python block in session `id` and returns its result (the request answered 200).
+    pub async fn exec_python(&self, id: &str, code: &str) -> Value {
+        let (status, ran) = self
+            .send(
+                reqwest::Method::POST,
+                &format!("/v1/sessions/{id}/exec"),
+                Some(serde_json::json!({"language": "python", "code": code}).to_string()),
+            )
+            .await;
+        assert_eq!(status, 200, "{ran}");
+        ran
+    }
+
     /// Queues a task; returns its id.
     pub async fn submit(&self, spec: Value) -> String {
         let (status, body) = self

@@ -231,6 +231,41 @@ pub const ROADS: &[Road] = &[
         template: r#"{"tools": [{"name": {}}]}"#,
     },
     Road {
+        name: "a session's volumes",
+        via: Via::Http("POST", "/v1/sessions"),
+        template: r#"{"volumes": {}}"#,
+    },
+    Road {
+        name: "a session's from_snapshot",
+        via: Via::Http("POST", "/v1/sessions"),
+        template: r#"{"from_snapshot": {}}"#,
+    },
+    Road {
+        name: "a task's volumes",
+        via: Via::Http("POST", "/v1/tasks"),
+        template: r#"{"task": "hostile client kit", "volumes": [{"name": "v", "path": {}}]}"#,
+    },
+    Road {
+        name: "a volume's name",
+        via: Via::Http("POST", "/v1/volumes"),
+        template: r#"{"name": {}}"#,
+    },
+    Road {
+        name: "a volume's quota",
+        via: Via::Http("POST", "/v1/volumes"),
+        template: r#"{"name": "kit", "max_mb": {}}"#,
+    },
+    Road {
+        name: "a fork's count",
+        via: Via::Http("POST", "/v1/snapshots/snap_nothere/fork"),
+        template: r#"{"count": {}}"#,
+    },
+    Road {
+        name: "MCP execute_code's volumes",
+        via: Via::Mcp("execute_code"),
+        template: r#"{"language": "python", "code": "print(1)", "volumes": {}}"#,
+    },
+    Road {
         name: "a block's code on /v1/exec",
         via: Via::Http("POST", "/v1/exec"),
         template: r#"{"language": "python", "code": {}}"#,

@@ -363,6 +363,59 @@ async fn wait_for_pool(executor: &DockerExecutor, n: usize) {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_burst_larger_than_the_pool_waits_in_line_grows_it_and_it_shrinks_when_idle() {
+    use tandem_executor::Executor;
+    let executor = docker_with(DockerConfig {
+        pool_size: 1,
+        pool_max: 4,
+        pool_idle_secs: 3,
+        ..DockerConfig::default()
+    })
+    .await;
+    executor.warm_up();
+    wait_for_pool(&executor, 1).await;
+    // Six at once against a pool of one: each is served by the pool, the first at once and
+    // the rest in line, none starting a container of its own; each says how long it waited.
+    let opens = (0..6).map(|_| executor.open(SessionSpec::default()));
+    let mut sessions: Vec<_> = futures::future::join_all(opens)
+        .await
+        .into_iter()
+        .map(|s| s.unwrap())
+        .collect();
+    let waits: Vec<Duration> = sessions.iter().map(|s| s.pool_wait().unwrap()).collect();
+    assert_eq!(waits.iter().filter(|w| w.is_zero()).count(), 1, "{waits:?}");
+    let status = executor.pool_status();
+    assert_eq!((status.hits, status.misses), (1, 5), "{status:?}");
+    assert!(status.waited_ms > 0, "{status:?}");
+    for s in &mut sessions {
+        assert_eq!(
+            run(&mut **s, "python", "print(1)").await.stdout.to_text(),
+            "1\n"
+        );
+    }
+    // Grown by the demand, ahead of the next burst, and no further than pool_max.
+    wait_for_pool(&executor, 4).await;
+    assert!(executor.pool_status().target <= 4);
+    for s in sessions {
+        s.close().await.unwrap();
+    }
+    // Idle: back to pool_size.
+    let started = std::time::Instant::now();
+    while executor.pooled().len() > 1 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the pool did not shrink: {:?}",
+            executor.pool_status()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let status = executor.pool_status();
+    assert_eq!((status.target, status.ready), (1, 1), "{status:?}");
+    assert_eq!(executor.pools(), vec![status]);
+    executor.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn warm_pool_serves_sessions_and_never_reuses_a_container() {
     let executor = docker_with(DockerConfig {
         pool_size: 2,

@@ -272,7 +272,15 @@ async fn case(i: usize, kind: Kind, executor: &dyn Executor, host: &Host) -> Ver
                 let mut s = conformance::open(executor, short()).await;
                 run(&mut *s, "sh", "b() { b | b & }; b").await;
                 let ps = run(&mut *s, "sh", "ls -d /proc/[0-9]* | wc -l").await;
-                let count: u32 = ps.stdout.to_text().trim().parse().unwrap();
+                // The block after a fork bomb must find pids to fork: every killed
+                // process reaped, not only killed.
+                let count: u32 = ps.stdout.to_text().trim().parse().unwrap_or_else(|e| {
+                    panic!(
+                        "{kind:?}: the block after a fork bomb printed no count ({e}): {:?}, stderr {:?}",
+                        ps.status,
+                        ps.stderr.to_text()
+                    )
+                });
                 assert!(count <= 6, "{count} processes left");
                 s.close().await.unwrap();
                 Verdict::Contained

@@ -364,7 +364,8 @@ async fn the_examples_a_task_states_are_run_against_its_code() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_reply_whose_code_fails_the_examples_draws_and_the_one_that_holds_them_is_kept() {
-    // Each load of the kept code adds a line to `loads`: the examples run against it once,
+    // Each load of the kept code adds a line to `loads`: the examples run against it once, on
+    // a fork,
     // before it is told, and its executor reads what they said rather than run them again.
     let right = "```python\nopen('loads', 'a').write('x\\n')\n\ndef add(a, b):\n    return a + b\n\ndef words(s):\n    return s.split()\n```";
     // The first reply holds one example of four; the three sampled beside it (seeds 1001
@@ -390,10 +391,10 @@ async fn a_reply_whose_code_fails_the_examples_draws_and_the_one_that_holds_them
     }
     let mut settings = TaskSettings::new(ADD_TASK);
     settings.candidates = 4;
-    // Loaded twice: by the examples before it was told, and by its own run; not a third
-    // time by the examples after it.
+    // Loaded once in the task's sandbox: by its own run. The examples before it was told ran
+    // on a fork, and are not run a second time after it.
     settings.check = Some(tandem_protocol::Check {
-        program: Some("n = len(open('loads').readlines())\nassert n == 2, n\n".to_owned()),
+        program: Some("n = len(open('loads').readlines())\nassert n == 1, n\n".to_owned()),
         ..tandem_protocol::Check::default()
     });
     let (outcome, events) = h.run(settings, CancellationToken::new()).await;
@@ -458,6 +459,68 @@ async fn a_reply_whose_code_fails_the_examples_draws_and_the_one_that_holds_them
         "{reports:?}"
     );
     assert_eq!(reports.len(), 1, "{reports:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn replies_are_judged_on_forks_so_one_that_deletes_the_workspace_spoils_nothing() {
+    // The first turn keeps a file; on the second, the agent's reply and one drawn beside it
+    // delete files as they load, and are wrong; the third is right and is told.
+    let own = "```python\nimport os\nif os.path.exists('keep.txt'):\n    os.remove('keep.txt')\n\ndef add(a, b):\n    return a * b\n\ndef words(s):\n    return s.split()\n```";
+    let wipes = "```python\nimport os, shutil\nfor f in os.listdir('.'):\n    shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)\n\ndef add(a, b):\n    return a - b\n\ndef words(s):\n    return s.split()\n```";
+    let right =
+        "```python\ndef add(a, b):\n    return a + b\n\ndef words(s):\n    return s.split()\n```";
+    let h = Harness::new(
+        ADD_TASK,
+        vec![
+            Reply::from("```sh\nmkdir -p data && echo precious > keep.txt && echo deep > data/more.txt\n```"),
+            Reply::from(own),
+            Reply::from("not asked: the told reply's examples held"),
+        ],
+    )
+    .await;
+    // Sampled scripts count turns too: the second turn's is the second.
+    for (seed, text) in (2001..).zip([wipes, right]) {
+        h.server.set(
+            &format!("{ADD_TASK}~{seed}"),
+            vec![
+                Reply::from("not asked on the first turn"),
+                Reply::from(text),
+            ],
+        );
+    }
+    let mut settings = TaskSettings::new(ADD_TASK);
+    settings.candidates = 3;
+    settings.check = Some(tandem_protocol::Check {
+        program: Some(
+            "assert open('keep.txt').read() == 'precious\\n'\nassert open('data/more.txt').read() == 'deep\\n'\n"
+                .to_owned(),
+        ),
+        ..tandem_protocol::Check::default()
+    });
+    let (outcome, events) = h.run(settings, CancellationToken::new()).await;
+    assert_eq!(outcome.stop_reason, StopReason::ExamplesHeld, "{events:?}");
+    assert!(
+        events.iter().any(|e| matches!(
+            e,
+            EventMsg::RepliesDrawn {
+                turn: 2,
+                drawn: 2,
+                chosen: 2,
+                ..
+            }
+        )),
+        "{events:?}"
+    );
+    assert_eq!(
+        outcome.check.as_ref().map(|c| c.verdict),
+        Some(tandem_protocol::Verdict::Solved),
+        "the task's files survived every judged reply: {:?}",
+        outcome.check
+    );
+    // Each judged reply had a sandbox of its own, and every one was closed.
+    let (opened, closed) = h.sessions();
+    assert_eq!(opened, closed);
+    assert!(opened >= 4, "{opened}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -7,12 +7,18 @@ use tandem_protocol::{ErrorInfo, EventMsg, Message, Usage};
 
 use super::agent::{Agent, AgentReply, Sample, Turn};
 use super::run::{CANDIDATE_TEMPERATURE, Ctx};
-use crate::blocks::{self, SessionSlot};
+use crate::blocks::{self, ForkPoint, SessionSlot};
 use crate::chat::ToolOffer;
 use crate::events::EventSink;
 use crate::examples::Examples;
 use crate::extract::CodeBlock;
 use crate::team::Node;
+
+/// Where this turn's replies are judged: on forks from one copy of the workspace as it was
+/// before the turn, made when the first code is judged; in the task's own sandbox where its
+/// executor's sessions have no workspace to copy.
+#[derive(Default)]
+pub(super) struct Judging(Option<Option<ForkPoint>>);
 
 impl Ctx<'_> {
     /// The executor whose examples run against `node`'s reply before it is told, and how
@@ -61,7 +67,13 @@ impl Ctx<'_> {
             return Ok(Some(reply));
         };
         let mut slot = session.lock().await;
-        let verdict = self.verdict(executor, &mut slot, &reply.text).await;
+        // Every reply's code is judged on a fork of the workspace as it is before the turn,
+        // so none can spoil the task's sandbox or another's run; the reply told then runs
+        // in the task's own sandbox, which no judged code touched.
+        let mut point = Judging::default();
+        let verdict = self
+            .verdict(executor, &mut slot, &reply.text, &mut point)
+            .await;
         let held = verdict
             .as_ref()
             .and_then(|(_, v)| Examples::held(v))
@@ -91,7 +103,7 @@ impl Ctx<'_> {
         }
         let own = (reply, verdict, own_held);
         let Some((reply, verdict, held, chosen)) = self
-            .choose(path, executor, session, own, total, replies)
+            .choose(path, executor, session, own, total, replies, &mut point)
             .await
         else {
             return Ok(None);
@@ -142,6 +154,7 @@ impl Ctx<'_> {
     /// examples held) and the drawn `replies`, the one whose code holds the most (the
     /// earlier on a tie), carrying the tokens of all; with its verdict, the examples it held
     /// and its place (0 for the agent's own). `None` when the run was cancelled meanwhile.
+    #[allow(clippy::too_many_arguments)]
     async fn choose(
         &self,
         path: &str,
@@ -150,6 +163,7 @@ impl Ctx<'_> {
         own: (AgentReply, Option<(String, String)>, usize),
         total: usize,
         replies: Vec<Result<Option<AgentReply>, ErrorInfo>>,
+        point: &mut Judging,
     ) -> Option<(AgentReply, Option<(String, String)>, usize, u32)> {
         let mut slot = session.lock().await;
         let mut usage = own.0.usage;
@@ -172,7 +186,9 @@ impl Ctx<'_> {
             if best.2 == total {
                 continue;
             }
-            let verdict = self.verdict(executor, &mut slot, &candidate.text).await;
+            let verdict = self
+                .verdict(executor, &mut slot, &candidate.text, point)
+                .await;
             let count = verdict
                 .as_ref()
                 .and_then(|(_, v)| Examples::held(v))
@@ -196,12 +212,14 @@ impl Ctx<'_> {
     }
 
     /// The block of `text` that `executor`'s examples test, and what they print when run
-    /// against it; `None` when none could be run against it.
+    /// against it (on a fork from `point`'s, made on first need, where there can be one);
+    /// `None` when none could be run against it.
     pub(super) async fn verdict(
         &self,
         executor: &str,
         slot: &mut SessionSlot,
         text: &str,
+        point: &mut Judging,
     ) -> Option<(String, String)> {
         let examples = self.team.members.get(executor)?.examples.as_ref()?;
         let tested = self
@@ -210,18 +228,30 @@ impl Ctx<'_> {
             .rev()
             .filter(|b| b.language.as_deref().is_none_or(|l| l == "python"))
             .find(|b| examples.tested_by(&b.code))?;
-        let verdict = self.run_examples(examples, slot, &tested.code).await?;
+        if point.0.is_none() {
+            point.0 = Some(match slot.fork_point(&self.cancel).await {
+                Ok(made) => made,
+                Err(e) => {
+                    tracing::info!(error = %e, "no fork to judge replies on; they are judged in the task's sandbox");
+                    None
+                }
+            });
+        }
+        let at = point.0.as_ref().and_then(Option::as_ref);
+        let verdict = self.run_examples(examples, slot, &tested.code, at).await?;
         Some((tested.code, verdict))
     }
 
-    /// What the examples' program prints when run quietly against `code` in `slot`; `None`
-    /// when it did not run to its end, or the approval policies would not let it run
-    /// unasked (it runs the model's code again, with no one asked).
+    /// What the examples' program prints when run quietly against `code` in `slot` (or on a
+    /// fork of it from `point`); `None` when it did not run to its end, or the approval
+    /// policies would not let it run unasked (it runs the model's code again, with no one
+    /// asked).
     pub(super) async fn run_examples(
         &self,
         examples: &crate::examples::Examples,
         slot: &mut SessionSlot,
         code: &str,
+        point: Option<&ForkPoint>,
     ) -> Option<String> {
         let program = examples.program(code);
         let python = tandem_executor::Language::python();
@@ -231,7 +261,14 @@ impl Ctx<'_> {
         {
             return None;
         }
-        match slot.run_quiet(&python, &program, &self.cancel).await {
+        let ran = match point {
+            Some(point) => {
+                slot.run_on_fork(point, &python, &program, &self.cancel)
+                    .await
+            }
+            None => slot.run_quiet(&python, &program, &self.cancel).await,
+        };
+        match ran {
             Ok(Some(out)) if out.status == tandem_executor::ExitStatus::Exited(0) => {
                 Some(out.stdout.to_text())
             }
@@ -271,7 +308,10 @@ impl Ctx<'_> {
         // the blocks ran, they hold now.
         let verdict = match kept {
             Some(verdict) => verdict,
-            None => self.run_examples(examples, slot, &tested.code).await?,
+            None => {
+                self.run_examples(examples, slot, &tested.code, None)
+                    .await?
+            }
         };
         Examples::note(&verdict)
     }

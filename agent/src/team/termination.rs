@@ -460,6 +460,7 @@ mod tests {
                     stderr: String::new(),
                     truncated: false,
                     duration_ms: 1,
+                    resources: None,
                 },
             }],
             0,

@@ -39,6 +39,9 @@ pub struct FileConfig {
     /// `[files]`: what a task may be given and how long a daemon keeps its workspace.
     #[serde(default)]
     pub files: FilesSection,
+    /// `[snapshots]`: how many snapshots of sandboxes are kept, and how much (docs/snapshots.md).
+    #[serde(default)]
+    pub snapshots: SnapshotsSection,
     /// `[tools.NAME]`: the functions offered to the model (docs/tools.md).
     #[serde(default)]
     pub tools: tandem_agent::tools::Catalog,
@@ -169,6 +172,17 @@ pub struct StoreSection {
     pub password_file: Option<PathBuf>,
 }
 
+/// `[snapshots]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotsSection {
+    /// Most snapshots kept at once (default 100).
+    pub max_count: Option<u64>,
+    /// Most megabytes (MiB) of content all snapshots hold together, shared content counted
+    /// once (default 10240).
+    pub max_mb: Option<u64>,
+}
+
 /// `[files]`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -206,6 +220,11 @@ pub struct SessionsSection {
     /// Most sandboxes open at once that no task holds (HTTP sessions, /v1/exec, MCP
     /// execute_code), idle or not (default: max less --max-concurrent, at least 1).
     pub without_task: Option<usize>,
+    /// Seconds an HTTP session goes unused before it is paused: saved as a snapshot, its
+    /// sandbox closed, and resumed by its next block (default: never; idle ones close).
+    pub pause_after_secs: Option<u64>,
+    /// Seconds a paused session is kept unused before it is closed (default 7 days).
+    pub paused_keep_secs: Option<u64>,
 }
 
 /// `[server]`.
@@ -369,6 +388,12 @@ pub struct DockerSection {
     pub pull: Option<bool>,
     /// Started containers the daemon keeps ready (default 2); one-shot commands keep none.
     pub pool_size: Option<usize>,
+    /// Most containers the pool grows to while sessions find it empty (default 16, and no
+    /// more than a host's `capacity`).
+    pub pool_max: Option<usize>,
+    /// Seconds without a session finding the pool empty before it shrinks back to
+    /// `pool_size` (default 60).
+    pub pool_idle_secs: Option<u64>,
     pub memory_bytes: Option<u64>,
     pub cpus: Option<f64>,
     pub pids: Option<i64>,

@@ -222,6 +222,28 @@ pub fn sessions(
     Ok(config)
 }
 
+/// When idle sessions are paused, from `[sessions]`.
+pub fn pausing(file: &FileConfig) -> Result<tandem_daemon::policy::Pausing> {
+    let s = &file.sessions;
+    let mut pausing = tandem_daemon::policy::Pausing::default();
+    match s.pause_after_secs {
+        Some(0) => bail!("[sessions] pause_after_secs must be at least 1"),
+        Some(n) => pausing.after = Some(Duration::from_secs(n)),
+        None => {}
+    }
+    match s.paused_keep_secs {
+        Some(0) => bail!("[sessions] paused_keep_secs must be at least 1"),
+        Some(_) if s.pause_after_secs.is_none() => {
+            bail!(
+                "[sessions] paused_keep_secs is set but pause_after_secs is not; set both, or neither"
+            )
+        }
+        Some(n) => pausing.keep = Duration::from_secs(n),
+        None => {}
+    }
+    Ok(pausing)
+}
+
 /// Where a daemon keeps tasks' files and for how long, from `[files]`.
 pub fn files(file: &FileConfig, state_dir: &Path) -> Result<tandem_daemon::files::FilesConfig> {
     let f = &file.files;
@@ -245,6 +267,28 @@ pub fn files(file: &FileConfig, state_dir: &Path) -> Result<tandem_daemon::files
             max_bytes: mb(positive("max_upload_mb", f.max_upload_mb, 256)?),
             max_entries: entries,
         },
+        snapshots: snapshots(file)?,
+    })
+}
+
+/// What the snapshots may hold, from `[snapshots]`.
+fn snapshots(file: &FileConfig) -> Result<tandem_snapshots::Caps> {
+    let s = &file.snapshots;
+    let defaults = tandem_snapshots::Caps::default();
+    let positive = |key: &str, value: Option<u64>, default: u64| match value {
+        Some(0) => bail!("[snapshots] {key} must be at least 1"),
+        Some(n) => Ok(n),
+        None => Ok(default),
+    };
+    Ok(tandem_snapshots::Caps {
+        max_count: usize::try_from(positive(
+            "max_count",
+            s.max_count,
+            defaults.max_count as u64,
+        )?)
+        .unwrap_or(usize::MAX),
+        max_bytes: positive("max_mb", s.max_mb, defaults.max_bytes >> 20)?.saturating_mul(1 << 20),
+        max_entries: defaults.max_entries,
     })
 }
 
@@ -637,6 +681,8 @@ fn docker_hosts(
         base.image = tandem_executor_docker::LOCAL_IMAGE.to_owned();
     }
     base.pool_size = d.pool_size.unwrap_or(2);
+    base.pool_max = d.pool_max.unwrap_or(base.pool_size.max(16));
+    base.pool_idle_secs = d.pool_idle_secs.unwrap_or(60);
     let mut names = std::collections::BTreeSet::new();
     d.hosts
         .iter()
@@ -656,6 +702,8 @@ fn docker_hosts(
                     host: h.url.clone(),
                     tls: tls_files(&section, &h.ca, &h.cert, &h.key)?,
                     workspace: workspace_mode(&section, h.workspace.as_deref(), &h.url)?,
+                    // A host holds no more than its capacity, its pool included.
+                    pool_max: base.pool_max.min(h.capacity.unwrap_or(8)),
                     ..base.clone()
                 },
                 capacity: h.capacity.unwrap_or(8),
@@ -663,6 +711,41 @@ fn docker_hosts(
             })
         })
         .collect()
+}
+
+/// The warm pool's `pool_size`, `pool_max` and `pool_idle_secs`, checked against each other
+/// and against each host's `capacity` where the operator set one.
+pub(crate) fn docker_pool(
+    file: &FileConfig,
+    hosts: &[tandem_executor_docker::HostSpec],
+) -> Result<(usize, usize, u64)> {
+    let d = &file.executors.docker;
+    let size = d.pool_size.unwrap_or(2);
+    let max = match d.pool_max {
+        Some(max) if max < size => bail!(
+            "[executors.docker] pool_max ({max}) is below pool_size ({size}): the pool grows from pool_size to pool_max; raise pool_max or lower pool_size"
+        ),
+        Some(max) => {
+            for (h, spec) in d.hosts.iter().zip(hosts) {
+                if let Some(capacity) = h.capacity
+                    && max > capacity
+                {
+                    bail!(
+                        "[executors.docker] pool_max ({max}) is over the capacity ({capacity}) of host `{}`: a host holds no more containers than its capacity; lower pool_max or raise that capacity",
+                        spec.config.label()
+                    );
+                }
+            }
+            max
+        }
+        None => size.max(16),
+    };
+    let idle = match d.pool_idle_secs {
+        Some(0) => bail!("[executors.docker] pool_idle_secs must be at least 1"),
+        Some(secs) => secs,
+        None => 60,
+    };
+    Ok((size, max, idle))
 }
 
 /// How often a fleet probes its hosts.
@@ -717,6 +800,8 @@ fn docker_config(file: &FileConfig, image: Option<&str>) -> Result<DockerConfig>
         // A one-shot command would only start containers to throw away; the pool is for
         // processes that open many sessions.
         pool_size: 0,
+        pool_max: 0,
+        pool_idle_secs: 60,
         memory_bytes: d.memory_bytes.unwrap_or(defaults.memory_bytes),
         cpus: d.cpus.unwrap_or(defaults.cpus),
         pids: d.pids.unwrap_or(defaults.pids),
@@ -911,6 +996,33 @@ mod tests {
             "[server] max_unauthenticated must be at least 1"
         );
         assert!(toml::from_str::<FileConfig>("[teams]\nmax_dept = 3\n").is_err());
+    }
+
+    #[test]
+    fn pausing_settings_and_their_errors() {
+        let parse = |text: &str| pausing(&toml::from_str::<FileConfig>(text).unwrap());
+        let off = parse("").unwrap();
+        assert_eq!(off.after, None);
+        assert_eq!(off.keep, Duration::from_secs(7 * 24 * 3600));
+        let on = parse("[sessions]\npause_after_secs = 300\npaused_keep_secs = 86400\n").unwrap();
+        assert_eq!(on.after, Some(Duration::from_secs(300)));
+        assert_eq!(on.keep, Duration::from_secs(86400));
+        for (text, said) in [
+            (
+                "[sessions]\npause_after_secs = 0\n",
+                "[sessions] pause_after_secs must be at least 1",
+            ),
+            (
+                "[sessions]\npaused_keep_secs = 60\n",
+                "[sessions] paused_keep_secs is set but pause_after_secs is not; set both, or neither",
+            ),
+            (
+                "[sessions]\npause_after_secs = 5\npaused_keep_secs = 0\n",
+                "[sessions] paused_keep_secs must be at least 1",
+            ),
+        ] {
+            assert_eq!(parse(text).unwrap_err().to_string(), said);
+        }
     }
 
     #[test]

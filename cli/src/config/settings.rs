@@ -95,6 +95,10 @@ pub struct DockerSettings {
     pub probe: Duration,
     /// The warm pool a daemon keeps per engine.
     pub pool_size: usize,
+    /// Most the pool grows to under demand, per engine.
+    pub pool_max: usize,
+    /// Seconds without demand before the pool shrinks back to `pool_size`.
+    pub pool_idle_secs: u64,
 }
 
 /// Settings, or what is wrong with their section.
@@ -182,10 +186,13 @@ fn docker(file: &FileConfig, image: Option<&str>) -> Result<DockerSettings> {
     } else {
         super::docker_probe(file)?
     };
+    let (pool_size, pool_max, pool_idle_secs) = super::docker_pool(file, &hosts)?;
     Ok(DockerSettings {
         one: super::docker_config(file, image)?,
         hosts,
         probe,
-        pool_size: file.executors.docker.pool_size.unwrap_or(2),
+        pool_size,
+        pool_max,
+        pool_idle_secs,
     })
 }

@@ -8,7 +8,7 @@ use tandem_protocol::{
     OutputStream, StopReason, Usage,
 };
 
-use super::{Pictures, Shown, Transcript, result_line, size};
+use super::{Pictures, Shown, Transcript, result_and_usage, size};
 
 /// What the human transcript keeps between events.
 pub(super) struct Human {
@@ -260,7 +260,7 @@ impl Human {
             let rest = self.shown.rest(stream, result);
             self.output(out, stream, rest)?;
         }
-        self.rule(out, &result_line(result))
+        self.rule(out, &result_and_usage(result))
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -234,6 +234,18 @@ pub fn result_line(r: &BlockResult) -> String {
     }
 }
 
+/// A block's result line and, where it was measured, what the block used.
+pub fn result_and_usage(r: &BlockResult) -> String {
+    let mut line = result_line(r);
+    if let Some(used) = r.resources.as_ref().map(|u| u.summary())
+        && !used.is_empty()
+    {
+        line.push_str(" · ");
+        line.push_str(&used);
+    }
+    line
+}
+
 /// A byte count as a person reads it: `812 B`, `12.3 KiB`, `4.0 MiB`.
 pub fn size(bytes: u64) -> String {
     match bytes {

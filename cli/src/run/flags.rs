@@ -85,6 +85,13 @@ pub struct TaskFlags {
     /// network]
     #[arg(long = "allow-host", value_name = "HOST[:PORT]", value_parser = allow_entry)]
     pub(crate) allow_hosts: Vec<String>,
+    /// Start the task's workspace as this snapshot's (`tandem snapshot ls`); on a daemon
+    #[arg(long = "from", value_name = "SNAPSHOT")]
+    pub(crate) from_snapshot: Option<String>,
+    /// Mount a volume (`tandem volume create`) into the task's sandboxes (repeat for more):
+    /// PATH inside the workspace (`data`), or absolute (`/data`) on docker; `:ro` for read-only
+    #[arg(long = "volume", value_name = "NAME:PATH[:ro]", value_parser = tandem_protocol::volume::VolumeMount::parse)]
+    pub(crate) volumes: Vec<tandem_protocol::volume::VolumeMount>,
 }
 
 /// An entry of `--allow-host`, checked as `[network] allow` checks its own.
@@ -177,6 +184,8 @@ impl TaskFlags {
             network: (!self.allow_hosts.is_empty()).then(|| tandem_protocol::net::NetworkRequest {
                 allow: self.allow_hosts.clone(),
             }),
+            from_snapshot: self.from_snapshot.clone(),
+            volumes: self.volumes.clone(),
             max_input_tokens: self.max_input_tokens,
             max_output_tokens: self.max_output_tokens,
             max_cost: self.max_cost,

@@ -43,16 +43,23 @@ pub(super) async fn run_here(args: &RunArgs, settings: &Settings) -> Result<u8> 
     spec.max_turns = args.flags.max_turns;
     let executors = resolve_executors(&mut spec, settings).await?;
     let names = executors.names().into_iter().map(str::to_owned).collect();
-    let planner = Planner::new(
-        crate::planner::config(
-            settings,
-            executors,
-            settings.executors.default.clone(),
-            Policy::own(names),
-            None,
-        )
-        .await?,
-    );
+    let mut config = crate::planner::config(
+        settings,
+        executors,
+        settings.executors.default.clone(),
+        Policy::own(names),
+        None,
+    )
+    .await?;
+    if !spec.volumes.is_empty() {
+        // The volumes a daemon on this machine keeps, under the default state dir (or
+        // [files] dir), made with `tandem volume create`.
+        let root = crate::config::files(&settings.file, &crate::config::default_state_dir())?
+            .root
+            .join("volumes");
+        config.volumes = Some(tandem_volumes::Volumes::open(&root)?);
+    }
+    let planner = Planner::new(config);
     // Whether the model has a price is known once it is known whether the embedded model
     // runs: `plan` checks `max_cost` below, after loading it.
     planner.check(&TaskSpec {

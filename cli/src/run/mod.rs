@@ -97,6 +97,16 @@ pub async fn run(args: RunArgs, file: FileConfig) -> Result<u8> {
             }
         }
     }
+    if let Some(snap) = &args.flags.from_snapshot {
+        anyhow::bail!(
+            "--from {snap}: snapshots are kept by a daemon, and none answers here{}; start one with `tandem serve` (or name it with --host)",
+            if args.local {
+                " (--local runs in this process)"
+            } else {
+                ""
+            }
+        );
+    }
     here::run_here(&args, &settings).await
 }
 

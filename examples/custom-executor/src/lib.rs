@@ -170,6 +170,7 @@ impl Session for PerlSession {
                 stdout: out,
                 stderr: err,
                 duration,
+                resources: None,
             })
         })
     }

@@ -41,6 +41,7 @@ pub use error::ExecError;
 pub use language::{Language, join as join_languages};
 pub use limits::Limits;
 pub use registry::{Registry, Wrap};
+pub use tandem_protocol::{PeakScope, Resources};
 pub use tokio_util::sync::CancellationToken;
 
 /// A boxed, sendable future, as the object-safe traits here return.
@@ -102,6 +103,12 @@ pub trait Executor: Send + Sync + 'static {
         false
     }
 
+    /// Whether its sessions can mount volumes ([`SessionSpec::volumes`]); a session that
+    /// names one on an executor that cannot is refused before it opens.
+    fn mounts_volumes(&self) -> bool {
+        false
+    }
+
     /// Whether a block could reach the network. An executor that cannot tell says yes: an
     /// approval policy's `ask_network` then asks rather than assumes.
     fn network(&self) -> bool {
@@ -113,6 +120,32 @@ pub trait Executor: Send + Sync + 'static {
     fn hosts(&self) -> Vec<HostStatus> {
         Vec::new()
     }
+
+    /// Its warm pools of started sandboxes, one per machine (empty for one that keeps none).
+    fn pools(&self) -> Vec<PoolStatus> {
+        Vec::new()
+    }
+}
+
+/// One machine's warm pool of started sandboxes, as `/v1/executors` and `/metrics` show it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PoolStatus {
+    /// The machine's name (the engine's address when the operator gave none).
+    pub host: String,
+    /// Sandboxes ready now.
+    pub ready: usize,
+    /// Sandboxes being started now.
+    pub starting: usize,
+    /// Sessions waiting for one now.
+    pub waiting: usize,
+    /// How many it aims to hold: `pool_size` at rest, up to `pool_max` under demand.
+    pub target: usize,
+    /// Sessions that found one ready.
+    pub hits: u64,
+    /// Sessions that found none and waited for the next.
+    pub misses: u64,
+    /// Milliseconds those sessions waited, all together.
+    pub waited_ms: u64,
 }
 
 /// One machine an executor places sessions on, as `doctor`, `/v1/executors`, `/metrics` and
@@ -138,6 +171,17 @@ pub struct HostStatus {
     pub workspace: &'static str,
 }
 
+/// A kept interpreter's globals, saved between blocks by [`Session::save_state`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SavedState {
+    /// Bytes of the pickle written (0: nothing to keep, and no file written).
+    pub bytes: u64,
+    /// The globals it holds, by name.
+    pub saved: Vec<String>,
+    /// The globals it does not hold, each with why.
+    pub not_saved: Vec<(String, String)>,
+}
+
 /// One task's sandbox. Dropping it without [`Session::close`] must still clean up.
 pub trait Session: Send {
     /// Runs one block to completion, timeout or cancellation.
@@ -152,6 +196,11 @@ pub trait Session: Send {
     fn host(&self) -> Option<&str> {
         None
     }
+    /// How long its opening waited for a started sandbox from the executor's warm pool
+    /// (`None`: it did not wait, or the executor keeps no pool).
+    fn pool_wait(&self) -> Option<Duration> {
+        None
+    }
     /// Reaches the sandbox's own TCP ports from Tandem's side, to publish the servers its
     /// blocks leave running; `None` for a sandbox whose ports Tandem cannot reach.
     fn ports(&self) -> Option<Arc<dyn Ports>> {
@@ -159,6 +208,18 @@ pub trait Session: Send {
     }
     /// Releases the sandbox (processes, containers, temporary files).
     fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>>;
+    /// Saves the kept interpreter's globals (as a pickle made inside the sandbox) to the host
+    /// file `dest`, at most `max_bytes` of it, within `wait`; `None` for a session that keeps
+    /// no interpreter.
+    fn save_state(
+        &mut self,
+        dest: &Path,
+        max_bytes: u64,
+        wait: Duration,
+    ) -> BoxFuture<'_, Result<Option<SavedState>, ExecError>> {
+        let _ = (dest, max_bytes, wait);
+        Box::pin(async { Ok(None) })
+    }
     /// Places the regular files and directories of the tar archive at `archive` (on the
     /// host) in the workspace, within `caps`. A session with a host workspace places them
     /// there (`tandem_executor_kit::place_archive` does it beneath the workspace's handle);
@@ -219,6 +280,26 @@ pub struct SessionSpec {
     /// proxy serving this socket, for executors that [`Executor::carries_egress`]; `None`
     /// leaves the executor's own network setting.
     pub egress: Option<EgressSocket>,
+    /// Volumes mounted into the sandbox, for executors that [`Executor::mounts_volumes`].
+    pub volumes: Vec<VolumeBinding>,
+}
+
+/// A volume mounted into a session's sandbox: named storage that outlives it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeBinding {
+    /// Its name; a sandbox on another machine (a remote Docker host, a pod) mounts the
+    /// storage of that name there (`tandem-volume-NAME`).
+    pub name: String,
+    /// Its directory on this machine.
+    pub host_dir: PathBuf,
+    /// Where the sandbox sees it: relative to the workspace, or absolute
+    /// (`tandem_protocol::volume::mount_path` checked it).
+    pub path: String,
+    /// Whether the sandbox may only read it.
+    pub read_only: bool,
+    /// Its quota in MiB: a filesystem on this machine, which a sandbox elsewhere cannot
+    /// mount.
+    pub max_mb: Option<u64>,
 }
 
 /// A Unix socket on this machine where Tandem's egress proxy serves one session's policy.
@@ -390,6 +471,8 @@ pub struct ExecOutcome {
     pub stderr: Captured,
     /// Wall time from start to end.
     pub duration: Duration,
+    /// What the block used, where the executor measures it.
+    pub resources: Option<Resources>,
 }
 
 impl ExecOutcome {
@@ -403,6 +486,7 @@ impl ExecOutcome {
             stdout: Captured::default(),
             stderr: stderr.finish(),
             duration: Duration::ZERO,
+            resources: None,
         }
     }
 }

@@ -425,12 +425,26 @@ impl Executor for DockerFleet {
         true
     }
 
+    fn mounts_volumes(&self) -> bool {
+        // A volume with a quota is refused by a host it cannot reach, when the session opens.
+        true
+    }
+
     fn network(&self) -> bool {
         self.inner.network
     }
 
     fn hosts(&self) -> Vec<HostStatus> {
         self.statuses()
+    }
+
+    fn pools(&self) -> Vec<tandem_executor::PoolStatus> {
+        self.inner
+            .hosts
+            .iter()
+            .filter_map(|h| h.executor())
+            .flat_map(|e| e.pools())
+            .collect()
     }
 
     fn health(&self) -> BoxFuture<'_, Result<(), String>> {
@@ -544,6 +558,10 @@ impl Session for Placed {
 
     fn host(&self) -> Option<&str> {
         Some(self.fleet.hosts[self.host].spec.config.label())
+    }
+
+    fn pool_wait(&self) -> Option<std::time::Duration> {
+        self.inner.as_ref().and_then(|s| s.pool_wait())
     }
 
     fn put_archive(

@@ -10,8 +10,10 @@
 
 pub mod context;
 mod fleet;
+mod pool;
 mod ports;
 mod session;
+mod usage;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -49,6 +51,15 @@ pub mod labels {
     /// The executor (one connection to one engine) that made it: what its shutdown removes,
     /// and nothing another executor of the same process made.
     pub const INSTANCE: &str = "tandem.instance";
+    /// A Tandem volume's name, on the engine volume that holds it on a remote host: no
+    /// reaper and no shutdown removes one (only `tandem volume rm`, on this machine's).
+    pub const NAMED_VOLUME: &str = "tandem.named-volume";
+}
+
+/// The engine volume that holds Tandem volume `name` on a host that cannot bind this
+/// machine's directories.
+pub fn engine_volume(name: &str) -> String {
+    format!("tandem-volume-{name}")
 }
 
 /// Where a session's workspace lives.
@@ -117,6 +128,12 @@ pub struct DockerConfig {
     /// Containers kept started and ready for the next sessions (temporary workspaces only);
     /// each is used by one session and then removed.
     pub pool_size: usize,
+    /// Most containers the pool holds, ready or starting, while sessions find it empty: it
+    /// grows from `pool_size` toward this under demand (0: no more than `pool_size`).
+    pub pool_max: usize,
+    /// Seconds without a session finding the pool empty after which it shrinks back to
+    /// `pool_size`, removing the containers beyond it that sat unused that long.
+    pub pool_idle_secs: u64,
     /// Memory cap per container, bytes (swap is set equal, so none is added).
     pub memory_bytes: u64,
     /// CPUs per container.
@@ -173,6 +190,8 @@ impl Default for DockerConfig {
             image: DEFAULT_IMAGE.to_owned(),
             pull: true,
             pool_size: 2,
+            pool_max: 0,
+            pool_idle_secs: 60,
             memory_bytes: 512 << 20,
             cpus: 1.0,
             pids: 256,
@@ -300,7 +319,7 @@ pub(crate) struct Inner {
     /// world-writable for the blocks' user, so only its parent keeps other host users out.
     pub(crate) root: PathBuf,
     image_ready: OnceCell<()>,
-    pool: Pool,
+    pub(crate) pool: pool::Pool,
     /// The session ids of this executor's containers that are in use or in the pool: any
     /// other container with this process's owner tag was lost (its engine went away while it
     /// ran) and is removed when the engine answers again.
@@ -316,16 +335,6 @@ pub(crate) struct Inner {
 /// Longest shutdown waits for warm-pool containers and sessions' containers that are still
 /// being made, and then again for its sweep of this process's containers.
 const SHUTDOWN_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// Started containers waiting for sessions, and how many are being started.
-#[derive(Default)]
-struct Pool {
-    ready: std::sync::Mutex<Vec<session::Warm>>,
-    starting: std::sync::atomic::AtomicUsize,
-    closed: std::sync::atomic::AtomicBool,
-    /// The containers being started, so that shutdown can wait for them to be removed.
-    tasks: tokio_util::task::TaskTracker,
-}
 
 impl DockerExecutor {
     /// Connects to the engine at `config.host`, negotiates the API version, and reaps
@@ -375,7 +384,7 @@ impl DockerExecutor {
                 owner: owner_tag(),
                 instance: uuid::Uuid::new_v4().simple().to_string(),
                 image_ready: OnceCell::new(),
-                pool: Pool::default(),
+                pool: pool::Pool::default(),
                 live: Default::default(),
                 making: tokio_util::task::TaskTracker::new(),
                 gate: std::sync::Mutex::new(()),
@@ -534,74 +543,28 @@ impl DockerExecutor {
 
     /// Ids of the containers ready in the warm pool now.
     pub fn pooled(&self) -> Vec<String> {
-        self.inner.pool.ready.lock().map_or_else(
-            |_| Vec::new(),
-            |r| r.iter().map(|w| w.id().to_owned()).collect(),
-        )
+        self.inner.pool.ids()
     }
 
-    /// Starts filling the warm pool in the background (sessions do this too).
-    pub fn warm_up(&self) {
-        use std::sync::atomic::Ordering;
-        let pool = &self.inner.pool;
-        let size = self.inner.config.pool_size;
-        if size == 0 || pool.closed.load(Ordering::SeqCst) {
-            return;
-        }
-        let want = match pool.ready.lock() {
-            Ok(ready) => {
-                let want = size.saturating_sub(ready.len() + pool.starting.load(Ordering::SeqCst));
-                pool.starting.fetch_add(want, Ordering::SeqCst);
-                want
-            }
-            Err(_) => 0,
-        };
-        for _ in 0..want {
-            let executor = self.clone();
-            pool.tasks.spawn(async move {
-                let started = session::DockerSession::prestart(&executor).await;
-                let pool = &executor.inner.pool;
-                pool.starting.fetch_sub(1, Ordering::SeqCst);
-                match started {
-                    Ok(warm) if !pool.closed.load(Ordering::SeqCst) => {
-                        if let Ok(mut ready) = pool.ready.lock() {
-                            ready.push(warm);
-                        }
-                    }
-                    Ok(warm) => warm.remove().await,
-                    // Refused, or cut off by the sweep: nothing is wrong.
-                    Err(_) if pool.closed.load(Ordering::SeqCst) => {}
-                    Err(e) => {
-                        tracing::warn!(error = %e, "starting a container for the warm pool failed")
-                    }
-                }
-            });
-        }
+    /// The warm pool now, as `/v1/executors` shows it.
+    pub fn pool_status(&self) -> tandem_executor::PoolStatus {
+        self.inner.pool.status(self.inner.config.label())
     }
 
-    /// A ready container for `spec`, when the pool can serve it: a temporary workspace, no
-    /// labels but the task's (or the mark of a session without one), and no lower memory limit than the pool's containers have.
-    fn claim(&self, spec: &SessionSpec) -> Option<session::Warm> {
+    /// Whether the pool can serve `spec`: a temporary workspace, no labels but the task's (or
+    /// the mark of a session without one), and no lower memory limit than the pool's
+    /// containers have.
+    fn poolable(&self, spec: &SessionSpec) -> bool {
         let c = &self.inner.config;
         // A warm container was made with no way out; one behind the proxy is made for it.
-        if c.pool_size == 0
-            || spec.egress.is_some()
+        !(spec.egress.is_some()
             || spec.workdir.is_some()
+            || !spec.volumes.is_empty()
             || spec.limits.memory_bytes.is_some_and(|m| m < c.memory_bytes)
             || spec
                 .labels
                 .iter()
-                .any(|(k, _)| k != labels::TASK && k != tandem_executor_kit::WITHOUT_TASK)
-        {
-            return None;
-        }
-        let mut ready = self.inner.pool.ready.lock().ok()?;
-        while let Some(mut warm) = ready.pop() {
-            if warm.alive() {
-                return Some(warm);
-            }
-        }
-        None
+                .any(|(k, _)| k != labels::TASK && k != tandem_executor_kit::WITHOUT_TASK))
     }
 
     /// Shuts the executor down (daemon shutdown): it makes nothing more, removes the warm
@@ -619,12 +582,9 @@ impl DockerExecutor {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             pool.closed.store(true, Ordering::SeqCst);
+            pool.stop.cancel();
         }
-        let ready = match pool.ready.lock() {
-            Ok(mut ready) => std::mem::take(&mut *ready),
-            Err(_) => Vec::new(),
-        };
-        for warm in ready {
+        for warm in pool.drain() {
             warm.remove().await;
         }
         pool.tasks.close();
@@ -705,6 +665,7 @@ impl DockerExecutor {
         labels: HashMap<String, String>,
         limits: &tandem_executor::Limits,
         egress: Option<&tandem_executor::EgressSocket>,
+        volumes: &[tandem_executor::VolumeBinding],
     ) -> ContainerCreateBody {
         let c = &self.inner.config;
         // A task's memory limit can lower the container's, never raise it.
@@ -760,19 +721,37 @@ impl DockerExecutor {
                     session::Place::Host(dir) => Some(
                         std::iter::once(format!("{}:/workspace:rw", dir.display()))
                             .chain(egress_bind)
+                            .chain(volumes.iter().map(|v| {
+                                format!(
+                                    "{}:{}:{}",
+                                    v.host_dir.display(),
+                                    volume_target(&v.path),
+                                    if v.read_only { "ro" } else { "rw" }
+                                )
+                            }))
                             .collect(),
                     ),
                     session::Place::Volume(_) => None,
                 },
                 mounts: match workspace {
                     session::Place::Host(_) => None,
-                    session::Place::Volume(name) => Some(vec![bollard::models::Mount {
-                        target: Some("/workspace".to_owned()),
-                        source: Some(name.clone()),
-                        typ: Some(bollard::models::MountType::VOLUME),
-                        read_only: Some(false),
-                        ..Default::default()
-                    }]),
+                    session::Place::Volume(name) => Some(
+                        std::iter::once(bollard::models::Mount {
+                            target: Some("/workspace".to_owned()),
+                            source: Some(name.clone()),
+                            typ: Some(bollard::models::MountType::VOLUME),
+                            read_only: Some(false),
+                            ..Default::default()
+                        })
+                        .chain(volumes.iter().map(|v| bollard::models::Mount {
+                            target: Some(volume_target(&v.path)),
+                            source: Some(engine_volume(&v.name)),
+                            typ: Some(bollard::models::MountType::VOLUME),
+                            read_only: Some(v.read_only),
+                            ..Default::default()
+                        }))
+                        .collect(),
+                    ),
                 },
                 network_mode: Some(if open_bridge { "bridge" } else { "none" }.to_owned()),
                 cap_drop: Some(vec!["ALL".to_owned()]),
@@ -806,9 +785,30 @@ impl DockerExecutor {
     }
 }
 
+/// Where a volume's `path` is in the container: absolute as written, else in the workspace.
+fn volume_target(path: &str) -> String {
+    if path.starts_with('/') {
+        path.trim_end_matches('/').to_owned()
+    } else {
+        format!("/workspace/{}", path.trim_end_matches('/'))
+    }
+}
+
 impl Executor for DockerExecutor {
     fn name(&self) -> &str {
         "docker"
+    }
+
+    fn mounts_volumes(&self) -> bool {
+        true
+    }
+
+    fn pools(&self) -> Vec<tandem_executor::PoolStatus> {
+        let c = &self.inner.config;
+        if c.pool_size == 0 && c.pool_max == 0 {
+            return Vec::new();
+        }
+        vec![self.pool_status()]
     }
 
     fn keeps_state(&self) -> bool {
@@ -855,8 +855,14 @@ impl Executor for DockerExecutor {
         Box::pin(async move {
             self.ensure_image(&|line| tracing::info!(image = %self.inner.config.image, "{line}"))
                 .await?;
-            let session = match self.claim(&spec) {
-                Some(warm) => session::DockerSession::from_warm(self.clone(), warm, spec).await?,
+            let warm = match self.poolable(&spec) {
+                true => self.take_warm().await,
+                false => None,
+            };
+            let session = match warm {
+                Some((warm, waited)) => {
+                    session::DockerSession::from_warm(self.clone(), warm, spec, waited).await?
+                }
                 None => session::DockerSession::open(self.clone(), spec).await?,
             };
             self.warm_up();

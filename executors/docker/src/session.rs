@@ -44,6 +44,12 @@ pub(crate) struct DockerSession {
     restore_mode: Option<u32>,
     /// Ends the egress relay of a container on an engine reached over the network.
     relay: Option<tandem_executor::CancellationToken>,
+    /// How long its opening waited for a container from the warm pool (none: it started its
+    /// own).
+    pool_wait: Option<Duration>,
+    /// The container's memory peak as this machine's cgroup file shows it, when Tandem may
+    /// reset it (the engine is local and Tandem is root); `None` until first looked for.
+    peak: Option<Option<crate::usage::HostPeak>>,
     closed: bool,
 }
 
@@ -144,6 +150,7 @@ impl DockerSession {
             labels,
             spec.limits.clone(),
             spec.egress.clone(),
+            spec.volumes.clone(),
         );
         let mut making = Making::start(&executor, &session_id, made)?;
         let made = making.take().await?;
@@ -163,6 +170,8 @@ impl DockerSession {
             owned_workspace,
             restore_mode,
             relay: None,
+            pool_wait: None,
+            peak: None,
             closed: false,
         };
         // On failure the session is dropped, which removes the container.
@@ -204,6 +213,7 @@ impl DockerSession {
         executor: DockerExecutor,
         mut warm: Warm,
         spec: SessionSpec,
+        waited: Duration,
     ) -> Result<Self, ExecError> {
         let task = spec
             .labels
@@ -232,6 +242,8 @@ impl DockerSession {
             // Pooled containers have temporary workspaces only.
             restore_mode: None,
             relay: None,
+            pool_wait: Some(waited),
+            peak: None,
             closed: false,
         };
         if let Some(task) = task.filter(|t| !t.is_empty()) {
@@ -313,8 +325,15 @@ async fn make(
     mut labels: HashMap<String, String>,
     limits: tandem_executor::Limits,
     egress: Option<tandem_executor::EgressSocket>,
+    volumes: Vec<tandem_executor::VolumeBinding>,
 ) -> Result<Made, ExecError> {
     let inner = executor.inner();
+    if let Place::Volume(_) = &place
+        && let Err(e) = engine_volumes(&executor, &volumes).await
+    {
+        executor.forget(&session_id);
+        return Err(e);
+    }
     let volume = match &place {
         Place::Volume(name) => {
             let volume_labels = [
@@ -344,7 +363,7 @@ async fn make(
         }
         Place::Host(_) => None,
     };
-    let body = executor.container_body(&place, labels, &limits, egress.as_ref());
+    let body = executor.container_body(&place, labels, &limits, egress.as_ref(), &volumes);
     let name = format!("tandem-{}", &session_id[..12]);
     match inner
         .docker
@@ -369,6 +388,43 @@ async fn make(
             }))
         }
     }
+}
+
+/// Makes sure each of `volumes` has its engine volume on an engine that cannot bind this
+/// machine's directories (a remote host); one with a quota cannot be had there.
+async fn engine_volumes(
+    executor: &DockerExecutor,
+    volumes: &[tandem_executor::VolumeBinding],
+) -> Result<(), ExecError> {
+    for v in volumes {
+        if v.max_mb.is_some() {
+            return Err(ExecError::Unavailable {
+                what: format!("volume `{}` on this host", v.name),
+                hint: "a volume with a quota is a filesystem on the daemon's machine, which a remote engine cannot mount; run the session on the daemon's own engine, or use a volume without a quota".to_owned(),
+            });
+        }
+        if !v.path.starts_with('/') {
+            return Err(ExecError::Unavailable {
+                what: format!("volume `{}` inside the workspace", v.name),
+                hint: "on a remote engine the workspace is copied out after each block, and a volume inside it would be copied too: mount it at an absolute path such as /data".to_owned(),
+            });
+        }
+        // Creating a volume that exists answers with it: each session asks.
+        executor
+            .inner()
+            .docker
+            .create_volume(bollard::models::VolumeCreateRequest {
+                name: Some(crate::engine_volume(&v.name)),
+                labels: Some(HashMap::from([(
+                    labels::NAMED_VOLUME.to_owned(),
+                    v.name.clone(),
+                )])),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| ExecError::from(engine("making the volume on the engine")(e)))?;
+    }
+    Ok(())
 }
 
 /// A [`make`] under way on a task of the executor's own, so that the engine's answer is
@@ -537,11 +593,29 @@ impl Session for DockerSession {
         req: ExecRequest,
         ctx: ExecContext,
     ) -> BoxFuture<'_, Result<ExecOutcome, ExecError>> {
-        Box::pin(self.runner.run(&mut self.container, req, ctx))
+        Box::pin(async move {
+            let peak = self
+                .peak
+                .get_or_insert_with(|| crate::usage::HostPeak::find(&self.container.id));
+            let reset = peak.as_mut().is_some_and(|p| p.reset());
+            let mut outcome = self.runner.run(&mut self.container, req, ctx).await?;
+            if reset
+                && let Some(resources) = outcome.resources.as_mut()
+                && let Some(bytes) = peak.as_mut().and_then(|p| p.read())
+            {
+                resources.peak_memory_bytes = Some(bytes);
+                resources.peak_memory_scope = Some(tandem_executor::PeakScope::Block);
+            }
+            Ok(outcome)
+        })
     }
 
     fn workspace(&self) -> Option<&Path> {
         Some(&self.runner.workspace)
+    }
+
+    fn pool_wait(&self) -> Option<Duration> {
+        self.pool_wait
     }
 
     fn put_archive(

@@ -227,8 +227,27 @@ fn unpack_dir(
             _ => {}
         }
         let mut file = dir.create(&rel).map_err(io)?;
+        // The executable bit travels (a script stays runnable); no other mode bit does.
+        // A file already there takes the archive's bit, set or cleared.
+        let executable = entry.header().mode().is_ok_and(|m| m & 0o111 != 0);
+        let mode = nix::sys::stat::fstat(file.as_fd())
+            .map_err(|e| io(e.into()))?
+            .st_mode
+            & 0o777;
+        let wanted = if executable {
+            mode | 0o111
+        } else {
+            mode & !0o111
+        };
+        if wanted != mode {
+            nix::sys::stat::fchmod(
+                file.as_fd(),
+                nix::sys::stat::Mode::from_bits_truncate(wanted),
+            )
+            .map_err(|e| io(e.into()))?;
+        }
         if let Some(owner) = owner {
-            give(file.as_fd(), owner, 0o666).map_err(io)?;
+            give(file.as_fd(), owner, if executable { 0o777 } else { 0o666 }).map_err(io)?;
         }
         let copied =
             std::io::copy(&mut (&mut entry).take(left.saturating_add(1)), &mut file).map_err(io)?;
@@ -244,6 +263,15 @@ fn unpack_dir(
         });
     }
     Ok(placed)
+}
+
+/// Whether `path` is Tandem's own: a block's script or a kept interpreter's channel or
+/// saved globals (`.tandem*` at the top of the workspace).
+pub fn is_tandems(path: &Path) -> bool {
+    path.components()
+        .next()
+        .and_then(|c| c.as_os_str().to_str())
+        .is_some_and(|first| first.starts_with(".tandem"))
 }
 
 /// Checks `archive` as [`unpack_into`] would, writing nothing, and finds what a model is told
@@ -290,7 +318,10 @@ pub fn inspect(
             return Err(too_large());
         }
         bytes += counted;
-        listing.add(&shown, counted, &head);
+        // Tandem's own (a snapshot's kept globals) are placed but not shown to the model.
+        if !is_tandems(&rel) {
+            listing.add(&shown, counted, &head);
+        }
         files.push(ArchivedFile {
             path: rel,
             bytes: counted,
@@ -575,7 +606,7 @@ pub fn pack_owned(
                 }
                 let file = open_file(dir, path)?;
                 header.set_entry_type(tar::EntryType::Regular);
-                header.set_mode(0o644);
+                header.set_mode(file_mode(&file));
                 header.set_size(size);
                 // Only what was measured is read, so a file growing meanwhile cannot break
                 // the archive.
@@ -646,7 +677,7 @@ pub fn pack_files_owned(
             .map_or(0, |d| d.as_secs());
         let mut header = tar::Header::new_gnu();
         header.set_entry_type(tar::EntryType::Regular);
-        header.set_mode(0o644);
+        header.set_mode(file_mode(&file));
         header.set_size(size);
         header.set_mtime(modified);
         header.set_uid(owner.0);
@@ -659,6 +690,15 @@ pub fn pack_files_owned(
         path: String::new(),
         source,
     })
+}
+
+/// The mode a copied file keeps: its executable bit, nothing else of its own.
+fn file_mode(file: &std::fs::File) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    let executable = file
+        .metadata()
+        .is_ok_and(|m| m.permissions().mode() & 0o111 != 0);
+    if executable { 0o755 } else { 0o644 }
 }
 
 /// A regular file in a workspace, as [`list`] finds it.

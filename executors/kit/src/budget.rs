@@ -271,6 +271,14 @@ impl Executor for Budgeted {
         self.inner.carries_egress()
     }
 
+    fn mounts_volumes(&self) -> bool {
+        self.inner.mounts_volumes()
+    }
+
+    fn pools(&self) -> Vec<tandem_executor::PoolStatus> {
+        self.inner.pools()
+    }
+
     fn hosts(&self) -> Vec<tandem_executor::HostStatus> {
         self.inner.hosts()
     }
@@ -296,6 +304,10 @@ impl Session for PermittedSession {
         self.session.workspace()
     }
 
+    fn pool_wait(&self) -> Option<std::time::Duration> {
+        self.session.pool_wait()
+    }
+
     // Forwarded, not left to the default: a session places files its own way (owned by its
     // blocks' user, or copied into a volume).
     fn put_archive(
@@ -308,6 +320,15 @@ impl Session for PermittedSession {
 
     fn ports(&self) -> Option<std::sync::Arc<dyn tandem_executor::Ports>> {
         self.session.ports()
+    }
+
+    fn save_state(
+        &mut self,
+        dest: &Path,
+        max_bytes: u64,
+        wait: std::time::Duration,
+    ) -> BoxFuture<'_, Result<Option<tandem_executor::SavedState>, ExecError>> {
+        self.session.save_state(dest, max_bytes, wait)
     }
 
     fn close(self: Box<Self>) -> BoxFuture<'static, Result<(), ExecError>> {

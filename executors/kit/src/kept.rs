@@ -18,7 +18,7 @@ use tokio::net::unix::pipe;
 
 use tandem_executor::{
     BoxFuture, CancellationToken, CaptureBuffer, ExecContext, ExecError, ExecOutcome, ExecRequest,
-    Executor, ExitStatus, Language, Session, SessionSpec, Stream,
+    Executor, ExitStatus, Language, SavedState, Session, SessionSpec, Stream,
 };
 
 /// The interpreter's program.
@@ -209,7 +209,14 @@ impl KeptSession {
         let Some(kernel) = self.kernel.as_mut() else {
             return Err(ExecError::Backend("no interpreter".to_owned()));
         };
-        let code = req.code.as_bytes();
+        // A leading NUL marks the interpreter's commands; in a block it is only a syntax
+        // error, which Python reports the same one line down.
+        let code = if req.code.starts_with('\0') {
+            format!("\n{}", req.code)
+        } else {
+            req.code
+        };
+        let code = code.as_bytes();
         let mut frame = Vec::with_capacity(code.len() + 4);
         frame.extend_from_slice(&u32::try_from(code.len()).unwrap_or(u32::MAX).to_be_bytes());
         frame.extend_from_slice(code);
@@ -338,6 +345,7 @@ impl KeptSession {
             stdout: stdout.finish(),
             stderr: stderr.finish(),
             duration: started.elapsed(),
+            resources: None,
         })
     }
 }
@@ -346,6 +354,142 @@ impl KeptSession {
 #[derive(Debug, Default, serde::Deserialize)]
 struct Done {
     exit_code: i32,
+}
+
+/// The interpreter's word that its globals were saved, or why not.
+#[derive(Debug, Default, serde::Deserialize)]
+struct Saved {
+    #[serde(default)]
+    error: Option<String>,
+    #[serde(default)]
+    saved: Vec<String>,
+    #[serde(default)]
+    not_saved: Vec<NotSavedName>,
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+struct NotSavedName {
+    name: String,
+    why: String,
+}
+
+impl KeptSession {
+    async fn save(
+        &mut self,
+        dest: &Path,
+        max_bytes: u64,
+        wait: Duration,
+    ) -> Result<SavedState, ExecError> {
+        if self.kernel.is_none() {
+            // A restored pickle no block has loaded yet is loaded now, or it would be lost.
+            let pending = self
+                .inner
+                .workspace()
+                .map(|w| w.join(".tandem-state.pickle"))
+                .ok_or_else(|| ExecError::Unavailable {
+                    what: "a kept interpreter".to_owned(),
+                    hint: "this executor's sessions have no workspace Tandem can reach".to_owned(),
+                })?;
+            if std::fs::symlink_metadata(&pending).is_err() {
+                return Ok(SavedState::default());
+            }
+            self.start().await?;
+        }
+        let Some(kernel) = self.kernel.as_mut() else {
+            return Err(ExecError::Backend("no interpreter".to_owned()));
+        };
+        let io = |what: &'static str| {
+            move |source| ExecError::Io {
+                context: format!("{what} the kept interpreter's globals"),
+                source,
+            }
+        };
+        let mut file = tokio::fs::File::create(dest).await.map_err(io("writing"))?;
+        let mut frame = 5u32.to_be_bytes().to_vec();
+        frame.extend_from_slice(b"\0save");
+        let sent = kernel.input.write_all(&frame).await;
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut interrupted = false;
+        let mut bytes = 0u64;
+        let mut over = false;
+        let mut answer = None;
+        if sent.is_ok() {
+            loop {
+                let until = if interrupted {
+                    tokio::time::Instant::now() + GRACE
+                } else {
+                    deadline
+                };
+                let next = tokio::select! {
+                    frame = read_frame(&mut kernel.output) => Some(frame),
+                    () = tokio::time::sleep_until(until) => None,
+                };
+                match next {
+                    None if !interrupted => {
+                        interrupted = true;
+                        let _ = kernel.control.write_all(b"i").await;
+                    }
+                    None => break,
+                    Some(Ok((b'p', data))) => {
+                        bytes = bytes.saturating_add(data.len() as u64);
+                        over |= bytes > max_bytes;
+                        if !over {
+                            file.write_all(&data).await.map_err(io("writing"))?;
+                        }
+                    }
+                    Some(Ok((b'd', data))) => {
+                        answer = Some(serde_json::from_slice::<Saved>(&data).unwrap_or_else(|e| {
+                            Saved {
+                                error: Some(format!("its answer could not be read: {e}")),
+                                ..Saved::default()
+                            }
+                        }));
+                        break;
+                    }
+                    // What pickling printed.
+                    Some(Ok(_)) => {}
+                    Some(Err(_)) => break,
+                }
+            }
+        }
+        let Some(answer) = answer else {
+            // Wedged or gone: it is ended, and the next block starts afresh (and says so).
+            self.stop_kernel().await;
+            return Err(ExecError::Backend(if interrupted {
+                format!(
+                    "saving the kept interpreter's globals took longer than {} s, and it did not stop when interrupted; it was ended, and its globals are lost",
+                    wait.as_secs()
+                )
+            } else {
+                "the kept interpreter ended while its globals were saved; they are lost".to_owned()
+            }));
+        };
+        if let Some(error) = answer.error {
+            return Err(ExecError::Backend(if interrupted {
+                format!(
+                    "saving the kept interpreter's globals took longer than {} s ({error}); the interpreter lives on",
+                    wait.as_secs()
+                )
+            } else {
+                format!("saving the kept interpreter's globals failed: {error}")
+            }));
+        }
+        if over {
+            return Err(ExecError::Backend(format!(
+                "the kept interpreter's globals pickle to more than the {max_bytes} bytes the snapshot store has left"
+            )));
+        }
+        file.sync_all().await.map_err(io("writing"))?;
+        Ok(SavedState {
+            bytes,
+            saved: answer.saved,
+            not_saved: answer
+                .not_saved
+                .into_iter()
+                .map(|n| (n.name, n.why))
+                .collect(),
+        })
+    }
 }
 
 /// One frame from the interpreter: its kind and data.
@@ -394,6 +538,10 @@ impl Session for KeptSession {
         self.inner.host()
     }
 
+    fn pool_wait(&self) -> Option<std::time::Duration> {
+        self.inner.pool_wait()
+    }
+
     fn ports(&self) -> Option<std::sync::Arc<dyn tandem_executor::Ports>> {
         self.inner.ports()
     }
@@ -411,6 +559,16 @@ impl Session for KeptSession {
         caps: crate::archive::ArchiveCaps,
     ) -> BoxFuture<'_, Result<Vec<crate::archive::ArchivedFile>, ExecError>> {
         self.inner.put_archive(archive, caps)
+    }
+
+    fn save_state(
+        &mut self,
+        dest: &Path,
+        max_bytes: u64,
+        wait: Duration,
+    ) -> BoxFuture<'_, Result<Option<SavedState>, ExecError>> {
+        let dest = dest.to_owned();
+        Box::pin(async move { self.save(&dest, max_bytes, wait).await.map(Some) })
     }
 }
 

@@ -3,9 +3,14 @@
 # in .tandem/ of the workspace, opened in this order: `in` (frames of code from Tandem),
 # `out` (frames to Tandem: the block's output as it comes, then a `done` record), `ctl`
 # (one byte per interrupt). A frame is a 4-byte big-endian length, a kind byte, and data.
-import builtins, json, linecache, os, signal, struct, sys, threading, traceback, types
+# A frame of code that starts with a NUL byte (which no Python source holds) is a command:
+# `\0save` pickles the globals and answers with `p` frames (the pickle) and a `d` record
+# naming what was saved and what was not. A pickle Tandem placed at .tandem-state.pickle
+# is loaded at start, here in the sandbox: the daemon never loads one.
+import builtins, importlib, io, json, linecache, os, pickle, signal, struct, sys, threading, traceback, types
 
 D = ".tandem"
+STATE = ".tandem-state.pickle"
 inp = os.open(D + "/in", os.O_RDONLY)
 out = os.open(D + "/out", os.O_WRONLY)
 ctl = os.open(D + "/ctl", os.O_RDONLY)
@@ -102,10 +107,117 @@ def clean_up():
             pass
 
 
+class StatePickler(pickle.Pickler):
+    """The standard pickler, with modules saved as their import, and refusing what it would
+    save by name only: a function or class defined in a block (`__main__`) is not there on a
+    restore until that block runs again."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, types.ModuleType):
+            return (importlib.import_module, (obj.__name__,))
+        if isinstance(obj, (types.FunctionType, type)) and getattr(obj, "__module__", None) == "__main__":
+            raise pickle.PicklingError(
+                "%s is defined in a block, and the standard pickle saves it by name only: run its definition again after a restore"
+                % getattr(obj, "__qualname__", "it")
+            )
+        return NotImplemented
+
+
+def extra_pickler():
+    for name in ("cloudpickle", "dill"):
+        try:
+            return importlib.import_module(name)
+        except BaseException:
+            pass
+    return None
+
+
+def save_state():
+    values, saved, not_saved = {}, [], []
+    extra = None
+    for name, value in list(main.__dict__.items()):
+        if name.startswith("__") and name.endswith("__"):
+            continue
+        buf = io.BytesIO()
+        try:
+            StatePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+            values[name] = buf.getvalue()
+            saved.append(name)
+            continue
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:
+            why = "%s: %s" % (type(e).__name__, e)
+        extra = extra or extra_pickler()
+        if extra is not None:
+            try:
+                values[name] = extra.dumps(value)
+                saved.append(name)
+                continue
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:
+                why = "%s (and %s: %s: %s)" % (why, extra.__name__, type(e).__name__, e)
+        not_saved.append({"name": name, "why": why[:500]})
+    return pickle.dumps({"values": values, "not_saved": not_saved}, protocol=pickle.HIGHEST_PROTOCOL), saved, not_saved
+
+
+def command(body):
+    if body != b"\0save":
+        send(ord("d"), json.dumps({"error": "unknown command %r" % body[:40]}).encode())
+        return
+    try:
+        running.set()
+        try:
+            data, saved, not_saved = save_state()
+        finally:
+            running.clear()
+    except BaseException as e:
+        send(ord("d"), json.dumps({"error": "%s: %s" % (type(e).__name__, e)}).encode())
+        return
+    for at in range(0, len(data), 1 << 20):
+        send(ord("p"), data[at:at + (1 << 20)])
+    send(ord("d"), json.dumps({"saved": saved, "not_saved": not_saved}).encode())
+
+
+def restore_state():
+    """Loads the globals a snapshot kept, each on its own; answers what the model is told."""
+    try:
+        fd = os.open(STATE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return "[tandem] the snapshot's globals could not be read: %s\n" % e
+    try:
+        os.unlink(STATE)
+    except OSError:
+        pass
+    try:
+        with os.fdopen(fd, "rb") as f:
+            kept = pickle.load(f)
+        values, not_saved = kept["values"], kept["not_saved"]
+    except BaseException as e:
+        return "[tandem] the snapshot's globals could not be read: %s: %s\n" % (type(e).__name__, e)
+    restored, failed = [], []
+    for name, data in values.items():
+        try:
+            main.__dict__[name] = pickle.loads(data)
+            restored.append(name)
+        except BaseException as e:
+            failed.append("%s (%s: %s)" % (name, type(e).__name__, e))
+    for item in not_saved:
+        failed.append("%s (not saved: %s)" % (item["name"], item["why"]))
+    note = "[tandem] restored from the snapshot: %s\n" % (", ".join(restored) or "no globals")
+    if failed:
+        note += "[tandem] not restored, define again if needed: %s\n" % "; ".join(failed)
+    return note
+
+
 sys.meta_path.insert(0, ShowWatch())
 main = types.ModuleType("__main__")
 main.__builtins__ = builtins
 sys.modules["__main__"] = main
+restored_note = restore_state()
 saved = (os.dup(1), os.dup(2))
 n = 0
 while True:
@@ -115,6 +227,9 @@ while True:
     body = read_exact(inp, struct.unpack(">I", head)[0])
     if body is None:
         os._exit(0)
+    if body[:1] == b"\0":
+        command(body)
+        continue
     n += 1
     code = body.decode("utf-8", "replace")
     name = "<block %d>" % n
@@ -130,6 +245,10 @@ while True:
     os.close(w2)
     status, exit_code = "ok", 0
     ShowWatch.shown = False
+    if restored_note:
+        # The first block after a restore tells the model which globals came back.
+        print(restored_note, end="", file=sys.stderr)
+        restored_note = None
     try:
         running.set()
         try:

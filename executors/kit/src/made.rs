@@ -65,15 +65,6 @@ fn digest(from: &mut impl Read) -> std::io::Result<(u64, [u8; 32])> {
     Ok((bytes, hasher.finalize().into()))
 }
 
-/// Whether `path` is Tandem's own: a block's script or a kept interpreter's channel
-/// (`.tandem*` at the top of the workspace).
-pub fn is_tandems(path: &Path) -> bool {
-    path.components()
-        .next()
-        .and_then(|c| c.as_os_str().to_str())
-        .is_some_and(|first| first.starts_with(".tandem"))
-}
-
 /// The files of `workspace` the task made or changed, in path order: the keeper walks it
 /// (no link followed, at most `max_entries` entries looked at).
 pub fn made(
@@ -83,7 +74,7 @@ pub fn made(
 ) -> Result<Vec<ListedFile>, ArchiveError> {
     Ok(archive::list(workspace, max_entries)?
         .into_iter()
-        .filter(|f| !is_tandems(&f.path) && !given.unchanged(workspace, f))
+        .filter(|f| !archive::is_tandems(&f.path) && !given.unchanged(workspace, f))
         .collect())
 }
 

@@ -204,6 +204,7 @@ pub async fn supervise<W: Wait>(
         stdout,
         stderr,
         duration,
+        resources: None,
     })
 }
 

@@ -196,20 +196,23 @@ pub(crate) fn readable(prefixes: &[PathBuf], extra: &[PathBuf]) -> Vec<PathBuf> 
     read
 }
 
-/// The policy for a session: `workspace` and `tmp` writable, `read` ([`readable`]) readable;
-/// with `required`, a block that cannot have its own PID namespace does not run.
+/// The policy for a session: `workspace`, `tmp` and `also_write` (its volumes) writable,
+/// `read` ([`readable`]) readable; with `required`, a block that cannot have its own PID
+/// namespace does not run.
 pub(crate) fn policy(
     workspace: &Path,
     tmp: &Path,
+    also_write: &[PathBuf],
     read: &[PathBuf],
     network: bool,
     required: bool,
 ) -> std::io::Result<Policy> {
-    let write = [
+    let mut write = vec![
         workspace.to_owned(),
         tmp.to_owned(),
         PathBuf::from("/dev/null"),
     ];
+    write.extend(also_write.iter().cloned());
     let support = Support::probe();
     let tcp = !network && support.landlock_abi >= 4;
     let paths = Paths {
@@ -244,12 +247,14 @@ impl Policy {
     /// A fresh Landlock ruleset for one block. Each block gets its own because its waiter adds
     /// a rule for the block's own `/proc` (a new procfs each time): on a ruleset shared by the
     /// session, those rules would pile up, one per block, in every later domain.
-    pub(crate) fn ruleset(&self, egress: bool) -> std::io::Result<OwnedFd> {
+    pub(crate) fn ruleset(&self, egress: bool, own_network: bool) -> std::io::Result<OwnedFd> {
         ruleset(
             self.paths.abi,
             &self.paths.read,
             &self.paths.write,
-            self.tcp,
+            // In its session's network namespace, whose one interface is its loopback, a
+            // block may serve and connect there: what it reaches is its own session's.
+            self.tcp && !own_network,
             // Behind the proxy the block is in a network namespace of its own whose only
             // listener is the relay: connecting to its port reaches nothing else.
             egress.then_some(tandem_executor::EGRESS_PORT),

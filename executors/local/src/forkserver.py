@@ -5,8 +5,17 @@
 # status pipes), a fourth, the session's Landlock ruleset, when the block is to be
 # confined, and last the block's end of its tools channel when it has one; the reply is the pid of the block's waiter. On the status pipe the block
 # writes its own pid once it leads its own session, then the waiter writes the block's raw
-# wait status; EOF follows once every process the block started is dead.
-import _thread, fcntl, io, json, os, resource, signal, socket, struct, sys
+# wait status, `usage` and what the block used as JSON, and `kept` when servers the block
+# left listening run on; EOF follows once
+# every process the block started is dead, or kept.
+#
+# A request {"op": "hold"} (one fd: the holder's end of its control socket) starts a
+# session's holder instead: a process that makes the session's network namespace, keeps it,
+# relays its loopback port 3128 to the egress proxy when the session is behind one, and on
+# its control socket dials the session's ports and lists them. Its blocks join that
+# namespace; servers they leave listening outlive them until the holder ends (the Rust side
+# closes its socket when the session closes). The reply is `ok` or `!` and the reason.
+import _thread, fcntl, io, json, os, resource, select, signal, socket, struct, sys, time
 
 ctl = socket.socket(fileno=3)
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the waiters are reaped by the kernel
@@ -337,32 +346,254 @@ def relay_loop(listener, path):
                 slots[0] += 1
 
 
-def start_relay(path, keep_from):
-    """Gives the block a network namespace of its own whose one listener, on its loopback,
-    relays to the egress proxy's socket: the block's only way out. Returns the relay's pid;
-    the relay dies with this waiter."""
-    if _prctl is None:
-        raise Refused("this Python has no ctypes")
-    check(_libc.unshare(CLONE_NEWNET), "a network namespace for the block")
-    lo_up()
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", EGRESS_PORT))
-    listener.listen(128)
+# Each hold's network namespace and the read end of its life pipe (EOF once the holder is
+# gone), by the id the Rust side gave it.
+HOLDS = {}
+
+
+def holds_except(keep):
+    """The fds of every hold but `keep`: a fork closes them, so that no block holds another
+    session's network."""
+    return [fd for hid, fds in HOLDS.items() if hid != keep for fd in fds]
+
+
+def forget_dead_holds():
+    """Drops the holds whose holder has ended (its life pipe reads EOF). Asked with poll,
+    which, unlike select, takes descriptors of any number."""
+    if not HOLDS:
+        return
+    poller = select.poll()
+    for _, life in HOLDS.values():
+        poller.register(life, select.POLLIN)
+    ended = {fd for fd, _ in poller.poll(0)}
+    for hid, (net, life) in list(HOLDS.items()):
+        if life in ended:
+            os.close(net)
+            os.close(life)
+            del HOLDS[hid]
+
+
+def table_sockets(state):
+    """The inodes of this network namespace's TCP sockets in `state` (hex, as the kernel
+    writes it), by local port."""
+    found = {}
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    cols = line.split()
+                    if len(cols) > 9 and cols[3] == state:
+                        found[cols[9]] = int(cols[1].rsplit(":", 1)[1], 16)
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def dial_local(port):
+    """A connection to `port` on this namespace's loopback (IPv4, then IPv6), or why not."""
+    why = "nothing listens on it"
+    for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.settimeout(10)
+        try:
+            s.connect((host, port))
+            s.settimeout(None)
+            return s, None
+        except OSError as e:
+            s.close()
+            if family == socket.AF_INET and not isinstance(e, ConnectionRefusedError):
+                why = e.strerror or str(e)
+    return None, why
+
+
+def serve_holder(conn, skip):
+    """Answers the Rust side: `dial PORT` with the connected socket (or `!` and why), `list`
+    with the ports listened on (JSON), until it closes its end."""
+    while True:
+        try:
+            msg = conn.recv(256)
+        except InterruptedError:
+            continue
+        except OSError:
+            return
+        if not msg:
+            return
+        words = msg.split()
+        try:
+            if words[:1] == [b"dial"] and len(words) == 2:
+                s, why = dial_local(int(words[1]))
+                if s is None:
+                    conn.send(b"!" + why.encode())
+                else:
+                    socket.send_fds(conn, [b"ok"], [s.fileno()])
+                    s.close()
+            elif words == [b"list"]:
+                ports = set(table_sockets("0A").values()) - skip
+                conn.send(json.dumps(sorted(ports)).encode())
+            else:
+                conn.send(b"!unknown request")
+        except (OSError, ValueError) as e:
+            try:
+                conn.send(("!%s" % e).encode())
+            except OSError:
+                return
+
+
+def holder(req, conn_fd, back):
+    """The session's holder (a child of this server): makes and keeps the session's network
+    namespace, sends the server that namespace and the read end of a pipe that only this
+    process holds, then serves the Rust side."""
+    try:
+        os.setsid()
+        _prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: ends with the server
+        for fd in holds_except(None):
+            os.close(fd)
+        check(_libc.unshare(CLONE_NEWNET), "a network namespace for the session")
+        lo_up()
+        skip = set()
+        listener = None
+        if req.get("egress"):
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", EGRESS_PORT))
+            listener.listen(128)
+            skip.add(EGRESS_PORT)
+        life_r, life_w = os.pipe()
+        net = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        socket.send_fds(back, [b"ok"], [net, life_r])
+        os.close(net)
+        os.close(life_r)
+        back.close()
+        if listener is not None:
+            _thread.start_new_thread(relay_loop, (listener, req["egress"]))
+        serve_holder(socket.socket(fileno=conn_fd), skip)
+    except BaseException as e:
+        try:
+            back.send(("!%s" % e).encode())
+        except OSError:
+            pass
+    finally:
+        os._exit(0)
+
+
+def start_hold(req, fds):
+    """Starts a session's holder; the reply for the Rust side."""
+    if not ISOLATED or _prctl is None:
+        for fd in fds:
+            os.close(fd)
+        return b"!blocks here share this machine's network (confinement or its user namespace is off)"
+    if not fds:
+        return b"!no control socket came with the request"
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
+        ctl.close()
+        mine.close()
+        for fd in fds[1:]:
+            os.close(fd)
+        holder(req, fds[0], theirs)
+    theirs.close()
+    for fd in fds:
+        os.close(fd)
+    got = []
+    try:
+        mine.settimeout(10)
+        msg, got, _, _ = socket.recv_fds(mine, 4096, 2)
+    except OSError as e:
+        msg = ("!%s" % e).encode()
+    mine.close()
+    if msg == b"ok" and len(got) == 2:
+        for fd in got:
+            os.set_inheritable(fd, False)
+        HOLDS[req["id"]] = got
+        return b"ok"
+    for fd in got:
+        os.close(fd)
+    return msg or b"!the session's holder ended as it started"
+
+
+def join_hold(fds):
+    """Moves this waiter into its session's network namespace; returns the life pipe."""
+    net, life = fds
+    check(_libc.setns(net, CLONE_NEWNET), "joining the session's network namespace")
+    os.close(net)
+    return life
+
+
+def others():
+    """Every process of this PID namespace but its init (this process)."""
+    return [int(n) for n in os.listdir("/proc") if n.isdigit() and n != "1"]
+
+
+def reap():
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] != 0:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def listening(pids):
+    """Those of `pids` that hold a listening TCP socket of this network namespace."""
+    sockets = {"socket:[%s]" % inode for inode in table_sockets("0A")}
+    found = set()
+    if not sockets:
+        return found
+    for pid in pids:
+        base = "/proc/%d/fd" % pid
         try:
-            _prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-            # The block's pipes end only when every holder is gone: the relay holds none.
-            for fd in keep_from:
-                if fd is not None:
-                    os.close(fd)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            relay_loop(listener, path)
-        finally:
-            os._exit(0)
-    listener.close()
-    return pid
+            names = os.listdir(base)
+        except OSError:
+            continue
+        for name in names:
+            try:
+                if os.readlink(base + "/" + name) in sockets:
+                    found.add(pid)
+                    break
+            except OSError:
+                pass
+    return found
+
+
+def keep_servers(ended):
+    """In the init of a finished block's PID namespace: keeps the processes that listen (one
+    still starting gets until half a second after `ended`) and kills the rest, each pass
+    stopping what it finds before killing it. True when servers are kept."""
+    if not others():
+        return False
+    while True:
+        keep = listening(others())
+        if keep or time.monotonic() >= ended + 0.5:
+            break
+        time.sleep(0.05)
+    for _ in range(100):
+        left = [p for p in others() if p not in keep]
+        if not left:
+            return bool(keep)
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for p in left:
+                try:
+                    os.kill(p, sig)
+                except OSError:
+                    pass
+        reap()
+    return False
+
+
+def serve_kept(life):
+    """Reaps the kept servers' orphans until none is left or the session's holder ends; the
+    init's exit then ends every process of the namespace."""
+    poller = select.poll()
+    poller.register(life, select.POLLIN)
+    while True:
+        if poller.poll(1000):
+            return
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] != 0:
+                pass
+        except ChildProcessError:
+            return
 
 
 # With the network off, the server itself leaves the network once: every block it forks is
@@ -520,20 +751,43 @@ def scope_away_from_waiter():
         os.close(fd)
 
 
-def waiter(req, out, err, status, rules=None):
+def usage():
+    """What the block and every process it left (this waiter, their subreaper, reaped them
+    all) used: the kernel adds a reaped child's CPU time, peak and I/O counts to its
+    reaper's. The peak is the largest single process's resident set, not their sum."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = {
+        "cpu_secs": round(r.ru_utime + r.ru_stime, 6),
+        "peak_memory_bytes": r.ru_maxrss * 1024,
+        "peak_memory_scope": "block",
+        "source": "getrusage",
+    }
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k == "write_bytes":
+                    out["disk_written_bytes"] = int(v)
+    except (OSError, ValueError):
+        out["unavailable"] = "the kernel keeps no I/O counts here (/proc/self/io)"
+    return out
+
+
+def waiter(req, out, err, status, rules=None, hold=None):
     """Start the block, wait for it, clean up after it, report its raw wait status."""
-    relay = None
+    life = None
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         if _prctl is not None:
             _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        if req.get("egress"):
-            # Before the rlimits, which are the block's, not the relay's.
+        if req.get("hold") is not None:
             try:
-                relay = start_relay(req["egress"], (out, err, status, rules))
+                if hold is None:
+                    raise Refused("its holder has ended")
+                life = join_hold(hold)
             except (Refused, OSError) as e:
                 report_pid(status, os.getpid())
-                os.write(err, ("tandem: cannot give the block its way out through the egress proxy: %s\n" % e).encode())
+                os.write(err, ("tandem: cannot give the block its session's network: %s\n" % e).encode())
                 os.write(status, b"%d\n" % (127 << 8))
                 return
         for name, limit in req["rlimits"]:
@@ -554,20 +808,24 @@ def waiter(req, out, err, status, rules=None):
         else:
             pid = os.fork()
             if pid == 0:
+                if life is not None:
+                    os.close(life)
                 block(req, out, err, status)
         os.close(out)
         os.close(err)
         _, wstatus = os.waitpid(pid, 0)
-        # The relay is this waiter's child, unless this is the init of the block's PID
-        # namespace (the waiter outside, its parent, takes it along when it exits).
-        if relay is not None and not IN_PID_NAMESPACE:
-            os.kill(relay, signal.SIGKILL)
-            os.waitpid(relay, 0)
+        kept = IN_PID_NAMESPACE and life is not None and keep_servers(time.monotonic())
         # In its own PID namespace the block's leftovers die with this init, which exits
-        # next; outside one, this waiter, their subreaper, kills them.
+        # next (or, keeping servers, once its session's holder ends); outside one, this
+        # waiter, their subreaper, kills them.
         if not IN_PID_NAMESPACE:
             kill_descendants()
         os.write(status, b"%d\n" % wstatus)
+        os.write(status, b"usage %s\n" % json.dumps(usage()).encode())
+        if kept:
+            os.write(status, b"kept\n")
+            os.close(status)
+            serve_kept(life)
     finally:
         os._exit(0)
 
@@ -582,6 +840,10 @@ while True:
     if not msg:
         os._exit(0)
     req = json.loads(msg)
+    forget_dead_holds()
+    if req.get("op") == "hold":
+        ctl.send(start_hold(req, fds))
+        continue
     # The block's end of its tools channel comes last; the block and what it starts inherit
     # it, and find it by number.
     if req.get("tools") and len(fds) > 3:
@@ -595,7 +857,14 @@ while True:
     pid = os.fork()
     if pid == 0:
         ctl.close()
-        waiter(req, *fds[:3], rules=fds[3] if req.get("confine") and len(fds) > 3 else None)
+        for fd in holds_except(req.get("hold")):
+            os.close(fd)
+        waiter(
+            req,
+            *fds[:3],
+            rules=fds[3] if req.get("confine") and len(fds) > 3 else None,
+            hold=HOLDS.get(req.get("hold")),
+        )
     for f in fds:
         os.close(f)
     ctl.send(str(pid).encode())

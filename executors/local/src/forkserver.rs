@@ -30,6 +30,8 @@ pub(crate) struct Launched {
 pub(crate) struct ForkServer {
     ctl: Mutex<OwnedFd>,
     child: Mutex<Child>,
+    /// The next id for a session's holder.
+    holds: std::sync::atomic::AtomicU64,
 }
 
 impl ForkServer {
@@ -84,6 +86,7 @@ impl ForkServer {
         Ok(Self {
             ctl: Mutex::new(ours),
             child: Mutex::new(child),
+            holds: std::sync::atomic::AtomicU64::new(1),
         })
     }
 
@@ -127,6 +130,38 @@ impl ForkServer {
             stderr: err_r,
             status: st_r,
         })
+    }
+
+    /// An id for a new session's holder, unique for this server.
+    pub(crate) fn next_hold_id(&self) -> u64 {
+        self.holds
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Starts a session's holder (`request`, an `op: hold` line) whose control socket is
+    /// `theirs`; blocking. An error carries the server's reason.
+    pub(crate) fn hold(&self, request: &[u8], theirs: OwnedFd) -> io::Result<()> {
+        let ctl = self
+            .ctl
+            .lock()
+            .map_err(|_| io::Error::other("fork server lock poisoned"))?;
+        sendmsg::<()>(
+            ctl.as_raw_fd(),
+            &[IoSlice::new(request)],
+            &[ControlMessage::ScmRights(&[theirs.as_raw_fd()])],
+            MsgFlags::empty(),
+            None,
+        )?;
+        drop(theirs);
+        let mut reply = [0u8; 1024];
+        let n = recv(ctl.as_raw_fd(), &mut reply, MsgFlags::empty())?;
+        match &reply[..n] {
+            b"ok" => Ok(()),
+            [] => Err(io::Error::other("the Python fork server stopped answering")),
+            text => Err(io::Error::other(
+                String::from_utf8_lossy(text.strip_prefix(b"!").unwrap_or(text)).into_owned(),
+            )),
+        }
     }
 
     /// Whether the server process is still running.

@@ -14,6 +14,8 @@ pub(crate) struct TreeKiller {
     marker: String,
     /// Whether the marker is all there is (no subreaper waiter around the block).
     marker_only: bool,
+    /// Whether it kills at all (see [`TreeKiller::disarm`]).
+    armed: bool,
 }
 
 impl TreeKiller {
@@ -27,10 +29,27 @@ impl TreeKiller {
                 .map(Pid::from_raw),
             marker: format!("{MARKER_VAR}={exec_id}"),
             marker_only,
+            armed: true,
         }
     }
 
-    pub(crate) fn kill_all(&self) {
+    /// Kills nothing, now or when dropped: the block's processes that are left are servers
+    /// its PID namespace's init keeps, and they end with their session.
+    pub(crate) fn disarm(mut self) {
+        self.pgid = None;
+        self.armed = false;
+    }
+
+    /// Kills them all now, once: what it leaves when dropped is nothing more to do.
+    pub(crate) fn kill_all(mut self) {
+        self.kill_now();
+        self.armed = false;
+    }
+
+    fn kill_now(&self) {
+        if !self.armed {
+            return;
+        }
         if let Some(pgid) = self.pgid {
             let _ = killpg(pgid, Signal::SIGKILL);
         }
@@ -56,7 +75,7 @@ impl TreeKiller {
 
 impl Drop for TreeKiller {
     fn drop(&mut self) {
-        self.kill_all();
+        self.kill_now();
     }
 }
 

@@ -7,6 +7,7 @@
 
 mod confine;
 mod forkserver;
+mod holder;
 mod interpreters;
 mod kill;
 mod run;
@@ -132,11 +133,17 @@ impl Inner {
         workspace: &Path,
         tmp: &Path,
         tools: &Path,
+        volumes: &[tandem_executor::VolumeBinding],
     ) -> Result<Option<confine::Policy>, ExecError> {
+        let (read_only, writable): (Vec<_>, Vec<_>) = volumes.iter().partition(|v| v.read_only);
         match (unconfined_because(&self.config), self.config.confine) {
             (None, _) => confine::policy(
                 workspace,
                 tmp,
+                &writable
+                    .iter()
+                    .map(|v| v.host_dir.clone())
+                    .collect::<Vec<_>>(),
                 &self
                     .readable
                     .get_or_init(|| {
@@ -145,6 +152,7 @@ impl Inner {
                     .iter()
                     .cloned()
                     .chain([tools.to_owned()])
+                    .chain(read_only.iter().map(|v| v.host_dir.clone()))
                     .collect::<Vec<_>>(),
                 self.config.network,
                 self.config.confine == Confine::Required,
@@ -282,6 +290,10 @@ impl Executor for LocalExecutor {
         &self.inner.languages
     }
 
+    fn mounts_volumes(&self) -> bool {
+        true
+    }
+
     fn open(&self, spec: SessionSpec) -> BoxFuture<'_, Result<Box<dyn Session>, ExecError>> {
         let inner = self.inner.clone();
         Box::pin(async move {
@@ -311,6 +323,11 @@ struct LocalSession {
     policy: Option<confine::Policy>,
     /// The egress proxy's socket, the blocks' one way out, when the session is behind it.
     egress: Option<PathBuf>,
+    /// Whether the session has a network of its own (a holder), whose ports it publishes:
+    /// confined blocks without the machine's network.
+    publishes: bool,
+    /// The session's holder, once its first block has started it; ended with the session.
+    holder: holder::HolderGuard,
     /// What the proxy gives blocks behind it in their environment.
     egress_env: Vec<(String, String)>,
 }
@@ -332,7 +349,13 @@ impl LocalSession {
             .map_err(|e| ExecError::io("installing the tools module", e))?;
         let (workspace, owned_workspace) =
             scratch::open_workspace(spec.workdir, &inner.root, "tandem-workspace-")?;
-        let policy = inner.policy(&workspace, &scratch.path().join("tmp"), &tools)?;
+        let policy = inner.policy(
+            &workspace,
+            &scratch.path().join("tmp"),
+            &tools,
+            &spec.volumes,
+        )?;
+        place_volumes(&workspace, &spec.volumes, policy.is_some())?;
         let mut egress_env: Vec<(String, String)> = spec
             .egress
             .as_ref()
@@ -346,6 +369,8 @@ impl LocalSession {
                 .map_err(|e| ExecError::io("placing the egress proxy's CA bundle", e))?;
             egress_env.extend(tandem_executor::egress_ca_env(&copy.to_string_lossy()));
         }
+        let publishes =
+            policy.is_some() && !inner.config.network && inner.config.python_fork_server;
         Ok(Self {
             inner,
             workspace,
@@ -353,10 +378,130 @@ impl LocalSession {
             scratch,
             limits: spec.limits,
             blocks: 0,
+            publishes,
+            holder: holder::HolderGuard(Arc::new(std::sync::Mutex::new(holder::Slot::Waiting))),
             policy,
             egress_env,
             egress: spec.egress.map(|e| e.socket),
         })
+    }
+}
+
+/// Makes each volume appear where its `path` names inside the workspace: a link to its
+/// directory, which the session's ruleset alone lets blocks reach (read-only where asked).
+fn place_volumes(
+    workspace: &Path,
+    volumes: &[tandem_executor::VolumeBinding],
+    confined: bool,
+) -> Result<(), ExecError> {
+    for v in volumes {
+        let unavailable = |hint: String| ExecError::Unavailable {
+            what: format!("volume `{}` at `{}` on the local executor", v.name, v.path),
+            hint,
+        };
+        if v.path.starts_with('/') {
+            return Err(unavailable(
+                "local blocks share this machine's filesystem: mount the volume inside the workspace (a relative path such as `data`), or at /data on docker".into(),
+            ));
+        }
+        if v.read_only && !confined {
+            return Err(unavailable(
+                "a read-only volume needs confined blocks (Landlock), which this machine or the [executors.local] confine setting does not give; use docker".into(),
+            ));
+        }
+        link_beneath(workspace, Path::new(&v.path), &v.host_dir).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::AlreadyExists {
+                unavailable("the workspace already has something there; name another path".into())
+            } else {
+                ExecError::Workspace {
+                    path: workspace.join(&v.path),
+                    source: e,
+                }
+            }
+        })?;
+    }
+    Ok(())
+}
+
+/// Makes the link `rel` beneath `workspace` to `target`, its parents made as needed, every
+/// step opened beneath the one before without following a link: a kept workspace is what
+/// earlier blocks shaped, and a link they planted on the way must not lead the daemon's own
+/// write elsewhere on the host. A link already there to `target` (a second session on the
+/// workspace) is kept.
+fn link_beneath(workspace: &Path, rel: &Path, target: &Path) -> std::io::Result<()> {
+    use nix::fcntl::{OFlag, openat, readlinkat};
+    use nix::sys::stat::{Mode, mkdirat};
+    use std::os::fd::AsFd;
+    let errno = |e: nix::errno::Errno| std::io::Error::from_raw_os_error(e as i32);
+    let parts = tandem_executor_kit::keeper::plain(rel)
+        .filter(|p| !p.is_empty())
+        .ok_or_else(|| {
+            std::io::Error::other(format!("`{}` leaves the workspace", rel.display()))
+        })?;
+    let (name, parents) = parts
+        .split_last()
+        .ok_or_else(|| std::io::Error::other("no name"))?;
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let mut dir = tandem_executor_kit::keeper::open_root(workspace)?;
+    for part in parents {
+        match mkdirat(dir.as_fd(), *part, Mode::from_bits_truncate(0o777)) {
+            Ok(()) | Err(nix::errno::Errno::EEXIST) => {}
+            Err(e) => return Err(errno(e)),
+        }
+        dir = openat(dir.as_fd(), *part, flags, Mode::empty()).map_err(errno)?;
+    }
+    if readlinkat(dir.as_fd(), *name).is_ok_and(|to| Path::new(&to) == target) {
+        return Ok(());
+    }
+    nix::unistd::symlinkat(target, dir.as_fd(), *name).map_err(errno)
+}
+
+impl LocalSession {
+    /// The id of the session's holder on `server`, started on first use; `None` when the
+    /// session has none (its blocks then share the fork server's empty network). Behind the
+    /// egress proxy a holder is the only way out, so one that cannot start fails the block.
+    async fn hold(&self, server: &Arc<ForkServer>) -> Result<Option<u64>, ExecError> {
+        if !self.publishes {
+            return Ok(None);
+        }
+        let slot = self.holder.0.clone();
+        let lost = || ExecError::Backend("the session's holder lock is poisoned".into());
+        {
+            let slot = slot.lock().map_err(|_| lost())?;
+            match &*slot {
+                holder::Slot::Open(h) if Arc::ptr_eq(&h.server, server) => return Ok(Some(h.id)),
+                holder::Slot::Failed(_) if self.egress.is_none() => return Ok(None),
+                holder::Slot::Closed => {
+                    return Err(ExecError::Backend("the session is closed".into()));
+                }
+                _ => {}
+            }
+        }
+        let (server, egress) = (server.clone(), self.egress.clone());
+        let started =
+            tokio::task::spawn_blocking(move || holder::Holder::start(&server, egress.as_deref()))
+                .await
+                .map_err(|e| ExecError::Backend(format!("starting the session's holder: {e}")))?;
+        let mut slot = slot.lock().map_err(|_| lost())?;
+        match started {
+            Ok(h) => {
+                let id = h.id;
+                *slot = holder::Slot::Open(Arc::new(h));
+                Ok(Some(id))
+            }
+            Err(e) if self.egress.is_some() => {
+                *slot = holder::Slot::Failed(e.to_string());
+                Err(ExecError::Unavailable {
+                    what: "the way out through the egress proxy".into(),
+                    hint: format!("the session's network of its own did not start: {e}"),
+                })
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "a local session's network of its own did not start; its blocks share the fork server's, and its ports are not published");
+                *slot = holder::Slot::Failed(e.to_string());
+                Ok(None)
+            }
+        }
     }
 }
 
@@ -374,6 +519,12 @@ impl Session for LocalSession {
 
     fn workspace(&self) -> Option<&Path> {
         Some(&self.workspace)
+    }
+
+    fn ports(&self) -> Option<Arc<dyn tandem_executor::Ports>> {
+        self.publishes.then(|| {
+            Arc::new(holder::LocalPorts(self.holder.0.clone())) as Arc<dyn tandem_executor::Ports>
+        })
     }
 
     fn put_archive(
@@ -397,5 +548,36 @@ impl Session for LocalSession {
                 .collect();
             scratch::remove_dirs(dirs, inner.root.clone()).await
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    #[test]
+    fn a_volume_link_is_made_beneath_the_workspace_and_never_through_a_planted_link() {
+        let ws = tempfile::tempdir().unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        let volume = tempfile::tempdir().unwrap();
+        // Made, its parents too; made again (a second session) is kept.
+        link_beneath(ws.path(), Path::new("a/b/vol"), volume.path()).unwrap();
+        link_beneath(ws.path(), Path::new("a/b/vol"), volume.path()).unwrap();
+        assert_eq!(
+            std::fs::read_link(ws.path().join("a/b/vol")).unwrap(),
+            volume.path()
+        );
+        // A block of an earlier session planted a link where a parent goes: refused, and
+        // nothing is made where it points.
+        std::os::unix::fs::symlink(elsewhere.path(), ws.path().join("planted")).unwrap();
+        assert!(link_beneath(ws.path(), Path::new("planted/vol"), volume.path()).is_err());
+        // And at the name itself: refused as taken, not written through.
+        std::os::unix::fs::symlink(elsewhere.path(), ws.path().join("taken")).unwrap();
+        let e = link_beneath(ws.path(), Path::new("taken"), volume.path()).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::AlreadyExists);
+        assert_eq!(std::fs::read_dir(elsewhere.path()).unwrap().count(), 0);
+        assert!(link_beneath(ws.path(), Path::new("../out"), volume.path()).is_err());
     }
 }

@@ -3,10 +3,12 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tandem_executor::{
     BoxFuture, ExecContext, ExecError, ExecOutcome, ExecRequest, ExitStatus, Language, Limits,
+    Resources,
 };
 use tandem_executor_kit::process::{self, Reader, Started, Wait};
 use tandem_executor_kit::workspace::{BlockScript, write_block_script};
@@ -18,14 +20,19 @@ use crate::LocalSession;
 use crate::forkserver::{ForkServer, decode_wait_status};
 use crate::kill::{MARKER_VAR, TreeKiller};
 
+/// What a forked block used, as its waiter reported it.
+type Used = Arc<std::sync::Mutex<Option<Resources>>>;
+
 /// How long a forked block may take to report that it started.
 const FORK_START_LIMIT: Duration = Duration::from_secs(10);
 
 /// A started block: how to learn how it ended.
 enum Running {
     Spawned(Child),
-    /// Forked by the Python fork server; its waiter writes the wait status here.
-    Forked(BufReader<pipe::Receiver>),
+    /// Forked by the Python fork server; its waiter writes the wait status here, what the
+    /// block used (kept in the third), and `kept` when servers the block left run on (then
+    /// set in the second).
+    Forked(BufReader<pipe::Receiver>, Arc<AtomicBool>, Used),
 }
 
 impl Wait for Running {
@@ -33,17 +40,29 @@ impl Wait for Running {
         Box::pin(async move {
             match self {
                 Running::Spawned(child) => Wait::wait(child).await,
-                Running::Forked(status) => {
+                Running::Forked(status, kept, used) => {
                     let mut text = String::new();
                     status
                         .read_to_string(&mut text)
                         .await
                         .map_err(|e| ExecError::io("waiting for the block's process", e))?;
+                    let mut lines = text.lines();
                     // No status means the waiter itself was killed.
-                    Ok(text
-                        .trim()
-                        .parse::<i32>()
-                        .map_or(ExitStatus::Signaled(9), decode_wait_status))
+                    let status = lines
+                        .next()
+                        .and_then(|l| l.trim().parse::<i32>().ok())
+                        .map_or(ExitStatus::Signaled(9), decode_wait_status);
+                    for line in lines {
+                        if line == "kept" {
+                            kept.store(true, Ordering::SeqCst);
+                        } else if let Some(json) = line.strip_prefix("usage ") {
+                            let parsed = serde_json::from_str(json).ok();
+                            if let Ok(mut slot) = used.lock() {
+                                *slot = parsed;
+                            }
+                        }
+                    }
+                    Ok(status)
                 }
             }
         })
@@ -143,6 +162,7 @@ async fn supervise(
     let marker_only = server.is_none();
     let started = match server {
         Some(server) => {
+            let hold = session.hold(&server).await?;
             let confine = session.policy.as_ref();
             let request = ForkRequest {
                 script,
@@ -155,11 +175,11 @@ async fn supervise(
                     .collect(),
                 confine,
                 tools: channel.is_some(),
-                egress: session.egress.as_deref(),
+                hold,
             };
             let behind = session.egress.is_some();
             let ruleset = confine
-                .map(|c| c.ruleset(behind))
+                .map(|c| c.ruleset(behind, hold.is_some()))
                 .transpose()
                 .map_err(|e| ExecError::io("making the block's Landlock ruleset", e))?;
             fork(
@@ -190,15 +210,38 @@ async fn supervise(
     let killer = TreeKiller::new(started.pid, &exec_id, marker_only);
     // The calls are answered while the block runs, and no longer.
     let serving = channel.map(|c| tokio::spawn(c.serve));
-    // Background processes of a finished block die with it, as do all of a killed one.
+    let (kept, used) = match &started.wait {
+        Running::Forked(_, kept, used) => (kept.clone(), Some(used.clone())),
+        Running::Spawned(_) => (Arc::new(AtomicBool::new(false)), None),
+    };
+    // Servers it kept hold the block's pipes: what they write later is read and dropped.
+    let started = Started {
+        stdout: Box::new(Drained::new(started.stdout, kept.clone())) as Reader,
+        stderr: Box::new(Drained::new(started.stderr, kept.clone())) as Reader,
+        ..started
+    };
+    // Background processes of a finished block die with it, as do all of a killed one; but
+    // for the servers its PID namespace's init kept, which die with the session's holder.
     let outcome = process::supervise(started, timeout, limits.output_bytes, &ctx, move || {
-        killer.kill_all()
+        if kept.load(Ordering::SeqCst) {
+            killer.disarm();
+        } else {
+            killer.kill_all();
+        }
     })
     .await;
     if let Some(serving) = serving {
         serving.abort();
     }
-    outcome
+    outcome.map(|mut outcome| {
+        let measured = used.and_then(|u| u.lock().ok().and_then(|mut u| u.take()));
+        outcome.resources = Some(measured.unwrap_or_else(|| {
+            Resources::unavailable(
+                "the block ran without the fork server, whose waiter measures what blocks use",
+            )
+        }));
+        outcome
+    })
 }
 
 /// A block's tools channel: the block's end, and the future that answers on ours.
@@ -283,10 +326,10 @@ struct ForkRequest<'a> {
     confine: Option<&'a crate::confine::Policy>,
     /// Whether the block's tools channel comes as the last descriptor.
     tools: bool,
-    /// The egress proxy's socket: the waiter gives the block a network namespace of its own
-    /// whose loopback port is relayed there, and nothing else.
+    /// The session's holder, whose network namespace the block joins (and whose servers the
+    /// block's PID namespace keeps); `None` leaves it in the fork server's empty one.
     #[serde(skip_serializing_if = "Option::is_none")]
-    egress: Option<&'a Path>,
+    hold: Option<u64>,
 }
 
 /// Starts a block as a fork of the warm Python (which execs `argv` for other languages).
@@ -330,6 +373,51 @@ async fn fork(
         pid: Some(pid),
         stdout: out,
         stderr: err,
-        wait: Running::Forked(status),
+        wait: Running::Forked(status, Arc::new(AtomicBool::new(false)), Used::default()),
     })
+}
+
+/// A block's output pipe that, dropped once its block kept servers, is read to its end in
+/// the background: those servers hold it and write on, and a write must not fail them.
+struct Drained {
+    inner: Option<Reader>,
+    kept: Arc<AtomicBool>,
+}
+
+impl Drained {
+    fn new(inner: Reader, kept: Arc<AtomicBool>) -> Self {
+        Self {
+            inner: Some(inner),
+            kept,
+        }
+    }
+}
+
+impl tokio::io::AsyncRead for Drained {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.inner.as_mut() {
+            Some(inner) => std::pin::Pin::new(inner).poll_read(cx, buf),
+            None => std::task::Poll::Ready(Ok(())),
+        }
+    }
+}
+
+impl Drop for Drained {
+    fn drop(&mut self) {
+        if !self.kept.load(Ordering::SeqCst) {
+            return;
+        }
+        if let (Some(mut inner), Ok(runtime)) =
+            (self.inner.take(), tokio::runtime::Handle::try_current())
+        {
+            // Ends at EOF, when the last server holding the pipe dies with its session.
+            runtime.spawn(async move {
+                let _ = tokio::io::copy(&mut inner, &mut tokio::io::sink()).await;
+            });
+        }
+    }
 }

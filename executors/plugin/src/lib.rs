@@ -534,6 +534,7 @@ impl PluginSession {
             stdout: output.stdout.finish(),
             stderr: output.stderr.finish(),
             duration,
+            resources: None,
         })
     }
 }

@@ -101,6 +101,9 @@ pub struct ExitFrame {
     pub signal: Option<i32>,
     /// The sandbox's memory limit killed something while it ran.
     pub oom: bool,
+    /// What the block used, as the runner measured it in the sandbox.
+    #[serde(default)]
+    pub resources: Option<Box<tandem_executor::Resources>>,
 }
 
 /// Largest frame the runner sends (its output chunks are 64 KiB); a bigger header is not the
@@ -411,6 +414,8 @@ pub struct Block {
     pub stderr: Captured,
     /// How long it took.
     pub duration: Duration,
+    /// What it used, when the runner measured it.
+    pub resources: Option<tandem_executor::Resources>,
     /// The runner reported the block's end; when it did not, the runner is gone or stuck
     /// and the connection must not be used again.
     pub answered: bool,
@@ -444,6 +449,7 @@ impl Block {
             stdout: self.stdout,
             stderr: self.stderr,
             duration: self.duration,
+            resources: self.resources,
         }
     }
 }
@@ -451,7 +457,7 @@ impl Block {
 /// What [`run`] did not get to: a refused block is an outcome, not an error.
 pub enum Prepared {
     /// The block's script path could not be used.
-    Refused(ExecOutcome),
+    Refused(Box<ExecOutcome>),
     /// Run it.
     Ready(Box<Block>),
 }
@@ -483,7 +489,11 @@ pub async fn run(
     // imports see the files earlier blocks saved.
     let (rel, transient) = match block_script_path(&req.code, number, req.language.extension()) {
         Ok(named) => named,
-        Err(e) => return Ok(Prepared::Refused(ExecOutcome::refused(&e.to_string()))),
+        Err(e) => {
+            return Ok(Prepared::Refused(Box::new(ExecOutcome::refused(
+                &e.to_string(),
+            ))));
+        }
     };
     let path = format!("/workspace/{}", rel.display());
     // Memory is the sandbox's cgroup limit, not an address-space rlimit.
@@ -568,6 +578,7 @@ pub async fn run(
         }
     };
     let answered = exit.is_some();
+    let resources = exit.as_ref().and_then(|e| e.resources.as_deref().cloned());
     let status = match (stopped, exit) {
         (Some(stopped), _) => stopped,
         (None, Some(ExitFrame { oom: true, .. })) => ExitStatus::OutOfMemory,
@@ -580,9 +591,9 @@ pub async fn run(
         (None, Some(ExitFrame { signal, .. })) => ExitStatus::Signaled(signal.unwrap_or(9)),
         (None, None) => ExitStatus::Signaled(9),
     };
-    Ok(Prepared::Ready(Box::new(
-        streams.into_block(status, started, answered),
-    )))
+    let mut block = streams.into_block(status, started, answered);
+    block.resources = resources;
+    Ok(Prepared::Ready(Box::new(block)))
 }
 
 /// A block's two output streams as the runner reports them.
@@ -602,6 +613,7 @@ impl Streams {
             stdout: self.out.finish(),
             stderr: self.err.finish(),
             duration: started.elapsed(),
+            resources: None,
             answered,
             runner_error: self.runner_error,
             changes: self.changes,

@@ -206,6 +206,7 @@ def kill_block():
     for _ in range(100):
         left = [p for p in others() if p not in keep]
         if not left:
+            wait_reaped()
             return
         for sig in (signal.SIGSTOP, signal.SIGKILL):
             for p in left:
@@ -236,26 +237,48 @@ def settle(ended):
     kill_block()
 
 
+# Pipes of ended blocks that kept servers may still write to, read and dropped by the one
+# drainer thread. That thread is started with the runner: a block that holds every pid the
+# sandbox allows (a fork bomb) must not be able to make the runner fail to start one later.
+DRAINING = []
+DRAIN_LOCK = threading.Lock()
+DRAIN_R, DRAIN_W = os.pipe()
+os.set_blocking(DRAIN_W, False)
+
+
+def drainer():
+    while True:
+        with DRAIN_LOCK:
+            live = list(DRAINING)
+        # poll, not select: a pipe's number may be past select's 1024.
+        poller = select.poll()
+        for fd in live + [DRAIN_R]:
+            poller.register(fd, select.POLLIN)
+        for fd, _ in poller.poll():
+            if fd == DRAIN_R:
+                os.read(DRAIN_R, 512)
+                continue
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                with DRAIN_LOCK:
+                    DRAINING.remove(fd)
+                os.close(fd)
+
+
 def drain(fds):
-    """Reads and drops what kept servers write to their ended block's pipes, so that their
-    logging does not fail; each pipe is closed when the last server holding it dies."""
+    """Hands the ended block's pipes to the drainer, so that the kept servers' logging does
+    not fail; each pipe is closed when the last server holding it dies."""
     if not fds:
         return
-
-    def loop():
-        live = list(fds)
-        while live:
-            ready, _, _ = select.select(live, [], [])
-            for fd in ready:
-                try:
-                    chunk = os.read(fd, 1 << 16)
-                except OSError:
-                    chunk = b""
-                if not chunk:
-                    live.remove(fd)
-                    os.close(fd)
-
-    threading.Thread(target=loop, daemon=True).start()
+    with DRAIN_LOCK:
+        DRAINING.extend(fds)
+    try:
+        os.write(DRAIN_W, b"+")
+    except BlockingIOError:
+        pass  # the drainer has wake-ups pending already
 
 
 def kill_all():
@@ -270,7 +293,32 @@ def kill_all():
             pass
         reap()
         if not others():
+            break
+    wait_reaped()
+
+
+def wait_reaped():
+    """Waits, at most 10 s, until the killed processes are reaped as well: a zombie still
+    holds its pid, and after a fork bomb the next block must find pids to fork. Only the
+    zombies init or this runner will reap are waited for; a kept server's own are its."""
+    deadline = monotonic() + 10.0
+    while True:
+        reap()
+        waiting = False
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) in (1, ME):
+                continue
+            try:
+                with open("/proc/%s/stat" % name, "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] == b"Z" and int(fields[1]) in (1, ME):
+                waiting = True
+                break
+        if not waiting or monotonic() >= deadline:
             return
+        time.sleep(0.01)
 
 
 REAPED = {}  # wait statuses that reap() collected, so the block's own is not lost
@@ -296,6 +344,96 @@ def wait_block(pid, flags):
     except ChildProcessError:
         return True, REAPED.pop(pid, signal.SIGKILL)
     return done != 0, status
+
+
+# What a block uses: the sandbox's cgroup where it can be read (CPU and the peak of memory),
+# and this runner's own I/O counts, into which the kernel adds each child's it reaps. A
+# figure that cannot be read is left out, never reported as zero, and the reason is said.
+def read_first(paths):
+    for path in paths:
+        try:
+            with open(path) as f:
+                return path, f.read()
+        except OSError:
+            pass
+    return None, None
+
+
+def cgroup_cpu_ns():
+    path, text = read_first(["/sys/fs/cgroup/cpu.stat"])
+    if text is not None:
+        for line in text.splitlines():
+            k, _, v = line.partition(" ")
+            if k == "usage_usec":
+                return "cgroup v2", int(v) * 1000
+    path, text = read_first(["/sys/fs/cgroup/cpuacct/cpuacct.usage",
+                             "/sys/fs/cgroup/cpu,cpuacct/cpuacct.usage"])
+    if text is not None and text.strip().isdigit():
+        return "cgroup v1", int(text)
+    return None, None
+
+
+def cgroup_peak():
+    for path, source in (("/sys/fs/cgroup/memory.peak", "cgroup v2"),
+                         ("/sys/fs/cgroup/memory/memory.max_usage_in_bytes", "cgroup v1")):
+        _, text = read_first([path])
+        if text is not None and text.strip().isdigit():
+            return source, int(text)
+    return None, None
+
+
+def written_bytes():
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k == "write_bytes":
+                    return int(v)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def children_cpu():
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+class Usage:
+    """Counts taken at a block's start, turned into its `resources` at its end."""
+
+    def __init__(self):
+        self.source, self.cpu = cgroup_cpu_ns()
+        self.rusage = children_cpu()
+        self.written = written_bytes()
+
+    def report(self):
+        out, why = {}, []
+        source, cpu = cgroup_cpu_ns()
+        if cpu is not None and self.cpu is not None:
+            out["cpu_secs"] = round(max(0, cpu - self.cpu) / 1e9, 6)
+        else:
+            source = "getrusage"
+            out["cpu_secs"] = round(max(0.0, children_cpu() - self.rusage), 6)
+            why.append("the sandbox's cgroup gives no CPU time: the block's reaped processes only")
+        peak_source, peak = cgroup_peak()
+        if peak is not None:
+            out["peak_memory_bytes"] = peak
+            # The runner cannot reset the peak (the cgroup is mounted read-only): Tandem
+            # outside the sandbox does so where it can, and then says it is the block's.
+            out["peak_memory_scope"] = "session"
+            source = source or peak_source
+        else:
+            why.append("the sandbox's cgroup gives no memory peak")
+        written = written_bytes()
+        if written is not None and self.written is not None:
+            out["disk_written_bytes"] = max(0, written - self.written)
+        else:
+            why.append("the kernel keeps no I/O counts here (/proc/self/io)")
+        out["source"] = source
+        if why:
+            out["unavailable"] = "; ".join(why)
+        return out
 
 
 def oom_kills():
@@ -416,6 +554,7 @@ def run(req, stdin_buf):
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     ooms = oom_kills()
+    usage = Usage()
     ours = theirs = None
     if req.get("tools"):
         import socket
@@ -532,9 +671,10 @@ def run(req, stdin_buf):
         except OSError:
             pass
     oom = oom_kills() > ooms
+    resources = usage.report()
     if SYNC:
         report_changes()
-    result = {"code": None, "signal": None, "oom": oom}
+    result = {"code": None, "signal": None, "oom": oom, "resources": resources}
     if os.WIFEXITED(status):
         result["code"] = os.WEXITSTATUS(status)
     else:
@@ -543,8 +683,8 @@ def run(req, stdin_buf):
     return stdin_buf
 
 
-# The workspace as Tandem last saw it: path -> [kind, size, mtime_ns], kind f (regular file),
-# d (directory) or o (anything else: links, FIFOs).
+# The workspace as Tandem last saw it: path -> [kind, size, mtime_ns(, executable)], kind f
+# (regular file), d (directory) or o (anything else: links, FIFOs).
 MANIFEST = {}
 # More entries than this are not listed one by one: Tandem copies the whole workspace.
 MAX_LISTED = 100000
@@ -570,12 +710,14 @@ def inline_tar(changed):
             for path, _ in files:
                 fd = os.open(os.path.join(WORKSPACE, path), os.O_RDONLY | os.O_NOFOLLOW)
                 with os.fdopen(fd, "rb") as f:
+                    executable = os.fstat(f.fileno()).st_mode & 0o111
                     data = f.read(INLINE_BYTES + 1)
                 if len(data) > INLINE_BYTES:
                     return None
                 info = tarfile.TarInfo(path)
                 info.size = len(data)
-                info.mode = 0o644
+                # The executable bit travels, as in every copy Tandem makes; no other bit does.
+                info.mode = 0o755 if executable else 0o644
                 tar.addfile(info, io.BytesIO(data))
     except (OSError, ValueError, UnicodeError):
         return None
@@ -599,7 +741,8 @@ def scan_as_user(previous):
                         found[r] = ["d", 0, 0]
                         stack.append(r)
                     elif stat.S_ISREG(st.st_mode):
-                        found[r] = ["f", st.st_size, st.st_mtime_ns]
+                        # The executable bit too: a chmod alone is a change to copy out.
+                        found[r] = ["f", st.st_size, st.st_mtime_ns, bool(st.st_mode & 0o111)]
                     else:
                         found[r] = ["o", 0, 0]
                     if len(found) > MAX_LISTED:
@@ -680,8 +823,11 @@ def wipe_as_user(release_only):
         for name in dirs + files:
             p = os.path.join(root, name)
             try:
-                if not os.path.islink(p):
-                    os.chmod(p, 0o777 if name in dirs else 0o666)
+                st = os.lstat(p)
+                if not stat.S_ISLNK(st.st_mode):
+                    # Open to its owner on the host; a file keeps its executable bit.
+                    runnable = name in dirs or st.st_mode & 0o111
+                    os.chmod(p, 0o777 if runnable else 0o666)
             except OSError:
                 pass
     if not release_only:
@@ -792,6 +938,7 @@ if os.environ.get("TANDEM_EGRESS_SOCKET"):
     except (OSError, ValueError) as e:
         send(b"!", ("cannot reach the egress proxy: %s" % e).encode())
         os._exit(1)
+threading.Thread(target=drainer, daemon=True).start()
 # A runner started again in a sandbox whose last runner died (a pod is not restarted for it)
 # finds what that runner's last block left running; Tandem's relays stay.
 kill_block()

@@ -185,7 +185,7 @@ impl RunnerSession {
         let conn = self.conn.as_mut().ok_or_else(not_running)?;
         let block = match crate::run(conn, &sandbox, &req, &ctx, &self.limits, self.blocks).await? {
             Prepared::Ready(block) => block,
-            Prepared::Refused(outcome) => return Ok(outcome),
+            Prepared::Refused(outcome) => return Ok(*outcome),
         };
         if !block.answered {
             tracing::warn!(sandbox = %transport.name(), "the runner stopped answering; starting another for the next block");

@@ -1,9 +1,15 @@
 //! Running one block: write it into the workspace, instantiate the runtime afresh with the
 //! workspace preopened, call `_start` under the limits, and classify how it ended.
 
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use tandem_executor::{ExecContext, ExecError, ExecOutcome, ExecRequest, ExitStatus, Stream};
+use tandem_executor::{
+    ExecContext, ExecError, ExecOutcome, ExecRequest, ExitStatus, PeakScope, Resources, Stream,
+};
 use tandem_executor_kit::process::{Bounded, bounded};
 use tandem_executor_kit::workspace::{BlockScript, write_block_script};
 use wasmtime::component::{self, ResourceTable};
@@ -57,9 +63,12 @@ impl WasiView for Guest<P2> {
 
 /// Refuses memory growth past the cap (the guest's allocator then fails cleanly, which
 /// CPython reports as `MemoryError`) and remembers that it did.
+#[derive(Clone, Copy)]
 struct MemoryCap {
     max: usize,
     refused: bool,
+    /// The largest linear memory granted: the block's peak, as a fresh store is its own.
+    peak: usize,
 }
 
 impl ResourceLimiter for MemoryCap {
@@ -73,6 +82,7 @@ impl ResourceLimiter for MemoryCap {
             self.refused = true;
             return Ok(false);
         }
+        self.peak = self.peak.max(desired);
         Ok(true)
     }
 
@@ -165,14 +175,17 @@ async fn execute(
     let cap = MemoryCap {
         max: usize::try_from(max).unwrap_or(usize::MAX),
         refused: false,
+        peak: 0,
     };
+    let cpu = Arc::new(AtomicU64::new(0));
     let _ticking = inner.ticker.activate();
     let started = Instant::now();
-    let (ended, refused) = match pre {
+    let (ended, cap) = match pre {
         Pre::Module(pre) => {
             let mut store = new_store(session, wasi.build_p1(), cap)?;
-            let ended = supervise(start_command(pre, &mut store), timeout, &ctx).await;
-            (ended, store.data().cap.refused)
+            let run = CpuTimed::new(start_command(pre, &mut store), cpu.clone());
+            let ended = supervise(run, timeout, &ctx).await;
+            (ended, store.data().cap)
         }
         Pre::Component(pre) => {
             let p2 = P2 {
@@ -180,12 +193,13 @@ async fn execute(
                 table: ResourceTable::new(),
             };
             let mut store = new_store(session, p2, cap)?;
-            let ended = supervise(call_run(pre, &mut store, guest_path), timeout, &ctx).await;
-            (ended, store.data().cap.refused)
+            let run = CpuTimed::new(call_run(pre, &mut store, guest_path), cpu.clone());
+            let ended = supervise(run, timeout, &ctx).await;
+            (ended, store.data().cap)
         }
     };
     let duration = started.elapsed();
-    let (status, note) = classify(ended, refused);
+    let (status, note) = classify(ended, cap.refused);
     if let Some(note) = note {
         stderr.push(format!("\n[tandem] {note}\n").as_bytes());
     }
@@ -194,7 +208,53 @@ async fn execute(
         stdout: stdout.take(),
         stderr: stderr.take(),
         duration,
+        resources: Some(Resources {
+            cpu_secs: Some(cpu.load(Ordering::Relaxed) as f64 / 1e9),
+            peak_memory_bytes: Some(u64::try_from(cap.peak).unwrap_or(u64::MAX)),
+            peak_memory_scope: Some(PeakScope::Block),
+            source: Some("wasmtime".to_owned()),
+            unavailable: Some(
+                "bytes written are not counted for WASM blocks (their files are the host's, written through WASI)"
+                    .to_owned(),
+            ),
+            ..Resources::default()
+        }),
     })
+}
+
+/// A future whose polls are timed by the polling thread's CPU clock: the guest runs only
+/// inside them, so their sum is its CPU time (plus wasmtime's own, a small part).
+struct CpuTimed<F> {
+    inner: Pin<Box<F>>,
+    spent: Arc<AtomicU64>,
+}
+
+impl<F> CpuTimed<F> {
+    fn new(inner: F, spent: Arc<AtomicU64>) -> Self {
+        Self {
+            inner: Box::pin(inner),
+            spent,
+        }
+    }
+}
+
+fn thread_cpu_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID).map_or(0, |t| {
+        u64::try_from(t.tv_sec()).unwrap_or(0) * 1_000_000_000
+            + u64::try_from(t.tv_nsec()).unwrap_or(0)
+    })
+}
+
+impl<F: Future> Future for CpuTimed<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let before = thread_cpu_ns();
+        let polled = self.inner.as_mut().poll(cx);
+        let spent = thread_cpu_ns().saturating_sub(before);
+        self.spent.fetch_add(spent, Ordering::Relaxed);
+        polled
+    }
 }
 
 /// A store with the memory cap, epoch yields and the optional fuel budget.

@@ -13,7 +13,7 @@ import os
 import pathlib
 import tarfile
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, List, Union
 from urllib.parse import quote
@@ -275,10 +275,16 @@ def _session_spec(
     limits: Mapping[str, int] | None,
     idle_timeout: int | None,
     network: Mapping[str, Any] | None = None,
+    from_snapshot: str | None = None,
+    volumes: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     spec: dict[str, Any] = {"keep_state": keep_state}
+    if volumes:
+        spec["volumes"] = [dict(v) for v in volumes]
     if network is not None:
         spec["network"] = dict(network)
+    if from_snapshot:
+        spec["from_snapshot"] = from_snapshot
     if executor:
         spec["executor"] = executor
     if files:
@@ -293,6 +299,14 @@ def _session_spec(
             for name, fn in tools.items()
         ]
     return spec
+
+
+def _name_body(name: str | None) -> dict[str, Any]:
+    return {"name": name} if name is not None else {}
+
+
+def _volume_body(name: str, max_mb: int | None) -> dict[str, Any]:
+    return {"name": name, **({"max_mb": int(max_mb)} if max_mb is not None else {})}
 
 
 def _exec_body(code: str, language: str, timeout: float | None, **extra: Any) -> dict[str, Any]:
@@ -536,19 +550,67 @@ class Client(_Base):
         limits: Mapping[str, int] | None = None,
         idle_timeout: int | None = None,
         network: Mapping[str, Any] | None = None,
+        from_snapshot: str | None = None,
+        volumes: Sequence[Mapping[str, Any]] | None = None,
     ) -> Session:
         """Opens a sandbox that lives until closed: blocks share its workspace, and with
         `keep_state` one Python interpreter. `tools`' functions are callable from its code
         (`tandem_tools.call(name, **args)`), run here in this process. `network`
         (`{"allow": ["pypi.test"]}`) lets its code reach those hosts through the daemon's
-        egress proxy (docs/network.md)."""
-        spec = _session_spec(executor, keep_state, tools, files, limits, idle_timeout, network)
+        egress proxy (docs/network.md). `from_snapshot` starts its workspace as that
+        snapshot's (docs/snapshots.md). `volumes` (`[{"name": "data", "path": "/data"}]`)
+        mounts volumes made with `create_volume` (docs/volumes.md)."""
+        spec = _session_spec(executor, keep_state, tools, files, limits, idle_timeout, network, from_snapshot, volumes)
         info = self._call("POST", "/v1/sessions", json=spec)
         return Session(self, info, dict(tools or {}))
 
     def sessions(self) -> List[SessionInfo]:
         """The daemon's open sessions."""
         return self._call("GET", "/v1/sessions")["sessions"]
+
+    # Snapshots
+
+    def snapshots(self) -> List[dict[str, Any]]:
+        """The daemon's snapshots, oldest first (docs/snapshots.md)."""
+        return self._call("GET", "/v1/snapshots")["snapshots"]
+
+    def snapshot(self, snapshot_id: str) -> dict[str, Any]:
+        """One snapshot's record."""
+        return self._call("GET", f"/v1/snapshots/{_q(snapshot_id)}")
+
+    def snapshot_task(self, task_id: str, name: str | None = None) -> dict[str, Any]:
+        """Takes a snapshot of a finished (or waiting) task's workspace; its record."""
+        return self._call("POST", f"/v1/tasks/{_q(task_id)}/snapshot", json=_name_body(name))
+
+    def remove_snapshot(self, snapshot_id: str) -> dict[str, Any]:
+        """Removes a snapshot; its record."""
+        return self._call("DELETE", f"/v1/snapshots/{_q(snapshot_id)}")
+
+    def fork(self, snapshot_id: str, count: int, executor: str | None = None) -> List[Session]:
+        """Opens `count` sessions at once, each starting from the snapshot's files."""
+        body: dict[str, Any] = {"count": int(count)}
+        if executor:
+            body["executor"] = executor
+        answer = self._call("POST", f"/v1/snapshots/{_q(snapshot_id)}/fork", json=body)
+        return [Session(self, info, {}) for info in answer["sessions"]]
+
+    # Volumes
+
+    def volumes(self) -> List[dict[str, Any]]:
+        """The daemon's volumes, by name (docs/volumes.md)."""
+        return self._call("GET", "/v1/volumes")["volumes"]
+
+    def volume(self, name: str) -> dict[str, Any]:
+        """One volume."""
+        return self._call("GET", f"/v1/volumes/{_q(name)}")
+
+    def create_volume(self, name: str, max_mb: int | None = None) -> dict[str, Any]:
+        """Makes a volume; with `max_mb`, a write past that many MiB fails as on a full disk."""
+        return self._call("POST", "/v1/volumes", json=_volume_body(name, max_mb))
+
+    def remove_volume(self, name: str) -> dict[str, Any]:
+        """Removes a volume and its files; refused (409) while a sandbox has it mounted."""
+        return self._call("DELETE", f"/v1/volumes/{_q(name)}")
 
 
 class Session:
@@ -619,6 +681,12 @@ class Session:
         except TandemError:
             return False
 
+    def refresh(self) -> SessionInfo:
+        """The session as the daemon shows it now (`state`: `running` or `paused`), kept in
+        `info`."""
+        self.info = self._client._call("GET", f"/v1/sessions/{_q(self.id)}")
+        return self.info
+
     def files(self) -> List[FileInfo]:
         """The regular files of the session's workspace."""
         return self._client._call("GET", f"/v1/sessions/{_q(self.id)}/files")["files"]
@@ -638,6 +706,11 @@ class Session:
         """A link that opens `port` without the token until it expires (an hour by
         default), for a browser: `{"url", "port", "expires"}`."""
         return self._client._call("POST", f"/v1/sessions/{_q(self.id)}/links", json=_link_body(port, ttl_secs))
+
+    def snapshot(self, name: str | None = None) -> dict[str, Any]:
+        """Takes a snapshot of the workspace, between blocks: its record, `{"id", "name",
+        "bytes", "files", "saved", "not_saved", "created", ...}` (docs/snapshots.md)."""
+        return self._client._call("POST", f"/v1/sessions/{_q(self.id)}/snapshot", json=_name_body(name))
 
     def put_files(self, files: Mapping[str, FileSource]) -> Upload:
         """Places files in the workspace (path -> content or local path), between blocks."""
@@ -844,16 +917,58 @@ class AsyncClient(_Base):
         limits: Mapping[str, int] | None = None,
         idle_timeout: int | None = None,
         network: Mapping[str, Any] | None = None,
+        from_snapshot: str | None = None,
+        volumes: Sequence[Mapping[str, Any]] | None = None,
     ) -> AsyncSession:
         """Opens a sandbox that lives until closed (see `Client.session`); a tool may be a
         coroutine function."""
-        spec = _session_spec(executor, keep_state, tools, files, limits, idle_timeout, network)
+        spec = _session_spec(executor, keep_state, tools, files, limits, idle_timeout, network, from_snapshot, volumes)
         info = await self._call("POST", "/v1/sessions", json=spec)
         return AsyncSession(self, info, dict(tools or {}))
 
     async def sessions(self) -> List[SessionInfo]:
         """The daemon's open sessions."""
         return (await self._call("GET", "/v1/sessions"))["sessions"]
+
+    async def snapshots(self) -> List[dict[str, Any]]:
+        """The daemon's snapshots, oldest first (see `Client.snapshots`)."""
+        return (await self._call("GET", "/v1/snapshots"))["snapshots"]
+
+    async def snapshot(self, snapshot_id: str) -> dict[str, Any]:
+        """One snapshot's record."""
+        return await self._call("GET", f"/v1/snapshots/{_q(snapshot_id)}")
+
+    async def snapshot_task(self, task_id: str, name: str | None = None) -> dict[str, Any]:
+        """Takes a snapshot of a finished (or waiting) task's workspace; its record."""
+        return await self._call("POST", f"/v1/tasks/{_q(task_id)}/snapshot", json=_name_body(name))
+
+    async def remove_snapshot(self, snapshot_id: str) -> dict[str, Any]:
+        """Removes a snapshot; its record."""
+        return await self._call("DELETE", f"/v1/snapshots/{_q(snapshot_id)}")
+
+    async def fork(self, snapshot_id: str, count: int, executor: str | None = None) -> List[AsyncSession]:
+        """Opens `count` sessions at once from the snapshot (see `Client.fork`)."""
+        body: dict[str, Any] = {"count": int(count)}
+        if executor:
+            body["executor"] = executor
+        answer = await self._call("POST", f"/v1/snapshots/{_q(snapshot_id)}/fork", json=body)
+        return [AsyncSession(self, info, {}) for info in answer["sessions"]]
+
+    async def volumes(self) -> List[dict[str, Any]]:
+        """The daemon's volumes, by name (see `Client.volumes`)."""
+        return (await self._call("GET", "/v1/volumes"))["volumes"]
+
+    async def volume(self, name: str) -> dict[str, Any]:
+        """One volume."""
+        return await self._call("GET", f"/v1/volumes/{_q(name)}")
+
+    async def create_volume(self, name: str, max_mb: int | None = None) -> dict[str, Any]:
+        """Makes a volume (see `Client.create_volume`)."""
+        return await self._call("POST", "/v1/volumes", json=_volume_body(name, max_mb))
+
+    async def remove_volume(self, name: str) -> dict[str, Any]:
+        """Removes a volume and its files; refused (409) while a sandbox has it mounted."""
+        return await self._call("DELETE", f"/v1/volumes/{_q(name)}")
 
 
 class AsyncSession:
@@ -937,6 +1052,12 @@ class AsyncSession:
         except TandemError:
             return False
 
+    async def refresh(self) -> SessionInfo:
+        """The session as the daemon shows it now (`state`: `running` or `paused`), kept in
+        `info`."""
+        self.info = await self._client._call("GET", f"/v1/sessions/{_q(self.id)}")
+        return self.info
+
     async def files(self) -> List[FileInfo]:
         """The regular files of the session's workspace."""
         return (await self._client._call("GET", f"/v1/sessions/{_q(self.id)}/files"))["files"]
@@ -957,6 +1078,10 @@ class AsyncSession:
         return await self._client._call(
             "POST", f"/v1/sessions/{_q(self.id)}/links", json=_link_body(port, ttl_secs)
         )
+
+    async def snapshot(self, name: str | None = None) -> dict[str, Any]:
+        """Takes a snapshot of the workspace, between blocks (see `Session.snapshot`)."""
+        return await self._client._call("POST", f"/v1/sessions/{_q(self.id)}/snapshot", json=_name_body(name))
 
     async def put_files(self, files: Mapping[str, FileSource]) -> Upload:
         """Places files in the workspace, between blocks."""

@@ -88,6 +88,8 @@ class TaskSpec(_TaskSpecRequired, total=False):
     limits: Limits
     team: TaskSpecTeam  # a team of agents; its fields are documented in docs/teams.md
     files: str  # the id of an upload whose files are placed in the workspace
+    from_snapshot: str  # the id of a snapshot whose files are placed in the workspace, as an upload's are (not with files)
+    volumes: list[VolumeMount]  # volumes mounted into the task's sandboxes (docs/volumes.md)
     keep_state: bool  # Python blocks share one interpreter (local and docker)
     placement: dict[str, str]  # labels the Docker host of the sandbox must carry (docs/docker-hosts.md)
     network: NetworkRequest
@@ -104,6 +106,8 @@ class SessionSpec(TypedDict, total=False):
     executor: str
     keep_state: bool
     files: str  # the id of an upload whose files are placed in the workspace
+    from_snapshot: str  # the id of a snapshot whose files are placed in the workspace (not with files)
+    volumes: list[VolumeMount]  # volumes mounted into its sandbox (docs/volumes.md)
     limits: Limits
     idle_timeout_secs: int
     tools: list[ClientTool]
@@ -126,9 +130,7 @@ class ClientTool(_ClientToolRequired, total=False):
     description: str
 
 
-class SessionInfo(TypedDict):
-    """The API's `SessionInfo`."""
-
+class _SessionInfoRequired(TypedDict):
     id: str
     executor: str
     keep_state: bool
@@ -137,6 +139,86 @@ class SessionInfo(TypedDict):
     blocks: int
     created_ms: int
     idle_timeout_secs: int
+    state: Literal['running', 'paused']
+
+
+class SessionInfo(_SessionInfoRequired, total=False):
+    """The API's `SessionInfo`."""
+
+    pool_wait_ms: int  # how long its opening waited for a started sandbox from the warm pool (0: one was ready); absent when it started its own
+    resources: Resources
+
+
+class Resources(TypedDict, total=False):
+    """what a block (or, summed, a session) used; a figure not measured is absent, never zero"""
+
+    cpu_secs: float  # CPU time, user and system
+    peak_memory_bytes: int
+    peak_memory_scope: Literal['block', 'session']  # block: the block's own peak; session: the sandbox's peak so far
+    disk_written_bytes: int  # bytes its processes caused to be written to storage
+    net_bytes_in: int  # bytes received through the egress proxy
+    net_bytes_out: int  # bytes sent through the egress proxy
+    source: str  # cgroup v1, cgroup v2 or getrusage
+    unavailable: str  # why a figure is missing
+
+
+class _VolumeMountRequired(TypedDict):
+    name: str  # the volume's name
+    path: str  # where the sandbox sees it: inside the workspace (data), or absolute (/data) on docker
+
+
+class VolumeMount(_VolumeMountRequired, total=False):
+    """The API's `VolumeMount`."""
+
+    read_only: bool
+
+
+class _VolumeRequired(TypedDict):
+    name: str
+    created: str
+    mounted_by: int  # sandboxes of this daemon that mount it now
+
+
+class Volume(_VolumeRequired, total=False):
+    """The API's `Volume`."""
+
+    max_mb: int  # its quota in MiB
+    used_bytes: int  # bytes its filesystem holds
+
+
+class SnapshotNotSavedItem(TypedDict, total=False):
+    """The API's `SnapshotNotSavedItem`."""
+
+    name: str
+    why: str
+
+
+class SnapshotSource(TypedDict, total=False):
+    """The API's `SnapshotSource`."""
+
+    kind: Literal['session', 'task']
+    id: str
+    executor: str
+
+
+class _SnapshotRequired(TypedDict):
+    id: str
+    bytes: int
+    added_bytes: int
+    files: int
+    dirs: int
+    saved: list[str]
+    not_saved: list[SnapshotNotSavedItem]
+    created_ms: int
+    created: str
+    source: SnapshotSource
+
+
+class Snapshot(_SnapshotRequired, total=False):
+    """The API's `Snapshot`."""
+
+    name: str | None
+    state_bytes: int
 
 
 class SessionFiles(TypedDict):
@@ -173,6 +255,7 @@ class BlockResult(_BlockResultRequired, total=False):
 
     language: str | None
     exit_code: int | None
+    resources: Resources
 
 
 class ExecEventError(TypedDict):
@@ -305,18 +388,22 @@ class Task(_TaskRequired, total=False):
 # Every property each schema names, for checks.
 FIELDS: dict[str, frozenset[str]] = {
     'ApprovalRule': frozenset(['name', 'pattern']),
-    'BlockResult': frozenset(['duration_ms', 'exit_code', 'language', 'status', 'stderr', 'stdout', 'truncated']),
+    'BlockResult': frozenset(['duration_ms', 'exit_code', 'language', 'resources', 'status', 'stderr', 'stdout', 'truncated']),
     'ClientTool': frozenset(['description', 'name']),
     'ExecEvent': frozenset(['arguments', 'call', 'error', 'name', 'result', 'stream', 'text', 'type']),
     'ExecSpec': frozenset(['code', 'executor', 'files', 'language', 'network', 'timeout_secs']),
     'FileInfo': frozenset(['bytes', 'given', 'modified_ms', 'path']),
     'Limits': frozenset(['cpu_secs', 'file_size_bytes', 'memory_bytes', 'output_bytes']),
     'NetworkRequest': frozenset(['allow']),
+    'Resources': frozenset(['cpu_secs', 'disk_written_bytes', 'net_bytes_in', 'net_bytes_out', 'peak_memory_bytes', 'peak_memory_scope', 'source', 'unavailable']),
     'SessionFiles': frozenset(['files', 'session']),
-    'SessionInfo': frozenset(['blocks', 'busy', 'created_ms', 'executor', 'id', 'idle_timeout_secs', 'keep_state', 'tools']),
-    'SessionSpec': frozenset(['executor', 'files', 'idle_timeout_secs', 'keep_state', 'limits', 'network', 'tools']),
+    'SessionInfo': frozenset(['blocks', 'busy', 'created_ms', 'executor', 'id', 'idle_timeout_secs', 'keep_state', 'pool_wait_ms', 'resources', 'state', 'tools']),
+    'SessionSpec': frozenset(['executor', 'files', 'from_snapshot', 'idle_timeout_secs', 'keep_state', 'limits', 'network', 'tools', 'volumes']),
+    'Snapshot': frozenset(['added_bytes', 'bytes', 'created', 'created_ms', 'dirs', 'files', 'id', 'name', 'not_saved', 'saved', 'source', 'state_bytes']),
     'Task': frozenset(['answer', 'answer_from', 'budget', 'check', 'cost', 'created_ms', 'error', 'files_removed_ms', 'finished_ms', 'id', 'no_answer', 'result', 'spec', 'started_ms', 'state', 'stop_reason', 'trace_id', 'turns', 'usage']),
-    'TaskSpec': frozenset(['approval', 'base_url', 'block_timeout_secs', 'candidates', 'check', 'code_via', 'executor', 'files', 'keep_state', 'languages', 'limits', 'max_cost', 'max_input_tokens', 'max_output_tokens', 'max_turns', 'model', 'network', 'output_schema', 'placement', 'system_prompt', 'task', 'team', 'termination', 'timeout_secs', 'tools', 'traceparent']),
+    'TaskSpec': frozenset(['approval', 'base_url', 'block_timeout_secs', 'candidates', 'check', 'code_via', 'executor', 'files', 'from_snapshot', 'keep_state', 'languages', 'limits', 'max_cost', 'max_input_tokens', 'max_output_tokens', 'max_turns', 'model', 'network', 'output_schema', 'placement', 'system_prompt', 'task', 'team', 'termination', 'timeout_secs', 'tools', 'traceparent', 'volumes']),
     'ToolAnswer': frozenset(['error', 'result']),
     'Upload': frozenset(['bytes', 'expires_ms', 'files', 'id']),
+    'Volume': frozenset(['created', 'max_mb', 'mounted_by', 'name', 'used_bytes']),
+    'VolumeMount': frozenset(['name', 'path', 'read_only']),
 }

@@ -29,7 +29,7 @@ fn status_of(code: ApiErrorCode) -> StatusCode {
 }
 
 /// A JSON body of type `T`, or a 400 naming the bad field and showing what to send.
-async fn json_body<T: serde::de::DeserializeOwned>(
+pub(super) async fn json_body<T: serde::de::DeserializeOwned>(
     state: &AppState,
     headers: &HeaderMap,
     body: Body,
@@ -223,7 +223,9 @@ pub(super) async fn session_files(
 ) -> Result<Response, ApiError> {
     let Query(query) =
         query.map_err(|e| bad_query(&e, "send ?format=json (the default) or ?format=tar"))?;
-    let work = state.sessions.get(Owner::Api, &id)?.workspace()?;
+    let opened = state.sessions.get(Owner::Api, &id)?;
+    opened.wake().await?;
+    let work = opened.workspace()?;
     if matches!(query.format, Some(FilesFormat::Tar)) {
         let body = state
             .supervisor
@@ -240,7 +242,7 @@ pub(super) async fn session_files(
             // Tandem's own files (a kept interpreter's scripts and pipes) are not the code's.
             files: files
                 .into_iter()
-                .filter(|f| !tandem_executor_kit::made::is_tandems(&f.path))
+                .filter(|f| !tandem_executor_kit::archive::is_tandems(&f.path))
                 .map(|f| tandem_protocol::files::FileInfo {
                     path: crate::files::slashed(&f.path),
                     bytes: f.bytes,
@@ -259,7 +261,9 @@ pub(super) async fn session_file(
     State(state): State<AppState>,
     Path((id, path)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
-    let work = state.sessions.get(Owner::Api, &id)?.workspace()?;
+    let opened = state.sessions.get(Owner::Api, &id)?;
+    opened.wake().await?;
+    let work = opened.workspace()?;
     let (file, len, name) = blocking(&state.supervisor, move |_| {
         let (file, len) = crate::files::open_in(
             &work,

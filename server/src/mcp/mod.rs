@@ -85,6 +85,44 @@ struct ExecuteCodeArgs {
     /// Hosts the code may reach through Tandem's egress proxy (`{"allow": ["pypi.test"]}`),
     /// within what the operator allows; for a session, set by its first call
     network: Option<NetworkArg>,
+    /// A snapshot (`snap_…`) whose files the workspace starts with; for a session, its
+    /// first call's
+    from_snapshot: Option<String>,
+    /// Volumes (`tandem volume create`) mounted into the sandbox; for a session, its first
+    /// call's
+    volumes: Option<Vec<VolumeArg>>,
+}
+
+/// A volume mounted into a sandbox.
+#[derive(Debug, serde::Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct VolumeArg {
+    /// The volume's name
+    name: String,
+    /// Where the sandbox sees it: inside the workspace (`data`), or absolute (`/data`) on docker
+    path: String,
+    /// Mounted read-only
+    read_only: Option<bool>,
+}
+
+impl VolumeArg {
+    fn mount(self) -> tandem_protocol::volume::VolumeMount {
+        tandem_protocol::volume::VolumeMount {
+            name: self.name,
+            path: self.path,
+            read_only: self.read_only.unwrap_or(false),
+        }
+    }
+}
+
+/// `snapshot`'s arguments.
+#[derive(Debug, serde::Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct SnapshotArgs {
+    /// The session (an execute_code session_id of this connection) whose workspace is kept
+    session_id: String,
+    /// A name to find it by
+    name: Option<String>,
 }
 
 /// The hosts a call's code may reach through the egress proxy.
@@ -156,6 +194,8 @@ struct RunTaskArgs {
     /// Hosts the task's code may reach through Tandem's egress proxy (`{"allow":
     /// ["pypi.test"]}`), within what the operator allows
     network: Option<NetworkArg>,
+    /// Volumes (`tandem volume create`) mounted into the task's sandboxes
+    volumes: Option<Vec<VolumeArg>>,
 }
 
 /// A tool's arguments as `T`; what does not fit says which argument and why.
@@ -192,6 +232,11 @@ fn tools() -> Vec<Tool> {
             "Solve a coding task with Tandem: a model writes code, a sandbox runs it, turn after turn until done. Progress notifications carry the task's events; the result is the final answer and why the task stopped.",
             schema_for_type::<RunTaskArgs>(),
         ),
+        Tool::new(
+            "snapshot",
+            "Keep a copy of a session's workspace (its files) as a snapshot, taken between blocks; returns its id, which execute_code's from_snapshot starts a new session from.",
+            schema_for_type::<SnapshotArgs>(),
+        ),
     ]
 }
 
@@ -205,7 +250,7 @@ impl ServerHandler for TandemMcp {
         )
         .with_server_info(Implementation::new("tandem", env!("CARGO_PKG_VERSION")))
         .with_instructions(
-            "execute_code runs code in a sandbox; run_task solves a whole coding task. Task transcripts are resources.",
+            "execute_code runs code in a sandbox; snapshot keeps a session's files to start others from; run_task solves a whole coding task. Task transcripts are resources.",
         )
     }
 
@@ -224,9 +269,9 @@ impl ServerHandler for TandemMcp {
     ) -> Result<CallToolResponse, ErrorData> {
         let args = request.arguments.unwrap_or_default();
         let name = request.name.as_ref();
-        if !matches!(name, "execute_code" | "run_task") {
+        if !matches!(name, "execute_code" | "run_task" | "snapshot") {
             return Err(ErrorData::invalid_params(
-                format!("no tool `{name}`; the tools are execute_code and run_task"),
+                format!("no tool `{name}`; the tools are execute_code, snapshot and run_task"),
                 None,
             ));
         }
@@ -243,6 +288,10 @@ impl ServerHandler for TandemMcp {
         let result = match name {
             "execute_code" => match arguments(args) {
                 Ok(args) => self.execute_code(args, &context).await,
+                Err(e) => Err(e),
+            },
+            "snapshot" => match arguments(args) {
+                Ok(args) => self.snapshot(args).await,
                 Err(e) => Err(e),
             },
             _ => match arguments(args) {

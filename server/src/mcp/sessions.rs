@@ -80,6 +80,41 @@ impl TandemMcp {
         self.sessions.clone()
     }
 
+    /// `snapshot`: one of this connection's sessions' workspace, kept.
+    pub(super) async fn snapshot(&self, args: SnapshotArgs) -> Result<CallToolResult, ErrorData> {
+        let opened = match self
+            .sessions
+            .pool
+            .get(self.sessions.owner, &args.session_id)
+        {
+            Ok(opened) => opened,
+            Err(refusal) => return refused(refusal),
+        };
+        match opened
+            .snapshot(self.supervisor.files().snapshots(), args.name)
+            .await
+        {
+            Ok(record) => {
+                let text = format!(
+                    "snapshot {} of session {}: {} files, {} bytes{}",
+                    record.id,
+                    args.session_id,
+                    record.files,
+                    record.bytes,
+                    record
+                        .not_saved
+                        .iter()
+                        .map(|n| format!("\nnot saved: {} ({})", n.name, n.why))
+                        .collect::<String>()
+                );
+                let mut result = CallToolResult::success(vec![ContentBlock::text(text)]);
+                result.structured_content = serde_json::to_value(&record).ok();
+                Ok(result)
+            }
+            Err(refusal) => refused(refusal),
+        }
+    }
+
     pub(super) async fn execute_code(
         &self,
         args: ExecuteCodeArgs,
@@ -105,8 +140,18 @@ impl TandemMcp {
             timeout_secs,
             files,
             network,
+            from_snapshot,
+            volumes,
         } = args;
         let pool = &self.sessions.pool;
+        // Restored only for a sandbox this call opens; a session's first call decides.
+        let fresh = session_id
+            .as_deref()
+            .is_none_or(|id| pool.get(self.sessions.owner, id).is_err());
+        let restored = match from_snapshot.as_deref() {
+            Some(snap) if fresh => Some(pool.restored(snap).await?),
+            _ => None,
+        };
         let (_, sandbox) = self
             .supervisor
             .planner()
@@ -131,12 +176,20 @@ impl TandemMcp {
         let ask = OpenAsk {
             executor,
             network: network.map(|n| tandem_protocol::net::NetworkRequest { allow: n.allow }),
+            files: restored.as_ref().map(|r| r.tar.to_path_buf()),
+            restores_state: restored.as_ref().is_some_and(|r| r.keeps_state),
+            volumes: volumes
+                .unwrap_or_default()
+                .into_iter()
+                .map(super::VolumeArg::mount)
+                .collect(),
             ..OpenAsk::default()
         };
         let opened = match &session_id {
             Some(id) => pool.open_or_get(self.sessions.owner, id, ask).await?,
             None => pool.open_for_one(ask, "mcp").await?,
         };
+        drop(restored);
         let ran = async {
             let claim = opened.claim_in_turn(context.ct.clone()).await?;
             // Like a task, a call takes one of the daemon's execution slots while it runs.
@@ -145,7 +198,7 @@ impl TandemMcp {
                 .execution_slot(&context.ct)
                 .await
                 .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
-            let mut guard = claim.session().await;
+            let mut guard = claim.session().await.map_err(Failed::Refused)?;
             let Some(session) = guard.as_mut() else {
                 return Err(Failed::Refused(Refusal::invalid(format!(
                     "session `{}` was closed; use another id",
@@ -157,12 +210,25 @@ impl TandemMcp {
             let ctx = ExecContext::new(context.ct.clone());
             let (net_tx, net_rx) = tokio::sync::mpsc::unbounded_channel();
             if let Some(route) = opened.net_route() {
+                route.take_bytes();
                 route.route_to(Some(net_tx));
             }
-            let ran = run_with_files(session.as_mut(), given, request, ctx).await;
+            let mut ran = run_with_files(session.as_mut(), given, request, ctx).await;
             if let Some(route) = opened.net_route() {
                 route.settle(std::time::Duration::from_secs(2)).await;
                 route.route_to(None);
+                let (bytes_in, bytes_out) = route.take_bytes();
+                if let Ok((outcome, _)) = &mut ran {
+                    let r = outcome.resources.get_or_insert_with(Default::default);
+                    r.net_bytes_in = Some(bytes_in);
+                    r.net_bytes_out = Some(bytes_out);
+                }
+            }
+            if let Ok((outcome, _)) = &ran
+                && let Some(r) = &outcome.resources
+            {
+                opened.add_resources(r);
+                self.supervisor.metrics.resources(opened.executor(), r);
             }
             Ok::<_, Failed>((ran?, net_rx))
         }
@@ -261,12 +327,20 @@ fn outcome_result(outcome: &ExecOutcome, session_id: Option<&str>) -> CallToolRe
         stderr_truncated: outcome.stderr.truncated(),
         duration_ms,
         session_id: session_id.map(str::to_owned),
+        resources: outcome.resources.clone(),
     };
     let mut text = match exit_code {
         Some(code) => format!("exit {code}"),
         None => status,
     };
-    text.push_str(&format!(" in {duration_ms:.0} ms\n"));
+    text.push_str(&format!(" in {duration_ms:.0} ms"));
+    if let Some(used) = outcome.resources.as_ref().map(|r| r.summary())
+        && !used.is_empty()
+    {
+        text.push_str(" · ");
+        text.push_str(&used);
+    }
+    text.push('\n');
     if !stdout.is_empty() {
         text.push_str(&format!("--- stdout\n{stdout}"));
     }

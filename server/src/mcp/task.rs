@@ -64,6 +64,12 @@ impl TandemMcp {
             network: args
                 .network
                 .map(|n| tandem_protocol::net::NetworkRequest { allow: n.allow }),
+            volumes: args
+                .volumes
+                .unwrap_or_default()
+                .into_iter()
+                .map(super::VolumeArg::mount)
+                .collect(),
             code_via: args
                 .code_via
                 .as_deref()
@@ -265,7 +271,9 @@ impl TandemMcp {
                     .into_iter()
                     .filter(|f| {
                         !f.given
-                            && !tandem_executor_kit::made::is_tandems(std::path::Path::new(&f.path))
+                            && !tandem_executor_kit::archive::is_tandems(std::path::Path::new(
+                                &f.path,
+                            ))
                     })
                     .map(|f| FileRef {
                         uri: file_uri(id, &f.path),

@@ -12,14 +12,35 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::{Claim, OpenAsk, Opened, Owner, Pool, Refusal};
 
+/// A snapshot made ready to place in a new sandbox.
+pub struct Restored {
+    /// Its files, as a tar archive removed when dropped.
+    pub tar: tempfile::TempPath,
+    /// Whether it holds a kept interpreter's globals.
+    pub keeps_state: bool,
+}
+
 /// Most tool calls of one block that wait for their client at once.
 const MAX_WAITING_CALLS: usize = 64;
 
 impl Pool {
     /// Opens a session as the API's `spec` asks, for the API's clients.
     pub async fn open_session(&self, spec: SessionSpec) -> Result<SessionInfo, Refusal> {
-        let files = self.upload(spec.files.as_deref())?;
+        let restored = match spec.from_snapshot.as_deref() {
+            Some(_) if spec.files.is_some() => {
+                return Err(Refusal::invalid(
+                    "`files` and `from_snapshot` both fill the workspace; send one (POST /v1/sessions/ID/files adds files after)",
+                ));
+            }
+            Some(snap) => Some(self.restored(snap).await?),
+            None => None,
+        };
+        let files = match &restored {
+            Some(r) => Some(r.tar.to_path_buf()),
+            None => self.upload(spec.files.as_deref())?,
+        };
         let ask = OpenAsk {
+            restores_state: restored.as_ref().is_some_and(|r| r.keeps_state),
             executor: spec.executor,
             keep_state: spec.keep_state,
             tools: spec.tools.into_iter().map(|t| t.name).collect(),
@@ -27,8 +48,74 @@ impl Pool {
             limits: spec.limits,
             files,
             network: spec.network,
+            volumes: spec.volumes,
         };
-        Ok(self.open(Owner::Api, None, ask).await?.info())
+        // The archive is placed as the sandbox opens, and removed after.
+        let opened = self.open(Owner::Api, None, ask).await;
+        drop(restored);
+        Ok(opened?.info())
+    }
+
+    /// The snapshot `snap` as a tar archive, every file checked against its hash; removed
+    /// when dropped.
+    pub async fn restored(&self, snap: &str) -> Result<Restored, Refusal> {
+        let files = self.supervisor.files().clone();
+        let snap = snap.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let store = files.snapshots();
+            let record = store.get(&snap).map_err(super::snapshot_refusal)?;
+            let tar = store
+                .restore_tar(&snap, &files.scratch(), None)
+                .map_err(super::snapshot_refusal)?;
+            Ok(Restored {
+                tar,
+                keeps_state: record.state_bytes > 0,
+            })
+        })
+        .await
+        .map_err(|e| {
+            Refusal::new(
+                ApiErrorCode::Internal,
+                format!("restoring the snapshot: {e}"),
+            )
+        })?
+    }
+
+    /// Opens `count` sessions from the snapshot `snap` at once, each with its files: all of
+    /// them, or none (those opened are closed again when one fails).
+    pub async fn fork(
+        &self,
+        snap: &str,
+        count: usize,
+        executor: Option<String>,
+    ) -> Result<Vec<SessionInfo>, Refusal> {
+        let restored = self.restored(snap).await?;
+        let opens = (0..count).map(|_| {
+            let ask = OpenAsk {
+                executor: executor.clone(),
+                files: Some(restored.tar.to_path_buf()),
+                restores_state: restored.keeps_state,
+                ..OpenAsk::default()
+            };
+            self.open(Owner::Api, None, ask)
+        });
+        let opened = futures::future::join_all(opens).await;
+        drop(restored);
+        let mut sessions = Vec::new();
+        let mut failed = None;
+        for result in opened {
+            match result {
+                Ok(o) => sessions.push(o),
+                Err(e) => failed = failed.or(Some(e)),
+            }
+        }
+        if let Some(e) = failed {
+            for o in sessions {
+                let _ = self.close(Owner::Api, o.id()).await;
+            }
+            return Err(e);
+        }
+        Ok(sessions.iter().map(|o| o.info()).collect())
     }
 
     /// Runs one block in the API's session `id`, its events sent as they come. `streamed`:
@@ -149,7 +236,10 @@ impl Pool {
             () = tx.closed() => { stop.cancel(); return Err(broken("the client went away".to_owned())); }
         };
         let opened = claim.opened();
-        let mut guard = claim.session().await;
+        let mut guard = claim.session().await.map_err(|r| ApiErrorDetail {
+            code: r.code,
+            message: r.message,
+        })?;
         let Some(session) = guard.as_mut() else {
             return Err(ApiErrorDetail {
                 code: ApiErrorCode::NotFound,
@@ -163,6 +253,7 @@ impl Pool {
         let language = request.language.clone();
         let net = opened.net_route();
         if let Some(route) = net {
+            route.take_bytes();
             route.route_to(Some(tx.clone()));
         }
         let run = session.run(request, ctx);
@@ -172,12 +263,25 @@ impl Pool {
             outcome = &mut run => outcome,
             () = tx.closed() => { cancel.cancel(); run.await }
         };
+        let mut bytes = None;
         if let Some(route) = net {
             route.settle(std::time::Duration::from_secs(2)).await;
             route.route_to(None);
+            bytes = Some(route.take_bytes());
         }
         match outcome {
-            Ok(outcome) => Ok(tandem_agent::blocks::to_result(&language, outcome)),
+            Ok(mut outcome) => {
+                if let Some((bytes_in, bytes_out)) = bytes {
+                    let r = outcome.resources.get_or_insert_with(Default::default);
+                    r.net_bytes_in = Some(bytes_in);
+                    r.net_bytes_out = Some(bytes_out);
+                }
+                if let Some(r) = &outcome.resources {
+                    opened.add_resources(r);
+                    self.supervisor.metrics.resources(opened.executor(), r);
+                }
+                Ok(tandem_agent::blocks::to_result(&language, outcome))
+            }
             Err(e) => Err(broken(format!(
                 "the sandbox failed: {e}; the session was closed, open another"
             ))),

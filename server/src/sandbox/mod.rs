@@ -8,6 +8,7 @@
 
 mod api;
 mod opened;
+mod pause;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -78,6 +79,19 @@ impl Owner {
     }
 }
 
+/// A snapshot store's refusal on the API's wire: an unknown snapshot is 404, a full store
+/// or a damaged snapshot 409, a workspace that cannot be walked 400.
+pub fn snapshot_refusal(e: tandem_snapshots::SnapshotError) -> Refusal {
+    use tandem_snapshots::SnapshotError as E;
+    let code = match &e {
+        E::Unknown(_) => ApiErrorCode::NotFound,
+        E::Quota { .. } | E::Corrupt { .. } | E::Held(_) => ApiErrorCode::Conflict,
+        E::Workspace(_) => ApiErrorCode::InvalidRequest,
+        E::Io { .. } => ApiErrorCode::Internal,
+    };
+    Refusal::new(code, e.to_string())
+}
+
 /// What a sandbox is opened with.
 #[derive(Debug, Default)]
 pub struct OpenAsk {
@@ -95,6 +109,11 @@ pub struct OpenAsk {
     pub files: Option<PathBuf>,
     /// The hosts its blocks may reach through the egress proxy.
     pub network: Option<tandem_protocol::net::NetworkRequest>,
+    /// `files` hold a snapshot's kept globals: the interpreter is kept (where the executor
+    /// can keep one) to load them.
+    pub restores_state: bool,
+    /// Volumes mounted into it.
+    pub volumes: Vec<tandem_protocol::volume::VolumeMount>,
 }
 
 /// Every sandbox open without a task, by owner and id.
@@ -121,7 +140,8 @@ impl Pool {
                     _ = tick.tick() => {}
                     () = shutdown.cancelled() => {
                         if let Some(pool) = weak.upgrade() {
-                            pool.close_where(|_, _| true).await;
+                            // A paused session outlives the daemon: what it was saved as stays.
+                            pool.close_where(|_, _| true, true).await;
                         }
                         return;
                     }
@@ -129,7 +149,12 @@ impl Pool {
                 let Some(pool) = weak.upgrade() else {
                     return;
                 };
-                pool.close_where(|_, opened| opened.idle_past()).await;
+                let pausing = pool.supervisor.pausing();
+                if let Some(after) = pausing.after {
+                    pool.pause_idle(after).await;
+                }
+                pool.close_where(|owner, opened| opened.expired(owner, &pausing), false)
+                    .await;
             }
         });
         pool
@@ -200,10 +225,12 @@ impl Pool {
 
     /// Closes every sandbox `owner` holds (its MCP connection ended).
     pub async fn close_owner(&self, owner: Owner) {
-        self.close_where(|o, _| o == owner).await;
+        self.close_where(|o, _| o == owner, false).await;
     }
 
-    async fn close_where(&self, which: impl Fn(Owner, &Opened) -> bool) {
+    /// Closes the sandboxes `which` picks; with `leaving` (the daemon stops), a paused one
+    /// keeps what it was saved as, to be taken back at the next start.
+    async fn close_where(&self, which: impl Fn(Owner, &Opened) -> bool, leaving: bool) {
         let closing: Vec<Arc<Opened>> = {
             let Ok(mut map) = self.open.lock() else {
                 return;
@@ -217,7 +244,61 @@ impl Pool {
         };
         for opened in closing {
             tracing::debug!(session = %opened.id(), "closing a sandbox without a task");
-            opened.close().await;
+            if leaving {
+                opened.leave().await;
+            } else {
+                opened.close().await;
+            }
+        }
+    }
+
+    /// Pauses the API's sessions unused for `after` (one at a time: each is a snapshot).
+    async fn pause_idle(&self, after: Duration) {
+        let idle: Vec<Arc<Opened>> = match self.open.lock() {
+            Ok(map) => map
+                .iter()
+                .filter(|((owner, _), o)| *owner == Owner::Api && o.may_pause(after))
+                .map(|(_, o)| o.clone())
+                .collect(),
+            Err(_) => return,
+        };
+        for opened in idle {
+            opened.pause().await;
+        }
+    }
+
+    /// Takes back the sessions paused before the daemon last stopped, still paused: each
+    /// resumes at its next block. One this daemon cannot open any more (its executor gone,
+    /// the policy changed) is left on disk and named in the log.
+    pub fn recover_paused(&self) {
+        let files = self.supervisor.files().clone();
+        let (daemon, _) = self.supervisor.running_here();
+        let own = pause::kept(files.root())
+            .into_iter()
+            .filter(|r| r.daemon.is_empty() || r.daemon == daemon);
+        for record in own {
+            let ask = OpenAsk {
+                executor: Some(record.executor.clone()),
+                keep_state: record.keep_state,
+                tools: record.tools.clone(),
+                idle_timeout_secs: Some(record.idle_timeout_secs),
+                limits: record.limits.clone(),
+                files: None,
+                network: record.network.clone(),
+                restores_state: false,
+                volumes: record.volumes.clone(),
+            };
+            let made = match self.made(Owner::Api, record.id.clone(), &ask, "session") {
+                Ok(made) => made,
+                Err(e) => {
+                    tracing::warn!(session = %record.id, snapshot = %record.snapshot, error = %e.message, "a paused session cannot be taken back; its snapshot is kept");
+                    continue;
+                }
+            };
+            let opened = Opened::paused(made, &record);
+            if let Ok(mut map) = self.open.lock() {
+                map.insert((Owner::Api, record.id.clone()), opened);
+            }
         }
     }
 
@@ -295,7 +376,11 @@ impl Pool {
     }
 
     /// A sandbox for one block, in no list: the caller closes it after the block.
-    pub async fn open_for_one(&self, ask: OpenAsk, road: &str) -> Result<Arc<Opened>, Refusal> {
+    pub async fn open_for_one(
+        &self,
+        ask: OpenAsk,
+        road: &'static str,
+    ) -> Result<Arc<Opened>, Refusal> {
         self.refuse_if_stopping()?;
         let id = uuid::Uuid::new_v4().simple().to_string();
         self.opened(Owner::Api, id, ask, road).await
@@ -330,8 +415,30 @@ impl Pool {
         owner: Owner,
         id: String,
         ask: OpenAsk,
-        road: &str,
+        road: &'static str,
     ) -> Result<Arc<Opened>, Refusal> {
+        let made = self.made(owner, id, &ask, road)?;
+        let session = start(
+            &made.sandbox,
+            made.limits.clone(),
+            ask.files,
+            made.keep_state,
+            road,
+            made.volumes.clone(),
+        )
+        .await?;
+        Ok(Opened::new(made, session))
+    }
+
+    /// What a sandbox `ask` says is made of, checked against the operator's policy, before
+    /// its session is opened.
+    fn made(
+        &self,
+        owner: Owner,
+        id: String,
+        ask: &OpenAsk,
+        road: &'static str,
+    ) -> Result<opened::Made, Refusal> {
         let mut tools: Vec<String> = Vec::new();
         for tool in &ask.tools {
             if !tandem_protocol::tools::valid_tool_name(tool) {
@@ -357,6 +464,7 @@ impl Pool {
                 "the {executor} executor cannot keep an interpreter (keep_state); use local or docker, or leave keep_state out"
             )));
         }
+        let keep_state = ask.keep_state || (ask.restores_state && sandbox.keeps_state());
         if !tools.is_empty() && !sandbox.carries_tool_calls() {
             return Err(Refusal::invalid(format!(
                 "code in the {executor} executor cannot call tools; use local or docker, or leave tools out"
@@ -364,6 +472,12 @@ impl Pool {
         }
         let limits = crate::policy::task_limits(&self.supervisor.defaults().limits, &ask.limits)
             .map_err(Refusal::invalid)?;
+        planner
+            .check_volumes(&ask.volumes, &*sandbox)
+            .map_err(|e| Refusal::of_task(&e))?;
+        let (volumes, held) = planner
+            .hold_volumes(&ask.volumes)
+            .map_err(|e| Refusal::of_task(&e))?;
         let (sandbox, net) = match planner.block_network(ask.network.as_ref(), &*sandbox)? {
             Some((egress, policy)) => {
                 let route = Arc::new(opened::NetRoute::counted(
@@ -380,20 +494,27 @@ impl Pool {
             }
             None => (sandbox, None),
         };
-        let session = start(&sandbox, limits, ask.files, ask.keep_state, road).await?;
-        Ok(Opened::new(
-            opened::Made {
-                id,
-                owner,
-                executor,
-                sandbox,
-                keep_state: ask.keep_state,
-                tools,
-                idle,
-                net,
+        Ok(opened::Made {
+            id,
+            owner,
+            executor,
+            sandbox,
+            keep_state,
+            tools,
+            idle,
+            net,
+            limits,
+            asked: opened::Asked {
+                limits: ask.limits.clone(),
+                network: ask.network.clone(),
+                volumes: ask.volumes.clone(),
             },
-            session,
-        ))
+            volumes,
+            _held: held,
+            road,
+            files: self.supervisor.files().clone(),
+            daemon: self.supervisor.running_here().0.to_owned(),
+        })
     }
 }
 
@@ -414,12 +535,13 @@ fn valid_id(id: &str) -> Result<(), Refusal> {
 
 /// The executor's session for a sandbox without a task, its files placed and, with
 /// `keep_state`, an interpreter kept.
-async fn start(
+pub(super) async fn start(
     sandbox: &Arc<dyn Executor>,
     limits: tandem_executor::Limits,
     files: Option<PathBuf>,
     keep_state: bool,
     road: &str,
+    volumes: Vec<tandem_executor::VolumeBinding>,
 ) -> Result<Box<dyn Session>, Refusal> {
     // No task's label: the executor labels the sandbox with its owner and session (what
     // reaping needs), and a sandbox with no task can take a container the warm pool started.
@@ -431,6 +553,7 @@ async fn start(
             tandem_executor_kit::WITHOUT_TASK.to_owned(),
             road.to_owned(),
         )],
+        volumes,
         ..tandem_executor::SessionSpec::default()
     };
     let unavailable = |e: ExecError| {

@@ -57,6 +57,31 @@
     return `${m} min ${Math.round((ms % 60000) / 1000)} s`;
   }
 
+  // Decimal units, as the transcript's footer prints them.
+  function bytes(n) {
+    if (n < 1000) return `${n} B`;
+    const units = ['kB', 'MB', 'GB', 'TB'];
+    let v = n / 1000, i = 0;
+    while (v >= 1000 && i < units.length - 1) { v /= 1000; i++; }
+    return `${v.toFixed(1)} ${units[i]}`;
+  }
+
+  // What a block used, one phrase per figure measured; the reason when none was.
+  function usage(r) {
+    if (!r) return '';
+    const parts = [];
+    if (r.cpu_secs != null) parts.push(`cpu ${r.cpu_secs.toFixed(2)} s`);
+    if (r.peak_memory_bytes != null) {
+      parts.push(`peak ${bytes(r.peak_memory_bytes)}${r.peak_memory_scope === 'session' ? ' (session)' : ''}`);
+    }
+    if (r.disk_written_bytes != null) parts.push(`disk ${bytes(r.disk_written_bytes)}`);
+    if (r.net_bytes_in != null || r.net_bytes_out != null) {
+      parts.push(`net ${bytes(r.net_bytes_in || 0)} in, ${bytes(r.net_bytes_out || 0)} out`);
+    }
+    if (!parts.length && r.unavailable) parts.push(`usage unavailable: ${r.unavailable}`);
+    return parts.join(' · ');
+  }
+
   function ago(ms) {
     const s = Math.round((Date.now() - ms) / 1000);
     if (s < 5) return 'just now';
@@ -410,6 +435,26 @@
       }
     }
 
+    // Snapshots a task can start from, newest first.
+    async function loadSnapshots() {
+      const select = $('from-snapshot');
+      try {
+        const { snapshots } = await api('GET', '/v1/snapshots');
+        const chosen = select.value;
+        while (select.options.length > 1) select.remove(1);
+        for (const snap of (snapshots || []).slice().reverse()) {
+          const what = [snap.name || snap.id, `${snap.files} files`, size(snap.bytes)];
+          if (snap.saved && snap.saved.length) what.push(`${snap.saved.length} globals`);
+          if (snap.created_ms) what.push(dateFmt.format(snap.created_ms));
+          select.add(new Option(what.join(' · '), snap.id));
+        }
+        select.value = chosen;
+        if (select.selectedIndex < 0) select.value = '';
+      } catch (_) {
+        // "none" stays usable; a 401 already asked for a token.
+      }
+    }
+
     async function submit(e) {
       e.preventDefault();
       const btn = $('submit');
@@ -458,6 +503,16 @@
         }
         const hosts = $('allow-hosts').value.split(',').map((h) => h.trim()).filter(Boolean);
         if (hosts.length) body.network = { allow: hosts };
+        const mounts = $('volumes').value.split(',').map((v) => v.trim()).filter(Boolean);
+        if (mounts.length) {
+          body.volumes = mounts.map((m) => {
+            const [name, path, mode, ...rest] = m.split(':');
+            if (!name || !path || rest.length || (mode && mode !== 'ro' && mode !== 'rw')) {
+              throw new Error(`Volumes: \`${m}\` is not NAME:PATH or NAME:PATH:ro`);
+            }
+            return { name, path, read_only: mode === 'ro' };
+          });
+        }
         const file = $('team-file').files[0];
         if (file) {
           const parsed = await api('POST', '/v1/teams/parse', await file.text()).catch((err) => {
@@ -465,7 +520,10 @@
           });
           body.team = parsed.team;
         }
+        const snap = $('from-snapshot').value;
+        if (snap) body.from_snapshot = snap;
         const files = [...$('data-files').files, ...dropped];
+        if (files.length && snap) throw new Error('Files and a snapshot both fill the workspace: choose one');
         if (files.length) {
           const up = await upload(files).catch((err) => {
             throw new Error(`Files: ${err.message}`);
@@ -524,8 +582,9 @@
         + (engine.draft ? ` · draft: ${engine.draft_accepted} of ${engine.draft_proposed} guesses kept` : '');
     }
 
-    onAuth = () => { loadExecutors(); refresh(true); loadEngine(); };
+    onAuth = () => { loadExecutors(); loadSnapshots(); refresh(true); loadEngine(); };
     loadExecutors();
+    loadSnapshots();
     refresh(true);
     loadEngine();
     setInterval(() => { if (!document.hidden) { refresh(false); loadEngine(); } }, 2000);
@@ -627,6 +686,8 @@
       const state = record ? record.state : '';
       $('cancel').disabled = actionBusy || !ACTIVE.has(state);
       $('resume').disabled = actionBusy || state !== 'interrupted';
+      // A task's workspace is snapshotted once it no longer changes.
+      $('snapshot').disabled = actionBusy || !state || state === 'queued' || state === 'running';
     }
 
     // The task's workspace: each file a download, fetched with the token.
@@ -712,6 +773,23 @@
       }
     }
 
+    $('snapshot').addEventListener('click', async () => {
+      actionBusy = true;
+      updateButtons();
+      setError('');
+      try {
+        const snap = await api('POST', `${apiPath}/snapshot`, {});
+        const note = $('snapshot-taken');
+        note.textContent = `Snapshot ${snap.id}: ${plural(snap.files, 'file')}, ${size(snap.bytes)}. New tasks can start from it.`;
+        note.dataset.id = snap.id;
+        note.hidden = false;
+      } catch (e) {
+        setError(e.message);
+      } finally {
+        actionBusy = false;
+        updateButtons();
+      }
+    });
     $('cancel').addEventListener('click', () => act('cancel'));
     $('resume').addEventListener('click', async () => { if (await act('resume')) reconnect(); });
 
@@ -909,6 +987,8 @@
       const parts = [r.status === 'exited' ? `exited ${r.exit_code}` : r.status];
       if (r.status === 'exited' || r.duration_ms) parts.push(duration(r.duration_ms || 0));
       if (r.truncated) parts.push('output truncated');
+      const used = usage(r.resources);
+      if (used) parts.push(used);
       return parts.join(' · ');
     }
 
