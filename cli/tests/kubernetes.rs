@@ -153,6 +153,21 @@ async fn a_snapshot_taken_on_the_local_executor_resumes_in_a_pod() {
         .await["stdout"],
         "1,2 True sleep\n"
     );
+    // What a block in a pod used, from the pod's cgroup: its peak since the pod started,
+    // which the daemon cannot reset from outside.
+    let used = d
+        .exec_python(
+            &pod,
+            "b = bytearray(50_000_000)\nfor i in range(0, len(b), 4096):\n    b[i] = 1",
+        )
+        .await;
+    let r = &used["resources"];
+    assert!(r["cpu_secs"].as_f64().is_some(), "{used}");
+    assert!(
+        r["peak_memory_bytes"].as_f64().unwrap_or(0.0) >= 50e6,
+        "{used}"
+    );
+    assert_eq!(r["peak_memory_scope"], "session", "{used}");
     d.send(
         reqwest::Method::DELETE,
         &format!("/v1/sessions/{pod}"),

@@ -27,7 +27,8 @@ use crate::supervisor::Supervisor;
 
 /// How long an open sandbox lives unused, unless it asks for less.
 pub const IDLE: Duration = Duration::from_secs(600);
-/// Most sandboxes the API's clients hold open at once, together.
+/// Most sandboxes the API's clients hold open at once, together, unless `[sessions]
+/// without_task` lets more stand.
 pub const MAX_API_SESSIONS: usize = 64;
 /// Most sessions one MCP connection holds open at once.
 pub const MAX_MCP_SESSIONS: usize = 8;
@@ -44,20 +45,20 @@ pub enum Owner {
 }
 
 impl Owner {
-    /// Most sandboxes it may hold open at once.
-    pub fn max_open(self) -> usize {
+    /// Most sandboxes it may hold open at once, `api` for the API's clients together.
+    pub fn max_open(self, api: usize) -> usize {
         match self {
-            Owner::Api => MAX_API_SESSIONS,
+            Owner::Api => api,
             Owner::Mcp(_) => MAX_MCP_SESSIONS,
         }
     }
 
-    fn too_many(self) -> Refusal {
+    fn too_many(self, api: usize) -> Refusal {
         Refusal::new(
             ApiErrorCode::TooMany,
             match self {
                 Owner::Api => format!(
-                    "{MAX_API_SESSIONS} sessions are open on this daemon; close one (DELETE /v1/sessions/ID) and try again"
+                    "{api} sessions are open on this daemon; close one (DELETE /v1/sessions/ID) and try again"
                 ),
                 Owner::Mcp(_) => {
                     format!("this connection already holds {MAX_MCP_SESSIONS} sessions; reuse one")
@@ -322,7 +323,8 @@ impl Pool {
         let opened = self.opened(owner, id.clone(), ask, road).await?;
         let raced = match self.open.lock() {
             Ok(mut map)
-                if Self::held_by(&map, owner) < owner.max_open() && !self.supervisor.stopping() =>
+                if Self::held_by(&map, owner) < owner.max_open(self.supervisor.api_sessions)
+                    && !self.supervisor.stopping() =>
             {
                 match map.entry((owner, id)) {
                     std::collections::hash_map::Entry::Vacant(slot) => {
@@ -335,7 +337,7 @@ impl Pool {
                     }
                 }
             }
-            _ => Some(Err(owner.too_many())),
+            _ => Some(Err(owner.too_many(self.supervisor.api_sessions))),
         };
         match raced {
             None => Ok(opened),
@@ -403,8 +405,9 @@ impl Pool {
             .lock()
             .map(|m| Self::held_by(&m, owner))
             .unwrap_or(0);
-        if held >= owner.max_open() {
-            return Err(owner.too_many());
+        let api = self.supervisor.api_sessions;
+        if held >= owner.max_open(api) {
+            return Err(owner.too_many(api));
         }
         Ok(())
     }
