@@ -212,9 +212,12 @@ pub async fn run_task(
         base_url: model.location(),
         executor: executor.name().to_owned(),
     };
-    let executor = match &settings.network {
-        Some(network) => network.wrap(executor, &events),
-        None => executor,
+    let (executor, events) = match &settings.network {
+        Some(network) => {
+            let events = crate::events::counting_net(events);
+            (network.wrap(executor, &events), events)
+        }
+        None => (executor, events),
     };
     let slot =
         SessionSlot::new(executor, settings.session.clone()).only(settings.languages.clone());

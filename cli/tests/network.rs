@@ -137,6 +137,13 @@ async fn run_in_process_reaches_an_allowed_host_from_docker_and_local_and_record
             ],
             "{net_events:?}"
         );
+        // The block's result counts what went through the proxy (a connection told after
+        // the result counts with the next block, so only the field is sure to be there).
+        assert!(
+            results[0]["result"]["resources"]["net_bytes_in"].is_u64(),
+            "{executor}: {}",
+            results[0]
+        );
         // The model was told which hosts it may reach.
         let asked = server.requests();
         assert!(

@@ -1148,9 +1148,14 @@ impl Planned {
                 net,
                 ..
             } => {
-                if let Some(net) = net {
-                    net.set(&sink);
-                }
+                let sink = match net {
+                    Some(net) => {
+                        let sink = tandem_agent::events::counting_net(sink);
+                        net.set(&sink);
+                        sink
+                    }
+                    None => sink,
+                };
                 let team = team.with_approval(settings.approval.clone());
                 run_team_task(
                     team,

@@ -299,23 +299,26 @@ def kill_all():
 
 def wait_reaped():
     """Waits, at most 10 s, until the killed processes are reaped as well: a zombie still
-    holds its pid, and after a fork bomb the next block must find pids to fork. Only the
-    zombies init or this runner will reap are waited for; a kept server's own are its."""
+    holds its pid, and after a fork bomb the next block must find pids to fork. Waited for
+    are the zombies this runner (their subreaper) will reap: its own, and those whose
+    parent is dying too. Init's and a kept server's are theirs to reap."""
     deadline = monotonic() + 10.0
     while True:
         reap()
-        waiting = False
+        table = {}
         for name in os.listdir("/proc"):
-            if not name.isdigit() or int(name) in (1, ME):
+            if not name.isdigit():
                 continue
             try:
                 with open("/proc/%s/stat" % name, "rb") as f:
                     fields = f.read().rsplit(b")", 1)[1].split()
-            except (OSError, IndexError):
+                table[int(name)] = (fields[0], int(fields[1]))
+            except (OSError, IndexError, ValueError):
                 continue
-            if fields[0] == b"Z" and int(fields[1]) in (1, ME):
-                waiting = True
-                break
+        waiting = any(
+            state == b"Z" and (ppid == ME or table.get(ppid, (b"Z",))[0] == b"Z")
+            for state, ppid in table.values()
+        )
         if not waiting or monotonic() >= deadline:
             return
         time.sleep(0.01)
