@@ -134,8 +134,9 @@ async fn the_page_submits_streams_approves_and_cancels_and_model_markup_stays_te
         (
             task,
             vec![
-                // Slow enough to be seen streaming.
-                Reply::Trickle(Duration::from_millis(150), first),
+                // Slow enough to be seen streaming, by a browser polled over WebDriver on a
+                // loaded machine (each of its five pieces 400 ms after the last).
+                Reply::Trickle(Duration::from_millis(400), first),
                 "All done.\nTERMINATE".into(),
             ],
         ),

@@ -14,11 +14,37 @@ const DRIVER: &str = "/usr/bin/chromedriver";
 /// The W3C name of the property that identifies an element in answers.
 const ELEMENT: &str = "element-6066-11e4-a52e-4f735466cecf";
 
-/// A headless Chromium session; the driver is killed when this is dropped.
+/// A headless Chromium session; dropped, it asks the driver to quit the browser, then kills
+/// the driver (killed alone, the driver would leave the browser running).
 pub struct Browser {
     driver: tokio::process::Child,
     http: reqwest::Client,
     base: String,
+    /// The driver's port and the session's path, for the quit sent from `drop`.
+    quit: (u16, String),
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        use std::io::{Read, Write};
+        let (port, path) = &self.quit;
+        // Blocking and bounded: `drop` cannot await, and a test that panicked still ends
+        // its browser.
+        let Ok(mut conn) = std::net::TcpStream::connect(("127.0.0.1", *port)) else {
+            return;
+        };
+        let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
+        let _ = conn.set_write_timeout(Some(Duration::from_secs(10)));
+        let request = format!(
+            "DELETE {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        );
+        if conn.write_all(request.as_bytes()).is_ok() {
+            // The answer comes once the browser is gone.
+            let mut answer = Vec::new();
+            let _ = conn.read_to_end(&mut answer);
+        }
+        let _ = self.driver.start_kill();
+    }
 }
 
 impl Browser {
@@ -82,6 +108,7 @@ impl Browser {
             driver,
             http,
             base: format!("{root}/session/{session}"),
+            quit: (port, format!("/session/{session}")),
         }
     }
 
