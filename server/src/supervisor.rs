@@ -62,8 +62,8 @@ pub struct Supervisor {
     writer: Writes,
     files: Arc<Files>,
     pausing: crate::policy::Pausing,
-    /// Most sessions the API's clients hold open at once, together.
-    pub(crate) api_sessions: usize,
+    /// How many sessions `[sessions] without_task` lets stand without a task.
+    pub(crate) without_task: Option<usize>,
     /// Counters and histograms for `/metrics`.
     pub metrics: Metrics,
     /// The ports of the tasks' open sandboxes, which the API publishes.
@@ -174,14 +174,7 @@ impl Supervisor {
                 runtime: tokio::runtime::Handle::current(),
             },
             files: config.files,
-            // As many as the sessions budget lets stand without a task, and never fewer
-            // than the fixed floor: beyond it a client is refused, within it it waits.
-            api_sessions: config
-                .sessions
-                .without_task
-                .map_or(crate::sandbox::MAX_API_SESSIONS, |n| {
-                    n.max(crate::sandbox::MAX_API_SESSIONS)
-                }),
+            without_task: config.sessions.without_task,
             pausing: config.pausing,
             metrics: Metrics::default(),
             ports: crate::ports::PortBook::default(),

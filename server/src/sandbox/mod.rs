@@ -122,14 +122,22 @@ pub struct Pool {
     supervisor: Arc<Supervisor>,
     open: Mutex<HashMap<(Owner, String), Arc<Opened>>>,
     next_connection: AtomicU64,
+    /// Most sandboxes the API's clients hold open at once: as many as `[sessions]
+    /// without_task` lets stand, and never fewer than the fixed floor (past it a client is
+    /// refused; within it, it waits for the budget).
+    api_max: usize,
 }
 
 impl Pool {
     /// An empty pool whose reaper closes idle sandboxes, and all of them when `shutdown`
     /// fires.
     pub fn new(supervisor: Arc<Supervisor>, shutdown: CancellationToken) -> Arc<Self> {
+        let api_max = supervisor
+            .without_task
+            .map_or(MAX_API_SESSIONS, |n| n.max(MAX_API_SESSIONS));
         let pool = Arc::new(Self {
             supervisor,
+            api_max,
             open: Mutex::default(),
             next_connection: AtomicU64::new(1),
         });
@@ -323,7 +331,7 @@ impl Pool {
         let opened = self.opened(owner, id.clone(), ask, road).await?;
         let raced = match self.open.lock() {
             Ok(mut map)
-                if Self::held_by(&map, owner) < owner.max_open(self.supervisor.api_sessions)
+                if Self::held_by(&map, owner) < owner.max_open(self.api_max)
                     && !self.supervisor.stopping() =>
             {
                 match map.entry((owner, id)) {
@@ -337,7 +345,7 @@ impl Pool {
                     }
                 }
             }
-            _ => Some(Err(owner.too_many(self.supervisor.api_sessions))),
+            _ => Some(Err(owner.too_many(self.api_max))),
         };
         match raced {
             None => Ok(opened),
@@ -405,7 +413,7 @@ impl Pool {
             .lock()
             .map(|m| Self::held_by(&m, owner))
             .unwrap_or(0);
-        let api = self.supervisor.api_sessions;
+        let api = self.api_max;
         if held >= owner.max_open(api) {
             return Err(owner.too_many(api));
         }
