@@ -95,6 +95,7 @@ impl Executor for Behind {
                 socket: socket.path().to_owned(),
                 env: self.egress.sandbox_env(),
                 ca_bundle,
+                adopt: Some(socket.adopter()),
             });
             let session = self.inner.open(spec).await?;
             Ok(Box::new(BehindSession {

@@ -14,6 +14,7 @@ pub mod policy;
 pub mod proxy;
 pub mod rule;
 pub mod sni;
+mod splice;
 
 use std::net::IpAddr;
 

@@ -277,7 +277,7 @@ impl Egress {
     /// socket only it can reach).
     pub async fn serve_one<S>(&self, stream: S, grant: Arc<Grant>)
     where
-        S: AsyncRead + AsyncWrite + Unpin + Send,
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         self.inner.connection(stream, grant).await;
     }
@@ -309,7 +309,7 @@ struct Outcome {
 impl Inner {
     async fn connection<S>(&self, mut client: S, grant: Arc<Grant>)
     where
-        S: AsyncRead + AsyncWrite + Unpin + Send,
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let started = Instant::now();
         grant.sink.started();
@@ -363,7 +363,7 @@ impl Inner {
     /// Reads and carries out one request; `None` when the client went away before asking.
     async fn request<S>(&self, client: &mut S, grant: &Grant) -> Option<Outcome>
     where
-        S: AsyncRead + AsyncWrite + Unpin + Send,
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let (buf, head_len) =
             match tokio::time::timeout(self.limits.head_timeout, read_head(client)).await {
@@ -496,7 +496,7 @@ impl Inner {
         early: &[u8],
         outcome: &mut Outcome,
     ) where
-        S: AsyncRead + AsyncWrite + Unpin + Send,
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         if client
             .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
@@ -562,7 +562,7 @@ impl Inner {
                 return;
             }
         };
-        let (out, inn, cut) = pump(client, upstream, &hello, grant, &self.limits, None).await;
+        let (out, inn, cut) = carry(client, upstream, &hello, grant, &self.limits, None).await;
         outcome.bytes_out = out;
         outcome.bytes_in = inn;
         if let Some(cut) = cut {
@@ -579,7 +579,7 @@ impl Inner {
         early: &[u8],
         outcome: &mut Outcome,
     ) where
-        S: AsyncRead + AsyncWrite + Unpin + Send,
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let upstream = match self.route(grant, host, asked.port).await {
             Ok((route, stream)) => {
@@ -601,7 +601,7 @@ impl Inner {
         };
         first.extend_from_slice(early);
         let scrub = secret.map(|s| Scrub::new(s.value()));
-        let (out, inn, cut) = pump(client, upstream, &first, grant, &self.limits, scrub).await;
+        let (out, inn, cut) = carry(client, upstream, &first, grant, &self.limits, scrub).await;
         outcome.bytes_out = out;
         outcome.bytes_in = inn;
         if let Some(cut) = cut {
@@ -1222,15 +1222,98 @@ where
         r = result => r.err(),
         () = grant.stop.cancelled() => Some(Cut::Stopped),
     };
-    let denial = match cut {
+    (out.into_inner(), inn.into_inner(), denial_of(cut))
+}
+
+/// [`pump`], through the kernel's pipes where both ends are plain sockets and no secret is
+/// to be scrubbed from what comes back: the bytes are never copied into the proxy.
+async fn carry<S, U>(
+    client: &mut S,
+    upstream: U,
+    first: &[u8],
+    grant: &Grant,
+    limits: &ProxyLimits,
+    scrub: Option<Scrub>,
+) -> (u64, u64, Option<Denial>)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    U: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    use std::any::Any;
+    if scrub.is_none()
+        && let Some(up) = (&upstream as &dyn Any).downcast_ref::<TcpStream>()
+    {
+        let near = &*client as &dyn Any;
+        let spliced = if let Some(near) = near.downcast_ref::<TcpStream>() {
+            spliced(near, up, first, grant, limits).await
+        } else if let Some(near) = near.downcast_ref::<tokio::net::UnixStream>() {
+            spliced(near, up, first, grant, limits).await
+        } else {
+            None
+        };
+        if let Some(carried) = spliced {
+            return carried;
+        }
+    }
+    pump(client, upstream, first, grant, limits, scrub).await
+}
+
+/// Carries a connection through two pipes; `None`, with nothing sent, when the pipes
+/// cannot be made.
+async fn spliced<A: crate::splice::Socket, B: crate::splice::Socket>(
+    client: &A,
+    upstream: &B,
+    first: &[u8],
+    grant: &Grant,
+    limits: &ProxyLimits,
+) -> Option<(u64, u64, Option<Denial>)> {
+    use crate::splice::{Stop, one_way, pipe, write_all};
+    let (up_pipe, down_pipe) = (pipe().ok()?, pipe().ok()?);
+    let out = AtomicU64::new(0);
+    let inn = AtomicU64::new(0);
+    let budget = Budget {
+        carried: &grant.carried,
+        max: grant.policy.max_bytes,
+    };
+    let cut_of = |stop: Stop| match stop {
+        Stop::Idle => Cut::Idle,
+        Stop::Budget => Cut::Bytes(budget.max.unwrap_or(0)),
+        Stop::Failed => Cut::Closed,
+    };
+    let take = |n: usize| budget.take(n).is_ok();
+    let result = async {
+        budget.take(first.len())?;
+        out.fetch_add(first.len() as u64, Ordering::Relaxed);
+        write_all(upstream, first).await.map_err(|_| Cut::Closed)?;
+        let up = async {
+            one_way(client, upstream, up_pipe, &out, limits.idle_timeout, take)
+                .await
+                .map_err(cut_of)
+        };
+        let down = async {
+            one_way(upstream, client, down_pipe, &inn, limits.idle_timeout, take)
+                .await
+                .map_err(cut_of)
+        };
+        tokio::try_join!(up, down).map(|_| ())
+    };
+    let cut = tokio::select! {
+        r = result => r.err(),
+        () = grant.stop.cancelled() => Some(Cut::Stopped),
+    };
+    Some((out.into_inner(), inn.into_inner(), denial_of(cut)))
+}
+
+/// What a connection's end says in its `net` event.
+fn denial_of(cut: Option<Cut>) -> Option<Denial> {
+    match cut {
         Some(Cut::Bytes(max)) => Some(Denial::check(
             "max_bytes",
             format!("the task's network budget of {max} bytes is spent"),
         )),
         Some(Cut::Idle) | Some(Cut::Closed) | None => None,
         Some(Cut::Stopped) => None,
-    };
-    (out.into_inner(), inn.into_inner(), denial)
+    }
 }
 
 #[derive(Debug)]
@@ -1372,6 +1455,7 @@ fn refusal(code: u16, why: &str) -> Vec<u8> {
 pub struct SocketGrant {
     path: std::path::PathBuf,
     grant: Arc<Grant>,
+    inner: Arc<Inner>,
 }
 
 impl SocketGrant {
@@ -1383,6 +1467,22 @@ impl SocketGrant {
     /// A new block starts in the sandbox: its connections are counted from none.
     pub fn new_block(&self) {
         self.grant.new_block();
+    }
+
+    /// What serves a TCP listener under this grant, for as long as the socket is served:
+    /// a listener opened inside the sandbox's own network namespace, so that its
+    /// connections need no relay.
+    pub fn adopter(&self) -> tandem_executor::EgressAdopt {
+        let inner = self.inner.clone();
+        let grant = self.grant.clone();
+        tandem_executor::EgressAdopt(Arc::new(move |listener: std::net::TcpListener| {
+            listener.set_nonblocking(true)?;
+            let listener = tokio::net::TcpListener::from_std(listener)?;
+            inner
+                .clone()
+                .accept_all(listener, grant.clone(), "in a sandbox's network");
+            Ok(())
+        }))
     }
 }
 
@@ -1406,31 +1506,63 @@ impl Egress {
         // The sandbox's user is not the daemon's: it must be able to connect.
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
         let grant = Arc::new(grant);
-        let inner = self.inner.clone();
-        let served = grant.clone();
+        self.inner
+            .clone()
+            .accept_all(listener, grant.clone(), "on a sandbox's socket");
+        Ok(SocketGrant {
+            path: path.to_owned(),
+            grant,
+            inner: self.inner.clone(),
+        })
+    }
+}
+
+/// A listener a sandbox's connections arrive on.
+trait Accepts: Send + 'static {
+    type Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static;
+    fn take(&self) -> impl Future<Output = std::io::Result<Self::Stream>> + Send;
+}
+
+impl Accepts for tokio::net::UnixListener {
+    type Stream = tokio::net::UnixStream;
+    async fn take(&self) -> std::io::Result<Self::Stream> {
+        self.accept().await.map(|(stream, _)| stream)
+    }
+}
+
+impl Accepts for TcpListener {
+    type Stream = tokio::net::TcpStream;
+    async fn take(&self) -> std::io::Result<Self::Stream> {
+        let (stream, _) = self.accept().await?;
+        // Small writes are the clients' to coalesce; the proxy adds no delay of its own.
+        stream.set_nodelay(true)?;
+        Ok(stream)
+    }
+}
+
+impl Inner {
+    /// Serves every connection `listener` takes under `grant` until the grant or the proxy
+    /// stops.
+    fn accept_all<L: Accepts>(self: Arc<Self>, listener: L, grant: Arc<Grant>, on: &'static str) {
         tokio::spawn(async move {
             loop {
                 let accepted = tokio::select! {
-                    () = served.stop.cancelled() => return,
-                    () = inner.stop.cancelled() => return,
-                    accepted = listener.accept() => accepted,
+                    () = grant.stop.cancelled() => return,
+                    () = self.stop.cancelled() => return,
+                    accepted = listener.take() => accepted,
                 };
                 match accepted {
-                    Ok((stream, _)) => {
-                        let inner = inner.clone();
-                        let grant = served.clone();
+                    Ok(stream) => {
+                        let inner = self.clone();
+                        let grant = grant.clone();
                         tokio::spawn(async move { inner.connection(stream, grant).await });
                     }
                     Err(error) => {
-                        tracing::warn!(%error, "egress proxy: accept on a sandbox's socket failed");
+                        tracing::warn!(%error, "egress proxy: accept {on} failed");
                         tokio::time::sleep(Duration::from_millis(100)).await;
                     }
                 }
             }
         });
-        Ok(SocketGrant {
-            path: path.to_owned(),
-            grant,
-        })
     }
 }

@@ -48,9 +48,14 @@ except OSError as e:
     print("udp: refused", type(e).__name__)
 "#;
 
-/// Opens a session of `executor` behind a proxy allowing `files.test`, runs the probe in it,
-/// and checks what it reached and what the proxy recorded.
+/// Opens a session of `executor` behind a proxy allowing `files.test`, as the daemon does
+/// (offering a listener in the sandbox's own network), runs the probe in it, and checks what
+/// it reached and what the proxy recorded; `open` sees the session while it is open.
 async fn probe_behind_the_proxy(executor: &dyn tandem_executor::Executor) {
+    probe_and_look(executor, || ()).await;
+}
+
+async fn probe_and_look(executor: &dyn tandem_executor::Executor, open: impl FnOnce()) {
     let net = Internet::new();
     net.http_server(80);
     net.echo_server(9000);
@@ -85,6 +90,7 @@ async fn probe_behind_the_proxy(executor: &dyn tandem_executor::Executor) {
                 socket: grant.path().to_owned(),
                 env: Vec::new(),
                 ca_bundle: None,
+                adopt: Some(grant.adopter()),
             }),
             ..Default::default()
         })
@@ -120,6 +126,7 @@ async fn probe_behind_the_proxy(executor: &dyn tandem_executor::Executor) {
     assert!(out.contains("metadata: refused"), "{name}: {out}");
     assert!(out.contains("dns: none"), "{name}: {out}");
     assert!(out.contains("udp: refused"), "{name}: {out}");
+    open();
     session.close().await.unwrap();
 
     // Connections are recorded as they end, which need not be the order they were made in.
@@ -148,6 +155,46 @@ async fn a_docker_sandbox_behind_the_proxy_reaches_what_its_policy_allows_and_no
     .await
     .unwrap_or_else(|e| panic!("these tests need the Docker engine: {e}"));
     probe_behind_the_proxy(&docker).await;
+}
+
+/// On an engine on this machine, the container's `127.0.0.1:3128` is a listener this process
+/// opened in the container's network namespace: no process in the container holds it, so no
+/// relay copies the sandbox's connections (and a block cannot take its place).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_local_containers_way_out_is_the_proxys_own_listener_in_its_network() {
+    let daemon_id = format!("egress-netns-{}", std::process::id());
+    let docker = DockerExecutor::connect(DockerConfig {
+        image: std::env::var("TANDEM_DOCKER_IMAGE")
+            .unwrap_or_else(|_| "tandem-sandbox:latest".to_owned()),
+        pull: false,
+        pool_size: 0,
+        daemon_id: daemon_id.clone(),
+        ..DockerConfig::default()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("these tests need the Docker engine: {e}"));
+    probe_and_look(&docker, || {
+        let run = |program: &str, args: &[&str]| {
+            let out = std::process::Command::new(program)
+                .args(args)
+                .output()
+                .unwrap_or_else(|e| panic!("{program}: {e}"));
+            String::from_utf8_lossy(&out.stdout).trim().to_owned()
+        };
+        let filter = format!("label=tandem.daemon={daemon_id}");
+        let id = run("docker", &["ps", "-q", "--filter", &filter]);
+        assert_eq!(id.lines().count(), 1, "containers: {id:?}");
+        let pid = run("docker", &["inspect", "-f", "{{.State.Pid}}", &id]);
+        let held = run(
+            "nsenter",
+            &["-t", &pid, "-n", "ss", "-Hltnp", "sport = :3128"],
+        );
+        assert!(
+            held.contains(&format!("pid={},", std::process::id())) && !held.contains("python"),
+            "the container's 3128 is not this process's own listener: {held:?}"
+        );
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -313,7 +313,37 @@ pub struct EgressSocket {
     /// The certificates the sandbox trusts (the system's and the proxy's CA), a file in the
     /// socket's directory, when the proxy answers some hosts itself.
     pub ca_bundle: Option<PathBuf>,
+    /// Serves the same policy on a listener the executor opened inside the sandbox's own
+    /// network namespace, when it can: the sandbox's connections then reach the proxy with no
+    /// relay copying them in between.
+    pub adopt: Option<EgressAdopt>,
 }
+
+/// Hands a listening socket to the egress proxy, which serves it under a session's policy
+/// until the session ends; it must be called within the Tokio runtime.
+#[derive(Clone)]
+pub struct EgressAdopt(pub Arc<dyn Fn(std::net::TcpListener) -> std::io::Result<()> + Send + Sync>);
+
+impl EgressAdopt {
+    /// Serves `listener` under the session's policy.
+    pub fn adopt(&self, listener: std::net::TcpListener) -> std::io::Result<()> {
+        (self.0)(listener)
+    }
+}
+
+impl std::fmt::Debug for EgressAdopt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EgressAdopt")
+    }
+}
+
+impl PartialEq for EgressAdopt {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for EgressAdopt {}
 
 /// The variables that make a block's TLS clients trust the bundle at `path` (inside the
 /// sandbox): OpenSSL's, Python's `requests` and pip's, curl's, git's and Node's.

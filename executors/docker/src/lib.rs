@@ -658,6 +658,18 @@ impl DockerExecutor {
         Ok(found.len() + volumes.len())
     }
 
+    /// Whether a container behind the proxy, its workspace `bound` from this machine, gets the proxy's listener opened
+    /// in its network namespace by this process: the engine on this machine (its
+    /// workspace bound from here), a proxy that takes listeners, and root, which entering
+    /// another process's namespace takes.
+    pub(crate) fn egress_in_netns(
+        &self,
+        bound: bool,
+        egress: &tandem_executor::EgressSocket,
+    ) -> bool {
+        bound && egress.adopt.is_some() && nix::unistd::geteuid().is_root()
+    }
+
     /// The container body for a session: the hardened defaults plus the session's mounts.
     pub(crate) fn container_body(
         &self,
@@ -680,15 +692,26 @@ impl DockerExecutor {
         // its port there to the proxy's socket, bound in read-only.
         // On an engine reached over the network nothing is bound in: a relay the session
         // starts in the container carries its connections instead (`relay`).
+        // Where Tandem can open the proxy's listener in the container's own network, the
+        // runner relays nothing; the socket's directory is still bound in for the CA.
         let bound = matches!(workspace, session::Place::Host(_));
+        let in_netns = egress.is_some_and(|e| self.egress_in_netns(bound, e));
+        let session = labels.get(labels::SESSION).cloned();
         let egress_bind = egress.filter(|_| bound).and_then(|e| {
             let dir = e.socket.parent()?;
             let file = e.socket.file_name()?.to_str()?;
-            env.push(format!("TANDEM_EGRESS_SOCKET={EGRESS_DIR}/{file}"));
-            env.push(format!(
-                "TANDEM_EGRESS_PORT={}",
-                tandem_executor::EGRESS_PORT
-            ));
+            match (&session, in_netns) {
+                (Some(session), true) => {
+                    env.push(format!("{}={session}", ports::NETNS_MARK));
+                }
+                _ => {
+                    env.push(format!("TANDEM_EGRESS_SOCKET={EGRESS_DIR}/{file}"));
+                    env.push(format!(
+                        "TANDEM_EGRESS_PORT={}",
+                        tandem_executor::EGRESS_PORT
+                    ));
+                }
+            }
             Some(format!("{}:{EGRESS_DIR}:ro", dir.display()))
         });
         let open_bridge = c.network && egress.is_none();

@@ -110,3 +110,80 @@ pub(crate) async fn egress(
     .await?;
     relay::carry_egress(output, input, socket, ca_bundle, stop).await
 }
+
+/// The variable naming a container whose egress listener Tandem opens in its network
+/// namespace: its value is the session's id, which the runner's `/proc/<pid>/environ` must
+/// show before Tandem enters that namespace (a PID from the engine names a process of this
+/// machine only when both see one PID namespace).
+pub(crate) const NETNS_MARK: &str = "TANDEM_EGRESS_NETNS";
+
+/// Opens the egress proxy's listener on the loopback of container `id` itself, in its
+/// network namespace, and hands it to the proxy: the container's connections then reach the
+/// proxy with no relay copying them. The namespace is entered on a thread made for it, which
+/// ends there; the listener stays in the namespace it was made in.
+pub(crate) async fn egress_in_netns(
+    docker: &Docker,
+    id: &str,
+    session: &str,
+    adopt: &tandem_executor::EgressAdopt,
+) -> Result<(), String> {
+    let pid = docker
+        .inspect_container(id, None)
+        .await
+        .map_err(|e| format!("inspecting the container: {e}"))?
+        .state
+        .and_then(|s| s.pid)
+        .filter(|pid| *pid > 0)
+        .ok_or("the engine gave no process for the container")?;
+    let mark = format!("{NETNS_MARK}={session}");
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("tandem-netns".to_owned())
+        .spawn(move || {
+            let _ = tx.send(listen_in(pid, &mark));
+        })
+        .map_err(|e| format!("starting a thread to enter the namespace: {e}"))?;
+    let listener = rx
+        .await
+        .map_err(|_| "the namespace's thread ended without an answer".to_owned())??;
+    adopt
+        .adopt(listener)
+        .map_err(|e| format!("serving the listener: {e}"))
+}
+
+/// On a thread of its own (it stays in the namespace): checks that `pid` is the container's
+/// runner by `mark` in its environment, enters its network namespace, and listens there.
+fn listen_in(pid: i64, mark: &str) -> Result<std::net::TcpListener, String> {
+    use nix::fcntl::{OFlag, openat};
+    use nix::sys::stat::Mode;
+    use std::io::Read as _;
+    let dir = std::fs::File::open(format!("/proc/{pid}"))
+        .map_err(|e| format!("opening /proc/{pid}: {e}"))?;
+    // Both read beneath the one handle: a process that ended and whose PID was taken again
+    // leaves the handle pointing at nothing, never at the newcomer.
+    let open = |name: &str| {
+        openat(
+            &dir,
+            name,
+            OFlag::O_RDONLY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map(std::fs::File::from)
+        .map_err(|e| format!("opening /proc/{pid}/{name}: {e}"))
+    };
+    let mut environ = Vec::new();
+    open("environ")?
+        .take(1 << 20)
+        .read_to_end(&mut environ)
+        .map_err(|e| format!("reading /proc/{pid}/environ: {e}"))?;
+    if !environ.split(|b| *b == 0).any(|v| v == mark.as_bytes()) {
+        return Err(format!(
+            "process {pid} is not the container's runner as this process sees it (another PID namespace?)"
+        ));
+    }
+    let ns = open("ns/net")?;
+    nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)
+        .map_err(|e| format!("entering the container's network namespace: {e}"))?;
+    std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, tandem_executor::EGRESS_PORT))
+        .map_err(|e| format!("listening in the container: {e}"))
+}

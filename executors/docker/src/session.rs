@@ -176,7 +176,27 @@ impl DockerSession {
         };
         // On failure the session is dropped, which removes the container.
         session.runner.start(&mut session.container).await?;
-        if let (true, Some(egress)) = (by_volume, &spec.egress) {
+        let mut relay_needed = by_volume;
+        if let Some(egress) = &spec.egress
+            && let Some(adopt) = egress.adopt.as_ref().filter(|_| {
+                session
+                    .container
+                    .executor
+                    .egress_in_netns(!by_volume, egress)
+            })
+            && let Err(why) = crate::ports::egress_in_netns(
+                &session.container.executor.inner().docker,
+                &session.container.id,
+                &session.session_id,
+                adopt,
+            )
+            .await
+        {
+            // The relay is slower and works wherever the container runs.
+            tracing::warn!(%why, "the egress listener could not be opened in the container; relaying instead");
+            relay_needed = true;
+        }
+        if let (true, Some(egress)) = (relay_needed, &spec.egress) {
             let stop = tandem_executor::CancellationToken::new();
             session.relay = Some(stop.clone());
             crate::ports::egress(
