@@ -201,7 +201,76 @@ async fn a_local_containers_way_out_is_the_proxys_own_listener_in_its_network() 
 async fn a_confined_local_block_behind_the_proxy_reaches_what_its_policy_allows_and_nothing_else() {
     let local =
         tandem_executor_local::LocalExecutor::new(tandem_executor_local::LocalConfig::default());
-    probe_behind_the_proxy(&local).await;
+    // The session's network is held by a process of its fork server's, a descendant of this
+    // one; its 127.0.0.1:3128 is a listener the holder handed this process, which no process
+    // in that network holds any more (no relay copies the block's connections).
+    probe_and_look(&local, || {
+        let ours = std::process::id();
+        let own_net = std::fs::read_link("/proc/self/ns/net").unwrap();
+        let parent = |pid: u32| -> Option<u32> {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            stat.rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()
+        };
+        let mut nets = std::collections::HashMap::new();
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let (mut at, mut ours_too) = (pid, false);
+            for _ in 0..64 {
+                match parent(at) {
+                    Some(p) if p == ours => {
+                        ours_too = true;
+                        break;
+                    }
+                    Some(p) if p > 1 => at = p,
+                    _ => break,
+                }
+            }
+            let net = std::fs::read_link(format!("/proc/{pid}/ns/net")).ok();
+            if let Some(net) = net.filter(|n| ours_too && *n != own_net) {
+                nets.entry(net).or_insert(pid);
+            }
+        }
+        let held: Vec<String> = nets
+            .values()
+            .map(|pid| {
+                let out = std::process::Command::new("nsenter")
+                    .args([
+                        "-t",
+                        &pid.to_string(),
+                        "-n",
+                        "ss",
+                        "-Hltnp",
+                        "sport = :3128",
+                    ])
+                    .output()
+                    .expect("nsenter");
+                String::from_utf8_lossy(&out.stdout).trim().to_owned()
+            })
+            .filter(|l| !l.is_empty())
+            .collect();
+        assert!(
+            !held.is_empty(),
+            "no session network with a 3128 listener among {nets:?}"
+        );
+        for line in &held {
+            assert!(
+                line.contains(&format!("pid={ours},")) && !line.contains("python"),
+                "a session's 3128 is not this process's own listener: {line:?}"
+            );
+        }
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

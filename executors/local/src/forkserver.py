@@ -407,9 +407,10 @@ def dial_local(port):
     return None, why
 
 
-def serve_holder(conn, skip):
+def serve_holder(conn, skip, listener=None):
     """Answers the Rust side: `dial PORT` with the connected socket (or `!` and why), `list`
-    with the ports listened on (JSON), until it closes its end."""
+    with the ports listened on (JSON), `listener` with the egress listener (once: the proxy
+    serves it from then on), until it closes its end."""
     while True:
         try:
             msg = conn.recv(256)
@@ -428,6 +429,13 @@ def serve_holder(conn, skip):
                 else:
                     socket.send_fds(conn, [b"ok"], [s.fileno()])
                     s.close()
+            elif words == [b"listener"]:
+                if listener is None:
+                    conn.send(b"!this session has no egress listener to hand over")
+                else:
+                    socket.send_fds(conn, [b"ok"], [listener.fileno()])
+                    listener.close()
+                    listener = None
             elif words == [b"list"]:
                 ports = set(table_sockets("0A").values()) - skip
                 conn.send(json.dumps(sorted(ports)).encode())
@@ -465,9 +473,10 @@ def holder(req, conn_fd, back):
         os.close(net)
         os.close(life_r)
         back.close()
-        if listener is not None:
+        if listener is not None and not req.get("adopt"):
             _thread.start_new_thread(relay_loop, (listener, req["egress"]))
-        serve_holder(socket.socket(fileno=conn_fd), skip)
+            listener = None
+        serve_holder(socket.socket(fileno=conn_fd), skip, listener)
     except BaseException as e:
         try:
             back.send(("!%s" % e).encode())

@@ -30,10 +30,12 @@ pub(crate) struct Holder {
 
 impl Holder {
     /// Starts a holder through `server`, relaying the egress proxy's `egress` socket when
-    /// given; blocking. An error carries the fork server's reason.
+    /// given, or, with `adopt`, keeping the listener for [`Holder::listener`]; blocking. An
+    /// error carries the fork server's reason.
     pub(crate) fn start(
         server: &Arc<ForkServer>,
         egress: Option<&std::path::Path>,
+        adopt: bool,
     ) -> io::Result<Self> {
         let (ours, theirs) = socketpair(
             AddressFamily::Unix,
@@ -44,7 +46,7 @@ impl Holder {
         let timeout = nix::sys::time::TimeVal::new(ANSWER_LIMIT.as_secs() as i64, 0);
         setsockopt(&ours, sockopt::ReceiveTimeout, &timeout)?;
         let id = server.next_hold_id();
-        let request = serde_json::json!({"op": "hold", "id": id, "egress": egress});
+        let request = serde_json::json!({"op": "hold", "id": id, "egress": egress, "adopt": adopt});
         server.hold(request.to_string().as_bytes(), theirs)?;
         Ok(Self {
             id,
@@ -59,37 +61,8 @@ impl Holder {
             .ctl
             .lock()
             .map_err(|_| ExecError::Backend("the session's holder lock is poisoned".into()))?;
-        let gone = |e: io::Error| ExecError::io("asking the session's holder for a connection", e);
-        send(
-            ctl.as_raw_fd(),
-            format!("dial {port}").as_bytes(),
-            MsgFlags::empty(),
-        )
-        .map_err(|e| gone(e.into()))?;
-        let mut buf = [0u8; 512];
-        let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
-        let mut iov = [IoSliceMut::new(&mut buf)];
-        let msg = recvmsg::<()>(
-            ctl.as_raw_fd(),
-            &mut iov,
-            Some(&mut space),
-            MsgFlags::MSG_CMSG_CLOEXEC,
-        )
-        .map_err(|e| gone(e.into()))?;
-        let mut fd = None;
-        for cmsg in msg.cmsgs().map_err(|e| gone(e.into()))? {
-            if let ControlMessageOwned::ScmRights(fds) = cmsg {
-                for raw in fds {
-                    // SAFETY: the kernel just installed this descriptor in this process for
-                    // this message; nothing else owns it.
-                    #[allow(unsafe_code)]
-                    let owned = unsafe { OwnedFd::from_raw_fd(raw) };
-                    fd.get_or_insert(owned);
-                }
-            }
-        }
-        let n = msg.bytes;
-        let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+        let (fd, text, n) = ask_for_fd(&ctl, &format!("dial {port}"))
+            .map_err(|e| ExecError::io("asking the session's holder for a connection", e))?;
         match (fd, text.strip_prefix('!')) {
             (Some(fd), None) if text == "ok" => Ok(std::net::TcpStream::from(fd)),
             (_, Some(reason)) => Err(ExecError::PortClosed {
@@ -101,6 +74,23 @@ impl Holder {
             )),
             _ => Err(ExecError::Backend(format!(
                 "the session's holder answered {text:?} to a dial"
+            ))),
+        }
+    }
+
+    /// The listener on the session's `127.0.0.1:3128`, for the egress proxy to serve with
+    /// no relay between (a holder started with `adopt`); blocking.
+    pub(crate) fn listener(&self) -> Result<std::net::TcpListener, ExecError> {
+        let ctl = self
+            .ctl
+            .lock()
+            .map_err(|_| ExecError::Backend("the session's holder lock is poisoned".into()))?;
+        let (fd, text, _) = ask_for_fd(&ctl, "listener")
+            .map_err(|e| ExecError::io("asking the session's holder for its egress listener", e))?;
+        match fd {
+            Some(fd) if text == "ok" => Ok(std::net::TcpListener::from(fd)),
+            _ => Err(ExecError::Backend(format!(
+                "the session's holder answered {text:?} when asked for its egress listener"
             ))),
         }
     }
@@ -126,6 +116,36 @@ impl Holder {
         ports.dedup();
         Ok(ports)
     }
+}
+
+/// Sends `ask` on the holder's control socket and reads its answer: the descriptor that came
+/// with it, its text, and its length (0: the holder has ended).
+fn ask_for_fd(ctl: &OwnedFd, ask: &str) -> io::Result<(Option<OwnedFd>, String, usize)> {
+    send(ctl.as_raw_fd(), ask.as_bytes(), MsgFlags::empty())?;
+    let mut buf = [0u8; 512];
+    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+    let mut iov = [IoSliceMut::new(&mut buf)];
+    let msg = recvmsg::<()>(
+        ctl.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )?;
+    let mut fd = None;
+    for cmsg in msg.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(fds) = cmsg {
+            for raw in fds {
+                // SAFETY: the kernel just installed this descriptor in this process for
+                // this message; nothing else owns it.
+                #[allow(unsafe_code)]
+                let owned = unsafe { OwnedFd::from_raw_fd(raw) };
+                fd.get_or_insert(owned);
+            }
+        }
+    }
+    let n = msg.bytes;
+    let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+    Ok((fd, text, n))
 }
 
 /// Where a session's holder is in its life.

@@ -323,6 +323,8 @@ struct LocalSession {
     policy: Option<confine::Policy>,
     /// The egress proxy's socket, the blocks' one way out, when the session is behind it.
     egress: Option<PathBuf>,
+    /// Where the proxy takes the holder's listener itself (no relay between).
+    adopt: Option<tandem_executor::EgressAdopt>,
     /// Whether the session has a network of its own (a holder), whose ports it publishes:
     /// confined blocks without the machine's network.
     publishes: bool,
@@ -382,6 +384,7 @@ impl LocalSession {
             holder: holder::HolderGuard(Arc::new(std::sync::Mutex::new(holder::Slot::Waiting))),
             policy,
             egress_env,
+            adopt: spec.egress.as_ref().and_then(|e| e.adopt.clone()),
             egress: spec.egress.map(|e| e.socket),
         })
     }
@@ -478,10 +481,26 @@ impl LocalSession {
             }
         }
         let (server, egress) = (server.clone(), self.egress.clone());
-        let started =
-            tokio::task::spawn_blocking(move || holder::Holder::start(&server, egress.as_deref()))
-                .await
-                .map_err(|e| ExecError::Backend(format!("starting the session's holder: {e}")))?;
+        let adopt = self.adopt.clone().filter(|_| egress.is_some());
+        let taking = adopt.is_some();
+        let started = tokio::task::spawn_blocking(move || {
+            let h = holder::Holder::start(&server, egress.as_deref(), taking)
+                .map_err(|e| ExecError::Backend(e.to_string()))?;
+            let listener = if taking { Some(h.listener()?) } else { None };
+            Ok::<_, ExecError>((h, listener))
+        })
+        .await
+        .map_err(|e| ExecError::Backend(format!("starting the session's holder: {e}")))?;
+        // The proxy serves the holder's listener itself from here: a block's connection
+        // reaches it with nothing copying it in between.
+        let started = started.and_then(|(h, listener)| {
+            if let (Some(adopt), Some(listener)) = (&adopt, listener) {
+                adopt
+                    .adopt(listener)
+                    .map_err(|e| ExecError::io("serving the session's egress listener", e))?;
+            }
+            Ok(h)
+        });
         let mut slot = slot.lock().map_err(|_| lost())?;
         match started {
             Ok(h) => {
