@@ -323,13 +323,16 @@ print("MBS", best, "P50", took[100], "P95", took[190])
 "#
         )
     };
-    let run = |config: std::path::PathBuf, code: String, allow: Option<String>| {
+    let run = |executor: &'static str,
+               config: std::path::PathBuf,
+               code: String,
+               allow: Option<String>| {
         let bin = bin.clone();
         async move {
             let file = tempfile::Builder::new().suffix(".py").tempfile().unwrap();
             std::fs::write(file.path(), code).unwrap();
             let mut cmd = tokio::process::Command::new(&bin);
-            cmd.args(["exec", "-e", "docker", "--timeout", "600", "--config"])
+            cmd.args(["exec", "-e", executor, "--timeout", "600", "--config"])
                 .arg(&config)
                 .arg(file.path());
             if let Some(allow) = allow {
@@ -349,17 +352,30 @@ print("MBS", best, "P50", took[100], "P95", took[190])
             (nums[0], nums[1], nums[2])
         }
     };
+    // The local executor's own network (unconfined, the machine's loopback) against its
+    // confined session behind the proxy.
+    let open_local = dir.path().join("local.toml");
+    std::fs::write(
+        &open_local,
+        "[executors.local]\nconfine = \"off\"\nnetwork = true\n",
+    )
+    .unwrap();
     let (mut open, mut behind) = (Vec::new(), Vec::new());
+    let (mut local_open, mut local_behind) = (Vec::new(), Vec::new());
+    let allow = Some(format!("127.0.0.1/32:{port}"));
     for _ in 0..2 {
-        open.push(run(bridge.clone(), script(&gateway), None).await);
+        open.push(run("docker", bridge.clone(), script(&gateway), None).await);
         behind.push(
             run(
+                "docker",
                 proxied.clone(),
                 script("127.0.0.1"),
-                Some(format!("127.0.0.1/32:{port}")),
+                allow.clone(),
             )
             .await,
         );
+        local_open.push(run("local", open_local.clone(), script("127.0.0.1"), None).await);
+        local_behind.push(run("local", proxied.clone(), script("127.0.0.1"), allow.clone()).await);
     }
     let best = |v: &[(f64, f64, f64)]| v.iter().map(|r| r.0).fold(0.0, f64::max);
     let low = |v: &[(f64, f64, f64)], f: fn(&(f64, f64, f64)) -> f64| {
@@ -384,6 +400,30 @@ print("MBS", best, "P50", took[100], "P95", took[190])
         ("p95", |r: &(f64, f64, f64)| r.2),
     ] {
         let (a, b) = (low(&open, f), low(&behind, f));
+        println!(
+            "| a small request, connection to answer, {name} (200 each) | {a:.2} ms | {b:.2} ms | +{:.2} ms |",
+            b - a
+        );
+    }
+    println!();
+    println!(
+        "| from a local block (`tandem exec -e local`, best of 2 runs of 3) | unconfined, the machine's loopback | confined, behind the proxy | ratio |"
+    );
+    println!("|---|---|---|---|");
+    println!(
+        "| 100 MB download, throughput | {:.0} MB/s | {:.0} MB/s | {:.2} |",
+        best(&local_open),
+        best(&local_behind),
+        best(&local_behind) / best(&local_open)
+    );
+    for (name, f) in [
+        (
+            "p50",
+            (|r: &(f64, f64, f64)| r.1) as fn(&(f64, f64, f64)) -> f64,
+        ),
+        ("p95", |r: &(f64, f64, f64)| r.2),
+    ] {
+        let (a, b) = (low(&local_open, f), low(&local_behind, f));
         println!(
             "| a small request, connection to answer, {name} (200 each) | {a:.2} ms | {b:.2} ms | +{:.2} ms |",
             b - a
