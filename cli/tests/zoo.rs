@@ -160,8 +160,9 @@ async fn the_zoo_through_every_road_of_a_local_task() {
         (
             "a task over its own cap",
             vec![
-                // Allocated blocks, written at once: over the cap without writing a gigabyte.
-                Reply::from("```sh\nfallocate -l 1100M big.bin\n```"),
+                // Allocated blocks, written at once: over the cap without writing a
+                // gigabyte, each file under a block's 1 GiB file size limit.
+                Reply::from("```sh\nfallocate -l 600M big.bin && fallocate -l 600M big2.bin && echo placed\n```"),
                 Reply::from("TERMINATE"),
             ],
         ),
@@ -272,6 +273,8 @@ async fn the_zoo_through_every_road_of_a_local_task() {
     // end) shows a sweep ran after the zoo's files were there.
     let big = d.submit(json!({"task": "a task over its own cap"})).await;
     d.wait_finished(&big, Duration::from_secs(120)).await;
+    let outs = d.block_stdouts(&big).await;
+    assert!(outs.iter().any(|o| o.contains("placed")), "{outs:?}");
     let started = Instant::now();
     while d.task(&big).await.record.files_removed_ms.is_none() {
         // A sweep measures every workspace, the zoo's 200,000 entries among them: slow on
