@@ -5,11 +5,14 @@ p50, p95, p99, the slowest and the success rate. Beside them, in the same run, t
 this machine: `docker run --rm IMAGE python3 -c 'print(1)'`, `docker exec` into a running
 container, and the engine starting a burst's worth of containers at once.
 
-    python python/bench/start.py [--kinds docker-warm,docker-cold,local,wasm]
+    python python/bench/start.py [--kinds docker-warm,docker-cold,local,wasm,kubernetes]
         [--count 100] [--stagger-ms 200] [--burst 40] [--floor-count 20]
 
 Each kind gets a daemon of its own (`docker-warm`: `[executors.docker] pool_size` of
---pool, the pool given time to fill before each series; `docker-cold`: no pool). Needs
+--pool, the pool given time to fill before each series; `docker-cold`: no pool;
+`kubernetes`: the tests' stand-in API server, started from TANDEM_FAKE_KUBERNETES, the
+`fake-kubernetes` binary of the tandem-tests crate, whose every claimed pod is a container
+on the system engine started when it is claimed). Needs
 TANDEM_BIN (or `tandem` on PATH), the sandbox image (scripts/build-sandbox-image.sh), the WASM
 runtimes (scripts/fetch-wasm-runtimes.sh) and the Python environment of
 scripts/fetch-python-env.sh.
@@ -35,14 +38,16 @@ from conftest import Daemon, ScriptedModel  # noqa: E402
 IMAGE = os.environ.get("TANDEM_DOCKER_IMAGE", "tandem-sandbox:latest")
 
 
-def config(kind: str, pool: int) -> str:
+def config(kind: str, pool: int, kubernetes: str = "") -> str:
     pool_size = pool if kind == "docker-warm" else 0
+    cluster = f'[executors.kubernetes]\nurl = "{kubernetes}"\nready_timeout_secs = 300\n' if kubernetes else ""
     return f"""\
+{cluster}
 [model]
 model = "scripted"
 
 [policy]
-executors = ["local", "docker", "wasm"]
+executors = ["local", "docker", "wasm"{', "kubernetes"' if kubernetes else ""}]
 
 [sessions]
 max = 400
@@ -226,11 +231,22 @@ def main() -> None:
     model = ScriptedModel()
     for kind in [k for k in args.kinds.split(",") if k]:
         CLIENTS.__dict__.clear()
-        daemon = Daemon(model.url, config(kind, args.pool))
+        cluster = None
+        url = ""
+        if kind == "kubernetes":
+            binary = os.environ.get("TANDEM_FAKE_KUBERNETES")
+            if not binary:
+                sys.exit("kubernetes: set TANDEM_FAKE_KUBERNETES to the fake-kubernetes binary (cargo build -p tandem-tests --bin fake-kubernetes)")
+            cluster = subprocess.Popen([binary], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            url = cluster.stdout.readline().strip()
+        daemon = Daemon(model.url, config(kind, args.pool, url))
         try:
             rows.extend(series(kind, daemon, args))
         finally:
             daemon.stop()
+            if cluster is not None:
+                cluster.stdin.close()
+                cluster.wait(timeout=120)
     if not args.no_floors:
         rows.extend(floors(args))
     print(f"start latency through the API (Python client, HTTP on the daemon's socket), {os.cpu_count()} cores")
