@@ -50,12 +50,13 @@ except OSError as e:
 
 /// Opens a session of `executor` behind a proxy allowing `files.test`, as the daemon does
 /// (offering a listener in the sandbox's own network), runs the probe in it, and checks what
-/// it reached and what the proxy recorded; `open` sees the session while it is open.
+/// it reached and what the proxy recorded; `open` sees the session while it is open and
+/// says whether the probe runs once more.
 async fn probe_behind_the_proxy(executor: &dyn tandem_executor::Executor) {
-    probe_and_look(executor, || ()).await;
+    probe_and_look(executor, || false).await;
 }
 
-async fn probe_and_look(executor: &dyn tandem_executor::Executor, open: impl FnOnce()) {
+async fn probe_and_look(executor: &dyn tandem_executor::Executor, open: impl FnOnce() -> bool) {
     let net = Internet::new();
     net.http_server(80);
     net.echo_server(9000);
@@ -96,51 +97,58 @@ async fn probe_and_look(executor: &dyn tandem_executor::Executor, open: impl FnO
         })
         .await
         .unwrap();
-    let outcome = session
-        .run(
-            ExecRequest {
-                timeout: Some(Duration::from_secs(120)),
-                ..ExecRequest::new(
-                    Language::python(),
-                    PROBE.replace("ADDR", &net.addr.to_string()),
-                )
-            },
-            ExecContext::new(CancellationToken::new()),
-        )
-        .await
-        .unwrap();
-    let out = outcome.stdout.to_text();
     let name = executor.name();
-    assert_eq!(
-        outcome.status,
-        ExitStatus::Exited(0),
-        "{name}: {out}\n{}",
-        outcome.stderr.to_text()
-    );
-    assert!(
-        out.contains("allowed: seen: GET /hello HTTP/1.1"),
-        "{name}: {out}"
-    );
-    assert!(out.contains("other: 403 default"), "{name}: {out}");
-    assert!(out.contains("raw tcp: refused"), "{name}: {out}");
-    assert!(out.contains("metadata: refused"), "{name}: {out}");
-    assert!(out.contains("dns: none"), "{name}: {out}");
-    assert!(out.contains("udp: refused"), "{name}: {out}");
-    open();
+    let mut open = Some(open);
+    let mut rounds = 0;
+    loop {
+        let outcome = session
+            .run(
+                ExecRequest {
+                    timeout: Some(Duration::from_secs(120)),
+                    ..ExecRequest::new(
+                        Language::python(),
+                        PROBE.replace("ADDR", &net.addr.to_string()),
+                    )
+                },
+                ExecContext::new(CancellationToken::new()),
+            )
+            .await
+            .unwrap();
+        let out = outcome.stdout.to_text();
+        assert_eq!(
+            outcome.status,
+            ExitStatus::Exited(0),
+            "{name}: {out}\n{}",
+            outcome.stderr.to_text()
+        );
+        assert!(
+            out.contains("allowed: seen: GET /hello HTTP/1.1"),
+            "{name}: {out}"
+        );
+        assert!(out.contains("other: 403 default"), "{name}: {out}");
+        assert!(out.contains("raw tcp: refused"), "{name}: {out}");
+        assert!(out.contains("metadata: refused"), "{name}: {out}");
+        assert!(out.contains("dns: none"), "{name}: {out}");
+        assert!(out.contains("udp: refused"), "{name}: {out}");
+        rounds += 1;
+        if !open.take().is_some_and(|look| look()) {
+            break;
+        }
+    }
     session.close().await.unwrap();
 
     // Connections are recorded as they end, which need not be the order they were made in.
     let mut got = events.0.lock().unwrap().clone();
     got.sort_by(|a, b| a.host.cmp(&b.host));
-    assert_eq!(got.len(), 2, "{name}: {got:?}");
-    assert_eq!(
-        (got[0].host.as_str(), got[0].verdict, got[0].rule.as_str()),
-        ("files.test", NetVerdict::Allowed, "files.test")
-    );
-    assert_eq!(
-        (got[1].host.as_str(), got[1].verdict, got[1].rule.as_str()),
-        ("other.test", NetVerdict::Denied, "default")
-    );
+    assert_eq!(got.len(), 2 * rounds, "{name}: {got:?}");
+    for (i, e) in got.iter().enumerate() {
+        let want = if i < rounds {
+            ("files.test", NetVerdict::Allowed, "files.test")
+        } else {
+            ("other.test", NetVerdict::Denied, "default")
+        };
+        assert_eq!((e.host.as_str(), e.verdict, e.rule.as_str()), want);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -193,6 +201,10 @@ async fn a_local_containers_way_out_is_the_proxys_own_listener_in_its_network() 
             held.contains(&format!("pid={},", std::process::id())) && !held.contains("python"),
             "the container's 3128 is not this process's own listener: {held:?}"
         );
+        // Killed, the container is started again for the next block, in a network of its
+        // own: the listener is opened there again, and the probe (run once more) holds.
+        assert_eq!(run("docker", &["kill", &id]), id);
+        true
     })
     .await;
 }
@@ -269,6 +281,7 @@ async fn a_confined_local_block_behind_the_proxy_reaches_what_its_policy_allows_
                 "a session's 3128 is not this process's own listener: {line:?}"
             );
         }
+        false
     })
     .await;
 }

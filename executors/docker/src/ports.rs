@@ -143,17 +143,23 @@ pub(crate) async fn egress_in_netns(
             let _ = tx.send(listen_in(pid, &mark));
         })
         .map_err(|e| format!("starting a thread to enter the namespace: {e}"))?;
-    let listener = rx
+    match rx
         .await
-        .map_err(|_| "the namespace's thread ended without an answer".to_owned())??;
-    adopt
-        .adopt(listener)
-        .map_err(|e| format!("serving the listener: {e}"))
+        .map_err(|_| "the namespace's thread ended without an answer".to_owned())??
+    {
+        Some(listener) => adopt
+            .adopt(listener)
+            .map_err(|e| format!("serving the listener: {e}")),
+        // The container's network is the one the listener was opened in: it serves on.
+        None => Ok(()),
+    }
 }
 
 /// On a thread of its own (it stays in the namespace): checks that `pid` is the container's
-/// runner by `mark` in its environment, enters its network namespace, and listens there.
-fn listen_in(pid: i64, mark: &str) -> Result<std::net::TcpListener, String> {
+/// runner by `mark` in its environment, enters its network namespace, and listens there;
+/// `None` when the namespace already has the listener (the port is taken before any block
+/// runs only by the proxy's own).
+fn listen_in(pid: i64, mark: &str) -> Result<Option<std::net::TcpListener>, String> {
     use nix::fcntl::{OFlag, openat};
     use nix::sys::stat::Mode;
     use std::io::Read as _;
@@ -184,6 +190,10 @@ fn listen_in(pid: i64, mark: &str) -> Result<std::net::TcpListener, String> {
     let ns = open("ns/net")?;
     nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)
         .map_err(|e| format!("entering the container's network namespace: {e}"))?;
-    std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, tandem_executor::EGRESS_PORT))
-        .map_err(|e| format!("listening in the container: {e}"))
+    match std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, tandem_executor::EGRESS_PORT))
+    {
+        Ok(listener) => Ok(Some(listener)),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Ok(None),
+        Err(e) => Err(format!("listening in the container: {e}")),
+    }
 }

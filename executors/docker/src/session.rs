@@ -57,6 +57,27 @@ pub(crate) struct DockerSession {
 struct Container {
     executor: DockerExecutor,
     id: String,
+    /// The session's id and the proxy's hand, once the proxy's listener was opened in the
+    /// container's network: a container started again has a new network, where the listener
+    /// is opened again before its runner takes a block.
+    netns: Option<(String, tandem_executor::EgressAdopt)>,
+}
+
+impl Container {
+    /// [`start`], then the proxy's listener in the container's new network.
+    async fn start_listening(&self) -> Result<Conn, ExecError> {
+        let conn = start(&self.executor, &self.id).await?;
+        if let Some((session, adopt)) = &self.netns {
+            crate::ports::egress_in_netns(&self.executor.inner().docker, &self.id, session, adopt)
+                .await
+                .map_err(|why| {
+                    ExecError::Backend(format!(
+                        "the container's way out to the egress proxy: {why}"
+                    ))
+                })?;
+        }
+        Ok(conn)
+    }
 }
 
 /// What the executor's sandboxes run, and as whom.
@@ -164,6 +185,7 @@ impl DockerSession {
             container: Container {
                 executor,
                 id: made.id,
+                netns: None,
             },
             session_id,
             volume: made.volume,
@@ -184,17 +206,24 @@ impl DockerSession {
                     .executor
                     .egress_in_netns(!by_volume, egress)
             })
-            && let Err(why) = crate::ports::egress_in_netns(
+        {
+            match crate::ports::egress_in_netns(
                 &session.container.executor.inner().docker,
                 &session.container.id,
                 &session.session_id,
                 adopt,
             )
             .await
-        {
-            // The relay is slower and works wherever the container runs.
-            tracing::warn!(%why, "the egress listener could not be opened in the container; relaying instead");
-            relay_needed = true;
+            {
+                Ok(()) => {
+                    session.container.netns = Some((session.session_id.clone(), adopt.clone()));
+                }
+                Err(why) => {
+                    // The relay is slower and works wherever the container runs.
+                    tracing::warn!(%why, "the egress listener could not be opened in the container; relaying instead");
+                    relay_needed = true;
+                }
+            }
         }
         if let (true, Some(egress)) = (relay_needed, &spec.egress) {
             let stop = tandem_executor::CancellationToken::new();
@@ -254,7 +283,11 @@ impl DockerSession {
         )
         .with_conn(warm.conn.take());
         let session = Self {
-            container: Container { executor, id },
+            container: Container {
+                executor,
+                id,
+                netns: None,
+            },
             runner,
             session_id: std::mem::take(&mut warm.session_id),
             volume,
@@ -519,7 +552,7 @@ impl Transport for Container {
     }
 
     fn start(&mut self) -> BoxFuture<'_, Result<Conn, ExecError>> {
-        Box::pin(start(&self.executor, &self.id))
+        Box::pin(self.start_listening())
     }
 
     /// Kills the container and starts it again: its runner is its first process.
@@ -552,7 +585,7 @@ impl Transport for Container {
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            match start(&self.executor, &self.id).await {
+            match self.start_listening().await {
                 Ok(conn) => Ok(conn),
                 Err(e) => Err(lost_or(&self.executor, e).await),
             }
