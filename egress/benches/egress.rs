@@ -377,20 +377,35 @@ print("MBS", best, "P50", took[100], "P95", took[190])
         local_open.push(run("local", open_local.clone(), script("127.0.0.1"), None).await);
         local_behind.push(run("local", proxied.clone(), script("127.0.0.1"), allow.clone()).await);
     }
+    side_by_side(
+        "from a Docker container (`tandem exec`, best of 2 runs of 3)",
+        "open bridge",
+        &open,
+        &behind,
+    );
+    side_by_side(
+        "from a local block (`tandem exec -e local`, best of 2 runs of 3)",
+        "unconfined, the machine's loopback",
+        &local_open,
+        &local_behind,
+    );
+}
+
+/// One table of runs (MB/s, p50 ms, p95 ms) without the proxy against runs behind it: the
+/// best throughput and the lowest latencies of each.
+fn side_by_side(title: &str, without: &str, open: &[(f64, f64, f64)], behind: &[(f64, f64, f64)]) {
     let best = |v: &[(f64, f64, f64)]| v.iter().map(|r| r.0).fold(0.0, f64::max);
     let low = |v: &[(f64, f64, f64)], f: fn(&(f64, f64, f64)) -> f64| {
         v.iter().map(f).fold(f64::MAX, f64::min)
     };
     println!();
-    println!(
-        "| from a Docker container (`tandem exec`, best of 2 runs of 3) | open bridge | behind the proxy | ratio |"
-    );
+    println!("| {title} | {without} | behind the proxy | ratio |");
     println!("|---|---|---|---|");
     println!(
         "| 100 MB download, throughput | {:.0} MB/s | {:.0} MB/s | {:.2} |",
-        best(&open),
-        best(&behind),
-        best(&behind) / best(&open)
+        best(open),
+        best(behind),
+        best(behind) / best(open)
     );
     for (name, f) in [
         (
@@ -399,31 +414,7 @@ print("MBS", best, "P50", took[100], "P95", took[190])
         ),
         ("p95", |r: &(f64, f64, f64)| r.2),
     ] {
-        let (a, b) = (low(&open, f), low(&behind, f));
-        println!(
-            "| a small request, connection to answer, {name} (200 each) | {a:.2} ms | {b:.2} ms | +{:.2} ms |",
-            b - a
-        );
-    }
-    println!();
-    println!(
-        "| from a local block (`tandem exec -e local`, best of 2 runs of 3) | unconfined, the machine's loopback | confined, behind the proxy | ratio |"
-    );
-    println!("|---|---|---|---|");
-    println!(
-        "| 100 MB download, throughput | {:.0} MB/s | {:.0} MB/s | {:.2} |",
-        best(&local_open),
-        best(&local_behind),
-        best(&local_behind) / best(&local_open)
-    );
-    for (name, f) in [
-        (
-            "p50",
-            (|r: &(f64, f64, f64)| r.1) as fn(&(f64, f64, f64)) -> f64,
-        ),
-        ("p95", |r: &(f64, f64, f64)| r.2),
-    ] {
-        let (a, b) = (low(&local_open, f), low(&local_behind, f));
+        let (a, b) = (low(open, f), low(behind, f));
         println!(
             "| a small request, connection to answer, {name} (200 each) | {a:.2} ms | {b:.2} ms | +{:.2} ms |",
             b - a

@@ -18,6 +18,7 @@ use crate::packages::Packages;
 use crate::policy::{Denial, Policy, Route};
 use crate::rule::{HostAsked, normalize_host};
 use crate::sni::{self, Hello};
+use crate::splice::Socket;
 
 pub(crate) use tandem_executor::BoxFuture;
 
@@ -273,15 +274,6 @@ impl Egress {
         }
     }
 
-    /// Serves one connection under `grant` (a listener of the sandbox's own, such as a Unix
-    /// socket only it can reach).
-    pub async fn serve_one<S>(&self, stream: S, grant: Arc<Grant>)
-    where
-        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    {
-        self.inner.connection(stream, grant).await;
-    }
-
     /// The directory under which each sandbox's socket gets a directory of its own.
     pub fn socket_dir(&self) -> &std::path::Path {
         &self.inner.sockets
@@ -309,7 +301,7 @@ struct Outcome {
 impl Inner {
     async fn connection<S>(&self, mut client: S, grant: Arc<Grant>)
     where
-        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        S: AsyncRead + AsyncWrite + Unpin + Send + Socket,
     {
         let started = Instant::now();
         grant.sink.started();
@@ -363,7 +355,7 @@ impl Inner {
     /// Reads and carries out one request; `None` when the client went away before asking.
     async fn request<S>(&self, client: &mut S, grant: &Grant) -> Option<Outcome>
     where
-        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        S: AsyncRead + AsyncWrite + Unpin + Send + Socket,
     {
         let (buf, head_len) =
             match tokio::time::timeout(self.limits.head_timeout, read_head(client)).await {
@@ -496,7 +488,7 @@ impl Inner {
         early: &[u8],
         outcome: &mut Outcome,
     ) where
-        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        S: AsyncRead + AsyncWrite + Unpin + Send + Socket,
     {
         if client
             .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
@@ -579,7 +571,7 @@ impl Inner {
         early: &[u8],
         outcome: &mut Outcome,
     ) where
-        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        S: AsyncRead + AsyncWrite + Unpin + Send + Socket,
     {
         let upstream = match self.route(grant, host, asked.port).await {
             Ok((route, stream)) => {
@@ -1192,10 +1184,7 @@ where
     let inn = AtomicU64::new(0);
     let (mut up_r, mut up_w) = tokio::io::split(upstream);
     let (mut cl_r, mut cl_w) = tokio::io::split(client);
-    let budget = Budget {
-        carried: &grant.carried,
-        max: grant.policy.max_bytes,
-    };
+    let budget = Budget::of(grant);
     let result = async {
         budget.take(first.len())?;
         out.fetch_add(first.len() as u64, Ordering::Relaxed);
@@ -1218,49 +1207,35 @@ where
         );
         tokio::try_join!(up, down).map(|_| ())
     };
-    let cut = tokio::select! {
-        r = result => r.err(),
-        () = grant.stop.cancelled() => Some(Cut::Stopped),
-    };
-    (out.into_inner(), inn.into_inner(), denial_of(cut))
+    let denial = until_stopped(grant, result).await;
+    (out.into_inner(), inn.into_inner(), denial)
 }
 
-/// [`pump`], through the kernel's pipes where both ends are plain sockets and no secret is
-/// to be scrubbed from what comes back: the bytes are never copied into the proxy.
-async fn carry<S, U>(
+/// Carries a connection to `upstream`: through the kernel's pipes, never copied into the
+/// proxy, unless a secret is to be scrubbed from what comes back (or no pipe can be made),
+/// then by [`pump`].
+async fn carry<S>(
     client: &mut S,
-    upstream: U,
+    upstream: TcpStream,
     first: &[u8],
     grant: &Grant,
     limits: &ProxyLimits,
     scrub: Option<Scrub>,
 ) -> (u64, u64, Option<Denial>)
 where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    U: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: AsyncRead + AsyncWrite + Unpin + Send + Socket,
 {
-    use std::any::Any;
     if scrub.is_none()
-        && let Some(up) = (&upstream as &dyn Any).downcast_ref::<TcpStream>()
+        && let Some(carried) = spliced(&*client, &upstream, first, grant, limits).await
     {
-        let near = &*client as &dyn Any;
-        let spliced = if let Some(near) = near.downcast_ref::<TcpStream>() {
-            spliced(near, up, first, grant, limits).await
-        } else if let Some(near) = near.downcast_ref::<tokio::net::UnixStream>() {
-            spliced(near, up, first, grant, limits).await
-        } else {
-            None
-        };
-        if let Some(carried) = spliced {
-            return carried;
-        }
+        return carried;
     }
     pump(client, upstream, first, grant, limits, scrub).await
 }
 
 /// Carries a connection through two pipes; `None`, with nothing sent, when the pipes
 /// cannot be made.
-async fn spliced<A: crate::splice::Socket, B: crate::splice::Socket>(
+async fn spliced<A: Socket, B: Socket>(
     client: &A,
     upstream: &B,
     first: &[u8],
@@ -1271,10 +1246,7 @@ async fn spliced<A: crate::splice::Socket, B: crate::splice::Socket>(
     let (up_pipe, down_pipe) = (pipe().ok()?, pipe().ok()?);
     let out = AtomicU64::new(0);
     let inn = AtomicU64::new(0);
-    let budget = Budget {
-        carried: &grant.carried,
-        max: grant.policy.max_bytes,
-    };
+    let budget = Budget::of(grant);
     let cut_of = |stop: Stop| match stop {
         Stop::Idle => Cut::Idle,
         Stop::Budget => Cut::Bytes(budget.max.unwrap_or(0)),
@@ -1297,15 +1269,20 @@ async fn spliced<A: crate::splice::Socket, B: crate::splice::Socket>(
         };
         tokio::try_join!(up, down).map(|_| ())
     };
-    let cut = tokio::select! {
-        r = result => r.err(),
-        () = grant.stop.cancelled() => Some(Cut::Stopped),
-    };
-    Some((out.into_inner(), inn.into_inner(), denial_of(cut)))
+    let denial = until_stopped(grant, result).await;
+    Some((out.into_inner(), inn.into_inner(), denial))
 }
 
-/// What a connection's end says in its `net` event.
-fn denial_of(cut: Option<Cut>) -> Option<Denial> {
+/// Runs a connection's carrying until it ends or `grant` stops; what its end says in its
+/// `net` event.
+async fn until_stopped(
+    grant: &Grant,
+    carrying: impl std::future::Future<Output = Result<(), Cut>>,
+) -> Option<Denial> {
+    let cut = tokio::select! {
+        r = carrying => r.err(),
+        () = grant.stop.cancelled() => Some(Cut::Stopped),
+    };
     match cut {
         Some(Cut::Bytes(max)) => Some(Denial::check(
             "max_bytes",
@@ -1330,6 +1307,14 @@ struct Budget<'a> {
 }
 
 impl Budget<'_> {
+    /// `grant`'s budget.
+    fn of(grant: &Grant) -> Budget<'_> {
+        Budget {
+            carried: &grant.carried,
+            max: grant.policy.max_bytes,
+        }
+    }
+
     fn take(&self, n: usize) -> Result<(), Cut> {
         let n = n as u64;
         let before = self.carried.0.fetch_add(n, Ordering::Relaxed);
@@ -1519,7 +1504,7 @@ impl Egress {
 
 /// A listener a sandbox's connections arrive on.
 trait Accepts: Send + 'static {
-    type Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static;
+    type Stream: AsyncRead + AsyncWrite + Unpin + Send + Socket + 'static;
     fn take(&self) -> impl Future<Output = std::io::Result<Self::Stream>> + Send;
 }
 

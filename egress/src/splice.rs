@@ -140,3 +140,63 @@ pub(crate) async fn write_all<B: Socket>(to: &B, mut bytes: &[u8]) -> io::Result
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    /// 8 MiB go through the pipe and arrive whole and in order; the far end is shut for
+    /// writing once the near one ends.
+    #[tokio::test]
+    async fn bytes_go_through_the_pipe_whole_and_the_end_is_passed_on() {
+        let (mut writer, from) = UnixStream::pair().unwrap();
+        let (to, mut reader) = UnixStream::pair().unwrap();
+        let sent: Vec<u8> = (0..8u32 << 20).map(|i| (i % 251) as u8).collect();
+        let count = AtomicU64::new(0);
+        let carried = one_way(
+            &from,
+            &to,
+            pipe().unwrap(),
+            &count,
+            Duration::from_secs(60),
+            |_| true,
+        );
+        let write = async {
+            writer.write_all(&sent).await.unwrap();
+            writer.shutdown().await.unwrap();
+        };
+        let mut got = Vec::new();
+        let read = reader.read_to_end(&mut got);
+        let (carried, (), read) = tokio::join!(carried, write, read);
+        carried.unwrap();
+        read.unwrap();
+        assert_eq!(got.len(), sent.len());
+        assert!(got == sent, "the bytes changed on the way");
+        assert_eq!(count.load(Ordering::Relaxed), sent.len() as u64);
+    }
+
+    /// A chunk the budget refuses is not sent on, and the way stops saying so.
+    #[tokio::test]
+    async fn a_chunk_past_the_budget_is_not_sent() {
+        let (mut writer, from) = UnixStream::pair().unwrap();
+        let (to, mut reader) = UnixStream::pair().unwrap();
+        writer.write_all(&[7u8; 1000]).await.unwrap();
+        let count = AtomicU64::new(0);
+        let stopped = one_way(
+            &from,
+            &to,
+            pipe().unwrap(),
+            &count,
+            Duration::from_secs(60),
+            |_| false,
+        )
+        .await;
+        assert!(matches!(stopped, Err(Stop::Budget)), "{stopped:?}");
+        drop(to);
+        let mut got = Vec::new();
+        reader.read_to_end(&mut got).await.unwrap();
+        assert!(got.is_empty(), "{} bytes passed the budget", got.len());
+        assert_eq!(count.load(Ordering::Relaxed), 0);
+    }
+}

@@ -500,6 +500,18 @@ fn endless(piece: &str) -> Response {
         .into_response()
 }
 
+/// The parent of process `pid`, from its `/proc/<pid>/stat` (the field after the name, whose
+/// parentheses may hold anything); `None` once it is gone.
+pub fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
 /// A script from `(task, replies)` pairs.
 pub fn script<const N: usize>(entries: [(&str, Vec<Reply>); N]) -> Script {
     entries

@@ -219,15 +219,6 @@ async fn a_confined_local_block_behind_the_proxy_reaches_what_its_policy_allows_
     probe_and_look(&local, || {
         let ours = std::process::id();
         let own_net = std::fs::read_link("/proc/self/ns/net").unwrap();
-        let parent = |pid: u32| -> Option<u32> {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            stat.rsplit_once(')')?
-                .1
-                .split_whitespace()
-                .nth(1)?
-                .parse()
-                .ok()
-        };
         let mut nets = std::collections::HashMap::new();
         for entry in std::fs::read_dir("/proc").unwrap().flatten() {
             let Some(pid) = entry
@@ -239,7 +230,7 @@ async fn a_confined_local_block_behind_the_proxy_reaches_what_its_policy_allows_
             };
             let (mut at, mut ours_too) = (pid, false);
             for _ in 0..64 {
-                match parent(at) {
+                match tandem_tests::parent_of(at) {
                     Some(p) if p == ours => {
                         ours_too = true;
                         break;

@@ -57,16 +57,7 @@ async fn python_blocks_fork_from_the_warm_interpreter_which_restarts_if_killed()
                 (std::fs::read(e.path().join("cmdline")).ok()? == wanted.as_bytes()).then_some(pid)
             });
             if let Some(mut pid) = sleeper {
-                let parent = |pid: u32| -> Option<u32> {
-                    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-                    stat.rsplit_once(')')?
-                        .1
-                        .split_whitespace()
-                        .nth(1)?
-                        .parse()
-                        .ok()
-                };
-                while let Some(up) = parent(pid) {
+                while let Some(up) = tandem_tests::parent_of(pid) {
                     if up == std::process::id() {
                         std::fs::write(ws.join("found"), "").unwrap();
                         return pid;
