@@ -267,3 +267,67 @@ async fn a_missing_section_and_a_silent_cluster_are_told_by_name() {
         out.stderr
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_volume_made_on_the_daemon_is_mounted_in_pods_through_the_api() {
+    let cluster = cluster().await;
+    let server = ScriptedOpenAi::start(script([])).await.unwrap();
+    let d = Daemon::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &["--executor", "local"],
+        Some(&format!(
+            "{}[policy]\nexecutors = [\"local\", \"kubernetes\"]\n",
+            config(&cluster.url)
+        )),
+    )
+    .await;
+    let (code, _, err) = d.cli(&["volume", "create", "shared"]).await;
+    assert_eq!(code, 0, "{err}");
+    let (status, s) = d
+        .open_session(
+            json!({"executor": "kubernetes", "volumes": [{"name": "shared", "path": "/data"}]}),
+        )
+        .await;
+    assert_eq!(status, 201, "{s}");
+    let id = s["id"].as_str().unwrap().to_owned();
+    let wrote = d
+        .exec_python(
+            &id,
+            "open('/data/kept.txt', 'w').write('from a pod')\nprint(open('/data/kept.txt').read())",
+        )
+        .await;
+    assert_eq!(wrote["stdout"], "from a pod\n", "{wrote}");
+    // Mounted: the daemon will not remove it.
+    let (code, _, err) = d.cli(&["volume", "rm", "shared"]).await;
+    assert_ne!(code, 0);
+    assert!(err.contains("mounted by 1"), "{err}");
+    d.send(reqwest::Method::DELETE, &format!("/v1/sessions/{id}"), None)
+        .await;
+    cluster.wait_released().await;
+    let (status, s) = d
+        .open_session(json!({"executor": "kubernetes", "volumes": [{"name": "shared", "path": "/in", "read_only": true}]}))
+        .await;
+    assert_eq!(status, 201, "{s}");
+    let id = s["id"].as_str().unwrap().to_owned();
+    let read = d
+        .exec_python(&id, "import errno\nprint(open('/in/kept.txt').read())\ntry:\n    open('/in/x', 'w')\nexcept OSError as e:\n    print(errno.errorcode[e.errno])")
+        .await;
+    assert_eq!(read["stdout"], "from a pod\nEROFS\n", "{read}");
+    // Inside the workspace, which a pod's mirror copies out: refused, naming the fix.
+    let (status, body) = d
+        .open_session(
+            json!({"executor": "kubernetes", "volumes": [{"name": "shared", "path": "data"}]}),
+        )
+        .await;
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.to_string().contains("absolute path such as /data"),
+        "{body}"
+    );
+    d.send(reqwest::Method::DELETE, &format!("/v1/sessions/{id}"), None)
+        .await;
+    cluster.wait_released().await;
+    assert_eq!(cluster.objects("persistentvolumeclaims").len(), 1);
+    cluster.stop().await;
+}

@@ -155,7 +155,7 @@ async fn a_volume_outlives_its_tasks_its_quota_and_read_only_hold_and_it_stays_w
     for (spec, says) in [
         (
             json!({"executor": "wasm", "volumes": [{"name": "plain", "path": "data"}]}),
-            "cannot mount volumes; use docker or local",
+            "cannot mount volumes; use docker, local or kubernetes",
         ),
         (
             json!({"executor": "docker", "volumes": [{"name": "plain", "path": "/proc/x"}]}),

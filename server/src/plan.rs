@@ -526,7 +526,7 @@ impl Planner {
         }
         if !executor.mounts_volumes() {
             return Err(Invalid::Volumes(format!(
-                "the {} executor cannot mount volumes; use docker or local",
+                "the {} executor cannot mount volumes; use docker, local or kubernetes",
                 executor.name()
             ))
             .into());

@@ -54,6 +54,9 @@ struct Cluster {
     token_dir: tempfile::TempDir,
     /// How long the answer to a claim's creation waits, the claim already made.
     claim_answer_delay: Mutex<std::time::Duration>,
+    /// The storage behind each `PersistentVolumeClaim`: a directory per claim, made when the
+    /// claim is (a provisioner that binds at once).
+    volumes_dir: tempfile::TempDir,
 }
 
 /// A running stand-in API server.
@@ -77,6 +80,7 @@ impl FakeCluster {
             log: Mutex::default(),
             token_dir,
             claim_answer_delay: Mutex::default(),
+            volumes_dir: tempfile::tempdir().unwrap(),
         });
         let app = Router::new()
             .route("/api/v1/namespaces/{ns}/pods/{pod}/exec", get(exec))
@@ -154,7 +158,12 @@ impl FakeCluster {
         if kind == "Kustomization" {
             return;
         }
-        let plural = format!("{}s", kind.to_lowercase()).replace("policys", "policies");
+        let kind = kind.to_lowercase();
+        let plural = if kind.ends_with('x') {
+            format!("{kind}es")
+        } else {
+            format!("{kind}s").replace("policys", "policies")
+        };
         let ns = object["metadata"]["namespace"]
             .as_str()
             .unwrap_or_default()
@@ -220,22 +229,28 @@ impl FakeCluster {
             .collect()
     }
 
-    /// Waits (a minute at most, for a loaded machine) until no claim is left and no pod's
-    /// container either; panics naming what stayed.
+    /// Waits (a minute at most, for a loaded machine) until no claim or sandbox is left and
+    /// no pod's container either; panics naming what stayed.
     pub async fn wait_released(&self) {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         loop {
             let claims = self.objects("sandboxclaims");
+            let sandboxes = self.objects("sandboxes");
             let containers = self.containers().await;
-            if claims.is_empty() && containers.is_empty() {
+            if claims.is_empty() && sandboxes.is_empty() && containers.is_empty() {
                 return;
             }
             assert!(
                 std::time::Instant::now() < deadline,
-                "left behind: claims {claims:?}, containers {containers:?}"
+                "left behind: claims {claims:?}, sandboxes {sandboxes:?}, containers {containers:?}"
             );
             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
+    }
+
+    /// The directory holding the files of claim `claim`'s volume, on this machine.
+    pub fn volume_dir(&self, claim: &str) -> std::path::PathBuf {
+        self.cluster.volumes_dir.path().join(claim)
     }
 
     /// The container of pod `pod`, if it has one.
@@ -326,7 +341,8 @@ async fn resource(
             );
         }
     };
-    const SERVED: [(&str, &str); 5] = [
+    const SERVED: [(&str, &str); 6] = [
+        ("", "persistentvolumeclaims"),
         ("extensions.agents.x-k8s.io", "sandboxclaims"),
         ("extensions.agents.x-k8s.io", "sandboxwarmpools"),
         ("extensions.agents.x-k8s.io", "sandboxtemplates"),
@@ -391,6 +407,14 @@ async fn resource(
                 .lock()
                 .unwrap()
                 .insert(key(&name), object.clone());
+            if plural == "persistentvolumeclaims" {
+                std::fs::create_dir_all(cluster.volumes_dir.path().join(&name)).unwrap();
+                object["status"] = json!({"phase": "Bound"});
+            }
+            if plural == "sandboxes" {
+                // A sandbox made by a client rather than for a claim: its pod is its name.
+                tokio::spawn(start_sandbox(cluster.clone(), ns.to_owned(), name.clone()));
+            }
             if plural == "sandboxclaims" {
                 tokio::spawn(bind(cluster.clone(), ns.to_owned(), name));
                 let delay = *cluster.claim_answer_delay.lock().unwrap();
@@ -406,6 +430,11 @@ async fn resource(
                 && let Some(sandbox) = object["status"]["sandbox"]["name"].as_str()
             {
                 delete_sandbox(&cluster, ns, sandbox).await;
+            }
+            if plural == "sandboxes" {
+                // Put back for `delete_sandbox`, which removes it with its pod.
+                cluster.objects.lock().unwrap().insert(key(name), object);
+                delete_sandbox(&cluster, ns, name).await;
             }
             axum::Json(success()).into_response()
         }
@@ -512,49 +541,10 @@ async fn bind(cluster: Arc<Cluster>, ns: String, claim: String) {
     let sandbox = format!("{pool_name}-{suffix}");
     // A pod adopted from a pool is not named after the sandbox: the annotation says which.
     let pod = format!("{sandbox}-pod");
-    let policies = cluster
-        .objects
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|((p, n, _), _)| p == "networkpolicies" && *n == ns)
-        .map(|(_, v)| v.clone())
-        .collect::<Vec<_>>();
-    let body = pod_container(&cluster, pod_template, &policies);
-    let created = cluster
-        .docker
-        .create_container(
-            Some(
-                bollard::query_parameters::CreateContainerOptionsBuilder::default()
-                    .name(&format!("fake-k8s-{}-{pod}", cluster.id))
-                    .build(),
-            ),
-            body,
-        )
-        .await;
-    let id = match created {
-        Ok(c) => c.id,
-        Err(e) => {
-            set_claim_status(
-                &cluster,
-                &ns,
-                &claim,
-                not_ready("PodFailed", &e.to_string()),
-            );
-            return;
-        }
-    };
-    if let Err(e) = cluster.docker.start_container(&id, None).await {
-        remove(&cluster.docker, &id).await;
-        set_claim_status(
-            &cluster,
-            &ns,
-            &claim,
-            not_ready("PodFailed", &e.to_string()),
-        );
+    if let Err(e) = start_pod(&cluster, &ns, &pod, pod_template).await {
+        set_claim_status(&cluster, &ns, &claim, not_ready("PodFailed", &e));
         return;
     }
-    cluster.pods.lock().unwrap().insert(pod.clone(), id.clone());
     cluster.objects.lock().unwrap().insert(
         ("sandboxes".to_owned(), ns.clone(), sandbox.clone()),
         json!({
@@ -583,16 +573,79 @@ async fn bind(cluster: Arc<Cluster>, ns: String, claim: String) {
     }
 }
 
+/// The kubelet's part: starts pod `pod` of `template` in namespace `ns` as a container.
+async fn start_pod(cluster: &Cluster, ns: &str, pod: &str, template: &Value) -> Result<(), String> {
+    let policies = cluster
+        .objects
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|((p, n, _), _)| p == "networkpolicies" && *n == ns)
+        .map(|(_, v)| v.clone())
+        .collect::<Vec<_>>();
+    let body = pod_container(cluster, ns, template, &policies)?;
+    let id = cluster
+        .docker
+        .create_container(
+            Some(
+                bollard::query_parameters::CreateContainerOptionsBuilder::default()
+                    .name(&format!("fake-k8s-{}-{pod}", cluster.id))
+                    .build(),
+            ),
+            body,
+        )
+        .await
+        .map_err(|e| e.to_string())?
+        .id;
+    if let Err(e) = cluster.docker.start_container(&id, None).await {
+        remove(&cluster.docker, &id).await;
+        return Err(e.to_string());
+    }
+    cluster.pods.lock().unwrap().insert(pod.to_owned(), id);
+    Ok(())
+}
+
+/// The controller's part for a sandbox a client made: starts its pod (named as it is) and
+/// marks it ready, or says why not.
+async fn start_sandbox(cluster: Arc<Cluster>, ns: String, sandbox: String) {
+    let key = ("sandboxes".to_owned(), ns.clone(), sandbox.clone());
+    let Some(object) = cluster.objects.lock().unwrap().get(&key).cloned() else {
+        return;
+    };
+    let status = match start_pod(&cluster, &ns, &sandbox, &object["spec"]["podTemplate"]).await {
+        Ok(()) => {
+            json!({"conditions": [{"type": "Ready", "status": "True", "reason": "DependenciesReady"}]})
+        }
+        Err(e) => not_ready("PodFailed", &e),
+    };
+    let present = match cluster.objects.lock().unwrap().get_mut(&key) {
+        Some(object) => {
+            object["status"] = status;
+            true
+        }
+        None => false,
+    };
+    if !present {
+        // Deleted while its pod started: the pod goes too.
+        let id = cluster.pods.lock().unwrap().remove(&sandbox);
+        if let Some(id) = id {
+            remove(&cluster.docker, &id).await;
+        }
+    }
+}
+
 async fn delete_sandbox(cluster: &Cluster, ns: &str, sandbox: &str) {
     let object = cluster.objects.lock().unwrap().remove(&(
         "sandboxes".to_owned(),
         ns.to_owned(),
         sandbox.to_owned(),
     ));
-    let pod = object
-        .as_ref()
-        .and_then(|o| o["metadata"]["annotations"]["agents.x-k8s.io/pod-name"].as_str())
-        .map(str::to_owned);
+    let pod = object.as_ref().map(|o| {
+        o["metadata"]["annotations"]["agents.x-k8s.io/pod-name"]
+            .as_str()
+            .unwrap_or(sandbox)
+            .to_owned()
+    });
     if let Some(pod) = pod {
         let id = cluster.pods.lock().unwrap().remove(&pod);
         if let Some(id) = id {
@@ -621,8 +674,14 @@ fn quantity(text: &str, milli: bool) -> Option<i64> {
     Some(if milli { value * 1e3 } else { value } as i64)
 }
 
-/// What a kubelet would run for the pod template's first container, as a Docker container.
-fn pod_container(cluster: &Cluster, template: &Value, policies: &[Value]) -> ContainerCreateBody {
+/// What a kubelet would run for the pod template's first container, as a Docker container;
+/// why not, when a claim it mounts is not there.
+fn pod_container(
+    cluster: &Cluster,
+    ns: &str,
+    template: &Value,
+    policies: &[Value],
+) -> Result<ContainerCreateBody, String> {
     let spec = &template["spec"];
     let container = &spec["containers"][0];
     let pod_security = &spec["securityContext"];
@@ -662,6 +721,36 @@ fn pod_container(cluster: &Cluster, template: &Value, policies: &[Value]) -> Con
                 format!("rw,exec,nosuid,nodev,size={size},mode=0777"),
             );
         }
+        if let Some(claim) = volume
+            .map(|v| &v["persistentVolumeClaim"])
+            .filter(|c| c.is_object())
+        {
+            let claim_name = claim["claimName"].as_str().unwrap_or_default();
+            let key = (
+                "persistentvolumeclaims".to_owned(),
+                ns.to_owned(),
+                claim_name.to_owned(),
+            );
+            if !cluster.objects.lock().unwrap().contains_key(&key) {
+                return Err(format!("persistentvolumeclaim \"{claim_name}\" not found"));
+            }
+            let dir = cluster.volumes_dir.path().join(claim_name);
+            // As a kubelet applies the pod's fsGroup to a volume: the group owns it, and
+            // what is made in it inherits the group.
+            if let Some(group) = spec["securityContext"]["fsGroup"].as_u64() {
+                use std::os::unix::fs::PermissionsExt;
+                std::os::unix::fs::chown(&dir, None, Some(group as u32))
+                    .map_err(|e| e.to_string())?;
+                std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o2775))
+                    .map_err(|e| e.to_string())?;
+            }
+            let read_only = mount["readOnly"] == json!(true) || claim["readOnly"] == json!(true);
+            binds.push(format!(
+                "{}:{path}:{}",
+                dir.display(),
+                if read_only { "ro" } else { "rw" }
+            ));
+        }
     }
     if spec["automountServiceAccountToken"] != json!(false) {
         binds.push(format!(
@@ -687,7 +776,7 @@ fn pod_container(cluster: &Cluster, template: &Value, policies: &[Value]) -> Con
         .filter_map(|c| c.as_str().map(str::to_owned))
         .collect();
     let memory = limits["memory"].as_str().and_then(|m| quantity(m, false));
-    ContainerCreateBody {
+    Ok(ContainerCreateBody {
         image: container["image"].as_str().map(str::to_owned),
         cmd: container["command"].as_array().map(|c| {
             c.iter()
@@ -718,7 +807,7 @@ fn pod_container(cluster: &Cluster, template: &Value, policies: &[Value]) -> Con
             ..Default::default()
         }),
         ..Default::default()
-    }
+    })
 }
 
 /// The exec subresource: a WebSocket whose binary messages carry a channel byte (0 stdin,

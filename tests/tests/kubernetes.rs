@@ -199,3 +199,148 @@ async fn errors_name_the_pool_the_server_and_what_to_do() {
         "{opened}"
     );
 }
+
+async fn open_with(
+    executor: &KubernetesExecutor,
+    spec: SessionSpec,
+) -> Box<dyn tandem_executor::Session> {
+    executor.open(spec).await.unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A volume binding for `name` at `path`; the directory on this machine is not used by a pod.
+fn volume(
+    name: &str,
+    path: &str,
+    read_only: bool,
+    max_mb: Option<u64>,
+) -> tandem_executor::VolumeBinding {
+    tandem_executor::VolumeBinding {
+        name: name.to_owned(),
+        host_dir: std::path::PathBuf::from("/nonexistent"),
+        path: path.to_owned(),
+        read_only,
+        max_mb,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_volume_is_a_claim_that_outlives_the_pods_that_mount_it() {
+    let cluster = cluster().await;
+    let executor = executor(&cluster).await;
+    let with = |volumes| SessionSpec {
+        volumes,
+        ..Default::default()
+    };
+    // The first session makes the claim (its quota as its size) and writes into it.
+    let mut s = open_with(
+        &executor,
+        with(vec![volume("results_v1", "/data", false, Some(64))]),
+    )
+    .await;
+    let claims = cluster.objects("persistentvolumeclaims");
+    assert_eq!(claims.len(), 1, "{claims:?}");
+    let claim = claims[0]["metadata"]["name"].as_str().unwrap().to_owned();
+    assert!(claim.starts_with("tandem-volume-results-v1."), "{claim}");
+    assert_eq!(
+        claims[0]["spec"]["resources"]["requests"]["storage"],
+        "64Mi"
+    );
+    assert_eq!(claims[0]["spec"]["accessModes"][0], "ReadWriteOnce");
+    assert_eq!(
+        claims[0]["metadata"]["labels"]["tandem.dev/volume"],
+        "results_v1"
+    );
+    // Its own Sandbox, not a claim on the pool: a pooled pod has no such volume.
+    assert!(cluster.objects("sandboxclaims").is_empty());
+    let sandboxes = cluster.objects("sandboxes");
+    assert_eq!(sandboxes.len(), 1);
+    let pod = &sandboxes[0]["spec"]["podTemplate"];
+    assert_eq!(
+        pod["metadata"]["labels"]["app.kubernetes.io/name"], "tandem-sandbox",
+        "the template's NetworkPolicy must still select it"
+    );
+    assert_eq!(pod["spec"]["automountServiceAccountToken"], false);
+    let out = run(&mut *s, "sh", "id -u; echo kept > /data/out.txt && mkdir -p /data/d && echo deep > /data/d/f && cat /data/out.txt").await;
+    assert_eq!(
+        out.stdout.to_text(),
+        "65534\nkept\n",
+        "{}",
+        out.stderr.to_text()
+    );
+    s.close().await.unwrap();
+    cluster.wait_released().await;
+    // The pod is gone; the claim and its files are not.
+    assert_eq!(cluster.objects("persistentvolumeclaims").len(), 1);
+    assert_eq!(
+        std::fs::read_to_string(cluster.volume_dir(&claim).join("d/f")).unwrap(),
+        "deep\n"
+    );
+
+    // The next session mounts the same claim read-only: it reads, and cannot write.
+    let mut s = open_with(
+        &executor,
+        with(vec![volume("results_v1", "/results", true, None)]),
+    )
+    .await;
+    let out = run(
+        &mut *s,
+        "python",
+        "import errno\nprint(open('/results/d/f').read().strip())\ntry:\n    open('/results/new', 'w')\nexcept OSError as e:\n    print(errno.errorcode[e.errno])",
+    )
+    .await;
+    assert_eq!(
+        out.stdout.to_text(),
+        "deep\nEROFS\n",
+        "{}",
+        out.stderr.to_text()
+    );
+    assert_eq!(
+        cluster.objects("persistentvolumeclaims").len(),
+        1,
+        "one claim per volume"
+    );
+    // A Sandbox a dead Tandem made for such a session is reaped; this one (ours) is not.
+    let host = tandem_executor_kit::owner::hostname();
+    cluster.apply(serde_json::json!({
+        "apiVersion": "agents.x-k8s.io/v1beta1", "kind": "Sandbox",
+        "metadata": {
+            "name": "left-behind", "namespace": "tandem",
+            "labels": {"app.kubernetes.io/managed-by": "tandem", "tandem.dev/made": "session"},
+            "annotations": {"tandem.dev/owner": format!("{host}/999999999:1")},
+        },
+        "spec": {"podTemplate": {}},
+    }));
+    assert_eq!(executor.reap_orphans().await.unwrap(), 1);
+    assert_eq!(cluster.objects("sandboxes").len(), 1);
+    // Dropped without close (a cancelled task): its sandbox goes, the claim stays.
+    drop(s);
+    cluster.wait_released().await;
+    assert_eq!(cluster.objects("persistentvolumeclaims").len(), 1);
+
+    // Inside the workspace (copied out after each block) or over the template's /tmp: refused
+    // before anything is made.
+    for (path, says) in [
+        ("data", "absolute path such as /data"),
+        ("/tmp/x", "already mounts /tmp"),
+    ] {
+        let e = executor
+            .open(with(vec![volume("other", path, false, None)]))
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("{path} was mounted"))
+            .to_string();
+        assert!(e.contains(says), "{path}: {e}");
+    }
+    assert!(cluster.objects("sandboxes").is_empty());
+    // Shutdown deletes what this process holds, never a volume's claim.
+    let s = open_with(
+        &executor,
+        with(vec![volume("results_v1", "/data", false, None)]),
+    )
+    .await;
+    executor.shutdown().await;
+    drop(s);
+    cluster.wait_released().await;
+    assert_eq!(cluster.objects("persistentvolumeclaims").len(), 1);
+    cluster.stop().await;
+}

@@ -450,6 +450,10 @@ pub struct KubernetesSection {
     /// How long a claim may wait for a ready sandbox, in seconds (default 120).
     pub ready_timeout_secs: Option<f64>,
     pub workspace_dir: Option<PathBuf>,
+    /// The access mode of the claims made for volumes (default `ReadWriteOnce`).
+    pub volume_access_mode: Option<String>,
+    /// The storage class of those claims (default: the cluster's default).
+    pub volume_storage_class: Option<String>,
 }
 
 /// `[[executors.docker.hosts]]`: one engine of several.

@@ -857,6 +857,19 @@ fn kubernetes_config(
             None => defaults.ready_timeout,
         },
         workspace_dir: k.workspace_dir.clone(),
+        volume_access_mode: match nonempty(&k.volume_access_mode, "volume_access_mode")? {
+            Some(mode)
+                if tandem_executor_kubernetes::VOLUME_ACCESS_MODES.contains(&mode.as_str()) =>
+            {
+                mode
+            }
+            Some(mode) => bail!(
+                "[executors.kubernetes] volume_access_mode `{mode}` is not one of {}",
+                tandem_executor_kubernetes::VOLUME_ACCESS_MODES.join(", ")
+            ),
+            None => defaults.volume_access_mode,
+        },
+        volume_storage_class: nonempty(&k.volume_storage_class, "volume_storage_class")?,
     }))
 }
 

@@ -10,6 +10,7 @@
 //! Tandem left behind are found by their labels and deleted at start.
 
 mod session;
+pub mod volumes;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -40,6 +41,11 @@ pub mod labels {
     pub const OWNER: &str = "tandem.dev/owner";
     /// The task's id, when the session belongs to one (annotation).
     pub const TASK: &str = "tandem.dev/task";
+    /// The Tandem volume a `PersistentVolumeClaim` holds (label); no reaper deletes one.
+    pub const VOLUME: &str = "tandem.dev/volume";
+    /// On a `Sandbox` Tandem made itself (a session with volumes), not through a claim
+    /// (label, value `session`): what it deletes and reaps as it does claims.
+    pub const MADE: &str = "tandem.dev/made";
 }
 
 /// How to reach the cluster and which warm pool to claim from.
@@ -71,7 +77,15 @@ pub struct KubernetesConfig {
     pub ready_timeout: Duration,
     /// Where workspace mirrors are made (default `$TMPDIR`).
     pub workspace_dir: Option<PathBuf>,
+    /// The access mode of the claims Tandem makes for volumes (default `ReadWriteOnce`:
+    /// pods sharing a volume at once must then run on one node).
+    pub volume_access_mode: String,
+    /// The storage class of those claims (default: the cluster's default class).
+    pub volume_storage_class: Option<String>,
 }
+
+/// The access modes a volume's claim may ask for.
+pub const VOLUME_ACCESS_MODES: [&str; 3] = ["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"];
 
 impl Default for KubernetesConfig {
     fn default() -> Self {
@@ -88,6 +102,8 @@ impl Default for KubernetesConfig {
             daemon_id: format!("tandem-{}", std::process::id()),
             ready_timeout: Duration::from_secs(120),
             workspace_dir: None,
+            volume_access_mode: "ReadWriteOnce".to_owned(),
+            volume_storage_class: None,
         }
     }
 }
@@ -210,6 +226,28 @@ pub fn sandboxes_resource() -> ApiResource {
     resource(SANDBOX_GROUP, "Sandbox", "sandboxes")
 }
 
+/// The `SandboxTemplate` resource.
+pub fn templates_resource() -> ApiResource {
+    resource(EXTENSIONS_GROUP, "SandboxTemplate", "sandboxtemplates")
+}
+
+/// What a session holds on the cluster: a claim on the warm pool, or (a session with
+/// volumes, which a pooled pod was started without) a `Sandbox` of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Held {
+    Claim,
+    Sandbox,
+}
+
+impl Held {
+    fn kind(self) -> &'static str {
+        match self {
+            Self::Claim => "SandboxClaim",
+            Self::Sandbox => "Sandbox",
+        }
+    }
+}
+
 impl KubernetesExecutor {
     /// A client for the configured cluster; nothing is asked of it yet ([`Self::check`]).
     pub async fn connect(config: KubernetesConfig) -> Result<Self, KubernetesError> {
@@ -268,11 +306,61 @@ impl KubernetesExecutor {
     }
 
     fn claims(&self) -> Api<DynamicObject> {
+        self.held_api(Held::Claim)
+    }
+
+    fn held_api(&self, held: Held) -> Api<DynamicObject> {
         Api::namespaced_with(
             self.inner.client.clone(),
             &self.inner.config.namespace,
-            &claims_resource(),
+            &match held {
+                Held::Claim => claims_resource(),
+                Held::Sandbox => sandboxes_resource(),
+            },
         )
+    }
+
+    /// Tandem's claims, and the sandboxes it made itself, as `(what, name, owner)`.
+    async fn held_objects(&self) -> Result<Vec<(Held, String, String)>, KubernetesError> {
+        let mut held = Vec::new();
+        for (kind, selector) in [
+            (Held::Claim, format!("{}=tandem", labels::MANAGED_BY)),
+            (
+                Held::Sandbox,
+                format!("{}=tandem,{}=session", labels::MANAGED_BY, labels::MADE),
+            ),
+        ] {
+            let listed = self
+                .request(
+                    &format!("listing Tandem's {}s", kind.kind()),
+                    self.held_api(kind)
+                        .list(&ListParams::default().labels(&selector)),
+                )
+                .await;
+            let listed = match listed {
+                Ok(listed) => listed,
+                // A cluster whose operator granted no sandboxes: Tandem made none.
+                Err(KubernetesError::Api { reason, .. })
+                    if kind == Held::Sandbox && reason.contains("403") =>
+                {
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            for object in listed.items {
+                let owner = object
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(labels::OWNER))
+                    .cloned()
+                    .unwrap_or_default();
+                if let Some(name) = object.metadata.name {
+                    held.push((kind, name, owner));
+                }
+            }
+        }
+        Ok(held)
     }
 
     /// Whether the API server answers and serves the configured warm pool.
@@ -326,31 +414,13 @@ impl KubernetesExecutor {
                 .unwrap_or_else(std::env::temp_dir),
             "tandem-k8s-",
         );
-        let claims = self.claims();
-        let listed = self
-            .request(
-                "listing Tandem's claims",
-                claims
-                    .list(&ListParams::default().labels(&format!("{}=tandem", labels::MANAGED_BY))),
-            )
-            .await?;
         let mut reaped = 0;
-        for claim in listed.items {
-            let owner = claim
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(labels::OWNER))
-                .cloned()
-                .unwrap_or_default();
+        for (held, name, owner) in self.held_objects().await? {
             if owner == self.inner.owner || owner::owner_alive(&owner) {
                 continue;
             }
-            let Some(name) = claim.metadata.name else {
-                continue;
-            };
-            tracing::info!(claim = %name, %owner, "deleting a claim its dead owner left");
-            if self.delete_claim(&name).await.is_ok() {
+            tracing::info!(kind = held.kind(), %name, %owner, "deleting what a dead owner left");
+            if self.delete_held(held, &name).await.is_ok() {
                 reaped += 1;
             }
         }
@@ -379,28 +449,20 @@ impl KubernetesExecutor {
         }
     }
 
-    /// Deletes every claim this process owns; returns how many.
+    /// Deletes every claim and sandbox this process owns; returns how many.
     async fn delete_own(&self) -> Result<usize, KubernetesError> {
-        let listed = self
-            .request(
-                "listing Tandem's claims",
-                self.claims()
-                    .list(&ListParams::default().labels(&format!("{}=tandem", labels::MANAGED_BY))),
-            )
-            .await?;
-        let ours: Vec<String> = listed
-            .items
+        let ours: Vec<(Held, String)> = self
+            .held_objects()
+            .await?
             .into_iter()
-            .filter(|c| {
-                c.metadata
-                    .annotations
-                    .as_ref()
-                    .and_then(|a| a.get(labels::OWNER))
-                    .is_some_and(|o| *o == self.inner.owner)
-            })
-            .filter_map(|c| c.metadata.name)
+            .filter(|(_, _, owner)| *owner == self.inner.owner)
+            .map(|(held, name, _)| (held, name))
             .collect();
-        let deleted = futures::future::join_all(ours.iter().map(|c| self.delete_claim(c))).await;
+        let deleted = futures::future::join_all(
+            ours.iter()
+                .map(|(held, name)| self.delete_held(*held, name)),
+        )
+        .await;
         Ok(deleted.iter().filter(|d| d.is_ok()).count())
     }
 
@@ -421,20 +483,21 @@ impl KubernetesExecutor {
         }))
     }
 
-    /// Deletes a claim and, through it, its sandbox and pod; gone already is fine.
-    async fn delete_claim(&self, name: &str) -> Result<(), KubernetesError> {
-        let claims = self.claims();
+    /// Deletes a claim and, through it, its sandbox and pod (or a sandbox Tandem made, and
+    /// its pod); gone already is fine.
+    pub(crate) async fn delete_held(&self, held: Held, name: &str) -> Result<(), KubernetesError> {
         match self
             .request(
-                "deleting a claim",
-                claims.delete(name, &DeleteParams::foreground()),
+                &format!("deleting a {}", held.kind()),
+                self.held_api(held)
+                    .delete(name, &DeleteParams::foreground()),
             )
             .await
         {
             Ok(_) => Ok(()),
             Err(KubernetesError::Api { reason, .. }) if reason.contains("NotFound") => Ok(()),
             Err(e) => {
-                tracing::warn!(claim = name, error = %e, "could not delete a claim; the next start reaps it");
+                tracing::warn!(kind = held.kind(), %name, error = %e, "could not delete it; the next start reaps it");
                 Err(e)
             }
         }
@@ -529,6 +592,10 @@ impl Executor for KubernetesExecutor {
     }
 
     fn carries_tool_calls(&self) -> bool {
+        true
+    }
+
+    fn mounts_volumes(&self) -> bool {
         true
     }
 

@@ -16,7 +16,7 @@ use tandem_executor_runner::session::{Offer, RunnerSession, Transport};
 use tandem_executor_runner::{Conn, Frame, FrameReader, mirror};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::{KubernetesError, KubernetesExecutor, claims_resource, sandboxes_resource};
+use crate::{Held, KubernetesError, KubernetesExecutor, labels, sandboxes_resource};
 
 /// The annotation on a `Sandbox` naming its pod when it is not the sandbox's own name (a pod
 /// adopted from a warm pool).
@@ -32,8 +32,11 @@ const EXEC_BUFFER: usize = 1 << 16;
 
 pub(crate) struct KubeSession {
     executor: KubernetesExecutor,
-    /// The claim's name, which is also how Tandem knows the session.
+    /// The claim's name (or the sandbox's, for a session with volumes), which is also how
+    /// Tandem knows the session.
     claim: String,
+    /// Which of the two it is.
+    held: Held,
     /// The pod the sandbox runs in, once bound, and the exec that carries its runner.
     pod: PodRunner,
     /// Its workspace on this machine is the mirror of the pod's.
@@ -60,12 +63,37 @@ impl KubeSession {
         let claim = format!("tandem-{}", &session_id[..12]);
         let (workspace, owned_workspace) =
             scratch::open_workspace(spec.workdir.clone(), &executor.inner.root, "ws-")?;
-        let (labels, annotations) = executor.claim_metadata(&session_id, &spec);
-        let mut object = DynamicObject::new(&claim, &claims_resource())
+        let (mut labels, annotations) = executor.claim_metadata(&session_id, &spec);
+        // A pod from the warm pool was started without the session's volumes: a session
+        // with volumes gets a sandbox of its own, from the pool's template with them mounted.
+        let (held, body) = if spec.volumes.is_empty() {
+            (
+                Held::Claim,
+                serde_json::json!({
+                    "spec": { "warmPoolRef": { "name": executor.inner.config.warm_pool } }
+                }),
+            )
+        } else {
+            // Checked before anything is made: a refused mount leaves no claim behind.
+            let template = crate::volumes::pod_template_with(
+                &executor.pool_pod_template().await?,
+                executor.inner.config.container.as_deref(),
+                &spec.volumes,
+            )?;
+            executor.ensure_volumes(&spec.volumes).await?;
+            labels.insert(labels::MADE.to_owned(), "session".to_owned());
+            (
+                Held::Sandbox,
+                serde_json::json!({ "spec": { "podTemplate": template } }),
+            )
+        };
+        let resource = match held {
+            Held::Claim => crate::claims_resource(),
+            Held::Sandbox => sandboxes_resource(),
+        };
+        let mut object = DynamicObject::new(&claim, &resource)
             .within(&executor.inner.config.namespace)
-            .data(serde_json::json!({
-                "spec": { "warmPoolRef": { "name": executor.inner.config.warm_pool } }
-            }));
+            .data(body);
         object.metadata.labels = Some(labels);
         object.metadata.annotations = Some(annotations);
         // Made on a task of the executor's, watched by `making` until its answer is in: an
@@ -74,17 +102,18 @@ impl KubeSession {
         let create = {
             let executor = executor.clone();
             async move {
-                let claims = executor.claims();
                 executor
                     .request(
-                        "creating a SandboxClaim",
-                        claims.create(&PostParams::default(), &object),
+                        &format!("creating a {}", held.kind()),
+                        executor
+                            .held_api(held)
+                            .create(&PostParams::default(), &object),
                     )
                     .await
                     .map(|_| ())
             }
         };
-        let created = Making::start(&executor, &claim, create)
+        let created = Making::start(&executor, held, &claim, create)
             .await?
             .take()
             .await?;
@@ -94,14 +123,20 @@ impl KubeSession {
                 // chance, or it holds a pod until Tandem restarts.
                 let (executor, claim) = (executor.clone(), claim.clone());
                 tokio::spawn(async move {
-                    let _ = executor.delete_claim(&claim).await;
+                    let _ = executor.delete_held(held, &claim).await;
                 });
             }
             return Err(match e {
                 KubernetesError::Api { reason, .. } if reason.contains("404") => {
                     KubernetesError::NoAgentSandbox {
-                        resource: "sandboxclaims",
-                        group: crate::EXTENSIONS_GROUP,
+                        resource: match held {
+                            Held::Claim => "sandboxclaims",
+                            Held::Sandbox => "sandboxes",
+                        },
+                        group: match held {
+                            Held::Claim => crate::EXTENSIONS_GROUP,
+                            Held::Sandbox => crate::SANDBOX_GROUP,
+                        },
                         namespace: executor.inner.config.namespace.clone(),
                     }
                     .into()
@@ -140,11 +175,15 @@ impl KubeSession {
             runner: RunnerSession::new(workspace, true, offer, spec.limits),
             executor,
             claim,
+            held,
             owned_workspace,
             relay: None,
             closed: false,
         };
-        session.pod.exec.name = wait_bound(&session.executor, &session.claim).await?;
+        session.pod.exec.name = match held {
+            Held::Claim => wait_bound(&session.executor, &session.claim).await?,
+            Held::Sandbox => wait_ready(&session.executor, &session.claim).await?,
+        };
         session.runner.start(&mut session.pod).await?;
         if let Some(egress) = &spec.egress {
             let stop = CancellationToken::new();
@@ -174,7 +213,7 @@ impl KubeSession {
         }
         self.runner.take_conn();
         self.pod.process = None;
-        let deleted = self.executor.delete_claim(&self.claim).await;
+        let deleted = self.executor.delete_held(self.held, &self.claim).await;
         // Only now: a close dropped mid-delete leaves the drop to delete the claim.
         self.closed = true;
         if let Some(ws) = self.owned_workspace.take() {
@@ -189,6 +228,7 @@ impl KubeSession {
 /// cancelled) deletes the claim once it is made, or may have been.
 struct Making {
     executor: KubernetesExecutor,
+    held: Held,
     claim: String,
     task: Option<tokio::task::JoinHandle<Result<(), KubernetesError>>>,
 }
@@ -197,12 +237,14 @@ impl Making {
     /// Starts `create`, unless the executor is shutting down.
     async fn start(
         executor: &KubernetesExecutor,
+        held: Held,
         claim: &str,
         create: impl std::future::Future<Output = Result<(), KubernetesError>> + Send + 'static,
     ) -> Result<Self, ExecError> {
         match executor.making(create).await {
             Some(task) => Ok(Self {
                 executor: executor.clone(),
+                held,
                 claim: claim.to_owned(),
                 task: Some(task),
             }),
@@ -229,13 +271,13 @@ impl Drop for Making {
         let Some(task) = self.task.take() else {
             return;
         };
-        let (executor, claim) = (self.executor.clone(), self.claim.clone());
+        let (executor, held, claim) = (self.executor.clone(), self.held, self.claim.clone());
         // Without a runtime the task is gone too; shutdown's sweep or the next Tandem reaps.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
                 match task.await {
                     Ok(Ok(())) | Ok(Err(KubernetesError::Unreachable { .. })) => {
-                        let _ = executor.delete_claim(&claim).await;
+                        let _ = executor.delete_held(held, &claim).await;
                     }
                     _ => {}
                 }
@@ -606,6 +648,62 @@ async fn wait_bound(executor: &KubernetesExecutor, claim_name: &str) -> Result<S
     Ok(pod)
 }
 
+/// Waits for a sandbox Tandem made to be ready; returns its pod.
+async fn wait_ready(executor: &KubernetesExecutor, name: &str) -> Result<String, ExecError> {
+    let config = &executor.inner.config;
+    let sandboxes = executor.held_api(Held::Sandbox);
+    let deadline = Instant::now() + config.ready_timeout;
+    let mut poll = POLL_FIRST;
+    loop {
+        let Some(sandbox) = executor
+            .request("reading the Sandbox", sandboxes.get_opt(name))
+            .await?
+        else {
+            return Err(ExecError::Backend(format!(
+                "the Sandbox `{name}` was deleted before it was ready"
+            )));
+        };
+        if ready(&sandbox) {
+            let pod = sandbox
+                .metadata
+                .annotations
+                .and_then(|a| a.get(POD_NAME_ANNOTATION).cloned())
+                .unwrap_or_else(|| name.to_owned());
+            tracing::debug!(sandbox = %name, %pod, "sandbox ready");
+            return Ok(pod);
+        }
+        if Instant::now() > deadline {
+            let why = condition_message(&sandbox).unwrap_or_default();
+            return Err(ExecError::Backend(format!(
+                "the Sandbox `{name}` (a session with volumes) was not ready within {:?}{why}; a volume's PersistentVolumeClaim may be unbound: see `kubectl describe sandbox {name} -n {}` and `kubectl get pvc -n {}`",
+                config.ready_timeout, config.namespace, config.namespace
+            )));
+        }
+        tokio::time::sleep(poll).await;
+        poll = (poll * 2).min(POLL_MOST);
+    }
+}
+
+/// Whether an object's status has its `Ready` condition true.
+fn ready(object: &DynamicObject) -> bool {
+    object.data["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|c| c["type"] == "Ready" && c["status"] == "True")
+}
+
+/// `: ` and what the `Ready` condition says, when it says something.
+fn condition_message(object: &DynamicObject) -> Option<String> {
+    object.data["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == "Ready")
+        .and_then(|c| c["message"].as_str())
+        .filter(|m| !m.is_empty())
+        .map(|m| format!(" ({m})"))
+}
+
 /// Copies paths out of the pod with `tar` over exec.
 struct PodArchives(PodExec);
 
@@ -702,14 +800,14 @@ impl Drop for KubeSession {
         }
         // Dropped without close (a cancelled task, a failed open): delete the claim in the
         // background; if the process exits first, the next Tandem reaps it.
-        let executor = self.executor.clone();
+        let (executor, held) = (self.executor.clone(), self.held);
         let claim = self.claim.clone();
         let ws = self.owned_workspace.take();
         self.runner.take_conn();
         self.pod.process = None;
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                let _ = executor.delete_claim(&claim).await;
+                let _ = executor.delete_held(held, &claim).await;
                 drop(ws);
             });
         }
@@ -777,6 +875,7 @@ async fn read_frames(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::claims_resource;
 
     #[test]
     fn a_claim_is_bound_when_ready_with_a_sandbox() {
