@@ -601,10 +601,11 @@ impl Store {
             };
             appended.map_err(io_at("writing the restore's archive"))?;
         }
+        // Not synced: the archive is read at once and then removed, and a crash meanwhile
+        // loses nothing the snapshot's own (synced) content does not still hold.
         builder
             .into_inner()
             .and_then(|w| w.into_inner().map_err(|e| e.into_error()))
-            .and_then(|f| f.sync_all())
             .map_err(io_at("writing the restore's archive"))?;
         Ok(path)
     }
