@@ -6,10 +6,11 @@ this machine: `docker run --rm IMAGE python3 -c 'print(1)'`, `docker exec` into 
 container, and the engine starting a burst's worth of containers at once.
 
     python python/bench/start.py [--kinds docker-warm,docker-cold,local,wasm,kubernetes]
-        [--count 100] [--stagger-ms 200] [--burst 40] [--floor-count 20]
+        [--count 100] [--stagger-ms 200] [--burst 40] [--floor-count 20] [--pool 4] [--pool-max 16]
 
 Each kind gets a daemon of its own (`docker-warm`: `[executors.docker] pool_size` of
---pool, the pool given time to fill before each series; `docker-cold`: no pool;
+--pool and `pool_max` of --pool-max, the pool let fill to what it aims for before each
+series, which after a burst is what the burst grew it to; `docker-cold`: no pool;
 `kubernetes`: the tests' stand-in API server, started from TANDEM_FAKE_KUBERNETES, the
 `fake-kubernetes` binary of the tandem-tests crate, whose every claimed pod is a container
 on the system engine started when it is claimed). Needs
@@ -38,7 +39,7 @@ from conftest import Daemon, ScriptedModel  # noqa: E402
 IMAGE = os.environ.get("TANDEM_DOCKER_IMAGE", "tandem-sandbox:latest")
 
 
-def config(kind: str, pool: int, kubernetes: str = "") -> str:
+def config(kind: str, pool: int, kubernetes: str = "", pool_max: int = 16) -> str:
     pool_size = pool if kind == "docker-warm" else 0
     cluster = f'[executors.kubernetes]\nurl = "{kubernetes}"\nready_timeout_secs = 300\n' if kubernetes else ""
     return f"""\
@@ -56,6 +57,7 @@ without_task = 300
 [executors.docker]
 image = "{IMAGE}"
 pool_size = {pool_size}
+pool_max = {max(pool_max, pool_size)}
 """
 
 
@@ -124,8 +126,19 @@ def one(host: str, executor: str, into: Series, closing: list) -> None:
 
 
 def wait_for_pool(daemon: Daemon, want: int) -> None:
-    """Gives the pool time to fill again: about a second per container on 2 cores."""
-    time.sleep(2 + 1.5 * want)
+    """Waits until the pool holds as many ready containers as it aims for (at least `want`;
+    more after a burst grew it), or 90 s: what the pool has then is what the next series
+    finds, as a client arriving after a quiet spell would."""
+    c = client(daemon.host)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        pools = [p for e in c.executors() if e.get("name") == "docker" for p in e.get("pools", [])]
+        if pools and all(p.get("ready", 0) >= max(want, p.get("target", 0)) for p in pools):
+            break
+        time.sleep(0.5)
+    time.sleep(1)
+    for p in pools:
+        print(f"  pool on {p.get('host')}: {p.get('ready')} ready of a target of {p.get('target')}", file=sys.stderr)
 
 
 def series(kind: str, daemon: Daemon, args: argparse.Namespace) -> list[Series]:
@@ -223,6 +236,7 @@ def main() -> None:
     ap.add_argument("--stagger-ms", type=int, default=200)
     ap.add_argument("--burst", default="40", help="burst sizes, comma-separated")
     ap.add_argument("--pool", type=int, default=4, help="pool_size for docker-warm")
+    ap.add_argument("--pool-max", type=int, default=16, help="pool_max for docker-warm (the setting's default)")
     ap.add_argument("--floor-count", type=int, default=20)
     ap.add_argument("--no-floors", action="store_true")
     args = ap.parse_args()
@@ -239,7 +253,7 @@ def main() -> None:
                 sys.exit("kubernetes: set TANDEM_FAKE_KUBERNETES to the fake-kubernetes binary (cargo build -p tandem-tests --bin fake-kubernetes)")
             cluster = subprocess.Popen([binary], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             url = cluster.stdout.readline().strip()
-        daemon = Daemon(model.url, config(kind, args.pool, url))
+        daemon = Daemon(model.url, config(kind, args.pool, url, args.pool_max))
         try:
             rows.extend(series(kind, daemon, args))
         finally:
