@@ -86,11 +86,28 @@ pub enum MountPath {
     Absolute(String),
 }
 
-/// Paths a volume may not cover: what the sandbox itself runs on.
-const RESERVED: &[&str] = &["/proc", "/sys", "/dev", "/run/tandem", "/tmp", "/workspace"];
+/// Paths a volume may not cover: what the sandbox itself runs on, and where its programs and
+/// their libraries are found (Tandem's runner, which may be root, starts `python3` and `tar`
+/// from `PATH`: a volume a block filled must not put its own there).
+const RESERVED: &[&str] = &[
+    "/proc",
+    "/sys",
+    "/dev",
+    "/run/tandem",
+    "/tmp",
+    "/workspace",
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/etc",
+];
 
 /// Checks a mount's `path`: no `..`, `.` or empty parts, not the workspace itself, nor
-/// the sandbox's `/`, `/proc`, `/sys`, `/dev`, `/tmp` or Tandem's own `/run/tandem`.
+/// the sandbox's `/` or anything [`RESERVED`] holds.
 pub fn mount_path(path: &str) -> Result<MountPath, String> {
     let absolute = path.starts_with('/');
     let rest = path.trim_start_matches('/').trim_end_matches('/');
@@ -179,6 +196,10 @@ mod tests {
             "d:/proc/x",
             "d:/workspace",
             "d:/tmp",
+            "d:/usr/local/bin",
+            "d:/bin",
+            "d:/lib64",
+            "d:/etc/ld.so.preload",
             "d:a/../b",
             "d:/a:ro:ro",
             "d:",
@@ -189,6 +210,7 @@ mod tests {
             mount_path("/workspace2/x/").unwrap(),
             MountPath::Absolute("/workspace2/x".into())
         );
+        assert!(mount_path("/usr2").is_ok() && mount_path("/opt/tools").is_ok());
         assert_eq!(
             mount_path("a/b").unwrap(),
             MountPath::InWorkspace("a/b".into())

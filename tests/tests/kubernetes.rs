@@ -247,7 +247,7 @@ async fn a_volume_is_a_claim_that_outlives_the_pods_that_mount_it() {
     );
     assert_eq!(claims[0]["spec"]["accessModes"][0], "ReadWriteOnce");
     assert_eq!(
-        claims[0]["metadata"]["labels"]["tandem.dev/volume"],
+        claims[0]["metadata"]["annotations"]["tandem.dev/volume"],
         "results_v1"
     );
     // Its own Sandbox, not a claim on the pool: a pooled pod has no such volume.
@@ -321,7 +321,7 @@ async fn a_volume_is_a_claim_that_outlives_the_pods_that_mount_it() {
     // before anything is made.
     for (path, says) in [
         ("data", "absolute path such as /data"),
-        ("/tmp/x", "already mounts /tmp"),
+        ("/tmp/x", "/tmp is already mounted there"),
     ] {
         let e = executor
             .open(with(vec![volume("other", path, false, None)]))
@@ -339,6 +339,10 @@ async fn a_volume_is_a_claim_that_outlives_the_pods_that_mount_it() {
     )
     .await;
     executor.shutdown().await;
+    assert!(
+        cluster.objects("sandboxes").is_empty(),
+        "shutdown deletes the sandboxes it made"
+    );
     drop(s);
     cluster.wait_released().await;
     assert_eq!(cluster.objects("persistentvolumeclaims").len(), 1);

@@ -41,7 +41,7 @@ pub mod labels {
     pub const OWNER: &str = "tandem.dev/owner";
     /// The task's id, when the session belongs to one (annotation).
     pub const TASK: &str = "tandem.dev/task";
-    /// The Tandem volume a `PersistentVolumeClaim` holds (label); no reaper deletes one.
+    /// The Tandem volume a `PersistentVolumeClaim` holds (annotation); no reaper deletes one.
     pub const VOLUME: &str = "tandem.dev/volume";
     /// On a `Sandbox` Tandem made itself (a session with volumes), not through a claim
     /// (label, value `session`): what it deletes and reaps as it does claims.
@@ -339,10 +339,13 @@ impl KubernetesExecutor {
                 .await;
             let listed = match listed {
                 Ok(listed) => listed,
-                // A cluster whose operator granted no sandboxes: Tandem made none.
+                // A cluster whose Role predates sandboxes of Tandem's own: it can have made
+                // none there, but say so, since one that could make them and not list them
+                // would leave them behind.
                 Err(KubernetesError::Api { reason, .. })
                     if kind == Held::Sandbox && reason.contains("403") =>
                 {
+                    tracing::warn!(%reason, "cannot list Tandem's own sandboxes; sessions with volumes will fail until the Role allows it");
                     continue;
                 }
                 Err(e) => return Err(e),
@@ -553,7 +556,14 @@ fn classify(url: &str, what: &str, e: kube::Error) -> KubernetesError {
     match e {
         kube::Error::Api(status) => KubernetesError::Api {
             what: what.to_owned(),
-            reason: format!("{} ({} {})", status.message, status.code, status.reason),
+            reason: if status.code == 403 {
+                format!(
+                    "{} ({} {}); the identity Tandem runs as lacks a permission: apply docs/deploy/kubernetes/rbac.yaml again (claims and sandboxes: create, get, list, delete; the pool and its template: get; PersistentVolumeClaims: create, get)",
+                    status.message, status.code, status.reason
+                )
+            } else {
+                format!("{} ({} {})", status.message, status.code, status.reason)
+            },
         },
         other => {
             let mut reason = other.to_string();

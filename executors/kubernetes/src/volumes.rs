@@ -16,10 +16,11 @@ use crate::{KubernetesError, KubernetesExecutor, labels};
 pub const DEFAULT_VOLUME_MB: u64 = 1024;
 
 /// The `PersistentVolumeClaim` that holds Tandem volume `name` on a cluster: a valid object
-/// name for every valid volume name, and a different one for each (a `_`, which object names
-/// cannot hold, becomes `-`, with the name's hash after a `.`, which volume names cannot hold).
+/// name for every valid volume name, and a different one for each. A name an object name
+/// cannot be (one with `_`, or ending in `-`) becomes `-`s, its end trimmed, with the whole
+/// name's hash after a `.`, which volume names cannot hold.
 pub fn claim_name(name: &str) -> String {
-    if !name.contains('_') {
+    if !name.contains('_') && !name.ends_with('-') {
         return format!("tandem-volume-{name}");
     }
     // FNV-1a: stable across builds and machines, which the name must be.
@@ -27,9 +28,8 @@ pub fn claim_name(name: &str) -> String {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
     });
     format!(
-        "tandem-volume-{}.{:08x}",
-        name.replace('_', "-"),
-        hash as u32
+        "tandem-volume-{}.{hash:016x}",
+        name.replace('_', "-").trim_end_matches('-')
     )
 }
 
@@ -66,7 +66,7 @@ pub fn pod_template_with(
     let target = containers.get_mut(index).ok_or_else(|| {
         ExecError::Backend("the SandboxTemplate's pod has no containers".to_owned())
     })?;
-    let taken: Vec<String> = target["volumeMounts"]
+    let mut taken: Vec<String> = target["volumeMounts"]
         .as_array()
         .into_iter()
         .flatten()
@@ -94,10 +94,11 @@ pub fn pod_template_with(
             return Err(ExecError::Unavailable {
                 what: format!("volume `{}` at {path}", v.name),
                 hint: format!(
-                    "the sandbox template already mounts {place} there; mount the volume elsewhere, such as /data"
+                    "{place} is already mounted there (by the sandbox template or another volume); mount the volume elsewhere, such as /data"
                 ),
             });
         }
+        taken.push(path.to_owned());
         let volume = format!("tandem-volume-{i}");
         mounts.push(json!({
             "name": volume,
@@ -140,10 +141,9 @@ fn claim_body(
         "kind": "PersistentVolumeClaim",
         "metadata": {
             "name": claim_name(&v.name),
-            "labels": BTreeMap::from([
-                (labels::MANAGED_BY, "tandem".to_owned()),
-                (labels::VOLUME, v.name.clone()),
-            ]),
+            "labels": BTreeMap::from([(labels::MANAGED_BY, "tandem")]),
+            // An annotation: a label value cannot end in `_` or `-`, which a volume name can.
+            "annotations": BTreeMap::from([(labels::VOLUME, v.name.clone())]),
         },
         "spec": spec,
     }))
@@ -271,14 +271,32 @@ mod tests {
         );
         assert_ne!(claim_name("a_b"), claim_name("a__b"));
         assert_eq!(claim_name("x_y"), claim_name("x_y"));
-        let long = claim_name(&"z_".repeat(32));
-        assert!(
-            long.len() <= 253
-                && long.bytes().all(|c| c.is_ascii_lowercase()
-                    || c.is_ascii_digit()
-                    || c == b'-'
-                    || c == b'.')
-        );
+        // Every part between dots starts and ends with a letter or digit, as object names must.
+        for name in [
+            "z_".repeat(32),
+            "data-".to_owned(),
+            "a_".to_owned(),
+            "x".repeat(64),
+            "q--".to_owned(),
+        ] {
+            let claim = claim_name(&name);
+            assert!(claim.len() <= 253, "{claim}");
+            for part in claim.split('.') {
+                assert!(
+                    !part.is_empty()
+                        && part
+                            .bytes()
+                            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-'),
+                    "{claim}"
+                );
+                assert!(
+                    part.starts_with(|c: char| c.is_ascii_alphanumeric())
+                        && part.ends_with(|c: char| c.is_ascii_alphanumeric()),
+                    "{claim}"
+                );
+            }
+        }
+        assert_ne!(claim_name("data-"), claim_name("data"));
     }
 
     #[test]
@@ -318,6 +336,15 @@ mod tests {
                 .to_string();
             assert!(e.contains("/data"), "{path}: {e}");
         }
+        // Two volumes at one place, however the path was written.
+        let e = pod_template_with(
+            &template(),
+            Some("sandbox"),
+            &[volume("a", "/data", false), volume("b", "/data/", false)],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("another volume"), "{e}");
         let e = pod_template_with(&template(), Some("nope"), &[volume("v", "/data", false)])
             .unwrap_err()
             .to_string();
