@@ -192,22 +192,35 @@ async fn claims_of_clients_that_hang_up_mid_open_and_of_open_sessions_end_with_t
         Some(&format!("{}[sessions]\nmax = 64\n", config(&cluster.url))),
     )
     .await;
+    // Half of them with a volume: a sandbox of their own rather than a claim on the pool.
+    let (code, _, err) = d.cli(&["volume", "create", "held"]).await;
+    assert_eq!(code, 0, "{err}");
     let session = json!({"executor": "kubernetes", "idle_timeout_secs": 1});
+    let with_volume = json!({"executor": "kubernetes", "idle_timeout_secs": 1,
+        "volumes": [{"name": "held", "path": "/data"}]});
     let mut opens = tokio::task::JoinSet::new();
-    for _ in 0..6 {
+    for i in 0..6 {
         opens.spawn(crate::daemon::hang_up(
             d.socket(),
             "/v1/sessions",
-            session.clone(),
+            if i % 2 == 0 {
+                session.clone()
+            } else {
+                with_volume.clone()
+            },
             Duration::from_millis(300),
         ));
     }
-    // And a session a client holds open when the daemon stops.
+    // And a session a client holds open when the daemon stops: one with a volume, whose
+    // sandbox the daemon made itself.
     let (status, body) = d
         .send(
             reqwest::Method::POST,
             "/v1/sessions",
-            Some(json!({"executor": "kubernetes"}).to_string()),
+            Some(
+                json!({"executor": "kubernetes", "volumes": [{"name": "held", "path": "/data"}]})
+                    .to_string(),
+            ),
         )
         .await;
     assert_eq!(status, 201, "{body}");
@@ -215,7 +228,11 @@ async fn claims_of_clients_that_hang_up_mid_open_and_of_open_sessions_end_with_t
         done.unwrap();
     }
     assert!(
-        !cluster.objects("sandboxclaims").is_empty(),
+        !cluster.objects("sandboxclaims").is_empty()
+            && cluster
+                .objects("sandboxes")
+                .iter()
+                .any(|s| s["metadata"]["labels"]["tandem.dev/made"] == "session"),
         "{:?}",
         cluster.requests()
     );

@@ -107,7 +107,8 @@ const RESERVED: &[&str] = &[
 ];
 
 /// Checks a mount's `path`: no `..`, `.` or empty parts, not the workspace itself, nor
-/// the sandbox's `/` or anything [`RESERVED`] holds.
+/// the sandbox's `/`, `/proc`, `/sys`, `/dev`, `/tmp`, Tandem's own `/run/tandem`, nor where
+/// programs and their libraries are found (`/usr`, `/bin`, `/sbin`, `/lib*`, `/etc`).
 pub fn mount_path(path: &str) -> Result<MountPath, String> {
     let absolute = path.starts_with('/');
     let rest = path.trim_start_matches('/').trim_end_matches('/');

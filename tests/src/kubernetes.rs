@@ -52,7 +52,7 @@ struct Cluster {
     log: Mutex<Vec<String>>,
     /// A file holding the token a pod gets when the spec does not turn it off.
     token_dir: tempfile::TempDir,
-    /// How long the answer to a claim's creation waits, the claim already made.
+    /// How long the answer to a claim's or sandbox's creation waits, the object already made.
     claim_answer_delay: Mutex<std::time::Duration>,
     /// The storage behind each `PersistentVolumeClaim`: a directory per claim, made when the
     /// claim is (a provisioner that binds at once).
@@ -176,8 +176,8 @@ impl FakeCluster {
             .insert((plural, ns, name), object);
     }
 
-    /// Answers each claim's creation `delay` after making the claim, as a loaded API server
-    /// does: a client that goes away meanwhile has a claim it never heard of.
+    /// Answers each claim's and sandbox's creation `delay` after making it, as a loaded API
+    /// server does: a client that goes away meanwhile has one it never heard of.
     pub fn answer_claims_after(&self, delay: std::time::Duration) {
         *self.cluster.claim_answer_delay.lock().unwrap() = delay;
     }
@@ -417,6 +417,8 @@ async fn resource(
             }
             if plural == "sandboxclaims" {
                 tokio::spawn(bind(cluster.clone(), ns.to_owned(), name));
+            }
+            if plural == "sandboxclaims" || plural == "sandboxes" {
                 let delay = *cluster.claim_answer_delay.lock().unwrap();
                 tokio::time::sleep(delay).await;
             }
