@@ -20,6 +20,30 @@ fn config(url: &str) -> String {
     format!("[executors.kubernetes]\nurl = \"{url}\"\nready_timeout_secs = 60\n")
 }
 
+/// A daemon (and its model server, kept alive with it) offering local and `cluster`'s
+/// kubernetes executor to API clients.
+async fn daemon_offering_kubernetes(cluster: &FakeCluster) -> (ScriptedOpenAi, Daemon) {
+    let server = ScriptedOpenAi::start(script([])).await.unwrap();
+    let d = Daemon::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &["--executor", "local"],
+        Some(&format!(
+            "{}[policy]\nexecutors = [\"local\", \"kubernetes\"]\n",
+            config(&cluster.url)
+        )),
+    )
+    .await;
+    (server, d)
+}
+
+/// Opens a session on `d` from `spec`, which must succeed; its id.
+async fn open(d: &Daemon, spec: serde_json::Value) -> String {
+    let (status, s) = d.open_session(spec).await;
+    assert_eq!(status, 201, "{s}");
+    s["id"].as_str().unwrap().to_owned()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn exec_and_doctor_use_the_configured_cluster() {
     let cluster = cluster().await;
@@ -110,26 +134,8 @@ async fn the_daemon_offers_kubernetes_and_runs_a_task_in_a_pod() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_snapshot_taken_on_the_local_executor_resumes_in_a_pod() {
     let cluster = cluster().await;
-    let server = ScriptedOpenAi::start(script([])).await.unwrap();
-    let d = Daemon::start(
-        Path::new(env!("CARGO_BIN_EXE_tandem")),
-        &server.base_url(),
-        &["--executor", "local"],
-        Some(&format!(
-            "{}[policy]\nexecutors = [\"local\", \"kubernetes\"]\n",
-            config(&cluster.url)
-        )),
-    )
-    .await;
-    let open = |spec: serde_json::Value| {
-        let d = &d;
-        async move {
-            let (status, s) = d.open_session(spec).await;
-            assert_eq!(status, 201, "{s}");
-            s["id"].as_str().unwrap().to_owned()
-        }
-    };
-    let here = open(json!({"executor": "local"})).await;
+    let (_server, d) = daemon_offering_kubernetes(&cluster).await;
+    let here = open(&d, json!({"executor": "local"})).await;
     d.exec_python(
         &here,
         "import os\nos.makedirs('data/deep', exist_ok=True)\nopen('data/deep/x.csv', 'w').write('1,2\\n')\nopen('run.sh', 'w').write('echo ran')\nos.chmod('run.sh', 0o755)",
@@ -144,7 +150,7 @@ async fn a_snapshot_taken_on_the_local_executor_resumes_in_a_pod() {
         .await;
     assert_eq!(status, 201, "{record}");
     let snap = record["id"].as_str().unwrap();
-    let pod = open(json!({"executor": "kubernetes", "from_snapshot": snap})).await;
+    let pod = open(&d, json!({"executor": "kubernetes", "from_snapshot": snap})).await;
     assert_eq!(
         d.exec_python(
             &pod,
@@ -288,26 +294,14 @@ async fn a_missing_section_and_a_silent_cluster_are_told_by_name() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_volume_made_on_the_daemon_is_mounted_in_pods_through_the_api() {
     let cluster = cluster().await;
-    let server = ScriptedOpenAi::start(script([])).await.unwrap();
-    let d = Daemon::start(
-        Path::new(env!("CARGO_BIN_EXE_tandem")),
-        &server.base_url(),
-        &["--executor", "local"],
-        Some(&format!(
-            "{}[policy]\nexecutors = [\"local\", \"kubernetes\"]\n",
-            config(&cluster.url)
-        )),
-    )
-    .await;
+    let (_server, d) = daemon_offering_kubernetes(&cluster).await;
     let (code, _, err) = d.cli(&["volume", "create", "shared"]).await;
     assert_eq!(code, 0, "{err}");
-    let (status, s) = d
-        .open_session(
-            json!({"executor": "kubernetes", "volumes": [{"name": "shared", "path": "/data"}]}),
-        )
-        .await;
-    assert_eq!(status, 201, "{s}");
-    let id = s["id"].as_str().unwrap().to_owned();
+    let id = open(
+        &d,
+        json!({"executor": "kubernetes", "volumes": [{"name": "shared", "path": "/data"}]}),
+    )
+    .await;
     let wrote = d
         .exec_python(
             &id,
@@ -322,11 +316,11 @@ async fn a_volume_made_on_the_daemon_is_mounted_in_pods_through_the_api() {
     d.send(reqwest::Method::DELETE, &format!("/v1/sessions/{id}"), None)
         .await;
     cluster.wait_released().await;
-    let (status, s) = d
-        .open_session(json!({"executor": "kubernetes", "volumes": [{"name": "shared", "path": "/in", "read_only": true}]}))
-        .await;
-    assert_eq!(status, 201, "{s}");
-    let id = s["id"].as_str().unwrap().to_owned();
+    let id = open(
+        &d,
+        json!({"executor": "kubernetes", "volumes": [{"name": "shared", "path": "/in", "read_only": true}]}),
+    )
+    .await;
     let read = d
         .exec_python(&id, "import errno\nprint(open('/in/kept.txt').read())\ntry:\n    open('/in/x', 'w')\nexcept OSError as e:\n    print(errno.errorcode[e.errno])")
         .await;

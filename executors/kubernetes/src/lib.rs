@@ -240,6 +240,14 @@ pub(crate) enum Held {
 }
 
 impl Held {
+    /// Its API resource.
+    fn resource(self) -> ApiResource {
+        match self {
+            Self::Claim => claims_resource(),
+            Self::Sandbox => sandboxes_resource(),
+        }
+    }
+
     fn kind(self) -> &'static str {
         match self {
             Self::Claim => "SandboxClaim",
@@ -313,10 +321,7 @@ impl KubernetesExecutor {
         Api::namespaced_with(
             self.inner.client.clone(),
             &self.inner.config.namespace,
-            &match held {
-                Held::Claim => claims_resource(),
-                Held::Sandbox => sandboxes_resource(),
-            },
+            &held.resource(),
         )
     }
 

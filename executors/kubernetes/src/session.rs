@@ -87,11 +87,7 @@ impl KubeSession {
                 serde_json::json!({ "spec": { "podTemplate": template } }),
             )
         };
-        let resource = match held {
-            Held::Claim => crate::claims_resource(),
-            Held::Sandbox => sandboxes_resource(),
-        };
-        let mut object = DynamicObject::new(&claim, &resource)
+        let mut object = DynamicObject::new(&claim, &held.resource())
             .within(&executor.inner.config.namespace)
             .data(body);
         object.metadata.labels = Some(labels);
@@ -816,15 +812,15 @@ impl Drop for KubeSession {
 
 /// The sandbox a claim is bound to, once the claim says it is ready.
 fn bound_sandbox(claim: &DynamicObject) -> Option<String> {
-    let status = claim.data.get("status")?;
-    let ready = status.get("conditions")?.as_array()?.iter().any(|c| {
-        c.get("type").and_then(|t| t.as_str()) == Some("Ready")
-            && c.get("status").and_then(|s| s.as_str()) == Some("True")
-    });
-    if !ready {
+    if !ready(claim) {
         return None;
     }
-    let name = status.get("sandbox")?.get("name")?.as_str()?;
+    let name = claim
+        .data
+        .get("status")?
+        .get("sandbox")?
+        .get("name")?
+        .as_str()?;
     (!name.is_empty()).then(|| name.to_owned())
 }
 
