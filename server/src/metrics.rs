@@ -82,6 +82,7 @@ struct Engine {
 struct Pools {
     containers: Family<Labels, Gauge>,
     waiting: Family<Labels, Gauge>,
+    closing: Family<Labels, Gauge>,
     hits: Family<Labels, Counter>,
     misses: Family<Labels, Counter>,
     wait_seconds: Family<Labels, Counter<f64, AtomicU64>>,
@@ -109,6 +110,7 @@ impl Pools {
                 .get_or_create(&labels)
                 .set(n(pool.ready + pool.starting));
             self.waiting.get_or_create(&labels).set(n(pool.waiting));
+            self.closing.get_or_create(&labels).set(n(pool.closing));
             let last = seen.entry(labels.clone()).or_default();
             self.hits
                 .get_or_create(&labels)
@@ -238,6 +240,11 @@ impl Default for Metrics {
             "tandem_pool_waiting",
             "Sessions waiting now for a sandbox from an executor's warm pool",
             m.pools.waiting.clone(),
+        );
+        registry.register(
+            "tandem_pool_closing",
+            "Closed sessions' sandboxes whose removal waits until no session waits for the warm pool",
+            m.pools.closing.clone(),
         );
         registry.register(
             "tandem_pool_hits",
@@ -580,6 +587,7 @@ mod tests {
                     hits: 10,
                     misses: 4,
                     waited_ms: 1500,
+                    closing: 5,
                 },
             )],
             ("d1", 1),
@@ -613,6 +621,7 @@ mod tests {
             "tandem_host_capacity{executor=\"docker\",host=\"b\"} 4",
             "tandem_pool_containers{executor=\"docker\",host=\"unix:///var/run/docker.sock\"} 4",
             "tandem_pool_waiting{executor=\"docker\",host=\"unix:///var/run/docker.sock\"} 2",
+            "tandem_pool_closing{executor=\"docker\",host=\"unix:///var/run/docker.sock\"} 5",
             "tandem_pool_hits_total{executor=\"docker\",host=\"unix:///var/run/docker.sock\"} 10",
             "tandem_pool_misses_total{executor=\"docker\",host=\"unix:///var/run/docker.sock\"} 4",
             "tandem_pool_wait_seconds_total{executor=\"docker\",host=\"unix:///var/run/docker.sock\"} 1.5",

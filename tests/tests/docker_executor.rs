@@ -419,6 +419,91 @@ async fn a_burst_larger_than_the_pool_waits_in_line_grows_it_and_it_shrinks_when
     executor.shutdown().await;
 }
 
+/// A session closed while others wait in line for the pool: its processes die at close, and
+/// its container, whose removal would slow their starts, is removed once they are served.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sandbox_closed_while_others_wait_for_the_pool_is_removed_once_they_are_served() {
+    use tandem_executor::Executor;
+    let executor = docker_with(DockerConfig {
+        pool_size: 1,
+        pool_max: 1,
+        pool_idle_secs: 60,
+        ..DockerConfig::default()
+    })
+    .await;
+    executor.warm_up();
+    wait_for_pool(&executor, 1).await;
+    let task = format!("closing-{}", std::process::id());
+    let mut first = open_for_task(&executor, &task).await;
+    let (id, _) = session_containers()
+        .into_iter()
+        .find(|(_, name)| name.starts_with(&format!("tandem-{task}-")))
+        .expect("a container named after the task");
+    let out = run(
+        &mut *first,
+        "python",
+        "import subprocess; subprocess.Popen(['sleep', '600'], start_new_session=True); print('left')",
+    )
+    .await;
+    assert_eq!(out.stdout.to_text(), "left\n");
+    // Six opens against an empty pool of one wait for containers started four at a time:
+    // two rounds of starts, while the close below is one request to the runner.
+    let waiting: Vec<_> = (0..6)
+        .map(|_| {
+            let executor = Arc::clone(&executor);
+            tokio::spawn(async move { executor.open(SessionSpec::default()).await })
+        })
+        .collect();
+    let started = std::time::Instant::now();
+    while executor.pool_status().waiting == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "no open waited"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    first.close().await.unwrap();
+    let status = executor.pool_status();
+    assert_eq!(status.closing, 1, "{status:?}");
+    // Still there, and nothing of the user's runs in it.
+    assert!(session_containers().iter().any(|(c, _)| *c == id));
+    let top = docker_cli(&["top", &id, "-eo", "pid,user,args"]);
+    assert!(!top.contains("sleep 600"), "{top}");
+    let mut served = Vec::new();
+    for open in waiting {
+        served.push(open.await.unwrap().unwrap());
+    }
+    let started = std::time::Instant::now();
+    while executor.pool_status().closing > 0 || session_containers().iter().any(|(c, _)| *c == id) {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the closed container was not removed: {:?}",
+            executor.pool_status()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for s in &mut served {
+        assert_eq!(
+            run(&mut **s, "python", "print(1)").await.stdout.to_text(),
+            "1\n"
+        );
+    }
+    // Closed with no one waiting: removed before close returns.
+    let ids: Vec<String> = session_containers().into_iter().map(|(c, _)| c).collect();
+    for s in served {
+        s.close().await.unwrap();
+    }
+    assert_eq!(executor.pool_status().closing, 0);
+    let pooled = executor.pooled();
+    let left: Vec<String> = session_containers()
+        .into_iter()
+        .map(|(c, _)| c)
+        .filter(|c| ids.contains(c) && !pooled.contains(c))
+        .collect();
+    assert_eq!(left, Vec::<String>::new());
+    executor.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn warm_pool_serves_sessions_and_never_reuses_a_container() {
     let executor = docker_with(DockerConfig {

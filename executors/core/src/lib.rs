@@ -146,6 +146,9 @@ pub struct PoolStatus {
     pub misses: u64,
     /// Milliseconds those sessions waited, all together.
     pub waited_ms: u64,
+    /// Closed sessions' sandboxes, their processes killed, whose removal waits until no
+    /// session waits for one.
+    pub closing: usize,
 }
 
 /// One machine an executor places sessions on, as `doctor`, `/v1/executors`, `/metrics` and

@@ -717,9 +717,12 @@ impl DockerExecutor {
         let open_bridge = c.network && egress.is_none();
         ContainerCreateBody {
             image: Some(c.image.clone()),
+            // `-S`: the runner needs only the standard library, and importing `site` is
+            // half of an interpreter's start, paid by every container of a burst.
             entrypoint: Some(vec![
                 "python3".to_owned(),
                 "-I".to_owned(),
+                "-S".to_owned(),
                 "-c".to_owned(),
                 RUNNER.clone(),
             ]),

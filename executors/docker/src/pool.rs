@@ -23,6 +23,15 @@ use crate::session::{self, Warm};
 /// Containers the pool starts at once: more only slows each start on a small machine.
 const STARTS_AT_ONCE: usize = 4;
 
+/// The most closed containers left for later at once; past it a removal runs at once.
+const MOST_DEFERRED: usize = 64;
+
+/// How long a closed container may wait for the sessions in line to be served.
+const MOST_DEFERRED_FOR: Duration = Duration::from_secs(30);
+
+/// A closed session's removal (its container, volume and workspace), put off.
+type Removal = tandem_executor::BoxFuture<'static, Result<(), tandem_executor::ExecError>>;
+
 /// A container ready in the pool, and since when.
 struct Ready {
     warm: Warm,
@@ -52,6 +61,10 @@ pub(crate) struct Pool {
     hits: AtomicU64,
     misses: AtomicU64,
     waited_ms: AtomicU64,
+    /// Removals of closed sessions put off while others waited, oldest first.
+    deferred: Mutex<VecDeque<(Instant, Removal)>>,
+    /// Whether a task is running the put-off removals.
+    flushing: AtomicBool,
 }
 
 impl Pool {
@@ -89,6 +102,7 @@ impl Pool {
             hits: self.hits.load(Ordering::Relaxed),
             misses: self.misses.load(Ordering::Relaxed),
             waited_ms: self.waited_ms.load(Ordering::Relaxed),
+            closing: self.deferred.lock().map_or(0, |d| d.len()),
         }
     }
 }
@@ -221,6 +235,88 @@ impl DockerExecutor {
                 warm,
                 since: Instant::now(),
             });
+        }
+    }
+
+    /// Runs a closed session's `removal` now, or, while other sessions wait in line for the
+    /// pool, once none wait (or after [`MOST_DEFERRED_FOR`]): on a small machine a removal
+    /// slows every start beside it. Only for a session whose processes were all killed: a
+    /// container left for later runs nothing of its user's. Its errors are the caller's when
+    /// it runs now, logged when later.
+    pub(crate) async fn remove_when_served(
+        &self,
+        removal: Removal,
+    ) -> Result<(), tandem_executor::ExecError> {
+        let pool = self.pool();
+        let removal = {
+            let waiting = pool.waiting.lock().map_or(0, |w| w.len());
+            match pool.deferred.lock() {
+                Ok(mut deferred)
+                    if waiting > 0
+                        && deferred.len() < MOST_DEFERRED
+                        && !pool.closed.load(Ordering::SeqCst) =>
+                {
+                    deferred.push_back((Instant::now(), removal));
+                    None
+                }
+                _ => Some(removal),
+            }
+        };
+        match removal {
+            Some(removal) => removal.await,
+            None => {
+                if !pool.flushing.swap(true, Ordering::SeqCst) {
+                    let executor = self.clone();
+                    pool.tasks
+                        .spawn(async move { executor.remove_deferred().await });
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Runs the put-off removals once no session waits for the pool, the executor closes,
+    /// or they have waited [`MOST_DEFERRED_FOR`]; ends when none are left.
+    async fn remove_deferred(&self) {
+        let pool = self.pool();
+        loop {
+            let due: Vec<Removal> = {
+                let quiet = pool.closed.load(Ordering::SeqCst)
+                    || pool.waiting.lock().map_or(true, |w| w.is_empty());
+                let Ok(mut deferred) = pool.deferred.lock() else {
+                    pool.flushing.store(false, Ordering::SeqCst);
+                    return;
+                };
+                if deferred.is_empty() {
+                    pool.flushing.store(false, Ordering::SeqCst);
+                    return;
+                }
+                let mut due = Vec::new();
+                while let Some((since, _)) = deferred.front() {
+                    if !quiet && since.elapsed() < MOST_DEFERRED_FOR {
+                        break;
+                    }
+                    if let Some((_, removal)) = deferred.pop_front() {
+                        due.push(removal);
+                    }
+                }
+                due
+            };
+            if due.is_empty() {
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_millis(50)) => {}
+                    () = pool.stop.cancelled() => {}
+                }
+                continue;
+            }
+            use futures::StreamExt as _;
+            futures::stream::iter(due)
+                .for_each_concurrent(STARTS_AT_ONCE, |removal| async move {
+                    if let Err(e) = removal.await {
+                        tracing::warn!(error = %e, "removing a closed session's sandbox failed");
+                    }
+                })
+                .await;
         }
     }
 

@@ -333,23 +333,38 @@ impl DockerSession {
             Request::Release
         };
         let conn = self.runner.take_conn();
-        // The volume goes with the session; the mirror is Tandem's own.
-        if let (Some(mut conn), None) = (conn, &self.volume) {
-            let _ = conn.request_done(&op, Duration::from_secs(5)).await;
-        }
+        // The volume goes with the session; the mirror is Tandem's own. The runner kills
+        // every process of the blocks' user before it answers.
+        let killed = match (conn, &self.volume) {
+            (Some(mut conn), None) => conn.request_done(&op, Duration::from_secs(5)).await.is_ok(),
+            _ => false,
+        };
         let executor = self.container.executor.clone();
-        remove(
-            &executor,
-            &self.container.id,
+        let (id, volume, session) = (
+            self.container.id.clone(),
             self.volume.take(),
-            &self.session_id,
-        )
-        .await;
-        self.restore_workdir();
-        if let Some(ws) = self.owned_workspace.take() {
-            scratch::remove_dirs(vec![ws], executor.inner().root.clone()).await?;
+            self.session_id.clone(),
+        );
+        let workspace = self.owned_workspace.take();
+        let removal = {
+            let executor = executor.clone();
+            async move {
+                remove(&executor, &id, volume, &session).await;
+                match workspace {
+                    Some(ws) => scratch::remove_dirs(vec![ws], executor.inner().root.clone()).await,
+                    None => Ok(()),
+                }
+            }
+        };
+        if killed {
+            // Nothing of the user's runs in it: its mode can be given back before it goes.
+            self.restore_workdir();
+            executor.remove_when_served(Box::pin(removal)).await
+        } else {
+            let removed = removal.await;
+            self.restore_workdir();
+            removed
         }
-        Ok(())
     }
 
     /// Gives a kept workspace its mode back, once no block can reach it.
