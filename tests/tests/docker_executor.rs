@@ -423,7 +423,6 @@ async fn a_burst_larger_than_the_pool_waits_in_line_grows_it_and_it_shrinks_when
 /// its container, whose removal would slow their starts, is removed once they are served.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_sandbox_closed_while_others_wait_for_the_pool_is_removed_once_they_are_served() {
-    use tandem_executor::Executor;
     let executor = docker_with(DockerConfig {
         pool_size: 1,
         pool_max: 1,
@@ -448,10 +447,11 @@ async fn a_sandbox_closed_while_others_wait_for_the_pool_is_removed_once_they_ar
     assert_eq!(out.stdout.to_text(), "left\n");
     // Six opens against an empty pool of one wait for containers started four at a time:
     // two rounds of starts, while the close below is one request to the runner.
+    let later = format!("{task}-served");
     let waiting: Vec<_> = (0..6)
         .map(|_| {
-            let executor = Arc::clone(&executor);
-            tokio::spawn(async move { executor.open(SessionSpec::default()).await })
+            let (executor, later) = (Arc::clone(&executor), later.clone());
+            tokio::spawn(async move { open_for_task(&executor, &later).await })
         })
         .collect();
     let started = std::time::Instant::now();
@@ -471,7 +471,7 @@ async fn a_sandbox_closed_while_others_wait_for_the_pool_is_removed_once_they_ar
     assert!(!top.contains("sleep 600"), "{top}");
     let mut served = Vec::new();
     for open in waiting {
-        served.push(open.await.unwrap().unwrap());
+        served.push(open.await.unwrap());
     }
     let started = std::time::Instant::now();
     while executor.pool_status().closing > 0 || session_containers().iter().any(|(c, _)| *c == id) {
@@ -488,19 +488,17 @@ async fn a_sandbox_closed_while_others_wait_for_the_pool_is_removed_once_they_ar
             "1\n"
         );
     }
-    // Closed with no one waiting: removed before close returns.
-    let ids: Vec<String> = session_containers().into_iter().map(|(c, _)| c).collect();
+    // Closed with no one waiting: removed before close returns. (Other tests' containers
+    // run beside these; the task's name tells these apart.)
     for s in served {
         s.close().await.unwrap();
     }
     assert_eq!(executor.pool_status().closing, 0);
-    let pooled = executor.pooled();
-    let left: Vec<String> = session_containers()
+    let left: Vec<(String, String)> = session_containers()
         .into_iter()
-        .map(|(c, _)| c)
-        .filter(|c| ids.contains(c) && !pooled.contains(c))
+        .filter(|(_, name)| name.starts_with(&format!("tandem-{later}-")))
         .collect();
-    assert_eq!(left, Vec::<String>::new());
+    assert_eq!(left, Vec::new());
     executor.shutdown().await;
 }
 
