@@ -366,18 +366,25 @@ async fn wait_for_pool(executor: &DockerExecutor, n: usize) {
     }
 }
 
+/// An executor whose warm pool (`config`'s) has filled to `pool_size`.
+async fn warm_pool(config: DockerConfig) -> Arc<DockerExecutor> {
+    let size = config.pool_size;
+    let executor = docker_with(config).await;
+    executor.warm_up();
+    wait_for_pool(&executor, size).await;
+    executor
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_burst_larger_than_the_pool_waits_in_line_grows_it_and_it_shrinks_when_idle() {
     use tandem_executor::Executor;
-    let executor = docker_with(DockerConfig {
+    let executor = warm_pool(DockerConfig {
         pool_size: 1,
         pool_max: 4,
         pool_idle_secs: 3,
         ..DockerConfig::default()
     })
     .await;
-    executor.warm_up();
-    wait_for_pool(&executor, 1).await;
     // Six at once against a pool of one: each is served by the pool, the first at once and
     // the rest in line, none starting a container of its own; each says how long it waited.
     let opens = (0..6).map(|_| executor.open(SessionSpec::default()));
@@ -423,15 +430,13 @@ async fn a_burst_larger_than_the_pool_waits_in_line_grows_it_and_it_shrinks_when
 /// its container, whose removal would slow their starts, is removed once they are served.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_sandbox_closed_while_others_wait_for_the_pool_is_removed_once_they_are_served() {
-    let executor = docker_with(DockerConfig {
+    let executor = warm_pool(DockerConfig {
         pool_size: 1,
         pool_max: 1,
         pool_idle_secs: 60,
         ..DockerConfig::default()
     })
     .await;
-    executor.warm_up();
-    wait_for_pool(&executor, 1).await;
     let task = format!("closing-{}", std::process::id());
     let mut first = open_for_task(&executor, &task).await;
     let (id, _) = session_containers()
@@ -504,13 +509,11 @@ async fn a_sandbox_closed_while_others_wait_for_the_pool_is_removed_once_they_ar
 
 #[tokio::test(flavor = "multi_thread")]
 async fn warm_pool_serves_sessions_and_never_reuses_a_container() {
-    let executor = docker_with(DockerConfig {
+    let executor = warm_pool(DockerConfig {
         pool_size: 2,
         ..DockerConfig::default()
     })
     .await;
-    executor.warm_up();
-    wait_for_pool(&executor, 2).await;
     let before = executor.pooled();
     let task = format!("pool-{}", std::process::id());
     let mut s = open_for_task(&executor, &task).await;

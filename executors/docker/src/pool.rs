@@ -65,6 +65,8 @@ pub(crate) struct Pool {
     deferred: Mutex<VecDeque<(Instant, Removal)>>,
     /// Whether a task is running the put-off removals.
     flushing: AtomicBool,
+    /// Told when the line of waiting sessions empties: the put-off removals may run.
+    served: tokio::sync::Notify,
 }
 
 impl Pool {
@@ -221,10 +223,20 @@ impl DockerExecutor {
     fn hand(&self, mut warm: Warm) {
         let pool = self.pool();
         loop {
-            let next = pool.waiting.lock().ok().and_then(|mut w| w.pop_front());
-            let Some(waiter) = next else { break };
+            let Some((waiter, last)) = pool.waiting.lock().ok().and_then(|mut w| {
+                let next = w.pop_front()?;
+                Some((next, w.is_empty()))
+            }) else {
+                pool.served.notify_one();
+                break;
+            };
             match waiter.send(Ok(warm)) {
-                Ok(()) => return,
+                Ok(()) => {
+                    if last {
+                        pool.served.notify_one();
+                    }
+                    return;
+                }
                 // Its open was cancelled: the next in line.
                 Err(Ok(back)) => warm = back,
                 Err(Err(_)) => return,
@@ -303,8 +315,16 @@ impl DockerExecutor {
                 due
             };
             if due.is_empty() {
+                // The oldest is due at its deadline, or all are once the line empties.
+                let oldest = pool
+                    .deferred
+                    .lock()
+                    .ok()
+                    .and_then(|d| d.front().map(|(since, _)| *since))
+                    .unwrap_or_else(Instant::now);
                 tokio::select! {
-                    () = tokio::time::sleep(Duration::from_millis(50)) => {}
+                    () = tokio::time::sleep_until((oldest + MOST_DEFERRED_FOR).into()) => {}
+                    () = pool.served.notified() => {}
                     () = pool.stop.cancelled() => {}
                 }
                 continue;
@@ -326,6 +346,7 @@ impl DockerExecutor {
                 let _ = w.send(Err(why.to_owned()));
             }
         }
+        self.pool().served.notify_one();
     }
 
     /// Every so often, once no session has missed for `pool_idle_secs`: the target back to
