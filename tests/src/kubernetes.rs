@@ -267,18 +267,32 @@ impl FakeCluster {
     }
 }
 
+/// Removes a pod's container, trying again while the engine refuses (a loaded engine can
+/// answer "removal already in progress" or fail to unmount at once); gone is done.
 async fn remove(docker: &Docker, id: &str) {
-    let _ = docker
-        .remove_container(
-            id,
-            Some(
-                bollard::query_parameters::RemoveContainerOptionsBuilder::default()
-                    .force(true)
-                    .v(true)
-                    .build(),
-            ),
-        )
-        .await;
+    for _ in 0..30 {
+        let removed = docker
+            .remove_container(
+                id,
+                Some(
+                    bollard::query_parameters::RemoveContainerOptionsBuilder::default()
+                        .force(true)
+                        .v(true)
+                        .build(),
+                ),
+            )
+            .await;
+        match removed {
+            Ok(()) => return,
+            Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => {
+                return;
+            }
+            Err(e) => {
+                eprintln!("stand-in cluster: removing container {id} failed, trying again: {e}");
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+        }
+    }
 }
 
 /// The one version served of each group.
@@ -428,15 +442,21 @@ async fn resource(
             let Some(object) = cluster.objects.lock().unwrap().remove(&key(name)) else {
                 return status(404, "NotFound", &format!("{plural} \"{name}\" not found"));
             };
-            if plural == "sandboxclaims"
-                && let Some(sandbox) = object["status"]["sandbox"]["name"].as_str()
-            {
-                delete_sandbox(&cluster, ns, sandbox).await;
-            }
-            if plural == "sandboxes" {
+            // The pod's removal runs on as a task of its own: a client that hangs up
+            // mid-delete must not leave the pod half removed, as no kubelet would.
+            let sandbox = if plural == "sandboxclaims" {
+                object["status"]["sandbox"]["name"].as_str().map(str::to_owned)
+            } else if plural == "sandboxes" {
                 // Put back for `delete_sandbox`, which removes it with its pod.
                 cluster.objects.lock().unwrap().insert(key(name), object);
-                delete_sandbox(&cluster, ns, name).await;
+                Some(name.to_owned())
+            } else {
+                None
+            };
+            if let Some(sandbox) = sandbox {
+                let (cluster, ns) = (cluster.clone(), ns.to_owned());
+                let _ = tokio::spawn(async move { delete_sandbox(&cluster, &ns, &sandbox).await })
+                    .await;
             }
             axum::Json(success()).into_response()
         }
