@@ -284,7 +284,9 @@ async fn remove(docker: &Docker, id: &str) {
             .await;
         match removed {
             Ok(()) => return,
-            Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => {
+            Err(bollard::errors::Error::DockerResponseServerError {
+                status_code: 404, ..
+            }) => {
                 return;
             }
             Err(e) => {
@@ -445,7 +447,9 @@ async fn resource(
             // The pod's removal runs on as a task of its own: a client that hangs up
             // mid-delete must not leave the pod half removed, as no kubelet would.
             let sandbox = if plural == "sandboxclaims" {
-                object["status"]["sandbox"]["name"].as_str().map(str::to_owned)
+                object["status"]["sandbox"]["name"]
+                    .as_str()
+                    .map(str::to_owned)
             } else if plural == "sandboxes" {
                 // Put back for `delete_sandbox`, which removes it with its pod.
                 cluster.objects.lock().unwrap().insert(key(name), object);
