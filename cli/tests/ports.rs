@@ -582,3 +582,73 @@ async fn a_team_tasks_server_is_published_like_a_pairs() {
     let (status, _, body) = get(&addr, &format!("{port}/"), Some(&token)).await;
     assert_eq!(status, 404, "{body}");
 }
+
+/// The next session's network namespace is made ahead of it by a spare holder, which takes
+/// its session's word from a socket of the fork server's; a block hunts its descriptors for
+/// that socket and, finding one, asks it for a namespace of its own. It must find none, and
+/// the next session still gets its holder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_block_cannot_reach_the_spare_holder_of_the_next_session() {
+    let server = ScriptedOpenAi::start(script([])).await.unwrap();
+    let (daemon, _addr, _token) = start(&server, "local").await;
+    let hunt = r#"
+import json, os, socket
+kinds = []
+for name in sorted(os.listdir("/proc/self/fd"), key=int):
+    try:
+        s = socket.socket(fileno=os.dup(int(name)))
+    except OSError:
+        continue
+    kind = s.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE)
+    kinds.append(kind)
+    if kind == socket.SOCK_SEQPACKET:
+        a, b = socket.socketpair()
+        s.settimeout(5)
+        try:
+            socket.send_fds(s, [json.dumps({"id": "forged", "egress": None}).encode()], [a.fileno()])
+            msg, fds, _, _ = socket.recv_fds(s, 4096, 2)
+            print("answered", msg, len(fds))
+        except OSError as e:
+            print("refused", e)
+print("sockets", kinds)
+"#;
+    let mut printed = Vec::new();
+    for _ in 0..2 {
+        let (status, session) = daemon
+            .send(reqwest::Method::POST, "/v1/sessions", Some("{}".to_owned()))
+            .await;
+        assert_eq!(status, 201, "{session}");
+        let sid = session["id"].as_str().unwrap().to_owned();
+        // The first block makes the session's holder; the spare is started after it.
+        for code in ["print('first')", hunt, start_app().as_str()] {
+            let (status, ran) = daemon
+                .send(
+                    reqwest::Method::POST,
+                    &format!("/v1/sessions/{sid}/exec"),
+                    Some(json!({"language": "python", "code": code}).to_string()),
+                )
+                .await;
+            assert_eq!(status, 200, "{ran}");
+            printed.push(ran["stdout"].as_str().unwrap_or_default().to_owned());
+        }
+        // Each session's server is in a namespace of its own: the same port serves in both.
+        assert_eq!(
+            daemon.get(&format!("/v1/sessions/{sid}/ports")).await["ports"][0]["port"],
+            8000,
+            "{printed:?}"
+        );
+    }
+    assert_eq!(
+        printed,
+        [
+            "first\n",
+            "sockets []\n",
+            "serving on 8000\n",
+            "first\n",
+            "sockets []\n",
+            "serving on 8000\n"
+        ],
+        "{}",
+        daemon.log()
+    );
+}

@@ -448,10 +448,12 @@ def serve_holder(conn, skip, listener=None):
                 return
 
 
-def holder(req, conn_fd, back):
-    """The session's holder (a child of this server): makes and keeps the session's network
-    namespace, sends the server that namespace and the read end of a pipe that only this
-    process holds, then serves the Rust side."""
+def holder(back):
+    """The session's holder (a child of this server): makes the session's network namespace
+    ahead of its session (a spare, see `start_hold`), then, given its session's request and
+    the Rust side's control socket, sends the server that namespace and the read end of a
+    pipe that only this process holds, and serves the Rust side."""
+    why = None
     try:
         os.setsid()
         _prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: ends with the server
@@ -459,6 +461,17 @@ def holder(req, conn_fd, back):
             os.close(fd)
         check(_libc.unshare(CLONE_NEWNET), "a network namespace for the session")
         lo_up()
+    except BaseException as e:
+        why = e
+    try:
+        msg, fds, _, _ = socket.recv_fds(back, 1 << 16, 2)
+        if not msg or not fds:
+            return
+        for fd in fds[1:]:
+            os.close(fd)
+        if why is not None:
+            raise why
+        req = json.loads(msg)
         skip = set()
         listener = None
         if req.get("egress"):
@@ -476,7 +489,7 @@ def holder(req, conn_fd, back):
         if listener is not None and not req.get("adopt"):
             _thread.start_new_thread(relay_loop, (listener, req["egress"]))
             listener = None
-        serve_holder(socket.socket(fileno=conn_fd), skip, listener)
+        serve_holder(socket.socket(fileno=fds[0]), skip, listener)
     except BaseException as e:
         try:
             back.send(("!%s" % e).encode())
@@ -486,40 +499,84 @@ def holder(req, conn_fd, back):
         os._exit(0)
 
 
+# The next session's holder, started before it is asked for: making a network namespace
+# takes milliseconds that would otherwise fall on a session's first block. `None` until the
+# first hold (a server whose sessions never hold makes none).
+SPARE = None
+
+
+def spare_holder():
+    """Forks a holder that makes its network namespace now and waits for its session; the
+    server's end of the socket to it."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        pid = os.fork()
+    except OSError:
+        mine.close()
+        theirs.close()
+        raise
+    if pid == 0:
+        ctl.close()
+        mine.close()
+        if SPARE is not None:
+            SPARE.close()
+        holder(theirs)
+    theirs.close()
+    return mine
+
+
 def start_hold(req, fds):
-    """Starts a session's holder; the reply for the Rust side."""
+    """Gives a session its holder (the spare, whose namespace is likely made already); the
+    reply for the Rust side."""
+    global SPARE
     if not ISOLATED or _prctl is None:
         for fd in fds:
             os.close(fd)
         return b"!blocks here share this machine's network (confinement or its user namespace is off)"
     if not fds:
         return b"!no control socket came with the request"
-    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    pid = os.fork()
-    if pid == 0:
-        ctl.close()
-        mine.close()
-        for fd in fds[1:]:
-            os.close(fd)
-        holder(req, fds[0], theirs)
-    theirs.close()
-    for fd in fds:
-        os.close(fd)
     got = []
     try:
-        mine.settimeout(10)
-        msg, got, _, _ = socket.recv_fds(mine, 4096, 2)
+        mine, SPARE = SPARE, None
+        if mine is None:
+            mine = spare_holder()
+        try:
+            mine.settimeout(10)
+            try:
+                socket.send_fds(mine, [json.dumps(req).encode()], fds[:1])
+            except OSError:
+                # The spare died (killed from outside): a new one, asked at once.
+                mine.close()
+                mine = spare_holder()
+                mine.settimeout(10)
+                socket.send_fds(mine, [json.dumps(req).encode()], fds[:1])
+            msg, got, _, _ = socket.recv_fds(mine, 4096, 2)
+        finally:
+            mine.close()
     except OSError as e:
         msg = ("!%s" % e).encode()
-    mine.close()
-    if msg == b"ok" and len(got) == 2:
+    for fd in fds:
+        os.close(fd)
+    ok = msg == b"ok" and len(got) == 2
+    if ok:
         for fd in got:
             os.set_inheritable(fd, False)
         HOLDS[req["id"]] = got
-        return b"ok"
-    for fd in got:
-        os.close(fd)
-    return msg or b"!the session's holder ended as it started"
+    else:
+        for fd in got:
+            os.close(fd)
+    return b"ok" if ok else (msg or b"!the session's holder ended as it started")
+
+
+def refill_spare():
+    """Starts the next spare holder, once the last hold is answered (the Rust side goes on
+    meanwhile) and is in HOLDS (so that the spare closes it with the others)."""
+    global SPARE
+    if SPARE is None and ISOLATED and _prctl is not None:
+        try:
+            SPARE = spare_holder()
+        except OSError:
+            SPARE = None
 
 
 def join_hold(fds):
@@ -709,7 +766,9 @@ def pid_namespace(req, out, err, status, rules):
         os.setpgid(init, init)
     except OSError:
         pass
-    os.write(status, b"%d\n" % init)
+    # "ns": the Rust side kills this init alone, whose death ends every process in its
+    # namespace, and scans no /proc for strays (none can leave a PID namespace).
+    os.write(status, b"%d ns\n" % init)
     os.close(hold_r)
     os.close(hold_w)
     for fd in (out, err, status, rules):
@@ -852,6 +911,7 @@ while True:
     forget_dead_holds()
     if req.get("op") == "hold":
         ctl.send(start_hold(req, fds))
+        refill_spare()
         continue
     # The block's end of its tools channel comes last; the block and what it starts inherit
     # it, and find it by number.
@@ -866,6 +926,9 @@ while True:
     pid = os.fork()
     if pid == 0:
         ctl.close()
+        # A block must not reach the spare holder, which would take its word for a session.
+        if SPARE is not None:
+            SPARE.close()
         for fd in holds_except(req.get("hold")):
             os.close(fd)
         waiter(

@@ -6,21 +6,33 @@ use nix::unistd::Pid;
 /// Name of the environment variable that marks every process of one execution.
 pub(crate) const MARKER_VAR: &str = "TANDEM_EXEC_ID";
 
+/// How a block's processes outside its group are found once it ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Sweep {
+    /// The block runs in a PID namespace of its own whose init is the pid killed.
+    Namespace,
+    /// A subreaper waiter kills the block's descendants; the marker scan is a second net
+    /// for a block that killed its waiter (possible unconfined).
+    UnderSubreaper,
+    /// No waiter: the marker scan is all there is.
+    MarkerOnly,
+}
+
 /// Kills the block's process group and then any process still carrying its marker
 /// (daemonised grandchildren that called `setsid` escape the group but keep the
 /// environment). Dropping it does the same, so a cancelled future cleans up too.
 pub(crate) struct TreeKiller {
     pgid: Option<Pid>,
     marker: String,
-    /// Whether the marker is all there is (no subreaper waiter around the block).
-    marker_only: bool,
+    /// What finds the processes the group kill misses.
+    sweep: Sweep,
     /// Whether it kills at all (see [`TreeKiller::disarm`]).
     armed: bool,
 }
 
 impl TreeKiller {
-    /// `marker_only`: the block has no subreaper waiter, so the marker scan must not miss.
-    pub(crate) fn new(pgid: Option<u32>, exec_id: &str, marker_only: bool) -> Self {
+    /// `pgid`: the block's group, or its PID namespace's init's under [`Sweep::Namespace`].
+    pub(crate) fn new(pgid: Option<u32>, exec_id: &str, sweep: Sweep) -> Self {
         Self {
             // 0 and 1 are never a block's group: `killpg(0)` would kill Tandem's own group.
             pgid: pgid
@@ -28,7 +40,7 @@ impl TreeKiller {
                 .and_then(|p| i32::try_from(p).ok())
                 .map(Pid::from_raw),
             marker: format!("{MARKER_VAR}={exec_id}"),
-            marker_only,
+            sweep,
             armed: true,
         }
     }
@@ -57,7 +69,12 @@ impl TreeKiller {
         // shows no environment for a moment; so passes go on, a little apart, until quiet.
         // Under a subreaper waiter one quiet pass is enough (the waiter killed its
         // descendants already); with the marker alone, two in a row.
-        let quiet_needed = if self.marker_only { 2 } else { 1 };
+        let quiet_needed = match self.sweep {
+            // The init's death ends its namespace, and no process leaves a PID namespace.
+            Sweep::Namespace => return,
+            Sweep::UnderSubreaper => 1,
+            Sweep::MarkerOnly => 2,
+        };
         let mut quiet = 0;
         for pass in 0..8u32 {
             if kill_marked(self.marker.as_bytes()) == 0 {

@@ -18,7 +18,7 @@ use tokio::process::{Child, Command};
 
 use crate::LocalSession;
 use crate::forkserver::{ForkServer, decode_wait_status};
-use crate::kill::{MARKER_VAR, TreeKiller};
+use crate::kill::{MARKER_VAR, Sweep, TreeKiller};
 
 /// What a forked block used, as its waiter reported it.
 type Used = Arc<std::sync::Mutex<Option<Resources>>>;
@@ -159,7 +159,11 @@ async fn supervise(
     };
     let argv = (req.language != Language::python())
         .then(|| vec![program.display().to_string(), script.display().to_string()]);
-    let marker_only = server.is_none();
+    let mut sweep = if server.is_none() {
+        Sweep::MarkerOnly
+    } else {
+        Sweep::UnderSubreaper
+    };
     let started = match server {
         Some(server) => {
             let hold = session.hold(&server).await?;
@@ -182,13 +186,17 @@ async fn supervise(
                 .map(|c| c.ruleset(behind, hold.is_some()))
                 .transpose()
                 .map_err(|e| ExecError::io("making the block's Landlock ruleset", e))?;
-            fork(
+            let (started, namespace) = fork(
                 &server,
                 &request,
                 ruleset,
                 channel.as_ref().map(|c| c.theirs.clone()),
             )
-            .await?
+            .await?;
+            if namespace {
+                sweep = Sweep::Namespace;
+            }
+            started
         }
         // Confinement is the fork server's: a session that has a policy (or a way out only
         // through the proxy) and no fork server runs nothing rather than run unconfined.
@@ -207,7 +215,7 @@ async fn supervise(
             &req.language,
         )?,
     };
-    let killer = TreeKiller::new(started.pid, &exec_id, marker_only);
+    let killer = TreeKiller::new(started.pid, &exec_id, sweep);
     // The calls are answered while the block runs, and no longer.
     let serving = channel.map(|c| tokio::spawn(c.serve));
     let (kept, used) = match &started.wait {
@@ -332,13 +340,14 @@ struct ForkRequest<'a> {
     hold: Option<u64>,
 }
 
-/// Starts a block as a fork of the warm Python (which execs `argv` for other languages).
+/// Starts a block as a fork of the warm Python (which execs `argv` for other languages);
+/// and whether the pid is the init of the block's own PID namespace.
 async fn fork(
     server: &Arc<ForkServer>,
     request: &ForkRequest<'_>,
     ruleset: Option<std::os::fd::OwnedFd>,
     tools: Option<Arc<std::os::fd::OwnedFd>>,
-) -> Result<Started<Running>, ExecError> {
+) -> Result<(Started<Running>, bool), ExecError> {
     let request = serde_json::to_string(request)
         .map_err(|e| ExecError::Backend(format!("encoding a fork server request failed: {e}")))?;
     let server = server.clone();
@@ -359,9 +368,13 @@ async fn fork(
     // after this cannot miss it.
     let mut line = String::new();
     let read = tokio::time::timeout(FORK_START_LIMIT, status.read_line(&mut line)).await;
+    let mut said = line.split_whitespace();
     let pid = match read {
         // 0 and 1 are no block's pid (a status line taken for one would kill Tandem's group).
-        Ok(Ok(_)) => line.trim().parse::<u32>().ok().filter(|p| *p > 1),
+        Ok(Ok(_)) => said
+            .next()
+            .and_then(|p| p.parse::<u32>().ok())
+            .filter(|p| *p > 1),
         _ => None,
     }
     .ok_or_else(|| {
@@ -369,12 +382,16 @@ async fn fork(
             "the Python fork server did not start the block within {FORK_START_LIMIT:?}"
         ))
     })?;
-    Ok(Started {
-        pid: Some(pid),
-        stdout: out,
-        stderr: err,
-        wait: Running::Forked(status, Arc::new(AtomicBool::new(false)), Used::default()),
-    })
+    let namespace = said.next() == Some("ns");
+    Ok((
+        Started {
+            pid: Some(pid),
+            stdout: out,
+            stderr: err,
+            wait: Running::Forked(status, Arc::new(AtomicBool::new(false)), Used::default()),
+        },
+        namespace,
+    ))
 }
 
 /// A block's output pipe that, dropped once its block kept servers, is read to its end in
