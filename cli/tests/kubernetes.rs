@@ -233,14 +233,19 @@ async fn claims_of_clients_that_hang_up_mid_open_and_of_open_sessions_end_with_t
     while let Some(done) = opens.join_next().await {
         done.unwrap();
     }
+    // Claims were made for the clients that hung up (whether the daemon has deleted them
+    // yet depends on the machine's load: either way none may outlive it), and the held
+    // session's own sandbox is there.
+    let requests = cluster.requests();
     assert!(
-        !cluster.objects("sandboxclaims").is_empty()
+        requests
+            .iter()
+            .any(|r| r.starts_with("POST ") && r.ends_with("/sandboxclaims"))
             && cluster
                 .objects("sandboxes")
                 .iter()
                 .any(|s| s["metadata"]["labels"]["tandem.dev/made"] == "session"),
-        "{:?}",
-        cluster.requests()
+        "{requests:?}"
     );
     d.sigterm();
     assert_eq!(d.wait_exit().await, Some(0), "{}", d.log());
