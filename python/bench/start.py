@@ -7,6 +7,7 @@ container, and the engine starting a burst's worth of containers at once.
 
     python python/bench/start.py [--kinds docker-warm,docker-cold,local,wasm,kubernetes]
         [--count 100] [--stagger-ms 200] [--burst 40] [--floor-count 20] [--pool 4] [--pool-max 16]
+        [--split 0]
 
 Each kind gets a daemon of its own (`docker-warm`: `[executors.docker] pool_size` of
 --pool and `pool_max` of --pool-max, the pool let fill to what it aims for before each
@@ -187,6 +188,28 @@ def series(kind: str, daemon: Daemon, args: argparse.Namespace) -> list[Series]:
     return out
 
 
+def split(kind: str, daemon: Daemon, n: int) -> str:
+    """N sandboxes one after another, each opened, run twice and closed: the medians of each
+    request, where a sandbox's start spends its time."""
+    c = client(daemon.host)
+    opens, firsts, seconds = [], [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        s = c.session(executor_of(kind))
+        t1 = time.perf_counter()
+        s.run("print(1)")
+        t2 = time.perf_counter()
+        s.run("print(1)")
+        t3 = time.perf_counter()
+        s.close()
+        opens.append((t1 - t0) * 1000)
+        firsts.append((t2 - t1) * 1000)
+        seconds.append((t3 - t2) * 1000)
+    return (
+        f"| {kind} | {n} | {pct(opens, 0.5):.1f} | {pct(firsts, 0.5):.1f} | {pct(seconds, 0.5):.1f} |"
+    )
+
+
 def timed(cmd: list[str]) -> float | None:
     t = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -239,9 +262,16 @@ def main() -> None:
     ap.add_argument("--pool-max", type=int, default=16, help="pool_max for docker-warm (the setting's default)")
     ap.add_argument("--floor-count", type=int, default=20)
     ap.add_argument("--no-floors", action="store_true")
+    ap.add_argument(
+        "--split",
+        type=int,
+        default=0,
+        help="also N sandboxes of each kind one after another, timed by request: open, first block, second block",
+    )
     args = ap.parse_args()
     args.burst = [int(b) for b in args.burst.split(",") if b]
     rows: list[Series] = []
+    splits: list[str] = []
     model = ScriptedModel()
     for kind in [k for k in args.kinds.split(",") if k]:
         CLIENTS.__dict__.clear()
@@ -256,6 +286,8 @@ def main() -> None:
         daemon = Daemon(model.url, config(kind, args.pool, url, args.pool_max))
         try:
             rows.extend(series(kind, daemon, args))
+            if args.split:
+                splits.append(split(kind, daemon, args.split))
         finally:
             daemon.stop()
             if cluster is not None:
@@ -269,6 +301,12 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for s in rows:
         print(s.row())
+    if splits:
+        print()
+        print("| sandbox | n | open, p50 ms | first block, p50 ms | second block, p50 ms |")
+        print("|---|---|---|---|---|")
+        for line in splits:
+            print(line)
     failed = [(s.kind, s.mode, w) for s in rows for w in s.failed[:3]]
     if failed:
         print()
