@@ -65,6 +65,36 @@ pub struct FakeCluster {
     pub url: String,
     cluster: Arc<Cluster>,
     server: tokio::task::JoinHandle<()>,
+    /// Whether [`FakeCluster::stop`] removed the pods already.
+    stopped: bool,
+}
+
+impl Drop for FakeCluster {
+    /// A test that fails before `stop` leaves no pod behind either: the engine is asked
+    /// through its command line, since a drop cannot wait on the async client.
+    fn drop(&mut self) {
+        self.server.abort();
+        if self.stopped {
+            return;
+        }
+        let label = format!("label={CONTAINER_LABEL}={}", self.cluster.id);
+        let Ok(listed) = std::process::Command::new("docker")
+            .args(["ps", "-aq", "--filter", &label])
+            .output()
+        else {
+            return;
+        };
+        let ids: Vec<String> = String::from_utf8_lossy(&listed.stdout)
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect();
+        if !ids.is_empty() {
+            let _ = std::process::Command::new("docker")
+                .args(["rm", "-f", "-v"])
+                .args(&ids)
+                .output();
+        }
+    }
 }
 
 impl FakeCluster {
@@ -100,6 +130,7 @@ impl FakeCluster {
             url,
             cluster,
             server,
+            stopped: false,
         }
     }
 
@@ -259,11 +290,12 @@ impl FakeCluster {
     }
 
     /// Stops answering (as an API server that went down) and removes every container.
-    pub async fn stop(self) {
+    pub async fn stop(mut self) {
         self.server.abort();
         for id in self.containers().await {
             remove(&self.cluster.docker, &id).await;
         }
+        self.stopped = true;
     }
 }
 
