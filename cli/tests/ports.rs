@@ -614,21 +614,12 @@ print("sockets", kinds)
 "#;
     let mut printed = Vec::new();
     for _ in 0..2 {
-        let (status, session) = daemon
-            .send(reqwest::Method::POST, "/v1/sessions", Some("{}".to_owned()))
-            .await;
+        let (status, session) = daemon.open_session(json!({})).await;
         assert_eq!(status, 201, "{session}");
         let sid = session["id"].as_str().unwrap().to_owned();
         // The first block makes the session's holder; the spare is started after it.
         for code in ["print('first')", hunt, start_app().as_str()] {
-            let (status, ran) = daemon
-                .send(
-                    reqwest::Method::POST,
-                    &format!("/v1/sessions/{sid}/exec"),
-                    Some(json!({"language": "python", "code": code}).to_string()),
-                )
-                .await;
-            assert_eq!(status, 200, "{ran}");
+            let ran = daemon.exec_python(&sid, code).await;
             printed.push(ran["stdout"].as_str().unwrap_or_default().to_owned());
         }
         // Each session's server is in a namespace of its own: the same port serves in both.

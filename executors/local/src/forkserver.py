@@ -516,10 +516,9 @@ def spare_holder():
         theirs.close()
         raise
     if pid == 0:
+        # No other spare's socket is open here: the last one was taken (and closed) first.
         ctl.close()
         mine.close()
-        if SPARE is not None:
-            SPARE.close()
         holder(theirs)
     theirs.close()
     return mine
@@ -536,25 +535,28 @@ def start_hold(req, fds):
     if not fds:
         return b"!no control socket came with the request"
     got = []
+    body = json.dumps(req).encode()
+    mine, SPARE = SPARE, None
     try:
-        mine, SPARE = SPARE, None
-        if mine is None:
-            mine = spare_holder()
-        try:
-            mine.settimeout(10)
-            try:
-                socket.send_fds(mine, [json.dumps(req).encode()], fds[:1])
-            except OSError:
-                # The spare died (killed from outside): a new one, asked at once.
-                mine.close()
+        # A spare that died (killed from outside) is replaced by a new one, asked at once.
+        for last in (mine is None, True):
+            if mine is None:
                 mine = spare_holder()
+            try:
                 mine.settimeout(10)
-                socket.send_fds(mine, [json.dumps(req).encode()], fds[:1])
-            msg, got, _, _ = socket.recv_fds(mine, 4096, 2)
-        finally:
-            mine.close()
+                socket.send_fds(mine, [body], fds[:1])
+                break
+            except OSError:
+                mine.close()
+                mine = None
+                if last:
+                    raise
+        msg, got, _, _ = socket.recv_fds(mine, 4096, 2)
     except OSError as e:
         msg = ("!%s" % e).encode()
+    finally:
+        if mine is not None:
+            mine.close()
     for fd in fds:
         os.close(fd)
     ok = msg == b"ok" and len(got) == 2

@@ -193,7 +193,8 @@ async fn supervise(
                 channel.as_ref().map(|c| c.theirs.clone()),
             )
             .await?;
-            if namespace {
+            // Taken only where this block was asked to have a namespace of its own.
+            if namespace && confine.is_some_and(|c| c.pid_namespace.is_some()) {
                 sweep = Sweep::Namespace;
             }
             started
