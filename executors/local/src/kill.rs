@@ -70,9 +70,9 @@ impl TreeKiller {
         // Under a subreaper waiter one quiet pass is enough (the waiter killed its
         // descendants already); with the marker alone, two in a row.
         let quiet_needed = match self.sweep {
-            // The init's death ends its namespace, and no process leaves a PID namespace.
-            Sweep::Namespace => return,
-            Sweep::UnderSubreaper => 1,
+            // The init's death ends its namespace, but not at once: the pass sees the
+            // namespace's processes until they are gone.
+            Sweep::Namespace | Sweep::UnderSubreaper => 1,
             Sweep::MarkerOnly => 2,
         };
         let mut quiet = 0;
