@@ -68,6 +68,9 @@ pub struct TaskNetwork {
     pub egress: tandem_egress::Egress,
     /// What the task's sandboxes may reach.
     pub policy: Arc<tandem_egress::Policy>,
+    /// Bytes the task's sandboxes carried, counted against the policy's `max_bytes`: one
+    /// count for the whole task, however many executors (a team's agents) it wraps.
+    pub carried: Arc<tandem_egress::Carried>,
 }
 
 impl std::fmt::Debug for TaskNetwork {
@@ -81,12 +84,15 @@ impl std::fmt::Debug for TaskNetwork {
 impl TaskNetwork {
     /// `executor` with every session behind the proxy, its connections told as `net` events.
     pub fn wrap(&self, executor: Arc<dyn Executor>, events: &EventSink) -> Arc<dyn Executor> {
-        Arc::new(tandem_egress::Behind::new(
-            executor,
-            self.egress.clone(),
-            self.policy.clone(),
-            Arc::new(NetEvents(events.clone(), tracing::Span::current())),
-        ))
+        Arc::new(
+            tandem_egress::Behind::new(
+                executor,
+                self.egress.clone(),
+                self.policy.clone(),
+                Arc::new(NetEvents(events.clone(), tracing::Span::current())),
+            )
+            .sharing(self.carried.clone()),
+        )
     }
 }
 
@@ -94,12 +100,10 @@ impl TaskNetwork {
     /// `executor` with every session behind the proxy, its connections told to `sink` once
     /// it is set (a team's executors are made before its task's events have a sink).
     pub fn wrap_late(&self, executor: Arc<dyn Executor>, sink: Arc<LateNet>) -> Arc<dyn Executor> {
-        Arc::new(tandem_egress::Behind::new(
-            executor,
-            self.egress.clone(),
-            self.policy.clone(),
-            sink,
-        ))
+        Arc::new(
+            tandem_egress::Behind::new(executor, self.egress.clone(), self.policy.clone(), sink)
+                .sharing(self.carried.clone()),
+        )
     }
 }
 

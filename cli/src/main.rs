@@ -372,6 +372,18 @@ async fn doctor(
     );
     println!("tools:     {}", tools_report(file).await);
     println!("network:   {}", network_report(file));
+    if file.network.is_some() {
+        match planner::network(file, false) {
+            Ok(tandem_daemon::NetworkConfig {
+                egress_down: Some(why),
+                ..
+            }) => println!(
+                "           the egress proxy cannot start: {why}; every sandbox that would go behind it is refused with this reason"
+            ),
+            Ok(_) => {}
+            Err(e) => println!("           error: {e:#}"),
+        }
+    }
     println!("           {}", switches_report(file));
     for line in executors::report(&settings, precompile).await? {
         println!("{line}");
@@ -399,6 +411,15 @@ fn switches_report(file: &config::FileConfig) -> String {
         };
         format!("{name}: {gives} ({why})")
     })
+    .chain(file.executors.kubernetes.is_some().then(|| {
+        "kubernetes: behind the egress proxy when [network] or a task names hosts (no switch: its pods' NetworkPolicy lets them reach only the proxy)".to_owned()
+    }))
+    .chain(std::iter::once(
+        "wasm: never any network (no switch: a task with a network is refused on it)".to_owned(),
+    ))
+    .chain(file.executors.plugins.keys().map(|name| {
+        format!("{name}: never any network (a plugin; a task with a network is refused on it)")
+    }))
     .collect::<Vec<_>>()
     .join("; ")
 }
@@ -413,7 +434,7 @@ fn network_report(file: &config::FileConfig) -> String {
         Ok(policy) => {
             let allowed = policy.allowed_hosts();
             format!(
-                "{} through Tandem's egress proxy, for sandboxes on docker and local (confined); other executors refuse a task with a network{}",
+                "{} through Tandem's egress proxy, for sandboxes on docker, kubernetes and local (confined); wasm and plugins refuse a task with a network{}",
                 if allowed.is_empty() {
                     "nothing allowed unless a task asks (--allow-host)".to_owned()
                 } else {

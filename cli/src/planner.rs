@@ -92,27 +92,62 @@ pub fn network(
         })
         .transpose()
         .context("in [policy] network_allow of tandem.toml")?;
-    let packages = match file.network.as_ref().and_then(|n| n.packages.as_ref()) {
+    // A mistake in the file stops the start, named (`?`). What the proxy needs of the
+    // machine (its CA, its caches' directories) failing leaves the daemon serving tasks
+    // without a network, each task that asks for one told why.
+    let made = match file.network.as_ref().and_then(|n| n.packages.as_ref()) {
         Some(section) => packages(section, file.network.as_ref())?,
-        None => Vec::new(),
+        None => Ok(Vec::new()),
     };
-    // Brokered headers, and an https:// index the cache answers inside TLS, each need the
-    // proxy's own CA.
-    let broker = match &file.network {
-        Some(section) if !section.secrets.is_empty() || packages.iter().any(|p| p.index().tls) => {
-            Some(broker(section)?)
+    let made = made.and_then(|packages| {
+        // Brokered headers, and an https:// index the cache answers inside TLS, each need
+        // the proxy's own CA.
+        let broker = match &file.network {
+            Some(section)
+                if !section.secrets.is_empty() || packages.iter().any(|p| p.index().tls) =>
+            {
+                Some(broker(section)?)
+            }
+            _ => None,
+        };
+        Ok((packages, broker))
+    });
+    let (egress, egress_down) = match made {
+        Ok((packages, broker)) => (
+            Some(tandem_egress::Egress::with(
+                tandem_egress::ProxyLimits::default(),
+                tandem_egress::own_addresses(),
+                tandem_egress::Extras { packages, broker },
+            )),
+            None,
+        ),
+        Err(Down::Config(e)) => return Err(e),
+        Err(Down::Machine(e)) => {
+            let why = format!("{e:#}");
+            tracing::error!(reason = %why, "the egress proxy cannot start: no task gets a network");
+            (None, Some(why))
         }
-        _ => None,
     };
     Ok(tandem_daemon::NetworkConfig {
-        egress: Some(tandem_egress::Egress::with(
-            tandem_egress::ProxyLimits::default(),
-            tandem_egress::own_addresses(),
-            tandem_egress::Extras { packages, broker },
-        )),
+        egress,
+        egress_down,
         rules: tandem_egress::Network { base, bound, own },
         switches: switches(file),
     })
+}
+
+/// Why the egress proxy's parts could not be made.
+enum Down {
+    /// A mistake in tandem.toml: the start stops, naming it.
+    Config(anyhow::Error),
+    /// The machine would not give what the proxy needs: the daemon runs without it.
+    Machine(anyhow::Error),
+}
+
+impl From<anyhow::Error> for Down {
+    fn from(e: anyhow::Error) -> Self {
+        Down::Config(e)
+    }
 }
 
 /// What each built-in executor's `network` setting gives its tasks: the one set, else
@@ -139,7 +174,9 @@ pub fn switches(
 
 /// The secrets `[network.secrets]` names, each value read now (a missing one is named), and
 /// the CA brokered HTTPS needs.
-fn broker(section: &crate::config::NetworkSection) -> Result<Arc<tandem_egress::Broker>> {
+fn broker(
+    section: &crate::config::NetworkSection,
+) -> std::result::Result<Arc<tandem_egress::Broker>, Down> {
     let mut secrets = Vec::new();
     for (name, secret) in &section.secrets {
         let value = match (&secret.value_env, &secret.value_file) {
@@ -157,37 +194,44 @@ fn broker(section: &crate::config::NetworkSection) -> Result<Arc<tandem_egress::
                 })?
                 .trim_end_matches(['\n', '\r'])
                 .to_owned(),
-            _ => anyhow::bail!(
-                "in [network.secrets.{name}] of tandem.toml: give the header's value as exactly one of value_env (a variable of the daemon's environment) or value_file (a file); a value is never written in the file itself"
-            ),
+            _ => {
+                return Err(Down::Config(anyhow::anyhow!(
+                    "in [network.secrets.{name}] of tandem.toml: give the header's value as exactly one of value_env (a variable of the daemon's environment) or value_file (a file); a value is never written in the file itself"
+                )));
+            }
         };
         if value.is_empty() {
-            anyhow::bail!("in [network.secrets.{name}] of tandem.toml: its value is empty");
+            return Err(Down::Config(anyhow::anyhow!(
+                "in [network.secrets.{name}] of tandem.toml: its value is empty"
+            )));
         }
-        secrets.push(tandem_egress::Secret::new(
-            name,
-            &secret.host,
-            &secret.header,
-            value,
-        )?);
+        secrets.push(
+            tandem_egress::Secret::new(name, &secret.host, &secret.header, value)
+                .map_err(|e| Down::Config(e.into()))?,
+        );
     }
     let dir = match &section.ca_dir {
         Some(dir) => dir.clone(),
         None => crate::config::default_state_dir().join("egress-ca"),
     };
-    let ca = tandem_egress::Ca::load_or_make(&dir)?;
-    Ok(Arc::new(tandem_egress::Broker::new(
-        secrets,
-        ca,
-        &section.upstream_ca,
-    )?))
+    let ca = tandem_egress::Ca::load_or_make(&dir).map_err(|e| {
+        Down::Machine(anyhow::anyhow!(
+            "{e}; set [network] ca_dir to a directory the daemon can write"
+        ))
+    })?;
+    Ok(Arc::new(
+        tandem_egress::Broker::new(secrets, ca, &section.upstream_ca)
+            .map_err(|e| Down::Config(e.into()))?,
+    ))
 }
 
 /// The package caches `[network.packages]` asks for (Python's, npm's), checked at start.
+/// A mistake in the section is the outer error; a cache the machine would not make, the
+/// inner one.
 fn packages(
     section: &crate::config::PackagesSection,
     network: Option<&crate::config::NetworkSection>,
-) -> Result<Vec<Arc<tandem_egress::Packages>>> {
+) -> Result<std::result::Result<Vec<Arc<tandem_egress::Packages>>, Down>> {
     let dir = match &section.cache_dir {
         Some(dir) => dir.clone(),
         None => crate::config::xdg_dir("XDG_CACHE_HOME", ".cache")
@@ -228,17 +272,19 @@ fn packages(
                     .map(|(_, addrs)| addrs.clone())
             })
             .unwrap_or_default();
-        let cache = tandem_egress::Packages::new(index, dir.clone(), max_bytes, resolve)
+        let cache = match tandem_egress::Packages::new(index, dir.clone(), max_bytes, resolve)
             .with_context(|| {
                 format!(
-                    "the package cache in {} (set [network.packages] cache_dir)",
+                    "the package cache in {} (set [network.packages] cache_dir to a directory the daemon can write)",
                     dir.display()
                 )
-            })?
-            .of_kind(kind);
+            }) {
+            Ok(cache) => cache.of_kind(kind),
+            Err(e) => return Ok(Err(Down::Machine(e))),
+        };
         caches.push(Arc::new(cache));
     }
-    Ok(caches)
+    Ok(Ok(caches))
 }
 
 /// A price for a model the server does not serve is a mistake (a typo, a renamed model) that

@@ -881,9 +881,36 @@ async fn an_executors_network_setting_decides_what_its_tasks_get_and_doctor_says
         // No request reached the model: the task was refused before it started.
         assert!(server.requests().is_empty());
     }
+    // WASM has no switch and no way out: a task with a network is refused, naming the
+    // executors that have one.
+    let out = tandem(
+        &[
+            "run",
+            "--config",
+            config.to_str().unwrap(),
+            "--base-url",
+            &url,
+            "-e",
+            "wasm",
+            "--allow-host",
+            "files.test",
+            task,
+        ],
+        &[],
+        None,
+    )
+    .await;
+    assert_ne!(out.code, 0, "wasm: {}", out.stdout);
+    assert!(
+        out.stderr
+            .contains("use the docker, kubernetes or confined local executor"),
+        "wasm: {}",
+        out.stderr
+    );
+    assert!(server.requests().is_empty());
     let doctor = tandem(&["doctor", "--config", config.to_str().unwrap()], &[], None).await;
     assert!(
-        doctor.stdout.contains("docker: the open network, unguarded (no proxy, no policy) (network set in [executors.docker]); local: never any network (network set in [executors.local])"),
+        doctor.stdout.contains("docker: the open network, unguarded (no proxy, no policy) (network set in [executors.docker]); local: never any network (network set in [executors.local]); wasm: never any network (no switch: a task with a network is refused on it)"),
         "{}",
         doctor.stdout
     );
@@ -1217,5 +1244,89 @@ async fn npm_installs_from_the_operators_registry_through_the_cache_and_a_second
             .to_string()
             .contains("You may install Node.js packages")),
         "the system prompt does not say npm packages can be installed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_that_cannot_start_leaves_no_sandbox_a_network_and_says_why() {
+    let server = ScriptedOpenAi::start(script([])).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // The CA's directory is beneath a file: the machine will not make it.
+    let blocked = dir.path().join("not-a-dir");
+    std::fs::write(&blocked, "").unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "Bearer t0k3n\n").unwrap();
+    let config = format!(
+        "[policy]\nnetwork_allow = [\"files.test\"]\n[network]\nca_dir = \"{}/ca\"\n[network.secrets.api]\nhost = \"api.test\"\nheader = \"Authorization\"\nvalue_file = \"{}\"\n",
+        blocked.display(),
+        token.display()
+    );
+    let d = DaemonHarness::start(
+        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &[],
+        Some(&config),
+    )
+    .await;
+    // The daemon serves; /v1/executors says why no sandbox gets a network.
+    let listed = d.get("/v1/executors").await;
+    let local = listed["executors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "local")
+        .unwrap_or_else(|| panic!("{listed}"));
+    let said = local["network"].as_str().unwrap_or_default();
+    assert!(
+        said.starts_with("no network policy: the egress proxy is not running (the egress CA in ")
+            && said.contains("set [network] ca_dir"),
+        "{listed}"
+    );
+    // A block that asks for a host is refused with the reason, and so is one that does not:
+    // with a [network] section every sandbox goes behind the proxy. Neither is ever given
+    // an open network.
+    let (status, refused) = d
+        .send(
+            reqwest::Method::POST,
+            "/v1/exec",
+            Some(
+                json!({"language": "python", "code": "print(1)", "network": {"allow": ["files.test"]}})
+                    .to_string(),
+            ),
+        )
+        .await;
+    assert!(
+        status >= 400
+            && refused
+                .to_string()
+                .contains("the egress proxy is not running (the egress CA in "),
+        "{status} {refused}"
+    );
+    let (status, refused) = d
+        .send(
+            reqwest::Method::POST,
+            "/v1/exec",
+            Some(json!({"language": "python", "code": "print(1)"}).to_string()),
+        )
+        .await;
+    assert!(
+        status == 503
+            && refused
+                .to_string()
+                .contains("the egress proxy is not running (the egress CA in "),
+        "{status} {refused}"
+    );
+    // The daemon itself serves on.
+    assert_eq!(d.get("/healthz").await["status"], "ok");
+    // doctor says so too.
+    let file = dir.path().join("tandem.toml");
+    std::fs::write(&file, &config).unwrap();
+    let doctor = tandem(&["doctor", "--config", file.to_str().unwrap()], &[], None).await;
+    assert!(
+        doctor
+            .stdout
+            .contains("the egress proxy cannot start: the egress CA in "),
+        "{}",
+        doctor.stdout
     );
 }

@@ -38,6 +38,13 @@ impl Behind {
         }
     }
 
+    /// Counts what its sandboxes carry in `carried`, shared with other executors of the
+    /// same task, so that `max_bytes` bounds the task, not each executor.
+    pub fn sharing(mut self, carried: Arc<Carried>) -> Behind {
+        self.carried = carried;
+        self
+    }
+
     fn socket_for(&self) -> Result<(SocketGrant, PathBuf), ExecError> {
         use std::os::unix::fs::PermissionsExt;
         let root = self.egress.socket_dir();
@@ -74,7 +81,7 @@ impl Executor for Behind {
             if !self.inner.carries_egress() {
                 return Err(ExecError::Unavailable {
                     what: format!("a network policy on the {} executor", self.inner.name()),
-                    hint: "its sandboxes cannot be put behind Tandem's egress proxy; run the task on the docker executor or the confined local executor, or without `network`".to_owned(),
+                    hint: "its sandboxes cannot be put behind Tandem's egress proxy; run the task on the docker, kubernetes or confined local executor, or without `network`".to_owned(),
                 });
             }
             let (socket, dir) = self.socket_for()?;

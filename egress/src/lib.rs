@@ -1,6 +1,8 @@
 //! Tandem's egress proxy: the one way out of a sandbox with a network policy.
 //!
-//! A sandbox behind it has no route anywhere else and no resolver: the proxy reads one request
+//! A sandbox behind it has no route anywhere else and no resolver (where Tandem manages its
+//! network, its only route leads to a catcher that refuses and records what comes out of
+//! it, the `catch` module): the proxy reads one request
 //! per connection (`CONNECT host:port` for TLS, an absolute `http://` URL otherwise), decides it
 //! by the sandbox's [`Policy`], resolves the name itself, checks every address it would connect
 //! to (so a name cannot lead inside by DNS rebinding), and carries the bytes, counted against
@@ -9,6 +11,7 @@
 
 pub mod behind;
 pub mod broker;
+mod catch;
 pub mod packages;
 pub mod policy;
 pub mod proxy;

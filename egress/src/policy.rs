@@ -42,6 +42,19 @@ impl Policy {
         })
     }
 
+    /// A deny entry that names `host` on `port`, as a refusal: deny wins even over what
+    /// needs no allow entry (the package index).
+    pub fn denied(&self, host: &HostAsked, port: u16) -> Result<(), Denial> {
+        let named = match host {
+            HostAsked::Name(name) => self.deny.iter().find(|r| r.names_host(name, port)),
+            HostAsked::Addr(addr) => self.deny.iter().find(|r| r.names_addr(*addr, port)),
+        };
+        match named {
+            Some(rule) => Err(Denial::rule(rule, "a deny entry names this host")),
+            None => Ok(()),
+        }
+    }
+
     /// The decision on a host and port before any name is resolved: a deny by name, or
     /// whether some entry could allow it once the addresses are known.
     pub fn by_name(&self, host: &HostAsked, port: u16) -> Result<(), Denial> {

@@ -93,8 +93,8 @@ pub struct Grant {
     /// Connections the running block has made.
     block: std::sync::atomic::AtomicU32,
     carried: Arc<Carried>,
-    sink: Arc<dyn NetSink>,
-    stop: CancellationToken,
+    pub(crate) sink: Arc<dyn NetSink>,
+    pub(crate) stop: CancellationToken,
 }
 
 impl Grant {
@@ -310,6 +310,16 @@ impl Inner {
             let _ = client
                 .write_all(&refusal(503, "the egress proxy is full"))
                 .await;
+            grant.sink.record(unread(
+                Denial::check(
+                    "max_open",
+                    format!(
+                        "the egress proxy already carries {} connections for all sandboxes",
+                        self.limits.max_open
+                    ),
+                ),
+                started,
+            ));
             return;
         };
         let Ok(_mine) = grant.open.clone().try_acquire_owned() else {
@@ -357,22 +367,32 @@ impl Inner {
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + Socket,
     {
+        // A request the proxy cannot read is refused as one it would not allow: it is a
+        // denied connection in the record, with no host.
+        let unreadable = |why: String| Outcome {
+            answered: true,
+            ..Outcome::unread(Denial::check("default", why))
+        };
         let (buf, head_len) =
             match tokio::time::timeout(self.limits.head_timeout, read_head(client)).await {
                 Ok(Ok(Some(read))) => read,
-                Ok(Ok(None)) | Ok(Err(_)) => return None,
+                Ok(Ok(None)) => return None,
+                Ok(Err(e)) => {
+                    let why = format!("its request could not be read: {e}");
+                    let _ = client.write_all(&refusal(400, &why)).await;
+                    return Some(unreadable(why));
+                }
                 Err(_) => {
-                    let _ = client
-                        .write_all(&refusal(408, "no whole request in time"))
-                        .await;
-                    return None;
+                    let why = "no whole request in time";
+                    let _ = client.write_all(&refusal(408, why)).await;
+                    return Some(unreadable(why.to_owned()));
                 }
             };
         let asked = match Asked::parse(&buf[..head_len]) {
             Ok(asked) => asked,
             Err(why) => {
                 let _ = client.write_all(&refusal(400, &why)).await;
-                return None;
+                return Some(unreadable(why));
             }
         };
         let early = &buf[head_len..];
@@ -397,6 +417,11 @@ impl Inner {
             }
         };
         outcome.host = host.to_string();
+        // The package index needs no allow entry, but a deny entry still wins over it.
+        if let Err(denial) = grant.policy.denied(&host, asked.port) {
+            outcome.result = Err(denial);
+            return Some(outcome);
+        }
         if let Some(packages) = self
             .packages
             .iter()
@@ -1377,7 +1402,12 @@ where
     S: AsyncWrite + Unpin,
 {
     let _ = client.write_all(&denied(&denial)).await;
-    grant.sink.record(event(
+    grant.sink.record(unread(denial, started));
+}
+
+impl Outcome {
+    /// A connection refused with no request read: no host, no port, nothing carried.
+    fn unread(denial: Denial) -> Outcome {
         Outcome {
             host: String::new(),
             port: 0,
@@ -1386,9 +1416,13 @@ where
             bytes_in: 0,
             answered: false,
             brokered: false,
-        },
-        started,
-    ));
+        }
+    }
+}
+
+/// The record of a connection refused before its request was read.
+fn unread(denial: Denial, started: Instant) -> NetEvent {
+    event(Outcome::unread(denial), started)
 }
 
 fn event(outcome: Outcome, started: Instant) -> NetEvent {
@@ -1460,14 +1494,25 @@ impl SocketGrant {
     pub fn adopter(&self) -> tandem_executor::EgressAdopt {
         let inner = self.inner.clone();
         let grant = self.grant.clone();
-        tandem_executor::EgressAdopt(Arc::new(move |listener: std::net::TcpListener| {
+        let listen = move |listener: std::net::TcpListener| {
             listener.set_nonblocking(true)?;
             let listener = tokio::net::TcpListener::from_std(listener)?;
             inner
                 .clone()
                 .accept_all(listener, grant.clone(), "in a sandbox's network");
             Ok(())
-        }))
+        };
+        let grant = self.grant.clone();
+        let runtime = tokio::runtime::Handle::try_current();
+        let catch = move |netns: std::os::fd::OwnedFd| {
+            let runtime = runtime
+                .as_ref()
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+            let tun = crate::catch::make_in(netns)?;
+            runtime.spawn(crate::catch::watch(tun, grant.clone()));
+            Ok(())
+        };
+        tandem_executor::EgressAdopt::new(listen, catch)
     }
 }
 

@@ -580,3 +580,116 @@ async fn dropping_a_grant_ends_its_open_tunnels() {
     let ended = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut rest)).await;
     assert!(ended.is_ok(), "the tunnel outlived its grant");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_it_cannot_read_and_a_full_proxy_are_each_a_denied_connection() {
+    let limits = ProxyLimits {
+        head_timeout: Duration::from_secs(2),
+        max_open: 2,
+        ..ProxyLimits::default()
+    };
+    let p = proxy(limits).await;
+    let (_g, events) = p.grant("127.0.0.10", policy(&["files.test:8080"], &[]));
+    // Not HTTP: a TLS record sent to the proxy as if it were the server.
+    let answer = p.ask("127.0.0.10", "\u{16}\u{3}\u{1} hello\r\n\r\n").await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    // A head that never ends, held past the proxy's deadline.
+    let mut slow = p.connect_from("127.0.0.10").await;
+    slow.write_all(b"GET http://files.test:8080/ HTT")
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(30), slow.read_to_end(&mut out)).await;
+    let answer = String::from_utf8_lossy(&out).to_string();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    let got = events.wait_for(2).await;
+    for e in &got[..2] {
+        assert_eq!((e.host.as_str(), e.port), ("", 0), "{got:?}");
+        assert_eq!(
+            (e.verdict, e.rule.as_str()),
+            (NetVerdict::Denied, "default")
+        );
+        assert!(
+            e.line()
+                .starts_with("net: a connection denied (rule default)"),
+            "{}",
+            e.line()
+        );
+    }
+
+    // Two connections whose heads never end fill a proxy that carries two; one more is
+    // refused and recorded. Until both are taken, a third is answered by the policy.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut s = p.connect_from("127.0.0.10").await;
+        s.write_all(b"GET http://files.test:8080/ HTT")
+            .await
+            .unwrap();
+        held.push(s);
+    }
+    let mut full = String::new();
+    for _ in 0..100 {
+        full = p
+            .ask(
+                "127.0.0.10",
+                "GET http://other.test/ HTTP/1.1\r\nHost: other.test\r\n\r\n",
+            )
+            .await;
+        if full.starts_with("HTTP/1.1 503") {
+            break;
+        }
+    }
+    assert!(full.starts_with("HTTP/1.1 503"), "{full}");
+    let got = events.0.lock().expect("events").clone();
+    let refused: Vec<_> = got.iter().filter(|e| e.rule == "max_open").collect();
+    assert_eq!(refused.len(), 1, "{got:?}");
+    assert_eq!(
+        (refused[0].host.as_str(), refused[0].verdict),
+        ("", NetVerdict::Denied)
+    );
+    drop(held);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deny_entry_wins_over_the_package_index() {
+    let net = Internet::new();
+    http_server(net.listen(80));
+    let cache = tempfile::tempdir().unwrap();
+    let index = tandem_egress::Packages::new(
+        tandem_egress::IndexUrl::parse("http://pypi.test/simple/").unwrap(),
+        cache.path().to_owned(),
+        1 << 20,
+        vec![net.addr],
+    )
+    .unwrap();
+    let egress = Egress::with(
+        ProxyLimits::default(),
+        tandem_egress::own_addresses(),
+        tandem_egress::Extras {
+            packages: vec![Arc::new(index)],
+            broker: None,
+        },
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    egress.serve(listener);
+    let p = Proxy { egress, addr };
+    let get = "GET http://pypi.test/simple/tandembig/ HTTP/1.1\r\nHost: pypi.test\r\n\r\n";
+    // With no entry at all, the index is reached: the cache asks it.
+    let (_open, _) = p.grant("127.0.0.11", policy(&[], &[]));
+    let answer = p.ask("127.0.0.11", get).await;
+    assert!(!answer.contains("X-Tandem-Rule"), "{answer}");
+    // Denied by name, it is not, and the refusal names the entry.
+    let denying = Policy::parse(&[] as &[&str], &["pypi.test"]).unwrap();
+    let (_denied, events) = p.grant("127.0.0.12", denying);
+    let answer = p.ask("127.0.0.12", get).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 403") && answer.contains("X-Tandem-Rule: pypi.test"),
+        "{answer}"
+    );
+    let got = events.wait_for(1).await;
+    assert_eq!(
+        (got[0].host.as_str(), got[0].verdict, got[0].rule.as_str()),
+        ("pypi.test", NetVerdict::Denied, "pypi.test")
+    );
+}

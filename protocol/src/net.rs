@@ -54,7 +54,11 @@ impl NetEvent {
     /// The connection on one line, as the transcript and MCP's text show it: what was
     /// reached, or what refused it and the rule to change.
     pub fn line(&self) -> String {
-        let host = if self.host.contains(':') {
+        let host = if self.host.is_empty() {
+            // Refused before it asked for anywhere (a bound met on arrival, a request that
+            // could not be read).
+            "a connection".to_owned()
+        } else if self.host.contains(':') {
             format!("[{}]:{}", self.host, self.port)
         } else {
             format!("{}:{}", self.host, self.port)

@@ -932,6 +932,16 @@ async fn executors(State(state): State<AppState>) -> Json<serde_json::Value> {
             if !pools.is_empty() {
                 entry["pools"] = json!(pools);
             }
+            // Whether a task that names hosts can run here, and why not.
+            entry["network"] = match state
+                .supervisor
+                .planner_config()
+                .network
+                .network_problem(&**e)
+            {
+                None => json!("behind the egress proxy"),
+                Some(why) => json!(format!("no network policy: {why}")),
+            };
             if let Err(problem) = health {
                 entry["problem"] = json!(problem);
             } else if !offered {

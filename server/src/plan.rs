@@ -98,6 +98,9 @@ pub struct PlannerConfig {
 pub struct NetworkConfig {
     /// The proxy; `None` when it could not start, which leaves no task a network.
     pub egress: Option<tandem_egress::Egress>,
+    /// Why the proxy could not start, when it could not: told to every task that asks for a
+    /// network, and shown by `/v1/executors`.
+    pub egress_down: Option<String>,
     /// `[network]`, `[policy] network_allow`, and whose road this is.
     pub rules: tandem_egress::Network,
     /// Each executor's `network` setting, by name; an executor not named here goes behind
@@ -139,16 +142,46 @@ impl NetworkConfig {
             }))
         };
         let Some(egress) = self.egress.clone() else {
-            return Err(unavailable(
-                "the egress proxy is not running, and a sandbox with a network policy goes only through it",
-            ));
+            return Err(unavailable(&format!(
+                "the egress proxy is not running{}, and a sandbox with a network policy goes only through it",
+                self.down_because()
+            )));
         };
         if !executor.carries_egress() {
             return Err(unavailable(
-                "its sandboxes cannot be put behind Tandem's egress proxy, which a network policy needs; use the docker executor or the confined local executor, or leave network out",
+                "its sandboxes cannot be put behind Tandem's egress proxy, which a network policy needs; use the docker, kubernetes or confined local executor, or leave network out",
             ));
         }
         Ok(Some((egress, policy)))
+    }
+
+    /// `: why` the proxy is not running, when that is known.
+    pub fn down_because(&self) -> String {
+        self.egress_down
+            .as_deref()
+            .map(|why| format!(" ({why})"))
+            .unwrap_or_default()
+    }
+
+    /// What a task on `executor` that asks for hosts gets: `None` when it would be behind
+    /// the proxy; else why not, as `/v1/executors` shows it.
+    pub fn network_problem(&self, executor: &dyn Executor) -> Option<String> {
+        match self.switches.get(executor.name()) {
+            Some(tandem_egress::Switch::Off) => {
+                Some("network = false: no sandbox has a network".to_owned())
+            }
+            Some(tandem_egress::Switch::Open) => {
+                Some("network = true: the open network, unguarded".to_owned())
+            }
+            _ if !executor.carries_egress() => {
+                Some("its sandboxes cannot be put behind the egress proxy".to_owned())
+            }
+            _ if self.egress.is_none() => Some(format!(
+                "the egress proxy is not running{}",
+                self.down_because()
+            )),
+            _ => None,
+        }
     }
 
     /// Whether `executor`'s `network` setting decides alone: `true` when its sandboxes get
@@ -615,13 +648,14 @@ impl Planner {
             return Ok(None);
         };
         if self.config.network.egress.is_none() {
-            return Err(unavailable(
-                "the egress proxy is not running, and a task with a network policy goes only through it (see `tandem doctor`)".to_owned(),
-            ));
+            return Err(unavailable(format!(
+                "the egress proxy is not running{}, and a task with a network policy goes only through it (see `tandem doctor`)",
+                self.config.network.down_because()
+            )));
         }
         if !executor.carries_egress() {
             return Err(unavailable(
-                "its sandboxes cannot be put behind Tandem's egress proxy, which a network policy needs; use the docker executor or the confined local executor, or leave network out".to_owned(),
+                "its sandboxes cannot be put behind Tandem's egress proxy, which a network policy needs; use the docker, kubernetes or confined local executor, or leave network out".to_owned(),
             ));
         }
         Ok(Some(policy))
@@ -819,6 +853,7 @@ impl Planner {
             settings.network = Some(tandem_agent::TaskNetwork {
                 egress: egress.clone(),
                 policy: Arc::new(policy),
+                carried: Arc::default(),
             });
         }
         settings.session = SessionSpec {
@@ -923,7 +958,7 @@ impl Planner {
                         return Err(ErrorInfo {
                             code: ErrorCode::Executor,
                             message: format!(
-                                "{}: the {name} executor's sandboxes cannot be put behind Tandem's egress proxy, which the task's network needs; use the docker executor or the confined local executor, or leave network out",
+                                "{}: the {name} executor's sandboxes cannot be put behind Tandem's egress proxy, which the task's network needs; use the docker, kubernetes or confined local executor, or leave network out",
                                 node.path
                             ),
                         });

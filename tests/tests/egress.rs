@@ -1,6 +1,10 @@
 //! A Docker sandbox behind the egress proxy, against servers in a network namespace the test
 //! makes: what its policy allows answers with no flags in the code, and everything else
-//! (another host, its address, raw TCP around the proxy, UDP, a resolver) does not.
+//! (another host, its address, raw TCP around the proxy, UDP, a resolver) does not. Through
+//! the proxy, from inside the sandbox, each way past the policy an attacker tries (another
+//! port, an IP literal, IPv6, the metadata address, a name resolving to the machine itself
+//! or to a private address, a `Host` that differs from the target, a tunnel whose TLS names
+//! another host) is refused and recorded as a denied connection naming its rule.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -46,23 +50,97 @@ try:
     print("udp: sent")
 except OSError as e:
     print("udp: refused", type(e).__name__)
+
+# Through the proxy, each a way an attacker tries past the policy.
+def asked(url):
+    try:
+        urllib.request.urlopen(url, timeout=20)
+        return "reached"
+    except urllib.error.HTTPError as e:
+        return "%d %s" % (e.code, e.headers.get("X-Tandem-Rule"))
+for what, url in [
+    ("other port", "http://files.test:8080/"),
+    ("ip literal", "http://ADDR/"),
+    ("ipv6", "http://[2001:db8::1]/"),
+    ("metadata via proxy", "http://169.254.169.254/latest/meta-data/"),
+    ("own address", "http://own.test/"),
+    ("rebinding", "http://rebind.test/"),
+]:
+    print(what + ":", asked(url))
+
+def head_of(sock):
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(1)
+        if not chunk:
+            break
+        data += chunk
+    lines = data.decode("latin-1").split("\r\n")
+    rule = [l.split(":", 1)[1].strip() for l in lines if l.lower().startswith("x-tandem-rule:")]
+    return lines[0].split(" ")[1] if lines[0] else "closed", rule[0] if rule else None
+for what, head in [
+    ("host mismatch", b"GET http://files.test/hello HTTP/1.1\r\nHost: other.test\r\n\r\n"),
+    ("loopback via proxy", b"GET http://127.0.0.1:9999/ HTTP/1.1\r\nHost: 127.0.0.1:9999\r\n\r\n"),
+]:
+    c = socket.create_connection(("127.0.0.1", 3128), timeout=20)
+    c.sendall(head)
+    print(what + ":", *head_of(c))
+    c.close()
+
+# A tunnel to an allowed host whose TLS names another: with no SNI check the handshake
+# (unverified, so a certificate for files.test would do) gets through.
+import ssl
+c = socket.create_connection(("127.0.0.1", 3128), timeout=20)
+c.sendall(b"CONNECT files.test:443 HTTP/1.1\r\nHost: files.test:443\r\n\r\n")
+print("connect:", *head_of(c))
+ctx = ssl.create_default_context()
+ctx.check_hostname = False
+ctx.verify_mode = ssl.CERT_NONE
+try:
+    t = ctx.wrap_socket(c, server_hostname="other.test")
+    t.sendall(b"GET /hello HTTP/1.1\r\nHost: other.test\r\n\r\n")
+    print("sni:", "reached" if t.recv(100) else "closed")
+except (ssl.SSLError, OSError) as e:
+    print("sni: refused", type(e).__name__)
 "#;
 
 /// Opens a session of `executor` behind a proxy allowing `files.test`, as the daemon does
 /// (offering a listener in the sandbox's own network), runs the probe in it, and checks what
 /// it reached and what the proxy recorded; `open` sees the session while it is open and
 /// says whether the probe runs once more.
-async fn probe_behind_the_proxy(executor: &dyn tandem_executor::Executor) {
-    probe_and_look(executor, || false).await;
+async fn probe_behind_the_proxy(executor: &dyn tandem_executor::Executor, caught: bool) {
+    probe_and_look(executor, caught, || false).await;
 }
 
-async fn probe_and_look(executor: &dyn tandem_executor::Executor, open: impl FnOnce() -> bool) {
+/// `caught`: whether the daemon manages the sandbox's network, and so catches and records
+/// what goes around the proxy (an engine on this machine, the local executor, as root);
+/// elsewhere the sandbox has no route at all, and such attempts fail unseen.
+async fn probe_and_look(
+    executor: &dyn tandem_executor::Executor,
+    caught: bool,
+    open: impl FnOnce() -> bool,
+) {
     let net = Internet::new();
     net.http_server(80);
+    net.https_server(443, &["files.test"]);
     net.echo_server(9000);
-    let egress = Egress::new(ProxyLimits::default(), tandem_egress::own_addresses());
-    let mut policy = Policy::parse(&["files.test"], &[] as &[&str]).unwrap();
+    let own = tandem_egress::own_addresses();
+    // One of this machine's own addresses, not loopback: where the daemon's API and the
+    // host's other services listen.
+    let host_addr = *own
+        .iter()
+        .find(|a| a.is_ipv4() && !a.is_loopback())
+        .expect("this machine has a non-loopback IPv4 address");
+    let egress = Egress::new(ProxyLimits::default(), own);
+    // Allowed by name, each resolving inside: the machine itself, and a private address (as
+    // a name re-bound after it was allowed would).
+    let mut policy =
+        Policy::parse(&["files.test", "own.test", "rebind.test"], &[] as &[&str]).unwrap();
     policy.resolve.insert("files.test".into(), vec![net.addr]);
+    policy.resolve.insert("own.test".into(), vec![host_addr]);
+    policy
+        .resolve
+        .insert("rebind.test".into(), vec!["10.0.0.1".parse().unwrap()]);
     let events = Arc::new(Events::default());
     let dir = tempfile::tempdir().unwrap();
     {
@@ -126,10 +204,31 @@ async fn probe_and_look(executor: &dyn tandem_executor::Executor, open: impl FnO
             "{name}: {out}"
         );
         assert!(out.contains("other: 403 default"), "{name}: {out}");
-        assert!(out.contains("raw tcp: refused"), "{name}: {out}");
-        assert!(out.contains("metadata: refused"), "{name}: {out}");
+        // Caught, a connection around the proxy is refused at once (a reset), and a
+        // datagram leaves the block's socket only to be recorded and dropped.
+        let (tcp, udp) = if caught {
+            ("refused ConnectionRefusedError", "udp: sent")
+        } else {
+            ("refused", "udp: refused")
+        };
+        assert!(out.contains(&format!("raw tcp: {tcp}")), "{name}: {out}");
+        assert!(out.contains(&format!("metadata: {tcp}")), "{name}: {out}");
         assert!(out.contains("dns: none"), "{name}: {out}");
-        assert!(out.contains("udp: refused"), "{name}: {out}");
+        assert!(out.contains(udp), "{name}: {out}");
+        for line in [
+            "other port: 403 default",
+            "ip literal: 403 default",
+            "ipv6: 403 default",
+            "metadata via proxy: 403 default",
+            "own address: 403 inside_address",
+            "rebinding: 403 inside_address",
+            "host mismatch: 403 host_header",
+            "loopback via proxy: 403 default",
+            "connect: 200 None",
+            "sni: refused",
+        ] {
+            assert!(out.contains(line), "{name}: no {line:?} in\n{out}");
+        }
         rounds += 1;
         if !open.take().is_some_and(|look| look()) {
             break;
@@ -137,18 +236,44 @@ async fn probe_and_look(executor: &dyn tandem_executor::Executor, open: impl FnO
     }
     session.close().await.unwrap();
 
-    // Connections are recorded as they end, which need not be the order they were made in.
-    let mut got = events.0.lock().unwrap().clone();
-    got.sort_by(|a, b| a.host.cmp(&b.host));
-    assert_eq!(got.len(), 2 * rounds, "{name}: {got:?}");
-    for (i, e) in got.iter().enumerate() {
-        let want = if i < rounds {
-            ("files.test", NetVerdict::Allowed, "files.test")
-        } else {
-            ("other.test", NetVerdict::Denied, "default")
-        };
-        assert_eq!((e.host.as_str(), e.verdict, e.rule.as_str()), want);
-    }
+    // Connections are recorded as they end, which need not be the order they were made in;
+    // every attempt through the proxy is one event, and each refusal names its rule.
+    let addr = net.addr.to_string();
+    let around = [
+        (addr.as_str(), 9000, NetVerdict::Denied, "proxy_only"),
+        ("169.254.169.254", 80, NetVerdict::Denied, "proxy_only"),
+        (addr.as_str(), 53, NetVerdict::Denied, "proxy_only"),
+    ];
+    let one_round = [
+        ("files.test", 80, NetVerdict::Allowed, "files.test"),
+        ("other.test", 80, NetVerdict::Denied, "default"),
+        ("files.test", 8080, NetVerdict::Denied, "default"),
+        (addr.as_str(), 80, NetVerdict::Denied, "default"),
+        ("2001:db8::1", 80, NetVerdict::Denied, "default"),
+        ("169.254.169.254", 80, NetVerdict::Denied, "default"),
+        ("own.test", 80, NetVerdict::Denied, "inside_address"),
+        ("rebind.test", 80, NetVerdict::Denied, "inside_address"),
+        ("files.test", 80, NetVerdict::Denied, "host_header"),
+        ("127.0.0.1", 9999, NetVerdict::Denied, "default"),
+        ("files.test", 443, NetVerdict::Denied, "sni"),
+    ];
+    let mut want: Vec<(String, u16, NetVerdict, String)> = (0..rounds)
+        .flat_map(|_| one_round.iter().chain(around.iter().filter(|_| caught)))
+        .map(|(h, p, v, r)| (h.to_string(), *p, *v, r.to_string()))
+        .collect();
+    let mut got: Vec<(String, u16, NetVerdict, String)> = events
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        // The resolver getaddrinfo asks (whatever the sandbox's resolv.conf names) is
+        // caught too, but its address is the machine's.
+        .filter(|e| !(e.rule == "proxy_only" && e.port == 53 && e.host != addr))
+        .map(|e| (e.host.clone(), e.port, e.verdict, e.rule.clone()))
+        .collect();
+    want.sort_by(|a, b| (&a.0, a.1, &a.3).cmp(&(&b.0, b.1, &b.3)));
+    got.sort_by(|a, b| (&a.0, a.1, &a.3).cmp(&(&b.0, b.1, &b.3)));
+    assert_eq!(got, want, "{name}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -162,7 +287,7 @@ async fn a_docker_sandbox_behind_the_proxy_reaches_what_its_policy_allows_and_no
     })
     .await
     .unwrap_or_else(|e| panic!("these tests need the Docker engine: {e}"));
-    probe_behind_the_proxy(&docker).await;
+    probe_behind_the_proxy(&docker, true).await;
 }
 
 /// On an engine on this machine, the container's `127.0.0.1:3128` is a listener this process
@@ -181,7 +306,7 @@ async fn a_local_containers_way_out_is_the_proxys_own_listener_in_its_network() 
     })
     .await
     .unwrap_or_else(|e| panic!("these tests need the Docker engine: {e}"));
-    probe_and_look(&docker, || {
+    probe_and_look(&docker, true, || {
         let run = |program: &str, args: &[&str]| {
             let out = std::process::Command::new(program)
                 .args(args)
@@ -216,7 +341,7 @@ async fn a_confined_local_block_behind_the_proxy_reaches_what_its_policy_allows_
     // The session's network is held by a process of its fork server's, a descendant of this
     // one; its 127.0.0.1:3128 is a listener the holder handed this process, which no process
     // in that network holds any more (no relay copies the block's connections).
-    probe_and_look(&local, || {
+    probe_and_look(&local, true, || {
         let ours = std::process::id();
         let own_net = std::fs::read_link("/proc/self/ns/net").unwrap();
         let mut nets = std::collections::HashMap::new();
@@ -284,7 +409,7 @@ async fn a_sandbox_on_a_docker_host_over_tls_goes_out_through_its_relay_to_the_p
     let remote = DockerExecutor::connect(engine.config("b"))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    probe_behind_the_proxy(&remote).await;
+    probe_behind_the_proxy(&remote, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -293,7 +418,58 @@ async fn a_kubernetes_pod_goes_out_through_its_relay_to_the_proxy_and_nowhere_el
     // the pod has no network of its own, and the relay over the exec stream is its way out.
     let cluster = tandem_tests::kubernetes::FakeCluster::deployed().await;
     let executor = cluster.executor().await;
-    probe_behind_the_proxy(&executor).await;
+    probe_behind_the_proxy(&executor, false).await;
     cluster.wait_released().await;
     cluster.stop().await;
+}
+
+/// A task's executors (a team's agents) each go behind the proxy on their own, and share one
+/// count of what they carried: `max_bytes` bounds the task, not each of them.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_executors_of_one_task_share_its_max_bytes() {
+    use tandem_executor::Executor;
+    let net = Internet::new();
+    let root = tempfile::tempdir().unwrap();
+    std::fs::write(root.path().join("big.bin"), vec![7u8; 300_000]).unwrap();
+    net.file_server(80, root.path().to_owned());
+    let egress = Egress::new(ProxyLimits::default(), tandem_egress::own_addresses());
+    let mut policy = Policy::parse(&["files.test"], &[] as &[&str]).unwrap();
+    policy.resolve.insert("files.test".into(), vec![net.addr]);
+    policy.max_bytes = Some(500_000);
+    let policy = Arc::new(policy);
+    let carried = Arc::new(Carried::default());
+    let events = Arc::new(Events::default());
+    let local: Arc<dyn Executor> = Arc::new(tandem_executor_local::LocalExecutor::new(
+        tandem_executor_local::LocalConfig::default(),
+    ));
+    let fetch = "import urllib.request\ntry:\n    print(len(urllib.request.urlopen('http://files.test/big.bin', timeout=30).read()))\nexcept Exception as e:\n    print('cut:', type(e).__name__)\n";
+    for (agent, want) in [("coder", "300000\n"), ("reviewer", "cut: ")] {
+        let behind = tandem_egress::Behind::new(
+            local.clone(),
+            egress.clone(),
+            policy.clone(),
+            events.clone(),
+        )
+        .sharing(carried.clone());
+        let mut session = behind.open(SessionSpec::default()).await.unwrap();
+        let out = session
+            .run(
+                ExecRequest {
+                    timeout: Some(Duration::from_secs(120)),
+                    ..ExecRequest::new(Language::python(), fetch)
+                },
+                ExecContext::new(CancellationToken::new()),
+            )
+            .await
+            .unwrap();
+        let printed = out.stdout.to_text();
+        assert!(
+            printed.starts_with(want),
+            "{agent}: {printed}\n{}",
+            out.stderr.to_text()
+        );
+        session.close().await.unwrap();
+    }
+    // The one count is the task's: both downloads are in it.
+    assert!(carried.get() >= 500_000, "{}", carried.get());
 }

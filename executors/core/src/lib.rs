@@ -322,15 +322,43 @@ pub struct EgressSocket {
     pub adopt: Option<EgressAdopt>,
 }
 
-/// Hands a listening socket to the egress proxy, which serves it under a session's policy
-/// until the session ends; it must be called within the Tokio runtime.
+/// What the egress proxy takes over from inside a sandbox's own network namespace, under the
+/// session's policy until the session ends: the listener its blocks reach the proxy by, and
+/// the namespace itself, whose every other way out the proxy then catches and records.
 #[derive(Clone)]
-pub struct EgressAdopt(pub Arc<dyn Fn(std::net::TcpListener) -> std::io::Result<()> + Send + Sync>);
+pub struct EgressAdopt {
+    listen: AdoptListener,
+    catch: AdoptNetns,
+}
+
+type AdoptListener = Arc<dyn Fn(std::net::TcpListener) -> std::io::Result<()> + Send + Sync>;
+type AdoptNetns = Arc<dyn Fn(std::os::fd::OwnedFd) -> std::io::Result<()> + Send + Sync>;
 
 impl EgressAdopt {
-    /// Serves `listener` under the session's policy.
+    /// From what serves a listener and what catches a namespace's other traffic.
+    pub fn new(
+        listen: impl Fn(std::net::TcpListener) -> std::io::Result<()> + Send + Sync + 'static,
+        catch: impl Fn(std::os::fd::OwnedFd) -> std::io::Result<()> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            listen: Arc::new(listen),
+            catch: Arc::new(catch),
+        }
+    }
+
+    /// Serves `listener` under the session's policy; within the Tokio runtime.
     pub fn adopt(&self, listener: std::net::TcpListener) -> std::io::Result<()> {
-        (self.0)(listener)
+        (self.listen)(listener)
+    }
+
+    /// Gives the network namespace `netns` (an open `/proc/<pid>/ns/net`) a way out that
+    /// leads only to the proxy's records: whatever its sandbox sends anywhere but to the
+    /// proxy is refused at once and recorded as a denied connection. Blocking (it enters
+    /// the namespace on a thread of its own); it needs the right to manage that namespace's
+    /// network, and without it the sandbox keeps having no route, its attempts refused
+    /// unseen.
+    pub fn catch(&self, netns: std::os::fd::OwnedFd) -> std::io::Result<()> {
+        (self.catch)(netns)
     }
 }
 
@@ -342,7 +370,7 @@ impl std::fmt::Debug for EgressAdopt {
 
 impl PartialEq for EgressAdopt {
     fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
+        Arc::ptr_eq(&self.listen, &other.listen)
     }
 }
 

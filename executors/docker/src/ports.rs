@@ -147,19 +147,35 @@ pub(crate) async fn egress_in_netns(
         .await
         .map_err(|_| "the namespace's thread ended without an answer".to_owned())??
     {
-        Some(listener) => adopt
-            .adopt(listener)
-            .map_err(|e| format!("serving the listener: {e}")),
+        (Some(listener), ns) => {
+            adopt
+                .adopt(listener)
+                .map_err(|e| format!("serving the listener: {e}"))?;
+            // Its other ways out are caught and told. Without it the container still has
+            // no route: what it tries is refused, only not seen.
+            let adopt = adopt.clone();
+            match tokio::task::spawn_blocking(move || adopt.catch(ns)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "the container's attempts around the egress proxy will be refused but not recorded");
+                }
+                Err(e) => tracing::warn!(error = %e, "catching the container's other traffic"),
+            }
+            Ok(())
+        }
         // The container's network is the one the listener was opened in: it serves on.
-        None => Ok(()),
+        (None, _) => Ok(()),
     }
 }
 
 /// On a thread of its own (it stays in the namespace): checks that `pid` is the container's
 /// runner by `mark` in its environment, enters its network namespace, and listens there;
 /// `None` when the namespace already has the listener (the port is taken before any block
-/// runs only by the proxy's own).
-fn listen_in(pid: i64, mark: &str) -> Result<Option<std::net::TcpListener>, String> {
+/// runs only by the proxy's own); with the namespace, open.
+fn listen_in(
+    pid: i64,
+    mark: &str,
+) -> Result<(Option<std::net::TcpListener>, std::os::fd::OwnedFd), String> {
     use nix::fcntl::{OFlag, openat};
     use nix::sys::stat::Mode;
     use std::io::Read as _;
@@ -192,8 +208,8 @@ fn listen_in(pid: i64, mark: &str) -> Result<Option<std::net::TcpListener>, Stri
         .map_err(|e| format!("entering the container's network namespace: {e}"))?;
     match std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, tandem_executor::EGRESS_PORT))
     {
-        Ok(listener) => Ok(Some(listener)),
-        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Ok(None),
+        Ok(listener) => Ok((Some(listener), ns.into())),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Ok((None, ns.into())),
         Err(e) => Err(format!("listening in the container: {e}")),
     }
 }

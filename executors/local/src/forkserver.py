@@ -410,7 +410,8 @@ def dial_local(port):
 def serve_holder(conn, skip, listener=None):
     """Answers the Rust side: `dial PORT` with the connected socket (or `!` and why), `list`
     with the ports listened on (JSON), `listener` with the egress listener (once: the proxy
-    serves it from then on), until it closes its end."""
+    serves it from then on), `netns` with the session's network namespace (for the proxy to
+    catch what goes around it), until it closes its end."""
     while True:
         try:
             msg = conn.recv(256)
@@ -436,6 +437,12 @@ def serve_holder(conn, skip, listener=None):
                     socket.send_fds(conn, [b"ok"], [listener.fileno()])
                     listener.close()
                     listener = None
+            elif words == [b"netns"]:
+                ns = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    socket.send_fds(conn, [b"ok"], [ns])
+                finally:
+                    os.close(ns)
             elif words == [b"list"]:
                 ports = set(table_sockets("0A").values()) - skip
                 conn.send(json.dumps(sorted(ports)).encode())

@@ -95,6 +95,22 @@ impl Holder {
         }
     }
 
+    /// The session's network namespace, open; blocking.
+    pub(crate) fn netns(&self) -> Result<OwnedFd, ExecError> {
+        let ctl = self
+            .ctl
+            .lock()
+            .map_err(|_| ExecError::Backend("the session's holder lock is poisoned".into()))?;
+        let (fd, text, _) = ask_for_fd(&ctl, "netns")
+            .map_err(|e| ExecError::io("asking the session's holder for its network", e))?;
+        match fd {
+            Some(fd) if text == "ok" => Ok(fd),
+            _ => Err(ExecError::Backend(format!(
+                "the session's holder answered {text:?} when asked for its network"
+            ))),
+        }
+    }
+
     /// The ports listened on in the session now, sorted, the relay's left out; blocking.
     fn listening(&self) -> Result<Vec<u16>, ExecError> {
         let ctl = self

@@ -483,10 +483,24 @@ impl LocalSession {
         let (server, egress) = (server.clone(), self.egress.clone());
         let adopt = self.adopt.clone().filter(|_| egress.is_some());
         let taking = adopt.is_some();
+        let catcher = adopt.clone();
         let started = tokio::task::spawn_blocking(move || {
             let h = holder::Holder::start(&server, egress.as_deref(), taking)
                 .map_err(|e| ExecError::Backend(e.to_string()))?;
             let listener = if taking { Some(h.listener()?) } else { None };
+            // The session's other ways out are caught and told. Without it (the daemon may
+            // not manage that network) the session still has no route: what its blocks try
+            // is refused, only not seen.
+            if let Some(catcher) = catcher {
+                match h.netns().and_then(|ns| {
+                    catcher
+                        .catch(ns)
+                        .map_err(|e| ExecError::io("catching the session's other traffic", e))
+                }) {
+                    Ok(()) => {}
+                    Err(e) => tracing::debug!(error = %e, "attempts around the egress proxy will be refused but not recorded"),
+                }
+            }
             Ok::<_, ExecError>((h, listener))
         })
         .await

@@ -1095,7 +1095,9 @@
         // A connection has no turn of its own: it is told under the latest one.
         const last = [...turns.values()].pop();
         const where = last ? last.body : null;
-        const host = ev.host.includes(':') ? `[${ev.host}]:${ev.port}` : `${ev.host}:${ev.port}`;
+        // No host: refused before it asked for anywhere.
+        const host = !ev.host ? 'a connection'
+          : ev.host.includes(':') ? `[${ev.host}]:${ev.port}` : `${ev.host}:${ev.port}`;
         const text = ev.verdict === 'allowed'
           ? `net: ${host} allowed by ${ev.rule}, ${ev.bytes_out || 0} B out, ${ev.bytes_in || 0} B in, ${ev.ms || 0} ms`
           : `net: ${host} denied (rule ${ev.rule}): ${ev.reason || 'refused'}`;
