@@ -881,16 +881,11 @@ fn containers_of(pid: u32) -> Vec<String> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn sigterm_removes_the_warm_docker_pool() {
+/// A daemon on the Docker executor that has run one task, once its warm pool holds the two
+/// containers it keeps by default.
+async fn daemon_with_a_full_pool(server: &ScriptedOpenAi) -> Daemon {
     let image = crate::e2e::sandbox_image();
-    let server = ScriptedOpenAi::start(two_turns([(
-        "docker task".to_owned(),
-        "print('in a container')".to_owned(),
-    )]))
-    .await
-    .unwrap();
-    let mut d = start(&server, &["--image", &image]).await;
+    let d = start(server, &["--image", &image]).await;
     let id = d
         .submit(json!({"task": "docker task", "executor": "docker"}))
         .await;
@@ -913,8 +908,52 @@ async fn sigterm_removes_the_warm_docker_pool() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    d
+}
+
+fn docker_task() -> Script {
+    two_turns([(
+        "docker task".to_owned(),
+        "print('in a container')".to_owned(),
+    )])
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_removes_the_warm_docker_pool() {
+    let server = ScriptedOpenAi::start(docker_task()).await.unwrap();
+    let mut d = daemon_with_a_full_pool(&server).await;
+    let pid = d.pid();
     assert_eq!(d.terminate().await, Some(0));
     assert_eq!(containers_of(pid), Vec::<String>::new());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restart_removes_the_warm_pool_a_killed_daemon_left() {
+    let server = ScriptedOpenAi::start(docker_task()).await.unwrap();
+    let mut d = daemon_with_a_full_pool(&server).await;
+    let killed = d.pid();
+    let left = containers_of(killed);
+    d.kill9();
+    // SIGKILL leaves no chance to clean up: the pool's containers outlive their daemon...
+    assert!(
+        left.len() >= 2 && left.iter().all(|c| containers_of(killed).contains(c)),
+        "{left:?}"
+    );
+    // ...until the next daemon starts, which removes what a dead one left.
+    d.spawn().await;
+    let started = Instant::now();
+    while !containers_of(killed).is_empty() {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the killed daemon's pool is still there: {}\n{}",
+            container_states(killed),
+            d.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let restarted = d.pid();
+    assert_eq!(d.terminate().await, Some(0));
+    assert_eq!(containers_of(restarted), Vec::<String>::new());
 }
 
 /// Sends `POST path` with `body` on a connection of its own and hangs up after `after`,

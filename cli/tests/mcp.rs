@@ -93,6 +93,16 @@ fn check(seen: &Value) {
         (Some(0), Some("42\n")),
         "{seen}"
     );
+    // What the block used, measured in its sandbox, is in the structured result.
+    assert!(
+        once["resources"]["cpu_secs"]
+            .as_f64()
+            .is_some_and(|c| c > 0.0)
+            && once["resources"]["peak_memory_bytes"]
+                .as_u64()
+                .is_some_and(|p| p > 1 << 20),
+        "{seen}"
+    );
     assert_eq!(seen["read"]["structured"]["stdout"], "still here", "{seen}");
     // Another session is another workspace.
     assert_eq!(

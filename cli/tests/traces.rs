@@ -237,6 +237,19 @@ async fn a_daemon_task_is_one_trace_under_the_callers_span_and_mcp_joins_its_cal
     assert_eq!(block.int("tandem.block.stdout_bytes"), Some(3));
     assert!(block.int("tandem.block.duration_ms").is_some());
     assert!(!block.attributes.contains_key("tandem.block.stdout"));
+    // What the block used, measured in its sandbox.
+    let cpu = block
+        .attributes
+        .get("tandem.block.cpu_secs")
+        .and_then(Value::as_f64);
+    assert!(cpu.is_some_and(|c| c > 0.0), "{:?}", block.attributes);
+    assert!(
+        block
+            .int("tandem.block.peak_memory_bytes")
+            .is_some_and(|p| p > 1 << 20),
+        "{:?}",
+        block.attributes
+    );
     let approval = named(&spans, "approval block");
     assert_eq!(approval.text("tandem.approval.decision"), Some("approve"));
     assert_eq!(approval.text("tandem.approval.by"), Some("user"));

@@ -875,14 +875,27 @@ async fn the_page_asks_for_tool_calls_and_shows_each_call_with_its_answer() {
             ["call execute_code", null, "answered"]
         ])
     );
-    // The execute_code call's code and output are its block's.
+    // The execute_code call's code and output are its block's, and its result line says
+    // what it used.
     let block = b
         .run(
-            "const b = document.querySelector('.code-block'); return [b.querySelector('code').textContent, b.querySelector('pre.output').textContent]",
+            "const b = document.querySelector('.code-block'); return [b.querySelector('code').textContent, b.querySelector('pre.output').textContent, b.querySelector('.result').textContent]",
             json!([]),
         )
         .await;
-    assert_eq!(block, json!(["print(6 * 7)", "42\n"]));
+    let block = block.as_array().cloned().unwrap_or_default();
+    assert_eq!(
+        block.get(..2),
+        Some(&[json!("print(6 * 7)"), json!("42\n")][..]),
+        "{block:?}"
+    );
+    let result = block.get(2).and_then(|r| r.as_str()).unwrap_or_default();
+    assert!(
+        result.starts_with("exited 0 · ")
+            && result.contains(" · cpu ")
+            && result.contains(" · peak "),
+        "{result}"
+    );
     let t = d.task(&id).await;
     assert_eq!(t.record.spec.code_via, Some(CodeVia::Tool), "{t:?}");
     assert_eq!(t.record.spec.candidates, Some(3), "{t:?}");

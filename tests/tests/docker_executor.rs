@@ -426,6 +426,58 @@ async fn a_burst_larger_than_the_pool_waits_in_line_grows_it_and_it_shrinks_when
     executor.shutdown().await;
 }
 
+/// Sessions that stop waiting for the pool leave the containers started for them; the pool
+/// keeps no more of them than `pool_max`, at once, not when it next shrinks.
+#[tokio::test(flavor = "multi_thread")]
+async fn containers_started_for_sessions_that_stopped_waiting_are_kept_only_up_to_pool_max() {
+    use tandem_executor::Executor;
+    let executor = warm_pool(DockerConfig {
+        pool_size: 1,
+        pool_max: 1,
+        pool_idle_secs: 600,
+        ..DockerConfig::default()
+    })
+    .await;
+    let first = executor.open(SessionSpec::default()).await.unwrap();
+    let waiting: Vec<_> = (0..4)
+        .map(|_| {
+            let executor = executor.clone();
+            tokio::spawn(async move { executor.open(SessionSpec::default()).await })
+        })
+        .collect();
+    let started = std::time::Instant::now();
+    while executor.pool_status().waiting < 4 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{:?}",
+            executor.pool_status()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for open in &waiting {
+        open.abort();
+    }
+    // Every container started for them has come and been handed on or removed.
+    let started = std::time::Instant::now();
+    loop {
+        let status = executor.pool_status();
+        if status.starting == 0 && executor.pooled().len() == 1 && status.ready == 1 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120) && executor.pooled().len() <= 1,
+            "the pool holds more than pool_max: {status:?} {:?}",
+            executor.pooled()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Settled: nothing more arrives to be kept.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(executor.pooled().len(), 1, "{:?}", executor.pool_status());
+    first.close().await.unwrap();
+    executor.shutdown().await;
+}
+
 /// A session closed while others wait in line for the pool: its processes die at close, and
 /// its container, whose removal would slow their starts, is removed once they are served.
 #[tokio::test(flavor = "multi_thread")]

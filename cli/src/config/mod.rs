@@ -702,7 +702,9 @@ fn docker_hosts(
                     host: h.url.clone(),
                     tls: tls_files(&section, &h.ca, &h.cert, &h.key)?,
                     workspace: workspace_mode(&section, h.workspace.as_deref(), &h.url)?,
-                    // A host holds no more than its capacity, its pool included.
+                    // A host holds no more than its capacity, its pool included (a
+                    // pool_size set over it is refused in `docker_pool`).
+                    pool_size: base.pool_size.min(h.capacity.unwrap_or(8)),
                     pool_max: base.pool_max.min(h.capacity.unwrap_or(8)),
                     ..base.clone()
                 },
@@ -721,6 +723,18 @@ pub(crate) fn docker_pool(
 ) -> Result<(usize, usize, u64)> {
     let d = &file.executors.docker;
     let size = d.pool_size.unwrap_or(2);
+    if let Some(size) = d.pool_size {
+        for (h, spec) in d.hosts.iter().zip(hosts) {
+            if let Some(capacity) = h.capacity
+                && size > capacity
+            {
+                bail!(
+                    "[executors.docker] pool_size ({size}) is over the capacity ({capacity}) of host `{}`: a host holds no more containers than its capacity, its warm pool included; lower pool_size or raise that capacity",
+                    spec.config.label()
+                );
+            }
+        }
+    }
     let max = match d.pool_max {
         Some(max) if max < size => bail!(
             "[executors.docker] pool_max ({max}) is below pool_size ({size}): the pool grows from pool_size to pool_max; raise pool_max or lower pool_size"
@@ -967,6 +981,49 @@ mod tests {
             teams(&file).unwrap();
             conn_limits(&file).unwrap();
         }
+    }
+
+    #[test]
+    fn a_pool_that_cannot_hold_is_refused_naming_both_figures() -> Result<()> {
+        let hosts = "[[executors.docker.hosts]]\nname = \"a\"\nurl = \"unix:///var/run/docker.sock\"\ncapacity = 3\n";
+        let check = |pool: &str| -> Result<(usize, usize, u64)> {
+            let file: FileConfig = toml::from_str(&format!("[executors.docker]\n{pool}\n{hosts}"))?;
+            let specs = docker_hosts(&file, Some("img"))?;
+            docker_pool(&file, &specs)
+        };
+        for (pool, error) in [
+            (
+                "pool_size = 3\npool_max = 2",
+                "[executors.docker] pool_max (2) is below pool_size (3)",
+            ),
+            (
+                "pool_size = 2\npool_max = 5",
+                "[executors.docker] pool_max (5) is over the capacity (3) of host `a`",
+            ),
+            (
+                "pool_size = 4",
+                "[executors.docker] pool_size (4) is over the capacity (3) of host `a`",
+            ),
+            (
+                "pool_idle_secs = 0",
+                "[executors.docker] pool_idle_secs must be at least 1",
+            ),
+        ] {
+            let got = check(pool).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(got.starts_with(error), "{pool}: {got}");
+        }
+        assert_eq!(check("pool_size = 3\npool_max = 3")?, (3, 3, 60));
+        // Unset, the pool stays within each host's capacity.
+        let file: FileConfig = toml::from_str(&format!(
+            "[executors.docker]\n{}",
+            hosts.replace("capacity = 3", "capacity = 1")
+        ))?;
+        let specs = docker_hosts(&file, Some("img"))?;
+        assert_eq!(
+            (specs[0].config.pool_size, specs[0].config.pool_max),
+            (1, 1)
+        );
+        Ok(())
     }
 
     #[test]

@@ -242,11 +242,21 @@ impl DockerExecutor {
                 Err(Err(_)) => return,
             }
         }
-        if let Ok(mut ready) = pool.ready.lock() {
+        // Containers started for sessions that stopped waiting are kept only up to the
+        // pool's bound; the rest are removed now rather than when the pool next shrinks.
+        let c = &self.inner().config;
+        let most = c.pool_max.max(c.pool_size);
+        let Ok(mut ready) = pool.ready.lock() else {
+            return;
+        };
+        if ready.len() < most {
             ready.push(Ready {
                 warm,
                 since: Instant::now(),
             });
+        } else {
+            drop(ready);
+            pool.tasks.spawn(warm.remove());
         }
     }
 

@@ -264,6 +264,18 @@ impl KeptSession {
                 }
             }
         }
+        let resources = match &ended {
+            Some(Done {
+                resources: Some(used),
+                ..
+            }) => used.clone(),
+            Some(_) => tandem_executor::Resources::unavailable(
+                "the interpreter did not say what the block used",
+            ),
+            None => tandem_executor::Resources::unavailable(
+                "the interpreter ended during this block, before it could say what the block used",
+            ),
+        };
         let status = match (&ended, interrupted) {
             (Some(_), Some(status)) => status,
             (Some(done), None) => ExitStatus::Exited(done.exit_code),
@@ -345,15 +357,17 @@ impl KeptSession {
             stdout: stdout.finish(),
             stderr: stderr.finish(),
             duration: started.elapsed(),
-            resources: None,
+            resources: Some(resources),
         })
     }
 }
 
-/// The interpreter's word that a block ended.
+/// The interpreter's word that a block ended, and what the block used of it.
 #[derive(Debug, Default, serde::Deserialize)]
 struct Done {
     exit_code: i32,
+    #[serde(default)]
+    resources: Option<tandem_executor::Resources>,
 }
 
 /// The interpreter's word that its globals were saved, or why not.

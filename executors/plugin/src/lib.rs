@@ -529,12 +529,20 @@ impl PluginSession {
             }
             None => elapsed,
         };
+        // A figure the plugin did not give is missing, with the reason, never zero.
+        let resources = ran
+            .and_then(|r| r.resources)
+            .unwrap_or_else(|| {
+                tandem_executor::Resources::unavailable(format!(
+                    "executor plugin `{name}` did not say what the block used (`resources` in its answer to session/run)"
+                ))
+            });
         Ok(ExecOutcome {
             status,
             stdout: output.stdout.finish(),
             stderr: output.stderr.finish(),
             duration,
-            resources: None,
+            resources: Some(resources),
         })
     }
 }

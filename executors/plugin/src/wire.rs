@@ -58,6 +58,9 @@ pub(crate) struct Ran {
     pub stdout: String,
     #[serde(default)]
     pub stderr: String,
+    /// What the block used, as the plugin measured it.
+    #[serde(default)]
+    pub resources: Option<tandem_executor::Resources>,
 }
 
 /// Which stream a `session/output` notification carries.
