@@ -2,8 +2,8 @@
 # Builds the Docker executor's image, tandem-sandbox:latest, with no image registry: a
 # Debian bookworm root made by debootstrap from the machine's own apt mirror, then
 # `docker import`. It holds Python with numpy, pandas and matplotlib, so a task can analyse
-# data and draw charts with the network off, and pip and curl for a task behind the egress
-# proxy. Idempotent: it returns at once when an image of
+# data and draw charts with the network off, and pip, curl, requests and git for a task
+# behind the egress proxy. Idempotent: it returns at once when an image of
 # this recipe exists (--force rebuilds).
 #
 #   scripts/build-sandbox-image.sh [--force] [IMAGE]
@@ -16,7 +16,7 @@ if [ "${1:-}" = "--force" ]; then force=1; shift; fi
 image="${1:-tandem-sandbox:latest}"
 suite=bookworm
 # Bumped whenever what goes into the image changes, so an older build is replaced.
-recipe=4
+recipe=5
 
 if ! docker version --format '{{.Server.Version}}' >/dev/null 2>&1; then
   echo "error: the Docker engine does not answer (DOCKER_HOST=${DOCKER_HOST:-unix:///var/run/docker.sock}); start it (systemctl start docker) and retry" >&2
@@ -58,9 +58,10 @@ root=$(mktemp -d /tmp/tandem-sandbox-root.XXXXXX)
 trap 'rm -rf "$root"' EXIT
 echo "debootstrap $suite from $mirror into $root"
 # python3 (not python3-minimal): code from models imports json, urllib, sqlite3 and the like;
-# numpy, pandas and matplotlib are what data questions reach for first; pip, curl and the
-# CA certificates are what a task behind the egress proxy installs and fetches with.
-debootstrap --variant=minbase --include=python3,python3-numpy,python3-pandas,python3-matplotlib,python3-pip,curl,ca-certificates "$suite" "$root" "$mirror" >"$root.log" 2>&1 || {
+# numpy, pandas and matplotlib are what data questions reach for first; pip, curl, requests,
+# git and the CA certificates are what a task behind the egress proxy installs, fetches and
+# clones with.
+debootstrap --variant=minbase --include=python3,python3-numpy,python3-pandas,python3-matplotlib,python3-pip,python3-requests,git,curl,ca-certificates "$suite" "$root" "$mirror" >"$root.log" 2>&1 || {
   tail -20 "$root.log" >&2
   echo "error: debootstrap failed (log above); check that $mirror is reachable" >&2
   exit 1

@@ -584,7 +584,7 @@ async fn daemon_api_key_is_invisible_to_code() {
     let stdout = out.results()[0].stdout.clone();
     assert_eq!(
         stdout,
-        "['HOME', 'LANG', 'PATH', 'PYTHONDONTWRITEBYTECODE', 'PYTHONUNBUFFERED', 'TANDEM_EXEC_ID', 'TANDEM_OWNER', 'TMPDIR', 'XDG_CACHE_HOME']\n0\n"
+        "['GIT_CONFIG_NOSYSTEM', 'HOME', 'LANG', 'PATH', 'PYTHONDONTWRITEBYTECODE', 'PYTHONUNBUFFERED', 'TANDEM_EXEC_ID', 'TANDEM_OWNER', 'TMPDIR', 'XDG_CACHE_HOME']\n0\n"
     );
     // The key did reach the model server.
     assert_eq!(

@@ -1330,3 +1330,106 @@ async fn a_proxy_that_cannot_start_leaves_no_sandbox_a_network_and_says_why() {
         doctor.stdout
     );
 }
+
+/// The clients code reaches for, with no flags: `curl`, Python's `requests` and `git clone`,
+/// over HTTP and over HTTPS, which the proxy answers with the daemon's CA for a host it adds
+/// a header for (the sandbox trusts that CA through its environment alone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn curl_requests_and_git_reach_an_allowed_host_with_no_flags_over_http_and_https() {
+    let net = Internet::new();
+    let root = tempfile::tempdir().unwrap();
+    std::fs::write(root.path().join("hello"), "hello from files.test\n").unwrap();
+    // A repository git clones over its "dumb" HTTP protocol: plain files.
+    let git = |args: &[&str], at: &std::path::Path| {
+        let out = std::process::Command::new("git")
+            .args(args)
+            .current_dir(at)
+            .env("GIT_AUTHOR_NAME", "t")
+            .env("GIT_AUTHOR_EMAIL", "t@t")
+            .env("GIT_COMMITTER_NAME", "t")
+            .env("GIT_COMMITTER_EMAIL", "t@t")
+            .output()
+            .expect("git");
+        assert!(
+            out.status.success(),
+            "git {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let work = tempfile::tempdir().unwrap();
+    git(&["init", "-q", "-b", "main"], work.path());
+    std::fs::write(work.path().join("README"), "cloned through the proxy\n").unwrap();
+    git(&["add", "README"], work.path());
+    git(&["commit", "-q", "-m", "one"], work.path());
+    let bare = root.path().join("repo.git");
+    git(
+        &[
+            "clone",
+            "-q",
+            "--bare",
+            work.path().to_str().unwrap(),
+            bare.to_str().unwrap(),
+        ],
+        root.path(),
+    );
+    git(&["update-server-info"], &bare);
+    net.file_server(80, root.path().to_owned());
+    let (test_ca, _) = net.https_file_server(443, root.path().to_owned(), &["files.test"]);
+
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("test-ca.pem"), &test_ca).unwrap();
+    std::fs::write(dir.path().join("token"), "t0k3n\n").unwrap();
+    let config = dir.path().join("tandem.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[network]\nallow = [\"files.test\"]\nresolve = {{ \"files.test\" = [\"{a}\"] }}\nupstream_ca = [\"{d}/test-ca.pem\"]\nca_dir = \"{d}/egress-ca\"\n\n[network.secrets.files]\nhost = \"files.test\"\nheader = \"X-Token\"\nvalue_file = \"{d}/token\"\n",
+            a = net.addr,
+            d = dir.path().display()
+        ),
+    )
+    .unwrap();
+    const CLIENTS: &str = r#"
+echo "curl http: $(curl -sS http://files.test/hello)"
+echo "curl https: $(curl -sS https://files.test/hello)"
+python3 -c '
+import requests
+for scheme in ("http", "https"):
+    print("requests %s: %s" % (scheme, requests.get(scheme + "://files.test/hello", timeout=30).text.strip()))
+'
+git clone -q http://files.test/repo.git by-http && echo "git http: $(cat by-http/README)"
+git clone -q https://files.test/repo.git by-https && echo "git https: $(cat by-https/README)"
+"#;
+    for executor in ["docker", "local"] {
+        let out = tandem(
+            &[
+                "exec",
+                "--config",
+                config.to_str().unwrap(),
+                "-e",
+                executor,
+                "--lang",
+                "sh",
+            ],
+            &[],
+            Some(CLIENTS),
+        )
+        .await;
+        for line in [
+            "curl http: hello from files.test",
+            "curl https: hello from files.test",
+            "requests http: hello from files.test",
+            "requests https: hello from files.test",
+            "git http: cloned through the proxy",
+            "git https: cloned through the proxy",
+        ] {
+            assert!(
+                out.stdout.contains(line),
+                "{executor}: no {line:?} in\n{}\n{}",
+                out.stdout,
+                out.stderr
+            );
+        }
+        assert_eq!(out.code, 0, "{executor}: {}", out.stderr);
+    }
+}

@@ -139,6 +139,11 @@ async fn supervise(
         ("PYTHONDONTWRITEBYTECODE".to_owned(), "1".to_owned()),
         (MARKER_VAR.to_owned(), exec_id.clone()),
     ]);
+    if session.policy.is_some() {
+        // A confined block cannot read the host's /etc/gitconfig (Landlock), and git stops
+        // at a system config it cannot read: the sandbox's git runs without it.
+        env.push(("GIT_CONFIG_NOSYSTEM".to_owned(), "1".to_owned()));
+    }
     if req.isolated {
         // HOME is the workspace: its user site is the blocks' to fill. (A block forked from
         // the fork server has the server's start-up, which read no workspace.)
