@@ -1433,3 +1433,74 @@ git clone -q https://files.test/repo.git by-https && echo "git https: $(cat by-h
         assert_eq!(out.code, 0, "{executor}: {}", out.stderr);
     }
 }
+
+/// `[policy] network_allow` is what a client may ask for, beyond `[network] allow`: a task
+/// submitted with `tandem submit --allow-host` within it reaches its host; one outside it is
+/// refused with 400 naming the host and the setting, from the CLI and the API alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn network_allow_bounds_what_a_client_asks_for_and_submit_asks_with_allow_host() {
+    let net = Internet::new();
+    net.http_server(80);
+    let task = "network: fetch files.test";
+    let server = ScriptedOpenAi::start(script([(task, replies())]))
+        .await
+        .unwrap();
+    let config = format!(
+        "[policy]\nnetwork_allow = [\"files.test\", \"*.example.com\"]\n[network]\nresolve = {{ \"files.test\" = [\"{}\"] }}\n",
+        net.addr
+    );
+    let d = DaemonHarness::start(
+        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &["--executor", "docker"],
+        Some(&config),
+    )
+    .await;
+    let (code, out, err) = d
+        .cli(&["submit", "--json", "--allow-host", "evil.test", task])
+        .await;
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        err.contains("evil.test") && err.contains("network_allow"),
+        "{err}"
+    );
+    let (status, body) = d
+        .send(
+            reqwest::Method::POST,
+            "/v1/tasks",
+            Some(json!({"task": task, "network": {"allow": ["api.example.org"]}}).to_string()),
+        )
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body.to_string().contains("api.example.org") && body.to_string().contains("network_allow"),
+        "{body}"
+    );
+    let (code, out, err) = d
+        .cli(&["submit", "--json", "--allow-host", "files.test", task])
+        .await;
+    assert_eq!(code, 0, "{out}\n{err}");
+    let id = serde_json::from_str::<Value>(out.trim())
+        .ok()
+        .and_then(|v| v["id"].as_str().map(str::to_owned))
+        .unwrap_or_else(|| panic!("no id in {out}"));
+    d.wait_finished(&id, Duration::from_secs(300)).await;
+    let events = d.raw_events(&id, 0).await;
+    let nets: Vec<&Value> = events.iter().filter(|e| e["type"] == "net").collect();
+    assert_eq!(
+        verdicts(nets.iter().copied()),
+        [
+            (
+                "files.test".to_owned(),
+                "allowed".to_owned(),
+                "files.test".to_owned()
+            ),
+            (
+                "other.test".to_owned(),
+                "denied".to_owned(),
+                "default".to_owned()
+            )
+        ],
+        "{events:?}"
+    );
+}

@@ -529,6 +529,19 @@ def test_a_session_with_a_network_reaches_what_it_asked_for_and_its_connections_
             assert [(n["host"], n["port"], n["verdict"], n["rule"]) for n in seen] == [
                 ("127.0.0.1", port, "allowed", entry)
             ]
+            # A task asks the same way: its code reaches the host, and its events tell it.
+            with pytest.raises(tandem_client.TandemError) as refused:
+                c.submit("fetch", executor="local", network={"allow": ["evil.test"]})
+            assert "evil.test" in str(refused.value)
+            model.script(f"```python\n{code}```", "Fetched. TERMINATE")
+            task = c.submit("fetch", executor="local", max_turns=3, network={"allow": [entry]})
+            nets = [e.data for e in c.follow(task["id"]) if e.type == "net"]
+            record = c.wait(task["id"])
+            assert record["stop_reason"] == "terminated", record
+            assert hits == ["/x", "/x"]
+            assert [(n["host"], n["port"], n["verdict"], n["rule"]) for n in nets] == [
+                ("127.0.0.1", port, "allowed", entry)
+            ]
     finally:
         d.stop()
         server.shutdown()
