@@ -579,6 +579,8 @@ value_file = "{d}/plain-token"
             &[
                 ("TANDEM_MAX_RETRIES", "0"),
                 ("TANDEM_TEST_API_TOKEN", "Bearer sekrit-123"),
+                // Every log line Tandem and its libraries write at debug, searched below.
+                ("RUST_LOG", "debug"),
             ],
             None,
         )
@@ -621,7 +623,8 @@ value_file = "{d}/plain-token"
                 .all(|h| !h.to_ascii_lowercase().contains("authorization")),
             "{plain:?}"
         );
-        // Events say a secret was added, and never its value; nor does the transcript.
+        // Events say a secret was added, and never its value; nor does the transcript, nor
+        // the log (stderr, at debug).
         let nets = events_of(&out.stdout, "net");
         assert!(
             nets.iter()
@@ -1503,4 +1506,64 @@ async fn network_allow_bounds_what_a_client_asks_for_and_submit_asks_with_allow_
         ],
         "{events:?}"
     );
+}
+
+/// A block whose import fails is told how to install the module when the operator's index
+/// is reachable; installed in a block of its own, the next block imports it with no path
+/// set by hand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_import_is_told_how_to_install_it_and_the_next_block_imports_it() {
+    let net = Internet::new();
+    let index = tempfile::tempdir().unwrap();
+    tandem_tests::packages::build_index(index.path(), "tandemdemo", "1.0", "VALUE = 42\n");
+    net.file_server(80, index.path().to_owned());
+    let task = "network: use tandemdemo";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Text(fence("python", "import tandemdemo")),
+            Reply::Text(fence(
+                "python",
+                "import subprocess, sys\nprint('pip exit', subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', 'tandemdemo']).returncode)",
+            )),
+            Reply::Text(fence(
+                "python",
+                "import tandemdemo\nprint('value', tandemdemo.VALUE)",
+            )),
+            Reply::from("It is 42.\n\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tandem.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[network]\nresolve = {{ \"pypi.test\" = [\"{}\"] }}\n[network.packages]\npython = \"http://pypi.test/simple/\"\ncache_dir = \"{}/cache\"\n",
+            net.addr,
+            dir.path().display()
+        ),
+    )
+    .unwrap();
+    for executor in ["docker", "local"] {
+        let out = run_json(&config, &server.base_url(), executor, task).await;
+        assert_eq!(out.code, 0, "{executor}: {}\n{}", out.stdout, out.stderr);
+        let results = events_of(&out.stdout, "exec_result");
+        let printed: Vec<&str> = results
+            .iter()
+            .map(|r| r["result"]["stdout"].as_str().unwrap_or_default())
+            .collect();
+        assert_eq!(
+            printed,
+            ["", "pip exit 0\n", "value 42\n"],
+            "{executor}: {results:?}"
+        );
+        let told = server.requests_for(task).iter().any(|r| {
+            r.body
+                .to_string()
+                .contains("`tandemdemo` is not installed, and can be: run `pip install tandemdemo`")
+        });
+        assert!(told, "{executor}: the model was not told how to install it");
+    }
 }
