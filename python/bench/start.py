@@ -254,7 +254,11 @@ def floors(args: argparse.Namespace) -> list[Series]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kinds", default="docker-warm,docker-cold,local,wasm")
+    ap.add_argument(
+        "--kinds",
+        default=None,
+        help="comma-separated; by default docker-warm, docker-cold, local and wasm, and kubernetes when TANDEM_FAKE_KUBERNETES is set",
+    )
     ap.add_argument("--count", type=int, default=100)
     ap.add_argument("--stagger-ms", type=int, default=200)
     ap.add_argument("--burst", default="40", help="burst sizes, comma-separated")
@@ -269,6 +273,10 @@ def main() -> None:
         help="also N sandboxes of each kind one after another, timed by request: open, first block, second block",
     )
     args = ap.parse_args()
+    if args.kinds is None:
+        args.kinds = "docker-warm,docker-cold,local,wasm"
+        if os.environ.get("TANDEM_FAKE_KUBERNETES"):
+            args.kinds += ",kubernetes"
     args.burst = [int(b) for b in args.burst.split(",") if b]
     rows: list[Series] = []
     splits: list[str] = []
