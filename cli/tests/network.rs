@@ -1567,3 +1567,72 @@ async fn a_failed_import_is_told_how_to_install_it_and_the_next_block_imports_it
         assert!(told, "{executor}: the model was not told how to install it");
     }
 }
+
+/// `max_connections` and `max_bytes` from tandem.toml hold against a block in a real
+/// sandbox: two connections held open leave no room for a third, and a download past the
+/// task's bytes is cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_connections_and_max_bytes_from_the_config_hold_in_a_sandbox() {
+    let net = Internet::new();
+    let root = tempfile::tempdir().unwrap();
+    std::fs::write(root.path().join("hello"), "hello\n").unwrap();
+    std::fs::write(root.path().join("big.bin"), vec![1u8; 500_000]).unwrap();
+    net.file_server(80, root.path().to_owned());
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tandem.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[network]\nallow = [\"files.test\"]\nresolve = {{ \"files.test\" = [\"{}\"] }}\nmax_connections = 2\nmax_bytes = 200000\n",
+            net.addr
+        ),
+    )
+    .unwrap();
+    const FLOOD: &str = r#"import select, socket, time, urllib.request
+socks = []
+for _ in range(3):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=20)
+    s.sendall(b"GET http://files.test/hello HTTP/1.1\r\nHost: files.te")
+    socks.append(s)
+# Whichever the proxy takes last is refused at once; the other two wait for the rest of their
+# request (until the proxy's 10 s for a head).
+ready, _, _ = select.select(socks, [], [], 8)
+said = [s.recv(400).decode("latin-1") for s in ready]
+print("refused:", len(ready), ["403 Forbidden" in a and "max_connections" in a for a in said])
+for s in socks:
+    s.close()
+time.sleep(0.5)
+try:
+    print("flood:", len(urllib.request.urlopen("http://files.test/big.bin", timeout=30).read()))
+except Exception as e:
+    print("flood cut:", type(e).__name__)
+"#;
+    for executor in ["docker", "local"] {
+        let out = tandem(
+            &[
+                "exec",
+                "--config",
+                config.to_str().unwrap(),
+                "-e",
+                executor,
+                "--lang",
+                "python",
+            ],
+            &[],
+            Some(FLOOD),
+        )
+        .await;
+        assert!(
+            out.stdout.contains("refused: 1 [True]") && out.stdout.contains("flood cut: "),
+            "{executor}: {}\n{}",
+            out.stdout,
+            out.stderr
+        );
+        assert!(
+            out.stderr
+                .contains("net: a connection denied (rule max_connections)"),
+            "{executor}: {}",
+            out.stderr
+        );
+    }
+}
