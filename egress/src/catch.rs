@@ -34,8 +34,17 @@ const BURST: f64 = 64.0;
 const PER_SEC: f64 = 16.0;
 
 /// Makes the catcher in the network namespace `netns`, on a thread of its own that enters
-/// it (and ends there); blocking.
+/// it (and ends there); blocking. Never in this process's own namespace: there its default
+/// route would take the machine's traffic.
 pub(crate) fn make_in(netns: OwnedFd) -> io::Result<OwnedFd> {
+    let theirs = nix::sys::stat::fstat(&netns)?;
+    let ours = nix::sys::stat::stat("/proc/self/ns/net")?;
+    if (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino) {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "the network namespace given is Tandem's own, not a sandbox's",
+        ));
+    }
     std::thread::Builder::new()
         .name("tandem-catch".to_owned())
         .spawn(move || {
@@ -209,6 +218,9 @@ pub(crate) async fn watch(tun: OwnedFd, grant: Arc<Grant>) {
                 continue;
             };
             let Some(untold) = bucket.take() else {
+                // A flood: read no faster than attempts are recorded, and let the device's
+                // queue drop the rest, so that the sandbox cannot spend the daemon's CPU.
+                tokio::time::sleep(std::time::Duration::from_secs_f64(1.0 / PER_SEC)).await;
                 continue;
             };
             if let Some(answer) = &seen.answer {
@@ -611,6 +623,22 @@ mod tests {
         let mut pseudo = a[8..40].to_vec();
         pseudo.extend_from_slice(&[0, 0, 0, 20, 0, 0, 0, TCP]);
         assert_eq!(checksum(&[&pseudo, &a[40..]]), 0, "TCP checksum");
+    }
+
+    #[test]
+    fn the_daemons_own_network_is_never_given_a_catcher() {
+        let own: OwnedFd = nix::fcntl::open(
+            "/proc/self/ns/net",
+            OFlag::O_RDONLY | OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .unwrap();
+        let refused = make_in(own).unwrap_err();
+        assert_eq!(refused.kind(), io::ErrorKind::PermissionDenied, "{refused}");
+        assert!(
+            !std::path::Path::new(&format!("/sys/class/net/{DEVICE}")).exists(),
+            "a catcher was made in this process's network"
+        );
     }
 
     #[test]

@@ -473,3 +473,67 @@ async fn the_executors_of_one_task_share_its_max_bytes() {
     // The one count is the task's: both downloads are in it.
     assert!(carried.get() >= 500_000, "{}", carried.get());
 }
+
+/// A block that floods the way around the proxy is recorded at a bounded rate, and the
+/// record says how many went unrecorded; the daemon reads no faster than it records.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_flood_around_the_proxy_is_recorded_at_a_bounded_rate() {
+    use tandem_executor::Executor;
+    let net = Internet::new();
+    let egress = Egress::new(ProxyLimits::default(), tandem_egress::own_addresses());
+    let policy = Arc::new(Policy::parse(&["files.test"], &[] as &[&str]).unwrap());
+    let events = Arc::new(Events::default());
+    let local: Arc<dyn Executor> = Arc::new(tandem_executor_local::LocalExecutor::new(
+        tandem_executor_local::LocalConfig::default(),
+    ));
+    let behind = tandem_egress::Behind::new(local, egress, policy, events.clone());
+    let mut session = behind.open(SessionSpec::default()).await.unwrap();
+    let flood = format!(
+        "import socket, time\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nt = time.time()\nfor i in range(5000):\n    try:\n        s.sendto(b'x', ('{}', 1000 + i))\n    except OSError:\n        pass\ntime.sleep(1)\nprint('sent in', round(time.time() - t, 1))\n",
+        net.addr
+    );
+    let started = std::time::Instant::now();
+    let out = session
+        .run(
+            ExecRequest {
+                timeout: Some(Duration::from_secs(120)),
+                ..ExecRequest::new(Language::python(), flood)
+            },
+            ExecContext::new(CancellationToken::new()),
+        )
+        .await
+        .unwrap();
+    assert!(
+        out.stdout.to_text().starts_with("sent in"),
+        "{}",
+        out.stderr.to_text()
+    );
+    // A last datagram, after the flood, is recorded and tells what went unrecorded.
+    let last = format!(
+        "import socket, time\ntime.sleep(1)\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('{}', 53))\ntime.sleep(0.5)\n",
+        net.addr
+    );
+    session
+        .run(
+            ExecRequest::new(Language::python(), last),
+            ExecContext::new(CancellationToken::new()),
+        )
+        .await
+        .unwrap();
+    let secs = started.elapsed().as_secs_f64();
+    session.close().await.unwrap();
+    let got = events.0.lock().unwrap().clone();
+    let caught: Vec<_> = got.iter().filter(|e| e.rule == "proxy_only").collect();
+    assert!(
+        caught.len() >= 64 && (caught.len() as f64) <= 64.0 + 16.0 * secs + 2.0,
+        "{} recorded in {secs:.1} s",
+        caught.len()
+    );
+    assert!(
+        caught.iter().any(|e| e
+            .reason
+            .as_deref()
+            .is_some_and(|r| r.contains("more such attempts just before it were not recorded"))),
+        "{caught:?}"
+    );
+}
