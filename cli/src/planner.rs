@@ -95,23 +95,29 @@ pub fn network(
     // A mistake in the file stops the start, named (`?`). What the proxy needs of the
     // machine (its CA, its caches' directories) failing leaves the daemon serving tasks
     // without a network, each task that asks for one told why.
-    let made = match file.network.as_ref().and_then(|n| n.packages.as_ref()) {
+    let packages_section = file.network.as_ref().and_then(|n| n.packages.as_ref());
+    let made = match packages_section {
         Some(section) => packages(section, file.network.as_ref())?,
         None => Ok(Vec::new()),
     };
-    let made = made.and_then(|packages| {
-        // Brokered headers, and an https:// index the cache answers inside TLS, each need
-        // the proxy's own CA.
-        let broker = match &file.network {
-            Some(section)
-                if !section.secrets.is_empty() || packages.iter().any(|p| p.index().tls) =>
-            {
-                Some(broker(section)?)
-            }
-            _ => None,
-        };
-        Ok((packages, broker))
+    // Brokered headers, and an https:// index the cache answers inside TLS, each need the
+    // proxy's own CA. The secrets are read (and a mistake named) whether or not the
+    // caches could be made.
+    let https_index = packages_section.is_some_and(|p| {
+        [&p.python, &p.npm]
+            .into_iter()
+            .flatten()
+            .any(|url| url.starts_with("https://"))
     });
+    let broker = match &file.network {
+        Some(section) if !section.secrets.is_empty() || https_index => match broker(section) {
+            Ok(broker) => Ok(Some(broker)),
+            Err(Down::Config(e)) => return Err(e),
+            Err(machine) => Err(machine),
+        },
+        _ => Ok(None),
+    };
+    let made = made.and_then(|packages| Ok((packages, broker?)));
     let (egress, egress_down) = match made {
         Ok((packages, broker)) => (
             Some(tandem_egress::Egress::with(
@@ -245,7 +251,7 @@ fn packages(
     let mut caches = Vec::new();
     // Each index has a cache of its own, within the bound; Python's keeps the directory
     // itself, as before npm had one.
-    for (key, url, kind, dir) in [
+    for (index, kind, dir) in [
         (
             "python",
             &section.python,
@@ -258,12 +264,18 @@ fn packages(
             tandem_egress::packages::Kind::Npm,
             dir.join("npm"),
         ),
-    ] {
-        let Some(url) = url else {
-            continue;
-        };
-        let index = tandem_egress::IndexUrl::parse(url)
-            .with_context(|| format!("in [network.packages] {key} of tandem.toml"))?;
+    ]
+    .into_iter()
+    // Every index is checked before any cache is made: a mistake in the file is named even
+    // when the machine would refuse a cache.
+    .filter_map(|(key, url, kind, dir)| Some((key, url.as_ref()?, kind, dir)))
+    .map(|(key, url, kind, dir)| {
+        tandem_egress::IndexUrl::parse(url)
+            .with_context(|| format!("in [network.packages] {key} of tandem.toml"))
+            .map(|index| (index, kind, dir))
+    })
+    .collect::<Result<Vec<_>>>()?
+    {
         let resolve = network
             .and_then(|n| {
                 n.resolve

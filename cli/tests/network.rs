@@ -1630,7 +1630,8 @@ except Exception as e:
         );
         assert!(
             out.stderr
-                .contains("net: a connection denied (rule max_connections)"),
+                .contains("net: a connection denied (rule max_connections)")
+                && out.stderr.contains("(rule max_bytes)"),
             "{executor}: {}",
             out.stderr
         );

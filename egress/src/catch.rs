@@ -32,18 +32,34 @@ const V6: Ipv6Addr = Ipv6Addr::new(0xfdff, 0, 0, 0, 0, 0, 0, 8);
 /// unanswered and unrecorded (counted, and told with the next one recorded).
 const BURST: f64 = 64.0;
 const PER_SEC: f64 = 16.0;
+/// Packets read at once, and per second after, whatever they are; past them the device's
+/// queue drops what comes, uncounted.
+const READ_BURST: f64 = 1024.0;
+const READ_PER_SEC: f64 = 1024.0;
 
 /// Makes the catcher in the network namespace `netns`, on a thread of its own that enters
-/// it (and ends there); blocking. Never in this process's own namespace: there its default
-/// route would take the machine's traffic.
+/// it (and ends there); blocking. `netns` must be a network namespace's own file (a pidfd,
+/// which `setns` also takes, is refused), and never this process's or the machine's first
+/// one: there its default route would take the machine's traffic.
 pub(crate) fn make_in(netns: OwnedFd) -> io::Result<OwnedFd> {
+    let refuse = |why: &str| {
+        Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            why.to_owned(),
+        ))
+    };
     let theirs = nix::sys::stat::fstat(&netns)?;
     let ours = nix::sys::stat::stat("/proc/self/ns/net")?;
-    if (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino) {
-        return Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            "the network namespace given is Tandem's own, not a sandbox's",
-        ));
+    if theirs.st_dev != ours.st_dev || ns_type(&netns) != Some(nix::libc::CLONE_NEWNET) {
+        return refuse("the file given is not a network namespace's");
+    }
+    let first = nix::sys::stat::stat("/proc/1/ns/net").ok();
+    if (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
+        || first.is_some_and(|f| (f.st_dev, f.st_ino) == (theirs.st_dev, theirs.st_ino))
+    {
+        return refuse(
+            "the network namespace given is Tandem's own or the machine's, not a sandbox's",
+        );
     }
     std::thread::Builder::new()
         .name("tandem-catch".to_owned())
@@ -53,6 +69,16 @@ pub(crate) fn make_in(netns: OwnedFd) -> io::Result<OwnedFd> {
         })?
         .join()
         .map_err(|_| io::Error::other("the thread making the catcher panicked"))?
+}
+
+/// The kind of namespace `fd` is (`NS_GET_NSTYPE`), `None` when it is none.
+#[allow(unsafe_code)]
+fn ns_type(fd: &OwnedFd) -> Option<nix::libc::c_int> {
+    // _IO(0xb7, 0x3) of <linux/nsfs.h>.
+    const NS_GET_NSTYPE: nix::libc::c_ulong = 0xb703;
+    // SAFETY: the request takes no argument and answers in its return value.
+    let kind = unsafe { nix::libc::ioctl(fd.as_raw_fd(), NS_GET_NSTYPE as _) };
+    (kind >= 0).then_some(kind)
 }
 
 /// The TUN device of the calling thread's network namespace, up, with the sandbox's
@@ -66,7 +92,9 @@ fn make_here() -> io::Result<OwnedFd> {
         nix::sys::stat::Mode::empty(),
     )?;
     let mut req = ifreq();
-    req.ifr_ifru.ifru_flags = (libc::IFF_TUN | libc::IFF_NO_PI) as libc::c_short;
+    // IFF_TUN_EXCL: a device of that name already there is never attached to.
+    req.ifr_ifru.ifru_flags =
+        (libc::IFF_TUN | libc::IFF_NO_PI | libc::IFF_TUN_EXCL) as libc::c_short;
     ioctl(&tun, libc::TUNSETIFF as libc::c_ulong, &mut req)?;
 
     let v4 = socket(
@@ -186,24 +214,40 @@ fn ioctl<T>(fd: &impl AsRawFd, request: nix::libc::c_ulong, arg: &mut T) -> io::
     }
 }
 
-/// Reads what comes out of `tun` until the grant ends or the device goes (its network was
-/// torn down), recording each attempt into the grant's sink and answering it.
+/// Reads what comes out of `tun` until `stop` (the grant's, or a later catcher's for the
+/// same grant) or the device goes, recording each attempt into the grant's sink and
+/// answering it. The fd keeps the namespace alive: `stop` is what ends a watcher.
 #[allow(unsafe_code)]
-pub(crate) async fn watch(tun: OwnedFd, grant: Arc<Grant>) {
+pub(crate) async fn watch(
+    tun: OwnedFd,
+    grant: Arc<Grant>,
+    stop: tokio_util::sync::CancellationToken,
+) {
     // SAFETY: the AsyncFd owns the OwnedFd, which stays open (and the same descriptor) until
     // the AsyncFd is dropped.
     let Ok(tun) = (unsafe { AsyncFd::register(tun) }) else {
         return;
     };
     let mut buf = vec![0u8; 65_536];
-    let mut bucket = Bucket::new();
+    let mut recorded = Bucket::new(BURST, PER_SEC);
+    // Every packet read costs a token of its own, noise included: what the daemon spends
+    // on a sandbox's packets is bounded whatever they are.
+    let mut reads = Bucket::new(READ_BURST, READ_PER_SEC);
     loop {
         let ready = tokio::select! {
+            () = stop.cancelled() => return,
             () = grant.stop.cancelled() => return,
             ready = tun.readable() => ready,
         };
         let Ok(mut guard) = ready else { return };
         loop {
+            if reads.take().is_none() {
+                // Past the bound the device's own queue drops what comes; the select above
+                // sees a stop before the next read.
+                drop(guard);
+                tokio::time::sleep(std::time::Duration::from_secs_f64(1.0 / READ_PER_SEC)).await;
+                break;
+            }
             let n = match nix::unistd::read(tun.get_ref().as_fd(), &mut buf) {
                 Ok(n) => n,
                 Err(nix::errno::Errno::EAGAIN) => {
@@ -211,16 +255,13 @@ pub(crate) async fn watch(tun: OwnedFd, grant: Arc<Grant>) {
                     break;
                 }
                 Err(nix::errno::Errno::EINTR) => continue,
-                // The device is gone with its network.
+                // The device is gone.
                 Err(_) => return,
             };
             let Some(seen) = look(&buf[..n]) else {
                 continue;
             };
-            let Some(untold) = bucket.take() else {
-                // A flood: read no faster than attempts are recorded, and let the device's
-                // queue drop the rest, so that the sandbox cannot spend the daemon's CPU.
-                tokio::time::sleep(std::time::Duration::from_secs_f64(1.0 / PER_SEC)).await;
+            let Some(untold) = recorded.take() else {
                 continue;
             };
             if let Some(answer) = &seen.answer {
@@ -231,17 +272,21 @@ pub(crate) async fn watch(tun: OwnedFd, grant: Arc<Grant>) {
     }
 }
 
-/// At most [`BURST`] at once, [`PER_SEC`] a second after.
+/// At most `burst` at once, `per_sec` a second after.
 struct Bucket {
     tokens: f64,
+    burst: f64,
+    per_sec: f64,
     at: Instant,
     dropped: u64,
 }
 
 impl Bucket {
-    fn new() -> Bucket {
+    fn new(burst: f64, per_sec: f64) -> Bucket {
         Bucket {
-            tokens: BURST,
+            tokens: burst,
+            burst,
+            per_sec,
             at: Instant::now(),
             dropped: 0,
         }
@@ -250,8 +295,8 @@ impl Bucket {
     /// `Some(n)` when this one may go, `n` being how many were dropped since the last.
     fn take(&mut self) -> Option<u64> {
         let now = Instant::now();
-        self.tokens =
-            (self.tokens + now.duration_since(self.at).as_secs_f64() * PER_SEC).min(BURST);
+        self.tokens = (self.tokens + now.duration_since(self.at).as_secs_f64() * self.per_sec)
+            .min(self.burst);
         self.at = now;
         if self.tokens < 1.0 {
             self.dropped += 1;
@@ -302,7 +347,7 @@ impl Seen {
         };
         if untold > 0 {
             reason.push_str(&format!(
-                "; {untold} more such attempts just before it were not recorded"
+                "; at least {untold} more such attempts just before it were not recorded"
             ));
         }
         NetEvent {
@@ -633,8 +678,23 @@ mod tests {
             nix::sys::stat::Mode::empty(),
         )
         .unwrap();
-        let refused = make_in(own).unwrap_err();
-        assert_eq!(refused.kind(), io::ErrorKind::PermissionDenied, "{refused}");
+        let refused = make_in(own).unwrap_err().to_string();
+        assert_eq!(
+            refused,
+            "the network namespace given is Tandem's own or the machine's, not a sandbox's"
+        );
+        // A pidfd, which setns takes as well, naming this very process.
+        #[allow(unsafe_code)]
+        // SAFETY: pidfd_open of this process; a descriptor it answers is owned here.
+        let pidfd = unsafe { nix::libc::syscall(nix::libc::SYS_pidfd_open, std::process::id(), 0) };
+        if pidfd >= 0 {
+            use std::os::fd::FromRawFd;
+            #[allow(unsafe_code)]
+            // SAFETY: a fresh descriptor the kernel just gave this process.
+            let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+            let refused = make_in(pidfd).unwrap_err().to_string();
+            assert_eq!(refused, "the file given is not a network namespace's");
+        }
         assert!(
             !std::path::Path::new(&format!("/sys/class/net/{DEVICE}")).exists(),
             "a catcher was made in this process's network"
@@ -643,7 +703,7 @@ mod tests {
 
     #[test]
     fn a_flood_is_recorded_at_a_bounded_rate_and_the_rest_counted() {
-        let mut b = Bucket::new();
+        let mut b = Bucket::new(BURST, PER_SEC);
         let taken = (0..1000).filter_map(|_| b.take()).count();
         assert!((64..=80).contains(&taken), "{taken}");
         assert!(b.dropped > 900);

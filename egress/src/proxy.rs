@@ -95,6 +95,9 @@ pub struct Grant {
     carried: Arc<Carried>,
     pub(crate) sink: Arc<dyn NetSink>,
     pub(crate) stop: CancellationToken,
+    /// Stops the catcher of the sandbox's network now watched, when a later one (its
+    /// network made again) takes its place.
+    catcher: std::sync::Mutex<Option<CancellationToken>>,
 }
 
 impl Grant {
@@ -108,7 +111,21 @@ impl Grant {
             carried,
             sink,
             stop: CancellationToken::new(),
+            catcher: std::sync::Mutex::new(None),
         }
+    }
+
+    /// A stop for a new catcher of this grant's sandbox, which stops the one before.
+    pub(crate) fn new_catcher(&self) -> CancellationToken {
+        let stop = CancellationToken::new();
+        let mut slot = self
+            .catcher
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(old) = slot.replace(stop.clone()) {
+            old.cancel();
+        }
+        stop
     }
 
     /// The policy this grant carries out.
@@ -1509,7 +1526,8 @@ impl SocketGrant {
                 .as_ref()
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
             let tun = crate::catch::make_in(netns)?;
-            runtime.spawn(crate::catch::watch(tun, grant.clone()));
+            let stop = grant.new_catcher();
+            runtime.spawn(crate::catch::watch(tun, grant.clone(), stop));
             Ok(())
         };
         tandem_executor::EgressAdopt::new(listen, catch)

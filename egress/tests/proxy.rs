@@ -617,37 +617,39 @@ async fn requests_it_cannot_read_and_a_full_proxy_are_each_a_denied_connection()
         );
     }
 
-    // Two connections whose heads never end fill a proxy that carries two; one more is
-    // refused and recorded. Until both are taken, a third is answered by the policy.
-    let mut held = Vec::new();
-    for _ in 0..2 {
-        let mut s = p.connect_from("127.0.0.10").await;
+    // A proxy that carries two, with time to wait for a head: of three connections whose
+    // heads never end, exactly one (whichever it takes last) is refused at once, and
+    // recorded with no host.
+    let full = proxy(ProxyLimits {
+        head_timeout: Duration::from_secs(120),
+        max_open: 2,
+        ..ProxyLimits::default()
+    })
+    .await;
+    let (_g2, events) = full.grant("127.0.0.13", policy(&["files.test:8080"], &[]));
+    let mut conns = Vec::new();
+    for _ in 0..3 {
+        let mut s = full.connect_from("127.0.0.13").await;
         s.write_all(b"GET http://files.test:8080/ HTT")
             .await
             .unwrap();
-        held.push(s);
+        conns.push(s);
     }
-    let mut full = String::new();
-    for _ in 0..100 {
-        full = p
-            .ask(
-                "127.0.0.10",
-                "GET http://other.test/ HTTP/1.1\r\nHost: other.test\r\n\r\n",
-            )
-            .await;
-        if full.starts_with("HTTP/1.1 503") {
-            break;
-        }
-    }
-    assert!(full.starts_with("HTTP/1.1 503"), "{full}");
-    let got = events.0.lock().expect("events").clone();
-    let refused: Vec<_> = got.iter().filter(|e| e.rule == "max_open").collect();
-    assert_eq!(refused.len(), 1, "{got:?}");
+    let got = events.wait_for(1).await;
     assert_eq!(
-        (refused[0].host.as_str(), refused[0].verdict),
-        ("", NetVerdict::Denied)
+        (got[0].host.as_str(), got[0].verdict, got[0].rule.as_str()),
+        ("", NetVerdict::Denied, "max_open"),
+        "{got:?}"
     );
-    drop(held);
+    // Recorded once answered: the refused one has its 503 to read now, the others nothing.
+    let mut answered = Vec::new();
+    for s in &mut conns {
+        let mut buf = [0u8; 64];
+        let read = tokio::time::timeout(Duration::from_millis(500), s.read(&mut buf)).await;
+        answered.push(matches!(read, Ok(Ok(n)) if buf[..n].starts_with(b"HTTP/1.1 503")));
+    }
+    assert_eq!(answered.iter().filter(|a| **a).count(), 1, "{answered:?}");
+    assert_eq!(events.0.lock().expect("events").len(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

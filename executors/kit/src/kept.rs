@@ -268,7 +268,11 @@ impl KeptSession {
             Some(Done {
                 resources: Some(used),
                 ..
-            }) => used.clone(),
+            }) => serde_json::from_value(used.clone()).unwrap_or_else(|e| {
+                tandem_executor::Resources::unavailable(format!(
+                    "the interpreter's figures for the block do not read ({e})"
+                ))
+            }),
             Some(_) => tandem_executor::Resources::unavailable(
                 "the interpreter did not say what the block used",
             ),
@@ -366,8 +370,9 @@ impl KeptSession {
 #[derive(Debug, Default, serde::Deserialize)]
 struct Done {
     exit_code: i32,
+    /// Read apart from the rest: figures that do not parse lose nothing but themselves.
     #[serde(default)]
-    resources: Option<tandem_executor::Resources>,
+    resources: Option<serde_json::Value>,
 }
 
 /// The interpreter's word that its globals were saved, or why not.
