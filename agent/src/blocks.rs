@@ -814,16 +814,31 @@ pub fn to_result(language: &Language, outcome: ExecOutcome) -> BlockResult {
         };
         let _ = writeln!(stderr, "{}killed by signal {sig}{why}", sep(&stderr));
     }
+    let peak = outcome
+        .resources
+        .as_ref()
+        .and_then(|r| r.peak_memory_bytes)
+        .map(|p| format!("; its peak was {:.1} MB", p as f64 / 1e6))
+        .unwrap_or_default();
     if outcome.status == ExitStatus::OutOfMemory {
-        let peak = outcome
-            .resources
-            .as_ref()
-            .and_then(|r| r.peak_memory_bytes)
-            .map(|p| format!("; its peak was {:.1} MB", p as f64 / 1e6))
-            .unwrap_or_default();
         let _ = writeln!(
             stderr,
             "{}killed: over the sandbox's memory limit (limits.memory_bytes){peak}",
+            sep(&stderr)
+        );
+    } else if matches!(outcome.status, ExitStatus::Exited(code) if code != 0)
+        && stderr
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .is_some_and(|l| l.starts_with("MemoryError"))
+    {
+        // Where the limit bounds what a block may allocate (a local block's address space, a
+        // WASM guest's memory) an allocation past it fails in the block, which ends with
+        // Python's MemoryError rather than being killed.
+        let _ = writeln!(
+            stderr,
+            "{}out of memory: an allocation failed at the sandbox's memory limit (limits.memory_bytes){peak}",
             sep(&stderr)
         );
     }

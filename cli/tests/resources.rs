@@ -194,3 +194,42 @@ async fn a_tasks_blocks_carry_their_usage_into_events_the_transcript_and_a_memor
     let footers = logged.lines().filter(|l| l.contains(" · cpu ")).count();
     assert_eq!(footers, 2, "{logged}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_block_past_its_memory_limit_says_which_limit_and_its_peak() {
+    let task = "resources: past the limit on local";
+    let server = ScriptedOpenAi::start(script([(
+        task,
+        vec![
+            Reply::Text(crate::e2e::fence(
+                "python",
+                "b = bytearray(2_000_000_000)\nprint(len(b))",
+            )),
+            Reply::from("Done.\n\nTERMINATE"),
+        ],
+    )]))
+    .await
+    .unwrap();
+    let d = DaemonHarness::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        &[],
+        None,
+    )
+    .await;
+    let id = d
+        .submit(json!({"task": task, "executor": "local", "limits": {"memory_bytes": LIMIT}}))
+        .await;
+    d.wait_finished(&id, std::time::Duration::from_secs(180))
+        .await;
+    let events = d.events(&id, 0).await;
+    let results = tandem_tests::daemon::block_results(&events);
+    assert_eq!(results.len(), 1, "{events:?}");
+    assert!(
+        results[0].stderr.contains(
+            "out of memory: an allocation failed at the sandbox's memory limit (limits.memory_bytes); its peak was"
+        ),
+        "{}",
+        results[0].stderr
+    );
+}
