@@ -36,6 +36,17 @@ fn verdicts<'a>(nets: impl Iterator<Item = &'a Value>) -> Vec<(String, String, S
     out
 }
 
+/// `tandem serve` with `args` and `config`, its model `server`.
+async fn serve(server: &ScriptedOpenAi, args: &[&str], config: Option<&str>) -> DaemonHarness {
+    DaemonHarness::start(
+        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        args,
+        config,
+    )
+    .await
+}
+
 /// `tandem run --json` in process with `config`, against the model at `url`, on `executor`.
 async fn run_json(
     config: &std::path::Path,
@@ -185,13 +196,7 @@ async fn a_daemon_gives_a_client_only_what_its_operator_allows() {
         "[network]\nallow = [\"files.test\", \"*.example.com\"]\nresolve = {{ \"files.test\" = [\"{}\"] }}\n",
         net.addr
     );
-    let daemon = DaemonHarness::start(
-        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
-        &server.base_url(),
-        &["--executor", "docker"],
-        Some(&config),
-    )
-    .await;
+    let daemon = serve(&server, &["--executor", "docker"], Some(&config)).await;
     // Outside [network] allow: refused with 400, naming the host and the setting.
     let (status, body) = daemon
         .send(
@@ -751,13 +756,7 @@ async fn an_mcp_client_asks_for_a_network_within_the_operators_on_execute_code_a
         "[network]\nallow = [\"files.test\"]\nresolve = {{ \"files.test\" = [\"{}\"] }}\n",
         net.addr
     );
-    let daemon = DaemonHarness::start(
-        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
-        &server.base_url(),
-        &["--executor", "docker"],
-        Some(&config),
-    )
-    .await;
+    let daemon = serve(&server, &["--executor", "docker"], Some(&config)).await;
     let mcp = tandem_tests::mcp::McpHttp::connect(&daemon).await.unwrap();
     // execute_code: the allowed host answers, the other is refused, each told as a line.
     let ran = mcp
@@ -1264,13 +1263,7 @@ async fn a_proxy_that_cannot_start_leaves_no_sandbox_a_network_and_says_why() {
         blocked.display(),
         token.display()
     );
-    let d = DaemonHarness::start(
-        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
-        &server.base_url(),
-        &[],
-        Some(&config),
-    )
-    .await;
+    let d = serve(&server, &[], Some(&config)).await;
     // The daemon serves; /v1/executors says why no sandbox gets a network.
     let listed = d.get("/v1/executors").await;
     let local = listed["executors"]
@@ -1452,13 +1445,7 @@ async fn network_allow_bounds_what_a_client_asks_for_and_submit_asks_with_allow_
         "[policy]\nnetwork_allow = [\"files.test\", \"*.example.com\"]\n[network]\nresolve = {{ \"files.test\" = [\"{}\"] }}\n",
         net.addr
     );
-    let d = DaemonHarness::start(
-        std::path::Path::new(env!("CARGO_BIN_EXE_tandem")),
-        &server.base_url(),
-        &["--executor", "docker"],
-        Some(&config),
-    )
-    .await;
+    let d = serve(&server, &["--executor", "docker"], Some(&config)).await;
     let (code, out, err) = d
         .cli(&["submit", "--json", "--allow-host", "evil.test", task])
         .await;

@@ -17,6 +17,31 @@ const WRITE: &str = "import os\nwith open('five.bin', 'wb') as f:\n    f.write(o
 
 const LIMIT: u64 = 768 << 20;
 
+/// A daemon started with `args` whose model answers `task` with one Python block per turn,
+/// `blocks` in order, then ends.
+async fn serve_blocks(
+    task: &str,
+    blocks: &[&str],
+    args: &[&str],
+) -> (ScriptedOpenAi, DaemonHarness) {
+    let mut replies: Vec<Reply> = blocks
+        .iter()
+        .map(|code| Reply::Text(crate::e2e::fence("python", code)))
+        .collect();
+    replies.push(Reply::from("Done.\n\nTERMINATE"));
+    let server = ScriptedOpenAi::start(script([(task, replies)]))
+        .await
+        .unwrap();
+    let d = DaemonHarness::start(
+        Path::new(env!("CARGO_BIN_EXE_tandem")),
+        &server.base_url(),
+        args,
+        None,
+    )
+    .await;
+    (server, d)
+}
+
 fn figure(result: &Value, key: &str) -> f64 {
     result["resources"][key]
         .as_f64()
@@ -122,24 +147,13 @@ async fn every_block_says_what_it_used_on_docker_and_local_and_a_session_sums_it
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tasks_blocks_carry_their_usage_into_events_the_transcript_and_a_memory_kill() {
     let task = "resources: allocate";
-    let server = ScriptedOpenAi::start(script([(
+    let (_server, d) = serve_blocks(
         task,
-        vec![
-            Reply::Text(crate::e2e::fence("python", ALLOCATE)),
-            Reply::Text(crate::e2e::fence(
-                "python",
-                "b = bytearray(2_000_000_000)\nfor i in range(0, len(b), 4096):\n    b[i] = 1",
-            )),
-            Reply::from("Done.\n\nTERMINATE"),
+        &[
+            ALLOCATE,
+            "b = bytearray(2_000_000_000)\nfor i in range(0, len(b), 4096):\n    b[i] = 1",
         ],
-    )]))
-    .await
-    .unwrap();
-    let d = DaemonHarness::start(
-        Path::new(env!("CARGO_BIN_EXE_tandem")),
-        &server.base_url(),
         &["--executor", "docker"],
-        None,
     )
     .await;
     let id = d
@@ -198,25 +212,8 @@ async fn a_tasks_blocks_carry_their_usage_into_events_the_transcript_and_a_memor
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_block_past_its_memory_limit_says_which_limit_and_its_peak() {
     let task = "resources: past the limit on local";
-    let server = ScriptedOpenAi::start(script([(
-        task,
-        vec![
-            Reply::Text(crate::e2e::fence(
-                "python",
-                "b = bytearray(2_000_000_000)\nprint(len(b))",
-            )),
-            Reply::from("Done.\n\nTERMINATE"),
-        ],
-    )]))
-    .await
-    .unwrap();
-    let d = DaemonHarness::start(
-        Path::new(env!("CARGO_BIN_EXE_tandem")),
-        &server.base_url(),
-        &[],
-        None,
-    )
-    .await;
+    let (_server, d) =
+        serve_blocks(task, &["b = bytearray(2_000_000_000)\nprint(len(b))"], &[]).await;
     let id = d
         .submit(json!({"task": task, "executor": "local", "limits": {"memory_bytes": LIMIT}}))
         .await;

@@ -12,15 +12,12 @@
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::sync::Arc;
 use std::time::Instant;
 
 use nix::fcntl::OFlag;
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socket};
 use tandem_protocol::net::{NetEvent, NetVerdict};
 use tokio::io::unix::AsyncFd;
-
-use crate::proxy::Grant;
 
 /// The device's name in each sandbox's network.
 pub(crate) const DEVICE: &str = "tandem0";
@@ -214,14 +211,14 @@ fn ioctl<T>(fd: &impl AsRawFd, request: nix::libc::c_ulong, arg: &mut T) -> io::
     }
 }
 
-/// Reads what comes out of `tun` until `stop` (the grant's, or a later catcher's for the
-/// same grant) or the device goes, recording each attempt into the grant's sink and
-/// answering it. The fd keeps the namespace alive: `stop` is what ends a watcher.
+/// Reads what comes out of `tun` until either of `stops` (the session's end, a later
+/// catcher for the same session) or the device goes, passing each attempt to `record` and
+/// answering it. The fd keeps the namespace alive: a stop is what ends a watcher.
 #[allow(unsafe_code)]
 pub(crate) async fn watch(
     tun: OwnedFd,
-    grant: Arc<Grant>,
-    stop: tokio_util::sync::CancellationToken,
+    record: impl Fn(NetEvent),
+    stops: [tokio_util::sync::CancellationToken; 2],
 ) {
     // SAFETY: the AsyncFd owns the OwnedFd, which stays open (and the same descriptor) until
     // the AsyncFd is dropped.
@@ -235,8 +232,8 @@ pub(crate) async fn watch(
     let mut reads = Bucket::new(READ_BURST, READ_PER_SEC);
     loop {
         let ready = tokio::select! {
-            () = stop.cancelled() => return,
-            () = grant.stop.cancelled() => return,
+            () = stops[0].cancelled() => return,
+            () = stops[1].cancelled() => return,
             ready = tun.readable() => ready,
         };
         let Ok(mut guard) = ready else { return };
@@ -267,7 +264,7 @@ pub(crate) async fn watch(
             if let Some(answer) = &seen.answer {
                 let _ = nix::unistd::write(tun.get_ref(), answer);
             }
-            grant.sink.record(seen.event(untold));
+            record(seen.event(untold));
         }
     }
 }
@@ -294,7 +291,11 @@ impl Bucket {
 
     /// `Some(n)` when this one may go, `n` being how many were dropped since the last.
     fn take(&mut self) -> Option<u64> {
-        let now = Instant::now();
+        self.take_at(Instant::now())
+    }
+
+    /// [`Bucket::take`] at `now`.
+    fn take_at(&mut self, now: Instant) -> Option<u64> {
         self.tokens = (self.tokens + now.duration_since(self.at).as_secs_f64() * self.per_sec)
             .min(self.burst);
         self.at = now;
@@ -423,29 +424,19 @@ fn look_v4(p: &[u8]) -> Option<Seen> {
         icmp[2..4].copy_from_slice(&sum.to_be_bytes());
         reply(ICMP, icmp)
     };
-    let (proto, port, answer) = match p[9] {
-        TCP => {
-            let (port, rst) = tcp_reset(body)?;
+    let (proto, port, how) = attempt(p[9], body, ICMP, 8)?;
+    let answer = how.map(|how| match how {
+        Answer::Reset(rst) => {
             let mut pseudo = Vec::with_capacity(12);
             pseudo.extend_from_slice(&dst);
             pseudo.extend_from_slice(&src);
             pseudo.extend_from_slice(&[0, TCP, 0, 20]);
-            (
-                Proto::Tcp,
-                port,
-                Some(reply(TCP, with_sum(rst, &pseudo, 16))),
-            )
+            reply(TCP, with_sum(rst, &pseudo, 16))
         }
-        UDP if body.len() >= 8 => (
-            Proto::Udp,
-            u16::from_be_bytes([body[2], body[3]]),
-            Some(unreachable(3)),
-        ),
-        // An echo request; the kernel's own errors (and replies) are no attempt.
-        ICMP if body.first() == Some(&8) => (Proto::Icmp, 0, Some(unreachable(13))),
-        ICMP | UDP => return None,
-        n => (Proto::Other(n), 0, None),
-    };
+        // Port unreachable; communication administratively prohibited.
+        Answer::PortUnreachable => unreachable(3),
+        Answer::Prohibited => unreachable(13),
+    });
     Some(Seen {
         proto,
         to: IpAddr::V4(to),
@@ -495,32 +486,52 @@ fn look_v6(p: &[u8]) -> Option<Seen> {
         let icmp = with_sum(icmp, &pseudo(ICMPV6, 8 + quoted.len()), 2);
         reply(ICMPV6, icmp)
     };
-    let (proto, port, answer) = match p[6] {
-        TCP => {
-            let (port, rst) = tcp_reset(body)?;
-            let pseudo = pseudo(TCP, 20);
-            (
-                Proto::Tcp,
-                port,
-                Some(reply(TCP, with_sum(rst, &pseudo, 16))),
-            )
-        }
-        UDP if body.len() >= 8 => (
-            Proto::Udp,
-            u16::from_be_bytes([body[2], body[3]]),
-            Some(unreachable(4)),
-        ),
-        // An echo request; neighbour discovery and the rest are the kernel's own.
-        ICMPV6 if body.first() == Some(&128) => (Proto::Icmp, 0, Some(unreachable(1))),
-        ICMPV6 | UDP => return None,
-        n => (Proto::Other(n), 0, None),
-    };
+    let (proto, port, how) = attempt(p[6], body, ICMPV6, 128)?;
+    let answer = how.map(|how| match how {
+        Answer::Reset(rst) => reply(TCP, with_sum(rst, &pseudo(TCP, 20), 16)),
+        // Port unreachable; communication with the destination administratively prohibited.
+        Answer::PortUnreachable => unreachable(4),
+        Answer::Prohibited => unreachable(1),
+    });
     Some(Seen {
         proto,
         to: IpAddr::V6(to),
         port,
         answer,
     })
+}
+
+/// How an attempt is refused, whichever IP version carried it.
+enum Answer {
+    /// A TCP reset: this header, its checksum still to be filled in.
+    Reset(Vec<u8>),
+    /// ICMP port unreachable, for UDP.
+    PortUnreachable,
+    /// ICMP "prohibited", for an echo request.
+    Prohibited,
+}
+
+/// What the payload `body` of protocol `next` attempted (`icmp` and `echo` being the IP
+/// version's ICMP protocol and echo request type), and how it is refused; `None` for what is
+/// no attempt.
+fn attempt(next: u8, body: &[u8], icmp: u8, echo: u8) -> Option<(Proto, u16, Option<Answer>)> {
+    match next {
+        TCP => {
+            let (port, rst) = tcp_reset(body)?;
+            Some((Proto::Tcp, port, Some(Answer::Reset(rst))))
+        }
+        UDP if body.len() >= 8 => Some((
+            Proto::Udp,
+            u16::from_be_bytes([body[2], body[3]]),
+            Some(Answer::PortUnreachable),
+        )),
+        // An echo request; the kernel's own ICMP (errors, neighbour discovery) is no attempt.
+        n if n == icmp && body.first() == Some(&echo) => {
+            Some((Proto::Icmp, 0, Some(Answer::Prohibited)))
+        }
+        n if n == icmp || n == UDP => None,
+        n => Some((Proto::Other(n), 0, None)),
+    }
 }
 
 /// The port a connection's first TCP segment was sent to, and the reset that refuses it (a
@@ -704,8 +715,14 @@ mod tests {
     #[test]
     fn a_flood_is_recorded_at_a_bounded_rate_and_the_rest_counted() {
         let mut b = Bucket::new(BURST, PER_SEC);
-        let taken = (0..1000).filter_map(|_| b.take()).count();
-        assert!((64..=80).contains(&taken), "{taken}");
-        assert!(b.dropped > 900);
+        let start = b.at;
+        // 1,000 at once: the burst goes, the rest are counted.
+        let taken = (0..1000).filter_map(|_| b.take_at(start)).count();
+        assert_eq!((taken, b.dropped), (64, 936));
+        // Half a second on, eight more go, and the first tells of what was dropped.
+        let later = start + std::time::Duration::from_millis(500);
+        assert_eq!(b.take_at(later), Some(936));
+        let more = (0..100).filter_map(|_| b.take_at(later)).count();
+        assert_eq!(more, 7);
     }
 }

@@ -93,8 +93,8 @@ pub struct Grant {
     /// Connections the running block has made.
     block: std::sync::atomic::AtomicU32,
     carried: Arc<Carried>,
-    pub(crate) sink: Arc<dyn NetSink>,
-    pub(crate) stop: CancellationToken,
+    sink: Arc<dyn NetSink>,
+    stop: CancellationToken,
     /// Stops the catcher of the sandbox's network now watched, when a later one (its
     /// network made again) takes its place.
     catcher: std::sync::Mutex<Option<CancellationToken>>,
@@ -1526,8 +1526,9 @@ impl SocketGrant {
                 .as_ref()
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
             let tun = crate::catch::make_in(netns)?;
-            let stop = grant.new_catcher();
-            runtime.spawn(crate::catch::watch(tun, grant.clone(), stop));
+            let stops = [grant.new_catcher(), grant.stop.clone()];
+            let sink = grant.sink.clone();
+            runtime.spawn(crate::catch::watch(tun, move |e| sink.record(e), stops));
             Ok(())
         };
         tandem_executor::EgressAdopt::new(listen, catch)

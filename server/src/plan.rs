@@ -135,32 +135,35 @@ impl NetworkConfig {
                 return Err(Refusal::of_task(&TaskError::NotAllowed(Refused(why))));
             }
         };
-        let unavailable = |why: &str| {
+        let egress = self.proxy_for(executor).map_err(|problem| {
             Refusal::of_task(&TaskError::from(crate::error::Unavailable::Executor {
                 name: executor.name().to_owned(),
-                problem: why.to_owned(),
+                problem,
             }))
-        };
-        let Some(egress) = self.egress.clone() else {
-            return Err(unavailable(&format!(
-                "the egress proxy is not running{}, and a sandbox with a network policy goes only through it",
-                self.down_because()
-            )));
-        };
-        if !executor.carries_egress() {
-            return Err(unavailable(
-                "its sandboxes cannot be put behind Tandem's egress proxy, which a network policy needs; use the docker, kubernetes or confined local executor, or leave network out",
-            ));
-        }
+        })?;
         Ok(Some((egress, policy)))
     }
 
-    /// `: why` the proxy is not running, when that is known.
-    pub fn down_because(&self) -> String {
-        self.egress_down
-            .as_deref()
-            .map(|why| format!(" ({why})"))
-            .unwrap_or_default()
+    /// The proxy a sandbox of `executor` with a network policy goes behind, or why it
+    /// cannot: every road asks this one question.
+    pub(crate) fn proxy_for(
+        &self,
+        executor: &dyn Executor,
+    ) -> Result<tandem_egress::Egress, String> {
+        let Some(egress) = self.egress.clone() else {
+            let why = self
+                .egress_down
+                .as_deref()
+                .map(|why| format!(" ({why})"))
+                .unwrap_or_default();
+            return Err(format!(
+                "the egress proxy is not running{why}, and a sandbox with a network policy goes only through it (see `tandem doctor`)"
+            ));
+        };
+        if !executor.carries_egress() {
+            return Err("its sandboxes cannot be put behind Tandem's egress proxy, which a network policy needs; use the docker, kubernetes or confined local executor, or leave network out".to_owned());
+        }
+        Ok(egress)
     }
 
     /// What a task on `executor` that asks for hosts gets: `None` when it would be behind
@@ -173,14 +176,7 @@ impl NetworkConfig {
             Some(tandem_egress::Switch::Open) => {
                 Some("network = true: the open network, unguarded".to_owned())
             }
-            _ if !executor.carries_egress() => {
-                Some("its sandboxes cannot be put behind the egress proxy".to_owned())
-            }
-            _ if self.egress.is_none() => Some(format!(
-                "the egress proxy is not running{}",
-                self.down_because()
-            )),
-            _ => None,
+            _ => self.proxy_for(executor).err(),
         }
     }
 
@@ -647,17 +643,10 @@ impl Planner {
         let Some(policy) = policy else {
             return Ok(None);
         };
-        if self.config.network.egress.is_none() {
-            return Err(unavailable(format!(
-                "the egress proxy is not running{}, and a task with a network policy goes only through it (see `tandem doctor`)",
-                self.config.network.down_because()
-            )));
-        }
-        if !executor.carries_egress() {
-            return Err(unavailable(
-                "its sandboxes cannot be put behind Tandem's egress proxy, which a network policy needs; use the docker, kubernetes or confined local executor, or leave network out".to_owned(),
-            ));
-        }
+        self.config
+            .network
+            .proxy_for(executor)
+            .map_err(unavailable)?;
         Ok(Some(policy))
     }
 
@@ -954,11 +943,11 @@ impl Planner {
             })?;
             let executor = match (&settings.network, &net) {
                 (Some(network), Some(late)) => {
-                    if !executor.carries_egress() {
+                    if let Err(why) = self.config.network.proxy_for(&*executor) {
                         return Err(ErrorInfo {
                             code: ErrorCode::Executor,
                             message: format!(
-                                "{}: the {name} executor's sandboxes cannot be put behind Tandem's egress proxy, which the task's network needs; use the docker, kubernetes or confined local executor, or leave network out",
+                                "{}: the {name} executor cannot run it: {why}",
                                 node.path
                             ),
                         });
